@@ -1,0 +1,123 @@
+"""The bounded hand-off between the pipeline and its consumer.
+
+The pipeline runs on an event loop; the consumer is either a coroutine on that same loop
+(``async for``) or another thread (``for``). Both pull whole batches from one buffer.
+
+Demand is counted in *credits*: the producer must ``reserve`` a credit before it starts a batch,
+and the consumer grants one each time it asks for a batch. Starting with ``capacity`` credits, at
+most ``capacity`` batches are ever prepared ahead of the consumer's requests, which is exactly
+the loader's ``prefetch`` (plus one per worker, so workers have something to do).
+
+Cross-thread wake-ups are the expensive part (a futex wake and a GIL hand-over each), so they
+only happen when the other side is actually waiting, and a producer that ran out of credits is
+woken only once half the capacity is free again, or the buffer is about to run dry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from typing import Generic, TypeVar
+
+__all__ = ["Channel"]
+
+T = TypeVar("T")
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class Channel(Generic[T]):
+    """A bounded, credit-based buffer from an event loop to a sync or async consumer."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, capacity: int) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._items: deque[T] = deque()
+        self._credits = capacity
+        self._wake_at = max(1, capacity // 2)
+        self._producer: asyncio.Future[None] | None = None
+        self._consumer: asyncio.Future[None] | None = None
+        self._sync_waiting = False
+        self._closed = False
+
+    # -- producer side: always on the loop -------------------------------------------------------
+    async def reserve(self) -> None:
+        """Wait for a credit: the consumer's permission to prepare one more batch."""
+        while True:
+            with self._lock:
+                if self._credits > 0:
+                    self._credits -= 1
+                    return
+                fut = self._loop.create_future()
+                self._producer = fut
+            try:
+                await fut
+            finally:
+                self._producer = None
+
+    def put(self, item: T) -> None:
+        """Hand a prepared batch (or the end marker) to the consumer; never blocks."""
+        with self._lock:
+            self._items.append(item)
+            self._notify_consumer()
+
+    def _notify_consumer(self) -> None:
+        if self._sync_waiting:
+            self._ready.notify()
+        elif self._consumer is not None:
+            _wake(self._consumer)
+
+    def close(self) -> None:
+        """Producer finished (or died): wake a waiting consumer so it sees the end."""
+        with self._lock:
+            self._closed = True
+            self._notify_consumer()
+
+    # -- consumer side ----------------------------------------------------------------------------
+    def _grant(self, *, from_loop: bool) -> None:
+        """Give the producer one credit (lock held); wake it if it waits and it is worth it."""
+        self._credits += 1
+        fut = self._producer
+        if fut is not None and (self._credits >= self._wake_at or not self._items):
+            self._producer = None
+            if from_loop:
+                _wake(fut)
+            else:
+                self._loop.call_soon_threadsafe(_wake, fut)
+
+    def get(self, timeout: float | None = None) -> T:
+        """Blocking get for a consumer thread. Raises ``EOFError`` once closed and drained."""
+        with self._lock:
+            self._grant(from_loop=False)
+            while not self._items:
+                if self._closed:
+                    raise EOFError
+                self._sync_waiting = True
+                try:
+                    if not self._ready.wait(timeout):
+                        raise TimeoutError
+                finally:
+                    self._sync_waiting = False
+            return self._items.popleft()
+
+    async def aget(self) -> T:
+        """Get for a consumer coroutine on the producer's loop."""
+        with self._lock:
+            self._grant(from_loop=True)
+        while True:
+            with self._lock:
+                if self._items:
+                    return self._items.popleft()
+                if self._closed:
+                    raise EOFError
+                fut = self._loop.create_future()
+                self._consumer = fut
+            try:
+                await fut
+            finally:
+                self._consumer = None

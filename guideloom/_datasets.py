@@ -1,0 +1,110 @@
+"""Datasets: observation ``i`` to sample, over a storage.
+
+A dataset is what the loader plans over: it has a number of observations and reads any set of
+them in one batched call. ``StreamDataset`` cuts a stream into fixed-length samples;
+``DocumentDataset`` serves one document per sample.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from ._storage.base import DocumentStorageAbstract, StorageAbstract, StreamStorageAbstract
+
+__all__ = ["DatasetAbstract", "DocumentDataset", "SourceT", "StreamDataset"]
+
+SourceT = TypeVar("SourceT")
+
+
+class DatasetAbstract(ABC, Generic[SourceT]):
+    """A finite, random-access collection of samples read in batches."""
+
+    @property
+    @abstractmethod
+    def storage(self) -> StorageAbstract[Any, SourceT]:
+        """The storage this dataset reads from."""
+
+    async def open(self) -> None:
+        await self.storage.open()
+
+    async def close(self) -> None:
+        await self.storage.close()
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of observations (samples)."""
+
+    @abstractmethod
+    async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
+        """Samples ``indices`` (each in ``[0, len(self))``), in that order."""
+
+    @property
+    def max_concurrent_reads(self) -> int:
+        return max(1, int(self.storage.max_concurrent_reads))
+
+    def sample_nbytes_hint(self) -> int:
+        """A typical sample's size in bytes (0 if unknown), for sizing read-ahead windows."""
+        return 0
+
+
+class StreamDataset(DatasetAbstract[SourceT]):
+    """Samples of ``sequence_length`` consecutive stream elements; sample ``i`` starts at ``i * L``.
+
+    Trailing elements that do not fill a whole sample are not a sample.
+    """
+
+    def __init__(self, storage: StreamStorageAbstract[Any, SourceT], sequence_length: int) -> None:
+        if not isinstance(storage, StreamStorageAbstract):
+            raise TypeError(f"StreamDataset needs a StreamStorageAbstract, got {type(storage).__name__}")
+        if isinstance(sequence_length, bool) or not isinstance(sequence_length, int | np.integer):
+            raise TypeError(f"sequence_length must be an int, got {type(sequence_length).__name__}")
+        if sequence_length < 1:
+            raise ValueError(f"sequence_length must be >= 1, got {sequence_length}")
+        self._storage = storage
+        self.sequence_length = int(sequence_length)
+
+    def __repr__(self) -> str:
+        return f"StreamDataset({self._storage!r}, sequence_length={self.sequence_length})"
+
+    @property
+    def storage(self) -> StreamStorageAbstract[Any, SourceT]:
+        return self._storage
+
+    def __len__(self) -> int:
+        return len(self._storage) // self.sequence_length
+
+    async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
+        return await self._storage.read_many(indices * self.sequence_length, self.sequence_length)
+
+    def sample_nbytes_hint(self) -> int:
+        return self.sequence_length * max(1, self._storage.sample_nbytes_hint() or self._storage.dtype.itemsize)
+
+
+class DocumentDataset(DatasetAbstract[SourceT]):
+    """One document per sample, as written."""
+
+    def __init__(self, storage: DocumentStorageAbstract[Any, SourceT]) -> None:
+        if not isinstance(storage, DocumentStorageAbstract):
+            raise TypeError(f"DocumentDataset needs a DocumentStorageAbstract, got {type(storage).__name__}")
+        self._storage = storage
+
+    def __repr__(self) -> str:
+        return f"DocumentDataset({self._storage!r})"
+
+    @property
+    def storage(self) -> DocumentStorageAbstract[Any, SourceT]:
+        return self._storage
+
+    def __len__(self) -> int:
+        return len(self._storage)
+
+    async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
+        return await self._storage.read_many(indices)
+
+    def sample_nbytes_hint(self) -> int:
+        return self._storage.sample_nbytes_hint()

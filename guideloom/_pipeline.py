@@ -1,0 +1,333 @@
+"""The loading pipeline: reader → collate → device transfer, joined by bounded anyio streams.
+
+The plan is deterministic, so the reader knows every upcoming batch: it reads *windows* of
+consecutive batches with one batched storage call each (several in flight for object stores),
+growing the window from one batch (fast first batch) up to a byte budget. Collation runs inline
+(``num_workers=0``) or on worker threads or processes, always delivered in plan order. The
+transfer stage pins and copies to the device. Every buffer is bounded; only the consumer's
+requests (credits on the :class:`~guideloom._channel.Channel`) let collation run ahead.
+
+A failure anywhere becomes a :class:`Delivery` carrying the exception at the position of the batch
+that failed; everything before it is still delivered, nothing after it is produced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import multiprocessing
+import pickle
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+import numpy as np
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+from ._channel import Channel
+from ._datasets import DatasetAbstract
+from ._errors import WorkerError
+from ._plan import BatchSpec, EpochPlan, Permutation
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Delivery", "PipelineConfig", "move_to_device", "run_pipeline"]
+
+#: Read-ahead window: at most this many bytes of raw samples per storage call...
+WINDOW_BYTES = 4 * 2**20
+#: ...and at most this many batches.
+WINDOW_BATCHES = 64
+
+
+@dataclass(slots=True)
+class Delivery:
+    """One batch on its way to the consumer, or the error that replaced it."""
+
+    spec: BatchSpec
+    value: Any = None
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineConfig:
+    dataset: DatasetAbstract[Any]
+    plan: EpochPlan
+    order: Permutation
+    collate_fn: Callable[[Sequence[Any]], Any]
+    device: torch.device
+    pin_memory: bool
+    num_workers: int
+    parallel_method: Literal["thread", "process"]
+    prefetch: int
+
+    @property
+    def capacity(self) -> int:
+        """Batches that may be prepared ahead of the consumer's requests."""
+        return self.prefetch + self.num_workers
+
+
+# -- device transfer ------------------------------------------------------------------------------
+def move_to_device(obj: Any, device: torch.device, pin_memory: bool) -> Any:
+    """Move every tensor in a nested dict/list/tuple to ``device`` (pinned first for CUDA)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        if obj.device == device:
+            return obj
+        if device.type == "cuda":
+            if pin_memory and obj.device.type == "cpu" and not obj.is_pinned():
+                obj = obj.pin_memory()
+            return obj.to(device, non_blocking=True)
+        return obj.to(device)
+    if isinstance(obj, Mapping):
+        moved = {k: move_to_device(v, device, pin_memory) for k, v in obj.items()}
+        if type(obj) is dict:
+            return moved
+        try:
+            return type(obj)(moved)  # type: ignore[call-arg]
+        except TypeError:
+            return moved
+    if isinstance(obj, tuple):
+        items = [move_to_device(v, device, pin_memory) for v in obj]
+        if hasattr(obj, "_fields"):  # namedtuple
+            return type(obj)(*items)
+        return tuple(items)
+    if isinstance(obj, list):
+        return [move_to_device(v, device, pin_memory) for v in obj]
+    return obj
+
+
+# -- reader ------------------------------------------------------------------------------------------
+def _positions(specs: Sequence[BatchSpec]) -> np.ndarray:
+    if len(specs) == 1 or all(a.stop == b.start for a, b in zip(specs, specs[1:], strict=False)):
+        return np.arange(specs[0].start, specs[-1].stop, dtype=np.int64)
+    return np.concatenate([np.arange(s.start, s.stop, dtype=np.int64) for s in specs])
+
+
+async def _read_window(cfg: PipelineConfig, specs: list[BatchSpec]) -> list[Delivery]:
+    """Read every batch of a window in one call; on failure, find the first batch that fails."""
+    try:
+        samples = await cfg.dataset.read_many(cfg.order.take(_positions(specs)))
+        if len(samples) != sum(s.size for s in specs):
+            raise RuntimeError(
+                f"{type(cfg.dataset.storage).__name__}.read_many returned {len(samples)} samples "
+                f"for {sum(s.size for s in specs)} indexes"
+            )
+    except Exception:
+        if len(specs) == 1:
+            raise
+        out: list[Delivery] = []
+        for spec in specs:  # localise the failure: it surfaces at the batch that fails
+            try:
+                out.extend(await _read_window(cfg, [spec]))
+            except Exception as exc:
+                out.append(Delivery(spec, error=exc))
+                break
+        return out
+    deliveries = []
+    pos = 0
+    for spec in specs:
+        deliveries.append(Delivery(spec, samples[pos : pos + spec.size]))
+        pos += spec.size
+    return deliveries
+
+
+async def _reader(cfg: PipelineConfig, send: ObjectSendStream[list[Delivery]], first_step: int) -> None:
+    """Read windows ahead, up to ``max_concurrent_reads`` at once, and send them in order."""
+    plan = cfg.plan
+    nbytes = max(1, cfg.dataset.sample_nbytes_hint() * plan.local_batch_size)
+    max_window = max(1, min(WINDOW_BATCHES, WINDOW_BYTES // nbytes))
+    concurrency = cfg.dataset.max_concurrent_reads
+    total = len(plan)
+    async with send, anyio.create_task_group() as tg:
+        results: deque[tuple[anyio.Event, list[list[Delivery] | BaseException]]] = deque()
+        limit = anyio.Semaphore(concurrency)
+
+        async def run(specs: list[BatchSpec], done: anyio.Event, slot: list[Any]) -> None:
+            try:
+                slot.append(await _read_window(cfg, specs))
+            except Exception as exc:
+                slot.append([Delivery(specs[0], error=exc)])
+            finally:
+                limit.release()
+                done.set()
+
+        async def drain(until: int) -> bool:
+            while len(results) > until:
+                event, slot = results.popleft()
+                await event.wait()
+                window = slot[0]
+                assert isinstance(window, list)
+                try:
+                    await send.send(window)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    return False  # downstream stopped at an earlier failure
+                if window and window[-1].error is not None:
+                    return False
+            return True
+
+        step, window = first_step, 1
+        while step < total:
+            specs = [plan.batch(s) for s in range(step, min(total, step + window))]
+            step += len(specs)
+            window = min(max_window, window * 2)
+            await limit.acquire()
+            event, slot = anyio.Event(), []
+            results.append((event, slot))
+            tg.start_soon(run, specs, event, slot)
+            if not await drain(concurrency - 1 if concurrency > 1 else 0):
+                tg.cancel_scope.cancel()
+                return
+        await drain(0)
+
+
+# -- collate -----------------------------------------------------------------------------------------
+def _collate_many(collate_fn: Callable[[Sequence[Any]], Any], batches: list[Sequence[Any]]) -> list[Any]:
+    """Run in a worker process: collate several batches; an exception stops at its batch."""
+    return [collate_fn(b) for b in batches]
+
+
+def _make_executor(cfg: PipelineConfig) -> concurrent.futures.Executor | None:
+    if cfg.num_workers == 0:
+        return None
+    if cfg.parallel_method == "thread":
+        return concurrent.futures.ThreadPoolExecutor(cfg.num_workers, thread_name_prefix="guideloom-collate")
+    try:
+        pickle.dumps(cfg.collate_fn)
+    except Exception as exc:
+        raise TypeError(
+            f"parallel_method='process' needs a picklable collate_fn (a module-level function or "
+            f"a class instance), got {cfg.collate_fn!r}: {exc}; or use parallel_method='thread'"
+        ) from exc
+    return concurrent.futures.ProcessPoolExecutor(
+        cfg.num_workers, mp_context=multiprocessing.get_context("spawn")
+    )
+
+
+async def _collate(
+    cfg: PipelineConfig,
+    receive: ObjectReceiveStream[list[Delivery]],
+    emit: Callable[[Delivery], Any],
+    channel: Channel[Delivery],
+    executor: concurrent.futures.Executor | None,
+) -> None:
+    """Collate each batch once the consumer has granted a credit for it; emit in plan order."""
+    async with receive:
+        if executor is None:
+            async for window in receive:
+                for d in window:
+                    await channel.reserve()
+                    if d.error is None:
+                        try:
+                            d.value = cfg.collate_fn(d.value)
+                        except Exception as exc:
+                            d.error, d.value = exc, None
+                    await emit(d)
+                    if d.error is not None:
+                        return
+            return
+
+        pending: deque[tuple[Delivery, Any]] = deque()
+        process = isinstance(executor, concurrent.futures.ProcessPoolExecutor)
+        aloop = asyncio.get_running_loop()
+
+        async def flush(keep: int) -> bool:
+            while len(pending) > keep:
+                d, fut = pending.popleft()
+                if fut is not None:
+                    try:
+                        result = await fut
+                        d.value = result[0] if process else result
+                    except concurrent.futures.process.BrokenProcessPool as exc:
+                        d.error, d.value = WorkerError(f"a collate worker process died: {exc}"), None
+                    except Exception as exc:
+                        d.error, d.value = exc, None
+                await emit(d)
+                if d.error is not None:
+                    return False
+            return True
+
+        async for window in receive:
+            for d in window:
+                await channel.reserve()
+                if d.error is None:
+                    if process:
+                        fut = aloop.run_in_executor(executor, _collate_many, cfg.collate_fn, [d.value])
+                    else:
+                        fut = aloop.run_in_executor(executor, cfg.collate_fn, d.value)
+                else:
+                    fut = None
+                pending.append((d, fut))
+                if not await flush(cfg.num_workers - 1):
+                    return
+                if d.error is not None:
+                    await flush(0)
+                    return
+        await flush(0)
+
+
+# -- the whole pipeline -------------------------------------------------------------------------------
+async def run_pipeline(cfg: PipelineConfig, channel: Channel[Delivery], first_step: int) -> None:
+    """Run every stage until the epoch's last batch (or the first failure) reaches ``channel``."""
+    executor: concurrent.futures.Executor | None = None
+    try:
+        executor = _make_executor(cfg)
+        to_collate_send, to_collate_recv = anyio.create_memory_object_stream[list[Delivery]](1)
+        transfer = cfg.device.type != "cpu"
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_reader, cfg, to_collate_send, first_step)
+            if transfer:
+                to_move_send, to_move_recv = anyio.create_memory_object_stream[Delivery](
+                    max(1, cfg.capacity)
+                )
+
+                async def emit_to_transfer(d: Delivery) -> None:
+                    await to_move_send.send(d)
+
+
+                async def collate_then_close() -> None:
+                    async with to_move_send:
+                        await _collate(cfg, to_collate_recv, emit_to_transfer, channel, executor)
+
+                async def mover() -> None:
+                    async with to_move_recv:
+                        async for d in to_move_recv:
+                            if d.error is None:
+                                try:
+                                    d.value = move_to_device(d.value, cfg.device, cfg.pin_memory)
+                                except Exception as exc:
+                                    d.error, d.value = exc, None
+                            channel.put(d)
+                            if d.error is not None:
+                                tg.cancel_scope.cancel()  # nothing after a failure is delivered
+                                return
+
+                tg.start_soon(collate_then_close)
+                tg.start_soon(mover)
+            else:
+                # On CPU there is nothing to transfer: collated batches go straight to the consumer.
+                async def emit_direct(d: Delivery) -> None:
+                    channel.put(d)
+
+                tg.start_soon(_collate, cfg, to_collate_recv, emit_direct, channel, executor)
+    except BaseException as exc:
+        if not isinstance(exc, Exception):
+            raise  # cancellation: the consumer closed the iterator
+        # A failure outside any batch (a bug, or the executor could not start): report it at the
+        # next batch, unwrapped from the task group's ExceptionGroup when it is a single error.
+        while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+            exc = exc.exceptions[0]  # type: ignore[assignment]
+        spec = cfg.plan.batch(first_step) if first_step < len(cfg.plan) else BatchSpec(first_step, 0, 0, 0)
+        channel.put(Delivery(spec, error=exc))
+    finally:
+        channel.close()
+        if executor is not None:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(_shutdown, executor)
+
+
+def _shutdown(executor: concurrent.futures.Executor) -> None:
+    executor.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,95 @@
+"""The two storage interfaces every backend implements.
+
+Storage is async-first: ``open``/``close`` and batched reads are coroutines, so a backend can
+overlap requests (object stores) or move blocking work off the event loop (local files). Reads
+are *batched*: the loader asks for every sample of a read-ahead window in one call, which lets a
+backend coalesce ranges and keeps per-sample Python work off the hot path.
+
+``InT`` is what the storage holds (the element arrays it was built from), ``OutT`` the sample a
+read yields (a 1-D array, or a dict of 1-D arrays for a stream with metadata).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["DocumentStorageAbstract", "InT", "OutT", "StorageAbstract", "StreamStorageAbstract"]
+
+InT = TypeVar("InT")
+OutT = TypeVar("OutT")
+
+Sample = npt.NDArray[Any] | dict[str, npt.NDArray[Any]]
+
+
+class StorageAbstract(ABC, Generic[InT, OutT]):
+    """What both storage kinds share: lifecycle and a read-concurrency hint."""
+
+    #: How many ``read_many`` calls the loader may keep in flight at once. Local and memory
+    #: storages gain nothing from more than one; object stores override it.
+    max_concurrent_reads: int = 1
+
+    async def open(self) -> None:  # noqa: B027 - optional hook
+        """Acquire what reading needs (file maps, clients). Idempotent."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what ``open`` acquired. Idempotent; the storage may be opened again."""
+
+    async def __aenter__(self) -> StorageAbstract[InT, OutT]:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    @property
+    @abstractmethod
+    def dtype(self) -> np.dtype[Any]:
+        """The element dtype of the token data."""
+
+    def sample_nbytes_hint(self) -> int:
+        """A typical sample's size in bytes, for sizing read-ahead windows (0 if unknown)."""
+        return 0
+
+
+class StreamStorageAbstract(StorageAbstract[InT, OutT]):
+    """One long stream of elements (tokens), optionally with per-element metadata fields."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of elements in the stream."""
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """Metadata field names; empty for a plain token stream (samples are arrays then)."""
+        return ()
+
+    @abstractmethod
+    async def read_many(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[OutT]:
+        """Return the ``length``-element windows that begin at each of ``starts``, in order.
+
+        Every window lies inside ``[0, len(self))``. Plain streams return 1-D arrays; streams
+        with metadata return ``{"tokens": ..., field: ...}`` dicts of 1-D arrays.
+        """
+
+
+class DocumentStorageAbstract(StorageAbstract[InT, OutT]):
+    """A sequence of variable-length documents, each a 1-D array."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of documents."""
+
+    @abstractmethod
+    async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[OutT]:
+        """Return documents ``indices`` (each in ``[0, len(self))``), in that order."""

@@ -1,0 +1,314 @@
+"""Local datasets: memory-mapped reading and the folder sink the writers use.
+
+Reading maps each shard file read-only (``mmap``), so opening a dataset costs no reads and its
+size does not matter: a 1 TiB stream opens in milliseconds. A batched read gathers a whole
+read-ahead window with one numpy fancy-indexing operation per shard, on a worker thread, so page
+faults on cold data never block the event loop.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import aiofiles
+import anyio.to_thread
+import numpy as np
+import numpy.typing as npt
+
+from .._errors import DatasetFormatError, DatasetIntegrityError
+from .base import DocumentStorageAbstract, StreamStorageAbstract
+from .manifest import MANIFEST_NAME, ArraySpec, Manifest
+from .memory import gather_windows
+
+__all__ = [
+    "LocalDocumentStorage",
+    "LocalSink",
+    "LocalStreamStorage",
+    "ShardedArray",
+    "check_local_files",
+    "read_local_manifest",
+]
+
+Array = npt.NDArray[Any]
+
+
+def read_local_manifest(folder: Path) -> Manifest:
+    """Read and check ``folder``'s manifest and its files' sizes (no data is read)."""
+    path = folder / MANIFEST_NAME
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no dataset at {str(folder)!r}: the folder does not exist")
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"no dataset at {str(folder)!r}: it has no {MANIFEST_NAME} (an unfinished or "
+            "interrupted write leaves none; write the dataset again)"
+        ) from None
+    manifest = Manifest.from_json_bytes(data, source=str(folder))
+    check_local_files(folder, manifest)
+    return manifest
+
+
+async def aread_local_manifest(folder: Path) -> Manifest:
+    """``read_local_manifest`` with the manifest read through aiofiles (off the event loop)."""
+    try:
+        async with aiofiles.open(folder / MANIFEST_NAME, "rb") as f:
+            data = await f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no dataset at {str(folder)!r}: it has no {MANIFEST_NAME}") from None
+    manifest = Manifest.from_json_bytes(data, source=str(folder))
+    await anyio.to_thread.run_sync(check_local_files, folder, manifest)
+    return manifest
+
+
+def check_local_files(folder: Path, manifest: Manifest) -> None:
+    """Refuse a manifest whose files are missing, outside the folder, or of the wrong size."""
+    root = folder.resolve()
+    for name, _spec, f in manifest.all_files():
+        p = (folder / f.path).resolve()
+        if not p.is_relative_to(root):
+            raise DatasetIntegrityError(f"{folder}: file {f.path!r} of field {name!r} lies outside the dataset folder")
+        try:
+            size = p.stat().st_size
+        except FileNotFoundError:
+            raise DatasetIntegrityError(
+                f"{folder}: file {f.path!r} of field {name!r} named by the manifest is missing"
+            ) from None
+        if size != f.nbytes:
+            raise DatasetIntegrityError(
+                f"{folder}: file {f.path!r} of field {name!r} has {size} bytes, the manifest says "
+                f"{f.nbytes}; the dataset is damaged or was not copied completely"
+            )
+
+
+class ShardedArray:
+    """A read-only 1-D array made of memory-mapped shard files."""
+
+    def __init__(self, folder: Path, spec: ArraySpec) -> None:
+        self.dtype = spec.dtype
+        self._parts: list[Array] = []
+        bounds = [0]
+        for f in spec.files:
+            if f.elements == 0:
+                continue
+            with open(folder / f.path, "rb") as fh:
+                mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            self._parts.append(np.frombuffer(mm, dtype=spec.dtype, count=f.elements))
+            bounds.append(bounds[-1] + f.elements)
+        self._bounds = np.asarray(bounds, dtype=np.int64)
+        self.length = int(self._bounds[-1])
+
+    def __len__(self) -> int:
+        return self.length
+
+    def _locate(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.intp]:
+        return np.searchsorted(self._bounds, positions, side="right") - 1
+
+    def gather(self, starts: npt.NDArray[np.int64], length: int) -> Array:
+        """Windows ``[s, s+length)`` for each start, as one ``(n, length)`` array."""
+        if len(self._parts) == 1:
+            return gather_windows(self._parts[0], starts, length)
+        out = np.empty((len(starts), length), dtype=self.dtype)
+        first = self._locate(starts)
+        last = self._locate(starts + (length - 1))
+        inside = first == last
+        for shard in np.unique(first[inside]).tolist():
+            rows = np.flatnonzero(inside & (first == shard))
+            out[rows] = gather_windows(self._parts[shard], starts[rows] - self._bounds[shard], length)
+        for row in np.flatnonzero(~inside).tolist():
+            out[row] = self.slice(int(starts[row]), int(starts[row]) + length)
+        return out
+
+    def slice(self, start: int, stop: int) -> Array:
+        """Elements ``[start, stop)``: a view when they lie in one shard, else a copy."""
+        if start >= stop:
+            return self._parts[0][:0] if self._parts else np.empty(0, self.dtype)
+        k = int(self._locate(np.asarray([start]))[0])
+        base = int(self._bounds[k])
+        if stop <= self._bounds[k + 1]:
+            return self._parts[k][start - base : stop - base]
+        pieces = []
+        pos = start
+        while pos < stop:
+            k = int(self._locate(np.asarray([pos]))[0])
+            end = min(stop, int(self._bounds[k + 1]))
+            pieces.append(self._parts[k][pos - int(self._bounds[k]) : end - int(self._bounds[k])])
+            pos = end
+        return np.concatenate(pieces)
+
+    def take(self, positions: npt.NDArray[np.int64]) -> Array:
+        """Elements at ``positions``."""
+        if len(self._parts) == 1:
+            return self._parts[0][positions]
+        shard = self._locate(positions)
+        out = np.empty(len(positions), dtype=self.dtype)
+        for k in np.unique(shard).tolist():
+            sel = shard == k
+            out[sel] = self._parts[k][positions[sel] - self._bounds[k]]
+        return out
+
+
+class LocalStreamStorage(StreamStorageAbstract[Array, Any]):
+    """A stream dataset in a local folder, memory-mapped while open."""
+
+    def __init__(self, folder: Path, manifest: Manifest) -> None:
+        if manifest.kind != "stream":
+            raise DatasetFormatError(
+                f"{folder} holds a {manifest.kind} dataset; open it with open_documents()"
+            )
+        self.folder = folder
+        self.manifest = manifest
+        self._arrays: dict[str, ShardedArray] | None = None
+
+    def __repr__(self) -> str:
+        return f"LocalStreamStorage({str(self.folder)!r}, len={len(self)}, dtype={self.dtype})"
+
+    def __len__(self) -> int:
+        return self.manifest.num_elements
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return self.manifest.dtype
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return tuple(n for n in self.manifest.fields if n != "tokens")
+
+    def sample_nbytes_hint(self) -> int:
+        return sum(s.dtype.itemsize for s in self.manifest.fields.values())
+
+    async def open(self) -> None:
+        if self._arrays is None:
+            manifest = await aread_local_manifest(self.folder)
+            if manifest != self.manifest:
+                raise DatasetIntegrityError(f"{self.folder}: the manifest changed since open_stream()")
+            self._arrays = {n: ShardedArray(self.folder, s) for n, s in manifest.fields.items()}
+
+    async def close(self) -> None:
+        # Views handed out keep their maps alive; the maps close when the last view is freed.
+        self._arrays = None
+
+    def _require_open(self) -> dict[str, ShardedArray]:
+        if self._arrays is None:
+            raise RuntimeError(f"{self!r} is not open; call `await storage.open()` first")
+        return self._arrays
+
+    def read_many_sync(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
+        arrays = self._require_open()
+        tokens = arrays["tokens"].gather(starts, length)
+        if len(arrays) == 1:
+            return list(tokens)
+        fields = {n: a.gather(starts, length) for n, a in arrays.items() if n != "tokens"}
+        return [
+            {"tokens": tokens[i], **{n: f[i] for n, f in fields.items()}} for i in range(len(starts))
+        ]
+
+    async def read_many(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
+        return await anyio.to_thread.run_sync(self.read_many_sync, starts, length)
+
+
+class LocalDocumentStorage(DocumentStorageAbstract[Array, Array]):
+    """A document dataset in a local folder, memory-mapped while open."""
+
+    def __init__(self, folder: Path, manifest: Manifest) -> None:
+        if manifest.kind != "documents":
+            raise DatasetFormatError(f"{folder} holds a {manifest.kind} dataset; open it with open_stream()")
+        self.folder = folder
+        self.manifest = manifest
+        self._tokens: ShardedArray | None = None
+        self._offsets: ShardedArray | None = None
+
+    def __repr__(self) -> str:
+        return f"LocalDocumentStorage({str(self.folder)!r}, len={len(self)}, dtype={self.dtype})"
+
+    def __len__(self) -> int:
+        return self.manifest.num_documents
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return self.manifest.dtype
+
+    async def open(self) -> None:
+        if self._tokens is None:
+            manifest = await aread_local_manifest(self.folder)
+            if manifest != self.manifest:
+                raise DatasetIntegrityError(f"{self.folder}: the manifest changed since open_documents()")
+            assert manifest.offsets is not None
+            self._offsets = ShardedArray(self.folder, manifest.offsets)
+            self._tokens = ShardedArray(self.folder, manifest.tokens)
+
+    async def close(self) -> None:
+        self._tokens = self._offsets = None
+
+    def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:
+        if self._tokens is None or self._offsets is None:
+            raise RuntimeError(f"{self!r} is not open; call `await storage.open()` first")
+        starts = self._offsets.take(indices)
+        stops = self._offsets.take(indices + 1)
+        if np.any(stops < starts) or (len(stops) and int(stops.max()) > self._tokens.length):
+            raise DatasetIntegrityError(f"{self.folder}: document offsets are out of order or out of range")
+        tokens = self._tokens
+        return [tokens.slice(s, e) for s, e in zip(starts.tolist(), stops.tolist(), strict=True)]
+
+    async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:
+        return await anyio.to_thread.run_sync(self.read_many_sync, indices)
+
+
+class LocalSink:
+    """Where the writers put a local dataset: data files first, the manifest last and atomically."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.write_id = secrets.token_hex(4)
+
+    def describe(self) -> str:
+        return str(self.folder)
+
+    def prepare(self, *, overwrite: bool) -> Manifest | None:
+        """Create the folder; return the manifest being replaced (None if there is none)."""
+        if self.folder.exists() and not self.folder.is_dir():
+            raise FileExistsError(f"{self.folder} exists and is not a folder")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / MANIFEST_NAME
+        if not path.exists():
+            return None
+        if not overwrite:
+            raise FileExistsError(
+                f"a dataset already exists at {self.folder}; pass overwrite=True to replace it"
+            )
+        try:
+            return Manifest.from_json_bytes(path.read_bytes(), source=str(self.folder))
+        except DatasetFormatError:
+            return None
+
+    def open_file(self, relpath: str) -> IO[bytes]:
+        return open(self.folder / relpath, "wb")
+
+    def commit(self, manifest: Manifest, replaced: Manifest | None) -> None:
+        """Write the manifest atomically, then remove the files of the dataset it replaced."""
+        tmp = self.folder / f".{MANIFEST_NAME}.{self.write_id}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(manifest.to_json_bytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.folder / MANIFEST_NAME)
+        dir_fd = os.open(self.folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        if replaced is not None:
+            keep = {f.path for _, _, f in manifest.all_files()}
+            for _, _, f in replaced.all_files():
+                if f.path not in keep:
+                    (self.folder / f.path).unlink(missing_ok=True)
+
+    def abort(self, written: list[str]) -> None:
+        """Remove the data files of a write that failed (the previous dataset stays intact)."""
+        for relpath in written:
+            (self.folder / relpath).unlink(missing_ok=True)

@@ -1,0 +1,695 @@
+"""The PyTorch-facing loader: :class:`StatefulDataLoader`.
+
+The loader is a thin, stateful facade. It validates its parameters, owns the checkpoint state
+``(epoch, observation_offset)``, and runs the pipeline of :mod:`guideloom._pipeline` either on a
+background event loop (``for batch in loader``) or on the caller's loop (``async for``). The
+position advances only when a batch is handed to the consumer, so ``state_dict()`` never counts
+prefetched batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import pickle
+import secrets
+import threading
+import warnings
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypeVar, overload
+
+from ._channel import Channel
+from ._datasets import DatasetAbstract, DocumentDataset, SourceT, StreamDataset
+from ._errors import LoaderClosedError
+from ._loop import LoopThread
+from ._pipeline import Delivery, PipelineConfig, run_pipeline
+from ._plan import EpochPlan, Permutation, num_batches
+from ._storage.base import DocumentStorageAbstract, InT, OutT, StreamStorageAbstract
+from .types import StatefulDataLoaderStateDict
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["StatefulDataLoader"]
+
+BatchT = TypeVar("BatchT")
+cBatchT = TypeVar("cBatchT")  # noqa: PLC0105 - the reference page's name
+
+
+def _get_default_device() -> torch.device:
+    """The current CUDA device when CUDA is available, otherwise CPU."""
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise ImportError(
+            'StatefulDataLoader needs PyTorch: install it with pip install "guideloom[torch]"'
+        ) from exc
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+@dataclass(eq=False)
+class StatefulDataLoader(Generic[SourceT, BatchT]):
+    """Stateful iterable loader that partitions a dataset across ranks.
+
+    Use the loader as a context manager so its dataset reader is opened and closed (an iterator
+    started on a loader that is not open opens it for its own duration). Exhaust an iterator, or
+    close it, before starting another iterator on the same loader.
+    """
+
+    dataset: DatasetAbstract[SourceT]
+    collate_fn: Callable[[Sequence[SourceT]], BatchT]
+    device: torch.device = field(default_factory=_get_default_device)
+    local_batch_size: int = 1
+    rank: int = 0
+    world_size: int = 1
+    num_workers: int = 0
+    parallel_method: Literal["thread", "process"] = "thread"
+    shuffle: bool = False
+    shuffle_seed: int | None = None
+    pin_memory: bool = False
+    drop_last: bool = True
+    prefetch: int = 0
+
+    _epoch: int = field(default=0, init=False, repr=False)
+    _offset: int = field(default=0, init=False, repr=False)
+    _order_seed: int = field(default=0, init=False, repr=False)
+    _state: Literal["closed", "open", "async-open"] = field(default="closed", init=False, repr=False)
+    _loop_thread: LoopThread | None = field(default=None, init=False, repr=False)
+    _iterator: _IteratorBase[Any] | None = field(default=None, init=False, repr=False)
+    _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        import torch
+
+        if not isinstance(self.dataset, DatasetAbstract):
+            raise TypeError(
+                f"dataset must be a DatasetAbstract (StreamDataset or DocumentDataset), got "
+                f"{type(self.dataset).__name__}; StatefulDataLoader.from_storage wraps a storage for you"
+            )
+        if not callable(self.collate_fn):
+            raise TypeError(f"collate_fn must be callable, got {type(self.collate_fn).__name__}")
+        if isinstance(self.device, str | int):
+            self.device = torch.device(self.device)
+        if not isinstance(self.device, torch.device):
+            raise TypeError(f"device must be a torch.device, got {type(self.device).__name__}")
+        _check_int("local_batch_size", self.local_batch_size, 1)
+        _check_int("world_size", self.world_size, 1)
+        _check_int("rank", self.rank, 0)
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
+        _check_int("num_workers", self.num_workers, 0)
+        _check_int("prefetch", self.prefetch, 0)
+        if self.parallel_method not in ("thread", "process"):
+            raise ValueError(f"parallel_method must be 'thread' or 'process', got {self.parallel_method!r}")
+        if self.shuffle_seed is not None:
+            if isinstance(self.shuffle_seed, bool) or not isinstance(self.shuffle_seed, int):
+                raise TypeError(f"shuffle_seed must be an int or None, got {type(self.shuffle_seed).__name__}")
+        # shuffle_seed=None: one random seed for this loader's lifetime (not reproducible).
+        self._order_seed = self.shuffle_seed if self.shuffle_seed is not None else secrets.randbits(63)
+
+    # -- construction from storage --------------------------------------------------------------
+    @overload
+    @classmethod
+    def from_storage(
+        cls,
+        storage: StreamStorageAbstract[InT, OutT],
+        collate_fn: Callable[[Sequence[OutT]], cBatchT],
+        *,
+        sequence_length: int,
+        device: torch.device | None = None,
+        local_batch_size: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        parallel_method: Literal["thread", "process"] = "thread",
+        shuffle: bool = False,
+        shuffle_seed: int | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = True,
+        prefetch: int = 0,
+    ) -> StatefulDataLoader[OutT, cBatchT]: ...
+
+    @overload
+    @classmethod
+    def from_storage(
+        cls,
+        storage: StreamStorageAbstract[InT, OutT],
+        collate_fn: Callable[[Sequence[OutT]], cBatchT],
+        *,
+        sequence_length: None = None,
+        device: torch.device | None = None,
+        local_batch_size: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        parallel_method: Literal["thread", "process"] = "thread",
+        shuffle: bool = False,
+        shuffle_seed: int | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = True,
+        prefetch: int = 0,
+    ) -> NoReturn: ...
+
+    @overload
+    @classmethod
+    def from_storage(
+        cls,
+        storage: DocumentStorageAbstract[InT, OutT],
+        collate_fn: Callable[[Sequence[OutT]], cBatchT],
+        *,
+        sequence_length: None = None,
+        device: torch.device | None = None,
+        local_batch_size: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        parallel_method: Literal["thread", "process"] = "thread",
+        shuffle: bool = False,
+        shuffle_seed: int | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = True,
+        prefetch: int = 0,
+    ) -> StatefulDataLoader[OutT, cBatchT]: ...
+
+    @overload
+    @classmethod
+    def from_storage(
+        cls,
+        storage: DocumentStorageAbstract[InT, OutT],
+        collate_fn: Callable[[Sequence[OutT]], cBatchT],
+        *,
+        sequence_length: int,
+        device: torch.device | None = None,
+        local_batch_size: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        parallel_method: Literal["thread", "process"] = "thread",
+        shuffle: bool = False,
+        shuffle_seed: int | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = True,
+        prefetch: int = 0,
+    ) -> NoReturn: ...
+
+    @overload
+    @classmethod
+    def from_storage(
+        cls,
+        storage: StreamStorageAbstract[InT, OutT] | DocumentStorageAbstract[InT, OutT],
+        collate_fn: Callable[[Sequence[OutT]], cBatchT],
+        *,
+        sequence_length: int | None = None,
+        device: torch.device | None = None,
+        local_batch_size: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        parallel_method: Literal["thread", "process"] = "thread",
+        shuffle: bool = False,
+        shuffle_seed: int | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = True,
+        prefetch: int = 0,
+    ) -> StatefulDataLoader[OutT, cBatchT]: ...
+
+    @classmethod
+    def from_storage(
+        cls,
+        storage: StreamStorageAbstract[InT, OutT] | DocumentStorageAbstract[InT, OutT],
+        collate_fn: Callable[[Sequence[OutT]], cBatchT],
+        *,
+        sequence_length: int | None = None,
+        device: torch.device | None = None,
+        local_batch_size: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        parallel_method: Literal["thread", "process"] = "thread",
+        shuffle: bool = False,
+        shuffle_seed: int | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = True,
+        prefetch: int = 0,
+    ) -> StatefulDataLoader[OutT, cBatchT]:
+        """Create a loader by wrapping ``storage`` in the matching dataset.
+
+        Stream storage (with or without metadata) becomes a :class:`StreamDataset` and requires
+        ``sequence_length``; document storage becomes a :class:`DocumentDataset` and takes none.
+        The remaining arguments match the constructor.
+        """
+        dataset: DatasetAbstract[OutT]
+        if isinstance(storage, StreamStorageAbstract):
+            if sequence_length is None:
+                raise ValueError(
+                    "stream storage needs sequence_length: pass sequence_length=<elements per sample>"
+                )
+            dataset = StreamDataset(storage, sequence_length)
+        elif isinstance(storage, DocumentStorageAbstract):
+            if sequence_length is not None:
+                raise ValueError(
+                    "document storage yields one whole document per sample and takes no "
+                    f"sequence_length (got {sequence_length}); drop the argument"
+                )
+            dataset = DocumentDataset(storage)
+        else:
+            raise TypeError(
+                "storage must be a StreamStorageAbstract or DocumentStorageAbstract (for example "
+                f"MemoryStreamStorage, or what open_stream() returns), got {type(storage).__name__}"
+            )
+        return cls(
+            dataset=dataset,
+            collate_fn=collate_fn,
+            device=device if device is not None else _get_default_device(),
+            local_batch_size=local_batch_size,
+            rank=rank,
+            world_size=world_size,
+            num_workers=num_workers,
+            parallel_method=parallel_method,
+            shuffle=shuffle,
+            shuffle_seed=shuffle_seed,
+            pin_memory=pin_memory,
+            drop_last=drop_last,
+            prefetch=prefetch,
+        )
+
+    @staticmethod
+    def get_default_device() -> torch.device:
+        """Return the current CUDA device, or CPU when CUDA is unavailable."""
+        return _get_default_device()
+
+    # -- sizes ------------------------------------------------------------------------------------
+    @property
+    def global_batch_size(self) -> int:
+        """``local_batch_size * world_size``: observations per step across all ranks."""
+        return self.local_batch_size * self.world_size
+
+    def __len__(self) -> int:
+        """Batches per epoch, counting a final partial global batch when ``drop_last=False``."""
+        return num_batches(len(self.dataset), self.global_batch_size, self.drop_last)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def _check_size(self) -> None:
+        n, g = len(self.dataset), self.global_batch_size
+        if n < g:
+            raise ValueError(
+                f"the dataset has {n} observations, fewer than one global batch of "
+                f"world_size * local_batch_size = {self.world_size} * {self.local_batch_size} = {g}; "
+                "use a smaller local_batch_size or a larger dataset"
+            )
+
+    def _loop(self) -> LoopThread:
+        if self._loop_thread is None or not self._loop_thread.alive:
+            self._loop_thread = LoopThread(name=f"guideloom-loop-{id(self):x}")
+        return self._loop_thread
+
+    def open(self) -> None:
+        """Open the dataset reader.
+
+        Raises:
+            ValueError: If the dataset contains fewer observations than ``world_size *
+                local_batch_size``.
+        """
+        with self._lock:
+            if self._state != "closed":
+                return
+            self._check_size()
+            self._loop().run(self.dataset.open())
+            self._state = "open"
+
+    def close(self) -> None:
+        """Close the dataset reader; an active iterator ends and its threads/processes stop."""
+        with self._lock:
+            it = self._iterator
+        if it is not None:
+            it.close_sync()
+        with self._lock:
+            try:
+                if self._state != "closed" and self._loop_thread is not None:
+                    self._loop_thread.run(self.dataset.close())
+            finally:
+                self._state = "closed"
+                if self._loop_thread is not None:
+                    self._loop_thread.stop()
+                    self._loop_thread = None
+
+    async def aopen(self) -> None:
+        """Open the dataset reader on the running event loop (what ``async with`` calls)."""
+        if self._state != "closed":
+            return
+        self._check_size()
+        await self.dataset.open()
+        self._state = "async-open"
+
+    async def aclose(self) -> None:
+        """Close from async code: ends an active iterator, closes the dataset reader."""
+        it = self._iterator
+        if it is not None:
+            await it.close_async()
+        if self._state != "closed":
+            self._state = "closed"
+            await self.dataset.close()
+        if self._loop_thread is not None:
+            loop_thread, self._loop_thread = self._loop_thread, None
+            await asyncio.to_thread(loop_thread.stop)
+
+    def __enter__(self) -> StatefulDataLoader[SourceT, BatchT]:
+        self.open()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    async def __aenter__(self) -> StatefulDataLoader[SourceT, BatchT]:
+        await self.aopen()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        lt = getattr(self, "_loop_thread", None)
+        if lt is not None:
+            lt.stop()
+
+    # -- iteration --------------------------------------------------------------------------------
+    def _claim(self, it: _IteratorBase[Any]) -> None:
+        with self._lock:
+            if self._iterator is not None:
+                raise RuntimeError(
+                    "an iterator on this loader is still active: exhaust it or close it "
+                    "(iterator.close()) before starting another"
+                )
+            self._iterator = it
+
+    def _release(self, it: _IteratorBase[Any]) -> None:
+        with self._lock:
+            if self._iterator is it:
+                self._iterator = None
+
+    def _pipeline_config(self) -> PipelineConfig:
+        if self.parallel_method == "process" and self.num_workers > 0:
+            try:
+                pickle.dumps(self.collate_fn)
+            except Exception as exc:
+                raise TypeError(
+                    "parallel_method='process' needs a picklable collate_fn (a module-level "
+                    f"function or a picklable object), got {self.collate_fn!r}: {exc}. Use "
+                    "parallel_method='thread' for closures and lambdas"
+                ) from exc
+        n = len(self.dataset)
+        return PipelineConfig(
+            dataset=self.dataset,
+            plan=EpochPlan(
+                num_observations=n,
+                local_batch_size=self.local_batch_size,
+                world_size=self.world_size,
+                rank=self.rank,
+                drop_last=self.drop_last,
+                start_offset=self._offset,
+            ),
+            order=Permutation(n, shuffle=self.shuffle, seed=self._order_seed, epoch=self._epoch),
+            collate_fn=self.collate_fn,
+            device=self.device,
+            pin_memory=self.pin_memory,
+            num_workers=self.num_workers,
+            parallel_method=self.parallel_method,
+            prefetch=self.prefetch,
+        )
+
+    def __iter__(self) -> _SyncIteratorState[BatchT]:
+        return _SyncIteratorState(self)
+
+    def __aiter__(self) -> _AsyncIteratorState[BatchT]:
+        return _AsyncIteratorState(self)
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> StatefulDataLoaderStateDict:
+        """Return the checkpoint for batches already delivered to the consumer.
+
+        Prefetched batches that have not been yielded do not advance ``observation_offset``.
+        Each yielded batch advances it by ``global_batch_size``, including padding in an
+        incomplete final batch.
+        """
+        return StatefulDataLoaderStateDict(
+            epoch=self._epoch,
+            observation_offset=self._offset,
+            shuffle=self.shuffle,
+            shuffle_seed=self.shuffle_seed,
+            drop_last=self.drop_last,
+        )
+
+    def load_state_dict(self, state_dict: StatefulDataLoaderStateDict) -> None:
+        """Restore ``epoch`` and ``observation_offset`` from a checkpoint.
+
+        Call this before starting an iterator. A warning is emitted when ``shuffle``,
+        ``shuffle_seed`` or ``drop_last`` differ from this loader; those saved values are not
+        applied. The offset is global, so a job can resume with another batch size or world size.
+
+        Raises:
+            RuntimeError: If an iterator on this loader is still active.
+        """
+        with self._lock:
+            if self._iterator is not None:
+                raise RuntimeError(
+                    "load_state_dict() was called while an iterator on this loader is active; "
+                    "exhaust or close the iterator first, then load the checkpoint"
+                )
+            if not isinstance(state_dict, dict):
+                raise TypeError(f"state_dict must be a dict from state_dict(), got {type(state_dict).__name__}")
+            missing = {"epoch", "observation_offset"} - state_dict.keys()
+            if missing:
+                raise ValueError(
+                    f"checkpoint lacks {sorted(missing)}; pass a dict returned by "
+                    "StatefulDataLoader.state_dict()"
+                )
+            epoch, offset = state_dict["epoch"], state_dict["observation_offset"]
+            for name, value in (("epoch", epoch), ("observation_offset", offset)):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ValueError(f"checkpoint {name} must be an int >= 0, got {value!r}")
+            for key in ("shuffle", "shuffle_seed", "drop_last"):
+                if key in state_dict and state_dict[key] != getattr(self, key):  # type: ignore[literal-required]
+                    warnings.warn(
+                        f"the checkpoint was saved by a loader with {key}="
+                        f"{state_dict[key]!r}, this loader has {key}={getattr(self, key)!r}; "  # type: ignore[literal-required]
+                        f"the saved value is not applied, so the order after resuming differs "
+                        f"from the saved run. Construct the loader with {key}="
+                        f"{state_dict[key]!r} to resume it exactly",  # type: ignore[literal-required]
+                        UserWarning,
+                        stacklevel=2,
+                    )
+            if self.shuffle and self.shuffle_seed is None:
+                warnings.warn(
+                    "this loader shuffles with shuffle_seed=None, so its order is not the saved "
+                    "run's: the resumed epoch may repeat or skip observations. Pass a shuffle_seed "
+                    "to resume exactly",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            self._epoch, self._offset = epoch, offset
+
+
+class _IteratorBase(Generic[BatchT]):
+    """What the sync and async iterators share: claiming the loader and advancing its state."""
+
+    def __init__(self, loader: StatefulDataLoader[Any, BatchT]) -> None:
+        self._loader = loader
+        self._done = False
+        self._owns_open = False
+        loader._claim(self)
+        try:
+            self._cfg = loader._pipeline_config()
+        except BaseException:
+            loader._release(self)
+            raise
+        self._expected = len(self._cfg.plan)
+        self._delivered = 0
+
+    def _accept(self, d: Delivery) -> BatchT:
+        if d.error is not None:
+            raise d.error
+        self._loader._offset = d.spec.offset_after
+        self._delivered += 1
+        value: BatchT = d.value
+        return value
+
+    def _finish_epoch(self) -> None:
+        if self._delivered != self._expected:
+            raise RuntimeError(
+                f"guideloom bug: the pipeline ended after {self._delivered} of "
+                f"{self._expected} batches without an error"
+            )
+        self._loader._epoch += 1
+        self._loader._offset = 0
+
+    def close_sync(self) -> None:
+        raise NotImplementedError
+
+    async def close_async(self) -> None:
+        raise NotImplementedError
+
+
+class _SyncIteratorState(_IteratorBase[BatchT], Iterator[BatchT]):
+    """The iterator ``for batch in loader`` uses: the pipeline runs on the loader's loop thread."""
+
+    def __init__(self, loader: StatefulDataLoader[Any, BatchT]) -> None:
+        super().__init__(loader)
+        try:
+            if loader._state == "closed":
+                loader.open()
+                self._owns_open = True
+            lt = loader._loop()
+            self._channel: Channel[Delivery] = Channel(lt.loop, self._cfg.capacity)
+            self._future: concurrent.futures.Future[None] | None = lt.submit(
+                run_pipeline(self._cfg, self._channel, 0)
+            )
+        except BaseException:
+            self._done = True
+            loader._release(self)
+            raise
+
+    def __iter__(self) -> _SyncIteratorState[BatchT]:
+        return self
+
+    def __next__(self) -> BatchT:
+        if self._done:
+            raise StopIteration
+        try:
+            d = self._channel.get()
+        except EOFError:
+            try:
+                self._finish_epoch()
+            finally:
+                self.close()
+            raise StopIteration from None
+        except BaseException:
+            self.close()
+            raise
+        if d.error is not None:
+            self.close()
+        return self._accept(d)
+
+    def close(self) -> None:
+        """Stop the pipeline and release the loader; the position stays at the last batch yielded."""
+        if self._done:
+            return
+        self._done = True
+        try:
+            fut = self._future
+            if fut is not None and not fut.done():
+                lt = self._loader._loop_thread
+                if lt is not None and lt.alive:
+                    lt.loop.call_soon_threadsafe(fut.cancel)
+                try:
+                    fut.result(timeout=60)
+                except (concurrent.futures.CancelledError, Exception):
+                    pass
+        finally:
+            self._loader._release(self)
+            if self._owns_open:
+                self._loader.close()
+
+    close_sync = close
+
+    async def close_async(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    def __del__(self) -> None:
+        if not getattr(self, "_done", True):
+            self.close()
+
+
+class _AsyncIteratorState(_IteratorBase[BatchT], AsyncIterator[BatchT]):
+    """The iterator ``async for batch in loader`` uses: the pipeline runs on the caller's loop."""
+
+    def __init__(self, loader: StatefulDataLoader[Any, BatchT]) -> None:
+        super().__init__(loader)
+        self._task: asyncio.Task[None] | None = None
+        self._channel_a: Channel[Delivery] | None = None
+
+    def __aiter__(self) -> _AsyncIteratorState[BatchT]:
+        return self
+
+    async def _start(self) -> Channel[Delivery]:
+        loader = self._loader
+        if loader._state == "closed":
+            await loader.aopen()
+            self._owns_open = True
+        loop = asyncio.get_running_loop()
+        channel: Channel[Delivery] = Channel(loop, self._cfg.capacity)
+        self._task = loop.create_task(run_pipeline(self._cfg, channel, 0), name="guideloom-pipeline")
+        self._channel_a = channel
+        return channel
+
+    async def __anext__(self) -> BatchT:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            channel = self._channel_a or await self._start()
+            d = await channel.aget()
+        except EOFError:
+            try:
+                self._finish_epoch()
+            finally:
+                await self.aclose()
+            raise StopAsyncIteration from None
+        except BaseException:
+            await self.aclose()
+            raise
+        if d.error is not None:
+            await self.aclose()
+        return self._accept(d)
+
+    async def aclose(self) -> None:
+        """Stop the pipeline and release the loader; the position stays at the last batch yielded."""
+        if self._done:
+            return
+        self._done = True
+        try:
+            task = self._task
+            if task is not None and not task.done():
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    current = asyncio.current_task()
+                    if current is not None and current.cancelling():
+                        raise
+                except Exception:
+                    pass
+        finally:
+            self._loader._release(self)
+            if self._owns_open:
+                await self._loader.aclose()
+
+    close_async = aclose
+
+    def close_sync(self) -> None:
+        if self._done:
+            return
+        task = self._task
+        self._done = True
+        if task is not None and not task.done():
+            task.get_loop().call_soon_threadsafe(task.cancel)
+        self._loader._release(self)
+
+    def __del__(self) -> None:
+        if not getattr(self, "_done", True):
+            self.close_sync()
+

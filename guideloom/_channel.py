@@ -44,6 +44,7 @@ class Channel(Generic[T]):
         self._consumer: asyncio.Future[None] | None = None
         self._sync_waiting = False
         self._closed = False
+        self._flush_scheduled = False
 
     # -- producer side: always on the loop -------------------------------------------------------
     async def reserve(self) -> None:
@@ -60,11 +61,36 @@ class Channel(Generic[T]):
             finally:
                 self._producer = None
 
+    def try_reserve(self) -> bool:
+        """Take a credit if one is available right now."""
+        with self._lock:
+            if self._credits > 0:
+                self._credits -= 1
+                return True
+            return False
+
     def put(self, item: T) -> None:
-        """Hand a prepared batch (or the end marker) to the consumer; never blocks."""
+        """Hand a prepared batch to the consumer; never blocks.
+
+        A waiting consumer is woken at once when half the capacity is ready; otherwise at the end
+        of the producer's current burst (the next turn of the loop, when the producer would wait
+        anyway), so a producer that prepares several batches in a row wakes the consumer once.
+        """
         with self._lock:
             self._items.append(item)
-            self._notify_consumer()
+            if not (self._sync_waiting or self._consumer is not None):
+                return
+            if len(self._items) >= self._wake_at:
+                self._notify_consumer()
+            elif not self._flush_scheduled:
+                self._flush_scheduled = True
+                self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            self._flush_scheduled = False
+            if self._items:
+                self._notify_consumer()
 
     def _notify_consumer(self) -> None:
         if self._sync_waiting:

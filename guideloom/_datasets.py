@@ -47,6 +47,10 @@ class DatasetAbstract(ABC, Generic[SourceT]):
     def max_concurrent_reads(self) -> int:
         return max(1, int(self.storage.max_concurrent_reads))
 
+    @property
+    def read_window_bytes(self) -> int:
+        return max(1, int(self.storage.read_window_bytes))
+
     def sample_nbytes_hint(self) -> int:
         """A typical sample's size in bytes (0 if unknown), for sizing read-ahead windows."""
         return 0

@@ -30,15 +30,15 @@ from ._channel import Channel
 from ._datasets import DatasetAbstract
 from ._errors import WorkerError
 from ._plan import BatchSpec, EpochPlan, Permutation
+from ._storage.base import blocking_reads_allowed
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["Delivery", "PipelineConfig", "move_to_device", "run_pipeline"]
 
-#: Read-ahead window: at most this many bytes of raw samples per storage call...
-WINDOW_BYTES = 4 * 2**20
-#: ...and at most this many batches.
+#: Read-ahead window: at most this many batches per storage call (and at most the storage's
+#: ``read_window_bytes``).
 WINDOW_BATCHES = 64
 
 
@@ -139,7 +139,7 @@ async def _reader(cfg: PipelineConfig, send: ObjectSendStream[list[Delivery]], f
     """Read windows ahead, up to ``max_concurrent_reads`` at once, and send them in order."""
     plan = cfg.plan
     nbytes = max(1, cfg.dataset.sample_nbytes_hint() * plan.local_batch_size)
-    max_window = max(1, min(WINDOW_BATCHES, WINDOW_BYTES // nbytes))
+    max_window = max(1, min(WINDOW_BATCHES, cfg.dataset.read_window_bytes // nbytes))
     concurrency = cfg.dataset.max_concurrent_reads
     total = len(plan)
     async with send, anyio.create_task_group() as tg:
@@ -185,9 +185,22 @@ async def _reader(cfg: PipelineConfig, send: ObjectSendStream[list[Delivery]], f
 
 
 # -- collate -----------------------------------------------------------------------------------------
-def _collate_many(collate_fn: Callable[[Sequence[Any]], Any], batches: list[Sequence[Any]]) -> list[Any]:
-    """Run in a worker process: collate several batches; an exception stops at its batch."""
-    return [collate_fn(b) for b in batches]
+def _collate_many(
+    collate_fn: Callable[[Sequence[Any]], Any], batches: list[Sequence[Any]]
+) -> list[tuple[Any, BaseException | None]]:
+    """Collate consecutive batches in one worker call (one hand-off for several batches).
+
+    Stops at the first failure, which is returned in place of its batch. Runs in worker threads
+    and in worker processes (so it is a module-level function).
+    """
+    out: list[tuple[Any, BaseException | None]] = []
+    for b in batches:
+        try:
+            out.append((collate_fn(b), None))
+        except Exception as exc:
+            out.append((None, exc))
+            break
+    return out
 
 
 def _make_executor(cfg: PipelineConfig) -> concurrent.futures.Executor | None:
@@ -195,16 +208,14 @@ def _make_executor(cfg: PipelineConfig) -> concurrent.futures.Executor | None:
         return None
     if cfg.parallel_method == "thread":
         return concurrent.futures.ThreadPoolExecutor(cfg.num_workers, thread_name_prefix="guideloom-collate")
-    try:
-        pickle.dumps(cfg.collate_fn)
-    except Exception as exc:
-        raise TypeError(
-            f"parallel_method='process' needs a picklable collate_fn (a module-level function or "
-            f"a class instance), got {cfg.collate_fn!r}: {exc}; or use parallel_method='thread'"
-        ) from exc
     return concurrent.futures.ProcessPoolExecutor(
         cfg.num_workers, mp_context=multiprocessing.get_context("spawn")
     )
+
+
+def group_size(capacity: int, num_workers: int) -> int:
+    """Batches per worker call: enough to amortise the hand-off, small enough to keep all busy."""
+    return max(1, min(8, capacity // (2 * max(1, num_workers))))
 
 
 async def _collate(
@@ -230,49 +241,70 @@ async def _collate(
                         return
             return
 
-        pending: deque[tuple[Delivery, Any]] = deque()
-        process = isinstance(executor, concurrent.futures.ProcessPoolExecutor)
-        aloop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
+        max_group = group_size(cfg.capacity, cfg.num_workers)
+        pending: deque[tuple[list[Delivery], asyncio.Future[list[tuple[Any, BaseException | None]]]]] = deque()
+        group: list[Delivery] = []
+
+        def submit() -> None:
+            if group:
+                batches = [d.value for d in group]
+                pending.append((list(group), loop.run_in_executor(executor, _collate_many, cfg.collate_fn, batches)))
+                group.clear()
 
         async def flush(keep: int) -> bool:
+            """Emit finished groups, oldest first, until at most ``keep`` are in flight."""
             while len(pending) > keep:
-                d, fut = pending.popleft()
-                if fut is not None:
-                    try:
-                        result = await fut
-                        d.value = result[0] if process else result
-                    except concurrent.futures.process.BrokenProcessPool as exc:
-                        d.error, d.value = WorkerError(f"a collate worker process died: {exc}"), None
-                    except Exception as exc:
-                        d.error, d.value = exc, None
-                await emit(d)
-                if d.error is not None:
-                    return False
+                ds, fut = pending.popleft()
+                try:
+                    results = await fut
+                except concurrent.futures.process.BrokenProcessPool as exc:
+                    results = [(None, WorkerError(f"a collate worker process died: {exc}"))]
+                except Exception as exc:  # e.g. the batch could not be pickled to the process
+                    results = [(None, exc)]
+                for d, (value, error) in zip(ds, results, strict=False):
+                    d.value, d.error = value, error
+                    await emit(d)
+                    if error is not None:
+                        return False
             return True
 
         async for window in receive:
             for d in window:
-                await channel.reserve()
-                if d.error is None:
-                    if process:
-                        fut = aloop.run_in_executor(executor, _collate_many, cfg.collate_fn, [d.value])
-                    else:
-                        fut = aloop.run_in_executor(executor, cfg.collate_fn, d.value)
-                else:
-                    fut = None
-                pending.append((d, fut))
-                if not await flush(cfg.num_workers - 1):
-                    return
                 if d.error is not None:
-                    await flush(0)
+                    submit()
+                    if await flush(0):
+                        await channel.reserve()
+                        await emit(d)
                     return
+                if not channel.try_reserve():
+                    submit()  # no credit now: start what we have before waiting
+                    if not await flush(cfg.num_workers - 1):
+                        return
+                    await channel.reserve()
+                group.append(d)
+                if len(group) >= max_group:
+                    submit()
+                    if not await flush(cfg.num_workers - 1):
+                        return
+            submit()
+            if not await flush(cfg.num_workers - 1):
+                return
+        submit()
         await flush(0)
 
 
 # -- the whole pipeline -------------------------------------------------------------------------------
-async def run_pipeline(cfg: PipelineConfig, channel: Channel[Delivery], first_step: int) -> None:
-    """Run every stage until the epoch's last batch (or the first failure) reaches ``channel``."""
+async def run_pipeline(
+    cfg: PipelineConfig, channel: Channel[Delivery], first_step: int, *, own_loop: bool = False
+) -> None:
+    """Run every stage until the epoch's last batch (or the first failure) reaches ``channel``.
+
+    ``own_loop`` says the loop is guideloom's private one, where storages may read page-cached
+    data inline (see :data:`~guideloom._storage.base.blocking_reads_allowed`).
+    """
     executor: concurrent.futures.Executor | None = None
+    blocking_reads_allowed.set(own_loop)
     try:
         executor = _make_executor(cfg)
         to_collate_send, to_collate_recv = anyio.create_memory_object_stream[list[Delivery]](1)

@@ -557,7 +557,7 @@ class _SyncIteratorState(_IteratorBase[BatchT], Iterator[BatchT]):
             lt = loader._loop()
             self._channel: Channel[Delivery] = Channel(lt.loop, self._cfg.capacity)
             self._future: concurrent.futures.Future[None] | None = lt.submit(
-                run_pipeline(self._cfg, self._channel, 0)
+                run_pipeline(self._cfg, self._channel, 0, own_loop=True)
             )
         except BaseException:
             self._done = True

@@ -13,18 +13,33 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from contextvars import ContextVar
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["DocumentStorageAbstract", "InT", "OutT", "StorageAbstract", "StreamStorageAbstract"]
+__all__ = [
+    "DocumentStorageAbstract",
+    "InT",
+    "OutT",
+    "StorageAbstract",
+    "StreamStorageAbstract",
+    "blocking_reads_allowed",
+]
 
 InT = TypeVar("InT")
 OutT = TypeVar("OutT")
 
 Sample = npt.NDArray[Any] | dict[str, npt.NDArray[Any]]
+
+#: True while a read runs on an event loop that guideloom owns (the sync facade's loop thread).
+#: Such a loop serves nothing else, so a storage may read page-cached data inline instead of
+#: hopping to a worker thread: measured here, the hop (and the batch changing CPU cores between
+#: the read and the collate) cost more than the read itself. On a caller's loop it is False, and
+#: storages keep blocking work off the loop.
+blocking_reads_allowed: ContextVar[bool] = ContextVar("guideloom_blocking_reads_allowed", default=False)
 
 
 class StorageAbstract(ABC, Generic[InT, OutT]):
@@ -33,6 +48,9 @@ class StorageAbstract(ABC, Generic[InT, OutT]):
     #: How many ``read_many`` calls the loader may keep in flight at once. Local and memory
     #: storages gain nothing from more than one; object stores override it.
     max_concurrent_reads: int = 1
+    #: Raw bytes the loader asks for in one ``read_many`` call (a read-ahead window). 1 MiB keeps
+    #: a local window in the CPU's L2 cache until it is collated; object stores want more.
+    read_window_bytes: int = 2**20
 
     async def open(self) -> None:  # noqa: B027 - optional hook
         """Acquire what reading needs (file maps, clients). Idempotent."""

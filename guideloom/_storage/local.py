@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import DatasetFormatError, DatasetIntegrityError
-from .base import DocumentStorageAbstract, StreamStorageAbstract
+from .base import DocumentStorageAbstract, StreamStorageAbstract, blocking_reads_allowed
 from .manifest import MANIFEST_NAME, ArraySpec, Manifest
 from .memory import gather_windows
 
@@ -209,6 +209,8 @@ class LocalStreamStorage(StreamStorageAbstract[Array, Any]):
         ]
 
     async def read_many(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
+        if blocking_reads_allowed.get():
+            return self.read_many_sync(starts, length)
         return await anyio.to_thread.run_sync(self.read_many_sync, starts, length)
 
 
@@ -256,6 +258,8 @@ class LocalDocumentStorage(DocumentStorageAbstract[Array, Array]):
         return [tokens.slice(s, e) for s, e in zip(starts.tolist(), stops.tolist(), strict=True)]
 
     async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:
+        if blocking_reads_allowed.get():
+            return self.read_many_sync(indices)
         return await anyio.to_thread.run_sync(self.read_many_sync, indices)
 
 

@@ -1,0 +1,1 @@
+"""guideloom's benchmarks: scripts that print figures (never timed unit tests)."""

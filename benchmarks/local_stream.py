@@ -1,0 +1,255 @@
+"""Local stream throughput: guideloom against a bare memmap loop and torch's DataLoader.
+
+Workload (issue 2): a uint16 stream of 100M tokens on local disk, sequence_length=2048,
+local_batch_size=16, shuffle on, collate to an int64 (16, 2048) tensor, N batches after a
+warm-up. Every configuration runs in the same process, in alternating rounds, and the figures are
+reported as ratios to the bare loop of the same round (this machine is shared and noisy).
+
+    python -m benchmarks.local_stream            # full run (~2 minutes once the data exists)
+    python -m benchmarks.local_stream --quick    # a smaller smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import guideloom as gl
+
+SEQ = 2048
+BATCH = 16
+
+
+def collate(samples: Sequence[np.ndarray]) -> torch.Tensor:
+    """The collate every loader uses: stack the rows and widen to int64."""
+    return torch.from_numpy(np.stack(samples).astype(np.int64))
+
+
+def ensure_dataset(tokens: int) -> Path:
+    root = Path(os.environ.get("GUIDELOOM_BENCH_DIR", Path(tempfile.gettempdir()) / "guideloom-bench"))
+    path = root / f"stream-u16-{tokens}"
+    if not (path / "manifest.json").exists():
+        print(f"writing {tokens:,} tokens to {path} ...", flush=True)
+        rng = np.random.default_rng(0)
+        chunk = 8 * 2**20
+
+        def chunks() -> Any:
+            for start in range(0, tokens, chunk):
+                yield rng.integers(0, 50_000, min(chunk, tokens - start), dtype=np.uint16)
+
+        gl.write_stream(path, chunks(), dtype=np.uint16, overwrite=True)
+    return path
+
+
+def order_for(n_samples: int, batches: int) -> np.ndarray:
+    """The same shuffled sample order guideloom uses (its plan), for the baselines."""
+    from guideloom._plan import Permutation
+
+    return Permutation(n_samples, shuffle=True, seed=0, epoch=0).range(0, batches * BATCH)
+
+
+def _rows_view(path: Path) -> np.ndarray:
+    files = gl.open_stream(path).manifest.tokens.files  # type: ignore[attr-defined]
+    mm = np.memmap(path / files[0].path, dtype=np.uint16, mode="r")
+    rows = len(mm) // SEQ
+    return np.asarray(mm[: rows * SEQ]).reshape(rows, SEQ)
+
+
+def run_bare(path: Path, batches: int) -> float:
+    """The limit, no loader at all: gather each batch's rows from a memmap in one numpy operation."""
+    view = _rows_view(path)
+    order = order_for(len(view), batches)
+    t0 = time.perf_counter()
+    for b in range(batches):
+        collate(list(view[order[b * BATCH : (b + 1) * BATCH]]))
+    return batches * BATCH / (time.perf_counter() - t0)
+
+
+def run_bare_per_sample(path: Path, batches: int) -> float:
+    """No loader, but one slice per sample (what a map-style Dataset's __getitem__ does)."""
+    view = _rows_view(path)
+    order = order_for(len(view), batches)
+    t0 = time.perf_counter()
+    for b in range(batches):
+        collate([view[i] for i in order[b * BATCH : (b + 1) * BATCH].tolist()])
+    return batches * BATCH / (time.perf_counter() - t0)
+
+
+def make_loader(path: Path, **kw: Any) -> gl.StatefulDataLoader[Any, torch.Tensor]:
+    return gl.StatefulDataLoader.from_storage(
+        gl.open_stream(path),
+        collate,
+        sequence_length=SEQ,
+        local_batch_size=BATCH,
+        shuffle=True,
+        shuffle_seed=0,
+        device=torch.device("cpu"),
+        **kw,
+    )
+
+
+def run_sync(path: Path, batches: int, warmup: int, **kw: Any) -> float:
+    loader = make_loader(path, **kw)
+    with loader:
+        it = iter(loader)
+        for _ in range(warmup):
+            next(it)
+        t0 = time.perf_counter()
+        for _ in range(batches):
+            next(it)
+        dt = time.perf_counter() - t0
+        it.close()
+    return batches * BATCH / dt
+
+
+def run_async(path: Path, batches: int, warmup: int, **kw: Any) -> float:
+    async def main() -> float:
+        loader = make_loader(path, **kw)
+        async with loader:
+            it = aiter(loader)
+            for _ in range(warmup):
+                await anext(it)
+            t0 = time.perf_counter()
+            for _ in range(batches):
+                await anext(it)
+            dt = time.perf_counter() - t0
+            await it.aclose()
+        return batches * BATCH / dt
+
+    import uvloop
+
+    return uvloop.run(main())
+
+
+class _MemmapRows(torch.utils.data.Dataset[np.ndarray]):
+    def __init__(self, path: Path) -> None:
+        files = gl.open_stream(path).manifest.tokens.files  # type: ignore[attr-defined]
+        self.path = path / files[0].path
+        self.mm: np.ndarray | None = None
+        self.rows = os.path.getsize(self.path) // 2 // SEQ
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if self.mm is None:
+            self.mm = np.memmap(self.path, dtype=np.uint16, mode="r")
+        return np.asarray(self.mm[i * SEQ : (i + 1) * SEQ])
+
+
+def run_torch(path: Path, batches: int, warmup: int, num_workers: int) -> float:
+    ds = _MemmapRows(path)
+    order = order_for(ds.rows, warmup + batches).tolist()
+    dl = torch.utils.data.DataLoader(
+        ds, batch_size=BATCH, sampler=order, collate_fn=collate, num_workers=num_workers
+    )
+    it = iter(dl)
+    for _ in range(warmup):
+        next(it)
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        next(it)
+    dt = time.perf_counter() - t0
+    del it
+    return batches * BATCH / dt
+
+
+def first_batch_on_sparse_tib() -> tuple[float, float, float]:
+    """Open a stream whose data file is a 1 TiB sparse file; time and RSS to the first shuffled batch."""
+    code = r"""
+import json, os, sys, time, resource, hashlib
+import numpy as np, torch
+root = sys.argv[1]
+n = 2**40 // 2
+os.makedirs(root, exist_ok=True)
+with open(os.path.join(root, "tokens.bin"), "wb") as f:
+    f.truncate(2 * n)
+man = {"format": "guideloom-dataset", "format_version": 1, "kind": "stream", "dtype": "uint16",
+       "num_elements": n, "checksum": "sha256",
+       "fields": {"tokens": {"dtype": "uint16", "files": [
+           {"path": "tokens.bin", "elements": n, "bytes": 2 * n, "sha256": "0" * 64}]}}}
+with open(os.path.join(root, "manifest.json"), "w") as f:
+    json.dump(man, f)
+import guideloom as gl
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+t0 = time.perf_counter()
+loader = gl.StatefulDataLoader.from_storage(gl.open_stream(root), lambda s: torch.from_numpy(np.stack(s).astype(np.int64)),
+    sequence_length=2048, local_batch_size=16, shuffle=True, shuffle_seed=0, device=torch.device("cpu"))
+with loader:
+    batch = next(iter(loader))
+dt = time.perf_counter() - t0
+print(dt, base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = subprocess.run(
+            [sys.executable, "-c", code, os.path.join(tmp, "tib")], check=True, capture_output=True, text=True
+        ).stdout.split()
+    return float(out[0]), float(out[1]), float(out[2])
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=100_000_000)
+    ap.add_argument("--batches", type=int, default=1500)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="10M tokens, 200 batches, 1 round")
+    ap.add_argument("--prefetch", type=int, default=16, help="prefetch for the prefetching configurations")
+    ap.add_argument("--skip-torch", action="store_true")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.tokens, args.batches, args.warmup, args.rounds = 10_000_000, 200, 50, 1
+    path = ensure_dataset(args.tokens)
+    nb, wu, pf = args.batches, args.warmup, args.prefetch
+    configs: dict[str, Callable[[], float]] = {
+        "bare loop, batched gather (the limit)": lambda: run_bare(path, nb),
+        "bare loop, one slice per sample": lambda: run_bare_per_sample(path, nb),
+        "guideloom sync  nw=0 prefetch=0": lambda: run_sync(path, nb, wu),
+        f"guideloom sync  nw=0 prefetch={pf}": lambda: run_sync(path, nb, wu, prefetch=pf),
+        f"guideloom async nw=0 prefetch={pf}": lambda: run_async(path, nb, wu, prefetch=pf),
+        f"guideloom sync  nw=2 thread prefetch={pf}": lambda: run_sync(path, nb, wu, num_workers=2, prefetch=pf),
+        f"guideloom async nw=2 thread prefetch={pf}": lambda: run_async(path, nb, wu, num_workers=2, prefetch=pf),
+    }
+    if not args.skip_torch:
+        configs["torch DataLoader nw=0"] = lambda: run_torch(path, nb, wu, 0)
+        configs["torch DataLoader nw=2"] = lambda: run_torch(path, nb, wu, 2)
+    results: dict[str, list[float]] = {k: [] for k in configs}
+    ratios: dict[str, list[float]] = {k: [] for k in configs}
+    for r in range(args.rounds):
+        bare = None
+        for name, fn in configs.items():
+            v = fn()
+            results[name].append(v)
+            if bare is None:
+                bare = v
+            ratios[name].append(v / bare)
+        print(f"round {r + 1}/{args.rounds} done", flush=True)
+    print(f"\n{args.tokens:,} uint16 tokens, sequence_length={SEQ}, local_batch_size={BATCH}, shuffle, "
+          f"{nb} batches after {wu} warm-up, {args.rounds} rounds (medians)")
+    print(f"{'configuration':44s} {'samples/s':>12s} {'x limit':>8s}")
+    for name in configs:
+        print(f"{name:44s} {statistics.median(results[name]):12,.0f} {statistics.median(ratios[name]):8.2f}")
+    dt, base, rss = first_batch_on_sparse_tib()
+    print(
+        f"\n1 TiB sparse stream: open + first shuffled batch in {dt:.3f} s; peak RSS {rss:.0f} MiB, "
+        f"of which {base:.0f} MiB is the interpreter with numpy and torch imported "
+        f"(+{rss - base:.0f} MiB for the loader)"
+    )
+    print(f"this process peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -12,7 +12,6 @@ reported as ratios to the bare loop of the same round (this machine is shared an
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import resource
 import statistics
@@ -186,7 +185,8 @@ with open(os.path.join(root, "manifest.json"), "w") as f:
 import guideloom as gl
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 t0 = time.perf_counter()
-loader = gl.StatefulDataLoader.from_storage(gl.open_stream(root), lambda s: torch.from_numpy(np.stack(s).astype(np.int64)),
+collate = lambda s: torch.from_numpy(np.stack(s).astype(np.int64))
+loader = gl.StatefulDataLoader.from_storage(gl.open_stream(root), collate,
     sequence_length=2048, local_batch_size=16, shuffle=True, shuffle_seed=0, device=torch.device("cpu"))
 with loader:
     batch = next(iter(loader))
@@ -220,8 +220,12 @@ def main(argv: list[str] | None = None) -> None:
         "guideloom sync  nw=0 prefetch=0": lambda: run_sync(path, nb, wu),
         f"guideloom sync  nw=0 prefetch={pf}": lambda: run_sync(path, nb, wu, prefetch=pf),
         f"guideloom async nw=0 prefetch={pf}": lambda: run_async(path, nb, wu, prefetch=pf),
-        f"guideloom sync  nw=2 thread prefetch={pf}": lambda: run_sync(path, nb, wu, num_workers=2, prefetch=pf),
-        f"guideloom async nw=2 thread prefetch={pf}": lambda: run_async(path, nb, wu, num_workers=2, prefetch=pf),
+        f"guideloom sync  nw=2 thread prefetch={pf}": lambda: run_sync(
+            path, nb, wu, num_workers=2, prefetch=pf
+        ),
+        f"guideloom async nw=2 thread prefetch={pf}": lambda: run_async(
+            path, nb, wu, num_workers=2, prefetch=pf
+        ),
     }
     if not args.skip_torch:
         configs["torch DataLoader nw=0"] = lambda: run_torch(path, nb, wu, 0)
@@ -237,8 +241,10 @@ def main(argv: list[str] | None = None) -> None:
                 bare = v
             ratios[name].append(v / bare)
         print(f"round {r + 1}/{args.rounds} done", flush=True)
-    print(f"\n{args.tokens:,} uint16 tokens, sequence_length={SEQ}, local_batch_size={BATCH}, shuffle, "
-          f"{nb} batches after {wu} warm-up, {args.rounds} rounds (medians)")
+    print(
+        f"\n{args.tokens:,} uint16 tokens, sequence_length={SEQ}, local_batch_size={BATCH}, shuffle, "
+        f"{nb} batches after {wu} warm-up, {args.rounds} rounds (medians)"
+    )
     print(f"{'configuration':44s} {'samples/s':>12s} {'x limit':>8s}")
     for name in configs:
         print(f"{name:44s} {statistics.median(results[name]):12,.0f} {statistics.median(ratios[name]):8.2f}")

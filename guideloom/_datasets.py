@@ -86,7 +86,9 @@ class StreamDataset(DatasetAbstract[SourceT]):
         return await self._storage.read_many(indices * self.sequence_length, self.sequence_length)
 
     def sample_nbytes_hint(self) -> int:
-        return self.sequence_length * max(1, self._storage.sample_nbytes_hint() or self._storage.dtype.itemsize)
+        return self.sequence_length * max(
+            1, self._storage.sample_nbytes_hint() or self._storage.dtype.itemsize
+        )
 
 
 class DocumentDataset(DatasetAbstract[SourceT]):

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import multiprocessing
-import pickle
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,7 +35,7 @@ from ._storage.base import blocking_reads_allowed
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Delivery", "PipelineConfig", "move_to_device", "run_pipeline"]
+__all__ = ["Delivery", "PipelineConfig", "make_executor", "move_to_device", "run_pipeline"]
 
 #: Read-ahead window: at most this many batches per storage call (and at most the storage's
 #: ``read_window_bytes``).
@@ -102,7 +102,7 @@ def move_to_device(obj: Any, device: torch.device, pin_memory: bool) -> Any:
 
 # -- reader ------------------------------------------------------------------------------------------
 def _positions(specs: Sequence[BatchSpec]) -> np.ndarray:
-    if len(specs) == 1 or all(a.stop == b.start for a, b in zip(specs, specs[1:], strict=False)):
+    if len(specs) == 1 or all(a.stop == b.start for a, b in itertools.pairwise(specs)):
         return np.arange(specs[0].start, specs[-1].stop, dtype=np.int64)
     return np.concatenate([np.arange(s.start, s.stop, dtype=np.int64) for s in specs])
 
@@ -175,7 +175,8 @@ async def _reader(cfg: PipelineConfig, send: ObjectSendStream[list[Delivery]], f
             step += len(specs)
             window = min(max_window, window * 2)
             await limit.acquire()
-            event, slot = anyio.Event(), []
+            event = anyio.Event()
+            slot: list[Any] = []
             results.append((event, slot))
             tg.start_soon(run, specs, event, slot)
             if not await drain(concurrency - 1 if concurrency > 1 else 0):
@@ -203,7 +204,7 @@ def _collate_many(
     return out
 
 
-def _make_executor(cfg: PipelineConfig) -> concurrent.futures.Executor | None:
+def make_executor(cfg: PipelineConfig) -> concurrent.futures.Executor | None:
     if cfg.num_workers == 0:
         return None
     if cfg.parallel_method == "thread":
@@ -243,13 +244,17 @@ async def _collate(
 
         loop = asyncio.get_running_loop()
         max_group = group_size(cfg.capacity, cfg.num_workers)
-        pending: deque[tuple[list[Delivery], asyncio.Future[list[tuple[Any, BaseException | None]]]]] = deque()
+        pending: deque[tuple[list[Delivery], asyncio.Future[list[tuple[Any, BaseException | None]]]]] = (
+            deque()
+        )
         group: list[Delivery] = []
 
         def submit() -> None:
             if group:
                 batches = [d.value for d in group]
-                pending.append((list(group), loop.run_in_executor(executor, _collate_many, cfg.collate_fn, batches)))
+                pending.append(
+                    (list(group), loop.run_in_executor(executor, _collate_many, cfg.collate_fn, batches))
+                )
                 group.clear()
 
         async def flush(keep: int) -> bool:
@@ -296,29 +301,32 @@ async def _collate(
 
 # -- the whole pipeline -------------------------------------------------------------------------------
 async def run_pipeline(
-    cfg: PipelineConfig, channel: Channel[Delivery], first_step: int, *, own_loop: bool = False
+    cfg: PipelineConfig,
+    channel: Channel[Delivery],
+    first_step: int,
+    executor: concurrent.futures.Executor | None,
+    *,
+    own_loop: bool = False,
 ) -> None:
     """Run every stage until the epoch's last batch (or the first failure) reaches ``channel``.
 
-    ``own_loop`` says the loop is guideloom's private one, where storages may read page-cached
-    data inline (see :data:`~guideloom._storage.base.blocking_reads_allowed`).
+    ``executor`` (from :func:`make_executor`) runs collation for ``num_workers > 0``; the caller
+    owns it and shuts it down once this coroutine has finished, so that a cancelled pipeline
+    still joins its workers. ``own_loop`` says the loop is guideloom's private one, where
+    storages may read page-cached data inline (see
+    :data:`~guideloom._storage.base.blocking_reads_allowed`).
     """
-    executor: concurrent.futures.Executor | None = None
     blocking_reads_allowed.set(own_loop)
     try:
-        executor = _make_executor(cfg)
         to_collate_send, to_collate_recv = anyio.create_memory_object_stream[list[Delivery]](1)
         transfer = cfg.device.type != "cpu"
         async with anyio.create_task_group() as tg:
             tg.start_soon(_reader, cfg, to_collate_send, first_step)
             if transfer:
-                to_move_send, to_move_recv = anyio.create_memory_object_stream[Delivery](
-                    max(1, cfg.capacity)
-                )
+                to_move_send, to_move_recv = anyio.create_memory_object_stream[Delivery](max(1, cfg.capacity))
 
                 async def emit_to_transfer(d: Delivery) -> None:
                     await to_move_send.send(d)
-
 
                 async def collate_then_close() -> None:
                     async with to_move_send:
@@ -351,15 +359,10 @@ async def run_pipeline(
         # A failure outside any batch (a bug, or the executor could not start): report it at the
         # next batch, unwrapped from the task group's ExceptionGroup when it is a single error.
         while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-            exc = exc.exceptions[0]  # type: ignore[assignment]
+            exc = exc.exceptions[0]
         spec = cfg.plan.batch(first_step) if first_step < len(cfg.plan) else BatchSpec(first_step, 0, 0, 0)
         channel.put(Delivery(spec, error=exc))
     finally:
         channel.close()
         if executor is not None:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(_shutdown, executor)
-
-
-def _shutdown(executor: concurrent.futures.Executor) -> None:
-    executor.shutdown(wait=True, cancel_futures=True)
+            executor.shutdown(wait=False, cancel_futures=True)  # the owner joins it

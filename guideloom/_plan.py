@@ -32,9 +32,7 @@ IndexArray = npt.NDArray[np.int64]
 
 def _round_keys(seed: int, epoch: int) -> tuple[int, ...]:
     """Derive the Feistel round keys from ``(seed, epoch)`` with a stable hash."""
-    digest = hashlib.blake2b(
-        f"guideloom-order:{seed}:{epoch}".encode(), digest_size=8 * _ROUNDS
-    ).digest()
+    digest = hashlib.blake2b(f"guideloom-order:{seed}:{epoch}".encode(), digest_size=8 * _ROUNDS).digest()
     return tuple(int.from_bytes(digest[8 * i : 8 * i + 8], "little") for i in range(_ROUNDS))
 
 
@@ -180,9 +178,7 @@ class EpochPlan:
         return self.local_batch_size * self.world_size
 
     def __len__(self) -> int:
-        return num_batches(
-            self.num_observations, self.global_batch_size, self.drop_last, self.start_offset
-        )
+        return num_batches(self.num_observations, self.global_batch_size, self.drop_last, self.start_offset)
 
     def batch(self, step: int) -> BatchSpec:
         """This rank's ``step``-th batch (0-based from ``start_offset``)."""

@@ -15,16 +15,16 @@ import pickle
 import secrets
 import threading
 import warnings
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypeVar, cast, overload
 
 from ._channel import Channel
 from ._datasets import DatasetAbstract, DocumentDataset, SourceT, StreamDataset
-from ._errors import LoaderClosedError
 from ._loop import LoopThread
-from ._pipeline import Delivery, PipelineConfig, run_pipeline
+from ._pipeline import Delivery, PipelineConfig, make_executor, run_pipeline
 from ._plan import EpochPlan, Permutation, num_batches
 from ._storage.base import DocumentStorageAbstract, InT, OutT, StreamStorageAbstract
 from .types import StatefulDataLoaderStateDict
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 __all__ = ["StatefulDataLoader"]
 
 BatchT = TypeVar("BatchT")
-cBatchT = TypeVar("cBatchT")  # noqa: PLC0105 - the reference page's name
+cBatchT = TypeVar("cBatchT")  # noqa: N816 - the name the reference page uses
 
 
 def _get_default_device() -> torch.device:
@@ -87,7 +87,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
     _order_seed: int = field(default=0, init=False, repr=False)
     _state: Literal["closed", "open", "async-open"] = field(default="closed", init=False, repr=False)
     _loop_thread: LoopThread | None = field(default=None, init=False, repr=False)
-    _iterator: _IteratorBase[Any] | None = field(default=None, init=False, repr=False)
+    _iterator_ref: weakref.ref[_IteratorBase[Any]] | None = field(default=None, init=False, repr=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -113,9 +113,10 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         _check_int("prefetch", self.prefetch, 0)
         if self.parallel_method not in ("thread", "process"):
             raise ValueError(f"parallel_method must be 'thread' or 'process', got {self.parallel_method!r}")
-        if self.shuffle_seed is not None:
-            if isinstance(self.shuffle_seed, bool) or not isinstance(self.shuffle_seed, int):
-                raise TypeError(f"shuffle_seed must be an int or None, got {type(self.shuffle_seed).__name__}")
+        if self.shuffle_seed is not None and (
+            isinstance(self.shuffle_seed, bool) or not isinstance(self.shuffle_seed, int)
+        ):
+            raise TypeError(f"shuffle_seed must be an int or None, got {type(self.shuffle_seed).__name__}")
         # shuffle_seed=None: one random seed for this loader's lifetime (not reproducible).
         self._order_seed = self.shuffle_seed if self.shuffle_seed is not None else secrets.randbits(63)
 
@@ -269,9 +270,9 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
                 "storage must be a StreamStorageAbstract or DocumentStorageAbstract (for example "
                 f"MemoryStreamStorage, or what open_stream() returns), got {type(storage).__name__}"
             )
-        return cls(
-            dataset=dataset,
-            collate_fn=collate_fn,
+        loader = cls(
+            dataset=dataset,  # type: ignore[arg-type]
+            collate_fn=collate_fn,  # type: ignore[arg-type]
             device=device if device is not None else _get_default_device(),
             local_batch_size=local_batch_size,
             rank=rank,
@@ -284,6 +285,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
             drop_last=drop_last,
             prefetch=prefetch,
         )
+        return cast("StatefulDataLoader[OutT, cBatchT]", loader)
 
     @staticmethod
     def get_default_device() -> torch.device:
@@ -389,6 +391,12 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
             lt.stop()
 
     # -- iteration --------------------------------------------------------------------------------
+    @property
+    def _iterator(self) -> _IteratorBase[Any] | None:
+        """The active iterator. Held weakly: an abandoned iterator is collected and closes itself."""
+        ref = self._iterator_ref
+        return ref() if ref is not None else None
+
     def _claim(self, it: _IteratorBase[Any]) -> None:
         with self._lock:
             if self._iterator is not None:
@@ -396,12 +404,12 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
                     "an iterator on this loader is still active: exhaust it or close it "
                     "(iterator.close()) before starting another"
                 )
-            self._iterator = it
+            self._iterator_ref = weakref.ref(it)
 
     def _release(self, it: _IteratorBase[Any]) -> None:
         with self._lock:
-            if self._iterator is it:
-                self._iterator = None
+            if self._iterator_ref is not None and self._iterator_ref() in (it, None):
+                self._iterator_ref = None
 
     def _pipeline_config(self) -> PipelineConfig:
         if self.parallel_method == "process" and self.num_workers > 0:
@@ -472,7 +480,9 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
                     "exhaust or close the iterator first, then load the checkpoint"
                 )
             if not isinstance(state_dict, dict):
-                raise TypeError(f"state_dict must be a dict from state_dict(), got {type(state_dict).__name__}")
+                raise TypeError(
+                    f"state_dict must be a dict from state_dict(), got {type(state_dict).__name__}"
+                )
             missing = {"epoch", "observation_offset"} - state_dict.keys()
             if missing:
                 raise ValueError(
@@ -484,13 +494,15 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise ValueError(f"checkpoint {name} must be an int >= 0, got {value!r}")
             for key in ("shuffle", "shuffle_seed", "drop_last"):
-                if key in state_dict and state_dict[key] != getattr(self, key):  # type: ignore[literal-required]
+                if key == "shuffle_seed" and not self.shuffle and not state_dict.get("shuffle", False):
+                    continue  # the seed is ignored when neither loader shuffles
+                saved = cast(dict[str, Any], state_dict).get(key, getattr(self, key))
+                if saved != getattr(self, key):
                     warnings.warn(
-                        f"the checkpoint was saved by a loader with {key}="
-                        f"{state_dict[key]!r}, this loader has {key}={getattr(self, key)!r}; "  # type: ignore[literal-required]
-                        f"the saved value is not applied, so the order after resuming differs "
-                        f"from the saved run. Construct the loader with {key}="
-                        f"{state_dict[key]!r} to resume it exactly",  # type: ignore[literal-required]
+                        f"the checkpoint was saved by a loader with {key}={saved!r}, this loader "
+                        f"has {key}={getattr(self, key)!r}; the saved value is not applied, so the "
+                        f"order after resuming differs from the saved run. Construct the loader "
+                        f"with {key}={saved!r} to resume it exactly",
                         UserWarning,
                         stacklevel=2,
                     )
@@ -510,7 +522,7 @@ class _IteratorBase(Generic[BatchT]):
 
     def __init__(self, loader: StatefulDataLoader[Any, BatchT]) -> None:
         self._loader = loader
-        self._done = False
+        self._done = True  # until a subclass has started: __del__ and close() then do nothing
         self._owns_open = False
         loader._claim(self)
         try:
@@ -520,6 +532,17 @@ class _IteratorBase(Generic[BatchT]):
             raise
         self._expected = len(self._cfg.plan)
         self._delivered = 0
+        self._executor: concurrent.futures.Executor | None = None
+
+    def _start_executor(self) -> concurrent.futures.Executor | None:
+        self._executor = make_executor(self._cfg)
+        return self._executor
+
+    def _join_executor(self) -> None:
+        """Wait for the collate workers (threads or processes) to exit."""
+        ex, self._executor = self._executor, None
+        if ex is not None:
+            ex.shutdown(wait=True, cancel_futures=True)
 
     def _accept(self, d: Delivery) -> BatchT:
         if d.error is not None:
@@ -545,6 +568,20 @@ class _IteratorBase(Generic[BatchT]):
         raise NotImplementedError
 
 
+async def _drive(
+    cfg: PipelineConfig,
+    channel: Channel[Delivery],
+    executor: concurrent.futures.Executor | None,
+    finished: threading.Event,
+) -> None:
+    """The sync iterator's pipeline task. It holds no reference to the iterator, so an abandoned
+    iterator is collected (and closes the pipeline) even while this task waits."""
+    try:
+        await run_pipeline(cfg, channel, 0, executor, own_loop=True)
+    finally:
+        finished.set()  # set only once every stage has stopped
+
+
 class _SyncIteratorState(_IteratorBase[BatchT], Iterator[BatchT]):
     """The iterator ``for batch in loader`` uses: the pipeline runs on the loader's loop thread."""
 
@@ -556,10 +593,14 @@ class _SyncIteratorState(_IteratorBase[BatchT], Iterator[BatchT]):
                 self._owns_open = True
             lt = loader._loop()
             self._channel: Channel[Delivery] = Channel(lt.loop, self._cfg.capacity)
+            self._finished = threading.Event()
+            self._start_executor()
             self._future: concurrent.futures.Future[None] | None = lt.submit(
-                run_pipeline(self._cfg, self._channel, 0, own_loop=True)
+                _drive(self._cfg, self._channel, self._executor, self._finished)
             )
+            self._done = False
         except BaseException:
+            self._join_executor()
             self._done = True
             loader._release(self)
             raise
@@ -592,14 +633,13 @@ class _SyncIteratorState(_IteratorBase[BatchT], Iterator[BatchT]):
         self._done = True
         try:
             fut = self._future
-            if fut is not None and not fut.done():
-                lt = self._loader._loop_thread
-                if lt is not None and lt.alive:
-                    lt.loop.call_soon_threadsafe(fut.cancel)
-                try:
-                    fut.result(timeout=60)
-                except (concurrent.futures.CancelledError, Exception):
-                    pass
+            lt = self._loader._loop_thread
+            if fut is not None and lt is not None and lt.alive:
+                if not fut.done():
+                    fut.cancel()  # cancels the pipeline task on the loop
+                # A cancelled future reports at once; wait for the task's cleanup to finish.
+                self._finished.wait()
+            self._join_executor()
         finally:
             self._loader._release(self)
             if self._owns_open:
@@ -622,6 +662,7 @@ class _AsyncIteratorState(_IteratorBase[BatchT], AsyncIterator[BatchT]):
         super().__init__(loader)
         self._task: asyncio.Task[None] | None = None
         self._channel_a: Channel[Delivery] | None = None
+        self._done = False
 
     def __aiter__(self) -> _AsyncIteratorState[BatchT]:
         return self
@@ -633,7 +674,10 @@ class _AsyncIteratorState(_IteratorBase[BatchT], AsyncIterator[BatchT]):
             self._owns_open = True
         loop = asyncio.get_running_loop()
         channel: Channel[Delivery] = Channel(loop, self._cfg.capacity)
-        self._task = loop.create_task(run_pipeline(self._cfg, channel, 0), name="guideloom-pipeline")
+        executor = self._start_executor()
+        self._task = loop.create_task(
+            run_pipeline(self._cfg, channel, 0, executor), name="guideloom-pipeline"
+        )
         self._channel_a = channel
         return channel
 
@@ -673,6 +717,8 @@ class _AsyncIteratorState(_IteratorBase[BatchT], AsyncIterator[BatchT]):
                         raise
                 except Exception:
                     pass
+            if self._executor is not None:
+                await asyncio.to_thread(self._join_executor)
         finally:
             self._loader._release(self)
             if self._owns_open:
@@ -687,9 +733,10 @@ class _AsyncIteratorState(_IteratorBase[BatchT], AsyncIterator[BatchT]):
         self._done = True
         if task is not None and not task.done():
             task.get_loop().call_soon_threadsafe(task.cancel)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
         self._loader._release(self)
 
     def __del__(self) -> None:
         if not getattr(self, "_done", True):
             self.close_sync()
-

@@ -36,8 +36,7 @@ def _local_folder(location: Location) -> Path | None:
         return None
     if parsed.scheme and len(parsed.scheme) > 1:
         raise ValueError(
-            f"unsupported location {location!r}: use a local path, file://, s3://, gs://, az:// "
-            "or http(s)://"
+            f"unsupported location {location!r}: use a local path, file://, s3://, gs://, az:// or http(s)://"
         )
     return Path(location).expanduser()
 
@@ -103,7 +102,13 @@ def write_documents(
     if folder is not None and options:
         raise TypeError(f"unexpected options for a local destination: {sorted(options)}")
     return write_documents_to(
-        sink, documents, dtype=dtype, shard_bytes=shard_bytes, overwrite=overwrite, info=info, progress=progress
+        sink,
+        documents,
+        dtype=dtype,
+        shard_bytes=shard_bytes,
+        overwrite=overwrite,
+        info=info,
+        progress=progress,
     )
 
 

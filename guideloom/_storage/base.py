@@ -52,10 +52,10 @@ class StorageAbstract(ABC, Generic[InT, OutT]):
     #: a local window in the CPU's L2 cache until it is collated; object stores want more.
     read_window_bytes: int = 2**20
 
-    async def open(self) -> None:  # noqa: B027 - optional hook
+    async def open(self) -> None:
         """Acquire what reading needs (file maps, clients). Idempotent."""
 
-    async def close(self) -> None:  # noqa: B027 - optional hook
+    async def close(self) -> None:
         """Release what ``open`` acquired. Idempotent; the storage may be opened again."""
 
     async def __aenter__(self) -> StorageAbstract[InT, OutT]:

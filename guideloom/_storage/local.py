@@ -72,7 +72,9 @@ def check_local_files(folder: Path, manifest: Manifest) -> None:
     for name, _spec, f in manifest.all_files():
         p = (folder / f.path).resolve()
         if not p.is_relative_to(root):
-            raise DatasetIntegrityError(f"{folder}: file {f.path!r} of field {name!r} lies outside the dataset folder")
+            raise DatasetIntegrityError(
+                f"{folder}: file {f.path!r} of field {name!r} lies outside the dataset folder"
+            )
         try:
             size = p.stat().st_size
         except FileNotFoundError:
@@ -204,9 +206,7 @@ class LocalStreamStorage(StreamStorageAbstract[Array, Any]):
         if len(arrays) == 1:
             return list(tokens)
         fields = {n: a.gather(starts, length) for n, a in arrays.items() if n != "tokens"}
-        return [
-            {"tokens": tokens[i], **{n: f[i] for n, f in fields.items()}} for i in range(len(starts))
-        ]
+        return [{"tokens": tokens[i], **{n: f[i] for n, f in fields.items()}} for i in range(len(starts))]
 
     async def read_many(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
         if blocking_reads_allowed.get():
@@ -307,10 +307,10 @@ class LocalSink:
         finally:
             os.close(dir_fd)
         if replaced is not None:
-            keep = {f.path for _, _, f in manifest.all_files()}
-            for _, _, f in replaced.all_files():
-                if f.path not in keep:
-                    (self.folder / f.path).unlink(missing_ok=True)
+            keep = {spec.path for _, _, spec in manifest.all_files()}
+            for _, _, old in replaced.all_files():
+                if old.path not in keep:
+                    (self.folder / old.path).unlink(missing_ok=True)
 
     def abort(self, written: list[str]) -> None:
         """Remove the data files of a write that failed (the previous dataset stays intact)."""

@@ -62,10 +62,9 @@ def storage_dtype(dtype: Any) -> np.dtype[Any]:
     except TypeError as exc:
         raise TypeError(f"unknown dtype {dtype!r}; use one of {', '.join(SUPPORTED_DTYPES)}") from exc
     if dt.name not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"dtype {dt} cannot be stored; use one of {', '.join(SUPPORTED_DTYPES)}"
-        )
-    return dt.newbyteorder("<")
+        raise TypeError(f"dtype {dt} cannot be stored; use one of {', '.join(SUPPORTED_DTYPES)}")
+    little: np.dtype[Any] = dt.newbyteorder("<")
+    return little
 
 
 def check_field_name(name: str) -> str:
@@ -219,8 +218,7 @@ class Manifest:
             for name, spec in fields.items():
                 if spec.length != length:
                     raise DatasetFormatError(
-                        f"{where}: field {name!r} holds {spec.length} elements but the stream "
-                        f"holds {length}"
+                        f"{where}: field {name!r} holds {spec.length} elements but the stream holds {length}"
                     )
         else:
             if len(fields) != 1:

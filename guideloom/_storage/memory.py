@@ -87,8 +87,7 @@ class MemoryStreamStorage(StreamStorageAbstract[Array, Any]):
             return list(tokens)
         fields = {name: gather_windows(a, starts, length) for name, a in self._metadata.items()}
         return [
-            {"tokens": tokens[i], **{name: f[i] for name, f in fields.items()}}
-            for i in range(len(starts))
+            {"tokens": tokens[i], **{name: f[i] for name, f in fields.items()}} for i in range(len(starts))
         ]
 
 

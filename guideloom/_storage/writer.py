@@ -46,7 +46,9 @@ def _chunks_of(name: str, data: npt.ArrayLike | Iterable[npt.ArrayLike]) -> Iter
         yield data
         return
     if isinstance(data, (str, bytes)):
-        raise TypeError(f"{name} must be a numpy array or an iterable of 1-D arrays, got {type(data).__name__}")
+        raise TypeError(
+            f"{name} must be a numpy array or an iterable of 1-D arrays, got {type(data).__name__}"
+        )
     try:
         it = iter(data)  # type: ignore[arg-type]
     except TypeError:
@@ -65,7 +67,9 @@ def _fit(name: str, index: int, chunk: Array, dtype: np.dtype[Any]) -> Array:
     if chunk.dtype == dtype:
         return chunk
     if chunk.dtype.kind not in "biuf":
-        raise TypeError(f"{name}: chunk {index} has dtype {chunk.dtype}; only numbers and booleans can be stored")
+        raise TypeError(
+            f"{name}: chunk {index} has dtype {chunk.dtype}; only numbers and booleans can be stored"
+        )
     if chunk.size == 0 or np.can_cast(chunk.dtype, dtype, casting="safe"):
         return chunk.astype(dtype)
     cast = chunk.astype(dtype)
@@ -74,15 +78,28 @@ def _fit(name: str, index: int, chunk: Array, dtype: np.dtype[Any]) -> Array:
         lo, hi = chunk.min(), chunk.max()
         raise ValueError(
             f"{name}: chunk {index} holds values in [{lo}, {hi}] that {dtype} cannot represent "
-            f"exactly; pass a wider dtype (e.g. dtype=np.{np.result_type(chunk.dtype, dtype).name})"
+            f"exactly; pass a dtype that holds them (e.g. dtype=np.{_holding(lo, hi, chunk.dtype)})"
         )
     return cast
+
+
+def _holding(lo: Any, hi: Any, given: np.dtype[Any]) -> str:
+    """The smallest storable dtype that holds ``[lo, hi]`` (floats stay floats)."""
+    if given.kind == "f" and not (float(lo).is_integer() and float(hi).is_integer()):
+        return "float64"
+    for name in ("uint8", "uint16", "uint32", "uint64") if lo >= 0 else ("int8", "int16", "int32", "int64"):
+        info = np.iinfo(name)
+        if info.min <= lo and hi <= info.max:
+            return name
+    return "float64"
 
 
 class _ArrayWriter:
     """Appends chunks of one array into shard files, hashing as it goes."""
 
-    def __init__(self, sink: Sink, name: str, dtype: np.dtype[Any], shard_bytes: int, written: list[str]) -> None:
+    def __init__(
+        self, sink: Sink, name: str, dtype: np.dtype[Any], shard_bytes: int, written: list[str]
+    ) -> None:
         self.sink, self.name, self.dtype = sink, name, dtype
         self.shard_elements = max(1, shard_bytes // dtype.itemsize)
         self.files: list[FileSpec] = []
@@ -116,12 +133,20 @@ class _ArrayWriter:
             if self._fh is None or self._count == self.shard_elements:
                 self._roll()
             assert self._fh is not None
-            take = min(len(data) - pos, self.shard_elements - self._count, _WRITE_BLOCK // self.dtype.itemsize)
-            view = memoryview(data[pos : pos + take]).cast("B")
+            take = min(
+                len(data) - pos, self.shard_elements - self._count, _WRITE_BLOCK // self.dtype.itemsize
+            )
+            view = data[pos : pos + take].data.cast("B")
             self._fh.write(view)
             self._hash.update(view)
             self._count += take
             pos += take
+
+    def discard(self) -> None:
+        """Close the open file of a write that failed (the sink removes the files)."""
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
 
     def finish(self) -> ArraySpec:
         if self._fh is None and not self.files:
@@ -137,6 +162,21 @@ def _write_array(
     first = next(chunks, None)
     target = storage_dtype(dtype if dtype is not None else (first.dtype if first is not None else np.int64))
     writer = _ArrayWriter(sink, name, target, shard_bytes, written)
+    try:
+        return _append_all(writer, name, first, chunks, target, progress)
+    except BaseException:
+        writer.discard()
+        raise
+
+
+def _append_all(
+    writer: _ArrayWriter,
+    name: str,
+    first: Array | None,
+    chunks: Iterator[Array],
+    target: np.dtype[Any],
+    progress: Any,
+) -> ArraySpec:
     if first is not None:
         writer.append(_fit(name, 0, first, target))
         if progress is not None:
@@ -229,15 +269,17 @@ def write_documents_to(
     try:
         tokens = _write_array(sink, "tokens", counted(), dtype, shard_bytes, written, progress)
         offsets_writer.append(np.asarray(pending, dtype=np.int64))
+        offsets_spec = offsets_writer.finish()
         manifest = Manifest(
             kind="documents",
             fields={"tokens": tokens},
-            offsets=offsets_writer.finish(),
+            offsets=offsets_spec,
             num_documents=state["count"],
             extra=dict(info or {}),
         )
         sink.commit(manifest, replaced)
     except BaseException:
+        offsets_writer.discard()
         sink.abort(written)
         raise
     return manifest

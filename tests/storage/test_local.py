@@ -1,0 +1,294 @@
+"""The local on-disk format: writers, manifest checks, memory-mapped reading."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import guideloom as gl
+from guideloom import DatasetFormatError, DatasetIntegrityError
+from guideloom._storage.manifest import MANIFEST_NAME
+
+
+async def read_all_stream(storage: gl.StreamStorageAbstract, length: int) -> list[np.ndarray]:  # type: ignore[type-arg]
+    await storage.open()
+    try:
+        starts = np.arange(0, len(storage) - length + 1, length, dtype=np.int64)
+        return list(await storage.read_many(starts, length))
+    finally:
+        await storage.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.int32, np.int64, np.float32, np.bool_])
+async def test_stream_round_trip_dtypes(tmp_path: Path, dtype: type) -> None:
+    data = (np.arange(1000) % 200).astype(dtype)
+    manifest = gl.write_stream(tmp_path / "ds", data)
+    assert manifest.dtype == np.dtype(dtype)
+    s = gl.open_stream(tmp_path / "ds")
+    assert len(s) == 1000 and s.dtype == np.dtype(dtype)
+    rows = await read_all_stream(s, 10)
+    assert np.array_equal(np.concatenate(rows), data)
+
+
+@pytest.mark.asyncio
+async def test_chunks_shards_and_windows_across_shard_boundaries(tmp_path: Path) -> None:
+    chunks = [np.arange(i * 37, (i + 1) * 37, dtype=np.uint16) for i in range(30)]  # 1110 elements
+    manifest = gl.write_stream(tmp_path / "ds", iter(chunks), shard_bytes=2 * 101)  # 101 elements/shard
+    assert len(manifest.tokens.files) == 11
+    s = gl.open_stream(str(tmp_path / "ds"))
+    await s.open()
+    starts = np.array([0, 95, 101, 200, 990, 1100, 7], dtype=np.int64)
+    out = await s.read_many(starts, 10)
+    assert [o.tolist() for o in out] == [list(range(a, a + 10)) for a in starts.tolist()]
+    aligned = await s.read_many(np.arange(0, 1100, 10, dtype=np.int64)[::-1].copy(), 10)
+    assert np.array_equal(np.concatenate(aligned[::-1]), np.arange(1100))
+    await s.close()
+
+
+@pytest.mark.asyncio
+async def test_stream_metadata_round_trip(tmp_path: Path) -> None:
+    tokens = np.arange(64, dtype=np.uint16)
+    mask = tokens % 3 == 0
+    doc_id = np.repeat(np.arange(8, dtype=np.uint32), 8)
+    gl.write_stream(
+        tmp_path / "m", [tokens[:30], tokens[30:]], metadata={"loss_mask": mask, "doc_id": iter([doc_id])}
+    )
+    s = gl.open_stream(tmp_path / "m")
+    assert s.fields == ("loss_mask", "doc_id")
+    await s.open()
+    (a, b) = await s.read_many(np.array([8, 40], dtype=np.int64), 8)
+    await s.close()
+    assert a["tokens"].tolist() == list(range(8, 16)) and a["doc_id"].tolist() == [1] * 8
+    assert a["loss_mask"].dtype == np.bool_ and b["loss_mask"].tolist() == mask[40:48].tolist()
+
+
+def test_metadata_length_mismatch_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="as long as the stream"):
+        gl.write_stream(tmp_path / "bad", np.arange(10), metadata={"m": np.arange(9)})
+    assert not (tmp_path / "bad" / MANIFEST_NAME).exists()
+    assert list((tmp_path / "bad").iterdir()) == []
+
+
+def test_values_that_do_not_fit_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"cannot represent.*dtype=np.uint32"):
+        gl.write_stream(tmp_path / "x", [np.array([1, 2]), np.array([70000])], dtype=np.uint16)
+    with pytest.raises(ValueError, match="cannot represent"):
+        gl.write_stream(tmp_path / "y", np.array([-1, 2]), dtype=np.uint8)
+    with pytest.raises(ValueError, match="cannot represent"):
+        gl.write_stream(tmp_path / "z", np.array([1.5]), dtype=np.int32)
+    # values that fit are cast exactly
+    gl.write_stream(tmp_path / "ok", np.array([1, 2, 65535], dtype=np.int64), dtype=np.uint16)
+    assert gl.open_stream(tmp_path / "ok").dtype == np.uint16
+
+
+def test_bad_inputs_have_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="1-D"):
+        gl.write_stream(tmp_path / "a", np.zeros((2, 3)))
+    with pytest.raises(TypeError, match="cannot be stored"):
+        gl.write_stream(tmp_path / "b", np.arange(3), dtype=np.complex64)
+    with pytest.raises(TypeError, match="iterable of 1-D arrays"):
+        gl.write_documents(tmp_path / "c", np.arange(3))
+    with pytest.raises(ValueError, match="field name"):
+        gl.write_stream(tmp_path / "d", np.arange(3), metadata={"../x": np.arange(3)})
+    with pytest.raises(ValueError, match="shard_bytes"):
+        gl.write_stream(tmp_path / "e", np.arange(3), shard_bytes=0)
+
+
+def test_existing_dataset_needs_overwrite_and_failed_overwrite_keeps_old(tmp_path: Path) -> None:
+    dest = tmp_path / "ds"
+    gl.write_stream(dest, np.arange(10, dtype=np.uint16))
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        gl.write_stream(dest, np.arange(5))
+    with pytest.raises(ValueError):
+        gl.write_stream(dest, [np.arange(3), np.array([-5])], dtype=np.uint16, overwrite=True)
+    assert len(gl.open_stream(dest)) == 10  # the old dataset is intact
+    gl.write_stream(dest, np.arange(7, dtype=np.uint16), overwrite=True)
+    assert len(gl.open_stream(dest)) == 7
+    data_files = sorted(p.name for p in dest.iterdir() if p.suffix == ".bin")
+    assert len(data_files) == 1, data_files  # the replaced dataset's files are gone
+
+
+def test_interrupted_write_is_not_a_dataset(tmp_path: Path) -> None:
+    def chunks():
+        yield np.arange(10, dtype=np.uint16)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        gl.write_stream(tmp_path / "ds", chunks())
+    with pytest.raises(FileNotFoundError, match=r"no manifest\.json"):
+        gl.open_stream(tmp_path / "ds")
+    gl.write_stream(tmp_path / "ds", np.arange(4, dtype=np.uint16))  # the rerun works
+    assert len(gl.open_stream(tmp_path / "ds")) == 4
+
+
+def test_missing_dataset_is_file_not_found(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        gl.open_stream(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError):
+        gl.open_documents(f"file://{tmp_path}/nope")
+
+
+def test_kind_mismatch(tmp_path: Path) -> None:
+    gl.write_stream(tmp_path / "s", np.arange(10))
+    gl.write_documents(tmp_path / "d", [np.arange(3)])
+    with pytest.raises(DatasetFormatError, match="open_stream"):
+        gl.open_documents(tmp_path / "s")
+    with pytest.raises(DatasetFormatError, match="open_documents"):
+        gl.open_stream(tmp_path / "d")
+
+
+def _edit_manifest(path: Path, edit) -> None:
+    doc = json.loads((path / MANIFEST_NAME).read_text())
+    edit(doc)
+    (path / MANIFEST_NAME).write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    ("edit", "error", "match"),
+    [
+        (
+            lambda d: d["fields"]["tokens"]["files"][0].update(path="../evil.bin"),
+            DatasetFormatError,
+            "plain relative",
+        ),
+        (
+            lambda d: d["fields"]["tokens"]["files"][0].update(path="/etc/passwd"),
+            DatasetFormatError,
+            "plain relative",
+        ),
+        (
+            lambda d: d["fields"]["tokens"]["files"][0].update(path="a/../../x"),
+            DatasetFormatError,
+            "plain relative",
+        ),
+        (lambda d: d["fields"]["tokens"]["files"][0].update(bytes=3), DatasetFormatError, "need"),
+        (
+            lambda d: d["fields"]["tokens"]["files"][0].update(elements=11, bytes=88),
+            DatasetFormatError,
+            "num_elements",
+        ),
+        (lambda d: d.update(num_elements=5), DatasetFormatError, "num_elements"),
+        (lambda d: d.update(format_version=99), DatasetFormatError, "format_version"),
+        (lambda d: d.update(format="other"), DatasetFormatError, "not a guideloom"),
+        (lambda d: d["fields"]["tokens"].update(dtype="object"), DatasetFormatError, "dtype"),
+        (
+            lambda d: d["fields"]["tokens"]["files"][0].update(path="missing.bin"),
+            DatasetIntegrityError,
+            "missing",
+        ),
+    ],
+)
+def test_manifest_mismatch_is_refused(tmp_path: Path, edit, error: type, match: str) -> None:
+    gl.write_stream(tmp_path / "ds", np.arange(10, dtype=np.int64))
+    _edit_manifest(tmp_path / "ds", edit)
+    with pytest.raises(error, match=match):
+        gl.open_stream(tmp_path / "ds")
+
+
+def test_truncated_data_file_is_refused(tmp_path: Path) -> None:
+    m = gl.write_stream(tmp_path / "ds", np.arange(100, dtype=np.uint16))
+    f = tmp_path / "ds" / m.tokens.files[0].path
+    with open(f, "r+b") as fh:
+        fh.truncate(100)
+    with pytest.raises(DatasetIntegrityError, match="has 100 bytes"):
+        gl.open_stream(tmp_path / "ds")
+
+
+def test_invalid_json_manifest(tmp_path: Path) -> None:
+    gl.write_stream(tmp_path / "ds", np.arange(10))
+    (tmp_path / "ds" / MANIFEST_NAME).write_text("{not json")
+    with pytest.raises(DatasetFormatError, match="not valid JSON"):
+        gl.open_stream(tmp_path / "ds")
+
+
+def test_verify_detects_corruption(tmp_path: Path) -> None:
+    m = gl.write_stream(tmp_path / "ds", np.arange(1000, dtype=np.uint16))
+    gl.verify_dataset(tmp_path / "ds")
+    f = tmp_path / "ds" / m.tokens.files[0].path
+    with open(f, "r+b") as fh:
+        fh.seek(10)
+        fh.write(b"\xff")
+    with pytest.raises(DatasetIntegrityError, match="checksum"):
+        gl.verify_dataset(tmp_path / "ds")
+
+
+def test_manifest_is_plain_json_with_checksums(tmp_path: Path) -> None:
+    gl.write_stream(tmp_path / "ds", np.arange(10, dtype=np.uint16), info={"tokenizer": "bytes"})
+    doc = json.loads((tmp_path / "ds" / MANIFEST_NAME).read_text())
+    assert doc["kind"] == "stream" and doc["dtype"] == "uint16" and doc["num_elements"] == 10
+    (f,) = doc["fields"]["tokens"]["files"]
+    assert f["bytes"] == 20 and len(f["sha256"]) == 64
+    assert doc["info"] == {"tokenizer": "bytes"}
+    raw = (tmp_path / "ds" / f["path"]).read_bytes()
+    assert np.array_equal(np.frombuffer(raw, "<u2"), np.arange(10))
+
+
+@pytest.mark.asyncio
+async def test_documents_round_trip(tmp_path: Path) -> None:
+    docs = [np.arange(n, dtype=np.uint16) + n for n in (5, 0, 1, 300, 17)]
+    gl.write_documents(tmp_path / "d", (d for d in docs), shard_bytes=64)
+    s = gl.open_documents(tmp_path / "d")
+    assert len(s) == 5 and s.dtype == np.uint16
+    await s.open()
+    out = await s.read_many(np.array([3, 0, 1, 4, 2], dtype=np.int64))
+    await s.close()
+    assert [o.tolist() for o in out] == [docs[i].tolist() for i in (3, 0, 1, 4, 2)]
+
+
+def test_copied_folder_reads_the_same(tmp_path: Path) -> None:
+    import shutil
+
+    gl.write_documents(tmp_path / "a", [np.arange(3), np.arange(4)])
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    assert len(gl.open_documents(tmp_path / "b")) == 2
+
+
+def test_reading_does_not_load_the_file(tmp_path: Path) -> None:
+    """A 64 GiB sparse data file opens instantly: nothing is read until samples are asked for."""
+    import asyncio
+    import hashlib
+    import resource
+
+    n = 32 * 2**30
+    folder = tmp_path / "big"
+    folder.mkdir()
+    with open(folder / "t.bin", "wb") as f:
+        f.truncate(2 * n)
+    man = {
+        "format": "guideloom-dataset",
+        "format_version": 1,
+        "kind": "stream",
+        "dtype": "uint16",
+        "num_elements": n,
+        "checksum": "sha256",
+        "fields": {
+            "tokens": {
+                "dtype": "uint16",
+                "files": [
+                    {
+                        "path": "t.bin",
+                        "elements": n,
+                        "bytes": 2 * n,
+                        "sha256": hashlib.sha256(b"").hexdigest(),
+                    }
+                ],
+            }
+        },
+    }
+    (folder / MANIFEST_NAME).write_text(json.dumps(man))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    s = gl.open_stream(folder)
+
+    async def go() -> list[np.ndarray]:
+        await s.open()
+        return list(await s.read_many(np.array([n - 4096, 12345 * 2048], dtype=np.int64), 2048))
+
+    rows = asyncio.run(go())
+    assert all(r.sum() == 0 for r in rows)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50 * 1024  # KiB
+    os.unlink(folder / "t.bin")

@@ -1,0 +1,684 @@
+"""StatefulDataLoader: the reference page and the contract, end to end over memory storage."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+import torch
+
+import guideloom as gl
+from guideloom.pytorch import StatefulDataLoader
+
+from ._helpers import check_resume_equals_uninterrupted, identity_stream, make, roundtrip, take
+from .conftest import stack_collate
+
+pytestmark = pytest.mark.usefixtures("no_thread_leak")
+
+
+def flat(batches: list[list[int]]) -> list[int]:
+    return [i for b in batches for i in b]
+
+
+# -- construction and arguments ----------------------------------------------------------------
+def test_same_object_from_both_modules() -> None:
+    assert gl.StatefulDataLoader is StatefulDataLoader
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"local_batch_size": 0}, "local_batch_size"),
+        ({"world_size": 0}, "world_size"),
+        ({"num_workers": -1}, "num_workers"),
+        ({"prefetch": -1}, "prefetch"),
+        ({"rank": 2, "world_size": 2}, "rank"),
+        ({"rank": -1}, "rank"),
+        ({"parallel_method": "fork"}, "parallel_method"),
+    ],
+)
+def test_bad_arguments_raise_value_error(kw: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make(identity_stream(10), **kw)
+
+
+def test_sequence_length_below_one() -> None:
+    with pytest.raises(ValueError, match="sequence_length"):
+        StatefulDataLoader.from_storage(identity_stream(10), stack_collate, sequence_length=0)
+
+
+def test_from_storage_pairing_errors() -> None:
+    with pytest.raises(ValueError, match="sequence_length"):
+        StatefulDataLoader.from_storage(identity_stream(10), stack_collate)  # type: ignore[call-overload]
+    docs = gl.MemoryDocumentStorage([np.arange(3)])
+    with pytest.raises(ValueError, match=r"takes no"):
+        StatefulDataLoader.from_storage(docs, stack_collate, sequence_length=4)
+    with pytest.raises(TypeError, match="StreamStorageAbstract"):
+        StatefulDataLoader.from_storage(np.arange(3), stack_collate, sequence_length=4)  # type: ignore[call-overload]
+
+
+def test_from_storage_builds_the_matching_dataset() -> None:
+    s = StatefulDataLoader.from_storage(identity_stream(10), stack_collate, sequence_length=4)
+    assert isinstance(s.dataset, gl.StreamDataset) and s.dataset.sequence_length == 4
+    d = StatefulDataLoader.from_storage(gl.MemoryDocumentStorage([np.arange(3)]), stack_collate)
+    assert isinstance(d.dataset, gl.DocumentDataset)
+
+
+def test_defaults_and_default_device() -> None:
+    loader = StatefulDataLoader(gl.StreamDataset(identity_stream(10), 4), stack_collate)
+    assert loader.device == StatefulDataLoader.get_default_device() == torch.device("cpu")
+    assert (loader.local_batch_size, loader.rank, loader.world_size, loader.num_workers) == (1, 0, 1, 0)
+    assert (loader.parallel_method, loader.shuffle, loader.shuffle_seed) == ("thread", False, None)
+    assert (loader.pin_memory, loader.drop_last, loader.prefetch) == (False, True, 0)
+
+
+def test_construction_does_not_read_and_open_checks_size() -> None:
+    class Exploding(gl.MemoryStreamStorage):
+        async def open(self) -> None:
+            raise AssertionError("construction must not open the storage")
+
+    make(Exploding(np.arange(40)))  # no error
+    loader = make(identity_stream(5), local_batch_size=3, world_size=2)
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        loader.open()
+    with pytest.raises(ValueError, match="fewer than one global batch"), loader:
+        pass
+
+
+def test_len_and_global_batch_size() -> None:
+    loader = make(identity_stream(10), local_batch_size=2, world_size=2, drop_last=True)
+    assert loader.global_batch_size == 4
+    with loader:
+        assert len(loader) == 2
+    assert len(make(identity_stream(10), local_batch_size=2, world_size=2, drop_last=False)) == 3
+    # trailing elements that do not fill a sample are not a sample
+    assert len(make(identity_stream(10, extra=3), local_batch_size=1)) == 10
+
+
+# -- order and partitioning --------------------------------------------------------------------
+def test_unshuffled_order_and_rank_blocks() -> None:
+    per_rank = []
+    for rank in range(3):
+        with make(identity_stream(20), local_batch_size=2, world_size=3, rank=rank) as loader:
+            per_rank.append(take(loader))
+    assert per_rank[0] == [[0, 1], [6, 7], [12, 13]]
+    assert per_rank[1] == [[2, 3], [8, 9], [14, 15]]
+    assert per_rank[2] == [[4, 5], [10, 11], [16, 17]]  # 18, 19 dropped with the last global batch
+
+
+def test_drop_last_false_gives_empty_lists_to_trailing_ranks() -> None:
+    calls: list[int] = []
+
+    def collate(samples: Sequence[np.ndarray]) -> list[int]:
+        calls.append(len(samples))
+        return [int(s[0]) // 4 for s in samples]
+
+    per_rank = []
+    for rank in range(3):
+        loader = gl.StatefulDataLoader.from_storage(
+            identity_stream(13),
+            collate,
+            sequence_length=4,
+            local_batch_size=2,
+            world_size=3,
+            rank=rank,
+            drop_last=False,
+            device=torch.device("cpu"),
+        )
+        with loader:
+            per_rank.append(take(loader))
+    assert [len(b) for b in per_rank] == [3, 3, 3]  # lockstep
+    assert per_rank[0][-1] == [12] and per_rank[1][-1] == [] and per_rank[2][-1] == []
+    assert sorted(flat(per_rank[0]) + flat(per_rank[1]) + flat(per_rank[2])) == list(range(13))
+    assert 0 in calls
+
+
+def test_world_size_one_never_gets_an_empty_list() -> None:
+    sizes: list[int] = []
+
+    def collate(samples: Sequence[np.ndarray]) -> int:
+        sizes.append(len(samples))
+        return len(samples)
+
+    loader = gl.StatefulDataLoader.from_storage(
+        identity_stream(13),
+        collate,
+        sequence_length=4,
+        local_batch_size=5,
+        drop_last=False,
+        device=torch.device("cpu"),
+    )
+    with loader:
+        assert take(loader) == [5, 5, 3]
+    assert 0 not in sizes
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_shuffled_epoch_is_a_permutation_and_epochs_differ(drop_last: bool) -> None:
+    with make(
+        identity_stream(103), local_batch_size=10, shuffle=True, shuffle_seed=3, drop_last=drop_last
+    ) as loader:
+        e0 = flat(take(loader))
+        e1 = flat(take(loader))
+        assert loader.state_dict()["epoch"] == 2
+    n = 100 if drop_last else 103
+    assert len(e0) == len(set(e0)) == n and len(e1) == n
+    assert e0 != e1 and e0 != sorted(e0)
+
+
+def test_order_depends_only_on_seed_epoch_and_n() -> None:
+    base = None
+    for kw in [
+        {"local_batch_size": 1},
+        {"local_batch_size": 7},
+        {"local_batch_size": 7, "num_workers": 2},
+        {"local_batch_size": 3, "prefetch": 5},
+        {"local_batch_size": 3, "num_workers": 3, "prefetch": 2},
+        {"local_batch_size": 4, "device": torch.device("meta")},
+    ]:
+        with make(identity_stream(84), shuffle=True, shuffle_seed=11, drop_last=False, **kw) as loader:
+            order = flat(take(loader))
+        base = base or order
+        assert order == base, kw
+    # ranks together see the same order, in rank blocks
+    blocks = []
+    for rank in range(2):
+        with make(
+            identity_stream(84), shuffle=True, shuffle_seed=11, local_batch_size=3, world_size=2, rank=rank
+        ) as lo:
+            blocks.append(take(lo))
+    assert [i for a, b in zip(*blocks, strict=True) for i in a + b] == base
+
+
+def test_shuffle_seed_none_is_a_permutation_not_reproducible() -> None:
+    orders = []
+    for _ in range(2):
+        with make(identity_stream(200), shuffle=True, local_batch_size=10) as loader:
+            orders.append(flat(take(loader)))
+    assert sorted(orders[0]) == sorted(orders[1]) == list(range(200))
+    assert orders[0] != orders[1]
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+def test_state_dict_counts_only_delivered_batches() -> None:
+    with make(identity_stream(50), local_batch_size=2, world_size=2, prefetch=4, num_workers=2) as loader:
+        assert loader.state_dict() == {
+            "epoch": 0,
+            "observation_offset": 0,
+            "shuffle": False,
+            "shuffle_seed": None,
+            "drop_last": True,
+        }
+        it = iter(loader)
+        next(it)
+        next(it)
+        time.sleep(0.05)  # let the pipeline prefetch
+        assert loader.state_dict()["observation_offset"] == 8
+        it.close()
+        assert loader.state_dict()["observation_offset"] == 8
+
+
+def test_offset_includes_padding_of_the_final_partial_batch_and_epoch_increments() -> None:
+    with make(identity_stream(10), local_batch_size=4, drop_last=False) as loader:
+        it = iter(loader)
+        assert [next(it) for _ in range(3)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+        assert loader.state_dict()["observation_offset"] == 12
+        assert loader.state_dict()["epoch"] == 0
+        with pytest.raises(StopIteration):
+            next(it)
+        assert (loader.state_dict()["epoch"], loader.state_dict()["observation_offset"]) == (1, 0)
+
+
+def test_checkpoint_is_plain_and_weights_only_loadable() -> None:
+    with make(identity_stream(10), shuffle=True, shuffle_seed=5) as loader:
+        take(loader, 3)
+        state = roundtrip(loader.state_dict())
+    assert state == {
+        "epoch": 0,
+        "observation_offset": 3,
+        "shuffle": True,
+        "shuffle_seed": 5,
+        "drop_last": True,
+    }
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize(
+    "workers", [{}, {"num_workers": 2}, {"prefetch": 3}, {"num_workers": 1, "prefetch": 2}]
+)
+@pytest.mark.parametrize("stop_after", [0, 1, 4, 9])
+def test_resume_equals_uninterrupted(
+    shuffle: bool, drop_last: bool, workers: dict[str, int], stop_after: int
+) -> None:
+    check_resume_equals_uninterrupted(
+        37, stop_after, local_batch_size=4, shuffle=shuffle, shuffle_seed=7, drop_last=drop_last, **workers
+    )
+
+
+@pytest.mark.parametrize(("batch2", "world2"), [(2, 1), (5, 1), (3, 3), (1, 4)])
+def test_resume_with_other_batch_and_world_size_continues_at_the_global_position(
+    batch2: int, world2: int
+) -> None:
+    n, seed = 60, 21
+    with make(
+        identity_stream(n), local_batch_size=4, world_size=1, shuffle=True, shuffle_seed=seed, drop_last=False
+    ) as full:
+        order = flat(take(full))
+    # two ranks of batch 3 for 4 steps: 24 observations delivered
+    seen = []
+    states = []
+    for rank in range(2):
+        with make(
+            identity_stream(n),
+            local_batch_size=3,
+            world_size=2,
+            rank=rank,
+            shuffle=True,
+            shuffle_seed=seed,
+            drop_last=False,
+        ) as lo:
+            seen += flat(take(lo, 4))
+            states.append(lo.state_dict())
+    assert states[0] == states[1] and states[0]["observation_offset"] == 24
+    assert sorted(seen) == sorted(order[:24])
+    after = []
+    per_rank = []
+    for rank in range(world2):
+        with make(
+            identity_stream(n),
+            local_batch_size=batch2,
+            world_size=world2,
+            rank=rank,
+            shuffle=True,
+            shuffle_seed=seed,
+            drop_last=False,
+        ) as lo:
+            lo.load_state_dict(roundtrip(states[0]))
+            assert len(lo) == -(-n // (batch2 * world2))  # len stays the whole epoch's
+            per_rank.append(take(lo))
+    assert len({len(b) for b in per_rank}) == 1
+    for step in zip(*per_rank, strict=True):
+        after += [i for block in step for i in block]
+    assert after == order[24:]
+
+
+def test_resume_at_an_offset_that_is_not_a_multiple_of_the_batch() -> None:
+    with make(identity_stream(20), local_batch_size=4) as loader:
+        loader.load_state_dict(
+            {"epoch": 0, "observation_offset": 6, "shuffle": False, "shuffle_seed": None, "drop_last": True}
+        )
+        assert take(loader) == [[6, 7, 8, 9], [10, 11, 12, 13], [14, 15, 16, 17]]
+        assert loader.state_dict()["epoch"] == 1
+
+
+def test_resume_into_a_later_epoch_uses_that_epochs_order() -> None:
+    with make(identity_stream(30), local_batch_size=5, shuffle=True, shuffle_seed=1) as loader:
+        take(loader)
+        epoch1 = take(loader)
+    with make(identity_stream(30), local_batch_size=5, shuffle=True, shuffle_seed=1) as loader:
+        loader.load_state_dict(
+            {"epoch": 1, "observation_offset": 10, "shuffle": True, "shuffle_seed": 1, "drop_last": True}
+        )
+        assert take(loader) == epoch1[2:]
+
+
+def test_load_state_dict_warns_on_mismatch_and_does_not_apply() -> None:
+    with make(identity_stream(20), local_batch_size=2, shuffle=True, shuffle_seed=1) as loader:
+        with pytest.warns(UserWarning) as record:
+            loader.load_state_dict(
+                {"epoch": 0, "observation_offset": 4, "shuffle": True, "shuffle_seed": 2, "drop_last": False}
+            )
+        messages = [str(w.message) for w in record]
+        assert len(messages) == 2
+        assert any("shuffle_seed=2" in m for m in messages) and any("drop_last=False" in m for m in messages)
+        assert loader.shuffle_seed == 1 and loader.drop_last is True
+        assert loader.state_dict()["observation_offset"] == 4
+    with make(identity_stream(20)) as loader, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader.load_state_dict(
+            {"epoch": 0, "observation_offset": 4, "shuffle": False, "shuffle_seed": None, "drop_last": True}
+        )
+
+
+def test_load_state_dict_validates() -> None:
+    loader = make(identity_stream(20))
+    with pytest.raises(ValueError, match="observation_offset"):
+        loader.load_state_dict(
+            {"epoch": 0, "observation_offset": -1, "shuffle": False, "shuffle_seed": None, "drop_last": True}
+        )
+    with pytest.raises(ValueError, match="lacks"):
+        loader.load_state_dict({"epoch": 0})  # type: ignore[typeddict-item]
+
+
+def test_load_state_dict_while_iterating_raises() -> None:
+    with make(identity_stream(20)) as loader:
+        it = iter(loader)
+        next(it)
+        with pytest.raises(RuntimeError, match="active"):
+            loader.load_state_dict(loader.state_dict())
+        it.close()
+        loader.load_state_dict(loader.state_dict())
+
+
+# -- lifecycle -------------------------------------------------------------------------------------
+def test_second_iterator_while_active_raises_and_closing_midway_continues() -> None:
+    with make(identity_stream(10), local_batch_size=2, prefetch=2) as loader:
+        it = iter(loader)
+        assert next(it) == [0, 1]
+        with pytest.raises(RuntimeError, match="still active"):
+            iter(loader)
+        it.close()
+        assert take(loader) == [[2, 3], [4, 5], [6, 7], [8, 9]]
+
+
+def test_abandoned_for_loop_iterator_is_released() -> None:
+    with make(identity_stream(10), local_batch_size=2) as loader:
+        for batch in loader:
+            assert batch == [0, 1]
+            break
+        assert take(loader, 1) == [[2, 3]]
+
+
+def test_close_ends_an_active_iterator() -> None:
+    loader = make(identity_stream(100), local_batch_size=2, num_workers=2, prefetch=4)
+    loader.open()
+    it = iter(loader)
+    next(it)
+    loader.close()
+    assert list(it) == []
+    loader.close()  # idempotent
+    with loader:
+        assert take(loader, 1) == [[2, 3]]
+
+
+def test_iterating_an_unopened_loader_opens_it_for_the_iterator() -> None:
+    loader = make(identity_stream(6), local_batch_size=2)
+    assert take(loader) == [[0, 1], [2, 3], [4, 5]]
+    assert loader.state_dict()["epoch"] == 1
+
+
+def test_storage_is_opened_and_closed() -> None:
+    events: list[str] = []
+
+    class Tracked(gl.MemoryStreamStorage):
+        async def open(self) -> None:
+            events.append("open")
+
+        async def close(self) -> None:
+            events.append("close")
+
+    with make(Tracked(np.arange(40))) as loader:
+        take(loader)
+    assert events == ["open", "close"]
+
+
+# -- failures ------------------------------------------------------------------------------------
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    "workers", [{}, {"num_workers": 2}, {"prefetch": 4}, {"num_workers": 2, "prefetch": 3}]
+)
+def test_collate_error_reaches_consumer_at_its_batch(workers: dict[str, int]) -> None:
+    def collate(samples: Sequence[np.ndarray]) -> list[int]:
+        out = [int(s[0]) // 4 for s in samples]
+        if 12 in out:
+            raise Boom(f"bad batch {out}")
+        return out
+
+    loader = gl.StatefulDataLoader.from_storage(
+        identity_stream(40),
+        collate,
+        sequence_length=4,
+        local_batch_size=4,
+        device=torch.device("cpu"),
+        **workers,
+    )
+    got = []
+    with loader:
+        with pytest.raises(Boom, match="bad batch"):
+            for b in loader:
+                got.append(b)
+        assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+        assert loader.state_dict()["observation_offset"] == 12
+        # the failing batch is retried by the next iterator
+        with pytest.raises(Boom):
+            take(loader)
+
+
+class FailingStorage(gl.MemoryStreamStorage):
+    def __init__(self, tokens: npt.ArrayLike, bad_start: int) -> None:
+        super().__init__(tokens)
+        self.bad_start = bad_start
+
+    async def read_many(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
+        if self.bad_start in starts.tolist():
+            raise OSError(f"disk error at {self.bad_start}")
+        return await super().read_many(starts, length)
+
+
+@pytest.mark.parametrize("workers", [{}, {"num_workers": 2, "prefetch": 2}])
+def test_storage_error_surfaces_at_the_failing_batch(workers: dict[str, int]) -> None:
+    loader = make(FailingStorage(np.arange(400), bad_start=4 * 57), local_batch_size=5, **workers)
+    got = []
+    with loader, pytest.raises(OSError, match="disk error at 228"):
+        for b in loader:
+            got.append(b)
+    assert flat(got) == list(range(55))
+
+
+def test_exception_group_free_errors_in_async() -> None:
+    async def main() -> None:
+        loader = make(FailingStorage(np.arange(400), bad_start=4 * 7), local_batch_size=5)
+        got = []
+        async with loader:
+            with pytest.raises(OSError, match="disk error"):
+                async for b in loader:
+                    got.append(b)
+        assert got == [[0, 1, 2, 3, 4]]
+
+    asyncio.run(main())
+
+
+# -- workers ---------------------------------------------------------------------------------------
+def test_thread_workers_run_collate_in_parallel() -> None:
+    active = 0
+    peak = 0
+    lock = threading.Lock()
+
+    def collate(samples: Sequence[np.ndarray]) -> list[int]:
+        nonlocal active, peak
+        with lock:
+            active += 1
+            peak = max(peak, active)
+        time.sleep(0.02)
+        with lock:
+            active -= 1
+        return [int(s[0]) // 4 for s in samples]
+
+    loader = gl.StatefulDataLoader.from_storage(
+        identity_stream(40),
+        collate,
+        sequence_length=4,
+        local_batch_size=2,
+        num_workers=3,
+        device=torch.device("cpu"),
+    )
+    with loader:
+        assert flat(take(loader)) == list(range(40))
+    assert peak >= 2
+
+
+@pytest.mark.slow
+def test_process_workers_keep_order_and_errors() -> None:
+    loader = make(
+        identity_stream(40), local_batch_size=3, num_workers=2, parallel_method="process", prefetch=2
+    )
+    with loader:
+        assert flat(take(loader)) == list(range(39))
+    with pytest.raises(TypeError, match="picklable"):
+        take(
+            gl.StatefulDataLoader.from_storage(
+                identity_stream(10),
+                lambda s: s,
+                sequence_length=4,
+                num_workers=1,
+                parallel_method="process",
+                device=torch.device("cpu"),
+            )
+        )
+
+
+# -- samples, collate and device -----------------------------------------------------------------
+def test_stream_with_metadata_gives_dict_samples() -> None:
+    tokens = np.arange(40, dtype=np.uint16)
+    storage = gl.MemoryStreamStorage(tokens, metadata={"loss_mask": tokens % 2 == 0})
+
+    def collate(samples: Sequence[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
+        return {
+            "input_ids": torch.from_numpy(np.stack([s["tokens"] for s in samples]).astype(np.int64)),
+            "loss_mask": torch.from_numpy(np.stack([s["loss_mask"] for s in samples])),
+        }
+
+    loader = gl.StatefulDataLoader.from_storage(storage, collate, sequence_length=5, local_batch_size=2)
+    with loader:
+        first = take(loader, 1)[0]
+    assert first["input_ids"].tolist() == [list(range(5)), list(range(5, 10))]
+    assert first["loss_mask"][0].tolist() == [True, False, True, False, True]
+
+
+def test_document_storage_samples_are_whole_documents() -> None:
+    docs = [np.arange(n, dtype=np.int32) for n in (3, 1, 4, 2)]
+
+    def pad(samples: Sequence[np.ndarray]) -> torch.Tensor:
+        width = max(len(s) for s in samples)
+        out = torch.full((len(samples), width), -1, dtype=torch.int64)
+        for i, s in enumerate(samples):
+            out[i, : len(s)] = torch.from_numpy(s.astype(np.int64))
+        return out
+
+    loader = gl.StatefulDataLoader.from_storage(gl.MemoryDocumentStorage(docs), pad, local_batch_size=2)
+    with loader:
+        a, b = take(loader)
+    assert a.tolist() == [[0, 1, 2], [0, -1, -1]]
+    assert b.tolist() == [[0, 1, 2, 3], [0, 1, -1, -1]]
+
+
+def test_nested_batches_move_to_the_device_whole() -> None:
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "a b")
+
+    def collate(samples: Sequence[np.ndarray]) -> dict[str, Any]:
+        t = torch.from_numpy(np.stack(samples))
+        return {"x": t, "nested": [t, (t, Pair(t, 3))], "n": len(samples)}
+
+    loader = gl.StatefulDataLoader.from_storage(
+        identity_stream(8),
+        collate,
+        sequence_length=4,
+        local_batch_size=2,
+        device=torch.device("meta"),
+        pin_memory=True,
+    )
+    with loader:
+        batch = take(loader, 1)[0]
+    assert batch["x"].device.type == "meta"
+    assert batch["nested"][0].device.type == "meta"
+    assert batch["nested"][1][0].device.type == "meta"
+    assert isinstance(batch["nested"][1][1], Pair) and batch["nested"][1][1].a.device.type == "meta"
+    assert batch["n"] == 2
+
+
+def test_pin_memory_is_harmless_on_cpu() -> None:
+    loader = gl.StatefulDataLoader.from_storage(
+        identity_stream(8), stack_collate, sequence_length=4, local_batch_size=2, pin_memory=True
+    )
+    with loader:
+        assert take(loader, 1)[0].shape == (2, 4)
+
+
+# -- async -----------------------------------------------------------------------------------------
+@pytest.mark.asyncio
+@pytest.mark.parametrize("workers", [{}, {"num_workers": 2, "prefetch": 3}])
+async def test_async_for_matches_sync(workers: dict[str, int]) -> None:
+    kw = {"local_batch_size": 3, "shuffle": True, "shuffle_seed": 4, "drop_last": False, **workers}
+    with make(identity_stream(31), **kw) as loader:
+        expected = take(loader)
+    loader = make(identity_stream(31), **kw)
+    got = []
+    async with loader:
+        async for b in loader:
+            got.append(b)
+        assert loader.state_dict()["epoch"] == 1
+    assert got == expected
+
+
+@pytest.mark.asyncio
+async def test_async_iterator_close_midway_and_active_check() -> None:
+    loader = make(identity_stream(20), local_batch_size=2, prefetch=2)
+    async with loader:
+        it = aiter(loader)
+        assert await anext(it) == [0, 1]
+        with pytest.raises(RuntimeError, match="still active"):
+            aiter(loader)
+        await it.aclose()
+        assert loader.state_dict()["observation_offset"] == 2
+        it2 = aiter(loader)
+        assert await anext(it2) == [2, 3]
+    # leaving the context closed it
+    with pytest.raises(StopAsyncIteration):
+        await anext(it2)
+
+
+class SlowBlockingStream(gl.MemoryStreamStorage):
+    """A storage whose reads block (like a cold disk); it offloads them as local storage does."""
+
+    async def read_many(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
+        import anyio.to_thread
+
+        def blocking() -> Sequence[Any]:
+            time.sleep(0.05)
+            return asyncio.run(super(SlowBlockingStream, self).read_many(starts, length))
+
+        return await anyio.to_thread.run_sync(blocking)
+
+
+@pytest.mark.asyncio
+async def test_async_iteration_keeps_the_event_loop_responsive() -> None:
+    gaps: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    task = asyncio.create_task(ticker())
+    loader = make(SlowBlockingStream(np.arange(400)), local_batch_size=4)
+    async with loader:
+        n = 0
+        async for _ in loader:
+            n += 1
+    stop.set()
+    await task
+    assert n == 25
+    assert max(gaps) < 0.04, max(gaps)  # each read blocks 50 ms, but off the loop
+
+
+def test_sync_iteration_inside_a_running_loop_thread_is_independent() -> None:
+    """The sync facade runs its own loop: it works from code that has no loop at all."""
+    with make(identity_stream(12), local_batch_size=4) as loader:
+        assert take(loader) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]

@@ -1,0 +1,178 @@
+"""``guideloom bench``: run the loader over a dataset and report its throughput."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .._storage.base import DocumentStorageAbstract
+from ._common import CLIError, format_count, require
+from ._inspect import open_dataset
+
+__all__ = ["add_parser", "collate_documents", "collate_stream"]
+
+EXAMPLES = """\
+examples:
+  guideloom bench stdlib-bytes --sequence-length 2048 --batch-size 16
+  guideloom bench stdlib-bytes --shuffle --num-workers 2 --parallel-method process --batches 500
+  guideloom bench docs --batch-size 32            # a document dataset: batches padded to the longest
+"""
+
+
+def collate_stream(samples: Sequence[Any]) -> Any:
+    """Stack fixed-length samples into an int64 tensor (a dict of them for metadata streams)."""
+    import torch
+
+    if samples and isinstance(samples[0], dict):
+        return {k: torch.from_numpy(np.stack([s[k] for s in samples]).astype(np.int64)) for k in samples[0]}
+    return torch.from_numpy(np.stack(samples).astype(np.int64))
+
+
+def collate_documents(samples: Sequence[Any]) -> Any:
+    """Pad documents to the longest with zeros: ``{"tokens", "lengths"}`` int64 tensors."""
+    import torch
+
+    lengths = np.fromiter((len(s) for s in samples), dtype=np.int64, count=len(samples))
+    out = np.zeros((len(samples), int(lengths.max(initial=0))), dtype=np.int64)
+    for row, s in enumerate(samples):
+        out[row, : len(s)] = s
+    return {"tokens": torch.from_numpy(out), "lengths": torch.from_numpy(lengths)}
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _natural(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "bench",
+        parents=[common],
+        help="measure the loader on a dataset: samples/s, tokens/s, time to first batch",
+        description=(
+            "Run StatefulDataLoader over a dataset with the given options and print samples/s, "
+            "tokens/s and the time to the first batch. Needs PyTorch."
+        ),
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("dataset", metavar="DEST", help="a dataset folder or URL")
+    p.add_argument(
+        "--sequence-length",
+        type=_positive,
+        default=2048,
+        metavar="N",
+        help="tokens per sample of a stream dataset (default 2048)",
+    )
+    p.add_argument(
+        "--batch-size", type=_positive, default=16, metavar="B", help="local batch size (default 16)"
+    )
+    p.add_argument("--num-workers", type=_natural, default=0, metavar="N", help="loader workers (default 0)")
+    p.add_argument("--parallel-method", choices=("thread", "process"), default="thread")
+    p.add_argument(
+        "--prefetch", type=_natural, default=0, metavar="N", help="batches to prefetch (default 0)"
+    )
+    p.add_argument("--shuffle", action="store_true", help="shuffle the samples")
+    p.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
+    p.add_argument(
+        "--batches",
+        type=_positive,
+        default=100,
+        metavar="K",
+        help="stop after K batches or at the end of the epoch (default 100)",
+    )
+    p.add_argument("--device", default="cpu", help="where batches go (default cpu; e.g. cuda)")
+    p.add_argument("--pin-memory", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    torch = require("torch", "guideloom bench")
+    from ..pytorch import StatefulDataLoader
+
+    _manifest, storage = open_dataset(args.dataset)
+    documents = isinstance(storage, DocumentStorageAbstract)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        raise CLIError(f"--device {args.device!r}: {exc}") from None
+    loader: Any = StatefulDataLoader.from_storage(
+        storage,
+        collate_documents if documents else collate_stream,
+        sequence_length=None if documents else args.sequence_length,
+        device=device,
+        local_batch_size=args.batch_size,
+        num_workers=args.num_workers,
+        parallel_method=args.parallel_method,
+        shuffle=args.shuffle,
+        shuffle_seed=args.seed,
+        pin_memory=args.pin_memory,
+        prefetch=args.prefetch,
+    )
+    batches = samples = tokens = first_samples = first_tokens = 0
+    first = 0.0
+    started = time.perf_counter()
+    with loader:
+        for batch in loader:
+            if batches == 0:
+                first = time.perf_counter() - started
+            batches += 1
+            if documents:
+                samples += len(batch["lengths"])
+                tokens += int(batch["lengths"].sum())
+            else:
+                t = batch["tokens"] if isinstance(batch, dict) else batch
+                samples += t.shape[0]
+                tokens += t.numel()
+            if batches == 1:
+                first_samples, first_tokens = samples, tokens
+            if batches >= args.batches:
+                break
+    total = time.perf_counter() - started
+    if batches == 0:
+        raise CLIError(f"{args.dataset}: the loader delivered no batch")
+    # Rates after the first batch (startup is reported on its own), over all when there is one.
+    steady = batches > 1 and total > first
+    rate_time = total - first if steady else total
+    rate_samples = samples - first_samples if steady else samples
+    rate_tokens = tokens - first_tokens if steady else tokens
+    kind = "documents" if documents else "stream"
+    if not args.quiet:
+        print(
+            "\n".join(
+                [
+                    f"dataset:              {args.dataset} ({kind}, {storage.dtype})",
+                    f"loader:               batch size {args.batch_size}, "
+                    + ("" if documents else f"sequence length {args.sequence_length}, ")
+                    + f"{args.num_workers} workers ({args.parallel_method}), shuffle {args.shuffle}, "
+                    f"prefetch {args.prefetch}, device {device}",
+                    f"batches:              {batches:,} ({samples:,} samples, {tokens:,} tokens) "
+                    f"in {total:.3f} s",
+                    f"time to first batch:  {first * 1e3:.1f} ms",
+                    f"samples/s:            {format_count(rate_samples / rate_time)}"
+                    + (" (after the first batch)" if steady else ""),
+                    f"tokens/s:             {format_count(rate_tokens / rate_time)}"
+                    + (" (after the first batch)" if steady else ""),
+                ]
+            )
+        )
+    return 0

@@ -1,0 +1,312 @@
+"""Finding input files and cutting them into tasks for the tokenizing workers.
+
+Inputs are files, globs and folders. A folder is walked recursively and its files are taken in
+sorted order of their path within it; a glob's matches are sorted too; the inputs themselves keep
+the order they were given in. Reading happens in the main process (sequentially, so the output
+order is fixed); parsing and tokenizing happen in :func:`guideloom._cli._work.process`, possibly
+in worker processes, on tasks of about ``task_bytes`` of input each.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import gzip
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Literal, cast
+
+from ._common import InputError, UsageError, require
+
+__all__ = ["FORMATS", "InputFile", "Task", "expand_inputs", "iter_tasks"]
+
+Format = Literal["text", "jsonl", "parquet"]
+FORMATS: tuple[Format, ...] = ("text", "jsonl", "parquet")
+_EXTENSIONS: dict[str, Format] = {
+    ".txt": "text",
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".parquet": "parquet",
+}
+_COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+_GLOB_CHARS = frozenset("*?[")
+
+
+@dataclass(frozen=True, slots=True)
+class InputFile:
+    path: Path
+    format: Format
+    compression: str | None
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """A unit of work: whole text files, a block of whole JSON lines, or a batch of parquet rows."""
+
+    kind: Format
+    source: str
+    """The file name that messages quote."""
+    payload: Any
+    """text: ``list[InputFile]``; jsonl: ``bytes`` of whole lines, or ``(path, start, stop)`` of an
+    uncompressed file (see :func:`read_range`); parquet: ``list`` of the rows' values."""
+    first: int
+    """parquet: the index of the first row; jsonl: 0 for a file's first task, then -1 (the workers
+    count lines, and line numbers are made absolute as results come back in order)."""
+    disk_bytes: int
+    """How much of the input files (as stored) this task accounts for, for the progress bar."""
+    names: tuple[str, ...] = field(default=())
+    """text: the file name of each document."""
+
+
+def _classify(path: Path, forced: str) -> tuple[Format | None, str | None]:
+    suffixes = path.name.lower()
+    compression = None
+    for ext, comp in _COMPRESSIONS.items():
+        if suffixes.endswith(ext):
+            compression = comp
+            suffixes = suffixes[: -len(ext)]
+            break
+    if forced != "auto":
+        return forced, compression  # type: ignore[return-value]
+    return _EXTENSIONS.get(os.path.splitext(suffixes)[1]), compression
+
+
+def _walk(folder: Path, include: Sequence[str], forced: str) -> list[Path]:
+    found = []
+    for root, dirs, files in os.walk(folder, followlinks=True):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+        for name in files:
+            if name.startswith("."):
+                continue
+            path = Path(root, name)
+            if include:
+                if any(fnmatch.fnmatch(name, pat) for pat in include):
+                    found.append(path)
+            elif forced != "auto" or _classify(path, "auto")[0] is not None:
+                found.append(path)
+    found.sort(key=lambda p: p.relative_to(folder).as_posix())
+    return found
+
+
+def expand_inputs(
+    inputs: Sequence[str], *, include: Sequence[str] = (), forced: str = "auto"
+) -> list[InputFile]:
+    """Resolve the command line's inputs to files, in order, each file once.
+
+    A folder contributes the files whose format is known from their extension (``.txt``,
+    ``.jsonl``, ``.ndjson``, ``.parquet``, each optionally ``.gz``/``.zst``), or those whose
+    name matches one of ``include``; a file named directly or matched by a glob is read whatever
+    its extension (an unknown one is read as text).
+    """
+    paths: list[Path] = []
+    for item in inputs:
+        p = Path(item).expanduser()
+        if p.is_dir():
+            found = _walk(p, include, forced)
+            if not found:
+                what = " or ".join(include) if include else "known extension (.txt, .jsonl, .parquet, ...)"
+                raise UsageError(f"input folder {item!r} holds no files of {what}; use --include '*.ext'")
+            paths += found
+        elif p.is_file():
+            paths.append(p)
+        elif _GLOB_CHARS & set(item):
+            matches = sorted(glob.glob(os.path.expanduser(item), recursive=True))
+            if not matches:
+                raise UsageError(f"input {item!r} matches no files")
+            for m in matches:
+                mp = Path(m)
+                paths += _walk(mp, include, forced) if mp.is_dir() else [mp]
+        else:
+            raise UsageError(f"input {item!r}: no such file or folder")
+    seen: set[str] = set()
+    files = []
+    for p in paths:
+        key = os.path.realpath(p)
+        if key in seen:
+            continue
+        seen.add(key)
+        fmt, compression = _classify(p, forced)
+        files.append(InputFile(p, fmt or "text", compression, p.stat().st_size))
+    return files
+
+
+@contextmanager
+def _open(f: InputFile) -> Iterator[tuple[IO[bytes], IO[bytes]]]:
+    """(decompressed stream, raw file): the raw one's position measures progress."""
+    with open(f.path, "rb") as raw:
+        if f.compression == "gzip":
+            yield cast(IO[bytes], gzip.GzipFile(fileobj=raw, mode="rb")), raw
+        elif f.compression == "zstd":
+            zstandard = require("zstandard", f"reading {f.path.name}")
+            yield zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True), raw
+        else:
+            yield raw, raw
+
+
+def _read_all(f: InputFile) -> bytes:
+    try:
+        with _open(f) as (stream, _raw):
+            return stream.read()
+    except (OSError, EOFError, ValueError) as exc:
+        raise InputError(f"{f.path}: cannot read: {exc}") from None
+
+
+def _read_block(stream: IO[bytes], size: int) -> bytes:
+    """Up to ``size`` bytes, fewer only at the end (decompressors may return short reads)."""
+    parts = []
+    want = size
+    while want > 0:
+        part = stream.read(want)
+        if not part:
+            break
+        parts.append(part)
+        want -= len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _jsonl_tasks(f: InputFile, task_bytes: int) -> Iterator[Task]:
+    name = str(f.path)
+    if f.compression is None:
+        # The workers read their own byte ranges: the main process does not touch the data.
+        for k, start in enumerate(range(0, max(f.size, 1), task_bytes)):
+            stop = min(f.size, start + task_bytes)
+            yield Task("jsonl", name, (name, start, stop), 0 if k == 0 else -1, stop - start)
+        return
+    first = 0
+    carry = b""
+    told = 0
+    try:
+        with _open(f) as (stream, raw):
+            while True:
+                block = _read_block(stream, task_bytes)
+                if not block:
+                    break
+                data = carry + block if carry else block
+                cut = data.rfind(b"\n") + 1
+                if cut == 0:
+                    carry = data
+                    continue
+                carry = data[cut:]
+                chunk = data[:cut]
+                pos = raw.tell()
+                yield Task("jsonl", name, chunk, first, pos - told)
+                told, first = pos, -1
+    except (OSError, EOFError, ValueError) as exc:
+        raise InputError(f"{name}: cannot read: {exc}") from None
+    yield Task("jsonl", name, carry, first, f.size - told)
+
+
+@contextmanager
+def _seekable(f: InputFile) -> Iterator[str]:
+    """A path to the file's decompressed bytes (parquet needs to seek)."""
+    if f.compression is None:
+        yield str(f.path)
+        return
+    with tempfile.NamedTemporaryFile(suffix=".parquet") as tmp:
+        try:
+            with _open(f) as (stream, _raw):
+                shutil.copyfileobj(stream, tmp, 8 * 2**20)
+        except (OSError, EOFError, ValueError) as exc:
+            raise InputError(f"{f.path}: cannot read: {exc}") from None
+        tmp.flush()
+        yield tmp.name
+
+
+def _parquet_tasks(f: InputFile, field_name: str, task_bytes: int) -> Iterator[Task]:
+    pq = require("pyarrow.parquet", f"reading {f.path.name}")
+    name = str(f.path)
+    with _seekable(f) as path:
+        try:
+            pf = pq.ParquetFile(path)
+        except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ...
+            raise InputError(f"{name}: not a readable parquet file: {exc}") from None
+        columns = pf.schema_arrow.names
+        if field_name not in columns:
+            raise InputError(
+                f"{name}: has no column {field_name!r} (columns: {', '.join(columns)}); use --field"
+            )
+        total_rows = max(1, pf.metadata.num_rows)
+        rows: list[Any] = []
+        nbytes = 0
+        first = 0
+        done_rows = 0
+        told = 0
+        try:
+            for batch in pf.iter_batches(batch_size=1024, columns=[field_name]):
+                col = batch.column(0)
+                rows += col.to_pylist()
+                nbytes += col.nbytes
+                if nbytes >= task_bytes:
+                    done_rows = first + len(rows)
+                    disk = f.size * done_rows // total_rows - told
+                    told += disk
+                    yield Task("parquet", name, rows, first, disk)
+                    first, rows, nbytes = done_rows, [], 0
+        except Exception as exc:
+            if isinstance(exc, InputError):
+                raise
+            raise InputError(f"{name}: cannot read: {exc}") from None
+        yield Task("parquet", name, rows, first, f.size - told)
+
+
+def _text_tasks(files: list[InputFile], task_bytes: int) -> Iterator[Task]:
+    """Consecutive text files, grouped; the worker reads (and decompresses) them."""
+    group: list[InputFile] = []
+    disk = 0
+    for f in files:
+        group.append(f)
+        disk += f.size
+        if disk >= task_bytes:
+            yield Task("text", str(group[0].path), group, 0, disk, tuple(str(g.path) for g in group))
+            group, disk = [], 0
+    if group:
+        yield Task("text", str(group[0].path), group, 0, disk, tuple(str(g.path) for g in group))
+
+
+def read_text_file(f: InputFile) -> bytes:
+    """A text task's file, decompressed (in the worker)."""
+    return _read_all(f)
+
+
+def read_range(path: str, start: int, stop: int) -> bytes:
+    """The whole lines of an uncompressed file that *start* in ``[start, stop)`` (in the worker)."""
+    try:
+        with open(path, "rb") as fh:
+            if start > 0:
+                fh.seek(start - 1)
+                if fh.read(1) != b"\n":
+                    fh.readline()  # the line under way belongs to the task before
+            begin = fh.tell()
+            if begin >= stop:
+                return b""
+            data = fh.read(stop - begin)
+            if data and not data.endswith(b"\n"):
+                data += fh.readline()
+            return data
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read: {exc}") from None
+
+
+def iter_tasks(files: Sequence[InputFile], *, field_name: str, task_bytes: int) -> Iterator[Task]:
+    """The tasks for ``files``, in order; consecutive text files share tasks."""
+    i = 0
+    while i < len(files):
+        if files[i].format == "text":
+            j = i
+            while j < len(files) and files[j].format == "text":
+                j += 1
+            yield from _text_tasks(list(files[i:j]), task_bytes)
+            i = j
+            continue
+        f = files[i]
+        if f.format == "jsonl":
+            yield from _jsonl_tasks(f, task_bytes)
+        else:
+            yield from _parquet_tasks(f, field_name, task_bytes)
+        i += 1

@@ -1,0 +1,189 @@
+"""``guideloom inspect`` and ``guideloom verify``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._errors import DatasetFormatError
+from .._storage.api import _local_folder, open_documents, open_stream, verify_dataset
+from .._storage.base import DocumentStorageAbstract, StreamStorageAbstract
+from .._storage.local import read_local_manifest
+from .._storage.manifest import Manifest
+from ._common import Progress, format_bytes
+from ._tokenizers import Tokenizer, tokenizer_for_decoding
+
+__all__ = ["add_parsers", "open_dataset"]
+
+_SAMPLE_WINDOW = 2**20  # stream elements read to find the first documents
+
+INSPECT_EXAMPLES = """\
+examples:
+  guideloom inspect stdlib-bytes
+  guideloom inspect stdlib-bytes --tokenizer bytes --samples 5
+  guideloom inspect ds --tokenizer tokenizer.json --chars 500
+"""
+
+VERIFY_EXAMPLES = """\
+examples:
+  guideloom verify stdlib-bytes
+  guideloom verify ds --progress     # a progress bar even when stderr is not a terminal
+"""
+
+Storage = StreamStorageAbstract[Any, Any] | DocumentStorageAbstract[Any, Any]
+
+
+def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "inspect",
+        parents=[common],
+        help="describe a dataset: kind, dtype, counts, files, decoded samples",
+        description="Describe a dataset. With --tokenizer, also decode its first documents.",
+        epilog=INSPECT_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("dataset", metavar="DEST", help="a dataset folder or URL")
+    p.add_argument(
+        "--tokenizer",
+        metavar="bytes|PATH|auto",
+        help="decode samples with it ('auto': the tokenizer the dataset records)",
+    )
+    p.add_argument("--samples", type=int, default=3, metavar="K", help="documents to decode (default 3)")
+    p.add_argument(
+        "--chars", type=int, default=200, metavar="C", help="show at most C characters of each (default 200)"
+    )
+    p.set_defaults(func=run_inspect)
+
+    v = sub.add_parser(
+        "verify",
+        parents=[common],
+        help="re-read every file and check sizes and checksums against the manifest",
+        description="Re-read every data file of a dataset and check its size and SHA-256 checksum "
+        "against the manifest.",
+        epilog=VERIFY_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    v.add_argument("dataset", metavar="DEST", help="a dataset folder or URL")
+    v.set_defaults(func=run_verify)
+
+
+def open_dataset(dest: str) -> tuple[Manifest | None, Storage]:
+    """The dataset's manifest (when the storage exposes it) and a storage of the right kind."""
+    folder = _local_folder(dest)
+    if folder is not None:
+        manifest = read_local_manifest(folder)
+        storage: Storage = open_stream(dest) if manifest.kind == "stream" else open_documents(dest)
+        return manifest, storage
+    try:
+        storage = open_stream(dest)
+    except DatasetFormatError:
+        storage = open_documents(dest)
+    return getattr(storage, "manifest", None), storage
+
+
+def _describe(dest: str, manifest: Manifest | None, storage: Storage) -> list[str]:
+    lines = [f"dataset:    {dest}"]
+    if manifest is None:
+        kind = "stream" if isinstance(storage, StreamStorageAbstract) else "documents"
+        lines += [f"kind:       {kind}", f"dtype:      {storage.dtype}", f"length:     {len(storage):,}"]
+        return lines
+    lines += [
+        f"kind:       {manifest.kind}",
+        f"dtype:      {manifest.dtype.name}",
+        f"elements:   {manifest.num_elements:,} tokens",
+    ]
+    documents = manifest.num_documents if manifest.kind == "documents" else manifest.extra.get("documents")
+    if documents is not None:
+        lines.append(f"documents:  {documents:,}")
+    if manifest.kind == "stream" and len(manifest.fields) > 1:
+        meta = ", ".join(f"{n} ({s.dtype.name})" for n, s in manifest.fields.items() if n != "tokens")
+        lines.append(f"metadata:   {meta}")
+    files = manifest.all_files()
+    total = sum(f.nbytes for _, _, f in files)
+    lines.append(f"files:      {len(files)} ({format_bytes(total)}, {total:,} bytes)")
+    width = max(len(f.path) for _, _, f in files)
+    for name, spec, f in files:
+        lines.append(
+            f"  {f.path:<{width}}  {name:<8} {spec.dtype.name:<7} {f.elements:>14,} elements "
+            f"{f.nbytes:>15,} B"
+        )
+    if manifest.extra:
+        lines.append("info:")
+        lines += [f"  {k}: {v}" for k, v in manifest.extra.items()]
+    return lines
+
+
+def _eos_of(manifest: Manifest | None) -> int | None:
+    eos = manifest.extra.get("eos_id") if manifest is not None else None
+    return eos if isinstance(eos, int) and not isinstance(eos, bool) else None
+
+
+async def _first_documents(storage: Storage, k: int, eos: int | None) -> list[np.ndarray[Any, Any]]:
+    await storage.open()
+    try:
+        if isinstance(storage, DocumentStorageAbstract):
+            n = min(k, len(storage))
+            return [np.asarray(d) for d in await storage.read_many(np.arange(n, dtype=np.int64))]
+        length = min(len(storage), _SAMPLE_WINDOW)
+        if length == 0:
+            return []
+        (window,) = await storage.read_many(np.zeros(1, dtype=np.int64), length)
+        tokens = np.asarray(window["tokens"] if isinstance(window, dict) else window)
+    finally:
+        await storage.close()
+    if eos is None:
+        return [tokens[i * 256 : (i + 1) * 256] for i in range(min(k, -(-len(tokens) // 256)))]
+    ends = np.flatnonzero(tokens == eos)[:k] + 1
+    starts = np.concatenate([[0], ends[:-1]])
+    docs = [tokens[s:e] for s, e in zip(starts.tolist(), ends.tolist(), strict=True)]
+    if len(docs) < k and (not len(ends) or ends[-1] < len(tokens)):
+        docs.append(tokens[int(ends[-1]) if len(ends) else 0 :])
+    return docs
+
+
+def _preview(tokenizer: Tokenizer, tokens: np.ndarray[Any, Any], chars: int) -> str:
+    text = tokenizer.decode(tokens)
+    more = "..." if len(text) > chars else ""
+    return repr(text[:chars]) + more
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    manifest, storage = open_dataset(args.dataset)
+    lines = _describe(args.dataset, manifest, storage)
+    if args.tokenizer:
+        tokenizer = tokenizer_for_decoding(args.tokenizer, manifest.extra if manifest is not None else {})
+        docs = asyncio.run(_first_documents(storage, max(0, args.samples), _eos_of(manifest)))
+        name = args.tokenizer
+        if name == "auto" and manifest is not None:
+            name = f"{manifest.extra.get('tokenizer')} (auto)"
+        lines.append(f"samples (first {len(docs)} documents, decoded with {name}):")
+        for i, doc in enumerate(docs):
+            lines.append(f"  [{i}] {len(doc):,} tokens: {_preview(tokenizer, doc, args.chars)}")
+    print("\n".join(lines))
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    folder = _local_folder(args.dataset)
+    total = None
+    if folder is not None:
+        total = sum(f.nbytes for _, _, f in read_local_manifest(Path(folder)).all_files())
+    progress = Progress(
+        enabled=Progress.wanted(progress=args.progress, quiet=args.quiet), total=total, desc="verify"
+    )
+    try:
+        manifest = verify_dataset(args.dataset, progress=progress.update)
+    finally:
+        progress.close()
+    if not args.quiet:
+        files = manifest.all_files()
+        nbytes = sum(f.nbytes for _, _, f in files)
+        print(
+            f"ok: {args.dataset}: {len(files)} files, {format_bytes(nbytes)}, sizes and sha256 checksums "
+            f"match the manifest ({manifest.kind}, {manifest.num_elements:,} {manifest.dtype.name} tokens)"
+        )
+    return 0

@@ -1,0 +1,322 @@
+"""``guideloom prepare``: tokenize a corpus into a stream or document dataset."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .._storage.api import write_documents, write_stream
+from .._storage.manifest import MANIFEST_NAME
+from ._common import CLIError, Progress, UsageError, format_bytes, format_count
+from ._inputs import FORMATS, expand_inputs, iter_tasks
+from ._tokenizers import resolve_tokenizer
+from ._work import Options, Result, ordered_results
+
+__all__ = ["add_parser", "run"]
+
+_META_CHUNK = 4 * 2**20  # metadata elements per chunk
+_LENGTHS_BLOCK = 2**16  # document lengths read back per block
+
+EXAMPLES = """\
+examples:
+  # the standard library's own sources as a corpus, byte-level tokens, 2 processes
+  guideloom prepare "$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" \\
+      --include '*.py' --output stdlib-bytes --workers 2
+
+  # JSONL (also .jsonl.gz / .jsonl.zst), text in the "content" field, one sample per document
+  guideloom prepare data/*.jsonl.zst --field content --kind documents --output docs
+
+  # a tokenizer.json, its end-of-document token, document ids for attention masking
+  guideloom prepare corpus/ --tokenizer tokenizer.json --eos '</s>' --document-ids --output ds
+
+  # to object storage (needs guideloom[remote])
+  guideloom prepare corpus/ --output s3://bucket/datasets/corpus
+"""
+
+
+def _size(text: str) -> int:
+    units = {
+        "": 1,
+        "b": 1,
+        "k": 2**10,
+        "kb": 2**10,
+        "kib": 2**10,
+        "m": 2**20,
+        "mb": 2**20,
+        "mib": 2**20,
+        "g": 2**30,
+        "gb": 2**30,
+        "gib": 2**30,
+    }
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("abgikm")
+    unit = s[len(num) :]
+    try:
+        value = float(num)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 4MiB or 1048576") from None
+    if unit not in units or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 4MiB or 1048576")
+    return max(1, int(value * units[unit]))
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "prepare",
+        parents=[common],
+        help="tokenize text files into a dataset the loader reads",
+        description=(
+            "Tokenize .txt (one document per file), .jsonl (one per line) and .parquet (one per "
+            "row) inputs, each optionally .gz or .zst, into a stream dataset (documents "
+            "concatenated, each followed by the end-of-document token) or a document dataset. "
+            "Folders are read recursively, in sorted order."
+        ),
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="files, globs or folders")
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="DEST",
+        help="a folder, file:// URL, or s3:// gs:// az:// prefix",
+    )
+    p.add_argument(
+        "--kind",
+        choices=("stream", "documents"),
+        default="stream",
+        help="stream: one token stream cut into fixed-length samples (default); "
+        "documents: one sample per document",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default="bytes",
+        metavar="bytes|PATH",
+        help="'bytes' (default: one token per UTF-8 byte, ids 0-255, end-of-document 256) "
+        "or a local tokenizer.json of the tokenizers library",
+    )
+    p.add_argument(
+        "--eos", metavar="TOKEN", help="the end-of-document token of a tokenizer.json, as text ('</s>') or id"
+    )
+    p.add_argument("--no-eos", action="store_true", help="append no end-of-document token")
+    p.add_argument(
+        "--dtype",
+        choices=("uint8", "uint16", "uint32", "int32", "int64"),
+        help="token dtype (default: the smallest that holds the vocabulary)",
+    )
+    p.add_argument(
+        "--field", default="text", help="the text field of JSONL objects and parquet rows (default: text)"
+    )
+    p.add_argument(
+        "--format",
+        choices=("auto", *FORMATS),
+        default="auto",
+        help="how to read the inputs (default: from each file's extension; unknown ones are text)",
+    )
+    p.add_argument(
+        "--include",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="in folders, read the files whose name matches PATTERN (e.g. '*.py'); repeatable",
+    )
+    p.add_argument(
+        "--workers",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="tokenize in N processes (the output is the same for any N; default 1)",
+    )
+    p.add_argument(
+        "--document-ids",
+        action="store_true",
+        help="stream only: store doc_id and doc_pos metadata, so samples are dicts that "
+        "say which document each token belongs to and where in it",
+    )
+    p.add_argument(
+        "--skip-invalid",
+        action="store_true",
+        help="skip (and count) malformed JSON lines, rows without text and non-UTF-8 files",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace a dataset that exists at DEST")
+    p.add_argument(
+        "--shard-size",
+        type=_size,
+        default=256 * 2**20,
+        metavar="SIZE",
+        help="largest data file (default 256MiB)",
+    )
+    p.add_argument(
+        "--task-size",
+        type=_size,
+        default=4 * 2**20,
+        metavar="SIZE",
+        help="input text per parallel task (default 4MiB)",
+    )
+    p.set_defaults(func=run)
+
+
+def _is_local(dest: str) -> bool:
+    scheme = dest.split("://", 1)[0].lower() if "://" in dest else ""
+    return scheme in ("", "file")
+
+
+def _local_folder(dest: str) -> Path:
+    return Path(dest[len("file://") :] if dest.startswith("file://") else dest).expanduser()
+
+
+class _Counter:
+    """Totals of the run, and the document lengths spilled to a temporary file."""
+
+    def __init__(self, lengths_file: IO[bytes] | None) -> None:
+        self.documents = 0
+        self.tokens = 0
+        self.invalid = 0
+        self.max_length = 0
+        self.lengths_file = lengths_file
+
+
+def _doc_metadata(counter: _Counter, which: str) -> Iterator[npt.NDArray[Any]]:
+    """``doc_id`` or ``doc_pos`` for every token, rebuilt from the spilled document lengths.
+
+    Runs after the tokens are written (the writer consumes one field at a time), so the totals
+    are known and pick the dtype; memory stays bounded by the block sizes.
+    """
+    fh = counter.lengths_file
+    assert fh is not None
+    if which == "doc_id":
+        dtype = np.uint32 if counter.documents <= 2**32 else np.int64
+    else:
+        dtype = np.uint32 if counter.max_length <= 2**32 else np.int64
+    fh.seek(0)
+    base_doc = 0
+    while block := fh.read(8 * _LENGTHS_BLOCK):
+        lengths = np.frombuffer(block, dtype=np.int64)
+        ends = np.cumsum(lengths)
+        starts = ends - lengths
+        total = int(ends[-1])
+        for a in range(0, total, _META_CHUNK):
+            pos = np.arange(a, min(total, a + _META_CHUNK), dtype=np.int64)
+            doc = np.searchsorted(ends, pos, side="right")
+            if which == "doc_id":
+                yield (doc + base_doc).astype(dtype)
+            else:
+                yield (pos - starts[doc]).astype(dtype)
+        base_doc += len(lengths)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.kind == "documents" and args.document_ids:
+        raise UsageError("--document-ids applies to --kind stream (a document dataset keeps its boundaries)")
+    if args.no_eos and args.eos is not None:
+        raise UsageError("--eos and --no-eos contradict each other")
+    spec = resolve_tokenizer(args.tokenizer, eos=args.eos, no_eos=args.no_eos, dtype=args.dtype)
+    files = expand_inputs(args.inputs, include=args.include, forced=args.format)
+    dest: str = args.output
+    if _is_local(dest):
+        folder = _local_folder(dest)
+        if folder.exists() and not folder.is_dir():
+            raise CLIError(f"--output {dest!r} exists and is not a folder")
+        if (folder / MANIFEST_NAME).exists() and not args.overwrite:
+            raise CLIError(f"a dataset already exists at {dest!r}; pass --overwrite to replace it")
+    options = Options(tokenizer=spec, field=args.field, skip_invalid=args.skip_invalid)
+    info: dict[str, Any] = {
+        **spec.info(),
+        "eos_appended": spec.eos_id is not None,
+        "source_files": len(files),
+        "documents": 0,
+        "created_by": "guideloom prepare",
+    }
+    total_disk = sum(f.size for f in files)
+    progress = Progress(
+        enabled=Progress.wanted(progress=args.progress, quiet=args.quiet),
+        total=total_disk,
+        desc="prepare",
+        counters=("docs", "tokens"),
+    )
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        lengths_file = (
+            stack.enter_context(tempfile.TemporaryFile(prefix="guideloom-lengths-"))
+            if args.document_ids
+            else None
+        )
+        counter = _Counter(lengths_file)
+        results = ordered_results(
+            iter_tasks(files, field_name=args.field, task_bytes=args.task_size), options, args.workers
+        )
+
+        def counted() -> Iterator[Result]:
+            for r in results:
+                counter.documents += len(r.lengths)
+                counter.tokens += len(r.tokens)
+                counter.invalid += r.invalid
+                if len(r.lengths):
+                    counter.max_length = max(counter.max_length, int(r.lengths.max()))
+                if counter.lengths_file is not None:
+                    counter.lengths_file.write(r.lengths.tobytes())
+                progress.update(r.disk_bytes, docs=len(r.lengths), tokens=len(r.tokens))
+                yield r
+            info["documents"] = counter.documents
+            info["tokens"] = counter.tokens
+            if args.skip_invalid:
+                info["skipped_invalid"] = counter.invalid
+
+        write_options: dict[str, Any] = {
+            "dtype": np.dtype(spec.dtype),
+            "shard_bytes": args.shard_size,
+            "overwrite": args.overwrite,
+            "info": info,
+        }
+        try:
+            if args.kind == "stream":
+                metadata = (
+                    {"doc_id": _doc_metadata(counter, "doc_id"), "doc_pos": _doc_metadata(counter, "doc_pos")}
+                    if args.document_ids
+                    else None
+                )
+                manifest = write_stream(
+                    dest, (r.tokens for r in counted()), metadata=metadata, **write_options
+                )
+            else:
+                manifest = write_documents(dest, _split_documents(counted()), **write_options)
+        finally:
+            results.close()
+            progress.close()
+    elapsed = time.perf_counter() - started
+    if not args.quiet:
+        nbytes = sum(f.nbytes for _, _, f in manifest.all_files())
+        print(
+            f"wrote {manifest.kind} dataset {dest}: {format_count(manifest.num_elements)} tokens "
+            f"({manifest.dtype.name}), {counter.documents:,} documents from {len(files):,} files, "
+            f"{len(manifest.all_files())} data files ({format_bytes(nbytes)}) in {elapsed:.1f} s "
+            f"({total_disk / max(elapsed, 1e-9) / 1e6:.1f} MB/s of input)"
+        )
+        if counter.invalid:
+            print(f"skipped {counter.invalid:,} invalid lines, rows or files (--skip-invalid)")
+    return 0
+
+
+def _split_documents(results: Iterator[Result]) -> Iterator[npt.NDArray[Any]]:
+    for r in results:
+        if len(r.lengths):
+            yield from np.split(r.tokens, np.cumsum(r.lengths[:-1]))

@@ -1,0 +1,222 @@
+"""``inspect``, ``verify``, ``bench``, progress bars, ``--help``, and the installed console script."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import guideloom as gl
+
+from .conftest import manifest_of, write_jsonl
+
+TEXTS = [f"document number {i}: " + "lorem ipsum " * (i % 13) for i in range(200)]
+
+
+@pytest.fixture
+def stream_ds(cli, tmp_path: Path) -> Path:
+    write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in TEXTS])
+    r = cli("prepare", tmp_path / "d.jsonl", "-o", tmp_path / "stream", "--shard-size", "8KiB")
+    assert r.code == 0, r
+    return tmp_path / "stream"
+
+
+@pytest.fixture
+def docs_ds(cli, tmp_path: Path) -> Path:
+    write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in TEXTS])
+    r = cli("prepare", tmp_path / "d.jsonl", "-o", tmp_path / "docs", "--kind", "documents")
+    assert r.code == 0, r
+    return tmp_path / "docs"
+
+
+def test_inspect_stream(cli, stream_ds: Path) -> None:
+    m = manifest_of(stream_ds)
+    r = cli("inspect", stream_ds)
+    assert r.code == 0, r
+    assert "kind:       stream" in r.out and "dtype:      uint16" in r.out
+    assert f"elements:   {m['num_elements']:,} tokens" in r.out
+    assert "documents:  200" in r.out
+    for f in m["fields"]["tokens"]["files"]:
+        assert f["path"] in r.out
+    assert f"files:      {len(m['fields']['tokens']['files'])} " in r.out
+    assert "samples" not in r.out  # decoding only when a tokenizer is given
+    r = cli("inspect", stream_ds, "--tokenizer", "bytes", "--samples", "3", "--chars", "1000")
+    assert r.code == 0, r
+    for text in TEXTS[:3]:
+        assert repr(text) in r.out
+    assert repr(TEXTS[3]) not in r.out
+
+
+def test_inspect_documents(cli, docs_ds: Path) -> None:
+    r = cli("inspect", docs_ds, "--tokenizer", "auto", "--samples", "2", "--chars", "10")
+    assert r.code == 0, r
+    assert "kind:       documents" in r.out and "documents:  200" in r.out and "offsets" in r.out
+    assert repr(TEXTS[1][:10]) + "..." in r.out
+
+
+def test_verify_ok_then_detects_corruption(cli, stream_ds: Path) -> None:
+    r = cli("verify", stream_ds)
+    assert r.code == 0 and r.out.startswith("ok:") and "sha256" in r.out
+    shard = stream_ds / manifest_of(stream_ds)["fields"]["tokens"]["files"][1]["path"]
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0x01  # same size, one bit flipped: only the checksum can tell
+    shard.write_bytes(bytes(data))
+    r = cli("verify", stream_ds)
+    assert r.code == 1 and shard.name in r.err and "checksum" in r.err
+    shard.write_bytes(bytes(data[:-2]))
+    r = cli("verify", stream_ds)
+    assert r.code == 1 and shard.name in r.err and "bytes" in r.err
+
+
+def test_verify_and_inspect_missing_dataset(cli, tmp_path: Path) -> None:
+    for command in ("verify", "inspect", "bench"):
+        r = cli(command, tmp_path / "nothing")
+        assert r.code == 1 and "no dataset" in r.err, (command, r)
+
+
+def test_bench_stream(cli, stream_ds: Path) -> None:
+    r = cli(
+        "bench",
+        stream_ds,
+        "--sequence-length",
+        "64",
+        "--batch-size",
+        "4",
+        "--batches",
+        "10",
+        "--shuffle",
+        "--num-workers",
+        "2",
+        "--prefetch",
+        "2",
+    )
+    assert r.code == 0, r
+    assert "batches:              10 (40 samples, 2,560 tokens)" in r.out
+    for key in ("samples/s:", "tokens/s:", "time to first batch:"):
+        assert key in r.out
+    # fewer batches than asked for: stops at the end of the epoch
+    n = manifest_of(stream_ds)["num_elements"] // 64 // 4
+    r = cli("bench", stream_ds, "--sequence-length", "64", "--batch-size", "4", "--batches", "100000")
+    assert r.code == 0 and f"batches:              {n:,} " in r.out
+
+
+def test_bench_documents_and_metadata_streams(cli, docs_ds: Path, tmp_path: Path) -> None:
+    r = cli("bench", docs_ds, "--batch-size", "8", "--batches", "3")
+    assert r.code == 0, r
+    lengths = [len(t.encode()) + 1 for t in TEXTS[:24]]
+    assert f"batches:              3 (24 samples, {sum(lengths):,} tokens)" in r.out
+    assert cli("prepare", tmp_path / "d.jsonl", "-o", tmp_path / "ids", "--document-ids").code == 0
+    r = cli(
+        "bench",
+        tmp_path / "ids",
+        "--sequence-length",
+        "32",
+        "--batch-size",
+        "2",
+        "--batches",
+        "2",
+        "--num-workers",
+        "1",
+        "--parallel-method",
+        "process",
+    )
+    assert r.code == 0, r
+    assert "batches:              2 (4 samples, 128 tokens)" in r.out
+
+
+def test_bench_too_small_dataset_is_a_data_error(cli, tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("tiny")
+    assert cli("prepare", tmp_path / "a.txt", "-o", tmp_path / "ds").code == 0
+    r = cli("bench", tmp_path / "ds", "--sequence-length", "2048")
+    assert r.code == 1 and "guideloom: error:" in r.err
+
+
+def test_collate_functions() -> None:
+    from guideloom._cli._bench import collate_documents, collate_stream
+
+    out = collate_documents([np.array([1, 2, 3], np.uint16), np.array([4], np.uint16)])
+    assert out["tokens"].tolist() == [[1, 2, 3], [4, 0, 0]] and out["lengths"].tolist() == [3, 1]
+    assert out["tokens"].dtype == torch.int64
+    s = collate_stream([np.array([1, 2], np.uint16), np.array([3, 4], np.uint16)])
+    assert s.dtype == torch.int64 and s.tolist() == [[1, 2], [3, 4]]
+
+
+def test_progress_bar_only_when_asked_or_interactive(cli, tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in TEXTS])
+    r = cli("prepare", tmp_path / "d.jsonl", "-o", tmp_path / "a")
+    assert r.code == 0 and r.err == ""  # stderr is not a terminal here: quiet
+    r = cli("prepare", tmp_path / "d.jsonl", "-o", tmp_path / "b", "--progress")
+    assert r.code == 0, r
+    assert "prepare" in r.err and "docs" in r.err and "tokens" in r.err and "/s" in r.err
+    r = cli("verify", tmp_path / "b", "--progress")
+    assert r.code == 0 and "verify" in r.err and "100%" in r.err
+    r = cli("prepare", tmp_path / "d.jsonl", "-o", tmp_path / "c", "--progress", "--quiet")
+    assert r.code == 0 and r.out == "" and r.err == ""
+
+
+@pytest.mark.parametrize("command", ["prepare", "inspect", "verify", "bench"])
+def test_help_on_every_subcommand_has_examples(cli, command: str) -> None:
+    r = cli(command, "--help")
+    assert r.code == 0
+    assert (
+        f"usage: guideloom {command}" in r.out and "examples:" in r.out and f"guideloom {command} " in r.out
+    )
+
+
+def test_top_level_help(cli) -> None:
+    r = cli("--help")
+    assert r.code == 0 and all(c in r.out for c in ("prepare", "inspect", "verify", "bench"))
+    assert cli().code == 2
+
+
+def _console_script() -> list[str]:
+    script = Path(sys.executable).with_name("guideloom")
+    if not script.exists():
+        pytest.skip("the guideloom console script is not installed next to this Python")
+    return [str(script)]
+
+
+def test_installed_console_script_end_to_end(tmp_path: Path) -> None:
+    """prepare -> inspect -> verify -> bench through the installed script, then the loader."""
+    cmd = _console_script()
+    write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in TEXTS])
+    env = {**os.environ, "PYTHONWARNINGS": "error"}
+
+    def run(*args: object) -> subprocess.CompletedProcess[str]:
+        out = subprocess.run(
+            [*cmd, *map(str, args)], capture_output=True, text=True, env=env, timeout=100, check=False
+        )
+        assert out.returncode == 0, out
+        return out
+
+    out = run(
+        "prepare", tmp_path / "d.jsonl", "--output", tmp_path / "ds", "--workers", "2", "--task-size", "2KiB"
+    )
+    assert "wrote stream dataset" in out.stdout and out.stderr == ""
+    assert "documents:  200" in run("inspect", tmp_path / "ds", "--tokenizer", "bytes").stdout
+    assert run("verify", tmp_path / "ds").stdout.startswith("ok:")
+    assert "tokens/s" in run("bench", tmp_path / "ds", "--sequence-length", "128", "--batch-size", "2").stdout
+
+    def collate(samples):
+        return torch.from_numpy(np.stack(samples).astype(np.int64))
+
+    loader = gl.StatefulDataLoader.from_storage(
+        gl.open_stream(tmp_path / "ds"),
+        collate,
+        sequence_length=16,
+        local_batch_size=4,
+        device=torch.device("cpu"),
+    )
+    with loader:
+        batches = list(loader)
+    tokens = torch.cat([b.reshape(-1) for b in batches]).numpy()
+    expected = np.concatenate([np.append(np.frombuffer(t.encode(), np.uint8), 256) for t in TEXTS])
+    np.testing.assert_array_equal(tokens, expected[: len(tokens)])
+    assert len(tokens) == len(expected) // 64 * 64
+    assert json.loads((tmp_path / "ds" / "manifest.json").read_text())["info"]["documents"] == 200

@@ -1,0 +1,40 @@
+# Two commands for a new machine: `make demo` and `make test`. Both create .venv on first use.
+# torch is installed first, pinned to the CPU build that lies on this machine's disk
+# (`pip install torch==2.13.0`), so that nothing resolves a multi-GB CUDA build.
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+
+.PHONY: setup demo test lint types unit bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[torch,dev]"
+	@$(PY) -c "import torch; print('torch', torch.__version__, 'cuda' if torch.version.cuda else 'cpu build')"
+	touch $@
+
+demo: setup
+	$(PY) examples/quickstart.py
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+types: setup
+	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy --strict --warn-unreachable tests/typing/check_overloads.py
+
+unit: setup
+	$(VENV)/bin/pytest
+
+test: lint types unit
+
+bench: setup
+	$(PY) -m benchmarks.local_stream
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -315,3 +315,15 @@ def test_console_script_errors_have_no_traceback(tmp_path: Path) -> None:
     assert out.returncode == 1 and "no dataset" in out.stderr and "Traceback" not in out.stderr
     out = subprocess.run([*cmd, "frobnicate"], capture_output=True, text=True, check=False)
     assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+def test_non_utf8_json_line_and_byte_order_mark(cli, tmp_path: Path) -> None:
+    (tmp_path / "bad.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "\xff\xfe"}\n{"text": "fine"}\n')
+    r = cli("prepare", tmp_path / "bad.jsonl", "-o", tmp_path / "ds")
+    assert r.code == 1 and f"{tmp_path / 'bad.jsonl'}:2: invalid JSON" in r.err
+    r = cli("prepare", tmp_path / "bad.jsonl", "-o", tmp_path / "ds", "--skip-invalid")
+    assert r.code == 0 and byte_texts(tmp_path / "ds") == ["ok", "fine"]
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "first"}\r\n{"text": "second"}\r\n')
+    r = cli("prepare", tmp_path / "bom.jsonl", "-o", tmp_path / "bom")
+    assert r.code == 0, r
+    assert byte_texts(tmp_path / "bom") == ["first", "second"]

@@ -179,7 +179,7 @@ async def _reader(cfg: PipelineConfig, send: ObjectSendStream[list[Delivery]], f
             slot: list[Any] = []
             results.append((event, slot))
             tg.start_soon(run, specs, event, slot)
-            if not await drain(concurrency - 1 if concurrency > 1 else 0):
+            if not await drain(concurrency - 1):
                 tg.cancel_scope.cancel()
                 return
         await drain(0)

@@ -339,8 +339,8 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
             it.close_sync()
         with self._lock:
             try:
-                if self._state != "closed" and self._loop_thread is not None:
-                    self._loop_thread.run(self.dataset.close())
+                if self._state != "closed":
+                    self._loop().run(self.dataset.close())
             finally:
                 self._state = "closed"
                 if self._loop_thread is not None:

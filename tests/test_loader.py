@@ -682,3 +682,34 @@ def test_sync_iteration_inside_a_running_loop_thread_is_independent() -> None:
     """The sync facade runs its own loop: it works from code that has no loop at all."""
     with make(identity_stream(12), local_batch_size=4) as loader:
         assert take(loader) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+def test_sync_close_of_an_async_opened_loader_closes_the_storage() -> None:
+    events: list[str] = []
+
+    class Tracked(gl.MemoryStreamStorage):
+        async def open(self) -> None:
+            events.append("open")
+
+        async def close(self) -> None:
+            events.append("close")
+
+    loader = make(Tracked(np.arange(40)))
+
+    async def open_it() -> None:
+        await loader.aopen()
+
+    asyncio.run(open_it())
+    loader.close()
+    assert events == ["open", "close"]
+
+
+def test_many_open_close_cycles_leave_no_threads() -> None:
+    loader = make(identity_stream(30), local_batch_size=2, num_workers=2, prefetch=2)
+    sizes = []
+    for _ in range(20):
+        with loader:
+            sizes.append(len(take(loader, 3)))
+    # 15 batches an epoch; an iterator started at the epoch's end is exhausted at once (epoch + 1)
+    assert sizes == [3, 3, 3, 3, 3, 0] * 3 + [3, 3]
+    assert loader.state_dict()["epoch"] == 3 and loader.state_dict()["observation_offset"] == 12

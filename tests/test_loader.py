@@ -647,7 +647,7 @@ class SlowBlockingStream(gl.MemoryStreamStorage):
         import anyio.to_thread
 
         def blocking() -> Sequence[Any]:
-            time.sleep(0.05)
+            time.sleep(0.3)
             return asyncio.run(super(SlowBlockingStream, self).read_many(starts, length))
 
         return await anyio.to_thread.run_sync(blocking)
@@ -675,7 +675,7 @@ async def test_async_iteration_keeps_the_event_loop_responsive() -> None:
     stop.set()
     await task
     assert n == 25
-    assert max(gaps) < 0.04, max(gaps)  # each read blocks 50 ms, but off the loop
+    assert max(gaps) < 0.2, max(gaps)  # each read blocks 300 ms, but off the loop
 
 
 def test_sync_iteration_inside_a_running_loop_thread_is_independent() -> None:

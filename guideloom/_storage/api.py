@@ -65,8 +65,11 @@ def write_stream(
     ``dtype`` defaults to the first chunk's; every value must fit it exactly. ``metadata`` maps
     field names to arrays (or iterables of chunks) as long as the stream; samples of such a
     stream are dicts. Data files are at most ``shard_bytes`` each; the manifest is written last
-    and atomically. An existing dataset is replaced only with ``overwrite=True``. ``options``
-    configure an object-store destination (credentials, endpoint). Returns the manifest.
+    and atomically. An existing dataset is replaced only with ``overwrite=True``. ``info`` is a
+    JSON-serialisable dict stored in the manifest; it is copied when the manifest is built, after
+    the last chunk, so a caller may fill in counts while the chunks are produced. ``progress`` is
+    called with the number of elements of each token chunk written. ``options`` configure an
+    object-store destination (credentials, endpoint). Returns the manifest.
     """
     folder = _local_folder(destination)
     sink = LocalSink(folder) if folder is not None else _remote().sink_for(str(destination), **options)

@@ -1,0 +1,155 @@
+"""Pipeline internals that the loader tests reach only indirectly."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import guideloom as gl
+from guideloom._channel import Channel
+from guideloom._loop import LoopThread
+from guideloom._pipeline import PipelineConfig, _Indexes, _positions, group_size, move_to_device
+from guideloom._plan import EpochPlan, Permutation
+
+
+def _cfg(n: int, batch: int, world: int, rank: int, offset: int) -> PipelineConfig:
+    return PipelineConfig(
+        dataset=gl.StreamDataset(gl.MemoryStreamStorage(np.arange(n)), 1),
+        plan=EpochPlan(n, batch, world, rank, drop_last=False, start_offset=offset),
+        order=Permutation(n, shuffle=True, seed=3, epoch=0),
+        collate_fn=list,
+        device=torch.device("cpu"),
+        pin_memory=False,
+        num_workers=0,
+        parallel_method="thread",
+        prefetch=0,
+    )
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    n=st.integers(1, 500),
+    batch=st.integers(1, 7),
+    world=st.integers(1, 4),
+    offset=st.integers(0, 60),
+    block=st.integers(1, 40),
+    windows=st.lists(st.integers(1, 9), min_size=1, max_size=30),
+    data=st.data(),
+)
+def test_block_indexes_equal_direct_lookups(
+    n: int, batch: int, world: int, offset: int, block: int, windows: list[int], data: st.DataObject
+) -> None:
+    rank = data.draw(st.integers(0, world - 1))
+    cfg = _cfg(n, batch, world, rank, offset)
+    idx = _Indexes(cfg)
+    idx.BLOCK_POSITIONS = block  # type: ignore[misc]
+    step = 0
+    for w in windows:
+        if step >= len(cfg.plan):
+            break
+        specs = [cfg.plan.batch(s) for s in range(step, min(len(cfg.plan), step + w))]
+        assert idx.of(specs).tolist() == cfg.order.take(_positions(specs)).tolist()
+        step += len(specs)
+
+
+def test_group_size_bounds() -> None:
+    assert group_size(0, 2) == 1
+    assert group_size(18, 2) == 4
+    assert group_size(1000, 1) == 8
+
+
+def test_channel_credits_bound_prefetch() -> None:
+    """The producer never gets more than capacity batches ahead of the consumer's requests."""
+    lt = LoopThread()
+    try:
+        ch: Channel[int] = Channel(lt.loop, 3)
+        produced: list[int] = []
+
+        async def producer() -> None:
+            for i in range(50):
+                await ch.reserve()
+                produced.append(i)
+                ch.put(i)
+            ch.close()
+
+        lt.submit(producer())
+        time.sleep(0.1)
+        assert len(produced) == 3  # capacity, and no request yet
+        got = [ch.get() for _ in range(10)]
+        time.sleep(0.1)
+        assert got == list(range(10))
+        assert len(produced) == 13  # 10 requests + capacity
+        rest = []
+        with pytest.raises(EOFError):
+            while True:
+                rest.append(ch.get(timeout=5))
+        assert got + rest == list(range(50))
+    finally:
+        lt.stop()
+
+
+def test_channel_capacity_zero_is_on_demand() -> None:
+    lt = LoopThread()
+    try:
+        ch: Channel[int] = Channel(lt.loop, 0)
+        started = threading.Event()
+        count = 0
+
+        async def producer() -> None:
+            nonlocal count
+            started.set()
+            for i in range(5):
+                await ch.reserve()
+                count += 1
+                ch.put(i)
+
+        lt.submit(producer())
+        started.wait()
+        time.sleep(0.05)
+        assert count == 0
+        assert ch.get() == 0
+        time.sleep(0.05)
+        assert count == 1
+    finally:
+        lt.stop()
+
+
+def test_channel_async_consumer() -> None:
+    async def main() -> list[int]:
+        ch: Channel[int] = Channel(asyncio.get_running_loop(), 2)
+
+        async def producer() -> None:
+            for i in range(20):
+                await ch.reserve()
+                ch.put(i)
+                await asyncio.sleep(0)
+            ch.close()
+
+        task = asyncio.create_task(producer())
+        out = []
+        try:
+            while True:
+                out.append(await ch.aget())
+        except EOFError:
+            pass
+        await task
+        return out
+
+    assert asyncio.run(main()) == list(range(20))
+
+
+def test_move_to_device_keeps_structure_and_non_tensors() -> None:
+    t = torch.arange(3)
+    obj: Any = {"a": t, "b": [t, "text", 3], "c": (t,)}
+    out = move_to_device(obj, torch.device("meta"), pin_memory=False)
+    assert out["a"].device.type == "meta" and out["b"][1:] == ["text", 3] and isinstance(out["c"], tuple)
+    same = move_to_device(obj, torch.device("cpu"), pin_memory=True)
+    assert same["a"] is t

@@ -87,6 +87,31 @@ def run_bare_per_sample(path: Path, batches: int) -> float:
     return batches * BATCH / (time.perf_counter() - t0)
 
 
+def run_bare_threads(path: Path, batches: int, workers: int = 2, group: int = 4) -> float:
+    """No loader, collation on a thread pool: what Python threads can do for this collate at all.
+
+    The main thread gathers groups of batches and hands each group to the pool, keeping
+    2 * workers groups in flight, results taken in order. With the GIL, this bounds any
+    thread-worker loader on this collate.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    view = _rows_view(path)
+    order = order_for(len(view), batches)
+    with ThreadPoolExecutor(workers) as pool:
+        t0 = time.perf_counter()
+        pending = []
+        for s in range(0, batches, group):
+            rows = [list(view[order[b * BATCH : (b + 1) * BATCH]]) for b in range(s, min(batches, s + group))]
+            pending.append(pool.submit(lambda rs: [collate(r) for r in rs], rows))
+            if len(pending) > 2 * workers:
+                pending.pop(0).result()
+        for f in pending:
+            f.result()
+        dt = time.perf_counter() - t0
+    return batches * BATCH / dt
+
+
 def make_loader(path: Path, **kw: Any) -> gl.StatefulDataLoader[Any, torch.Tensor]:
     return gl.StatefulDataLoader.from_storage(
         gl.open_stream(path),
@@ -217,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     configs: dict[str, Callable[[], float]] = {
         "bare loop, batched gather (the limit)": lambda: run_bare(path, nb),
         "bare loop, one slice per sample": lambda: run_bare_per_sample(path, nb),
+        "bare loop, 2 collate threads": lambda: run_bare_threads(path, nb),
         "guideloom sync  nw=0 prefetch=0": lambda: run_sync(path, nb, wu),
         f"guideloom sync  nw=0 prefetch={pf}": lambda: run_sync(path, nb, wu, prefetch=pf),
         f"guideloom async nw=0 prefetch={pf}": lambda: run_async(path, nb, wu, prefetch=pf),

@@ -7,7 +7,6 @@ from :class:`GuideloomError`::
     GuideloomError
      ├── DatasetFormatError (also ValueError)   a manifest or data file that is not a valid dataset
      │    └── DatasetIntegrityError             files that do not match their manifest
-     ├── LoaderClosedError (also RuntimeError)  the loader (or its iterator) was closed
      ├── StorageError (also OSError)            a storage backend failed to read or write
      │    └── RemoteReadError                   an object-store range read failed after retries
      └── WorkerError (also RuntimeError)        a worker process died without an exception
@@ -22,7 +21,6 @@ __all__ = [
     "DatasetFormatError",
     "DatasetIntegrityError",
     "GuideloomError",
-    "LoaderClosedError",
     "RemoteReadError",
     "StorageError",
     "WorkerError",
@@ -39,10 +37,6 @@ class DatasetFormatError(GuideloomError, ValueError):
 
 class DatasetIntegrityError(DatasetFormatError):
     """A dataset's files do not match its manifest (size, checksum or name)."""
-
-
-class LoaderClosedError(GuideloomError, RuntimeError):
-    """The loader or its iterator was used after ``close()``."""
 
 
 class StorageError(GuideloomError, OSError):

@@ -400,6 +400,4 @@ async def run_pipeline(
         spec = cfg.plan.batch(first_step) if first_step < len(cfg.plan) else BatchSpec(first_step, 0, 0, 0)
         channel.put(Delivery(spec, error=exc))
     finally:
-        channel.close()
-        if executor is not None:
-            executor.shutdown(wait=False, cancel_futures=True)  # the owner joins it
+        channel.close()  # the owner of ``executor`` shuts it down and joins its workers

@@ -18,6 +18,15 @@ def ids(samples: Sequence[np.ndarray]) -> list[int]:
     return [int(s[0]) for s in samples]
 
 
+def die(samples: Sequence[np.ndarray]) -> list[int]:
+    """A collate that kills its worker process, as an out-of-memory kill would."""
+    import os
+
+    if any(int(s[0]) >= 40 for s in samples):
+        os._exit(3)
+    return [int(s[0]) for s in samples]
+
+
 class IdsOf:
     """Picklable collate that maps samples of an identity stream to their indexes."""
 

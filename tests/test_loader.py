@@ -520,11 +520,20 @@ def test_thread_workers_run_collate_in_parallel() -> None:
 
 @pytest.mark.slow
 def test_process_workers_keep_order_and_errors() -> None:
+    import multiprocessing
+
     loader = make(
         identity_stream(40), local_batch_size=3, num_workers=2, parallel_method="process", prefetch=2
     )
     with loader:
-        assert flat(take(loader)) == list(range(39))
+        it = iter(loader)
+        assert next(it) == [0, 1, 2]
+        assert multiprocessing.active_children()
+        assert [next(it) for _ in range(3)] == [[3, 4, 5], [6, 7, 8], [9, 10, 11]]
+        it.close()
+        assert multiprocessing.active_children() == []  # closing the iterator reaped the workers
+        assert flat(take(loader)) == list(range(12, 39))
+    assert multiprocessing.active_children() == []
     with pytest.raises(TypeError, match="picklable"):
         take(
             gl.StatefulDataLoader.from_storage(
@@ -536,6 +545,29 @@ def test_process_workers_keep_order_and_errors() -> None:
                 device=torch.device("cpu"),
             )
         )
+
+
+@pytest.mark.slow
+def test_a_worker_process_that_dies_is_a_worker_error() -> None:
+    import multiprocessing
+
+    from ._helpers import die
+
+    loader = gl.StatefulDataLoader.from_storage(
+        identity_stream(20),
+        die,
+        sequence_length=4,
+        local_batch_size=2,
+        num_workers=2,
+        parallel_method="process",
+        device=torch.device("cpu"),
+    )
+    got = []
+    with loader, pytest.raises(gl.WorkerError, match="died"):
+        for b in loader:
+            got.append(b)
+    assert got == [[0, 4], [8, 12], [16, 20], [24, 28], [32, 36]]
+    assert multiprocessing.active_children() == []
 
 
 # -- samples, collate and device -----------------------------------------------------------------

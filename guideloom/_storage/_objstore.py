@@ -54,7 +54,7 @@ __all__ = [
 T = TypeVar("T")
 
 #: Ranges per worker-thread call (obstore fetches up to 10 of one call's ranges concurrently).
-RANGES_PER_CALL: Final = 8
+RANGES_PER_CALL: Final = 10
 _MiB: Final = 2**20
 
 _SCHEMES: Final = {
@@ -154,9 +154,9 @@ class RetryPolicy:
 class ReadOptions:
     """Read-ahead tuning of an object-store dataset (``open_stream(url, **options)``)."""
 
-    max_inflight_requests: int = 128
+    max_inflight_requests: int = 256
     max_inflight_bytes: int = 64 * _MiB
-    coalesce_gap: int = 64 * 1024
+    coalesce_gap: int = 8 * 1024
     max_request_bytes: int = 4 * _MiB
     max_concurrent_reads: int = 4
     offsets_cache_bytes: int = 64 * _MiB
@@ -467,7 +467,7 @@ def call_with_retries(fn: Callable[[], T], policy: RetryPolicy) -> T:
 # -- the I/O pool ----------------------------------------------------------------------------------
 _IO_LOCK = threading.Lock()
 _IO: list[concurrent.futures.ThreadPoolExecutor] = []
-_IO_THREADS: Final = 64
+_IO_THREADS: Final = 128
 
 
 def io_executor() -> concurrent.futures.ThreadPoolExecutor:

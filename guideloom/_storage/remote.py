@@ -14,8 +14,8 @@ Options (``open_stream(url, **options)``, ``open_documents``, ``write_stream(url
   ``endpoint_url``), ``access_key_id``, ``secret_access_key``, ``session_token``, ``region``,
   ``skip_signature``, ... (any obstore ``S3Config`` / ``GCSConfig`` / ``AzureConfig`` key),
   ``allow_http``, ``allow_invalid_certificates``, ``client_options`` (obstore ``ClientConfig``);
-- reading: ``max_inflight_requests`` (128), ``max_inflight_bytes`` (64 MiB), ``coalesce_gap``
-  (64 KiB), ``max_request_bytes`` (4 MiB), ``max_concurrent_reads`` (read-ahead windows the
+- reading: ``max_inflight_requests`` (256), ``max_inflight_bytes`` (64 MiB), ``coalesce_gap``
+  (8 KiB), ``max_request_bytes`` (4 MiB), ``max_concurrent_reads`` (read-ahead windows the
   loader keeps in flight, 4), ``offsets_cache_bytes`` (documents: offsets up to this size are
   loaded at ``open()``, larger ones are read per batch; 64 MiB);
 - faults: ``timeout`` (seconds per request, 30), ``connect_timeout`` (5), ``retries`` (5),

@@ -152,6 +152,15 @@ http {{
 """
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the test process dies (Linux), never linger."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(Exception):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class Nginx:
     """nginx serving ``root`` on 127.0.0.1 (it honours ``Range``, unlike ``http.server``)."""
 
@@ -175,6 +184,7 @@ class Nginx:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             start_new_session=True,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 - only prctl(), before exec
         )
         try:
             wait_for_port(self.port, timeout=10)
@@ -483,6 +493,7 @@ def proxy_process(upstream_port: int, *, delay: float, lifetime: float) -> Itera
                 port_file,
             ],
             start_new_session=True,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 - only prctl(), before exec
         )
         try:
             deadline = time.monotonic() + 20

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import shutil
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -302,6 +303,10 @@ def test_a_server_that_stops_answering_fails_within_the_timeout(
     elapsed = time.monotonic() - t0
     loader.close()
     assert elapsed < 8.0, f"took {elapsed:.1f}s"
+    deadline = time.monotonic() + 5
+    while any(t.name.startswith("guideloom-loop") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the loader's thread outlived close()"
+        time.sleep(0.02)
     msg = str(info.value)
     assert f"{proxy.url}/{plain_copies.http_path}/tokens-" in msg and "bytes " in msg and "attempts" in msg
 

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Install the servers the object-store tests start on 127.0.0.1 (idempotent, safe to re-run).
+#
+#   nginx  - serves http(s):// datasets (honours Range); Debian package nginx-light or nginx.
+#   moto   - the S3 server; a Python package, installed with the dev extra (pip install -e .[dev]).
+#
+# Azure (az://) is not tested against a server: azurite (npm) is not installed, and the tests
+# skip that part cleanly and say so.
+set -euo pipefail
+
+have_nginx() {
+    command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ]
+}
+
+if ! have_nginx; then
+    SUDO=""
+    if [ "$(id -u)" -ne 0 ]; then
+        SUDO="sudo"
+    fi
+    export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get update -qq
+    $SUDO apt-get install -y -qq --no-install-recommends nginx-light \
+        || $SUDO apt-get install -y -qq --no-install-recommends nginx
+    # The tests start their own nginx on a free port; the distribution's service is not needed.
+    if command -v service >/dev/null 2>&1; then
+        $SUDO service nginx stop >/dev/null 2>&1 || true
+    fi
+fi
+
+have_nginx || { echo "install-servers: nginx could not be installed" >&2; exit 1; }
+echo "install-servers: nginx $( (nginx -v 2>&1 || /usr/sbin/nginx -v 2>&1) | sed 's/.*\///')"

@@ -14,6 +14,7 @@ import concurrent.futures
 import pickle
 import secrets
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -89,6 +90,11 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
     _loop_thread: LoopThread | None = field(default=None, init=False, repr=False)
     _iterator_ref: weakref.ref[_IteratorBase[Any]] | None = field(default=None, init=False, repr=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
+    _stats: dict[str, float] = field(
+        default_factory=lambda: {"batches": 0, "samples": 0, "wait_seconds": 0.0, "last_wait_seconds": 0.0},
+        init=False,
+        repr=False,
+    )
 
     def __post_init__(self) -> None:
         import torch
@@ -447,6 +453,13 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
     def __aiter__(self) -> _AsyncIteratorState[BatchT]:
         return _AsyncIteratorState(self)
 
+    # -- figures --------------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """Figures to log: batches and samples delivered by this loader, and how long the consumer
+        waited for them in total and for the last one (seconds). A training loop whose
+        ``wait_seconds`` grows is input-bound: raise ``prefetch`` or ``num_workers``."""
+        return dict(self._stats)
+
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> StatefulDataLoaderStateDict:
         """Return the checkpoint for batches already delivered to the consumer.
@@ -544,11 +557,16 @@ class _IteratorBase(Generic[BatchT]):
         if ex is not None:
             ex.shutdown(wait=True, cancel_futures=True)
 
-    def _accept(self, d: Delivery) -> BatchT:
+    def _accept(self, d: Delivery, waited: float) -> BatchT:
+        stats = self._loader._stats
+        stats["wait_seconds"] += waited
+        stats["last_wait_seconds"] = waited
         if d.error is not None:
             raise d.error
         self._loader._offset = d.spec.offset_after
         self._delivered += 1
+        stats["batches"] += 1
+        stats["samples"] += d.spec.size
         value: BatchT = d.value
         return value
 
@@ -612,7 +630,9 @@ class _SyncIteratorState(_IteratorBase[BatchT], Iterator[BatchT]):
         if self._done:
             raise StopIteration
         try:
+            t0 = time.perf_counter()
             d = self._channel.get()
+            waited = time.perf_counter() - t0
         except EOFError:
             try:
                 self._finish_epoch()
@@ -624,7 +644,7 @@ class _SyncIteratorState(_IteratorBase[BatchT], Iterator[BatchT]):
             raise
         if d.error is not None:
             self.close()
-        return self._accept(d)
+        return self._accept(d, waited)
 
     def close(self) -> None:
         """Stop the pipeline and release the loader; the position stays at the last batch yielded."""
@@ -686,7 +706,9 @@ class _AsyncIteratorState(_IteratorBase[BatchT], AsyncIterator[BatchT]):
             raise StopAsyncIteration
         try:
             channel = self._channel_a or await self._start()
+            t0 = time.perf_counter()
             d = await channel.aget()
+            waited = time.perf_counter() - t0
         except EOFError:
             try:
                 self._finish_epoch()
@@ -698,7 +720,7 @@ class _AsyncIteratorState(_IteratorBase[BatchT], AsyncIterator[BatchT]):
             raise
         if d.error is not None:
             await self.aclose()
-        return self._accept(d)
+        return self._accept(d, waited)
 
     async def aclose(self) -> None:
         """Stop the pipeline and release the loader; the position stays at the last batch yielded."""

@@ -745,3 +745,23 @@ def test_many_open_close_cycles_leave_no_threads() -> None:
     # 15 batches an epoch; an iterator started at the epoch's end is exhausted at once (epoch + 1)
     assert sizes == [3, 3, 3, 3, 3, 0] * 3 + [3, 3]
     assert loader.state_dict()["epoch"] == 3 and loader.state_dict()["observation_offset"] == 12
+
+
+def test_stats_count_batches_samples_and_waiting() -> None:
+    def slow(samples: Sequence[np.ndarray]) -> int:
+        time.sleep(0.02)
+        return len(samples)
+
+    loader = gl.StatefulDataLoader.from_storage(
+        identity_stream(10),
+        slow,
+        sequence_length=4,
+        local_batch_size=3,
+        drop_last=False,
+        device=torch.device("cpu"),
+    )
+    with loader:
+        assert take(loader) == [3, 3, 3, 1]
+    stats = loader.stats()
+    assert stats["batches"] == 4 and stats["samples"] == 10
+    assert stats["wait_seconds"] >= 4 * 0.02 * 0.9 and 0 < stats["last_wait_seconds"] <= stats["wait_seconds"]

@@ -141,12 +141,20 @@ def open_documents(source: Location, **options: Any) -> DocumentStorageAbstract[
     return LocalDocumentStorage(folder, read_local_manifest(folder))
 
 
-def verify_dataset(source: Location, *, progress: Callable[[int], object] | None = None) -> Manifest:
-    """Re-read every data file of a local dataset and check its checksum against the manifest."""
+def verify_dataset(
+    source: Location, *, progress: Callable[[int], object] | None = None, **options: Any
+) -> Manifest:
+    """Re-read every data file of a dataset and check its checksum against the manifest.
+
+    ``progress`` is called with the bytes of each block read; ``options`` configure an object
+    store as for :func:`open_stream`.
+    """
     folder = _local_folder(source)
     if folder is None:
-        verified: Manifest = _remote().verify_dataset(str(source), progress=progress)
+        verified: Manifest = _remote().verify_dataset(str(source), progress=progress, **options)
         return verified
+    if options:
+        raise TypeError(f"unexpected options for a local dataset: {sorted(options)}")
     manifest = read_local_manifest(folder)
     for name, _spec, f in manifest.all_files():
         digest = hashlib.sha256()

@@ -290,13 +290,21 @@ class _Remote:
         job: _Job | None = None
         cur_s = cur_e = -1
         cur_pieces: list[tuple[int, int, int]] = []
+        # A job takes the byte budget as one acquisition: keep several within it, so that the
+        # in-flight bound holds and the requests still overlap.
+        job_bytes = max(cap, self.opts.max_inflight_bytes // 4)
 
         def flush() -> None:
             nonlocal job
             if not cur_pieces:
                 return
             path = arr.paths[cur_k]
-            if job is None or job.path != path or len(job.starts) >= RANGES_PER_CALL:
+            if (
+                job is None
+                or job.path != path
+                or len(job.starts) >= RANGES_PER_CALL
+                or job.nbytes + (cur_e - cur_s) > job_bytes
+            ):
                 job = _Job(path, [], [], [], dest)
                 jobs.append(job)
             job.starts.append(cur_s)

@@ -145,7 +145,7 @@ class _ArrayWriter:
     def discard(self) -> None:
         """Close the open file of a write that failed (the sink removes the files)."""
         if self._fh is not None:
-            self._fh.close()
+            getattr(self._fh, "discard", self._fh.close)()  # an upload is dropped, not completed
             self._fh = None
 
     def finish(self) -> ArraySpec:

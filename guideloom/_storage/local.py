@@ -8,6 +8,7 @@ faults on cold data never block the event loop.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import secrets
@@ -255,7 +256,14 @@ class LocalDocumentStorage(DocumentStorageAbstract[Array, Array]):
         if np.any(stops < starts) or (len(stops) and int(stops.max()) > self._tokens.length):
             raise DatasetIntegrityError(f"{self.folder}: document offsets are out of order or out of range")
         tokens = self._tokens
-        return [tokens.slice(s, e) for s, e in zip(starts.tolist(), stops.tolist(), strict=True)]
+        views = [tokens.slice(s, e) for s, e in zip(starts.tolist(), stops.tolist(), strict=True)]
+        if not views:
+            return []
+        # One copy into one buffer for the window: samples are writable (torch.from_numpy warns
+        # on read-only memory maps) and never alias the file.
+        buffer = np.concatenate(views)
+        bounds = np.cumsum([0] + [len(v) for v in views]).tolist()
+        return [buffer[a:b] for a, b in itertools.pairwise(bounds)]
 
     async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:
         if blocking_reads_allowed.get():

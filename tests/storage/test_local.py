@@ -292,3 +292,31 @@ def test_reading_does_not_load_the_file(tmp_path: Path) -> None:
     assert all(r.sum() == 0 for r in rows)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50 * 1024  # KiB
     os.unlink(folder / "t.bin")
+
+
+@pytest.mark.asyncio
+async def test_samples_are_writable_copies(tmp_path: Path) -> None:
+    import warnings
+
+    import torch
+
+    gl.write_documents(tmp_path / "d", [np.arange(5, dtype=np.int32), np.arange(3, dtype=np.int32)])
+    gl.write_stream(tmp_path / "s", np.arange(20, dtype=np.int32))
+    docs = gl.open_documents(tmp_path / "d")
+    stream = gl.open_stream(tmp_path / "s")
+    await docs.open()
+    await stream.open()
+    samples = [
+        *await docs.read_many(np.array([1, 0], dtype=np.int64)),
+        *await stream.read_many(np.array([4]), 4),
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for s in samples:
+            assert s.flags.writeable
+            torch.from_numpy(s)  # no "not writable" warning
+    samples[0][0] = 99  # does not touch the dataset
+    again = await docs.read_many(np.array([1], dtype=np.int64))
+    assert again[0].tolist() == [0, 1, 2]
+    await docs.close()
+    await stream.close()

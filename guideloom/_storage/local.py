@@ -22,8 +22,9 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import DatasetFormatError, DatasetIntegrityError
-from .base import DocumentStorageAbstract, StreamStorageAbstract, blocking_reads_allowed
+from .base import blocking_reads_allowed
 from .manifest import MANIFEST_NAME, ArraySpec, Manifest
+from .manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
 from .memory import gather_windows
 
 __all__ = [
@@ -156,34 +157,18 @@ class ShardedArray:
         return out
 
 
-class LocalStreamStorage(StreamStorageAbstract[Array, Any]):
+class LocalStreamStorage(ManifestStreamStorage):
     """A stream dataset in a local folder, memory-mapped while open."""
 
     def __init__(self, folder: Path, manifest: Manifest) -> None:
-        if manifest.kind != "stream":
-            raise DatasetFormatError(
-                f"{folder} holds a {manifest.kind} dataset; open it with open_documents()"
-            )
+        check_kind(manifest, "stream", str(folder))
         self.folder = folder
         self.manifest = manifest
         self._arrays: dict[str, ShardedArray] | None = None
 
-    def __repr__(self) -> str:
-        return f"LocalStreamStorage({str(self.folder)!r}, len={len(self)}, dtype={self.dtype})"
-
-    def __len__(self) -> int:
-        return self.manifest.num_elements
-
     @property
-    def dtype(self) -> np.dtype[Any]:
-        return self.manifest.dtype
-
-    @property
-    def fields(self) -> tuple[str, ...]:
-        return tuple(n for n in self.manifest.fields if n != "tokens")
-
-    def sample_nbytes_hint(self) -> int:
-        return sum(s.dtype.itemsize for s in self.manifest.fields.values())
+    def location(self) -> str:
+        return str(self.folder)
 
     async def open(self) -> None:
         if self._arrays is None:
@@ -215,26 +200,19 @@ class LocalStreamStorage(StreamStorageAbstract[Array, Any]):
         return await anyio.to_thread.run_sync(self.read_many_sync, starts, length)
 
 
-class LocalDocumentStorage(DocumentStorageAbstract[Array, Array]):
+class LocalDocumentStorage(ManifestDocumentStorage):
     """A document dataset in a local folder, memory-mapped while open."""
 
     def __init__(self, folder: Path, manifest: Manifest) -> None:
-        if manifest.kind != "documents":
-            raise DatasetFormatError(f"{folder} holds a {manifest.kind} dataset; open it with open_stream()")
+        check_kind(manifest, "documents", str(folder))
         self.folder = folder
         self.manifest = manifest
         self._tokens: ShardedArray | None = None
         self._offsets: ShardedArray | None = None
 
-    def __repr__(self) -> str:
-        return f"LocalDocumentStorage({str(self.folder)!r}, len={len(self)}, dtype={self.dtype})"
-
-    def __len__(self) -> int:
-        return self.manifest.num_documents
-
     @property
-    def dtype(self) -> np.dtype[Any]:
-        return self.manifest.dtype
+    def location(self) -> str:
+        return str(self.folder)
 
     async def open(self) -> None:
         if self._tokens is None:

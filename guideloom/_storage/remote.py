@@ -61,8 +61,8 @@ from ._objstore import (
     secret_values,
     split_options,
 )
-from .base import DocumentStorageAbstract, StreamStorageAbstract
 from .manifest import MANIFEST_NAME, ArraySpec, Manifest
+from .manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
 
 __all__ = [
     "ObjectDocumentStorage",
@@ -459,6 +459,10 @@ class _ObjectStorageMixin:
         return self._remote.loc.display
 
     @property
+    def location(self) -> str:
+        return self._remote.loc.display
+
+    @property
     def options(self) -> ReadOptions:
         return self._remote.opts
 
@@ -467,36 +471,16 @@ class _ObjectStorageMixin:
         return {"requests": self._remote.requests, "peak_inflight_bytes": self._remote.peak_inflight_bytes()}
 
 
-class ObjectStreamStorage(_ObjectStorageMixin, StreamStorageAbstract[Array, Any]):
+class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):
     """A stream dataset under an object-store prefix, read with concurrent range requests."""
 
     def __init__(self, remote: _Remote, manifest: Manifest) -> None:
-        if manifest.kind != "stream":
-            raise DatasetFormatError(
-                f"{remote.loc.display} holds a {manifest.kind} dataset; open it with open_documents()"
-            )
+        check_kind(manifest, "stream", remote.loc.display)
         self._remote = remote
         self.manifest = manifest
         self.max_concurrent_reads = remote.opts.max_concurrent_reads
         self._arrays = {name: _Array.of(spec) for name, spec in manifest.fields.items()}
         self._opened = False
-
-    def __repr__(self) -> str:
-        return f"ObjectStreamStorage({self.url!r}, len={len(self)}, dtype={self.dtype})"
-
-    def __len__(self) -> int:
-        return self.manifest.num_elements
-
-    @property
-    def dtype(self) -> np.dtype[Any]:
-        return self.manifest.dtype
-
-    @property
-    def fields(self) -> tuple[str, ...]:
-        return tuple(n for n in self.manifest.fields if n != "tokens")
-
-    def sample_nbytes_hint(self) -> int:
-        return sum(s.dtype.itemsize for s in self.manifest.fields.values())
 
     async def open(self) -> None:
         if not self._opened:
@@ -537,14 +521,11 @@ class ObjectStreamStorage(_ObjectStorageMixin, StreamStorageAbstract[Array, Any]
         return [{"tokens": tokens[i], **{k: v[i] for k, v in outs.items()}} for i in range(n)]
 
 
-class ObjectDocumentStorage(_ObjectStorageMixin, DocumentStorageAbstract[Array, Array]):
+class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
     """A document dataset under an object-store prefix."""
 
     def __init__(self, remote: _Remote, manifest: Manifest) -> None:
-        if manifest.kind != "documents":
-            raise DatasetFormatError(
-                f"{remote.loc.display} holds a {manifest.kind} dataset; open it with open_stream()"
-            )
+        check_kind(manifest, "documents", remote.loc.display)
         assert manifest.offsets is not None
         self._remote = remote
         self.manifest = manifest
@@ -553,20 +534,6 @@ class ObjectDocumentStorage(_ObjectStorageMixin, DocumentStorageAbstract[Array, 
         self._offsets_arr = _Array.of(manifest.offsets)
         self._offsets: I64 | None = None
         self._opened = False
-
-    def __repr__(self) -> str:
-        return f"ObjectDocumentStorage({self.url!r}, len={len(self)}, dtype={self.dtype})"
-
-    def __len__(self) -> int:
-        return self.manifest.num_documents
-
-    @property
-    def dtype(self) -> np.dtype[Any]:
-        return self.manifest.dtype
-
-    def sample_nbytes_hint(self) -> int:
-        n = max(1, self.manifest.num_documents)
-        return max(1, self.manifest.num_elements * self.dtype.itemsize // n)
 
     async def open(self) -> None:
         if self._opened:

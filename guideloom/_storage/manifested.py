@@ -1,0 +1,76 @@
+"""What the storages of a *written* dataset share, whatever the backend: a manifest."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .._errors import DatasetFormatError
+from .base import DocumentStorageAbstract, StreamStorageAbstract
+from .manifest import Kind, Manifest
+
+__all__ = ["ManifestDocumentStorage", "ManifestStreamStorage", "check_kind"]
+
+Array = npt.NDArray[Any]
+
+
+def check_kind(manifest: Manifest, kind: Kind, location: str) -> None:
+    """Refuse a dataset of the other kind, naming the function that opens it."""
+    if manifest.kind != kind:
+        opener = "open_documents()" if manifest.kind == "documents" else "open_stream()"
+        raise DatasetFormatError(f"{location} holds a {manifest.kind} dataset; open it with {opener}")
+
+
+class ManifestStreamStorage(StreamStorageAbstract[Array, Any]):
+    """A written stream dataset: sizes and fields come from its manifest."""
+
+    manifest: Manifest
+
+    @property
+    def location(self) -> str:
+        """Where the dataset lives (a path, or a URL without credentials)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.location!r}, len={len(self)}, dtype={self.dtype})"
+
+    def __len__(self) -> int:
+        return self.manifest.num_elements
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return self.manifest.dtype
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return tuple(n for n in self.manifest.fields if n != "tokens")
+
+    def sample_nbytes_hint(self) -> int:
+        return sum(s.dtype.itemsize for s in self.manifest.fields.values())
+
+
+class ManifestDocumentStorage(DocumentStorageAbstract[Array, Array]):
+    """A written document dataset: sizes come from its manifest."""
+
+    manifest: Manifest
+
+    @property
+    def location(self) -> str:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.location!r}, len={len(self)}, dtype={self.dtype})"
+
+    def __len__(self) -> int:
+        return self.manifest.num_documents
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return self.manifest.dtype
+
+    def sample_nbytes_hint(self) -> int:
+        """The average document's size, which sizes the loader's read-ahead windows."""
+        n = max(1, self.manifest.num_documents)
+        return max(1, self.manifest.num_elements * self.dtype.itemsize // n)

@@ -405,19 +405,24 @@ def test_iterating_an_unopened_loader_opens_it_for_the_iterator() -> None:
     assert loader.state_dict()["epoch"] == 1
 
 
+class Tracked(gl.MemoryStreamStorage):
+    """Records when the loader opens and closes it."""
+
+    def __init__(self, tokens: npt.ArrayLike) -> None:
+        super().__init__(tokens)
+        self.events: list[str] = []
+
+    async def open(self) -> None:
+        self.events.append("open")
+
+    async def close(self) -> None:
+        self.events.append("close")
+
+
 def test_storage_is_opened_and_closed() -> None:
-    events: list[str] = []
-
-    class Tracked(gl.MemoryStreamStorage):
-        async def open(self) -> None:
-            events.append("open")
-
-        async def close(self) -> None:
-            events.append("close")
-
-    with make(Tracked(np.arange(40))) as loader:
+    with make(tracked := Tracked(np.arange(40))) as loader:
         take(loader)
-    assert events == ["open", "close"]
+    assert tracked.events == ["open", "close"]
 
 
 # -- failures ------------------------------------------------------------------------------------
@@ -717,23 +722,14 @@ def test_sync_iteration_inside_a_running_loop_thread_is_independent() -> None:
 
 
 def test_sync_close_of_an_async_opened_loader_closes_the_storage() -> None:
-    events: list[str] = []
-
-    class Tracked(gl.MemoryStreamStorage):
-        async def open(self) -> None:
-            events.append("open")
-
-        async def close(self) -> None:
-            events.append("close")
-
-    loader = make(Tracked(np.arange(40)))
+    loader = make(tracked := Tracked(np.arange(40)))
 
     async def open_it() -> None:
         await loader.aopen()
 
     asyncio.run(open_it())
     loader.close()
-    assert events == ["open", "close"]
+    assert tracked.events == ["open", "close"]
 
 
 def test_many_open_close_cycles_leave_no_threads() -> None:

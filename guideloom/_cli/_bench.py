@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from .._storage.base import DocumentStorageAbstract
-from ._common import CLIError, format_count, require
+from ._common import CLIError, format_count, int_at_least, require
 from ._inspect import open_dataset
 
 __all__ = ["add_parser", "collate_documents", "collate_stream"]
@@ -43,26 +43,6 @@ def collate_documents(samples: Sequence[Any]) -> Any:
     return {"tokens": torch.from_numpy(out), "lengths": torch.from_numpy(lengths)}
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _natural(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "bench",
@@ -78,24 +58,26 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("dataset", metavar="DEST", help="a dataset folder or URL")
     p.add_argument(
         "--sequence-length",
-        type=_positive,
+        type=int_at_least(1),
         default=2048,
         metavar="N",
         help="tokens per sample of a stream dataset (default 2048)",
     )
     p.add_argument(
-        "--batch-size", type=_positive, default=16, metavar="B", help="local batch size (default 16)"
+        "--batch-size", type=int_at_least(1), default=16, metavar="B", help="local batch size (default 16)"
     )
-    p.add_argument("--num-workers", type=_natural, default=0, metavar="N", help="loader workers (default 0)")
+    p.add_argument(
+        "--num-workers", type=int_at_least(0), default=0, metavar="N", help="loader workers (default 0)"
+    )
     p.add_argument("--parallel-method", choices=("thread", "process"), default="thread")
     p.add_argument(
-        "--prefetch", type=_natural, default=0, metavar="N", help="batches to prefetch (default 0)"
+        "--prefetch", type=int_at_least(0), default=0, metavar="N", help="batches to prefetch (default 0)"
     )
     p.add_argument("--shuffle", action="store_true", help="shuffle the samples")
     p.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
     p.add_argument(
         "--batches",
-        type=_positive,
+        type=int_at_least(1),
         default=100,
         metavar="K",
         help="stop after K batches or at the end of the epoch (default 100)",

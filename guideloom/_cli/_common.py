@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 import time
@@ -42,6 +43,21 @@ class UsageError(CLIError):
 
 class InputError(CLIError):
     """Input data that cannot be read (a malformed line, a missing field, bad UTF-8)."""
+
+
+def int_at_least(minimum: int) -> Any:
+    """An argparse ``type`` for integers ``>= minimum``, with a readable error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
 
 
 def require(module: str, purpose: str) -> Any:

@@ -15,7 +15,7 @@ import numpy.typing as npt
 
 from .._storage.api import write_documents, write_stream
 from .._storage.manifest import MANIFEST_NAME
-from ._common import CLIError, Progress, UsageError, format_bytes, format_count
+from ._common import CLIError, Progress, UsageError, format_bytes, format_count, int_at_least
 from ._inputs import FORMATS, expand_inputs, iter_tasks
 from ._tokenizers import resolve_tokenizer
 from ._work import Options, Result, ordered_results
@@ -66,16 +66,6 @@ def _size(text: str) -> int:
     if unit not in units or value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 4MiB or 1048576")
     return max(1, int(value * units[unit]))
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -141,7 +131,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--workers",
-        type=_positive,
+        type=int_at_least(1),
         default=1,
         metavar="N",
         help="tokenize in N processes (the output is the same for any N; default 1)",

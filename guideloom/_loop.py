@@ -53,6 +53,10 @@ class LoopThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def is_current(self) -> bool:
+        """Whether the caller runs on this loop's thread."""
+        return threading.current_thread() is self._thread
+
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 

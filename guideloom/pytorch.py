@@ -17,7 +17,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypeVar, cast, overload
@@ -87,7 +87,6 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
     _offset: int = field(default=0, init=False, repr=False)
     _order_seed: int = field(default=0, init=False, repr=False)
     _state: Literal["closed", "open", "async-open"] = field(default="closed", init=False, repr=False)
-    _loop_thread: LoopThread | None = field(default=None, init=False, repr=False)
     _iterator_ref: weakref.ref[_IteratorBase[Any]] | None = field(default=None, init=False, repr=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
     _stats: dict[str, float] = field(
@@ -318,10 +317,17 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
                 "use a smaller local_batch_size or a larger dataset"
             )
 
-    def _loop(self) -> LoopThread:
-        if self._loop_thread is None or not self._loop_thread.alive:
-            self._loop_thread = LoopThread(name=f"guideloom-loop-{id(self):x}")
-        return self._loop_thread
+    def _run_blocking(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run a storage coroutine (open, close) from sync code, wherever that code runs.
+
+        A short-lived loop thread serves it: the loader holds no thread while no iterator is
+        active, and this works even when the caller's own thread runs an event loop.
+        """
+        lt = LoopThread(name=f"guideloom-loop-{id(self):x}")
+        try:
+            lt.run(coro)
+        finally:
+            lt.stop()
 
     def open(self) -> None:
         """Open the dataset reader.
@@ -334,7 +340,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
             if self._state != "closed":
                 return
             self._check_size()
-            self._loop().run(self.dataset.open())
+            self._run_blocking(self.dataset.open())
             self._state = "open"
 
     def close(self) -> None:
@@ -344,14 +350,9 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         if it is not None:
             it.close_sync()
         with self._lock:
-            try:
-                if self._state != "closed":
-                    self._loop().run(self.dataset.close())
-            finally:
+            if self._state != "closed":
                 self._state = "closed"
-                if self._loop_thread is not None:
-                    self._loop_thread.stop()
-                    self._loop_thread = None
+                self._run_blocking(self.dataset.close())
 
     async def aopen(self) -> None:
         """Open the dataset reader on the running event loop (what ``async with`` calls)."""
@@ -369,9 +370,6 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         if self._state != "closed":
             self._state = "closed"
             await self.dataset.close()
-        if self._loop_thread is not None:
-            loop_thread, self._loop_thread = self._loop_thread, None
-            await asyncio.to_thread(loop_thread.stop)
 
     def __enter__(self) -> StatefulDataLoader[SourceT, BatchT]:
         self.open()
@@ -390,11 +388,6 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.aclose()
-
-    def __del__(self) -> None:
-        lt = getattr(self, "_loop_thread", None)
-        if lt is not None:
-            lt.stop()
 
     # -- iteration --------------------------------------------------------------------------------
     @property
@@ -601,15 +594,17 @@ async def _drive(
 
 
 class _SyncIteratorState(_IteratorBase[BatchT], Iterator[BatchT]):
-    """The iterator ``for batch in loader`` uses: the pipeline runs on the loader's loop thread."""
+    """The iterator ``for batch in loader`` uses: the pipeline runs on its own loop thread, which
+    it stops when it ends, so a loader holds no thread between iterators."""
 
     def __init__(self, loader: StatefulDataLoader[Any, BatchT]) -> None:
         super().__init__(loader)
+        self._lt: LoopThread | None = None
         try:
             if loader._state == "closed":
                 loader.open()
                 self._owns_open = True
-            lt = loader._loop()
+            self._lt = lt = LoopThread(name=f"guideloom-loop-{id(loader):x}")
             self._channel: Channel[Delivery] = Channel(lt.loop, self._cfg.capacity)
             self._finished = threading.Event()
             self._start_executor()
@@ -619,8 +614,12 @@ class _SyncIteratorState(_IteratorBase[BatchT], Iterator[BatchT]):
             self._done = False
         except BaseException:
             self._join_executor()
+            if self._lt is not None:
+                self._lt.stop()
             self._done = True
             loader._release(self)
+            if self._owns_open:
+                loader.close()
             raise
 
     def __iter__(self) -> _SyncIteratorState[BatchT]:
@@ -652,14 +651,20 @@ class _SyncIteratorState(_IteratorBase[BatchT], Iterator[BatchT]):
             return
         self._done = True
         try:
-            fut = self._future
-            lt = self._loader._loop_thread
-            if fut is not None and lt is not None and lt.alive:
+            fut, lt = self._future, self._lt
+            if fut is not None and lt is not None:
                 if not fut.done():
                     fut.cancel()  # cancels the pipeline task on the loop
-                # A cancelled future reports at once; wait for the task's cleanup to finish.
-                self._finished.wait()
-            self._join_executor()
+                if lt.is_current():
+                    # Collected on our own loop thread (cyclic GC can run anywhere): the task
+                    # finishes on this loop once we return; do not wait for ourselves.
+                    if self._executor is not None:
+                        self._executor.shutdown(wait=False, cancel_futures=True)
+                else:
+                    # A cancelled future reports at once; wait for the task's cleanup to finish.
+                    self._finished.wait()
+                    self._join_executor()
+                lt.stop()
         finally:
             self._loader._release(self)
             if self._owns_open:

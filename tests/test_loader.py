@@ -761,3 +761,29 @@ def test_stats_count_batches_samples_and_waiting() -> None:
     stats = loader.stats()
     assert stats["batches"] == 4 and stats["samples"] == 10
     assert stats["wait_seconds"] >= 4 * 0.02 * 0.9 and 0 < stats["last_wait_seconds"] <= stats["wait_seconds"]
+
+
+def test_no_thread_runs_between_iterators_even_while_open() -> None:
+    from .conftest import guideloom_threads
+
+    def boom(samples: Sequence[np.ndarray]) -> list[int]:
+        if int(samples[0][0]) >= 16:
+            raise Boom("late failure")
+        return [int(s[0]) for s in samples]
+
+    before = set(guideloom_threads())
+    loader = gl.StatefulDataLoader.from_storage(
+        identity_stream(40),
+        boom,
+        sequence_length=4,
+        local_batch_size=2,
+        num_workers=2,
+        prefetch=2,
+        device=torch.device("cpu"),
+    )
+    with loader:
+        assert take(loader, 1) == [[0, 4]]
+        assert set(guideloom_threads()) == before
+        with pytest.raises(Boom):
+            take(loader)
+        assert set(guideloom_threads()) == before  # the failure shut everything down

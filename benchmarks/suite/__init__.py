@@ -1,0 +1,1 @@
+"""The benchmark suite: guideloom against the loaders people use today (``python -m benchmarks``)."""

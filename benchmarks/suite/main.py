@@ -1,0 +1,241 @@
+"""The whole suite: local, resume and remote, then the table, the chart and the JSON of the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from . import data
+from .runner import Config, run_rounds, spec_for
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+PF = 16  # guideloom's prefetch in the prefetching configurations
+
+PEER_LABELS = {
+    "torch": "torch DataLoader (__getitem__)",
+    "torch-getitems": "torch DataLoader (batched __getitems__)",
+    "torchdata": "torchdata StatefulDataLoader (__getitem__)",
+    "torchdata-getitems": "torchdata StatefulDataLoader (__getitems__)",
+    "streaming": "MosaicML Streaming StreamingDataset (MDS)",
+    "litdata": "LitData StreamingDataset (TokensLoader)",
+    "grain": "Grain DataLoader (memmap source)",
+}
+
+RESUME_HOW = {
+    "bare": "computes the order at the offset",
+    "guideloom": "no replay: the Feistel permutation is evaluated at the offset",
+    "torch": "no state of its own; resumed with a sampler that slices randperm(n) (O(epoch))",
+    "torchdata": "replays the sampler: regenerates randperm(n), then next() once per sample to skip",
+    "streaming": "no data replay; rebuilds the epoch's shuffle (O(epoch)) and skips sample_in_epoch",
+    "litdata": "no data replay; maps the sample count to a chunk and an offset",
+    "grain": "no replay: stateless IndexSampler, the state is the last index seen",
+}
+
+
+def machine() -> dict[str, Any]:
+    import numpy
+    import psutil
+    import torch
+
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    versions = {"python": platform.python_version(), "numpy": numpy.__version__, "torch": torch.__version__}
+    for mod, dist in (
+        ("torchdata", "torchdata"),
+        ("streaming", "mosaicml-streaming"),
+        ("litdata", "litdata"),
+        ("grain", "grain"),
+    ):
+        try:
+            from importlib.metadata import version
+
+            versions[mod] = version(dist)
+        except Exception:
+            versions[mod] = "not installed"
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "os": f"{platform.system()} {platform.release()}",
+        "load_at_start": os.getloadavg()[0],
+        "versions": versions,
+    }
+
+
+def local_configs(peers: list[str]) -> list[Config]:
+    cfgs = [
+        Config("bare", "bare loop: memmap gather + to int64 (the limit)", "bare", "local"),
+        Config("gl-0-pf0", "guideloom, prefetch=0 (default)", "guideloom", "local", 0, {"prefetch": 0}),
+        Config(f"gl-0-pf{PF}", f"guideloom, prefetch={PF}", "guideloom", "local", 0, {"prefetch": PF}),
+    ]
+    cfgs += [Config(f"{p}-0", PEER_LABELS[p], p, "local", 0) for p in peers]
+    cfgs += [
+        Config(
+            "gl-2-pf0",
+            "guideloom, prefetch=0 (default), thread workers",
+            "guideloom",
+            "local",
+            2,
+            {"prefetch": 0},
+        ),
+        Config(
+            f"gl-2-pf{PF}",
+            f"guideloom, prefetch={PF}, thread workers",
+            "guideloom",
+            "local",
+            2,
+            {"prefetch": PF},
+        ),
+    ]
+    cfgs += [Config(f"{p}-2", PEER_LABELS[p], p, "local", 2) for p in peers]
+    return cfgs
+
+
+def resume_configs(peers: list[str]) -> list[Config]:
+    cfgs = [Config("gl-r", "guideloom, prefetch=0", "guideloom", "resume", 0, {"prefetch": 0})]
+    return cfgs + [
+        Config(f"{p}-r", PEER_LABELS[p], p, "resume", 0) for p in peers if p != "torchdata-getitems"
+    ]
+
+
+def run(quick: bool, rounds: int | None, parts: set[str], peers: list[str], tokens: int) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    rounds = rounds or (1 if quick else 3)
+    print(f"data ({tokens:,} uint16 tokens, cached under {data.data_root()}) ...", flush=True)
+    d = data.ensure_all(tokens, peers=bool({"streaming", "litdata"} & set(peers)))
+    out: dict[str, Any] = {
+        "machine": machine(),
+        "command": "python -m benchmarks run" + (" --quick" if quick else ""),
+        "rounds": rounds,
+        "tokens": tokens,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    # An epoch is 3,051 batches: warm-up and window stay inside it (no loader restarts in the window).
+    timing = {
+        "warmup": 50,
+        "warmup_s": 0.0,
+        "batches": 2500,
+        "min_batches": 30,
+        "max_s": 1.0 if quick else 2.5,
+    }
+    out["timing"] = timing
+    if "local" in parts:
+        cfgs = local_configs(peers)
+        print(f"local: {len(cfgs)} configurations x {rounds} rounds", flush=True)
+        specs = {c.key: [spec_for(c, d, timing)] for c in cfgs}
+        res = run_rounds(cfgs, specs, rounds, "bare")
+        out["local"] = [
+            {"key": c.key, "label": c.label, "peer": c.peer, "nw": c.nw, **res[f"{c.key}#0"]} for c in cfgs
+        ]
+    if "resume" in parts:
+        cfgs = resume_configs(peers)
+        points = [1_000, 1_000_000]
+        print(f"resume: {len(cfgs)} loaders x {len(points)} points x {rounds} rounds", flush=True)
+        specs = {c.key: [spec_for(c, d, timing, resume=p) for p in points] for c in cfgs}
+        res = run_rounds(cfgs, specs, rounds, None)
+        out["resume"] = [
+            {
+                "key": c.key,
+                "label": c.label,
+                "peer": c.peer,
+                "how": RESUME_HOW.get(c.peer.split("-")[0], ""),
+                **{f"ttfb_at_{p}": res[f"{c.key}#{i}"].get("ttfb_s") for i, p in enumerate(points)},
+                **{f"error_at_{p}": res[f"{c.key}#{i}"].get("error") for i, p in enumerate(points)},
+                "peak_rss_mib": res[f"{c.key}#1"].get("peak_rss_mib"),
+            }
+            for c in cfgs
+        ]
+    if "remote" in parts:
+        out["remote"] = run_remote(d, quick, max(1, rounds - 1) if not quick else 1, peers)
+    out["wall_s"] = time.perf_counter() - t_start
+    return out
+
+
+def run_remote(d: data.Data, quick: bool, rounds: int, peers: list[str]) -> list[dict[str, Any]]:
+    from .remote import peer_spec, servers
+
+    rtts = (0.0, 0.020)
+    timing = {
+        "warmup": 5,
+        "warmup_s": 0.5,
+        "batches": 3000,
+        "min_batches": 20,
+        "max_s": 2.0 if quick else 4.0,
+    }
+    ceilings = [(1, 256), (8, 128)]
+    results: list[dict[str, Any]] = []
+    with servers(d, rtts) as urls:
+        cfgs: list[Config] = []
+        specs: dict[str, list[dict[str, Any]]] = {}
+        caches: list[str] = []
+        for rtt, base in urls.items():
+            tag = f"{rtt * 1000:.0f}ms"
+            for per_call, k in ceilings:
+                key = f"ceil-{per_call}x{k}-{tag}"
+                name = "get_range_async" if per_call == 1 else f"get_ranges_async x{per_call}"
+                cfgs.append(
+                    Config(
+                        key, f"ceiling: {name}, {k} in flight", "remote-ceiling", "remote", 0, {"rtt": rtt}
+                    )
+                )
+                ps = peer_spec("ceiling", base, "")
+                caches.append(ps["cache"])
+                specs[key] = [
+                    {
+                        **spec_for(cfgs[-1], d, timing),
+                        **ps,
+                        "num_samples": d.samples,
+                        "concurrency": k,
+                        "per_call": per_call,
+                        "batches": 400 if quick else 800,
+                    }
+                ]
+            for peer, nw, pf in [
+                ("guideloom", 0, PF),
+                ("guideloom", 0, 0),
+                ("streaming", 0, 0),
+                ("litdata", 0, 0),
+                ("streaming", 2, 0),
+                ("litdata", 2, 0),
+            ]:
+                if peer != "guideloom" and peer not in peers:
+                    continue
+                key = f"{peer}-{nw}-pf{pf}-{tag}"
+                label = f"guideloom, prefetch={pf}" if peer == "guideloom" else PEER_LABELS[peer]
+                cfgs.append(Config(key, label, peer, "remote", nw, {"prefetch": pf, "rtt": rtt}))
+                ps = peer_spec(peer, base, "")
+                caches.append(ps["cache"])
+                specs[key] = [{**spec_for(cfgs[-1], d, timing), **ps}]
+        print(
+            f"remote: {len(cfgs)} configurations x {rounds} rounds (nginx on 127.0.0.1; +0 and +20 ms)",
+            flush=True,
+        )
+        try:
+            res = run_rounds(cfgs, specs, rounds, None)
+        finally:
+            for c in caches:
+                shutil.rmtree(c, ignore_errors=True)
+        for c in cfgs:
+            results.append(
+                {"key": c.key, "label": c.label, "peer": c.peer, "nw": c.nw, **c.extra, **res[f"{c.key}#0"]}
+            )
+    return results
+
+
+def save(out: dict[str, Any]) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "latest.json").write_text(json.dumps(out, indent=1, default=str) + "\n")
+
+
+__all__ = ["run", "save"]

@@ -1,0 +1,314 @@
+"""The markdown table and the PNG chart of a run (``benchmarks/results/``)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+SEQ = 2048
+
+
+def _f(x: Any, fmt: str = ",.0f") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return format(x, fmt)
+
+
+def _row(*cells: Any) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _best(rows: list[dict[str, Any]], pred: Any, metric: str = "samples_per_s") -> dict[str, Any] | None:
+    cands = [r for r in rows if pred(r) and r.get(metric) is not None]
+    return max(cands, key=lambda r: r[metric]) if cands else None
+
+
+def targets(out: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
+    """(target, measured, met) for each target of the issue that this run measured."""
+    res: list[tuple[str, str, bool | None]] = []
+    local = out.get("local", [])
+    if local:
+        bare = next(r for r in local if r["key"] == "bare")
+        for nw in (0, 2):
+            gl = _best(local, lambda r, nw=nw: r["peer"] == "guideloom" and r["nw"] == nw)
+            peer = _best(local, lambda r, nw=nw: r["peer"] not in ("guideloom", "bare") and r["nw"] == nw)
+            if gl and nw == 0 and bare.get("samples_per_s"):
+                x = gl.get("x_limit", gl["samples_per_s"] / bare["samples_per_s"])
+                res.append(
+                    ("local nw=0: guideloom >= 0.8x the bare loop", f"{x:.2f}x ({gl['label']})", x >= 0.8)
+                )
+            if gl and peer:
+                x = gl["samples_per_s"] / peer["samples_per_s"]
+                res.append(
+                    (
+                        f"local nw={nw}: ahead of every peer",
+                        f"{x:.2f}x the best peer ({peer['label']})",
+                        x > 1,
+                    )
+                )
+            glm = [r for r in local if r["peer"] == "guideloom" and r["nw"] == nw and r.get("peak_rss_mib")]
+            peers = [r for r in local if r["peer"] not in ("guideloom", "bare") and r["nw"] == nw]
+            if glm and peers:
+                lo = min(r["peak_rss_mib"] for r in glm)
+                lowest = min((r for r in peers if r.get("peak_rss_mib")), key=lambda r: r["peak_rss_mib"])
+                res.append(
+                    (
+                        f"peak RSS nw={nw}: below every peer",
+                        f"{lo:.0f} MiB vs {lowest['peak_rss_mib']:.0f} MiB ({lowest['label']})",
+                        lo < lowest["peak_rss_mib"],
+                    )
+                )
+    for r in out.get("resume", []):
+        if r["peer"] == "guideloom" and r.get("ttfb_at_1000") is not None and r.get("ttfb_at_1000000"):
+            a, b = r["ttfb_at_1000"], r["ttfb_at_1000000"]
+            res.append(
+                ("resume: same at batch 1,000 and 1,000,000", f"{a:.3f} s / {b:.3f} s", b < 1.5 * a + 0.01)
+            )
+            res.append(("resume: below 0.1 s locally", f"{max(a, b):.3f} s", max(a, b) < 0.1))
+    remote = [r for r in out.get("remote", []) if r.get("rtt") == 0.02]
+    if remote:
+        gl = _best(remote, lambda r: r["peer"] == "guideloom")
+        peer = _best(remote, lambda r: r["peer"] in ("streaming", "litdata"))
+        ceil = _best(remote, lambda r: r["peer"] == "remote-ceiling")
+        if gl and peer:
+            x = gl["samples_per_s"] / peer["samples_per_s"]
+            res.append(
+                (
+                    "remote 20 ms: >= 5x the best streaming peer",
+                    f"{x:.2f}x ({peer['label']}, nw={peer['nw']})",
+                    x >= 5,
+                )
+            )
+        if gl and ceil:
+            x = gl["samples_per_s"] / ceil["samples_per_s"]
+            res.append(
+                ("remote 20 ms: >= 0.8x the range-read ceiling", f"{x:.2f}x ({ceil['label']})", x >= 0.8)
+            )
+    return res
+
+
+LOCAL_COLS = (
+    "loader",
+    "num_workers",
+    "samples/s",
+    "tokens/s",
+    "x bare loop",
+    "first batch (s)",
+    "peak RSS (MiB)",
+    "CPU s / 1k batches",
+)
+REMOTE_COLS = (
+    "added RTT",
+    "loader",
+    "num_workers",
+    "samples/s",
+    "x ceiling",
+    "first batch (s)",
+    "peak RSS (MiB)",
+    "CPU s / 1k batches",
+)
+
+
+def markdown(out: dict[str, Any]) -> str:
+    m = out["machine"]
+    v = m["versions"]
+    lines = [
+        "# guideloom benchmark results",
+        "",
+        f"`{out['command']}` on {out['date']}, {out['rounds']} alternating rounds, medians; "
+        f"suite wall time {out.get('wall_s', 0) / 60:.1f} min.",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB RAM, {m['os']} "
+        f"(load average {m['load_at_start']:.2f} at start; shared with other work). "
+        + ", ".join(f"{k} {x}" for k, x in v.items())
+        + ".",
+        "",
+        f"Workload: a uint16 token stream of {out['tokens']:,} tokens, sequence_length=2048, "
+        "local_batch_size=16, shuffle on (seed 0), collate to an int64 (16, 2048) tensor, one rank. "
+        "Peak RSS is the sum over the process tree (main process and workers), sampled every 20 ms; "
+        "CPU is user+system seconds of the tree per 1,000 steady-state batches.",
+        "",
+    ]
+    if out.get("local"):
+        lines += [
+            "## Local disk (page cache warm)",
+            "",
+            _row(*LOCAL_COLS),
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for r in out["local"]:
+            if "error" in r:
+                lines.append(f"| {r['label']} | {r['nw']} | failed: {r['error'][:80]} | | | | | |")
+                continue
+            lines.append(
+                _row(
+                    r["label"],
+                    r["nw"],
+                    _f(r.get("samples_per_s")),
+                    _f(r.get("tokens_per_s"), ",.3g"),
+                    _f(r.get("x_limit"), ".2f"),
+                    _f(r.get("ttfb_s"), ".3f"),
+                    _f(r.get("peak_rss_mib")),
+                    _f(r.get("cpu_s_per_1k"), ".2f"),
+                )
+            )
+        lines.append("")
+    if out.get("resume"):
+        lines += [
+            "## Time to first batch after resuming (num_workers=0)",
+            "",
+            "A virtual epoch of 2**24 samples (64 GiB: a sparse file for the raw and guideloom layouts, "
+            "the first MDS shard / LitData chunk listed again and again for the others); "
+            "the time runs from building the loader and loading its state to the first batch in hand.",
+            "",
+            _row(
+                "loader",
+                "resume at batch 1,000 (s)",
+                "at batch 1,000,000 (s)",
+                "peak RSS (MiB)",
+                "how it resumes",
+            ),
+            "| --- | ---: | ---: | ---: | --- |",
+        ]
+        for r in out["resume"]:
+            a = _f(r.get("ttfb_at_1000"), ".3f") if not r.get("error_at_1000") else "failed"
+            b = _f(r.get("ttfb_at_1000000"), ".3f") if not r.get("error_at_1000000") else "failed"
+            lines.append(f"| {r['label']} | {a} | {b} | {_f(r.get('peak_rss_mib'))} | {r['how']} |")
+        lines.append("")
+    if out.get("remote"):
+        lines += [
+            "## Over HTTP (nginx on 127.0.0.1), without and with 20 ms added round trip",
+            "",
+            _row(*REMOTE_COLS),
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for rtt in sorted({r["rtt"] for r in out["remote"]}):
+            rows = [r for r in out["remote"] if r["rtt"] == rtt]
+            ceil = _best(rows, lambda r: r["peer"] == "remote-ceiling")
+            for r in rows:
+                if "error" in r:
+                    lines.append(
+                        _row(
+                            f"{rtt * 1000:.0f} ms",
+                            r["label"],
+                            r["nw"],
+                            f"failed: {r['error'][:80]}",
+                            "",
+                            "",
+                            "",
+                            "",
+                        )
+                    )
+                    continue
+                x = r["samples_per_s"] / ceil["samples_per_s"] if ceil and r.get("samples_per_s") else None
+                lines.append(
+                    _row(
+                        f"{rtt * 1000:.0f} ms",
+                        r["label"],
+                        r["nw"],
+                        _f(r.get("samples_per_s")),
+                        _f(x, ".2f"),
+                        _f(r.get("ttfb_s"), ".3f"),
+                        _f(r.get("peak_rss_mib")),
+                        _f(r.get("cpu_s_per_1k"), ".2f"),
+                    )
+                )
+        lines.append("")
+    ts = targets(out)
+    if ts:
+        lines += ["## Targets", "", "| target | measured | met |", "| --- | --- | --- |"]
+        lines += [f"| {t} | {m_} | {'yes' if ok else 'no'} |" for t, m_, ok in ts]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def chart(out: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [p for p in ("local", "resume", "remote") if out.get(p)]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 4.2 * len(panels)), squeeze=False)
+    for ax, panel in zip(axes[:, 0], panels, strict=True):
+        rows = out[panel]
+        if panel == "resume":
+            names = [r["label"] for r in rows]
+            a = [r.get("ttfb_at_1000") or 0 for r in rows]
+            b = [r.get("ttfb_at_1000000") or 0 for r in rows]
+            y = range(len(rows))
+            ax.barh([i + 0.2 for i in y], a, 0.4, label="resume at batch 1,000")
+            ax.barh([i - 0.2 for i in y], b, 0.4, label="resume at batch 1,000,000")
+            ax.set_xscale("log")
+            ax.set_xlabel("time to first batch after resume, s (log)")
+            ax.set_yticks(list(y), names, fontsize=8)
+            ax.legend(fontsize=8)
+            ax.set_title("Resume (num_workers=0, virtual epoch of 2**24 samples)")
+            continue
+        if panel == "local":
+            names = [f"{r['label']} [nw={r['nw']}]" for r in rows]
+            title = "Local: samples/s (int64 (16, 2048) batches), medians"
+            colors = [
+                "black" if r["peer"] == "bare" else "tab:green" if r["peer"] == "guideloom" else "tab:gray"
+                for r in rows
+            ]
+        else:
+            names = [f"{r['label']} [nw={r['nw']}, +{r['rtt'] * 1000:.0f} ms]" for r in rows]
+            title = "HTTP via nginx on 127.0.0.1 (+0 ms and +20 ms round trip): samples/s, medians"
+            colors = [
+                "black"
+                if r["peer"] == "remote-ceiling"
+                else "tab:green"
+                if r["peer"] == "guideloom"
+                else "tab:gray"
+                for r in rows
+            ]
+        vals = [r.get("samples_per_s") or 0 for r in rows]
+        y = list(range(len(rows)))[::-1]
+        ax.barh(y, vals, color=colors)
+        ax.set_yticks(y, names, fontsize=7)
+        ax.set_xscale("log")
+        ax.set_xlabel("samples/s (log)")
+        ax.set_title(title)
+        for yi, v in zip(y, vals, strict=True):
+            if v:
+                ax.text(v, yi, f" {v:,.0f}", va="center", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+DOCS_INTRO = """\
+# Benchmarks
+
+guideloom against the loaders people use today, on the same data in the same run:
+`torch.utils.data.DataLoader` (with a per-row `__getitem__`, and with a batched `__getitems__`),
+torchdata's `StatefulDataLoader`, MosaicML Streaming's `StreamingDataset`, LitData's
+`StreamingDataset` and Grain, and against the machine's own limit (a bare loop with no loader).
+
+```bash
+python -m benchmarks run            # the whole suite; creates its own venv with the peers on first use
+python -m benchmarks run --quick    # one round, shorter windows
+python -m benchmarks report         # re-render the table and chart from benchmarks/results/latest.json
+```
+
+How it measures: every configuration runs in a fresh interpreter (torch imported before the clock
+starts), in alternating rounds, and the figures are medians over the rounds; "x bare loop" is the
+ratio to the bare loop *of the same round*. Each peer reads its own native format written from the
+same tokens: the raw uint16 memmap (torch, torchdata, Grain; guideloom's own data file is that
+file), MDS shards of 64 MiB (Streaming), `litdata.optimize(..., item_loader=TokensLoader())`
+chunks of 32 MiB (LitData). Streaming and LitData shuffle within shards/chunks (their design);
+guideloom, torch, torchdata and Grain shuffle globally, one 4 KiB row at a time. Over HTTP,
+Streaming and LitData have no plain-HTTP source, so they read the same nginx as an S3 endpoint
+(path-style GETs and ranged GETs are plain HTTP requests); guideloom reads `http://` directly.
+The source is in `benchmarks/suite/`; the latest raw figures are in `benchmarks/results/latest.json`.
+
+![benchmark chart](../benchmarks/results/results.png)
+
+"""
+
+
+def docs_page(md: str) -> str:
+    body = md.split("\n", 1)[1].lstrip()  # drop the results page's own title
+    return DOCS_INTRO + "## Latest figures\n\n" + body.replace("\n## ", "\n### ")

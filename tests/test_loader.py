@@ -787,3 +787,45 @@ def test_no_thread_runs_between_iterators_even_while_open() -> None:
         with pytest.raises(Boom):
             take(loader)
         assert set(guideloom_threads()) == before  # the failure shut everything down
+
+
+def test_without_workers_or_prefetch_batches_load_on_demand_in_the_callers_thread() -> None:
+    threads: list[str] = []
+
+    def collate(samples: Sequence[np.ndarray]) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return [int(s[0]) // 4 for s in samples]
+
+    loader = gl.StatefulDataLoader.from_storage(
+        identity_stream(20), collate, sequence_length=4, local_batch_size=2, device=torch.device("cpu")
+    )
+    with loader:
+        it = iter(loader)
+        assert next(it) == [0, 1]
+        time.sleep(0.05)
+        assert len(threads) == 1  # nothing collated ahead of the request
+        assert next(it) == [2, 3]
+        it.close()
+    assert set(threads) == {threading.current_thread().name}
+
+
+def test_sync_iteration_from_inside_a_running_event_loop() -> None:
+    """Code that runs an event loop (a notebook) can still use the sync facade."""
+
+    async def main() -> list[list[int]]:
+        with make(identity_stream(12), local_batch_size=4) as loader:
+            return take(loader)
+
+    assert asyncio.run(main()) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+def test_an_inline_iterator_closed_from_another_thread() -> None:
+    with make(identity_stream(20), local_batch_size=2) as loader:
+        it = iter(loader)
+        assert next(it) == [0, 1]
+        t = threading.Thread(target=it.close)
+        t.start()
+        t.join()
+        with pytest.raises(StopIteration):
+            next(it)
+        assert take(loader, 1) == [[2, 3]]

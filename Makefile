@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test lint types unit bench clean
+.PHONY: setup demo test lint types unit bench bench-suite clean
 
 setup: $(VENV)/.installed
 
@@ -35,6 +35,10 @@ test: lint types unit
 
 bench: setup
 	$(PY) -m benchmarks.local_stream
+
+# guideloom against torch, torchdata, Streaming, LitData and Grain (installs them in its own venv)
+bench-suite: setup
+	$(PY) -m benchmarks run
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

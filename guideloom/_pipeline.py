@@ -30,7 +30,7 @@ from ._channel import Channel
 from ._datasets import DatasetAbstract
 from ._errors import WorkerError
 from ._plan import BatchSpec, EpochPlan, Permutation
-from ._storage.base import blocking_reads_allowed
+from ._storage.base import SampleList, blocking_reads_allowed
 
 if TYPE_CHECKING:
     import torch
@@ -166,7 +166,8 @@ async def _read_window(cfg: PipelineConfig, specs: list[BatchSpec], indexes: _In
     deliveries = []
     pos = 0
     for spec in specs:
-        deliveries.append(Delivery(spec, samples[pos : pos + spec.size]))
+        block = samples.slice(pos, pos + spec.size) if isinstance(samples, SampleList) else None
+        deliveries.append(Delivery(spec, block if block is not None else samples[pos : pos + spec.size]))
         pos += spec.size
     return deliveries
 

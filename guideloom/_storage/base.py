@@ -22,6 +22,7 @@ import numpy.typing as npt
 
 __all__ = [
     "DocumentStorageAbstract",
+    "SampleList",
     "InT",
     "OutT",
     "StorageAbstract",
@@ -40,6 +41,36 @@ Sample = npt.NDArray[Any] | dict[str, npt.NDArray[Any]]
 #: the read and the collate) cost more than the read itself. On a caller's loop it is False, and
 #: storages keep blocking work off the loop.
 blocking_reads_allowed: ContextVar[bool] = ContextVar("guideloom_blocking_reads_allowed", default=False)
+
+
+class SampleList(list[npt.NDArray[Any]]):
+    """A list of equal-length samples that are rows of one contiguous block.
+
+    It is an ordinary list (what ``collate_fn`` receives), and ``np.asarray(samples)`` returns
+    the block itself, without a copy, where ``np.stack(samples)`` would copy every row again. A
+    stream collate such as ``torch.from_numpy(np.asarray(samples).astype(np.int64))`` thus makes
+    one pass over the data. Changing the list's contents drops the shortcut.
+    """
+
+    __slots__ = ("_block", "_ids")
+
+    def __init__(self, block: npt.NDArray[Any]) -> None:
+        super().__init__(block)
+        self._block: npt.NDArray[Any] | None = block
+        self._ids = [id(row) for row in self]
+
+    def slice(self, start: int, stop: int) -> SampleList:
+        """Rows ``[start, stop)``, still backed by (a view of) the block."""
+        assert self._block is not None
+        return SampleList(self._block[start:stop])
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> npt.NDArray[Any]:
+        block = self._block
+        intact = block is not None and len(self) == len(block) and [id(r) for r in self] == self._ids
+        out = block if intact and block is not None else np.stack(list(self)) if len(self) else np.empty(0)
+        if dtype is not None and out.dtype != dtype:
+            return out.astype(dtype)
+        return out.copy() if copy else out
 
 
 class StorageAbstract(ABC, Generic[InT, OutT]):

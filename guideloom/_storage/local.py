@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import DatasetFormatError, DatasetIntegrityError
-from .base import blocking_reads_allowed
+from .base import SampleList, blocking_reads_allowed
 from .manifest import MANIFEST_NAME, ArraySpec, Manifest
 from .manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
 from .memory import gather_windows
@@ -190,7 +190,7 @@ class LocalStreamStorage(ManifestStreamStorage):
         arrays = self._require_open()
         tokens = arrays["tokens"].gather(starts, length)
         if len(arrays) == 1:
-            return list(tokens)
+            return SampleList(tokens)
         fields = {n: a.gather(starts, length) for n, a in arrays.items() if n != "tokens"}
         return [{"tokens": tokens[i], **{n: f[i] for n, f in fields.items()}} for i in range(len(starts))]
 

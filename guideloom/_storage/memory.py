@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .base import DocumentStorageAbstract, StreamStorageAbstract
+from .base import DocumentStorageAbstract, SampleList, StreamStorageAbstract
 
 __all__ = ["MemoryDocumentStorage", "MemoryStreamStorage", "gather_windows"]
 
@@ -84,7 +84,7 @@ class MemoryStreamStorage(StreamStorageAbstract[Array, Any]):
     async def read_many(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
         tokens = gather_windows(self._tokens, starts, length)
         if not self._metadata:
-            return list(tokens)
+            return SampleList(tokens)
         fields = {name: gather_windows(a, starts, length) for name, a in self._metadata.items()}
         return [
             {"tokens": tokens[i], **{name: f[i] for name, f in fields.items()}} for i in range(len(starts))

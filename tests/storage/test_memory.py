@@ -63,3 +63,49 @@ async def test_documents() -> None:
 def test_documents_need_one_dtype() -> None:
     with pytest.raises(TypeError, match="one dtype"):
         MemoryDocumentStorage([np.arange(3, dtype=np.uint8), np.arange(3, dtype=np.int64)])
+
+
+def test_sample_list_is_a_list_whose_array_is_the_block() -> None:
+    from guideloom._storage.base import SampleList
+
+    block = np.arange(12, dtype=np.uint16).reshape(3, 4)
+    samples = SampleList(block)
+    assert isinstance(samples, list) and len(samples) == 3 and samples[1].tolist() == [4, 5, 6, 7]
+    arr = np.asarray(samples)
+    assert arr is block  # no copy
+    assert np.array_equal(np.asarray(samples, dtype=np.int64), np.stack(samples))
+    part = samples.slice(1, 3)
+    assert np.asarray(part).base is block or np.shares_memory(np.asarray(part), block)
+    assert np.array_equal(np.asarray(part), block[1:])
+    samples[0] = np.full(4, 9, dtype=np.uint16)  # changed contents: the shortcut is dropped
+    assert np.asarray(samples)[0].tolist() == [9, 9, 9, 9]
+    samples.append(np.zeros(4, dtype=np.uint16))
+    assert np.asarray(samples).shape == (4, 4)
+    assert SampleList(np.empty((0, 4))) == []
+
+
+@pytest.mark.asyncio
+async def test_stream_batches_reach_collate_as_one_block() -> None:
+    import torch
+
+    import guideloom as gl
+
+    seen = []
+
+    def collate(samples: list[np.ndarray]) -> torch.Tensor:
+        arr = np.asarray(samples)
+        seen.append(np.shares_memory(arr, samples[0]) and arr.shape == (len(samples), 4))
+        return torch.from_numpy(arr.astype(np.int64))
+
+    loader = gl.StatefulDataLoader.from_storage(
+        MemoryStreamStorage(np.arange(64)),
+        collate,
+        sequence_length=4,
+        local_batch_size=4,
+        shuffle=True,
+        shuffle_seed=0,
+    )
+    async with loader:
+        batches = [b async for b in loader]
+    assert all(seen) and len(seen) == 4
+    assert sorted(torch.cat(batches).flatten().tolist()) == list(range(64))

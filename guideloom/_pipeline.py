@@ -126,9 +126,9 @@ class _Indexes:
     def _fill(self, step: int) -> None:
         plan = self._cfg.plan
         stop = min(len(plan), step + max(1, self.BLOCK_POSITIONS // plan.local_batch_size))
-        specs = [plan.batch(s) for s in range(step, stop)]
-        self._values = self._cfg.order.take(_positions(specs))
-        self._offsets = np.cumsum([0] + [s.size for s in specs])
+        positions, sizes = plan.positions(step, stop)
+        self._values = self._cfg.order.take(positions)
+        self._offsets = np.concatenate([[0], np.cumsum(sizes)])
         self._first, self._stop = step, stop
 
     def of(self, specs: Sequence[BatchSpec]) -> np.ndarray:
@@ -209,7 +209,7 @@ async def _reader(cfg: PipelineConfig, send: ObjectSendStream[list[Delivery]], f
 
         step, window = first_step, 1
         while step < total:
-            specs = [plan.batch(s) for s in range(step, min(total, step + window))]
+            specs = list(plan.batches(step, step + window))
             step += len(specs)
             window = min(max_window, window * 2)
             await limit.acquire()

@@ -184,13 +184,34 @@ class EpochPlan:
         """This rank's ``step``-th batch (0-based from ``start_offset``)."""
         if not 0 <= step < len(self):
             raise IndexError(f"step {step} outside [0, {len(self)})")
+        return self._batch(step)
+
+    def _batch(self, step: int) -> BatchSpec:
         g, b, n = self.global_batch_size, self.local_batch_size, self.num_observations
         base = self.start_offset + step * g
         start = min(base + self.rank * b, n)
         stop = min(base + (self.rank + 1) * b, n)
         return BatchSpec(step=step, start=start, stop=stop, offset_after=base + g)
 
-    def batches(self, first_step: int = 0) -> Iterator[BatchSpec]:
-        """The batches from ``first_step`` on, lazily (an epoch may hold billions)."""
-        for step in range(first_step, len(self)):
-            yield self.batch(step)
+    def batches(self, first_step: int = 0, stop_step: int | None = None) -> Iterator[BatchSpec]:
+        """The batches ``[first_step, stop_step)`` (to the epoch's end by default), lazily."""
+        stop = len(self) if stop_step is None else min(stop_step, len(self))
+        for step in range(max(0, first_step), stop):
+            yield self._batch(step)
+
+    def positions(self, first_step: int, stop_step: int) -> tuple[IndexArray, IndexArray]:
+        """Order positions of batches ``[first_step, stop_step)`` back to back, and each one's size.
+
+        Vectorised: a block of a thousand batches costs a handful of numpy operations.
+        """
+        g, b, n = self.global_batch_size, self.local_batch_size, self.num_observations
+        steps = np.arange(first_step, min(stop_step, len(self)), dtype=np.int64)
+        lo = np.minimum(self.start_offset + steps * g + self.rank * b, n)
+        hi = np.minimum(lo + b, n)
+        sizes = hi - lo
+        if len(steps) == 0:
+            return np.zeros(0, dtype=np.int64), sizes
+        if self.world_size == 1:  # consecutive blocks: one range
+            return np.arange(lo[0], hi[-1], dtype=np.int64), sizes
+        grid = lo[:, None] + np.arange(b, dtype=np.int64)
+        return grid[grid < hi[:, None]], sizes

@@ -180,3 +180,25 @@ def test_resume_at_any_offset_follows_contract(
             assert lo + g <= n
         else:
             assert lo < n
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(1, 300),
+    batch=st.integers(1, 8),
+    world=st.integers(1, 5),
+    drop_last=st.booleans(),
+    offset=st.integers(0, 100),
+    data=st.data(),
+)
+def test_vectorised_positions_match_the_batches(
+    n: int, batch: int, world: int, drop_last: bool, offset: int, data: st.DataObject
+) -> None:
+    rank = data.draw(st.integers(0, world - 1))
+    plan = EpochPlan(n, batch, world, rank, drop_last, start_offset=offset)
+    first = data.draw(st.integers(0, max(0, len(plan))))
+    stop = data.draw(st.integers(first, len(plan) + 3))
+    positions, sizes = plan.positions(first, stop)
+    specs = list(plan.batches(first, stop))
+    assert sizes.tolist() == [s.size for s in specs]
+    assert positions.tolist() == [p for s in specs for p in range(s.start, s.stop)]

@@ -52,12 +52,12 @@ class SampleList(list[npt.NDArray[Any]]):
     one pass over the data. Changing the list's contents drops the shortcut.
     """
 
-    __slots__ = ("_block", "_ids")
+    __slots__ = ("_block", "_ends")
 
     def __init__(self, block: npt.NDArray[Any]) -> None:
         super().__init__(block)
         self._block: npt.NDArray[Any] | None = block
-        self._ids = [id(row) for row in self]
+        self._ends: tuple[npt.NDArray[Any], ...] = (self[0], self[-1]) if len(self) else ()
 
     def slice(self, start: int, stop: int) -> SampleList:
         """Rows ``[start, stop)``, still backed by (a view of) the block."""
@@ -66,7 +66,11 @@ class SampleList(list[npt.NDArray[Any]]):
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> npt.NDArray[Any]:
         block = self._block
-        intact = block is not None and len(self) == len(block) and [id(r) for r in self] == self._ids
+        intact = (
+            block is not None
+            and len(self) == len(block)
+            and (not len(self) or (self[0] is self._ends[0] and self[-1] is self._ends[1]))
+        )
         out = block if intact and block is not None else np.stack(list(self)) if len(self) else np.empty(0)
         if dtype is not None and out.dtype != dtype:
             return out.astype(dtype)

@@ -268,15 +268,23 @@ async def _collate(
     async with receive:
         if executor is None:
             async for window in receive:
-                for d in window:
+                # Hand each batch on without keeping a reference: a delivered batch must be
+                # freed when the consumer drops it, not when the window is done (memory, and
+                # the allocator reuses the freed block for the next batch instead of faulting
+                # in fresh pages).
+                window.reverse()
+                while window:
+                    d = window.pop()
                     await channel.reserve()
                     if d.error is None:
                         try:
                             d.value = cfg.collate_fn(d.value)
                         except Exception as exc:
                             d.error, d.value = exc, None
+                    failed = d.error is not None
                     await emit(d)
-                    if d.error is not None:
+                    del d
+                    if failed:
                         return
             return
 
@@ -305,15 +313,22 @@ async def _collate(
                     results = [(None, WorkerError(f"a collate worker process died: {exc}"))]
                 except Exception as exc:  # e.g. the batch could not be pickled to the process
                     results = [(None, exc)]
-                for d, (value, error) in zip(ds, results, strict=False):
-                    d.value, d.error = value, error
+                ds.reverse()
+                results.reverse()
+                while ds and results:  # pop as we go: emitted batches are not kept alive here
+                    d = ds.pop()
+                    d.value, d.error = results.pop()
+                    failed = d.error is not None
                     await emit(d)
-                    if error is not None:
+                    del d
+                    if failed:
                         return False
             return True
 
         async for window in receive:
-            for d in window:
+            window.reverse()
+            while window:
+                d = window.pop()
                 if d.error is not None:
                     submit()
                     if await flush(0):
@@ -326,6 +341,7 @@ async def _collate(
                         return
                     await channel.reserve()
                 group.append(d)
+                del d
                 if len(group) >= max_group:
                     submit()
                     if not await flush(cfg.num_workers - 1):
@@ -378,8 +394,10 @@ async def run_pipeline(
                                     d.value = move_to_device(d.value, cfg.device, cfg.pin_memory)
                                 except Exception as exc:
                                     d.error, d.value = exc, None
+                            failed = d.error is not None
                             channel.put(d)
-                            if d.error is not None:
+                            del d
+                            if failed:
                                 tg.cancel_scope.cancel()  # nothing after a failure is delivered
                                 return
 

@@ -829,3 +829,37 @@ def test_an_inline_iterator_closed_from_another_thread() -> None:
         with pytest.raises(StopIteration):
             next(it)
         assert take(loader, 1) == [[2, 3]]
+
+
+class _Batch:
+    """A collated batch that can be watched with a weak reference."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+
+@pytest.mark.parametrize("workers", [{}, {"prefetch": 2}, {"num_workers": 2, "prefetch": 1}])
+def test_the_pipeline_keeps_no_reference_to_a_delivered_batch(workers: dict[str, int]) -> None:
+    import gc
+    import weakref
+
+    loader = gl.StatefulDataLoader.from_storage(
+        identity_stream(64),
+        lambda s: _Batch([int(x[0]) for x in s]),
+        sequence_length=4,
+        local_batch_size=2,
+        device=torch.device("cpu"),
+        **workers,
+    )
+    with loader:
+        it = iter(loader)
+        next(it)
+        batch = next(it)
+        ref = weakref.ref(batch)
+        del batch
+        deadline = time.monotonic() + 2
+        while ref() is not None and time.monotonic() < deadline:
+            gc.collect()
+            time.sleep(0.01)
+        assert ref() is None, "a delivered batch must be freed once the consumer drops it"
+        it.close()

@@ -13,13 +13,19 @@ __all__ = ["LoopThread", "new_event_loop"]
 T = TypeVar("T")
 
 
+_uvloop: Any
+try:  # imported with guideloom, not on a loader's first batch
+    import uvloop as _uvloop
+except ImportError:  # pragma: no cover - uvloop is a dependency on Linux and macOS
+    _uvloop = None
+
+
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """A uvloop loop where uvloop is installed (it is faster), else asyncio's default."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux and macOS
+    if _uvloop is None:  # pragma: no cover
         return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
+    loop: asyncio.AbstractEventLoop = _uvloop.new_event_loop()
+    return loop
 
 
 class LoopThread:

@@ -23,8 +23,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
+import anyio.lowlevel
+import anyio.streams.memory
 import numpy as np
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+try:  # anyio loads its asyncio backend on first use: load it with guideloom, not on a first batch
+    import anyio._backends._asyncio
+except ImportError:  # pragma: no cover - a future anyio may move it; it then loads lazily
+    pass
 
 from ._channel import Channel
 from ._datasets import DatasetAbstract

@@ -15,7 +15,7 @@ from .._errors import DatasetIntegrityError
 from .base import DocumentStorageAbstract, StreamStorageAbstract
 from .local import LocalDocumentStorage, LocalSink, LocalStreamStorage, read_local_manifest
 from .manifest import Manifest
-from .writer import DEFAULT_SHARD_BYTES, write_documents_to, write_stream_to
+from .writer import DEFAULT_SHARD_BYTES, Sink, write_documents_to, write_stream_to
 
 __all__ = ["open_documents", "open_stream", "verify_dataset", "write_documents", "write_stream"]
 
@@ -47,6 +47,17 @@ def _remote() -> Any:
     return remote
 
 
+def _sink(destination: Location, options: dict[str, Any]) -> Sink:
+    """Where a writer writes: a local folder, or an object-store prefix configured by ``options``."""
+    folder = _local_folder(destination)
+    if folder is None:
+        remote_sink: Sink = _remote().sink_for(str(destination), **options)
+        return remote_sink
+    if options:
+        raise TypeError(f"unexpected options for a local destination: {sorted(options)}")
+    return LocalSink(folder)
+
+
 def write_stream(
     destination: Location,
     chunks: npt.ArrayLike | Iterable[npt.ArrayLike],
@@ -71,10 +82,7 @@ def write_stream(
     called with the number of elements of each token chunk written. ``options`` configure an
     object-store destination (credentials, endpoint). Returns the manifest.
     """
-    folder = _local_folder(destination)
-    sink = LocalSink(folder) if folder is not None else _remote().sink_for(str(destination), **options)
-    if folder is not None and options:
-        raise TypeError(f"unexpected options for a local destination: {sorted(options)}")
+    sink = _sink(destination, options)
     return write_stream_to(
         sink,
         chunks,
@@ -100,10 +108,7 @@ def write_documents(
     **options: Any,
 ) -> Manifest:
     """Write a document dataset, one document per 1-D array, in order. See :func:`write_stream`."""
-    folder = _local_folder(destination)
-    sink = LocalSink(folder) if folder is not None else _remote().sink_for(str(destination), **options)
-    if folder is not None and options:
-        raise TypeError(f"unexpected options for a local destination: {sorted(options)}")
+    sink = _sink(destination, options)
     return write_documents_to(
         sink,
         documents,

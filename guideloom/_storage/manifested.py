@@ -23,8 +23,8 @@ def check_kind(manifest: Manifest, kind: Kind, location: str) -> None:
         raise DatasetFormatError(f"{location} holds a {manifest.kind} dataset; open it with {opener}")
 
 
-class ManifestStreamStorage(StreamStorageAbstract[Array, Any]):
-    """A written stream dataset: sizes and fields come from its manifest."""
+class _Written:
+    """What both kinds take from the manifest: the dtype, the location, the repr."""
 
     manifest: Manifest
 
@@ -34,14 +34,18 @@ class ManifestStreamStorage(StreamStorageAbstract[Array, Any]):
         raise NotImplementedError
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.location!r}, len={len(self)}, dtype={self.dtype})"
-
-    def __len__(self) -> int:
-        return self.manifest.num_elements
+        return f"{type(self).__name__}({self.location!r}, len={len(self)}, dtype={self.dtype})"  # type: ignore[arg-type]
 
     @property
     def dtype(self) -> np.dtype[Any]:
         return self.manifest.dtype
+
+
+class ManifestStreamStorage(_Written, StreamStorageAbstract[Array, Any]):
+    """A written stream dataset: sizes and fields come from its manifest."""
+
+    def __len__(self) -> int:
+        return self.manifest.num_elements
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -51,24 +55,11 @@ class ManifestStreamStorage(StreamStorageAbstract[Array, Any]):
         return sum(s.dtype.itemsize for s in self.manifest.fields.values())
 
 
-class ManifestDocumentStorage(DocumentStorageAbstract[Array, Array]):
+class ManifestDocumentStorage(_Written, DocumentStorageAbstract[Array, Array]):
     """A written document dataset: sizes come from its manifest."""
-
-    manifest: Manifest
-
-    @property
-    def location(self) -> str:
-        raise NotImplementedError
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.location!r}, len={len(self)}, dtype={self.dtype})"
 
     def __len__(self) -> int:
         return self.manifest.num_documents
-
-    @property
-    def dtype(self) -> np.dtype[Any]:
-        return self.manifest.dtype
 
     def sample_nbytes_hint(self) -> int:
         """The average document's size, which sizes the loader's read-ahead windows."""

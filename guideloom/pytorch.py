@@ -663,7 +663,7 @@ class _SyncIteratorState(_IteratorBase[BatchT], Iterator[BatchT]):
                 d = self._channel.get()
             waited = time.perf_counter() - t0
         except EOFError:
-            if self._done:  # closed from another thread while we waited
+            if self._closed_meanwhile():
                 self._close_inline_loop()
                 raise StopIteration from None
             try:
@@ -677,6 +677,10 @@ class _SyncIteratorState(_IteratorBase[BatchT], Iterator[BatchT]):
         if d.error is not None:
             self.close()
         return self._accept(d, waited)
+
+    def _closed_meanwhile(self) -> bool:
+        """Whether ``close()`` ran in another thread while this one waited for a batch."""
+        return self._done
 
     def _close_inline_loop(self) -> None:
         """Cancel the inline pipeline and close its loop (when no ``next()`` is running it)."""

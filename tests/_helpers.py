@@ -2,14 +2,40 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import io
-from collections.abc import Sequence
+import time
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 import guideloom as gl
+
+
+@contextlib.asynccontextmanager
+async def loop_gaps() -> AsyncIterator[list[float]]:
+    """Record the gaps between the ticks of a 5 ms ticker on the running loop: a blocked loop
+    shows up as a long gap."""
+    gaps: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    task = asyncio.create_task(ticker())
+    try:
+        yield gaps
+    finally:
+        stop.set()
+        await task
 
 
 def ids(samples: Sequence[np.ndarray]) -> list[int]:

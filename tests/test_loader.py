@@ -692,25 +692,13 @@ class SlowBlockingStream(gl.MemoryStreamStorage):
 
 @pytest.mark.asyncio
 async def test_async_iteration_keeps_the_event_loop_responsive() -> None:
-    gaps: list[float] = []
-    stop = asyncio.Event()
+    from ._helpers import loop_gaps
 
-    async def ticker() -> None:
-        last = time.perf_counter()
-        while not stop.is_set():
-            await asyncio.sleep(0.005)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-
-    task = asyncio.create_task(ticker())
     loader = make(SlowBlockingStream(np.arange(400)), local_batch_size=4)
-    async with loader:
+    async with loop_gaps() as gaps, loader:
         n = 0
         async for _ in loader:
             n += 1
-    stop.set()
-    await task
     assert n == 25
     assert max(gaps) < 0.2, max(gaps)  # each read blocks 300 ms, but off the loop
 

@@ -350,21 +350,10 @@ async def test_async_for_over_s3_leaves_the_event_loop_responsive(
 ) -> None:
     proxy = start_proxy(proxy_for, s3.port, delay=0.01)
     storage = guideloom.open_stream(plain_copies.s3_url, coalesce_gap=0, **s3.options(proxy.url))
-    gaps: list[float] = []
-    stop = asyncio.Event()
+    from .._helpers import loop_gaps
 
-    async def ticker() -> None:
-        last = time.perf_counter()
-        while not stop.is_set():
-            await asyncio.sleep(0.005)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-
-    task = asyncio.create_task(ticker())
-    batches = await all_batches_async(storage, sequence_length=200, local_batch_size=2)
-    stop.set()
-    await task
+    async with loop_gaps() as gaps:
+        batches = await all_batches_async(storage, sequence_length=200, local_batch_size=2)
     assert len(batches) == len(plain_copies.tokens) // 200 // 2
     assert len(gaps) > 20 and max(gaps) < 0.25, f"the loop stalled for {max(gaps):.3f}s"
 

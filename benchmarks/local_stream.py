@@ -72,6 +72,8 @@ def run_bare(path: Path, batches: int) -> float:
     """The limit, no loader at all: gather each batch's rows from a memmap in one numpy operation."""
     view = _rows_view(path)
     order = order_for(len(view), batches)
+    for b in range(min(batches, 100)):  # warm-up, as the loaders get
+        collate(view[order[b * BATCH : (b + 1) * BATCH]])
     t0 = time.perf_counter()
     for b in range(batches):
         collate(view[order[b * BATCH : (b + 1) * BATCH]])  # one gather, then the int64 conversion
@@ -82,6 +84,8 @@ def run_bare_per_sample(path: Path, batches: int) -> float:
     """No loader, but one slice per sample (what a map-style Dataset's __getitem__ does)."""
     view = _rows_view(path)
     order = order_for(len(view), batches)
+    for b in range(min(batches, 100)):
+        collate([view[i] for i in order[b * BATCH : (b + 1) * BATCH].tolist()])
     t0 = time.perf_counter()
     for b in range(batches):
         collate([view[i] for i in order[b * BATCH : (b + 1) * BATCH].tolist()])
@@ -192,6 +196,34 @@ def run_torch(path: Path, batches: int, warmup: int, num_workers: int) -> float:
     return batches * BATCH / dt
 
 
+def run_with_step(path: Path, batches: int, warmup: int, **kw: Any) -> float:
+    """Steps/s of a loop whose 'training step' is torch work (which releases the GIL, as a real
+    step does): what prefetch is for. ``kw`` None runs the step alone, with no loading."""
+    torch.set_num_threads(1)
+    a = torch.randn(384, 384)
+
+    def step(batch: Any) -> None:
+        for _ in range(4):
+            torch.mm(a, a)
+
+    if kw.get("alone"):
+        t0 = time.perf_counter()
+        for _ in range(batches):
+            step(None)
+        return batches / (time.perf_counter() - t0)
+    loader = make_loader(path, **kw)
+    with loader:
+        it = iter(loader)
+        for _ in range(warmup):
+            step(next(it))
+        t0 = time.perf_counter()
+        for _ in range(batches):
+            step(next(it))
+        dt = time.perf_counter() - t0
+        it.close()
+    return batches / dt
+
+
 def first_batch_on_sparse_tib() -> tuple[float, float, float]:
     """Open a stream whose data file is a 1 TiB sparse file; time and RSS to the first shuffled batch."""
     code = r"""
@@ -257,6 +289,12 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_torch:
         configs["torch DataLoader nw=0"] = lambda: run_torch(path, nb, wu, 0)
         configs["torch DataLoader nw=2"] = lambda: run_torch(path, nb, wu, 2)
+    steps: dict[str, Callable[[], float]] = {
+        "training step alone (no loading)": lambda: run_with_step(path, nb, wu, alone=True),
+        "step + guideloom prefetch=0": lambda: run_with_step(path, nb, wu),
+        f"step + guideloom prefetch={pf}": lambda: run_with_step(path, nb, wu, prefetch=pf),
+    }
+    step_results: dict[str, list[float]] = {k: [] for k in steps}
     results: dict[str, list[float]] = {k: [] for k in configs}
     ratios: dict[str, list[float]] = {k: [] for k in configs}
     for r in range(args.rounds):
@@ -267,6 +305,8 @@ def main(argv: list[str] | None = None) -> None:
             if bare is None:
                 bare = v
             ratios[name].append(v / bare)
+        for name, fn in steps.items():
+            step_results[name].append(fn())
         print(f"round {r + 1}/{args.rounds} done", flush=True)
     print(
         f"\n{args.tokens:,} uint16 tokens, sequence_length={SEQ}, local_batch_size={BATCH}, shuffle, "
@@ -275,6 +315,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'configuration':44s} {'samples/s':>12s} {'x limit':>8s}")
     for name in configs:
         print(f"{name:44s} {statistics.median(results[name]):12,.0f} {statistics.median(ratios[name]):8.2f}")
+    print("\nwith a training step of torch work (4 matmuls of 384x384, one thread), steps/s:")
+    alone = statistics.median(step_results["training step alone (no loading)"])
+    for name in steps:
+        v = statistics.median(step_results[name])
+        print(f"{name:44s} {v:12,.0f} {v / alone:8.2f}")
     dt, base, rss = first_batch_on_sparse_tib()
     print(
         f"\n1 TiB sparse stream: open + first shuffled batch in {dt:.3f} s; peak RSS {rss:.0f} MiB, "

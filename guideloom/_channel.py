@@ -45,6 +45,7 @@ class Channel(Generic[T]):
         self._sync_waiting = False
         self._closed = False
         self._flush_scheduled = False
+        self._pending_get: asyncio.Future[T] | None = None
 
     # -- producer side: always on the loop -------------------------------------------------------
     async def reserve(self) -> None:
@@ -77,6 +78,11 @@ class Channel(Generic[T]):
         anyway), so a producer that prepares several batches in a row wakes the consumer once.
         """
         with self._lock:
+            pending = self._pending_get
+            if pending is not None and not self._items:
+                self._pending_get = None
+                pending.set_result(item)  # a loop-driving consumer gets it at once
+                return
             self._items.append(item)
             if not (self._sync_waiting or self._consumer is not None):
                 return
@@ -102,6 +108,10 @@ class Channel(Generic[T]):
         """Producer finished (or died): wake a waiting consumer so it sees the end."""
         with self._lock:
             self._closed = True
+            pending = self._pending_get
+            if pending is not None and not pending.done():
+                self._pending_get = None
+                pending.set_exception(EOFError())
             self._notify_consumer()
 
     # -- consumer side ----------------------------------------------------------------------------
@@ -130,6 +140,24 @@ class Channel(Generic[T]):
                 finally:
                     self._sync_waiting = False
             return self._items.popleft()
+
+    def get_future(self) -> asyncio.Future[T]:
+        """For a consumer that drives the loop itself (``loop.run_until_complete(future)``): grant
+        a credit and return a future of the next item (``EOFError`` once closed and drained).
+
+        Cheaper than awaiting :meth:`aget` in a task: the producer resolves the future directly,
+        so one turn of the loop usually delivers the batch.
+        """
+        fut: asyncio.Future[T] = self._loop.create_future()
+        with self._lock:
+            self._grant(from_loop=True)
+            if self._items:
+                fut.set_result(self._items.popleft())
+            elif self._closed:
+                fut.set_exception(EOFError())
+            else:
+                self._pending_get = fut
+        return fut
 
     async def aget(self) -> T:
         """Get for a consumer coroutine on the producer's loop."""

@@ -658,7 +658,7 @@ class _SyncIteratorState(_IteratorBase[BatchT], Iterator[BatchT]):
         try:
             t0 = time.perf_counter()
             if self._loop is not None:
-                d = self._loop.run_until_complete(self._channel.aget())
+                d = self._loop.run_until_complete(self._channel.get_future())
             else:
                 d = self._channel.get()
             waited = time.perf_counter() - t0

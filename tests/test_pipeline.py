@@ -153,3 +153,26 @@ def test_move_to_device_keeps_structure_and_non_tensors() -> None:
     assert out["a"].device.type == "meta" and out["b"][1:] == ["text", 3] and isinstance(out["c"], tuple)
     same = move_to_device(obj, torch.device("cpu"), pin_memory=True)
     assert same["a"] is t
+
+
+def test_channel_get_future_for_a_loop_driving_consumer() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        ch: Channel[int] = Channel(loop, 0)
+        produced: list[int] = []
+
+        async def producer() -> None:
+            for i in range(3):
+                await ch.reserve()
+                produced.append(i)
+                ch.put(i)
+            ch.close()
+
+        task = loop.create_task(producer())
+        assert [loop.run_until_complete(ch.get_future()) for _ in range(3)] == [0, 1, 2]
+        assert produced == [0, 1, 2]
+        with pytest.raises(EOFError):
+            loop.run_until_complete(ch.get_future())
+        loop.run_until_complete(task)
+    finally:
+        loop.close()

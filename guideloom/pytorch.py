@@ -339,8 +339,12 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         with self._lock:
             if self._state != "closed":
                 return
-            self._check_size()
             self._run_blocking(self.dataset.open())
+            try:
+                self._check_size()  # after opening: a storage may know its length only then
+            except BaseException:
+                self._run_blocking(self.dataset.close())
+                raise
             self._state = "open"
 
     def close(self) -> None:
@@ -358,8 +362,12 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         """Open the dataset reader on the running event loop (what ``async with`` calls)."""
         if self._state != "closed":
             return
-        self._check_size()
         await self.dataset.open()
+        try:
+            self._check_size()
+        except BaseException:
+            await self.dataset.close()
+            raise
         self._state = "async-open"
 
     async def aclose(self) -> None:
@@ -530,15 +538,15 @@ class _IteratorBase(Generic[BatchT]):
         self._loader = loader
         self._done = True  # until a subclass has started: __del__ and close() then do nothing
         self._owns_open = False
-        loader._claim(self)
-        try:
-            self._cfg = loader._pipeline_config()
-        except BaseException:
-            loader._release(self)
-            raise
-        self._expected = len(self._cfg.plan)
-        self._delivered = 0
+        self._expected = self._delivered = 0
         self._executor: concurrent.futures.Executor | None = None
+        loader._claim(self)
+
+    def _configure(self) -> None:
+        """Plan this iterator's epoch; called once the loader is open (a storage may know its
+        length only then)."""
+        self._cfg = self._loader._pipeline_config()
+        self._expected = len(self._cfg.plan)
 
     def _start_executor(self) -> concurrent.futures.Executor | None:
         self._executor = make_executor(self._cfg)
@@ -628,6 +636,7 @@ class _SyncIteratorState(_IteratorBase[BatchT], Iterator[BatchT]):
             if loader._state == "closed":
                 loader.open()
                 self._owns_open = True
+            self._configure()
             if self._cfg.capacity == 0 and not _event_loop_running_here():
                 self._loop = loop = asyncio.new_event_loop()
                 self._channel: Channel[Delivery] = Channel(loop, 0)
@@ -753,6 +762,7 @@ class _AsyncIteratorState(_IteratorBase[BatchT], AsyncIterator[BatchT]):
         if loader._state == "closed":
             await loader.aopen()
             self._owns_open = True
+        self._configure()
         loop = asyncio.get_running_loop()
         channel: Channel[Delivery] = Channel(loop, self._cfg.capacity)
         executor = self._start_executor()

@@ -851,3 +851,46 @@ def test_the_pipeline_keeps_no_reference_to_a_delivered_batch(workers: dict[str,
             time.sleep(0.01)
         assert ref() is None, "a delivered batch must be freed once the consumer drops it"
         it.close()
+
+
+class LengthAfterOpen(gl.MemoryStreamStorage):
+    """A storage that learns its length only when opened (as a remote listing would)."""
+
+    def __init__(self, tokens: npt.ArrayLike) -> None:
+        super().__init__(tokens)
+        self.opened = False
+
+    async def open(self) -> None:
+        self.opened = True
+
+    async def close(self) -> None:
+        self.opened = False
+
+    def __len__(self) -> int:
+        if not self.opened:
+            raise RuntimeError("open me first")
+        return super().__len__()
+
+
+@pytest.mark.parametrize("workers", [{}, {"prefetch": 2}])
+def test_a_storage_that_knows_its_length_only_once_open(workers: dict[str, int]) -> None:
+    loader = make(LengthAfterOpen(np.arange(24)), local_batch_size=2, **workers)
+    assert take(loader) == [[0, 1], [2, 3], [4, 5]]  # the iterator opens the loader first
+    with loader:
+        assert len(loader) == 3
+
+    async def main() -> list[list[int]]:
+        got = []
+        async for b in make(LengthAfterOpen(np.arange(24)), local_batch_size=2, **workers):
+            got.append(b)
+        return got
+
+    assert asyncio.run(main()) == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_a_failed_open_closes_the_storage_again() -> None:
+    storage = Tracked(np.arange(8))
+    loader = make(storage, local_batch_size=3)
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        loader.open()
+    assert storage.events == ["open", "close"]

@@ -90,22 +90,43 @@ def check_local_files(folder: Path, manifest: Manifest) -> None:
             )
 
 
+#: Bytes read through a mapping between two drops of its mapped pages (see ShardedArray).
+DROP_MAPPED_EVERY = 64 * 2**20
+
+
 class ShardedArray:
-    """A read-only 1-D array made of memory-mapped shard files."""
+    """A read-only 1-D array made of memory-mapped shard files.
+
+    Every read copies out of the maps, so after every ``DROP_MAPPED_EVERY`` bytes read the maps'
+    pages are dropped from the process (``MADV_DONTNEED``: they stay in the page cache, and the
+    next read maps them back). Without that, a long epoch over a large dataset counts every page
+    it ever touched in the process's RSS; with it, RSS stays flat whatever the dataset's size.
+    """
 
     def __init__(self, folder: Path, spec: ArraySpec) -> None:
         self.dtype = spec.dtype
         self._parts: list[Array] = []
+        self._maps: list[mmap.mmap] = []
+        self._read_since_drop = 0
         bounds = [0]
         for f in spec.files:
             if f.elements == 0:
                 continue
             with open(folder / f.path, "rb") as fh:
                 mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            self._maps.append(mm)
             self._parts.append(np.frombuffer(mm, dtype=spec.dtype, count=f.elements))
             bounds.append(bounds[-1] + f.elements)
         self._bounds = np.asarray(bounds, dtype=np.int64)
         self.length = int(self._bounds[-1])
+
+    def account(self, nbytes: int) -> None:
+        """Count bytes read (and copied out); drop the mapped pages every ``DROP_MAPPED_EVERY``."""
+        self._read_since_drop += nbytes
+        if self._read_since_drop >= DROP_MAPPED_EVERY and hasattr(mmap, "MADV_DONTNEED"):
+            self._read_since_drop = 0
+            for mm in self._maps:
+                mm.madvise(mmap.MADV_DONTNEED)
 
     def __len__(self) -> int:
         return self.length
@@ -114,7 +135,12 @@ class ShardedArray:
         return np.searchsorted(self._bounds, positions, side="right") - 1
 
     def gather(self, starts: npt.NDArray[np.int64], length: int) -> Array:
-        """Windows ``[s, s+length)`` for each start, as one ``(n, length)`` array."""
+        """Windows ``[s, s+length)`` for each start, as one ``(n, length)`` array (a copy)."""
+        out = self._gather(starts, length)
+        self.account(out.nbytes)
+        return out
+
+    def _gather(self, starts: npt.NDArray[np.int64], length: int) -> Array:
         if len(self._parts) == 1:
             return gather_windows(self._parts[0], starts, length)
         out = np.empty((len(starts), length), dtype=self.dtype)
@@ -241,6 +267,8 @@ class LocalDocumentStorage(ManifestDocumentStorage):
         # on read-only memory maps) and never alias the file.
         buffer = np.concatenate(views)
         bounds = np.cumsum([0] + [len(v) for v in views]).tolist()
+        del views
+        tokens.account(buffer.nbytes)
         return [buffer[a:b] for a, b in itertools.pairwise(bounds)]
 
     async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:

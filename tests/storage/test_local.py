@@ -320,3 +320,27 @@ async def test_samples_are_writable_copies(tmp_path: Path) -> None:
     assert again[0].tolist() == [0, 1, 2]
     await docs.close()
     await stream.close()
+
+
+def _rss_file_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssFile:"):
+            return int(line.split()[1])
+    pytest.skip("no RssFile in /proc/self/status")
+
+
+@pytest.mark.asyncio
+async def test_mapped_pages_do_not_accumulate_in_rss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import guideloom._storage.local as local
+
+    monkeypatch.setattr(local, "DROP_MAPPED_EVERY", 8 * 2**20)
+    gl.write_stream(tmp_path / "ds", np.zeros(48 * 2**20, dtype=np.uint8))  # 48 MiB
+    s = gl.open_stream(tmp_path / "ds")
+    await s.open()
+    before = _rss_file_kib()
+    peak = before
+    for start in range(0, 48 * 2**20, 2**20):  # read every byte once, 1 MiB at a time
+        await s.read_many(np.arange(start, start + 2**20, 4096, dtype=np.int64), 4096)
+        peak = max(peak, _rss_file_kib())
+    await s.close()
+    assert peak - before < 16 * 1024, f"mapped file pages grew by {(peak - before) // 1024} MiB"

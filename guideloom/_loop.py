@@ -55,10 +55,6 @@ class LoopThread:
             finally:
                 self.loop.close()
 
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
     def is_current(self) -> bool:
         """Whether the caller runs on this loop's thread."""
         return threading.current_thread() is self._thread

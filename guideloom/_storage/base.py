@@ -33,8 +33,6 @@ __all__ = [
 InT = TypeVar("InT")
 OutT = TypeVar("OutT")
 
-Sample = npt.NDArray[Any] | dict[str, npt.NDArray[Any]]
-
 #: True while a read runs on an event loop that guideloom owns (the sync facade's loop thread).
 #: Such a loop serves nothing else, so a storage may read page-cached data inline instead of
 #: hopping to a worker thread: measured here, the hop (and the batch changing CPU cores between

@@ -9,9 +9,7 @@ leaves the previous dataset readable.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Iterable, Iterator, Mapping
-from pathlib import Path
 from typing import IO, Any, Protocol
 
 import numpy as np
@@ -283,7 +281,3 @@ def write_documents_to(
         sink.abort(written)
         raise
     return manifest
-
-
-def local_path(destination: str | os.PathLike[str]) -> Path:
-    return Path(os.fspath(destination)).expanduser()

@@ -41,7 +41,6 @@ class Channel(Generic[T]):
         self._credits = capacity
         self._wake_at = max(1, capacity // 2)
         self._producer: asyncio.Future[None] | None = None
-        self._consumer: asyncio.Future[None] | None = None
         self._sync_waiting = False
         self._closed = False
         self._flush_scheduled = False
@@ -78,13 +77,12 @@ class Channel(Generic[T]):
         anyway), so a producer that prepares several batches in a row wakes the consumer once.
         """
         with self._lock:
-            pending = self._pending_get
-            if pending is not None and not self._items:
-                self._pending_get = None
-                pending.set_result(item)  # a loop-driving consumer gets it at once
+            pending, self._pending_get = self._pending_get, None
+            if pending is not None and not pending.done() and not self._items:
+                pending.set_result(item)  # a consumer on the loop gets it at once
                 return
             self._items.append(item)
-            if not (self._sync_waiting or self._consumer is not None):
+            if not self._sync_waiting:
                 return
             if len(self._items) >= self._wake_at:
                 self._notify_consumer()
@@ -101,8 +99,6 @@ class Channel(Generic[T]):
     def _notify_consumer(self) -> None:
         if self._sync_waiting:
             self._ready.notify()
-        elif self._consumer is not None:
-            _wake(self._consumer)
 
     def close(self) -> None:
         """Producer finished (or died): wake a waiting consumer so it sees the end."""
@@ -142,12 +138,10 @@ class Channel(Generic[T]):
             return self._items.popleft()
 
     def get_future(self) -> asyncio.Future[T]:
-        """For a consumer that drives the loop itself (``loop.run_until_complete(future)``): grant
-        a credit and return a future of the next item (``EOFError`` once closed and drained).
-
-        Cheaper than awaiting :meth:`aget` in a task: the producer resolves the future directly,
-        so one turn of the loop usually delivers the batch.
-        """
+        """For a consumer on the producer's loop: grant a credit and return a future of the next
+        item (``EOFError`` once closed and drained). The producer resolves it directly, so one
+        turn of the loop usually delivers the batch; a consumer that drives the loop itself
+        runs ``loop.run_until_complete(future)``."""
         fut: asyncio.Future[T] = self._loop.create_future()
         with self._lock:
             self._grant(from_loop=True)
@@ -161,17 +155,4 @@ class Channel(Generic[T]):
 
     async def aget(self) -> T:
         """Get for a consumer coroutine on the producer's loop."""
-        with self._lock:
-            self._grant(from_loop=True)
-        while True:
-            with self._lock:
-                if self._items:
-                    return self._items.popleft()
-                if self._closed:
-                    raise EOFError
-                fut = self._loop.create_future()
-                self._consumer = fut
-            try:
-                await fut
-            finally:
-                self._consumer = None
+        return await self.get_future()

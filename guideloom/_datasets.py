@@ -43,6 +43,26 @@ class DatasetAbstract(ABC, Generic[SourceT]):
     async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
         """Samples ``indices`` (each in ``[0, len(self))``), in that order."""
 
+    def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
+        """``read_many`` in the caller's thread (only where ``reads_inline``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no blocking reads")
+
+    @property
+    def reads_inline(self) -> bool:
+        """Whether the storage's blocking reads can stand in for its ``read_many``.
+
+        Not where a subclass overrides ``read_many`` below the class that gave it
+        ``read_many_sync`` (a wrapper that adds a check or a fault to the async read): its own
+        ``read_many`` is then the read, and the loader calls that.
+        """
+        storage = self.storage
+        if not storage.reads_inline:
+            return False
+        mro = type(storage).__mro__
+        sync_owner = next(k for k in mro if "read_many_sync" in k.__dict__)
+        async_owner = next(k for k in mro if "read_many" in k.__dict__)
+        return issubclass(sync_owner, async_owner)
+
     @property
     def max_concurrent_reads(self) -> int:
         return max(1, int(self.storage.max_concurrent_reads))
@@ -85,6 +105,9 @@ class StreamDataset(DatasetAbstract[SourceT]):
     async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
         return await self._storage.read_many(indices * self.sequence_length, self.sequence_length)
 
+    def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
+        return self._storage.read_many_sync(indices * self.sequence_length, self.sequence_length)
+
     def sample_nbytes_hint(self) -> int:
         return self.sequence_length * max(
             1, self._storage.sample_nbytes_hint() or self._storage.dtype.itemsize
@@ -111,6 +134,9 @@ class DocumentDataset(DatasetAbstract[SourceT]):
 
     async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
         return await self._storage.read_many(indices)
+
+    def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
+        return self._storage.read_many_sync(indices)
 
     def sample_nbytes_hint(self) -> int:
         return self._storage.sample_nbytes_hint()

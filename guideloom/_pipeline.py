@@ -37,12 +37,12 @@ from ._channel import Channel
 from ._datasets import DatasetAbstract
 from ._errors import WorkerError
 from ._plan import BatchSpec, EpochPlan, Permutation
-from ._storage.base import SampleList, blocking_reads_allowed
+from ._storage.base import Rows, blocking_reads_allowed
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Delivery", "PipelineConfig", "make_executor", "move_to_device", "run_pipeline"]
+__all__ = ["Delivery", "InlinePipeline", "PipelineConfig", "make_executor", "move_to_device", "run_pipeline"]
 
 #: Read-ahead window: at most this many batches per storage call (and at most the storage's
 #: ``read_window_bytes``).
@@ -150,15 +150,38 @@ class _Indexes:
         return self._values[a:b]
 
 
+def _check_count(cfg: PipelineConfig, samples: Sequence[Any], indexes: np.ndarray) -> None:
+    if len(samples) != len(indexes):
+        raise RuntimeError(
+            f"{type(cfg.dataset.storage).__name__}.read_many returned {len(samples)} samples "
+            f"for {len(indexes)} indexes"
+        )
+
+
+def _split(specs: list[BatchSpec], samples: Sequence[Any]) -> list[Delivery]:
+    """One window's samples, cut into its batches (rows of one block stay rows of one block)."""
+    deliveries = []
+    pos = 0
+    if isinstance(samples, Rows):
+        block = samples.block
+        for spec in specs:
+            end = pos + spec.stop - spec.start
+            deliveries.append(Delivery(spec, Rows(block[pos:end]) if end > pos else []))
+            pos = end
+        return deliveries
+    for spec in specs:
+        end = pos + spec.stop - spec.start
+        deliveries.append(Delivery(spec, samples[pos:end]))
+        pos = end
+    return deliveries
+
+
 async def _read_window(cfg: PipelineConfig, specs: list[BatchSpec], indexes: _Indexes) -> list[Delivery]:
     """Read every batch of a window in one call; on failure, find the first batch that fails."""
     try:
-        samples = await cfg.dataset.read_many(indexes.of(specs))
-        if len(samples) != sum(s.size for s in specs):
-            raise RuntimeError(
-                f"{type(cfg.dataset.storage).__name__}.read_many returned {len(samples)} samples "
-                f"for {sum(s.size for s in specs)} indexes"
-            )
+        wanted = indexes.of(specs)
+        samples = await cfg.dataset.read_many(wanted)
+        _check_count(cfg, samples, wanted)
     except Exception:
         if len(specs) == 1:
             raise
@@ -170,20 +193,39 @@ async def _read_window(cfg: PipelineConfig, specs: list[BatchSpec], indexes: _In
                 out.append(Delivery(spec, error=exc))
                 break
         return out
-    deliveries = []
-    pos = 0
-    for spec in specs:
-        block = samples.slice(pos, pos + spec.size) if isinstance(samples, SampleList) else None
-        deliveries.append(Delivery(spec, block if block is not None else samples[pos : pos + spec.size]))
-        pos += spec.size
-    return deliveries
+    return _split(specs, samples)
+
+
+def _read_window_sync(cfg: PipelineConfig, specs: list[BatchSpec], indexes: _Indexes) -> list[Delivery]:
+    """:func:`_read_window` in the caller's thread (storages with ``reads_inline``)."""
+    try:
+        wanted = indexes.of(specs)
+        samples = cfg.dataset.read_many_sync(wanted)
+        _check_count(cfg, samples, wanted)
+    except Exception:
+        if len(specs) == 1:
+            raise
+        out: list[Delivery] = []
+        for spec in specs:
+            try:
+                out.extend(_read_window_sync(cfg, [spec], indexes))
+            except Exception as exc:
+                out.append(Delivery(spec, error=exc))
+                break
+        return out
+    return _split(specs, samples)
+
+
+def _max_window(cfg: PipelineConfig) -> int:
+    """Batches per read-ahead window: up to ``WINDOW_BATCHES`` and the storage's byte budget."""
+    nbytes = max(1, cfg.dataset.sample_nbytes_hint() * cfg.plan.local_batch_size)
+    return max(1, min(WINDOW_BATCHES, cfg.dataset.read_window_bytes // nbytes))
 
 
 async def _reader(cfg: PipelineConfig, send: ObjectSendStream[list[Delivery]], first_step: int) -> None:
     """Read windows ahead, up to ``max_concurrent_reads`` at once, and send them in order."""
     plan = cfg.plan
-    nbytes = max(1, cfg.dataset.sample_nbytes_hint() * plan.local_batch_size)
-    max_window = max(1, min(WINDOW_BATCHES, cfg.dataset.read_window_bytes // nbytes))
+    max_window = _max_window(cfg)
     concurrency = cfg.dataset.max_concurrent_reads
     total = len(plan)
     indexes = _Indexes(cfg)
@@ -216,7 +258,7 @@ async def _reader(cfg: PipelineConfig, send: ObjectSendStream[list[Delivery]], f
 
         step, window = first_step, 1
         while step < total:
-            specs = list(plan.batches(step, step + window))
+            specs = plan.batches(step, step + window)
             step += len(specs)
             window = min(max_window, window * 2)
             await limit.acquire()
@@ -358,6 +400,53 @@ async def _collate(
                 return
         submit()
         await flush(0)
+
+
+# -- no concurrency: the caller's thread ------------------------------------------------------------
+class InlinePipeline:
+    """The whole pipeline as a plain loop in the caller's thread: one batch per :meth:`next`.
+
+    For ``num_workers=0`` and ``prefetch=0`` over a storage that ``reads_inline``: nothing may be
+    prepared ahead of a request, so an event loop would only add its own turns to every batch
+    (about as much as a whole batch's work, measured here). The stages are :func:`run_pipeline`'s:
+    windowed reads, collate, transfer, and a failure delivered at the batch that failed, after
+    which nothing is produced. It keeps no reference to a batch it has returned.
+    """
+
+    def __init__(self, cfg: PipelineConfig, first_step: int = 0) -> None:
+        self._cfg = cfg
+        self._indexes = _Indexes(cfg)
+        self._max_window = _max_window(cfg)
+        self._device = cfg.device if cfg.device.type != "cpu" else None
+        self._step, self._window, self._total = first_step, 1, len(cfg.plan)
+        self._pending: list[Delivery] = []  # the window's uncollated batches, last first
+
+    def next(self) -> Delivery | None:
+        """The next batch (or the error in its place); ``None`` once the epoch or a failure ended it."""
+        pending = self._pending
+        if not pending:
+            if self._step >= self._total:
+                return None
+            specs = self._cfg.plan.batches(self._step, self._step + self._window)
+            self._step += len(specs)
+            self._window = min(self._max_window, self._window * 2)
+            pending.extend(reversed(_read_window_sync(self._cfg, specs, self._indexes)))
+        d = pending.pop()
+        if d.error is None:
+            try:
+                d.value = self._cfg.collate_fn(d.value)
+                if self._device is not None:
+                    d.value = move_to_device(d.value, self._device, self._cfg.pin_memory)
+            except Exception as exc:
+                d.error, d.value = exc, None
+        if d.error is not None:
+            self.close()
+        return d
+
+    def close(self) -> None:
+        """Produce nothing more."""
+        self._pending.clear()
+        self._step = self._total
 
 
 # -- the whole pipeline -------------------------------------------------------------------------------

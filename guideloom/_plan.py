@@ -13,9 +13,8 @@ a vectorised lookup serves a whole read-ahead window with a handful of numpy ope
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -128,9 +127,11 @@ def num_batches(num_observations: int, global_batch_size: int, drop_last: bool, 
     return -(-remaining // global_batch_size)
 
 
-@dataclass(frozen=True, slots=True)
-class BatchSpec:
-    """One batch for one rank: its step, its order positions and the offset after it."""
+class BatchSpec(NamedTuple):
+    """One batch for one rank: its step, its order positions and the offset after it.
+
+    A named tuple: one is made per batch, and it is the cheapest immutable record to make.
+    """
 
     step: int
     """Index of the global batch counted from the iterator's start offset."""
@@ -193,11 +194,16 @@ class EpochPlan:
         stop = min(base + (self.rank + 1) * b, n)
         return BatchSpec(step=step, start=start, stop=stop, offset_after=base + g)
 
-    def batches(self, first_step: int = 0, stop_step: int | None = None) -> Iterator[BatchSpec]:
-        """The batches ``[first_step, stop_step)`` (to the epoch's end by default), lazily."""
+    def batches(self, first_step: int = 0, stop_step: int | None = None) -> list[BatchSpec]:
+        """The batches ``[first_step, stop_step)`` (to the epoch's end by default)."""
         stop = len(self) if stop_step is None else min(stop_step, len(self))
-        for step in range(max(0, first_step), stop):
-            yield self._batch(step)
+        g, n, o = self.global_batch_size, self.num_observations, self.start_offset
+        lo = o + self.rank * self.local_batch_size
+        hi = lo + self.local_batch_size
+        return [
+            BatchSpec(step, min(lo + step * g, n), min(hi + step * g, n), o + (step + 1) * g)
+            for step in range(max(0, first_step), stop)
+        ]
 
     def positions(self, first_step: int, stop_step: int) -> tuple[IndexArray, IndexArray]:
         """Order positions of batches ``[first_step, stop_step)`` back to back, and each one's size.

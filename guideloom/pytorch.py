@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypeVar, cast
 from ._channel import Channel
 from ._datasets import DatasetAbstract, DocumentDataset, SourceT, StreamDataset
 from ._loop import LoopThread
-from ._pipeline import Delivery, PipelineConfig, make_executor, run_pipeline
+from ._pipeline import Delivery, InlinePipeline, PipelineConfig, make_executor, run_pipeline
 from ._plan import EpochPlan, Permutation, num_batches
 from ._storage.base import DocumentStorageAbstract, InT, OutT, StreamStorageAbstract
 from .types import StatefulDataLoaderStateDict
@@ -632,12 +632,15 @@ class _SyncIteratorState(_IteratorBase[BatchT], Iterator[BatchT]):
         self._task: asyncio.Task[None] | None = None
         self._future: concurrent.futures.Future[None] | None = None
         self._finished = threading.Event()
+        self._inline: InlinePipeline | None = None
         try:
             if loader._state == "closed":
                 loader.open()
                 self._owns_open = True
             self._configure()
-            if self._cfg.capacity == 0 and not _event_loop_running_here():
+            if self._cfg.capacity == 0 and self._cfg.dataset.reads_inline:
+                self._inline = InlinePipeline(self._cfg)
+            elif self._cfg.capacity == 0 and not _event_loop_running_here():
                 self._loop = loop = asyncio.new_event_loop()
                 self._channel: Channel[Delivery] = Channel(loop, 0)
                 self._task = loop.create_task(run_pipeline(self._cfg, self._channel, 0, None, own_loop=True))
@@ -666,7 +669,11 @@ class _SyncIteratorState(_IteratorBase[BatchT], Iterator[BatchT]):
             raise StopIteration
         try:
             t0 = time.perf_counter()
-            if self._loop is not None:
+            if self._inline is not None:
+                d = self._inline.next()
+                if d is None:
+                    raise EOFError
+            elif self._loop is not None:
                 d = self._loop.run_until_complete(self._channel.get_future())
             else:
                 d = self._channel.get()
@@ -715,6 +722,8 @@ class _SyncIteratorState(_IteratorBase[BatchT], Iterator[BatchT]):
             return
         self._done = True
         try:
+            if self._inline is not None:
+                self._inline.close()
             self._close_inline_loop()
             fut, lt = self._future, self._lt
             if fut is not None and lt is not None:

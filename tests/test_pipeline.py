@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
@@ -176,3 +176,115 @@ def test_channel_get_future_for_a_loop_driving_consumer() -> None:
         loop.run_until_complete(task)
     finally:
         loop.close()
+
+
+# -- the inline pipeline (num_workers=0, prefetch=0, a storage that reads inline) ----------------------
+class AsyncOnlyStream(gl.MemoryStreamStorage):
+    """The same data, read only through ``read_many``: the loader must use the event-loop path."""
+
+    async def read_many(self, starts: np.ndarray, length: int) -> Any:
+        await asyncio.sleep(0)
+        return await super().read_many(starts, length)
+
+
+def _epoch_and_states(storage: Any, n_steps: int | None = None, **kw: Any) -> tuple[list[Any], list[Any]]:
+    loader = gl.StatefulDataLoader.from_storage(
+        storage, lambda s: [int(x[0]) for x in s], sequence_length=4, device=torch.device("cpu"), **kw
+    )
+    batches, states = [], []
+    with loader:
+        for b in loader:
+            batches.append(b)
+            states.append(dict(loader.state_dict()))
+    return batches, states
+
+
+def test_reads_inline_only_where_the_blocking_read_is_the_read() -> None:
+    from guideloom._datasets import StreamDataset
+
+    assert StreamDataset(gl.MemoryStreamStorage(np.arange(8)), 4).reads_inline
+    # A subclass that overrides only read_many: its own read must be called, so not inline.
+    assert not StreamDataset(AsyncOnlyStream(np.arange(8)), 4).reads_inline
+
+    class SyncOverride(gl.MemoryStreamStorage):
+        def read_many_sync(self, starts: np.ndarray, length: int) -> Any:
+            return super().read_many_sync(starts, length)
+
+    assert StreamDataset(SyncOverride(np.arange(8)), 4).reads_inline
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 120),
+    batch=st.integers(1, 9),
+    world=st.integers(1, 3),
+    drop_last=st.booleans(),
+    shuffle=st.booleans(),
+    seed=st.integers(0, 3),
+)
+def test_inline_pipeline_equals_the_event_loop_pipeline(
+    n: int, batch: int, world: int, drop_last: bool, shuffle: bool, seed: int
+) -> None:
+    rank = seed % world
+    assume(n >= batch * world)  # fewer is an error (tested elsewhere)
+    kw: dict[str, Any] = dict(
+        local_batch_size=batch,
+        world_size=world,
+        rank=rank,
+        drop_last=drop_last,
+        shuffle=shuffle,
+        shuffle_seed=seed,
+    )
+    tokens = np.arange(n * 4 + 3, dtype=np.int64)
+    inline = _epoch_and_states(gl.MemoryStreamStorage(tokens), **kw)
+    looped = _epoch_and_states(AsyncOnlyStream(tokens), **kw)
+    assert inline == looped
+
+
+def test_inline_iteration_runs_no_event_loop_and_works_inside_one() -> None:
+    import guideloom.pytorch as glp
+
+    loader = gl.StatefulDataLoader.from_storage(
+        identity_storage := gl.MemoryStreamStorage(np.arange(64)),
+        lambda s: [int(x[0]) for x in s],
+        sequence_length=4,
+        local_batch_size=2,
+        device=torch.device("cpu"),
+    )
+    assert identity_storage.reads_inline
+    threads = set(threading.enumerate())
+
+    async def inside_a_loop() -> list[Any]:
+        with loader:
+            it = iter(loader)
+            assert isinstance(it, glp._SyncIteratorState)
+            assert it._inline is not None and it._loop is None and it._lt is None
+            out = list(it)
+            assert set(threading.enumerate()) <= threads  # no loop thread was started
+            return out
+
+    got = asyncio.run(inside_a_loop())
+    assert [x for b in got for x in b] == list(range(0, 64, 4))
+
+
+def test_inline_pipeline_reports_a_collate_error_at_its_batch_and_stops() -> None:
+    def collate(s: Any) -> list[int]:
+        ids_ = [int(x[0]) // 4 for x in s]
+        if 5 in ids_:
+            raise ValueError("bad sample 5")
+        return ids_
+
+    loader = gl.StatefulDataLoader.from_storage(
+        gl.MemoryStreamStorage(np.arange(64)),
+        collate,
+        sequence_length=4,
+        local_batch_size=2,
+        device=torch.device("cpu"),
+    )
+    got: list[Any] = []
+    with loader:
+        with pytest.raises(ValueError, match="bad sample 5"):
+            for b in loader:
+                got.append(b)
+        assert got == [[0, 1], [2, 3]]
+        assert loader.state_dict()["observation_offset"] == 4  # the failed batch is not consumed

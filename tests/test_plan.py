@@ -202,3 +202,4 @@ def test_vectorised_positions_match_the_batches(
     specs = list(plan.batches(first, stop))
     assert sizes.tolist() == [s.size for s in specs]
     assert positions.tolist() == [p for s in specs for p in range(s.start, s.stop)]
+    assert specs == [plan.batch(step) for step in range(first, min(stop, len(plan)))]

@@ -15,15 +15,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from contextvars import ContextVar
 from types import TracebackType
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 import numpy as np
 import numpy.typing as npt
 
 __all__ = [
     "DocumentStorageAbstract",
-    "SampleList",
     "InT",
+    "Rows",
     "OutT",
     "StorageAbstract",
     "StreamStorageAbstract",
@@ -41,38 +41,41 @@ OutT = TypeVar("OutT")
 blocking_reads_allowed: ContextVar[bool] = ContextVar("guideloom_blocking_reads_allowed", default=False)
 
 
-class SampleList(list[npt.NDArray[Any]]):
-    """A list of equal-length samples that are rows of one contiguous block.
+class Rows(Sequence[npt.NDArray[Any]]):
+    """Equal-length samples that are the rows of one 2-D block: a read-only ``Sequence``.
 
-    It is an ordinary list (what ``collate_fn`` receives), and ``np.asarray(samples)`` returns
-    the block itself, without a copy, where ``np.stack(samples)`` would copy every row again. A
-    stream collate such as ``torch.from_numpy(np.asarray(samples).astype(np.int64))`` thus makes
-    one pass over the data. Changing the list's contents drops the shortcut.
+    What plain stream storages return from a read, and what ``collate_fn`` receives for a plain
+    stream: ``rows[i]`` is a view of row ``i`` (a 1-D sample), ``rows[a:b]`` is ``Rows`` again,
+    and ``np.asarray(rows)`` is the block itself, without a copy, where ``np.stack`` of a list
+    of rows copies every row again. A collate such as
+    ``torch.from_numpy(np.asarray(samples).astype(np.int64))`` thus makes one pass over the data,
+    and no per-row object is made unless the collate asks for one (a list of 16 row views costs
+    about what a batch's int64 conversion does).
     """
 
-    __slots__ = ("_block", "_ends")
+    __slots__ = ("block",)
 
     def __init__(self, block: npt.NDArray[Any]) -> None:
-        super().__init__(block)
-        self._block: npt.NDArray[Any] | None = block
-        self._ends: tuple[npt.NDArray[Any], ...] = (self[0], self[-1]) if len(self) else ()
+        self.block = block
 
-    def slice(self, start: int, stop: int) -> SampleList:
-        """Rows ``[start, stop)``, still backed by (a view of) the block."""
-        assert self._block is not None
-        return SampleList(self._block[start:stop])
+    def __len__(self) -> int:
+        return len(self.block)
+
+    @overload
+    def __getitem__(self, index: int) -> npt.NDArray[Any]: ...
+    @overload
+    def __getitem__(self, index: slice) -> Rows: ...
+    def __getitem__(self, index: int | slice) -> npt.NDArray[Any] | Rows:
+        if isinstance(index, slice):
+            return Rows(self.block[index])
+        return self.block[index]  # type: ignore[no-any-return]
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> npt.NDArray[Any]:
-        block = self._block
-        intact = (
-            block is not None
-            and len(self) == len(block)
-            and (not len(self) or (self[0] is self._ends[0] and self[-1] is self._ends[1]))
-        )
-        out = block if intact and block is not None else np.stack(list(self)) if len(self) else np.empty(0)
-        if dtype is not None and out.dtype != dtype:
-            return out.astype(dtype)
-        return out.copy() if copy else out
+        out = self.block if dtype is None or self.block.dtype == dtype else self.block.astype(dtype)
+        return out.copy() if copy and out is self.block else out
+
+    def __repr__(self) -> str:
+        return f"Rows({self.block!r})"
 
 
 class StorageAbstract(ABC, Generic[InT, OutT]):
@@ -84,6 +87,11 @@ class StorageAbstract(ABC, Generic[InT, OutT]):
     #: Raw bytes the loader asks for in one ``read_many`` call (a read-ahead window). 1 MiB keeps
     #: a local window in the CPU's L2 cache until it is collated; object stores want more.
     read_window_bytes: int = 2**20
+    #: Whether ``read_many_sync`` is implemented: the storage can read in the caller's thread
+    #: (memory, memory-mapped local files). Where nothing can overlap a read (``num_workers=0``
+    #: and ``prefetch=0``) the sync iterator then reads, collates and yields in a plain loop, with
+    #: no event loop in between, as PyTorch loads batches at ``num_workers=0``.
+    reads_inline: bool = False
 
     async def open(self) -> None:
         """Acquire what reading needs (file maps, clients). Idempotent."""
@@ -133,6 +141,10 @@ class StreamStorageAbstract(StorageAbstract[InT, OutT]):
         with metadata return ``{"tokens": ..., field: ...}`` dicts of 1-D arrays.
         """
 
+    def read_many_sync(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[OutT]:
+        """``read_many`` in the caller's thread, for storages with ``reads_inline = True``."""
+        raise NotImplementedError(f"{type(self).__name__} has no blocking reads (reads_inline is False)")
+
 
 class DocumentStorageAbstract(StorageAbstract[InT, OutT]):
     """A sequence of variable-length documents, each a 1-D array."""
@@ -144,3 +156,7 @@ class DocumentStorageAbstract(StorageAbstract[InT, OutT]):
     @abstractmethod
     async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[OutT]:
         """Return documents ``indices`` (each in ``[0, len(self))``), in that order."""
+
+    def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[OutT]:
+        """``read_many`` in the caller's thread, for storages with ``reads_inline = True``."""
+        raise NotImplementedError(f"{type(self).__name__} has no blocking reads (reads_inline is False)")

@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import DatasetFormatError, DatasetIntegrityError
-from .base import SampleList, blocking_reads_allowed
+from .base import Rows, blocking_reads_allowed
 from .manifest import MANIFEST_NAME, ArraySpec, Manifest
 from .manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
 from .memory import gather_windows
@@ -90,24 +90,31 @@ def check_local_files(folder: Path, manifest: Manifest) -> None:
             )
 
 
-#: Bytes read through a mapping between two drops of its mapped pages (see ShardedArray).
-DROP_MAPPED_EVERY = 64 * 2**20
+#: Mapped pages a storage's maps may hold before they are dropped (see ShardedArray). Maps no
+#: larger than this in all are never dropped: the whole map then fits the budget.
+MAPPED_BUDGET = 256 * 2**20
+#: A page fault maps the page-cached pages around the one it needs too (Linux maps 64 KiB), so
+#: a read of scattered rows maps about this much more per row than it reads.
+FAULT_AROUND = 64 * 2**10
 
 
 class ShardedArray:
     """A read-only 1-D array made of memory-mapped shard files.
 
-    Every read copies out of the maps, so after every ``DROP_MAPPED_EVERY`` bytes read the maps'
-    pages are dropped from the process (``MADV_DONTNEED``: they stay in the page cache, and the
-    next read maps them back). Without that, a long epoch over a large dataset counts every page
-    it ever touched in the process's RSS; with it, RSS stays flat whatever the dataset's size.
+    Every read copies out of the maps. Pages stay mapped once touched, so a dataset that fits
+    ``MAPPED_BUDGET`` is read with no page faults once warm. Over a larger one, the maps' pages
+    are dropped from the process (``MADV_DONTNEED``: they stay in the page cache, and the next
+    read maps them back) whenever the pages reads may have mapped reach the budget. Without that,
+    a long epoch over a large dataset counts every page it ever touched in the process's RSS;
+    with it, RSS stays flat whatever the dataset's size. (Dropping costs about as much per page
+    as the fault that mapped it, which is why a dataset that fits is never dropped.)
     """
 
     def __init__(self, folder: Path, spec: ArraySpec) -> None:
         self.dtype = spec.dtype
         self._parts: list[Array] = []
         self._maps: list[mmap.mmap] = []
-        self._read_since_drop = 0
+        self._mapped_estimate = 0
         bounds = [0]
         for f in spec.files:
             if f.elements == 0:
@@ -119,12 +126,16 @@ class ShardedArray:
             bounds.append(bounds[-1] + f.elements)
         self._bounds = np.asarray(bounds, dtype=np.int64)
         self.length = int(self._bounds[-1])
+        self._map_nbytes = sum(len(mm) for mm in self._maps)
 
-    def account(self, nbytes: int) -> None:
-        """Count bytes read (and copied out); drop the mapped pages every ``DROP_MAPPED_EVERY``."""
-        self._read_since_drop += nbytes
-        if self._read_since_drop >= DROP_MAPPED_EVERY and hasattr(mmap, "MADV_DONTNEED"):
-            self._read_since_drop = 0
+    def account(self, pieces: int, nbytes: int) -> None:
+        """Count a read of ``nbytes`` in ``pieces`` scattered pieces; drop the mapped pages once
+        what it may have mapped reaches ``MAPPED_BUDGET``."""
+        if self._map_nbytes <= MAPPED_BUDGET or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        self._mapped_estimate += nbytes + pieces * FAULT_AROUND
+        if self._mapped_estimate >= MAPPED_BUDGET:
+            self._mapped_estimate = 0
             for mm in self._maps:
                 mm.madvise(mmap.MADV_DONTNEED)
 
@@ -137,7 +148,7 @@ class ShardedArray:
     def gather(self, starts: npt.NDArray[np.int64], length: int) -> Array:
         """Windows ``[s, s+length)`` for each start, as one ``(n, length)`` array (a copy)."""
         out = self._gather(starts, length)
-        self.account(out.nbytes)
+        self.account(len(out), out.nbytes)
         return out
 
     def _gather(self, starts: npt.NDArray[np.int64], length: int) -> Array:
@@ -212,11 +223,13 @@ class LocalStreamStorage(ManifestStreamStorage):
             raise RuntimeError(f"{self!r} is not open; call `await storage.open()` first")
         return self._arrays
 
+    reads_inline = True
+
     def read_many_sync(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
         arrays = self._require_open()
         tokens = arrays["tokens"].gather(starts, length)
         if len(arrays) == 1:
-            return SampleList(tokens)
+            return Rows(tokens)
         fields = {n: a.gather(starts, length) for n, a in arrays.items() if n != "tokens"}
         return [{"tokens": tokens[i], **{n: f[i] for n, f in fields.items()}} for i in range(len(starts))]
 
@@ -252,6 +265,8 @@ class LocalDocumentStorage(ManifestDocumentStorage):
     async def close(self) -> None:
         self._tokens = self._offsets = None
 
+    reads_inline = True
+
     def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:
         if self._tokens is None or self._offsets is None:
             raise RuntimeError(f"{self!r} is not open; call `await storage.open()` first")
@@ -268,7 +283,7 @@ class LocalDocumentStorage(ManifestDocumentStorage):
         buffer = np.concatenate(views)
         bounds = np.cumsum([0] + [len(v) for v in views]).tolist()
         del views
-        tokens.account(buffer.nbytes)
+        tokens.account(len(bounds) - 1, buffer.nbytes)
         return [buffer[a:b] for a, b in itertools.pairwise(bounds)]
 
     async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .base import DocumentStorageAbstract, SampleList, StreamStorageAbstract
+from .base import DocumentStorageAbstract, Rows, StreamStorageAbstract
 
 __all__ = ["MemoryDocumentStorage", "MemoryStreamStorage", "gather_windows"]
 
@@ -81,10 +81,15 @@ class MemoryStreamStorage(StreamStorageAbstract[Array, Any]):
     def sample_nbytes_hint(self) -> int:
         return self._tokens.dtype.itemsize + sum(a.dtype.itemsize for a in self._metadata.values())
 
+    reads_inline = True
+
     async def read_many(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
+        return self.read_many_sync(starts, length)
+
+    def read_many_sync(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
         tokens = gather_windows(self._tokens, starts, length)
         if not self._metadata:
-            return SampleList(tokens)
+            return Rows(tokens)
         fields = {name: gather_windows(a, starts, length) for name, a in self._metadata.items()}
         return [
             {"tokens": tokens[i], **{name: f[i] for name, f in fields.items()}} for i in range(len(starts))
@@ -115,6 +120,11 @@ class MemoryDocumentStorage(DocumentStorageAbstract[Array, Array]):
     def dtype(self) -> np.dtype[Any]:
         return self._dtype
 
+    reads_inline = True
+
     async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:
+        return self.read_many_sync(indices)
+
+    def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:
         docs = self._docs
         return [docs[i] for i in indices.tolist()]

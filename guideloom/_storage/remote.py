@@ -61,7 +61,7 @@ from ._objstore import (
     secret_values,
     split_options,
 )
-from .base import SampleList
+from .base import Rows
 from .manifest import MANIFEST_NAME, ArraySpec, Manifest
 from .manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
 
@@ -518,7 +518,7 @@ class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):
         await self._remote.run(jobs)
         tokens = outs.pop("tokens")
         if not outs:
-            return SampleList(tokens)
+            return Rows(tokens)
         return [{"tokens": tokens[i], **{k: v[i] for k, v in outs.items()}} for i in range(n)]
 
 

@@ -333,7 +333,7 @@ def _rss_file_kib() -> int:
 async def test_mapped_pages_do_not_accumulate_in_rss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import guideloom._storage.local as local
 
-    monkeypatch.setattr(local, "DROP_MAPPED_EVERY", 8 * 2**20)
+    monkeypatch.setattr(local, "MAPPED_BUDGET", 8 * 2**20)
     gl.write_stream(tmp_path / "ds", np.zeros(48 * 2**20, dtype=np.uint8))  # 48 MiB
     s = gl.open_stream(tmp_path / "ds")
     await s.open()

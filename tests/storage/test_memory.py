@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 
@@ -65,23 +67,29 @@ def test_documents_need_one_dtype() -> None:
         MemoryDocumentStorage([np.arange(3, dtype=np.uint8), np.arange(3, dtype=np.int64)])
 
 
-def test_sample_list_is_a_list_whose_array_is_the_block() -> None:
-    from guideloom._storage.base import SampleList
+def test_rows_is_a_sequence_of_row_views_whose_array_is_the_block() -> None:
+    from collections.abc import Sequence as Seq
+
+    import torch
+    from torch.utils.data import default_collate
+
+    from guideloom._storage.base import Rows
 
     block = np.arange(12, dtype=np.uint16).reshape(3, 4)
-    samples = SampleList(block)
-    assert isinstance(samples, list) and len(samples) == 3 and samples[1].tolist() == [4, 5, 6, 7]
-    arr = np.asarray(samples)
-    assert arr is block  # no copy
-    assert np.array_equal(np.asarray(samples, dtype=np.int64), np.stack(samples))
-    part = samples.slice(1, 3)
-    assert np.asarray(part).base is block or np.shares_memory(np.asarray(part), block)
-    assert np.array_equal(np.asarray(part), block[1:])
-    samples[0] = np.full(4, 9, dtype=np.uint16)  # changed contents: the shortcut is dropped
-    assert np.asarray(samples)[0].tolist() == [9, 9, 9, 9]
-    samples.append(np.zeros(4, dtype=np.uint16))
-    assert np.asarray(samples).shape == (4, 4)
-    assert SampleList(np.empty((0, 4))) == []
+    rows = Rows(block)
+    assert isinstance(rows, Seq) and len(rows) == 3
+    assert rows[1].tolist() == [4, 5, 6, 7] and np.shares_memory(rows[1], block)
+    assert rows[-1].tolist() == [8, 9, 10, 11]
+    assert [r.tolist() for r in rows] == block.tolist()
+    assert isinstance(rows[1:], Rows) and np.asarray(rows[1:]).tolist() == block[1:].tolist()
+    assert np.asarray(rows) is block  # no copy
+    assert np.asarray(rows, dtype=np.int64).dtype == np.int64
+    assert not np.shares_memory(np.array(rows, copy=True), block)
+    # The collates people write for a list of 1-D arrays work on it unchanged.
+    assert np.array_equal(np.stack(rows), block)
+    assert torch.equal(torch.stack([torch.from_numpy(r) for r in rows]), torch.from_numpy(block))
+    assert torch.equal(default_collate(rows), torch.from_numpy(block))
+    assert [int(r[0]) for r in rows] == [0, 4, 8]
 
 
 @pytest.mark.asyncio
@@ -92,7 +100,7 @@ async def test_stream_batches_reach_collate_as_one_block() -> None:
 
     seen = []
 
-    def collate(samples: list[np.ndarray]) -> torch.Tensor:
+    def collate(samples: Sequence[np.ndarray]) -> torch.Tensor:
         arr = np.asarray(samples)
         seen.append(np.shares_memory(arr, samples[0]) and arr.shape == (len(samples), 4))
         return torch.from_numpy(arr.astype(np.int64))

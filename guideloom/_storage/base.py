@@ -84,9 +84,10 @@ class StorageAbstract(ABC, Generic[InT, OutT]):
     #: How many ``read_many`` calls the loader may keep in flight at once. Local and memory
     #: storages gain nothing from more than one; object stores override it.
     max_concurrent_reads: int = 1
-    #: Raw bytes the loader asks for in one ``read_many`` call (a read-ahead window). 1 MiB keeps
-    #: a local window in the CPU's L2 cache until it is collated; object stores want more.
-    read_window_bytes: int = 2**20
+    #: Raw bytes the loader asks for in one ``read_many`` call (a read-ahead window), up to 64
+    #: batches. Larger windows spread each call's fixed cost over more batches: 4 MiB was 6%
+    #: faster than 1 MiB for local files here, and object stores keep several in flight.
+    read_window_bytes: int = 4 * 2**20
     #: Whether ``read_many_sync`` is implemented: the storage can read in the caller's thread
     #: (memory, memory-mapped local files). Where nothing can overlap a read (``num_workers=0``
     #: and ``prefetch=0``) the sync iterator then reads, collates and yields in a plain loop, with

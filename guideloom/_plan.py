@@ -88,13 +88,21 @@ class Permutation:
         left = x >> h
         right = x & mask
         s31, s29 = np.uint64(31), np.uint64(29)
-        for key in self._keys_np:
-            z = (right ^ key) * _MIX1
-            z ^= z >> s31
-            z *= _MIX2
-            z ^= z >> s29
-            left, right = right, left ^ (z & mask)
-        return (left << h) | right
+        z, t = np.empty_like(left), np.empty_like(left)
+        for key in self._keys_np:  # the scalar rounds, in place: no temporary array per operation
+            np.bitwise_xor(right, key, out=z)
+            np.multiply(z, _MIX1, out=z)
+            np.right_shift(z, s31, out=t)
+            np.bitwise_xor(z, t, out=z)
+            np.multiply(z, _MIX2, out=z)
+            np.right_shift(z, s29, out=t)
+            np.bitwise_xor(z, t, out=z)
+            np.bitwise_and(z, mask, out=z)
+            np.bitwise_xor(z, left, out=z)
+            left, right, z = right, z, left  # the old left's buffer is the next round's scratch
+        np.left_shift(left, h, out=left)
+        np.bitwise_or(left, right, out=left)
+        return left
 
     def take(self, positions: npt.ArrayLike) -> IndexArray:
         """Map an array of order positions to observation indexes (vectorised)."""

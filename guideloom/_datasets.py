@@ -56,7 +56,7 @@ class DatasetAbstract(ABC, Generic[SourceT]):
         ``read_many`` is then the read, and the loader calls that.
         """
         storage = self.storage
-        if not storage.reads_inline:
+        if not storage.reads_inline():
             return False
         mro = type(storage).__mro__
         sync_owner = next(k for k in mro if "read_many_sync" in k.__dict__)

@@ -692,7 +692,18 @@ class _SyncIteratorState(_IteratorBase[BatchT], Iterator[BatchT]):
             raise
         if d.error is not None:
             self.close()
-        return self._accept(d, waited)
+        value = self._accept(d, waited)
+        if self._loop is not None and self._cfg.dataset.reads_inline:
+            self._go_inline()
+        return value
+
+    def _go_inline(self) -> None:
+        """The storage can now read inline (a remote dataset's local copy is complete): go on
+        with the plain loop from the next batch. The event-loop pipeline's read-ahead is dropped;
+        it held raw reads only, so nothing delivered changes."""
+        self._close_inline_loop()
+        self._loop = self._task = None
+        self._inline = InlinePipeline(self._cfg, first_step=self._delivered)
 
     def _closed_meanwhile(self) -> bool:
         """Whether ``close()`` ran in another thread while this one waited for a batch."""

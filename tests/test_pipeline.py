@@ -251,7 +251,7 @@ def test_inline_iteration_runs_no_event_loop_and_works_inside_one() -> None:
         local_batch_size=2,
         device=torch.device("cpu"),
     )
-    assert identity_storage.reads_inline
+    assert identity_storage.reads_inline()
     threads = set(threading.enumerate())
 
     async def inside_a_loop() -> list[Any]:

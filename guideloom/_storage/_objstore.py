@@ -161,6 +161,7 @@ class ReadOptions:
     max_concurrent_reads: int = 4
     offsets_cache_bytes: int = 64 * _MiB
     policy: RetryPolicy = field(default_factory=RetryPolicy)
+    cache_dir: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +179,7 @@ _READ_KEYS: Final = (
     "max_request_bytes",
     "max_concurrent_reads",
     "offsets_cache_bytes",
+    "cache_dir",
 )
 _WRITE_KEYS: Final = ("part_size", "max_upload_concurrency")
 _CLIENT_KEYS: Final = (
@@ -202,6 +204,14 @@ def _policy(opts: dict[str, Any]) -> RetryPolicy:
         backoff=_seconds("backoff", opts.pop("backoff", p.backoff)),
         max_backoff=_seconds("max_backoff", opts.pop("max_backoff", p.max_backoff)),
     )
+
+
+def _cache_dir(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str | os.PathLike):
+        raise TypeError(f"cache_dir must be a path (str or os.PathLike), got {type(value).__name__}")
+    return os.fspath(value)
 
 
 def split_options(
@@ -231,6 +241,7 @@ def split_options(
             "offsets_cache_bytes", opts.pop("offsets_cache_bytes", d.offsets_cache_bytes), 0
         ),
         policy=policy,
+        cache_dir=_cache_dir(opts.pop("cache_dir", None)),
     )
     w = WriteOptions()
     part_size = _count("part_size", opts.pop("part_size", w.part_size), 5 * _MiB)

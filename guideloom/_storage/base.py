@@ -88,11 +88,6 @@ class StorageAbstract(ABC, Generic[InT, OutT]):
     #: batches. Larger windows spread each call's fixed cost over more batches: 4 MiB was 6%
     #: faster than 1 MiB for local files here, and object stores keep several in flight.
     read_window_bytes: int = 4 * 2**20
-    #: Whether ``read_many_sync`` is implemented: the storage can read in the caller's thread
-    #: (memory, memory-mapped local files). Where nothing can overlap a read (``num_workers=0``
-    #: and ``prefetch=0``) the sync iterator then reads, collates and yields in a plain loop, with
-    #: no event loop in between, as PyTorch loads batches at ``num_workers=0``.
-    reads_inline: bool = False
 
     async def open(self) -> None:
         """Acquire what reading needs (file maps, clients). Idempotent."""
@@ -121,6 +116,16 @@ class StorageAbstract(ABC, Generic[InT, OutT]):
         """A typical sample's size in bytes, for sizing read-ahead windows (0 if unknown)."""
         return 0
 
+    def reads_inline(self) -> bool:
+        """Whether ``read_many_sync`` can serve reads now, in the caller's thread (memory,
+        memory-mapped local files, a remote dataset once its local copy is complete).
+
+        Where nothing can overlap a read (``num_workers=0`` and ``prefetch=0``) the sync
+        iterator then reads, collates and yields in a plain loop, with no event loop in between,
+        as PyTorch loads batches at ``num_workers=0``.
+        """
+        return False
+
 
 class StreamStorageAbstract(StorageAbstract[InT, OutT]):
     """One long stream of elements (tokens), optionally with per-element metadata fields."""
@@ -143,8 +148,8 @@ class StreamStorageAbstract(StorageAbstract[InT, OutT]):
         """
 
     def read_many_sync(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[OutT]:
-        """``read_many`` in the caller's thread, for storages with ``reads_inline = True``."""
-        raise NotImplementedError(f"{type(self).__name__} has no blocking reads (reads_inline is False)")
+        """``read_many`` in the caller's thread, while ``reads_inline()``."""
+        raise NotImplementedError(f"{type(self).__name__} has no blocking reads (reads_inline() is False)")
 
 
 class DocumentStorageAbstract(StorageAbstract[InT, OutT]):
@@ -159,5 +164,5 @@ class DocumentStorageAbstract(StorageAbstract[InT, OutT]):
         """Return documents ``indices`` (each in ``[0, len(self))``), in that order."""
 
     def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[OutT]:
-        """``read_many`` in the caller's thread, for storages with ``reads_inline = True``."""
-        raise NotImplementedError(f"{type(self).__name__} has no blocking reads (reads_inline is False)")
+        """``read_many`` in the caller's thread, while ``reads_inline()``."""
+        raise NotImplementedError(f"{type(self).__name__} has no blocking reads (reads_inline() is False)")

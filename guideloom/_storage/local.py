@@ -209,10 +209,17 @@ class LocalStreamStorage(ManifestStreamStorage):
 
     async def open(self) -> None:
         if self._arrays is None:
-            manifest = await aread_local_manifest(self.folder)
-            if manifest != self.manifest:
-                raise DatasetIntegrityError(f"{self.folder}: the manifest changed since open_stream()")
-            self._arrays = {n: ShardedArray(self.folder, s) for n, s in manifest.fields.items()}
+            self._map(await aread_local_manifest(self.folder))
+
+    def open_now(self) -> None:
+        """``open()`` in the caller's thread."""
+        if self._arrays is None:
+            self._map(read_local_manifest(self.folder))
+
+    def _map(self, manifest: Manifest) -> None:
+        if manifest != self.manifest:
+            raise DatasetIntegrityError(f"{self.folder}: the manifest changed since open_stream()")
+        self._arrays = {n: ShardedArray(self.folder, s) for n, s in manifest.fields.items()}
 
     async def close(self) -> None:
         # Views handed out keep their maps alive; the maps close when the last view is freed.
@@ -223,7 +230,8 @@ class LocalStreamStorage(ManifestStreamStorage):
             raise RuntimeError(f"{self!r} is not open; call `await storage.open()` first")
         return self._arrays
 
-    reads_inline = True
+    def reads_inline(self) -> bool:
+        return True
 
     def read_many_sync(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
         arrays = self._require_open()
@@ -255,17 +263,25 @@ class LocalDocumentStorage(ManifestDocumentStorage):
 
     async def open(self) -> None:
         if self._tokens is None:
-            manifest = await aread_local_manifest(self.folder)
-            if manifest != self.manifest:
-                raise DatasetIntegrityError(f"{self.folder}: the manifest changed since open_documents()")
-            assert manifest.offsets is not None
-            self._offsets = ShardedArray(self.folder, manifest.offsets)
-            self._tokens = ShardedArray(self.folder, manifest.tokens)
+            self._map(await aread_local_manifest(self.folder))
+
+    def open_now(self) -> None:
+        """``open()`` in the caller's thread."""
+        if self._tokens is None:
+            self._map(read_local_manifest(self.folder))
+
+    def _map(self, manifest: Manifest) -> None:
+        if manifest != self.manifest:
+            raise DatasetIntegrityError(f"{self.folder}: the manifest changed since open_documents()")
+        assert manifest.offsets is not None
+        self._offsets = ShardedArray(self.folder, manifest.offsets)
+        self._tokens = ShardedArray(self.folder, manifest.tokens)
 
     async def close(self) -> None:
         self._tokens = self._offsets = None
 
-    reads_inline = True
+    def reads_inline(self) -> bool:
+        return True
 
     def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:
         if self._tokens is None or self._offsets is None:

@@ -81,7 +81,8 @@ class MemoryStreamStorage(StreamStorageAbstract[Array, Any]):
     def sample_nbytes_hint(self) -> int:
         return self._tokens.dtype.itemsize + sum(a.dtype.itemsize for a in self._metadata.values())
 
-    reads_inline = True
+    def reads_inline(self) -> bool:
+        return True
 
     async def read_many(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
         return self.read_many_sync(starts, length)
@@ -120,7 +121,8 @@ class MemoryDocumentStorage(DocumentStorageAbstract[Array, Array]):
     def dtype(self) -> np.dtype[Any]:
         return self._dtype
 
-    reads_inline = True
+    def reads_inline(self) -> bool:
+        return True
 
     async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:
         return self.read_many_sync(indices)

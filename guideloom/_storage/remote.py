@@ -17,7 +17,9 @@ Options (``open_stream(url, **options)``, ``open_documents``, ``write_stream(url
 - reading: ``max_inflight_requests`` (256), ``max_inflight_bytes`` (64 MiB), ``coalesce_gap``
   (8 KiB), ``max_request_bytes`` (4 MiB), ``max_concurrent_reads`` (read-ahead windows the
   loader keeps in flight, 4), ``offsets_cache_bytes`` (documents: offsets up to this size are
-  loaded at ``open()``, larger ones are read per batch; 64 MiB);
+  loaded at ``open()``, larger ones are read per batch; 64 MiB), ``cache_dir`` (a local folder:
+  the dataset is copied there in the background and read locally once complete, see
+  :mod:`guideloom._storage._cache`; none by default);
 - faults: ``timeout`` (seconds per request, 30), ``connect_timeout`` (5), ``retries`` (5),
   ``retry_timeout`` (no retry starts after this many seconds, 120), ``backoff`` (0.1),
   ``max_backoff`` (5);
@@ -44,6 +46,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import DatasetFormatError, DatasetIntegrityError, StorageError
+from ._cache import DatasetCache
 from ._objstore import (
     RANGES_PER_CALL,
     Location,
@@ -62,6 +65,7 @@ from ._objstore import (
     split_options,
 )
 from .base import Rows
+from .local import LocalDocumentStorage, LocalStreamStorage, read_local_manifest
 from .manifest import MANIFEST_NAME, ArraySpec, Manifest
 from .manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
 
@@ -165,6 +169,19 @@ class _Remote:
 
     def peak_inflight_bytes(self) -> int:
         return self._limits.peak_bytes()
+
+    def fetch_range(self, path: str, start: int, end: int) -> Any:
+        """Bytes ``[start, end)`` of object ``path``: a blocking call with retries (the cache's)."""
+        import obstore
+
+        store = self.store_for_reading()
+        self.requests += 1
+        try:
+            return call_with_retries(
+                lambda: obstore.get_range(store, path, start=start, end=end), self.policy
+            )
+        except Exception as exc:
+            raise _map_error(exc, f"reading {self.loc.object_url(path)}", self.secrets) from None
 
     # -- manifest and objects (blocking; run on the caller's thread or the I/O pool) ----------
     def read_manifest(self) -> Manifest:
@@ -453,6 +470,50 @@ def _open_remote(url: str, options: dict[str, Any]) -> tuple[_Remote, Manifest]:
 class _ObjectStorageMixin:
     _remote: _Remote
     manifest: Manifest
+    _opened: bool
+    _cache: DatasetCache | None = None
+    _local: LocalStreamStorage | LocalDocumentStorage | None = None
+
+    def _setup_cache(self) -> None:
+        root = self._remote.opts.cache_dir
+        if root is not None:
+            self._cache = DatasetCache(
+                root, self._remote.loc.display, self.manifest, self._remote.fetch_range
+            )
+
+    def _start_cache(self) -> None:
+        if self._cache is not None:
+            self._cache.start()
+
+    def _local_copy(self) -> LocalStreamStorage | LocalDocumentStorage | None:
+        """The complete local copy (``cache_dir``), opened on first use; None until then."""
+        cache = self._cache
+        if self._local is None and cache is not None and self._opened:
+            if cache.complete():
+                local: LocalStreamStorage | LocalDocumentStorage
+                folder = cache.folder
+                if self.manifest.kind == "stream":
+                    local = LocalStreamStorage(folder, read_local_manifest(folder))
+                else:
+                    local = LocalDocumentStorage(folder, read_local_manifest(folder))
+                local.open_now()
+                self._local = local
+            else:
+                cache.warn_if_failed()
+        return self._local
+
+    def _close_cache(self) -> None:
+        if self._cache is not None:
+            self._cache.abort()
+        self._local = None
+
+    def reads_inline(self) -> bool:
+        return self._local_copy() is not None
+
+    @property
+    def cache_folder(self) -> str | None:
+        """The local copy's folder with ``cache_dir`` (it exists once the copy is complete)."""
+        return None if self._cache is None else str(self._cache.folder)
 
     @property
     def url(self) -> str:
@@ -482,20 +543,32 @@ class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):
         self.max_concurrent_reads = remote.opts.max_concurrent_reads
         self._arrays = {name: _Array.of(spec) for name, spec in manifest.fields.items()}
         self._opened = False
+        self._setup_cache()
 
     async def open(self) -> None:
         if not self._opened:
             self._remote.store()
             await self._remote.reopen(self.manifest)
             self._opened = True
+            self._start_cache()
 
     async def close(self) -> None:
         self._opened = False
+        self._close_cache()
         self._remote.drop_store()
+
+    def read_many_sync(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
+        local = self._local_copy()
+        if not isinstance(local, LocalStreamStorage):
+            raise RuntimeError(f"{self!r} has no complete local copy to read from (reads_inline() is False)")
+        return local.read_many_sync(starts, length)
 
     async def read_many(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
         if not self._opened:
             raise RuntimeError(f"{self!r} is not open; call `await storage.open()` first")
+        local = self._local_copy()
+        if isinstance(local, LocalStreamStorage):
+            return await local.read_many(starts, length)
         starts = np.asarray(starts, dtype=np.int64)
         n = len(starts)
         if n and (int(starts.min()) < 0 or int(starts.max()) + length > len(self)):
@@ -535,6 +608,7 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         self._offsets_arr = _Array.of(manifest.offsets)
         self._offsets: I64 | None = None
         self._opened = False
+        self._setup_cache()
 
     async def open(self) -> None:
         if self._opened:
@@ -542,6 +616,7 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         self._remote.store()
         await self._remote.reopen(self.manifest)
         self._opened = True
+        self._start_cache()
         total = int(self._offsets_arr.bounds[-1])
         if total <= self._remote.opts.offsets_cache_bytes:
             try:
@@ -553,6 +628,7 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
     async def close(self) -> None:
         self._opened = False
         self._offsets = None
+        self._close_cache()
         self._remote.drop_store()
 
     def _check_offsets(self, offsets: I64) -> I64:
@@ -589,9 +665,18 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         await self._remote.run(jobs)
         return out
 
+    def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:
+        local = self._local_copy()
+        if not isinstance(local, LocalDocumentStorage):
+            raise RuntimeError(f"{self!r} has no complete local copy to read from (reads_inline() is False)")
+        return local.read_many_sync(indices)
+
     async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:
         if not self._opened:
             raise RuntimeError(f"{self!r} is not open; call `await storage.open()` first")
+        local = self._local_copy()
+        if isinstance(local, LocalDocumentStorage):
+            return await local.read_many(indices)
         indices = np.asarray(indices, dtype=np.int64)
         n = len(indices)
         if n and (int(indices.min()) < 0 or int(indices.max()) >= len(self)):

@@ -1,0 +1,182 @@
+"""``cache_dir``: a remote dataset copied to a local folder in the background, then read locally."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import guideloom
+from guideloom import StatefulDataLoader
+from guideloom._storage import _cache
+from guideloom._storage.remote import ObjectStreamStorage
+
+from ._servers import MotoS3, Nginx
+from .conftest import BUCKET, Copies, unique
+from .test_remote import all_batches, assert_same, collate
+
+CPU = torch.device("cpu")
+
+
+def wait_for_copy(storage: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not storage.reads_inline():
+        assert time.monotonic() < deadline, "the local copy did not complete"
+        time.sleep(0.02)
+
+
+def test_a_cached_dataset_is_copied_then_read_locally(
+    plain_copies: Copies, s3: MotoS3, tmp_path: Path
+) -> None:
+    expected = all_batches(guideloom.open_stream(plain_copies.local))
+    storage = guideloom.open_stream(plain_copies.s3_url, cache_dir=tmp_path, **s3.options())
+    assert isinstance(storage, ObjectStreamStorage) and not storage.reads_inline()
+    asyncio.run(storage.open())
+    wait_for_copy(storage)
+    folder = Path(storage.cache_folder or "")
+    assert folder.parent == tmp_path and (folder / "manifest.json").is_file()
+    assert guideloom.verify_dataset(folder) == storage.manifest  # every checksum matches
+    before = storage.stats()["requests"]
+    got = all_batches(storage)
+    assert storage.stats()["requests"] == before, "a complete copy is read locally: no request"
+    assert_same(expected, got)
+    assert not list(tmp_path.glob("*.partial"))
+    # Opened again (another job on the node): the copy is found at once.
+    again = guideloom.open_stream(plain_copies.s3_url, cache_dir=tmp_path, **s3.options())
+    asyncio.run(again.open())
+    assert again.reads_inline()
+    asyncio.run(again.close())
+
+
+def test_the_loader_switches_to_the_copy_mid_epoch_without_changing_the_batches(
+    plain_copies: Copies, nginx: Nginx, tmp_path: Path
+) -> None:
+    url = f"{nginx.url}/{plain_copies.http_path}"
+    kw: dict[str, Any] = dict(sequence_length=50, local_batch_size=2, shuffle=True, shuffle_seed=3)
+    expected = all_batches(guideloom.open_stream(plain_copies.local), **kw)
+    storage = guideloom.open_stream(url, cache_dir=tmp_path)
+    assert isinstance(storage, ObjectStreamStorage) and storage._cache is not None
+    go = threading.Event()
+    fetch = storage._cache._fetch
+
+    def held_back(path: str, start: int, end: int) -> Any:
+        assert go.wait(30)
+        return fetch(path, start, end)
+
+    storage._cache._fetch = held_back  # the copy completes only once three batches are in
+    loader = StatefulDataLoader.from_storage(storage, collate, device=CPU, **kw)
+    got, modes = [], []
+    with loader:
+        it = iter(loader)
+        for b in it:
+            got.append(b)
+            modes.append(it._inline is not None)  # type: ignore[attr-defined]
+            if len(got) == 3:
+                go.set()
+                wait_for_copy(storage)
+    assert_same(expected, got)
+    assert modes[:3] == [False] * 3 and all(modes[3:]), "remote until the copy is complete, then inline"
+    assert loader.state_dict()["epoch"] == 1
+
+
+def test_a_copy_that_does_not_match_its_checksums_warns_and_reading_goes_on_remotely(
+    tmp_path: Path, s3: MotoS3
+) -> None:
+    folder = tmp_path / "ds"
+    tokens = np.arange(20_000, dtype=np.uint16)
+    guideloom.write_stream(folder, tokens, shard_bytes=16_000)
+    prefix = unique("corrupt")
+    s3.upload_folder(folder, BUCKET, prefix)
+    shard = sorted(p for p in folder.iterdir() if p.suffix == ".bin")[0]
+    damaged = bytearray(shard.read_bytes())
+    damaged[100] ^= 0xFF  # same size: open_stream's size checks pass, the checksum does not
+    s3.client().put_object(Bucket=BUCKET, Key=f"{prefix}/{shard.name}", Body=bytes(damaged))
+    cache = tmp_path / "cache"
+    storage = guideloom.open_stream(f"s3://{BUCKET}/{prefix}", cache_dir=cache, **s3.options())
+    asyncio.run(storage.open())
+    assert isinstance(storage, ObjectStreamStorage) and storage._cache is not None
+    storage._cache._done.wait(30)
+    with pytest.warns(RuntimeWarning, match="does not match its checksum.*nothing is lost"):
+        assert not storage.reads_inline()
+    assert not storage.reads_inline()  # warned once
+    samples = asyncio.run(storage.read_many(np.arange(0, 200, 100, dtype=np.int64), 100))
+    assert np.asarray(samples).shape == (2, 100)  # reads go on from the object store
+    assert not any(p.name.endswith(".partial") for p in cache.iterdir())
+    assert not (Path(storage.cache_folder or "") / "manifest.json").exists()
+    asyncio.run(storage.close())
+
+
+def test_one_process_downloads_while_another_waits_for_the_folder(
+    plain_copies: Copies, s3: MotoS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_cache, "POLL_SECONDS", 0.01)
+    first = guideloom.open_stream(plain_copies.s3_url, cache_dir=tmp_path, **s3.options())
+    second = guideloom.open_stream(plain_copies.s3_url, cache_dir=tmp_path, **s3.options())
+    assert isinstance(first, ObjectStreamStorage) and isinstance(second, ObjectStreamStorage)
+    assert first.cache_folder == second.cache_folder
+    assert first._cache is not None and second._cache is not None
+    with first._cache._lock() as held:  # as if another process were downloading
+        assert held
+        asyncio.run(second.open())
+        second._cache._done.wait(30)
+        assert not second.reads_inline() and second._cache.error is None
+    asyncio.run(first.open())  # the lock is free now: this one downloads
+    wait_for_copy(first)
+    wait_for_copy(second)  # and the other one finds the folder
+    assert_same(all_batches(first), all_batches(second))
+
+
+def test_closing_stops_a_download_and_leaves_no_partial_copy(
+    plain_copies: Copies, nginx: Nginx, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_cache, "PART_BYTES", 1024)
+    monkeypatch.setattr(_cache, "PARTS_IN_FLIGHT", 1)
+    storage = guideloom.open_stream(f"{nginx.url}/{plain_copies.http_path}", cache_dir=tmp_path)
+    asyncio.run(storage.open())
+    asyncio.run(storage.close())
+    assert isinstance(storage, ObjectStreamStorage) and storage._cache is not None
+    assert storage._cache._thread is None
+    assert not any(p.name.endswith(".partial") for p in tmp_path.iterdir())
+    assert not Path(storage.cache_folder or "").exists()
+
+
+def test_cached_documents_read_locally(tmp_path: Path, s3: MotoS3) -> None:
+    docs = [np.arange(n, dtype=np.uint32) for n in (5, 0, 17, 3, 9)]
+    folder = tmp_path / "docs"
+    guideloom.write_documents(folder, docs)
+    prefix = unique("cached-docs")
+    s3.upload_folder(folder, BUCKET, prefix)
+    storage = guideloom.open_documents(f"s3://{BUCKET}/{prefix}", cache_dir=tmp_path / "c", **s3.options())
+
+    async def read() -> list[list[int]]:
+        async with storage:
+            wait_for_copy(storage)
+            return [d.tolist() for d in await storage.read_many(np.asarray([2, 1, 4], dtype=np.int64))]
+
+    assert asyncio.run(read()) == [docs[2].tolist(), [], docs[4].tolist()]
+
+
+def test_cache_dir_must_be_a_path(plain_copies: Copies, s3: MotoS3) -> None:
+    with pytest.raises(TypeError, match="cache_dir must be a path"):
+        guideloom.open_stream(plain_copies.s3_url, cache_dir=3, **s3.options())
+
+
+def test_an_unwritable_cache_dir_warns_and_reads_remotely(
+    plain_copies: Copies, s3: MotoS3, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    storage = guideloom.open_stream(plain_copies.s3_url, cache_dir=blocker / "cache", **s3.options())
+    asyncio.run(storage.open())
+    assert isinstance(storage, ObjectStreamStorage) and storage._cache is not None
+    storage._cache._done.wait(30)
+    with pytest.warns(RuntimeWarning, match="could not copy"):
+        storage.reads_inline()
+    got = all_batches(storage)  # no second warning (warnings are errors in this suite)
+    assert_same(all_batches(guideloom.open_stream(plain_copies.local)), got)

@@ -34,6 +34,15 @@ def _order(num_samples: int, start: int, count: int) -> np.ndarray:
     return Permutation(num_samples, shuffle=True, seed=SEED, epoch=0).range(start, start + count)
 
 
+def epochs(spec: dict[str, Any], loader: Any) -> Iterator[torch.Tensor]:
+    """One epoch of ``loader``, or with ``multi_epoch`` one after another over the same loader,
+    as a training loop runs ``for epoch ...: for batch in loader`` (the remote measurements'
+    steady state may span epochs: a cached epoch over 100M tokens takes a tenth of a second)."""
+    yield from loader
+    while spec.get("multi_epoch"):
+        yield from loader
+
+
 # -- the limit -------------------------------------------------------------------------------------
 def bare(spec: dict[str, Any]) -> Factory:
     """No loader: gather each batch's rows from a numpy memmap in one operation, convert to a tensor."""
@@ -55,8 +64,9 @@ def guideloom(spec: dict[str, Any]) -> Factory:
     import guideloom as gl
 
     def it() -> Iterator[torch.Tensor]:
+        options = {"cache_dir": spec["cache"]} if spec.get("gl_cache") else {}
         loader = gl.StatefulDataLoader.from_storage(
-            gl.open_stream(spec["gl"]),
+            gl.open_stream(spec["gl"], **options),
             collate,
             sequence_length=SEQ,
             local_batch_size=BATCH,
@@ -71,7 +81,7 @@ def guideloom(spec: dict[str, Any]) -> Factory:
                 state = dict(loader.state_dict())
                 state["observation_offset"] = spec["resume"] * BATCH
                 loader.load_state_dict(state)  # type: ignore[arg-type]
-            yield from loader
+            yield from epochs(spec, loader)
 
     return it
 
@@ -223,7 +233,7 @@ def streaming(spec: dict[str, Any]) -> Factory:
         dl = StreamingDataLoader(
             ds, batch_size=BATCH, num_workers=spec["nw"], collate_fn=_mds_collate, drop_last=True
         )
-        yield from dl
+        yield from epochs(spec, dl)
 
     return it
 
@@ -269,7 +279,7 @@ def litdata(spec: dict[str, Any]) -> Factory:
         dl = make()
         if state is not None:
             dl.load_state_dict(state)
-        yield from dl
+        yield from epochs(spec, dl)
 
     return it
 

@@ -166,12 +166,16 @@ def run_remote(d: data.Data, quick: bool, rounds: int, peers: list[str]) -> list
     from .remote import peer_spec, servers
 
     rtts = (0.0, 0.020)
+    # Steady state over object storage: 2 s of warm-up (the streaming peers fill their caches,
+    # guideloom's cache_dir copy completes), then up to 4 s or 6,000 batches, going on into the
+    # next epoch (a new loader, as a training run's next epoch) when one ends.
     timing = {
         "warmup": 5,
-        "warmup_s": 0.5,
-        "batches": 3000,
+        "warmup_s": 1.0 if quick else 2.0,
+        "batches": 6000,
         "min_batches": 20,
         "max_s": 2.0 if quick else 4.0,
+        "multi_epoch": True,
     }
     ceilings = [(1, 256), (8, 128)]
     results: list[dict[str, Any]] = []
@@ -204,16 +208,25 @@ def run_remote(d: data.Data, quick: bool, rounds: int, peers: list[str]) -> list
             for peer, nw, pf in [
                 ("guideloom", 0, PF),
                 ("guideloom", 0, 0),
+                ("guideloom-cache", 0, 0),
                 ("streaming", 0, 0),
                 ("litdata", 0, 0),
                 ("streaming", 2, 0),
                 ("litdata", 2, 0),
             ]:
-                if peer != "guideloom" and peer not in peers:
+                if not peer.startswith("guideloom") and peer not in peers:
                     continue
                 key = f"{peer}-{nw}-pf{pf}-{tag}"
-                label = f"guideloom, prefetch={pf}" if peer == "guideloom" else PEER_LABELS[peer]
-                cfgs.append(Config(key, label, peer, "remote", nw, {"prefetch": pf, "rtt": rtt}))
+                label = (
+                    f"guideloom, prefetch={pf}"
+                    if peer == "guideloom"
+                    else "guideloom, cache_dir (copied in the background, then local)"
+                    if peer == "guideloom-cache"
+                    else PEER_LABELS[peer]
+                )
+                kind = "guideloom" if peer.startswith("guideloom") else peer
+                extra = {"prefetch": pf, "rtt": rtt, "gl_cache": peer == "guideloom-cache"}
+                cfgs.append(Config(key, label, kind, "remote", nw, extra))
                 ps = peer_spec(peer, base, "")
                 caches.append(ps["cache"])
                 specs[key] = [{**spec_for(cfgs[-1], d, timing), **ps}]

@@ -618,11 +618,16 @@ class _SyncIteratorState(_IteratorBase[BatchT], Iterator[BatchT]):
 
     With ``num_workers=0`` and ``prefetch=0`` nothing may be loaded ahead of a request, so a
     background thread would only add two cross-thread wake-ups to every batch (measured here:
-    ~235 µs a batch, against ~25 µs for the work itself). Then the same pipeline runs on a private
-    asyncio loop that ``next()`` drives in the caller's own thread, as PyTorch loads batches in
-    the main process at ``num_workers=0``. (Plain asyncio: its ``run_until_complete`` costs half
-    of uvloop's.) Where the caller's thread already runs an event loop (a notebook), the loop
-    thread is used instead.
+    ~235 µs a batch, against ~25 µs for the work itself), and the batches are made in the
+    caller's own thread, as PyTorch loads them in the main process at ``num_workers=0``:
+
+    - over a storage that ``reads_inline()`` (memory, local files), by :class:`InlinePipeline`,
+      a plain loop with no event loop (an event loop's turns cost about a batch's whole work);
+    - over any other, by the pipeline on a private asyncio loop that ``next()`` drives (its reads
+      stay in flight between batches), which hands over to :class:`InlinePipeline` at the next
+      batch once the storage reads inline (a remote dataset's ``cache_dir`` copy is complete).
+      (Plain asyncio: its ``run_until_complete`` costs half of uvloop's.) Where the caller's
+      thread already runs an event loop (a notebook), the loop thread is used instead.
     """
 
     def __init__(self, loader: StatefulDataLoader[Any, BatchT]) -> None:

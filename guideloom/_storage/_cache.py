@@ -18,6 +18,7 @@ not match) warns once and leaves the loader reading remotely; it loses nothing.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import itertools
@@ -121,6 +122,9 @@ class DatasetCache:
         self._thread = threading.Thread(target=self._run, name="guideloom-cache", daemon=False)
         self._thread.start()
 
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def abort(self) -> None:
         """Stop a download in progress (its partial folder is removed) and wait for it."""
         self._abort.set()
@@ -162,6 +166,13 @@ class DatasetCache:
         partial.mkdir()
         try:
             files = [f for _, _, f in self.manifest.all_files()]
+            need, free = sum(f.nbytes for f in files), shutil.disk_usage(partial).free
+            if free < need:
+                raise OSError(
+                    errno.ENOSPC,
+                    f"{self.root} has {free:,} bytes free and the copy needs {need:,}; free some space "
+                    "or pass another cache_dir",
+                )
             fds: dict[str, int] = {}
             try:
                 for f in files:

@@ -502,9 +502,11 @@ class _ObjectStorageMixin:
                 cache.warn_if_failed()
         return self._local
 
-    def _close_cache(self) -> None:
-        if self._cache is not None:
-            self._cache.abort()
+    async def _close_cache(self) -> None:
+        """Stop a copy in progress (waiting for its current parts off the event loop)."""
+        cache = self._cache
+        if cache is not None and cache.running():
+            await asyncio.get_running_loop().run_in_executor(io_executor(), cache.abort)
         self._local = None
 
     def reads_inline(self) -> bool:
@@ -554,7 +556,7 @@ class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):
 
     async def close(self) -> None:
         self._opened = False
-        self._close_cache()
+        await self._close_cache()
         self._remote.drop_store()
 
     def read_many_sync(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
@@ -628,7 +630,7 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
     async def close(self) -> None:
         self._opened = False
         self._offsets = None
-        self._close_cache()
+        await self._close_cache()
         self._remote.drop_store()
 
     def _check_offsets(self, offsets: I64) -> I64:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -180,3 +181,23 @@ def test_an_unwritable_cache_dir_warns_and_reads_remotely(
         storage.reads_inline()
     got = all_batches(storage)  # no second warning (warnings are errors in this suite)
     assert_same(all_batches(guideloom.open_stream(plain_copies.local)), got)
+
+
+def test_a_cache_dir_without_room_for_the_copy_warns_and_reads_remotely(
+    plain_copies: Copies, s3: MotoS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = shutil.disk_usage
+
+    def little_space(path: Any) -> Any:
+        usage = real(path)
+        return usage._replace(free=1000)
+
+    monkeypatch.setattr(_cache.shutil, "disk_usage", little_space)
+    storage = guideloom.open_stream(plain_copies.s3_url, cache_dir=tmp_path, **s3.options())
+    asyncio.run(storage.open())
+    assert isinstance(storage, ObjectStreamStorage) and storage._cache is not None
+    storage._cache._done.wait(30)
+    with pytest.warns(RuntimeWarning, match="1,000 bytes free and the copy needs 80,000"):
+        assert not storage.reads_inline()
+    assert not any(tmp_path.glob("*.partial")) and not Path(storage.cache_folder or "").exists()
+    asyncio.run(storage.close())

@@ -34,7 +34,7 @@ BATCH = 16
 
 def collate(samples: Sequence[np.ndarray]) -> torch.Tensor:
     """The collate every loader uses: the rows as one array (``np.asarray`` stacks a list of rows;
-    guideloom's sample lists are rows of one block, returned without a copy), widened to int64."""
+    guideloom's ``Rows`` are the rows of one block, returned without a copy), widened to int64."""
     return torch.from_numpy(np.asarray(samples).astype(np.int64))
 
 

@@ -23,7 +23,7 @@ Factory = Callable[[], Iterator[torch.Tensor]]
 
 def collate(samples: Sequence[np.ndarray]) -> torch.Tensor:
     """The collate of the workload, the same for every loader: the rows as one array, widened to
-    int64. ``np.asarray`` stacks a list of rows (one copy); guideloom's sample lists are rows of
+    int64. ``np.asarray`` stacks a list of rows (one copy); guideloom's ``Rows`` are the rows of
     one block, which it returns without a copy."""
     return torch.from_numpy(np.asarray(samples).astype(np.int64))
 

@@ -85,9 +85,9 @@ def targets(out: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
             x = ranged["samples_per_s"] / peer["samples_per_s"]
             res.append(
                 (
-                    "remote 20 ms, range reads only (no cache_dir): vs the best streaming peer",
+                    "(for reference) remote 20 ms, range reads only: vs the best streaming peer",
                     f"{x:.2f}x ({ranged['label']} vs {peer['label']}, nw={peer['nw']})",
-                    x >= 5,
+                    None,
                 )
             )
         if ranged and ceil:
@@ -110,6 +110,7 @@ LOCAL_COLS = (
     "x bare loop",
     "first batch (s)",
     "peak RSS (MiB)",
+    "of which anonymous (MiB)",
     "CPU s / 1k batches",
 )
 REMOTE_COLS = (
@@ -140,7 +141,8 @@ def markdown(out: dict[str, Any]) -> str:
         "",
         f"Workload: a uint16 token stream of {out['tokens']:,} tokens, sequence_length=2048, "
         "local_batch_size=16, shuffle on (seed 0), collate to an int64 (16, 2048) tensor, one rank. "
-        "Peak RSS is the sum over the process tree (main process and workers), sampled every 20 ms; "
+        "Peak RSS is the sum over the process tree (main process and workers), sampled every 20 ms "
+        "(its anonymous part leaves out mapped file pages: the page cache of a memory-mapped dataset); "
         "CPU is user+system seconds of the tree per 1,000 steady-state batches.",
         "",
     ]
@@ -149,11 +151,11 @@ def markdown(out: dict[str, Any]) -> str:
             "## Local disk (page cache warm)",
             "",
             _row(*LOCAL_COLS),
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for r in out["local"]:
             if "error" in r:
-                lines.append(f"| {r['label']} | {r['nw']} | failed: {r['error'][:80]} | | | | | |")
+                lines.append(f"| {r['label']} | {r['nw']} | failed: {r['error'][:80]} | | | | | | |")
                 continue
             lines.append(
                 _row(
@@ -164,6 +166,7 @@ def markdown(out: dict[str, Any]) -> str:
                     _f(r.get("x_limit"), ".2f"),
                     _f(r.get("ttfb_s"), ".3f"),
                     _f(r.get("peak_rss_mib")),
+                    _f(r.get("peak_anon_rss_mib")),
                     _f(r.get("cpu_s_per_1k"), ".2f"),
                 )
             )
@@ -232,7 +235,7 @@ def markdown(out: dict[str, Any]) -> str:
     ts = targets(out)
     if ts:
         lines += ["## Targets", "", "| target | measured | met |", "| --- | --- | --- |"]
-        lines += [f"| {t} | {m_} | {'yes' if ok else 'no'} |" for t, m_, ok in ts]
+        lines += [f"| {t} | {m_} | {'-' if ok is None else 'yes' if ok else 'no'} |" for t, m_, ok in ts]
         lines.append("")
     return "\n".join(lines)
 

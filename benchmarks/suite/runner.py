@@ -43,7 +43,7 @@ def run_child(spec: dict[str, Any], timeout: float = 240) -> dict[str, Any]:
         text=True,
         start_new_session=True,
     )
-    peak = [0.0]
+    peak = [0.0, 0.0]  # RSS, and its anonymous (private) part
     done = threading.Event()
 
     def monitor() -> None:
@@ -52,7 +52,7 @@ def run_child(spec: dict[str, Any], timeout: float = 240) -> dict[str, Any]:
         except psutil.Error:
             return
         while not done.is_set():
-            total = 0
+            total = anon = 0
             try:
                 procs = [root, *root.children(recursive=True)]
             except psutil.Error:
@@ -60,9 +60,11 @@ def run_child(spec: dict[str, Any], timeout: float = 240) -> dict[str, Any]:
             for p in procs:
                 try:
                     total += p.memory_info().rss
-                except psutil.Error:
+                    anon += _rss_anon(p.pid)
+                except (psutil.Error, OSError):
                     pass
             peak[0] = max(peak[0], total / 2**20)
+            peak[1] = max(peak[1], anon / 2**20)
             done.wait(0.02)
 
     th = threading.Thread(target=monitor, daemon=True)
@@ -83,7 +85,17 @@ def run_child(spec: dict[str, Any], timeout: float = 240) -> dict[str, Any]:
         return {"error": f"exit {proc.returncode}: {tail}"}
     result: dict[str, Any] = json.loads(lines[-1])
     result["peak_rss_mib"] = peak[0]
+    result["peak_anon_rss_mib"] = peak[1]
     return result
+
+
+def _rss_anon(pid: int) -> int:
+    """Bytes of the process's RSS that are anonymous memory (not mapped files: RssAnon)."""
+    with open(f"/proc/{pid}/status", "rb") as fh:
+        for line in fh:
+            if line.startswith(b"RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def _kill_tree(proc: subprocess.Popen[str]) -> None:

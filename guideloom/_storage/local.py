@@ -2,8 +2,10 @@
 
 Reading maps each shard file read-only (``mmap``), so opening a dataset costs no reads and its
 size does not matter: a 1 TiB stream opens in milliseconds. A batched read gathers a whole
-read-ahead window with one numpy fancy-indexing operation per shard, on a worker thread, so page
-faults on cold data never block the event loop.
+read-ahead window with one numpy fancy-indexing operation per shard when the dataset fits
+``MAPPED_BUDGET`` (256 MiB), and with one ``preadv`` per sample straight into the batch when it
+does not (see :class:`ShardedArray`); on an event loop it runs on a worker thread, so page faults
+on cold data never block the loop.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import itertools
 import mmap
 import os
 import secrets
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -98,16 +101,24 @@ MAPPED_BUDGET = 256 * 2**20
 FAULT_AROUND = 64 * 2**10
 
 
-class ShardedArray:
-    """A read-only 1-D array made of memory-mapped shard files.
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
-    Every read copies out of the maps. Pages stay mapped once touched, so a dataset that fits
-    ``MAPPED_BUDGET`` is read with no page faults once warm. Over a larger one, the maps' pages
-    are dropped from the process (``MADV_DONTNEED``: they stay in the page cache, and the next
-    read maps them back) whenever the pages reads may have mapped reach the budget. Without that,
-    a long epoch over a large dataset counts every page it ever touched in the process's RSS;
-    with it, RSS stays flat whatever the dataset's size. (Dropping costs about as much per page
-    as the fault that mapped it, which is why a dataset that fits is never dropped.)
+
+class ShardedArray:
+    """A read-only 1-D array made of shard files, memory-mapped.
+
+    Every read copies out. Where all the maps fit ``MAPPED_BUDGET``, samples are gathered from
+    the maps: pages stay mapped once touched, so a warm epoch takes no page fault at all. Over a
+    larger dataset that would make RSS grow to the dataset's size, and dropping the mapped pages
+    from time to time costs more than it saves: a scattered row's fault maps the 64 KiB around it,
+    and unmapping them later costs about as much again (measured here: 72-98 µs a batch of 16
+    rows against 35 µs without drops). So there samples are read with ``preadv`` straight into
+    the batch (one system call a row, about 1.4 µs: no mapping, RSS flat whatever the size).
+    Small scattered reads (document offsets) still go through the maps, whose pages are dropped
+    (``MADV_DONTNEED``: they stay in the page cache) whenever what they may have mapped reaches
+    the budget.
     """
 
     def __init__(self, folder: Path, spec: ArraySpec) -> None:
@@ -127,6 +138,11 @@ class ShardedArray:
         self._bounds = np.asarray(bounds, dtype=np.int64)
         self.length = int(self._bounds[-1])
         self._map_nbytes = sum(len(mm) for mm in self._maps)
+        self._fds: list[int] = []
+        self._paths = [folder / f.path for f in spec.files if f.elements]
+        if self._map_nbytes > MAPPED_BUDGET and hasattr(os, "preadv"):
+            self._fds = [os.open(p, os.O_RDONLY) for p in self._paths]
+            weakref.finalize(self, _close_all, list(self._fds))
 
     def account(self, pieces: int, nbytes: int) -> None:
         """Count a read of ``nbytes`` in ``pieces`` scattered pieces; drop the mapped pages once
@@ -152,6 +168,8 @@ class ShardedArray:
         return out
 
     def _gather(self, starts: npt.NDArray[np.int64], length: int) -> Array:
+        if self._fds:
+            return self._pread_windows(starts, length)
         if len(self._parts) == 1:
             return gather_windows(self._parts[0], starts, length)
         out = np.empty((len(starts), length), dtype=self.dtype)
@@ -164,6 +182,66 @@ class ShardedArray:
         for row in np.flatnonzero(~inside).tolist():
             out[row] = self.slice(int(starts[row]), int(starts[row]) + length)
         return out
+
+    def _pread_windows(self, starts: npt.NDArray[np.int64], length: int) -> Array:
+        """``_gather`` with one ``preadv`` per window piece, straight into the output rows."""
+        n = len(starts)
+        out = np.empty((n, length), dtype=self.dtype)
+        if n == 0 or length == 0:
+            return out
+        item = self.dtype.itemsize
+        row = length * item
+        flat = out.reshape(-1).view(np.uint8).data
+        first = self._locate(starts)
+        inside = first == self._locate(starts + (length - 1))
+        offsets = ((starts - self._bounds[first]) * item).tolist()
+        shards, fds, preadv = first.tolist(), self._fds, os.preadv
+        for i, (k, off, whole) in enumerate(zip(shards, offsets, inside.tolist(), strict=True)):
+            if whole:
+                if preadv(fds[k], (flat[i * row : (i + 1) * row],), off) != row:
+                    self._short(k)
+                continue
+            pos, end, dest = int(starts[i]), int(starts[i]) + length, i * row
+            while pos < end:  # a window across shard boundaries: one read per shard
+                kk = int(self._locate(np.asarray([pos]))[0])
+                stop = min(end, int(self._bounds[kk + 1]))
+                nbytes = (stop - pos) * item
+                got = preadv(fds[kk], (flat[dest : dest + nbytes],), (pos - int(self._bounds[kk])) * item)
+                if got != nbytes:
+                    self._short(kk)
+                pos, dest = stop, dest + nbytes
+        return out
+
+    def spans(self, starts: npt.NDArray[np.int64], stops: npt.NDArray[np.int64]) -> tuple[Array, list[int]]:
+        """Elements ``[starts[i], stops[i])`` for each ``i``, back to back in one new buffer, and
+        the bounds of each span in it."""
+        bounds = [0, *np.cumsum(stops - starts).tolist()]
+        if not self._fds:
+            views = [self.slice(a, b) for a, b in zip(starts.tolist(), stops.tolist(), strict=True)]
+            buffer = np.concatenate(views) if views else np.empty(0, self.dtype)
+            self.account(len(views), buffer.nbytes)
+            return buffer, bounds
+        buffer = np.empty(bounds[-1], dtype=self.dtype)
+        flat, item = buffer.view(np.uint8).data, self.dtype.itemsize
+        for i, (pos, end) in enumerate(zip(starts.tolist(), stops.tolist(), strict=True)):
+            dest = bounds[i] * item
+            while pos < end:  # one read per shard the span touches
+                k = int(self._locate(np.asarray([pos]))[0])
+                stop = min(end, int(self._bounds[k + 1]))
+                nbytes = (stop - pos) * item
+                got = os.preadv(
+                    self._fds[k], (flat[dest : dest + nbytes],), (pos - int(self._bounds[k])) * item
+                )
+                if got != nbytes:
+                    self._short(k)
+                pos, dest = stop, dest + nbytes
+        return buffer, bounds
+
+    def _short(self, k: int) -> None:
+        raise DatasetIntegrityError(
+            f"{self._paths[k]}: the file is shorter than when it was opened (it was truncated or "
+            "replaced); open the dataset again"
+        )
 
     def slice(self, start: int, stop: int) -> Array:
         """Elements ``[start, stop)``: a view when they lie in one shard, else a copy."""
@@ -290,16 +368,11 @@ class LocalDocumentStorage(ManifestDocumentStorage):
         stops = self._offsets.take(indices + 1)
         if np.any(stops < starts) or (len(stops) and int(stops.max()) > self._tokens.length):
             raise DatasetIntegrityError(f"{self.folder}: document offsets are out of order or out of range")
-        tokens = self._tokens
-        views = [tokens.slice(s, e) for s, e in zip(starts.tolist(), stops.tolist(), strict=True)]
-        if not views:
+        if not len(indices):
             return []
         # One copy into one buffer for the window: samples are writable (torch.from_numpy warns
         # on read-only memory maps) and never alias the file.
-        buffer = np.concatenate(views)
-        bounds = np.cumsum([0] + [len(v) for v in views]).tolist()
-        del views
-        tokens.account(len(bounds) - 1, buffer.nbytes)
+        buffer, bounds = self._tokens.spans(starts, stops)
         return [buffer[a:b] for a, b in itertools.pairwise(bounds)]
 
     async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import guideloom as gl
 from guideloom import DatasetFormatError, DatasetIntegrityError
@@ -344,3 +348,68 @@ async def test_mapped_pages_do_not_accumulate_in_rss(tmp_path: Path, monkeypatch
         peak = max(peak, _rss_file_kib())
     await s.close()
     assert peak - before < 16 * 1024, f"mapped file pages grew by {(peak - before) // 1024} MiB"
+
+
+def _open_both(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write: Any, opener: Any) -> tuple[Any, Any]:
+    """The same dataset opened twice: gathered from the maps, and (over a tiny budget) read with preadv."""
+    import guideloom._storage.local as local
+
+    write(tmp_path / "ds")
+    mapped = opener(tmp_path / "ds")
+    asyncio.run(mapped.open())
+    monkeypatch.setattr(local, "MAPPED_BUDGET", 1024)
+    preads = opener(tmp_path / "ds")
+    asyncio.run(preads.open())
+    return mapped, preads
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_preadv_reads_equal_mapped_reads_across_shard_boundaries(data: st.DataObject) -> None:
+    import tempfile
+
+    tokens = np.arange(5_000, dtype=np.uint16) * 7
+    length = data.draw(st.integers(1, 300))
+    starts = np.asarray(
+        data.draw(st.lists(st.integers(0, len(tokens) - length), max_size=40)), dtype=np.int64
+    )
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
+        mapped, preads = _open_both(
+            Path(tmp),
+            mp,
+            lambda p: gl.write_stream(p, tokens, shard_bytes=1_000),  # 500-element shards
+            gl.open_stream,
+        )
+        assert preads._arrays["tokens"]._fds and not mapped._arrays["tokens"]._fds
+        a = np.asarray(asyncio.run(mapped.read_many(starts, length)))
+        b = np.asarray(asyncio.run(preads.read_many(starts, length)))
+        assert a.shape == b.shape == (len(starts), length)
+        assert np.array_equal(a, b)
+        assert all(np.array_equal(b[i], tokens[s : s + length]) for i, s in enumerate(starts.tolist()))
+
+
+def test_preadv_document_reads_equal_mapped_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(0, 1000, int(n), dtype=np.int32) for n in rng.integers(0, 400, 60)]
+    mapped, preads = _open_both(
+        tmp_path, monkeypatch, lambda p: gl.write_documents(p, docs, shard_bytes=4_000), gl.open_documents
+    )
+    idx = rng.permutation(len(docs)).astype(np.int64)
+    a = asyncio.run(mapped.read_many(idx))
+    b = asyncio.run(preads.read_many(idx))
+    assert [x.tolist() for x in a] == [x.tolist() for x in b] == [docs[i].tolist() for i in idx.tolist()]
+
+
+def test_a_file_truncated_after_open_is_an_integrity_error_with_preadv(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import guideloom._storage.local as local
+
+    monkeypatch.setattr(local, "MAPPED_BUDGET", 1024)
+    gl.write_stream(tmp_path / "ds", np.arange(4_000, dtype=np.uint16))
+    s = gl.open_stream(tmp_path / "ds")
+    asyncio.run(s.open())
+    (shard,) = [p for p in (tmp_path / "ds").iterdir() if p.suffix == ".bin"]
+    os.truncate(shard, 1_000)
+    with pytest.raises(DatasetIntegrityError, match="shorter than when it was opened"):
+        asyncio.run(s.read_many(np.asarray([3_000], dtype=np.int64), 100))

@@ -318,7 +318,10 @@ file), MDS shards of 64 MiB (Streaming), `litdata.optimize(..., item_loader=Toke
 chunks of 32 MiB (LitData). Streaming and LitData shuffle within shards/chunks (their design);
 guideloom, torch, torchdata and Grain shuffle globally, one 4 KiB row at a time. Over HTTP,
 Streaming and LitData have no plain-HTTP source, so they read the same nginx as an S3 endpoint
-(path-style GETs and ranged GETs are plain HTTP requests); guideloom reads `http://` directly.
+(path-style GETs and ranged GETs are plain HTTP requests); guideloom reads `http://` directly,
+with range requests only, and with `cache_dir` (the dataset copied to a local folder in the
+background, as Streaming and LitData copy their shards). The remote figures are a steady state:
+2 s of warm-up, then up to 4 s running epochs of the same loader one after another.
 The source is in `benchmarks/suite/`; the latest raw figures are in `benchmarks/results/latest.json`.
 
 ![benchmark chart](../benchmarks/results/results.png)

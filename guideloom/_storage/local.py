@@ -200,17 +200,23 @@ class ShardedArray:
             if whole:
                 if preadv(fds[k], (flat[i * row : (i + 1) * row],), off) != row:
                     self._short(k)
-                continue
-            pos, end, dest = int(starts[i]), int(starts[i]) + length, i * row
-            while pos < end:  # a window across shard boundaries: one read per shard
-                kk = int(self._locate(np.asarray([pos]))[0])
-                stop = min(end, int(self._bounds[kk + 1]))
-                nbytes = (stop - pos) * item
-                got = preadv(fds[kk], (flat[dest : dest + nbytes],), (pos - int(self._bounds[kk])) * item)
-                if got != nbytes:
-                    self._short(kk)
-                pos, dest = stop, dest + nbytes
+            else:  # a window across shard boundaries
+                self._pread_span(flat, i * row, int(starts[i]), int(starts[i]) + length)
         return out
+
+    def _pread_span(self, flat: memoryview, dest: int, pos: int, end: int) -> None:
+        """Read elements ``[pos, end)`` into ``flat[dest:]`` (bytes), one ``preadv`` per shard."""
+        item = self.dtype.itemsize
+        while pos < end:
+            k = int(self._locate(np.asarray([pos]))[0])
+            stop = min(end, int(self._bounds[k + 1]))
+            nbytes = (stop - pos) * item
+            if (
+                os.preadv(self._fds[k], (flat[dest : dest + nbytes],), (pos - int(self._bounds[k])) * item)
+                != nbytes
+            ):
+                self._short(k)
+            pos, dest = stop, dest + nbytes
 
     def spans(self, starts: npt.NDArray[np.int64], stops: npt.NDArray[np.int64]) -> tuple[Array, list[int]]:
         """Elements ``[starts[i], stops[i])`` for each ``i``, back to back in one new buffer, and
@@ -224,17 +230,7 @@ class ShardedArray:
         buffer = np.empty(bounds[-1], dtype=self.dtype)
         flat, item = buffer.view(np.uint8).data, self.dtype.itemsize
         for i, (pos, end) in enumerate(zip(starts.tolist(), stops.tolist(), strict=True)):
-            dest = bounds[i] * item
-            while pos < end:  # one read per shard the span touches
-                k = int(self._locate(np.asarray([pos]))[0])
-                stop = min(end, int(self._bounds[k + 1]))
-                nbytes = (stop - pos) * item
-                got = os.preadv(
-                    self._fds[k], (flat[dest : dest + nbytes],), (pos - int(self._bounds[k])) * item
-                )
-                if got != nbytes:
-                    self._short(k)
-                pos, dest = stop, dest + nbytes
+            self._pread_span(flat, bounds[i] * item, pos, end)
         return buffer, bounds
 
     def _short(self, k: int) -> None:

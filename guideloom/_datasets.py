@@ -21,6 +21,14 @@ __all__ = ["DatasetAbstract", "DocumentDataset", "SourceT", "StreamDataset"]
 SourceT = TypeVar("SourceT")
 
 
+def _sync_is_the_read(cls: type) -> bool:
+    """Whether ``cls.read_many_sync`` is defined at or below the class defining ``read_many``."""
+    mro = cls.__mro__
+    sync_owner = next((k for k in mro if "read_many_sync" in k.__dict__), None)
+    async_owner = next((k for k in mro if "read_many" in k.__dict__), None)
+    return sync_owner is not None and async_owner is not None and issubclass(sync_owner, async_owner)
+
+
 class DatasetAbstract(ABC, Generic[SourceT]):
     """A finite, random-access collection of samples read in batches."""
 
@@ -51,17 +59,15 @@ class DatasetAbstract(ABC, Generic[SourceT]):
     def reads_inline(self) -> bool:
         """Whether the storage's blocking reads can stand in for its ``read_many``.
 
-        Not where a subclass overrides ``read_many`` below the class that gave it
-        ``read_many_sync`` (a wrapper that adds a check or a fault to the async read): its own
-        ``read_many`` is then the read, and the loader calls that.
+        Not where a subclass (of the dataset or of its storage) overrides ``read_many`` below the
+        class that gave it ``read_many_sync`` (a wrapper that adds a check, an augmentation or a
+        fault to the async read): its own ``read_many`` is then the read, and the loader calls that.
         """
-        storage = self.storage
-        if not storage.reads_inline():
-            return False
-        mro = type(storage).__mro__
-        sync_owner = next(k for k in mro if "read_many_sync" in k.__dict__)
-        async_owner = next(k for k in mro if "read_many" in k.__dict__)
-        return issubclass(sync_owner, async_owner)
+        return (
+            _sync_is_the_read(type(self))
+            and _sync_is_the_read(type(self.storage))
+            and self.storage.reads_inline()
+        )
 
     @property
     def max_concurrent_reads(self) -> int:

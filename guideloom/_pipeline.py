@@ -166,7 +166,7 @@ def _split(specs: list[BatchSpec], samples: Sequence[Any]) -> list[Delivery]:
         block = samples.block
         for spec in specs:
             end = pos + spec.stop - spec.start
-            deliveries.append(Delivery(spec, Rows(block[pos:end]) if end > pos else []))
+            deliveries.append(Delivery(spec, Rows(block[pos:end])))  # empty: Rows == [] holds
             pos = end
         return deliveries
     for spec in specs:
@@ -430,8 +430,14 @@ class InlinePipeline:
             specs = self._cfg.plan.batches(self._step, self._step + self._window)
             self._step += len(specs)
             self._window = min(self._max_window, self._window * 2)
-            pending.extend(reversed(_read_window_sync(self._cfg, specs, self._indexes)))
-        d = pending.pop()
+            try:
+                pending.extend(reversed(_read_window_sync(self._cfg, specs, self._indexes)))
+            except Exception as exc:  # a one-batch window's read: the error is that batch's
+                pending.append(Delivery(specs[0], error=exc))
+        try:
+            d = pending.pop()
+        except IndexError:  # close() from another thread meanwhile
+            return None
         if d.error is None:
             try:
                 d.value = self._cfg.collate_fn(d.value)

@@ -672,43 +672,50 @@ class _SyncIteratorState(_IteratorBase[BatchT], Iterator[BatchT]):
     def __next__(self) -> BatchT:
         if self._done:
             raise StopIteration
+        d: Delivery | None
         try:
             t0 = time.perf_counter()
             if self._inline is not None:
                 d = self._inline.next()
-                if d is None:
-                    raise EOFError
             elif self._loop is not None:
                 d = self._loop.run_until_complete(self._channel.get_future())
             else:
                 d = self._channel.get()
             waited = time.perf_counter() - t0
-        except EOFError:
+        except EOFError:  # the channel's end
+            d = None
+        except BaseException as exc:
+            if isinstance(exc, Exception) and self._closed_meanwhile():
+                raise StopIteration from None  # close() in another thread ended this next()
+            self.close()
+            raise
+        if d is None:
             if self._closed_meanwhile():
                 self._close_inline_loop()
-                raise StopIteration from None
+                raise StopIteration
             try:
                 self._finish_epoch()
             finally:
                 self.close()
-            raise StopIteration from None
-        except BaseException:
-            self.close()
-            raise
+            raise StopIteration
         if d.error is not None:
             self.close()
-        value = self._accept(d, waited)
-        if self._loop is not None and self._cfg.dataset.reads_inline:
-            self._go_inline()
-        return value
+        elif self._loop is not None:
+            try:  # before the batch counts as delivered: a failure here loses nothing
+                if self._cfg.dataset.reads_inline:
+                    self._go_inline(d.spec.step + 1)
+            except BaseException:
+                self.close()
+                raise
+        return self._accept(d, waited)
 
-    def _go_inline(self) -> None:
+    def _go_inline(self, next_step: int) -> None:
         """The storage can now read inline (a remote dataset's local copy is complete): go on
-        with the plain loop from the next batch. The event-loop pipeline's read-ahead is dropped;
+        with the plain loop from ``next_step``. The event-loop pipeline's read-ahead is dropped;
         it held raw reads only, so nothing delivered changes."""
         self._close_inline_loop()
         self._loop = self._task = None
-        self._inline = InlinePipeline(self._cfg, first_step=self._delivered)
+        self._inline = InlinePipeline(self._cfg, first_step=next_step)
 
     def _closed_meanwhile(self) -> bool:
         """Whether ``close()`` ran in another thread while this one waited for a batch."""

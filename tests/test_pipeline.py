@@ -288,3 +288,77 @@ def test_inline_pipeline_reports_a_collate_error_at_its_batch_and_stops() -> Non
                 got.append(b)
         assert got == [[0, 1], [2, 3]]
         assert loader.state_dict()["observation_offset"] == 4  # the failed batch is not consumed
+
+
+def test_a_dataset_subclass_that_overrides_read_many_is_read_through_it() -> None:
+    from guideloom._datasets import StreamDataset
+
+    class Augmented(StreamDataset[Any]):
+        async def read_many(self, indices: np.ndarray) -> Any:
+            return [s + 1000 for s in await super().read_many(indices)]
+
+    ds = Augmented(gl.MemoryStreamStorage(np.arange(32)), 4)
+    assert not ds.reads_inline
+    assert StreamDataset(gl.MemoryStreamStorage(np.arange(32)), 4).reads_inline
+
+
+def test_an_eoferror_from_the_storage_is_the_batch_error_not_the_end_of_the_epoch() -> None:
+    class Truncated(gl.MemoryStreamStorage):
+        def read_many_sync(self, starts: np.ndarray, length: int) -> Any:
+            if 8 in starts.tolist():
+                raise EOFError("unexpected end of shard")
+            return super().read_many_sync(starts, length)
+
+    loader = gl.StatefulDataLoader.from_storage(
+        Truncated(np.arange(64)),
+        lambda s: [int(x[0]) for x in s],
+        sequence_length=4,
+        local_batch_size=1,
+        device=torch.device("cpu"),
+    )
+    got: list[Any] = []
+    with loader, pytest.raises(EOFError, match="unexpected end of shard"):
+        for b in loader:
+            got.append(b)
+    assert got == [[0], [4]]
+
+
+def test_an_empty_rank_batch_is_an_empty_sequence_with_the_sample_shape() -> None:
+    seen: list[Any] = []
+
+    def collate(samples: Any) -> Any:
+        seen.append((samples == [], len(samples), np.asarray(samples).shape, np.asarray(samples).dtype))
+        return len(samples)
+
+    loader = gl.StatefulDataLoader.from_storage(
+        gl.MemoryStreamStorage(np.arange(25 * 10, dtype=np.uint16)),
+        collate,
+        sequence_length=10,
+        local_batch_size=3,
+        world_size=2,
+        rank=1,
+        drop_last=False,
+        device=torch.device("cpu"),
+    )
+    with loader:
+        assert list(loader)[-1] == 0
+    assert seen[-1] == (True, 0, (0, 10), np.dtype(np.uint16))
+
+
+def test_closing_from_another_thread_ends_an_inline_iteration_cleanly() -> None:
+    loader = gl.StatefulDataLoader.from_storage(
+        gl.MemoryStreamStorage(np.arange(4000)),
+        len,
+        sequence_length=4,
+        local_batch_size=2,
+        device=torch.device("cpu"),
+    )
+    n = 0
+    with loader:
+        for _ in loader:
+            n += 1
+            if n == 5:
+                t = threading.Thread(target=loader.close)
+                t.start()
+                t.join()
+    assert n == 5 and loader.state_dict()["observation_offset"] == 10

@@ -12,7 +12,9 @@ location and its manifest, so a dataset that changes gets a new folder. It is wr
 ``.partial`` and renamed into place with its manifest, so a folder that exists is complete.
 A lock file lets one process of a node download while the others (other ranks) wait for the
 folder to appear and read remotely meanwhile. A failed download (disk full, a checksum that does
-not match) warns once and leaves the loader reading remotely; it loses nothing.
+not match) warns once and leaves the loader reading remotely; it loses nothing. A copy in
+progress outlives ``close()`` of its storage (a loader outside ``with`` closes it each epoch) and
+stops at interpreter exit.
 """
 
 from __future__ import annotations

@@ -71,8 +71,21 @@ class Rows(Sequence[npt.NDArray[Any]]):
         return self.block[index]  # type: ignore[no-any-return]
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> npt.NDArray[Any]:
-        out = self.block if dtype is None or self.block.dtype == dtype else self.block.astype(dtype)
-        return out.copy() if copy and out is self.block else out
+        if dtype is None or self.block.dtype == dtype:
+            return self.block.copy() if copy else self.block
+        if copy is False:
+            raise ValueError(
+                f"Rows of {self.block.dtype} cannot be viewed as {np.dtype(dtype)} without a copy"
+            )
+        return self.block.astype(dtype)
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to any sequence of the same samples (``Rows`` of an empty batch ``== []``)."""
+        if not isinstance(other, Sequence) or isinstance(other, str | bytes) or len(other) != len(self):
+            return NotImplemented if not isinstance(other, Sequence) else False
+        return all(np.array_equal(a, b) for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return f"Rows({self.block!r})"

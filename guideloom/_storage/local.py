@@ -115,39 +115,40 @@ class ShardedArray:
     from time to time costs more than it saves: a scattered row's fault maps the 64 KiB around it,
     and unmapping them later costs about as much again (measured here: 72-98 µs a batch of 16
     rows against 35 µs without drops). So there samples are read with ``preadv`` straight into
-    the batch (one system call a row, about 1.4 µs: no mapping, RSS flat whatever the size).
-    Small scattered reads (document offsets) still go through the maps, whose pages are dropped
+    the batch (one system call a row, about 1.4 µs: no mapping, RSS flat whatever the size); such
+    an array holds one file descriptor per shard and no map. Arrays of small scattered reads
+    (``preads=False``: document offsets) always go through the maps, whose pages are dropped
     (``MADV_DONTNEED``: they stay in the page cache) whenever what they may have mapped reaches
     the budget.
     """
 
-    def __init__(self, folder: Path, spec: ArraySpec) -> None:
+    def __init__(self, folder: Path, spec: ArraySpec, *, preads: bool = True) -> None:
         self.dtype = spec.dtype
         self._parts: list[Array] = []
         self._maps: list[mmap.mmap] = []
+        self._fds: list[int] = []
         self._mapped_estimate = 0
-        bounds = [0]
-        for f in spec.files:
-            if f.elements == 0:
-                continue
-            with open(folder / f.path, "rb") as fh:
+        files = [f for f in spec.files if f.elements]
+        self._paths = [folder / f.path for f in files]
+        self._bounds = np.cumsum([0, *(f.elements for f in files)], dtype=np.int64)
+        self.length = int(self._bounds[-1])
+        self._map_nbytes = sum(f.nbytes for f in files)
+        if preads and self._map_nbytes > MAPPED_BUDGET and hasattr(os, "preadv"):
+            fds = self._fds
+            weakref.finalize(self, _close_all, fds)  # before the first open: none can leak
+            for path in self._paths:
+                fds.append(os.open(path, os.O_RDONLY))
+            return
+        for f, path in zip(files, self._paths, strict=True):
+            with open(path, "rb") as fh:
                 mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
             self._maps.append(mm)
             self._parts.append(np.frombuffer(mm, dtype=spec.dtype, count=f.elements))
-            bounds.append(bounds[-1] + f.elements)
-        self._bounds = np.asarray(bounds, dtype=np.int64)
-        self.length = int(self._bounds[-1])
-        self._map_nbytes = sum(len(mm) for mm in self._maps)
-        self._fds: list[int] = []
-        self._paths = [folder / f.path for f in spec.files if f.elements]
-        if self._map_nbytes > MAPPED_BUDGET and hasattr(os, "preadv"):
-            self._fds = [os.open(p, os.O_RDONLY) for p in self._paths]
-            weakref.finalize(self, _close_all, list(self._fds))
 
     def account(self, pieces: int, nbytes: int) -> None:
         """Count a read of ``nbytes`` in ``pieces`` scattered pieces; drop the mapped pages once
         what it may have mapped reaches ``MAPPED_BUDGET``."""
-        if self._map_nbytes <= MAPPED_BUDGET or not hasattr(mmap, "MADV_DONTNEED"):
+        if self._map_nbytes <= MAPPED_BUDGET or not self._maps or not hasattr(mmap, "MADV_DONTNEED"):
             return
         self._mapped_estimate += nbytes + pieces * FAULT_AROUND
         if self._mapped_estimate >= MAPPED_BUDGET:
@@ -240,7 +241,11 @@ class ShardedArray:
         )
 
     def slice(self, start: int, stop: int) -> Array:
-        """Elements ``[start, stop)``: a view when they lie in one shard, else a copy."""
+        """Elements ``[start, stop)``: a view when they lie in one mapped shard, else a copy."""
+        if self._fds:
+            out = np.empty(max(0, stop - start), dtype=self.dtype)
+            self._pread_span(out.view(np.uint8).data, 0, start, stop)
+            return out
         if start >= stop:
             return self._parts[0][:0] if self._parts else np.empty(0, self.dtype)
         k = int(self._locate(np.asarray([start]))[0])
@@ -258,6 +263,8 @@ class ShardedArray:
 
     def take(self, positions: npt.NDArray[np.int64]) -> Array:
         """Elements at ``positions``."""
+        if self._fds:
+            return np.asarray([self.slice(p, p + 1)[0] for p in positions.tolist()], dtype=self.dtype)
         if len(self._parts) == 1:
             return self._parts[0][positions]
         shard = self._locate(positions)
@@ -348,7 +355,7 @@ class LocalDocumentStorage(ManifestDocumentStorage):
         if manifest != self.manifest:
             raise DatasetIntegrityError(f"{self.folder}: the manifest changed since open_documents()")
         assert manifest.offsets is not None
-        self._offsets = ShardedArray(self.folder, manifest.offsets)
+        self._offsets = ShardedArray(self.folder, manifest.offsets, preads=False)
         self._tokens = ShardedArray(self.folder, manifest.tokens)
 
     async def close(self) -> None:

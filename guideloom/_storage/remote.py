@@ -37,6 +37,7 @@ import gc
 import hashlib
 import secrets as _secrets
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -65,7 +66,7 @@ from ._objstore import (
     split_options,
 )
 from .base import Rows
-from .local import LocalDocumentStorage, LocalStreamStorage, read_local_manifest
+from .local import LocalDocumentStorage, LocalStreamStorage
 from .manifest import MANIFEST_NAME, ArraySpec, Manifest
 from .manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
 
@@ -174,7 +175,7 @@ class _Remote:
         """Bytes ``[start, end)`` of object ``path``: a blocking call with retries (the cache's)."""
         import obstore
 
-        store = self.store_for_reading()
+        store = self.store()  # a copy goes on after close(): it keeps a client of its own
         self.requests += 1
         try:
             return call_with_retries(
@@ -472,6 +473,7 @@ class _ObjectStorageMixin:
     manifest: Manifest
     _opened: bool
     _cache: DatasetCache | None = None
+    _cache_broken = False
     _local: LocalStreamStorage | LocalDocumentStorage | None = None
 
     def _setup_cache(self) -> None:
@@ -486,27 +488,37 @@ class _ObjectStorageMixin:
             self._cache.start()
 
     def _local_copy(self) -> LocalStreamStorage | LocalDocumentStorage | None:
-        """The complete local copy (``cache_dir``), opened on first use; None until then."""
+        """The complete local copy (``cache_dir``), opened on first use; None until then, and
+        None for good once the copy proves damaged (reads stay remote; nothing is lost)."""
         cache = self._cache
-        if self._local is None and cache is not None and self._opened:
+        if self._local is None and cache is not None and self._opened and not self._cache_broken:
             if cache.complete():
                 local: LocalStreamStorage | LocalDocumentStorage
                 folder = cache.folder
-                if self.manifest.kind == "stream":
-                    local = LocalStreamStorage(folder, read_local_manifest(folder))
-                else:
-                    local = LocalDocumentStorage(folder, read_local_manifest(folder))
-                local.open_now()
+                try:
+                    if self.manifest.kind == "stream":
+                        local = LocalStreamStorage(folder, self.manifest)
+                    else:
+                        local = LocalDocumentStorage(folder, self.manifest)
+                    local.open_now()  # checks the copy's manifest and every file's size
+                except (OSError, DatasetFormatError, DatasetIntegrityError) as exc:
+                    self._cache_broken = True
+                    warnings.warn(
+                        f"guideloom's copy of {self._remote.loc.display} in {folder} is damaged "
+                        f"({exc}); reading from the object store instead, nothing is lost. Delete "
+                        "the folder to have it copied again.",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                    return None
                 self._local = local
             else:
                 cache.warn_if_failed()
         return self._local
 
     async def _close_cache(self) -> None:
-        """Stop a copy in progress (waiting for its current parts off the event loop)."""
-        cache = self._cache
-        if cache is not None and cache.running():
-            await asyncio.get_running_loop().run_in_executor(io_executor(), cache.abort)
+        """Let go of the local copy. A copy in progress goes on (a loader opens and closes its
+        storage with each epoch outside a ``with`` block); it stops at interpreter exit."""
         self._local = None
 
     def reads_inline(self) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -133,18 +135,81 @@ def test_one_process_downloads_while_another_waits_for_the_folder(
     assert_same(all_batches(first), all_batches(second))
 
 
-def test_closing_stops_a_download_and_leaves_no_partial_copy(
+def test_a_copy_goes_on_across_close_and_reopen(
     plain_copies: Copies, nginx: Nginx, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_cache, "PART_BYTES", 1024)
-    monkeypatch.setattr(_cache, "PARTS_IN_FLIGHT", 1)
+    """A loader outside ``with`` opens and closes its storage each epoch: the copy must not
+    start over each time."""
+    monkeypatch.setattr(_cache, "PART_BYTES", 4096)
     storage = guideloom.open_stream(f"{nginx.url}/{plain_copies.http_path}", cache_dir=tmp_path)
-    asyncio.run(storage.open())
-    asyncio.run(storage.close())
     assert isinstance(storage, ObjectStreamStorage) and storage._cache is not None
-    assert storage._cache._thread is None
+    go = threading.Event()
+    fetch = storage._cache._fetch
+    calls: list[tuple[str, int]] = []
+
+    def held_back(path: str, start: int, end: int) -> Any:
+        calls.append((path, start))
+        assert go.wait(30)
+        return fetch(path, start, end)
+
+    storage._cache._fetch = held_back
+    asyncio.run(storage.open())
+    thread = storage._cache._thread
+    asyncio.run(storage.close())
+    asyncio.run(storage.open())
+    assert storage._cache._thread is thread and thread is not None and thread.is_alive()
+    go.set()
+    wait_for_copy(storage)
+    assert len(calls) == len(set(calls)), "no part was fetched twice"
+    asyncio.run(storage.close())
+
+
+def test_interpreter_exit_stops_a_copy_and_leaves_no_partial_folder(
+    plain_copies: Copies, nginx: Nginx, tmp_path: Path
+) -> None:
+    script = f"""
+import asyncio, time
+import guideloom
+from guideloom._storage import _cache
+_cache.PART_BYTES = 1024
+s = guideloom.open_stream({f"{nginx.url}/{plain_copies.http_path}"!r}, cache_dir={str(tmp_path)!r})
+slow = s._cache._fetch
+def fetch(path, start, end):
+    time.sleep(0.05)
+    return slow(path, start, end)
+s._cache._fetch = fetch
+asyncio.run(s.open())
+time.sleep(0.3)
+print("exiting", flush=True)
+"""
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "exiting" in proc.stdout
+    assert time.monotonic() - t0 < 30
     assert not any(p.name.endswith(".partial") for p in tmp_path.iterdir())
-    assert not Path(storage.cache_folder or "").exists()
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()], "an interrupted copy leaves no folder"
+
+
+def test_a_damaged_complete_copy_warns_and_reads_remotely(
+    plain_copies: Copies, s3: MotoS3, tmp_path: Path
+) -> None:
+    first = guideloom.open_stream(plain_copies.s3_url, cache_dir=tmp_path, **s3.options())
+    asyncio.run(first.open())
+    wait_for_copy(first)
+    asyncio.run(first.close())
+    folder = Path(first.cache_folder or "")
+    victim = sorted(p for p in folder.iterdir() if p.suffix == ".bin")[0]
+    victim.unlink()  # evicted by something else
+    again = guideloom.open_stream(plain_copies.s3_url, cache_dir=tmp_path, **s3.options())
+    asyncio.run(again.open())
+    with pytest.warns(RuntimeWarning, match="is damaged.*nothing is lost"):
+        assert not again.reads_inline()
+    asyncio.run(again.close())
+    got = all_batches(again)  # no second warning (warnings are errors here), remote reads
+    assert_same(all_batches(guideloom.open_stream(plain_copies.local)), got)
 
 
 def test_cached_documents_read_locally(tmp_path: Path, s3: MotoS3) -> None:

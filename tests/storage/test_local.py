@@ -413,3 +413,20 @@ def test_a_file_truncated_after_open_is_an_integrity_error_with_preadv(
     os.truncate(shard, 1_000)
     with pytest.raises(DatasetIntegrityError, match="shorter than when it was opened"):
         asyncio.run(s.read_many(np.asarray([3_000], dtype=np.int64), 100))
+
+
+def test_preadv_arrays_hold_no_maps_and_offsets_never_use_preadv(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import guideloom._storage.local as local
+
+    monkeypatch.setattr(local, "MAPPED_BUDGET", 16)
+    gl.write_documents(tmp_path / "d", [np.arange(n, dtype=np.int64) for n in (3, 50, 7)])
+    docs = gl.open_documents(tmp_path / "d")
+    asyncio.run(docs.open())
+    assert docs._tokens._fds and not docs._tokens._maps  # type: ignore[attr-defined]
+    assert docs._offsets._maps and not docs._offsets._fds  # type: ignore[attr-defined]
+    got = asyncio.run(docs.read_many(np.asarray([1, 2], dtype=np.int64)))
+    assert [g.tolist() for g in got] == [list(range(50)), list(range(7))]
+    assert docs._tokens.slice(2, 5).tolist() == [2, 0, 1]  # type: ignore[attr-defined]
+    assert docs._tokens.take(np.asarray([0, 3])).tolist() == [0, 0]  # type: ignore[attr-defined]

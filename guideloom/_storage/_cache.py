@@ -83,6 +83,7 @@ class DatasetCache:
         self._thread: threading.Thread | None = None
         self._next_poll = 0.0
         self._ready = False
+        self._lock_was_held = False  # another process was downloading when this one tried
         self.error: BaseException | None = None
         self._warned = False
         _LIVE.add(self)
@@ -97,6 +98,8 @@ class DatasetCache:
             return False
         self._next_poll = now + POLL_SECONDS
         self._ready = (self.folder / MANIFEST_NAME).is_file()
+        if not self._ready and self._lock_was_held and not self.running() and not self._abort.is_set():
+            self.start()  # the process that held the lock may have failed or exited: take over
         return self._ready
 
     def warn_if_failed(self) -> None:
@@ -140,6 +143,7 @@ class DatasetCache:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             with self._lock() as held:
+                self._lock_was_held = not held
                 if not held or (self.folder / MANIFEST_NAME).is_file():
                     return  # another process downloads it (or just did): poll for the folder
                 self._download()

@@ -266,3 +266,20 @@ def test_a_cache_dir_without_room_for_the_copy_warns_and_reads_remotely(
         assert not storage.reads_inline()
     assert not any(tmp_path.glob("*.partial")) and not Path(storage.cache_folder or "").exists()
     asyncio.run(storage.close())
+
+
+def test_a_waiting_process_takes_over_when_the_downloader_gives_up(
+    plain_copies: Copies, s3: MotoS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_cache, "POLL_SECONDS", 0.01)
+    holder = guideloom.open_stream(plain_copies.s3_url, cache_dir=tmp_path, **s3.options())
+    waiter = guideloom.open_stream(plain_copies.s3_url, cache_dir=tmp_path, **s3.options())
+    assert isinstance(holder, ObjectStreamStorage) and isinstance(waiter, ObjectStreamStorage)
+    assert holder._cache is not None and waiter._cache is not None
+    with holder._cache._lock():  # another process downloads ...
+        asyncio.run(waiter.open())
+        waiter._cache._done.wait(30)
+        assert not waiter.reads_inline()
+    # ... and exits without a copy: the waiter downloads it itself
+    wait_for_copy(waiter)
+    asyncio.run(waiter.close())

@@ -177,20 +177,19 @@ def _split(specs: list[BatchSpec], samples: Sequence[Any]) -> list[Delivery]:
 
 
 async def _read_window(cfg: PipelineConfig, specs: list[BatchSpec], indexes: _Indexes) -> list[Delivery]:
-    """Read every batch of a window in one call; on failure, find the first batch that fails."""
+    """Read every batch of a window in one call. On failure, find the first batch that fails: it
+    carries the error, and nothing after it is read. Never raises for a failed read."""
     try:
         wanted = indexes.of(specs)
         samples = await cfg.dataset.read_many(wanted)
         _check_count(cfg, samples, wanted)
-    except Exception:
+    except Exception as exc:
         if len(specs) == 1:
-            raise
+            return [Delivery(specs[0], error=exc)]
         out: list[Delivery] = []
         for spec in specs:  # localise the failure: it surfaces at the batch that fails
-            try:
-                out.extend(await _read_window(cfg, [spec], indexes))
-            except Exception as exc:
-                out.append(Delivery(spec, error=exc))
+            out.extend(await _read_window(cfg, [spec], indexes))
+            if out[-1].error is not None:
                 break
         return out
     return _split(specs, samples)
@@ -202,15 +201,13 @@ def _read_window_sync(cfg: PipelineConfig, specs: list[BatchSpec], indexes: _Ind
         wanted = indexes.of(specs)
         samples = cfg.dataset.read_many_sync(wanted)
         _check_count(cfg, samples, wanted)
-    except Exception:
+    except Exception as exc:
         if len(specs) == 1:
-            raise
+            return [Delivery(specs[0], error=exc)]
         out: list[Delivery] = []
         for spec in specs:
-            try:
-                out.extend(_read_window_sync(cfg, [spec], indexes))
-            except Exception as exc:
-                out.append(Delivery(spec, error=exc))
+            out.extend(_read_window_sync(cfg, [spec], indexes))
+            if out[-1].error is not None:
                 break
         return out
     return _split(specs, samples)
@@ -430,10 +427,7 @@ class InlinePipeline:
             specs = self._cfg.plan.batches(self._step, self._step + self._window)
             self._step += len(specs)
             self._window = min(self._max_window, self._window * 2)
-            try:
-                pending.extend(reversed(_read_window_sync(self._cfg, specs, self._indexes)))
-            except Exception as exc:  # a one-batch window's read: the error is that batch's
-                pending.append(Delivery(specs[0], error=exc))
+            pending.extend(reversed(_read_window_sync(self._cfg, specs, self._indexes)))
         try:
             d = pending.pop()
         except IndexError:  # close() from another thread meanwhile

@@ -383,24 +383,13 @@ def make_store(
             if base.lower().startswith("http://"):
                 client_options.setdefault("allow_http", True)  # the URL asks for plain HTTP
             return store_mod.HTTPStore(base, client_options=client_options, retry_config=retry)
-        if loc.kind == "s3":
-            return store_mod.S3Store(
-                loc.bucket,
-                prefix=prefix,
-                config=dict(config),
-                client_options=client_options,
-                retry_config=retry,
-            )
-        if loc.kind == "gcs":
-            return store_mod.GCSStore(
-                loc.bucket,
-                prefix=prefix,
-                config=dict(config),
-                client_options=client_options,
-                retry_config=retry,
-            )
-        if loc.url.lower().startswith(("az://", "azure://")):
-            return store_mod.AzureStore(
+        # s3://, gs:// and az:// name a bucket (container) and a prefix; other Azure URLs
+        # (https://<account>.blob.core.windows.net/...) are parsed by obstore itself.
+        bucket_store: Any = {"s3": store_mod.S3Store, "gcs": store_mod.GCSStore}.get(loc.kind)
+        if bucket_store is None and loc.url.lower().startswith(("az://", "azure://")):
+            bucket_store = store_mod.AzureStore
+        if bucket_store is not None:
+            return bucket_store(
                 loc.bucket,
                 prefix=prefix,
                 config=dict(config),

@@ -23,7 +23,6 @@ import contextlib
 import errno
 import fcntl
 import hashlib
-import itertools
 import os
 import shutil
 import threading
@@ -34,6 +33,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from .local import file_sha256
 from .manifest import MANIFEST_NAME, Manifest
 
 __all__ = ["DatasetCache"]
@@ -116,7 +116,7 @@ class DatasetCache:
     # -- the download ------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the background download unless the copy exists or one is running. Idempotent."""
-        if self._thread is not None and self._thread.is_alive():
+        if self.running():
             return
         if (self.folder / MANIFEST_NAME).is_file():
             self._ready = True
@@ -200,11 +200,7 @@ class DatasetCache:
             for f in files:  # every byte is checked before the copy is used
                 if self._abort.is_set():
                     return
-                digest = hashlib.sha256()
-                with open(partial / f.path, "rb") as fh:
-                    while block := fh.read(8 * 2**20):
-                        digest.update(block)
-                if digest.hexdigest() != f.sha256:
+                if file_sha256(partial / f.path) != f.sha256:
                     raise ValueError(f"the downloaded object {f.path!r} does not match its checksum")
             (partial / MANIFEST_NAME).write_bytes(self.manifest.to_json_bytes())
             if self._abort.is_set():
@@ -238,7 +234,7 @@ class DatasetCache:
 
         threads = [
             threading.Thread(target=worker, name=f"guideloom-cache-{i}")
-            for i in itertools.islice(itertools.count(), min(PARTS_IN_FLIGHT, max(1, len(parts))))
+            for i in range(min(PARTS_IN_FLIGHT, max(1, len(parts))))
         ]
         for t in threads:
             t.start()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -13,7 +12,7 @@ import numpy.typing as npt
 
 from .._errors import DatasetIntegrityError
 from .base import DocumentStorageAbstract, StreamStorageAbstract
-from .local import LocalDocumentStorage, LocalSink, LocalStreamStorage, read_local_manifest
+from .local import LocalDocumentStorage, LocalSink, LocalStreamStorage, file_sha256, read_local_manifest
 from .manifest import Manifest
 from .writer import DEFAULT_SHARD_BYTES, Sink, write_documents_to, write_stream_to
 
@@ -162,13 +161,7 @@ def verify_dataset(
         raise TypeError(f"unexpected options for a local dataset: {sorted(options)}")
     manifest = read_local_manifest(folder)
     for name, _spec, f in manifest.all_files():
-        digest = hashlib.sha256()
-        with open(folder / f.path, "rb") as fh:
-            while block := fh.read(8 * 2**20):
-                digest.update(block)
-                if progress is not None:
-                    progress(len(block))
-        if digest.hexdigest() != f.sha256:
+        if file_sha256(folder / f.path, progress) != f.sha256:
             raise DatasetIntegrityError(
                 f"{folder}: file {f.path!r} of field {name!r} does not match its checksum; the "
                 "dataset is damaged: write or copy it again"

@@ -10,12 +10,13 @@ on cold data never block the loop.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import mmap
 import os
 import secrets
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -36,10 +37,22 @@ __all__ = [
     "LocalStreamStorage",
     "ShardedArray",
     "check_local_files",
+    "file_sha256",
     "read_local_manifest",
 ]
 
 Array = npt.NDArray[Any]
+
+
+def file_sha256(path: Path, progress: Callable[[int], object] | None = None) -> str:
+    """The hex sha256 of a file, read in 8 MiB blocks (``progress`` gets each block's size)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(8 * 2**20):
+            digest.update(block)
+            if progress is not None:
+                progress(len(block))
+    return digest.hexdigest()
 
 
 def read_local_manifest(folder: Path) -> Manifest:

@@ -7,6 +7,7 @@ them in one batched call. ``StreamDataset`` cuts a stream into fixed-length samp
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
@@ -21,8 +22,10 @@ __all__ = ["DatasetAbstract", "DocumentDataset", "SourceT", "StreamDataset"]
 SourceT = TypeVar("SourceT")
 
 
+@functools.cache
 def _sync_is_the_read(cls: type) -> bool:
-    """Whether ``cls.read_many_sync`` is defined at or below the class defining ``read_many``."""
+    """Whether ``cls.read_many_sync`` is defined at or below the class defining ``read_many``
+    (a property of the class: computed once, not on every batch that asks)."""
     mro = cls.__mro__
     sync_owner = next((k for k in mro if "read_many_sync" in k.__dict__), None)
     async_owner = next((k for k in mro if "read_many" in k.__dict__), None)

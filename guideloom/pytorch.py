@@ -659,7 +659,7 @@ class _SyncIteratorState(_IteratorBase[BatchT], Iterator[BatchT]):
             self._join_executor()
             if self._lt is not None:
                 self._lt.stop()
-            self._close_inline_loop()
+            self._close_caller_loop()
             self._done = True
             loader._release(self)
             if self._owns_open:
@@ -691,7 +691,7 @@ class _SyncIteratorState(_IteratorBase[BatchT], Iterator[BatchT]):
             raise
         if d is None:
             if self._closed_meanwhile():
-                self._close_inline_loop()
+                self._close_caller_loop()
                 raise StopIteration
             try:
                 self._finish_epoch()
@@ -713,7 +713,7 @@ class _SyncIteratorState(_IteratorBase[BatchT], Iterator[BatchT]):
         """The storage can now read inline (a remote dataset's local copy is complete): go on
         with the plain loop from ``next_step``. The event-loop pipeline's read-ahead is dropped;
         it held raw reads only, so nothing delivered changes."""
-        self._close_inline_loop()
+        self._close_caller_loop()
         self._loop = self._task = None
         self._inline = InlinePipeline(self._cfg, first_step=next_step)
 
@@ -721,8 +721,9 @@ class _SyncIteratorState(_IteratorBase[BatchT], Iterator[BatchT]):
         """Whether ``close()`` ran in another thread while this one waited for a batch."""
         return self._done
 
-    def _close_inline_loop(self) -> None:
-        """Cancel the inline pipeline and close its loop (when no ``next()`` is running it)."""
+    def _close_caller_loop(self) -> None:
+        """Cancel the pipeline task on the caller-driven loop and close that loop (when no
+        ``next()`` is running it)."""
         loop, task = self._loop, self._task
         if loop is None or loop.is_closed():
             return
@@ -747,7 +748,7 @@ class _SyncIteratorState(_IteratorBase[BatchT], Iterator[BatchT]):
         try:
             if self._inline is not None:
                 self._inline.close()
-            self._close_inline_loop()
+            self._close_caller_loop()
             fut, lt = self._future, self._lt
             if fut is not None and lt is not None:
                 if not fut.done():

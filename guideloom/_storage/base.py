@@ -81,8 +81,10 @@ class Rows(Sequence[npt.NDArray[Any]]):
 
     def __eq__(self, other: object) -> bool:
         """Equal to any sequence of the same samples (``Rows`` of an empty batch ``== []``)."""
-        if not isinstance(other, Sequence) or isinstance(other, str | bytes) or len(other) != len(self):
-            return NotImplemented if not isinstance(other, Sequence) else False
+        if not isinstance(other, Sequence) or isinstance(other, str | bytes):
+            return NotImplemented
+        if len(other) != len(self):
+            return False
         return all(np.array_equal(a, b) for a, b in zip(self, other, strict=True))
 
     __hash__ = None  # type: ignore[assignment]

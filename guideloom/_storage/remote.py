@@ -516,7 +516,7 @@ class _ObjectStorageMixin:
                 cache.warn_if_failed()
         return self._local
 
-    async def _close_cache(self) -> None:
+    def _close_cache(self) -> None:
         """Let go of the local copy. A copy in progress goes on (a loader opens and closes its
         storage with each epoch outside a ``with`` block); it stops at interpreter exit."""
         self._local = None
@@ -568,7 +568,7 @@ class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):
 
     async def close(self) -> None:
         self._opened = False
-        await self._close_cache()
+        self._close_cache()
         self._remote.drop_store()
 
     def read_many_sync(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
@@ -642,7 +642,7 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
     async def close(self) -> None:
         self._opened = False
         self._offsets = None
-        await self._close_cache()
+        self._close_cache()
         self._remote.drop_store()
 
     def _check_offsets(self, offsets: I64) -> I64:

@@ -130,18 +130,23 @@ def make_loader(path: Path, **kw: Any) -> gl.StatefulDataLoader[Any, torch.Tenso
     )
 
 
+def _samples_per_s(it: Any, batches: int, warmup: int) -> float:
+    """Samples/s of ``batches`` batches from ``it``, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        next(it)
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        next(it)
+    return batches * BATCH / (time.perf_counter() - t0)
+
+
 def run_sync(path: Path, batches: int, warmup: int, **kw: Any) -> float:
     loader = make_loader(path, **kw)
     with loader:
         it = iter(loader)
-        for _ in range(warmup):
-            next(it)
-        t0 = time.perf_counter()
-        for _ in range(batches):
-            next(it)
-        dt = time.perf_counter() - t0
+        rate = _samples_per_s(it, batches, warmup)
         it.close()
-    return batches * BATCH / dt
+    return rate
 
 
 def run_async(path: Path, batches: int, warmup: int, **kw: Any) -> float:
@@ -186,14 +191,9 @@ def run_torch(path: Path, batches: int, warmup: int, num_workers: int) -> float:
         ds, batch_size=BATCH, sampler=order, collate_fn=collate, num_workers=num_workers
     )
     it = iter(dl)
-    for _ in range(warmup):
-        next(it)
-    t0 = time.perf_counter()
-    for _ in range(batches):
-        next(it)
-    dt = time.perf_counter() - t0
+    rate = _samples_per_s(it, batches, warmup)
     del it
-    return batches * BATCH / dt
+    return rate
 
 
 def run_with_step(path: Path, batches: int, warmup: int, **kw: Any) -> float:

@@ -217,13 +217,11 @@ def run_remote(d: data.Data, quick: bool, rounds: int, peers: list[str]) -> list
                 if not peer.startswith("guideloom") and peer not in peers:
                     continue
                 key = f"{peer}-{nw}-pf{pf}-{tag}"
-                label = (
-                    f"guideloom, prefetch={pf}"
-                    if peer == "guideloom"
-                    else "guideloom, cache_dir (copied in the background, then local)"
-                    if peer == "guideloom-cache"
-                    else PEER_LABELS[peer]
-                )
+                own = {
+                    "guideloom": f"guideloom, prefetch={pf}",
+                    "guideloom-cache": "guideloom, cache_dir (copied in the background, then local)",
+                }
+                label = own.get(peer) or PEER_LABELS[peer]
                 kind = "guideloom" if peer.startswith("guideloom") else peer
                 extra = {"prefetch": pf, "rtt": rtt, "gl_cache": peer == "guideloom-cache"}
                 cfgs.append(Config(key, label, kind, "remote", nw, extra))

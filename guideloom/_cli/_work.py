@@ -9,6 +9,7 @@ number of workers.
 from __future__ import annotations
 
 import concurrent.futures
+import concurrent.futures.process  # BrokenProcessPool: the submodule loads only with a process pool
 import functools
 import json
 import multiprocessing
@@ -134,7 +135,11 @@ def _texts(task: Task, options: Options) -> tuple[list[str], list[int], int, int
                 texts.append(read_text_file(f).decode("utf-8"))
                 where.append(i)
             except UnicodeDecodeError as exc:
-                _reject(task, i, f"not valid UTF-8 text ({exc})", options)
+                detail = (
+                    f"not valid UTF-8 text (byte {exc.start}: {exc.reason}; a binary file?): leave "
+                    "it out of the inputs, or select a folder's text files with --include PATTERN"
+                )
+                _reject(task, i, detail, options)
                 invalid += 1
         return texts, where, invalid, 0
     for i, value in enumerate(task.payload):

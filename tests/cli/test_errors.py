@@ -98,7 +98,8 @@ def test_bad_utf8_text_file_and_parquet_nulls(cli, tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("good")
     (tmp_path / "b.txt").write_bytes(b"bad \xff\xfe bytes")
     r = cli("prepare", tmp_path, "-o", tmp_path / "ds")
-    assert r.code == 1 and f"{tmp_path / 'b.txt'}: not valid UTF-8" in r.err
+    assert r.code == 1 and f"{tmp_path / 'b.txt'}: not valid UTF-8 text (byte 4" in r.err
+    assert "a binary file?" in r.err and "--include" in r.err and "--skip-invalid" in r.err
     r = cli("prepare", tmp_path / "a.txt", tmp_path / "b.txt", "-o", tmp_path / "ds", "--skip-invalid")
     assert r.code == 0 and byte_texts(tmp_path / "ds") == ["good"]
 
@@ -315,6 +316,29 @@ def test_console_script_errors_have_no_traceback(tmp_path: Path) -> None:
     assert out.returncode == 1 and "no dataset" in out.stderr and "Traceback" not in out.stderr
     out = subprocess.run([*cmd, "frobnicate"], capture_output=True, text=True, check=False)
     assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_binary_input_is_one_error_line_in_a_fresh_process(tmp_path: Path, workers: str) -> None:
+    # A fresh interpreter: with one worker no process pool is ever made, so the error path must
+    # not rely on concurrent.futures.process having been imported by someone else (issue 10).
+    (tmp_path / "blob.bin").write_bytes(bytes(range(256)) * 8)
+    args = ["prepare", str(tmp_path / "blob.bin"), "-o", str(tmp_path / "ds"), "--workers", workers]
+    out = subprocess.run(
+        [sys.executable, "-m", "guideloom", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "error"},
+        check=False,
+        timeout=60,
+    )
+    assert out.returncode == 1, out
+    assert out.stdout == ""
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith(f"guideloom: error: {tmp_path / 'blob.bin'}: not valid UTF-8 text (byte 128")
+    assert "a binary file?" in lines[0] and "--skip-invalid" in lines[0]
+    assert not (tmp_path / "ds" / "manifest.json").exists()
 
 
 def test_non_utf8_json_line_and_byte_order_mark(cli, tmp_path: Path) -> None:

@@ -291,6 +291,27 @@ def test_missing_extra_names_the_pip_line(cli, tmp_path: Path, monkeypatch: pyte
         "1",
     )
     assert r.code == 1 and 'pip install "guideloom[tokenizers]"' in r.err
+    assert "Traceback" not in r.err and "ModuleNotFoundError" not in r.err
+
+
+def test_missing_pyarrow_and_tokenizers_name_their_extra(
+    cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["a"]}), tmp_path / "p.parquet")
+    (tmp_path / "a.txt").write_text("hello")
+    assert cli("prepare", tmp_path / "a.txt", "-o", tmp_path / "ds").code == 0
+    (tmp_path / "tok.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    r = cli("prepare", tmp_path / "p.parquet", "-o", tmp_path / "pq")
+    assert r.code == 1 and "'pyarrow' package" in r.err and 'pip install "guideloom[cli]"' in r.err
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    r = cli("inspect", tmp_path / "ds", "--tokenizer", tmp_path / "tok.json")
+    assert r.code == 1 and 'pip install "guideloom[tokenizers]"' in r.err
+    assert r.err.count("\n") == 1 and r.err.startswith("guideloom: error:")
 
 
 def test_corrupt_compressed_input_is_a_data_error(cli, tmp_path: Path) -> None:

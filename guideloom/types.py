@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
-__all__ = ["StatefulDataLoaderStateDict"]
+__all__ = ["DatasetFingerprint", "StatefulDataLoaderStateDict"]
+
+
+class DatasetFingerprint(TypedDict):
+    """What a checkpoint records of the dataset its position counts.
+
+    ``load_state_dict`` refuses a checkpoint whose fingerprint does not match the loader's
+    dataset (unless told ``allow_dataset_change=True``): a position counted over other data
+    would skip or repeat observations.
+    """
+
+    kind: str
+    """``"stream"`` or ``"documents"`` (a custom dataset: its class name)."""
+    observations: int
+    """Number of observations (samples) in the dataset."""
+    sequence_length: int
+    """Elements per stream sample; 0 for documents."""
+    digest: str
+    """A digest of the written dataset's manifest (files, lengths, checksums); empty for
+    storages without one (in memory), which are compared by their counts alone."""
 
 
 class StatefulDataLoaderStateDict(TypedDict):
@@ -28,3 +47,5 @@ class StatefulDataLoaderStateDict(TypedDict):
     """Seed used for shuffling. None is not reproducible."""
     drop_last: bool
     """Whether that loader drops an incomplete global batch."""
+    dataset: NotRequired[DatasetFingerprint]
+    """The dataset the position counts (absent in checkpoints of guideloom before 0.2)."""

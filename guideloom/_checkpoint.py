@@ -1,0 +1,166 @@
+"""The checkpoint: what ``state_dict()`` records and how ``load_state_dict()`` checks it.
+
+A checkpoint is a position, ``(epoch, observation_offset)``, plus what that position means: how
+the order was made (``shuffle``, ``shuffle_seed``, ``drop_last``) and which data it counts
+(a *fingerprint* of the dataset). A position is only meaningful over the dataset it was counted
+on: loaded into another one it silently skips or repeats data, so a fingerprint that does not
+match is refused unless the caller says the change is on purpose. Everything is plain ints,
+bools, strings and None (``torch.load(..., weights_only=True)`` and
+``torch.distributed.checkpoint`` take it as is) and nothing depends on the rank.
+
+Pure: no I/O beyond reading the manifest a storage already holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .types import DatasetFingerprint
+
+__all__ = ["LoaderIdentity", "dataset_fingerprint", "restore_position"]
+
+
+def _manifest_digest(storage: Any) -> str:
+    """A short digest of a written dataset's manifest: its kind, dtype, fields, and every data
+    file's length and checksum in order (not its name, which each write draws afresh), so the
+    same data written twice, or copied to a bucket, has the same digest; ``""`` for a storage
+    without a manifest (in memory)."""
+    manifest = getattr(storage, "manifest", None)
+    if manifest is None or not hasattr(manifest, "all_files"):
+        return ""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(
+        f"{manifest.kind}:{manifest.dtype.name}:{manifest.num_elements}:{manifest.num_documents}".encode()
+    )
+    for name, spec, f in manifest.all_files():
+        h.update(f"\n{name}:{spec.dtype.name}:{f.elements}:{f.sha256}".encode())
+    return h.hexdigest()
+
+
+def dataset_fingerprint(dataset: Any) -> DatasetFingerprint:
+    """What identifies ``dataset`` for a checkpoint: its kind, number of observations, sequence
+    length (0 for documents) and manifest digest."""
+    from ._datasets import DocumentDataset, StreamDataset
+
+    if isinstance(dataset, StreamDataset):
+        kind, sequence_length = "stream", dataset.sequence_length
+    elif isinstance(dataset, DocumentDataset):
+        kind, sequence_length = "documents", 0
+    else:
+        kind, sequence_length = type(dataset).__name__, int(getattr(dataset, "sequence_length", 0) or 0)
+    return DatasetFingerprint(
+        kind=kind,
+        observations=len(dataset),
+        sequence_length=sequence_length,
+        digest=_manifest_digest(getattr(dataset, "storage", None)),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class LoaderIdentity:
+    """What the loading side compares a checkpoint against."""
+
+    shuffle: bool
+    shuffle_seed: int | None
+    drop_last: bool
+    fingerprint: DatasetFingerprint
+
+
+def _differences(saved: Mapping[str, Any], current: DatasetFingerprint) -> list[str]:
+    out = []
+    for key in ("kind", "observations", "sequence_length", "digest"):
+        a, b = saved.get(key), current[key]
+        if key == "digest" and (not a or not b):
+            continue  # one side has no manifest (in memory): its counts are all there is
+        if a != b:
+            out.append(f"{key} {a!r} (saved) != {b!r} (this loader)")
+    return out
+
+
+def _check_position(epoch: Any, offset: Any) -> tuple[int, int]:
+    for name, value in (("epoch", epoch), ("observation_offset", offset)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"checkpoint {name} must be an int >= 0, got {value!r}")
+    return epoch, offset
+
+
+def restore_position(
+    state_dict: Any, current: LoaderIdentity, *, allow_dataset_change: bool = False
+) -> tuple[int, int]:
+    """The ``(epoch, observation_offset)`` to resume at, after checking ``state_dict``.
+
+    Raises ``ValueError`` for a malformed checkpoint, for one counted on another dataset (unless
+    ``allow_dataset_change``), and for an offset past the end of this dataset. Warns where the
+    order after resuming will differ from the saved run's.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a dict from state_dict(), got {type(state_dict).__name__}")
+    missing = {"epoch", "observation_offset"} - state_dict.keys()
+    if missing:
+        raise ValueError(
+            f"checkpoint lacks {sorted(missing)}; pass a dict returned by StatefulDataLoader.state_dict()"
+        )
+    epoch, offset = _check_position(state_dict["epoch"], state_dict["observation_offset"])
+    fp = current.fingerprint
+    saved_fp = state_dict.get("dataset")
+    matches = False
+    if saved_fp is None:
+        warnings.warn(
+            "this checkpoint has no dataset fingerprint (it was saved by an older guideloom), so "
+            "it cannot be checked against this loader's dataset: make sure it is the same data. "
+            "Save a new checkpoint to get the check",
+            UserWarning,
+            stacklevel=3,
+        )
+    elif not isinstance(saved_fp, Mapping):
+        raise ValueError(f"checkpoint 'dataset' must be a dict from state_dict(), got {saved_fp!r}")
+    else:
+        diffs = _differences(saved_fp, fp)
+        matches = not diffs
+        if diffs and not allow_dataset_change:
+            raise ValueError(
+                "this checkpoint was saved over another dataset: " + "; ".join(diffs) + ". Its "
+                "position would skip or repeat data here. Load it into a loader over the saved "
+                "dataset (same files, same sequence_length), or, if the data changed on purpose, "
+                "call load_state_dict(state, allow_dataset_change=True) to resume at the saved "
+                "position anyway"
+            )
+    if offset > fp["observations"] and not matches:
+        # Over the saved dataset an offset may pass the end by the padding of a final partial
+        # batch; anywhere else it is a position this dataset does not have.
+        raise ValueError(
+            f"checkpoint observation_offset={offset} is past the end of this dataset "
+            f"({fp['observations']} observations): it was counted over other data. Resume with "
+            f"the saved dataset, or load {{'epoch': {epoch + 1}, 'observation_offset': 0}} to "
+            "start the next epoch"
+        )
+    _warn_order_changes(state_dict, current)
+    return epoch, offset
+
+
+def _warn_order_changes(state_dict: Mapping[str, Any], current: LoaderIdentity) -> None:
+    for key in ("shuffle", "shuffle_seed", "drop_last"):
+        if key == "shuffle_seed" and not current.shuffle and not state_dict.get("shuffle", False):
+            continue  # the seed is ignored when neither loader shuffles
+        mine = getattr(current, key)
+        saved = state_dict.get(key, mine)
+        if saved != mine:
+            warnings.warn(
+                f"the checkpoint was saved by a loader with {key}={saved!r}, this loader has "
+                f"{key}={mine!r}; the saved value is not applied, so the order after resuming "
+                f"differs from the saved run. Construct the loader with {key}={saved!r} to resume "
+                "it exactly",
+                UserWarning,
+                stacklevel=4,
+            )
+    if current.shuffle and current.shuffle_seed is None:
+        warnings.warn(
+            "this loader shuffles with shuffle_seed=None, so its order is not the saved run's: the "
+            "resumed epoch may repeat or skip observations. Pass a shuffle_seed to resume exactly",
+            UserWarning,
+            stacklevel=4,
+        )

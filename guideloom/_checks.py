@@ -1,0 +1,80 @@
+"""Argument checks shared by the loader and the datasets: one place that says what a valid
+option is, so every option is checked the same way (and the error says how to fix it)."""
+
+from __future__ import annotations
+
+import numbers
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["check_bool", "check_device", "check_int", "check_optional_int"]
+
+
+def check_int(name: str, value: Any, minimum: int) -> int:
+    """``value`` as an ``int`` of at least ``minimum``.
+
+    Any integral number is accepted (``int``, numpy integers: ``numbers.Integral``), a ``bool``
+    is not (``True`` as a batch size is a bug, not a request for one sample).
+    """
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    number = int(value)
+    if number < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {number}")
+    return number
+
+
+def check_optional_int(name: str, value: Any) -> int | None:
+    """``None``, or ``value`` as an ``int`` (any sign; see :func:`check_int`)."""
+    if value is None:
+        return None
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int or None, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` as a ``bool``: ``True``/``False`` (or numpy's), nothing merely truthy.
+
+    ``shuffle="no"`` is truthy; taking it as ``True`` would shuffle a run that asked not to.
+    """
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def check_device(device: Any) -> torch.device:
+    """``device`` as a ``torch.device`` that this process can use.
+
+    A CUDA device on a machine without CUDA (or an index past the visible devices) fails here,
+    at construction, rather than with torch's assertion at the first batch.
+    """
+    import torch
+
+    if isinstance(device, str | int) and not isinstance(device, bool):
+        try:
+            device = torch.device(device)
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError(f"device {device!r} is not a device torch knows: {exc}") from None
+    if not isinstance(device, torch.device):
+        raise TypeError(
+            f"device must be a torch.device (or a string such as 'cpu'), got {type(device).__name__}"
+        )
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device={str(device)!r} but CUDA is not available in this process (a CPU build of "
+                "torch, no GPU visible, or CUDA_VISIBLE_DEVICES is empty); pass device='cpu' or "
+                "leave device unset to use the default device"
+            )
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(
+                f"device={str(device)!r} but this process sees {count} CUDA device(s) "
+                f"(cuda:0..cuda:{count - 1}); under torchrun use cuda:LOCAL_RANK"
+            )
+    return device

@@ -1,0 +1,150 @@
+"""The checkpoint's dataset fingerprint and the checks ``load_state_dict`` makes with it."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import guideloom as gl
+from guideloom._checkpoint import LoaderIdentity, dataset_fingerprint, restore_position
+
+
+def _identity(
+    dataset: Any, *, shuffle: bool = False, seed: int | None = 0, drop_last: bool = True
+) -> LoaderIdentity:
+    return LoaderIdentity(
+        shuffle=shuffle, shuffle_seed=seed, drop_last=drop_last, fingerprint=dataset_fingerprint(dataset)
+    )
+
+
+def _state(dataset: Any, epoch: int = 0, offset: int = 0, **extra: Any) -> dict[str, Any]:
+    return {
+        "epoch": epoch,
+        "observation_offset": offset,
+        "shuffle": False,
+        "shuffle_seed": 0,
+        "drop_last": True,
+        "dataset": dict(dataset_fingerprint(dataset)),
+        **extra,
+    }
+
+
+def _stream(n: int, length: int = 8) -> gl.StreamDataset[Any]:
+    return gl.StreamDataset(gl.MemoryStreamStorage(np.arange(n, dtype=np.int32)), length)
+
+
+def test_fingerprint_of_stream_and_documents(tmp_path: Path) -> None:
+    fp = dataset_fingerprint(_stream(100, 8))
+    assert fp == {"kind": "stream", "observations": 12, "sequence_length": 8, "digest": ""}
+    docs = gl.DocumentDataset(gl.MemoryDocumentStorage([np.arange(3), np.arange(5)]))
+    assert dataset_fingerprint(docs) == {
+        "kind": "documents",
+        "observations": 2,
+        "sequence_length": 0,
+        "digest": "",
+    }
+    gl.write_stream(tmp_path / "a", np.arange(1000, dtype=np.uint16))
+    written = dataset_fingerprint(gl.StreamDataset(gl.open_stream(tmp_path / "a"), 10))
+    assert len(written["digest"]) == 16 and written["observations"] == 100
+
+
+def test_digest_follows_the_data(tmp_path: Path) -> None:
+    gl.write_stream(tmp_path / "a", np.arange(1000, dtype=np.uint16))
+    gl.write_stream(tmp_path / "b", np.arange(1000, dtype=np.uint16)[::-1].copy())
+    gl.write_stream(tmp_path / "c", np.arange(1000, dtype=np.uint16))
+
+    def digest(name: str) -> str:
+        return dataset_fingerprint(gl.StreamDataset(gl.open_stream(tmp_path / name), 10))["digest"]
+
+    assert digest("a") == digest("c")  # same content, same files: same digest
+    assert digest("a") != digest("b")  # same sizes, other tokens
+
+
+def test_matching_checkpoint_restores_its_position() -> None:
+    ds = _stream(1000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert restore_position(_state(ds, 2, 40), _identity(ds)) == (2, 40)
+
+
+def test_checkpoint_of_another_dataset_is_refused() -> None:
+    big, small = _stream(100_000), _stream(10_000)
+    with pytest.raises(
+        ValueError, match=r"another dataset: observations 12500 \(saved\) != 1250.*allow_dataset_change"
+    ):
+        restore_position(_state(big, 0, 400), _identity(small))
+
+
+def test_checkpoint_with_another_sequence_length_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"sequence_length 8 \(saved\) != 16"):
+        restore_position(_state(_stream(1024, 8)), _identity(_stream(2048, 16)))
+
+
+def test_checkpoint_of_other_written_data_is_refused(tmp_path: Path) -> None:
+    gl.write_stream(tmp_path / "a", np.arange(1000, dtype=np.uint16))
+    gl.write_stream(tmp_path / "b", np.arange(1000, dtype=np.uint16)[::-1].copy())
+    a = gl.StreamDataset(gl.open_stream(tmp_path / "a"), 10)
+    b = gl.StreamDataset(gl.open_stream(tmp_path / "b"), 10)
+    with pytest.raises(ValueError, match="digest"):
+        restore_position(_state(a, 0, 10), _identity(b))
+
+
+def test_escape_hatch_resumes_at_the_saved_position() -> None:
+    big, small = _stream(100_000), _stream(10_000)
+    assert restore_position(_state(big, 3, 400), _identity(small), allow_dataset_change=True) == (3, 400)
+
+
+def test_escape_hatch_still_refuses_an_offset_past_the_end() -> None:
+    big, small = _stream(100_000), _stream(10_000)
+    with pytest.raises(ValueError, match=r"observation_offset=5000 is past the end .*1250 observations"):
+        restore_position(_state(big, 0, 5000), _identity(small), allow_dataset_change=True)
+
+
+def test_padding_past_the_end_of_the_saved_dataset_is_accepted() -> None:
+    ds = _stream(1000)  # 125 observations; a final partial batch of 8 pads the offset to 128
+    assert restore_position(_state(ds, 0, 128), _identity(ds)) == (0, 128)
+
+
+def test_old_checkpoint_without_fingerprint_loads_with_a_warning() -> None:
+    ds = _stream(1000)
+    state = _state(ds, 1, 16)
+    del state["dataset"]
+    with pytest.warns(UserWarning, match="no dataset fingerprint"):
+        assert restore_position(state, _identity(ds)) == (1, 16)
+
+
+def test_old_checkpoint_past_the_end_is_refused() -> None:
+    state = _state(_stream(100_000), 0, 5000)
+    del state["dataset"]
+    with (
+        pytest.warns(UserWarning, match="no dataset fingerprint"),
+        pytest.raises(ValueError, match="past the end"),
+    ):
+        restore_position(state, _identity(_stream(10_000)))
+
+
+@pytest.mark.parametrize(
+    ("state", "error", "match"),
+    [
+        ([], TypeError, "must be a dict"),
+        ({"epoch": 0}, ValueError, "lacks"),
+        ({"epoch": -1, "observation_offset": 0}, ValueError, "epoch must be an int >= 0"),
+        ({"epoch": 0, "observation_offset": True}, ValueError, "observation_offset must be an int"),
+        ({"epoch": 0, "observation_offset": 0, "dataset": "x"}, ValueError, "'dataset' must be a dict"),
+    ],
+)
+def test_malformed_checkpoints(state: Any, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        restore_position(state, _identity(_stream(1000)))
+
+
+def test_order_changes_warn() -> None:
+    ds = _stream(1000)
+    with pytest.warns(UserWarning, match="shuffle=False, this loader has shuffle=True"):
+        restore_position(_state(ds), _identity(ds, shuffle=True, seed=0))
+    with pytest.warns(UserWarning, match="shuffle_seed=None"):
+        restore_position(_state(ds, shuffle=True, shuffle_seed=None), _identity(ds, shuffle=True, seed=None))

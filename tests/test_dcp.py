@@ -1,0 +1,98 @@
+"""torch.distributed.checkpoint with the loader: 2 gloo ranks save mid-epoch, 3 ranks resume.
+
+Runs ``examples/dcp_resume.py`` (the example the checkpointing page shows) as real rank
+processes, started the way torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), as
+``tests/test_distributed.py`` does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "dcp_resume.py"
+NUM_SAMPLES = 1_001  # the example's dataset
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(world_size: int, *args: str, cwd: Path) -> None:
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            GLOO_SOCKET_IFNAME="lo",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(EXAMPLE), *args],
+                env=env,
+                cwd=cwd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=200)
+            outputs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"rank {rank} of {world_size} failed:\n{out}"
+        assert "Warning" not in out, f"rank {rank} of {world_size} warned:\n{out}"
+
+
+def read(ckpt: Path, run: str, world_size: int) -> list[dict[str, Any]]:
+    return [
+        json.loads((ckpt.parent / f"{ckpt.name}.seen-{run}-rank{r}.json").read_text())
+        for r in range(world_size)
+    ]
+
+
+def test_two_ranks_save_three_ranks_resume_every_sample_once(tmp_path: Path) -> None:
+    data, ckpt, steps = tmp_path / "corpus", tmp_path / "ckpt", 7
+    run_ranks(2, "--data", str(data), "--checkpoint", str(ckpt), "--steps", str(steps), cwd=tmp_path)
+    saved = read(ckpt, "save", 2)
+    # the state is rank-independent: every rank holds the same checkpoint
+    assert saved[0]["state"] == saved[1]["state"]
+    assert saved[0]["state"] == {
+        "epoch": 0,
+        "observation_offset": steps * 4 * 2,
+        "shuffle": True,
+        "shuffle_seed": 1234,
+        "drop_last": False,
+    }
+    assert (ckpt / ".metadata").is_file()  # a DCP checkpoint folder
+
+    run_ranks(3, "--data", str(data), "--checkpoint", str(ckpt), "--resume", cwd=tmp_path)
+    resumed = read(ckpt, "resume", 3)
+    before = [i for r in saved for i in r["seen"]]
+    after = [i for r in resumed for i in r["seen"]]
+    assert len(before) == steps * 4 * 2
+    assert sorted(before + after) == list(range(NUM_SAMPLES))  # each sample exactly once
+    assert all(r["state"]["epoch"] == 1 for r in resumed)

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Final, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from .._errors import RemoteReadError, StorageError
 
@@ -46,8 +46,10 @@ __all__ = [
     "WriteOptions",
     "io_executor",
     "make_store",
+    "map_error",
     "obstore_message",
     "parse_location",
+    "require_obstore",
     "split_options",
 ]
 
@@ -77,7 +79,7 @@ _SCHEMES: Final = {
 class Location:
     """A parsed object-store URL: which backend, which bucket and prefix, and how to show it."""
 
-    url: str
+    url: str = field(repr=False)  # as given: it may hold credentials
     kind: str  # "s3" | "gcs" | "azure" | "http"
     bucket: str
     prefix: str
@@ -103,7 +105,11 @@ def parse_location(url: str) -> Location:
     try:
         parts = urlsplit(url)
     except ValueError as exc:
-        raise ValueError(f"invalid object-store URL {display_url(url)!r}: {exc}") from None
+        problem = str(exc)
+    else:
+        problem = ""
+    if problem:  # raised here, not in the handler: the chain keeps no trace of the raw URL
+        raise ValueError(f"invalid object-store URL {display_url(url)!r}: {problem}")
     kind = _SCHEMES.get(parts.scheme.lower())
     if kind is None:
         raise ValueError(f"unsupported location {display_url(url)!r}: use s3://, gs://, az:// or http(s)://")
@@ -275,9 +281,16 @@ _SCRUB_PATTERNS: Final = (
 )
 
 
-def secret_values(config: Mapping[str, Any]) -> tuple[str, ...]:
-    """Strings that must never appear in a message: credential options and credential env vars."""
+def secret_values(config: Mapping[str, Any], url: str = "") -> tuple[str, ...]:
+    """Strings that must never appear in a message: credential options, credential env vars,
+    and the password and query values of ``url``."""
     found = {str(v) for k, v in config.items() if _SECRET_NAME.search(k) and isinstance(v, str)}
+    try:
+        parts = urlsplit(url)
+        found.update(v for v in (parts.password, parts.username) if v)
+        found.update(v for _k, v in parse_qsl(parts.query) if v)
+    except ValueError:
+        pass
     for name, value in os.environ.items():
         if _ENV_PREFIX.match(name) and _SECRET_NAME.search(name.split("_", 1)[1]):
             found.add(value)
@@ -301,13 +314,41 @@ def obstore_message(exc: BaseException, secrets: Sequence[str]) -> str:
     return scrub(f"{type(exc).__name__}: {text}" if text else type(exc).__name__, secrets)
 
 
+def map_error(exc: BaseException, what: str, secrets: Sequence[str]) -> Exception:
+    """An obstore failure as the Python error a user expects, with a scrubbed message.
+
+    Raise the result outside the ``except`` block that caught ``exc`` (``raise ... from None``
+    would still keep ``exc``, and the credentials its text may hold, as ``__context__``).
+    """
+    import obstore.exceptions as oe
+
+    msg = f"{what}: {obstore_message(exc, secrets)}"
+    if isinstance(exc, FileNotFoundError | oe.NotFoundError):
+        return FileNotFoundError(msg)
+    if isinstance(exc, PermissionError | oe.PermissionDeniedError | oe.UnauthenticatedError):
+        return PermissionError(msg)
+    return StorageError(msg)
+
+
 # -- stores ----------------------------------------------------------------------------------------
-def _store_module() -> Any:
+INSTALL_HINT: Final = 'pip install "guideloom[remote]"'
+
+
+def require_obstore() -> Any:
+    """The ``obstore.store`` module, or a ModuleNotFoundError that says which extra to install."""
     try:
         import obstore.store
-    except ImportError:  # pragma: no cover - obstore is a dependency of the remote extra
-        raise ImportError("object-store datasets need obstore: pip install 'guideloom[remote]'") from None
-    return obstore.store
+    except ImportError:
+        store = None
+    else:
+        store = obstore.store
+    if store is None:  # raised outside the handler: the error is the whole message
+        raise ModuleNotFoundError(
+            "object-store locations (s3://, gs://, az://, http(s)://) need the obstore package, "
+            f"which guideloom's remote extra installs: {INSTALL_HINT}",
+            name="obstore",
+        )
+    return store
 
 
 _ENV_CLIENT_KEYS: Final = {
@@ -352,9 +393,9 @@ def make_store(
     ``obstore_retries`` lets obstore retry (writes, where guideloom does not retry itself); for
     reads guideloom retries and obstore's retries stay off so the two never multiply.
     """
+    store_mod = require_obstore()
     import obstore.exceptions
 
-    store_mod = _store_module()
     client_options = {
         **_client_env(loc.kind),
         "timeout": timedelta(seconds=policy.timeout),
@@ -373,40 +414,45 @@ def make_store(
         }
     else:
         retry = {"max_retries": 0, "retry_timeout": timedelta(seconds=max(policy.retry_timeout, 1.0))}
-    secrets = secret_values(config)
-    prefix = loc.prefix or None
+    secrets = secret_values(config, loc.url)
+    if loc.kind == "http" and config:
+        raise TypeError(f"unexpected options for an http(s) location: {sorted(config)}")
+    error: Exception
     try:
-        if loc.kind == "http":
-            if config:
-                raise TypeError(f"unexpected options for an http(s) location: {sorted(config)}")
-            base = loc.url.split("#", 1)[0].split("?", 1)[0]
-            if base.lower().startswith("http://"):
-                client_options.setdefault("allow_http", True)  # the URL asks for plain HTTP
-            return store_mod.HTTPStore(base, client_options=client_options, retry_config=retry)
-        # s3://, gs:// and az:// name a bucket (container) and a prefix; other Azure URLs
-        # (https://<account>.blob.core.windows.net/...) are parsed by obstore itself.
-        bucket_store: Any = {"s3": store_mod.S3Store, "gcs": store_mod.GCSStore}.get(loc.kind)
-        if bucket_store is None and loc.url.lower().startswith(("az://", "azure://")):
-            bucket_store = store_mod.AzureStore
-        if bucket_store is not None:
-            return bucket_store(
-                loc.bucket,
-                prefix=prefix,
-                config=dict(config),
-                client_options=client_options,
-                retry_config=retry,
-            )
-        return store_mod.AzureStore.from_url(
-            loc.url.split("?", 1)[0], config=dict(config), client_options=client_options, retry_config=retry
-        )
+        return _new_store(store_mod, loc, dict(config), client_options, retry)
     except obstore.exceptions.UnknownConfigurationKeyError as exc:
-        raise TypeError(f"unknown option for {loc.display!r}: {obstore_message(exc, secrets)}") from None
+        error = TypeError(f"unknown option for {loc.display!r}: {obstore_message(exc, secrets)}")
     except obstore.exceptions.BaseError as exc:
-        raise ValueError(f"cannot configure {loc.display!r}: {obstore_message(exc, secrets)}") from None
-    except TypeError:
-        raise
+        error = ValueError(f"cannot configure {loc.display!r}: {obstore_message(exc, secrets)}")
     except Exception as exc:  # pyo3 conversion errors on bad option types
-        raise TypeError(f"invalid options for {loc.display!r}: {scrub(str(exc), secrets)}") from None
+        error = TypeError(f"invalid options for {loc.display!r}: {scrub(str(exc), secrets)}")
+    raise error  # outside the handlers: obstore's own error (and what it quotes) is not chained
+
+
+def _new_store(
+    store_mod: Any, loc: Location, config: dict[str, Any], client_options: dict[str, Any], retry: Any
+) -> Any:
+    if loc.kind == "http":
+        base = loc.url.split("#", 1)[0].split("?", 1)[0]
+        if base.lower().startswith("http://"):
+            client_options.setdefault("allow_http", True)  # the URL asks for plain HTTP
+        return store_mod.HTTPStore(base, client_options=client_options, retry_config=retry)
+    # s3://, gs:// and az:// name a bucket (container) and a prefix; other Azure URLs
+    # (https://<account>.blob.core.windows.net/...) are parsed by obstore itself.
+    bucket_store: Any = {"s3": store_mod.S3Store, "gcs": store_mod.GCSStore}.get(loc.kind)
+    if bucket_store is None and loc.url.lower().startswith(("az://", "azure://")):
+        bucket_store = store_mod.AzureStore
+    if bucket_store is not None:
+        return bucket_store(
+            loc.bucket,
+            prefix=loc.prefix or None,
+            config=config,
+            client_options=client_options,
+            retry_config=retry,
+        )
+    return store_mod.AzureStore.from_url(
+        loc.url.split("?", 1)[0], config=config, client_options=client_options, retry_config=retry
+    )
 
 
 # -- retries ---------------------------------------------------------------------------------------

@@ -11,10 +11,11 @@ from urllib.parse import unquote, urlparse
 import numpy.typing as npt
 
 from .._errors import DatasetIntegrityError
+from ._sinks import LocalSink, Sink
 from .base import DocumentStorageAbstract, StreamStorageAbstract
-from .local import LocalDocumentStorage, LocalSink, LocalStreamStorage, file_sha256, read_local_manifest
+from .local import LocalDocumentStorage, LocalStreamStorage, file_sha256, read_local_manifest
 from .manifest import Manifest
-from .writer import DEFAULT_SHARD_BYTES, Sink, write_documents_to, write_stream_to
+from .writer import DEFAULT_SHARD_BYTES, write_documents_to, write_stream_to
 
 __all__ = ["open_documents", "open_stream", "verify_dataset", "write_documents", "write_stream"]
 

@@ -10,30 +10,19 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Iterator, Mapping
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 import numpy as np
 import numpy.typing as npt
 
+from ._sinks import Sink
 from .manifest import ArraySpec, FileSpec, Manifest, check_field_name, storage_dtype
 
-__all__ = ["DEFAULT_SHARD_BYTES", "Sink", "write_documents_to", "write_stream_to"]
+__all__ = ["DEFAULT_SHARD_BYTES", "write_documents_to", "write_stream_to"]
 
 DEFAULT_SHARD_BYTES = 256 * 2**20
 _WRITE_BLOCK = 8 * 2**20
 Array = npt.NDArray[Any]
-
-
-class Sink(Protocol):
-    """A place a dataset is written to (a local folder, an object-store prefix)."""
-
-    write_id: str
-
-    def describe(self) -> str: ...
-    def prepare(self, *, overwrite: bool) -> Manifest | None: ...
-    def open_file(self, relpath: str) -> IO[bytes]: ...
-    def commit(self, manifest: Manifest, replaced: Manifest | None) -> None: ...
-    def abort(self, written: list[str]) -> None: ...
 
 
 def _chunks_of(name: str, data: npt.ArrayLike | Iterable[npt.ArrayLike]) -> Iterator[Array]:

@@ -20,9 +20,17 @@ import threading
 from collections import deque
 from typing import Generic, TypeVar
 
-__all__ = ["Channel"]
+__all__ = ["Channel", "EndOfStream"]
 
 T = TypeVar("T")
+
+
+class EndOfStream(Exception):
+    """The channel is closed and drained: the producer's stream has ended.
+
+    guideloom's own signal, so that an ``EOFError`` a storage raises stays that storage's error,
+    delivered at its batch, and never reads as the end of the epoch.
+    """
 
 
 def _wake(fut: asyncio.Future[None]) -> None:
@@ -107,7 +115,7 @@ class Channel(Generic[T]):
             pending = self._pending_get
             if pending is not None and not pending.done():
                 self._pending_get = None
-                pending.set_exception(EOFError())
+                pending.set_exception(EndOfStream())
             self._notify_consumer()
 
     # -- consumer side ----------------------------------------------------------------------------
@@ -123,12 +131,12 @@ class Channel(Generic[T]):
                 self._loop.call_soon_threadsafe(_wake, fut)
 
     def get(self, timeout: float | None = None) -> T:
-        """Blocking get for a consumer thread. Raises ``EOFError`` once closed and drained."""
+        """Blocking get for a consumer thread. Raises :class:`EndOfStream` once closed and drained."""
         with self._lock:
             self._grant(from_loop=False)
             while not self._items:
                 if self._closed:
-                    raise EOFError
+                    raise EndOfStream
                 self._sync_waiting = True
                 try:
                     if not self._ready.wait(timeout):
@@ -139,7 +147,7 @@ class Channel(Generic[T]):
 
     def get_future(self) -> asyncio.Future[T]:
         """For a consumer on the producer's loop: grant a credit and return a future of the next
-        item (``EOFError`` once closed and drained). The producer resolves it directly, so one
+        item (:class:`EndOfStream` once closed and drained). The producer resolves it directly, so one
         turn of the loop usually delivers the batch; a consumer that drives the loop itself
         runs ``loop.run_until_complete(future)``."""
         fut: asyncio.Future[T] = self._loop.create_future()
@@ -148,7 +156,7 @@ class Channel(Generic[T]):
             if self._items:
                 fut.set_result(self._items.popleft())
             elif self._closed:
-                fut.set_exception(EOFError())
+                fut.set_exception(EndOfStream())
             else:
                 self._pending_get = fut
         return fut

@@ -19,6 +19,7 @@ import itertools
 import multiprocessing
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures.process import BrokenProcessPool  # not imported by concurrent.futures itself
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -355,7 +356,7 @@ async def _collate(
                 ds, fut = pending.popleft()
                 try:
                     results = await fut
-                except concurrent.futures.process.BrokenProcessPool as exc:
+                except BrokenProcessPool as exc:
                     results = [(None, WorkerError(f"a collate worker process died: {exc}"))]
                 except Exception as exc:  # e.g. the batch could not be pickled to the process
                     results = [(None, exc)]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypeVar, cast, overload
 
-from ._channel import Channel
+from ._channel import Channel, EndOfStream
 from ._datasets import DatasetAbstract, DocumentDataset, SourceT, StreamDataset
 from ._loop import LoopThread
 from ._pipeline import Delivery, InlinePipeline, PipelineConfig, make_executor, run_pipeline
@@ -682,7 +682,7 @@ class _SyncIteratorState(_IteratorBase[BatchT], Iterator[BatchT]):
             else:
                 d = self._channel.get()
             waited = time.perf_counter() - t0
-        except EOFError:  # the channel's end
+        except EndOfStream:
             d = None
         except BaseException as exc:
             if isinstance(exc, Exception) and self._closed_meanwhile():
@@ -813,7 +813,9 @@ class _AsyncIteratorState(_IteratorBase[BatchT], AsyncIterator[BatchT]):
             t0 = time.perf_counter()
             d = await channel.aget()
             waited = time.perf_counter() - t0
-        except EOFError:
+        except EndOfStream:
+            if self._done:  # aclose() in another task ended the pipeline while this one waited
+                raise StopAsyncIteration from None
             try:
                 self._finish_epoch()
             finally:

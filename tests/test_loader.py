@@ -425,6 +425,83 @@ def test_storage_is_opened_and_closed() -> None:
     assert tracked.events == ["open", "close"]
 
 
+def _without_the_process_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As in a fresh process that never used process workers: ``concurrent.futures`` has not
+    imported its ``process`` submodule (issue 10 item 1)."""
+    import concurrent.futures
+
+    monkeypatch.delattr(concurrent.futures, "process", raising=False)
+
+
+def _slow_ids(samples: Sequence[np.ndarray]) -> list[int]:
+    time.sleep(0.01)
+    return [int(s[0]) // 4 for s in samples]
+
+
+def test_closing_from_another_thread_with_thread_workers_raises_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _without_the_process_module(monkeypatch)
+    loader = StatefulDataLoader.from_storage(
+        identity_stream(400),
+        _slow_ids,
+        sequence_length=4,
+        local_batch_size=2,
+        num_workers=2,
+        prefetch=4,
+        device=torch.device("cpu"),
+    )
+    got: list[Any] = []
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    def consume() -> None:
+        try:
+            for b in loader:
+                got.append(b)
+                started.set()
+        except BaseException as exc:
+            errors.append(exc)
+
+    loader.open()
+    t = threading.Thread(target=consume)
+    t.start()
+    assert started.wait(10)
+    loader.close()
+    t.join(10)
+    assert not t.is_alive() and errors == [] and 0 < len(got) < 200
+
+
+@pytest.mark.asyncio
+async def test_aclose_from_another_task_with_thread_workers_raises_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _without_the_process_module(monkeypatch)
+    loader = StatefulDataLoader.from_storage(
+        identity_stream(400),
+        _slow_ids,
+        sequence_length=4,
+        local_batch_size=2,
+        num_workers=2,
+        prefetch=4,
+        device=torch.device("cpu"),
+    )
+    got: list[Any] = []
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async for b in loader:
+            got.append(b)
+            started.set()
+
+    await loader.aopen()
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(started.wait(), 10)
+    await loader.aclose()
+    await asyncio.wait_for(task, 10)  # ends without an error
+    assert 0 < len(got) < 200
+
+
 # -- failures ------------------------------------------------------------------------------------
 class Boom(Exception):
     pass

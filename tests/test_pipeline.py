@@ -14,7 +14,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
-from guideloom._channel import Channel
+from guideloom._channel import Channel, EndOfStream
 from guideloom._loop import LoopThread
 from guideloom._pipeline import PipelineConfig, _Indexes, _positions, group_size, move_to_device
 from guideloom._plan import EpochPlan, Permutation
@@ -88,7 +88,7 @@ def test_channel_credits_bound_prefetch() -> None:
         assert got == list(range(10))
         assert len(produced) == 13  # 10 requests + capacity
         rest = []
-        with pytest.raises(EOFError):
+        with pytest.raises(EndOfStream):
             while True:
                 rest.append(ch.get(timeout=5))
         assert got + rest == list(range(50))
@@ -138,7 +138,7 @@ def test_channel_async_consumer() -> None:
         try:
             while True:
                 out.append(await ch.aget())
-        except EOFError:
+        except EndOfStream:
             pass
         await task
         return out
@@ -171,7 +171,7 @@ def test_channel_get_future_for_a_loop_driving_consumer() -> None:
         task = loop.create_task(producer())
         assert [loop.run_until_complete(ch.get_future()) for _ in range(3)] == [0, 1, 2]
         assert produced == [0, 1, 2]
-        with pytest.raises(EOFError):
+        with pytest.raises(EndOfStream):
             loop.run_until_complete(ch.get_future())
         loop.run_until_complete(task)
     finally:

@@ -372,3 +372,21 @@ def test_non_utf8_json_line_and_byte_order_mark(cli, tmp_path: Path) -> None:
     r = cli("prepare", tmp_path / "bom.jsonl", "-o", tmp_path / "bom")
     assert r.code == 0, r
     assert byte_texts(tmp_path / "bom") == ["first", "second"]
+
+
+@pytest.mark.parametrize(
+    "damage", [b"[" * 100_000, b'{"format": "guideloom-dataset", "format_version": ' + b"7" * 5000 + b"}"]
+)
+def test_verify_and_inspect_of_a_hostile_manifest_are_one_error_line(
+    cli, tmp_path: Path, damage: bytes
+) -> None:
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "manifest.json").write_bytes(damage)
+    for command in ("verify", "inspect"):
+        r = cli(command, tmp_path / "ds")
+        assert r.code == 1, r
+        assert (
+            r.err.startswith(f"guideloom: error: {tmp_path / 'ds' / 'manifest.json'}")
+            and r.err.count("\n") == 1
+        )
+        assert "Traceback" not in r.err and "RecursionError" not in r.err

@@ -1,0 +1,237 @@
+"""Range planning (``guideloom._storage._ranges``) against direct slices of in-memory bytes."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from guideloom._storage._ranges import Job, Layout, Limits, fill, plan, plan_spans, plan_windows
+
+SETTINGS = settings(max_examples=150, deadline=None)
+
+
+def objects_of(sizes: list[int], seed: int) -> dict[str, bytes]:
+    rng = np.random.default_rng(seed)
+    return {f"shard-{i}.bin": rng.integers(0, 256, n, dtype=np.uint8).tobytes() for i, n in enumerate(sizes)}
+
+
+def fetch(jobs: list[Job], objects: dict[str, bytes]) -> None:
+    """What the client does, without a server: each range's bytes, then ``fill``."""
+    for job in jobs:
+        fill(job, [objects[job.path][s:e] for s, e in zip(job.starts, job.ends, strict=True)])
+
+
+limits_st = st.builds(
+    lambda gap, cap, extra, per_call: Limits(gap, cap, cap + extra, per_call),
+    st.integers(0, 64),
+    st.integers(1, 200),
+    st.integers(0, 800),
+    st.integers(1, 10),
+)
+
+
+@st.composite
+def byte_reads(draw: Any) -> tuple[list[int], list[tuple[int, int]]]:
+    """Shard sizes (some empty) and (start, length) reads anywhere in their concatenation."""
+    sizes = draw(st.lists(st.integers(0, 300), min_size=1, max_size=6))
+    total = sum(sizes)
+    reads = []
+    for _ in range(draw(st.integers(0, 25))):
+        start = draw(st.integers(0, total))
+        reads.append((start, draw(st.integers(0, total - start))))
+    return sizes, reads
+
+
+def check_plan_shape(jobs: list[Job], layout: Layout, limits: Limits) -> None:
+    """Every range: inside its object, at most max_request_bytes, exactly its pieces' extent, and
+    never spanning a hole wider than coalesce_gap; every job: one object, bounded."""
+    sizes = dict(zip(layout.paths, np.diff(layout.bounds).tolist(), strict=True))
+    for job in jobs:
+        assert 1 <= len(job.starts) <= limits.ranges_per_call
+        assert len(job.starts) == 1 or job.nbytes <= limits.job_bytes
+        for s, e, pieces in zip(job.starts, job.ends, job.pieces, strict=True):
+            assert 0 <= s < e <= sizes[job.path]
+            assert e - s <= limits.max_request_bytes
+            assert pieces and all(ln > 0 for _, ln, _ in pieces)
+            assert min(p for p, _, _ in pieces) == s and max(p + ln for p, ln, _ in pieces) == e
+            covered = s
+            for p, ln, _ in sorted(pieces):
+                assert p - covered <= limits.coalesce_gap, "a range spans a hole wider than the gap"
+                covered = max(covered, p + ln)
+
+
+@SETTINGS
+@given(byte_reads(), limits_st, st.integers(0, 2**16))
+def test_planned_ranges_deliver_every_requested_byte_exactly_once(
+    case: tuple[list[int], list[tuple[int, int]]], limits: Limits, seed: int
+) -> None:
+    sizes, reads = case
+    objects = objects_of(sizes, seed)
+    reference = np.frombuffer(b"".join(objects.values()), dtype=np.uint8)
+    layout = Layout.of_sizes(np.uint8, list(objects), sizes)
+    starts = np.asarray([s for s, _ in reads], dtype=np.int64)
+    lengths = np.asarray([n for _, n in reads], dtype=np.int64)
+    dest_offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if reads else starts
+    dest = np.zeros(int(lengths.sum()), dtype=np.uint8)
+    jobs: list[Job] = []
+    plan(layout, starts, lengths, dest_offsets, dest=dest, limits=limits, jobs=jobs)
+    check_plan_shape(jobs, layout, limits)
+
+    written = np.zeros(len(dest), dtype=np.int64)  # each destination byte has exactly one piece
+    for job in jobs:
+        for pieces in job.pieces:
+            for _, ln, off in pieces:
+                written[off : off + ln] += 1
+    assert np.all(written == 1)
+    fetch(jobs, objects)
+    expected = [reference[s : s + n] for s, n in reads]
+    assert np.array_equal(dest, np.concatenate(expected) if expected else dest)
+
+
+@SETTINGS
+@given(byte_reads(), limits_st)
+def test_coalescing_is_as_wide_as_the_gap_and_the_request_size_allow(
+    case: tuple[list[int], list[tuple[int, int]]], limits: Limits
+) -> None:
+    """Two consecutive ranges of one object are apart by more than the gap, or merging them
+    would have made a request larger than max_request_bytes."""
+    sizes, reads = case
+    layout = Layout.of_sizes(np.uint8, [f"s{i}" for i in range(len(sizes))], sizes)
+    lengths = np.asarray([n for _, n in reads], dtype=np.int64)
+    jobs: list[Job] = []
+    plan(
+        layout,
+        np.asarray([s for s, _ in reads], dtype=np.int64),
+        lengths,
+        np.zeros(len(reads), dtype=np.int64),
+        dest=np.zeros(int(lengths.max(initial=0)), dtype=np.uint8),
+        limits=limits,
+        jobs=jobs,
+    )
+    ranges = [
+        (job.path, s, e, min(p for p, _, _ in pcs), max(p + ln for p, ln, _ in pcs if p == s))
+        for job in jobs
+        for s, e, pcs in zip(job.starts, job.ends, job.pieces, strict=True)
+    ]
+    for (path1, s1, e1, _, _), (path2, s2, _e2, _, first_end) in itertools.pairwise(ranges):
+        if path1 != path2:
+            continue
+        assert s2 >= s1
+        assert s2 > e1 + limits.coalesce_gap or max(e1, first_end) - s1 > limits.max_request_bytes
+
+
+@st.composite
+def stream_reads(draw: Any) -> tuple[list[int], list[int], int]:
+    """Shard sizes in elements, window starts and a window length (windows cross shards)."""
+    sizes = draw(st.lists(st.integers(0, 120), min_size=1, max_size=5).filter(lambda s: sum(s) > 0))
+    total = sum(sizes)
+    length = draw(st.integers(1, total))
+    starts = draw(st.lists(st.integers(0, total - length), max_size=12))
+    return sizes, starts, length
+
+
+@SETTINGS
+@given(stream_reads(), limits_st, st.integers(0, 2**16))
+def test_windows_of_tokens_and_metadata_fields_equal_direct_slices(
+    case: tuple[list[int], list[int], int], limits: Limits, seed: int
+) -> None:
+    sizes, starts_list, length = case
+    rng = np.random.default_rng(seed)
+    dtypes = {"tokens": np.dtype("<u2"), "loss_mask": np.dtype("u1"), "doc_id": np.dtype("<i8")}
+    arrays, layouts, objects = {}, {}, {}
+    for name, dtype in dtypes.items():
+        arrays[name] = rng.integers(0, 200, sum(sizes)).astype(dtype)
+        pos = np.cumsum([0, *sizes])
+        paths = [f"{name}-{i:05d}.bin" for i in range(len(sizes))]
+        for p, a, b in zip(paths, pos, pos[1:], strict=False):
+            objects[p] = arrays[name][a:b].tobytes()
+        layouts[name] = Layout.of_sizes(dtype, paths, [n * dtype.itemsize for n in sizes])
+    starts = np.asarray(starts_list, dtype=np.int64)
+    jobs, outs = plan_windows(layouts, starts, length, limits)
+    for name, layout in layouts.items():
+        check_plan_shape([j for j in jobs if j.path.startswith(name)], layout, limits)
+    fetch(jobs, objects)
+    for name, out in outs.items():
+        assert out.dtype == dtypes[name] and out.shape == (len(starts), length)
+        for row, s in zip(out, starts_list, strict=True):
+            assert np.array_equal(row, arrays[name][s : s + length])
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 90), min_size=1, max_size=40), limits_st, st.data())
+def test_document_spans_equal_direct_slices(doc_lengths: list[int], limits: Limits, data: Any) -> None:
+    rng = np.random.default_rng(len(doc_lengths))
+    tokens = rng.integers(0, 2**31, sum(doc_lengths)).astype("<i4")
+    offsets = np.cumsum([0, *doc_lengths]).astype(np.int64)
+    shard = data.draw(st.integers(1, 400), label="shard elements")
+    bounds = [*range(0, len(tokens), shard), len(tokens)] if len(tokens) else [0, 0]
+    paths = [f"tokens-{i}.bin" for i in range(len(bounds) - 1)]
+    objects = {p: tokens[a:b].tobytes() for p, a, b in zip(paths, bounds, bounds[1:], strict=False)}
+    layout = Layout.of_sizes(tokens.dtype, paths, [(b - a) * 4 for a, b in itertools.pairwise(bounds)])
+    indices = data.draw(st.lists(st.integers(0, len(doc_lengths) - 1), max_size=20), label="indices")
+    idx = np.asarray(indices, dtype=np.int64)
+    jobs, flat, spans = plan_spans(layout, offsets[idx], offsets[idx + 1], limits)
+    check_plan_shape(jobs, layout, limits)
+    fetch(jobs, objects)
+    assert len(spans) == len(indices) + 1
+    for i, doc in enumerate(indices):
+        assert np.array_equal(flat[spans[i] : spans[i + 1]], tokens[offsets[doc] : offsets[doc + 1]])
+
+
+def test_one_sample_larger_than_max_request_bytes_is_cut_into_parallel_requests() -> None:
+    layout = Layout.of_sizes(np.uint8, ["a"], [10_000])
+    jobs: list[Job] = []
+    dest = np.zeros(9_000, dtype=np.uint8)
+    limits = Limits(coalesce_gap=0, max_request_bytes=1_000, job_bytes=2_000, ranges_per_call=10)
+    plan(layout, np.asarray([500]), np.asarray([9_000]), np.asarray([0]), dest=dest, limits=limits, jobs=jobs)
+    ranges = [(s, e) for j in jobs for s, e in zip(j.starts, j.ends, strict=True)]
+    assert ranges == [(s, min(s + 1_000, 9_500)) for s in range(500, 9_500, 1_000)]
+    assert len(jobs) == 5, "a job holds at most job_bytes, so the parts are fetched in parallel"
+
+
+def test_adjacent_and_close_reads_are_one_request_and_far_ones_are_not() -> None:
+    layout = Layout.of_sizes(np.uint8, ["a"], [100_000])
+    limits = Limits(coalesce_gap=100, max_request_bytes=10**6, job_bytes=10**6, ranges_per_call=10)
+    jobs: list[Job] = []
+    starts = np.asarray([0, 10, 120, 5_000], dtype=np.int64)  # 0-10, 10-20 adjacent; 120 is 100 away
+    plan(
+        layout,
+        starts,
+        np.full(4, 10),
+        np.arange(4) * 10,
+        dest=np.zeros(40, np.uint8),
+        limits=limits,
+        jobs=jobs,
+    )
+    assert [(j.starts, j.ends) for j in jobs] == [([0, 5_000], [130, 5_010])]
+
+
+def test_reads_outside_the_stored_bytes_are_refused() -> None:
+    layout = Layout.of_sizes(np.uint8, ["a", "b"], [10, 10])
+    for start, n in ((15, 6), (-1, 2)):
+        with pytest.raises(IndexError, match="outside"):
+            plan(
+                layout,
+                np.asarray([start]),
+                np.asarray([n]),
+                np.asarray([0]),
+                dest=np.zeros(10, np.uint8),
+                limits=Limits(),
+                jobs=[],
+            )
+
+
+def test_fill_refuses_a_buffer_of_the_wrong_length() -> None:
+    job = Job("a", np.zeros(4, np.uint8), [0], [4], [[(0, 4, 0)]])
+    with pytest.raises(ValueError, match="3 bytes"):
+        fill(job, [b"abc"])
+    singles = Job("a", job.dest, [0, 8], [4, 9], [[(0, 4, 0)], [(8, 1, 3)]]).singles()
+    assert [(j.starts, j.ends, j.pieces) for j in singles] == [
+        ([0], [4], [[(0, 4, 0)]]),
+        ([8], [9], [[(8, 1, 3)]]),
+    ]

@@ -6,14 +6,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test lint types unit bench bench-suite clean
+.PHONY: setup demo test lint types unit docs bench bench-suite clean
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[torch,dev]"
+	$(PY) -m pip install -q -e ".[torch,dev,docs]"
 	@$(PY) -c "import torch; print('torch', torch.__version__, 'cuda' if torch.version.cuda else 'cpu build')"
 	touch $@
 
@@ -33,12 +33,17 @@ unit: setup
 
 test: lint types unit
 
+# The documentation site, into site/ (mkdocs.yml). --strict: a warning (a broken link, a page
+# missing from the nav, a docstring that does not render) fails the build.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site
+
 bench: setup
-	$(PY) -m benchmarks.local_stream
+	$(PY) -m benchmarks local
 
 # guideloom against torch, torchdata, Streaming, LitData and Grain (installs them in its own venv)
 bench-suite: setup
-	$(PY) -m benchmarks run
+	$(PY) -m benchmarks suite
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

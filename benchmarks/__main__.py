@@ -1,14 +1,18 @@
-"""guideloom's benchmark suite, one entry point.
+"""guideloom's benchmarks and reliability runs, one entry point.
 
-    python -m benchmarks setup             # create the bench venv with the peers (once; also done by run)
-    python -m benchmarks run               # the whole suite (< 20 min on 2 cores), table + chart
-    python -m benchmarks run --quick       # one round, shorter windows (a few minutes)
-    python -m benchmarks report            # rewrite the table and chart from results/latest.json
+    python -m benchmarks local [--quick]           # local stream: guideloom vs a bare loop and torch (~2 min)
+    python -m benchmarks remote [--quick]          # over HTTP at 20 ms round trip, vs its ceiling (nginx)
+    python -m benchmarks suite [--quick]           # against torch, torchdata, Streaming, LitData, Grain
+    python -m benchmarks suite --setup-only        # only create the suite's venv with the peers
+    python -m benchmarks report                    # re-render table and chart from results/latest.json
+    python -m benchmarks fuzz [--minutes 60]       # fuzz the manifest reader
+    python -m benchmarks soak [--minutes 10]       # loading through a faulty proxy, workers killed
 
-The peers (torchdata, MosaicML Streaming, LitData, Grain) live in their own venv outside the
-repository ($GUIDELOOM_BENCH_VENV, default $TMPDIR/guideloom-bench-venv); `run` creates it on first
-use and re-runs itself there. The data is generated once under $GUIDELOOM_BENCH_DIR (default
-$TMPDIR/guideloom-bench), cached by its parameters.
+`suite` runs in a venv of its own with the peers ($GUIDELOOM_BENCH_VENV, default
+$TMPDIR/guideloom-bench-venv): it creates it on first use and re-runs itself there. Nothing else
+installs anything; `report` in particular only reads results/latest.json and writes the table, the
+chart (when matplotlib is importable) and docs/benchmarks.md. Data is generated once under
+$GUIDELOOM_BENCH_DIR (default $TMPDIR/guideloom-bench), cached by its parameters.
 """
 
 from __future__ import annotations
@@ -17,55 +21,105 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
+RESULTS = Path(__file__).resolve().parent / "results"  # suite.main's RESULTS, without its imports
 ALL_PEERS = ["torch", "torch-getitems", "torchdata", "torchdata-getitems", "streaming", "litdata", "grain"]
+_PASSTHROUGH = {
+    "local": "benchmarks.local_stream",
+    "remote": "benchmarks.remote_stream",
+    "fuzz": "benchmarks.fuzz_manifest",
+    "soak": "benchmarks.soak",
+}
+
+
+def _suite(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks suite", description="guideloom against its peers")
+    ap.add_argument("--setup-only", action="store_true", help="create the suite's venv and stop")
+    ap.add_argument("--force", action="store_true", help="with --setup-only: reinstall the venv")
+    ap.add_argument("--quick", action="store_true", help="one round, shorter measurement windows")
+    ap.add_argument("--rounds", type=int, help="alternating rounds (default 3, --quick 1)")
+    ap.add_argument("--only", default="local,resume,remote", help="parts to run (local,resume,remote)")
+    ap.add_argument("--peers", default=",".join(ALL_PEERS), help="peers to include")
+    ap.add_argument("--tokens", type=int, default=100_000_000)
+    ap.add_argument("--no-save", action="store_true", help="print only; leave benchmarks/results as is")
+    args = ap.parse_args(argv)
+    from .suite.env import ensure_bench_python, ensure_venv
+
+    if args.setup_only:
+        print(ensure_venv(force=args.force))
+        return
+    ensure_bench_python(["suite", *argv])
+    from .suite.main import run, save
+
+    out = run(args.quick, args.rounds, set(args.only.split(",")), args.peers.split(","), args.tokens)
+    if args.no_save:
+        from .suite.report import markdown
+
+        print("\n" + markdown(out))
+        return
+    save(out)
+    _write_report(out)
+
+
+def _report(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks report",
+        description="Re-render results.md, results.png and docs/benchmarks.md from results/latest.json "
+        "(installs nothing; without matplotlib, the chart is left as it is).",
+    )
+    ap.parse_args(argv)
+    latest = RESULTS / "latest.json"
+    if not latest.exists():
+        raise SystemExit(f"no results to report: {latest} does not exist (run `python -m benchmarks suite`)")
+    _write_report(json.loads(latest.read_text()))
+
+
+def _write_report(out: dict[str, Any]) -> None:
+    """The table (printed, results.md, docs/benchmarks.md) and, when matplotlib imports, the chart."""
+    from .suite.report import chart, docs_page, markdown
+
+    md = markdown(out)
+    print("\n" + md)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    written = [RESULTS / "results.md"]
+    (RESULTS / "results.md").write_text(md)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(
+            "matplotlib is not installed here: the table is written, the chart "
+            f"{RESULTS / 'results.png'} is left as it was (pip install matplotlib, then run report again)"
+        )
+    else:
+        chart(out, RESULTS / "results.png")
+        written.append(RESULTS / "results.png")
+    docs = RESULTS.parents[1] / "docs" / "benchmarks.md"
+    notes = Path(__file__).parent / "suite" / "notes.md"  # the analysis, kept by hand
+    docs.write_text(docs_page(md) + ("\n" + notes.read_text() if notes.exists() else ""))
+    written.append(docs)
+    print("wrote " + ", ".join(str(p) for p in written))
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(
-        prog="python -m benchmarks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("setup", help="create the bench venv")
-    s.add_argument("--force", action="store_true")
-    r = sub.add_parser("run", help="run the suite")
-    r.add_argument("--quick", action="store_true", help="one round, shorter measurement windows")
-    r.add_argument("--rounds", type=int, help="alternating rounds (default 3, --quick 1)")
-    r.add_argument("--only", default="local,resume,remote", help="parts to run (local,resume,remote)")
-    r.add_argument("--peers", default=",".join(ALL_PEERS), help="peers to include")
-    r.add_argument("--tokens", type=int, default=100_000_000)
-    r.add_argument("--no-save", action="store_true", help="print only; leave benchmarks/results as is")
-    sub.add_parser("report", help="rewrite the table and chart from benchmarks/results/latest.json")
-    args = ap.parse_args(argv)
-
-    if args.cmd == "setup":
-        from .suite.env import ensure_venv
-
-        print(ensure_venv(force=args.force))
-        return
-    from .suite.env import ensure_bench_python
-
-    ensure_bench_python(argv)
-    from .suite.main import RESULTS, run, save
-    from .suite.report import chart, docs_page, markdown
-
-    if args.cmd == "run":
-        out = run(args.quick, args.rounds, set(args.only.split(",")), args.peers.split(","), args.tokens)
-        if not args.no_save:
-            save(out)
+    commands = ["local", "remote", "suite", "report", "fuzz", "soak"]
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print(__doc__)
+        if argv and argv[0] not in ("-h", "--help"):
+            raise SystemExit(f"unknown command {argv[0]!r}: use one of {', '.join(commands)}")
+        raise SystemExit(0 if argv else 2)
+    command, rest = argv[0], argv[1:]
+    if command == "suite":
+        _suite(rest)
+    elif command == "report":
+        _report(rest)
     else:
-        out = json.loads((RESULTS / "latest.json").read_text())
-    md = markdown(out)
-    print("\n" + md)
-    if args.cmd == "report" or not args.no_save:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "results.md").write_text(md)
-        chart(out, RESULTS / "results.png")
-        docs = RESULTS.parents[1] / "docs" / "benchmarks.md"
-        notes = Path(__file__).parent / "suite" / "notes.md"  # the analysis, kept by hand
-        docs.write_text(docs_page(md) + ("\n" + notes.read_text() if notes.exists() else ""))
-        print(f"wrote {RESULTS / 'results.md'}, {RESULTS / 'results.png'} and {docs}")
+        import importlib
+
+        module = importlib.import_module(_PASSTHROUGH[command])
+        sys.argv = [f"python -m benchmarks {command}", *rest]
+        module.main(rest)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ local_batch_size=16, shuffle on, collate to an int64 (16, 2048) tensor, N batche
 warm-up. Every configuration runs in the same process, in alternating rounds, and the figures are
 reported as ratios to the bare loop of the same round (this machine is shared and noisy).
 
-    python -m benchmarks.local_stream            # full run (~2 minutes once the data exists)
-    python -m benchmarks.local_stream --quick    # a smaller smoke run
+    python -m benchmarks local            # full run (~2 minutes once the data exists)
+    python -m benchmarks local --quick    # a smaller smoke run
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ Each measurement runs in its own child process (a fresh interpreter, its own max
 runs in a process of its own so it does not compete with the reader for the GIL; on a 2-core
 machine nginx, the proxy and the reader still share the CPUs, so treat the figures as ratios.
 
-    python benchmarks/remote_stream.py            # full run (about 2 minutes once data exists)
-    python benchmarks/remote_stream.py --quick    # a smaller smoke run
+    python -m benchmarks remote            # full run (about 2 minutes once data exists)
+    python -m benchmarks remote --quick    # a smaller smoke run
 """
 
 from __future__ import annotations
@@ -234,14 +234,14 @@ def child_main(spec: str) -> None:
 
 
 # -- the run -----------------------------------------------------------------------------------------
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="smaller data and shorter runs")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--rtt", type=float, default=0.020, help="added round trip, seconds (0.020)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child:
         child_main(args.child)
         return

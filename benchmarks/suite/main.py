@@ -116,7 +116,7 @@ def run(quick: bool, rounds: int | None, parts: set[str], peers: list[str], toke
     d = data.ensure_all(tokens, peers=bool({"streaming", "litdata"} & set(peers)))
     out: dict[str, Any] = {
         "machine": machine(),
-        "command": "python -m benchmarks run" + (" --quick" if quick else ""),
+        "command": "python -m benchmarks suite" + (" --quick" if quick else ""),
         "rounds": rounds,
         "tokens": tokens,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

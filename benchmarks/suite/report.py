@@ -305,9 +305,13 @@ torchdata's `StatefulDataLoader`, MosaicML Streaming's `StreamingDataset`, LitDa
 `StreamingDataset` and Grain, and against the machine's own limit (a bare loop with no loader).
 
 ```bash
-python -m benchmarks run            # the whole suite; creates its own venv with the peers on first use
-python -m benchmarks run --quick    # one round, shorter windows
-python -m benchmarks report         # re-render the table and chart from benchmarks/results/latest.json
+python -m benchmarks suite            # the whole suite; creates its own venv with the peers on first use
+python -m benchmarks suite --quick    # one round, shorter windows
+python -m benchmarks report           # re-render the table and chart from benchmarks/results/latest.json
+python -m benchmarks local            # the short local comparison (guideloom, a bare loop, torch)
+python -m benchmarks remote           # over HTTP at 20 ms round trip, against the range-read ceiling
+python -m benchmarks fuzz             # an hour of fuzzing the manifest reader
+python -m benchmarks soak             # 10 minutes of loading through a faulty proxy, workers killed
 ```
 
 How it measures: every configuration runs in a fresh interpreter (torch imported before the clock

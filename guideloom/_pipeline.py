@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
 import multiprocessing
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures.process import BrokenProcessPool  # not imported by concurrent.futures itself
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -27,6 +26,7 @@ import anyio
 import anyio.lowlevel
 import anyio.streams.memory
 import numpy as np
+import numpy.typing as npt
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 try:  # anyio loads its asyncio backend on first use: load it with guideloom, not on a first batch
@@ -38,25 +38,13 @@ from ._channel import Channel
 from ._datasets import DatasetAbstract
 from ._errors import WorkerError
 from ._plan import BatchSpec, EpochPlan, Permutation
-from ._storage.base import Rows, blocking_reads_allowed
+from ._schedule import Delivery, Indexes, max_window, read_window, run_async, run_sync, windows
+from ._storage.base import blocking_reads_allowed
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["Delivery", "InlinePipeline", "PipelineConfig", "make_executor", "move_to_device", "run_pipeline"]
-
-#: Read-ahead window: at most this many batches per storage call (and at most the storage's
-#: ``read_window_bytes``).
-WINDOW_BATCHES = 64
-
-
-@dataclass(slots=True)
-class Delivery:
-    """One batch on its way to the consumer, or the error that replaced it."""
-
-    spec: BatchSpec
-    value: Any = None
-    error: BaseException | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,131 +97,32 @@ def move_to_device(obj: Any, device: torch.device, pin_memory: bool) -> Any:
 
 
 # -- reader ------------------------------------------------------------------------------------------
-def _positions(specs: Sequence[BatchSpec]) -> np.ndarray:
-    if len(specs) == 1 or all(a.stop == b.start for a, b in itertools.pairwise(specs)):
-        return np.arange(specs[0].start, specs[-1].stop, dtype=np.int64)
-    return np.concatenate([np.arange(s.start, s.stop, dtype=np.int64) for s in specs])
-
-
-class _Indexes:
-    """This rank's observation indexes, computed for a block of upcoming batches at a time.
-
-    A permutation lookup is a few dozen numpy operations whatever the array's length, so looking
-    up ~16k positions at once costs about what 16 do: computed per window it was ~4 µs a batch,
-    per block it is a fraction of that.
-    """
-
-    BLOCK_POSITIONS = 16384
-
-    def __init__(self, cfg: PipelineConfig) -> None:
-        self._cfg = cfg
-        self._first = self._stop = 0  # steps held: [first, stop)
-        self._offsets = np.zeros(1, dtype=np.int64)
-        self._values = np.zeros(0, dtype=np.int64)
-
-    def _fill(self, step: int) -> None:
-        plan = self._cfg.plan
-        stop = min(len(plan), step + max(1, self.BLOCK_POSITIONS // plan.local_batch_size))
-        positions, sizes = plan.positions(step, stop)
-        self._values = self._cfg.order.take(positions)
-        self._offsets = np.concatenate([[0], np.cumsum(sizes)])
-        self._first, self._stop = step, stop
-
-    def of(self, specs: Sequence[BatchSpec]) -> np.ndarray:
-        """Indexes of consecutive batches ``specs``, in order."""
-        first, last = specs[0].step, specs[-1].step
-        if not (self._first <= first and last < self._stop):
-            self._fill(first)
-            if last >= self._stop:  # a window longer than a block: compute it directly
-                return self._cfg.order.take(_positions(specs))
-        a = int(self._offsets[first - self._first])
-        b = int(self._offsets[last + 1 - self._first])
-        return self._values[a:b]
-
-
-def _check_count(cfg: PipelineConfig, samples: Sequence[Any], indexes: np.ndarray) -> None:
-    if len(samples) != len(indexes):
-        raise RuntimeError(
-            f"{type(cfg.dataset.storage).__name__}.read_many returned {len(samples)} samples "
-            f"for {len(indexes)} indexes"
-        )
-
-
-def _split(specs: list[BatchSpec], samples: Sequence[Any]) -> list[Delivery]:
-    """One window's samples, cut into its batches (rows of one block stay rows of one block)."""
-    deliveries = []
-    pos = 0
-    if isinstance(samples, Rows):
-        block = samples.block
-        for spec in specs:
-            end = pos + spec.stop - spec.start
-            deliveries.append(Delivery(spec, Rows(block[pos:end])))  # empty: Rows == [] holds
-            pos = end
-        return deliveries
-    for spec in specs:
-        end = pos + spec.stop - spec.start
-        deliveries.append(Delivery(spec, samples[pos:end]))
-        pos = end
-    return deliveries
-
-
-async def _read_window(cfg: PipelineConfig, specs: list[BatchSpec], indexes: _Indexes) -> list[Delivery]:
-    """Read every batch of a window in one call. On failure, find the first batch that fails: it
-    carries the error, and nothing after it is read. Never raises for a failed read."""
-    try:
-        wanted = indexes.of(specs)
-        samples = await cfg.dataset.read_many(wanted)
-        _check_count(cfg, samples, wanted)
-    except Exception as exc:
-        if len(specs) == 1:
-            return [Delivery(specs[0], error=exc)]
-        out: list[Delivery] = []
-        for spec in specs:  # localise the failure: it surfaces at the batch that fails
-            out.extend(await _read_window(cfg, [spec], indexes))
-            if out[-1].error is not None:
-                break
-        return out
-    return _split(specs, samples)
-
-
-def _read_window_sync(cfg: PipelineConfig, specs: list[BatchSpec], indexes: _Indexes) -> list[Delivery]:
-    """:func:`_read_window` in the caller's thread (storages with ``reads_inline``)."""
-    try:
-        wanted = indexes.of(specs)
-        samples = cfg.dataset.read_many_sync(wanted)
-        _check_count(cfg, samples, wanted)
-    except Exception as exc:
-        if len(specs) == 1:
-            return [Delivery(specs[0], error=exc)]
-        out: list[Delivery] = []
-        for spec in specs:
-            out.extend(_read_window_sync(cfg, [spec], indexes))
-            if out[-1].error is not None:
-                break
-        return out
-    return _split(specs, samples)
-
-
 def _max_window(cfg: PipelineConfig) -> int:
-    """Batches per read-ahead window: up to ``WINDOW_BATCHES`` and the storage's byte budget."""
-    nbytes = max(1, cfg.dataset.sample_nbytes_hint() * cfg.plan.local_batch_size)
-    return max(1, min(WINDOW_BATCHES, cfg.dataset.read_window_bytes // nbytes))
+    return max_window(cfg.plan, cfg.dataset.sample_nbytes_hint(), cfg.dataset.read_window_bytes)
 
 
-async def _reader(cfg: PipelineConfig, send: ObjectSendStream[list[Delivery]], first_step: int) -> None:
-    """Read windows ahead, up to ``max_concurrent_reads`` at once, and send them in order."""
-    plan = cfg.plan
-    max_window = _max_window(cfg)
+def _reading(cfg: PipelineConfig) -> str:
+    return f"{type(cfg.dataset.storage).__name__}.read_many"
+
+
+async def _reader(
+    cfg: PipelineConfig,
+    send: ObjectSendStream[list[Delivery]],
+    first_step: int,
+    aread: Callable[[npt.NDArray[np.int64]], Awaitable[Sequence[Any]]],
+) -> None:
+    """Read the schedule's windows ahead, up to ``max_concurrent_reads`` at once, with ``aread``,
+    and send them in order."""
     concurrency = cfg.dataset.max_concurrent_reads
-    total = len(plan)
-    indexes = _Indexes(cfg)
+    indexes = Indexes(cfg.plan, cfg.order)
+    reading = _reading(cfg)
     async with send, anyio.create_task_group() as tg:
         results: deque[tuple[anyio.Event, list[list[Delivery] | BaseException]]] = deque()
         limit = anyio.Semaphore(concurrency)
 
         async def run(specs: list[BatchSpec], done: anyio.Event, slot: list[Any]) -> None:
             try:
-                slot.append(await _read_window(cfg, specs, indexes))
+                slot.append(await run_async(read_window(specs, indexes, reading), aread))
             except Exception as exc:
                 slot.append([Delivery(specs[0], error=exc)])
             finally:
@@ -254,11 +143,7 @@ async def _reader(cfg: PipelineConfig, send: ObjectSendStream[list[Delivery]], f
                     return False
             return True
 
-        step, window = first_step, 1
-        while step < total:
-            specs = plan.batches(step, step + window)
-            step += len(specs)
-            window = min(max_window, window * 2)
+        for specs in windows(cfg.plan, first_step, _max_window(cfg)):
             await limit.acquire()
             event = anyio.Event()
             slot: list[Any] = []
@@ -413,22 +298,21 @@ class InlinePipeline:
 
     def __init__(self, cfg: PipelineConfig, first_step: int = 0) -> None:
         self._cfg = cfg
-        self._indexes = _Indexes(cfg)
-        self._max_window = _max_window(cfg)
+        self._indexes = Indexes(cfg.plan, cfg.order)
+        self._windows = windows(cfg.plan, first_step, _max_window(cfg))
+        self._read = cfg.dataset.read_many_sync
+        self._reading = _reading(cfg)
         self._device = cfg.device if cfg.device.type != "cpu" else None
-        self._step, self._window, self._total = first_step, 1, len(cfg.plan)
         self._pending: list[Delivery] = []  # the window's uncollated batches, last first
 
     def next(self) -> Delivery | None:
         """The next batch (or the error in its place); ``None`` once the epoch or a failure ended it."""
         pending = self._pending
         if not pending:
-            if self._step >= self._total:
+            specs = next(self._windows, None)
+            if specs is None:
                 return None
-            specs = self._cfg.plan.batches(self._step, self._step + self._window)
-            self._step += len(specs)
-            self._window = min(self._max_window, self._window * 2)
-            pending.extend(reversed(_read_window_sync(self._cfg, specs, self._indexes)))
+            pending.extend(reversed(run_sync(read_window(specs, self._indexes, self._reading), self._read)))
         try:
             d = pending.pop()
         except IndexError:  # close() from another thread meanwhile
@@ -447,7 +331,7 @@ class InlinePipeline:
     def close(self) -> None:
         """Produce nothing more."""
         self._pending.clear()
-        self._step = self._total
+        self._windows = iter(())
 
 
 # -- the whole pipeline -------------------------------------------------------------------------------
@@ -472,7 +356,7 @@ async def run_pipeline(
         to_collate_send, to_collate_recv = anyio.create_memory_object_stream[list[Delivery]](1)
         transfer = cfg.device.type != "cpu"
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_reader, cfg, to_collate_send, first_step)
+            tg.start_soon(_reader, cfg, to_collate_send, first_step, cfg.dataset.read_many)
             if transfer:
                 to_move_send, to_move_recv = anyio.create_memory_object_stream[Delivery](max(1, cfg.capacity))
 

@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 import guideloom as gl
 from guideloom._channel import Channel, EndOfStream
 from guideloom._loop import LoopThread
-from guideloom._pipeline import PipelineConfig, _Indexes, _positions, group_size, move_to_device
+from guideloom._pipeline import PipelineConfig, group_size, move_to_device
 from guideloom._plan import EpochPlan, Permutation
+from guideloom._schedule import Indexes, _positions
 
 
 def _cfg(n: int, batch: int, world: int, rank: int, offset: int) -> PipelineConfig:
@@ -49,7 +50,7 @@ def test_block_indexes_equal_direct_lookups(
 ) -> None:
     rank = data.draw(st.integers(0, world - 1))
     cfg = _cfg(n, batch, world, rank, offset)
-    idx = _Indexes(cfg)
+    idx = Indexes(cfg.plan, cfg.order)
     idx.BLOCK_POSITIONS = block  # type: ignore[misc]
     step = 0
     for w in windows:

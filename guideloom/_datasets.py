@@ -7,7 +7,6 @@ them in one batched call. ``StreamDataset`` cuts a stream into fixed-length samp
 
 from __future__ import annotations
 
-import functools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
@@ -20,16 +19,6 @@ from ._storage.base import DocumentStorageAbstract, StorageAbstract, StreamStora
 __all__ = ["DatasetAbstract", "DocumentDataset", "SourceT", "StreamDataset"]
 
 SourceT = TypeVar("SourceT")
-
-
-@functools.cache
-def _sync_is_the_read(cls: type) -> bool:
-    """Whether ``cls.read_many_sync`` is defined at or below the class defining ``read_many``
-    (a property of the class: computed once, not on every batch that asks)."""
-    mro = cls.__mro__
-    sync_owner = next((k for k in mro if "read_many_sync" in k.__dict__), None)
-    async_owner = next((k for k in mro if "read_many" in k.__dict__), None)
-    return sync_owner is not None and async_owner is not None and issubclass(sync_owner, async_owner)
 
 
 class DatasetAbstract(ABC, Generic[SourceT]):
@@ -60,17 +49,15 @@ class DatasetAbstract(ABC, Generic[SourceT]):
 
     @property
     def reads_inline(self) -> bool:
-        """Whether the storage's blocking reads can stand in for its ``read_many``.
+        """Whether ``read_many_sync`` can stand in for ``read_many`` now (see
+        :meth:`StorageAbstract.reads_inline <guideloom.StreamStorageAbstract.reads_inline>`).
 
-        Not where a subclass (of the dataset or of its storage) overrides ``read_many`` below the
-        class that gave it ``read_many_sync`` (a wrapper that adds a check, an augmentation or a
-        fault to the async read): its own ``read_many`` is then the read, and the loader calls that.
+        guideloom's datasets answer for themselves and their storage; not where a subclass
+        overrides ``read_many`` (to add a check, an augmentation or a fault): its own
+        ``read_many`` is then the read, and the loader calls that. A dataset of your own is
+        read through its ``read_many``.
         """
-        return (
-            _sync_is_the_read(type(self))
-            and _sync_is_the_read(type(self.storage))
-            and self.storage.reads_inline()
-        )
+        return False
 
     @property
     def max_concurrent_reads(self) -> int:
@@ -117,6 +104,10 @@ class StreamDataset(DatasetAbstract[SourceT]):
     def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
         return self._storage.read_many_sync(indices * self.sequence_length, self.sequence_length)
 
+    @property
+    def reads_inline(self) -> bool:
+        return type(self).read_many is StreamDataset.read_many and self._storage.reads_inline()
+
     def sample_nbytes_hint(self) -> int:
         return self.sequence_length * max(
             1, self._storage.sample_nbytes_hint() or self._storage.dtype.itemsize
@@ -146,6 +137,10 @@ class DocumentDataset(DatasetAbstract[SourceT]):
 
     def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
         return self._storage.read_many_sync(indices)
+
+    @property
+    def reads_inline(self) -> bool:
+        return type(self).read_many is DocumentDataset.read_many and self._storage.reads_inline()
 
     def sample_nbytes_hint(self) -> int:
         return self._storage.sample_nbytes_hint()

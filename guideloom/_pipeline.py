@@ -39,7 +39,6 @@ from ._datasets import DatasetAbstract
 from ._errors import WorkerError
 from ._plan import BatchSpec, EpochPlan, Permutation
 from ._schedule import Delivery, Indexes, max_window, read_window, run_async, run_sync, windows
-from ._storage.base import blocking_reads_allowed
 
 if TYPE_CHECKING:
     import torch
@@ -103,6 +102,25 @@ def _max_window(cfg: PipelineConfig) -> int:
 
 def _reading(cfg: PipelineConfig) -> str:
     return f"{type(cfg.dataset.storage).__name__}.read_many"
+
+
+def _reads_for(
+    dataset: DatasetAbstract[Any], own_loop: bool
+) -> Callable[[npt.NDArray[np.int64]], Awaitable[Sequence[Any]]]:
+    """The async read the reader uses. On a caller's loop, the dataset's ``read_many`` (whose
+    blocking work runs on a worker thread). On guideloom's private loop, which serves nothing
+    else, a dataset that reads inline (page-cached local files) is read by its blocking read
+    right there: measured here, the hop to a worker thread (and the batch changing CPU cores
+    between the read and the collate) cost more than the read itself."""
+    if not own_loop:
+        return dataset.read_many
+
+    async def read(indices: npt.NDArray[np.int64]) -> Sequence[Any]:
+        if dataset.reads_inline:  # asked per window: a remote dataset's local copy may complete
+            return dataset.read_many_sync(indices)
+        return await dataset.read_many(indices)
+
+    return read
 
 
 async def _reader(
@@ -347,16 +365,14 @@ async def run_pipeline(
 
     ``executor`` (from :func:`make_executor`) runs collation for ``num_workers > 0``; the caller
     owns it and shuts it down once this coroutine has finished, so that a cancelled pipeline
-    still joins its workers. ``own_loop`` says the loop is guideloom's private one, where
-    storages may read page-cached data inline (see
-    :data:`~guideloom._storage.base.blocking_reads_allowed`).
+    still joins its workers. ``own_loop`` says the loop is guideloom's private one (see
+    :func:`_reads_for`).
     """
-    blocking_reads_allowed.set(own_loop)
     try:
         to_collate_send, to_collate_recv = anyio.create_memory_object_stream[list[Delivery]](1)
         transfer = cfg.device.type != "cpu"
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_reader, cfg, to_collate_send, first_step, cfg.dataset.read_many)
+            tg.start_soon(_reader, cfg, to_collate_send, first_step, _reads_for(cfg.dataset, own_loop))
             if transfer:
                 to_move_send, to_move_recv = anyio.create_memory_object_stream[Delivery](max(1, cfg.capacity))
 

@@ -1,9 +1,15 @@
 """The two storage interfaces every backend implements.
 
 Storage is async-first: ``open``/``close`` and batched reads are coroutines, so a backend can
-overlap requests (object stores) or move blocking work off the event loop (local files). Reads
-are *batched*: the loader asks for every sample of a read-ahead window in one call, which lets a
-backend coalesce ranges and keeps per-sample Python work off the hot path.
+overlap requests (object stores) or move blocking work off the event loop. Reads are *batched*:
+the loader asks for every sample of a read-ahead window in one call, which lets a backend
+coalesce ranges and keeps per-sample Python work off the hot path.
+
+A backend whose work is blocking (memory, local files) implements it once, as ``open_sync`` and
+``read_many_sync``: the async ``open`` and ``read_many`` of these base classes run it, inline
+where it only touches memory and on a worker thread otherwise, so a caller's event loop never
+waits for a disk. Only a backend with truly asynchronous I/O (an object store) overrides
+``read_many`` itself.
 
 ``InT`` is what the storage holds (the element arrays it was built from), ``OutT`` the sample a
 read yields (a 1-D array, or a dict of 1-D arrays for a stream with metadata).
@@ -12,11 +18,11 @@ read yields (a 1-D array, or a dict of 1-D arrays for a stream with metadata).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from contextvars import ContextVar
+from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, ClassVar, Generic, TypeVar, overload
 
+import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
 
@@ -27,18 +33,12 @@ __all__ = [
     "OutT",
     "StorageAbstract",
     "StreamStorageAbstract",
-    "blocking_reads_allowed",
 ]
 
 InT = TypeVar("InT")
 OutT = TypeVar("OutT")
 
-#: True while a read runs on an event loop that guideloom owns (the sync facade's loop thread).
-#: Such a loop serves nothing else, so a storage may read page-cached data inline instead of
-#: hopping to a worker thread: measured here, the hop (and the batch changing CPU cores between
-#: the read and the collate) cost more than the read itself. On a caller's loop it is False, and
-#: storages keep blocking work off the loop.
-blocking_reads_allowed: ContextVar[bool] = ContextVar("guideloom_blocking_reads_allowed", default=False)
+R = TypeVar("R")
 
 
 class Rows(Sequence[npt.NDArray[Any]]):
@@ -103,9 +103,27 @@ class StorageAbstract(ABC, Generic[InT, OutT]):
     #: batches. Larger windows spread each call's fixed cost over more batches: 4 MiB was 6%
     #: faster than 1 MiB for local files here, and object stores keep several in flight.
     read_window_bytes: int = 4 * 2**20
+    #: Whether ``open_sync`` and ``read_many_sync`` only touch memory: the async ``open`` and
+    #: ``read_many`` then run them inline on any loop, as a worker thread would cost more.
+    blocking_calls_are_cheap: ClassVar[bool] = False
+
+    async def _blocking(self, call: Callable[..., R], *args: Any) -> R:
+        """Run a blocking call of this storage from a coroutine: inline where it is cheap, else on
+        a worker thread, so the caller's loop never waits for a disk."""
+        if self.blocking_calls_are_cheap:
+            return call(*args)
+        return await anyio.to_thread.run_sync(call, *args)
+
+    def open_sync(self) -> None:
+        """Acquire what reading needs (file maps), blocking. Idempotent. What ``open`` runs."""
 
     async def open(self) -> None:
-        """Acquire what reading needs (file maps, clients). Idempotent."""
+        """Acquire what reading needs (file maps, clients). Idempotent.
+
+        The default runs ``open_sync`` (on a worker thread unless ``blocking_calls_are_cheap``).
+        """
+        if type(self).open_sync is not StorageAbstract.open_sync:
+            await self._blocking(self.open_sync)
 
     async def close(self) -> None:
         """Release what ``open`` acquired. Idempotent; the storage may be opened again."""
@@ -137,7 +155,10 @@ class StorageAbstract(ABC, Generic[InT, OutT]):
 
         Where nothing can overlap a read (``num_workers=0`` and ``prefetch=0``) the sync
         iterator then reads, collates and yields in a plain loop, with no event loop in between,
-        as PyTorch loads batches at ``num_workers=0``.
+        as PyTorch loads batches at ``num_workers=0``. The base classes answer whether
+        ``read_many`` is still theirs (which runs ``read_many_sync``): a class that overrides it
+        (an object store, or a subclass that checks, changes or fails the async read) is read
+        through its own ``read_many``.
         """
         return False
 
@@ -154,17 +175,25 @@ class StreamStorageAbstract(StorageAbstract[InT, OutT]):
         """Metadata field names; empty for a plain token stream (samples are arrays then)."""
         return ()
 
-    @abstractmethod
-    async def read_many(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[OutT]:
-        """Return the ``length``-element windows that begin at each of ``starts``, in order.
+    def read_many_sync(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[OutT]:
+        """Return the ``length``-element windows that begin at each of ``starts``, in order,
+        blocking (a backend with blocking reads implements this; ``read_many`` runs it).
 
         Every window lies inside ``[0, len(self))``. Plain streams return 1-D arrays; streams
         with metadata return ``{"tokens": ..., field: ...}`` dicts of 1-D arrays.
         """
-
-    def read_many_sync(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[OutT]:
-        """``read_many`` in the caller's thread, while ``reads_inline()``."""
         raise NotImplementedError(f"{type(self).__name__} has no blocking reads (reads_inline() is False)")
+
+    async def read_many(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[OutT]:
+        """``read_many_sync`` from a coroutine: the windows that begin at each of ``starts``.
+
+        The default runs ``read_many_sync`` (on a worker thread unless
+        ``blocking_calls_are_cheap``); a backend with asynchronous I/O overrides it.
+        """
+        return await self._blocking(self.read_many_sync, starts, length)
+
+    def reads_inline(self) -> bool:
+        return type(self).read_many is StreamStorageAbstract.read_many
 
 
 class DocumentStorageAbstract(StorageAbstract[InT, OutT]):
@@ -174,10 +203,18 @@ class DocumentStorageAbstract(StorageAbstract[InT, OutT]):
     def __len__(self) -> int:
         """Number of documents."""
 
-    @abstractmethod
-    async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[OutT]:
-        """Return documents ``indices`` (each in ``[0, len(self))``), in that order."""
-
     def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[OutT]:
-        """``read_many`` in the caller's thread, while ``reads_inline()``."""
+        """Return documents ``indices`` (each in ``[0, len(self))``), in that order, blocking (a
+        backend with blocking reads implements this; ``read_many`` runs it)."""
         raise NotImplementedError(f"{type(self).__name__} has no blocking reads (reads_inline() is False)")
+
+    async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[OutT]:
+        """``read_many_sync`` from a coroutine: documents ``indices``, in that order.
+
+        The default runs ``read_many_sync`` (on a worker thread unless
+        ``blocking_calls_are_cheap``); a backend with asynchronous I/O overrides it.
+        """
+        return await self._blocking(self.read_many_sync, indices)
+
+    def reads_inline(self) -> bool:
+        return type(self).read_many is DocumentStorageAbstract.read_many

@@ -4,8 +4,9 @@ Reading maps each shard file read-only (``mmap``), so opening a dataset costs no
 size does not matter: a 1 TiB stream opens in milliseconds. A batched read gathers a whole
 read-ahead window with one numpy fancy-indexing operation per shard when the dataset fits
 ``MAPPED_BUDGET`` (256 MiB), and with one ``preadv`` per sample straight into the batch when it
-does not (see :class:`ShardedArray`); on an event loop it runs on a worker thread, so page faults
-on cold data never block the loop.
+does not (see :class:`ShardedArray`). Opening and reading are blocking calls (``open_sync``,
+``read_many_sync``), which the storage base classes run on a worker thread from a coroutine, so
+page faults on cold data never block an event loop.
 """
 
 from __future__ import annotations
@@ -20,13 +21,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-import aiofiles
-import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
 
 from .._errors import DatasetFormatError, DatasetIntegrityError
-from .base import Rows, blocking_reads_allowed
+from .base import Rows
 from .manifest import MANIFEST_NAME, ArraySpec, Manifest
 from .manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
 from .memory import gather_windows
@@ -69,18 +68,6 @@ def read_local_manifest(folder: Path) -> Manifest:
         ) from None
     manifest = Manifest.from_json_bytes(data, source=str(folder))
     check_local_files(folder, manifest)
-    return manifest
-
-
-async def aread_local_manifest(folder: Path) -> Manifest:
-    """``read_local_manifest`` with the manifest read through aiofiles (off the event loop)."""
-    try:
-        async with aiofiles.open(folder / MANIFEST_NAME, "rb") as f:
-            data = await f.read()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"no dataset at {str(folder)!r}: it has no {MANIFEST_NAME}") from None
-    manifest = Manifest.from_json_bytes(data, source=str(folder))
-    await anyio.to_thread.run_sync(check_local_files, folder, manifest)
     return manifest
 
 
@@ -301,12 +288,7 @@ class LocalStreamStorage(ManifestStreamStorage):
     def location(self) -> str:
         return str(self.folder)
 
-    async def open(self) -> None:
-        if self._arrays is None:
-            self._map(await aread_local_manifest(self.folder))
-
-    def open_now(self) -> None:
-        """``open()`` in the caller's thread."""
+    def open_sync(self) -> None:
         if self._arrays is None:
             self._map(read_local_manifest(self.folder))
 
@@ -324,9 +306,6 @@ class LocalStreamStorage(ManifestStreamStorage):
             raise RuntimeError(f"{self!r} is not open; call `await storage.open()` first")
         return self._arrays
 
-    def reads_inline(self) -> bool:
-        return True
-
     def read_many_sync(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
         arrays = self._require_open()
         tokens = arrays["tokens"].gather(starts, length)
@@ -334,11 +313,6 @@ class LocalStreamStorage(ManifestStreamStorage):
             return Rows(tokens)
         fields = {n: a.gather(starts, length) for n, a in arrays.items() if n != "tokens"}
         return [{"tokens": tokens[i], **{n: f[i] for n, f in fields.items()}} for i in range(len(starts))]
-
-    async def read_many(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
-        if blocking_reads_allowed.get():
-            return self.read_many_sync(starts, length)
-        return await anyio.to_thread.run_sync(self.read_many_sync, starts, length)
 
 
 class LocalDocumentStorage(ManifestDocumentStorage):
@@ -355,12 +329,7 @@ class LocalDocumentStorage(ManifestDocumentStorage):
     def location(self) -> str:
         return str(self.folder)
 
-    async def open(self) -> None:
-        if self._tokens is None:
-            self._map(await aread_local_manifest(self.folder))
-
-    def open_now(self) -> None:
-        """``open()`` in the caller's thread."""
+    def open_sync(self) -> None:
         if self._tokens is None:
             self._map(read_local_manifest(self.folder))
 
@@ -373,9 +342,6 @@ class LocalDocumentStorage(ManifestDocumentStorage):
 
     async def close(self) -> None:
         self._tokens = self._offsets = None
-
-    def reads_inline(self) -> bool:
-        return True
 
     def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:
         if self._tokens is None or self._offsets is None:
@@ -390,11 +356,6 @@ class LocalDocumentStorage(ManifestDocumentStorage):
         # on read-only memory maps) and never alias the file.
         buffer, bounds = self._tokens.spans(starts, stops)
         return [buffer[a:b] for a, b in itertools.pairwise(bounds)]
-
-    async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:
-        if blocking_reads_allowed.get():
-            return self.read_many_sync(indices)
-        return await anyio.to_thread.run_sync(self.read_many_sync, indices)
 
 
 class LocalSink:

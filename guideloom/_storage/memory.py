@@ -50,6 +50,8 @@ class MemoryStreamStorage(StreamStorageAbstract[Array, Any]):
     ``{"tokens": ..., name: ...}``.
     """
 
+    blocking_calls_are_cheap = True  # reads copy from memory: no thread hop on an event loop
+
     def __init__(self, tokens: npt.ArrayLike, metadata: Mapping[str, npt.ArrayLike] | None = None) -> None:
         self._tokens = _as_1d("tokens", tokens)
         self._metadata: dict[str, Array] = {}
@@ -81,12 +83,6 @@ class MemoryStreamStorage(StreamStorageAbstract[Array, Any]):
     def sample_nbytes_hint(self) -> int:
         return self._tokens.dtype.itemsize + sum(a.dtype.itemsize for a in self._metadata.values())
 
-    def reads_inline(self) -> bool:
-        return True
-
-    async def read_many(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
-        return self.read_many_sync(starts, length)
-
     def read_many_sync(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
         tokens = gather_windows(self._tokens, starts, length)
         if not self._metadata:
@@ -99,6 +95,8 @@ class MemoryStreamStorage(StreamStorageAbstract[Array, Any]):
 
 class MemoryDocumentStorage(DocumentStorageAbstract[Array, Array]):
     """Document storage over a sequence of 1-D numpy arrays held in memory."""
+
+    blocking_calls_are_cheap = True
 
     def __init__(self, documents: Sequence[npt.ArrayLike]) -> None:
         docs = [_as_1d(f"documents[{i}]", d) for i, d in enumerate(documents)]
@@ -120,12 +118,6 @@ class MemoryDocumentStorage(DocumentStorageAbstract[Array, Array]):
     @property
     def dtype(self) -> np.dtype[Any]:
         return self._dtype
-
-    def reads_inline(self) -> bool:
-        return True
-
-    async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:
-        return self.read_many_sync(indices)
 
     def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:
         docs = self._docs

@@ -95,7 +95,7 @@ class _ObjectStorageMixin:
                         local = LocalStreamStorage(folder, self.manifest)
                     else:
                         local = LocalDocumentStorage(folder, self.manifest)
-                    local.open_now()  # checks the copy's manifest and every file's size
+                    local.open_sync()  # checks the copy's manifest and every file's size
                 except (OSError, DatasetFormatError, DatasetIntegrityError) as exc:
                     self._cache_broken = True
                     warnings.warn(
@@ -117,7 +117,12 @@ class _ObjectStorageMixin:
         self._local = None
 
     def reads_inline(self) -> bool:
-        return self._local_copy() is not None
+        # Not for a subclass that overrides read_many: its own read is the one to call.
+        own_read = getattr(type(self), "read_many", None) in (
+            ObjectStreamStorage.read_many,
+            ObjectDocumentStorage.read_many,
+        )
+        return own_read and self._local_copy() is not None
 
     @property
     def cache_folder(self) -> str | None:

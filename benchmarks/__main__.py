@@ -18,6 +18,8 @@ $GUIDELOOM_BENCH_DIR (default $TMPDIR/guideloom-bench), cached by its parameters
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -84,9 +86,7 @@ def _write_report(out: dict[str, Any]) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     written = [RESULTS / "results.md"]
     (RESULTS / "results.md").write_text(md)
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("matplotlib") is None:
         print(
             "matplotlib is not installed here: the table is written, the chart "
             f"{RESULTS / 'results.png'} is left as it was (pip install matplotlib, then run report again)"
@@ -115,8 +115,6 @@ def main(argv: list[str] | None = None) -> None:
     elif command == "report":
         _report(rest)
     else:
-        import importlib
-
         module = importlib.import_module(_PASSTHROUGH[command])
         sys.argv = [f"python -m benchmarks {command}", *rest]
         module.main(rest)

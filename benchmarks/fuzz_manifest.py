@@ -33,6 +33,7 @@ from guideloom._storage.manifest import (
     SUPPORTED_DTYPES,
     ArraySpec,
     FileSpec,
+    Kind,
     Manifest,
     parse_manifest,
     storage_dtype,
@@ -76,7 +77,7 @@ def _array(draw: st.DrawFn, name: str, dtype: str, total: int | None = None) -> 
 @st.composite
 def manifests(draw: st.DrawFn) -> Manifest:
     """A self-consistent manifest of either kind, as the writers would produce."""
-    kind = draw(st.sampled_from(["stream", "documents"]))
+    kind: Kind = draw(st.sampled_from(["stream", "documents"]))
     tokens = draw(_array("tokens", draw(st.sampled_from(SUPPORTED_DTYPES))))
     fields = {"tokens": tokens}
     offsets, num_documents = None, 0

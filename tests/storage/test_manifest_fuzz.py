@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from benchmarks.fuzz_manifest import any_case, check, check_valid, manifests, mutated_bytes, valid_bytes
 from guideloom._storage.manifest import Manifest
 
-_FAST = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @_FAST
@@ -26,7 +26,7 @@ def test_any_bytes_give_a_manifest_or_a_format_error(data: bytes) -> None:
     assert check(data) in ("valid", "DatasetFormatError")
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mutated_bytes(valid_bytes))
 def test_damaged_bytes_give_a_manifest_or_a_format_error(data: bytes) -> None:
     assert check(data) in ("valid", "DatasetFormatError")

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict_loader, state_dict_saver  # dcp.load, dcp.save (typed)
 
 import guideloom as gl
 
@@ -76,12 +76,12 @@ def main() -> None:
         if args.resume:
             # DCP calls loader.state_dict() for the structure, reads the saved values into it,
             # then calls loader.load_state_dict(...) with them.
-            dcp.load({"loader": loader}, checkpoint_id=str(args.checkpoint))
+            state_dict_loader.load({"loader": loader}, checkpoint_id=str(args.checkpoint))
         for step, batch in enumerate(loader):
             seen += batch.tolist()  # the training step goes here
             dist.barrier()  # every rank takes the same number of steps, empty batch or not
             if not args.resume and step + 1 == args.steps:
-                dcp.save({"loader": loader}, checkpoint_id=str(args.checkpoint))
+                state_dict_saver.save({"loader": loader}, checkpoint_id=str(args.checkpoint))
                 break
     state = loader.state_dict()
     run = "resume" if args.resume else "save"

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -87,7 +88,9 @@ def test_two_ranks_save_three_ranks_resume_every_sample_once(tmp_path: Path) -> 
         "shuffle_seed": 1234,
         "drop_last": False,
     }
-    assert (ckpt / ".metadata").is_file()  # a DCP checkpoint folder
+    # a DCP checkpoint, with each of the loader's entries stored once
+    entries = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    assert sorted(entries) == sorted(f"loader.{key}" for key in saved[0]["state"])
 
     run_ranks(3, "--data", str(data), "--checkpoint", str(ckpt), "--resume", cwd=tmp_path)
     resumed = read(ckpt, "resume", 3)

@@ -182,3 +182,19 @@ def test_the_png_check_tells_a_blank_page(tmp_path: Path) -> None:
     image = read_png(png)
     assert image.shape == (3, 4, 3)
     assert len(np.unique(image.reshape(-1, 3), axis=0)) == 1 and not (image < 240).any()
+
+
+def test_the_cli_page_shows_every_command_and_option(built_site: Path) -> None:
+    import argparse
+
+    from guideloom._cli import build_parser
+
+    text = html.unescape(re.sub(r"<[^>]+>", "", (built_site / "cli" / "index.html").read_text()))
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert {"prepare", "inspect", "verify", "bench"} <= set(commands)
+    for name, sub in commands.items():
+        assert f"usage: guideloom {name}" in text, f"the CLI page lacks guideloom {name}"
+        for action in sub._actions:
+            for option in action.option_strings:
+                assert option in text, f"the CLI page lacks guideloom {name} {option}"

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
 
 MARKER = "<!-- guideloom-cli -->"
 #: Help is wrapped at this width whatever the terminal building the docs is.
@@ -25,6 +29,8 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
 
 def render() -> str:
     """Markdown for the top-level help and one section per subcommand."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))  # this checkout's parser, whatever else is installed
     from guideloom._cli import build_parser
 
     saved = os.environ.get("COLUMNS")

@@ -75,8 +75,8 @@ def storage_dtype(dtype: Any) -> np.dtype[Any]:
     """The canonical little-endian dtype for ``dtype``, or a ``TypeError`` naming the choices."""
     try:
         dt = np.dtype(dtype)
-    except TypeError as exc:
-        raise TypeError(f"unknown dtype {dtype!r}; use one of {', '.join(SUPPORTED_DTYPES)}") from exc
+    except (TypeError, ValueError, SyntaxError) as exc:  # numpy parses some strings as Python syntax
+        raise TypeError(f"unknown dtype {_show(dtype)}; use one of {', '.join(SUPPORTED_DTYPES)}") from exc
     if dt.name not in SUPPORTED_DTYPES:
         raise TypeError(f"dtype {dt} cannot be stored; use one of {', '.join(SUPPORTED_DTYPES)}")
     little: np.dtype[Any] = dt.newbyteorder("<")
@@ -217,10 +217,10 @@ def _parse_array(raw: Any, *, where: str) -> ArraySpec:
         raise DatasetFormatError(f"{where} must be an object with 'dtype' and 'files'")
     name = raw.get("dtype")
     try:
-        if not isinstance(name, str):
+        if not isinstance(name, str) or len(name) > 32:
             raise TypeError(f"dtype must be a name such as 'uint16', got {_show(name)}")
         dtype = storage_dtype(name)
-    except (TypeError, ValueError, SyntaxError) as exc:  # what numpy raises for a name it cannot read
+    except TypeError as exc:
         raise DatasetFormatError(f"{where}: {exc}") from None
     files_raw = raw.get("files")
     if not isinstance(files_raw, list):

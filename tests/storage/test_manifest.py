@@ -108,6 +108,11 @@ def test_the_bound_holds_for_a_file_that_grows_while_read(
         (lambda d: d["fields"]["tokens"]["files"][0].update(path="a\ud800.bin"), "not a plain relative path"),
         (lambda d: d["fields"]["tokens"]["files"][0].update(path="a\nb.bin"), "not a plain relative path"),
         (lambda d: d.update(kind="x" * 10_000), r"got 'xxx+\.\.\.$"),
+        (
+            lambda d: d["fields"]["tokens"].update(dtype="1" * 5000 + "bool"),
+            r"dtype must be a name such as 'uint16', got '111+\.\.\.",
+        ),
+        (lambda d: d["fields"]["tokens"].update(dtype="9" * 30 + "i"), "unknown dtype"),
     ],
 )
 def test_values_of_the_wrong_kind_are_refused(tmp_path: Path, edit: Any, match: str) -> None:

@@ -89,6 +89,8 @@ def ensure_bench_python(argv: list[str]) -> None:
         pass
     py = ensure_venv()
     if Path(sys.prefix).resolve() == venv_path().resolve():
-        raise SystemExit("the bench venv lacks its peers: run `python -m benchmarks setup --force`")
+        raise SystemExit(
+            "the bench venv lacks its peers: run `python -m benchmarks suite --setup-only --force`"
+        )
     print(f"(running in {py})", flush=True)
     os.execv(str(py), [str(py), "-m", "benchmarks", *argv])

@@ -5,7 +5,7 @@
 
 The loader is a DCP ``Stateful`` (it has ``state_dict()`` and ``load_state_dict()``), so it goes
 into the checkpoint beside the model and the optimizer. Its state is rank-independent: every
-rank returns the same plain ints, bools and None (the epoch and the *global* sample offset), so
+rank returns the same plain Python values (the epoch and the *global* sample offset), so
 DCP stores it once, and any number of ranks can load it. The second command resumes the epoch
 on 3 ranks where 2 ranks stopped it, and every sample of the epoch is seen exactly once.
 

@@ -6,10 +6,32 @@ import html
 import inspect
 import re
 from pathlib import Path
+from typing import Any
 
 import guideloom
+import guideloom.types
 
 NAMES = [n for n in guideloom.__all__ if n != "__version__"]  # a string: no docstring of its own
+#: ``guideloom.types`` is public as a module: its names count too (some are not re-exported).
+TYPE_NAMES = [n for n in guideloom.types.__all__ if n not in NAMES]
+
+
+def public_objects() -> dict[str, Any]:
+    """Public name -> object: ``guideloom.X`` and ``guideloom.types.X``."""
+    objects = {name: getattr(guideloom, name) for name in NAMES}
+    objects.update({name: getattr(guideloom.types, name) for name in TYPE_NAMES})
+    return objects
+
+
+def anchors(name: str, obj: Any) -> list[str]:
+    """The heading ids under which mkdocstrings may render ``obj``: ``guideloom.X``, or its
+    public module's path (the types page renders ``guideloom.types``)."""
+    out = [f"guideloom.{name}"]
+    module = getattr(obj, "__module__", "") or ""
+    if module.startswith("guideloom") and not any(part.startswith("_") for part in module.split(".")):
+        out.append(f"{module}.{name}")
+    return out
+
 
 #: Public members that have no docstring today (in files the docs do not own), as
 #: ``Class.member`` of the class that defines them. Remove an entry once its docstring is
@@ -56,8 +78,7 @@ def member_doc(cls: type, name: str) -> str:
 
 def missing_docstrings() -> set[str]:
     missing = set()
-    for name in NAMES:
-        obj = getattr(guideloom, name)
+    for name, obj in public_objects().items():
         if not (inspect.getdoc(obj) or "").strip():
             missing.add(name)
         if inspect.isclass(obj) and not issubclass(obj, BaseException):
@@ -98,19 +119,19 @@ def rendered_ids(site: Path) -> dict[str, str]:
 
 def test_the_api_pages_render_every_public_name(built_site: Path) -> None:
     ids = rendered_ids(built_site)
-    for name in NAMES:
-        obj = getattr(guideloom, name)
-        assert f"guideloom.{name}" in ids, f"{name} is not on any API reference page"
+    for name, obj in public_objects().items():
+        found = [a for a in anchors(name, obj) if a in ids]
+        assert found, f"{name} is not on any API reference page (looked for {anchors(name, obj)})"
         first_line = (inspect.getdoc(obj) or "").splitlines()[0]
         words = "".join(re.sub(r"[`*]", "", first_line).split()[:4])  # compared without spaces
-        rendered = "".join(ids[f"guideloom.{name}"].split())
+        rendered = "".join(ids[found[0]].split())
         assert words in rendered, f"{name}'s docstring is not rendered ({first_line!r})"
         if not inspect.isclass(obj) or issubclass(obj, BaseException):
             continue
         # Each documented member is rendered on this class's entry or on a public base's (the
         # class whose docstring it inherits); the abstract bases show their private base's.
-        public = [k.__name__ for k in obj.__mro__ if getattr(guideloom, k.__name__, None) is k]
+        public = [k for k in obj.__mro__ if getattr(guideloom, k.__name__, None) is k or k is obj]
         for member in public_members(obj):
             if member_doc(obj, member):
-                where = [f"guideloom.{k}.{member}" for k in public]
+                where = [f"{a}.{member}" for k in public for a in anchors(k.__name__, k)]
                 assert any(w in ids for w in where), f"{name}.{member} is not rendered (looked for {where})"

@@ -8,6 +8,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import guideloom
 import guideloom.types
 
@@ -135,3 +137,26 @@ def test_the_api_pages_render_every_public_name(built_site: Path) -> None:
             if member_doc(obj, member):
                 where = [f"{a}.{member}" for k in public for a in anchors(k.__name__, k)]
                 assert any(w in ids for w in where), f"{name}.{member} is not rendered (looked for {where})"
+
+
+def test_no_sphinx_role_is_shown_literally(built_site: Path) -> None:
+    role = re.compile(r":(?:class|func|meth|mod|data|attr|exc|obj):")
+    for page in sorted((built_site / "reference").rglob("index.html")):
+        text = html.unescape(re.sub(r"<[^>]+>", "", page.read_text()))
+        shown = role.findall(text)
+        assert not shown, f"{page.relative_to(built_site)} shows Sphinx roles: {shown[:5]}"
+
+
+def test_roles_become_code_spans() -> None:
+    import importlib.util
+
+    pytest.importorskip("griffe", reason='the docs extra is not installed: pip install -e ".[docs]"')
+
+    from .conftest import DOCS
+
+    spec = importlib.util.spec_from_file_location("griffe_roles", DOCS / "hooks" / "griffe_roles.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = "a :class:`~guideloom.types.LoaderOptions`, :func:`open_stream` and :meth:`x <a.b.c>`"
+    assert module.plain_roles(text) == "a `LoaderOptions`, `open_stream` and `x`"

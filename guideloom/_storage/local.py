@@ -15,16 +15,15 @@ import hashlib
 import itertools
 import mmap
 import os
-import secrets
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from .._errors import DatasetFormatError, DatasetIntegrityError
+from .._errors import DatasetIntegrityError
 from .base import Rows
 from .manifest import MANIFEST_NAME, ArraySpec, Manifest
 from .manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
@@ -32,7 +31,6 @@ from .memory import gather_windows
 
 __all__ = [
     "LocalDocumentStorage",
-    "LocalSink",
     "LocalStreamStorage",
     "ShardedArray",
     "check_local_files",
@@ -356,58 +354,3 @@ class LocalDocumentStorage(ManifestDocumentStorage):
         # on read-only memory maps) and never alias the file.
         buffer, bounds = self._tokens.spans(starts, stops)
         return [buffer[a:b] for a, b in itertools.pairwise(bounds)]
-
-
-class LocalSink:
-    """Where the writers put a local dataset: data files first, the manifest last and atomically."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.write_id = secrets.token_hex(4)
-
-    def describe(self) -> str:
-        return str(self.folder)
-
-    def prepare(self, *, overwrite: bool) -> Manifest | None:
-        """Create the folder; return the manifest being replaced (None if there is none)."""
-        if self.folder.exists() and not self.folder.is_dir():
-            raise FileExistsError(f"{self.folder} exists and is not a folder")
-        self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.folder / MANIFEST_NAME
-        if not path.exists():
-            return None
-        if not overwrite:
-            raise FileExistsError(
-                f"a dataset already exists at {self.folder}; pass overwrite=True to replace it"
-            )
-        try:
-            return Manifest.from_json_bytes(path.read_bytes(), source=str(self.folder))
-        except DatasetFormatError:
-            return None
-
-    def open_file(self, relpath: str) -> IO[bytes]:
-        return open(self.folder / relpath, "wb")
-
-    def commit(self, manifest: Manifest, replaced: Manifest | None) -> None:
-        """Write the manifest atomically, then remove the files of the dataset it replaced."""
-        tmp = self.folder / f".{MANIFEST_NAME}.{self.write_id}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(manifest.to_json_bytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.folder / MANIFEST_NAME)
-        dir_fd = os.open(self.folder, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-        if replaced is not None:
-            keep = {spec.path for _, _, spec in manifest.all_files()}
-            for _, _, old in replaced.all_files():
-                if old.path not in keep:
-                    (self.folder / old.path).unlink(missing_ok=True)
-
-    def abort(self, written: list[str]) -> None:
-        """Remove the data files of a write that failed (the previous dataset stays intact)."""
-        for relpath in written:
-            (self.folder / relpath).unlink(missing_ok=True)

@@ -46,4 +46,4 @@ bench-suite: setup
 	$(PY) -m benchmarks suite
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache site

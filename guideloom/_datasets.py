@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from ._storage.base import DocumentStorageAbstract, StorageAbstract, StreamStorageAbstract
 
-__all__ = ["DatasetAbstract", "DocumentDataset", "SourceT", "StreamDataset"]
+__all__ = ["DatasetAbstract", "DocumentDataset", "SourceT", "StreamDataset", "dataset_for"]
 
 SourceT = TypeVar("SourceT")
 
@@ -144,3 +144,26 @@ class DocumentDataset(DatasetAbstract[SourceT]):
 
     def sample_nbytes_hint(self) -> int:
         return self._storage.sample_nbytes_hint()
+
+
+def dataset_for(storage: Any, sequence_length: int | None) -> DatasetAbstract[Any]:
+    """The dataset that wraps ``storage``: a :class:`StreamDataset` of ``sequence_length``
+    samples for stream storage (which needs one), a :class:`DocumentDataset` for document
+    storage (which takes none)."""
+    if isinstance(storage, StreamStorageAbstract):
+        if sequence_length is None:
+            raise ValueError(
+                "stream storage needs sequence_length: pass sequence_length=<elements per sample>"
+            )
+        return StreamDataset(storage, sequence_length)
+    if isinstance(storage, DocumentStorageAbstract):
+        if sequence_length is not None:
+            raise ValueError(
+                "document storage yields one whole document per sample and takes no "
+                f"sequence_length (got {sequence_length}); drop the argument"
+            )
+        return DocumentDataset(storage)
+    raise TypeError(
+        "storage must be a StreamStorageAbstract or DocumentStorageAbstract (for example "
+        f"MemoryStreamStorage, or what open_stream() returns), got {type(storage).__name__}"
+    )

@@ -1,10 +1,13 @@
-"""Public types: the loader's checkpoint."""
+"""Public types: the loader's checkpoint and the keyword arguments of ``from_storage``."""
 
 from __future__ import annotations
 
-from typing import NotRequired, TypedDict
+from typing import TYPE_CHECKING, Literal, NotRequired, TypedDict
 
-__all__ = ["DatasetFingerprint", "StatefulDataLoaderStateDict"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DatasetFingerprint", "LoaderOptions", "StatefulDataLoaderStateDict"]
 
 
 class DatasetFingerprint(TypedDict):
@@ -49,3 +52,36 @@ class StatefulDataLoaderStateDict(TypedDict):
     """Whether that loader drops an incomplete global batch."""
     dataset: NotRequired[DatasetFingerprint]
     """The dataset the position counts (absent in checkpoints of guideloom before 0.2)."""
+
+
+class LoaderOptions(TypedDict, total=False):
+    """The keyword arguments ``StatefulDataLoader.from_storage`` takes after ``sequence_length``.
+
+    Each is optional and means what the constructor's parameter of the same name means; an
+    omitted one takes the default given here.
+    """
+
+    device: torch.device | None
+    """Device batches are moved to. Default ``None``: the current CUDA device when CUDA is
+    available, otherwise CPU."""
+    local_batch_size: int
+    """Observations per batch on this rank. Default ``1``."""
+    rank: int
+    """This process's rank, in ``[0, world_size)``. Default ``0``."""
+    world_size: int
+    """Number of ranks the dataset is partitioned across. Default ``1``."""
+    num_workers: int
+    """Collate workers; ``0`` collates in the pipeline itself. Default ``0``."""
+    parallel_method: Literal["thread", "process"]
+    """What the collate workers are. Default ``"thread"``."""
+    shuffle: bool
+    """Shuffle the order every epoch. Default ``False``."""
+    shuffle_seed: int | None
+    """Seed of the shuffled order; ``None`` picks a random one (not reproducible). Default
+    ``None``."""
+    pin_memory: bool
+    """Pin batches before a CUDA copy. Default ``False``."""
+    drop_last: bool
+    """Drop an incomplete final global batch. Default ``True``."""
+    prefetch: int
+    """Batches prepared ahead of the consumer's requests. Default ``0``."""

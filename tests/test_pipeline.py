@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import guideloom as gl
 from guideloom._channel import Channel, EndOfStream
+from guideloom._iterators import InlineIterator
 from guideloom._loop import LoopThread
 from guideloom._pipeline import PipelineConfig, group_size, move_to_device
 from guideloom._plan import EpochPlan, Permutation
@@ -243,8 +244,6 @@ def test_inline_pipeline_equals_the_event_loop_pipeline(
 
 
 def test_inline_iteration_runs_no_event_loop_and_works_inside_one() -> None:
-    import guideloom.pytorch as glp
-
     loader = gl.StatefulDataLoader.from_storage(
         identity_storage := gl.MemoryStreamStorage(np.arange(64)),
         lambda s: [int(x[0]) for x in s],
@@ -258,8 +257,7 @@ def test_inline_iteration_runs_no_event_loop_and_works_inside_one() -> None:
     async def inside_a_loop() -> list[Any]:
         with loader:
             it = iter(loader)
-            assert isinstance(it, glp._SyncIteratorState)
-            assert it._inline is not None and it._loop is None and it._lt is None
+            assert type(it) is InlineIterator  # no event loop, no loop thread
             out = list(it)
             assert set(threading.enumerate()) <= threads  # no loop thread was started
             return out

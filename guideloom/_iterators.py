@@ -1,0 +1,500 @@
+"""The loader's iterators: one class per way of running the pipeline, chosen when one starts.
+
+``for batch in loader`` gets one of three sync iterators, picked by :func:`sync_iterator` once
+the loader is open (as torchdata picks its iterator class):
+
+- :class:`InlineIterator`: ``num_workers=0`` and ``prefetch=0`` over a storage that
+  ``reads_inline()`` (memory, local files): the pipeline as a plain loop in the caller's thread
+  (:class:`~guideloom._pipeline.InlinePipeline`), no event loop at all, as PyTorch loads batches
+  in the main process at ``num_workers=0``; an event loop's turns would cost about a batch's
+  whole work.
+- :class:`CallerLoopIterator`: ``num_workers=0`` and ``prefetch=0`` over any other storage: the
+  pipeline on a private asyncio loop that ``next()`` drives in the caller's thread (its reads
+  stay in flight between batches; plain asyncio, whose ``run_until_complete`` costs half of
+  uvloop's). It hands over to the plain loop at the next batch once the storage reads inline
+  (a remote dataset's ``cache_dir`` copy is complete).
+- :class:`LoopThreadIterator`: workers or prefetch (or a caller's thread that already runs an
+  event loop, such as a notebook): the pipeline on a loop thread of its own, which the iterator
+  stops when it ends (a loader holds no thread between iterators); batches come through the
+  :class:`~guideloom._channel.Channel` as soon as they are ready.
+
+``async for`` gets :class:`AsyncIterator`, which runs the pipeline on the caller's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import pickle
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator as AsyncIteratorABC
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from ._channel import Channel, EndOfStream
+from ._loop import LoopThread
+from ._pipeline import Delivery, InlinePipeline, PipelineConfig, make_executor, run_pipeline
+from ._plan import EpochPlan, Permutation
+
+if TYPE_CHECKING:
+    from .pytorch import StatefulDataLoader
+
+__all__ = [
+    "ActiveIterator",
+    "AsyncIterator",
+    "CallerLoopIterator",
+    "InlineIterator",
+    "LoopThreadIterator",
+    "SyncIterator",
+    "pipeline_config",
+    "sync_iterator",
+]
+
+BatchT = TypeVar("BatchT")
+
+
+def pipeline_config(loader: StatefulDataLoader[Any, Any]) -> PipelineConfig:
+    """The pipeline of the loader's next epoch, from its parameters and position."""
+    if loader.parallel_method == "process" and loader.num_workers > 0:
+        try:
+            pickle.dumps(loader.collate_fn)
+        except Exception as exc:
+            raise TypeError(
+                "parallel_method='process' needs a picklable collate_fn (a module-level "
+                f"function or a picklable object), got {loader.collate_fn!r}: {exc}. Use "
+                "parallel_method='thread' for closures and lambdas"
+            ) from exc
+    n = len(loader.dataset)
+    return PipelineConfig(
+        dataset=loader.dataset,
+        plan=EpochPlan(
+            num_observations=n,
+            local_batch_size=loader.local_batch_size,
+            world_size=loader.world_size,
+            rank=loader.rank,
+            drop_last=loader.drop_last,
+            start_offset=loader._offset,
+        ),
+        order=Permutation(n, shuffle=loader.shuffle, seed=loader._order_seed, epoch=loader._epoch),
+        collate_fn=loader.collate_fn,
+        device=loader.device,
+        pin_memory=loader.pin_memory,
+        num_workers=loader.num_workers,
+        parallel_method=loader.parallel_method,
+        prefetch=loader.prefetch,
+    )
+
+
+class ActiveIterator:
+    """A loader's one active iterator. Held weakly: an abandoned iterator is collected (and
+    closes itself), which releases the loader."""
+
+    __slots__ = ("_lock", "_ref")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ref: weakref.ref[_IteratorBase[Any]] | None = None
+
+    def get(self) -> _IteratorBase[Any] | None:
+        ref = self._ref
+        return ref() if ref is not None else None
+
+    def claim(self, it: _IteratorBase[Any]) -> None:
+        with self._lock:
+            if self.get() is not None:
+                raise RuntimeError(
+                    "an iterator on this loader is still active: exhaust it or close it "
+                    "(iterator.close()) before starting another"
+                )
+            self._ref = weakref.ref(it)
+
+    def release(self, it: _IteratorBase[Any]) -> None:
+        with self._lock:
+            if self._ref is not None and self._ref() in (it, None):
+                self._ref = None
+
+
+class _IteratorBase(Generic[BatchT]):
+    """What every iterator shares: claiming the loader and advancing its state."""
+
+    def __init__(self, loader: StatefulDataLoader[Any, BatchT]) -> None:
+        self._loader = loader
+        self._done = True  # until a subclass has started: __del__ and close() then do nothing
+        self._owns_open = False
+        self._expected = self._delivered = 0
+        self._executor: concurrent.futures.Executor | None = None
+        loader._active.claim(self)
+
+    def _configure(self, cfg: PipelineConfig) -> None:
+        """This iterator's epoch; planned once the loader is open (a storage may know its length
+        only then)."""
+        self._cfg = cfg
+        self._expected = len(cfg.plan)
+
+    def _start_executor(self) -> concurrent.futures.Executor | None:
+        self._executor = make_executor(self._cfg)
+        return self._executor
+
+    def _join_executor(self) -> None:
+        """Wait for the collate workers (threads or processes) to exit."""
+        ex, self._executor = self._executor, None
+        if ex is not None:
+            ex.shutdown(wait=True, cancel_futures=True)
+
+    def _accept(self, d: Delivery, waited: float) -> BatchT:
+        stats = self._loader._stats
+        stats["wait_seconds"] += waited
+        stats["last_wait_seconds"] = waited
+        if d.error is not None:
+            raise d.error
+        self._loader._offset = d.spec.offset_after
+        self._delivered += 1
+        stats["batches"] += 1
+        stats["samples"] += d.spec.size
+        value: BatchT = d.value
+        return value
+
+    def _finish_epoch(self) -> None:
+        if self._delivered != self._expected:
+            raise RuntimeError(
+                f"guideloom bug: the pipeline ended after {self._delivered} of "
+                f"{self._expected} batches without an error"
+            )
+        self._loader._epoch += 1
+        self._loader._offset = 0
+
+    def close_sync(self) -> None:
+        raise NotImplementedError
+
+    async def close_async(self) -> None:
+        raise NotImplementedError
+
+
+def _event_loop_running_here() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def sync_iterator(loader: StatefulDataLoader[Any, BatchT]) -> SyncIterator[BatchT]:
+    """The iterator ``for batch in loader`` uses, of the class its configuration needs.
+
+    An unopened loader is opened for the iterator's duration first: whether the storage reads
+    inline may be known only once it is open (a remote dataset's local copy).
+    """
+    owns_open = loader._state == "closed"
+    if owns_open:
+        loader.open()
+    try:
+        cfg = pipeline_config(loader)
+        cls: type[SyncIterator[BatchT]]
+        if cfg.capacity == 0 and cfg.dataset.reads_inline:
+            cls = InlineIterator
+        elif cfg.capacity == 0 and not _event_loop_running_here():
+            cls = CallerLoopIterator
+        else:
+            cls = LoopThreadIterator
+        return cls(loader, cfg, owns_open)
+    except BaseException:
+        if owns_open:
+            loader.close()  # idempotent: a started iterator that failed has closed it already
+        raise
+
+
+class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
+    """What the three sync iterators share: ``next()``'s bookkeeping and closing.
+
+    A subclass starts its pipeline in :meth:`_start`, produces the next delivery in
+    :meth:`_next` (``None`` at the end of the stream) and stops everything in :meth:`_stop`,
+    which must also undo a :meth:`_start` that failed halfway.
+    """
+
+    def __init__(self, loader: StatefulDataLoader[Any, BatchT], cfg: PipelineConfig, owns_open: bool) -> None:
+        super().__init__(loader)
+        self._owns_open = owns_open
+        self._configure(cfg)
+        self._done = False
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def _next(self) -> Delivery | None:
+        raise NotImplementedError
+
+    def _stop(self) -> None:
+        raise NotImplementedError
+
+    def __iter__(self) -> SyncIterator[BatchT]:
+        return self
+
+    def __next__(self) -> BatchT:
+        if self._done:
+            raise StopIteration
+        try:
+            t0 = time.perf_counter()
+            d = self._next()
+            waited = time.perf_counter() - t0
+        except BaseException as exc:
+            if isinstance(exc, Exception) and self._done:
+                raise StopIteration from None  # close() in another thread ended this next()
+            self.close()
+            raise
+        if d is None:
+            if not self._done:  # the end of the epoch, not a close() in another thread
+                try:
+                    self._finish_epoch()
+                finally:
+                    self.close()
+            raise StopIteration
+        if d.error is not None:
+            self.close()
+        return self._accept(d, waited)
+
+    def close(self) -> None:
+        """Stop the pipeline and release the loader; the position stays at the last batch yielded."""
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._stop()
+        finally:
+            self._loader._active.release(self)
+            if self._owns_open:
+                self._loader.close()
+
+    close_sync = close
+
+    async def close_async(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    def __del__(self) -> None:
+        if not getattr(self, "_done", True):
+            self.close()
+
+
+class InlineIterator(SyncIterator[BatchT]):
+    """The pipeline as a plain loop in the caller's thread (see the module docstring)."""
+
+    def _start(self) -> None:
+        self._inline = InlinePipeline(self._cfg)
+        self._next = self._inline.next  # type: ignore[method-assign]  # the hot path: no extra frame
+
+    def _stop(self) -> None:
+        inline = getattr(self, "_inline", None)
+        if inline is not None:
+            inline.close()
+
+
+class CallerLoopIterator(SyncIterator[BatchT]):
+    """The pipeline on a private asyncio loop that ``next()`` drives (see the module docstring)."""
+
+    _loop: asyncio.AbstractEventLoop | None = None
+    _task: asyncio.Task[None] | None = None
+    _inline: InlinePipeline | None = None
+
+    def _start(self) -> None:
+        self._loop = loop = asyncio.new_event_loop()
+        self._channel: Channel[Delivery] = Channel(loop, 0)
+        self._task = loop.create_task(run_pipeline(self._cfg, self._channel, 0, None, own_loop=True))
+
+    def _next(self) -> Delivery | None:
+        if self._inline is not None:
+            return self._inline.next()
+        assert self._loop is not None
+        try:
+            d = self._loop.run_until_complete(self._channel.get_future())
+        except EndOfStream:
+            if self._done:  # close() in another thread could not close the loop we were running
+                self._close_loop()
+            return None
+        if d.error is None and self._cfg.dataset.reads_inline:
+            # Before the batch counts as delivered: a failure here loses nothing.
+            self._go_inline(d.spec.step + 1)
+        return d
+
+    def _go_inline(self, next_step: int) -> None:
+        """The storage can now read inline (a remote dataset's local copy is complete): go on
+        with the plain loop from ``next_step``. The event-loop pipeline's read-ahead is dropped;
+        it held raw reads only, so nothing delivered changes."""
+        self._close_loop()
+        self._loop = self._task = None
+        self._inline = InlinePipeline(self._cfg, first_step=next_step)
+
+    def _close_loop(self) -> None:
+        """Cancel the pipeline task and close the loop (when no ``next()`` is running it)."""
+        loop, task = self._loop, self._task
+        if loop is None or loop.is_closed():
+            return
+        if loop.is_running():  # another thread's next() is inside it: it finishes the job
+            if task is not None:
+                loop.call_soon_threadsafe(task.cancel)
+            return
+        try:
+            if task is not None and not task.done():
+                task.cancel()
+                loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+        finally:
+            loop.close()
+
+    def _stop(self) -> None:
+        if self._inline is not None:
+            self._inline.close()
+        self._close_loop()
+
+
+async def _drive(
+    cfg: PipelineConfig,
+    channel: Channel[Delivery],
+    executor: concurrent.futures.Executor | None,
+    finished: threading.Event,
+) -> None:
+    """The loop thread's pipeline task. It holds no reference to the iterator, so an abandoned
+    iterator is collected (and closes the pipeline) even while this task waits."""
+    try:
+        await run_pipeline(cfg, channel, 0, executor, own_loop=True)
+    finally:
+        finished.set()  # set only once every stage has stopped
+
+
+class LoopThreadIterator(SyncIterator[BatchT]):
+    """The pipeline on a loop thread of its own (see the module docstring)."""
+
+    _lt: LoopThread | None = None
+    _future: concurrent.futures.Future[None] | None = None
+
+    def _start(self) -> None:
+        self._finished = threading.Event()
+        self._lt = lt = LoopThread(name=f"guideloom-loop-{id(self._loader):x}")
+        self._channel: Channel[Delivery] = Channel(lt.loop, self._cfg.capacity)
+        self._start_executor()
+        self._future = lt.submit(_drive(self._cfg, self._channel, self._executor, self._finished))
+
+    def _next(self) -> Delivery | None:
+        try:
+            return self._channel.get()
+        except EndOfStream:
+            return None
+
+    def _stop(self) -> None:
+        fut, lt = self._future, self._lt
+        if fut is None:  # the start failed before the pipeline was submitted
+            self._join_executor()
+            if lt is not None:
+                lt.stop()
+            return
+        assert lt is not None
+        if not fut.done():
+            fut.cancel()  # cancels the pipeline task on the loop
+        if lt.is_current():
+            # Collected on our own loop thread (cyclic GC can run anywhere): the task finishes
+            # on this loop once we return; do not wait for ourselves.
+            if self._executor is not None:
+                self._executor.shutdown(wait=False, cancel_futures=True)
+        else:
+            # A cancelled future reports at once; wait for the task's cleanup to finish.
+            self._finished.wait()
+            self._join_executor()
+        lt.stop()
+
+
+class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
+    """The iterator ``async for batch in loader`` uses: the pipeline runs on the caller's loop."""
+
+    def __init__(self, loader: StatefulDataLoader[Any, BatchT]) -> None:
+        super().__init__(loader)
+        self._task: asyncio.Task[None] | None = None
+        self._channel: Channel[Delivery] | None = None
+        self._done = False
+
+    def __aiter__(self) -> AsyncIterator[BatchT]:
+        return self
+
+    async def _start(self) -> Channel[Delivery]:
+        loader = self._loader
+        if loader._state == "closed":
+            await loader.aopen()
+            self._owns_open = True
+        self._configure(pipeline_config(loader))
+        loop = asyncio.get_running_loop()
+        channel: Channel[Delivery] = Channel(loop, self._cfg.capacity)
+        executor = self._start_executor()
+        self._task = loop.create_task(
+            run_pipeline(self._cfg, channel, 0, executor), name="guideloom-pipeline"
+        )
+        self._channel = channel
+        return channel
+
+    async def __anext__(self) -> BatchT:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            channel = self._channel or await self._start()
+            t0 = time.perf_counter()
+            d = await channel.aget()
+            waited = time.perf_counter() - t0
+        except EndOfStream:
+            if self._done:  # aclose() in another task ended the pipeline while this one waited
+                raise StopAsyncIteration from None
+            try:
+                self._finish_epoch()
+            finally:
+                await self.aclose()
+            raise StopAsyncIteration from None
+        except BaseException:
+            await self.aclose()
+            raise
+        if d.error is not None:
+            await self.aclose()
+        return self._accept(d, waited)
+
+    async def aclose(self) -> None:
+        """Stop the pipeline and release the loader; the position stays at the last batch yielded."""
+        if self._done:
+            return
+        self._done = True
+        try:
+            task = self._task
+            if task is not None and not task.done():
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    current = asyncio.current_task()
+                    if current is not None and current.cancelling():
+                        raise
+                except Exception:
+                    pass
+            if self._executor is not None:
+                await asyncio.to_thread(self._join_executor)
+        finally:
+            self._loader._active.release(self)
+            if self._owns_open:
+                await self._loader.aclose()
+
+    close_async = aclose
+
+    def close_sync(self) -> None:
+        if self._done:
+            return
+        task = self._task
+        self._done = True
+        if task is not None and not task.done():
+            task.get_loop().call_soon_threadsafe(task.cancel)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        self._loader._active.release(self)
+
+    def __del__(self) -> None:
+        if not getattr(self, "_done", True):
+            self.close_sync()

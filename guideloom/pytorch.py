@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import secrets
 import threading
-import warnings
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypeVar, Unpack, cast, overload
 
+from ._checkpoint import LoaderIdentity, dataset_fingerprint, restore_position
+from ._checks import check_bool, check_device, check_int, check_optional_int
 from ._datasets import DatasetAbstract, SourceT, dataset_for
 from ._iterators import ActiveIterator, AsyncIterator, SyncIterator, sync_iterator
 from ._loop import LoopThread
 from ._plan import num_batches
 from ._storage.base import DocumentStorageAbstract, InT, OutT, StreamStorageAbstract
-from .types import LoaderOptions, StatefulDataLoaderStateDict
+from .types import DatasetFingerprint, LoaderOptions, StatefulDataLoaderStateDict
 
 if TYPE_CHECKING:
     import torch
@@ -46,14 +47,6 @@ def _get_default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 @dataclass(eq=False)
@@ -86,6 +79,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
     _active: ActiveIterator = field(default_factory=ActiveIterator, init=False, repr=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
     _stats: dict[str, float] = field(default_factory=_STATS.copy, init=False, repr=False)
+    _dataset_fingerprint: DatasetFingerprint | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         _check_arguments(self)
@@ -283,17 +277,24 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
             shuffle=self.shuffle,
             shuffle_seed=self.shuffle_seed,
             drop_last=self.drop_last,
+            dataset=self._fingerprint(),
         )
 
-    def load_state_dict(self, state_dict: StatefulDataLoaderStateDict) -> None:
+    def load_state_dict(
+        self, state_dict: StatefulDataLoaderStateDict, *, allow_dataset_change: bool = False
+    ) -> None:
         """Restore ``epoch`` and ``observation_offset`` from a checkpoint.
 
         Call this before starting an iterator. A warning is emitted when ``shuffle``,
         ``shuffle_seed`` or ``drop_last`` differ from this loader; those saved values are not
         applied. The offset is global, so a job can resume with another batch size or world size.
+        A checkpoint counted over another dataset (its fingerprint differs) is refused:
+        ``allow_dataset_change=True`` resumes at its position anyway, for data changed on purpose.
 
         Raises:
             RuntimeError: If an iterator on this loader is still active.
+            ValueError: If the checkpoint is malformed, was counted over another dataset, or its
+                offset lies past the end of this dataset.
         """
         with self._lock:
             if self._active.get() is not None:
@@ -301,14 +302,25 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
                     "load_state_dict() was called while an iterator on this loader is active; "
                     "exhaust or close the iterator first, then load the checkpoint"
                 )
-            epoch, offset = _checked_position(self, state_dict)
-            self._epoch, self._offset = epoch, offset
+            identity = LoaderIdentity(self.shuffle, self.shuffle_seed, self.drop_last, self._fingerprint())
+            self._epoch, self._offset = restore_position(
+                state_dict, identity, allow_dataset_change=allow_dataset_change
+            )
+
+    def _fingerprint(self) -> DatasetFingerprint:
+        """The dataset's fingerprint, computed once while open (a manifest digest walks every
+        file entry; a storage may know its length only once open)."""
+        if self._dataset_fingerprint is not None:
+            return self._dataset_fingerprint
+        fp = dataset_fingerprint(self.dataset)
+        if self._state != "closed":
+            self._dataset_fingerprint = fp
+        return fp
 
 
 def _check_arguments(loader: StatefulDataLoader[Any, Any]) -> None:
     """Refuse constructor arguments of the wrong type or range; a device given as a str or an int
     becomes a ``torch.device``."""
-    import torch
 
     if not isinstance(loader.dataset, DatasetAbstract):
         raise TypeError(
@@ -317,63 +329,22 @@ def _check_arguments(loader: StatefulDataLoader[Any, Any]) -> None:
         )
     if not callable(loader.collate_fn):
         raise TypeError(f"collate_fn must be callable, got {type(loader.collate_fn).__name__}")
-    if isinstance(loader.device, str | int):
-        loader.device = torch.device(loader.device)
-    if not isinstance(loader.device, torch.device):
-        raise TypeError(f"device must be a torch.device, got {type(loader.device).__name__}")
-    _check_int("local_batch_size", loader.local_batch_size, 1)
-    _check_int("world_size", loader.world_size, 1)
-    _check_int("rank", loader.rank, 0)
+    loader.device = check_device(loader.device)
+    for name, minimum in (
+        ("local_batch_size", 1),
+        ("world_size", 1),
+        ("rank", 0),
+        ("num_workers", 0),
+        ("prefetch", 0),
+    ):
+        setattr(loader, name, check_int(name, getattr(loader, name), minimum))
     if loader.rank >= loader.world_size:
         raise ValueError(f"rank must be in [0, world_size={loader.world_size}), got {loader.rank}")
-    _check_int("num_workers", loader.num_workers, 0)
-    _check_int("prefetch", loader.prefetch, 0)
     if loader.parallel_method not in ("thread", "process"):
         raise ValueError(f"parallel_method must be 'thread' or 'process', got {loader.parallel_method!r}")
-    if loader.shuffle_seed is not None and (
-        isinstance(loader.shuffle_seed, bool) or not isinstance(loader.shuffle_seed, int)
-    ):
-        raise TypeError(f"shuffle_seed must be an int or None, got {type(loader.shuffle_seed).__name__}")
-
-
-def _checked_position(
-    loader: StatefulDataLoader[Any, Any], state_dict: StatefulDataLoaderStateDict
-) -> tuple[int, int]:
-    """The checkpoint's ``(epoch, observation_offset)``, validated; warns where the checkpoint was
-    saved by a loader whose order differs from this one's."""
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"state_dict must be a dict from state_dict(), got {type(state_dict).__name__}")
-    missing = {"epoch", "observation_offset"} - state_dict.keys()
-    if missing:
-        raise ValueError(
-            f"checkpoint lacks {sorted(missing)}; pass a dict returned by StatefulDataLoader.state_dict()"
-        )
-    epoch, offset = state_dict["epoch"], state_dict["observation_offset"]
-    for name, value in (("epoch", epoch), ("observation_offset", offset)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"checkpoint {name} must be an int >= 0, got {value!r}")
-    for key in ("shuffle", "shuffle_seed", "drop_last"):
-        if key == "shuffle_seed" and not loader.shuffle and not state_dict.get("shuffle", False):
-            continue  # the seed is ignored when neither loader shuffles
-        saved = cast(dict[str, Any], state_dict).get(key, getattr(loader, key))
-        if saved != getattr(loader, key):
-            warnings.warn(
-                f"the checkpoint was saved by a loader with {key}={saved!r}, this loader "
-                f"has {key}={getattr(loader, key)!r}; the saved value is not applied, so the "
-                f"order after resuming differs from the saved run. Construct the loader "
-                f"with {key}={saved!r} to resume it exactly",
-                UserWarning,
-                stacklevel=3,
-            )
-    if loader.shuffle and loader.shuffle_seed is None:
-        warnings.warn(
-            "this loader shuffles with shuffle_seed=None, so its order is not the saved "
-            "run's: the resumed epoch may repeat or skip observations. Pass a shuffle_seed "
-            "to resume exactly",
-            UserWarning,
-            stacklevel=3,
-        )
-    return epoch, offset
+    for name in ("shuffle", "pin_memory", "drop_last"):
+        setattr(loader, name, check_bool(name, getattr(loader, name)))
+    loader.shuffle_seed = check_optional_int("shuffle_seed", loader.shuffle_seed)
 
 
 def _check_size(loader: StatefulDataLoader[Any, Any]) -> None:

@@ -59,6 +59,7 @@ def test_ranks_never_share_a_sample_and_agree_on_the_checkpoint(tmp_path: Path, 
     for r in results:
         assert r["states"] == results[0]["states"]
     state = results[0]["states"][0]
+    assert state.pop("dataset")["observations"] == n_samples  # the fingerprint: rank-independent too
     assert state == {
         "epoch": 0,
         "observation_offset": 5 * 3 * world_size,

@@ -215,6 +215,7 @@ def test_state_dict_counts_only_delivered_batches() -> None:
             "shuffle": False,
             "shuffle_seed": None,
             "drop_last": True,
+            "dataset": {"kind": "stream", "observations": 50, "sequence_length": 4, "digest": ""},
         }
         it = iter(loader)
         next(it)
@@ -246,6 +247,7 @@ def test_checkpoint_is_plain_and_weights_only_loadable() -> None:
         "shuffle": True,
         "shuffle_seed": 5,
         "drop_last": True,
+        "dataset": {"kind": "stream", "observations": 10, "sequence_length": 4, "digest": ""},
     }
 
 
@@ -313,7 +315,14 @@ def test_resume_with_other_batch_and_world_size_continues_at_the_global_position
 def test_resume_at_an_offset_that_is_not_a_multiple_of_the_batch() -> None:
     with make(identity_stream(20), local_batch_size=4) as loader:
         loader.load_state_dict(
-            {"epoch": 0, "observation_offset": 6, "shuffle": False, "shuffle_seed": None, "drop_last": True}
+            {
+                "dataset": loader.state_dict()["dataset"],
+                "epoch": 0,
+                "observation_offset": 6,
+                "shuffle": False,
+                "shuffle_seed": None,
+                "drop_last": True,
+            }
         )
         assert take(loader) == [[6, 7, 8, 9], [10, 11, 12, 13], [14, 15, 16, 17]]
         assert loader.state_dict()["epoch"] == 1
@@ -325,7 +334,14 @@ def test_resume_into_a_later_epoch_uses_that_epochs_order() -> None:
         epoch1 = take(loader)
     with make(identity_stream(30), local_batch_size=5, shuffle=True, shuffle_seed=1) as loader:
         loader.load_state_dict(
-            {"epoch": 1, "observation_offset": 10, "shuffle": True, "shuffle_seed": 1, "drop_last": True}
+            {
+                "dataset": loader.state_dict()["dataset"],
+                "epoch": 1,
+                "observation_offset": 10,
+                "shuffle": True,
+                "shuffle_seed": 1,
+                "drop_last": True,
+            }
         )
         assert take(loader) == epoch1[2:]
 
@@ -334,7 +350,14 @@ def test_load_state_dict_warns_on_mismatch_and_does_not_apply() -> None:
     with make(identity_stream(20), local_batch_size=2, shuffle=True, shuffle_seed=1) as loader:
         with pytest.warns(UserWarning) as record:
             loader.load_state_dict(
-                {"epoch": 0, "observation_offset": 4, "shuffle": True, "shuffle_seed": 2, "drop_last": False}
+                {
+                    "dataset": loader.state_dict()["dataset"],
+                    "epoch": 0,
+                    "observation_offset": 4,
+                    "shuffle": True,
+                    "shuffle_seed": 2,
+                    "drop_last": False,
+                }
             )
         messages = [str(w.message) for w in record]
         assert len(messages) == 2
@@ -344,7 +367,14 @@ def test_load_state_dict_warns_on_mismatch_and_does_not_apply() -> None:
     with make(identity_stream(20)) as loader, warnings.catch_warnings():
         warnings.simplefilter("error")
         loader.load_state_dict(
-            {"epoch": 0, "observation_offset": 4, "shuffle": False, "shuffle_seed": None, "drop_last": True}
+            {
+                "dataset": loader.state_dict()["dataset"],
+                "epoch": 0,
+                "observation_offset": 4,
+                "shuffle": False,
+                "shuffle_seed": None,
+                "drop_last": True,
+            }
         )
 
 
@@ -971,3 +1001,65 @@ def test_a_failed_open_closes_the_storage_again() -> None:
     with pytest.raises(ValueError, match="fewer than one global batch"):
         loader.open()
     assert storage.events == ["open", "close"]
+
+
+# -- issue 10: a checkpoint knows its dataset; options are type-checked ----------------------------
+def test_checkpoint_of_a_larger_dataset_is_refused_not_an_epoch_skipped() -> None:
+    with make(identity_stream(2000), local_batch_size=10) as big:
+        it = iter(big)
+        for _ in range(30):
+            next(it)
+        it.close()
+        state = big.state_dict()
+    small = make(identity_stream(200), local_batch_size=10)
+    with pytest.raises(ValueError, match=r"another dataset.*allow_dataset_change=True"):
+        small.load_state_dict(state)
+    assert small.state_dict()["observation_offset"] == 0  # nothing applied
+    with pytest.raises(ValueError, match="past the end"):
+        small.load_state_dict(state, allow_dataset_change=True)
+
+
+def test_allow_dataset_change_resumes_at_the_saved_position() -> None:
+    with make(identity_stream(400), local_batch_size=10) as a:
+        it = iter(a)
+        next(it)
+        it.close()
+        state = a.state_dict()
+    with make(identity_stream(300), local_batch_size=10) as b:
+        b.load_state_dict(state, allow_dataset_change=True)
+        assert next(iter(b)) == list(range(10, 20))
+
+
+def test_checkpoint_round_trips_through_torch_save_weights_only(tmp_path: Any) -> None:
+    import torch
+
+    with make(identity_stream(400), local_batch_size=10) as a:
+        it = iter(a)
+        next(it)
+        it.close()
+        torch.save({"loader": a.state_dict()}, tmp_path / "ckpt.pt")
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)["loader"]
+    with make(identity_stream(400), local_batch_size=10) as b:
+        b.load_state_dict(state)
+        assert next(iter(b)) == list(range(10, 20))
+
+
+@pytest.mark.parametrize("name", ["shuffle", "drop_last", "pin_memory"])
+@pytest.mark.parametrize("value", ["no", "yes", 1, None])
+def test_bool_options_refuse_truthy_values(name: str, value: Any) -> None:
+    with pytest.raises(TypeError, match=f"{name} must be True or False"):
+        make(identity_stream(100), **{name: value})
+
+
+def test_numpy_integers_are_accepted_everywhere() -> None:
+    loader = make(
+        identity_stream(100), local_batch_size=np.int64(5), shuffle_seed=np.int32(3), prefetch=np.int64(0)
+    )
+    assert type(loader.local_batch_size) is int and loader.local_batch_size == 5
+    assert type(loader.shuffle_seed) is int and loader.state_dict()["shuffle_seed"] == 3
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-CUDA error")
+def test_cuda_device_without_cuda_is_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        make(identity_stream(100), device="cuda")

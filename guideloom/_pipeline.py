@@ -17,7 +17,7 @@ import asyncio
 import concurrent.futures
 import multiprocessing
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures.process import BrokenProcessPool  # not imported by concurrent.futures itself
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -202,6 +202,18 @@ def make_executor(cfg: PipelineConfig) -> concurrent.futures.Executor | None:
     )
 
 
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # retrieved: asyncio does not log "Future exception was never retrieved"
+
+
+def _discard(futures: Iterable[asyncio.Future[Any]]) -> None:
+    """Cancel collate groups nobody will wait for, retrieving any error they end with."""
+    for fut in futures:
+        fut.add_done_callback(_retrieve)
+        fut.cancel()
+
+
 def group_size(capacity: int, num_workers: int) -> int:
     """Batches per worker call: enough to amortise the hand-off, small enough to keep all busy."""
     return max(1, min(8, capacity // (2 * max(1, num_workers))))
@@ -248,9 +260,12 @@ async def _collate(
         def submit() -> None:
             if group:
                 batches = [d.value for d in group]
-                pending.append(
-                    (list(group), loop.run_in_executor(executor, _collate_many, cfg.collate_fn, batches))
-                )
+                try:
+                    fut = loop.run_in_executor(executor, _collate_many, cfg.collate_fn, batches)
+                except BrokenProcessPool as exc:  # a worker died before this group was handed over
+                    fut = loop.create_future()
+                    fut.set_exception(exc)
+                pending.append((list(group), fut))
                 group.clear()
 
         async def flush(keep: int) -> bool:
@@ -275,32 +290,35 @@ async def _collate(
                         return False
             return True
 
-        async for window in receive:
-            window.reverse()
-            while window:
-                d = window.pop()
-                if d.error is not None:
-                    submit()
-                    if await flush(0):
+        try:
+            async for window in receive:
+                window.reverse()
+                while window:
+                    d = window.pop()
+                    if d.error is not None:
+                        submit()
+                        if await flush(0):
+                            await channel.reserve()
+                            await emit(d)
+                        return
+                    if not channel.try_reserve():
+                        submit()  # no credit now: start what we have before waiting
+                        if not await flush(cfg.num_workers - 1):
+                            return
                         await channel.reserve()
-                        await emit(d)
+                    group.append(d)
+                    del d
+                    if len(group) >= max_group:
+                        submit()
+                        if not await flush(cfg.num_workers - 1):
+                            return
+                submit()
+                if not await flush(cfg.num_workers - 1):
                     return
-                if not channel.try_reserve():
-                    submit()  # no credit now: start what we have before waiting
-                    if not await flush(cfg.num_workers - 1):
-                        return
-                    await channel.reserve()
-                group.append(d)
-                del d
-                if len(group) >= max_group:
-                    submit()
-                    if not await flush(cfg.num_workers - 1):
-                        return
             submit()
-            if not await flush(cfg.num_workers - 1):
-                return
-        submit()
-        await flush(0)
+            await flush(0)
+        finally:
+            _discard(f for _, f in pending)  # after a failure: nothing waits for them
 
 
 # -- no concurrency: the caller's thread ------------------------------------------------------------

@@ -1063,3 +1063,35 @@ def test_numpy_integers_are_accepted_everywhere() -> None:
 def test_cuda_device_without_cuda_is_refused_at_construction() -> None:
     with pytest.raises(ValueError, match="CUDA is not available"):
         make(identity_stream(100), device="cuda")
+
+
+@pytest.mark.slow
+def test_a_worker_killed_between_batches_is_a_worker_error(caplog: pytest.LogCaptureFixture) -> None:
+    import multiprocessing
+    import os
+    import signal
+
+    from ._helpers import IdsOf
+
+    loader = gl.StatefulDataLoader.from_storage(
+        identity_stream(400),
+        IdsOf(4),
+        sequence_length=4,
+        local_batch_size=2,
+        num_workers=2,
+        parallel_method="process",
+        prefetch=2,
+        device=torch.device("cpu"),
+    )
+    got: list[list[int]] = []
+    with loader, pytest.raises(gl.WorkerError, match="died"):
+        for b in loader:
+            got.append(b)
+            if len(got) == 3:
+                for child in multiprocessing.active_children():
+                    os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+                time.sleep(0.5)  # the pool notices before the next groups are handed over
+    assert got[:3] == [[0, 1], [2, 3], [4, 5]]
+    assert [i for b in got for i in b] == list(range(2 * len(got)))  # in order, none lost before
+    assert multiprocessing.active_children() == []
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]

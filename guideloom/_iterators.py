@@ -127,6 +127,13 @@ class _IteratorBase(Generic[BatchT]):
         self._executor: concurrent.futures.Executor | None = None
         loader._active.claim(self)
 
+    def __len__(self) -> int:
+        """Batches this iterator still yields: the rest of the epoch from where it stands (after a
+        resume, what is left, not the whole epoch), which is what ``tqdm(iter(loader))`` shows."""
+        if not hasattr(self, "_cfg"):  # an async iterator plans its epoch at its first batch
+            return self._loader.remaining()
+        return 0 if self._done else self._expected - self._delivered
+
     def _configure(self, cfg: PipelineConfig) -> None:
         """This iterator's epoch; planned once the loader is open (a storage may know its length
         only then)."""

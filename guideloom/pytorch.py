@@ -177,8 +177,17 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         return self.local_batch_size * self.world_size
 
     def __len__(self) -> int:
-        """Batches per epoch, counting a final partial global batch when ``drop_last=False``."""
+        """Batches per epoch, counting a final partial global batch when ``drop_last=False``.
+
+        Always the whole epoch, also after a resume: :meth:`remaining` (or ``len`` of an
+        iterator) counts the batches left from the current position.
+        """
         return num_batches(len(self.dataset), self.global_batch_size, self.drop_last)
+
+    def remaining(self) -> int:
+        """Batches left in the current epoch from the current position (``state_dict()``'s
+        offset): what a progress bar wants after a resume, e.g. ``tqdm(loader, total=loader.remaining())``."""
+        return num_batches(len(self.dataset), self.global_batch_size, self.drop_last, self._offset)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def open(self) -> None:

@@ -1095,3 +1095,35 @@ def test_a_worker_killed_between_batches_is_a_worker_error(caplog: pytest.LogCap
     assert [i for b in got for i in b] == list(range(2 * len(got)))  # in order, none lost before
     assert multiprocessing.active_children() == []
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
+def test_remaining_counts_what_is_left_after_a_resume() -> None:
+    with make(identity_stream(100), local_batch_size=10) as loader:
+        assert len(loader) == loader.remaining() == 10
+        it = iter(loader)
+        assert len(it) == 10
+        next(it)
+        next(it)
+        assert len(it) == 8 and loader.remaining() == 8
+        it.close()
+        assert len(it) == 0
+        state = loader.state_dict()
+    with make(identity_stream(100), local_batch_size=5) as resumed:  # another batch size
+        resumed.load_state_dict(state)
+        assert len(resumed) == 20  # len(loader) stays the whole epoch
+        assert resumed.remaining() == 16
+        it = iter(resumed)
+        assert len(it) == 16 == len(list(it))
+        assert resumed.remaining() == 20  # the next epoch, whole
+
+
+@pytest.mark.asyncio
+async def test_remaining_of_an_async_iterator() -> None:
+    loader = make(identity_stream(100), local_batch_size=10)
+    loader.load_state_dict({**loader.state_dict(), "observation_offset": 30})
+    async with loader:
+        it = loader.__aiter__()
+        assert len(it) == 7
+        await it.__anext__()
+        assert len(it) == 6
+        await it.aclose()

@@ -15,7 +15,7 @@ from typing import IO, Any, Protocol, cast
 
 from .._errors import DatasetFormatError
 from ._objstore import make_store, map_error, parse_location, secret_values, split_options
-from .manifest import MANIFEST_NAME, Manifest
+from .manifest import MANIFEST_NAME, Manifest, read_manifest_file
 
 __all__ = ["LocalSink", "ObjectSink", "Sink"]
 
@@ -55,7 +55,7 @@ class LocalSink:
                 f"a dataset already exists at {self.folder}; pass overwrite=True to replace it"
             )
         try:
-            return Manifest.from_json_bytes(path.read_bytes(), source=str(self.folder))
+            return Manifest.from_json_bytes(read_manifest_file(path), source=str(self.folder))
         except DatasetFormatError:
             return None
 

@@ -1,4 +1,4 @@
-"""Local datasets: memory-mapped reading and the folder sink the writers use.
+"""Local datasets: memory-mapped (or ``preadv``) reading of a written dataset's folder.
 
 Reading maps each shard file read-only (``mmap``), so opening a dataset costs no reads and its
 size does not matter: a 1 TiB stream opens in milliseconds. A batched read gathers a whole
@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from .._errors import DatasetIntegrityError
 from .base import Rows
-from .manifest import MANIFEST_NAME, ArraySpec, Manifest
+from .manifest import MANIFEST_NAME, ArraySpec, Manifest, read_manifest_file
 from .manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
 from .memory import gather_windows
 
@@ -58,7 +58,7 @@ def read_local_manifest(folder: Path) -> Manifest:
     if not folder.is_dir():
         raise FileNotFoundError(f"no dataset at {str(folder)!r}: the folder does not exist")
     try:
-        data = path.read_bytes()
+        data = read_manifest_file(path)  # bounded: a huge file is refused unread
     except FileNotFoundError:
         raise FileNotFoundError(
             f"no dataset at {str(folder)!r}: it has no {MANIFEST_NAME} (an unfinished or "

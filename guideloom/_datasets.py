@@ -14,6 +14,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from ._checks import check_int
 from ._storage.base import DocumentStorageAbstract, StorageAbstract, StreamStorageAbstract
 
 __all__ = ["DatasetAbstract", "DocumentDataset", "SourceT", "StreamDataset", "dataset_for"]
@@ -81,12 +82,8 @@ class StreamDataset(DatasetAbstract[SourceT]):
     def __init__(self, storage: StreamStorageAbstract[Any, SourceT], sequence_length: int) -> None:
         if not isinstance(storage, StreamStorageAbstract):
             raise TypeError(f"StreamDataset needs a StreamStorageAbstract, got {type(storage).__name__}")
-        if isinstance(sequence_length, bool) or not isinstance(sequence_length, int | np.integer):
-            raise TypeError(f"sequence_length must be an int, got {type(sequence_length).__name__}")
-        if sequence_length < 1:
-            raise ValueError(f"sequence_length must be >= 1, got {sequence_length}")
         self._storage = storage
-        self.sequence_length = int(sequence_length)
+        self.sequence_length = check_int("sequence_length", sequence_length, 1)
 
     def __repr__(self) -> str:
         return f"StreamDataset({self._storage!r}, sequence_length={self.sequence_length})"

@@ -468,11 +468,9 @@ def _slow_ids(samples: Sequence[np.ndarray]) -> list[int]:
     return [int(s[0]) // 4 for s in samples]
 
 
-def test_closing_from_another_thread_with_thread_workers_raises_nothing(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    _without_the_process_module(monkeypatch)
-    loader = StatefulDataLoader.from_storage(
+def _slow_thread_worker_loader() -> StatefulDataLoader[Any, Any]:
+    """Thread workers with a slow collate: an epoch still runs when the loader is closed."""
+    return StatefulDataLoader.from_storage(
         identity_stream(400),
         _slow_ids,
         sequence_length=4,
@@ -481,6 +479,13 @@ def test_closing_from_another_thread_with_thread_workers_raises_nothing(
         prefetch=4,
         device=torch.device("cpu"),
     )
+
+
+def test_closing_from_another_thread_with_thread_workers_raises_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _without_the_process_module(monkeypatch)
+    loader = _slow_thread_worker_loader()
     got: list[Any] = []
     errors: list[BaseException] = []
     started = threading.Event()
@@ -507,15 +512,7 @@ async def test_aclose_from_another_task_with_thread_workers_raises_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _without_the_process_module(monkeypatch)
-    loader = StatefulDataLoader.from_storage(
-        identity_stream(400),
-        _slow_ids,
-        sequence_length=4,
-        local_batch_size=2,
-        num_workers=2,
-        prefetch=4,
-        device=torch.device("cpu"),
-    )
+    loader = _slow_thread_worker_loader()
     got: list[Any] = []
     started = asyncio.Event()
 

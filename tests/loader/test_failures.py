@@ -1,0 +1,74 @@
+"""Failures: collate and storage errors reach the consumer at the batch that failed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+import torch
+
+import guideloom as gl
+
+from .._helpers import identity_stream, make, take
+from ._support import (
+    Boom,
+    FailingStorage,
+    flat,
+)
+
+pytestmark = pytest.mark.usefixtures("no_thread_leak")
+
+
+@pytest.mark.parametrize(
+    "workers", [{}, {"num_workers": 2}, {"prefetch": 4}, {"num_workers": 2, "prefetch": 3}]
+)
+def test_collate_error_reaches_consumer_at_its_batch(workers: dict[str, int]) -> None:
+    def collate(samples: Sequence[np.ndarray]) -> list[int]:
+        out = [int(s[0]) // 4 for s in samples]
+        if 12 in out:
+            raise Boom(f"bad batch {out}")
+        return out
+
+    loader = gl.StatefulDataLoader.from_storage(
+        identity_stream(40),
+        collate,
+        sequence_length=4,
+        local_batch_size=4,
+        device=torch.device("cpu"),
+        **workers,
+    )
+    got = []
+    with loader:
+        with pytest.raises(Boom, match="bad batch"):
+            for b in loader:
+                got.append(b)
+        assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+        assert loader.state_dict()["observation_offset"] == 12
+        # the failing batch is retried by the next iterator
+        with pytest.raises(Boom):
+            take(loader)
+
+
+@pytest.mark.parametrize("workers", [{}, {"num_workers": 2, "prefetch": 2}])
+def test_storage_error_surfaces_at_the_failing_batch(workers: dict[str, int]) -> None:
+    loader = make(FailingStorage(np.arange(400), bad_start=4 * 57), local_batch_size=5, **workers)
+    got = []
+    with loader, pytest.raises(OSError, match="disk error at 228"):
+        for b in loader:
+            got.append(b)
+    assert flat(got) == list(range(55))
+
+
+def test_exception_group_free_errors_in_async() -> None:
+    async def main() -> None:
+        loader = make(FailingStorage(np.arange(400), bad_start=4 * 7), local_batch_size=5)
+        got = []
+        async with loader:
+            with pytest.raises(OSError, match="disk error"):
+                async for b in loader:
+                    got.append(b)
+        assert got == [[0, 1, 2, 3, 4]]
+
+    asyncio.run(main())

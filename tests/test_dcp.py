@@ -8,15 +8,14 @@ processes, started the way torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR, 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+from ._ranks import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -25,46 +24,8 @@ EXAMPLE = ROOT / "examples" / "dcp_resume.py"
 NUM_SAMPLES = 1_001  # the example's dataset
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_ranks(world_size: int, *args: str, cwd: Path) -> None:
-    port = free_port()
-    procs = []
-    for rank in range(world_size):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            GLOO_SOCKET_IFNAME="lo",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(EXAMPLE), *args],
-                env=env,
-                cwd=cwd,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=200)
-            outputs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"rank {rank} of {world_size} failed:\n{out}"
+def run_example(world_size: int, *args: str, cwd: Path) -> None:
+    for rank, out in enumerate(run_ranks(world_size, [sys.executable, str(EXAMPLE), *args], cwd=cwd)):
         assert "Warning" not in out, f"rank {rank} of {world_size} warned:\n{out}"
 
 
@@ -88,7 +49,7 @@ def read(ckpt: Path, run: str, world_size: int) -> list[dict[str, Any]]:
 
 def test_two_ranks_save_three_ranks_resume_every_sample_once(tmp_path: Path) -> None:
     data, ckpt, steps = tmp_path / "corpus", tmp_path / "ckpt", 7
-    run_ranks(2, "--data", str(data), "--checkpoint", str(ckpt), "--steps", str(steps), cwd=tmp_path)
+    run_example(2, "--data", str(data), "--checkpoint", str(ckpt), "--steps", str(steps), cwd=tmp_path)
     saved = read(ckpt, "save", 2)
     # the state is rank-independent: every rank holds the same checkpoint
     assert saved[0]["state"] == saved[1]["state"]
@@ -104,7 +65,7 @@ def test_two_ranks_save_three_ranks_resume_every_sample_once(tmp_path: Path) -> 
     entries = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     assert sorted(entries) == sorted(flat_keys(saved[0]["state"], "loader"))
 
-    run_ranks(3, "--data", str(data), "--checkpoint", str(ckpt), "--resume", cwd=tmp_path)
+    run_example(3, "--data", str(data), "--checkpoint", str(ckpt), "--resume", cwd=tmp_path)
     resumed = read(ckpt, "resume", 3)
     before = [i for r in saved for i in r["seen"]]
     after = [i for r in resumed for i in r["seen"]]

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,40 +11,22 @@ import pytest
 
 import guideloom as gl
 
+from ._ranks import run_ranks
+
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ranks_never_share_a_sample_and_agree_on_the_checkpoint(tmp_path: Path, world_size: int) -> None:
     n_samples, seq = 100, 8  # 100 samples, global batch 3 * world: a partial last step
     gl.write_stream(tmp_path / "ds", np.arange(n_samples * seq + 5, dtype=np.uint32), shard_bytes=1000)
-    port = free_port()
-    procs = []
-    for rank in range(world_size):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            GLOO_SOCKET_IFNAME="lo",
-        )
-        out = tmp_path / f"rank{rank}.json"
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "tests._dist_worker", str(tmp_path / "ds"), str(out), "4"],
-                env=env,
-                cwd=Path(__file__).resolve().parents[1],
-            )
-        )
-    for p in procs:
-        assert p.wait(timeout=150) == 0
+    argv = [sys.executable, "-m", "tests._dist_worker", str(tmp_path / "ds")]
+    run_ranks(
+        world_size,
+        lambda rank: [*argv, str(tmp_path / f"rank{rank}.json"), "4"],
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=150,
+    )
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
     assert all(r["overlaps"] == 0 for r in results)
     # every rank took the same number of steps (empty batches pad the last one)

@@ -31,9 +31,12 @@ class DatasetAbstract(ABC, Generic[SourceT]):
         """The storage this dataset reads from."""
 
     async def open(self) -> None:
+        """Open the storage; the loader calls this on ``open()`` / entering ``with``, before
+        ``len()`` is asked (a storage may learn its length only once open)."""
         await self.storage.open()
 
     async def close(self) -> None:
+        """Close the storage; the loader calls this on ``close()``, after its last read."""
         await self.storage.close()
 
     @abstractmethod
@@ -62,10 +65,14 @@ class DatasetAbstract(ABC, Generic[SourceT]):
 
     @property
     def max_concurrent_reads(self) -> int:
+        """How many read windows the loader keeps in flight at once: the storage's figure (1 for
+        memory and local files, more for object stores, where a read is bound by round trips)."""
         return max(1, int(self.storage.max_concurrent_reads))
 
     @property
     def read_window_bytes(self) -> int:
+        """Bytes the loader asks for in one ``read_many`` call at most (the storage's figure): the
+        read-ahead window that batched reads and range coalescing work over."""
         return max(1, int(self.storage.read_window_bytes))
 
     def sample_nbytes_hint(self) -> int:

@@ -35,17 +35,6 @@ def anchors(name: str, obj: Any) -> list[str]:
     return out
 
 
-#: Public members that have no docstring today (in files the docs do not own), as
-#: ``Class.member`` of the class that defines them. Remove an entry once its docstring is
-#: written: the test fails while the list holds a documented member.
-KNOWN_MISSING = {
-    "DatasetAbstract.open",
-    "DatasetAbstract.close",
-    "DatasetAbstract.max_concurrent_reads",
-    "DatasetAbstract.read_window_bytes",
-}
-
-
 def public_members(cls: type) -> dict[str, type]:
     """Public methods and properties of ``cls`` -> the guideloom class that defines them (not
     those of ``object``, ``Exception``, ``Generic`` or ``ABC``)."""
@@ -92,10 +81,7 @@ def missing_docstrings() -> set[str]:
 
 def test_every_public_name_and_method_has_a_docstring() -> None:
     missing = missing_docstrings()
-    assert not missing - KNOWN_MISSING, f"public names without a docstring: {sorted(missing - KNOWN_MISSING)}"
-    assert not KNOWN_MISSING - missing, (
-        f"documented now, drop from KNOWN_MISSING: {sorted(KNOWN_MISSING - missing)}"
-    )
+    assert not missing, f"public names without a docstring: {sorted(missing)}"
 
 
 def test_the_check_sees_a_missing_docstring() -> None:

@@ -68,6 +68,10 @@ class LoaderIdentity:
     shuffle_seed: int | None
     drop_last: bool
     fingerprint: DatasetFingerprint
+    shuffle_block_size: int = 1
+    """Samples per shuffle block, resolved (``"auto"`` is recorded as the size it chose)."""
+    shuffle_window: int = 1
+    """Blocks per mixing window (1 for a global shuffle)."""
 
 
 def _differences(saved: Mapping[str, Any], current: DatasetFingerprint) -> list[str]:
@@ -142,12 +146,25 @@ def restore_position(
     return epoch, offset
 
 
+def _saved_order_value(state_dict: Mapping[str, Any], key: str, mine: Any) -> Any:
+    """The saved value of ``key``; a checkpoint from before block shuffles has a global one."""
+    if key in ("shuffle_block_size", "shuffle_window"):
+        return state_dict.get(key, 1)
+    return state_dict.get(key, mine)
+
+
 def _warn_order_changes(state_dict: Mapping[str, Any], current: LoaderIdentity) -> None:
-    for key in ("shuffle", "shuffle_seed", "drop_last"):
-        if key == "shuffle_seed" and not current.shuffle and not state_dict.get("shuffle", False):
-            continue  # the seed is ignored when neither loader shuffles
+    either_shuffles = current.shuffle or bool(state_dict.get("shuffle", False))
+    keys = ("shuffle", "shuffle_seed", "drop_last", "shuffle_block_size", "shuffle_window")
+    for key in keys:
+        if key in ("shuffle_seed", "shuffle_block_size", "shuffle_window") and not either_shuffles:
+            continue  # the seed and the blocks are ignored when neither loader shuffles
         mine = getattr(current, key)
-        saved = state_dict.get(key, mine)
+        saved = _saved_order_value(state_dict, key, mine)
+        if key == "shuffle_window" and not (
+            current.shuffle_block_size == state_dict.get("shuffle_block_size", 1) > 1
+        ):
+            continue  # a window only means something between equal blocks of several samples
         if saved != mine:
             warnings.warn(
                 f"the checkpoint was saved by a loader with {key}={saved!r}, this loader has "

@@ -4,14 +4,14 @@ option is, so every option is checked the same way (and the error says how to fi
 from __future__ import annotations
 
 import numbers
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["check_bool", "check_device", "check_int", "check_optional_int"]
+__all__ = ["check_block_size", "check_bool", "check_device", "check_int", "check_optional_int"]
 
 
 def check_int(name: str, value: Any, minimum: int) -> int:
@@ -35,6 +35,24 @@ def check_optional_int(name: str, value: Any) -> int | None:
     if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int or None, got {type(value).__name__} {value!r}")
     return int(value)
+
+
+def check_block_size(value: Any) -> int | Literal["auto"] | None:
+    """``shuffle_block_size``: ``None`` (global row shuffle), ``"auto"`` (the storage's
+    default) or an ``int`` of at least 1 samples per block."""
+    if value is None or value == "auto":
+        return cast('Literal["auto"] | None', value)
+    if isinstance(value, str):
+        raise ValueError(
+            f"shuffle_block_size must be an int >= 1 (samples per block), 'auto' (the storage's "
+            f"default: ~4 MiB blocks on object storage, a global shuffle elsewhere) or None (a "
+            f"global row shuffle), got {value!r}"
+        )
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"shuffle_block_size must be an int, 'auto' or None, got {type(value).__name__} {value!r}"
+        )
+    return check_int("shuffle_block_size", value, 1)
 
 
 def check_bool(name: str, value: Any) -> bool:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from ._channel import Channel, EndOfStream
 from ._loop import LoopThread
 from ._pipeline import Delivery, InlinePipeline, PipelineConfig, make_executor, run_pipeline
-from ._plan import EpochPlan, Permutation
+from ._plan import EpochPlan
 
 if TYPE_CHECKING:
     from .pytorch import StatefulDataLoader
@@ -67,6 +67,8 @@ def pipeline_config(loader: StatefulDataLoader[Any, Any]) -> PipelineConfig:
                 "parallel_method='thread' for closures and lambdas"
             ) from exc
     n = len(loader.dataset)
+    loader._mark_epoch_reads()
+    order = loader._order(loader._epoch)
     return PipelineConfig(
         dataset=loader.dataset,
         plan=EpochPlan(
@@ -76,8 +78,9 @@ def pipeline_config(loader: StatefulDataLoader[Any, Any]) -> PipelineConfig:
             rank=loader.rank,
             drop_last=loader.drop_last,
             start_offset=loader._offset,
+            order=order,
         ),
-        order=Permutation(n, shuffle=loader.shuffle, seed=loader._order_seed, epoch=loader._epoch),
+        order=order,
         collate_fn=loader.collate_fn,
         device=loader.device,
         pin_memory=loader.pin_memory,

@@ -23,7 +23,7 @@ offset) are closed forms, and a lookup costs O(1) time and memory at any positio
 from __future__ import annotations
 
 import hashlib
-from typing import Final, Protocol
+from typing import Final, Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -38,6 +38,7 @@ __all__ = [
     "Order",
     "default_block_size",
     "make_order",
+    "resolve_block_size",
 ]
 
 REMOTE_BLOCK_BYTES: Final = 4 * 1024 * 1024
@@ -364,3 +365,24 @@ def default_block_size(sample_nbytes: int, target_bytes: int = REMOTE_BLOCK_BYTE
     if target_bytes < 1:
         raise ValueError(f"target_bytes must be >= 1, got {target_bytes}")
     return max(1, target_bytes // sample_nbytes)
+
+
+def resolve_block_size(
+    requested: int | Literal["auto"] | None, *, block_bytes: int | None, sample_nbytes: int
+) -> int:
+    """Samples per shuffle block for a loader's ``shuffle_block_size``.
+
+    ``None`` (the default): ``1``, the global row shuffle, whatever the storage, so the order is
+    the same over memory, local files and object storage. ``"auto"``: the storage's choice,
+    blocks of about ``block_bytes`` (a storage's ``shuffle_block_bytes``; object stores say
+    :data:`REMOTE_BLOCK_BYTES`) of ``sample_nbytes`` each, or :data:`LOCAL_BLOCK_SIZE` where
+    the storage names no block size (memory, local files) or the sample size is unknown. An int
+    is used as given.
+    """
+    if requested is None:
+        return 1
+    if requested == "auto":
+        if block_bytes is None or sample_nbytes < 1:
+            return LOCAL_BLOCK_SIZE
+        return default_block_size(sample_nbytes, block_bytes)
+    return requested

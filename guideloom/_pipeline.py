@@ -37,7 +37,8 @@ except ImportError:  # pragma: no cover - a future anyio may move it; it then lo
 from ._channel import Channel
 from ._datasets import DatasetAbstract
 from ._errors import WorkerError
-from ._plan import BatchSpec, EpochPlan, Permutation
+from ._order import Order
+from ._plan import BatchSpec, EpochPlan
 from ._schedule import Delivery, Indexes, max_window, read_window, run_async, run_sync, windows
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ __all__ = ["Delivery", "InlinePipeline", "PipelineConfig", "make_executor", "mov
 class PipelineConfig:
     dataset: DatasetAbstract[Any]
     plan: EpochPlan
-    order: Permutation
+    order: Order
     collate_fn: Callable[[Sequence[Any]], Any]
     device: torch.device
     pin_memory: bool

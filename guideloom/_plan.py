@@ -13,11 +13,14 @@ a vectorised lookup serves a whole read-ahead window with a handful of numpy ope
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
-from typing import Final, NamedTuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from ._order import Order
 
 __all__ = ["BatchSpec", "EpochPlan", "Permutation", "num_batches"]
 
@@ -163,6 +166,11 @@ class EpochPlan:
     contiguous block ``[o + b*G + r*B, o + b*G + (r+1)*B)`` clipped to ``[0, N)``. With
     ``drop_last`` a final global batch smaller than ``G`` is not part of the plan. Every rank's
     plan has the same number of batches.
+
+    ``order`` maps order positions to observation indexes (an :class:`~guideloom._order.Order`:
+    a :class:`Permutation`, a chunk-aware block order, or a dataset's own); ``None`` is the
+    identity. The plan's arithmetic is over positions and never depends on the order, so any
+    bijection of ``[0, N)`` keeps every guarantee (exactly once, ranks disjoint, resume).
     """
 
     num_observations: int
@@ -171,8 +179,16 @@ class EpochPlan:
     rank: int
     drop_last: bool
     start_offset: int = 0
+    order: Order | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        if self.order is None:
+            identity = Permutation(self.num_observations, shuffle=False, seed=0, epoch=0)
+            object.__setattr__(self, "order", identity)
+        elif len(self.order) != self.num_observations:
+            raise ValueError(
+                f"the epoch order covers {len(self.order)} observations, the plan {self.num_observations}"
+            )
         if self.local_batch_size < 1:
             raise ValueError(f"local_batch_size must be >= 1, got {self.local_batch_size}")
         if self.world_size < 1:
@@ -229,3 +245,15 @@ class EpochPlan:
             return np.arange(lo[0], hi[-1], dtype=np.int64), sizes
         grid = lo[:, None] + np.arange(b, dtype=np.int64)
         return grid[grid < hi[:, None]], sizes
+
+    @property
+    def epoch_order(self) -> Order:
+        """The order (never None: ``order=None`` is stored as the identity)."""
+        assert self.order is not None
+        return self.order
+
+    def indices(self, first_step: int, stop_step: int) -> tuple[IndexArray, IndexArray]:
+        """Observation indexes of batches ``[first_step, stop_step)`` back to back, and each
+        one's size: :meth:`positions` through the order."""
+        positions, sizes = self.positions(first_step, stop_step)
+        return self.epoch_order.take(positions), sizes

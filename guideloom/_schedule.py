@@ -23,7 +23,8 @@ import numpy as np
 import numpy.typing as npt
 
 from ._errors import StorageError
-from ._plan import BatchSpec, EpochPlan, Permutation
+from ._order import Order
+from ._plan import BatchSpec, EpochPlan
 from ._storage.base import Rows
 
 __all__ = [
@@ -72,7 +73,7 @@ class Indexes:
 
     BLOCK_POSITIONS = 16384
 
-    def __init__(self, plan: EpochPlan, order: Permutation) -> None:
+    def __init__(self, plan: EpochPlan, order: Order) -> None:
         self._plan = plan
         self._order = order
         self._first = self._stop = 0  # steps held: [first, stop)

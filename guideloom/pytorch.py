@@ -18,10 +18,11 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypeVar, Unpack, cast, overload
 
 from ._checkpoint import LoaderIdentity, dataset_fingerprint, restore_position
-from ._checks import check_bool, check_device, check_int, check_optional_int
+from ._checks import check_block_size, check_bool, check_device, check_int, check_optional_int
 from ._datasets import DatasetAbstract, SourceT, dataset_for
 from ._iterators import ActiveIterator, AsyncIterator, SyncIterator, sync_iterator
 from ._loop import LoopThread
+from ._order import DEFAULT_WINDOW, Order, make_order, resolve_block_size
 from ._plan import num_batches
 from ._storage.base import DocumentStorageAbstract, InT, OutT, StreamStorageAbstract
 from .types import DatasetFingerprint, LoaderOptions, StatefulDataLoaderStateDict
@@ -71,6 +72,8 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
     pin_memory: bool = False
     drop_last: bool = True
     prefetch: int = 0
+    shuffle_block_size: int | Literal["auto"] | None = None
+    shuffle_window: int = DEFAULT_WINDOW
 
     _epoch: int = field(default=0, init=False, repr=False)
     _offset: int = field(default=0, init=False, repr=False)
@@ -80,6 +83,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
     _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
     _stats: dict[str, float] = field(default_factory=_STATS.copy, init=False, repr=False)
     _dataset_fingerprint: DatasetFingerprint | None = field(default=None, init=False, repr=False)
+    _reads_mark: tuple[int, int, int] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         _check_arguments(self)
@@ -189,6 +193,36 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         offset): what a progress bar wants after a resume, e.g. ``tqdm(loader, total=loader.remaining())``."""
         return num_batches(len(self.dataset), self.global_batch_size, self.drop_last, self._offset)
 
+    # -- the epoch order -------------------------------------------------------------------------
+    def _block_size(self) -> int:
+        """Samples per shuffle block, ``shuffle_block_size`` resolved (``"auto"``: the storage's).
+
+        Without shuffle the order is the identity: 1, whatever was asked.
+        """
+        if not self.shuffle:
+            return 1
+        storage = self.dataset.storage
+        return resolve_block_size(
+            self.shuffle_block_size,
+            block_bytes=getattr(storage, "shuffle_block_bytes", None),
+            sample_nbytes=self.dataset.sample_nbytes_hint(),
+        )
+
+    def _window(self) -> int:
+        """Blocks per mixing window that the order uses (1 where blocks are single samples)."""
+        return self.shuffle_window if self._block_size() > 1 else 1
+
+    def _order(self, epoch: int) -> Order:
+        """The order of ``epoch``: identity, global row shuffle or block shuffle."""
+        return make_order(
+            len(self.dataset),
+            shuffle=self.shuffle,
+            seed=self._order_seed,
+            epoch=epoch,
+            block_size=self._block_size(),
+            window=self._window(),
+        )
+
     # -- lifecycle --------------------------------------------------------------------------------
     def open(self) -> None:
         """Open the dataset reader.
@@ -269,8 +303,32 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
     def stats(self) -> dict[str, float]:
         """Figures to log: batches and samples delivered by this loader, and how long the consumer
         waited for them in total and for the last one (seconds). A training loop whose
-        ``wait_seconds`` grows is input-bound: raise ``prefetch`` or ``num_workers``."""
-        return dict(self._stats)
+        ``wait_seconds`` grows is input-bound: raise ``prefetch`` or ``num_workers``.
+
+        Also the order's ``shuffle_block_size`` (resolved, 1 for a global shuffle) and
+        ``shuffle_window``, and over object storage the range GETs sent (retries included) and
+        the bytes they returned: ``requests`` and ``bytes_read`` in total, ``epoch_requests``
+        and ``epoch_bytes_read`` since the current epoch's first iterator started (read-ahead
+        included), which is what an epoch costs.
+        """
+        out = dict(self._stats)
+        out["shuffle_block_size"] = self._block_size()
+        out["shuffle_window"] = self._window()
+        reads = _storage_reads(self)
+        if reads is not None:
+            mark = self._reads_mark if self._reads_mark is not None else (self._epoch, 0, 0)
+            out["requests"], out["bytes_read"] = reads
+            out["epoch_requests"] = reads[0] - mark[1]
+            out["epoch_bytes_read"] = reads[1] - mark[2]
+        return out
+
+    def _mark_epoch_reads(self) -> None:
+        """At an iterator's start: the storage's counters, the first time in this epoch (what
+        ``stats()`` counts an epoch's requests and bytes from)."""
+        if self._reads_mark is None or self._reads_mark[0] != self._epoch:
+            reads = _storage_reads(self)
+            if reads is not None:
+                self._reads_mark = (self._epoch, *reads)
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> StatefulDataLoaderStateDict:
@@ -278,9 +336,10 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
 
         Prefetched batches that have not been yielded do not advance ``observation_offset``.
         Each yielded batch advances it by ``global_batch_size``, including padding in an
-        incomplete final batch.
+        incomplete final batch. A block shuffle also records its ``shuffle_block_size`` and
+        ``shuffle_window`` (a global shuffle records none: it has blocks of one sample).
         """
-        return StatefulDataLoaderStateDict(
+        state = StatefulDataLoaderStateDict(
             epoch=self._epoch,
             observation_offset=self._offset,
             shuffle=self.shuffle,
@@ -288,6 +347,11 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
             drop_last=self.drop_last,
             dataset=self._fingerprint(),
         )
+        block = self._block_size()
+        if block > 1:  # a global shuffle's checkpoint stays as it was: no key means blocks of 1
+            state["shuffle_block_size"] = block
+            state["shuffle_window"] = self._window()
+        return state
 
     def load_state_dict(
         self, state_dict: StatefulDataLoaderStateDict, *, allow_dataset_change: bool = False
@@ -295,7 +359,8 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         """Restore ``epoch`` and ``observation_offset`` from a checkpoint.
 
         Call this before starting an iterator. A warning is emitted when ``shuffle``,
-        ``shuffle_seed`` or ``drop_last`` differ from this loader; those saved values are not
+        ``shuffle_seed``, ``drop_last`` or the shuffle blocks (``shuffle_block_size``,
+        ``shuffle_window``) differ from this loader; those saved values are not
         applied. The offset is global, so a job can resume with another batch size or world size.
         A checkpoint counted over another dataset (its fingerprint differs) is refused:
         ``allow_dataset_change=True`` resumes at its position anyway, for data changed on purpose.
@@ -311,7 +376,14 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
                     "load_state_dict() was called while an iterator on this loader is active; "
                     "exhaust or close the iterator first, then load the checkpoint"
                 )
-            identity = LoaderIdentity(self.shuffle, self.shuffle_seed, self.drop_last, self._fingerprint())
+            identity = LoaderIdentity(
+                self.shuffle,
+                self.shuffle_seed,
+                self.drop_last,
+                self._fingerprint(),
+                shuffle_block_size=self._block_size(),
+                shuffle_window=self._window(),
+            )
             self._epoch, self._offset = restore_position(
                 state_dict, identity, allow_dataset_change=allow_dataset_change
             )
@@ -354,6 +426,20 @@ def _check_arguments(loader: StatefulDataLoader[Any, Any]) -> None:
     for name in ("shuffle", "pin_memory", "drop_last"):
         setattr(loader, name, check_bool(name, getattr(loader, name)))
     loader.shuffle_seed = check_optional_int("shuffle_seed", loader.shuffle_seed)
+    loader.shuffle_block_size = check_block_size(loader.shuffle_block_size)
+    loader.shuffle_window = check_int("shuffle_window", loader.shuffle_window, 1)
+
+
+def _storage_reads(loader: StatefulDataLoader[Any, Any]) -> tuple[int, int] | None:
+    """Requests and bytes read so far by the dataset's storage, where it counts them (object
+    storage); None elsewhere."""
+    stats = getattr(loader.dataset.storage, "stats", None)
+    if not callable(stats):
+        return None
+    figures = stats()
+    if not isinstance(figures, dict) or "requests" not in figures or "bytes_read" not in figures:
+        return None
+    return int(figures["requests"]), int(figures["bytes_read"])
 
 
 def _check_size(loader: StatefulDataLoader[Any, Any]) -> None:

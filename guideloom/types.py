@@ -52,6 +52,11 @@ class StatefulDataLoaderStateDict(TypedDict):
     """Whether that loader drops an incomplete global batch."""
     dataset: NotRequired[DatasetFingerprint]
     """The dataset the position counts (absent in checkpoints of guideloom before 0.2)."""
+    shuffle_block_size: NotRequired[int]
+    """Samples per shuffle block that loader's order used (``"auto"`` resolved), present for a
+    block shuffle only: absent means blocks of 1, a global row shuffle (or no shuffle)."""
+    shuffle_window: NotRequired[int]
+    """Blocks per mixing window that loader's order used (present with ``shuffle_block_size``)."""
 
 
 class LoaderOptions(TypedDict, total=False):
@@ -85,3 +90,12 @@ class LoaderOptions(TypedDict, total=False):
     """Drop an incomplete final global batch. Default ``True``."""
     prefetch: int
     """Batches prepared ahead of the consumer's requests. Default ``0``."""
+    shuffle_block_size: int | Literal["auto"] | None
+    """Samples per contiguous shuffle block. ``None`` or ``1``: a global row shuffle, the same
+    order over every storage. ``"auto"``: the storage's default, blocks of about 4 MiB on object
+    storage (a few large range requests instead of one per sample) and a global shuffle on
+    memory and local files. An int: that many samples per block. Default ``None``."""
+    shuffle_window: int
+    """Blocks per mixing window of a block shuffle: samples are shuffled among this many
+    consecutive blocks of the shuffled block order (ignored for a global shuffle). Default
+    ``16``."""

@@ -74,7 +74,8 @@ class Remote:
         self._store: Any = None
         self._store = self._new_store()
         self._inflight = PerLoop(self.opts.max_inflight_requests, self.opts.max_inflight_bytes)
-        self.requests = 0
+        self.requests = 0  # range GETs sent, retries included (each is billed)
+        self.bytes_read = 0  # bytes those GETs returned
         _OPEN.add(self)
 
     def _new_store(self) -> Any:
@@ -107,11 +108,15 @@ class Remote:
         import obstore
 
         store = self.store()  # a copy goes on after close(): it keeps a client of its own
-        self.requests += 1
+
+        def get() -> Any:
+            self.requests += 1
+            return obstore.get_range(store, path, start=start, end=end)
+
         try:
-            return call_with_retries(
-                lambda: obstore.get_range(store, path, start=start, end=end), self.policy
-            )
+            data = call_with_retries(get, self.policy)
+            self.bytes_read += end - start
+            return data
         except Exception as exc:
             error = map_error(exc, f"reading {self.loc.object_url(path)}", self.secrets)
         raise error
@@ -256,6 +261,7 @@ class Remote:
             self.requests += len(job.starts)
             try:
                 await loop.run_in_executor(io_executor(), self._run_job_sync, store, job)
+                self.bytes_read += job.nbytes
                 return
             except Exception as exc:
                 delay = self.policy.delay(attempt)

@@ -103,6 +103,10 @@ class StorageAbstract(ABC, Generic[InT, OutT]):
     #: batches. Larger windows spread each call's fixed cost over more batches: 4 MiB was 6%
     #: faster than 1 MiB for local files here, and object stores keep several in flight.
     read_window_bytes: int = 4 * 2**20
+    #: Bytes per shuffle block that the loader's ``shuffle_block_size="auto"`` aims at: ``None``
+    #: (memory, local files) asks for the global row shuffle, as a read costs the same wherever
+    #: it lands; object stores name a few MiB, so a block is a few large range requests.
+    shuffle_block_bytes: int | None = None
     #: Whether ``open_sync`` and ``read_many_sync`` only touch memory: the async ``open`` and
     #: ``read_many`` then run them inline on any loop, as a worker thread would cost more.
     blocking_calls_are_cheap: ClassVar[bool] = False

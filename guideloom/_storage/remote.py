@@ -39,6 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import DatasetFormatError, DatasetIntegrityError
+from .._order import REMOTE_BLOCK_BYTES
 from ._cache import DatasetCache
 from ._client import Remote, open_remote
 from ._objstore import ReadOptions
@@ -64,6 +65,8 @@ I64 = npt.NDArray[np.int64]
 
 # -- storages --------------------------------------------------------------------------------------
 class _ObjectStorageMixin:
+    #: ``shuffle_block_size="auto"``: blocks of about 4 MiB (a round trip amortised over MiBs).
+    shuffle_block_bytes: int | None = REMOTE_BLOCK_BYTES
     _remote: Remote
     manifest: Manifest
     _opened: bool
@@ -143,8 +146,13 @@ class _ObjectStorageMixin:
         return self._remote.opts
 
     def stats(self) -> dict[str, int]:
-        """Requests issued so far and the peak bytes that were in flight at once."""
-        return {"requests": self._remote.requests, "peak_inflight_bytes": self._remote.peak_inflight_bytes()}
+        """Range requests (GETs) issued so far, retries included, the bytes they returned, and
+        the peak bytes that were in flight at once."""
+        return {
+            "requests": self._remote.requests,
+            "bytes_read": self._remote.bytes_read,
+            "peak_inflight_bytes": self._remote.peak_inflight_bytes(),
+        }
 
 
 class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):

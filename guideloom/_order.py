@@ -196,6 +196,12 @@ class BlockPermutation:
     def __len__(self) -> int:
         return self.n
 
+    @property
+    def span(self) -> int:
+        """Order positions per mixing window (``window * block_size``): a read of one span's
+        positions fetches whole blocks (only the window holding the short block is shorter)."""
+        return self._window_samples
+
     # -- scalar path -------------------------------------------------------------------------
     def _window_size(self, k: int) -> tuple[int, int]:
         """Samples in window ``k`` and the bits of its Feistel domain."""

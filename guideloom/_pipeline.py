@@ -39,7 +39,16 @@ from ._datasets import DatasetAbstract
 from ._errors import WorkerError
 from ._order import Order
 from ._plan import BatchSpec, EpochPlan
-from ._schedule import Delivery, Indexes, max_window, read_window, run_async, run_sync, windows
+from ._schedule import (
+    WINDOW_BATCHES,
+    Delivery,
+    Indexes,
+    max_window,
+    read_window,
+    run_async,
+    run_sync,
+    windows,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -98,7 +107,17 @@ def move_to_device(obj: Any, device: torch.device, pin_memory: bool) -> Any:
 
 # -- reader ------------------------------------------------------------------------------------------
 def _max_window(cfg: PipelineConfig) -> int:
-    return max_window(cfg.plan, cfg.dataset.sample_nbytes_hint(), cfg.dataset.read_window_bytes)
+    storage = cfg.dataset.storage
+    most = max(1, int(getattr(storage, "read_window_batches", WINDOW_BATCHES)))
+    return max_window(cfg.plan, cfg.dataset.sample_nbytes_hint(), cfg.dataset.read_window_bytes, most)
+
+
+def _span(cfg: PipelineConfig) -> int:
+    """Order positions per mixing window, where the storage asks for blocks (object stores: a
+    read per mixing window is a few large requests); 0 elsewhere (windows as before)."""
+    if getattr(cfg.dataset.storage, "shuffle_block_bytes", None) is None:
+        return 0
+    return max(0, int(getattr(cfg.order, "span", 0)))
 
 
 def _reading(cfg: PipelineConfig) -> str:
@@ -162,7 +181,7 @@ async def _reader(
                     return False
             return True
 
-        for specs in windows(cfg.plan, first_step, _max_window(cfg)):
+        for specs in windows(cfg.plan, first_step, _max_window(cfg), _span(cfg)):
             await limit.acquire()
             event = anyio.Event()
             slot: list[Any] = []
@@ -336,7 +355,7 @@ class InlinePipeline:
     def __init__(self, cfg: PipelineConfig, first_step: int = 0) -> None:
         self._cfg = cfg
         self._indexes = Indexes(cfg.plan, cfg.order)
-        self._windows = windows(cfg.plan, first_step, _max_window(cfg))
+        self._windows = windows(cfg.plan, first_step, _max_window(cfg), _span(cfg))
         self._read = cfg.dataset.read_many_sync
         self._reading = _reading(cfg)
         self._device = cfg.device if cfg.device.type != "cpu" else None

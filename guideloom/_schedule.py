@@ -100,21 +100,42 @@ class Indexes:
         return self._values[a:b]
 
 
-def max_window(plan: EpochPlan, sample_nbytes: int, window_bytes: int) -> int:
-    """Batches per read-ahead window: up to ``WINDOW_BATCHES`` and the storage's byte budget."""
+def max_window(
+    plan: EpochPlan, sample_nbytes: int, window_bytes: int, max_batches: int = WINDOW_BATCHES
+) -> int:
+    """Batches per read-ahead window: up to ``max_batches`` (the storage's
+    ``read_window_batches``) and the storage's byte budget."""
     nbytes = max(1, sample_nbytes * plan.local_batch_size)
-    return max(1, min(WINDOW_BATCHES, window_bytes // nbytes))
+    return max(1, min(max_batches, window_bytes // nbytes))
 
 
-def windows(plan: EpochPlan, first_step: int, largest: int) -> Iterator[list[BatchSpec]]:
-    """The epoch's read windows from ``first_step``: 1, 2, 4, ... batches (a fast first batch),
-    then ``largest`` batches each, until the plan's last batch."""
-    step, size, total = first_step, 1, len(plan)
+def windows(plan: EpochPlan, first_step: int, largest: int, span: int = 0) -> Iterator[list[BatchSpec]]:
+    """The epoch's read windows from ``first_step``, at most ``largest`` batches each.
+
+    Without ``span``: 1, 2, 4, ... batches (a fast first batch), then ``largest`` each. With a
+    ``span`` (order positions per mixing window of a block shuffle): the first batch alone,
+    then windows that end where a span ends, so that one read holds all of a span's samples,
+    which are whole contiguous blocks: a few large range requests instead of scattered ones.
+    """
+    step, total = first_step, len(plan)
+    if span <= 0:
+        size = 1
+        while step < total:
+            specs = plan.batches(step, step + size)
+            step += len(specs)
+            size = min(largest, size * 2)
+            yield specs
+        return
+    g, offset = plan.global_batch_size, plan.start_offset
+    if step < total:
+        yield plan.batches(step, step + 1)
+        step += 1
     while step < total:
-        specs = plan.batches(step, step + size)
-        step += len(specs)
-        size = min(largest, size * 2)
-        yield specs
+        span_end = ((offset + step * g) // span + 1) * span
+        stop = -(-(span_end - offset) // g)  # the first batch that starts in the next span
+        stop = min(max(stop, step + 1), step + largest, total)
+        yield plan.batches(step, stop)
+        step = stop
 
 
 def _split(specs: list[BatchSpec], samples: Sequence[Any]) -> list[Delivery]:

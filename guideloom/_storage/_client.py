@@ -70,6 +70,7 @@ class Remote:
             max_request_bytes=cap,
             job_bytes=max(cap, self.opts.max_inflight_bytes // 4),
             ranges_per_call=RANGES_PER_CALL,
+            max_read_amplification=self.opts.max_read_amplification,
         )
         self._store: Any = None
         self._store = self._new_store()

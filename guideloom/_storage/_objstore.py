@@ -166,6 +166,7 @@ class ReadOptions:
     max_request_bytes: int = 4 * _MiB
     max_concurrent_reads: int = 4
     offsets_cache_bytes: int = 64 * _MiB
+    max_read_amplification: float = 4.0
     policy: RetryPolicy = field(default_factory=RetryPolicy)
     cache_dir: str | None = None
 
@@ -185,6 +186,7 @@ _READ_KEYS: Final = (
     "max_request_bytes",
     "max_concurrent_reads",
     "offsets_cache_bytes",
+    "max_read_amplification",
     "cache_dir",
 )
 _WRITE_KEYS: Final = ("part_size", "max_upload_concurrency")
@@ -210,6 +212,16 @@ def _policy(opts: dict[str, Any]) -> RetryPolicy:
         backoff=_seconds("backoff", opts.pop("backoff", p.backoff)),
         max_backoff=_seconds("max_backoff", opts.pop("max_backoff", p.max_backoff)),
     )
+
+
+def _amplification(value: Any) -> float:
+    """``max_read_amplification``: a number >= 1 (bytes read per byte asked for, at most)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 1.0:
+        raise ValueError(
+            f"max_read_amplification must be a number >= 1 (1 reads only the bytes asked for; "
+            f"4 may read up to 4x the bytes to save requests), got {value!r}"
+        )
+    return float(value)
 
 
 def _cache_dir(value: Any) -> str | None:
@@ -246,6 +258,7 @@ def split_options(
         offsets_cache_bytes=_count(
             "offsets_cache_bytes", opts.pop("offsets_cache_bytes", d.offsets_cache_bytes), 0
         ),
+        max_read_amplification=_amplification(opts.pop("max_read_amplification", d.max_read_amplification)),
         policy=policy,
         cache_dir=_cache_dir(opts.pop("cache_dir", None)),
     )

@@ -4,10 +4,12 @@ A dataset's array is stored as shard objects laid end to end (:class:`Layout`). 
 (windows of a stream, the spans of documents, single offsets) becomes *pieces*: bytes of one
 object that go to one place of the output block. Pieces of an object are sorted and coalesced
 into *ranges* (one HTTP range request each) when they are adjacent or at most ``coalesce_gap``
-bytes apart, a range never exceeds ``max_request_bytes`` (a longer piece is cut into parts, which
-are then fetched in parallel), and ranges of one object are grouped into *jobs* of at most
-``ranges_per_call`` ranges (one blocking ``get_ranges`` call on an I/O thread). :func:`fill` is
-the inverse: it copies each fetched range's pieces into the output block.
+bytes apart (or, under ``max_read_amplification``, the read's smallest gaps, within a byte
+budget: :func:`bridged_gap`), a range never exceeds ``max_request_bytes`` (a longer piece is
+cut into parts, which are then fetched in parallel), and ranges of one object are grouped into
+*jobs* of at most ``ranges_per_call`` ranges (one blocking ``get_ranges`` call on an I/O
+thread). :func:`fill` is the inverse: it copies each fetched range's pieces into the output
+block.
 
 Pure: no I/O, no obstore, no asyncio; the property tests in ``tests/storage/test_ranges.py``
 check it against direct slices of an in-memory byte array.
@@ -24,7 +26,7 @@ import numpy.typing as npt
 
 from .manifest import ArraySpec
 
-__all__ = ["Job", "Layout", "Limits", "fill", "plan", "plan_spans", "plan_windows"]
+__all__ = ["Job", "Layout", "Limits", "bridged_gap", "fill", "plan", "plan_spans", "plan_windows"]
 
 Array = npt.NDArray[Any]
 I64 = npt.NDArray[np.int64]
@@ -55,12 +57,47 @@ class Layout:
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """How pieces become requests: coalescing distance, request size, job size."""
+    """How pieces become requests: coalescing distance, request size, job size.
+
+    ``max_read_amplification`` lets a read spend bytes to save requests: besides gaps of up to
+    ``coalesce_gap``, the smallest gaps between a read's pieces are bridged too, as long as all
+    bridged bytes stay within ``(max_read_amplification - 1)`` times the bytes asked for. A
+    dense read (a large read-ahead window of a shuffled epoch, sorted) then becomes a few large
+    requests, while a sparse one (samples far apart) stays one request per piece: the rule
+    depends on the read, not on a fixed distance. ``1.0`` bridges nothing beyond the gap.
+    """
 
     coalesce_gap: int = 8 * 1024
     max_request_bytes: int = 4 * 2**20
     job_bytes: int = 16 * 2**20  # a job takes its bytes of the in-flight budget in one go
     ranges_per_call: int = 10
+    max_read_amplification: float = 1.0
+
+
+def bridged_gap(k: I64, lo: I64, n: I64, limits: Limits) -> int:
+    """The largest gap to bridge between sorted pieces (``k``: shard, ``lo``: offset, ``n``:
+    length), under :attr:`Limits.max_read_amplification`: the smallest gaps first, until
+    their sum would pass the budget."""
+    gap = limits.coalesce_gap
+    if limits.max_read_amplification <= 1.0 or len(k) < 2:
+        return gap
+    budget = (limits.max_read_amplification - 1.0) * float(n.sum())
+    ends = lo[:-1] + n[:-1]
+    gaps = lo[1:] - ends
+    gaps = gaps[(k[1:] == k[:-1]) & (gaps > gap)]  # gaps the fixed rule does not bridge already
+    if not len(gaps):
+        return gap
+    gaps.sort()
+    spent = np.cumsum(gaps)
+    fits = int(np.searchsorted(spent, budget, side="right"))  # gaps[:fits] fit in the budget
+    if fits == 0:
+        return gap
+    if fits < len(gaps) and gaps[fits] == gaps[fits - 1]:
+        # equal gaps cannot be told apart by a threshold: bridge none of that size
+        fits = int(np.searchsorted(gaps, gaps[fits], side="left"))
+        if fits == 0:
+            return gap
+    return max(gap, int(gaps[fits - 1]))
 
 
 @dataclass(slots=True)
@@ -150,9 +187,10 @@ def plan(
     )
     if not len(k):
         return
-    cap, gap = limits.max_request_bytes, limits.coalesce_gap
+    cap = limits.max_request_bytes
     k, lo, n, d = _cut(k, lo, n, d, cap)
     order = np.lexsort((lo, k))
+    gap = bridged_gap(k[order], lo[order], n[order], limits)
     ks, los, ns, ds = (a[order].tolist() for a in (k, lo, n, d))
     job: Job | None = None
     cur_k = cur_s = cur_e = -1

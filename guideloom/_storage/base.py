@@ -103,6 +103,9 @@ class StorageAbstract(ABC, Generic[InT, OutT]):
     #: batches. Larger windows spread each call's fixed cost over more batches: 4 MiB was 6%
     #: faster than 1 MiB for local files here, and object stores keep several in flight.
     read_window_bytes: int = 4 * 2**20
+    #: At most this many batches per read-ahead window (object stores allow more, so that a
+    #: window can hold a whole mixing window of a block shuffle).
+    read_window_batches: int = 64
     #: Bytes per shuffle block that the loader's ``shuffle_block_size="auto"`` aims at: ``None``
     #: (memory, local files) asks for the global row shuffle, as a read costs the same wherever
     #: it lands; object stores name a few MiB, so a block is a few large range requests.

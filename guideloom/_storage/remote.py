@@ -39,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import DatasetFormatError, DatasetIntegrityError
-from .._order import REMOTE_BLOCK_BYTES
+from .._order import DEFAULT_WINDOW, REMOTE_BLOCK_BYTES
 from ._cache import DatasetCache
 from ._client import Remote, open_remote
 from ._objstore import ReadOptions
@@ -67,6 +67,10 @@ I64 = npt.NDArray[np.int64]
 class _ObjectStorageMixin:
     #: ``shuffle_block_size="auto"``: blocks of about 4 MiB (a round trip amortised over MiBs).
     shuffle_block_bytes: int | None = REMOTE_BLOCK_BYTES
+    #: Read-ahead windows of up to one "auto" mixing window (64 MiB): a window's samples, sorted,
+    #: are whole blocks, or for a global shuffle dense enough to coalesce into large requests.
+    read_window_bytes: int = REMOTE_BLOCK_BYTES * DEFAULT_WINDOW
+    read_window_batches: int = 4096
     _remote: Remote
     manifest: Manifest
     _opened: bool

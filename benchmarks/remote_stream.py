@@ -18,6 +18,8 @@ machine nginx, the proxy and the reader still share the CPUs, so treat the figur
 
     python -m benchmarks remote            # full run (about 2 minutes once data exists)
     python -m benchmarks remote --quick    # a smaller smoke run
+    python -m benchmarks remote --economy  # global shuffle vs shuffle_block_size="auto" on moto
+                                           # S3 and nginx at 20 ms: samples/s, GETs, bytes, $/epoch
 """
 
 from __future__ import annotations
@@ -89,7 +91,14 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def child_loader(url: str, batches: int, mode: str, options: dict[str, Any]) -> dict[str, Any]:
+def child_loader(
+    url: str,
+    batches: int,
+    mode: str,
+    options: dict[str, Any],
+    loader_options: dict[str, Any] | None = None,
+    max_s: float = 1e9,
+) -> dict[str, Any]:
     import torch  # a training script has torch loaded already: keep its import out of the timing
 
     from guideloom import StatefulDataLoader
@@ -107,9 +116,11 @@ def child_loader(url: str, batches: int, mode: str, options: dict[str, Any]) -> 
         shuffle_seed=SEED,
         device="cpu",
         prefetch=4,
+        **(loader_options or {}),
     )
     first = 0.0
     n = 0
+    t1 = c1 = 0.0
     if mode == "sync":
         with loader:
             for _ in loader:
@@ -118,8 +129,9 @@ def child_loader(url: str, batches: int, mode: str, options: dict[str, Any]) -> 
                     first = time.perf_counter() - t0
                     t1 = time.perf_counter()
                     c1 = _cpu_s()
-                if n == batches + 1:
+                if n == batches + 1 or time.perf_counter() - t0 > max_s:
                     break
+        batches = n - 1
     else:
 
         async def run() -> None:
@@ -139,8 +151,15 @@ def child_loader(url: str, batches: int, mode: str, options: dict[str, Any]) -> 
     elapsed = time.perf_counter() - t1
     cpu = _cpu_s() - c1
     stats = storage.stats()
+    figures = loader.stats()
     return {
-        "samples_per_s": batches * BATCH / elapsed,
+        "batches": batches,
+        "num_samples": len(loader.dataset),
+        "shuffle_block_size": figures["shuffle_block_size"],
+        "epoch_requests": figures.get("epoch_requests", 0),
+        "epoch_bytes_read": figures.get("epoch_bytes_read", 0),
+        "samples_read": (batches + 1) * BATCH,
+        "samples_per_s": batches * BATCH / elapsed if elapsed > 0 else 0.0,
         "cpu_ms_per_1k": 1000 * cpu / (batches * BATCH / 1000),
         "first_batch_s": first,
         "maxrss_mib": _maxrss_mib(),
@@ -213,7 +232,7 @@ def run_child(*args: Any) -> dict[str, Any]:
         [sys.executable, __file__, "--child", json.dumps(args)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         check=False,
     )
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
@@ -233,6 +252,105 @@ def child_main(spec: str) -> None:
     os._exit(0)
 
 
+# -- request economy: shuffle_block_size "auto" against the global shuffle ---------------------------
+GET_PRICE_PER_1000 = 0.0004
+"""S3 Standard list price of GET requests, USD per 1,000 (us-east-1, as listed on 2026-12-03)."""
+
+
+def economy_line(label: str, r: dict[str, Any]) -> str:
+    """One line: speed, first batch, GETs and bytes, GETs per MiB, and the cost of an epoch."""
+    samples = max(1, r["samples_read"])
+    gets, nbytes = r["epoch_requests"], r["epoch_bytes_read"]
+    per_epoch = gets / samples * r["num_samples"]
+    return (
+        f"  {label:<30} {r['samples_per_s']:8.0f} samples/s  "
+        f"first batch {r['first_batch_s'] * 1000:5.0f} ms  "
+        f"{gets:6d} GETs {nbytes / MiB:8.1f} MiB for {samples} samples "
+        f"({gets / max(nbytes / MiB, 1e-9):.3f} GET/MiB)  "
+        f"~{per_epoch:,.0f} GETs/epoch = ${per_epoch * GET_PRICE_PER_1000 / 1000:.4f}/epoch "
+        f"(block {r['shuffle_block_size']})"
+    )
+
+
+def ensure_small_shards(root: Path, tokens: int, shard_bytes: int) -> Path:
+    """The suite's 100M-token stream, written with LitData-sized shards (32 MiB)."""
+    path = root / f"u16-{tokens}-shards{shard_bytes // MiB}MiB"
+    if not (path / "manifest.json").exists():
+        print(f"writing {tokens:,} uint16 tokens to {path} ({shard_bytes // MiB} MiB shards) ...", flush=True)
+        rng = np.random.default_rng(0)
+        chunk = 8 * MiB
+
+        def chunks() -> Any:
+            for start in range(0, tokens, chunk):
+                yield rng.integers(0, 50_000, min(chunk, tokens - start), dtype=np.uint16)
+
+        gl.write_stream(path, chunks(), dtype=np.uint16, shard_bytes=shard_bytes, overwrite=True)
+    return path
+
+
+def run_economy(args: argparse.Namespace) -> None:
+    """guideloom over moto S3 (its own process) and nginx behind the 20 ms proxy, global row
+    shuffle (the default) and ``shuffle_block_size="auto"``, with GETs, bytes and cost."""
+    import boto3
+
+    from tests.remote._servers import Nginx, free_port, nginx_binary, proxy_process, wait_for_port
+
+    tokens = 20_000_000 if args.quick else 100_000_000
+    batches = 200 if args.quick else 1600
+    data_root = Path(os.environ.get("GUIDELOOM_BENCH_DIR", Path(tempfile.gettempdir()) / "guideloom-bench"))
+    data_root.mkdir(parents=True, exist_ok=True)
+    folder = ensure_small_shards(data_root, tokens, 32 * MiB)
+    modes = {"global row shuffle (default)": {}, 'shuffle_block_size="auto"': {"shuffle_block_size": "auto"}}
+    moto_bin = Path(sys.executable).with_name("moto_server")
+    port = free_port()
+    moto = subprocess.Popen(
+        [str(moto_bin), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    creds = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench", "region_name": "us-east-1"}
+    try:
+        wait_for_port(port)
+        endpoint = f"http://127.0.0.1:{port}"
+        client = boto3.client("s3", endpoint_url=endpoint, **creds)
+        client.create_bucket(Bucket="bench")
+        for f in sorted(folder.iterdir()):
+            client.upload_file(str(f), "bench", f"gl/{f.name}")
+        s3 = {
+            "endpoint": endpoint,
+            "access_key_id": "bench",
+            "secret_access_key": "bench",
+            "region": "us-east-1",
+            "allow_http": True,
+        }
+        print(
+            f"{tokens:,} uint16 tokens, 32 MiB shards; sequence_length={SEQ}, local_batch_size={BATCH}, "
+            f"shuffle on; {batches} batches or {args.max_s:.0f} s per run; GET ${GET_PRICE_PER_1000}/1000",
+            flush=True,
+        )
+        print("moto S3 on 127.0.0.1 (moto_server, its own process):", flush=True)
+        for label, lo in modes.items():
+            r = run_child("loader", "s3://bench/gl", batches, "sync", s3, lo, args.max_s)
+            print(economy_line(label, r), flush=True)
+    finally:
+        moto.terminate()
+        moto.wait(10)
+    if nginx_binary() is None:
+        print("nginx is not installed: HTTP part skipped")
+        return
+    nginx = Nginx(data_root)
+    try:
+        with proxy_process(nginx.port, delay=args.rtt / 2, lifetime=900) as pport:
+            url = f"http://127.0.0.1:{pport}/{folder.name}"
+            print(f"nginx behind the loopback proxy at {args.rtt * 1000:.0f} ms round trip:", flush=True)
+            for label, lo in modes.items():
+                r = run_child("loader", url, batches, "sync", {}, lo, args.max_s)
+                print(economy_line(label, r), flush=True)
+    finally:
+        nginx.stop()
+
+
 # -- the run -----------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
@@ -241,9 +359,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="smaller data and shorter runs")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--rtt", type=float, default=0.020, help="added round trip, seconds (0.020)")
+    parser.add_argument(
+        "--economy",
+        action="store_true",
+        help='global shuffle vs shuffle_block_size="auto" on moto S3 and nginx: speed, GETs, cost',
+    )
+    parser.add_argument("--max-s", type=float, default=60.0, help="--economy: seconds per run at most")
     args = parser.parse_args(argv)
     if args.child:
         child_main(args.child)
+        return
+    if args.economy:
+        run_economy(args)
         return
 
     from tests.remote._servers import Nginx, nginx_binary, proxy_process

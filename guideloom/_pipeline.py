@@ -113,11 +113,17 @@ def _max_window(cfg: PipelineConfig) -> int:
 
 
 def _span(cfg: PipelineConfig) -> int:
-    """Order positions per mixing window, where the storage asks for blocks (object stores: a
-    read per mixing window is a few large requests); 0 elsewhere (windows as before)."""
+    """Order positions per aligned read window, where the storage asks for blocks (object
+    stores); 0 elsewhere (windows of 1, 2, 4, ... batches, as before).
+
+    A block shuffle's mixing window: one read is a few large requests. Any other order: the
+    largest window, with no ramp of small windows in between, since a small window of a
+    shuffled epoch is scattered samples, one request each, where the largest one coalesces.
+    """
     if getattr(cfg.dataset.storage, "shuffle_block_bytes", None) is None:
         return 0
-    return max(0, int(getattr(cfg.order, "span", 0)))
+    span = int(getattr(cfg.order, "span", 0))
+    return span if span > 0 else _max_window(cfg) * cfg.plan.global_batch_size
 
 
 def _reading(cfg: PipelineConfig) -> str:

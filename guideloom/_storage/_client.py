@@ -70,7 +70,8 @@ class Remote:
             max_request_bytes=cap,
             job_bytes=max(cap, self.opts.max_inflight_bytes // 4),
             ranges_per_call=RANGES_PER_CALL,
-            max_read_amplification=self.opts.max_read_amplification,
+            # coalesce_gap=0 asks for the exact ranges: no bridging by amplification either
+            max_read_amplification=self.opts.max_read_amplification if self.opts.coalesce_gap else 1.0,
         )
         self._store: Any = None
         self._store = self._new_store()

@@ -262,7 +262,12 @@ def test_one_request_in_five_failing_still_delivers_every_batch_in_order(
     proxy = start_proxy(proxy_for, nginx.port)
     local = all_batches(guideloom.open_stream(plain_copies.local), sequence_length=64, local_batch_size=8)
     storage = guideloom.open_stream(
-        f"{proxy.url}/{plain_copies.http_path}", coalesce_gap=0, retries=10, max_inflight_requests=16, **FAST
+        f"{proxy.url}/{plain_copies.http_path}",
+        coalesce_gap=0,
+        max_request_bytes=128,  # one request per 128-byte sample, as windows are now 64 MiB
+        retries=10,
+        max_inflight_requests=16,
+        **FAST,
     )
     proxy.fail_every = 5
     got = all_batches(storage, sequence_length=64, local_batch_size=8, prefetch=2)
@@ -277,7 +282,12 @@ async def test_faults_on_s3_async(plain_copies: Copies, s3: MotoS3, proxy_for: l
     proxy = start_proxy(proxy_for, s3.port)
     local = all_batches(guideloom.open_stream(plain_copies.local), sequence_length=400)
     storage = guideloom.open_stream(
-        plain_copies.s3_url, retries=10, coalesce_gap=0, **FAST, **s3.options(proxy.url)
+        plain_copies.s3_url,
+        retries=10,
+        coalesce_gap=0,
+        max_request_bytes=800,  # one request per 800-byte sample, as windows are now 64 MiB
+        **FAST,
+        **s3.options(proxy.url),
     )
     proxy.fail_every = 5
     got = await all_batches_async(storage, sequence_length=400)
@@ -349,7 +359,9 @@ async def test_async_for_over_s3_leaves_the_event_loop_responsive(
     plain_copies: Copies, s3: MotoS3, proxy_for: list[FaultProxy]
 ) -> None:
     proxy = start_proxy(proxy_for, s3.port, delay=0.01)
-    storage = guideloom.open_stream(plain_copies.s3_url, coalesce_gap=0, **s3.options(proxy.url))
+    storage = guideloom.open_stream(  # one request per 400-byte sample: a load that lasts a while
+        plain_copies.s3_url, coalesce_gap=0, max_request_bytes=400, **s3.options(proxy.url)
+    )
     from .._helpers import loop_gaps
 
     async with loop_gaps() as gaps:

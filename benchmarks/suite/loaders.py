@@ -65,6 +65,7 @@ def guideloom(spec: dict[str, Any]) -> Factory:
 
     def it() -> Iterator[torch.Tensor]:
         options = {"cache_dir": spec["cache"]} if spec.get("gl_cache") else {}
+        blocks = {"shuffle_block_size": spec["gl_block"]} if spec.get("gl_block") else {}
         loader = gl.StatefulDataLoader.from_storage(
             gl.open_stream(spec["gl"], **options),
             collate,
@@ -75,6 +76,7 @@ def guideloom(spec: dict[str, Any]) -> Factory:
             num_workers=spec["nw"],
             prefetch=spec.get("prefetch", 0),
             device=torch.device("cpu"),
+            **blocks,
         )
         with loader:
             if spec["resume"]:

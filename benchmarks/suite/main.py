@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -157,13 +158,41 @@ def run(quick: bool, rounds: int | None, parts: set[str], peers: list[str], toke
             for c in cfgs
         ]
     if "remote" in parts:
-        out["remote"] = run_remote(d, quick, max(1, rounds - 1) if not quick else 1, peers)
+        remote = run_remote(d, quick, max(1, rounds - 1) if not quick else 1, peers)
+        out["remote"] = [r for r in remote if r.get("rtt") != "moto"]
+        out["moto"] = [r for r in remote if r.get("rtt") == "moto"]  # a table of its own below
+        for r in out["moto"]:
+            print(
+                f"moto S3: {r['label']} [nw={r['nw']}]: {r.get('samples_per_s', 0):,.0f} samples/s, "
+                f"first batch {r.get('ttfb_s', float('nan')):.3f} s"
+                + (f" ERROR {r['error']}" if "error" in r else ""),
+                flush=True,
+            )
     out["wall_s"] = time.perf_counter() - t_start
     return out
 
 
-def run_remote(d: data.Data, quick: bool, rounds: int, peers: list[str]) -> list[dict[str, Any]]:
-    from .remote import peer_spec, servers
+def _remote_config(peer: str, nw: int, pf: int, key: str, extra: dict[str, Any]) -> Config:
+    own = {
+        "guideloom": f"guideloom, prefetch={pf}",
+        "guideloom-auto": f'guideloom, shuffle_block_size="auto", prefetch={pf}',
+        "guideloom-cache": "guideloom, cache_dir (copied in the background, then local)",
+    }
+    label = own.get(peer) or PEER_LABELS[peer]
+    kind = "guideloom" if peer.startswith("guideloom") else peer
+    extra = {
+        "prefetch": pf,
+        "gl_cache": peer == "guideloom-cache",
+        "gl_block": "auto" if peer == "guideloom-auto" else None,
+        **extra,
+    }
+    return Config(key, label, kind, "remote", nw, extra)
+
+
+def run_remote(
+    d: data.Data, quick: bool, rounds: int, peers: list[str], with_moto: bool = True
+) -> list[dict[str, Any]]:
+    from .remote import moto_server, peer_spec, servers
 
     rtts = (0.0, 0.020)
     # Steady state over object storage: 2 s of warm-up (the streaming peers fill their caches,
@@ -179,7 +208,9 @@ def run_remote(d: data.Data, quick: bool, rounds: int, peers: list[str]) -> list
     }
     ceilings = [(1, 256), (8, 128)]
     results: list[dict[str, Any]] = []
-    with servers(d, rtts) as urls:
+    with contextlib.ExitStack() as stack:
+        urls = stack.enter_context(servers(d, rtts))
+        moto = stack.enter_context(moto_server(d, peers)) if with_moto else None
         cfgs: list[Config] = []
         specs: dict[str, list[dict[str, Any]]] = {}
         caches: list[str] = []
@@ -207,6 +238,7 @@ def run_remote(d: data.Data, quick: bool, rounds: int, peers: list[str]) -> list
                 ]
             for peer, nw, pf in [
                 ("guideloom", 0, PF),
+                ("guideloom-auto", 0, PF),
                 ("guideloom", 0, 0),
                 ("guideloom-cache", 0, 0),
                 ("streaming", 0, 0),
@@ -217,15 +249,23 @@ def run_remote(d: data.Data, quick: bool, rounds: int, peers: list[str]) -> list
                 if not peer.startswith("guideloom") and peer not in peers:
                     continue
                 key = f"{peer}-{nw}-pf{pf}-{tag}"
-                own = {
-                    "guideloom": f"guideloom, prefetch={pf}",
-                    "guideloom-cache": "guideloom, cache_dir (copied in the background, then local)",
-                }
-                label = own.get(peer) or PEER_LABELS[peer]
-                kind = "guideloom" if peer.startswith("guideloom") else peer
-                extra = {"prefetch": pf, "rtt": rtt, "gl_cache": peer == "guideloom-cache"}
-                cfgs.append(Config(key, label, kind, "remote", nw, extra))
+                cfgs.append(_remote_config(peer, nw, pf, key, {"rtt": rtt}))
                 ps = peer_spec(peer, base, "")
+                caches.append(ps["cache"])
+                specs[key] = [{**spec_for(cfgs[-1], d, timing), **ps}]
+        if moto is not None:  # moto S3 on loopback: guideloom (32 MiB shards) beside LitData
+            for peer, nw, pf in [
+                ("guideloom", 0, PF),
+                ("guideloom-auto", 0, PF),
+                ("litdata", 0, 0),
+                ("litdata", 2, 0),
+            ]:
+                if not peer.startswith("guideloom") and peer not in peers:
+                    continue
+                key = f"{peer}-{nw}-pf{pf}-moto"
+                cfgs.append(_remote_config(peer, nw, pf, key, {"rtt": "moto"}))
+                ps = peer_spec(peer, moto, "")
+                ps["gl"] = "s3://bucket/gl"  # the AWS_* variables of peer_spec point at moto
                 caches.append(ps["cache"])
                 specs[key] = [{**spec_for(cfgs[-1], d, timing), **ps}]
         print(

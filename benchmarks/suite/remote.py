@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -22,6 +23,77 @@ from typing import Any
 from .data import BATCH, Data
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+MOTO_SHARD_BYTES = 32 * 2**20  # LitData's chunk size here: moto copies a whole object per GET
+
+
+def gl_small_shards(d: Data) -> Path:
+    """The suite's stream rewritten with 32 MiB shards (LitData's chunk size), for moto."""
+    import numpy as np
+
+    import guideloom as gl
+
+    path = d.suite / "gl32"
+    if not (path / "manifest.json").exists():
+        print(f"  writing the stream with 32 MiB shards to {path}", flush=True)
+        rows = np.memmap(d.raw, dtype=np.uint16, mode="r")
+        chunk = 8 * 2**20
+        gl.write_stream(
+            path,
+            (np.asarray(rows[i : i + chunk]) for i in range(0, len(rows), chunk)),
+            dtype=np.uint16,
+            shard_bytes=MOTO_SHARD_BYTES,
+            overwrite=True,
+        )
+    return path
+
+
+@contextlib.contextmanager
+def moto_server(d: Data, peers: list[str]) -> Iterator[str | None]:
+    """moto's S3 server in its own process with bucket ``bucket`` holding ``gl`` (32 MiB shards)
+    and ``litdata`` (moto holds its objects in memory: Streaming's copy is left out); yields its
+    endpoint. ``peers`` without LitData: moto is not started."""
+    import subprocess
+
+    import boto3
+
+    if "litdata" not in peers:
+        yield None
+        return
+    sys.path.insert(0, str(ROOT))
+    from tests.remote._servers import free_port, wait_for_port
+
+    binary = os.environ.get("GUIDELOOM_MOTO_SERVER") or shutil.which("moto_server")
+    if binary is None:
+        binary = str(ROOT / ".venv" / "bin" / "moto_server")  # the project's own venv has moto
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_for_port(port, timeout=30)
+        endpoint = f"http://127.0.0.1:{port}"
+        client = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id="bench",
+            aws_secret_access_key="bench",
+            region_name="us-east-1",
+        )
+        client.create_bucket(Bucket="bucket")
+        folders = {"gl": gl_small_shards(d), "litdata": d.litdata}
+        for prefix, folder in folders.items():
+            for f in sorted(folder.rglob("*")):
+                if f.is_file():
+                    client.upload_file(str(f), "bucket", f"{prefix}/{f.relative_to(folder).as_posix()}")
+        yield endpoint
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 @contextlib.contextmanager

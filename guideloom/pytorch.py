@@ -201,10 +201,11 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         """
         if not self.shuffle:
             return 1
-        storage = self.dataset.storage
+        if self.shuffle_block_size != "auto":  # the storage is asked only for "auto"
+            return resolve_block_size(self.shuffle_block_size, block_bytes=None, sample_nbytes=0)
         return resolve_block_size(
-            self.shuffle_block_size,
-            block_bytes=getattr(storage, "shuffle_block_bytes", None),
+            "auto",
+            block_bytes=getattr(self.dataset.storage, "shuffle_block_bytes", None),
             sample_nbytes=self.dataset.sample_nbytes_hint(),
         )
 

@@ -290,3 +290,14 @@ def _saved(state: Any) -> Any:
     torch.save(state, buffer)
     buffer.seek(0)
     return buffer
+
+
+def test_resolve_block_size() -> None:
+    from guideloom._order import LOCAL_BLOCK_SIZE, REMOTE_BLOCK_BYTES, resolve_block_size
+
+    assert resolve_block_size(None, block_bytes=REMOTE_BLOCK_BYTES, sample_nbytes=4096) == 1
+    assert resolve_block_size(7, block_bytes=None, sample_nbytes=0) == 7
+    assert resolve_block_size("auto", block_bytes=None, sample_nbytes=4096) == LOCAL_BLOCK_SIZE
+    assert resolve_block_size("auto", block_bytes=REMOTE_BLOCK_BYTES, sample_nbytes=4096) == 1024
+    assert resolve_block_size("auto", block_bytes=REMOTE_BLOCK_BYTES, sample_nbytes=0) == LOCAL_BLOCK_SIZE
+    assert resolve_block_size("auto", block_bytes=REMOTE_BLOCK_BYTES, sample_nbytes=2**23) == 1

@@ -200,6 +200,9 @@ async def _reader(
                 # 64 MiB read-ahead window in flight beside it).
                 first = False
                 await event.wait()
+                if not await drain(0):  # deliver it before the read-ahead starts
+                    tg.cancel_scope.cancel()
+                    return
             if not await drain(concurrency - 1):
                 tg.cancel_scope.cancel()
                 return

@@ -15,7 +15,9 @@ Options (``open_stream(url, **options)``, ``open_documents``, ``write_stream(url
   ``skip_signature``, ... (any obstore ``S3Config`` / ``GCSConfig`` / ``AzureConfig`` key),
   ``allow_http``, ``allow_invalid_certificates``, ``client_options`` (obstore ``ClientConfig``);
 - reading: ``max_inflight_requests`` (256), ``max_inflight_bytes`` (64 MiB), ``coalesce_gap``
-  (8 KiB), ``max_request_bytes`` (4 MiB), ``max_concurrent_reads`` (read-ahead windows the
+  (8 KiB; 0 fetches exactly the ranges asked for), ``max_read_amplification`` (4: a read may
+  bridge its smallest gaps while the bridged bytes stay within 3x the bytes asked for),
+  ``max_request_bytes`` (4 MiB), ``max_concurrent_reads`` (read-ahead windows the
   loader keeps in flight, 4), ``offsets_cache_bytes`` (documents: offsets up to this size are
   loaded at ``open()``, larger ones are read per batch; 64 MiB), ``cache_dir`` (a local folder:
   the dataset is copied there in the background and read locally once complete, see

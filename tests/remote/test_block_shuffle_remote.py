@@ -124,3 +124,9 @@ def test_a_checkpoint_of_auto_resumes_exactly_over_another_copy(big_copies: Copi
         rest = list(resumed)
     flat = torch.cat([*head, *rest])
     assert torch.equal(flat, torch.cat(full))
+
+
+@pytest.mark.parametrize("bad", [0.5, 0, True, "4", None])
+def test_max_read_amplification_is_checked(bad: Any) -> None:
+    with pytest.raises(ValueError, match="max_read_amplification must be a number >= 1"):
+        guideloom.open_stream("http://127.0.0.1:9/nothing", max_read_amplification=bad)

@@ -354,3 +354,17 @@ class LocalDocumentStorage(ManifestDocumentStorage):
         # on read-only memory maps) and never alias the file.
         buffer, bounds = self._tokens.spans(starts, stops)
         return [buffer[a:b] for a, b in itertools.pairwise(bounds)]
+
+    def document_offsets_sync(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        if self._offsets is None:
+            raise RuntimeError(f"{self!r} is not open; call `await storage.open()` first")
+        return self._offsets.take(np.asarray(positions, dtype=np.int64)).astype(np.int64, copy=False)
+
+    def read_spans_sync(self, starts: npt.NDArray[np.int64], stops: npt.NDArray[np.int64]) -> Sequence[Any]:
+        if self._tokens is None:
+            raise RuntimeError(f"{self!r} is not open; call `await storage.open()` first")
+        lengths = stops - starts
+        if len(starts) and int(lengths.min()) == int(lengths.max()):  # a packed concat window
+            return Rows(self._tokens.gather(starts, int(lengths[0])))
+        buffer, bounds = self._tokens.spans(starts, stops)
+        return [buffer[a:b] for a, b in itertools.pairwise(bounds)]

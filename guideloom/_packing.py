@@ -155,6 +155,7 @@ class PackedDataset(DatasetAbstract[Sample]):
         if len(storage) == 0:
             raise ValueError(f"{storage!r} holds no documents: there is nothing to pack")
         self._layout: _ConcatLayout | _BestFitLayout | None = None
+        self._arange: npt.NDArray[Any] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -255,23 +256,53 @@ class PackedDataset(DatasetAbstract[Sample]):
         rows = np.repeat(np.arange(len(indices), dtype=np.int64), counts)
         return _Pieces(rows, column, size, layout.doc[at]), layout.start[at]
 
-    def _assemble(self, n: int, tokens: Any, pieces: _Pieces) -> list[Sample]:
+    def _with_padding(self, n: int, pieces: _Pieces) -> tuple[_Pieces, I64, I64]:
+        """``pieces`` and a padding piece (document -1) after the last piece of every row that
+        is not full; the padded rows and where their padding begins."""
         length = self.sequence_length
-        total = int(pieces.length.sum())
-        first_of = np.repeat(np.cumsum(pieces.length) - pieces.length, pieces.length)
-        dest = np.repeat(pieces.row * length + pieces.column, pieces.length) + (
-            np.arange(total, dtype=np.int64) - first_of
+        used = np.bincount(pieces.row, weights=pieces.length, minlength=n).astype(np.int64)
+        padded = np.flatnonzero(used < length)
+        if not len(padded):
+            return pieces, padded, used[padded]
+        at = np.searchsorted(pieces.row, padded, side="right")  # after each row's last piece
+        return (
+            _Pieces(
+                np.insert(pieces.row, at, padded),
+                np.insert(pieces.column, at, used[padded]),
+                np.insert(pieces.length, at, length - used[padded]),
+                np.insert(pieces.doc, at, -1),
+            ),
+            padded,
+            used[padded],
         )
-        full = total == n * length  # every element is a document's: no padding to fill
-        doc_ids = np.full(n * length, -1, dtype=np.int64) if not full else np.empty(n * length, np.int64)
-        segments = np.zeros(n * length, dtype=np.int32)
-        positions = np.zeros(n * length, dtype=np.int32)
-        # pieces are grouped by row: a piece's segment is 1 + its rank among its row's pieces
+
+    def _flat_range(self, size: int, dtype: type[np.signedinteger[Any]]) -> npt.NDArray[Any]:
+        """``arange(size)``, cut from a cached one (windows repeat their sizes)."""
+        cached = self._arange
+        if cached is None or len(cached) < size or cached.dtype != dtype:
+            cached = self._arange = np.arange(size, dtype=dtype)
+        return cached[:size]
+
+    def _assemble(self, n: int, tokens: npt.NDArray[Any], pieces: _Pieces) -> list[Sample]:
+        """The samples of a window: ``tokens`` (``(n, L)``) and the index arrays of ``pieces``.
+
+        Every index array is one ``np.repeat`` of a per-piece value (padding is a piece of its
+        own), so a window costs a few passes over its elements whatever its pieces.
+        """
+        length = self.sequence_length
+        pieces, padded, pad_from = self._with_padding(n, pieces)
+        size = n * length
+        index_t: type[np.signedinteger[Any]] = np.int32 if size < 2**31 else np.int64
         rank = np.arange(len(pieces.row), dtype=np.int64) - np.searchsorted(pieces.row, pieces.row)
-        seg_of_piece = (rank + 1).astype(np.int32)
-        doc_ids[dest] = np.repeat(pieces.doc, pieces.length)
-        segments[dest] = np.repeat(seg_of_piece, pieces.length)
-        positions[dest] = (np.arange(total, dtype=np.int64) - first_of).astype(np.int32)
+        segment = np.where(pieces.doc >= 0, rank + 1, 0).astype(np.int32)
+        doc_ids = np.repeat(pieces.doc, pieces.length)
+        segments = np.repeat(segment, pieces.length)
+        positions = self._flat_range(size, index_t) - np.repeat(
+            (pieces.row * length + pieces.column).astype(index_t), pieces.length
+        )
+        positions = positions.astype(np.int32, copy=False)
+        for r, start in zip(padded.tolist(), pad_from.tolist(), strict=True):
+            positions[r * length + start : (r + 1) * length] = 0
         shape = (n, length)
         doc_2d, seg_2d, pos_2d = doc_ids.reshape(shape), segments.reshape(shape), positions.reshape(shape)
         return [
@@ -285,16 +316,18 @@ class PackedDataset(DatasetAbstract[Sample]):
         return np.stack(spans) if n else np.empty((0, self.sequence_length), self._storage.dtype)
 
     def _best_fit_tokens(self, spans: Sequence[Any], n: int, pieces: _Pieces) -> npt.NDArray[Any]:
+        """The pieces' elements back to back in their rows, each row padded with ``pad_id``."""
         length = self.sequence_length
-        out = np.full(n * length, self.pad_id, dtype=self._storage.dtype)
-        if len(spans):
-            flat = spans.block.reshape(-1) if isinstance(spans, Rows) else np.concatenate(list(spans))
-            first_of = np.repeat(np.cumsum(pieces.length) - pieces.length, pieces.length)
-            dest = np.repeat(pieces.row * length + pieces.column, pieces.length) + (
-                np.arange(len(flat), dtype=np.int64) - first_of
-            )
-            out[dest] = flat
-        return out.reshape(n, length)
+        parts = list(spans)
+        _, padded, pad_from = self._with_padding(n, pieces)
+        if len(padded):
+            pad = np.full(length, self.pad_id, dtype=self._storage.dtype)
+            at = np.searchsorted(pieces.row, padded, side="right").tolist()
+            for i, start in zip(reversed(at), reversed(pad_from.tolist()), strict=True):
+                parts.insert(i, pad[: length - start])
+        if not parts:
+            return np.empty((0, length), dtype=self._storage.dtype)
+        return np.concatenate(parts).reshape(n, length)
 
     async def read_many(self, indices: I64) -> Sequence[Sample]:
         """Packed sequences ``indices``: one batched span read of the storage (concat mode also

@@ -32,7 +32,7 @@ every epoch, and resuming at any position reads only that position's sequences (
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -47,7 +47,8 @@ __all__ = ["PackMode", "PackedDataset", "pack"]
 
 PackMode = Literal["concat", "best_fit"]
 I64 = npt.NDArray[np.int64]
-Sample = dict[str, npt.NDArray[Any]]
+Sample = Mapping[str, npt.NDArray[Any]]
+_KEYS = ("tokens", "doc_ids", "segment_ids", "position_ids")
 
 _MODES: tuple[str, ...] = get_args(PackMode)
 #: Document offsets read per call while building a layout: bounds the build's memory beyond
@@ -284,31 +285,9 @@ class PackedDataset(DatasetAbstract[Sample]):
         return cached[:size]
 
     def _assemble(self, n: int, tokens: npt.NDArray[Any], pieces: _Pieces) -> list[Sample]:
-        """The samples of a window: ``tokens`` (``(n, L)``) and the index arrays of ``pieces``.
-
-        Every index array is one ``np.repeat`` of a per-piece value (padding is a piece of its
-        own), so a window costs a few passes over its elements whatever its pieces.
-        """
-        length = self.sequence_length
-        pieces, padded, pad_from = self._with_padding(n, pieces)
-        size = n * length
-        index_t: type[np.signedinteger[Any]] = np.int32 if size < 2**31 else np.int64
-        rank = np.arange(len(pieces.row), dtype=np.int64) - np.searchsorted(pieces.row, pieces.row)
-        segment = np.where(pieces.doc >= 0, rank + 1, 0).astype(np.int32)
-        doc_ids = np.repeat(pieces.doc, pieces.length)
-        segments = np.repeat(segment, pieces.length)
-        positions = self._flat_range(size, index_t) - np.repeat(
-            (pieces.row * length + pieces.column).astype(index_t), pieces.length
-        )
-        positions = positions.astype(np.int32, copy=False)
-        for r, start in zip(padded.tolist(), pad_from.tolist(), strict=True):
-            positions[r * length + start : (r + 1) * length] = 0
-        shape = (n, length)
-        doc_2d, seg_2d, pos_2d = doc_ids.reshape(shape), segments.reshape(shape), positions.reshape(shape)
-        return [
-            {"tokens": tokens[r], "doc_ids": doc_2d[r], "segment_ids": seg_2d[r], "position_ids": pos_2d[r]}
-            for r in range(n)
-        ]
+        """The samples of a window: rows of ``tokens`` (``(n, L)``), index arrays of ``pieces``."""
+        window = _Window(tokens, *self._with_padding(n, pieces), self._flat_range)
+        return [_PackedSample(window, r) for r in range(n)]
 
     def _concat_tokens(self, spans: Sequence[Any], n: int) -> npt.NDArray[Any]:
         if isinstance(spans, Rows):
@@ -369,6 +348,83 @@ class PackedDataset(DatasetAbstract[Sample]):
     def sample_nbytes_hint(self) -> int:
         """A sequence's bytes: its elements and its three index arrays."""
         return self.sequence_length * (self._storage.dtype.itemsize + 16)
+
+
+class _Window:
+    """The samples of one read: the tokens, and each index array computed for all its rows the
+    first time a sample is asked for it (a collate that takes no ``doc_ids`` never pays for
+    them).
+
+    Every index array is one ``np.repeat`` of a per-piece value (padding is a piece of its own),
+    so a window costs a few passes over its elements whatever its pieces. Threads that collate
+    batches of one window at once may compute an array twice, never differently.
+    """
+
+    __slots__ = ("_arange", "_blocks", "_pad_from", "_padded", "pieces", "tokens")
+
+    def __init__(
+        self,
+        tokens: npt.NDArray[Any],
+        pieces: _Pieces,
+        padded: I64,
+        pad_from: I64,
+        arange: Callable[[int, type[np.signedinteger[Any]]], npt.NDArray[Any]],
+    ) -> None:
+        self.tokens, self.pieces, self._padded, self._pad_from = tokens, pieces, padded, pad_from
+        self._arange = arange
+        self._blocks: dict[str, npt.NDArray[Any]] = {"tokens": tokens}
+
+    def block(self, key: str) -> npt.NDArray[Any]:
+        got = self._blocks.get(key)
+        if got is None:
+            if key not in _KEYS:
+                raise KeyError(key)
+            got = self._blocks[key] = getattr(self, "_" + key)().reshape(self.tokens.shape)
+        return got
+
+    def _doc_ids(self) -> npt.NDArray[np.int64]:
+        return np.repeat(self.pieces.doc, self.pieces.length)
+
+    def _segment_ids(self) -> npt.NDArray[np.int32]:
+        p = self.pieces
+        rank = np.arange(len(p.row), dtype=np.int64) - np.searchsorted(p.row, p.row)
+        return np.repeat(np.where(p.doc >= 0, rank + 1, 0).astype(np.int32), p.length)
+
+    def _position_ids(self) -> npt.NDArray[np.int32]:
+        p, (n, length) = self.pieces, self.tokens.shape
+        index_t: type[np.signedinteger[Any]] = np.int32 if n * length < 2**31 else np.int64
+        starts = (p.row * length + p.column).astype(index_t)
+        flat = self._arange(n * length, index_t) - np.repeat(starts, p.length)
+        positions: npt.NDArray[np.int32] = flat.astype(np.int32, copy=False)
+        for r, start in zip(self._padded.tolist(), self._pad_from.tolist(), strict=True):
+            positions[r * length + start : (r + 1) * length] = 0
+        return positions
+
+
+class _PackedSample(Mapping[str, npt.NDArray[Any]]):
+    """One packed sequence: a read-only mapping of its four arrays, rows of its window's
+    (pickled, as for process workers, it is a plain dict)."""
+
+    __slots__ = ("_row", "_window")
+
+    def __init__(self, window: _Window, row: int) -> None:
+        self._window, self._row = window, row
+
+    def __getitem__(self, key: str) -> npt.NDArray[Any]:
+        row: npt.NDArray[Any] = self._window.block(key)[self._row]
+        return row
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_KEYS)
+
+    def __len__(self) -> int:
+        return len(_KEYS)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (dict, (dict(self),))
+
+    def __repr__(self) -> str:
+        return "{" + ", ".join(f"{k!r}: {self[k]!r}" for k in _KEYS) + "}"
 
 
 def best_fit_layout(lengths: I64, starts: I64, length: int) -> _BestFitLayout:

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import pickle
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -345,3 +349,54 @@ def test_custom_storage_with_only_async_reads_is_packed_through_read_many() -> N
         got = asyncio.run(dataset.read_many(np.arange(len(dataset), dtype=np.int64)))
         for a, b in zip(got, expect, strict=True):
             assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_samples_are_read_only_mappings_that_pickle_as_dicts() -> None:
+    dataset = open_packed(numbered([5, 3, 9]), 4, "best_fit", pad_id=-1)
+    sample = dataset.read_many_sync(np.asarray([1], dtype=np.int64))[0]
+    assert list(sample) == ["tokens", "doc_ids", "segment_ids", "position_ids"] and len(sample) == 4
+    with pytest.raises(KeyError):
+        sample["loss_mask"]
+    copy = pickle.loads(pickle.dumps(sample))
+    assert type(copy) is dict and all(np.array_equal(copy[k], sample[k]) for k in sample)
+    assert "tokens" in repr(sample)
+
+
+def test_process_workers_collate_packed_samples() -> None:
+    docs = numbered(list(np.random.default_rng(4).integers(1, 30, 120)))
+    dataset = open_packed(docs, 16, "concat")
+    expected, _ = run_ranks(dataset, 1, local_batch_size=4, shuffle=True, shuffle_seed=2)
+    got, _ = run_ranks(
+        dataset, 1, local_batch_size=4, shuffle=True, shuffle_seed=2, num_workers=2, parallel_method="process"
+    )
+    assert got == expected
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["best_fit", "concat"])
+def test_the_packing_example_runs(mode: str, tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-W",
+            "error",
+            str(root / "examples" / "packing.py"),
+            "--mode",
+            mode,
+            "--steps",
+            "10",
+            "--corpus-mb",
+            "0.3",
+            "--data",
+            str(tmp_path / "docs"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "resumed run == uninterrupted run" in proc.stdout

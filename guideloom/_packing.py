@@ -2,7 +2,8 @@
 sequences, with what document-masked attention needs to keep them apart.
 
 ``pack(storage, sequence_length, mode)`` returns a :class:`PackedDataset`: observation ``i`` is
-packed sequence ``i``, a dict of 1-D arrays of ``sequence_length`` elements:
+packed sequence ``i``, a read-only mapping (a dict once pickled) of 1-D arrays of
+``sequence_length`` elements:
 
 - ``"tokens"``: the elements, of the storage's dtype (``pad_id`` after the last piece in
   ``"best_fit"`` mode);
@@ -41,6 +42,7 @@ import numpy.typing as npt
 
 from ._checks import check_int
 from ._datasets import DatasetAbstract
+from ._loop import LoopThread
 from ._storage.base import DocumentStorageAbstract, Rows, StreamStorageAbstract
 
 __all__ = ["PackMode", "PackedDataset", "pack"]
@@ -128,9 +130,10 @@ def _check_storage(storage: Any) -> DocumentStorageAbstract[Any, Any]:
 class PackedDataset(DatasetAbstract[Sample]):
     """Documents packed into sequences of ``sequence_length`` elements (see :func:`pack`).
 
-    Each sample is a dict of 1-D arrays: ``"tokens"``, ``"doc_ids"``, ``"segment_ids"`` and
-    ``"position_ids"``. ``len()`` and reads need the layout, which :meth:`open` builds (the
-    loader opens its dataset); it stays built after :meth:`close`.
+    Each sample is a read-only mapping of 1-D arrays: ``"tokens"``, ``"doc_ids"``,
+    ``"segment_ids"`` and ``"position_ids"`` (computed for a read window on first use).
+    ``len()`` and reads need the layout, which :meth:`open` builds the first time (the loader
+    opens its dataset); it stays built after :meth:`close`.
     """
 
     def __init__(
@@ -177,12 +180,27 @@ class PackedDataset(DatasetAbstract[Sample]):
             self._layout = await self._build()
 
     def __len__(self) -> int:
-        """Number of packed sequences (the layout must be built: open the dataset first)."""
-        return len(self._require_layout())
+        """Number of packed sequences. Before the dataset was ever opened (a loader's
+        ``load_state_dict`` in a fresh process), this builds the layout first, blocking: it
+        opens the storage, reads the offsets and closes it again."""
+        return len(self._built_layout())
 
     def layout_nbytes(self) -> int:
         """Memory the pack layout holds, in bytes (what :meth:`open` keeps)."""
-        return self._require_layout().nbytes
+        return self._built_layout().nbytes
+
+    def _built_layout(self) -> _ConcatLayout | _BestFitLayout:
+        if self._layout is None:
+            loop = LoopThread(name=f"guideloom-pack-{id(self):x}")  # works inside a running loop too
+            try:
+                loop.run(self._build_closed())
+            finally:
+                loop.stop()
+        return self._require_layout()
+
+    async def _build_closed(self) -> None:
+        await self.open()
+        await self.close()
 
     def _require_layout(self) -> _ConcatLayout | _BestFitLayout:
         if self._layout is None:
@@ -513,7 +531,7 @@ def pack(
     ``mode="best_fit"`` keeps documents whole where they fit (best-fit-decreasing; longer ones
     are split into ``sequence_length`` pieces and a remainder) and pads with ``pad_id``. Use the
     result as a loader's dataset: ``StatefulDataLoader(pack(storage, 2048), collate_fn, ...)``;
-    each sample is a dict of ``"tokens"``, ``"doc_ids"``, ``"segment_ids"`` and
+    each sample is a read-only mapping of ``"tokens"``, ``"doc_ids"``, ``"segment_ids"`` and
     ``"position_ids"`` (see :class:`PackedDataset`). Nothing is read until the loader opens it.
     """
     return PackedDataset(storage, sequence_length, mode, pad_id=pad_id)

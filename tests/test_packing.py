@@ -316,7 +316,7 @@ def test_bad_input_gets_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="all empty"):
         asyncio.run(gl.pack(gl.MemoryDocumentStorage([np.arange(0)] * 3), 4).open())
     with pytest.raises(RuntimeError, match="open it first"):
-        len(gl.pack(docs, 4))
+        gl.pack(docs, 4).read_many_sync(np.zeros(1, dtype=np.int64))
     # document storage with a sequence_length and no packing stays refused by from_storage
     with pytest.raises(ValueError, match="takes no sequence_length"):
         gl.StatefulDataLoader.from_storage(docs, list, sequence_length=4, device=torch.device("cpu"))  # type: ignore[call-overload]
@@ -400,3 +400,24 @@ def test_the_packing_example_runs(mode: str, tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resumed run == uninterrupted run" in proc.stdout
+
+
+def test_a_fresh_process_loads_a_checkpoint_before_opening_the_loader(tmp_path: Path) -> None:
+    docs = [np.arange(n, dtype=np.int32) for n in np.random.default_rng(6).integers(1, 90, 100)]
+    gl.write_documents(tmp_path / "docs", docs)
+
+    def loader() -> gl.StatefulDataLoader[Any, list[tuple[int, ...]]]:
+        return packed_loader(
+            gl.pack(gl.open_documents(tmp_path / "docs"), 32, "best_fit"), local_batch_size=3
+        )
+
+    with loader() as first:
+        before = take(first, 2)
+        state = roundtrip(first.state_dict())
+    with loader() as whole:
+        expected = take(whole)
+    resumed = loader()
+    resumed.load_state_dict(state)  # not open yet: len() builds the layout
+    with resumed:
+        after = take(resumed)
+    assert before + after == expected

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import sysconfig
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -45,11 +45,11 @@ def documents(limit_bytes: int) -> Iterator[np.ndarray]:
             return
 
 
-def collate(samples: Sequence[Mapping[str, np.ndarray]]) -> dict[str, torch.Tensor]:
+def collate(samples: gl.PackedRows) -> dict[str, torch.Tensor]:
     """Packed sequences -> tokens, positions, a (B, 1, L, L) document mask and a loss mask."""
-    tokens = torch.from_numpy(np.stack([s["tokens"] for s in samples]).astype(np.int64))
-    segments = torch.from_numpy(np.stack([s["segment_ids"] for s in samples]))
-    positions = torch.from_numpy(np.stack([s["position_ids"] for s in samples]).astype(np.int64))
+    tokens = torch.from_numpy(samples.block("tokens").astype(np.int64))
+    segments = torch.from_numpy(samples.block("segment_ids"))
+    positions = torch.from_numpy(samples.block("position_ids").astype(np.int64))
     causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
     mask = ((segments[:, :, None] == segments[:, None, :]) & causal)[:, None]
     # predict token t+1 from t only inside one document piece (and never on padding)

@@ -11,7 +11,7 @@ from ._errors import (
     StorageError,
     WorkerError,
 )
-from ._packing import PackedDataset, pack
+from ._packing import PackedDataset, PackedRows, pack
 from ._storage.api import open_documents, open_stream, verify_dataset, write_documents, write_stream
 from ._storage.base import DocumentStorageAbstract, StreamStorageAbstract
 from ._storage.memory import MemoryDocumentStorage, MemoryStreamStorage
@@ -30,6 +30,7 @@ __all__ = [
     "MemoryDocumentStorage",
     "MemoryStreamStorage",
     "PackedDataset",
+    "PackedRows",
     "RemoteReadError",
     "StatefulDataLoader",
     "StatefulDataLoaderStateDict",

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, get_args, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -45,7 +45,7 @@ from ._datasets import DatasetAbstract
 from ._loop import LoopThread
 from ._storage.base import DocumentStorageAbstract, Rows, StreamStorageAbstract
 
-__all__ = ["PackMode", "PackedDataset", "pack"]
+__all__ = ["PackMode", "PackedDataset", "PackedRows", "pack"]
 
 PackMode = Literal["concat", "best_fit"]
 I64 = npt.NDArray[np.int64]
@@ -302,10 +302,9 @@ class PackedDataset(DatasetAbstract[Sample]):
             cached = self._arange = np.arange(size, dtype=dtype)
         return cached[:size]
 
-    def _assemble(self, n: int, tokens: npt.NDArray[Any], pieces: _Pieces) -> list[Sample]:
+    def _assemble(self, n: int, tokens: npt.NDArray[Any], pieces: _Pieces) -> PackedRows:
         """The samples of a window: rows of ``tokens`` (``(n, L)``), index arrays of ``pieces``."""
-        window = _Window(tokens, *self._with_padding(n, pieces), self._flat_range)
-        return [_PackedSample(window, r) for r in range(n)]
+        return PackedRows(_Window(tokens, *self._with_padding(n, pieces), self._flat_range), 0, n)
 
     def _concat_tokens(self, spans: Sequence[Any], n: int) -> npt.NDArray[Any]:
         if isinstance(spans, Rows):
@@ -392,6 +391,9 @@ class _Window:
         self._arange = arange
         self._blocks: dict[str, npt.NDArray[Any]] = {"tokens": tokens}
 
+    def preset(self, blocks: dict[str, npt.NDArray[Any]]) -> None:
+        self._blocks.update(blocks)
+
     def block(self, key: str) -> npt.NDArray[Any]:
         got = self._blocks.get(key)
         if got is None:
@@ -417,6 +419,71 @@ class _Window:
         for r, start in zip(self._padded.tolist(), self._pad_from.tolist(), strict=True):
             positions[r * length + start : (r + 1) * length] = 0
         return positions
+
+
+class PackedRows(Sequence[Mapping[str, npt.NDArray[Any]]]):
+    """Packed sequences as a read-only ``Sequence``: what a :class:`PackedDataset` read returns,
+    and so what ``collate_fn`` receives (the rows of one read window).
+
+    ``rows[i]`` is sequence ``i``, a read-only mapping of its four arrays; ``rows[a:b]`` is
+    ``PackedRows`` again; ``rows.block(key)`` is the ``(len(rows), sequence_length)`` array of
+    one key for all of them, a view without a copy, where ``np.stack([s[key] for s in rows])``
+    makes a Python call per sample and copies (a collate for short batches spends most of its
+    time there). Pickled (for process workers) it carries its own rows only.
+    """
+
+    __slots__ = ("_start", "_stop", "_window")
+
+    def __init__(self, window: _Window, start: int, stop: int) -> None:
+        self._window, self._start, self._stop = window, start, stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    @overload
+    def __getitem__(self, index: int) -> Mapping[str, npt.NDArray[Any]]: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Mapping[str, npt.NDArray[Any]]]: ...
+    def __getitem__(
+        self, index: int | slice
+    ) -> Mapping[str, npt.NDArray[Any]] | Sequence[Mapping[str, npt.NDArray[Any]]]:
+        n = self._stop - self._start
+        if isinstance(index, slice):
+            start, stop, step = index.indices(n)
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            return PackedRows(self._window, self._start + start, self._start + max(start, stop))
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError(f"row {index} of {n} packed sequences")
+        return _PackedSample(self._window, self._start + index)
+
+    def block(self, key: str) -> npt.NDArray[Any]:
+        """The 2-D array of ``key`` (``"tokens"``, ``"doc_ids"``, ``"segment_ids"`` or
+        ``"position_ids"``) for these rows: a view of the window's array, no copy."""
+        view: npt.NDArray[Any] = self._window.block(key)[self._start : self._stop]
+        return view
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        blocks = {k: np.ascontiguousarray(self.block(k)) for k in _KEYS}
+        return (_rows_of_blocks, (blocks,))
+
+    def __repr__(self) -> str:
+        return f"PackedRows({len(self)} sequences of {self._window.tokens.shape[1]})"
+
+
+def _rows_of_blocks(blocks: dict[str, npt.NDArray[Any]]) -> PackedRows:
+    """``PackedRows`` over arrays already made (what a pickled ``PackedRows`` becomes)."""
+    tokens = blocks["tokens"]
+    none = np.empty(0, dtype=np.int64)
+    window = _Window(tokens, _Pieces(none, none, none, none), none, none, _no_range)
+    window.preset(blocks)
+    return PackedRows(window, 0, len(tokens))
+
+
+def _no_range(size: int, dtype: type[np.signedinteger[Any]]) -> npt.NDArray[Any]:
+    raise AssertionError("a window made of blocks computes nothing")
 
 
 class _PackedSample(Mapping[str, npt.NDArray[Any]]):

@@ -421,3 +421,23 @@ def test_a_fresh_process_loads_a_checkpoint_before_opening_the_loader(tmp_path: 
     with resumed:
         after = take(resumed)
     assert before + after == expected
+
+
+def test_a_batch_is_packed_rows_whose_blocks_are_the_stacked_samples() -> None:
+    dataset = open_packed(numbered([5, 3, 9, 30, 2, 7]), 4, "best_fit", pad_id=-1)
+    rows = dataset.read_many_sync(np.arange(len(dataset), dtype=np.int64)[::-1].copy())
+    assert isinstance(rows, gl.PackedRows)
+    batch = rows[2:6]
+    assert isinstance(batch, gl.PackedRows) and len(batch) == 4 and len(rows[6:2]) == 0
+    for key in ("tokens", "doc_ids", "segment_ids", "position_ids"):
+        assert np.array_equal(batch.block(key), np.stack([s[key] for s in batch]))
+        assert batch.block(key).shape == (4, 4)
+    assert [int(s["tokens"][0]) for s in rows[::3]] == [
+        int(rows[i]["tokens"][0]) for i in range(0, len(rows), 3)
+    ]
+    assert np.array_equal(rows[-1]["tokens"], rows[len(rows) - 1]["tokens"])
+    with pytest.raises(IndexError):
+        rows[len(rows)]
+    copy = pickle.loads(pickle.dumps(batch))
+    assert isinstance(copy, gl.PackedRows) and len(copy) == 4
+    assert all(np.array_equal(copy.block(k), batch.block(k)) for k in ("tokens", "doc_ids", "position_ids"))

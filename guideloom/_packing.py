@@ -33,10 +33,11 @@ every epoch, and resuming at any position reads only that position's sequences (
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args, overload
+from typing import Any, Literal, TypeVar, get_args, overload
 
+import anyio
 import numpy as np
 import numpy.typing as npt
 
@@ -51,6 +52,8 @@ PackMode = Literal["concat", "best_fit"]
 I64 = npt.NDArray[np.int64]
 Sample = Mapping[str, npt.NDArray[Any]]
 _KEYS = ("tokens", "doc_ids", "segment_ids", "position_ids")
+A = TypeVar("A")
+B = TypeVar("B")
 
 _MODES: tuple[str, ...] = get_args(PackMode)
 #: Document offsets read per call while building a layout: bounds the build's memory beyond
@@ -327,14 +330,16 @@ class PackedDataset(DatasetAbstract[Sample]):
 
     async def read_many(self, indices: I64) -> Sequence[Sample]:
         """Packed sequences ``indices``: one batched span read of the storage (concat mode also
-        looks up the offsets of the documents the sequences hold)."""
+        looks up, at the same time, the offsets of the documents the sequences hold)."""
         self._require_layout()
         indices = np.asarray(indices, dtype=np.int64)
         n, length = len(indices), self.sequence_length
         if self.mode == "concat":
             positions, a, counts = self._concat_queries(indices)
-            offsets = await self._storage.document_offsets(positions)
-            spans = await self._storage.read_spans(indices * length, indices * length + length)
+            offsets, spans = await _both(
+                self._storage.document_offsets(positions),  # the elements do not depend on them
+                self._storage.read_spans(indices * length, indices * length + length),
+            )
             pieces = self._concat_pieces(indices, offsets, a, counts)
             return self._assemble(n, self._concat_tokens(spans, n), pieces)
         pieces, starts = self._best_fit_pieces(indices)
@@ -510,6 +515,26 @@ class _PackedSample(Mapping[str, npt.NDArray[Any]]):
 
     def __repr__(self) -> str:
         return "{" + ", ".join(f"{k!r}: {self[k]!r}" for k in _KEYS) + "}"
+
+
+async def _both(first: Awaitable[A], second: Awaitable[B]) -> tuple[A, B]:
+    """Await two reads at once; the first failure is raised as it is (not in an exception
+    group: the loader reports a storage's error with its own type, at its batch)."""
+    got: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    async def run(i: int, read: Awaitable[Any]) -> None:
+        try:
+            got[i] = await read
+        except Exception as exc:
+            errors.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run, 0, first)
+        tg.start_soon(run, 1, second)
+    if errors:
+        raise errors[0]
+    return got[0], got[1]
 
 
 def best_fit_layout(lengths: I64, starts: I64, length: int) -> _BestFitLayout:

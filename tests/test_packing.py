@@ -441,3 +441,26 @@ def test_a_batch_is_packed_rows_whose_blocks_are_the_stacked_samples() -> None:
     copy = pickle.loads(pickle.dumps(batch))
     assert isinstance(copy, gl.PackedRows) and len(copy) == 4
     assert all(np.array_equal(copy.block(k), batch.block(k)) for k in ("tokens", "doc_ids", "position_ids"))
+
+
+@pytest.mark.parametrize("failing", ["document_offsets", "read_spans"])
+def test_a_failed_storage_read_reaches_the_caller_with_its_own_type(failing: str) -> None:
+    class Failing(gl.MemoryDocumentStorage):
+        armed = False
+
+        async def document_offsets(self, positions: np.ndarray) -> np.ndarray:
+            if self.armed and failing == "document_offsets":
+                raise gl.StorageError("offsets unavailable")
+            return await super().document_offsets(positions)
+
+        async def read_spans(self, starts: np.ndarray, stops: np.ndarray) -> Sequence[Any]:
+            if self.armed and failing == "read_spans":
+                raise gl.StorageError("spans unavailable")
+            return await super().read_spans(starts, stops)
+
+    storage = Failing(numbered([30, 4, 17, 9]))
+    dataset = gl.pack(storage, 8, "concat")
+    asyncio.run(dataset.open())
+    storage.armed = True
+    with pytest.raises(gl.StorageError, match="unavailable"):
+        asyncio.run(dataset.read_many(np.arange(3, dtype=np.int64)))

@@ -262,6 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tokens", type=int, default=None, help="tokens in the throughput datasets")
     ap.add_argument("--documents", type=int, default=None, help="documents in the layout-build measurement")
+    ap.add_argument(
+        "--only", default="throughput,resume,build", help="parts to run (throughput,resume,build)"
+    )
     ap.add_argument("--build-child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.build_child:
@@ -271,11 +274,14 @@ def main(argv: list[str] | None = None) -> None:
     documents = args.documents or (1_000_000 if args.quick else 10_000_000)
     docs_path, stream_path = ensure_datasets(tokens)
     rounds, batches = (1, 200) if args.quick else (5, 1500)
-    result = {
-        "throughput": throughput(docs_path, stream_path, rounds, batches),
-        "resume": resume_ttfb(docs_path, 5 if args.quick else 20),
-        "layout_build": layout_build(documents),
-    }
+    parts = set(args.only.split(","))
+    result: dict[str, Any] = {}
+    if "throughput" in parts:
+        result["throughput"] = throughput(docs_path, stream_path, rounds, batches)
+    if "resume" in parts:
+        result["resume"] = resume_ttfb(docs_path, 5 if args.quick else 20)
+    if "build" in parts:
+        result["layout_build"] = layout_build(documents)
     print(json.dumps(result, indent=2))
 
 

@@ -305,28 +305,32 @@ class PackedDataset(DatasetAbstract[Sample]):
             cached = self._arange = np.arange(size, dtype=dtype)
         return cached[:size]
 
-    def _assemble(self, n: int, tokens: npt.NDArray[Any], pieces: _Pieces) -> PackedRows:
-        """The samples of a window: rows of ``tokens`` (``(n, L)``), index arrays of ``pieces``."""
-        return PackedRows(_Window(tokens, *self._with_padding(n, pieces), self._flat_range), 0, n)
+    def _assemble(self, tokens: npt.NDArray[Any], padded: tuple[_Pieces, I64, I64]) -> PackedRows:
+        """The samples of a window: rows of ``tokens`` (``(n, L)``), and the index arrays of the
+        pieces (with their padding, :meth:`_with_padding`)."""
+        return PackedRows(_Window(tokens, *padded, self._flat_range), 0, len(tokens))
 
     def _concat_tokens(self, spans: Sequence[Any], n: int) -> npt.NDArray[Any]:
         if isinstance(spans, Rows):
             return spans.block
         return np.stack(spans) if n else np.empty((0, self.sequence_length), self._storage.dtype)
 
-    def _best_fit_tokens(self, spans: Sequence[Any], n: int, pieces: _Pieces) -> npt.NDArray[Any]:
+    def _best_fit_tokens(self, spans: Sequence[Any], n: int, padded: I64, pad_from: I64) -> npt.NDArray[Any]:
         """The pieces' elements back to back in their rows, each row padded with ``pad_id``."""
-        length = self.sequence_length
-        parts = list(spans)
-        _, padded, pad_from = self._with_padding(n, pieces)
-        if len(padded):
-            pad = np.full(length, self.pad_id, dtype=self._storage.dtype)
-            at = np.searchsorted(pieces.row, padded, side="right").tolist()
-            for i, start in zip(reversed(at), reversed(pad_from.tolist()), strict=True):
-                parts.insert(i, pad[: length - start])
-        if not parts:
-            return np.empty((0, length), dtype=self._storage.dtype)
-        return np.concatenate(parts).reshape(n, length)
+        length, dtype = self.sequence_length, self._storage.dtype
+        if isinstance(spans, Rows):
+            flat = spans.block.reshape(-1)
+        else:
+            flat = np.concatenate(list(spans)) if len(spans) else np.empty(0, dtype)
+        if not len(padded):
+            return flat.reshape(n, length)
+        out = np.full((n, length), self.pad_id, dtype=dtype)
+        used = np.full(n, length, dtype=np.int64)
+        used[padded] = pad_from
+        ends = np.cumsum(used).tolist()
+        for r, (end, u) in enumerate(zip(ends, used.tolist(), strict=True)):  # a copy per row
+            out[r, :u] = flat[end - u : end]
+        return out
 
     async def read_many(self, indices: I64) -> Sequence[Sample]:
         """Packed sequences ``indices``: one batched span read of the storage (concat mode also
@@ -340,11 +344,12 @@ class PackedDataset(DatasetAbstract[Sample]):
                 self._storage.document_offsets(positions),  # the elements do not depend on them
                 self._storage.read_spans(indices * length, indices * length + length),
             )
-            pieces = self._concat_pieces(indices, offsets, a, counts)
-            return self._assemble(n, self._concat_tokens(spans, n), pieces)
+            padded = self._with_padding(n, self._concat_pieces(indices, offsets, a, counts))
+            return self._assemble(self._concat_tokens(spans, n), padded)
         pieces, starts = self._best_fit_pieces(indices)
         spans = await self._storage.read_spans(starts, starts + pieces.length)
-        return self._assemble(n, self._best_fit_tokens(spans, n, pieces), pieces)
+        padded = self._with_padding(n, pieces)
+        return self._assemble(self._best_fit_tokens(spans, n, padded[1], padded[2]), padded)
 
     def read_many_sync(self, indices: I64) -> Sequence[Sample]:
         """``read_many`` in the caller's thread (where ``reads_inline``)."""
@@ -355,11 +360,12 @@ class PackedDataset(DatasetAbstract[Sample]):
             positions, a, counts = self._concat_queries(indices)
             offsets = self._storage.document_offsets_sync(positions)
             spans = self._storage.read_spans_sync(indices * length, indices * length + length)
-            pieces = self._concat_pieces(indices, offsets, a, counts)
-            return self._assemble(n, self._concat_tokens(spans, n), pieces)
+            padded = self._with_padding(n, self._concat_pieces(indices, offsets, a, counts))
+            return self._assemble(self._concat_tokens(spans, n), padded)
         pieces, starts = self._best_fit_pieces(indices)
         spans = self._storage.read_spans_sync(starts, starts + pieces.length)
-        return self._assemble(n, self._best_fit_tokens(spans, n, pieces), pieces)
+        padded = self._with_padding(n, pieces)
+        return self._assemble(self._best_fit_tokens(spans, n, padded[1], padded[2]), padded)
 
     @property
     def reads_inline(self) -> bool:

@@ -2,7 +2,7 @@
 sequences, with what document-masked attention needs to keep them apart.
 
 ``pack(storage, sequence_length, mode)`` returns a :class:`PackedDataset`: observation ``i`` is
-packed sequence ``i``, a read-only mapping (a dict once pickled) of 1-D arrays of
+packed sequence ``i``, a read-only mapping of 1-D arrays of
 ``sequence_length`` elements:
 
 - ``"tokens"``: the elements, of the storage's dtype (``pad_id`` after the last piece in
@@ -13,6 +13,10 @@ packed sequence ``i``, a read-only mapping (a dict once pickled) of 1-D arrays o
 - ``"position_ids"`` (int32): the position inside the piece, from 0 at each piece's start
   (Megatron's ``reset_position_ids``, Grain's ``*_positions``); a document continued from the
   previous sequence starts at 0 again, as it does in Megatron.
+
+A read returns :class:`PackedRows`, the sequences of one read window: ``collate_fn`` gets a
+batch's rows, and ``rows.block(key)`` is one key's ``(batch, sequence_length)`` array without a
+copy. The index arrays are computed for the whole window the first time one is asked for.
 
 The layout is a pure function of the documents' lengths, built once when the dataset is first
 opened and kept: the loader's own shuffle then permutes packed sequences, ``len()`` is the same

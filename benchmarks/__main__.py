@@ -7,6 +7,7 @@
     python -m benchmarks report                    # re-render table and chart from results/latest.json
     python -m benchmarks fuzz [--minutes 60]       # fuzz the manifest reader
     python -m benchmarks soak [--minutes 10]       # loading through a faulty proxy, workers killed
+    python -m benchmarks packing [--quick]         # document packing vs the stream loader; layout of 10M docs
 
 `suite` runs in a venv of its own with the peers ($GUIDELOOM_BENCH_VENV, default
 $TMPDIR/guideloom-bench-venv): it creates it on first use and re-runs itself there. Nothing else
@@ -32,6 +33,7 @@ _PASSTHROUGH = {
     "remote": "benchmarks.remote_stream",
     "fuzz": "benchmarks.fuzz_manifest",
     "soak": "benchmarks.soak",
+    "packing": "benchmarks.packing",
 }
 
 
@@ -103,7 +105,7 @@ def _write_report(out: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = ["local", "remote", "suite", "report", "fuzz", "soak"]
+    commands = ["local", "remote", "suite", "report", "fuzz", "soak", "packing"]
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__)
         if argv and argv[0] not in ("-h", "--help"):

@@ -11,6 +11,7 @@ from ._errors import (
     StorageError,
     WorkerError,
 )
+from ._packing import PackedDataset, PackedRows, pack
 from ._storage.api import open_documents, open_stream, verify_dataset, write_documents, write_stream
 from ._storage.base import DocumentStorageAbstract, StreamStorageAbstract
 from ._storage.memory import MemoryDocumentStorage, MemoryStreamStorage
@@ -28,6 +29,8 @@ __all__ = [
     "GuideloomError",
     "MemoryDocumentStorage",
     "MemoryStreamStorage",
+    "PackedDataset",
+    "PackedRows",
     "RemoteReadError",
     "StatefulDataLoader",
     "StatefulDataLoaderStateDict",
@@ -38,6 +41,7 @@ __all__ = [
     "__version__",
     "open_documents",
     "open_stream",
+    "pack",
     "verify_dataset",
     "write_documents",
     "write_stream",

@@ -42,11 +42,15 @@ def _manifest_digest(storage: Any) -> str:
 
 
 def dataset_fingerprint(dataset: Any) -> DatasetFingerprint:
-    """What identifies ``dataset`` for a checkpoint: its kind, number of observations, sequence
-    length (0 for documents) and manifest digest."""
+    """What identifies ``dataset`` for a checkpoint: its kind (``"packed-concat"`` and
+    ``"packed-best_fit"`` for packed documents), number of observations, sequence length (0 for
+    documents) and manifest digest."""
     from ._datasets import DocumentDataset, StreamDataset
+    from ._packing import PackedDataset
 
-    if isinstance(dataset, StreamDataset):
+    if isinstance(dataset, PackedDataset):  # another packing counts other sequences
+        kind, sequence_length = f"packed-{dataset.mode}", dataset.sequence_length
+    elif isinstance(dataset, StreamDataset):
         kind, sequence_length = "stream", dataset.sequence_length
     elif isinstance(dataset, DocumentDataset):
         kind, sequence_length = "documents", 0

@@ -19,7 +19,8 @@ class DatasetFingerprint(TypedDict):
     """
 
     kind: str
-    """``"stream"`` or ``"documents"`` (a custom dataset: its class name)."""
+    """``"stream"``, ``"documents"``, ``"packed-concat"`` or ``"packed-best_fit"`` (a custom
+    dataset: its class name)."""
     observations: int
     """Number of observations (samples) in the dataset."""
     sequence_length: int

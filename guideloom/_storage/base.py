@@ -225,3 +225,103 @@ class DocumentStorageAbstract(StorageAbstract[InT, OutT]):
 
     def reads_inline(self) -> bool:
         return type(self).read_many is DocumentStorageAbstract.read_many
+
+    # -- element-level access, what packing (guideloom.pack) plans and reads over ---------------
+    #: Offsets found by reading every document once (the defaults below), kept for the next call.
+    _read_offsets_cache: npt.NDArray[np.int64] | None = None
+
+    def _offsets_from(self, docs: Sequence[Any]) -> npt.NDArray[np.int64]:
+        offsets = np.zeros(len(docs) + 1, dtype=np.int64)
+        np.cumsum([len(d) for d in docs], out=offsets[1:])
+        self._read_offsets_cache = offsets
+        return offsets
+
+    def document_offsets_sync(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """Where documents ``positions`` begin in the concatenation of all documents, blocking
+        (position ``len(self)`` gives the total number of elements).
+
+        The default reads every document once and keeps the offsets (a storage with an offsets
+        file overrides it and reads only ``positions``).
+        """
+        offsets = self._read_offsets_cache
+        if offsets is None:
+            offsets = self._offsets_from(self.read_many_sync(np.arange(len(self), dtype=np.int64)))
+        return offsets[positions]
+
+    async def document_offsets(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """``document_offsets_sync`` from a coroutine (the default reads every document once, with
+        ``read_many``, where the blocking variant is not overridden)."""
+        if type(self).document_offsets_sync is not DocumentStorageAbstract.document_offsets_sync:
+            return await self._blocking(self.document_offsets_sync, positions)
+        offsets = self._read_offsets_cache
+        if offsets is None:
+            offsets = self._offsets_from(await self.read_many(np.arange(len(self), dtype=np.int64)))
+        return offsets[positions]
+
+    def _all_offsets_sync(self) -> npt.NDArray[np.int64]:
+        if self._read_offsets_cache is None:
+            self._read_offsets_cache = self.document_offsets_sync(np.arange(len(self) + 1, dtype=np.int64))
+        return self._read_offsets_cache
+
+    async def _all_offsets(self) -> npt.NDArray[np.int64]:
+        if self._read_offsets_cache is None:
+            self._read_offsets_cache = await self.document_offsets(np.arange(len(self) + 1, dtype=np.int64))
+        return self._read_offsets_cache
+
+    def read_spans_sync(self, starts: npt.NDArray[np.int64], stops: npt.NDArray[np.int64]) -> Sequence[Any]:
+        """Elements ``[starts[i], stops[i])`` of the concatenation of all documents, each span as
+        one new 1-D array, blocking. A span may run over several documents.
+
+        The default reads the documents the spans touch with one ``read_many_sync`` call and cuts
+        them; a storage that can read element ranges overrides it and reads only the spans.
+        """
+        offsets = self._all_offsets_sync()
+        ids = _documents_of_spans(offsets, starts, stops)
+        return _cut_spans(offsets, ids, self.read_many_sync(ids), starts, stops, self.dtype)
+
+    async def read_spans(self, starts: npt.NDArray[np.int64], stops: npt.NDArray[np.int64]) -> Sequence[Any]:
+        """``read_spans_sync`` from a coroutine (the default reads the documents the spans touch
+        with one ``read_many`` call where the blocking variant is not overridden)."""
+        if type(self).read_spans_sync is not DocumentStorageAbstract.read_spans_sync:
+            return await self._blocking(self.read_spans_sync, starts, stops)
+        offsets = await self._all_offsets()
+        ids = _documents_of_spans(offsets, starts, stops)
+        return _cut_spans(offsets, ids, await self.read_many(ids), starts, stops, self.dtype)
+
+
+def _documents_of_spans(
+    offsets: npt.NDArray[np.int64], starts: npt.NDArray[np.int64], stops: npt.NDArray[np.int64]
+) -> npt.NDArray[np.int64]:
+    """The documents (sorted, unique) that hold any element of the non-empty spans."""
+    keep = stops > starts
+    first = np.searchsorted(offsets, starts[keep], side="right") - 1
+    last = np.searchsorted(offsets, stops[keep] - 1, side="right") - 1
+    if not len(first):
+        return np.empty(0, dtype=np.int64)
+    counts = last - first + 1
+    ids = np.repeat(first - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+    return np.unique(ids).astype(np.int64)
+
+
+def _cut_spans(
+    offsets: npt.NDArray[np.int64],
+    ids: npt.NDArray[np.int64],
+    docs: Sequence[Any],
+    starts: npt.NDArray[np.int64],
+    stops: npt.NDArray[np.int64],
+    dtype: np.dtype[Any],
+) -> list[Any]:
+    """Spans ``[starts[i], stops[i])`` cut out of ``docs`` (documents ``ids``, sorted)."""
+    by_id = dict(zip(ids.tolist(), docs, strict=True))
+    out = []
+    for a, b in zip(starts.tolist(), stops.tolist(), strict=True):
+        parts = []
+        j = int(np.searchsorted(offsets, a, side="right")) - 1
+        while a < b:
+            base, end = int(offsets[j]), int(offsets[j + 1])
+            if end > a:
+                parts.append(np.asarray(by_id[j])[a - base : min(b, end) - base])
+                a = min(b, end)
+            j += 1
+        out.append(np.concatenate(parts) if parts else np.empty(0, dtype))
+    return out

@@ -222,7 +222,7 @@ class ShardedArray:
         the bounds of each span in it."""
         bounds = [0, *np.cumsum(stops - starts).tolist()]
         if not self._fds:
-            views = [self.slice(a, b) for a, b in zip(starts.tolist(), stops.tolist(), strict=True)]
+            views = self._views(starts, stops)
             buffer = np.concatenate(views) if views else np.empty(0, self.dtype)
             self.account(len(views), buffer.nbytes)
             return buffer, bounds
@@ -231,6 +231,19 @@ class ShardedArray:
         for i, (pos, end) in enumerate(zip(starts.tolist(), stops.tolist(), strict=True)):
             self._pread_span(flat, bounds[i] * item, pos, end)
         return buffer, bounds
+
+    def _views(self, starts: npt.NDArray[np.int64], stops: npt.NDArray[np.int64]) -> list[Array]:
+        """Views of the maps for spans ``[starts[i], stops[i])``: one shard lookup for all of
+        them (a lookup per span cost more than the slicing), ``slice`` for a span across shards."""
+        parts, base = self._parts, self._bounds.tolist()
+        if not parts:  # no elements at all: every span is empty
+            return [np.empty(0, self.dtype) for _ in range(len(starts))]
+        first = self._locate(starts)
+        last = self._locate(np.maximum(stops - 1, starts))
+        views = []
+        for a, b, k, j in zip(starts.tolist(), stops.tolist(), first.tolist(), last.tolist(), strict=True):
+            views.append(parts[k][a - base[k] : b - base[k]] if k == j else self.slice(a, b))
+        return views
 
     def _short(self, k: int) -> None:
         raise DatasetIntegrityError(
@@ -352,5 +365,19 @@ class LocalDocumentStorage(ManifestDocumentStorage):
             return []
         # One copy into one buffer for the window: samples are writable (torch.from_numpy warns
         # on read-only memory maps) and never alias the file.
+        buffer, bounds = self._tokens.spans(starts, stops)
+        return [buffer[a:b] for a, b in itertools.pairwise(bounds)]
+
+    def document_offsets_sync(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        if self._offsets is None:
+            raise RuntimeError(f"{self!r} is not open; call `await storage.open()` first")
+        return self._offsets.take(np.asarray(positions, dtype=np.int64)).astype(np.int64, copy=False)
+
+    def read_spans_sync(self, starts: npt.NDArray[np.int64], stops: npt.NDArray[np.int64]) -> Sequence[Any]:
+        if self._tokens is None:
+            raise RuntimeError(f"{self!r} is not open; call `await storage.open()` first")
+        lengths = stops - starts
+        if len(starts) and int(lengths.min()) == int(lengths.max()):  # a packed concat window
+            return Rows(self._tokens.gather(starts, int(lengths[0])))
         buffer, bounds = self._tokens.spans(starts, stops)
         return [buffer[a:b] for a, b in itertools.pairwise(bounds)]

@@ -292,6 +292,56 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         await self._remote.run(jobs)
         return [flat[bounds[i] : bounds[i + 1]] for i in range(n)]
 
+    def document_offsets_sync(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        local = self._local_copy()
+        if not isinstance(local, LocalDocumentStorage):
+            raise RuntimeError(f"{self!r} has no complete local copy to read from (reads_inline() is False)")
+        return local.document_offsets_sync(positions)
+
+    async def document_offsets(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        if not self._opened:
+            raise RuntimeError(f"{self!r} is not open; call `await storage.open()` first")
+        local = self._local_copy()
+        if isinstance(local, LocalDocumentStorage):
+            return await local.document_offsets(positions)
+        positions = np.asarray(positions, dtype=np.int64)
+        if self._offsets is not None:
+            return self._offsets[positions]
+        if len(positions) > 1 and np.all(np.diff(positions) == 1):  # a run: one range per object
+            return self._check_run(await self._read_offsets_run(int(positions[0]), len(positions)))
+        return await self._read_offsets(positions)
+
+    async def _read_offsets_run(self, start: int, length: int) -> I64:
+        jobs, outs = plan_windows(
+            {"offsets": self._offsets_arr}, np.asarray([start], np.int64), length, self._remote.limits
+        )
+        await self._remote.run(jobs)
+        return outs["offsets"].reshape(-1)
+
+    def _check_run(self, offsets: I64) -> I64:
+        if np.any(np.diff(offsets) < 0) or (len(offsets) and int(offsets[-1]) > self.manifest.num_elements):
+            raise DatasetIntegrityError(f"{self.url}: document offsets are out of order or out of range")
+        return offsets
+
+    def read_spans_sync(self, starts: npt.NDArray[np.int64], stops: npt.NDArray[np.int64]) -> Sequence[Any]:
+        local = self._local_copy()
+        if not isinstance(local, LocalDocumentStorage):
+            raise RuntimeError(f"{self!r} has no complete local copy to read from (reads_inline() is False)")
+        return local.read_spans_sync(starts, stops)
+
+    async def read_spans(self, starts: npt.NDArray[np.int64], stops: npt.NDArray[np.int64]) -> Sequence[Any]:
+        if not self._opened:
+            raise RuntimeError(f"{self!r} is not open; call `await storage.open()` first")
+        local = self._local_copy()
+        if isinstance(local, LocalDocumentStorage):
+            return await local.read_spans(starts, stops)
+        starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
+        if len(starts) and (int(starts.min()) < 0 or int(stops.max()) > self.manifest.num_elements):
+            raise IndexError(f"{self!r}: spans must lie in [0, {self.manifest.num_elements})")
+        jobs, flat, bounds = plan_spans(self._tokens, starts, stops, self._remote.limits)
+        await self._remote.run(jobs)
+        return [flat[bounds[i] : bounds[i + 1]] for i in range(len(starts))]
+
 
 # -- entry points (called by guideloom._storage.api) -----------------------------------------------
 def sink_for(url: str, **options: Any) -> ObjectSink:

@@ -1,0 +1,289 @@
+"""Document packing: throughput against the plain stream loader, resume TTFB, layout build cost.
+
+Workload (issue 13): a local document dataset (uint16, lognormal lengths, mean about 600
+tokens) and a local stream dataset holding the same tokens in the same order;
+sequence_length=2048, local_batch_size=16, shuffle on, num_workers=0. The stream loader's
+collate widens the tokens to int64; the packed loaders' collate does the same and also stacks
+``position_ids`` and ``segment_ids`` (what document-masked attention needs). Configurations
+alternate in rounds in one process and are reported as ratios to the stream loader of the same
+round (this machine is shared and noisy).
+
+- resume TTFB: a fresh loader over the (already laid out) packed dataset, ``load_state_dict`` at
+  a random offset, time until the first batch is in hand; and the same in a fresh process, where
+  open() also builds the layout.
+- layout build: time and peak memory (tracemalloc: every numpy and Python allocation) of the
+  layout of 10M documents, in a child process per mode, over a storage that serves the offsets
+  from a memory-mapped file (the layout reads only offsets, as it does from a written dataset).
+
+    python -m benchmarks.packing            # the full run (~3 minutes once the data exists)
+    python -m benchmarks.packing --quick    # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import guideloom as gl
+
+SEQ = 2048
+BATCH = 16
+ROOT = Path(os.environ.get("GUIDELOOM_BENCH_DIR", Path(tempfile.gettempdir()) / "guideloom-bench"))
+
+
+def stream_collate(samples: Sequence[np.ndarray]) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(samples).astype(np.int64))
+
+
+def packed_collate(samples: gl.PackedRows) -> dict[str, torch.Tensor]:
+    """Tokens widened to int64 as for the stream; position and segment ids as they come (int32:
+    what RoPE tables, SDPA masks and flash-attn's cu_seqlens take). ``block`` is the batch's
+    array of one key, without a copy or a call per sample."""
+    return {
+        "tokens": torch.from_numpy(samples.block("tokens").astype(np.int64)),
+        "position_ids": torch.from_numpy(samples.block("position_ids")),
+        "segment_ids": torch.from_numpy(samples.block("segment_ids")),
+    }
+
+
+def tokens_collate(samples: gl.PackedRows) -> torch.Tensor:
+    """The stream's collate on the packed tokens alone: what packing costs without index arrays."""
+    return torch.from_numpy(samples.block("tokens").astype(np.int64))
+
+
+def lognormal_lengths(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.maximum(1, rng.lognormal(mean=6.0, sigma=1.0, size=n)).astype(np.int64)  # mean ~665
+
+
+def ensure_datasets(tokens: int) -> tuple[Path, Path]:
+    """A document dataset of about ``tokens`` tokens and a stream of the same tokens."""
+    docs_path, stream_path = ROOT / f"pack-docs-u16-{tokens}", ROOT / f"pack-stream-u16-{tokens}"
+    if not (docs_path / "manifest.json").exists() or not (stream_path / "manifest.json").exists():
+        print(f"writing {tokens:,} tokens as documents and as a stream under {ROOT} ...", flush=True)
+        lengths = lognormal_lengths(tokens // 600, 0)
+        lengths = lengths[: int(np.searchsorted(np.cumsum(lengths), tokens)) + 1]
+        data = np.random.default_rng(1).integers(0, 50_000, int(lengths.sum()), dtype=np.uint16)
+        bounds = np.concatenate([[0], np.cumsum(lengths)])
+        gl.write_documents(
+            docs_path, (data[a:b] for a, b in itertools.pairwise(bounds.tolist())), overwrite=True
+        )
+        gl.write_stream(stream_path, data, overwrite=True)
+    return docs_path, stream_path
+
+
+def batches_of(loader: gl.StatefulDataLoader[Any, Any]) -> Any:
+    """The loader's batches, epoch after epoch."""
+    while True:
+        yield from loader
+
+
+def rate(loader: gl.StatefulDataLoader[Any, Any], batches: int) -> float:
+    """Samples per second over ``batches`` batches after 20 warm-up batches."""
+    with loader:
+        it = batches_of(loader)
+        for _ in range(20):
+            next(it)
+        t0 = time.perf_counter()
+        for _ in range(batches):
+            next(it)
+        elapsed = time.perf_counter() - t0
+        it.close()
+    return batches * BATCH / elapsed
+
+
+def throughput(docs_path: Path, stream_path: Path, rounds: int, batches: int) -> dict[str, Any]:
+    cpu = torch.device("cpu")
+    opts: dict[str, Any] = {"local_batch_size": BATCH, "shuffle": True, "shuffle_seed": 7, "device": cpu}
+    packed = {mode: gl.pack(gl.open_documents(docs_path), SEQ, mode) for mode in ("concat", "best_fit")}
+    for ds in packed.values():
+        asyncio.run(ds.open())  # the layout, once (resume and build are measured below)
+    stream = gl.open_stream(stream_path)
+    samples: dict[str, list[float]] = {
+        k: [] for k in ("stream", "concat", "best_fit", "concat tokens only", "best_fit tokens only")
+    }
+    for _ in range(rounds):
+        samples["stream"].append(
+            rate(
+                gl.StatefulDataLoader.from_storage(stream, stream_collate, sequence_length=SEQ, **opts),
+                batches,
+            )
+        )
+        for mode, ds in packed.items():
+            samples[mode].append(rate(gl.StatefulDataLoader(ds, packed_collate, **opts), batches))
+            samples[f"{mode} tokens only"].append(
+                rate(gl.StatefulDataLoader(ds, tokens_collate, **opts), batches)
+            )
+    ratios = {
+        k: statistics.median(p / s for p, s in zip(v, samples["stream"], strict=True))
+        for k, v in samples.items()
+        if k != "stream"
+    }
+    fill = {}
+    for mode, ds in packed.items():
+        asyncio.run(ds.open())  # the loaders closed it
+        got = ds.read_many_sync(np.arange(min(len(ds), 4096), dtype=np.int64))
+        fill[mode] = float(np.mean([np.count_nonzero(s["segment_ids"]) / SEQ for s in got]))
+    return {
+        "samples_per_s": {k: statistics.median(v) for k, v in samples.items()},
+        "ratio_to_stream": ratios,
+        "token_fill": fill,
+        "sequences": {mode: len(ds) for mode, ds in packed.items()},
+        "documents": len(gl.open_documents(docs_path)),
+    }
+
+
+def resume_ttfb(docs_path: Path, trials: int) -> dict[str, Any]:
+    cpu = torch.device("cpu")
+    out: dict[str, Any] = {}
+    rng = random.Random(3)
+    for mode in ("concat", "best_fit"):
+        ds = gl.pack(gl.open_documents(docs_path), SEQ, mode)
+        asyncio.run(ds.open())
+        with gl.StatefulDataLoader(
+            ds, packed_collate, local_batch_size=BATCH, shuffle=True, shuffle_seed=7, device=cpu
+        ) as first:
+            saved = first.state_dict()  # a checkpoint, with its fingerprint, to resume from
+        times = []
+        for _ in range(trials):
+            offset = rng.randrange(len(ds) - BATCH)
+            loader = gl.StatefulDataLoader(
+                ds, packed_collate, local_batch_size=BATCH, shuffle=True, shuffle_seed=7, device=cpu
+            )
+            state = {**saved, "epoch": 3, "observation_offset": offset}
+            t0 = time.perf_counter()
+            with loader:
+                loader.load_state_dict(state)
+                it = iter(loader)
+                next(it)
+                times.append(time.perf_counter() - t0)
+                it.close()
+        out[mode] = {"median_ms": 1e3 * statistics.median(times), "max_ms": 1e3 * max(times)}
+        code = (
+            "import time, torch, guideloom as gl, sys\n"
+            "t0 = time.perf_counter()\n"
+            f"ds = gl.pack(gl.open_documents({str(docs_path)!r}), {SEQ}, {mode!r})\n"
+            "from benchmarks.packing import packed_collate\n"
+            f"loader = gl.StatefulDataLoader(ds, packed_collate, local_batch_size={BATCH}, shuffle=True, "
+            "shuffle_seed=7, device=torch.device('cpu'))\n"
+            "with loader:\n"
+            f"    state = {{**{saved!r}, 'epoch': 3, 'observation_offset': len(ds) // 2 + 5}}\n"
+            "    loader.load_state_dict(state)\n"
+            "    it = iter(loader); next(it); print(1e3 * (time.perf_counter() - t0)); it.close()\n"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).parents[1],
+        )
+        out[mode]["fresh_process_ms"] = float(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
+class MappedOffsets(gl.DocumentStorageAbstract[Any, np.ndarray]):
+    """Offsets of documents from a memory-mapped .npy file: all a pack layout reads."""
+
+    blocking_calls_are_cheap = True
+
+    def __init__(self, path: Path) -> None:
+        self.offsets = np.load(path, mmap_mode="r")
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return np.dtype(np.uint16)
+
+    def document_offsets_sync(self, positions: np.ndarray) -> np.ndarray:
+        return np.asarray(self.offsets[positions], dtype=np.int64)
+
+
+def build_child(path: str, mode: str, traced: str) -> None:
+    """In a child process: build one layout, print its time (untraced) or its peak memory
+    (traced with tracemalloc, which slows the build) as JSON."""
+    storage = MappedOffsets(Path(path))
+    ds = gl.pack(storage, SEQ, mode)  # type: ignore[arg-type]
+    if traced == "traced":
+        tracemalloc.start()
+    t0 = time.perf_counter()
+    asyncio.run(ds.open())
+    elapsed = time.perf_counter() - t0
+    if traced == "traced":
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        print(json.dumps({"peak_mib": peak / 2**20}))
+        return
+    print(json.dumps({"seconds": elapsed, "layout_mib": ds.layout_nbytes() / 2**20, "sequences": len(ds)}))
+
+
+def layout_build(documents: int) -> dict[str, Any]:
+    path = ROOT / f"pack-offsets-{documents}.npy"
+    if not path.exists():
+        ROOT.mkdir(parents=True, exist_ok=True)
+        offsets = np.zeros(documents + 1, dtype=np.int64)
+        np.cumsum(lognormal_lengths(documents, 5), out=offsets[1:])
+        np.save(path, offsets)
+    out: dict[str, Any] = {"documents": documents, "offsets_mib": path.stat().st_size / 2**20}
+    for mode in ("concat", "best_fit"):
+        out[mode] = {}
+        for traced in ("timed", "traced"):
+            proc = subprocess.run(
+                [sys.executable, "-m", "benchmarks.packing", "--build-child", str(path), mode, traced],
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=Path(__file__).parents[1],
+            )
+            out[mode].update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.packing", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tokens", type=int, default=None, help="tokens in the throughput datasets")
+    ap.add_argument("--documents", type=int, default=None, help="documents in the layout-build measurement")
+    ap.add_argument(
+        "--only", default="throughput,resume,build", help="parts to run (throughput,resume,build)"
+    )
+    ap.add_argument("--build-child", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.build_child:
+        build_child(*args.build_child)
+        return
+    tokens = args.tokens or (4_000_000 if args.quick else 40_000_000)
+    documents = args.documents or (1_000_000 if args.quick else 10_000_000)
+    docs_path, stream_path = ensure_datasets(tokens)
+    rounds, batches = (1, 200) if args.quick else (5, 1500)
+    parts = set(args.only.split(","))
+    result: dict[str, Any] = {}
+    if "throughput" in parts:
+        result["throughput"] = throughput(docs_path, stream_path, rounds, batches)
+    if "resume" in parts:
+        result["resume"] = resume_ttfb(docs_path, 5 if args.quick else 20)
+    if "build" in parts:
+        result["layout_build"] = layout_build(documents)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._datasets import DatasetAbstract, DocumentDataset, StreamDataset
+from ._datasets import DatasetAbstract, DocumentDataset, MapDataset, StreamDataset
 from ._errors import (
     DatasetFormatError,
     DatasetIntegrityError,
@@ -11,6 +11,7 @@ from ._errors import (
     StorageError,
     WorkerError,
 )
+from ._mixture import Mixture, mix
 from ._packing import PackedDataset, PackedRows, pack
 from ._storage.api import open_documents, open_stream, verify_dataset, write_documents, write_stream
 from ._storage.base import DocumentStorageAbstract, StreamStorageAbstract
@@ -27,8 +28,10 @@ __all__ = [
     "DocumentDataset",
     "DocumentStorageAbstract",
     "GuideloomError",
+    "MapDataset",
     "MemoryDocumentStorage",
     "MemoryStreamStorage",
+    "Mixture",
     "PackedDataset",
     "PackedRows",
     "RemoteReadError",
@@ -39,6 +42,7 @@ __all__ = [
     "StreamStorageAbstract",
     "WorkerError",
     "__version__",
+    "mix",
     "open_documents",
     "open_stream",
     "pack",

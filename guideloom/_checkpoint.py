@@ -44,10 +44,16 @@ def _manifest_digest(storage: Any) -> str:
 def dataset_fingerprint(dataset: Any) -> DatasetFingerprint:
     """What identifies ``dataset`` for a checkpoint: its kind (``"packed-concat"`` and
     ``"packed-best_fit"`` for packed documents), number of observations, sequence length (0 for
-    documents) and manifest digest."""
+    documents) and manifest digest (for a mixture: a digest of its sources' fingerprints, names,
+    weights and epoch length)."""
     from ._datasets import DocumentDataset, StreamDataset
+    from ._mixture import Mixture
     from ._packing import PackedDataset
 
+    if isinstance(dataset, Mixture):  # its sources' fingerprints, names and weights in one digest
+        return DatasetFingerprint(
+            kind="mixture", observations=len(dataset), sequence_length=0, digest=dataset.fingerprint_digest()
+        )
     if isinstance(dataset, PackedDataset):  # another packing counts other sequences
         kind, sequence_length = f"packed-{dataset.mode}", dataset.sequence_length
     elif isinstance(dataset, StreamDataset):

@@ -1,15 +1,19 @@
-"""Datasets: observation ``i`` to sample, over a storage.
+"""Datasets: observation ``i`` to sample, over a storage or any random-access source.
 
 A dataset is what the loader plans over: it has a number of observations and reads any set of
 them in one batched call. ``StreamDataset`` cuts a stream into fixed-length samples;
-``DocumentDataset`` serves one document per sample.
+``DocumentDataset`` serves one document per sample; ``MapDataset`` adapts any object with
+``__len__`` and ``__getitem__``. A dataset of your own subclasses ``DatasetAbstract`` and
+implements ``__len__`` and ``read_many``; ``storage`` is optional (``None`` by default, and
+``open``/``close`` then do nothing).
 """
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -17,27 +21,41 @@ import numpy.typing as npt
 from ._checks import check_int
 from ._storage.base import DocumentStorageAbstract, StorageAbstract, StreamStorageAbstract
 
-__all__ = ["DatasetAbstract", "DocumentDataset", "SourceT", "StreamDataset", "dataset_for"]
+if TYPE_CHECKING:
+    from ._order import Order
+
+__all__ = ["DatasetAbstract", "DocumentDataset", "MapDataset", "SourceT", "StreamDataset", "dataset_for"]
+
+_DEFAULT_READ_WINDOW_BYTES = 4 * 2**20  # what StorageAbstract.read_window_bytes defaults to
 
 SourceT = TypeVar("SourceT")
 
 
 class DatasetAbstract(ABC, Generic[SourceT]):
-    """A finite, random-access collection of samples read in batches."""
+    """A finite, random-access collection of samples read in batches.
+
+    Subclass it for a source of your own: implement ``__len__`` and ``read_many`` (and, where
+    the source must be opened and closed, ``open`` and ``close``). ``storage`` is optional.
+    """
 
     @property
-    @abstractmethod
-    def storage(self) -> StorageAbstract[Any, SourceT]:
-        """The storage this dataset reads from."""
+    def storage(self) -> StorageAbstract[Any, SourceT] | None:
+        """The storage this dataset reads from; ``None`` (the default) for a dataset that reads
+        a source of its own."""
+        return None
 
     async def open(self) -> None:
-        """Open the storage; the loader calls this on ``open()`` / entering ``with``, before
-        ``len()`` is asked (a storage may learn its length only once open)."""
-        await self.storage.open()
+        """Open what the dataset reads (its storage, if any); the loader calls this on ``open()``
+        / entering ``with``, before ``len()`` is asked (a storage may learn its length only once
+        open)."""
+        if self.storage is not None:
+            await self.storage.open()
 
     async def close(self) -> None:
-        """Close the storage; the loader calls this on ``close()``, after its last read."""
-        await self.storage.close()
+        """Close what :meth:`open` opened; the loader calls this on ``close()``, after its last
+        read."""
+        if self.storage is not None:
+            await self.storage.close()
 
     @abstractmethod
     def __len__(self) -> int:
@@ -66,18 +84,36 @@ class DatasetAbstract(ABC, Generic[SourceT]):
     @property
     def max_concurrent_reads(self) -> int:
         """How many read windows the loader keeps in flight at once: the storage's figure (1 for
-        memory and local files, more for object stores, where a read is bound by round trips)."""
-        return max(1, int(self.storage.max_concurrent_reads))
+        memory and local files, more for object stores, where a read is bound by round trips);
+        1 for a dataset without a storage."""
+        return 1 if self.storage is None else max(1, int(self.storage.max_concurrent_reads))
 
     @property
     def read_window_bytes(self) -> int:
-        """Bytes the loader asks for in one ``read_many`` call at most (the storage's figure): the
-        read-ahead window that batched reads and range coalescing work over."""
+        """Bytes the loader asks for in one ``read_many`` call at most (the storage's figure, 4 MiB
+        without one): the read-ahead window that batched reads and range coalescing work over."""
+        if self.storage is None:
+            return _DEFAULT_READ_WINDOW_BYTES
         return max(1, int(self.storage.read_window_bytes))
 
     def sample_nbytes_hint(self) -> int:
         """A typical sample's size in bytes (0 if unknown), for sizing read-ahead windows."""
         return 0
+
+    def order(self, *, shuffle: bool, seed: int, epoch: int) -> Order | None:
+        """The epoch order of a dataset that makes its own, or ``None`` (the default): the
+        loader then uses its seeded permutation of ``[0, len(self))``.
+
+        An order maps each position ``[0, len(self))`` to the index ``read_many`` is given for
+        it, and depends on the arguments and the dataset alone (never on batch size or ranks).
+        A mixture returns one (its sources' schedule and permutations behind it).
+        """
+        return None
+
+    def position_stats(self, *, epoch: int, offset: int) -> dict[str, float]:
+        """Figures about position ``(epoch, offset)`` for ``loader.stats()`` (none by default; a
+        mixture reports each source's own epoch)."""
+        return {}
 
 
 class StreamDataset(DatasetAbstract[SourceT]):
@@ -150,10 +186,69 @@ class DocumentDataset(DatasetAbstract[SourceT]):
         return self._storage.sample_nbytes_hint()
 
 
+class MapDataset(DatasetAbstract[SourceT]):
+    """Any object with ``__len__`` and ``__getitem__`` (a list, a ``torch.utils.data.Dataset``,
+    a Hugging Face dataset) as a dataset: sample ``i`` is ``source[i]``.
+
+    A source with ``__getitems__`` (PyTorch's batched read) is read through it, one call per
+    read-ahead window. Reads block: on the loader's own event loop they run inline (a plain
+    ``__getitem__`` is CPU work or a local read); from ``async for`` on your loop they run on a
+    worker thread, so your loop is not blocked. ``len(source)`` is read once, here.
+
+    Examples:
+        >>> import guideloom as gl
+        >>> ds = gl.MapDataset(["a", "b", "c"])
+        >>> len(ds)
+        3
+    """
+
+    def __init__(self, source: Any) -> None:
+        if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
+            raise TypeError(
+                "MapDataset needs an object with __len__ and __getitem__ (a list, a "
+                f"torch.utils.data.Dataset, ...), got {type(source).__name__}"
+            )
+        self.source = source
+        self._len = check_int("len(source)", len(source), 0)
+        self._getitems = getattr(source, "__getitems__", None)
+
+    def __repr__(self) -> str:
+        return f"MapDataset({type(self.source).__name__}, len={self._len})"
+
+    def __len__(self) -> int:
+        return self._len
+
+    def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
+        keys = indices.tolist()
+        if self._getitems is not None:
+            return list(self._getitems(keys))
+        source = self.source
+        return [source[i] for i in keys]
+
+    async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
+        return await asyncio.to_thread(self.read_many_sync, indices)
+
+    @property
+    def reads_inline(self) -> bool:
+        return type(self).read_many is MapDataset.read_many
+
+
 def dataset_for(storage: Any, sequence_length: int | None) -> DatasetAbstract[Any]:
     """The dataset that wraps ``storage``: a :class:`StreamDataset` of ``sequence_length``
     samples for stream storage (which needs one), a :class:`DocumentDataset` for document
-    storage (which takes none)."""
+    storage (which takes none). A dataset (a mixture) is taken as it is; a mixture's stream
+    sources without a sequence length of their own take ``sequence_length``."""
+    if isinstance(storage, DatasetAbstract):
+        from ._mixture import Mixture
+
+        if isinstance(storage, Mixture):
+            return storage.with_sequence_length(sequence_length)
+        if sequence_length is not None:
+            raise ValueError(
+                f"{type(storage).__name__} is a dataset, which has its own sample rule and takes "
+                f"no sequence_length (got {sequence_length}); drop the argument"
+            )
+        return storage
     if isinstance(storage, StreamStorageAbstract):
         if sequence_length is None:
             raise ValueError(
@@ -169,5 +264,6 @@ def dataset_for(storage: Any, sequence_length: int | None) -> DatasetAbstract[An
         return DocumentDataset(storage)
     raise TypeError(
         "storage must be a StreamStorageAbstract or DocumentStorageAbstract (for example "
-        f"MemoryStreamStorage, or what open_stream() returns), got {type(storage).__name__}"
+        f"MemoryStreamStorage, or what open_stream() returns) or a mixture from mix(), got "
+        f"{type(storage).__name__}"
     )

@@ -127,7 +127,8 @@ def _span(cfg: PipelineConfig) -> int:
 
 
 def _reading(cfg: PipelineConfig) -> str:
-    return f"{type(cfg.dataset.storage).__name__}.read_many"
+    storage = cfg.dataset.storage  # None for a dataset reading a source of its own
+    return f"{type(cfg.dataset if storage is None else storage).__name__}.read_many"
 
 
 def _reads_for(

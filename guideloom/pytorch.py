@@ -146,10 +146,21 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         **options: Unpack[LoaderOptions],
     ) -> StatefulDataLoader[OutT, cBatchT]: ...
 
+    @overload
     @classmethod
     def from_storage(
         cls,
-        storage: StreamStorageAbstract[InT, OutT] | DocumentStorageAbstract[InT, OutT],
+        storage: DatasetAbstract[OutT],
+        collate_fn: Callable[[Sequence[OutT]], cBatchT],
+        *,
+        sequence_length: int | None = None,
+        **options: Unpack[LoaderOptions],
+    ) -> StatefulDataLoader[OutT, cBatchT]: ...
+
+    @classmethod
+    def from_storage(
+        cls,
+        storage: StreamStorageAbstract[InT, OutT] | DocumentStorageAbstract[InT, OutT] | DatasetAbstract[Any],
         collate_fn: Callable[[Sequence[OutT]], cBatchT],
         *,
         sequence_length: int | None = None,
@@ -159,6 +170,8 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
 
         Stream storage (with or without metadata) becomes a :class:`StreamDataset` and requires
         ``sequence_length``; document storage becomes a :class:`DocumentDataset` and takes none.
+        A mixture (:func:`guideloom.mix`) is used as it is, its stream storages without a
+        sequence length of their own taking ``sequence_length``.
         The remaining keyword arguments (:class:`~guideloom.types.LoaderOptions`) match the
         constructor's, with the same defaults; ``device=None`` means the default device.
         """
@@ -214,7 +227,11 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         return self.shuffle_window if self._block_size() > 1 else 1
 
     def _order(self, epoch: int) -> Order:
-        """The order of ``epoch``: identity, global row shuffle or block shuffle."""
+        """The order of ``epoch``: the dataset's own where it makes one (a mixture), otherwise
+        identity, global row shuffle or block shuffle."""
+        own = self.dataset.order(shuffle=self.shuffle, seed=self._order_seed, epoch=epoch)
+        if own is not None:
+            return own
         return make_order(
             len(self.dataset),
             shuffle=self.shuffle,
@@ -310,7 +327,8 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         ``shuffle_window``, and over object storage the range GETs sent (retries included) and
         the bytes they returned: ``requests`` and ``bytes_read`` in total, ``epoch_requests``
         and ``epoch_bytes_read`` since the current epoch's first iterator started (read-ahead
-        included), which is what an epoch costs.
+        included), which is what an epoch costs. A mixture adds ``source_epoch/<name>``: the
+        epoch each of its sources is in at the current position.
         """
         out = dict(self._stats)
         out["shuffle_block_size"] = self._block_size()
@@ -321,6 +339,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
             out["requests"], out["bytes_read"] = reads
             out["epoch_requests"] = reads[0] - mark[1]
             out["epoch_bytes_read"] = reads[1] - mark[2]
+        out.update(self.dataset.position_stats(epoch=self._epoch, offset=self._offset))
         return out
 
     def _mark_epoch_reads(self) -> None:

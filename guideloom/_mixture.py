@@ -1,0 +1,703 @@
+"""Weighted mixtures of datasets: ``mix({"web": a, "code": b}, weights={"web": 0.7, "code": 0.3})``.
+
+A mixture is a dataset whose epoch order is a pure function of ``(shuffle, seed, epoch,
+position)``, computed in O(log S) per position for S sources (O(S) for skewed weights, see
+below), with no precomputed blend index: opening a mixture of a thousand sources, or resuming it
+at position 10^9, costs what a lookup costs.
+
+The order is made in three steps:
+
+1. **The schedule**: which source serves mixture position ``p``. The sources are the leaves of a
+   binary tree built like a Huffman code from their weights (the two lightest subtrees merged
+   first). Each inner node splits the positions that reach it between its two children by a
+   two-way low-discrepancy (Sturmian) rule: the node's ``j``-th position goes left iff
+   ``r(j + 1) > r(j)``, with ``r(j) = round(j * f)`` and ``f`` the left child's share of the
+   node's weight, so the left child holds exactly ``r(j)`` of the node's first ``j`` positions.
+   A lookup walks from the root to a leaf, carrying the index among each node's positions; at
+   the leaf it is ``k_s(p)``, how many earlier positions the source served. The schedule is the
+   same every epoch and does not depend on the seed.
+2. **Each source's own stream**: the source's ``c``-th sample of the whole run, ``c = epoch *
+   k_s(M) + k_s(p)`` (``M`` the mixture epoch's length, ``k_s(M)`` the source's samples per
+   mixture epoch), is sample ``c mod len(source)`` of the source's own epoch ``c //
+   len(source)``, through the source's seeded permutation of that epoch (the loader's
+   :class:`~guideloom._plan.Permutation`, seeded from the loader's seed and the source's name;
+   or the source's own ``order()`` where it makes one). A source smaller than its share thus
+   repeats, each pass in a fresh order, and no sample repeats within one of its own epochs.
+3. **Keys**: position ``p`` maps to ``offset(s) + index``, ``offset(s)`` the sum of the earlier
+   sources' lengths; :meth:`Mixture.read_many` decodes keys and reads each source once, with one
+   batched call, concurrently.
+
+Every prefix of ``n`` positions holds ``k_s(n)`` samples of source ``s`` with ``|k_s(n) - w_s n|
+<= 1/2 (1 + sum over inner nodes a between the root and the leaf of w_s / W_a)`` (each split's
+rounding error is at most 1/2 and is scaled by the share of the node the leaf holds). That is
+within +-1 for two sources, for even weights, and for most real mixtures;
+:attr:`Mixture.discrepancy_bounds` gives the bound of each source of a mixture.
+
+The split fractions are held as exact 62-bit fixed-point integers and ``r(j)`` is computed with
+128-bit integer arithmetic (four 32-bit limbs): the schedule is the same on every platform and
+exact for any position below 2^62, where a float rounding near ``f = 1`` could step ``r`` by two.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import heapq
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from ._checks import check_bool, check_int
+from ._datasets import DatasetAbstract, DocumentDataset, StreamDataset
+from ._plan import IndexArray, _round_keys
+from ._storage.base import DocumentStorageAbstract, StreamStorageAbstract
+
+if TYPE_CHECKING:
+    from ._order import Order
+
+__all__ = ["Mixture", "MixtureOrder", "mix"]
+
+_FIX: Final = 62  # bits of the fixed-point split fractions
+_ONE_FIX: Final = 1 << _FIX
+_HALF_FIX: Final = 1 << (_FIX - 1)
+_M32: Final = np.uint64(0xFFFFFFFF)
+_S32: Final = np.uint64(32)
+_S62: Final = np.uint64(_FIX)
+_U2: Final = np.uint64(2)
+_HALF_U: Final = np.uint64(_HALF_FIX)
+_MIX1: Final = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2: Final = np.uint64(0x94D049BB133111EB)
+_S31, _S29 = np.uint64(31), np.uint64(29)
+_ORDER_CACHE: Final = 4096  # (source, source epoch) orders a MixtureOrder keeps
+
+
+def _round_fix(j: npt.NDArray[np.uint64], a: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
+    """``floor((j * a + 2^61) / 2^62)`` exactly, element-wise, for ``j, a < 2^62``: the product
+    as four 32-bit limb products (each fits 64 bits), carried into a 128-bit high/low pair."""
+    jl, jh = j & _M32, j >> _S32
+    al, ah = a & _M32, a >> _S32
+    ll = jl * al
+    mid = jl * ah + jh * al  # each < 2^62: the sum fits
+    low = ll + ((mid & _M32) << _S32)
+    high = jh * ah + (mid >> _S32) + (low < ll).astype(np.uint64)
+    low2 = low + _HALF_U
+    high += (low2 < low).astype(np.uint64)
+    out: npt.NDArray[np.int64] = ((high << _U2) | (low2 >> _S62)).astype(np.int64)
+    return out
+
+
+def _source_seed(seed: int, name: str) -> int:
+    """The seed of a source's own permutations: the loader's seed and the source's name."""
+    digest = hashlib.blake2b(f"guideloom-mix-source:{seed}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """What a mixture's order is computed from, fixed once its sources' lengths are known.
+
+    The tree: inner node ``i`` splits by ``split[i] / 2^62`` (the left child's share); a child
+    code ``>= 0`` is an inner node, ``< 0`` the leaf of source ``-code - 1``.
+    """
+
+    lengths: npt.NDArray[np.int64]
+    offsets: npt.NDArray[np.int64]  # len(sources) + 1 entries
+    weights: npt.NDArray[np.float64]  # normalised
+    num_samples: int
+    split: npt.NDArray[np.uint64]
+    split_int: tuple[int, ...]
+    left: npt.NDArray[np.int64]
+    right: npt.NDArray[np.int64]
+    root: int
+    per_epoch: npt.NDArray[np.int64]  # each source's samples in one mixture epoch
+    bounds: npt.NDArray[np.float64]  # each source's proven prefix discrepancy bound
+
+    @staticmethod
+    def build(lengths: Sequence[int], weights: Sequence[float], num_samples: int) -> _Layout:
+        n_src = len(lengths)
+        w = np.asarray(weights, dtype=np.float64)
+        w = w / w.sum()
+        heap: list[tuple[float, int, int]] = [(float(x), i, -(i + 1)) for i, x in enumerate(w)]
+        heapq.heapify(heap)
+        split: list[int] = []
+        left: list[int] = []
+        right: list[int] = []
+        node_weight: list[float] = []
+        tie = n_src
+        while len(heap) > 1:  # Huffman: merge the two lightest; ties by creation order
+            wa, _, a = heapq.heappop(heap)
+            wb, _, b = heapq.heappop(heap)
+            total = wa + wb
+            frac = min(_ONE_FIX - 1, max(1, round(wa / total * _ONE_FIX)))
+            split.append(frac)
+            node_weight.append(total)
+            left.append(a)
+            right.append(b)
+            heapq.heappush(heap, (total, tie, len(split) - 1))
+            tie += 1
+        root = heap[0][2]
+        per_epoch = np.zeros(n_src, dtype=np.int64)
+        inverse_weights = np.zeros(n_src, dtype=np.float64)  # sum of 1/W_a, inner a below the root
+        stack: list[tuple[int, int, float]] = [(root, num_samples, 0.0)]
+        while stack:  # one walk from the root: each source's count of num_samples, and its sum
+            code, count, acc = stack.pop()
+            if code < 0:
+                per_epoch[-code - 1] = count
+                inverse_weights[-code - 1] = acc
+                continue
+            lc = (count * split[code] + _HALF_FIX) >> _FIX
+            below = acc if code == root else acc + 1.0 / node_weight[code]
+            stack.append((left[code], lc, below))
+            stack.append((right[code], count - lc, below))
+        bounds = 0.5 * (1.0 + w * inverse_weights)
+        lengths_a = np.asarray(lengths, dtype=np.int64)
+        return _Layout(
+            lengths=lengths_a,
+            offsets=np.concatenate([[0], np.cumsum(lengths_a)]).astype(np.int64),
+            weights=w,
+            num_samples=num_samples,
+            split=np.asarray(split, dtype=np.uint64),
+            split_int=tuple(split),
+            left=np.asarray(left, dtype=np.int64),
+            right=np.asarray(right, dtype=np.int64),
+            root=root,
+            per_epoch=per_epoch,
+            bounds=bounds,
+        )
+
+    def counts(self, n: int) -> npt.NDArray[np.int64]:
+        """``k_s(n)`` for every source: its samples among the epoch's first ``n`` positions."""
+        out = np.zeros(len(self.lengths), dtype=np.int64)
+        stack = [(self.root, n)]
+        while stack:
+            code, count = stack.pop()
+            if code < 0:
+                out[-code - 1] = count
+                continue
+            lc = (count * self.split_int[code] + _HALF_FIX) >> _FIX
+            stack.append((int(self.left[code]), lc))
+            stack.append((int(self.right[code]), count - lc))
+        return out
+
+    def locate(self, positions: IndexArray) -> tuple[IndexArray, IndexArray]:
+        """For each epoch position: its source and ``k_s(p)``, the source's earlier positions."""
+        code = np.full(positions.shape, self.root, dtype=np.int64)
+        j = positions.astype(np.int64, copy=True)
+        active = np.flatnonzero(code >= 0)
+        while active.size:
+            node = code[active]
+            jj = j[active].astype(np.uint64)
+            a = self.split[node]
+            r0 = _round_fix(jj, a)
+            r1 = _round_fix(jj + np.uint64(1), a)
+            go_left = r1 > r0
+            j[active] = np.where(go_left, r0, jj.astype(np.int64) - r0)
+            code[active] = np.where(go_left, self.left[node], self.right[node])
+            active = active[code[active] >= 0]
+        return -code - 1, j
+
+
+def _feistel(
+    x: npt.NDArray[np.uint64],
+    h: npt.NDArray[np.uint64],
+    mask: npt.NDArray[np.uint64],
+    keys: npt.NDArray[np.uint64],
+) -> npt.NDArray[np.uint64]:
+    """:class:`~guideloom._plan.Permutation`'s Feistel rounds with per-element widths and keys,
+    so positions of many (source, epoch) permutations go through one vectorised pass."""
+    left, right = x >> h, x & mask
+    for k in keys:
+        z = (right ^ k) * _MIX1
+        z ^= z >> _S31
+        z *= _MIX2
+        z ^= z >> _S29
+        left, right = right, left ^ (z & mask)
+    return (left << h) | right
+
+
+class MixtureOrder:
+    """One epoch of a mixture's order: position ``[0, num_samples)`` to a key of the mixture
+    (a source's offset + an index in that source), see :mod:`guideloom._mixture`."""
+
+    def __init__(self, mixture: Mixture, layout: _Layout, *, shuffle: bool, seed: int, epoch: int) -> None:
+        self._datasets = mixture._datasets_list()
+        self._names = mixture.names
+        self._layout = layout
+        self._shuffle = shuffle
+        self._seed = seed
+        self.epoch = epoch
+        self._seeds = [_source_seed(seed, name) for name in self._names]
+        own = [
+            ds.order(shuffle=shuffle, seed=s, epoch=0) is not None
+            for ds, s in zip(self._datasets, self._seeds, strict=True)
+        ]
+        self._own_order = np.asarray(own, dtype=bool)
+        self._orders: dict[tuple[int, int], Order] = {}
+        self._keys: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    def __len__(self) -> int:
+        return self._layout.num_samples
+
+    def __getitem__(self, position: int) -> int:
+        if not 0 <= position < len(self):
+            raise IndexError(f"position {position} outside [0, {len(self)})")
+        return int(self.take(np.asarray([position], dtype=np.int64))[0])
+
+    def range(self, start: int, stop: int) -> IndexArray:
+        """Keys at positions ``[start, stop)``."""
+        return self.take(np.arange(start, stop, dtype=np.int64))
+
+    def sources(self, positions: npt.ArrayLike) -> tuple[IndexArray, IndexArray, IndexArray]:
+        """For each position: its source, the source's epoch and the index in the source."""
+        lay = self._layout
+        pos = np.asarray(positions, dtype=np.int64)
+        if pos.size and (pos.min() < 0 or pos.max() >= lay.num_samples):
+            raise IndexError(f"positions outside [0, {lay.num_samples})")
+        src, local = lay.locate(pos)
+        cum = self.epoch * lay.per_epoch[src] + local
+        length = lay.lengths[src]
+        source_epoch, within = np.divmod(cum, length)
+        return src, source_epoch, self._permute(src, source_epoch, within)
+
+    def take(self, positions: npt.ArrayLike) -> IndexArray:
+        """Keys at ``positions`` (vectorised)."""
+        src, _, index = self.sources(positions)
+        return self._layout.offsets[src] + index
+
+    def _permute(self, src: IndexArray, source_epoch: IndexArray, within: IndexArray) -> IndexArray:
+        """``within`` through each source's order of its own epoch."""
+        own = self._own_order[src]
+        out = within.copy()
+        if self._shuffle and not own.all():
+            sel = np.flatnonzero(~own & (self._layout.lengths[src] > 1))
+            if sel.size:
+                out[sel] = self._feistel_take(src[sel], source_epoch[sel], within[sel])
+        if own.any():
+            sel = np.flatnonzero(own)
+            group = src[sel] * (int(source_epoch[sel].max()) + 1) + source_epoch[sel]
+            for g in np.unique(group):
+                idx = sel[group == g]
+                out[idx] = self._own(int(src[idx[0]]), int(source_epoch[idx[0]])).take(within[idx])
+        return out
+
+    def _own(self, s: int, source_epoch: int) -> Order:
+        key = (s, source_epoch)
+        order = self._orders.get(key)
+        if order is None:
+            if len(self._orders) >= _ORDER_CACHE:
+                self._orders.clear()
+            order = self._datasets[s].order(shuffle=self._shuffle, seed=self._seeds[s], epoch=source_epoch)
+            assert order is not None  # checked when the order was made
+            self._orders[key] = order
+        return order
+
+    def _round_keys(self, s: int, source_epoch: int) -> tuple[int, ...]:
+        key = (s, source_epoch)
+        keys = self._keys.get(key)
+        if keys is None:
+            if len(self._keys) >= _ORDER_CACHE:
+                self._keys.clear()
+            keys = self._keys[key] = _round_keys(self._seeds[s], source_epoch)
+        return keys
+
+    def _feistel_take(self, src: IndexArray, source_epoch: IndexArray, within: IndexArray) -> IndexArray:
+        """The permutations ``Permutation(len(s), shuffle=True, seed=seed(s), epoch=e)`` of every
+        element's ``(s, e)``, computed in one pass."""
+        span = int(source_epoch.max()) + 1
+        groups, inverse = np.unique(src * span + source_epoch, return_inverse=True)
+        table = np.asarray(
+            [self._round_keys(int(g // span), int(g % span)) for g in groups], dtype=np.uint64
+        ).T  # (rounds, groups)
+        keys = table[:, inverse]
+        n = self._layout.lengths[src].astype(np.uint64)
+        bits = np.maximum(2, _bit_length(self._layout.lengths[src] - 1))
+        bits += bits & 1
+        h = (bits // 2).astype(np.uint64)
+        mask = (np.uint64(1) << h) - np.uint64(1)
+        x = _feistel(within.astype(np.uint64), h, mask, keys)
+        out = np.flatnonzero(x >= n)
+        while out.size:  # cycle-walking, as Permutation does
+            walked = _feistel(x[out], h[out], mask[out], keys[:, out])
+            x[out] = walked
+            out = out[walked >= n[out]]
+        return x.astype(np.int64)
+
+
+def _bit_length(v: IndexArray) -> IndexArray:
+    """``int.bit_length`` element-wise for ``0 <= v < 2^62`` (exact: by comparison, not log2)."""
+    bits = np.zeros(v.shape, dtype=np.int64)
+    x = v.copy()
+    for step in (32, 16, 8, 4, 2, 1):
+        big = x >= (1 << step)
+        bits[big] += step
+        x[big] >>= step
+    return bits + (x > 0)
+
+
+Source = StreamStorageAbstract[Any, Any] | DocumentStorageAbstract[Any, Any] | DatasetAbstract[Any]
+
+
+class Mixture(DatasetAbstract[Any]):
+    """A weighted mixture of datasets, made by :func:`mix`: one dataset whose epoch interleaves
+    its sources by weight, each source in its own seeded order (see :func:`mix`)."""
+
+    def __init__(
+        self,
+        sources: Mapping[str, Source],
+        weights: Mapping[str, float] | None = None,
+        *,
+        sequence_length: int | Mapping[str, int] | None = None,
+        num_samples: int | None = None,
+        with_source: bool = False,
+    ) -> None:
+        if not isinstance(sources, Mapping) or not sources:
+            raise TypeError(
+                "mix() needs a non-empty mapping of source names to storages or datasets, e.g. "
+                f'mix({{"web": web, "code": code}}), got {sources!r}'
+            )
+        for name in sources:
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"source names must be non-empty strings, got {name!r}")
+        self.names: tuple[str, ...] = tuple(sources)
+        """The sources' names, in the order given."""
+        self.with_source = check_bool("with_source", with_source)
+        """Whether each sample is a ``(source name, sample)`` pair."""
+        self._num_samples = None if num_samples is None else check_int("num_samples", num_samples, 1)
+        self._weights = _check_weights(self.names, weights)
+        per_source, shared = _split_lengths(self.names, sequence_length)
+        self._datasets: dict[str, DatasetAbstract[Any]] = {}
+        self._pending: dict[str, StreamStorageAbstract[Any, Any]] = {}
+        for name, src in sources.items():
+            length = per_source.get(name, shared)
+            if isinstance(src, DatasetAbstract):
+                if name in per_source:
+                    raise ValueError(
+                        f"source {name!r} is a dataset, which has its own sample rule: drop it "
+                        "from sequence_length"
+                    )
+                self._datasets[name] = src
+            elif isinstance(src, StreamStorageAbstract):
+                if length is None:
+                    self._pending[name] = src
+                else:
+                    self._datasets[name] = StreamDataset(src, length)
+            elif isinstance(src, DocumentStorageAbstract):
+                if name in per_source:
+                    raise ValueError(
+                        f"source {name!r} is document storage (one document per sample) and takes "
+                        "no sequence_length: drop it from the sequence_length mapping"
+                    )
+                self._datasets[name] = DocumentDataset(src)
+            else:
+                raise TypeError(
+                    f"source {name!r} must be stream or document storage (open_stream(), "
+                    "MemoryStreamStorage, ...) or a DatasetAbstract (StreamDataset, MapDataset, a "
+                    f"mixture, ...), got {type(src).__name__}"
+                )
+        self._layout_cache: _Layout | None = None
+
+    def __repr__(self) -> str:
+        return f"Mixture({list(self.names)}, num_samples={self._num_samples})"
+
+    # -- the sources ------------------------------------------------------------------------------
+    def with_sequence_length(self, sequence_length: int | None) -> Mixture:
+        """This mixture with ``sequence_length`` for its stream storages that have none
+        (``from_storage(mixture, sequence_length=...)`` calls it); ``None`` leaves it as it is."""
+        if sequence_length is None:
+            return self
+        if not self._pending:
+            raise ValueError(
+                "every source of this mixture already has its sample rule (a sequence_length "
+                "given to mix(), document storage, or a dataset), so sequence_length="
+                f"{sequence_length} would apply to none: drop the argument"
+            )
+        out = Mixture.__new__(Mixture)
+        out.__dict__.update(self.__dict__)
+        out._datasets = {
+            name: self._datasets[name]
+            if name in self._datasets
+            else StreamDataset(self._pending[name], sequence_length)
+            for name in self.names
+        }
+        out._pending = {}
+        out._layout_cache = None
+        return out
+
+    @property
+    def sources(self) -> dict[str, DatasetAbstract[Any]]:
+        """Each source's dataset, by name."""
+        self._require_resolved()
+        return dict(self._datasets)
+
+    def _datasets_list(self) -> list[DatasetAbstract[Any]]:
+        self._require_resolved()
+        return [self._datasets[name] for name in self.names]
+
+    def _require_resolved(self) -> None:
+        if self._pending:
+            names = ", ".join(repr(n) for n in self._pending)
+            raise ValueError(
+                f"stream source(s) {names} need a sequence_length: pass sequence_length=<elements "
+                "per sample> to mix() (an int for every stream source, or a dict by name) or to "
+                "StatefulDataLoader.from_storage(mixture, ...)"
+            )
+
+    # -- the layout -------------------------------------------------------------------------------
+    def _layout(self) -> _Layout:
+        if self._layout_cache is None:
+            datasets = self._datasets_list()
+            lengths = [len(ds) for ds in datasets]
+            for name, n in zip(self.names, lengths, strict=True):
+                if n < 1:
+                    raise ValueError(f"mixture source {name!r} has no samples: remove it from the mixture")
+            weights = self._weights if self._weights is not None else [float(n) for n in lengths]
+            m = self._num_samples if self._num_samples is not None else sum(lengths)
+            self._layout_cache = _Layout.build(lengths, weights, m)
+        return self._layout_cache
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Each source's share of the mixture (normalised to sum to 1)."""
+        return dict(zip(self.names, self._layout().weights.tolist(), strict=True))
+
+    @property
+    def samples_per_epoch(self) -> dict[str, int]:
+        """How many samples each source serves in one mixture epoch (its weight times
+        ``len(mixture)``, rounded by the schedule)."""
+        return dict(zip(self.names, self._layout().per_epoch.tolist(), strict=True))
+
+    @property
+    def discrepancy_bounds(self) -> dict[str, float]:
+        """For each source, the bound on ``|samples of it among the first n positions - weight *
+        n|`` that holds for every prefix ``n`` of every epoch (see :func:`mix`)."""
+        return dict(zip(self.names, self._layout().bounds.tolist(), strict=True))
+
+    def fingerprint_digest(self) -> str:
+        """A digest of what fixes the order: the names, weights, epoch length and each source's
+        checkpoint fingerprint (a checkpoint is refused over a mixture with another digest)."""
+        from ._checkpoint import dataset_fingerprint
+
+        lay = self._layout()
+        h = hashlib.blake2b(digest_size=8)
+        h.update(f"mixture:{lay.num_samples}".encode())
+        for name, ds, w in zip(self.names, self._datasets_list(), lay.weights.tolist(), strict=True):
+            fp = dataset_fingerprint(ds)
+            h.update(
+                f"\n{name}:{w!r}:{fp['kind']}:{fp['observations']}:{fp['sequence_length']}:{fp['digest']}".encode()
+            )
+        return h.hexdigest()
+
+    # -- DatasetAbstract ------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """The mixture epoch's length: ``num_samples``, by default the sum of the sources' lengths."""
+        return self._layout().num_samples
+
+    def order(self, *, shuffle: bool, seed: int, epoch: int) -> MixtureOrder:
+        return MixtureOrder(self, self._layout(), shuffle=shuffle, seed=seed, epoch=epoch)
+
+    def position_stats(self, *, epoch: int, offset: int) -> dict[str, float]:
+        """``source_epoch/<name>``: the epoch of its own that each source is in at this position
+        (how many times it has been read whole; a source smaller than its share exceeds the
+        mixture's epoch)."""
+        lay = self._layout()
+        cum = epoch * lay.per_epoch + lay.counts(min(max(offset, 0), lay.num_samples))
+        epochs = cum // lay.lengths
+        return {f"source_epoch/{name}": float(e) for name, e in zip(self.names, epochs.tolist(), strict=True)}
+
+    async def open(self) -> None:
+        datasets = self._datasets_list()
+        opened: list[DatasetAbstract[Any]] = []
+        try:
+            for ds in datasets:
+                await ds.open()
+                opened.append(ds)
+        except BaseException:
+            for ds in reversed(opened):
+                await ds.close()
+            raise
+        self._layout_cache = None  # a storage may know its length only once open
+
+    async def close(self) -> None:
+        errors: list[BaseException] = []
+        for ds in reversed(self._datasets_list()):
+            try:
+                await ds.close()
+            except Exception as exc:  # close them all, then raise the first failure
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def _groups(self, keys: IndexArray) -> list[tuple[int, IndexArray | None, IndexArray]]:
+        """``(source, where in keys or None for all, indexes in the source)`` per source read."""
+        offsets = self._layout().offsets
+        keys = np.asarray(keys, dtype=np.int64)
+        src = np.searchsorted(offsets, keys, side="right") - 1
+        if keys.size and (keys.min() < 0 or keys.max() >= offsets[-1]):
+            raise IndexError(f"mixture keys outside [0, {int(offsets[-1])})")
+        if keys.size == 0:
+            return []
+        first = int(src[0])
+        if (src == first).all():
+            return [(first, None, keys - offsets[first])]
+        order = np.argsort(src, kind="stable")
+        cuts = np.flatnonzero(np.diff(src[order])) + 1
+        out: list[tuple[int, IndexArray | None, IndexArray]] = []
+        for where in np.split(order, cuts):
+            s = int(src[where[0]])
+            out.append((s, where, keys[where] - offsets[s]))
+        return out
+
+    def _assemble(
+        self,
+        n: int,
+        groups: list[tuple[int, IndexArray | None, IndexArray]],
+        results: Sequence[Sequence[Any]],
+    ) -> Sequence[Any]:
+        names = self.names
+        if len(groups) == 1 and groups[0][1] is None:
+            res = results[0]
+            return [(names[groups[0][0]], x) for x in res] if self.with_source else res
+        out: list[Any] = [None] * n
+        for (s, where, _), res in zip(groups, results, strict=True):
+            assert where is not None
+            if self.with_source:
+                name = names[s]
+                for i, x in zip(where.tolist(), res, strict=True):
+                    out[i] = (name, x)
+            else:
+                for i, x in zip(where.tolist(), res, strict=True):
+                    out[i] = x
+        return out
+
+    async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[Any]:
+        """Samples at mixture keys ``indices``: each source read once, concurrently."""
+        datasets = self._datasets_list()
+        groups = self._groups(indices)
+        results = await asyncio.gather(*(datasets[s].read_many(idx) for s, _, idx in groups))
+        return self._assemble(len(indices), groups, results)
+
+    def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[Any]:
+        datasets = self._datasets_list()
+        groups = self._groups(indices)
+        return self._assemble(len(indices), groups, [datasets[s].read_many_sync(idx) for s, _, idx in groups])
+
+    @property
+    def reads_inline(self) -> bool:
+        if type(self).read_many is not Mixture.read_many or self._pending:
+            return False
+        return all(ds.reads_inline for ds in self._datasets.values())
+
+    @property
+    def max_concurrent_reads(self) -> int:
+        return max(ds.max_concurrent_reads for ds in self._datasets_list())
+
+    @property
+    def read_window_bytes(self) -> int:
+        return max(ds.read_window_bytes for ds in self._datasets_list())
+
+    def sample_nbytes_hint(self) -> int:
+        lay = self._layout()
+        hints = np.asarray([ds.sample_nbytes_hint() for ds in self._datasets_list()], dtype=np.float64)
+        return round(float((hints * lay.weights).sum()))
+
+
+def _check_weights(names: tuple[str, ...], weights: Mapping[str, float] | None) -> list[float] | None:
+    if weights is None:
+        return None
+    if not isinstance(weights, Mapping):
+        raise TypeError(f"weights must be a dict of source name to weight, got {type(weights).__name__}")
+    if set(weights) != set(names):
+        missing, extra = set(names) - set(weights), set(weights) - set(names)
+        raise ValueError(
+            f"weights must name every source once: missing {sorted(missing)}, unknown {sorted(extra)}"
+        )
+    out = []
+    for name in names:
+        w = weights[name]
+        if isinstance(w, bool) or not isinstance(w, int | float | np.integer | np.floating):
+            raise TypeError(f"weight of {name!r} must be a number, got {type(w).__name__}")
+        if not math.isfinite(float(w)) or float(w) <= 0:
+            raise ValueError(
+                f"weight of {name!r} must be finite and > 0, got {w!r} (drop a source to give it none)"
+            )
+        out.append(float(w))
+    return out
+
+
+def _split_lengths(
+    names: tuple[str, ...], sequence_length: int | Mapping[str, int] | None
+) -> tuple[dict[str, int], int | None]:
+    """``(per-source lengths, the shared one)`` from mix()'s ``sequence_length``."""
+    if sequence_length is None:
+        return {}, None
+    if isinstance(sequence_length, Mapping):
+        unknown = set(sequence_length) - set(names)
+        if unknown:
+            raise ValueError(
+                f"sequence_length names unknown sources {sorted(unknown)}; sources: {list(names)}"
+            )
+        return {k: check_int(f"sequence_length[{k!r}]", v, 1) for k, v in sequence_length.items()}, None
+    return {}, check_int("sequence_length", sequence_length, 1)
+
+
+def mix(
+    sources: Mapping[str, Source],
+    weights: Mapping[str, float] | None = None,
+    *,
+    sequence_length: int | Mapping[str, int] | None = None,
+    num_samples: int | None = None,
+    with_source: bool = False,
+) -> Mixture:
+    """A weighted mixture of storages and datasets, usable wherever a storage or a dataset is.
+
+    ``StatefulDataLoader.from_storage(mix(...), collate_fn, ...)`` and
+    ``StatefulDataLoader(mix(...), collate_fn, ...)`` both take it; it shuffles, shards across
+    ranks and resumes exactly like a single dataset.
+
+    Args:
+        sources: Name to source: stream storage (cut into ``sequence_length`` samples), document
+            storage (one document per sample), or any ``DatasetAbstract`` (a ``StreamDataset``
+            with its own length, a ``MapDataset``, a packed dataset, another mixture).
+        weights: Name to weight (any positive numbers; they are normalised). Default: each
+            source's number of samples, so an epoch reads every source about once.
+        sequence_length: Elements per sample of the stream storages: one int for all, or a dict
+            by name. Stream storages left without one take ``from_storage``'s
+            ``sequence_length``.
+        num_samples: Samples in one mixture epoch (``len(mixture)``). Default: the sum of the
+            sources' lengths.
+        with_source: Make each sample a ``(source name, sample)`` pair, for a collate that needs
+            to know where a sample came from (a per-source loss or metric).
+
+    Position ``p`` of an epoch is served by source ``s`` by a deterministic low-discrepancy
+    schedule: among the first ``n`` positions, source ``s`` serves ``weight_s * n`` samples up to
+    a bound (:attr:`Mixture.discrepancy_bounds`) that is within +-1 for two sources, even weights
+    and most real mixtures, whatever ``n``. Behind the schedule each source reads its own samples
+    in its own seeded order; a source with fewer samples than its share of the epoch starts over
+    in a fresh order (its own epoch, which ``loader.stats()`` reports as
+    ``source_epoch/<name>``), and one with more carries on where it stopped at the next mixture
+    epoch. The order depends on ``(shuffle, shuffle_seed, epoch)``, the sources' lengths, names
+    and weights and ``num_samples`` alone; a checkpoint records a fingerprint of all of them.
+
+    Raises:
+        TypeError: For a source that is neither storage nor a dataset, or weights that are not
+            numbers.
+        ValueError: For weights that do not name every source once or are not finite and
+            positive, and (when the mixture is used) a stream storage without a sequence length
+            or a source without samples.
+
+    Examples:
+        >>> import numpy as np
+        >>> import guideloom as gl
+        >>> web = gl.MemoryStreamStorage(np.arange(1000, dtype=np.uint16))
+        >>> code = gl.MemoryDocumentStorage([np.arange(n, dtype=np.uint16) for n in (3, 5, 7)])
+        >>> m = gl.mix({"web": web, "code": code}, {"web": 0.7, "code": 0.3}, sequence_length=10)
+        >>> len(m), m.samples_per_epoch
+        (103, {'web': 72, 'code': 31})
+    """
+    return Mixture(
+        sources, weights, sequence_length=sequence_length, num_samples=num_samples, with_source=with_source
+    )

@@ -8,6 +8,7 @@
     python -m benchmarks fuzz [--minutes 60]       # fuzz the manifest reader
     python -m benchmarks soak [--minutes 10]       # loading through a faulty proxy, workers killed
     python -m benchmarks packing [--quick]         # document packing vs the stream loader; layout of 10M docs
+    python -m benchmarks mixture [--sources 1000]  # a 1,000-source mixture: open and resume at 10^9
 
 `suite` runs in a venv of its own with the peers ($GUIDELOOM_BENCH_VENV, default
 $TMPDIR/guideloom-bench-venv): it creates it on first use and re-runs itself there. Nothing else
@@ -34,6 +35,7 @@ _PASSTHROUGH = {
     "fuzz": "benchmarks.fuzz_manifest",
     "soak": "benchmarks.soak",
     "packing": "benchmarks.packing",
+    "mixture": "benchmarks.mixture",
 }
 
 
@@ -105,7 +107,7 @@ def _write_report(out: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = ["local", "remote", "suite", "report", "fuzz", "soak", "packing"]
+    commands = ["local", "remote", "suite", "report", "fuzz", "soak", "packing", "mixture"]
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__)
         if argv and argv[0] not in ("-h", "--help"):

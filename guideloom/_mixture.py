@@ -19,10 +19,12 @@ The order is made in three steps:
 2. **Each source's own stream**: the source's ``c``-th sample of the whole run, ``c = epoch *
    k_s(M) + k_s(p)`` (``M`` the mixture epoch's length, ``k_s(M)`` the source's samples per
    mixture epoch), is sample ``c mod len(source)`` of the source's own epoch ``c //
-   len(source)``, through the source's seeded permutation of that epoch (the loader's
-   :class:`~guideloom._plan.Permutation`, seeded from the loader's seed and the source's name;
-   or the source's own ``order()`` where it makes one). A source smaller than its share thus
-   repeats, each pass in a fresh order, and no sample repeats within one of its own epochs.
+   len(source)``, through the source's permutation of that epoch: the Feistel network of the
+   loader's :class:`~guideloom._plan.Permutation`, its round keys derived from the loader's
+   seed, the source's name and the source epoch (splitmix64 of a per-source hash, so a window
+   touching thousands of source epochs costs a few numpy operations, not a hash each), or the
+   source's own ``order()`` where it makes one. A source smaller than its share thus repeats,
+   each pass in a fresh order, and no sample repeats within one of its own epochs.
 3. **Keys**: position ``p`` maps to ``offset(s) + index``, ``offset(s)`` the sum of the earlier
    sources' lengths; :meth:`Mixture.read_many` decodes keys and reads each source once, with one
    batched call, concurrently.
@@ -53,7 +55,7 @@ import numpy.typing as npt
 
 from ._checks import check_bool, check_int
 from ._datasets import DatasetAbstract, DocumentDataset, StreamDataset
-from ._plan import IndexArray, _round_keys
+from ._plan import IndexArray, Permutation
 from ._storage.base import DocumentStorageAbstract, StreamStorageAbstract
 
 if TYPE_CHECKING:
@@ -69,31 +71,78 @@ _S32: Final = np.uint64(32)
 _S62: Final = np.uint64(_FIX)
 _U2: Final = np.uint64(2)
 _HALF_U: Final = np.uint64(_HALF_FIX)
+_MASK62: Final = np.uint64(_ONE_FIX - 1)
+_ONE_U: Final = np.uint64(_ONE_FIX)
 _MIX1: Final = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2: Final = np.uint64(0x94D049BB133111EB)
-_S31, _S29 = np.uint64(31), np.uint64(29)
+_GOLDEN: Final = np.uint64(0x9E3779B97F4A7C15)
+_S31, _S30, _S29, _S27 = np.uint64(31), np.uint64(30), np.uint64(29), np.uint64(27)
+_ROUNDS: Final = 6  # Permutation's rounds
+_ROUND_OFFSETS: Final = np.asarray(
+    [((r + 1) * 0x9E3779B97F4A7C15) & ((1 << 64) - 1) for r in range(_ROUNDS)], dtype=np.uint64
+)
 _ORDER_CACHE: Final = 4096  # (source, source epoch) orders a MixtureOrder keeps
 
 
-def _round_fix(j: npt.NDArray[np.uint64], a: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
-    """``floor((j * a + 2^61) / 2^62)`` exactly, element-wise, for ``j, a < 2^62``: the product
-    as four 32-bit limb products (each fits 64 bits), carried into a 128-bit high/low pair."""
+def _split(j: npt.NDArray[np.uint64], a: npt.NDArray[np.uint64]) -> tuple[IndexArray, npt.NDArray[np.bool_]]:
+    """``r(j) = floor((j * a + 2^61) / 2^62)`` exactly, element-wise, for ``j, a < 2^62``, and
+    whether ``r(j + 1) > r(j)`` (the node's ``j``-th position goes left).
+
+    The product is four 32-bit limb products (each fits 64 bits) carried into a 128-bit
+    ``high:low`` pair; ``r`` is its top bits and, with ``R`` its low 62 bits, ``r(j + 1) = r(j) +
+    1`` exactly when ``R + a >= 2^62``.
+    """
     jl, jh = j & _M32, j >> _S32
     al, ah = a & _M32, a >> _S32
     ll = jl * al
     mid = jl * ah + jh * al  # each < 2^62: the sum fits
     low = ll + ((mid & _M32) << _S32)
-    high = jh * ah + (mid >> _S32) + (low < ll).astype(np.uint64)
+    high = jh * ah + (mid >> _S32) + (low < ll)
     low2 = low + _HALF_U
-    high += (low2 < low).astype(np.uint64)
-    out: npt.NDArray[np.int64] = ((high << _U2) | (low2 >> _S62)).astype(np.int64)
-    return out
+    high += low2 < low
+    r: IndexArray = ((high << _U2) | (low2 >> _S62)).astype(np.int64)
+    go_left: npt.NDArray[np.bool_] = (low2 & _MASK62) + a >= _ONE_U
+    return r, go_left
 
 
-def _source_seed(seed: int, name: str) -> int:
-    """The seed of a source's own permutations: the loader's seed and the source's name."""
+def _round_fix(j: npt.NDArray[np.uint64], a: npt.NDArray[np.uint64]) -> IndexArray:
+    """``floor((j * a + 2^61) / 2^62)`` exactly (see :func:`_split`)."""
+    return _split(j, a)[0]
+
+
+def _splitmix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """splitmix64's finaliser, a bijective 64-bit mixer, element-wise."""
+    x = x ^ (x >> _S30)
+    x = x * _MIX1
+    x = x ^ (x >> _S27)
+    x = x * _MIX2
+    return x ^ (x >> _S31)
+
+
+def _source_key(seed: int, name: str) -> int:
+    """The 64-bit key of a source's own permutations: the loader's seed and the source's name."""
     digest = hashlib.blake2b(f"guideloom-mix-source:{seed}:{name}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+    return int.from_bytes(digest, "little")
+
+
+def _epoch_keys(
+    source_keys: npt.NDArray[np.uint64], epochs: npt.NDArray[np.uint64]
+) -> npt.NDArray[np.uint64]:
+    """The Feistel round keys of source epochs, shape ``(rounds, len)``: splitmix64 of the
+    source's key and the epoch, then of that and the round (independent keys per source epoch
+    without a hash call each: a thousand sources' epochs cost a few numpy operations)."""
+    base = _splitmix(source_keys ^ _splitmix(epochs * _GOLDEN + _GOLDEN))
+    return _splitmix(base[None, :] + _ROUND_OFFSETS[:, None])
+
+
+class _KeyedPermutation(Permutation):
+    """:class:`~guideloom._plan.Permutation` with given round keys: one source epoch's order, as
+    :class:`MixtureOrder` computes it vectorised (the scalar reference of the tests)."""
+
+    def __init__(self, n: int, keys: Sequence[int]) -> None:
+        super().__init__(n, shuffle=True, seed=0, epoch=0)
+        self._keys = tuple(int(k) for k in keys)
+        self._keys_np = tuple(np.uint64(k) for k in self._keys)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,20 +234,28 @@ class _Layout:
 
     def locate(self, positions: IndexArray) -> tuple[IndexArray, IndexArray]:
         """For each epoch position: its source and ``k_s(p)``, the source's earlier positions."""
-        code = np.full(positions.shape, self.root, dtype=np.int64)
-        j = positions.astype(np.int64, copy=True)
-        active = np.flatnonzero(code >= 0)
-        while active.size:
-            node = code[active]
-            jj = j[active].astype(np.uint64)
+        if self.root < 0:  # one source
+            return np.full(positions.shape, -self.root - 1, dtype=np.int64), positions.astype(np.int64)
+        out_src = np.empty(positions.shape, dtype=np.int64)
+        out_local = np.empty(positions.shape, dtype=np.int64)
+        where = np.arange(positions.size)
+        node = np.full(positions.shape, self.root, dtype=np.int64)
+        j = positions.astype(np.uint64)
+        while where.size:  # one tree level per pass, over the positions not yet at a leaf
             a = self.split[node]
-            r0 = _round_fix(jj, a)
-            r1 = _round_fix(jj + np.uint64(1), a)
-            go_left = r1 > r0
-            j[active] = np.where(go_left, r0, jj.astype(np.int64) - r0)
-            code[active] = np.where(go_left, self.left[node], self.right[node])
-            active = active[code[active] >= 0]
-        return -code - 1, j
+            r, go_left = _split(j, a)
+            j = np.where(go_left, r.astype(np.uint64), j - r.astype(np.uint64))
+            child = np.where(go_left, self.left[node], self.right[node])
+            leaf = child < 0
+            if leaf.any():
+                done = where[leaf]
+                out_src[done] = -child[leaf] - 1
+                out_local[done] = j[leaf]
+                keep = ~leaf
+                where, node, j = where[keep], child[keep], j[keep]
+            else:
+                node = child
+        return out_src, out_local
 
 
 def _feistel(
@@ -230,14 +287,21 @@ class MixtureOrder:
         self._shuffle = shuffle
         self._seed = seed
         self.epoch = epoch
-        self._seeds = [_source_seed(seed, name) for name in self._names]
-        own = [
-            ds.order(shuffle=shuffle, seed=s, epoch=0) is not None
-            for ds, s in zip(self._datasets, self._seeds, strict=True)
-        ]
-        self._own_order = np.asarray(own, dtype=bool)
+        self._source_keys = mixture._source_keys(seed)
+        # a source's own order (a nested mixture, a packed dataset) is seeded by its key
+        self._seeds = [int(k) >> 1 for k in self._source_keys.tolist()]
+        self._own_order = mixture._own_orders(shuffle)
         self._orders: dict[tuple[int, int], Order] = {}
-        self._keys: dict[tuple[int, int], tuple[int, ...]] = {}
+        n = layout.lengths
+        bits = np.maximum(2, _bit_length(n - 1))
+        bits += bits & 1
+        self._half = (bits // 2).astype(np.uint64)  # Permutation's half width, per source
+        self._mask = (np.uint64(1) << self._half) - np.uint64(1)
+
+    lookup_block = 2048
+    """Positions the loader looks up at a time (its default is 16k, for plain permutations): a
+    mixture position costs a tree walk, so a smaller block keeps the first batch after a resume
+    fast, and costs nothing per batch."""
 
     def __len__(self) -> int:
         return self._layout.num_samples
@@ -295,29 +359,17 @@ class MixtureOrder:
             self._orders[key] = order
         return order
 
-    def _round_keys(self, s: int, source_epoch: int) -> tuple[int, ...]:
-        key = (s, source_epoch)
-        keys = self._keys.get(key)
-        if keys is None:
-            if len(self._keys) >= _ORDER_CACHE:
-                self._keys.clear()
-            keys = self._keys[key] = _round_keys(self._seeds[s], source_epoch)
-        return keys
+    def source_permutation(self, s: int, source_epoch: int) -> Permutation:
+        """Source ``s``'s order in its epoch ``source_epoch`` (a scalar reference of what
+        :meth:`take` computes vectorised; shuffled mixtures only)."""
+        keys = _epoch_keys(self._source_keys[[s]], np.asarray([source_epoch], dtype=np.uint64))
+        return _KeyedPermutation(int(self._layout.lengths[s]), keys[:, 0].tolist())
 
     def _feistel_take(self, src: IndexArray, source_epoch: IndexArray, within: IndexArray) -> IndexArray:
-        """The permutations ``Permutation(len(s), shuffle=True, seed=seed(s), epoch=e)`` of every
-        element's ``(s, e)``, computed in one pass."""
-        span = int(source_epoch.max()) + 1
-        groups, inverse = np.unique(src * span + source_epoch, return_inverse=True)
-        table = np.asarray(
-            [self._round_keys(int(g // span), int(g % span)) for g in groups], dtype=np.uint64
-        ).T  # (rounds, groups)
-        keys = table[:, inverse]
+        """Every element through its own source epoch's keyed permutation, in one pass."""
+        keys = _epoch_keys(self._source_keys[src], source_epoch.astype(np.uint64))
         n = self._layout.lengths[src].astype(np.uint64)
-        bits = np.maximum(2, _bit_length(self._layout.lengths[src] - 1))
-        bits += bits & 1
-        h = (bits // 2).astype(np.uint64)
-        mask = (np.uint64(1) << h) - np.uint64(1)
+        h, mask = self._half[src], self._mask[src]
         x = _feistel(within.astype(np.uint64), h, mask, keys)
         out = np.flatnonzero(x >= n)
         while out.size:  # cycle-walking, as Permutation does
@@ -399,6 +451,11 @@ class Mixture(DatasetAbstract[Any]):
                     f"mixture, ...), got {type(src).__name__}"
                 )
         self._layout_cache: _Layout | None = None
+        self._keys_cache: tuple[int, npt.NDArray[np.uint64]] | None = None
+        self._list_cache: list[DatasetAbstract[Any]] | None = None
+        self._own_cache: dict[bool, npt.NDArray[np.bool_]] = {}
+        self._inline = False  # all sources read inline: once true, it stays (a cache completes)
+        self._read_figures: tuple[int, int, int] | None = None
 
     def __repr__(self) -> str:
         return f"Mixture({list(self.names)}, num_samples={self._num_samples})"
@@ -425,6 +482,9 @@ class Mixture(DatasetAbstract[Any]):
         }
         out._pending = {}
         out._layout_cache = None
+        out._list_cache = None
+        out._own_cache = {}
+        out._read_figures = None
         return out
 
     @property
@@ -434,8 +494,19 @@ class Mixture(DatasetAbstract[Any]):
         return dict(self._datasets)
 
     def _datasets_list(self) -> list[DatasetAbstract[Any]]:
-        self._require_resolved()
-        return [self._datasets[name] for name in self.names]
+        """The sources' datasets in order (kept: the read path asks for it every window)."""
+        if self._list_cache is None:
+            self._require_resolved()
+            self._list_cache = [self._datasets[name] for name in self.names]
+        return self._list_cache
+
+    def _own_orders(self, shuffle: bool) -> npt.NDArray[np.bool_]:
+        """Which sources make their own order (``order()`` is not None), kept per ``shuffle``."""
+        flags = self._own_cache.get(shuffle)
+        if flags is None:
+            own = [ds.order(shuffle=shuffle, seed=0, epoch=0) is not None for ds in self._datasets_list()]
+            flags = self._own_cache[shuffle] = np.asarray(own, dtype=bool)
+        return flags
 
     def _require_resolved(self) -> None:
         if self._pending:
@@ -445,6 +516,13 @@ class Mixture(DatasetAbstract[Any]):
                 "per sample> to mix() (an int for every stream source, or a dict by name) or to "
                 "StatefulDataLoader.from_storage(mixture, ...)"
             )
+
+    def _source_keys(self, seed: int) -> npt.NDArray[np.uint64]:
+        """Each source's permutation key for ``seed`` (a hash of the seed and its name), kept."""
+        if self._keys_cache is None or self._keys_cache[0] != seed:
+            keys = np.asarray([_source_key(seed, name) for name in self.names], dtype=np.uint64)
+            self._keys_cache = (seed, keys)
+        return self._keys_cache[1]
 
     # -- the layout -------------------------------------------------------------------------------
     def _layout(self) -> _Layout:
@@ -520,6 +598,8 @@ class Mixture(DatasetAbstract[Any]):
                 await ds.close()
             raise
         self._layout_cache = None  # a storage may know its length only once open
+        self._read_figures = None
+        self._inline = False
 
     async def close(self) -> None:
         errors: list[BaseException] = []
@@ -589,20 +669,32 @@ class Mixture(DatasetAbstract[Any]):
     def reads_inline(self) -> bool:
         if type(self).read_many is not Mixture.read_many or self._pending:
             return False
-        return all(ds.reads_inline for ds in self._datasets.values())
+        if not self._inline:  # asked every window: kept once true (local files stay local)
+            self._inline = all(ds.reads_inline for ds in self._datasets_list())
+        return self._inline
+
+    def _figures(self) -> tuple[int, int, int]:
+        """(max concurrent reads, read window bytes, sample bytes hint), kept once computed."""
+        if self._read_figures is None:
+            datasets = self._datasets_list()
+            hints = np.asarray([ds.sample_nbytes_hint() for ds in datasets], dtype=np.float64)
+            self._read_figures = (
+                max(ds.max_concurrent_reads for ds in datasets),
+                max(ds.read_window_bytes for ds in datasets),
+                round(float((hints * self._layout().weights).sum())),
+            )
+        return self._read_figures
 
     @property
     def max_concurrent_reads(self) -> int:
-        return max(ds.max_concurrent_reads for ds in self._datasets_list())
+        return self._figures()[0]
 
     @property
     def read_window_bytes(self) -> int:
-        return max(ds.read_window_bytes for ds in self._datasets_list())
+        return self._figures()[1]
 
     def sample_nbytes_hint(self) -> int:
-        lay = self._layout()
-        hints = np.asarray([ds.sample_nbytes_hint() for ds in self._datasets_list()], dtype=np.float64)
-        return round(float((hints * lay.weights).sum()))
+        return self._figures()[2]
 
 
 def _check_weights(names: tuple[str, ...], weights: Mapping[str, float] | None) -> list[float] | None:

@@ -82,7 +82,8 @@ class Indexes:
 
     def _fill(self, step: int) -> None:
         plan = self._plan
-        stop = min(len(plan), step + max(1, self.BLOCK_POSITIONS // plan.local_batch_size))
+        block = getattr(self._order, "lookup_block", self.BLOCK_POSITIONS)  # a mixture's is smaller
+        stop = min(len(plan), step + max(1, block // plan.local_batch_size))
         positions, sizes = plan.positions(step, stop)
         self._values = self._order.take(positions)
         self._offsets = np.concatenate([[0], np.cumsum(sizes)])

@@ -1,0 +1,145 @@
+"""Mixture open and resume times (issue 13 targets): a 1,000-source mixture opens in < 100 ms and
+resumes in < 20 ms at position 10^9 (time to the first batch after ``load_state_dict``).
+
+    python -m benchmarks mixture [--sources 1000] [--rounds 7]
+
+Each source is an in-memory uint16 stream of a few 2048-token samples, with lognormal weights (as
+real mixtures are: a few large sources, a long tail); the mixture's epoch is 2 * 10^9 samples so
+position 10^9 lies mid-epoch, every source deep into epochs of its own. Figures, medians of
+``--rounds`` fresh loaders, each in this process:
+
+- open: ``mix(...)`` + ``StatefulDataLoader(...)`` + ``open()`` (the schedule's tree is built
+  there: nothing is precomputed per position);
+- first batch: ``iter()`` + ``next()`` at position 0 of a fresh, open loader;
+- resume: ``load_state_dict`` at position 10^9 + ``iter()`` + ``next()`` on an open loader;
+- the same resume over one plain stream of the same samples (the baseline, measured in the same
+  run: the machine is shared and noisy, so the ratio is the figure to compare).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import guideloom as gl
+
+L = 2048
+B = 16
+POSITION = 10**9
+EPOCH = 2 * 10**9
+PER_SOURCE = 8  # samples per source: 1,000 sources of 8 x 2048 uint16 tokens = 32 MiB
+
+
+def collate(samples: Sequence[np.ndarray]) -> np.ndarray:
+    return np.stack(samples)
+
+
+def make_sources(n: int, seed: int = 0) -> tuple[dict[str, gl.MemoryStreamStorage[Any]], dict[str, float]]:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 50_000, size=n * PER_SOURCE * L, dtype=np.uint16)
+    sources = {
+        f"src{i:04d}": gl.MemoryStreamStorage(tokens[i * PER_SOURCE * L : (i + 1) * PER_SOURCE * L])
+        for i in range(n)
+    }
+    weights = dict(zip(sources, rng.lognormal(0.0, 1.5, size=n).tolist(), strict=True))
+    return sources, weights
+
+
+def mixture_loader(sources: dict[str, Any], weights: dict[str, float]) -> gl.StatefulDataLoader[Any, Any]:
+    m = gl.mix(sources, weights, sequence_length=L, num_samples=EPOCH)
+    return gl.StatefulDataLoader(
+        m, collate, local_batch_size=B, shuffle=True, shuffle_seed=1234, device="cpu"
+    )
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return (time.perf_counter() - t0) * 1000, out
+
+
+def first_batch(loader: gl.StatefulDataLoader[Any, Any]) -> Any:
+    it = iter(loader)
+    try:
+        return next(it)
+    finally:
+        it.close()
+
+
+def resume_ms(loader: gl.StatefulDataLoader[Any, Any], state: dict[str, Any]) -> float:
+    def run() -> Any:
+        loader.load_state_dict(state)  # type: ignore[arg-type]
+        return first_batch(loader)
+
+    ms, batch = timed(run)
+    assert batch.shape == (B, L)
+    return ms
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks mixture", description=__doc__.split("\n")[0])
+    ap.add_argument("--sources", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args(argv)
+    sources, weights = make_sources(args.sources)
+    import torch  # noqa: F401 - the loader imports torch once per process: not a mixture's cost
+
+    plain_tokens = np.concatenate([s.read_many_sync(np.asarray([0]), len(s))[0] for s in sources.values()])
+    opens, firsts, resumes, plains = [], [], [], []
+    for _ in range(args.rounds):
+        ms, loader = timed(lambda: _opened(mixture_loader(sources, weights)))
+        opens.append(ms)
+        firsts.append(timed(lambda: first_batch(loader))[0])  # noqa: B023 - used at once
+        state = {**loader.state_dict(), "epoch": 3, "observation_offset": POSITION}
+        resumes.append(resume_ms(loader, state))
+        stats = loader.stats()
+        loader.close()
+        plain = gl.StatefulDataLoader(
+            gl.StreamDataset(gl.MemoryStreamStorage(plain_tokens), L),
+            collate,
+            local_batch_size=B,
+            shuffle=True,
+            shuffle_seed=1234,
+            device="cpu",
+        )
+        with plain:
+            pstate = {**plain.state_dict(), "epoch": 3, "observation_offset": len(plain.dataset) // 2}
+            plains.append(resume_ms(plain, pstate))
+    epochs = [v for k, v in stats.items() if k.startswith("source_epoch/")]
+    med = statistics.median
+    lines = [
+        f"mixture of {args.sources} sources, epoch {EPOCH:,} samples, B={B}, L={L}, "
+        f"{args.rounds} rounds (medians)",
+        f"open (mix + loader + open):            {med(opens):7.2f} ms   "
+        f"(target < 100 ms; all: {_fmt(opens)})",
+        f"first batch at position 0:             {med(firsts):7.2f} ms   (all: {_fmt(firsts)})",
+        f"resume TTFB at epoch 3, position 10^9: {med(resumes):7.2f} ms   "
+        f"(target < 20 ms; all: {_fmt(resumes)})",
+        f"baseline: one stream, resume TTFB:     {med(plains):7.2f} ms   "
+        f"(mixture / baseline {med(resumes) / med(plains):.2f}x)",
+        f"source epochs at the resumed position: min {min(epochs):,.0f}, median {med(epochs):,.0f}, "
+        f"max {max(epochs):,.0f}",
+    ]
+    print("\n".join(lines))
+
+
+def _opened(loader: gl.StatefulDataLoader[Any, Any]) -> gl.StatefulDataLoader[Any, Any]:
+    loader.open()
+    return loader
+
+
+def _fmt(values: list[float]) -> str:
+    return ", ".join(f"{v:.1f}" for v in values)
+
+
+if __name__ == "__main__":
+    main()

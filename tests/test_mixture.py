@@ -4,8 +4,12 @@ ranks, exact resume with another batch or world size, and the mixture in the loa
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -398,3 +402,21 @@ def test_bad_input_is_refused_with_a_clear_error() -> None:
         len(gl.mix({"a": gl.MapDataset([]), "b": gl.MapDataset([1])}))
     with pytest.raises(ValueError, match="num_samples must be >= 1"):
         gl.mix({"a": a}, sequence_length=4, num_samples=0)
+
+
+# -- the example --------------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_the_example_runs_and_checks_itself(tmp_path: Path) -> None:
+    example = Path(__file__).resolve().parent.parent / "examples" / "mixture.py"
+    env = dict(os.environ, PYTHONPATH=str(example.parent.parent))
+    proc = subprocess.run(
+        [sys.executable, "-W", "error", str(example), "--dir", str(tmp_path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "identical to the uninterrupted run" in proc.stdout
+    assert proc.stdout.count("source epoch") == 3

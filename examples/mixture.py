@@ -44,7 +44,9 @@ def build(folder: Path) -> gl.Mixture:
     gl.write_stream(folder / "web", rng.integers(0, 50_000, 100_000, dtype=np.uint16), overwrite=True)
     docs = [rng.integers(0, 50_000, n, dtype=np.uint16) for n in rng.integers(20, 200, 400)]
     gl.write_documents(folder / "code", docs, overwrite=True)
-    math = gl.MapDataset([rng.integers(0, 50_000, SEQ, dtype=np.uint16) for _ in range(150)])
+    math: gl.MapDataset[np.ndarray] = gl.MapDataset(
+        [rng.integers(0, 50_000, SEQ, dtype=np.uint16) for _ in range(150)]
+    )
     sources: dict[str, Any] = {
         "web": gl.open_stream(folder / "web"),
         "code": gl.open_documents(folder / "code"),
@@ -62,7 +64,7 @@ def loader(mixture: gl.Mixture, batch: int, rank: int = 0, world: int = 1) -> gl
         world_size=world,
         shuffle=True,
         shuffle_seed=SEED,
-        device="cpu",
+        device=torch.device("cpu"),
     )
 
 

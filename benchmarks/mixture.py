@@ -11,7 +11,8 @@ position 10^9 lies mid-epoch, every source deep into epochs of its own. Figures,
 - open: ``mix(...)`` + ``StatefulDataLoader(...)`` + ``open()`` (the schedule's tree is built
   there: nothing is precomputed per position);
 - first batch: ``iter()`` + ``next()`` at position 0 of a fresh, open loader;
-- resume: ``load_state_dict`` at position 10^9 + ``iter()`` + ``next()`` on an open loader;
+- resume: ``load_state_dict`` at position 10^9 + ``iter()`` + ``next()`` on a fresh loader of a
+  fresh mixture, just opened (nothing read or looked up before);
 - the same resume over one plain stream of the same samples (the baseline, measured in the same
   run: the machine is shared and noisy, so the ratio is the figure to compare).
 """
@@ -98,9 +99,12 @@ def main(argv: list[str] | None = None) -> None:
         opens.append(ms)
         firsts.append(timed(lambda: first_batch(loader))[0])  # noqa: B023 - used at once
         state = {**loader.state_dict(), "epoch": 3, "observation_offset": POSITION}
-        resumes.append(resume_ms(loader, state))
-        stats = loader.stats()
         loader.close()
+        # the resume of a fresh job: a new mixture and loader, opened, nothing read before
+        resumed = _opened(mixture_loader(sources, weights))
+        resumes.append(resume_ms(resumed, state))
+        stats = resumed.stats()
+        resumed.close()
         plain = gl.StatefulDataLoader(
             gl.StreamDataset(gl.MemoryStreamStorage(plain_tokens), L),
             collate,

@@ -119,10 +119,9 @@ def _splitmix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     return x ^ (x >> _S31)
 
 
-def _source_key(seed: int, name: str) -> int:
-    """The 64-bit key of a source's own permutations: the loader's seed and the source's name."""
-    digest = hashlib.blake2b(f"guideloom-mix-source:{seed}:{name}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+def _hash64(text: str) -> int:
+    """A stable 64-bit hash (blake2b) of ``text``."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
 def _epoch_keys(
@@ -456,6 +455,8 @@ class Mixture(DatasetAbstract[Any]):
         self._own_cache: dict[bool, npt.NDArray[np.bool_]] = {}
         self._inline = False  # all sources read inline: once true, it stays (a cache completes)
         self._read_figures: tuple[int, int, int] | None = None
+        self._digest_cache: str | None = None
+        self._name_keys: npt.NDArray[np.uint64] | None = None
 
     def __repr__(self) -> str:
         return f"Mixture({list(self.names)}, num_samples={self._num_samples})"
@@ -485,6 +486,7 @@ class Mixture(DatasetAbstract[Any]):
         out._list_cache = None
         out._own_cache = {}
         out._read_figures = None
+        out._digest_cache = None
         return out
 
     @property
@@ -518,11 +520,18 @@ class Mixture(DatasetAbstract[Any]):
             )
 
     def _source_keys(self, seed: int) -> npt.NDArray[np.uint64]:
-        """Each source's permutation key for ``seed`` (a hash of the seed and its name), kept."""
+        """Each source's permutation key for ``seed``: splitmix64 of a hash of its name (made once)
+        and a hash of the seed, so a new seed costs one hash, not one per source."""
         if self._keys_cache is None or self._keys_cache[0] != seed:
-            keys = np.asarray([_source_key(seed, name) for name in self.names], dtype=np.uint64)
-            self._keys_cache = (seed, keys)
+            seed_key = _splitmix(np.asarray([_hash64(f"guideloom-mix-seed:{seed}")], dtype=np.uint64))
+            self._keys_cache = (seed, _splitmix(self._hash_names() ^ seed_key))
         return self._keys_cache[1]
+
+    def _hash_names(self) -> npt.NDArray[np.uint64]:
+        if self._name_keys is None:
+            hashes = [_hash64(f"guideloom-mix-source:{name}") for name in self.names]
+            self._name_keys = np.asarray(hashes, dtype=np.uint64)
+        return self._name_keys
 
     # -- the layout -------------------------------------------------------------------------------
     def _layout(self) -> _Layout:
@@ -557,17 +566,24 @@ class Mixture(DatasetAbstract[Any]):
     def fingerprint_digest(self) -> str:
         """A digest of what fixes the order: the names, weights, epoch length and each source's
         checkpoint fingerprint (a checkpoint is refused over a mixture with another digest)."""
-        from ._checkpoint import dataset_fingerprint
+        if self._digest_cache is not None:
+            return self._digest_cache
+        from ._checkpoint import _manifest_digest, dataset_fingerprint
 
         lay = self._layout()
         h = hashlib.blake2b(digest_size=8)
         h.update(f"mixture:{lay.num_samples}".encode())
         for name, ds, w in zip(self.names, self._datasets_list(), lay.weights.tolist(), strict=True):
-            fp = dataset_fingerprint(ds)
-            h.update(
-                f"\n{name}:{w!r}:{fp['kind']}:{fp['observations']}:{fp['sequence_length']}:{fp['digest']}".encode()
-            )
-        return h.hexdigest()
+            if type(ds) is StreamDataset:  # the common sources inline: a thousand of them add up
+                fp = f"stream:{len(ds)}:{ds.sequence_length}:{_manifest_digest(ds.storage)}"
+            elif type(ds) is DocumentDataset:
+                fp = f"documents:{len(ds)}:0:{_manifest_digest(ds.storage)}"
+            else:
+                f = dataset_fingerprint(ds)
+                fp = f"{f['kind']}:{f['observations']}:{f['sequence_length']}:{f['digest']}"
+            h.update(f"\n{name}:{w!r}:{fp}".encode())
+        self._digest_cache = h.hexdigest()
+        return self._digest_cache
 
     # -- DatasetAbstract ------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -593,13 +609,19 @@ class Mixture(DatasetAbstract[Any]):
             for ds in datasets:
                 await ds.open()
                 opened.append(ds)
+            self._layout_cache = None  # a storage may know its length only once open
+            self._read_figures = None
+            self._digest_cache = None
+            self._inline = False
+            # What a resume needs, made here once: the schedule, the fingerprint, the name keys.
+            self._layout()
+            self.fingerprint_digest()
+            self._figures()
+            self._hash_names()
         except BaseException:
             for ds in reversed(opened):
                 await ds.close()
             raise
-        self._layout_cache = None  # a storage may know its length only once open
-        self._read_figures = None
-        self._inline = False
 
     async def close(self) -> None:
         errors: list[BaseException] = []

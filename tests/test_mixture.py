@@ -420,3 +420,28 @@ def test_the_example_runs_and_checks_itself(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "identical to the uninterrupted run" in proc.stdout
     assert proc.stdout.count("source epoch") == 3
+
+
+class Counted(gl.MapDataset[int]):
+    """A MapDataset that counts its opens and closes."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(range(n))
+        self.opens = self.closes = 0
+
+    async def open(self) -> None:
+        self.opens += 1
+
+    async def close(self) -> None:
+        self.closes += 1
+
+
+def test_opening_a_mixture_opens_every_source_and_a_failure_closes_them() -> None:
+    a, b = Counted(10), Counted(20)
+    with loader(gl.mix({"a": a, "b": b}), local_batch_size=2):
+        assert (a.opens, b.opens, a.closes) == (1, 1, 0)
+    assert (a.closes, b.closes) == (1, 1)
+    c, empty = Counted(10), Counted(0)
+    with pytest.raises(ValueError, match="'e' has no samples"):
+        loader(gl.mix({"c": c, "e": empty})).open()
+    assert (c.opens, c.closes, empty.opens, empty.closes) == (1, 1, 1, 1)

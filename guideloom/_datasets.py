@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -29,6 +29,15 @@ __all__ = ["DatasetAbstract", "DocumentDataset", "MapDataset", "SourceT", "Strea
 _DEFAULT_READ_WINDOW_BYTES = 4 * 2**20  # what StorageAbstract.read_window_bytes defaults to
 
 SourceT = TypeVar("SourceT")
+_T_co = TypeVar("_T_co", covariant=True)
+
+
+class _MapStyle(Protocol[_T_co]):
+    """What MapDataset needs of a source: ``len(source)`` and ``source[i]``."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int, /) -> _T_co: ...
 
 
 class DatasetAbstract(ABC, Generic[SourceT]):
@@ -202,7 +211,7 @@ class MapDataset(DatasetAbstract[SourceT]):
         3
     """
 
-    def __init__(self, source: Any) -> None:
+    def __init__(self, source: _MapStyle[SourceT]) -> None:
         if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
             raise TypeError(
                 "MapDataset needs an object with __len__ and __getitem__ (a list, a "

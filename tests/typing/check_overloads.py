@@ -49,3 +49,12 @@ def wrong_pairings() -> None:
     if bool(0):
         gl.StatefulDataLoader.from_storage(docs, collate, sequence_length=4)
         print("unreachable")  # type: ignore[unreachable]
+
+
+# A mixture (any DatasetAbstract) goes where a storage goes; its samples are typed Any.
+mixture = gl.mix({"web": stream, "code": docs}, {"web": 0.7, "code": 0.3})
+mix_loader = gl.StatefulDataLoader.from_storage(mixture, collate, sequence_length=4)
+assert_type(mix_loader, gl.StatefulDataLoader[Any, torch.Tensor])
+assert_type(gl.StatefulDataLoader(mixture, collate), gl.StatefulDataLoader[Any, torch.Tensor])
+assert_type(gl.MapDataset(["a", "b"]), gl.MapDataset[str])
+assert_type(gl.MapDataset(range(3)), gl.MapDataset[int])

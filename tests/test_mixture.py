@@ -4,6 +4,7 @@ ranks, exact resume with another batch or world size, and the mixture in the loa
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -445,3 +446,52 @@ def test_opening_a_mixture_opens_every_source_and_a_failure_closes_them() -> Non
     with pytest.raises(ValueError, match="'e' has no samples"):
         loader(gl.mix({"c": c, "e": empty})).open()
     assert (c.opens, c.closes, empty.opens, empty.closes) == (1, 1, 1, 1)
+
+
+# -- real ranks -----------------------------------------------------------------------------------
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_real_gloo_ranks_share_no_sample_of_a_source_epoch_and_resume_on_another_world(
+    tmp_path: Path,
+) -> None:
+    from tests._mixture_rank import SEQ, ids, mixture
+    from tests._ranks import run_ranks
+
+    gl.write_stream(tmp_path / "stream", np.arange(40 * SEQ, dtype=np.uint32), shard_bytes=400)
+    gl.write_documents(tmp_path / "docs", [np.full(i % 5 + 1, i, dtype=np.uint32) for i in range(13)])
+    argv = [sys.executable, "-m", "tests._mixture_rank", str(tmp_path)]
+    run_ranks(2, lambda r: [*argv, str(tmp_path / f"rank{r}.json")], cwd=Path(__file__).resolve().parents[1])
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert results[0]["steps"] == results[1]["steps"]  # both gathered the same global batches
+    seen = [tuple(x) for step in results[0]["steps"] for x in step]
+    m = mixture(tmp_path)
+    with gl.StatefulDataLoader(m, ids, local_batch_size=8, shuffle=True, shuffle_seed=5, device=CPU) as ld:
+        single = [x for _ in range(2) for b in take(ld) for x in b]
+        stats = ld.stats()
+    assert seen == single  # 2 ranks x 4 == 1 rank x 8, sample for sample, over two epochs
+    per_epoch = len(seen) // 2  # 88 of the 90 positions: drop_last drops 2 at each epoch's end
+    triples = []
+    for epoch in range(2):
+        src, sepoch, index = m.order(shuffle=True, seed=5, epoch=epoch).sources(np.arange(per_epoch))
+        triples += list(zip(src.tolist(), sepoch.tolist(), index.tolist(), strict=True))
+    assert [(m.names[s], i) for s, _, i in triples] == seen
+    assert len(set(triples)) == len(triples)  # no sample twice within one of its source's epochs
+    assert results[0]["stats"] == {
+        **results[0]["stats"],
+        **{k: v for k, v in stats.items() if "source_epoch" in k},
+    }
+    state = results[0]["state"]  # epoch 1 after 4 steps of 8: resume it on 3 ranks of 2
+    assert (state["epoch"], state["observation_offset"]) == (1, 32)
+    rest: list[list[tuple[str, int]]] = []
+    for rank in range(3):
+        with gl.StatefulDataLoader(
+            m, ids, local_batch_size=2, rank=rank, world_size=3, shuffle=True, shuffle_seed=5, device=CPU
+        ) as ld:
+            ld.load_state_dict(state)
+            for step, b in enumerate(take(ld)):
+                if step == len(rest):
+                    rest.append([])
+                rest[step].extend(b)
+    tail = [x for step in rest for x in step]
+    epoch1 = single[len(single) // 2 :]
+    assert tail == epoch1[32 : 32 + len(tail)] and len(tail) == (90 - 32) // 6 * 6

@@ -599,8 +599,10 @@ class Mixture(DatasetAbstract[Any]):
     def position_stats(self, *, epoch: int, offset: int) -> dict[str, float]:
         """``source_epoch/<name>``: the epoch of its own that each source is in at this position
         (how many times it has been read whole; a source smaller than its share exceeds the
-        mixture's epoch)."""
-        lay = self._layout()
+        mixture's epoch). Empty until the mixture is open."""
+        lay = self._layout_cache
+        if lay is None:  # not open yet (a remote source may not know its length): nothing to say
+            return {}
         cum = epoch * lay.per_epoch + lay.counts(min(max(offset, 0), lay.num_samples))
         epochs = cum // lay.lengths
         return {f"source_epoch/{name}": float(e) for name, e in zip(self.names, epochs.tolist(), strict=True)}

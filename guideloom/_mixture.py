@@ -421,6 +421,8 @@ class Mixture(DatasetAbstract[Any]):
         self.with_source = check_bool("with_source", with_source)
         """Whether each sample is a ``(source name, sample)`` pair."""
         self._num_samples = None if num_samples is None else check_int("num_samples", num_samples, 1)
+        if self._num_samples is not None and self._num_samples >= _ONE_FIX:
+            raise ValueError(f"num_samples must be below 2**62 (the schedule's range), got {num_samples}")
         self._weights = _check_weights(self.names, weights)
         per_source, shared = _split_lengths(self.names, sequence_length)
         self._datasets: dict[str, DatasetAbstract[Any]] = {}

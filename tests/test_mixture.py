@@ -403,6 +403,12 @@ def test_bad_input_is_refused_with_a_clear_error() -> None:
         len(gl.mix({"a": gl.MapDataset([]), "b": gl.MapDataset([1])}))
     with pytest.raises(ValueError, match="num_samples must be >= 1"):
         gl.mix({"a": a}, sequence_length=4, num_samples=0)
+    with pytest.raises(ValueError, match="below 2\\*\\*62"):
+        gl.mix({"a": a}, sequence_length=4, num_samples=2**62)
+    with pytest.raises(TypeError, match="weights must be a dict"):
+        gl.mix({"a": a}, [1.0], sequence_length=4)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="source names must be non-empty strings"):
+        gl.mix({1: a})  # type: ignore[dict-item]
 
 
 # -- the example --------------------------------------------------------------------------------

@@ -111,7 +111,8 @@ class DatasetAbstract(ABC, Generic[SourceT]):
 
     def order(self, *, shuffle: bool, seed: int, epoch: int) -> Order | None:
         """The epoch order of a dataset that makes its own, or ``None`` (the default): the
-        loader then uses its seeded permutation of ``[0, len(self))``.
+        loader then makes its own (the seeded permutation of ``[0, len(self))``, or the block
+        shuffle that ``shuffle_block_size`` asks for; a dataset's own order ignores that).
 
         An order maps each position ``[0, len(self))`` to the index ``read_many`` is given for
         it, and depends on the arguments and the dataset alone (never on batch size or ranks).

@@ -501,3 +501,62 @@ def test_real_gloo_ranks_share_no_sample_of_a_source_epoch_and_resume_on_another
     tail = [x for step in rest for x in step]
     epoch1 = single[len(single) // 2 :]
     assert tail == epoch1[32 : 32 + len(tail)] and len(tail) == (90 - 32) // 6 * 6
+
+
+def packed_rows(samples: Sequence[tuple[str, Any]]) -> list[tuple[str, tuple[int, ...]]]:
+    """(source, a row's first tokens and segment ids) for packed and stream samples alike."""
+    out = []
+    for name, s in samples:
+        if name == "packed":
+            out.append(
+                (name, (*np.asarray(s["tokens"][:4]).tolist(), *np.asarray(s["segment_ids"][:4]).tolist()))
+            )
+        else:
+            out.append((name, tuple(np.asarray(s[:4]).tolist())))
+    return out
+
+
+def test_a_packed_source_beside_a_stream_resumes_exactly_on_another_world() -> None:
+    rng = np.random.default_rng(3)
+    docs = gl.MemoryDocumentStorage(
+        [rng.integers(1, 1000, int(n), dtype=np.int64) for n in rng.integers(3, 40, 80)]
+    )
+    packed = gl.pack(docs, sequence_length=16, mode="best_fit")
+    stream = gl.MemoryStreamStorage(np.arange(2000, dtype=np.int64))
+    m = gl.mix(
+        {"packed": packed, "stream": stream},
+        {"packed": 1, "stream": 1},
+        sequence_length={"stream": 16},
+        with_source=True,
+    )
+
+    def make(batch: int, rank: int = 0, world: int = 1) -> gl.StatefulDataLoader[Any, Any]:
+        return gl.StatefulDataLoader(
+            m,
+            packed_rows,
+            local_batch_size=batch,
+            rank=rank,
+            world_size=world,
+            shuffle=True,
+            shuffle_seed=8,
+            device=CPU,
+        )
+
+    with make(1) as ld:  # the uninterrupted run: the whole epoch, in order
+        full = [x for b in take(ld) for x in b]
+        assert ld.stats()["source_epoch/packed"] >= 1  # served its share: one pass at least
+    with make(6) as ld:
+        head = [x for b in take(ld, 5) for x in b]
+        state = roundtrip(ld.state_dict())
+    assert state["dataset"]["kind"] == "mixture" and head == full[:30]
+    steps: list[list[Any]] = []
+    for rank in range(2):
+        with make(2, rank, 2) as ld:
+            ld.load_state_dict(state)
+            for step, b in enumerate(take(ld)):
+                if step == len(steps):
+                    steps.append([])
+                steps[step].extend(b)
+    tail = [x for s in steps for x in s]
+    assert tail == full[30 : 30 + len(tail)] and len(tail) == (len(full) - 30) // 4 * 4
+    assert {n for n, _ in full} == {"packed", "stream"}

@@ -8,7 +8,7 @@ them in one batched call. ``StreamDataset`` cuts a stream into fixed-length samp
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -79,6 +79,11 @@ class DatasetAbstract(ABC, Generic[SourceT]):
         """A typical sample's size in bytes (0 if unknown), for sizing read-ahead windows."""
         return 0
 
+    def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
+        """A hint: the ``read_many(indices)`` calls the loader will make next, in order (see
+        :meth:`StreamStorageAbstract.will_read <guideloom.StreamStorageAbstract.will_read>`).
+        The default ignores it."""
+
 
 class StreamDataset(DatasetAbstract[SourceT]):
     """Samples of ``sequence_length`` consecutive stream elements; sample ``i`` starts at ``i * L``.
@@ -111,6 +116,11 @@ class StreamDataset(DatasetAbstract[SourceT]):
     @property
     def reads_inline(self) -> bool:
         return type(self).read_many is StreamDataset.read_many and self._storage.reads_inline()
+
+    def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
+        if type(self).read_many is StreamDataset.read_many:  # reads map to the storage's 1:1
+            length = self.sequence_length
+            self._storage.will_read((np.asarray(w, dtype=np.int64) * length for w in windows), length)
 
     def sample_nbytes_hint(self) -> int:
         return self.sequence_length * max(

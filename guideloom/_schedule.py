@@ -32,6 +32,7 @@ __all__ = [
     "Delivery",
     "Indexes",
     "ReadWindow",
+    "future_reads",
     "max_window",
     "read_window",
     "run_async",
@@ -136,6 +137,15 @@ def windows(plan: EpochPlan, first_step: int, largest: int, span: int = 0) -> It
         stop = min(max(stop, step + 1), step + largest, total)
         yield plan.batches(step, stop)
         step = stop
+
+
+def future_reads(plan: EpochPlan, order: Order, first_step: int, largest: int) -> Iterator[Indices]:
+    """The indexes of every read :func:`windows` and :func:`read_window` will make from
+    ``first_step``, in order, computed lazily: the hint a storage may prepare ahead by (its own
+    :class:`Indexes`, so it can be consumed on another thread)."""
+    indexes = Indexes(plan, order)
+    for specs in windows(plan, first_step, largest):
+        yield indexes.of(specs)
 
 
 def _split(specs: list[BatchSpec], samples: Sequence[Any]) -> list[Delivery]:

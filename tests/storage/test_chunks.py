@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -319,7 +320,8 @@ def fetch(path, start, end):
     print("fetching", flush=True)
     time.sleep(60)  # killed here, mid-download
     return data[path][start:end]
-cache = ChunkCache(sys.argv[2], "s3://bucket/ds", manifest, fetch, max_bytes=int(sys.argv[3]), chunk_bytes=4096)
+limit = int(sys.argv[3])
+cache = ChunkCache(sys.argv[2], "s3://bucket/ds", manifest, fetch, max_bytes=limit, chunk_bytes=4096)
 cache.plan([((1, 0, 0), np.asarray([0], dtype=np.int64))])
 time.sleep(60)
 """
@@ -384,7 +386,8 @@ ok = True
 for i in order:
     jobs, outs = plan_windows(layouts, np.asarray([i * seq], dtype=np.int64), seq, Limits())
     asyncio.run(cache.run(jobs, (1, i * seq, i * seq), remote))
-    ok &= bool(np.array_equal(outs["tokens"][0], np.frombuffer(data[manifest.tokens.files[0].path], np.uint16)[i * seq:(i + 1) * seq]))
+    whole = np.frombuffer(data[manifest.tokens.files[0].path], np.uint16)
+    ok &= bool(np.array_equal(outs["tokens"][0], whole[i * seq : (i + 1) * seq]))
 cache.stop()
 print(json.dumps({"ok": ok, "fetched": len(fetched)}))
 """
@@ -399,8 +402,6 @@ def test_processes_sharing_a_folder_stay_within_the_limit_and_read_exactly(
     rng = np.random.default_rng(5)
     orders = [rng.permutation(16).tolist() * 2 for _ in range(3)]
     probe = store.cache(root, max_bytes=limit, chunk_bytes=CHUNK)
-    import json
-
     with Sampler(probe.folder) as sampler:
         procs = [
             subprocess.Popen(

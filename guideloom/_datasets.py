@@ -156,6 +156,10 @@ class DocumentDataset(DatasetAbstract[SourceT]):
     def reads_inline(self) -> bool:
         return type(self).read_many is DocumentDataset.read_many and self._storage.reads_inline()
 
+    def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
+        if type(self).read_many is DocumentDataset.read_many:  # reads map to the storage's 1:1
+            self._storage.will_read(windows)
+
     def sample_nbytes_hint(self) -> int:
         return self._storage.sample_nbytes_hint()
 

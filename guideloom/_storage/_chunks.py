@@ -141,23 +141,27 @@ class _Table:
 
     def of_rows(self, layouts: Mapping[str, Layout], starts: I64, length: int) -> I64:
         """Sorted distinct chunks that stream windows ``[s, s + length)`` (elements) touch."""
-        out: list[I64] = []
-        for layout in layouts.values():
-            item = layout.dtype.itemsize
-            n_rows = len(starts)
-            k, lo, n, _d = _pieces(
-                layout, starts * item, np.full(n_rows, length * item, np.int64), np.zeros(n_rows, np.int64)
-            )
-            if not len(k):
-                continue
-            fidx = np.asarray([self.index[p] for p in layout.paths], dtype=np.int64)[k]
-            first = self.base[fidx] + lo // self.chunk
-            last = self.base[fidx] + (lo + n - 1) // self.chunk
-            out += [first, last]
-            for i in np.flatnonzero(last - first > 1).tolist():  # a sample longer than a chunk
-                out.append(np.arange(int(first[i]) + 1, int(last[i]), dtype=np.int64))
-        if not out:
+        n = len(starts)
+        parts = [
+            self.of_spans(layout, starts * layout.dtype.itemsize, np.full(n, length * layout.dtype.itemsize))
+            for layout in layouts.values()
+        ]
+        return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+
+    def of_spans(self, layout: Layout, starts: I64, lengths: I64) -> I64:
+        """Sorted distinct chunks that bytes ``[s, s + n)`` of ``layout``'s array touch."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        k, lo, n, _d = _pieces(
+            layout, np.asarray(starts, dtype=np.int64), lengths, np.zeros(len(lengths), np.int64)
+        )
+        if not len(k):
             return np.zeros(0, np.int64)
+        fidx = np.asarray([self.index[p] for p in layout.paths], dtype=np.int64)[k]
+        first = self.base[fidx] + lo // self.chunk
+        last = self.base[fidx] + (lo + n - 1) // self.chunk
+        out = [first, last]
+        for i in np.flatnonzero(last - first > 1).tolist():  # a span longer than a chunk
+            out.append(np.arange(int(first[i]) + 1, int(last[i]), dtype=np.int64))
         return np.unique(np.concatenate(out))
 
 

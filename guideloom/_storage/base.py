@@ -235,6 +235,12 @@ class DocumentStorageAbstract(StorageAbstract[InT, OutT]):
     def reads_inline(self) -> bool:
         return type(self).read_many is DocumentStorageAbstract.read_many
 
+    def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
+        """A hint: the ``read_many(indices)`` calls the loader will make next, as their
+        ``indices``, in order (a lazy iterable). See :meth:`StreamStorageAbstract.will_read`;
+        the default ignores it.
+        """
+
     # -- element-level access, what packing (guideloom.pack) plans and reads over ---------------
     #: Offsets found by reading every document once (the defaults below), kept for the next call.
     _read_offsets_cache: npt.NDArray[np.int64] | None = None

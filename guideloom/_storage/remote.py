@@ -311,6 +311,24 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         await self._run(jobs)
         return out
 
+    def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
+        """The loader's upcoming reads, in order: a chunk cache downloads ahead by them (when the
+        offsets are held in memory, ``offsets_cache_bytes``)."""
+        chunks, offsets = self._chunks, self._offsets
+        if chunks is None or offsets is None:
+            return
+        layout, item = self._tokens, self._tokens.dtype.itemsize
+
+        def planned() -> Any:
+            for indices in windows:
+                idx = np.asarray(indices, dtype=np.int64)
+                if len(idx):
+                    starts = offsets[idx]
+                    spans = chunks.table.of_spans(layout, starts * item, (offsets[idx + 1] - starts) * item)
+                    yield _key(idx), spans
+
+        chunks.plan(planned())
+
     def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:
         local = self._local_copy()
         if not isinstance(local, LocalDocumentStorage):
@@ -339,7 +357,7 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         if bad:
             raise DatasetIntegrityError(f"{self.url}: document offsets are out of order or out of range")
         jobs, flat, bounds = plan_spans(self._tokens, starts, stops, self._remote.limits)
-        await self._run(jobs)
+        await self._run(jobs, _key(indices) if n else None)
         return [flat[bounds[i] : bounds[i + 1]] for i in range(n)]
 
     def document_offsets_sync(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:

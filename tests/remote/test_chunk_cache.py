@@ -182,3 +182,38 @@ def test_a_limit_at_least_the_dataset_is_the_whole_copy(
         )
         assert isinstance(s, ObjectStreamStorage)
         assert isinstance(s._cache, DatasetCache) and s._chunks is None
+
+
+def test_documents_are_cached_in_chunks_by_the_plan_too(s3: MotoS3, tmp_path: Path) -> None:
+    import numpy as np
+
+    from .conftest import BUCKET, unique
+
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(0, 60_000, int(n), dtype=np.uint16) for n in rng.integers(0, 300, 400)]
+    folder = tmp_path / "docs"
+    guideloom.write_documents(folder, docs, shard_bytes=30_000)
+    prefix = unique("chunked-docs")
+    s3.upload_folder(folder, BUCKET, prefix)
+    total = sum(d.nbytes for d in docs)
+    storage = guideloom.open_documents(
+        f"s3://{BUCKET}/{prefix}",
+        cache_dir=tmp_path / "c",
+        cache_max_bytes=total // 4,
+        cache_chunk_bytes=4096,
+        **s3.options(),
+    )
+    assert storage._chunks is not None  # type: ignore[attr-defined]
+    storage.read_window_bytes = 4000
+
+    def rows(s: Any) -> list[list[int]]:
+        kw: dict[str, Any] = dict(local_batch_size=4, shuffle=True, shuffle_seed=5, prefetch=2, device=CPU)
+        with StatefulDataLoader.from_storage(s, lambda b: [d.tolist() for d in b], **kw) as loader:
+            return [d for b in loader for d in b]
+
+    expected = rows(guideloom.open_documents(folder))
+    with Sampler(storage._chunks.folder) as sampler:  # type: ignore[attr-defined]
+        assert rows(storage) == expected
+        assert rows(storage) == expected
+    assert sampler.peak <= total // 4
+    assert storage.stats()["cache_local_ranges"] > 0  # type: ignore[attr-defined]

@@ -35,6 +35,7 @@ import asyncio
 import concurrent.futures
 import fcntl
 import hashlib
+import itertools
 import os
 import secrets
 import threading
@@ -59,8 +60,11 @@ I64 = npt.NDArray[np.int64]
 
 #: Default chunk size (``cache_chunk_bytes``).
 CHUNK_BYTES: Final = 16 * 2**20
-#: Chunks downloaded at once by one process.
+#: Chunks downloaded at once by one process, and the ranged GETs each is fetched as.
 FETCHES_IN_FLIGHT = 4
+PART_BYTES = 4 * 2**20
+#: How long a read waits for a chunk this process is downloading before reading remotely.
+CHUNK_WAIT_SECONDS = 0.25
 #: Space is counted in blocks of this many bytes (a file takes whole blocks on disk).
 BLOCK: Final = 4096
 #: How long a download waits for another process that holds the chunk's lock.
@@ -403,12 +407,7 @@ class ChunkCache:
                 self._fetching.add(gid)
             f, start, end = self.table.span(gid)
             try:
-                try:
-                    data = memoryview(self._fetch(self.table.paths[f], start, end))
-                except Exception as exc:
-                    raise _FetchFailed(str(exc)) from None  # not the folder's fault
-                if data.nbytes != end - start:
-                    raise ValueError(f"short read: {data.nbytes} of {end - start} bytes")
+                data = self._fetch_parts(self.table.paths[f], start, end)
                 digest = hashlib.sha256(data).hexdigest()
                 if start == 0 and end == self.table.sizes[f] and digest != self.table.sha256[f]:
                     raise ValueError(f"object {self.table.paths[f]!r} does not match its checksum")
@@ -426,6 +425,26 @@ class ChunkCache:
                 self.downloads += 1
         finally:
             os.close(lock)  # releases it
+
+    def _fetch_parts(self, path: str, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` of ``path`` as ``PART_BYTES`` ranges fetched concurrently on
+        the I/O pool: one connection's bandwidth is often far below the link's."""
+        bounds = [*range(start, end, PART_BYTES), end]
+        spans = list(itertools.pairwise(bounds))
+
+        def one(span: tuple[int, int]) -> memoryview:
+            try:
+                got = memoryview(self._fetch(path, *span))
+            except Exception as exc:
+                raise _FetchFailed(str(exc)) from None  # not the folder's fault
+            if got.nbytes != span[1] - span[0]:
+                raise _FetchFailed(f"short read: {got.nbytes} of {span[1] - span[0]} bytes")
+            return got
+
+        if len(spans) == 1:
+            return one(spans[0])
+        parts = list(io_executor().map(one, spans))
+        return memoryview(b"".join(parts))
 
     def _guard(self, gid: int, fut: concurrent.futures.Future[None], fn: Any, *args: Any) -> None:
         try:
@@ -592,7 +611,9 @@ class ChunkCache:
 
             async def nearby() -> None:
                 if waits:
-                    await asyncio.wait([asyncio.wrap_future(f) for f in waits])
+                    # A chunk on its way is waited for (no second GET of its bytes), up to
+                    # CHUNK_WAIT_SECONDS: a read then goes remote (a first batch stays fast).
+                    await asyncio.wait([asyncio.wrap_future(f) for f in waits], timeout=CHUNK_WAIT_SECONDS)
                 if local:
                     missed = await loop.run_in_executor(io_executor(), self._serve, local)
                     if missed:

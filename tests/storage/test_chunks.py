@@ -218,7 +218,7 @@ def test_reads_outside_the_plan_are_served_and_a_read_waits_for_its_chunk_in_fli
     stopped.append(cache)
     assert np.array_equal(store.read(cache, [5, 1], planned=False), store.expected([5, 1]))
     assert store.remote_ranges == 2 and not store.fetched, "no plan: nothing is downloaded"
-    store.delay = 0.3
+    store.delay = 0.1
     cache.plan(store.window(cache, [i]) for i in [4])
     deadline = time.monotonic() + 5
     while 4 not in cache._fetching:
@@ -226,6 +226,17 @@ def test_reads_outside_the_plan_are_served_and_a_read_waits_for_its_chunk_in_fli
         time.sleep(0.005)
     assert np.array_equal(store.read(cache, [4]), store.expected([4]))
     assert store.remote_ranges == 2, "the read waited for the chunk on its way instead of a GET"
+    # ... but only for so long: a slow download does not hold a read up (a first batch)
+    store.delay = 3.0
+    cache.plan(store.window(cache, [i]) for i in [6])
+    deadline = time.monotonic() + 5
+    while 6 not in cache._fetching:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    t0 = time.monotonic()
+    assert np.array_equal(store.read(cache, [6]), store.expected([6]))
+    assert time.monotonic() - t0 < _chunks.CHUNK_WAIT_SECONDS + 1.0
+    assert store.remote_ranges == 3
 
 
 def test_a_sample_across_chunks_and_objects_reads_exactly(tmp_path: Path, stopped: list[ChunkCache]) -> None:

@@ -237,8 +237,8 @@ class DocumentStorageAbstract(StorageAbstract[InT, OutT]):
 
     def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
         """A hint: the ``read_many(indices)`` calls the loader will make next, as their
-        ``indices``, in order (a lazy iterable). See :meth:`StreamStorageAbstract.will_read`;
-        the default ignores it.
+        ``indices``, in order (a lazy iterable). See :meth:`StreamStorageAbstract.will_read
+        <guideloom.StreamStorageAbstract.will_read>`; the default ignores it.
         """
 
     # -- element-level access, what packing (guideloom.pack) plans and reads over ---------------

@@ -162,7 +162,8 @@ async def _reader(
     indexes = Indexes(cfg.plan, cfg.order)
     reading = _reading(cfg)
     # The plan is known: tell the storage what comes (a chunk cache downloads ahead by it).
-    cfg.dataset.will_read(future_reads(cfg.plan, cfg.order, first_step, _max_window(cfg)))
+    ahead = windows(cfg.plan, first_step, _max_window(cfg), _span(cfg))  # the windows read below
+    cfg.dataset.will_read(future_reads(cfg.plan, cfg.order, ahead))
     async with send, anyio.create_task_group() as tg:
         results: deque[tuple[anyio.Event, list[list[Delivery] | BaseException]]] = deque()
         limit = anyio.Semaphore(concurrency)

@@ -15,7 +15,7 @@ The schedule comes in two parts so that the async reader can keep several window
 from __future__ import annotations
 
 import itertools
-from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -139,13 +139,13 @@ def windows(plan: EpochPlan, first_step: int, largest: int, span: int = 0) -> It
         step = stop
 
 
-def future_reads(plan: EpochPlan, order: Order, first_step: int, largest: int) -> Iterator[Indices]:
-    """The indexes of every read :func:`windows` and :func:`read_window` will make from
-    ``first_step``, in order, computed lazily: the hint a storage may prepare ahead by (its own
-    :class:`Indexes`, so it can be consumed on another thread)."""
+def future_reads(plan: EpochPlan, order: Order, specs: Iterable[list[BatchSpec]]) -> Iterator[Indices]:
+    """The indexes :func:`read_window` will read for each of the windows ``specs`` (those of
+    :func:`windows`), in order, computed lazily: the hint a storage may prepare ahead by. It has
+    its own :class:`Indexes`, so it can be consumed on another thread."""
     indexes = Indexes(plan, order)
-    for specs in windows(plan, first_step, largest):
-        yield indexes.of(specs)
+    for window in specs:
+        yield indexes.of(window)
 
 
 def _split(specs: list[BatchSpec], samples: Sequence[Any]) -> list[Delivery]:

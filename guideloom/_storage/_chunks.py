@@ -65,6 +65,9 @@ FETCHES_IN_FLIGHT = 4
 PART_BYTES = 4 * 2**20
 #: How long a read waits for a chunk this process is downloading before reading remotely.
 CHUNK_WAIT_SECONDS = 0.25
+#: After a new plan, downloads wait for its first read to complete, at most this long: the
+#: first batch does not share the link with a chunk's download.
+FIRST_READ_GRACE_SECONDS = 1.0
 #: Space is counted in blocks of this many bytes (a file takes whole blocks on disk).
 BLOCK: Final = 4096
 #: How long a download waits for another process that holds the chunk's lock.
@@ -213,6 +216,7 @@ class ChunkCache:
         self._next_pos = 0
         self._now = -1
         self._stalled_at: int | None = None  # no room at this position: wait for the reader
+        self._grace_until = 0.0  # no download starts before this (monotonic), see plan()
         self._stopped = False
         self._disabled = False
         self._faults: list[str] = []  # warnings to issue from the reading thread
@@ -241,6 +245,7 @@ class ChunkCache:
             self._next_pos = 0
             self._now = -1
             self._stalled_at = None
+            self._grace_until = time.monotonic() + FIRST_READ_GRACE_SECONDS
             self._cond.notify_all()
         self._start()
 
@@ -329,6 +334,10 @@ class ChunkCache:
                     return
                 self._refill_locked()
                 cand = None
+                grace = self._grace_until - time.monotonic()
+                if grace > 0:
+                    self._cond.wait(grace)
+                    continue
                 if len(self._inflight) < FETCHES_IN_FLIGHT and self._stalled_at != self._now:
                     cand = self._candidate_locked()
                 if cand is None:
@@ -606,6 +615,7 @@ class ChunkCache:
         """
         self.warn_pending()
         local, waits, far, pins = self._split(jobs, key)
+        done = False
         try:
             loop = asyncio.get_running_loop()
 
@@ -622,8 +632,12 @@ class ChunkCache:
             from ._client import gather_first_error
 
             await gather_first_error([nearby(), remote_run(far)] if far else [nearby()])
+            done = True
         finally:
             with self._cond:
+                if done and self._grace_until:
+                    self._grace_until = 0.0  # a read is in: downloads may start
+                    self._cond.notify_all()
                 for g in pins:
                     n = self._pinned[g] - 1
                     if n:

@@ -109,6 +109,8 @@ class _ObjectStorageMixin:
         """Fetch ``jobs``: through the chunk cache when there is one, else from the store."""
         if self._chunks is None:
             await self._remote.run(jobs)
+            if self._cache is not None:
+                self._cache.first_read.set()
         else:
             await self._chunks.run(jobs, key, self._remote.run)
 

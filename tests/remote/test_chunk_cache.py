@@ -217,3 +217,60 @@ def test_documents_are_cached_in_chunks_by_the_plan_too(s3: MotoS3, tmp_path: Pa
         assert rows(storage) == expected
     assert sampler.peak <= total // 4
     assert storage.stats()["cache_local_ranges"] > 0  # type: ignore[attr-defined]
+
+
+_RANK = """
+import json, sys
+import numpy as np
+import guideloom
+from guideloom import StatefulDataLoader
+url, root, rank, options = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+s = guideloom.open_stream(url, cache_dir=root, cache_max_bytes=20_000, cache_chunk_bytes=4096, **options)
+s.read_window_bytes = 4000
+loader = StatefulDataLoader.from_storage(s, lambda b: np.asarray(b).tolist(), sequence_length=100,
+                                         local_batch_size=4, rank=rank, world_size=2, device="cpu",
+                                         shuffle=False, prefetch=2)
+with loader:
+    rows = [[r for b in loader for r in b] for _epoch in range(2)]
+print(json.dumps({"rows": rows, "stats": s.stats()}))
+"""
+
+
+def test_two_ranks_of_a_node_share_one_bounded_folder(
+    plain_copies: Copies, s3: MotoS3, tmp_path: Path
+) -> None:
+    probe = cached(plain_copies.s3_url, tmp_path, **s3.options())
+    assert probe._chunks is not None
+    with Sampler(probe._chunks.folder) as sampler:
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    _RANK,
+                    plain_copies.s3_url,
+                    str(tmp_path),
+                    str(r),
+                    json.dumps(s3.options()),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(2)
+        ]
+        outs = [p.communicate(timeout=100) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _o, e in outs]
+    results = [json.loads(o.strip().splitlines()[-1]) for o, _e in outs]
+    for rank, res in enumerate(results):
+        kw: dict[str, Any] = dict(
+            sequence_length=100, local_batch_size=4, rank=rank, world_size=2, device=CPU
+        )
+        local = StatefulDataLoader.from_storage(
+            guideloom.open_stream(plain_copies.local), lambda b: [list(map(int, r)) for r in b], **kw
+        )
+        with local:
+            expected = [r for b in local for r in b]
+        assert res["rows"] == [expected, expected]
+    assert 0 < sampler.peak <= LIMIT, f"{sampler.peak} bytes on disk for a limit of {LIMIT}"
+    assert sum(r["stats"]["cache_downloads"] for r in results) > 0

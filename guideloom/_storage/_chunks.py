@@ -5,13 +5,15 @@ Every data object is cut into aligned *chunks* (``cache_chunk_bytes``, 16 MiB by
 GET per chunk costs a round trip per 16 MiB, so the request rate is no longer what bounds a
 read, and a limit of a few GiB still holds hundreds of them). The loader tells the storage the
 windows it will read (``will_read``, from the epoch plan); a planner thread walks them in order
-and downloads each chunk they touch before it is needed, on a few threads, one GET per chunk.
-A chunk is usable as soon as it is complete. When the folder is full, the chunk needed furthest
+and downloads each chunk they touch before it is needed, a few chunks at a time, each as a few
+large ranged GETs in parallel (one connection's bandwidth is often far below the link's). A
+chunk is usable as soon as it is complete. When the folder is full, the chunk needed furthest
 in the future by the plan is evicted (Belady's rule), and only if it is needed later than the
 chunk that would replace it; otherwise the planner waits for the reader to move on. Reads that
 find their chunks on disk read them there; a read whose chunk is being downloaded by this
-process waits for it; any other read goes to the object store as without a cache, so a cold
-cache costs no first-batch latency.
+process waits for it (a short while: ``CHUNK_WAIT_SECONDS``); any other read goes to the object
+store as without a cache. Downloads under a new plan wait for its first read (at most
+``FIRST_READ_GRACE_SECONDS``), so a cold cache costs no first-batch latency.
 
 The folder, ``<cache_dir>/<name>-<digest>.chunks``, is shared by every process of a node (ranks,
 other jobs): chunk ``g`` is ``c<g>.<sha256 prefix>``, written under a temporary name, fsynced
@@ -419,7 +421,11 @@ class ChunkCache:
                 data = self._fetch_parts(self.table.paths[f], start, end)
                 digest = hashlib.sha256(data).hexdigest()
                 if start == 0 and end == self.table.sizes[f] and digest != self.table.sha256[f]:
-                    raise ValueError(f"object {self.table.paths[f]!r} does not match its checksum")
+                    raise _RemoteDamaged(
+                        f"the object {self.table.paths[f]!r} of {self.location} does not match its "
+                        "checksum in the manifest; it is not cached (reads go to the object store, "
+                        "as without a cache): write or copy the dataset again"
+                    )
                 if self._stopped:
                     raise InterruptedError("the cache was stopped")
                 _write(tmp, data)
@@ -471,6 +477,8 @@ class ChunkCache:
                 f"{self.location} from the object store instead, nothing is lost",
                 disable=True,
             )
+        elif isinstance(exc, _RemoteDamaged):
+            self._fault(str(exc))
         elif exc is not None:  # the object store after its retries, or a stop: reads go remote
             self.last_error = f"chunk {gid} of {self.location} was not cached: {exc}"
         with self._cond:
@@ -790,6 +798,10 @@ class ChunkCache:
 
 class _FetchFailed(Exception):
     """The object store failed a chunk's download (after its retries): the reads go remote."""
+
+
+class _RemoteDamaged(ValueError):
+    """A whole object, downloaded as one chunk, does not match the manifest's checksum."""
 
 
 class _FileLock:

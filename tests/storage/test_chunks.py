@@ -274,6 +274,25 @@ def test_a_damaged_chunk_warns_is_deleted_and_read_remotely(
     assert store.remote_ranges == 1 and not victim.exists()
 
 
+def test_an_object_that_does_not_match_its_manifest_checksum_is_not_cached_and_warns(
+    tmp_path: Path, stopped: list[ChunkCache]
+) -> None:
+    store = Store(tmp_path, chunks=2, shard_bytes=3000)  # objects smaller than a chunk: whole
+    path = store.manifest.tokens.files[0].path
+    damaged = bytearray(store.data[path])
+    damaged[5] ^= 0xFF
+    store.data[path] = bytes(damaged)  # what the store serves from now on
+    cache = store.cache(tmp_path / "c", max_bytes=8 * CHUNK, chunk_bytes=CHUNK)
+    stopped.append(cache)
+    cache.plan(store.window(cache, [i]) for i in [0])
+    settle(cache)
+    assert 0 not in cache._local and not list(cache.folder.glob("c000000000.*"))
+    assert 1 in cache._local, "the sound object beside it is cached"
+    with pytest.warns(RuntimeWarning, match="does not match its checksum in the manifest"):
+        store.read(cache, [0])
+    assert store.remote_ranges >= 1
+
+
 def test_a_full_folder_warns_once_stops_downloading_and_reads_stay_exact(
     store: Store, tmp_path: Path, stopped: list[ChunkCache], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -117,10 +117,11 @@ import numpy as np
 import guideloom
 from guideloom import StatefulDataLoader
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
-url, root, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+url, root, options, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
 s = guideloom.open_stream(url, cache_dir=root, cache_max_bytes=20_000, cache_chunk_bytes=4096, **options)
 s.read_window_bytes = 4000
-resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))  # no chunk fits in a file
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1000, hard))  # no chunk fits in a file
 import warnings
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -128,7 +129,9 @@ with warnings.catch_warnings(record=True) as caught:
                                              local_batch_size=4, device="cpu", shuffle=True, shuffle_seed=1)
     with loader:
         rows = [r for b in loader for r in b]
-print(json.dumps({"rows": rows, "warnings": [str(w.message) for w in caught]}))
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+with open(out, "w") as f:  # a file, not stdout: a large write to a pipe can be cut short
+    json.dump({"rows": rows, "warnings": [str(w.message) for w in caught]}, f)
 """
 
 
@@ -136,14 +139,22 @@ def test_a_file_size_limit_on_the_cache_warns_and_reads_stay_exact(
     plain_copies: Copies, s3: MotoS3, tmp_path: Path
 ) -> None:
     proc = subprocess.run(
-        [sys.executable, "-c", _FSIZE, plain_copies.s3_url, str(tmp_path), json.dumps(s3.options())],
+        [
+            sys.executable,
+            "-c",
+            _FSIZE,
+            plain_copies.s3_url,
+            str(tmp_path / "c"),
+            json.dumps(s3.options()),
+            str(tmp_path / "out.json"),
+        ],
         capture_output=True,
         text=True,
         timeout=100,
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = json.loads((tmp_path / "out.json").read_text())
     local = StatefulDataLoader.from_storage(
         guideloom.open_stream(plain_copies.local),
         lambda b: [list(map(int, r)) for r in b],
@@ -224,7 +235,8 @@ import json, sys
 import numpy as np
 import guideloom
 from guideloom import StatefulDataLoader
-url, root, rank, options = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+url, root, rank, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[5]
+options = json.loads(sys.argv[4])
 s = guideloom.open_stream(url, cache_dir=root, cache_max_bytes=20_000, cache_chunk_bytes=4096, **options)
 s.read_window_bytes = 4000
 loader = StatefulDataLoader.from_storage(s, lambda b: np.asarray(b).tolist(), sequence_length=100,
@@ -232,7 +244,8 @@ loader = StatefulDataLoader.from_storage(s, lambda b: np.asarray(b).tolist(), se
                                          shuffle=False, prefetch=2)
 with loader:
     rows = [[r for b in loader for r in b] for _epoch in range(2)]
-print(json.dumps({"rows": rows, "stats": s.stats()}))
+with open(out, "w") as f:  # a file, not stdout: a large write to a pipe can be cut short
+    json.dump({"rows": rows, "stats": s.stats()}, f)
 """
 
 
@@ -252,8 +265,9 @@ def test_two_ranks_of_a_node_share_one_bounded_folder(
                     str(tmp_path),
                     str(r),
                     json.dumps(s3.options()),
+                    str(tmp_path / f"rank{r}.json"),
                 ],
-                stdout=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 text=True,
             )
@@ -261,7 +275,7 @@ def test_two_ranks_of_a_node_share_one_bounded_folder(
         ]
         outs = [p.communicate(timeout=100) for p in procs]
     assert all(p.returncode == 0 for p in procs), [e[-2000:] for _o, e in outs]
-    results = [json.loads(o.strip().splitlines()[-1]) for o, _e in outs]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rank, res in enumerate(results):
         kw: dict[str, Any] = dict(
             sequence_length=100, local_batch_size=4, rank=rank, world_size=2, device=CPU

@@ -385,7 +385,7 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         jobs, outs = plan_windows(
             {"offsets": self._offsets_arr}, np.asarray([start], np.int64), length, self._remote.limits
         )
-        await self._remote.run(jobs)
+        await self._run(jobs)  # through the chunk cache, when there is one
         return outs["offsets"].reshape(-1)
 
     def _check_run(self, offsets: I64) -> I64:
@@ -409,7 +409,7 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         if len(starts) and (int(starts.min()) < 0 or int(stops.max()) > self.manifest.num_elements):
             raise IndexError(f"{self!r}: spans must lie in [0, {self.manifest.num_elements})")
         jobs, flat, bounds = plan_spans(self._tokens, starts, stops, self._remote.limits)
-        await self._remote.run(jobs)
+        await self._run(jobs)  # through the chunk cache, when there is one
         return [flat[bounds[i] : bounds[i + 1]] for i in range(len(starts))]
 
 

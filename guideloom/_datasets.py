@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
@@ -125,6 +125,11 @@ class DatasetAbstract(ABC, Generic[SourceT]):
         mixture reports each source's own epoch)."""
         return {}
 
+    def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
+        """A hint: the ``read_many(indices)`` calls the loader will make next, in order (see
+        :meth:`StreamStorageAbstract.will_read <guideloom.StreamStorageAbstract.will_read>`).
+        The default ignores it."""
+
 
 class StreamDataset(DatasetAbstract[SourceT]):
     """Samples of ``sequence_length`` consecutive stream elements; sample ``i`` starts at ``i * L``.
@@ -157,6 +162,11 @@ class StreamDataset(DatasetAbstract[SourceT]):
     @property
     def reads_inline(self) -> bool:
         return type(self).read_many is StreamDataset.read_many and self._storage.reads_inline()
+
+    def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
+        if type(self).read_many is StreamDataset.read_many:  # reads map to the storage's 1:1
+            length = self.sequence_length
+            self._storage.will_read((np.asarray(w, dtype=np.int64) * length for w in windows), length)
 
     def sample_nbytes_hint(self) -> int:
         return self.sequence_length * max(
@@ -191,6 +201,10 @@ class DocumentDataset(DatasetAbstract[SourceT]):
     @property
     def reads_inline(self) -> bool:
         return type(self).read_many is DocumentDataset.read_many and self._storage.reads_inline()
+
+    def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
+        if type(self).read_many is DocumentDataset.read_many:  # reads map to the storage's 1:1
+            self._storage.will_read(windows)
 
     def sample_nbytes_hint(self) -> int:
         return self._storage.sample_nbytes_hint()

@@ -43,6 +43,7 @@ from ._schedule import (
     WINDOW_BATCHES,
     Delivery,
     Indexes,
+    future_reads,
     max_window,
     read_window,
     run_async,
@@ -161,6 +162,9 @@ async def _reader(
     concurrency = cfg.dataset.max_concurrent_reads
     indexes = Indexes(cfg.plan, cfg.order)
     reading = _reading(cfg)
+    # The plan is known: tell the storage what comes (a chunk cache downloads ahead by it).
+    ahead = windows(cfg.plan, first_step, _max_window(cfg), _span(cfg))  # the windows read below
+    cfg.dataset.will_read(future_reads(cfg.plan, cfg.order, ahead))
     async with send, anyio.create_task_group() as tg:
         results: deque[tuple[anyio.Event, list[list[Delivery] | BaseException]]] = deque()
         limit = anyio.Semaphore(concurrency)

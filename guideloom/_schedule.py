@@ -15,7 +15,7 @@ The schedule comes in two parts so that the async reader can keep several window
 from __future__ import annotations
 
 import itertools
-from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -32,6 +32,7 @@ __all__ = [
     "Delivery",
     "Indexes",
     "ReadWindow",
+    "future_reads",
     "max_window",
     "read_window",
     "run_async",
@@ -137,6 +138,15 @@ def windows(plan: EpochPlan, first_step: int, largest: int, span: int = 0) -> It
         stop = min(max(stop, step + 1), step + largest, total)
         yield plan.batches(step, stop)
         step = stop
+
+
+def future_reads(plan: EpochPlan, order: Order, specs: Iterable[list[BatchSpec]]) -> Iterator[Indices]:
+    """The indexes :func:`read_window` will read for each of the windows ``specs`` (those of
+    :func:`windows`), in order, computed lazily: the hint a storage may prepare ahead by. It has
+    its own :class:`Indexes`, so it can be consumed on another thread."""
+    indexes = Indexes(plan, order)
+    for window in specs:
+        yield indexes.of(window)
 
 
 def _split(specs: list[BatchSpec], samples: Sequence[Any]) -> list[Delivery]:

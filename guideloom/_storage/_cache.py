@@ -43,6 +43,9 @@ PART_BYTES = 8 * 2**20
 PARTS_IN_FLIGHT = 8
 #: How often a process that does not download looks for the folder another one is writing.
 POLL_SECONDS = 1.0
+#: The download waits for the first read to complete, at most this long: the first batch does
+#: not share the link and the CPUs with 64 MiB of copy in flight.
+FIRST_READ_GRACE_SECONDS = 1.0
 
 _LIVE: weakref.WeakSet[DatasetCache] = weakref.WeakSet()
 
@@ -80,6 +83,7 @@ class DatasetCache:
         self._fetch = fetch
         self._abort = threading.Event()
         self._done = threading.Event()
+        self.first_read = threading.Event()  # set by the storage once a read has completed
         self._thread: threading.Thread | None = None
         self._next_poll = 0.0
         self._ready = False
@@ -146,6 +150,7 @@ class DatasetCache:
                 self._lock_was_held = not held
                 if not held or (self.folder / MANIFEST_NAME).is_file():
                     return  # another process downloads it (or just did): poll for the folder
+                self.first_read.wait(FIRST_READ_GRACE_SECONDS)
                 self._download()
         except BaseException as exc:
             if not self._abort.is_set():

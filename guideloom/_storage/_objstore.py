@@ -169,6 +169,8 @@ class ReadOptions:
     max_read_amplification: float = 4.0
     policy: RetryPolicy = field(default_factory=RetryPolicy)
     cache_dir: str | None = None
+    cache_max_bytes: int | None = None
+    cache_chunk_bytes: int = 16 * _MiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +190,8 @@ _READ_KEYS: Final = (
     "offsets_cache_bytes",
     "max_read_amplification",
     "cache_dir",
+    "cache_max_bytes",
+    "cache_chunk_bytes",
 )
 _WRITE_KEYS: Final = ("part_size", "max_upload_concurrency")
 _CLIENT_KEYS: Final = (
@@ -232,6 +236,23 @@ def _cache_dir(value: Any) -> str | None:
     return os.fspath(value)
 
 
+def _cache_limits(opts: dict[str, Any]) -> dict[str, Any]:
+    """``cache_max_bytes`` and ``cache_chunk_bytes``, checked (they need ``cache_dir``)."""
+    out: dict[str, Any] = {}
+    if "cache_max_bytes" in opts:
+        limit = opts.pop("cache_max_bytes")
+        if limit is not None:
+            out["cache_max_bytes"] = _count("cache_max_bytes", limit, 0)
+    if "cache_chunk_bytes" in opts:
+        out["cache_chunk_bytes"] = _count("cache_chunk_bytes", opts.pop("cache_chunk_bytes"), 4096)
+    if out and opts.get("cache_dir") is None:
+        raise ValueError(
+            f"{' and '.join(sorted(out))} only apply with cache_dir: pass cache_dir=<a local folder> "
+            "as well, or drop them"
+        )
+    return out
+
+
 def split_options(
     options: Mapping[str, Any], *, write: bool
 ) -> tuple[ReadOptions, WriteOptions, dict[str, Any], dict[str, Any]]:
@@ -242,6 +263,7 @@ def split_options(
     if bad:
         raise TypeError(f"options {bad} only apply to {'reading' if write else 'writing'} a dataset")
     policy = _policy(opts)
+    limits = _cache_limits(opts)  # before cache_dir is taken from opts
     d = ReadOptions()
     read = ReadOptions(
         max_inflight_requests=_count(
@@ -261,6 +283,7 @@ def split_options(
         max_read_amplification=_amplification(opts.pop("max_read_amplification", d.max_read_amplification)),
         policy=policy,
         cache_dir=_cache_dir(opts.pop("cache_dir", None)),
+        **limits,
     )
     w = WriteOptions()
     part_size = _count("part_size", opts.pop("part_size", w.part_size), 5 * _MiB)

@@ -18,7 +18,7 @@ read yields (a 1-D array, or a dict of 1-D arrays for a stream with metadata).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, ClassVar, Generic, TypeVar, overload
 
@@ -202,6 +202,15 @@ class StreamStorageAbstract(StorageAbstract[InT, OutT]):
     def reads_inline(self) -> bool:
         return type(self).read_many is StreamStorageAbstract.read_many
 
+    def will_read(self, windows: Iterable[npt.NDArray[np.int64]], length: int) -> None:
+        """A hint: the ``read_many(starts, length)`` calls the loader will make next, as the
+        ``starts`` of each, in order (a lazy iterable, the rest of the epoch's plan).
+
+        A storage that can prepare ahead (a chunk cache filling from an object store) consumes
+        it as far ahead as it needs, from its own thread; the default ignores it. It replaces
+        any earlier hint, and reads need not follow it.
+        """
+
 
 class DocumentStorageAbstract(StorageAbstract[InT, OutT]):
     """A sequence of variable-length documents, each a 1-D array."""
@@ -225,6 +234,12 @@ class DocumentStorageAbstract(StorageAbstract[InT, OutT]):
 
     def reads_inline(self) -> bool:
         return type(self).read_many is DocumentStorageAbstract.read_many
+
+    def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
+        """A hint: the ``read_many(indices)`` calls the loader will make next, as their
+        ``indices``, in order (a lazy iterable). See :meth:`StreamStorageAbstract.will_read
+        <guideloom.StreamStorageAbstract.will_read>`; the default ignores it.
+        """
 
     # -- element-level access, what packing (guideloom.pack) plans and reads over ---------------
     #: Offsets found by reading every document once (the defaults below), kept for the next call.

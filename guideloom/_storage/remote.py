@@ -21,7 +21,10 @@ Options (``open_stream(url, **options)``, ``open_documents``, ``write_stream(url
   loader keeps in flight, 4), ``offsets_cache_bytes`` (documents: offsets up to this size are
   loaded at ``open()``, larger ones are read per batch; 64 MiB), ``cache_dir`` (a local folder:
   the dataset is copied there in the background and read locally once complete, see
-  :mod:`guideloom._storage._cache`; none by default);
+  :mod:`guideloom._storage._cache`; none by default), ``cache_max_bytes`` (a limit on the
+  folder: a dataset larger than it is cached in chunks of ``cache_chunk_bytes`` (16 MiB),
+  downloaded ahead in the loader's order and evicted by next use, see
+  :mod:`guideloom._storage._chunks`; none: the whole copy);
 - faults: ``timeout`` (seconds per request, 30), ``connect_timeout`` (5), ``retries`` (5),
   ``retry_timeout`` (no retry starts after this many seconds, 120), ``backoff`` (0.1),
   ``max_backoff`` (5);
@@ -33,8 +36,9 @@ without user information or query string, and every credential value is masked.
 
 from __future__ import annotations
 
+import asyncio
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,6 +47,7 @@ import numpy.typing as npt
 from .._errors import DatasetFormatError, DatasetIntegrityError
 from .._order import DEFAULT_WINDOW, REMOTE_BLOCK_BYTES
 from ._cache import DatasetCache
+from ._chunks import ChunkCache
 from ._client import Remote, open_remote
 from ._objstore import ReadOptions
 from ._ranges import Layout, plan_spans, plan_windows
@@ -77,15 +82,41 @@ class _ObjectStorageMixin:
     manifest: Manifest
     _opened: bool
     _cache: DatasetCache | None = None
+    _chunks: ChunkCache | None = None
     _cache_broken = False
     _local: LocalStreamStorage | LocalDocumentStorage | None = None
 
     def _setup_cache(self) -> None:
-        root = self._remote.opts.cache_dir
-        if root is not None:
-            self._cache = DatasetCache(
-                root, self._remote.loc.display, self.manifest, self._remote.fetch_range
+        opts = self._remote.opts
+        root = opts.cache_dir
+        if root is None:
+            return
+        total = sum(f.nbytes for _, _, f in self.manifest.all_files())
+        if opts.cache_max_bytes is None or opts.cache_max_bytes >= total:  # the whole copy
+            loc = self._remote.loc.display
+            self._cache = DatasetCache(root, loc, self.manifest, self._remote.fetch_range)
+        else:
+            self._chunks = ChunkCache(
+                root,
+                self._remote.loc.display,
+                self.manifest,
+                self._remote.fetch_range,
+                max_bytes=opts.cache_max_bytes,
+                chunk_bytes=opts.cache_chunk_bytes,
             )
+
+    async def _run(self, jobs: list[Any], key: tuple[int, int, int] | None = None) -> None:
+        """Fetch ``jobs``: through the chunk cache when there is one, else from the store."""
+        if self._chunks is None:
+            await self._remote.run(jobs)
+            if self._cache is not None:
+                self._cache.first_read.set()
+        else:
+            await self._chunks.run(jobs, key, self._remote.run)
+
+    async def _stop_chunks(self) -> None:
+        if self._chunks is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._chunks.stop)
 
     def _start_cache(self) -> None:
         if self._cache is not None:
@@ -153,12 +184,16 @@ class _ObjectStorageMixin:
 
     def stats(self) -> dict[str, int]:
         """Range requests (GETs) issued so far, retries included, the bytes they returned, and
-        the peak bytes that were in flight at once."""
-        return {
+        the peak bytes that were in flight at once (with a ``cache_max_bytes`` cache, also its
+        chunks downloaded and evicted and the ranges it served locally and remotely)."""
+        out = {
             "requests": self._remote.requests,
             "bytes_read": self._remote.bytes_read,
             "peak_inflight_bytes": self._remote.peak_inflight_bytes(),
         }
+        if self._chunks is not None:
+            out.update(self._chunks.stats())
+        return out
 
 
 class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):
@@ -183,7 +218,23 @@ class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):
     async def close(self) -> None:
         self._opened = False
         self._close_cache()
+        await self._stop_chunks()
         self._remote.drop_store()
+
+    def will_read(self, windows: Iterable[npt.NDArray[np.int64]], length: int) -> None:
+        """The loader's upcoming windows, in read order: a chunk cache downloads ahead by them."""
+        chunks = self._chunks
+        if chunks is None:
+            return
+        arrays = self._arrays
+
+        def planned() -> Any:
+            for starts in windows:
+                st = np.asarray(starts, dtype=np.int64)
+                if len(st):
+                    yield _key(st), chunks.table.of_rows(arrays, st, length)
+
+        chunks.plan(planned())
 
     def read_many_sync(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
         local = self._local_copy()
@@ -202,7 +253,7 @@ class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):
         if n and (int(starts.min()) < 0 or int(starts.max()) + length > len(self)):
             raise IndexError(f"{self!r}: read_many windows must lie inside [0, {len(self)})")
         jobs, outs = plan_windows(self._arrays, starts, length, self._remote.limits)
-        await self._remote.run(jobs)
+        await self._run(jobs, _key(starts) if n else None)
         tokens = outs.pop("tokens")
         if not outs:
             return Rows(tokens)
@@ -243,6 +294,7 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         self._opened = False
         self._offsets = None
         self._close_cache()
+        await self._stop_chunks()
         self._remote.drop_store()
 
     def _check_offsets(self, offsets: I64) -> I64:
@@ -258,8 +310,26 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
             length = 1
         jobs, outs = plan_windows({"offsets": self._offsets_arr}, positions, length, self._remote.limits)
         out = outs["offsets"].reshape(-1)
-        await self._remote.run(jobs)
+        await self._run(jobs)
         return out
+
+    def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
+        """The loader's upcoming reads, in order: a chunk cache downloads ahead by them (when the
+        offsets are held in memory, ``offsets_cache_bytes``)."""
+        chunks, offsets = self._chunks, self._offsets
+        if chunks is None or offsets is None:
+            return
+        layout, item = self._tokens, self._tokens.dtype.itemsize
+
+        def planned() -> Any:
+            for indices in windows:
+                idx = np.asarray(indices, dtype=np.int64)
+                if len(idx):
+                    starts = offsets[idx]
+                    spans = chunks.table.of_spans(layout, starts * item, (offsets[idx + 1] - starts) * item)
+                    yield _key(idx), spans
+
+        chunks.plan(planned())
 
     def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:
         local = self._local_copy()
@@ -289,7 +359,7 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         if bad:
             raise DatasetIntegrityError(f"{self.url}: document offsets are out of order or out of range")
         jobs, flat, bounds = plan_spans(self._tokens, starts, stops, self._remote.limits)
-        await self._remote.run(jobs)
+        await self._run(jobs, _key(indices) if n else None)
         return [flat[bounds[i] : bounds[i + 1]] for i in range(n)]
 
     def document_offsets_sync(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
@@ -315,7 +385,7 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         jobs, outs = plan_windows(
             {"offsets": self._offsets_arr}, np.asarray([start], np.int64), length, self._remote.limits
         )
-        await self._remote.run(jobs)
+        await self._run(jobs)  # through the chunk cache, when there is one
         return outs["offsets"].reshape(-1)
 
     def _check_run(self, offsets: I64) -> I64:
@@ -339,8 +409,13 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         if len(starts) and (int(starts.min()) < 0 or int(stops.max()) > self.manifest.num_elements):
             raise IndexError(f"{self!r}: spans must lie in [0, {self.manifest.num_elements})")
         jobs, flat, bounds = plan_spans(self._tokens, starts, stops, self._remote.limits)
-        await self._remote.run(jobs)
+        await self._run(jobs)  # through the chunk cache, when there is one
         return [flat[bounds[i] : bounds[i + 1]] for i in range(len(starts))]
+
+
+def _key(starts: npt.NDArray[np.int64]) -> tuple[int, int, int]:
+    """What identifies a read among the planned windows."""
+    return len(starts), int(starts[0]), int(starts[-1])
 
 
 # -- entry points (called by guideloom._storage.api) -----------------------------------------------

@@ -1,0 +1,449 @@
+"""The chunk cache on its own (``guideloom._storage._chunks``): plan-order downloads, Belady
+eviction, the byte limit, checksums, crashed and concurrent holders, folder faults.
+
+The "object store" here is a local dataset's bytes behind a ``fetch`` function, so every test
+can count what was fetched and inject faults; tests/remote/test_chunk_cache.py runs the same
+cache against real servers through the loader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import guideloom
+from guideloom._storage import _chunks
+from guideloom._storage._chunks import ChunkCache
+from guideloom._storage._ranges import Job, Layout, Limits, fill, plan_windows
+
+CHUNK = 4096
+SEQ = CHUNK // 2  # uint16 elements: one sample is one chunk
+
+
+class Store:
+    """A dataset written locally and served by ``fetch`` as an object store would."""
+
+    def __init__(self, tmp_path: Path, chunks: int = 8, shard_bytes: int = 1 << 30) -> None:
+        self.tokens = (np.arange(chunks * SEQ) * 7 % 65_521).astype(np.uint16)
+        folder = tmp_path / "ds"
+        self.manifest = guideloom.write_stream(folder, self.tokens, shard_bytes=shard_bytes)
+        self.data = {f.path: (folder / f.path).read_bytes() for f in self.manifest.tokens.files}
+        self.layouts = {name: Layout.of(spec) for name, spec in self.manifest.fields.items()}
+        self.fetched: list[tuple[str, int, int]] = []
+        self.remote_ranges = 0
+        self.delay = 0.0
+
+    def fetch(self, path: str, start: int, end: int) -> bytes:
+        if self.delay:
+            time.sleep(self.delay)
+        self.fetched.append((path, start, end))
+        return self.data[path][start:end]
+
+    async def remote(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            self.remote_ranges += len(job.starts)
+            fill(job, [self.data[job.path][s:e] for s, e in zip(job.starts, job.ends, strict=True)])
+
+    def cache(self, root: Path, max_bytes: int, **kw: Any) -> ChunkCache:
+        return ChunkCache(root, "s3://bucket/ds", self.manifest, self.fetch, max_bytes=max_bytes, **kw)
+
+    def window(self, cache: ChunkCache, samples: list[int]) -> tuple[tuple[int, int, int], Any]:
+        starts = np.asarray(samples, dtype=np.int64) * SEQ
+        return (len(starts), int(starts[0]), int(starts[-1])), cache.table.of_rows(self.layouts, starts, SEQ)
+
+    def read(self, cache: ChunkCache, samples: list[int], *, planned: bool = True) -> np.ndarray:
+        starts = np.asarray(samples, dtype=np.int64) * SEQ
+        jobs, outs = plan_windows(self.layouts, starts, SEQ, Limits())
+        key = (len(starts), int(starts[0]), int(starts[-1])) if planned else None
+        asyncio.run(cache.run(jobs, key, self.remote))
+        return outs["tokens"]
+
+    def expected(self, samples: list[int]) -> np.ndarray:
+        return np.stack([self.tokens[i * SEQ : (i + 1) * SEQ] for i in samples])
+
+
+def settle(cache: ChunkCache, timeout: float = 10.0) -> None:
+    """Wait until the planner has nothing more to do at the reader's current position."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with cache._cond:
+            cache._refill_locked()
+            idle = not cache._inflight and (
+                cache._disabled or cache._stalled_at == cache._now or cache._candidate_locked() is None
+            )
+        if idle:
+            time.sleep(0.05)  # and stays so
+            with cache._cond:
+                if not cache._inflight:
+                    return
+        time.sleep(0.01)
+    raise AssertionError("the planner did not settle")
+
+
+def folder_bytes(folder: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+class Sampler:
+    """The folder's size, sampled on a thread for as long as the ``with`` block lasts."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.peak, self.samples = folder, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="test-sampler")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, folder_bytes(self.folder))
+            self.samples += 1
+            time.sleep(0.0005)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    return Store(tmp_path)
+
+
+@pytest.fixture
+def stopped() -> Iterator[list[ChunkCache]]:
+    caches: list[ChunkCache] = []
+    yield caches
+    for c in caches:
+        c.stop()
+
+
+def test_chunks_are_downloaded_in_plan_order_and_reads_come_from_disk(
+    store: Store, tmp_path: Path, stopped: list[ChunkCache], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_chunks, "FETCHES_IN_FLIGHT", 1)  # one at a time: the order is observable
+    cache = store.cache(tmp_path / "c", max_bytes=4 * CHUNK, chunk_bytes=CHUNK)
+    stopped.append(cache)
+    order = [5, 2, 7, 0]
+    cache.plan(store.window(cache, [i]) for i in order)
+    settle(cache)
+    assert [s // CHUNK for _p, s, _e in store.fetched] == order, "one GET per chunk, in plan order"
+    for i in order:
+        assert np.array_equal(store.read(cache, [i]), store.expected([i]))
+    assert store.remote_ranges == 0
+    assert cache.stats()["cache_local_ranges"] == 4
+
+
+def test_eviction_is_by_next_use_not_by_last_use(
+    store: Store, tmp_path: Path, stopped: list[ChunkCache]
+) -> None:
+    """Room for two chunks; the plan reads 0, 1, 2, 0, 1. Once 2 is read, 1 must come back:
+    least-recently-used would evict 0; the plan says 2, the chunk just read, is never needed
+    again: 2 goes, and every read finds its chunk on disk."""
+    cache = store.cache(tmp_path / "c", max_bytes=2 * CHUNK, chunk_bytes=CHUNK)
+    stopped.append(cache)
+    order = [0, 1, 2, 0, 1]
+    cache.plan(store.window(cache, [i]) for i in order)
+    on_disk = []
+    for i in order:
+        settle(cache)
+        got = store.read(cache, [i])
+        assert np.array_equal(got, store.expected([i]))
+        settle(cache)
+        on_disk.append(sorted(cache._local))
+    assert on_disk[2] == [0, 1], "after reading 2: 1 (needed again) replaced 2 (never needed again)"
+    assert store.remote_ranges == 0, "every read found its chunk on disk"
+    fetched = [s // CHUNK for _p, s, _e in store.fetched]
+    assert sorted(fetched[:2]) == [0, 1] and fetched[2:] == [2, 0, 1]
+
+
+def test_a_chunk_is_not_evicted_for_one_needed_later(
+    store: Store, tmp_path: Path, stopped: list[ChunkCache]
+) -> None:
+    cache = store.cache(tmp_path / "c", max_bytes=2 * CHUNK, chunk_bytes=CHUNK)
+    stopped.append(cache)
+    cache.plan(store.window(cache, [i]) for i in [0, 1, 2])
+    settle(cache)
+    assert sorted(cache._local) == [0, 1], "2 waits: both chunks on disk are needed before it"
+    store.read(cache, [0])
+    settle(cache)
+    assert sorted(cache._local) == [1, 2]
+
+
+def test_the_folder_never_exceeds_the_limit_over_random_plans(
+    tmp_path: Path, stopped: list[ChunkCache]
+) -> None:
+    store = Store(tmp_path, chunks=24, shard_bytes=5 * CHUNK + 1000)  # chunks of several sizes
+    limit = 5 * CHUNK + 123
+    cache = store.cache(tmp_path / "c", max_bytes=limit, chunk_bytes=CHUNK)
+    stopped.append(cache)
+    rng = np.random.default_rng(0)
+    windows = [sorted(rng.choice(24, size=3, replace=False).tolist()) for _ in range(60)]
+    cache.plan(store.window(cache, w) for w in windows)
+    with Sampler(cache.folder) as sampler:
+        for n, w in enumerate(windows):
+            if n % 2:
+                settle(cache)  # half the reads wait for the downloads, half race them
+            assert np.array_equal(store.read(cache, w), store.expected(w))
+    assert sampler.samples > 10 and 0 < sampler.peak <= limit
+    assert cache.stats()["cache_evictions"] > 0 and cache.stats()["cache_local_ranges"] > 0
+
+
+def test_reads_outside_the_plan_are_served_and_a_read_waits_for_its_chunk_in_flight(
+    store: Store, tmp_path: Path, stopped: list[ChunkCache]
+) -> None:
+    cache = store.cache(tmp_path / "c", max_bytes=4 * CHUNK, chunk_bytes=CHUNK)
+    stopped.append(cache)
+    assert np.array_equal(store.read(cache, [5, 1], planned=False), store.expected([5, 1]))
+    assert store.remote_ranges == 2 and not store.fetched, "no plan: nothing is downloaded"
+    store.delay = 0.1
+    cache.plan(store.window(cache, [i]) for i in [4])
+    deadline = time.monotonic() + 5
+    while 4 not in cache._fetching:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert np.array_equal(store.read(cache, [4]), store.expected([4]))
+    assert store.remote_ranges == 2, "the read waited for the chunk on its way instead of a GET"
+    # ... but only for so long: a slow download does not hold a read up (a first batch)
+    store.delay = 3.0
+    cache.plan(store.window(cache, [i]) for i in [6])
+    deadline = time.monotonic() + 5
+    while 6 not in cache._fetching:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    t0 = time.monotonic()
+    assert np.array_equal(store.read(cache, [6]), store.expected([6]))
+    assert time.monotonic() - t0 < _chunks.CHUNK_WAIT_SECONDS + 1.0
+    assert store.remote_ranges == 3
+
+
+def test_a_sample_across_chunks_and_objects_reads_exactly(tmp_path: Path, stopped: list[ChunkCache]) -> None:
+    store = Store(tmp_path, chunks=6, shard_bytes=3 * CHUNK - 500)
+    cache = store.cache(tmp_path / "c", max_bytes=3 * CHUNK, chunk_bytes=CHUNK)
+    stopped.append(cache)
+    layouts = store.layouts
+    rng = np.random.default_rng(1)
+    starts_list = [np.sort(rng.integers(0, 6 * SEQ - 700, size=4)).astype(np.int64) for _ in range(30)]
+    cache.plan(((len(s), int(s[0]), int(s[-1])), cache.table.of_rows(layouts, s, 700)) for s in starts_list)
+    for starts in starts_list:
+        jobs, outs = plan_windows(layouts, starts, 700, Limits())
+        asyncio.run(cache.run(jobs, (len(starts), int(starts[0]), int(starts[-1])), store.remote))
+        assert np.array_equal(outs["tokens"], np.stack([store.tokens[s : s + 700] for s in starts]))
+    assert cache.stats()["cache_local_ranges"] > 0
+
+
+def test_a_damaged_chunk_warns_is_deleted_and_read_remotely(
+    store: Store, tmp_path: Path, stopped: list[ChunkCache]
+) -> None:
+    first = store.cache(tmp_path / "c", max_bytes=4 * CHUNK, chunk_bytes=CHUNK)
+    stopped.append(first)
+    first.plan(store.window(first, [i]) for i in [0, 1])
+    settle(first)
+    first.stop()
+    victim = next(p for p in first.folder.iterdir() if p.name.startswith("c000000001."))
+    data = bytearray(victim.read_bytes())
+    data[10] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    again = store.cache(tmp_path / "c", max_bytes=4 * CHUNK, chunk_bytes=CHUNK)  # another process
+    stopped.append(again)
+    assert np.array_equal(store.read(again, [0], planned=False), store.expected([0]))  # sound: used
+    with pytest.warns(RuntimeWarning, match="damaged chunk.*nothing is lost"):
+        assert np.array_equal(store.read(again, [1], planned=False), store.expected([1]))
+    assert store.remote_ranges == 1 and not victim.exists()
+
+
+def test_an_object_that_does_not_match_its_manifest_checksum_is_not_cached_and_warns(
+    tmp_path: Path, stopped: list[ChunkCache]
+) -> None:
+    store = Store(tmp_path, chunks=2, shard_bytes=3000)  # objects smaller than a chunk: whole
+    path = store.manifest.tokens.files[0].path
+    damaged = bytearray(store.data[path])
+    damaged[5] ^= 0xFF
+    store.data[path] = bytes(damaged)  # what the store serves from now on
+    cache = store.cache(tmp_path / "c", max_bytes=8 * CHUNK, chunk_bytes=CHUNK)
+    stopped.append(cache)
+    cache.plan(store.window(cache, [i]) for i in [0])
+    settle(cache)
+    assert 0 not in cache._local and not list(cache.folder.glob("c000000000.*"))
+    assert 1 in cache._local, "the sound object beside it is cached"
+    with pytest.warns(RuntimeWarning, match="does not match its checksum in the manifest"):
+        store.read(cache, [0])
+    assert store.remote_ranges >= 1
+
+
+def test_a_full_folder_warns_once_stops_downloading_and_reads_stay_exact(
+    store: Store, tmp_path: Path, stopped: list[ChunkCache], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = _chunks._write
+    calls = []
+
+    def full(path: Path, data: memoryview) -> None:
+        calls.append(path)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, data)
+
+    monkeypatch.setattr(_chunks, "_write", full)
+    monkeypatch.setattr(_chunks, "FETCHES_IN_FLIGHT", 1)
+    cache = store.cache(tmp_path / "c", max_bytes=8 * CHUNK, chunk_bytes=CHUNK)
+    stopped.append(cache)
+    order = list(range(8))
+    cache.plan(store.window(cache, [i]) for i in order)
+    settle(cache)
+    assert len(calls) == 2 and sorted(cache._local) == [0]
+    assert not [p for p in cache.folder.iterdir() if ".tmp-" in p.name], "the failed write left nothing"
+    with pytest.warns(RuntimeWarning, match="cannot write its chunk cache.*No space left.*nothing is lost"):
+        got = [store.read(cache, [i]) for i in order]
+    assert all(np.array_equal(g, store.expected([i])) for g, i in zip(got, order, strict=True))
+    assert store.remote_ranges == 7
+
+
+def test_a_read_only_folder_warns_and_reads_remotely(
+    store: Store, tmp_path: Path, stopped: list[ChunkCache], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def read_only(path: Path, size: int) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(_chunks, "_create", read_only)
+    cache = store.cache(tmp_path / "c", max_bytes=8 * CHUNK, chunk_bytes=CHUNK)
+    stopped.append(cache)
+    cache.plan(store.window(cache, [i]) for i in [0, 1])
+    settle(cache)
+    with pytest.warns(RuntimeWarning, match="Read-only file system"):
+        assert np.array_equal(store.read(cache, [0]), store.expected([0]))
+    assert np.array_equal(store.read(cache, [1]), store.expected([1]))
+    assert store.remote_ranges == 2 and not store.fetched
+
+
+_HOLDER = """
+import os, sys, time
+import numpy as np
+import guideloom
+from guideloom._storage._chunks import ChunkCache
+from guideloom._storage.manifest import Manifest
+folder = sys.argv[1]
+manifest = guideloom.open_stream(folder).manifest
+data = {f.path: open(os.path.join(folder, f.path), "rb").read() for f in manifest.tokens.files}
+def fetch(path, start, end):
+    print("fetching", flush=True)
+    time.sleep(60)  # killed here, mid-download
+    return data[path][start:end]
+limit = int(sys.argv[3])
+cache = ChunkCache(sys.argv[2], "s3://bucket/ds", manifest, fetch, max_bytes=limit, chunk_bytes=4096)
+cache.plan([((1, 0, 0), np.asarray([0], dtype=np.int64))])
+time.sleep(60)
+"""
+
+
+def test_a_holder_killed_mid_download_leaves_nothing_complete_and_does_not_wedge_others(
+    store: Store, tmp_path: Path, stopped: list[ChunkCache]
+) -> None:
+    root = tmp_path / "c"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(tmp_path / "ds"), str(root), str(2 * CHUNK)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "fetching"
+        cache = store.cache(root, max_bytes=2 * CHUNK, chunk_bytes=CHUNK)
+        stopped.append(cache)
+        names = [p.name for p in cache.folder.iterdir()]
+        assert any(".tmp-" in n for n in names), "the holder reserved its chunk"
+        assert not cache._local, "a chunk being downloaded does not look complete"
+        # While the holder lives, this process reads remotely rather than waiting for it.
+        assert np.array_equal(store.read(cache, [0], planned=False), store.expected([0]))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        proc.kill()
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    cache.plan(store.window(cache, [i]) for i in [0, 1])
+    settle(cache)
+    assert sorted(cache._local) == [0, 1], "the lock died with the holder: this process downloads"
+    assert not [p for p in cache.folder.iterdir() if ".tmp-" in p.name], "the dead download is gone"
+    assert folder_bytes(cache.folder) <= 2 * CHUNK
+    assert np.array_equal(store.read(cache, [0]), store.expected([0]))
+
+
+_RANK = """
+import os, sys, json
+import numpy as np
+import guideloom
+from guideloom._storage._chunks import ChunkCache
+from guideloom._storage._ranges import Layout, Limits, fill, plan_windows
+import asyncio
+folder, root, limit, order = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+manifest = guideloom.open_stream(folder).manifest
+data = {f.path: open(os.path.join(folder, f.path), "rb").read() for f in manifest.tokens.files}
+fetched = []
+def fetch(path, start, end):
+    fetched.append(start)
+    return data[path][start:end]
+async def remote(jobs):
+    for job in jobs:
+        fill(job, [data[job.path][s:e] for s, e in zip(job.starts, job.ends)])
+layouts = {n: Layout.of(s) for n, s in manifest.fields.items()}
+cache = ChunkCache(root, "s3://bucket/ds", manifest, fetch, max_bytes=limit, chunk_bytes=4096)
+seq = 2048
+cache.plan(((1, i * seq, i * seq), cache.table.of_rows(layouts, np.asarray([i * seq]), seq)) for i in order)
+tokens = guideloom.open_stream(folder)
+ok = True
+for i in order:
+    jobs, outs = plan_windows(layouts, np.asarray([i * seq], dtype=np.int64), seq, Limits())
+    asyncio.run(cache.run(jobs, (1, i * seq, i * seq), remote))
+    whole = np.frombuffer(data[manifest.tokens.files[0].path], np.uint16)
+    ok &= bool(np.array_equal(outs["tokens"][0], whole[i * seq : (i + 1) * seq]))
+cache.stop()
+print(json.dumps({"ok": ok, "fetched": len(fetched)}))
+"""
+
+
+def test_processes_sharing_a_folder_stay_within_the_limit_and_read_exactly(
+    tmp_path: Path,
+) -> None:
+    store = Store(tmp_path, chunks=16)
+    root = tmp_path / "c"
+    limit = 6 * CHUNK
+    rng = np.random.default_rng(5)
+    orders = [rng.permutation(16).tolist() * 2 for _ in range(3)]
+    probe = store.cache(root, max_bytes=limit, chunk_bytes=CHUNK)
+    with Sampler(probe.folder) as sampler:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", _RANK, str(tmp_path / "ds"), str(root), str(limit), json.dumps(o)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for o in orders
+        ]
+        outs = [p.communicate(timeout=100)[0] for p in procs]
+    results = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    assert all(r["ok"] for r in results), results
+    assert sampler.peak <= limit, f"{sampler.peak} bytes on disk, the limit is {limit}"
+    assert not [p for p in probe.folder.iterdir() if ".tmp-" in p.name]
+    probe.stop()

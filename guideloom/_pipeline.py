@@ -53,7 +53,22 @@ from ._schedule import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Delivery", "InlinePipeline", "PipelineConfig", "make_executor", "move_to_device", "run_pipeline"]
+__all__ = [
+    "COLLATE_ERRORS",
+    "Delivery",
+    "InlinePipeline",
+    "PipelineConfig",
+    "make_executor",
+    "move_to_device",
+    "run_pipeline",
+]
+
+#: What a ``collate_fn`` (or the device copy) may raise that is delivered to the consumer at its
+#: batch: every ``Exception``, and ``SystemExit``/``KeyboardInterrupt`` too, so that a collate
+#: that calls ``sys.exit()`` (or is interrupted) ends the consumer's loop with that same exception
+#: rather than killing an event loop or a worker and leaving the consumer with a truncated epoch.
+#: Cancellation (``asyncio.CancelledError``) is not among them: it is guideloom's own signal.
+COLLATE_ERRORS: tuple[type[BaseException], ...] = (Exception, SystemExit, KeyboardInterrupt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,7 +238,7 @@ def _collate_many(
     for b in batches:
         try:
             out.append((collate_fn(b), None))
-        except Exception as exc:
+        except COLLATE_ERRORS as exc:
             out.append((None, exc))
             break
     return out
@@ -278,7 +293,7 @@ async def _collate(
                     if d.error is None:
                         try:
                             d.value = cfg.collate_fn(d.value)
-                        except Exception as exc:
+                        except COLLATE_ERRORS as exc:
                             d.error, d.value = exc, None
                     failed = d.error is not None
                     await emit(d)
@@ -395,7 +410,7 @@ class InlinePipeline:
                 d.value = self._cfg.collate_fn(d.value)
                 if self._device is not None:
                     d.value = move_to_device(d.value, self._device, self._cfg.pin_memory)
-            except Exception as exc:
+            except COLLATE_ERRORS as exc:
                 d.error, d.value = exc, None
         if d.error is not None:
             self.close()

@@ -244,8 +244,12 @@ def _collate_many(
     return out
 
 
-def make_executor(cfg: PipelineConfig) -> concurrent.futures.Executor | None:
+def make_executor(cfg: PipelineConfig, *, off_loop: bool = False) -> concurrent.futures.Executor | None:
+    """The collate workers for ``cfg``: none at ``num_workers=0`` unless ``off_loop`` (a caller's
+    event loop must never run ``collate_fn``: then one thread collates)."""
     if cfg.num_workers == 0:
+        if off_loop:
+            return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="guideloom-collate")
         return None
     if cfg.parallel_method == "thread":
         return concurrent.futures.ThreadPoolExecutor(cfg.num_workers, thread_name_prefix="guideloom-collate")
@@ -303,7 +307,8 @@ async def _collate(
             return
 
         loop = asyncio.get_running_loop()
-        max_group = group_size(cfg.capacity, cfg.num_workers)
+        workers = max(1, cfg.num_workers)  # num_workers=0 with an executor: one collate thread
+        max_group = group_size(cfg.capacity, workers)
         pending: deque[tuple[list[Delivery], asyncio.Future[list[tuple[Any, BaseException | None]]]]] = (
             deque()
         )
@@ -355,17 +360,17 @@ async def _collate(
                         return
                     if not channel.try_reserve():
                         submit()  # no credit now: start what we have before waiting
-                        if not await flush(cfg.num_workers - 1):
+                        if not await flush(workers - 1):
                             return
                         await channel.reserve()
                     group.append(d)
                     del d
                     if len(group) >= max_group:
                         submit()
-                        if not await flush(cfg.num_workers - 1):
+                        if not await flush(workers - 1):
                             return
                 submit()
-                if not await flush(cfg.num_workers - 1):
+                if not await flush(workers - 1):
                     return
             submit()
             await flush(0)
@@ -433,7 +438,7 @@ async def run_pipeline(
 ) -> None:
     """Run every stage until the epoch's last batch (or the first failure) reaches ``channel``.
 
-    ``executor`` (from :func:`make_executor`) runs collation for ``num_workers > 0``; the caller
+    ``executor`` (from :func:`make_executor`) runs collation (when None, it runs on this loop); the caller
     owns it and shuts it down once this coroutine has finished, so that a cancelled pipeline
     still joins its workers. ``own_loop`` says the loop is guideloom's private one (see
     :func:`_reads_for`).

@@ -18,6 +18,11 @@ the loader is open (as torchdata picks its iterator class):
   stops when it ends (a loader holds no thread between iterators); batches come through the
   :class:`~guideloom._channel.Channel` as soon as they are ready.
 
+- :class:`ThreadWorkerIterator`: ``parallel_method="thread"`` workers over a storage that
+  ``reads_inline()``: no event loop; the caller's thread reads and hands groups of batches to
+  the worker threads, or collates inline while that is cheaper
+  (:mod:`guideloom._thread_workers`).
+
 ``async for`` gets :class:`AsyncIterator`, which runs the pipeline on the caller's loop.
 """
 
@@ -37,6 +42,7 @@ from ._channel import Channel, EndOfStream
 from ._loop import LoopThread
 from ._pipeline import Delivery, InlinePipeline, PipelineConfig, make_executor, run_pipeline
 from ._plan import EpochPlan
+from ._thread_workers import ThreadWorkerPipeline
 
 if TYPE_CHECKING:
     from .pytorch import StatefulDataLoader
@@ -48,6 +54,7 @@ __all__ = [
     "InlineIterator",
     "LoopThreadIterator",
     "SyncIterator",
+    "ThreadWorkerIterator",
     "pipeline_config",
     "sync_iterator",
 ]
@@ -252,6 +259,8 @@ def sync_iterator(loader: StatefulDataLoader[Any, BatchT]) -> SyncIterator[Batch
         cls: type[SyncIterator[BatchT]]
         if cfg.capacity == 0 and cfg.dataset.reads_inline:
             cls = InlineIterator
+        elif cfg.num_workers > 0 and cfg.parallel_method == "thread" and cfg.dataset.reads_inline:
+            cls = ThreadWorkerIterator
         elif cfg.capacity == 0 and not _event_loop_running_here():
             cls = CallerLoopIterator
         else:
@@ -409,6 +418,27 @@ class CallerLoopIterator(SyncIterator[BatchT]):
         if self._inline is not None:
             self._inline.close()
         self._close_loop()
+
+
+class ThreadWorkerIterator(SyncIterator[BatchT]):
+    """Thread workers fed from the caller's thread, no event loop (see the module docstring)."""
+
+    _pipe: ThreadWorkerPipeline | None = None
+
+    def _start(self) -> None:
+        executor = self._start_executor()
+        assert executor is not None
+        self._pipe = ThreadWorkerPipeline(self._cfg, executor)
+
+    def _next(self) -> Delivery | None:
+        assert self._pipe is not None
+        d = self._pipe.next()
+        return None if self._done else d  # None: close() in another thread ended this next()
+
+    def _stop(self) -> None:
+        if self._pipe is not None:
+            self._pipe.close()
+        self._join_executor()
 
 
 async def _drive(

@@ -398,8 +398,9 @@ class InlinePipeline:
         self._device = cfg.device if cfg.device.type != "cpu" else None
         self._pending: list[Delivery] = []  # the window's uncollated batches, last first
 
-    def next(self) -> Delivery | None:
-        """The next batch (or the error in its place); ``None`` once the epoch or a failure ended it."""
+    def next_raw(self) -> Delivery | None:
+        """The next batch as read, not collated (or the read's error in its place); ``None`` at the
+        end of the epoch. Thread workers collate what this returns."""
         pending = self._pending
         if not pending:
             specs = next(self._windows, None)
@@ -407,8 +408,14 @@ class InlinePipeline:
                 return None
             pending.extend(reversed(run_sync(read_window(specs, self._indexes, self._reading), self._read)))
         try:
-            d = pending.pop()
+            return pending.pop()
         except IndexError:  # close() from another thread meanwhile
+            return None
+
+    def next(self) -> Delivery | None:
+        """The next batch (or the error in its place); ``None`` once the epoch or a failure ended it."""
+        d = self.next_raw()
+        if d is None:
             return None
         if d.error is None:
             try:

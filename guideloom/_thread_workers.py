@@ -21,6 +21,7 @@ nothing is prepared ahead, as at ``num_workers=0``.
 from __future__ import annotations
 
 import concurrent.futures
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -31,10 +32,12 @@ from ._pipeline import COLLATE_ERRORS, Delivery, InlinePipeline, PipelineConfig,
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["REPROBE_SECONDS", "ThreadWorkerPipeline"]
+__all__ = ["REPROBE_SECONDS", "WORKERS_MARGIN", "ThreadWorkerPipeline"]
 
 #: How long a choice between workers and inline collation stands before the other is probed again.
-REPROBE_SECONDS = 2.0
+REPROBE_SECONDS = 3.0
+#: Workers are used only when ``next()`` costs the consumer at most this fraction of inline.
+WORKERS_MARGIN = 0.9
 
 Results = list[tuple[Any, BaseException | None]]
 
@@ -61,16 +64,25 @@ def _collate_group(
 
 
 class _Chooser:
-    """Which mode ``next()`` runs in: a probe of each mode, then the cheaper for a while.
+    """Which mode ``next()`` runs in: probes of each mode, then the cheaper for a while.
 
-    A probe skips the batches that fill (or drain) the workers' queue, then averages the time
-    of ``probe`` calls.
+    A mode's cost is the median of its mean time of ``next()`` over chunks of ``chunk`` calls:
+    on a busy machine a preemption inflates one chunk, not the median of several. The first
+    choice takes five chunks of each mode, interleaved (workers, inline, inline, workers, ...)
+    so that the start of an epoch (read windows still growing, first page faults) weighs on
+    both. Workers are kept only if they cost at most :data:`WORKERS_MARGIN` of inline: a
+    hand-off that brings nothing measurable is not worth its threads. Every
+    :data:`REPROBE_SECONDS`, three chunks of the other mode are weighed against the chosen one's
+    chunks since the last choice. The calls that fill (or drain) the workers' queue after a
+    switch are not counted.
     """
 
-    def __init__(self, skip: int, probe: int) -> None:
-        self._skip, self._probe = skip, probe
-        self.workers = True  # the first probe: workers, as asked for
-        self._cost: dict[bool, float] = {}
+    def __init__(self, skip: int, chunk: int) -> None:
+        self._skip, self._chunk = skip, chunk
+        # After a first chunk of workers (as asked for), interleaved: five chunks of each mode.
+        self._plan = [False, False, True, True, False, False, True, True, False]
+        self._chunks: dict[bool, list[float]] = {True: [], False: []}  # mean seconds per call
+        self.workers = True
         self._probing = True
         self._n = -skip
         self._total = 0.0
@@ -78,28 +90,38 @@ class _Chooser:
 
     def record(self, seconds: float, settled: bool) -> None:
         """One ``next()`` of ``seconds`` in the current mode; ``settled``: the queue holds only
-        this mode's work (an inline probe waits for the workers' queue to drain first)."""
+        this mode's work (inline, the workers' queue has drained)."""
         if not settled:
             return
         self._n += 1
         if self._n <= 0:
             return
         self._total += seconds
-        if self._probing and self._n >= self._probe:
-            self._cost[self.workers] = self._total / self._n
-            if len(self._cost) < 2:  # the other mode has not been measured yet
-                self._switch(not self.workers, probing=True)
+        if self._n < self._chunk:
+            return
+        mode = self.workers
+        self._chunks[mode].append(self._total / self._n)
+        self._n, self._total = 0, 0.0
+        if self._probing:
+            if self._plan:
+                self._switch(self._plan.pop(0))
                 return
-            self._switch(min(self._cost, key=lambda m: (self._cost[m], not m)), probing=False)
+            self._probing = False
+            cost = {m: statistics.median(c) for m, c in self._chunks.items()}
+            best = cost[True] <= WORKERS_MARGIN * cost[False]
+            self._chunks[best] = []  # from now on: its chunks since this choice
+            self._switch(best)
             self._until = time.perf_counter() + REPROBE_SECONDS
-        elif not self._probing and self._n >= self._probe and time.perf_counter() >= self._until:
-            self._cost[self.workers] = self._total / self._n  # the chosen mode's cost of late
-            del self._cost[not self.workers]
-            self._switch(not self.workers, probing=True)
+        elif time.perf_counter() >= self._until:
+            self._probing = True
+            self._chunks[not mode] = []
+            self._plan = [not mode, not mode]
+            self._switch(not mode)
 
-    def _switch(self, workers: bool, *, probing: bool) -> None:
-        self.workers, self._probing = workers, probing
-        self._n, self._total = -self._skip, 0.0
+    def _switch(self, workers: bool) -> None:
+        if workers != self.workers:
+            self.workers = workers
+            self._n, self._total = -self._skip, 0.0
 
 
 class ThreadWorkerPipeline:
@@ -126,7 +148,7 @@ class ThreadWorkerPipeline:
         self._queue: deque[tuple[list[Delivery], concurrent.futures.Future[Results] | None]] = deque()
         self._ahead = 0  # batches in the queue
         self._ended = False  # the source has nothing more (the end, a failure, close())
-        self._chooser = chooser or _Chooser(skip=self._limit, probe=max(32, 2 * self._limit))
+        self._chooser = chooser or _Chooser(skip=self._limit, chunk=max(32, 4 * self._limit))
 
     def next(self) -> Delivery | None:
         """The next batch in plan order (or the error in its place); ``None`` at the end."""

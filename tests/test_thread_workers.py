@@ -64,7 +64,7 @@ class Flipping(_Chooser):
     """Switches mode every ``every`` calls, whatever they cost (every transition exercised)."""
 
     def __init__(self, every: int, start_workers: bool) -> None:
-        super().__init__(skip=0, probe=1)
+        super().__init__(skip=0, chunk=1)
         self.every, self.calls, self.workers = every, 0, start_workers
 
     def record(self, seconds: float, settled: bool) -> None:
@@ -138,24 +138,41 @@ def test_same_batches_order_and_errors_as_inline_in_either_mode(
 
 
 def test_the_chooser_keeps_the_cheaper_mode_and_probes_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fed made-up timings: the chooser's decisions, probe by probe."""
     monkeypatch.setattr(_thread_workers, "REPROBE_SECONDS", 0.05)
-    c = _Chooser(skip=2, probe=4)
-    assert c.workers  # workers first, as asked for
-    for _ in range(6):
-        c.record(1e-3, settled=True)
-    assert not c.workers  # probing inline now
+    c = _Chooser(skip=2, chunk=4)
+
+    def chunk(workers: bool, seconds: float, skip: bool = False) -> None:
+        assert c.workers is workers
+        for _ in range(6 if skip else 4):  # after a switch, 2 calls are not counted
+            c.record(seconds, settled=True)
+
+    chunk(True, 1e-3, skip=True)  # workers first, as asked for
     c.record(1.0, settled=False)  # the workers' queue draining: not counted
-    for _ in range(6):
-        c.record(1e-4, settled=True)
+    chunk(False, 1e-4, skip=True)
+    chunk(False, 5.0)  # a preempted chunk: the median of a mode's chunks counts
+    chunk(True, 1e-3, skip=True)
+    chunk(True, 2e-4)
+    chunk(False, 1e-4, skip=True)
+    chunk(False, 1e-4)
+    chunk(True, 2e-4, skip=True)
+    chunk(True, 1e-3)
+    chunk(False, 1e-4, skip=True)  # five chunks of each, interleaved
     assert not c.workers  # inline was cheaper: kept
     for _ in range(10):
         c.record(1e-4, settled=True)
     assert not c.workers  # until the reprobe time
     time.sleep(0.06)
-    c.record(1e-4, settled=True)
-    assert c.workers  # workers probed again
-    for _ in range(6):
-        c.record(1e-5, settled=True)  # and now cheaper (a step that releases the GIL)
+    for _ in range(4):  # the end of the chunk under way
+        if c.workers:
+            break
+        c.record(1e-4, settled=True)
+    chunk(True, 1e-5, skip=True)  # workers probed again, three chunks, and now cheaper (a
+    chunk(True, 5.0)  # step that releases the GIL, during which the workers collate)
+    chunk(True, 1e-5)
+    assert c.workers
+    for _ in range(10):
+        c.record(1e-5, settled=True)
     assert c.workers
 
 
@@ -170,14 +187,14 @@ def test_a_collate_that_releases_the_gil_runs_on_the_workers() -> None:
         return [int(s[0]) // 4 for s in samples]
 
     loader = gl.StatefulDataLoader.from_storage(
-        identity_stream(800), collate, sequence_length=4, local_batch_size=2, num_workers=2, prefetch=2,
+        identity_stream(2000), collate, sequence_length=4, local_batch_size=2, num_workers=2, prefetch=2,
         device=torch.device("cpu"),
     )  # fmt: skip
     with loader:
         it = iter(loader)
         assert isinstance(it, ThreadWorkerIterator)
         got = [i for b in it for i in b]
-    assert got == list(range(800))
+    assert got == list(range(2000))
     on_workers = sum(n.startswith("guideloom-collate") for n in names)
     assert on_workers >= 0.75 * len(names), (on_workers, len(names))
 
@@ -204,3 +221,10 @@ def test_closing_from_another_thread_while_waiting_for_a_worker() -> None:
         closer.join()
         assert 0 < len(got) < 200
         assert loader.state_dict()["observation_offset"] == 2 * len(got)
+
+
+def test_workers_that_bring_too_little_are_not_kept() -> None:
+    c = _Chooser(skip=0, chunk=1)
+    for _ in range(10):
+        c.record(0.95e-3 if c.workers else 1e-3, settled=True)  # workers 5% cheaper
+    assert not c.workers

@@ -10,8 +10,8 @@ times, and there is no asyncio future or channel wake-up per batch.
 Threads share one GIL: they pay off only when the collate releases it (numpy, torch) or when the
 consumer's own step does (a training step of torch ops, during which the workers collate). A
 cheap collate costs less than its hand-off, and a GIL-bound one gains nothing from a second
-thread. So the pipeline measures instead of guessing: it times what each ``next()`` costs the
-consumer with the workers and with the collate run inline in ``next()``, a probe of each in
+thread. So the pipeline measures instead of guessing: it times the consumer's cycle (from one
+``next()`` to the next) with the workers and with the collate run inline in ``next()``, probes of each in
 turn, keeps the cheaper, and probes the other again every :data:`REPROBE_SECONDS` (a step that
 grows, a collate that slows down). Either way the batches, their order, the errors at their
 batch and the checkpoint are the same: only where ``collate_fn`` runs differs. In inline mode
@@ -36,7 +36,7 @@ __all__ = ["REPROBE_SECONDS", "WORKERS_MARGIN", "ThreadWorkerPipeline"]
 
 #: How long a choice between workers and inline collation stands before the other is probed again.
 REPROBE_SECONDS = 3.0
-#: Workers are used only when ``next()`` costs the consumer at most this fraction of inline.
+#: Workers are used only when the consumer's cycle takes at most this fraction of inline's.
 WORKERS_MARGIN = 0.9
 
 Results = list[tuple[Any, BaseException | None]]
@@ -66,7 +66,7 @@ def _collate_group(
 class _Chooser:
     """Which mode ``next()`` runs in: probes of each mode, then the cheaper for a while.
 
-    A mode's cost is the median of its mean time of ``next()`` over chunks of ``chunk`` calls:
+    A mode's cost is the median of its mean cycle time over chunks of ``chunk`` calls:
     on a busy machine a preemption inflates one chunk, not the median of several. The first
     choice takes five chunks of each mode, interleaved (workers, inline, inline, workers, ...)
     so that the start of an epoch (read windows still growing, first page faults) weighs on
@@ -89,7 +89,7 @@ class _Chooser:
         self._until = 0.0
 
     def record(self, seconds: float, settled: bool) -> None:
-        """One ``next()`` of ``seconds`` in the current mode; ``settled``: the queue holds only
+        """One cycle of ``seconds`` in the current mode; ``settled``: the queue held only
         this mode's work (inline, the workers' queue has drained)."""
         if not settled:
             return
@@ -148,18 +148,23 @@ class ThreadWorkerPipeline:
         self._queue: deque[tuple[list[Delivery], concurrent.futures.Future[Results] | None]] = deque()
         self._ahead = 0  # batches in the queue
         self._ended = False  # the source has nothing more (the end, a failure, close())
+        self._last: float | None = None  # when the last request came
+        self._settled = False
         self._chooser = chooser or _Chooser(skip=self._limit, chunk=max(32, 4 * self._limit))
 
     def next(self) -> Delivery | None:
         """The next batch in plan order (or the error in its place); ``None`` at the end."""
-        t0 = time.perf_counter()
+        # Timed from one request to the next: the consumer's whole cycle, its own work included,
+        # as threads that hold the GIL slow that down too (time inside next() alone misses it).
+        now = time.perf_counter()
         chooser = self._chooser
+        if self._last is not None:
+            chooser.record(now - self._last, self._settled)
+        self._last = now
         if chooser.workers:
             self._fill()
-        settled = chooser.workers or not self._queue
-        d = self._take() if self._queue else self._inline()
-        chooser.record(time.perf_counter() - t0, settled)
-        return d
+        self._settled = chooser.workers or not self._queue
+        return self._take() if self._queue else self._inline()
 
     def _inline(self) -> Delivery | None:
         if self._ended:

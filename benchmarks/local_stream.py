@@ -290,7 +290,7 @@ def thread_worker_targets(path: Path, batches: int, warmup: int, rounds: int) ->
     """Issue 11 item 2: thread workers against no workers, for the README's collate and a
     GIL-bound collate of ~1 ms; each ratio against ``nw=0`` of the same round (sync ``for``)."""
     gil = gil_bound_collate(1.0)
-    gil_batches = max(50, batches // 5)
+    gil_batches = max(50, batches // 3)
     cases: dict[str, tuple[Callable[[], float], str]] = {
         "README collate  nw=0": (lambda: run_sync(path, batches, warmup), "README collate  nw=0"),
         "README collate  nw=2 thread": (
@@ -302,15 +302,15 @@ def thread_worker_targets(path: Path, batches: int, warmup: int, rounds: int) ->
             "README collate  nw=0",
         ),
         "GIL-bound ~1 ms nw=0": (
-            lambda: run_sync(path, gil_batches, 20, collate_fn=gil),
+            lambda: run_sync(path, gil_batches, warmup, collate_fn=gil),
             "GIL-bound ~1 ms nw=0",
         ),
         "GIL-bound ~1 ms nw=2 thread": (
-            lambda: run_sync(path, gil_batches, 20, collate_fn=gil, num_workers=2),
+            lambda: run_sync(path, gil_batches, warmup, collate_fn=gil, num_workers=2),
             "GIL-bound ~1 ms nw=0",
         ),
         "GIL-bound ~1 ms nw=2 thread prefetch=8": (
-            lambda: run_sync(path, gil_batches, 20, collate_fn=gil, num_workers=2, prefetch=8),
+            lambda: run_sync(path, gil_batches, warmup, collate_fn=gil, num_workers=2, prefetch=8),
             "GIL-bound ~1 ms nw=0",
         ),
     }

@@ -32,10 +32,12 @@ from ._pipeline import COLLATE_ERRORS, Delivery, InlinePipeline, PipelineConfig,
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["REPROBE_SECONDS", "WORKERS_MARGIN", "ThreadWorkerPipeline"]
+__all__ = ["CHUNK_SECONDS", "REPROBE_SECONDS", "WORKERS_MARGIN", "ThreadWorkerPipeline"]
 
 #: How long a choice between workers and inline collation stands before the other is probed again.
 REPROBE_SECONDS = 3.0
+#: The least time one chunk of calls in one mode is timed over.
+CHUNK_SECONDS = 0.002
 #: Workers are used only when the consumer's cycle takes at most this fraction of inline's.
 WORKERS_MARGIN = 0.9
 
@@ -66,7 +68,8 @@ def _collate_group(
 class _Chooser:
     """Which mode ``next()`` runs in: probes of each mode, then the cheaper for a while.
 
-    A mode's cost is the median of its mean cycle time over chunks of ``chunk`` calls:
+    A mode's cost is the median of its mean cycle time over chunks of at least ``chunk`` calls
+    and :data:`CHUNK_SECONDS` (so a chunk of cheap batches is not all timer noise):
     on a busy machine a preemption inflates one chunk, not the median of several. The first
     choice takes five chunks of each mode, interleaved (workers, inline, inline, workers, ...)
     so that the start of an epoch (read windows still growing, first page faults) weighs on
@@ -97,7 +100,7 @@ class _Chooser:
         if self._n <= 0:
             return
         self._total += seconds
-        if self._n < self._chunk:
+        if self._n < self._chunk or self._total < CHUNK_SECONDS:
             return
         mode = self.workers
         self._chunks[mode].append(self._total / self._n)
@@ -150,7 +153,7 @@ class ThreadWorkerPipeline:
         self._ended = False  # the source has nothing more (the end, a failure, close())
         self._last: float | None = None  # when the last request came
         self._settled = False
-        self._chooser = chooser or _Chooser(skip=self._limit, chunk=max(32, 4 * self._limit))
+        self._chooser = chooser or _Chooser(skip=self._limit, chunk=max(8, 4 * self._limit))
 
     def next(self) -> Delivery | None:
         """The next batch in plan order (or the error in its place); ``None`` at the end."""

@@ -140,6 +140,7 @@ def test_same_batches_order_and_errors_as_inline_in_either_mode(
 def test_the_chooser_keeps_the_cheaper_mode_and_probes_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fed made-up timings: the chooser's decisions, probe by probe."""
     monkeypatch.setattr(_thread_workers, "REPROBE_SECONDS", 0.05)
+    monkeypatch.setattr(_thread_workers, "CHUNK_SECONDS", 0.0)
     c = _Chooser(skip=2, chunk=4)
 
     def chunk(workers: bool, seconds: float, skip: bool = False) -> None:
@@ -223,8 +224,18 @@ def test_closing_from_another_thread_while_waiting_for_a_worker() -> None:
         assert loader.state_dict()["observation_offset"] == 2 * len(got)
 
 
-def test_workers_that_bring_too_little_are_not_kept() -> None:
+def test_workers_that_bring_too_little_are_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_thread_workers, "CHUNK_SECONDS", 0.0)
     c = _Chooser(skip=0, chunk=1)
     for _ in range(10):
         c.record(0.95e-3 if c.workers else 1e-3, settled=True)  # workers 5% cheaper
     assert not c.workers
+
+
+def test_a_chunk_lasts_at_least_chunk_seconds() -> None:
+    c = _Chooser(skip=0, chunk=1)
+    for _ in range(int(_thread_workers.CHUNK_SECONDS / 1e-5) - 1):
+        c.record(1e-5, settled=True)  # cheap calls: not yet a chunk's worth of time
+    assert c.workers
+    c.record(2e-5, settled=True)
+    assert not c.workers  # the first chunk of workers is done: inline next

@@ -11,9 +11,9 @@ Threads share one GIL: they pay off only when the collate releases it (numpy, to
 consumer's own step does (a training step of torch ops, during which the workers collate). A
 cheap collate costs less than its hand-off, and a GIL-bound one gains nothing from a second
 thread. So the pipeline measures instead of guessing: it times the consumer's cycle (from one
-``next()`` to the next) with the workers and with the collate run inline in ``next()``, probes of each in
-turn, keeps the cheaper, and probes the other again every :data:`REPROBE_SECONDS` (a step that
-grows, a collate that slows down). Either way the batches, their order, the errors at their
+``next()`` to the next) with the workers and with the collate run inline in ``next()``, keeps
+the cheaper, and probes the other again from time to time (a step that grows, a collate that
+slows down; see :class:`_Chooser`). Either way the batches, their order, the errors at their
 batch and the checkpoint are the same: only where ``collate_fn`` runs differs. In inline mode
 nothing is prepared ahead, as at ``num_workers=0``.
 """
@@ -21,7 +21,6 @@ nothing is prepared ahead, as at ``num_workers=0``.
 from __future__ import annotations
 
 import concurrent.futures
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -32,10 +31,19 @@ from ._pipeline import COLLATE_ERRORS, Delivery, InlinePipeline, PipelineConfig,
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CHUNK_SECONDS", "REPROBE_SECONDS", "WORKERS_MARGIN", "ThreadWorkerPipeline"]
+__all__ = [
+    "CHUNK_SECONDS",
+    "FIRST_REPROBE_SECONDS",
+    "REPROBE_SECONDS",
+    "WORKERS_MARGIN",
+    "ThreadWorkerPipeline",
+]
 
 #: How long a choice between workers and inline collation stands before the other is probed again.
 REPROBE_SECONDS = 3.0
+#: The first choice stands this long, each later one twice as long up to :data:`REPROBE_SECONDS`:
+#: an epoch's first batches (read windows still growing, first page faults) may mislead it.
+FIRST_REPROBE_SECONDS = 0.1
 #: The least time one chunk of calls in one mode is timed over.
 CHUNK_SECONDS = 0.002
 #: Workers are used only when the consumer's cycle takes at most this fraction of inline's.
@@ -68,32 +76,33 @@ def _collate_group(
 class _Chooser:
     """Which mode ``next()`` runs in: probes of each mode, then the cheaper for a while.
 
-    A mode's cost is the median of its mean cycle time over chunks of at least ``chunk`` calls
-    and :data:`CHUNK_SECONDS` (so a chunk of cheap batches is not all timer noise):
-    on a busy machine a preemption inflates one chunk, not the median of several. The first
-    choice takes five chunks of each mode, interleaved (workers, inline, inline, workers, ...)
-    so that the start of an epoch (read windows still growing, first page faults) weighs on
-    both. Workers are kept only if they cost at most :data:`WORKERS_MARGIN` of inline: a
-    hand-off that brings nothing measurable is not worth its threads. Every
-    :data:`REPROBE_SECONDS`, three chunks of the other mode are weighed against the chosen one's
-    chunks since the last choice. The calls that fill (or drain) the workers' queue after a
-    switch are not counted.
+    A mode is timed over *chunks* of at least ``chunk`` calls and :data:`CHUNK_SECONDS` (so a
+    chunk of cheap batches is not all timer noise), the calls that fill (or drain) the workers'
+    queue after a switch not counted. Each choice compares chunks in the order A, B, B, A
+    (inline, workers, workers, inline at first; later the chosen mode's last chunk, two of the
+    other, one more of the chosen), so a steady drift in speed (an epoch's first batches: read
+    windows still growing, first page faults) weighs on both alike. It starts inline, as at
+    ``num_workers=0``, and workers are chosen only if they cost at most :data:`WORKERS_MARGIN`
+    of inline: a hand-off that brings nothing measurable is not worth its threads. A choice
+    stands :data:`FIRST_REPROBE_SECONDS`, each later one twice as long as the one before, up to
+    :data:`REPROBE_SECONDS`, so that a probe of the worse mode costs a few percent at most.
     """
 
     def __init__(self, skip: int, chunk: int) -> None:
         self._skip, self._chunk = skip, chunk
-        # After a first chunk of workers (as asked for), interleaved: five chunks of each mode.
-        self._plan = [False, False, True, True, False, False, True, True, False]
+        self.workers = False
+        self._plan = [True, True, False]  # after a first chunk of inline
         self._chunks: dict[bool, list[float]] = {True: [], False: []}  # mean seconds per call
-        self.workers = True
+        self._last = 0.0  # the chosen mode's latest chunk
         self._probing = True
         self._n = -skip
         self._total = 0.0
         self._until = 0.0
+        self._interval = FIRST_REPROBE_SECONDS
 
     def record(self, seconds: float, settled: bool) -> None:
-        """One cycle of ``seconds`` in the current mode; ``settled``: the queue held only
-        this mode's work (inline, the workers' queue has drained)."""
+        """One cycle of ``seconds`` in the current mode; ``settled``: the queue held only this
+        mode's work (inline, the workers' queue has drained)."""
         if not settled:
             return
         self._n += 1
@@ -102,24 +111,25 @@ class _Chooser:
         self._total += seconds
         if self._n < self._chunk or self._total < CHUNK_SECONDS:
             return
-        mode = self.workers
-        self._chunks[mode].append(self._total / self._n)
+        mode, mean = self.workers, self._total / self._n
         self._n, self._total = 0, 0.0
-        if self._probing:
-            if self._plan:
-                self._switch(self._plan.pop(0))
-                return
-            self._probing = False
-            cost = {m: statistics.median(c) for m, c in self._chunks.items()}
-            best = cost[True] <= WORKERS_MARGIN * cost[False]
-            self._chunks[best] = []  # from now on: its chunks since this choice
-            self._switch(best)
-            self._until = time.perf_counter() + REPROBE_SECONDS
-        elif time.perf_counter() >= self._until:
-            self._probing = True
-            self._chunks[not mode] = []
-            self._plan = [not mode, not mode]
-            self._switch(not mode)
+        if not self._probing:
+            self._last = mean
+            if time.perf_counter() >= self._until:  # probe the other: chosen, other, other, chosen
+                self._probing = True
+                self._chunks = {mode: [mean], not mode: []}
+                self._plan = [not mode, mode]
+                self._switch(not mode)
+            return
+        self._chunks[mode].append(mean)
+        if self._plan:
+            self._switch(self._plan.pop(0))
+            return
+        self._probing = False
+        cost = {m: sum(c) / len(c) for m, c in self._chunks.items()}
+        self._switch(cost[True] <= WORKERS_MARGIN * cost[False])
+        self._until = time.perf_counter() + self._interval
+        self._interval = min(REPROBE_SECONDS, 2 * self._interval)
 
     def _switch(self, workers: bool) -> None:
         if workers != self.workers:

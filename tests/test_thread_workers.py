@@ -140,6 +140,7 @@ def test_same_batches_order_and_errors_as_inline_in_either_mode(
 def test_the_chooser_keeps_the_cheaper_mode_and_probes_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fed made-up timings: the chooser's decisions, probe by probe."""
     monkeypatch.setattr(_thread_workers, "REPROBE_SECONDS", 0.05)
+    monkeypatch.setattr(_thread_workers, "FIRST_REPROBE_SECONDS", 0.05)
     monkeypatch.setattr(_thread_workers, "CHUNK_SECONDS", 0.0)
     c = _Chooser(skip=2, chunk=4)
 
@@ -148,17 +149,11 @@ def test_the_chooser_keeps_the_cheaper_mode_and_probes_again(monkeypatch: pytest
         for _ in range(6 if skip else 4):  # after a switch, 2 calls are not counted
             c.record(seconds, settled=True)
 
-    chunk(True, 1e-3, skip=True)  # workers first, as asked for
-    c.record(1.0, settled=False)  # the workers' queue draining: not counted
-    chunk(False, 1e-4, skip=True)
-    chunk(False, 5.0)  # a preempted chunk: the median of a mode's chunks counts
+    chunk(False, 1e-4, skip=True)  # inline first, as at num_workers=0
     chunk(True, 1e-3, skip=True)
-    chunk(True, 2e-4)
-    chunk(False, 1e-4, skip=True)
-    chunk(False, 1e-4)
-    chunk(True, 2e-4, skip=True)
+    c.record(1.0, settled=False)  # not counted (the queue still held the other mode's work)
     chunk(True, 1e-3)
-    chunk(False, 1e-4, skip=True)  # five chunks of each, interleaved
+    chunk(False, 3e-4, skip=True)  # A B B A: a drift weighs on both
     assert not c.workers  # inline was cheaper: kept
     for _ in range(10):
         c.record(1e-4, settled=True)
@@ -168,13 +163,30 @@ def test_the_chooser_keeps_the_cheaper_mode_and_probes_again(monkeypatch: pytest
         if c.workers:
             break
         c.record(1e-4, settled=True)
-    chunk(True, 1e-5, skip=True)  # workers probed again, three chunks, and now cheaper (a
-    chunk(True, 5.0)  # step that releases the GIL, during which the workers collate)
-    chunk(True, 1e-5)
+    chunk(True, 1e-5, skip=True)  # workers probed again, and now cheaper (a step that
+    chunk(True, 1e-5)  # releases the GIL, during which the workers collate)
+    chunk(False, 1e-4, skip=True)  # the chosen mode's chunk after the probe
     assert c.workers
     for _ in range(10):
         c.record(1e-5, settled=True)
     assert c.workers
+
+
+def test_workers_that_bring_too_little_are_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_thread_workers, "CHUNK_SECONDS", 0.0)
+    c = _Chooser(skip=0, chunk=1)
+    for _ in range(10):
+        c.record(0.95e-3 if c.workers else 1e-3, settled=True)  # workers 5% cheaper
+    assert not c.workers
+
+
+def test_a_chunk_lasts_at_least_chunk_seconds() -> None:
+    c = _Chooser(skip=0, chunk=1)
+    for _ in range(int(_thread_workers.CHUNK_SECONDS / 1e-5) - 1):
+        c.record(1e-5, settled=True)  # cheap calls: not yet a chunk's worth of time
+    assert not c.workers
+    c.record(2e-5, settled=True)
+    assert c.workers  # the first chunk (inline) is done: workers next
 
 
 def test_a_collate_that_releases_the_gil_runs_on_the_workers() -> None:
@@ -222,20 +234,3 @@ def test_closing_from_another_thread_while_waiting_for_a_worker() -> None:
         closer.join()
         assert 0 < len(got) < 200
         assert loader.state_dict()["observation_offset"] == 2 * len(got)
-
-
-def test_workers_that_bring_too_little_are_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_thread_workers, "CHUNK_SECONDS", 0.0)
-    c = _Chooser(skip=0, chunk=1)
-    for _ in range(10):
-        c.record(0.95e-3 if c.workers else 1e-3, settled=True)  # workers 5% cheaper
-    assert not c.workers
-
-
-def test_a_chunk_lasts_at_least_chunk_seconds() -> None:
-    c = _Chooser(skip=0, chunk=1)
-    for _ in range(int(_thread_workers.CHUNK_SECONDS / 1e-5) - 1):
-        c.record(1e-5, settled=True)  # cheap calls: not yet a chunk's worth of time
-    assert c.workers
-    c.record(2e-5, settled=True)
-    assert not c.workers  # the first chunk of workers is done: inline next

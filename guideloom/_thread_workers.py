@@ -79,19 +79,20 @@ class _Chooser:
     A mode is timed over *chunks* of at least ``chunk`` calls and :data:`CHUNK_SECONDS` (so a
     chunk of cheap batches is not all timer noise), the calls that fill (or drain) the workers'
     queue after a switch not counted. Each choice compares chunks in the order A, B, B, A
-    (inline, workers, workers, inline at first; later the chosen mode's last chunk, two of the
+    (workers, inline, inline, workers at first; later the chosen mode's last chunk, two of the
     other, one more of the chosen), so a steady drift in speed (an epoch's first batches: read
-    windows still growing, first page faults) weighs on both alike. It starts inline, as at
-    ``num_workers=0``, and workers are chosen only if they cost at most :data:`WORKERS_MARGIN`
-    of inline: a hand-off that brings nothing measurable is not worth its threads. A choice
+    windows still growing, first page faults) weighs on both alike. It starts with the workers,
+    as asked for (a slow collate is spread from its first batch), and keeps them only if they
+    cost at most :data:`WORKERS_MARGIN` of inline: a hand-off that brings nothing measurable is
+    not worth its threads. A choice
     stands :data:`FIRST_REPROBE_SECONDS`, each later one twice as long as the one before, up to
     :data:`REPROBE_SECONDS`, so that a probe of the worse mode costs a few percent at most.
     """
 
     def __init__(self, skip: int, chunk: int) -> None:
         self._skip, self._chunk = skip, chunk
-        self.workers = False
-        self._plan = [True, True, False]  # after a first chunk of inline
+        self.workers = True
+        self._plan = [False, False, True]  # after a first chunk of the workers, as asked for
         self._chunks: dict[bool, list[float]] = {True: [], False: []}  # mean seconds per call
         self._last = 0.0  # the chosen mode's latest chunk
         self._probing = True
@@ -163,7 +164,7 @@ class ThreadWorkerPipeline:
         self._ended = False  # the source has nothing more (the end, a failure, close())
         self._last: float | None = None  # when the last request came
         self._settled = False
-        self._chooser = chooser or _Chooser(skip=self._limit, chunk=max(8, 4 * self._limit))
+        self._chooser = chooser or _Chooser(skip=self._limit, chunk=max(8, 2 * self._limit))
 
     def next(self) -> Delivery | None:
         """The next batch in plan order (or the error in its place); ``None`` at the end."""

@@ -149,11 +149,11 @@ def test_the_chooser_keeps_the_cheaper_mode_and_probes_again(monkeypatch: pytest
         for _ in range(6 if skip else 4):  # after a switch, 2 calls are not counted
             c.record(seconds, settled=True)
 
-    chunk(False, 1e-4, skip=True)  # inline first, as at num_workers=0
-    chunk(True, 1e-3, skip=True)
+    chunk(True, 1e-3, skip=True)  # workers first, as asked for
     c.record(1.0, settled=False)  # not counted (the queue still held the other mode's work)
-    chunk(True, 1e-3)
-    chunk(False, 3e-4, skip=True)  # A B B A: a drift weighs on both
+    chunk(False, 3e-4, skip=True)
+    chunk(False, 1e-4)
+    chunk(True, 1e-3, skip=True)  # A B B A: a drift weighs on both
     assert not c.workers  # inline was cheaper: kept
     for _ in range(10):
         c.record(1e-4, settled=True)
@@ -184,9 +184,9 @@ def test_a_chunk_lasts_at_least_chunk_seconds() -> None:
     c = _Chooser(skip=0, chunk=1)
     for _ in range(int(_thread_workers.CHUNK_SECONDS / 1e-5) - 1):
         c.record(1e-5, settled=True)  # cheap calls: not yet a chunk's worth of time
-    assert not c.workers
+    assert c.workers
     c.record(2e-5, settled=True)
-    assert c.workers  # the first chunk (inline) is done: workers next
+    assert not c.workers  # the first chunk (workers) is done: inline next
 
 
 def test_a_collate_that_releases_the_gil_runs_on_the_workers() -> None:

@@ -43,7 +43,7 @@ __all__ = [
 REPROBE_SECONDS = 3.0
 #: The first choice stands this long, each later one twice as long up to :data:`REPROBE_SECONDS`:
 #: an epoch's first batches (read windows still growing, first page faults) may mislead it.
-FIRST_REPROBE_SECONDS = 0.1
+FIRST_REPROBE_SECONDS = 0.02
 #: The least time one chunk of calls in one mode is timed over.
 CHUNK_SECONDS = 0.002
 #: Workers are used only when the consumer's cycle takes at most this fraction of inline's.
@@ -84,9 +84,9 @@ class _Chooser:
     windows still growing, first page faults) weighs on both alike. It starts with the workers,
     as asked for (a slow collate is spread from its first batch), and keeps them only if they
     cost at most :data:`WORKERS_MARGIN` of inline: a hand-off that brings nothing measurable is
-    not worth its threads. A choice
-    stands :data:`FIRST_REPROBE_SECONDS`, each later one twice as long as the one before, up to
-    :data:`REPROBE_SECONDS`, so that a probe of the worse mode costs a few percent at most.
+    not worth its threads. A choice stands :data:`FIRST_REPROBE_SECONDS`, each later one twice
+    as long as the one before (eight times after a clear choice), up to :data:`REPROBE_SECONDS`,
+    so that a probe of the worse mode costs a few percent at most.
     """
 
     def __init__(self, skip: int, chunk: int) -> None:
@@ -130,7 +130,10 @@ class _Chooser:
         cost = {m: sum(c) / len(c) for m, c in self._chunks.items()}
         self._switch(cost[True] <= WORKERS_MARGIN * cost[False])
         self._until = time.perf_counter() + self._interval
-        self._interval = min(REPROBE_SECONDS, 2 * self._interval)
+        # A clear choice (the other mode twice as costly) is probed again much later; a close
+        # one, which a busy machine may have decided, soon.
+        clear = max(cost.values()) > 2 * min(cost.values())
+        self._interval = min(REPROBE_SECONDS, (8 if clear else 2) * self._interval)
 
     def _switch(self, workers: bool) -> None:
         if workers != self.workers:

@@ -234,3 +234,16 @@ def test_closing_from_another_thread_while_waiting_for_a_worker() -> None:
         closer.join()
         assert 0 < len(got) < 200
         assert loader.state_dict()["observation_offset"] == 2 * len(got)
+
+
+def test_a_clear_choice_stands_longer_than_a_close_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_thread_workers, "CHUNK_SECONDS", 0.0)
+    first = _thread_workers.FIRST_REPROBE_SECONDS
+    intervals = {}
+    for ratio in (1.2, 4.0):  # inline 1.2x and 4x cheaper than the workers
+        c = _Chooser(skip=0, chunk=1)
+        for _ in range(4):
+            c.record(1e-3 if c.workers else 1e-3 / ratio, settled=True)
+        assert not c.workers
+        intervals[ratio] = c._interval
+    assert intervals == {1.2: 2 * first, 4.0: 8 * first}

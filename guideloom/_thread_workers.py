@@ -44,8 +44,12 @@ REPROBE_SECONDS = 3.0
 #: The first choice stands this long, each later one twice as long up to :data:`REPROBE_SECONDS`:
 #: an epoch's first batches (read windows still growing, first page faults) may mislead it.
 FIRST_REPROBE_SECONDS = 0.02
+#: Calls not timed at the start of an epoch, in the workers (as asked for): the read windows
+#: grow from one batch to 64 over the first 127 batches, and the first reads fault pages in, so
+#: both modes run several times slower than later and a first choice there would be noise.
+WARMUP_CALLS = 128
 #: The least time one chunk of calls in one mode is timed over.
-CHUNK_SECONDS = 0.002
+CHUNK_SECONDS = 0.001
 #: Workers are used only when the consumer's cycle takes at most this fraction of inline's.
 WORKERS_MARGIN = 0.9
 
@@ -79,14 +83,16 @@ class _Chooser:
     A mode is timed over *chunks* of at least ``chunk`` calls and :data:`CHUNK_SECONDS` (so a
     chunk of cheap batches is not all timer noise), the calls that fill (or drain) the workers'
     queue after a switch not counted. Each choice compares chunks in the order A, B, B, A
-    (workers, inline, inline, workers at first; later the chosen mode's last chunk, two of the
-    other, one more of the chosen), so a steady drift in speed (an epoch's first batches: read
-    windows still growing, first page faults) weighs on both alike. It starts with the workers,
+    (workers, inline, inline, workers at first, after :data:`WARMUP_CALLS`; later the chosen
+    mode's last chunk, two of the other, one more of the chosen), so a steady drift in speed
+    weighs on both alike, and a mode costs its cheaper chunk, so one preempted chunk does not
+    decide. It starts with the workers,
     as asked for (a slow collate is spread from its first batch), and keeps them only if they
     cost at most :data:`WORKERS_MARGIN` of inline: a hand-off that brings nothing measurable is
-    not worth its threads. A choice stands :data:`FIRST_REPROBE_SECONDS`, each later one twice
-    as long as the one before (eight times after a clear choice), up to :data:`REPROBE_SECONDS`,
-    so that a probe of the worse mode costs a few percent at most.
+    not worth its threads. A first choice stands :data:`FIRST_REPROBE_SECONDS` (eight times
+    that when clear: the other mode twice as costly), each later one twice as long as the one
+    before (or eight times), up to :data:`REPROBE_SECONDS`, so that probes of the worse mode
+    cost a few percent at most.
     """
 
     def __init__(self, skip: int, chunk: int) -> None:
@@ -96,7 +102,7 @@ class _Chooser:
         self._chunks: dict[bool, list[float]] = {True: [], False: []}  # mean seconds per call
         self._last = 0.0  # the chosen mode's latest chunk
         self._probing = True
-        self._n = -skip
+        self._n = -(skip + WARMUP_CALLS)
         self._total = 0.0
         self._until = 0.0
         self._interval = FIRST_REPROBE_SECONDS
@@ -127,13 +133,14 @@ class _Chooser:
             self._switch(self._plan.pop(0))
             return
         self._probing = False
-        cost = {m: sum(c) / len(c) for m, c in self._chunks.items()}
+        cost = {m: min(c) for m, c in self._chunks.items()}  # one preempted chunk is not the cost
         self._switch(cost[True] <= WORKERS_MARGIN * cost[False])
-        self._until = time.perf_counter() + self._interval
-        # A clear choice (the other mode twice as costly) is probed again much later; a close
-        # one, which a busy machine may have decided, soon.
+        # A clear choice (the other mode twice as costly) stands eight times longer; a close
+        # one, which a busy machine may have decided, is probed again soon.
         clear = max(cost.values()) > 2 * min(cost.values())
-        self._interval = min(REPROBE_SECONDS, (8 if clear else 2) * self._interval)
+        hold = min(REPROBE_SECONDS, (8 if clear else 1) * self._interval)
+        self._until = time.perf_counter() + hold
+        self._interval = min(REPROBE_SECONDS, 2 * hold)
 
     def _switch(self, workers: bool) -> None:
         if workers != self.workers:

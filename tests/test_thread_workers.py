@@ -142,6 +142,7 @@ def test_the_chooser_keeps_the_cheaper_mode_and_probes_again(monkeypatch: pytest
     monkeypatch.setattr(_thread_workers, "REPROBE_SECONDS", 0.05)
     monkeypatch.setattr(_thread_workers, "FIRST_REPROBE_SECONDS", 0.05)
     monkeypatch.setattr(_thread_workers, "CHUNK_SECONDS", 0.0)
+    monkeypatch.setattr(_thread_workers, "WARMUP_CALLS", 0)
     c = _Chooser(skip=2, chunk=4)
 
     def chunk(workers: bool, seconds: float, skip: bool = False) -> None:
@@ -174,13 +175,15 @@ def test_the_chooser_keeps_the_cheaper_mode_and_probes_again(monkeypatch: pytest
 
 def test_workers_that_bring_too_little_are_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_thread_workers, "CHUNK_SECONDS", 0.0)
+    monkeypatch.setattr(_thread_workers, "WARMUP_CALLS", 0)
     c = _Chooser(skip=0, chunk=1)
     for _ in range(10):
         c.record(0.95e-3 if c.workers else 1e-3, settled=True)  # workers 5% cheaper
     assert not c.workers
 
 
-def test_a_chunk_lasts_at_least_chunk_seconds() -> None:
+def test_a_chunk_lasts_at_least_chunk_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_thread_workers, "WARMUP_CALLS", 0)
     c = _Chooser(skip=0, chunk=1)
     for _ in range(int(_thread_workers.CHUNK_SECONDS / 1e-5) - 1):
         c.record(1e-5, settled=True)  # cheap calls: not yet a chunk's worth of time
@@ -238,6 +241,7 @@ def test_closing_from_another_thread_while_waiting_for_a_worker() -> None:
 
 def test_a_clear_choice_stands_longer_than_a_close_one(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_thread_workers, "CHUNK_SECONDS", 0.0)
+    monkeypatch.setattr(_thread_workers, "WARMUP_CALLS", 0)
     first = _thread_workers.FIRST_REPROBE_SECONDS
     intervals = {}
     for ratio in (1.2, 4.0):  # inline 1.2x and 4x cheaper than the workers
@@ -245,5 +249,5 @@ def test_a_clear_choice_stands_longer_than_a_close_one(monkeypatch: pytest.Monke
         for _ in range(4):
             c.record(1e-3 if c.workers else 1e-3 / ratio, settled=True)
         assert not c.workers
-        intervals[ratio] = c._interval
-    assert intervals == {1.2: 2 * first, 4.0: 8 * first}
+        intervals[ratio] = c._interval  # twice the hold
+    assert intervals == {1.2: 2 * first, 4.0: 16 * first}

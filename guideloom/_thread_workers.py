@@ -35,14 +35,16 @@ __all__ = [
     "CHUNK_SECONDS",
     "FIRST_REPROBE_SECONDS",
     "REPROBE_SECONDS",
+    "WARMUP_CALLS",
     "WORKERS_MARGIN",
     "ThreadWorkerPipeline",
 ]
 
-#: How long a choice between workers and inline collation stands before the other is probed again.
+#: The longest a choice between workers and inline collation stands before the other is probed again.
 REPROBE_SECONDS = 3.0
-#: The first choice stands this long, each later one twice as long up to :data:`REPROBE_SECONDS`:
-#: an epoch's first batches (read windows still growing, first page faults) may mislead it.
+#: How long the first choice stands (eight times that when clear); each later one stands twice
+#: (or eight times) as long as the one before, up to :data:`REPROBE_SECONDS`: a busy machine may
+#: have misled an early one.
 FIRST_REPROBE_SECONDS = 0.02
 #: Calls not timed at the start of an epoch, in the workers (as asked for): the read windows
 #: grow from one batch to 64 over the first 127 batches, and the first reads fault pages in, so

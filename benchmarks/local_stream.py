@@ -38,6 +38,34 @@ def collate(samples: Sequence[np.ndarray]) -> torch.Tensor:
     return torch.from_numpy(np.asarray(samples).astype(np.int64))
 
 
+class GilBoundCollate:
+    """The README's collate after ``loops`` iterations of pure Python, which hold the GIL
+    (a tokenizer-like collate); picklable, so process workers can run it too."""
+
+    def __init__(self, loops: int) -> None:
+        self.loops = loops
+
+    def __call__(self, samples: Sequence[np.ndarray]) -> torch.Tensor:
+        n = 0
+        while n < self.loops:  # bytecode the interpreter runs with the GIL held
+            n += 1
+        return collate(samples)
+
+
+def gil_bound_collate(ms: float = 1.0) -> GilBoundCollate:
+    """A :class:`GilBoundCollate` calibrated here to take about ``ms`` milliseconds a batch."""
+    probe = GilBoundCollate(200_000)
+    rows = np.zeros((BATCH, SEQ), dtype=np.uint16)
+    best = min(_timed(probe, rows) for _ in range(5))
+    return GilBoundCollate(max(1, int(probe.loops * ms / 1000 / best)))
+
+
+def _timed(fn: Callable[[Any], Any], arg: Any) -> float:
+    t0 = time.perf_counter()
+    fn(arg)
+    return time.perf_counter() - t0
+
+
 def ensure_dataset(tokens: int) -> Path:
     root = Path(os.environ.get("GUIDELOOM_BENCH_DIR", Path(tempfile.gettempdir()) / "guideloom-bench"))
     path = root / f"stream-u16-{tokens}"
@@ -120,7 +148,7 @@ def run_bare_threads(path: Path, batches: int, workers: int = 2, group: int = 4)
 def make_loader(path: Path, **kw: Any) -> gl.StatefulDataLoader[Any, torch.Tensor]:
     return gl.StatefulDataLoader.from_storage(
         gl.open_stream(path),
-        collate,
+        kw.pop("collate_fn", collate),
         sequence_length=SEQ,
         local_batch_size=BATCH,
         shuffle=True,
@@ -258,6 +286,52 @@ print(dt, base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     return float(out[0]), float(out[1]), float(out[2])
 
 
+def thread_worker_targets(path: Path, batches: int, warmup: int, rounds: int) -> None:
+    """Issue 11 item 2: thread workers against no workers, for the README's collate and a
+    GIL-bound collate of ~1 ms; each ratio against ``nw=0`` of the same round (sync ``for``)."""
+    gil = gil_bound_collate(1.0)
+    gil_batches = max(50, batches // 3)
+    cases: dict[str, tuple[Callable[[], float], str]] = {
+        "README collate  nw=0": (lambda: run_sync(path, batches, warmup), "README collate  nw=0"),
+        "README collate  nw=2 thread": (
+            lambda: run_sync(path, batches, warmup, num_workers=2),
+            "README collate  nw=0",
+        ),
+        "README collate  nw=2 thread prefetch=8": (
+            lambda: run_sync(path, batches, warmup, num_workers=2, prefetch=8),
+            "README collate  nw=0",
+        ),
+        "GIL-bound ~1 ms nw=0": (
+            lambda: run_sync(path, gil_batches, warmup, collate_fn=gil),
+            "GIL-bound ~1 ms nw=0",
+        ),
+        "GIL-bound ~1 ms nw=2 thread": (
+            lambda: run_sync(path, gil_batches, warmup, collate_fn=gil, num_workers=2),
+            "GIL-bound ~1 ms nw=0",
+        ),
+        "GIL-bound ~1 ms nw=2 thread prefetch=8": (
+            lambda: run_sync(path, gil_batches, warmup, collate_fn=gil, num_workers=2, prefetch=8),
+            "GIL-bound ~1 ms nw=0",
+        ),
+    }
+    rates: dict[str, list[float]] = {k: [] for k in cases}
+    ratios: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(rounds):
+        for name, (fn, _base) in cases.items():
+            rates[name].append(fn())
+        for name, (_fn, base) in cases.items():
+            ratios[name].append(rates[name][-1] / rates[base][-1])
+    print(
+        f"\nthread workers (issue 11; GIL-bound collate: {gil.loops:,} Python loops, {gil_batches} batches)"
+    )
+    print(f"{'configuration':44s} {'samples/s':>12s} {'x nw=0':>8s} {'min x':>6s}")
+    for name in cases:
+        print(
+            f"{name:44s} {statistics.median(rates[name]):12,.0f} {statistics.median(ratios[name]):8.2f} "
+            f"{min(ratios[name]):6.2f}"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=100_000_000)
@@ -267,11 +341,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="10M tokens, 200 batches, 1 round")
     ap.add_argument("--prefetch", type=int, default=16, help="prefetch for the prefetching configurations")
     ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument(
+        "--thread-workers-only", action="store_true", help="only the thread-worker targets (issue 11)"
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.tokens, args.batches, args.warmup, args.rounds = 10_000_000, 200, 50, 1
     path = ensure_dataset(args.tokens)
     nb, wu, pf = args.batches, args.warmup, args.prefetch
+    if args.thread_workers_only:
+        thread_worker_targets(path, nb, wu, args.rounds)
+        return
     configs: dict[str, Callable[[], float]] = {
         "bare loop, batched gather (the limit)": lambda: run_bare(path, nb),
         "bare loop, one slice per sample": lambda: run_bare_per_sample(path, nb),
@@ -320,6 +400,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in steps:
         v = statistics.median(step_results[name])
         print(f"{name:44s} {v:12,.0f} {v / alone:8.2f}")
+    thread_worker_targets(path, nb, wu, args.rounds)
     dt, base, rss = first_batch_on_sparse_tib()
     print(
         f"\n1 TiB sparse stream: open + first shuffled batch in {dt:.3f} s; peak RSS {rss:.0f} MiB, "

@@ -18,6 +18,11 @@ the loader is open (as torchdata picks its iterator class):
   stops when it ends (a loader holds no thread between iterators); batches come through the
   :class:`~guideloom._channel.Channel` as soon as they are ready.
 
+- :class:`ThreadWorkerIterator`: ``parallel_method="thread"`` workers over a storage that
+  ``reads_inline()``: no event loop; the caller's thread reads and hands groups of batches to
+  the worker threads, or collates inline while that is cheaper
+  (:mod:`guideloom._thread_workers`).
+
 ``async for`` gets :class:`AsyncIterator`, which runs the pipeline on the caller's loop.
 """
 
@@ -37,6 +42,7 @@ from ._channel import Channel, EndOfStream
 from ._loop import LoopThread
 from ._pipeline import Delivery, InlinePipeline, PipelineConfig, make_executor, run_pipeline
 from ._plan import EpochPlan
+from ._thread_workers import ThreadWorkerPipeline
 
 if TYPE_CHECKING:
     from .pytorch import StatefulDataLoader
@@ -48,6 +54,7 @@ __all__ = [
     "InlineIterator",
     "LoopThreadIterator",
     "SyncIterator",
+    "ThreadWorkerIterator",
     "pipeline_config",
     "sync_iterator",
 ]
@@ -94,11 +101,14 @@ class ActiveIterator:
     """A loader's one active iterator. Held weakly: an abandoned iterator is collected (and
     closes itself), which releases the loader."""
 
-    __slots__ = ("_lock", "_ref")
+    __slots__ = ("_left", "_lock", "_ref")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._ref: weakref.ref[_IteratorBase[Any]] | None = None
+        # What an async iterator closed without waiting (collected, or closed from sync code)
+        # left to finish: its pipeline task and its workers, joined when the loader closes.
+        self._left: list[tuple[asyncio.Task[None] | None, threading.Thread | None]] = []
 
     def get(self) -> _IteratorBase[Any] | None:
         ref = self._ref
@@ -117,6 +127,51 @@ class ActiveIterator:
         with self._lock:
             if self._ref is not None and self._ref() in (it, None):
                 self._ref = None
+
+    def leave(self, task: asyncio.Task[None] | None, executor: concurrent.futures.Executor | None) -> None:
+        """Stop what a closed iterator could not wait for (its pipeline ``task`` is cancelled
+        already): ``executor`` shuts down on a thread of its own, and :meth:`join_left` /
+        :meth:`ajoin_left` wait for both."""
+        joiner = None
+        if executor is not None:
+            joiner = threading.Thread(
+                target=executor.shutdown,
+                kwargs={"wait": True, "cancel_futures": True},
+                name="guideloom-join",
+                daemon=True,
+            )
+            joiner.start()
+        with self._lock:  # what has finished meanwhile needs no join
+            self._left = [
+                (t, j) for t, j in self._left if not (t is None or t.done()) or (j and j.is_alive())
+            ]
+            if task is not None or joiner is not None:
+                self._left.append((task, joiner))
+
+    def _take_left(self) -> list[tuple[asyncio.Task[None] | None, threading.Thread | None]]:
+        with self._lock:
+            left, self._left = self._left, []
+        return left
+
+    def join_left(self) -> None:
+        """Join the workers of iterators closed without waiting (sync ``loader.close()``)."""
+        for _, joiner in self._take_left():
+            if joiner is not None:
+                joiner.join()
+
+    async def ajoin_left(self) -> None:
+        """As :meth:`join_left`, from the loop: wait for their pipeline tasks, then join their
+        workers, through a cancellation of the caller (raised once all is joined)."""
+        cancelled = False
+        loop = asyncio.get_running_loop()
+        for task, joiner in self._take_left():
+            if task is not None and task.get_loop() is loop:
+                cancelled = await _wait_through_cancellation(task) or cancelled
+            if joiner is not None:
+                joined = loop.run_in_executor(None, joiner.join)
+                cancelled = await _wait_through_cancellation(joined) or cancelled
+        if cancelled:
+            raise asyncio.CancelledError
 
 
 class _IteratorBase(Generic[BatchT]):
@@ -143,8 +198,8 @@ class _IteratorBase(Generic[BatchT]):
         self._cfg = cfg
         self._expected = len(cfg.plan)
 
-    def _start_executor(self) -> concurrent.futures.Executor | None:
-        self._executor = make_executor(self._cfg)
+    def _start_executor(self, *, off_loop: bool = False) -> concurrent.futures.Executor | None:
+        self._executor = make_executor(self._cfg, off_loop=off_loop)
         return self._executor
 
     def _join_executor(self) -> None:
@@ -204,6 +259,8 @@ def sync_iterator(loader: StatefulDataLoader[Any, BatchT]) -> SyncIterator[Batch
         cls: type[SyncIterator[BatchT]]
         if cfg.capacity == 0 and cfg.dataset.reads_inline:
             cls = InlineIterator
+        elif cfg.num_workers > 0 and cfg.parallel_method == "thread" and cfg.dataset.reads_inline:
+            cls = ThreadWorkerIterator
         elif cfg.capacity == 0 and not _event_loop_running_here():
             cls = CallerLoopIterator
         else:
@@ -363,6 +420,27 @@ class CallerLoopIterator(SyncIterator[BatchT]):
         self._close_loop()
 
 
+class ThreadWorkerIterator(SyncIterator[BatchT]):
+    """Thread workers fed from the caller's thread, no event loop (see the module docstring)."""
+
+    _pipe: ThreadWorkerPipeline | None = None
+
+    def _start(self) -> None:
+        executor = self._start_executor()
+        assert executor is not None
+        self._pipe = ThreadWorkerPipeline(self._cfg, executor)
+
+    def _next(self) -> Delivery | None:
+        assert self._pipe is not None
+        d = self._pipe.next()
+        return None if self._done else d  # None: close() in another thread ended this next()
+
+    def _stop(self) -> None:
+        if self._pipe is not None:
+            self._pipe.close()
+        self._join_executor()
+
+
 async def _drive(
     cfg: PipelineConfig,
     channel: Channel[Delivery],
@@ -418,6 +496,18 @@ class LoopThreadIterator(SyncIterator[BatchT]):
         lt.stop()
 
 
+async def _wait_through_cancellation(fut: asyncio.Future[Any]) -> bool:
+    """Wait until ``fut`` is done, even if the waiting task is cancelled meanwhile (``fut`` is
+    not cancelled with it); return whether it was, so the caller re-raises once done."""
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.wait({fut})
+        except asyncio.CancelledError:
+            cancelled = True
+    return cancelled
+
+
 class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
     """The iterator ``async for batch in loader`` uses: the pipeline runs on the caller's loop."""
 
@@ -438,7 +528,9 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
         self._configure(pipeline_config(loader))
         loop = asyncio.get_running_loop()
         channel: Channel[Delivery] = Channel(loop, self._cfg.capacity)
-        executor = self._start_executor()
+        # The caller's loop serves other tasks: collate_fn never runs on it (one thread at
+        # num_workers=0), however long it takes.
+        executor = self._start_executor(off_loop=True)
         self._task = loop.create_task(
             run_pipeline(self._cfg, channel, 0, executor), name="guideloom-pipeline"
         )
@@ -451,7 +543,13 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
         try:
             channel = self._channel or await self._start()
             t0 = time.perf_counter()
-            d = await channel.aget()
+            fut = channel.get_future()
+            if fut.done():
+                # A buffered batch: awaiting a done future does not suspend, so give the loop
+                # its turn here (a checkpoint, anyio's word), once per batch, or a consumer that
+                # never waits for a batch would starve every other task on the loop.
+                await asyncio.sleep(0)
+            d = await fut
             waited = time.perf_counter() - t0
         except EndOfStream:
             if self._done:  # aclose() in another task ended the pipeline while this one waited
@@ -474,19 +572,22 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
             return
         self._done = True
         try:
+            # Every stage and worker has stopped before this returns, even when the task that
+            # closes is cancelled meanwhile (a cancelled ``async for``): its cancellation is
+            # raised once the workers are joined, not before, so nothing outlives the loop.
+            cancelled = False
             task = self._task
             if task is not None and not task.done():
                 task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    current = asyncio.current_task()
-                    if current is not None and current.cancelling():
-                        raise
-                except Exception:
-                    pass
+                cancelled = await _wait_through_cancellation(task)
+            if task is not None and task.done() and not task.cancelled():
+                task.exception()  # retrieved: its failures reached the consumer as deliveries
             if self._executor is not None:
-                await asyncio.to_thread(self._join_executor)
+                joined = asyncio.get_running_loop().run_in_executor(None, self._join_executor)
+                cancelled = await _wait_through_cancellation(joined) or cancelled
+                joined.result()
+            if cancelled:
+                raise asyncio.CancelledError
         finally:
             self._loader._active.release(self)
             if self._owns_open:
@@ -501,8 +602,9 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
         self._done = True
         if task is not None and not task.done():
             task.get_loop().call_soon_threadsafe(task.cancel)
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        # Nothing is awaited here (collected, or closed from sync code): closing the loader joins it.
+        self._loader._active.leave(task, self._executor)
+        self._executor = None
         self._loader._active.release(self)
 
     def __del__(self) -> None:

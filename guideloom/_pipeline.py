@@ -54,7 +54,22 @@ from ._schedule import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Delivery", "InlinePipeline", "PipelineConfig", "make_executor", "move_to_device", "run_pipeline"]
+__all__ = [
+    "COLLATE_ERRORS",
+    "Delivery",
+    "InlinePipeline",
+    "PipelineConfig",
+    "make_executor",
+    "move_to_device",
+    "run_pipeline",
+]
+
+#: What a ``collate_fn`` (or the device copy) may raise that is delivered to the consumer at its
+#: batch: every ``Exception``, and ``SystemExit``/``KeyboardInterrupt`` too, so that a collate
+#: that calls ``sys.exit()`` (or is interrupted) ends the consumer's loop with that same exception
+#: rather than killing an event loop or a worker and leaving the consumer with a truncated epoch.
+#: Cancellation (``asyncio.CancelledError``) is not among them: it is guideloom's own signal.
+COLLATE_ERRORS: tuple[type[BaseException], ...] = (Exception, SystemExit, KeyboardInterrupt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,14 +242,18 @@ def _collate_many(
     for b in batches:
         try:
             out.append((collate_fn(b), None))
-        except Exception as exc:
+        except COLLATE_ERRORS as exc:
             out.append((None, exc))
             break
     return out
 
 
-def make_executor(cfg: PipelineConfig) -> concurrent.futures.Executor | None:
+def make_executor(cfg: PipelineConfig, *, off_loop: bool = False) -> concurrent.futures.Executor | None:
+    """The collate workers for ``cfg``: none at ``num_workers=0`` unless ``off_loop`` (a caller's
+    event loop must never run ``collate_fn``: then one thread collates)."""
     if cfg.num_workers == 0:
+        if off_loop:
+            return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="guideloom-collate")
         return None
     if cfg.parallel_method == "thread":
         return concurrent.futures.ThreadPoolExecutor(cfg.num_workers, thread_name_prefix="guideloom-collate")
@@ -282,7 +301,7 @@ async def _collate(
                     if d.error is None:
                         try:
                             d.value = cfg.collate_fn(d.value)
-                        except Exception as exc:
+                        except COLLATE_ERRORS as exc:
                             d.error, d.value = exc, None
                     failed = d.error is not None
                     await emit(d)
@@ -292,7 +311,8 @@ async def _collate(
             return
 
         loop = asyncio.get_running_loop()
-        max_group = group_size(cfg.capacity, cfg.num_workers)
+        workers = max(1, cfg.num_workers)  # num_workers=0 with an executor: one collate thread
+        max_group = group_size(cfg.capacity, workers)
         pending: deque[tuple[list[Delivery], asyncio.Future[list[tuple[Any, BaseException | None]]]]] = (
             deque()
         )
@@ -344,17 +364,17 @@ async def _collate(
                         return
                     if not channel.try_reserve():
                         submit()  # no credit now: start what we have before waiting
-                        if not await flush(cfg.num_workers - 1):
+                        if not await flush(workers - 1):
                             return
                         await channel.reserve()
                     group.append(d)
                     del d
                     if len(group) >= max_group:
                         submit()
-                        if not await flush(cfg.num_workers - 1):
+                        if not await flush(workers - 1):
                             return
                 submit()
-                if not await flush(cfg.num_workers - 1):
+                if not await flush(workers - 1):
                     return
             submit()
             await flush(0)
@@ -382,8 +402,9 @@ class InlinePipeline:
         self._device = cfg.device if cfg.device.type != "cpu" else None
         self._pending: list[Delivery] = []  # the window's uncollated batches, last first
 
-    def next(self) -> Delivery | None:
-        """The next batch (or the error in its place); ``None`` once the epoch or a failure ended it."""
+    def next_raw(self) -> Delivery | None:
+        """The next batch as read, not collated (or the read's error in its place); ``None`` at the
+        end of the epoch. Thread workers collate what this returns."""
         pending = self._pending
         if not pending:
             specs = next(self._windows, None)
@@ -391,15 +412,21 @@ class InlinePipeline:
                 return None
             pending.extend(reversed(run_sync(read_window(specs, self._indexes, self._reading), self._read)))
         try:
-            d = pending.pop()
+            return pending.pop()
         except IndexError:  # close() from another thread meanwhile
+            return None
+
+    def next(self) -> Delivery | None:
+        """The next batch (or the error in its place); ``None`` once the epoch or a failure ended it."""
+        d = self.next_raw()
+        if d is None:
             return None
         if d.error is None:
             try:
                 d.value = self._cfg.collate_fn(d.value)
                 if self._device is not None:
                     d.value = move_to_device(d.value, self._device, self._cfg.pin_memory)
-            except Exception as exc:
+            except COLLATE_ERRORS as exc:
                 d.error, d.value = exc, None
         if d.error is not None:
             self.close()
@@ -422,7 +449,7 @@ async def run_pipeline(
 ) -> None:
     """Run every stage until the epoch's last batch (or the first failure) reaches ``channel``.
 
-    ``executor`` (from :func:`make_executor`) runs collation for ``num_workers > 0``; the caller
+    ``executor`` (from :func:`make_executor`) runs collation (when None, it runs on this loop); the caller
     owns it and shuts it down once this coroutine has finished, so that a cancelled pipeline
     still joins its workers. ``own_loop`` says the loop is guideloom's private one (see
     :func:`_reads_for`).

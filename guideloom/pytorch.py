@@ -266,6 +266,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
             it = self._active.get()
         if it is not None:
             it.close_sync()
+        self._active.join_left()
         with self._lock:
             if self._state != "closed":
                 self._state = "closed"
@@ -288,6 +289,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         it = self._active.get()
         if it is not None:
             await it.close_async()
+        await self._active.ajoin_left()
         if self._state != "closed":
             self._state = "closed"
             await self.dataset.close()

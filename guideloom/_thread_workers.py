@@ -1,0 +1,272 @@
+"""Thread workers for the sync iterator that never cost more than they bring (issue 11 item 2).
+
+Over a storage that reads inline (memory, page-cached local files), ``for batch in loader`` with
+``parallel_method="thread"`` needs no event loop: the consumer's thread reads the upcoming
+batches (the :class:`~guideloom._pipeline.InlinePipeline`'s windows) and hands them to the
+worker threads in groups, one ``concurrent.futures`` hand-off per group, taking results back in
+plan order. No loop thread stands between the two, so a batch crosses threads twice, not four
+times, and there is no asyncio future or channel wake-up per batch.
+
+Threads share one GIL: they pay off only when the collate releases it (numpy, torch) or when the
+consumer's own step does (a training step of torch ops, during which the workers collate). A
+cheap collate costs less than its hand-off, and a GIL-bound one gains nothing from a second
+thread. So the pipeline measures instead of guessing: it times the consumer's cycle (from one
+``next()`` to the next) with the workers and with the collate run inline in ``next()``, keeps
+the cheaper, and probes the other again from time to time (a step that grows, a collate that
+slows down; see :class:`_Chooser`). Either way the batches, their order, the errors at their
+batch and the checkpoint are the same: only where ``collate_fn`` runs differs. In inline mode
+nothing is prepared ahead, as at ``num_workers=0``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ._pipeline import COLLATE_ERRORS, Delivery, InlinePipeline, PipelineConfig, group_size, move_to_device
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "CHUNK_SECONDS",
+    "FIRST_REPROBE_SECONDS",
+    "REPROBE_SECONDS",
+    "WARMUP_CALLS",
+    "WORKERS_MARGIN",
+    "ThreadWorkerPipeline",
+]
+
+#: The longest a choice between workers and inline collation stands before the other is probed again.
+REPROBE_SECONDS = 3.0
+#: How long the first choice stands (eight times that when clear); each later one stands twice
+#: (or eight times) as long as the one before, up to :data:`REPROBE_SECONDS`: a busy machine may
+#: have misled an early one.
+FIRST_REPROBE_SECONDS = 0.02
+#: Calls not timed at the start of an epoch, in the workers (as asked for): the read windows
+#: grow from one batch to 64 over the first 127 batches, and the first reads fault pages in, so
+#: both modes run several times slower than later and a first choice there would be noise.
+WARMUP_CALLS = 128
+#: The least time one chunk of calls in one mode is timed over.
+CHUNK_SECONDS = 0.001
+#: Workers are used only when the consumer's cycle takes at most this fraction of inline's.
+WORKERS_MARGIN = 0.9
+
+Results = list[tuple[Any, BaseException | None]]
+
+
+def _collate_group(
+    collate_fn: Callable[[Sequence[Any]], Any],
+    device: torch.device | None,
+    pin_memory: bool,
+    batches: list[Any],
+) -> Results:
+    """A worker's call: collate (and move) consecutive batches; stops at the first failure,
+    which is returned in place of its batch."""
+    out: Results = []
+    for b in batches:
+        try:
+            value = collate_fn(b)
+            if device is not None:
+                value = move_to_device(value, device, pin_memory)
+            out.append((value, None))
+        except COLLATE_ERRORS as exc:
+            out.append((None, exc))
+            break
+    return out
+
+
+class _Chooser:
+    """Which mode ``next()`` runs in: probes of each mode, then the cheaper for a while.
+
+    A mode is timed over *chunks* of at least ``chunk`` calls and :data:`CHUNK_SECONDS` (so a
+    chunk of cheap batches is not all timer noise), the calls that fill (or drain) the workers'
+    queue after a switch not counted. Each choice compares chunks in the order A, B, B, A
+    (workers, inline, inline, workers at first, after :data:`WARMUP_CALLS`; later the chosen
+    mode's last chunk, two of the other, one more of the chosen), so a steady drift in speed
+    weighs on both alike, and a mode costs its cheaper chunk, so one preempted chunk does not
+    decide. It starts with the workers,
+    as asked for (a slow collate is spread from its first batch), and keeps them only if they
+    cost at most :data:`WORKERS_MARGIN` of inline: a hand-off that brings nothing measurable is
+    not worth its threads. A first choice stands :data:`FIRST_REPROBE_SECONDS` (eight times
+    that when clear: the other mode twice as costly), each later one twice as long as the one
+    before (or eight times), up to :data:`REPROBE_SECONDS`, so that probes of the worse mode
+    cost a few percent at most.
+    """
+
+    def __init__(self, skip: int, chunk: int) -> None:
+        self._skip, self._chunk = skip, chunk
+        self.workers = True
+        self._plan = [False, False, True]  # after a first chunk of the workers, as asked for
+        self._chunks: dict[bool, list[float]] = {True: [], False: []}  # mean seconds per call
+        self._last = 0.0  # the chosen mode's latest chunk
+        self._probing = True
+        self._n = -(skip + WARMUP_CALLS)
+        self._total = 0.0
+        self._until = 0.0
+        self._interval = FIRST_REPROBE_SECONDS
+
+    def record(self, seconds: float, settled: bool) -> None:
+        """One cycle of ``seconds`` in the current mode; ``settled``: the queue held only this
+        mode's work (inline, the workers' queue has drained)."""
+        if not settled:
+            return
+        self._n += 1
+        if self._n <= 0:
+            return
+        self._total += seconds
+        if self._n < self._chunk or self._total < CHUNK_SECONDS:
+            return
+        mode, mean = self.workers, self._total / self._n
+        self._n, self._total = 0, 0.0
+        if not self._probing:
+            self._last = mean
+            if time.perf_counter() >= self._until:  # probe the other: chosen, other, other, chosen
+                self._probing = True
+                self._chunks = {mode: [mean], not mode: []}
+                self._plan = [not mode, mode]
+                self._switch(not mode)
+            return
+        self._chunks[mode].append(mean)
+        if self._plan:
+            self._switch(self._plan.pop(0))
+            return
+        self._probing = False
+        cost = {m: min(c) for m, c in self._chunks.items()}  # one preempted chunk is not the cost
+        self._switch(cost[True] <= WORKERS_MARGIN * cost[False])
+        # A clear choice (the other mode twice as costly) stands eight times longer; a close
+        # one, which a busy machine may have decided, is probed again soon.
+        clear = max(cost.values()) > 2 * min(cost.values())
+        hold = min(REPROBE_SECONDS, (8 if clear else 1) * self._interval)
+        self._until = time.perf_counter() + hold
+        self._interval = min(REPROBE_SECONDS, 2 * hold)
+
+    def _switch(self, workers: bool) -> None:
+        if workers != self.workers:
+            self.workers = workers
+            self._n, self._total = -self._skip, 0.0
+
+
+class ThreadWorkerPipeline:
+    """Read in the caller's thread, collate on ``executor``'s threads or inline, in plan order.
+
+    At most ``prefetch + num_workers`` batches are prepared ahead of the consumer's requests (as
+    with the channel's credits); groups of up to :func:`~guideloom._pipeline.group_size` batches
+    go to a worker in one call, and a new group is started only once a whole group's room is
+    free, so a consumer taking one batch at a time does not shrink the groups to one batch.
+    """
+
+    def __init__(
+        self, cfg: PipelineConfig, executor: concurrent.futures.Executor, chooser: _Chooser | None = None
+    ) -> None:
+        self._source = InlinePipeline(cfg)
+        self._executor = executor
+        self._collate = cfg.collate_fn
+        self._device = cfg.device if cfg.device.type != "cpu" else None
+        self._pin = cfg.pin_memory
+        self._limit = cfg.capacity + 1  # batches prepared ahead, plus the one asked for
+        self._group = group_size(cfg.capacity, cfg.num_workers)
+        # Groups in plan order, each its batches (first last, popped as delivered) and the
+        # worker's future (None once its results are in the batches).
+        self._queue: deque[tuple[list[Delivery], concurrent.futures.Future[Results] | None]] = deque()
+        self._ahead = 0  # batches in the queue
+        self._ended = False  # the source has nothing more (the end, a failure, close())
+        self._last: float | None = None  # when the last request came
+        self._settled = False
+        self._chooser = chooser or _Chooser(skip=self._limit, chunk=max(8, 2 * self._limit))
+
+    def next(self) -> Delivery | None:
+        """The next batch in plan order (or the error in its place); ``None`` at the end."""
+        # Timed from one request to the next: the consumer's whole cycle, its own work included,
+        # as threads that hold the GIL slow that down too (time inside next() alone misses it).
+        now = time.perf_counter()
+        chooser = self._chooser
+        if self._last is not None:
+            chooser.record(now - self._last, self._settled)
+        self._last = now
+        if chooser.workers:
+            self._fill()
+        self._settled = chooser.workers or not self._queue
+        return self._take() if self._queue else self._inline()
+
+    def _inline(self) -> Delivery | None:
+        if self._ended:
+            return None
+        d = self._source.next_raw()
+        if d is None:
+            self._ended = True
+            return None
+        if d.error is None:
+            d.value, d.error = _collate_group(self._collate, self._device, self._pin, [d.value])[0]
+        if d.error is not None:
+            self._end()
+        return d
+
+    def _fill(self) -> None:
+        """Hand groups to the workers while a whole group's room is free (or nothing is queued)."""
+        group: list[Delivery] = []
+        while not self._ended and (self._limit - self._ahead >= self._group or not self._queue):
+            while len(group) < self._group and self._ahead + len(group) < self._limit:
+                d = self._source.next_raw()
+                if d is None:
+                    self._ended = True
+                    break
+                if d.error is not None:  # a read failed: it is delivered after the batches before it
+                    self._submit(group)
+                    self._queue.append(([d], None))
+                    self._ahead += 1
+                    self._end()
+                    return
+                group.append(d)
+            if not group:
+                return
+            self._submit(group)
+
+    def _submit(self, group: list[Delivery]) -> None:
+        if not group:
+            return
+        batches = [d.value for d in group]
+        for d in group:
+            d.value = None  # the worker holds the raw batch; delivered values replace it
+        fut = self._executor.submit(_collate_group, self._collate, self._device, self._pin, batches)
+        group.reverse()
+        self._queue.append((list(group), fut))
+        self._ahead += len(group)
+        group.clear()
+
+    def _take(self) -> Delivery:
+        ds, fut = self._queue[0]
+        if fut is not None:
+            results = fut.result()
+            results.reverse()
+            dropped = len(ds) - len(results)
+            if dropped:  # the group stopped at a failure: nothing after it (first last in ds)
+                del ds[:dropped]
+                self._ahead -= dropped
+            for d in reversed(ds):
+                d.value, d.error = results.pop()
+            self._queue[0] = (ds, None)
+        d = ds.pop()
+        self._ahead -= 1
+        if not ds:
+            self._queue.popleft()
+        if d.error is not None:
+            self._end()
+        return d
+
+    def _end(self) -> None:
+        """Nothing after a failure is produced: drop what is queued behind it."""
+        self._ended = True
+        self._source.close()
+
+    def close(self) -> None:
+        """Produce nothing more; queued groups are cancelled (the owner joins the workers)."""
+        self._end()
+        while self._queue:
+            _, fut = self._queue.popleft()
+            if fut is not None:
+                fut.cancel()
+        self._ahead = 0

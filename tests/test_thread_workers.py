@@ -1,0 +1,253 @@
+"""Thread workers fed from the caller's thread (``guideloom._thread_workers``, issue 11 item 2):
+the same batches in the same order, errors at their batch, nothing collated beyond the
+prefetch bound, whichever mode (workers or inline) each ``next()`` runs in."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import guideloom as gl
+from guideloom import _thread_workers
+from guideloom._iterators import ThreadWorkerIterator
+from guideloom._pipeline import InlinePipeline, PipelineConfig
+from guideloom._plan import EpochPlan, Permutation
+from guideloom._thread_workers import ThreadWorkerPipeline, _Chooser
+
+from ._helpers import identity_stream
+
+
+class Boom(Exception):
+    pass
+
+
+class FailingReads(gl.MemoryStreamStorage):
+    """Fails every read that includes element ``bad``."""
+
+    def __init__(self, tokens: Any, bad: int) -> None:
+        super().__init__(tokens)
+        self.bad = bad
+
+    def read_many_sync(self, starts: Any, length: int) -> Sequence[Any]:
+        if self.bad in starts.tolist():
+            raise OSError(f"bad read at {self.bad}")
+        return super().read_many_sync(starts, length)
+
+
+class Counting:
+    """Collate to the observation ids; counts the calls, raises at observation ``fail``."""
+
+    def __init__(self, fail: int | None) -> None:
+        self.fail = fail
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, samples: Sequence[np.ndarray]) -> list[int]:
+        with self.lock:
+            self.calls += 1
+        ids = [int(s[0]) for s in samples]
+        if self.fail in ids:
+            raise Boom(self.fail)
+        return ids
+
+
+class Flipping(_Chooser):
+    """Switches mode every ``every`` calls, whatever they cost (every transition exercised)."""
+
+    def __init__(self, every: int, start_workers: bool) -> None:
+        super().__init__(skip=0, chunk=1)
+        self.every, self.calls, self.workers = every, 0, start_workers
+
+    def record(self, seconds: float, settled: bool) -> None:
+        self.calls += 1
+        if self.calls % self.every == 0:
+            self.workers = not self.workers
+
+
+def config(
+    storage: gl.MemoryStreamStorage, collate: Any, n: int, batch: int, nw: int, prefetch: int
+) -> PipelineConfig:
+    return PipelineConfig(
+        dataset=gl.StreamDataset(storage, 1),
+        plan=EpochPlan(n, batch, 1, 0, drop_last=False, start_offset=0),
+        order=Permutation(n, shuffle=True, seed=5, epoch=0),
+        collate_fn=collate,
+        device=torch.device("cpu"),
+        pin_memory=False,
+        num_workers=nw,
+        parallel_method="thread",
+        prefetch=prefetch,
+    )
+
+
+def drain(next_: Any) -> list[tuple[Any, str | None]]:
+    out = []
+    while (d := next_()) is not None:
+        out.append((d.value, None if d.error is None else f"{type(d.error).__name__}{d.error.args}"))
+        if d.error is not None:
+            break
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 300),
+    batch=st.integers(1, 6),
+    nw=st.integers(1, 3),
+    prefetch=st.integers(0, 12),
+    every=st.integers(1, 9),
+    start_workers=st.booleans(),
+    fail=st.one_of(st.none(), st.tuples(st.sampled_from(["collate", "read"]), st.integers(0, 299))),
+)
+def test_same_batches_order_and_errors_as_inline_in_either_mode(
+    n: int, batch: int, nw: int, prefetch: int, every: int, start_workers: bool, fail: tuple[str, int] | None
+) -> None:
+    """Against the inline pipeline: exactly the same deliveries, the failure at its batch and
+    nothing after it, and never more than ``prefetch + num_workers`` batches collated beyond
+    the consumer's requests, with modes switching every few batches."""
+    bad_collate = fail[1] if fail is not None and fail[0] == "collate" else None
+    bad_read = fail[1] if fail is not None and fail[0] == "read" else -1
+
+    def storage() -> gl.MemoryStreamStorage:
+        return FailingReads(np.arange(n), bad_read)
+
+    expected = drain(InlinePipeline(config(storage(), Counting(bad_collate), n, batch, nw, prefetch)).next)
+    collate = Counting(bad_collate)
+    cfg = config(storage(), collate, n, batch, nw, prefetch)
+    with concurrent.futures.ThreadPoolExecutor(nw) as ex:
+        pipe = ThreadWorkerPipeline(cfg, ex, Flipping(every, start_workers))
+        got = []
+        while (d := pipe.next()) is not None:
+            got.append((d.value, None if d.error is None else f"{type(d.error).__name__}{d.error.args}"))
+            time.sleep(0)  # let the workers run ahead as far as they may
+            with collate.lock:
+                assert collate.calls <= len(got) + cfg.capacity
+            if d.error is not None:
+                break
+        pipe.close()
+    assert got == expected
+
+
+def test_the_chooser_keeps_the_cheaper_mode_and_probes_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fed made-up timings: the chooser's decisions, probe by probe."""
+    monkeypatch.setattr(_thread_workers, "REPROBE_SECONDS", 0.05)
+    monkeypatch.setattr(_thread_workers, "FIRST_REPROBE_SECONDS", 0.05)
+    monkeypatch.setattr(_thread_workers, "CHUNK_SECONDS", 0.0)
+    monkeypatch.setattr(_thread_workers, "WARMUP_CALLS", 0)
+    c = _Chooser(skip=2, chunk=4)
+
+    def chunk(workers: bool, seconds: float, skip: bool = False) -> None:
+        assert c.workers is workers
+        for _ in range(6 if skip else 4):  # after a switch, 2 calls are not counted
+            c.record(seconds, settled=True)
+
+    chunk(True, 1e-3, skip=True)  # workers first, as asked for
+    c.record(1.0, settled=False)  # not counted (the queue still held the other mode's work)
+    chunk(False, 3e-4, skip=True)
+    chunk(False, 1e-4)
+    chunk(True, 1e-3, skip=True)  # A B B A: a drift weighs on both
+    assert not c.workers  # inline was cheaper: kept
+    for _ in range(10):
+        c.record(1e-4, settled=True)
+    assert not c.workers  # until the reprobe time
+    time.sleep(0.06)
+    for _ in range(4):  # the end of the chunk under way
+        if c.workers:
+            break
+        c.record(1e-4, settled=True)
+    chunk(True, 1e-5, skip=True)  # workers probed again, and now cheaper (a step that
+    chunk(True, 1e-5)  # releases the GIL, during which the workers collate)
+    chunk(False, 1e-4, skip=True)  # the chosen mode's chunk after the probe
+    assert c.workers
+    for _ in range(10):
+        c.record(1e-5, settled=True)
+    assert c.workers
+
+
+def test_workers_that_bring_too_little_are_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_thread_workers, "CHUNK_SECONDS", 0.0)
+    monkeypatch.setattr(_thread_workers, "WARMUP_CALLS", 0)
+    c = _Chooser(skip=0, chunk=1)
+    for _ in range(10):
+        c.record(0.95e-3 if c.workers else 1e-3, settled=True)  # workers 5% cheaper
+    assert not c.workers
+
+
+def test_a_chunk_lasts_at_least_chunk_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_thread_workers, "WARMUP_CALLS", 0)
+    c = _Chooser(skip=0, chunk=1)
+    for _ in range(int(_thread_workers.CHUNK_SECONDS / 1e-5) - 1):
+        c.record(1e-5, settled=True)  # cheap calls: not yet a chunk's worth of time
+    assert c.workers
+    c.record(2e-5, settled=True)
+    assert not c.workers  # the first chunk (workers) is done: inline next
+
+
+def test_a_collate_that_releases_the_gil_runs_on_the_workers() -> None:
+    """Two workers sleeping 2 ms a batch deliver twice as fast as one inline: after the probes
+    the workers collate; the inline probe is all the caller's thread collates."""
+    names: list[str] = []
+
+    def collate(samples: Sequence[np.ndarray]) -> list[int]:
+        names.append(threading.current_thread().name)
+        time.sleep(0.002)  # releases the GIL, as numpy and torch do
+        return [int(s[0]) // 4 for s in samples]
+
+    loader = gl.StatefulDataLoader.from_storage(
+        identity_stream(2000), collate, sequence_length=4, local_batch_size=2, num_workers=2, prefetch=2,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    with loader:
+        it = iter(loader)
+        assert isinstance(it, ThreadWorkerIterator)
+        got = [i for b in it for i in b]
+    assert got == list(range(2000))
+    on_workers = sum(n.startswith("guideloom-collate") for n in names)
+    assert on_workers >= 0.75 * len(names), (on_workers, len(names))
+
+
+def test_closing_from_another_thread_while_waiting_for_a_worker() -> None:
+    started = threading.Event()
+
+    def slow(samples: Sequence[np.ndarray]) -> list[int]:
+        started.set()
+        time.sleep(0.05)
+        return [int(s[0]) // 4 for s in samples]
+
+    loader = gl.StatefulDataLoader.from_storage(
+        identity_stream(400), slow, sequence_length=4, local_batch_size=2, num_workers=2,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    with loader:
+        it = iter(loader)
+        got = []
+        closer = threading.Timer(0.3, it.close)
+        closer.start()
+        for b in it:
+            got.append(b)
+        closer.join()
+        assert 0 < len(got) < 200
+        assert loader.state_dict()["observation_offset"] == 2 * len(got)
+
+
+def test_a_clear_choice_stands_longer_than_a_close_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_thread_workers, "CHUNK_SECONDS", 0.0)
+    monkeypatch.setattr(_thread_workers, "WARMUP_CALLS", 0)
+    first = _thread_workers.FIRST_REPROBE_SECONDS
+    intervals = {}
+    for ratio in (1.2, 4.0):  # inline 1.2x and 4x cheaper than the workers
+        c = _Chooser(skip=0, chunk=1)
+        for _ in range(4):
+            c.record(1e-3 if c.workers else 1e-3 / ratio, settled=True)
+        assert not c.workers
+        intervals[ratio] = c._interval  # twice the hold
+    assert intervals == {1.2: 2 * first, 4.0: 16 * first}

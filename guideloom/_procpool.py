@@ -291,6 +291,8 @@ class _Worker:
                 deliveries = self.loop.run_until_complete(
                     run_async(read_window(specs, indexes, reading), self.dataset.read_many)
                 )
+            # One message for the group: a wake-up of the main process per group, not per batch.
+            entries: list[tuple[Any, ...]] = []
             deliveries.reverse()
             while deliveries:
                 d = deliveries.pop()
@@ -300,35 +302,38 @@ class _Worker:
                     except BaseException as exc:  # SystemExit / KeyboardInterrupt too: the consumer's
                         d.error, d.value = exc, None
                 if d.error is not None:
-                    _send(self.results, ("e", token, gid, d.spec.step, *_exception_message(d.error)))
+                    entries.append(("e", d.spec.step, *_exception_message(d.error)))
                     break
-                self.send_batch(token, gid, d.spec.step, d.value)
+                entries.append(self.pack(d.spec.step, d.value))
                 del d
-                self.drain(block=False)
-                if self.stopping or token not in self.epochs:
+                if entries[-1][0] == "e":
                     break
+                if deliveries:
+                    self.drain(block=False)
+                    if self.stopping or token not in self.epochs:
+                        break
+            _send(self.results, ("g", token, gid, entries))
 
-    def send_batch(self, token: int, gid: int, step: int, value: Any) -> None:
+    def pack(self, step: int, value: Any) -> tuple[Any, ...]:
+        """One batch's entry: its pickle, its large arrays written into a slot."""
         buf = io.BytesIO()
         pickler = _SharedPickler(buf)
         try:
             pickler.dump(value)
         except Exception as exc:
-            _send(self.results, ("e", token, gid, step, *_exception_message(exc)))
-            return
+            return ("e", step, *_exception_message(exc))
         slot: tuple[int, str, int] | None = None
         if pickler.arrays:
             taken = self.slots.take(pickler.size)
             if taken is None:  # every slot held by the consumer: send the batch whole
-                _send(self.results, ("p", token, gid, step, pickle.dumps(value, protocol=5)))
-                return
+                return ("p", step, pickle.dumps(value, protocol=5))
             i, name, size, mm = taken
             offset = 0
             for raw in pickler.arrays:
                 np.frombuffer(mm, np.uint8, raw.nbytes, offset)[:] = raw
                 offset += (raw.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
             slot = (i, name, size)
-        _send(self.results, ("b", token, gid, step, buf.getvalue(), slot))
+        return ("b", step, buf.getvalue(), slot)
 
 
 def _worker_main(
@@ -488,17 +493,19 @@ class _Rebuilder(pickle.Unpickler):
 class _Group:
     """Consecutive batches one worker reads and collates; their deliveries arrive in order."""
 
-    __slots__ = ("done", "gid", "proc", "results", "specs", "waiter")
+    __slots__ = ("done", "gid", "proc", "received", "results", "specs", "waiter")
 
     def __init__(self, gid: int, specs: list[BatchSpec], proc: _Proc | None) -> None:
         self.gid = gid
         self.specs = specs
         self.proc = proc
-        self.results: deque[Delivery] = deque()
+        self.results: deque[Delivery] = deque()  # received, not yet emitted
+        self.received = 0
         self.waiter: asyncio.Future[None] | None = None
         self.done = False  # nothing more will arrive
 
     def add(self, d: Delivery) -> None:
+        self.received += 1
         self.results.append(d)
         if d.error is not None or d.spec.step == self.specs[-1].step:
             self.done = True
@@ -507,8 +514,7 @@ class _Group:
     def fail(self, exc: BaseException) -> None:
         if self.done:
             return
-        got = len(self.results)
-        self.add(Delivery(self.specs[got], error=exc))
+        self.add(Delivery(self.specs[self.received], error=exc))
 
     def wake(self) -> None:
         w = self.waiter
@@ -721,7 +727,7 @@ class Session:
                         WorkerError(
                             f"guideloom worker process {p.index} (pid {p.proc.pid}) died "
                             f"({p.describe_exit()}) while reading or collating batch "
-                            f"{g.specs[len(g.results)].step}"
+                            f"{g.specs[g.received].step}"
                         )
                     )
             return
@@ -729,28 +735,32 @@ class Session:
             self._on_message(p, pickle.loads(frame))
 
     def _on_message(self, p: _Proc, msg: tuple[Any, ...]) -> None:
-        kind, token, gid, step = msg[0], msg[1], msg[2], msg[3]
-        holder: Any = None
-        if kind == "b" and msg[5] is not None:
-            i, name, size = msg[5]
-            mm = p.map_slot(i, name, size)
-            holder = (ctypes.c_char * size).from_buffer(mm)  # the batch's arrays are views of it
-            weakref.finalize(holder, _release, p.state, i)
+        _, token, gid, entries = msg
         g = self.groups.get(gid) if token == self.token else None
-        if g is None or g.done:
-            return  # an ended iterator's batch: dropping it frees its slot
-        spec = g.specs[len(g.results)]
-        assert spec.step == step, (spec, step)
-        if kind == "e":
-            g.add(Delivery(spec, error=_load_exception(msg[4], msg[5])))
-        else:
+        for entry in entries:
+            kind, step = entry[0], entry[1]
+            holder: Any = None
+            if kind == "b" and entry[3] is not None:
+                i, name, size = entry[3]
+                mm = p.map_slot(i, name, size)
+                holder = (ctypes.c_char * size).from_buffer(mm)  # the batch's arrays are views of it
+                weakref.finalize(holder, _release, p.state, i)
+            if g is None or g.done:
+                continue  # an ended iterator's batch: dropping it frees its slot
+            spec = g.specs[g.received]
+            assert spec.step == step, (spec, step)
+            if kind == "e":
+                g.add(Delivery(spec, error=_load_exception(entry[2], entry[3])))
+                continue
             try:
-                value = pickle.loads(msg[4]) if kind == "p" else _Rebuilder(msg[4], holder).load()
+                value = pickle.loads(entry[2]) if kind == "p" else _Rebuilder(entry[2], holder).load()
             except Exception as exc:
                 g.add(Delivery(spec, error=exc))
             else:
                 g.add(Delivery(spec, value))
-        if g.done and g.proc is not None:
+        if g is not None and not g.done:
+            g.fail(RuntimeError(f"guideloom bug: a worker returned {g.received} of {len(g.specs)} batches"))
+        if g is not None and g.proc is not None:
             g.proc.inflight -= 1
 
     # -- the stage ----------------------------------------------------------------------------------

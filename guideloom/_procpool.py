@@ -803,41 +803,56 @@ class Session:
                 p.send(("epoch", self.token, plan, order, reading))
                 loop.add_reader(p.fd, self._on_readable, p, loop)
                 registered.append(p)
-            max_groups = 2 * pool.num_workers
-            step, total = first_step, len(plan)
-            while True:
-                while step < total and len(pending) < max_groups:
-                    n = min(group, total - step)
-                    got = 0
-                    while got < n and channel.try_reserve():
-                        got += 1
-                    if got == 0:
-                        if pending:
-                            break
+            room = asyncio.Semaphore(2 * pool.num_workers)  # groups in flight: one queued per worker
+            submitted = asyncio.Event()
+            total = len(plan)
+
+            async def submit() -> None:
+                """Send a group as soon as credits allow (not only when a result arrives: a
+                worker that waits for its next group is a worker lost)."""
+                step = first_step
+                try:
+                    while step < total:
+                        await room.acquire()
                         await channel.reserve()
-                        got = 1
+                        got, n = 1, min(group, total - step)
                         while got < n and channel.try_reserve():
                             got += 1
-                    pending.append(self._submit(plan.batches(step, step + got)))
-                    step += got
-                if not pending:
-                    return
-                g = pending[0]
-                while not g.results:
-                    g.waiter = loop.create_future()
-                    try:
-                        await g.waiter
-                    finally:
-                        g.waiter = None
-                d = g.results.popleft()
-                failed = d.error is not None
-                await emit(d)
-                del d
-                if failed:
-                    return
-                if g.done and not g.results:
-                    pending.popleft()
-                    self.groups.pop(g.gid, None)
+                        pending.append(self._submit(plan.batches(step, step + got)))
+                        step += got
+                        submitted.set()
+                except Exception as exc:  # a bug: reported at the batch it stopped before
+                    failed = _Group(0, plan.batches(step, step + 1), None)
+                    failed.fail(exc)
+                    pending.append(failed)
+                    submitted.set()
+
+            submitter = loop.create_task(submit(), name="guideloom-submit")
+            try:
+                for _ in range(first_step, total):
+                    while not pending:
+                        submitted.clear()
+                        await submitted.wait()
+                    g = pending[0]
+                    while not g.results:
+                        g.waiter = loop.create_future()
+                        try:
+                            await g.waiter
+                        finally:
+                            g.waiter = None
+                    d = g.results.popleft()
+                    failed = d.error is not None
+                    await emit(d)
+                    del d
+                    if failed:
+                        return
+                    if g.done and not g.results:
+                        pending.popleft()
+                        self.groups.pop(g.gid, None)
+                        room.release()
+            finally:
+                submitter.cancel()
+                await asyncio.gather(submitter, return_exceptions=True)
         finally:
             for p in registered:
                 try:

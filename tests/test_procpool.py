@@ -261,3 +261,24 @@ def test_a_script_without_the_main_guard_is_told_so(stream: Path, tmp_path: Path
     assert 'if __name__ == "__main__":' in r.stderr
     assert "WorkerError" in r.stderr
     assert [ln for ln in r.stderr.splitlines() if "guideloom.WorkerError" in ln or "WorkerError:" in ln]
+
+
+def test_async_for_with_process_workers(stream: Path) -> None:
+    import asyncio
+
+    with loader_for(stream, rich, num_workers=0, shuffle=True, shuffle_seed=9) as inline:
+        expected = take(inline)
+
+    async def run() -> list[Any]:
+        out = []
+        async with loader_for(stream, rich, shuffle=True, shuffle_seed=9, prefetch=4) as loader:
+            async for batch in loader:
+                out.append(batch)
+            assert len(worker_pids()) == 2  # kept for the next epoch until the loader closes
+        assert worker_pids() == set()
+        return out
+
+    got = asyncio.run(run())
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        assert_same(a, b)

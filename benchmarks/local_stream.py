@@ -362,13 +362,11 @@ def process_worker_table(path: Path, batches: int, warmup: int, rounds: int, ski
                     got[f"{kind} nw=2 processes"], got[f"{kind} torch DataLoader nw=2"], strict=True
                 )
             ]
-            print(
-                f"{kind} nw=2 processes / torch DataLoader nw=2: {statistics.median(vs):.2f}x (median of rounds)"
-            )
+            print(f"{kind} nw=2 processes / torch DataLoader nw=2: {statistics.median(vs):.2f}x (median)")
+    firsts, seconds = [a for a, _ in ttfb], [b for _, b in ttfb]
     print(
-        "process workers, first batch: epoch 1 (spawn) "
-        f"{statistics.median(a for a, _ in ttfb) * 1e3:.0f} ms, epoch 2 (persistent) "
-        f"{statistics.median(b for _, b in ttfb) * 1e3:.1f} ms (medians; max {max(b for _, b in ttfb) * 1e3:.1f} ms)"
+        f"process workers, first batch: epoch 1 (spawn) {statistics.median(firsts) * 1e3:.0f} ms, "
+        f"epoch 2 (persistent) {statistics.median(seconds) * 1e3:.1f} ms (medians; max {max(seconds) * 1e3:.1f} ms)"
     )
 
 

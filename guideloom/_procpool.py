@@ -203,7 +203,9 @@ class _SharedPickler(pickle.Pickler):
                 return None
             if t.nbytes < _MIN_SHARED_BYTES:
                 return None
-            raw = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(self._torch.uint8)
+            if t.requires_grad or t.is_conj() or t.is_neg():  # each op costs: only when needed
+                t = t.detach().resolve_conj().resolve_neg()
+            raw = t.reshape(-1).view(self._torch.uint8)  # reshape copies a non-contiguous tensor
             pid = self._add("t", str(t.dtype).removeprefix("torch."), tuple(t.shape), raw.numpy(), obj)
         return pid
 
@@ -479,9 +481,15 @@ class _Rebuilder(pickle.Unpickler):
     def __init__(self, data: bytes, holder: Any) -> None:
         super().__init__(io.BytesIO(data))
         self.holder = holder
+        self._made: dict[Any, Any] = {}
 
     def persistent_load(self, pid: Any) -> Any:
-        kind, dtype, shape, offset, nbytes = pid
+        made = self._made.get(pid)
+        if made is None:  # an object the batch holds twice comes back as one object
+            made = self._made[pid] = self._make(*pid)
+        return made
+
+    def _make(self, kind: str, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int) -> Any:
         raw = np.frombuffer(self.holder, np.uint8, nbytes, offset)
         if kind == "n":
             return raw.view(np.dtype(dtype)).reshape(shape)

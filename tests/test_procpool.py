@@ -3,6 +3,7 @@ between iterators, death, stuck collates, leaks, and the ``__main__`` guard."""
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import signal
@@ -34,13 +35,15 @@ def rich(samples: Sequence[np.ndarray]) -> dict[str, Any]:
     """A collate whose batch holds what travels through shared memory (large tensors and arrays,
     bfloat16 too) and what travels pickled (small tensors, plain objects)."""
     block = np.stack([np.asarray(s) for s in samples]).astype(np.int64)
+    big = np.tile(block, (1, 16))  # (4, 1024): 32 KiB, well above the 4 KiB threshold
     return {
-        "tokens": torch.from_numpy(block),
-        "half": torch.from_numpy(block).to(torch.bfloat16),
-        "array": block.astype(np.float32),
+        "tokens": torch.from_numpy(big),
+        "half": torch.from_numpy(big).to(torch.bfloat16),
+        "array": big.astype(np.float32),
+        "transposed": torch.from_numpy(big).t(),  # not contiguous
         "small": torch.from_numpy(block[:, :2].copy()),
         "ids": [int(s[0]) // SEQ for s in samples],
-        "same": (torch.from_numpy(block),) * 2,
+        "same": (torch.from_numpy(big),) * 2,
     }
 
 
@@ -60,7 +63,7 @@ class Boom(Exception):
 def fails_at_40(samples: Sequence[np.ndarray]) -> torch.Tensor:
     if any(int(s[0]) // SEQ == 40 for s in samples):
         raise Boom("sample 40")
-    return torch.from_numpy(np.stack(samples).astype(np.int64))
+    return torch.from_numpy(np.tile(np.stack(samples).astype(np.int64), (1, 16)))  # shared memory
 
 
 def stuck_at_8(samples: Sequence[np.ndarray]) -> list[int]:
@@ -134,6 +137,10 @@ def test_batches_match_inline_and_workers_persist_between_iterators(stream: Path
                 assert_same(a, b)
         shared = first[0]["tokens"]
         assert shared.is_contiguous() and first[0]["same"][0] is first[0]["same"][1]
+        owner = first[0]["array"]
+        while isinstance(owner, np.ndarray):
+            owner = owner.base
+        assert isinstance(owner, ctypes.Array)  # a view of a shared-memory slot, not a copy
     assert worker_pids() == set()
     del first, second, shared
     assert live_segments(SHM_PREFIX) == shm_before

@@ -366,7 +366,8 @@ def process_worker_table(path: Path, batches: int, warmup: int, rounds: int, ski
     firsts, seconds = [a for a, _ in ttfb], [b for _, b in ttfb]
     print(
         f"process workers, first batch: epoch 1 (spawn) {statistics.median(firsts) * 1e3:.0f} ms, "
-        f"epoch 2 (persistent) {statistics.median(seconds) * 1e3:.1f} ms (medians; max {max(seconds) * 1e3:.1f} ms)"
+        f"epoch 2 (persistent) {statistics.median(seconds) * 1e3:.1f} ms "
+        f"(medians; max {max(seconds) * 1e3:.1f} ms)"
     )
 
 

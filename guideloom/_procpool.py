@@ -270,11 +270,6 @@ class _Worker:
         while self.tasks.poll():
             self.handle(self.tasks.recv())
 
-    def read(self, indices: np.ndarray) -> Sequence[Any]:
-        if self.dataset.reads_inline:
-            return self.dataset.read_many_sync(indices)
-        return self.loop.run_until_complete(self.dataset.read_many(indices))
-
     def serve(self) -> None:
         while True:
             self.drain(block=True)

@@ -7,6 +7,7 @@ reported as ratios to the bare loop of the same round (this machine is shared an
 
     python -m benchmarks local            # full run (~2 minutes once the data exists)
     python -m benchmarks local --quick    # a smaller smoke run
+    python -m benchmarks local --process-workers   # only the process-worker table (issue 11)
 """
 
 from __future__ import annotations
@@ -252,6 +253,152 @@ def run_with_step(path: Path, batches: int, warmup: int, **kw: Any) -> float:
     return batches / dt
 
 
+# -- process workers (issue 11) ----------------------------------------------------------------------
+class GilCollate:
+    """The README's collate after ``spins`` iterations of pure Python (the GIL held throughout):
+    a collate that costs about 1 ms a batch of interpreter time, which threads cannot spread.
+    A class, so that process workers can unpickle it."""
+
+    def __init__(self, spins: int) -> None:
+        self.spins = spins
+
+    def __call__(self, samples: Sequence[np.ndarray]) -> torch.Tensor:
+        x = 0
+        for i in range(self.spins):
+            x += i
+        return collate(samples)
+
+
+def calibrate_gil_collate(target_s: float = 1e-3) -> GilCollate:
+    """A :class:`GilCollate` whose spin takes ``target_s`` here, now (best of 20)."""
+    probe = GilCollate(20_000)
+    rows = [np.zeros(SEQ, np.uint16)] * BATCH
+    best = min(_timed(probe, rows) for _ in range(20))
+    collate_alone = min(_timed(collate, rows) for _ in range(20))
+    spins = max(1000, int(20_000 * max(1e-5, target_s - collate_alone) / max(1e-6, best - collate_alone)))
+    return GilCollate(spins)
+
+
+def _timed(fn: Callable[[Any], Any], arg: Any) -> float:
+    t0 = time.perf_counter()
+    fn(arg)
+    return time.perf_counter() - t0
+
+
+def run_collate(path: Path, batches: int, warmup: int, fn: Callable[[Any], Any], **kw: Any) -> float:
+    """Samples/s of the sync iterator with collate ``fn`` (``run_sync`` with another collate)."""
+    loader = gl.StatefulDataLoader.from_storage(
+        gl.open_stream(path),
+        fn,
+        sequence_length=SEQ,
+        local_batch_size=BATCH,
+        shuffle=True,
+        shuffle_seed=0,
+        device=torch.device("cpu"),
+        **kw,
+    )
+    with loader:
+        it = iter(loader)
+        rate = _samples_per_s(it, batches, warmup)
+        it.close()
+    return rate
+
+
+def run_torch_collate(
+    path: Path, batches: int, warmup: int, num_workers: int, fn: Callable[[Any], Any]
+) -> float:
+    ds = _MemmapRows(path)
+    order = order_for(ds.rows, warmup + batches).tolist()
+    dl = torch.utils.data.DataLoader(
+        ds, batch_size=BATCH, sampler=order, collate_fn=fn, num_workers=num_workers
+    )
+    it = iter(dl)
+    rate = _samples_per_s(it, batches, warmup)
+    del it
+    return rate
+
+
+def epoch2_first_batch(path: Path, **kw: Any) -> tuple[float, float]:
+    """Seconds to the first batch of epoch 1 (workers start) and of epoch 2 (persistent workers:
+    no respawn), with process workers and the README's collate."""
+    loader = gl.StatefulDataLoader.from_storage(
+        gl.open_stream(path),
+        collate,
+        sequence_length=SEQ,
+        local_batch_size=BATCH,
+        shuffle=True,
+        shuffle_seed=0,
+        device=torch.device("cpu"),
+        **kw,
+    )
+    with loader:
+        t0 = time.perf_counter()
+        it = iter(loader)
+        next(it)
+        first = time.perf_counter() - t0
+        for _ in it:  # the rest of epoch 1
+            pass
+        t0 = time.perf_counter()
+        it = iter(loader)
+        next(it)
+        second = time.perf_counter() - t0
+        it.close()
+    return first, second
+
+
+def process_worker_table(path: Path, batches: int, warmup: int, rounds: int, skip_torch: bool) -> None:
+    """Issue 11's targets: nw=2 processes against nw=0 (and torch at nw=2) for a GIL-bound and a
+    trivial collate, ratios within each round; then epoch 2's first batch."""
+    gil = calibrate_gil_collate()
+    gil_ms = statistics.median(_timed(gil, [np.zeros(SEQ, np.uint16)] * BATCH) for _ in range(20)) * 1e3
+    proc = {"num_workers": 2, "parallel_method": "process", "prefetch": 16}
+    gil_batches = max(50, batches // 5)
+    rows: dict[str, Callable[[], float]] = {
+        "GIL-bound nw=0": lambda: run_collate(path, gil_batches, warmup // 5, gil),
+        "GIL-bound nw=2 processes": lambda: run_collate(path, gil_batches, warmup // 5, gil, **proc),
+        "trivial nw=0": lambda: run_collate(path, batches, warmup, collate),
+        "trivial nw=2 processes": lambda: run_collate(path, batches, warmup, collate, **proc),
+    }
+    if not skip_torch:
+        rows["GIL-bound torch DataLoader nw=2"] = lambda: run_torch_collate(
+            path, gil_batches, warmup // 5, 2, gil
+        )
+        rows["trivial torch DataLoader nw=2"] = lambda: run_torch_collate(path, batches, warmup, 2, collate)
+    got: dict[str, list[float]] = {k: [] for k in rows}
+    ratios: dict[str, list[float]] = {k: [] for k in rows}
+    ttfb: list[tuple[float, float]] = []
+    for r in range(rounds):
+        for name, fn in rows.items():
+            got[name].append(fn())
+        for name in rows:
+            base = "GIL-bound nw=0" if name.startswith("GIL") else "trivial nw=0"
+            ratios[name].append(got[name][-1] / got[base][-1])
+        ttfb.append(epoch2_first_batch(path, **proc))
+        print(f"process workers: round {r + 1}/{rounds} done", flush=True)
+    print(
+        f"\nprocess workers ({os.cpu_count()} CPUs): GIL-bound collate {gil_ms:.2f} ms a batch "
+        f"({gil.spins} spins), trivial = the README's; {rounds} rounds (medians)"
+    )
+    print(f"{'configuration':44s} {'samples/s':>12s} {'x nw=0':>8s}")
+    for name in rows:
+        print(f"{name:44s} {statistics.median(got[name]):12,.0f} {statistics.median(ratios[name]):8.2f}")
+    if not skip_torch:
+        for kind in ("GIL-bound", "trivial"):
+            vs = [
+                a / b
+                for a, b in zip(
+                    got[f"{kind} nw=2 processes"], got[f"{kind} torch DataLoader nw=2"], strict=True
+                )
+            ]
+            print(f"{kind} nw=2 processes / torch DataLoader nw=2: {statistics.median(vs):.2f}x (median)")
+    firsts, seconds = [a for a, _ in ttfb], [b for _, b in ttfb]
+    print(
+        f"process workers, first batch: epoch 1 (spawn) {statistics.median(firsts) * 1e3:.0f} ms, "
+        f"epoch 2 (persistent) {statistics.median(seconds) * 1e3:.1f} ms "
+        f"(medians; max {max(seconds) * 1e3:.1f} ms)"
+    )
+
+
 def first_batch_on_sparse_tib() -> tuple[float, float, float]:
     """Open a stream whose data file is a 1 TiB sparse file; time and RSS to the first shuffled batch."""
     code = r"""
@@ -344,10 +491,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--thread-workers-only", action="store_true", help="only the thread-worker targets (issue 11)"
     )
+    ap.add_argument("--process-workers", action="store_true", help="only the process-worker table")
     args = ap.parse_args(argv)
     if args.quick:
         args.tokens, args.batches, args.warmup, args.rounds = 10_000_000, 200, 50, 1
     path = ensure_dataset(args.tokens)
+    if args.process_workers:
+        process_worker_table(path, args.batches, args.warmup, args.rounds, args.skip_torch)
+        return
     nb, wu, pf = args.batches, args.warmup, args.prefetch
     if args.thread_workers_only:
         thread_worker_targets(path, nb, wu, args.rounds)
@@ -408,6 +559,7 @@ def main(argv: list[str] | None = None) -> None:
         f"(+{rss - base:.0f} MiB for the loader)"
     )
     print(f"this process peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+    process_worker_table(path, nb, wu, args.rounds, args.skip_torch)
 
 
 if __name__ == "__main__":

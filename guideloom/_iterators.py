@@ -94,6 +94,7 @@ def pipeline_config(loader: StatefulDataLoader[Any, Any]) -> PipelineConfig:
         num_workers=loader.num_workers,
         parallel_method=loader.parallel_method,
         prefetch=loader.prefetch,
+        worker_pool=loader._worker_pool if loader.persistent_workers else None,
     )
 
 
@@ -336,7 +337,7 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
         finally:
             self._loader._active.release(self)
             if self._owns_open:
-                self._loader.close()
+                self._loader._close(keep_workers=True)
 
     close_sync = close
 
@@ -591,7 +592,7 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
         finally:
             self._loader._active.release(self)
             if self._owns_open:
-                await self._loader.aclose()
+                await self._loader._aclose(keep_workers=True)
 
     close_async = aclose
 

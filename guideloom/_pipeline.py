@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import multiprocessing
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures.process import BrokenProcessPool  # not imported by concurrent.futures itself
@@ -39,6 +38,7 @@ from ._datasets import DatasetAbstract
 from ._errors import WorkerError
 from ._order import Order
 from ._plan import BatchSpec, EpochPlan
+from ._procpool import ProcessWorkers, WorkerPool
 from ._schedule import (
     WINDOW_BATCHES,
     Delivery,
@@ -83,6 +83,9 @@ class PipelineConfig:
     num_workers: int
     parallel_method: Literal["thread", "process"]
     prefetch: int
+    #: The loader's persistent process workers (``persistent_workers=True``); None: a pool of
+    #: this iterator's own.
+    worker_pool: Callable[[], WorkerPool] | None = None
 
     @property
     def capacity(self) -> int:
@@ -257,9 +260,9 @@ def make_executor(cfg: PipelineConfig, *, off_loop: bool = False) -> concurrent.
         return None
     if cfg.parallel_method == "thread":
         return concurrent.futures.ThreadPoolExecutor(cfg.num_workers, thread_name_prefix="guideloom-collate")
-    return concurrent.futures.ProcessPoolExecutor(
-        cfg.num_workers, mp_context=multiprocessing.get_context("spawn")
-    )
+    if cfg.worker_pool is not None:
+        return ProcessWorkers(cfg.worker_pool(), owned=False)
+    return ProcessWorkers(WorkerPool(cfg.dataset, cfg.collate_fn, cfg.num_workers), owned=True)
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:
@@ -382,6 +385,26 @@ async def _collate(
             _discard(f for _, f in pending)  # after a failure: nothing waits for them
 
 
+async def _produce(
+    cfg: PipelineConfig,
+    first_step: int,
+    own_loop: bool,
+    emit: Callable[[Delivery], Any],
+    channel: Channel[Delivery],
+    executor: concurrent.futures.Executor | None,
+) -> None:
+    """Read and collate from ``first_step``, emitting in plan order: the reader and collate
+    stages here, or process workers that read and collate their own batches."""
+    if isinstance(executor, ProcessWorkers):
+        group = group_size(cfg.capacity, cfg.num_workers)
+        await executor.session.run(cfg.plan, cfg.order, _reading(cfg), first_step, group, emit, channel)
+        return
+    to_collate_send, to_collate_recv = anyio.create_memory_object_stream[list[Delivery]](1)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_reader, cfg, to_collate_send, first_step, _reads_for(cfg.dataset, own_loop))
+        tg.start_soon(_collate, cfg, to_collate_recv, emit, channel, executor)
+
+
 # -- no concurrency: the caller's thread ------------------------------------------------------------
 class InlinePipeline:
     """The whole pipeline as a plain loop in the caller's thread: one batch per :meth:`next`.
@@ -455,10 +478,8 @@ async def run_pipeline(
     :func:`_reads_for`).
     """
     try:
-        to_collate_send, to_collate_recv = anyio.create_memory_object_stream[list[Delivery]](1)
         transfer = cfg.device.type != "cpu"
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_reader, cfg, to_collate_send, first_step, _reads_for(cfg.dataset, own_loop))
             if transfer:
                 to_move_send, to_move_recv = anyio.create_memory_object_stream[Delivery](max(1, cfg.capacity))
 
@@ -467,7 +488,7 @@ async def run_pipeline(
 
                 async def collate_then_close() -> None:
                     async with to_move_send:
-                        await _collate(cfg, to_collate_recv, emit_to_transfer, channel, executor)
+                        await _produce(cfg, first_step, own_loop, emit_to_transfer, channel, executor)
 
                 async def mover() -> None:
                     async with to_move_recv:
@@ -491,7 +512,7 @@ async def run_pipeline(
                 async def emit_direct(d: Delivery) -> None:
                     channel.put(d)
 
-                tg.start_soon(_collate, cfg, to_collate_recv, emit_direct, channel, executor)
+                tg.start_soon(_produce, cfg, first_step, own_loop, emit_direct, channel, executor)
     except BaseException as exc:
         if not isinstance(exc, Exception):
             raise  # cancellation: the consumer closed the iterator

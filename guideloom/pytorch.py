@@ -10,8 +10,10 @@ prefetched batches.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import threading
+import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -24,6 +26,7 @@ from ._iterators import ActiveIterator, AsyncIterator, SyncIterator, sync_iterat
 from ._loop import LoopThread
 from ._order import DEFAULT_WINDOW, Order, make_order, resolve_block_size
 from ._plan import num_batches
+from ._procpool import WorkerPool
 from ._storage.base import DocumentStorageAbstract, InT, OutT, StreamStorageAbstract
 from .types import DatasetFingerprint, LoaderOptions, StatefulDataLoaderStateDict
 
@@ -74,6 +77,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
     prefetch: int = 0
     shuffle_block_size: int | Literal["auto"] | None = None
     shuffle_window: int = DEFAULT_WINDOW
+    persistent_workers: bool = True
 
     _epoch: int = field(default=0, init=False, repr=False)
     _offset: int = field(default=0, init=False, repr=False)
@@ -84,6 +88,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
     _stats: dict[str, float] = field(default_factory=_STATS.copy, init=False, repr=False)
     _dataset_fingerprint: DatasetFingerprint | None = field(default=None, init=False, repr=False)
     _reads_mark: tuple[int, int, int] | None = field(default=None, init=False, repr=False)
+    _pool: WorkerPool | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         _check_arguments(self)
@@ -261,16 +266,29 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
             self._state = "open"
 
     def close(self) -> None:
-        """Close the dataset reader; an active iterator ends and its threads/processes stop."""
+        """Close the dataset reader; an active iterator ends and its threads/processes stop.
+
+        Persistent process workers stop too: each finishes its batch within 5 seconds or is
+        terminated.
+        """
+        self._close(keep_workers=False)
+
+    def _close(self, *, keep_workers: bool) -> None:
+        """``close()``; an iterator that opened the loader for itself keeps the workers."""
         with self._lock:
             it = self._active.get()
         if it is not None:
             it.close_sync()
         self._active.join_left()
         with self._lock:
+            pool = None if keep_workers else self._pool
+            if pool is not None:
+                self._pool = None
             if self._state != "closed":
                 self._state = "closed"
                 _run_blocking(self, self.dataset.close())
+        if pool is not None:
+            pool.close()
 
     async def aopen(self) -> None:
         """Open the dataset reader on the running event loop (what ``async with`` calls)."""
@@ -285,7 +303,11 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         self._state = "async-open"
 
     async def aclose(self) -> None:
-        """Close from async code: ends an active iterator, closes the dataset reader."""
+        """Close from async code: ends an active iterator, closes the dataset reader, stops
+        persistent process workers (see :meth:`close`)."""
+        await self._aclose(keep_workers=False)
+
+    async def _aclose(self, *, keep_workers: bool) -> None:
         it = self._active.get()
         if it is not None:
             await it.close_async()
@@ -293,6 +315,23 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         if self._state != "closed":
             self._state = "closed"
             await self.dataset.close()
+        pool = None if keep_workers else self._pool
+        if pool is not None:
+            self._pool = None
+            await asyncio.to_thread(pool.close)
+
+    def _worker_pool(self) -> WorkerPool:
+        """The loader's persistent process workers, made at the first iterator that needs them
+        (again if ``dataset``, ``collate_fn`` or ``num_workers`` changed since)."""
+        with self._lock:
+            pool = self._pool
+            if pool is not None and pool.matches(self.dataset, self.collate_fn, self.num_workers):
+                return pool
+            if pool is not None:
+                pool.close()
+            self._pool = pool = WorkerPool(self.dataset, self.collate_fn, self.num_workers)
+            weakref.finalize(self, pool.close)  # a loader collected without close()
+            return pool
 
     def __enter__(self) -> StatefulDataLoader[SourceT, BatchT]:
         self.open()
@@ -445,7 +484,7 @@ def _check_arguments(loader: StatefulDataLoader[Any, Any]) -> None:
         raise ValueError(f"rank must be in [0, world_size={loader.world_size}), got {loader.rank}")
     if loader.parallel_method not in ("thread", "process"):
         raise ValueError(f"parallel_method must be 'thread' or 'process', got {loader.parallel_method!r}")
-    for name in ("shuffle", "pin_memory", "drop_last"):
+    for name in ("shuffle", "pin_memory", "drop_last", "persistent_workers"):
         setattr(loader, name, check_bool(name, getattr(loader, name)))
     loader.shuffle_seed = check_optional_int("shuffle_seed", loader.shuffle_seed)
     loader.shuffle_block_size = check_block_size(loader.shuffle_block_size)

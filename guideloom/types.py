@@ -100,3 +100,6 @@ class LoaderOptions(TypedDict, total=False):
     """Blocks per mixing window of a block shuffle: samples are shuffled among this many
     consecutive blocks of the shuffled block order (ignored for a global shuffle). Default
     ``16``."""
+    persistent_workers: bool
+    """Keep process workers running between iterators (epochs), until ``close()``. Default
+    ``True``."""

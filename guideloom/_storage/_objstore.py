@@ -636,6 +636,12 @@ class PerLoop:
             weakref.WeakKeyDictionary()
         )
 
+    def __getstate__(self) -> tuple[int, int]:
+        return self._args  # the limits of each loop stay with that loop's process
+
+    def __setstate__(self, args: tuple[int, int]) -> None:
+        self.__init__(*args)  # type: ignore[misc]
+
     def get(self) -> InflightLimit:
         loop = asyncio.get_running_loop()
         limit = self._limits.get(loop)

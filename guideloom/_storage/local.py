@@ -312,6 +312,10 @@ class LocalStreamStorage(ManifestStreamStorage):
         # Views handed out keep their maps alive; the maps close when the last view is freed.
         self._arrays = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled closed (a process worker opens its own maps)."""
+        return {**self.__dict__, "_arrays": None}
+
     def _require_open(self) -> dict[str, ShardedArray]:
         if self._arrays is None:
             raise RuntimeError(f"{self!r} is not open; call `await storage.open()` first")
@@ -353,6 +357,10 @@ class LocalDocumentStorage(ManifestDocumentStorage):
 
     async def close(self) -> None:
         self._tokens = self._offsets = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled closed (a process worker opens its own maps)."""
+        return {**self.__dict__, "_tokens": None, "_offsets": None}
 
     def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:
         if self._tokens is None or self._offsets is None:

@@ -119,8 +119,20 @@ class _ObjectStorageMixin:
             await asyncio.get_running_loop().run_in_executor(None, self._chunks.stop)
 
     def _start_cache(self) -> None:
-        if self._cache is not None:
+        if self._cache is not None and not self._cache_passive:
             self._cache.start()
+
+    #: A copy in a worker process: it reads the local copy once complete, but the process that
+    #: made the storage is the one that downloads it.
+    _cache_passive = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled closed, for a process worker that opens its own connection."""
+        return {**self.__dict__, "_cache": None, "_local": None, "_opened": False, "_cache_passive": True}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._setup_cache()
 
     def _local_copy(self) -> LocalStreamStorage | LocalDocumentStorage | None:
         """The complete local copy (``cache_dir``), opened on first use; None until then, and

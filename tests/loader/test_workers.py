@@ -53,7 +53,12 @@ def test_process_workers_keep_order_and_errors() -> None:
     import multiprocessing
 
     loader = make(
-        identity_stream(40), local_batch_size=3, num_workers=2, parallel_method="process", prefetch=2
+        identity_stream(40),
+        local_batch_size=3,
+        num_workers=2,
+        parallel_method="process",
+        prefetch=2,
+        persistent_workers=False,  # the default keeps them until the loader closes
     )
     with loader:
         it = iter(loader)

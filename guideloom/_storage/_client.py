@@ -1,9 +1,10 @@
 """One object-store dataset's connection: its store client, limits, retries and range fetches.
 
 :class:`Remote` reads the manifest and checks the objects' sizes when a dataset is opened, and
-runs the jobs that :mod:`guideloom._storage._ranges` plans: concurrently, under a limit of
-requests and bytes in flight (per event loop), each with bounded retries and backoff. Every
-obstore call is a synchronous one on an I/O thread (see :mod:`guideloom._storage._objstore`).
+runs the jobs that :mod:`guideloom._storage._ranges` plans through its
+:class:`~guideloom._storage._fetch.RangeFetcher`: concurrently, under a limit of requests and
+bytes in flight (per event loop), each with bounded retries and backoff. Every obstore call is a
+synchronous one on an I/O thread (see :mod:`guideloom._storage._objstore`).
 
 Errors carry scrubbed messages only, and are raised outside the ``except`` block that caught
 obstore's error, so no link of their ``__context__`` chain holds a credential.
@@ -15,30 +16,26 @@ import asyncio
 import atexit
 import gc
 import hashlib
-import time
 import weakref
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._errors import DatasetIntegrityError
+from ._fetch import RangeFetcher, ReadCounters, gather_first_error
 from ._objstore import (
     RANGES_PER_CALL,
     Location,
-    PerLoop,
     ReadOptions,
     RetryPolicy,
-    ShortReadError,
     call_with_retries,
     io_executor,
     make_store,
     map_error,
     parse_location,
-    remote_read_error,
-    retryable,
     secret_values,
     split_options,
 )
-from ._ranges import Job, Limits, fill
+from ._ranges import Job, Limits
 from .manifest import MANIFEST_NAME, Manifest
 
 __all__ = ["Remote", "gather_first_error", "open_remote"]
@@ -55,7 +52,7 @@ def _close_all_at_exit() -> None:
 
 
 class Remote:
-    """A dataset location's store client, its read limits and the range-fetch engine."""
+    """A dataset location's store client, its read limits, and its range-fetch engine (``fetcher``)."""
 
     def __init__(self, url: str, options: dict[str, Any]) -> None:
         self.loc: Location = parse_location(url)
@@ -75,9 +72,8 @@ class Remote:
         )
         self._store: Any = None
         self._store = self._new_store()
-        self._inflight = PerLoop(self.opts.max_inflight_requests, self.opts.max_inflight_bytes)
-        self.requests = 0  # range GETs sent, retries included (each is billed)
-        self.bytes_read = 0  # bytes those GETs returned
+        self.counters = ReadCounters()  # counted into by the blocking reads here and by the fetcher
+        self.fetcher = RangeFetcher(self.loc, self.opts, self.secrets, self.counters)
         _OPEN.add(self)
 
     def _new_store(self) -> Any:
@@ -101,8 +97,18 @@ class Remote:
             raise RuntimeError(f"{self.loc.display} is not open; call `await storage.open()` first")
         return self._store
 
+    @property
+    def requests(self) -> int:
+        """Range GETs sent, retries included (each is billed)."""
+        return self.counters.requests
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes those GETs returned."""
+        return self.counters.bytes_read
+
     def peak_inflight_bytes(self) -> int:
-        return self._inflight.peak_bytes()
+        return self.fetcher.peak_inflight_bytes()
 
     # -- blocking calls (the caller's thread, the I/O pool or the cache's threads) ----------------
     def fetch_range(self, path: str, start: int, end: int) -> Any:
@@ -112,12 +118,12 @@ class Remote:
         store = self.store()  # a copy goes on after close(): it keeps a client of its own
 
         def get() -> Any:
-            self.requests += 1
+            self.counters.requests += 1
             return obstore.get_range(store, path, start=start, end=end)
 
         try:
             data = call_with_retries(get, self.policy)
-            self.bytes_read += end - start
+            self.counters.bytes_read += end - start
             return data
         except Exception as exc:
             error = map_error(exc, f"reading {self.loc.object_url(path)}", self.secrets)
@@ -213,117 +219,11 @@ class Remote:
                 f"{self.loc.display}: the manifest changed since the dataset was opened; open it again"
             )
 
-    # -- batched range reads ---------------------------------------------------------------------
-    def _run_job_sync(self, store: Any, job: Job) -> None:
-        """On an I/O thread: fetch the job's ranges, check their lengths, copy the pieces out."""
-        import obstore
-
-        if len(job.starts) == 1:
-            bufs = [obstore.get_range(store, job.path, start=job.starts[0], end=job.ends[0])]
-        else:
-            bufs = obstore.get_ranges(store, job.path, starts=job.starts, ends=job.ends, coalesce=0)
-        for i, buf in enumerate(bufs):
-            want = job.ends[i] - job.starts[i]
-            got = memoryview(buf).nbytes
-            if got != want:
-                raise ShortReadError(f"the server returned {got} of the {want} bytes asked for (short read)")
-        fill(job, bufs)
-
-    def _describe(self, job: Job) -> str:
-        more = len(job.starts) - 1
-        rng = f"bytes {job.starts[0]}-{job.ends[0] - 1}"
-        return f"{self.loc.object_url(job.path)} {rng}" + (f" (and {more} more ranges)" if more else "")
-
-    def _final_error(
-        self, job: Job, exc: Exception, attempt: int, elapsed: float, delay: float
-    ) -> Exception | None:
-        """The error a failed attempt ends with, or None when it is to be retried after ``delay``."""
-        import obstore.exceptions as oe
-
-        if isinstance(exc, FileNotFoundError | oe.NotFoundError):
-            return DatasetIntegrityError(
-                f"{self.loc.object_url(job.path)}, named by the manifest, is missing: the "
-                "dataset changed or was deleted after it was opened"
-            )
-        policy = self.policy
-        if not retryable(exc) or attempt > policy.retries or elapsed + delay > policy.retry_timeout:
-            return remote_read_error(self._describe(job), exc, attempt, elapsed, self.secrets)
-        return None
-
-    async def _run_job(self, store: Any, job: Job, attempt: int = 0, t0: float | None = None) -> None:
-        """Fetch ``job`` with bounded retries.
-
-        A multi-range call is all-or-nothing, so after a failure its ranges are retried one by one
-        (concurrently, within the same slots): one bad connection does not cost a whole group.
-        """
-        loop = asyncio.get_running_loop()
-        t0 = time.monotonic() if t0 is None else t0
-        while True:
-            attempt += 1
-            self.requests += len(job.starts)
-            try:
-                await loop.run_in_executor(io_executor(), self._run_job_sync, store, job)
-                self.bytes_read += job.nbytes
-                return
-            except Exception as exc:
-                delay = self.policy.delay(attempt)
-                error = self._final_error(job, exc, attempt, time.monotonic() - t0, delay)
-            if error is not None:
-                raise error  # outside the handler: obstore's error is not its __context__
-            await asyncio.sleep(delay)
-            if len(job.starts) > 1:
-                await gather_first_error([self._run_job(store, one, attempt, t0) for one in job.singles()])
-                return
-
+    # -- batched range reads (the engine is :class:`~._fetch.RangeFetcher`) -----------------------
     async def run(self, jobs: list[Job]) -> None:
         """Run ``jobs`` concurrently under the request and byte limits; the first failure wins."""
-        if not jobs:
-            return
-        store = self.store_for_reading()
-        limit = self._inflight.get()
-        loop = asyncio.get_running_loop()
-        tasks: list[asyncio.Task[None]] = []
-        failed: list[BaseException] = []
-
-        async def one(job: Job, nreq: int, nbytes: int) -> None:
-            try:
-                await self._run_job(store, job)
-            except BaseException as exc:
-                failed.append(exc)
-                raise
-            finally:
-                limit.release(nreq, nbytes)
-
-        try:
-            for job in jobs:
-                if failed:
-                    break
-                nreq, nbytes = len(job.starts), job.nbytes
-                await limit.acquire(nreq, nbytes)
-                try:
-                    tasks.append(loop.create_task(one(job, nreq, nbytes)))
-                except BaseException:
-                    limit.release(nreq, nbytes)
-                    raise
-            await asyncio.gather(*tasks)
-        finally:
-            for t in tasks:
-                if not t.done():
-                    t.cancel()
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def gather_first_error(coros: Sequence[Coroutine[Any, Any, None]]) -> None:
-    """Run ``coros`` concurrently; on the first failure cancel the rest and raise it."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            if not t.done():
-                t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if jobs:
+            await self.fetcher.run(self.store_for_reading(), jobs)
 
 
 def open_remote(url: str, options: dict[str, Any]) -> tuple[Remote, Manifest]:

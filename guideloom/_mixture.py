@@ -278,6 +278,35 @@ def _feistel(
     return (left << h) | right
 
 
+class _SourceKeys:
+    """Each source's permutation key for a seed, from hashes of the sources' names.
+
+    Part of the order, not of the dataset: it depends on the names and the seed alone, so it is
+    kept apart from :class:`Mixture`'s sources and caches (a mixture made with another sequence
+    length shares it). The name hashes are made once, the keys of the last seed kept.
+    """
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self._names = names
+        self._name_keys: npt.NDArray[np.uint64] | None = None
+        self._seed_cache: tuple[int, npt.NDArray[np.uint64]] | None = None
+
+    def name_keys(self) -> npt.NDArray[np.uint64]:
+        """A stable 64-bit hash of each source's name, made once."""
+        if self._name_keys is None:
+            hashes = [_hash64(f"guideloom-mix-source:{name}") for name in self._names]
+            self._name_keys = np.asarray(hashes, dtype=np.uint64)
+        return self._name_keys
+
+    def for_seed(self, seed: int) -> npt.NDArray[np.uint64]:
+        """Each source's permutation key for ``seed``: splitmix64 of a hash of its name (made once)
+        and a hash of the seed, so a new seed costs one hash, not one per source."""
+        if self._seed_cache is None or self._seed_cache[0] != seed:
+            seed_key = _splitmix(np.asarray([_hash64(f"guideloom-mix-seed:{seed}")], dtype=np.uint64))
+            self._seed_cache = (seed, _splitmix(self.name_keys() ^ seed_key))
+        return self._seed_cache[1]
+
+
 class MixtureOrder:
     """One epoch of a mixture's order: position ``[0, num_samples)`` to a key of the mixture
     (a source's offset + an index in that source), see :mod:`guideloom._mixture`."""
@@ -289,7 +318,7 @@ class MixtureOrder:
         self._shuffle = shuffle
         self._seed = seed
         self.epoch = epoch
-        self._source_keys = mixture._source_keys(seed)
+        self._source_keys = mixture._keys.for_seed(seed)
         # a source's own order (a nested mixture, a packed dataset) is seeded by its key
         self._seeds = [int(k) >> 1 for k in self._source_keys.tolist()]
         self._own_order = mixture._own_orders(shuffle)
@@ -395,6 +424,78 @@ def _bit_length(v: IndexArray) -> IndexArray:
 Source = StreamStorageAbstract[Any, Any] | DocumentStorageAbstract[Any, Any] | DatasetAbstract[Any]
 
 
+# -- the read path: mixture keys to per-source reads and back, pure functions of the offsets ---
+# Apart from Mixture, which holds the sources: what a key means is fixed by the layout alone.
+_Group = tuple[int, IndexArray | None, IndexArray]
+"""One source's read: ``(source, where in the keys or None for all of them, its indexes)``."""
+
+
+def _groups(offsets: IndexArray, keys: IndexArray) -> list[_Group]:
+    """``(source, where in keys or None for all, indexes in the source)`` per source read: the
+    keys decoded by the layout's offsets alone, no source needed."""
+    keys = np.asarray(keys, dtype=np.int64)
+    src = np.searchsorted(offsets, keys, side="right") - 1
+    if keys.size and (keys.min() < 0 or keys.max() >= offsets[-1]):
+        raise IndexError(f"mixture keys outside [0, {int(offsets[-1])})")
+    if keys.size == 0:
+        return []
+    first = int(src[0])
+    if (src == first).all():
+        return [(first, None, keys - offsets[first])]
+    order = np.argsort(src, kind="stable")
+    cuts = np.flatnonzero(np.diff(src[order])) + 1
+    out: list[_Group] = []
+    for where in np.split(order, cuts):
+        s = int(src[where[0]])
+        out.append((s, where, keys[where] - offsets[s]))
+    return out
+
+
+def _assemble(
+    names: tuple[str, ...],
+    with_source: bool,
+    n: int,
+    groups: list[_Group],
+    results: Sequence[Sequence[Any]],
+) -> Sequence[Any]:
+    """Each source's results back at their keys' places (as ``(name, sample)`` pairs for
+    ``with_source``)."""
+    if len(groups) == 1 and groups[0][1] is None:
+        res = results[0]
+        return [(names[groups[0][0]], x) for x in res] if with_source else res
+    out: list[Any] = [None] * n
+    for (s, where, _), res in zip(groups, results, strict=True):
+        assert where is not None
+        if with_source:
+            name = names[s]
+            for i, x in zip(where.tolist(), res, strict=True):
+                out[i] = (name, x)
+        else:
+            for i, x in zip(where.tolist(), res, strict=True):
+                out[i] = x
+    return out
+
+
+def _digest(names: tuple[str, ...], datasets: Sequence[DatasetAbstract[Any]], layout: _Layout) -> str:
+    """What :meth:`Mixture.fingerprint_digest` returns, computed from the names, the sources and
+    the layout alone (the mixture only caches it): each source's checkpoint fingerprint, inlined
+    for the common kinds of source, with its name and weight."""
+    from ._checkpoint import _manifest_digest, dataset_fingerprint
+
+    h = hashlib.blake2b(digest_size=8)
+    h.update(f"mixture:{layout.num_samples}".encode())
+    for name, ds, w in zip(names, datasets, layout.weights.tolist(), strict=True):
+        if type(ds) is StreamDataset:  # the common sources inline: a thousand of them add up
+            fp = f"stream:{len(ds)}:{ds.sequence_length}:{_manifest_digest(ds.storage)}"
+        elif type(ds) is DocumentDataset:
+            fp = f"documents:{len(ds)}:0:{_manifest_digest(ds.storage)}"
+        else:
+            f = dataset_fingerprint(ds)
+            fp = f"{f['kind']}:{f['observations']}:{f['sequence_length']}:{f['digest']}"
+        h.update(f"\n{name}:{w!r}:{fp}".encode())
+    return h.hexdigest()
+
+
 class Mixture(DatasetAbstract[Any]):
     """A weighted mixture of datasets, made by :func:`mix`: one dataset whose epoch interleaves
     its sources by weight, each source in its own seeded order (see :func:`mix`)."""
@@ -408,15 +509,7 @@ class Mixture(DatasetAbstract[Any]):
         num_samples: int | None = None,
         with_source: bool = False,
     ) -> None:
-        if not isinstance(sources, Mapping) or not sources:
-            raise TypeError(
-                "mix() needs a non-empty mapping of source names to storages or datasets, e.g. "
-                f'mix({{"web": web, "code": code}}), got {sources!r}'
-            )
-        for name in sources:
-            if not isinstance(name, str) or not name:
-                raise TypeError(f"source names must be non-empty strings, got {name!r}")
-        self.names: tuple[str, ...] = tuple(sources)
+        self.names: tuple[str, ...] = _check_names(sources)
         """The sources' names, in the order given."""
         self.with_source = check_bool("with_source", with_source)
         """Whether each sample is a ``(source name, sample)`` pair."""
@@ -424,44 +517,14 @@ class Mixture(DatasetAbstract[Any]):
         if self._num_samples is not None and self._num_samples >= _ONE_FIX:
             raise ValueError(f"num_samples must be below 2**62 (the schedule's range), got {num_samples}")
         self._weights = _check_weights(self.names, weights)
-        per_source, shared = _split_lengths(self.names, sequence_length)
-        self._datasets: dict[str, DatasetAbstract[Any]] = {}
-        self._pending: dict[str, StreamStorageAbstract[Any, Any]] = {}
-        for name, src in sources.items():
-            length = per_source.get(name, shared)
-            if isinstance(src, DatasetAbstract):
-                if name in per_source:
-                    raise ValueError(
-                        f"source {name!r} is a dataset, which has its own sample rule: drop it "
-                        "from sequence_length"
-                    )
-                self._datasets[name] = src
-            elif isinstance(src, StreamStorageAbstract):
-                if length is None:
-                    self._pending[name] = src
-                else:
-                    self._datasets[name] = StreamDataset(src, length)
-            elif isinstance(src, DocumentStorageAbstract):
-                if name in per_source:
-                    raise ValueError(
-                        f"source {name!r} is document storage (one document per sample) and takes "
-                        "no sequence_length: drop it from the sequence_length mapping"
-                    )
-                self._datasets[name] = DocumentDataset(src)
-            else:
-                raise TypeError(
-                    f"source {name!r} must be stream or document storage (open_stream(), "
-                    "MemoryStreamStorage, ...) or a DatasetAbstract (StreamDataset, MapDataset, a "
-                    f"mixture, ...), got {type(src).__name__}"
-                )
+        self._datasets, self._pending = _resolve_sources(self.names, sources, sequence_length)
         self._layout_cache: _Layout | None = None
-        self._keys_cache: tuple[int, npt.NDArray[np.uint64]] | None = None
         self._list_cache: list[DatasetAbstract[Any]] | None = None
         self._own_cache: dict[bool, npt.NDArray[np.bool_]] = {}
         self._inline = False  # all sources read inline: once true, it stays (a cache completes)
         self._read_figures: tuple[int, int, int] | None = None
         self._digest_cache: str | None = None
-        self._name_keys: npt.NDArray[np.uint64] | None = None
+        self._keys = _SourceKeys(self.names)
 
     def __repr__(self) -> str:
         return f"Mixture({list(self.names)}, num_samples={self._num_samples})"
@@ -524,20 +587,6 @@ class Mixture(DatasetAbstract[Any]):
                 "StatefulDataLoader.from_storage(mixture, ...)"
             )
 
-    def _source_keys(self, seed: int) -> npt.NDArray[np.uint64]:
-        """Each source's permutation key for ``seed``: splitmix64 of a hash of its name (made once)
-        and a hash of the seed, so a new seed costs one hash, not one per source."""
-        if self._keys_cache is None or self._keys_cache[0] != seed:
-            seed_key = _splitmix(np.asarray([_hash64(f"guideloom-mix-seed:{seed}")], dtype=np.uint64))
-            self._keys_cache = (seed, _splitmix(self._hash_names() ^ seed_key))
-        return self._keys_cache[1]
-
-    def _hash_names(self) -> npt.NDArray[np.uint64]:
-        if self._name_keys is None:
-            hashes = [_hash64(f"guideloom-mix-source:{name}") for name in self.names]
-            self._name_keys = np.asarray(hashes, dtype=np.uint64)
-        return self._name_keys
-
     # -- the layout -------------------------------------------------------------------------------
     def _layout(self) -> _Layout:
         if self._layout_cache is None:
@@ -571,23 +620,8 @@ class Mixture(DatasetAbstract[Any]):
     def fingerprint_digest(self) -> str:
         """A digest of what fixes the order: the names, weights, epoch length and each source's
         checkpoint fingerprint (a checkpoint is refused over a mixture with another digest)."""
-        if self._digest_cache is not None:
-            return self._digest_cache
-        from ._checkpoint import _manifest_digest, dataset_fingerprint
-
-        lay = self._layout()
-        h = hashlib.blake2b(digest_size=8)
-        h.update(f"mixture:{lay.num_samples}".encode())
-        for name, ds, w in zip(self.names, self._datasets_list(), lay.weights.tolist(), strict=True):
-            if type(ds) is StreamDataset:  # the common sources inline: a thousand of them add up
-                fp = f"stream:{len(ds)}:{ds.sequence_length}:{_manifest_digest(ds.storage)}"
-            elif type(ds) is DocumentDataset:
-                fp = f"documents:{len(ds)}:0:{_manifest_digest(ds.storage)}"
-            else:
-                f = dataset_fingerprint(ds)
-                fp = f"{f['kind']}:{f['observations']}:{f['sequence_length']}:{f['digest']}"
-            h.update(f"\n{name}:{w!r}:{fp}".encode())
-        self._digest_cache = h.hexdigest()
+        if self._digest_cache is None:
+            self._digest_cache = _digest(self.names, self._datasets_list(), self._layout())
         return self._digest_cache
 
     # -- DatasetAbstract ------------------------------------------------------------------------
@@ -624,7 +658,7 @@ class Mixture(DatasetAbstract[Any]):
             self._layout()
             self.fingerprint_digest()
             self._figures()
-            self._hash_names()
+            self._keys.name_keys()
         except BaseException:
             for ds in reversed(opened):
                 await ds.close()
@@ -640,59 +674,18 @@ class Mixture(DatasetAbstract[Any]):
         if errors:
             raise errors[0]
 
-    def _groups(self, keys: IndexArray) -> list[tuple[int, IndexArray | None, IndexArray]]:
-        """``(source, where in keys or None for all, indexes in the source)`` per source read."""
-        offsets = self._layout().offsets
-        keys = np.asarray(keys, dtype=np.int64)
-        src = np.searchsorted(offsets, keys, side="right") - 1
-        if keys.size and (keys.min() < 0 or keys.max() >= offsets[-1]):
-            raise IndexError(f"mixture keys outside [0, {int(offsets[-1])})")
-        if keys.size == 0:
-            return []
-        first = int(src[0])
-        if (src == first).all():
-            return [(first, None, keys - offsets[first])]
-        order = np.argsort(src, kind="stable")
-        cuts = np.flatnonzero(np.diff(src[order])) + 1
-        out: list[tuple[int, IndexArray | None, IndexArray]] = []
-        for where in np.split(order, cuts):
-            s = int(src[where[0]])
-            out.append((s, where, keys[where] - offsets[s]))
-        return out
-
-    def _assemble(
-        self,
-        n: int,
-        groups: list[tuple[int, IndexArray | None, IndexArray]],
-        results: Sequence[Sequence[Any]],
-    ) -> Sequence[Any]:
-        names = self.names
-        if len(groups) == 1 and groups[0][1] is None:
-            res = results[0]
-            return [(names[groups[0][0]], x) for x in res] if self.with_source else res
-        out: list[Any] = [None] * n
-        for (s, where, _), res in zip(groups, results, strict=True):
-            assert where is not None
-            if self.with_source:
-                name = names[s]
-                for i, x in zip(where.tolist(), res, strict=True):
-                    out[i] = (name, x)
-            else:
-                for i, x in zip(where.tolist(), res, strict=True):
-                    out[i] = x
-        return out
-
     async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[Any]:
         """Samples at mixture keys ``indices``: each source read once, concurrently."""
         datasets = self._datasets_list()
-        groups = self._groups(indices)
+        groups = _groups(self._layout().offsets, indices)
         results = await asyncio.gather(*(datasets[s].read_many(idx) for s, _, idx in groups))
-        return self._assemble(len(indices), groups, results)
+        return _assemble(self.names, self.with_source, len(indices), groups, results)
 
     def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[Any]:
         datasets = self._datasets_list()
-        groups = self._groups(indices)
-        return self._assemble(len(indices), groups, [datasets[s].read_many_sync(idx) for s, _, idx in groups])
+        groups = _groups(self._layout().offsets, indices)
+        results = [datasets[s].read_many_sync(idx) for s, _, idx in groups]
+        return _assemble(self.names, self.with_source, len(indices), groups, results)
 
     @property
     def reads_inline(self) -> bool:
@@ -724,6 +717,62 @@ class Mixture(DatasetAbstract[Any]):
 
     def sample_nbytes_hint(self) -> int:
         return self._figures()[2]
+
+
+def _check_names(sources: Mapping[str, Source]) -> tuple[str, ...]:
+    """The names of mix()'s ``sources``, checked: a non-empty mapping keyed by non-empty strings
+    (one of the argument checks kept here, out of :class:`Mixture`'s constructor)."""
+    if not isinstance(sources, Mapping) or not sources:
+        raise TypeError(
+            "mix() needs a non-empty mapping of source names to storages or datasets, e.g. "
+            f'mix({{"web": web, "code": code}}), got {sources!r}'
+        )
+    for name in sources:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"source names must be non-empty strings, got {name!r}")
+    return tuple(sources)
+
+
+def _resolve_sources(
+    names: tuple[str, ...], sources: Mapping[str, Source], sequence_length: int | Mapping[str, int] | None
+) -> tuple[dict[str, DatasetAbstract[Any]], dict[str, StreamStorageAbstract[Any, Any]]]:
+    """``(each source's dataset, the stream storages still without a sequence length)``.
+
+    The sample rule of each kind of source in one place, apart from :class:`Mixture`, which only
+    keeps the result: a dataset as it is, document storage one document per sample, stream
+    storage cut by its ``sequence_length`` (or pending until ``from_storage`` gives one).
+    """
+    per_source, shared = _split_lengths(names, sequence_length)
+    datasets: dict[str, DatasetAbstract[Any]] = {}
+    pending: dict[str, StreamStorageAbstract[Any, Any]] = {}
+    for name, src in sources.items():
+        length = per_source.get(name, shared)
+        if isinstance(src, DatasetAbstract):
+            if name in per_source:
+                raise ValueError(
+                    f"source {name!r} is a dataset, which has its own sample rule: drop it "
+                    "from sequence_length"
+                )
+            datasets[name] = src
+        elif isinstance(src, StreamStorageAbstract):
+            if length is None:
+                pending[name] = src
+            else:
+                datasets[name] = StreamDataset(src, length)
+        elif isinstance(src, DocumentStorageAbstract):
+            if name in per_source:
+                raise ValueError(
+                    f"source {name!r} is document storage (one document per sample) and takes "
+                    "no sequence_length: drop it from the sequence_length mapping"
+                )
+            datasets[name] = DocumentDataset(src)
+        else:
+            raise TypeError(
+                f"source {name!r} must be stream or document storage (open_stream(), "
+                "MemoryStreamStorage, ...) or a DatasetAbstract (StreamDataset, MapDataset, a "
+                f"mixture, ...), got {type(src).__name__}"
+            )
+    return datasets, pending
 
 
 def _check_weights(names: tuple[str, ...], weights: Mapping[str, float] | None) -> list[float] | None:

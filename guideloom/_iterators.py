@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import pickle
 import threading
 import time
@@ -39,6 +40,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ._channel import Channel, EndOfStream
+from ._checkpoint import epoch_order
 from ._loop import LoopThread
 from ._pipeline import Delivery, InlinePipeline, PipelineConfig, make_executor, run_pipeline
 from ._plan import EpochPlan
@@ -74,8 +76,8 @@ def pipeline_config(loader: StatefulDataLoader[Any, Any]) -> PipelineConfig:
                 "parallel_method='thread' for closures and lambdas"
             ) from exc
     n = len(loader.dataset)
-    loader._mark_epoch_reads()
-    order = loader._order(loader._epoch)
+    loader._figures.mark_epoch_reads(loader)
+    order = epoch_order(loader, loader._ckpt.epoch)
     return PipelineConfig(
         dataset=loader.dataset,
         plan=EpochPlan(
@@ -84,7 +86,7 @@ def pipeline_config(loader: StatefulDataLoader[Any, Any]) -> PipelineConfig:
             world_size=loader.world_size,
             rank=loader.rank,
             drop_last=loader.drop_last,
-            start_offset=loader._offset,
+            start_offset=loader._ckpt.offset,
             order=order,
         ),
         order=order,
@@ -94,7 +96,9 @@ def pipeline_config(loader: StatefulDataLoader[Any, Any]) -> PipelineConfig:
         num_workers=loader.num_workers,
         parallel_method=loader.parallel_method,
         prefetch=loader.prefetch,
-        worker_pool=loader._worker_pool if loader.persistent_workers else None,
+        worker_pool=functools.partial(loader._life.worker_pool, loader)
+        if loader.persistent_workers
+        else None,
     )
 
 
@@ -184,7 +188,7 @@ class _IteratorBase(Generic[BatchT]):
         self._owns_open = False
         self._expected = self._delivered = 0
         self._executor: concurrent.futures.Executor | None = None
-        loader._active.claim(self)
+        loader._life.active.claim(self)
 
     def __len__(self) -> int:
         """Batches this iterator still yields: the rest of the epoch from where it stands (after a
@@ -210,12 +214,12 @@ class _IteratorBase(Generic[BatchT]):
             ex.shutdown(wait=True, cancel_futures=True)
 
     def _accept(self, d: Delivery, waited: float) -> BatchT:
-        stats = self._loader._stats
+        stats = self._loader._figures.counts
         stats["wait_seconds"] += waited
         stats["last_wait_seconds"] = waited
         if d.error is not None:
             raise d.error
-        self._loader._offset = d.spec.offset_after
+        self._loader._ckpt.offset = d.spec.offset_after
         self._delivered += 1
         stats["batches"] += 1
         stats["samples"] += d.spec.size
@@ -228,8 +232,8 @@ class _IteratorBase(Generic[BatchT]):
                 f"guideloom bug: the pipeline ended after {self._delivered} of "
                 f"{self._expected} batches without an error"
             )
-        self._loader._epoch += 1
-        self._loader._offset = 0
+        self._loader._ckpt.epoch += 1
+        self._loader._ckpt.offset = 0
 
     def close_sync(self) -> None:
         raise NotImplementedError
@@ -252,7 +256,7 @@ def sync_iterator(loader: StatefulDataLoader[Any, BatchT]) -> SyncIterator[Batch
     An unopened loader is opened for the iterator's duration first: whether the storage reads
     inline may be known only once it is open (a remote dataset's local copy).
     """
-    owns_open = loader._state == "closed"
+    owns_open = loader._life.state == "closed"
     if owns_open:
         loader.open()
     try:
@@ -335,9 +339,9 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
         try:
             self._stop()
         finally:
-            self._loader._active.release(self)
+            self._loader._life.active.release(self)
             if self._owns_open:
-                self._loader._close(keep_workers=True)
+                self._loader._life.close(self._loader, keep_workers=True)
 
     close_sync = close
 
@@ -523,7 +527,7 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
 
     async def _start(self) -> Channel[Delivery]:
         loader = self._loader
-        if loader._state == "closed":
+        if loader._life.state == "closed":
             await loader.aopen()
             self._owns_open = True
         self._configure(pipeline_config(loader))
@@ -590,9 +594,9 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
             if cancelled:
                 raise asyncio.CancelledError
         finally:
-            self._loader._active.release(self)
+            self._loader._life.active.release(self)
             if self._owns_open:
-                await self._loader._aclose(keep_workers=True)
+                await self._loader._life.aclose(self._loader, keep_workers=True)
 
     close_async = aclose
 
@@ -604,9 +608,9 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
         if task is not None and not task.done():
             task.get_loop().call_soon_threadsafe(task.cancel)
         # Nothing is awaited here (collected, or closed from sync code): closing the loader joins it.
-        self._loader._active.leave(task, self._executor)
+        self._loader._life.active.leave(task, self._executor)
         self._executor = None
-        self._loader._active.release(self)
+        self._loader._life.active.release(self)
 
     def __del__(self) -> None:
         if not getattr(self, "_done", True):

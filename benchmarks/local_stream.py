@@ -54,11 +54,14 @@ class GilBoundCollate:
 
 
 def gil_bound_collate(ms: float = 1.0) -> GilBoundCollate:
-    """A :class:`GilBoundCollate` calibrated here to take about ``ms`` milliseconds a batch."""
+    """A :class:`GilBoundCollate` calibrated here, now, to take about ``ms`` milliseconds a batch
+    of ``BATCH`` rows (the README collate's own time included)."""
+    rows = [np.zeros(SEQ, np.uint16)] * BATCH
     probe = GilBoundCollate(200_000)
-    rows = np.zeros((BATCH, SEQ), dtype=np.uint16)
-    best = min(_timed(probe, rows) for _ in range(5))
-    return GilBoundCollate(max(1, int(probe.loops * ms / 1000 / best)))
+    best = min(_timed(probe, rows) for _ in range(10))
+    alone = min(_timed(collate, rows) for _ in range(10))
+    loops = probe.loops * max(1e-5, ms / 1000 - alone) / max(1e-6, best - alone)
+    return GilBoundCollate(max(1, int(loops)))
 
 
 def _timed(fn: Callable[[Any], Any], arg: Any) -> float:
@@ -213,11 +216,14 @@ class _MemmapRows(torch.utils.data.Dataset[np.ndarray]):
         return np.asarray(self.mm[i * SEQ : (i + 1) * SEQ])
 
 
-def run_torch(path: Path, batches: int, warmup: int, num_workers: int) -> float:
+def run_torch(
+    path: Path, batches: int, warmup: int, num_workers: int, fn: Callable[[Any], Any] = collate
+) -> float:
+    """Samples/s of torch's ``DataLoader`` over the same rows and order, with collate ``fn``."""
     ds = _MemmapRows(path)
     order = order_for(ds.rows, warmup + batches).tolist()
     dl = torch.utils.data.DataLoader(
-        ds, batch_size=BATCH, sampler=order, collate_fn=collate, num_workers=num_workers
+        ds, batch_size=BATCH, sampler=order, collate_fn=fn, num_workers=num_workers
     )
     it = iter(dl)
     rate = _samples_per_s(it, batches, warmup)
@@ -254,83 +260,10 @@ def run_with_step(path: Path, batches: int, warmup: int, **kw: Any) -> float:
 
 
 # -- process workers (issue 11) ----------------------------------------------------------------------
-class GilCollate:
-    """The README's collate after ``spins`` iterations of pure Python (the GIL held throughout):
-    a collate that costs about 1 ms a batch of interpreter time, which threads cannot spread.
-    A class, so that process workers can unpickle it."""
-
-    def __init__(self, spins: int) -> None:
-        self.spins = spins
-
-    def __call__(self, samples: Sequence[np.ndarray]) -> torch.Tensor:
-        x = 0
-        for i in range(self.spins):
-            x += i
-        return collate(samples)
-
-
-def calibrate_gil_collate(target_s: float = 1e-3) -> GilCollate:
-    """A :class:`GilCollate` whose spin takes ``target_s`` here, now (best of 20)."""
-    probe = GilCollate(20_000)
-    rows = [np.zeros(SEQ, np.uint16)] * BATCH
-    best = min(_timed(probe, rows) for _ in range(20))
-    collate_alone = min(_timed(collate, rows) for _ in range(20))
-    spins = max(1000, int(20_000 * max(1e-5, target_s - collate_alone) / max(1e-6, best - collate_alone)))
-    return GilCollate(spins)
-
-
-def _timed(fn: Callable[[Any], Any], arg: Any) -> float:
-    t0 = time.perf_counter()
-    fn(arg)
-    return time.perf_counter() - t0
-
-
-def run_collate(path: Path, batches: int, warmup: int, fn: Callable[[Any], Any], **kw: Any) -> float:
-    """Samples/s of the sync iterator with collate ``fn`` (``run_sync`` with another collate)."""
-    loader = gl.StatefulDataLoader.from_storage(
-        gl.open_stream(path),
-        fn,
-        sequence_length=SEQ,
-        local_batch_size=BATCH,
-        shuffle=True,
-        shuffle_seed=0,
-        device=torch.device("cpu"),
-        **kw,
-    )
-    with loader:
-        it = iter(loader)
-        rate = _samples_per_s(it, batches, warmup)
-        it.close()
-    return rate
-
-
-def run_torch_collate(
-    path: Path, batches: int, warmup: int, num_workers: int, fn: Callable[[Any], Any]
-) -> float:
-    ds = _MemmapRows(path)
-    order = order_for(ds.rows, warmup + batches).tolist()
-    dl = torch.utils.data.DataLoader(
-        ds, batch_size=BATCH, sampler=order, collate_fn=fn, num_workers=num_workers
-    )
-    it = iter(dl)
-    rate = _samples_per_s(it, batches, warmup)
-    del it
-    return rate
-
-
 def epoch2_first_batch(path: Path, **kw: Any) -> tuple[float, float]:
     """Seconds to the first batch of epoch 1 (workers start) and of epoch 2 (persistent workers:
     no respawn), with process workers and the README's collate."""
-    loader = gl.StatefulDataLoader.from_storage(
-        gl.open_stream(path),
-        collate,
-        sequence_length=SEQ,
-        local_batch_size=BATCH,
-        shuffle=True,
-        shuffle_seed=0,
-        device=torch.device("cpu"),
-        **kw,
-    )
+    loader = make_loader(path, **kw)
     with loader:
         t0 = time.perf_counter()
         it = iter(loader)
@@ -349,21 +282,19 @@ def epoch2_first_batch(path: Path, **kw: Any) -> tuple[float, float]:
 def process_worker_table(path: Path, batches: int, warmup: int, rounds: int, skip_torch: bool) -> None:
     """Issue 11's targets: nw=2 processes against nw=0 (and torch at nw=2) for a GIL-bound and a
     trivial collate, ratios within each round; then epoch 2's first batch."""
-    gil = calibrate_gil_collate()
+    gil = gil_bound_collate(1.0)
     gil_ms = statistics.median(_timed(gil, [np.zeros(SEQ, np.uint16)] * BATCH) for _ in range(20)) * 1e3
     proc = {"num_workers": 2, "parallel_method": "process", "prefetch": 16}
     gil_batches = max(50, batches // 5)
     rows: dict[str, Callable[[], float]] = {
-        "GIL-bound nw=0": lambda: run_collate(path, gil_batches, warmup // 5, gil),
-        "GIL-bound nw=2 processes": lambda: run_collate(path, gil_batches, warmup // 5, gil, **proc),
-        "trivial nw=0": lambda: run_collate(path, batches, warmup, collate),
-        "trivial nw=2 processes": lambda: run_collate(path, batches, warmup, collate, **proc),
+        "GIL-bound nw=0": lambda: run_sync(path, gil_batches, warmup // 5, collate_fn=gil),
+        "GIL-bound nw=2 processes": lambda: run_sync(path, gil_batches, warmup // 5, collate_fn=gil, **proc),
+        "trivial nw=0": lambda: run_sync(path, batches, warmup, collate_fn=collate),
+        "trivial nw=2 processes": lambda: run_sync(path, batches, warmup, collate_fn=collate, **proc),
     }
     if not skip_torch:
-        rows["GIL-bound torch DataLoader nw=2"] = lambda: run_torch_collate(
-            path, gil_batches, warmup // 5, 2, gil
-        )
-        rows["trivial torch DataLoader nw=2"] = lambda: run_torch_collate(path, batches, warmup, 2, collate)
+        rows["GIL-bound torch DataLoader nw=2"] = lambda: run_torch(path, gil_batches, warmup // 5, 2, gil)
+        rows["trivial torch DataLoader nw=2"] = lambda: run_torch(path, batches, warmup, 2, collate)
     got: dict[str, list[float]] = {k: [] for k in rows}
     ratios: dict[str, list[float]] = {k: [] for k in rows}
     ttfb: list[tuple[float, float]] = []
@@ -377,7 +308,7 @@ def process_worker_table(path: Path, batches: int, warmup: int, rounds: int, ski
         print(f"process workers: round {r + 1}/{rounds} done", flush=True)
     print(
         f"\nprocess workers ({os.cpu_count()} CPUs): GIL-bound collate {gil_ms:.2f} ms a batch "
-        f"({gil.spins} spins), trivial = the README's; {rounds} rounds (medians)"
+        f"({gil.loops} loops), trivial = the README's; {rounds} rounds (medians)"
     )
     print(f"{'configuration':44s} {'samples/s':>12s} {'x nw=0':>8s}")
     for name in rows:

@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -43,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import guideloom as gl  # noqa: E402
+from benchmarks import remote_stream  # noqa: E402
 
 SEQ = 2048
 BATCH = 16
@@ -184,18 +184,7 @@ def child_resume(
 
 
 def run_child(*args: Any) -> dict[str, Any]:
-    out = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(args)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    if not lines:
-        raise RuntimeError(f"child {args[0]} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(lines[-1])
-    return result
+    return remote_stream.run_child(*args, script=__file__)
 
 
 def child_main(spec: str) -> None:

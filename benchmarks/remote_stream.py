@@ -227,9 +227,11 @@ def child_naive(url: str, samples: int, num_samples: int) -> dict[str, Any]:
     return {"samples_per_s": samples / (time.perf_counter() - t), "maxrss_mib": _maxrss_mib()}
 
 
-def run_child(*args: Any) -> dict[str, Any]:
+def run_child(*args: Any, script: str = __file__) -> dict[str, Any]:
+    """Run ``script --child <args as JSON>`` in a fresh interpreter and return the JSON line it
+    prints last (each measurement gets a process of its own: no warm caches, its own peak RSS)."""
     out = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(args)],
+        [sys.executable, script, "--child", json.dumps(args)],
         capture_output=True,
         text=True,
         timeout=600,

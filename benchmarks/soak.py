@@ -44,7 +44,7 @@ import guideloom as gl
 SEQ = 64  # tokens per sample
 BATCH = 16
 SAMPLES = 4096  # 256 batches an epoch; 1 MiB of uint32 tokens
-# The collate worker processes of a ProcessPoolExecutor (spawn) run this; Python's resource
+# The loader's worker processes (spawned) run this; Python's resource
 # tracker (one per interpreter, by design outliving every pool) does not.
 _WORKER_MARK = b"spawn_main"
 _TRACKER_MARK = b"resource_tracker"

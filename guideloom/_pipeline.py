@@ -17,7 +17,6 @@ import asyncio
 import concurrent.futures
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from concurrent.futures.process import BrokenProcessPool  # not imported by concurrent.futures itself
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -35,7 +34,6 @@ except ImportError:  # pragma: no cover - a future anyio may move it; it then lo
 
 from ._channel import Channel
 from ._datasets import DatasetAbstract
-from ._errors import WorkerError
 from ._order import Order
 from ._plan import BatchSpec, EpochPlan
 from ._procpool import ProcessWorkers, WorkerPool
@@ -324,11 +322,7 @@ async def _collate(
         def submit() -> None:
             if group:
                 batches = [d.value for d in group]
-                try:
-                    fut = loop.run_in_executor(executor, _collate_many, cfg.collate_fn, batches)
-                except BrokenProcessPool as exc:  # a worker died before this group was handed over
-                    fut = loop.create_future()
-                    fut.set_exception(exc)
+                fut = loop.run_in_executor(executor, _collate_many, cfg.collate_fn, batches)
                 pending.append((list(group), fut))
                 group.clear()
 
@@ -338,9 +332,7 @@ async def _collate(
                 ds, fut = pending.popleft()
                 try:
                     results = await fut
-                except BrokenProcessPool as exc:
-                    results = [(None, WorkerError(f"a collate worker process died: {exc}"))]
-                except Exception as exc:  # e.g. the batch could not be pickled to the process
+                except Exception as exc:  # the group's own failure (collate errors come per batch)
                     results = [(None, exc)]
                 ds.reverse()
                 results.reverse()

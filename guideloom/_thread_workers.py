@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHUNK_SECONDS",
+    "CLEAR",
+    "DECISIVE",
     "FIRST_REPROBE_SECONDS",
     "REPROBE_SECONDS",
     "WARMUP_CALLS",
@@ -42,18 +44,24 @@ __all__ = [
 
 #: The longest a choice between workers and inline collation stands before the other is probed again.
 REPROBE_SECONDS = 3.0
-#: How long the first choice stands (eight times that when clear); each later one stands twice
+#: How long the first choice stands (eight times that when :data:`CLEAR`); each later one stands twice
 #: (or eight times) as long as the one before, up to :data:`REPROBE_SECONDS`: a busy machine may
 #: have misled an early one.
 FIRST_REPROBE_SECONDS = 0.02
-#: Calls not timed at the start of an epoch, in the workers (as asked for): the read windows
-#: grow from one batch to 64 over the first 127 batches, and the first reads fault pages in, so
-#: both modes run several times slower than later and a first choice there would be noise.
-WARMUP_CALLS = 128
+#: Calls not timed at the start of an iterator, in the workers (as asked for: a slow collate is
+#: spread from its first batch, and a short epoch still runs on the workers): the threads start
+#: and the first batches' queue fills. (The reads, whose windows grow over the first 127
+#: batches and fault pages in, are not timed at all.)
+WARMUP_CALLS = 16
 #: The least time one chunk of calls in one mode is timed over.
 CHUNK_SECONDS = 0.001
 #: Workers are used only when the consumer's cycle takes at most this fraction of inline's.
 WORKERS_MARGIN = 0.9
+#: A probe ends early once one mode's chunk costs this many times the other's.
+DECISIVE = 2.0
+#: A choice whose other mode costs this many times the chosen one's stands eight times longer:
+#: a busy machine does not turn a 25% gap round, and each probe of the worse mode costs.
+CLEAR = 1.25
 
 Results = list[tuple[Any, BaseException | None]]
 
@@ -79,22 +87,28 @@ def _collate_group(
     return out
 
 
+def _ratio(chunks: dict[bool, list[float]]) -> float:
+    """The costlier mode's cheapest chunk over the other's."""
+    cost = [min(c) for c in chunks.values()]
+    return max(cost) / max(min(cost), 1e-12)
+
+
 class _Chooser:
     """Which mode ``next()`` runs in: probes of each mode, then the cheaper for a while.
 
     A mode is timed over *chunks* of at least ``chunk`` calls and :data:`CHUNK_SECONDS` (so a
     chunk of cheap batches is not all timer noise), the calls that fill (or drain) the workers'
-    queue after a switch not counted. Each choice compares chunks in the order A, B, B, A
-    (workers, inline, inline, workers at first, after :data:`WARMUP_CALLS`; later the chosen
-    mode's last chunk, two of the other, one more of the chosen), so a steady drift in speed
-    weighs on both alike, and a mode costs its cheaper chunk, so one preempted chunk does not
-    decide. It starts with the workers,
-    as asked for (a slow collate is spread from its first batch), and keeps them only if they
-    cost at most :data:`WORKERS_MARGIN` of inline: a hand-off that brings nothing measurable is
-    not worth its threads. A first choice stands :data:`FIRST_REPROBE_SECONDS` (eight times
-    that when clear: the other mode twice as costly), each later one twice as long as the one
-    before (or eight times), up to :data:`REPROBE_SECONDS`, so that probes of the worse mode
-    cost a few percent at most.
+    queue after a switch not counted, nor the time spent reading (the same in both modes). Each
+    choice compares chunks in the order A, B, B, A (workers, inline, inline, workers at first,
+    after :data:`WARMUP_CALLS`; later the chosen mode's last chunk, two of the other, one
+    more of the chosen), so a steady drift in speed weighs on both alike, and a mode costs its
+    cheaper chunk, so one preempted chunk does not decide; a probe ends early once one mode
+    costs :data:`DECISIVE` times the other. The workers are kept only if they cost at most
+    :data:`WORKERS_MARGIN` of inline: a hand-off that brings nothing measurable is not worth its
+    threads. A first choice stands :data:`FIRST_REPROBE_SECONDS` (eight times that when clear:
+    the other mode :data:`CLEAR` times as costly), each later one twice as long as the one before
+    (or eight times), up to :data:`REPROBE_SECONDS`, so that probes of the worse mode cost a few
+    percent at most.
     """
 
     def __init__(self, skip: int, chunk: int) -> None:
@@ -131,15 +145,17 @@ class _Chooser:
                 self._switch(not mode)
             return
         self._chunks[mode].append(mean)
-        if self._plan:
+        # Every chunk of the worse mode costs: once one mode is twice the costlier, no drift
+        # the rest of the A B B A order guards against could turn the choice round.
+        if self._plan and not (all(self._chunks.values()) and _ratio(self._chunks) > DECISIVE):
             self._switch(self._plan.pop(0))
             return
         self._probing = False
         cost = {m: min(c) for m, c in self._chunks.items()}  # one preempted chunk is not the cost
         self._switch(cost[True] <= WORKERS_MARGIN * cost[False])
-        # A clear choice (the other mode twice as costly) stands eight times longer; a close
-        # one, which a busy machine may have decided, is probed again soon.
-        clear = max(cost.values()) > 2 * min(cost.values())
+        # A clear choice stands eight times longer; a close one, which a busy machine may have
+        # decided, is probed again soon.
+        clear = _ratio(self._chunks) > CLEAR
         hold = min(REPROBE_SECONDS, (8 if clear else 1) * self._interval)
         self._until = time.perf_counter() + hold
         self._interval = min(REPROBE_SECONDS, 2 * hold)
@@ -175,6 +191,7 @@ class ThreadWorkerPipeline:
         self._ahead = 0  # batches in the queue
         self._ended = False  # the source has nothing more (the end, a failure, close())
         self._last: float | None = None  # when the last request came
+        self._read_seconds = 0.0  # spent reading since then
         self._settled = False
         self._chooser = chooser or _Chooser(skip=self._limit, chunk=max(8, 2 * self._limit))
 
@@ -182,11 +199,13 @@ class ThreadWorkerPipeline:
         """The next batch in plan order (or the error in its place); ``None`` at the end."""
         # Timed from one request to the next: the consumer's whole cycle, its own work included,
         # as threads that hold the GIL slow that down too (time inside next() alone misses it).
+        # The reads are not counted: both modes read the same windows in this thread, and a
+        # window of 64 batches read in one call would weigh on whichever chunk it fell in.
         now = time.perf_counter()
         chooser = self._chooser
         if self._last is not None:
-            chooser.record(now - self._last, self._settled)
-        self._last = now
+            chooser.record(now - self._last - self._read_seconds, self._settled)
+        self._last, self._read_seconds = now, 0.0
         if chooser.workers:
             self._fill()
         self._settled = chooser.workers or not self._queue
@@ -195,7 +214,7 @@ class ThreadWorkerPipeline:
     def _inline(self) -> Delivery | None:
         if self._ended:
             return None
-        d = self._source.next_raw()
+        d = self._read()
         if d is None:
             self._ended = True
             return None
@@ -205,12 +224,18 @@ class ThreadWorkerPipeline:
             self._end()
         return d
 
+    def _read(self) -> Delivery | None:
+        t = time.perf_counter()
+        d = self._source.next_raw()
+        self._read_seconds += time.perf_counter() - t
+        return d
+
     def _fill(self) -> None:
         """Hand groups to the workers while a whole group's room is free (or nothing is queued)."""
         group: list[Delivery] = []
         while not self._ended and (self._limit - self._ahead >= self._group or not self._queue):
             while len(group) < self._group and self._ahead + len(group) < self._limit:
-                d = self._source.next_raw()
+                d = self._read()
                 if d is None:
                     self._ended = True
                     break

@@ -152,25 +152,49 @@ def test_the_chooser_keeps_the_cheaper_mode_and_probes_again(monkeypatch: pytest
 
     chunk(True, 1e-3, skip=True)  # workers first, as asked for
     c.record(1.0, settled=False)  # not counted (the queue still held the other mode's work)
-    chunk(False, 3e-4, skip=True)
-    chunk(False, 1e-4)
+    chunk(False, 7e-4, skip=True)  # a close call (under DECISIVE): the whole A B B A order
+    chunk(False, 6e-4)
     chunk(True, 1e-3, skip=True)  # A B B A: a drift weighs on both
     assert not c.workers  # inline was cheaper: kept
     for _ in range(10):
-        c.record(1e-4, settled=True)
+        c.record(6e-4, settled=True)
     assert not c.workers  # until the reprobe time
     time.sleep(0.06)
     for _ in range(4):  # the end of the chunk under way
         if c.workers:
             break
-        c.record(1e-4, settled=True)
-    chunk(True, 1e-5, skip=True)  # workers probed again, and now cheaper (a step that
-    chunk(True, 1e-5)  # releases the GIL, during which the workers collate)
-    chunk(False, 1e-4, skip=True)  # the chosen mode's chunk after the probe
+        c.record(6e-4, settled=True)
+    chunk(True, 4e-4, skip=True)  # workers probed again, and now cheaper (a step that
+    chunk(True, 4e-4)  # releases the GIL, during which the workers collate)
+    chunk(False, 6e-4, skip=True)  # the chosen mode's chunk after the probe
     assert c.workers
     for _ in range(10):
-        c.record(1e-5, settled=True)
+        c.record(4e-4, settled=True)
     assert c.workers
+
+
+def test_a_probe_ends_once_one_mode_is_decisively_cheaper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers four times as costly as inline: one chunk of each decides, and the rest of the
+    A B B A order (another chunk of the workers) is not run."""
+    monkeypatch.setattr(_thread_workers, "CHUNK_SECONDS", 0.0)
+    monkeypatch.setattr(_thread_workers, "WARMUP_CALLS", 0)
+    c = _Chooser(skip=0, chunk=2)
+    modes = []
+    for _ in range(12):
+        modes.append(c.workers)
+        c.record(4e-3 if c.workers else 1e-3, settled=True)
+    assert modes == [True, True] + [False] * 10
+
+
+def test_the_warm_up_runs_on_the_workers_untimed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_thread_workers, "CHUNK_SECONDS", 0.0)
+    monkeypatch.setattr(_thread_workers, "WARMUP_CALLS", 5)
+    c = _Chooser(skip=1, chunk=2)
+    modes = []
+    for _ in range(10):
+        modes.append(c.workers)
+        c.record(1e-3 if c.workers else 1e-4, settled=True)
+    assert modes == [True] * 8 + [False] * 2  # 5 warm-up calls, a skip, a chunk; then inline
 
 
 def test_workers_that_bring_too_little_are_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -251,3 +275,37 @@ def test_a_clear_choice_stands_longer_than_a_close_one(monkeypatch: pytest.Monke
         assert not c.workers
         intervals[ratio] = c._interval  # twice the hold
     assert intervals == {1.2: 2 * first, 4.0: 16 * first}
+
+
+class SlowReads(gl.MemoryStreamStorage):
+    """Every read takes 20 ms, as a window of many batches read in one call may."""
+
+    def read_many_sync(self, starts: Any, length: int) -> Sequence[Any]:
+        time.sleep(0.02)
+        return super().read_many_sync(starts, length)
+
+
+class Recording(_Chooser):
+    """Records what the pipeline reports, in inline mode throughout."""
+
+    def __init__(self) -> None:
+        super().__init__(skip=0, chunk=1)
+        self.workers = False
+        self.seen: list[float] = []
+
+    def record(self, seconds: float, settled: bool) -> None:
+        self.seen.append(seconds)
+
+
+def test_the_chooser_is_not_charged_for_reads() -> None:
+    """Both modes read the same windows in the caller's thread: the cycles the chooser weighs
+    leave the reads out, so a slow window read does not decide against the chunk it falls in."""
+    chooser = Recording()
+    cfg = config(SlowReads(np.arange(64)), Counting(None), 64, 2, 2, 2)
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        pipe = ThreadWorkerPipeline(cfg, ex, chooser)
+        while pipe.next() is not None:
+            pass
+        pipe.close()
+    assert len(chooser.seen) >= 30
+    assert max(chooser.seen) < 0.015, chooser.seen  # each read alone takes 20 ms

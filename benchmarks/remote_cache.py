@@ -10,6 +10,7 @@ cache folder, over two whole epochs; in one run, so the ratios compare like with
   (c) ``cache_dir`` with ``cache_max_bytes`` = 25% of the dataset (the chunk cache): samples/s
       per epoch, first batch, the peak size of the cache folder (sampled every 2 ms), chunks
       downloaded and evicted, GETs;
+  (c') no cache at all (``open_stream(url)``): what the chunk cache must not fall below;
   (d) exact resume over (c): 40% of an epoch, a checkpoint, a fresh process with another batch
       size, and the rest: the rows equal those of an uninterrupted local run.
 
@@ -245,11 +246,13 @@ def main(argv: list[str] | None = None) -> None:
                     runs["limited"] = run_child(
                         "epochs", url, {"cache_dir": fresh("limited"), "cache_max_bytes": limit}, order, 2
                     )
+                    # The same reads with no cache at all: what a cache must never cost more than.
+                    runs["no cache"] = run_child("epochs", url, {}, order, 2)
                     rounds.append(runs)
                     for name, r in runs.items():
                         e1, e2 = r["epochs"]
                         print(
-                            f"  [{order} {rnd + 1}] {name:8}: epoch 1 {e1['samples_per_s']:8.0f} samples/s "
+                            f"  [{order} {rnd + 1}] {name:9}: epoch 1 {e1['samples_per_s']:8.0f} samples/s "
                             f"({e1['seconds']:5.1f} s), epoch 2 {e2['samples_per_s']:8.0f} samples/s, first "
                             f"batch {r['first_batch_s'] * 1000:5.0f} ms, peak cache "
                             f"{r['peak_cache_bytes'] / MiB:6.1f} MiB, {r['stats']}",
@@ -284,6 +287,11 @@ def main(argv: list[str] | None = None) -> None:
                     f"(target >= 0.8), epoch 2 {ratio('limited', 'whole', 1)}; first batch <= "
                     f"{ttfb['limited']:.0f} ms (target < 1000; local files {ttfb['local']:.0f} ms); "
                     f"resume exact: {exact}; same rows in every run: {same}",
+                    flush=True,
+                )
+                print(
+                    f"[{order}] 25% cache / no cache: epoch 1 {ratio('limited', 'no cache', 0)}, epoch 2 "
+                    f"{ratio('limited', 'no cache', 1)} (a cache must not cost more than none: >= 1)",
                     flush=True,
                 )
                 print(

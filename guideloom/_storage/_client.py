@@ -16,6 +16,7 @@ import asyncio
 import atexit
 import gc
 import hashlib
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,6 +42,11 @@ from .manifest import MANIFEST_NAME, Manifest
 __all__ = ["Remote", "gather_first_error", "open_remote"]
 
 _OPEN: weakref.WeakSet[Remote] = weakref.WeakSet()
+
+#: A manifest checked this recently (``open_stream`` checks it and every object's size) is not
+#: read again by ``open()``: the round trip would sit in front of the first batch, and a
+#: dataset rewritten within these seconds is a race no check closes. Later opens read it again.
+MANIFEST_FRESH_SECONDS = 5.0
 
 
 @atexit.register
@@ -72,6 +78,7 @@ class Remote:
         )
         self._store: Any = None
         self._store = self._new_store()
+        self.checked_until = 0.0  # monotonic: until then open() need not read the manifest again
         self.counters = ReadCounters()  # counted into by the blocking reads here and by the fetcher
         self.fetcher = RangeFetcher(self.loc, self.opts, self.secrets, self.counters)
         _OPEN.add(self)
@@ -211,7 +218,11 @@ class Remote:
         raise error
 
     async def reopen(self, manifest: Manifest) -> None:
-        """``open()``: a client, and the manifest read again and compared (off the event loop)."""
+        """``open()``: a client, and the manifest read again and compared (off the event loop),
+        unless it was checked less than :data:`MANIFEST_FRESH_SECONDS` ago (once)."""
+        if time.monotonic() < self.checked_until:
+            self.checked_until = 0.0
+            return
         loop = asyncio.get_running_loop()
         current = await loop.run_in_executor(io_executor(), self.read_manifest)
         if current != manifest:
@@ -231,4 +242,5 @@ def open_remote(url: str, options: dict[str, Any]) -> tuple[Remote, Manifest]:
     remote = Remote(url, options)
     manifest = remote.read_manifest()
     remote.check_objects(manifest)
+    remote.checked_until = time.monotonic() + MANIFEST_FRESH_SECONDS
     return remote, manifest

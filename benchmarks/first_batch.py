@@ -178,13 +178,20 @@ def _measure(server: str, url: str, options: dict[str, Any], path: str, args: ar
                 _print_trace(r)
         b = run_child("bare", url, options, path, BATCH, script=__file__)
         bare.append(b)
-        print(f"  {server:<12} bare range GET of {SEQ * 2} B: " + ", ".join(f"{k} {v:.1f}" for k, v in b.items()))
+        print(
+            f"  {server:<12} bare range GET of {SEQ * 2} B: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in b.items())
+        )
     for label, xs in firsts.items():
-        print(f"  {server:<12} {label:<17} median first batch {statistics.median(xs) * 1000:.0f} ms", flush=True)
+        print(
+            f"  {server:<12} {label:<17} median first batch {statistics.median(xs) * 1000:.0f} ms", flush=True
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--trace", action="store_true", help="print every store call of each run")
@@ -214,7 +221,11 @@ def main(argv: list[str] | None = None) -> None:
         try:
             wait_for_port(port)
             endpoint = f"http://127.0.0.1:{port}"
-            creds = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench", "region_name": "us-east-1"}
+            creds = {
+                "aws_access_key_id": "bench",
+                "aws_secret_access_key": "bench",
+                "region_name": "us-east-1",
+            }
             client = boto3.client("s3", endpoint_url=endpoint, **creds)
             client.create_bucket(Bucket="bench")
             for f in sorted(folder.iterdir()):

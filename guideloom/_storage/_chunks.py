@@ -74,6 +74,11 @@ FIRST_READ_GRACE_SECONDS = 1.0
 BLOCK: Final = 4096
 #: How long a download waits for another process that holds the chunk's lock.
 LOCK_WAIT_SECONDS = 60.0
+#: A full cache evicts for a chunk only if the planned reads within the horizon use at least
+#: 1/this of its bytes: where windows touch far more chunks than the limit holds (a dataset far
+#: larger than a read window, shuffled), a download would serve a row or two before it is
+#: evicted again, and reading those rows directly costs a fraction of the chunk.
+MIN_USE_DENOMINATOR = 4
 #: The planner looks ahead until its windows touch this many times the chunks the limit holds.
 HORIZON_FACTOR = 2
 MAX_HORIZON_WINDOWS = 65536
@@ -150,28 +155,55 @@ class _Table:
 
     def of_rows(self, layouts: Mapping[str, Layout], starts: I64, length: int) -> I64:
         """Sorted distinct chunks that stream windows ``[s, s + length)`` (elements) touch."""
+        return self.use_of_rows(layouts, starts, length)[0]
+
+    def use_of_rows(self, layouts: Mapping[str, Layout], starts: I64, length: int) -> tuple[I64, I64]:
+        """:meth:`of_rows` and the bytes the windows read from each of those chunks."""
         n = len(starts)
         parts = [
-            self.of_spans(layout, starts * layout.dtype.itemsize, np.full(n, length * layout.dtype.itemsize))
+            self.use_of_spans(
+                layout, starts * layout.dtype.itemsize, np.full(n, length * layout.dtype.itemsize)
+            )
             for layout in layouts.values()
         ]
-        return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+        return _merge([g for g, _b in parts], [b for _g, b in parts])
 
     def of_spans(self, layout: Layout, starts: I64, lengths: I64) -> I64:
         """Sorted distinct chunks that bytes ``[s, s + n)`` of ``layout``'s array touch."""
+        return self.use_of_spans(layout, starts, lengths)[0]
+
+    def use_of_spans(self, layout: Layout, starts: I64, lengths: I64) -> tuple[I64, I64]:
+        """:meth:`of_spans` and the bytes of the spans that lie in each of those chunks."""
         lengths = np.asarray(lengths, dtype=np.int64)
         k, lo, n, _d = _pieces(
             layout, np.asarray(starts, dtype=np.int64), lengths, np.zeros(len(lengths), np.int64)
         )
         if not len(k):
-            return np.zeros(0, np.int64)
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
         fidx = np.asarray([self.index[p] for p in layout.paths], dtype=np.int64)[k]
-        first = self.base[fidx] + lo // self.chunk
-        last = self.base[fidx] + (lo + n - 1) // self.chunk
-        out = [first, last]
-        for i in np.flatnonzero(last - first > 1).tolist():  # a span longer than a chunk
-            out.append(np.arange(int(first[i]) + 1, int(last[i]), dtype=np.int64))
-        return np.unique(np.concatenate(out))
+        base = self.base[fidx]
+        first = base + lo // self.chunk
+        last = base + (lo + n - 1) // self.chunk
+        one = first == last
+        extra_g: list[int] = []
+        extra_b: list[int] = []
+        for i in np.flatnonzero(~one).tolist():  # a span across chunks: each chunk its part
+            s, e = int(lo[i]), int(lo[i] + n[i])
+            for g in range(int(first[i]), int(last[i]) + 1):
+                cs = (g - int(base[i])) * self.chunk
+                extra_g.append(g)
+                extra_b.append(min(e, cs + self.chunk) - max(s, cs))
+        gids = [first[one], np.asarray(extra_g, dtype=np.int64)]
+        return _merge(gids, [n[one], np.asarray(extra_b, dtype=np.int64)])
+
+
+def _merge(gids: list[I64], nbytes: list[I64]) -> tuple[I64, I64]:
+    """Sorted distinct chunks of ``gids`` and the sum of ``nbytes`` for each."""
+    if not gids:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    out, inverse = np.unique(np.concatenate(gids), return_inverse=True)
+    used = np.bincount(inverse.reshape(-1), weights=np.concatenate(nbytes), minlength=len(out))
+    return out.astype(np.int64), used.astype(np.int64)
 
 
 class ChunkCache:
@@ -221,8 +253,10 @@ class ChunkCache:
         _LIVE.add(self)
         self._disk.rescan()
 
-    def plan(self, windows: Iterable[tuple[tuple[int, int, int], I64]]) -> None:
-        """The windows the reader will read next, in order: a key per read and its chunks.
+    def plan(self, windows: Iterable[tuple[Any, ...]]) -> None:
+        """The windows the reader will read next, in order: a key per read, its chunks and
+        (optionally) the bytes it reads from each (``_Table.use_of_rows``); without them every
+        chunk counts as fully used.
 
         Replaces the previous plan (a new epoch, or an iterator resumed elsewhere). Consumed
         lazily, as far ahead as the horizon reaches.
@@ -380,20 +414,23 @@ class _Schedule:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity  # chunks the limit holds
-        # The plan: hinted windows not yet started, oldest first, and each chunk's uses in them.
-        self.future: deque[tuple[int, tuple[int, int, int], I64]] = deque()
+        # The plan: hinted windows not yet started, oldest first (position, key, chunks, bytes
+        # read from each or None: all), each chunk's uses in them and the bytes those read.
+        self.future: deque[tuple[int, tuple[int, int, int], I64, I64 | None]] = deque()
         self.uses: dict[int, deque[int]] = {}
-        self.hint: Iterator[tuple[tuple[int, int, int], I64]] | None = None
+        self.planned: dict[int, int] = {}
+        self.hint: Iterator[tuple[Any, ...]] | None = None
         self.next_pos = 0
         self.now = -1
         self.stalled_at: int | None = None  # no room at this position: wait for the reader
         self.grace_until = 0.0  # no download starts before this (monotonic), see reset()
         self.skip: set[int] = set()  # failed to download under this hint: read remotely
 
-    def reset(self, windows: Iterable[tuple[tuple[int, int, int], I64]]) -> None:
+    def reset(self, windows: Iterable[tuple[Any, ...]]) -> None:
         """A new plan (see ``ChunkCache.plan``); downloads wait for its first read, a while."""
         self.future.clear()
         self.uses.clear()
+        self.planned.clear()
         self.skip.clear()
         self.hint = iter(windows)
         self.next_pos = 0
@@ -410,17 +447,20 @@ class _Schedule:
             if item is None:
                 self.hint = None
                 return
-            key, gids = item
+            key, gids, *rest = item
+            used: I64 | None = rest[0] if rest else None
             pos = self.next_pos
             self.next_pos += 1
-            self.future.append((pos, key, gids))
-            for g in gids.tolist():
+            self.future.append((pos, key, gids, used))
+            amounts = [INF] * len(gids) if used is None else used.tolist()
+            for g, b in zip(gids.tolist(), amounts, strict=True):
                 self.uses.setdefault(g, deque()).append(pos)
+                self.planned[g] = self.planned.get(g, 0) + b
 
     def advance(self, key: tuple[int, int, int]) -> bool:
         """A read of the window ``key`` starts: the plan's position moves to it (True if it did)."""
         pos = -1
-        for i, (p, k, _g) in enumerate(self.future):
+        for i, (p, k, _g, _u) in enumerate(self.future):
             if i >= 16:
                 return False  # not one of the next windows: a read outside the plan
             if k == key:
@@ -429,8 +469,14 @@ class _Schedule:
         if pos < 0:
             return False
         while self.future and self.future[0][0] <= pos:
-            p, _k, gids = self.future.popleft()
-            for g in gids.tolist():
+            p, _k, gids, used = self.future.popleft()
+            amounts = [INF] * len(gids) if used is None else used.tolist()
+            for g, b in zip(gids.tolist(), amounts, strict=True):
+                left = self.planned.get(g, 0) - b
+                if left > 0:
+                    self.planned[g] = left
+                else:
+                    self.planned.pop(g, None)
                 dq = self.uses.get(g)
                 if dq is not None:
                     while dq and dq[0] <= p:
@@ -446,11 +492,16 @@ class _Schedule:
 
     def candidate(self, local: Container[int], inflight: Container[int]) -> tuple[int, int] | None:
         """The chunk the plan needs soonest that is neither on disk nor on its way, and when."""
-        for pos, _key, gids in self.future:
+        for pos, _key, gids, _used in self.future:
             for g in gids.tolist():
                 if g not in local and g not in inflight and g not in self.skip:
                     return g, pos
         return None
+
+    def worth_evicting_for(self, gid: int, nbytes: int) -> bool:
+        """Whether the planned reads use enough of chunk ``gid`` (``nbytes`` long) to evict
+        another for it (:data:`MIN_USE_DENOMINATOR`)."""
+        return self.planned.get(gid, 0) * MIN_USE_DENOMINATOR >= nbytes
 
     def victim(self, evictable: Iterable[int], when: int) -> int | None:
         """Of ``evictable``, the chunk needed furthest in the future, if later than ``when``."""
@@ -847,7 +898,8 @@ class _Downloader:
         """Make room for chunk ``gid`` (needed at ``when``) and reserve it, under the budget lock.
 
         Evicts the chunks needed furthest in the future, never one needed before ``when`` or in
-        use; None if that does not make room."""
+        use, and only for a chunk the planned reads use enough of; None if that does not make
+        room (its reads go to the object store)."""
         need = _blocks(self._table.nbytes(gid))
         if need > self._max_bytes:
             with self._cond:
@@ -857,7 +909,8 @@ class _Downloader:
             with self._cond:
                 local = self._disk.local
                 evictable = (v for v in local if not self._pinned.get(v) and v not in self.fetching)
-                victim = self._schedule.victim(evictable, when)
+                worth = self._schedule.worth_evicting_for(gid, self._table.nbytes(gid))
+                victim = self._schedule.victim(evictable, when) if worth else None
                 if victim is None:
                     # No room before the reader moves on (decided at this position, under the
                     # lock that moves it, so a read that moved it meanwhile is not missed).

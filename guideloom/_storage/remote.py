@@ -244,7 +244,7 @@ class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):
             for starts in windows:
                 st = np.asarray(starts, dtype=np.int64)
                 if len(st):
-                    yield _key(st), chunks.table.of_rows(arrays, st, length)
+                    yield (_key(st), *chunks.table.use_of_rows(arrays, st, length))
 
         chunks.plan(planned())
 
@@ -338,8 +338,10 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
                 idx = np.asarray(indices, dtype=np.int64)
                 if len(idx):
                     starts = offsets[idx]
-                    spans = chunks.table.of_spans(layout, starts * item, (offsets[idx + 1] - starts) * item)
-                    yield _key(idx), spans
+                    used = chunks.table.use_of_spans(
+                        layout, starts * item, (offsets[idx + 1] - starts) * item
+                    )
+                    yield (_key(idx), *used)
 
         chunks.plan(planned())
 

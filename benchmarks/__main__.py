@@ -3,6 +3,7 @@
     python -m benchmarks local [--quick]           # local stream: guideloom vs a bare loop and torch (~2 min)
     python -m benchmarks remote [--quick]          # over HTTP at 20 ms round trip, vs its ceiling (nginx)
     python -m benchmarks remote-cache [--quick]    # cache_dir: a 25% chunk cache vs the whole copy vs local
+    python -m benchmarks first-batch [--trace]     # time to first batch on moto and nginx, request by request
     python -m benchmarks suite [--quick]           # against torch, torchdata, Streaming, LitData, Grain
     python -m benchmarks suite --setup-only        # only create the suite's venv with the peers
     python -m benchmarks report                    # re-render table and chart from results/latest.json
@@ -34,6 +35,7 @@ _PASSTHROUGH = {
     "local": "benchmarks.local_stream",
     "remote": "benchmarks.remote_stream",
     "remote-cache": "benchmarks.remote_cache",
+    "first-batch": "benchmarks.first_batch",
     "fuzz": "benchmarks.fuzz_manifest",
     "soak": "benchmarks.soak",
     "packing": "benchmarks.packing",
@@ -109,7 +111,18 @@ def _write_report(out: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = ["local", "remote", "remote-cache", "suite", "report", "fuzz", "soak", "packing", "mixture"]
+    commands = [
+        "local",
+        "remote",
+        "remote-cache",
+        "first-batch",
+        "suite",
+        "report",
+        "fuzz",
+        "soak",
+        "packing",
+        "mixture",
+    ]
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__)
         if argv and argv[0] not in ("-h", "--help"):

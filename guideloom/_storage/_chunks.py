@@ -490,11 +490,15 @@ class _Schedule:
         dq = self.uses.get(gid)
         return dq[0] if dq else INF
 
-    def candidate(self, local: Container[int], inflight: Container[int]) -> tuple[int, int] | None:
-        """The chunk the plan needs soonest that is neither on disk nor on its way, and when."""
+    def candidate(
+        self, local: Container[int], inflight: Container[int], worth: Callable[[int], bool] | None = None
+    ) -> tuple[int, int] | None:
+        """The chunk the plan needs soonest that is neither on disk nor on its way (nor refused
+        by ``worth``), and when."""
         for pos, _key, gids, _used in self.future:
             for g in gids.tolist():
-                if g not in local and g not in inflight and g not in self.skip:
+                fetch = g not in local and g not in inflight and g not in self.skip
+                if fetch and (worth is None or worth(g)):
                     return g, pos
         return None
 
@@ -838,8 +842,16 @@ class _Downloader:
             self.stopped = False
 
     def candidate_locked(self) -> tuple[int, int] | None:
-        """The chunk the plan needs soonest that is neither on disk nor on its way."""
-        return self._schedule.candidate(self._disk.local, self.inflight)
+        """The chunk the plan needs soonest that is neither on disk nor on its way; once the
+        chunks this process knows of fill the limit, only one worth evicting for."""
+        schedule, local = self._schedule, self._disk.local
+        worth = None
+        if len(local) + len(self.inflight) >= schedule.capacity:
+
+            def worth(g: int) -> bool:
+                return schedule.worth_evicting_for(g, self._table.nbytes(g))
+
+        return schedule.candidate(local, self.inflight, worth)
 
     def _plan_loop(self) -> None:
         """The planner: take the chunk the plan needs soonest, reserve its room (here, one at a
@@ -898,8 +910,7 @@ class _Downloader:
         """Make room for chunk ``gid`` (needed at ``when``) and reserve it, under the budget lock.
 
         Evicts the chunks needed furthest in the future, never one needed before ``when`` or in
-        use, and only for a chunk the planned reads use enough of; None if that does not make
-        room (its reads go to the object store)."""
+        use; None if that does not make room."""
         need = _blocks(self._table.nbytes(gid))
         if need > self._max_bytes:
             with self._cond:
@@ -909,8 +920,7 @@ class _Downloader:
             with self._cond:
                 local = self._disk.local
                 evictable = (v for v in local if not self._pinned.get(v) and v not in self.fetching)
-                worth = self._schedule.worth_evicting_for(gid, self._table.nbytes(gid))
-                victim = self._schedule.victim(evictable, when) if worth else None
+                victim = self._schedule.victim(evictable, when)
                 if victim is None:
                     # No room before the reader moves on (decided at this position, under the
                     # lock that moves it, so a read that moved it meanwhile is not missed).

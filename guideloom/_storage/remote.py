@@ -2,7 +2,9 @@
 
 The layout is the local one (``manifest.json`` and raw shard files under a prefix), so a dataset
 folder copied to a bucket with any tool reads back identically. Opening reads and checks the
-manifest and the objects' sizes; reading turns every batched read into byte ranges per object,
+manifest and the objects' sizes (``open()`` reads the manifest again and refuses one that
+changed, unless ``open_stream`` checked it moments before: no round trip before the first
+batch that tells nothing new); reading turns every batched read into byte ranges per object,
 coalescing ranges that are adjacent or closer than ``coalesce_gap`` (:mod:`._ranges`), and fetches
 them concurrently under a limit of requests and of bytes in flight, with bounded retries
 (:mod:`._client`; see :mod:`._objstore` for why every obstore call is a synchronous one on a

@@ -107,3 +107,28 @@ def test_the_bytes_planned_per_chunk_are_those_of_the_rows(
         assert np.array_equal(cache.table.of_rows(store.layouts, starts, length), gids)
     finally:
         cache.stop()
+
+
+def test_a_chunk_the_plan_reads_little_of_does_not_hold_up_the_next_ones(
+    tmp_path: Path, stopped: list[ChunkCache]
+) -> None:
+    """In order, windows of 1, 2, 4, ... 64 rows (as the loader grows them), room for 4 chunks of
+    16 rows: windows end mid-chunk, so when the reader reaches one, the rest of the plan reads a
+    row of the chunk it has just left. That chunk is not worth its download; the chunks after
+    it, read whole, still are, and are downloaded ahead of the reader."""
+    store = Store(tmp_path, chunks=512)
+    chunk = 16 * CHUNK
+    cache = store.cache(tmp_path / "c", max_bytes=4 * chunk, chunk_bytes=chunk)
+    stopped.append(cache)
+    windows, start = [], 0
+    for size in [1, 2, 4, 8, 16, 32] + [64] * 8:
+        if start < 512:
+            windows.append(list(range(start, min(512, start + size))))
+            start += size
+    cache.plan(_planned(store, cache, w) for w in windows)
+    for w in windows:
+        settle(cache)
+        assert np.array_equal(store.read(cache, w), store.expected(w))
+    stats = cache.stats()
+    assert stats["cache_downloads"] >= 28, stats
+    assert stats["cache_local_ranges"] >= 3 * stats["cache_remote_ranges"], stats

@@ -153,18 +153,29 @@ class Remote:
             )
         raise error
 
-    def object_sizes(self, paths: Sequence[str]) -> dict[str, int]:
-        """Sizes of ``paths`` (missing ones absent): one listing, or HEADs where listing is impossible."""
+    def list_sizes(self) -> dict[str, int] | None:
+        """Every object's size under the prefix, from one listing; None where listing is
+        impossible (``http(s)://``, no list permission)."""
+        import obstore
+
+        if self.loc.kind == "http":
+            return None
+        store = self.store()
+        try:
+            listed = call_with_retries(lambda: obstore.list(store).collect(), self.policy)
+            return {str(m["path"]): int(m["size"]) for m in listed}
+        except Exception:
+            return None  # e.g. no list permission: one HEAD per object instead
+
+    def object_sizes(self, paths: Sequence[str], listed: dict[str, int] | None = None) -> dict[str, int]:
+        """Sizes of ``paths`` (missing ones absent): from ``listed`` (:meth:`list_sizes`, made
+        while the manifest was read), one listing, or HEADs where listing is impossible."""
         import obstore
 
         store = self.store()
-        if self.loc.kind != "http":
-            try:
-                listed = call_with_retries(lambda: obstore.list(store).collect(), self.policy)
-                sizes = {str(m["path"]): int(m["size"]) for m in listed}
-                return {p: sizes[p] for p in paths if p in sizes}
-            except Exception:
-                pass  # e.g. no list permission: fall back to one HEAD per object
+        sizes = listed if listed is not None else self.list_sizes()
+        if sizes is not None:
+            return {p: sizes[p] for p in paths if p in sizes}
 
         def head(path: str) -> tuple[str, int | None]:
             try:
@@ -183,10 +194,10 @@ class Remote:
                 out[path] = size
         return out
 
-    def check_objects(self, manifest: Manifest) -> None:
+    def check_objects(self, manifest: Manifest, listed: dict[str, int] | None = None) -> None:
         """Refuse a manifest whose objects are missing or of the wrong size (as for local files)."""
         files = manifest.all_files()
-        sizes = self.object_sizes([f.path for _, _, f in files])
+        sizes = self.object_sizes([f.path for _, _, f in files], listed)
         for name, _spec, f in files:
             size = sizes.get(f.path)
             if size is None:
@@ -240,7 +251,9 @@ class Remote:
 def open_remote(url: str, options: dict[str, Any]) -> tuple[Remote, Manifest]:
     """A connection to ``url`` and its manifest, checked against the objects' sizes."""
     remote = Remote(url, options)
+    # The listing does not need the manifest: made while it is read, one round trip less.
+    listing = io_executor().submit(remote.list_sizes) if remote.loc.kind != "http" else None
     manifest = remote.read_manifest()
-    remote.check_objects(manifest)
+    remote.check_objects(manifest, None if listing is None else listing.result())
     remote.checked_until = time.monotonic() + MANIFEST_FRESH_SECONDS
     return remote, manifest

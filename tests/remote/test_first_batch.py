@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import numpy as np
@@ -67,3 +68,33 @@ def test_an_open_long_after_open_stream_reads_the_manifest_again(
     asyncio.run(storage.open())
     assert calls[0] == 2
     asyncio.run(storage.close())
+
+
+def test_open_stream_lists_the_objects_while_it_reads_the_manifest(
+    plain_copies: Copies, s3: MotoS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The listing does not wait for the manifest: the manifest read here waits for the listing
+    to have started, which only a concurrent listing lets happen."""
+    listing = threading.Event()
+    list_sizes, read_manifest = _client.Remote.list_sizes, _client.Remote.read_manifest
+
+    def listed(self: _client.Remote) -> Any:
+        listing.set()
+        return list_sizes(self)
+
+    def manifest(self: _client.Remote) -> Any:
+        assert listing.wait(10), "the objects were not listed while the manifest was read"
+        return read_manifest(self)
+
+    monkeypatch.setattr(_client.Remote, "list_sizes", listed)
+    monkeypatch.setattr(_client.Remote, "read_manifest", manifest)
+    storage = guideloom.open_stream(plain_copies.s3_url, **s3.options())
+    assert len(storage) == len(plain_copies.tokens)
+
+
+def test_a_listing_that_is_refused_falls_back_to_heads(
+    plain_copies: Copies, s3: MotoS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_client.Remote, "list_sizes", lambda self: None)
+    storage = guideloom.open_stream(plain_copies.s3_url, **s3.options())
+    assert len(storage) == len(plain_copies.tokens)

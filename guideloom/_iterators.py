@@ -18,6 +18,9 @@ the loader is open (as torchdata picks its iterator class):
   stops when it ends (a loader holds no thread between iterators); batches come through the
   :class:`~guideloom._channel.Channel` as soon as they are ready.
 
+- :class:`ProcessWorkerIterator`: ``parallel_method="process"`` workers: the caller's thread sends
+  groups to the workers and takes their batches off the pipes itself, no event loop
+  (:class:`~guideloom._procpool.SyncRun`).
 - :class:`ThreadWorkerIterator`: ``parallel_method="thread"`` workers over a storage that
   ``reads_inline()``: no event loop; the caller's thread reads and hands groups of batches to
   the worker threads, or collates inline while that is cheaper
@@ -42,8 +45,18 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from ._channel import Channel, EndOfStream
 from ._checkpoint import epoch_order
 from ._loop import LoopThread
-from ._pipeline import Delivery, InlinePipeline, PipelineConfig, make_executor, run_pipeline
+from ._pipeline import (
+    Delivery,
+    InlinePipeline,
+    PipelineConfig,
+    group_size,
+    make_executor,
+    move_to_device,
+    reading_name,
+    run_pipeline,
+)
 from ._plan import EpochPlan
+from ._procpool import ProcessWorkers, SyncRun
 from ._thread_workers import ThreadWorkerPipeline
 
 if TYPE_CHECKING:
@@ -55,6 +68,7 @@ __all__ = [
     "CallerLoopIterator",
     "InlineIterator",
     "LoopThreadIterator",
+    "ProcessWorkerIterator",
     "SyncIterator",
     "ThreadWorkerIterator",
     "pipeline_config",
@@ -266,6 +280,8 @@ def sync_iterator(loader: StatefulDataLoader[Any, BatchT]) -> SyncIterator[Batch
             cls = InlineIterator
         elif cfg.num_workers > 0 and cfg.parallel_method == "thread" and cfg.dataset.reads_inline:
             cls = ThreadWorkerIterator
+        elif cfg.num_workers > 0 and cfg.parallel_method == "process":
+            cls = ProcessWorkerIterator
         elif cfg.capacity == 0 and not _event_loop_running_here():
             cls = CallerLoopIterator
         else:
@@ -443,6 +459,37 @@ class ThreadWorkerIterator(SyncIterator[BatchT]):
     def _stop(self) -> None:
         if self._pipe is not None:
             self._pipe.close()
+        self._join_executor()
+
+
+class ProcessWorkerIterator(SyncIterator[BatchT]):
+    """Process workers driven from the caller's thread, no event loop (:class:`SyncRun`)."""
+
+    _run: SyncRun | None = None
+
+    def _start(self) -> None:
+        executor = self._start_executor()
+        assert isinstance(executor, ProcessWorkers)
+        cfg = self._cfg
+        group = group_size(cfg.capacity, cfg.num_workers)
+        self._run = SyncRun(executor.session, cfg.plan, cfg.order, reading_name(cfg), 0, group, cfg.capacity)
+        self._device = cfg.device if cfg.device.type != "cpu" else None
+
+    def _next(self) -> Delivery | None:
+        assert self._run is not None
+        d = self._run.next()
+        if d is None or self._done:
+            return None  # the end, or close() in another thread ended this next()
+        if d.error is None and self._device is not None:
+            try:
+                d.value = move_to_device(d.value, self._device, self._cfg.pin_memory)
+            except Exception as exc:
+                d.error, d.value = exc, None
+        return d
+
+    def _stop(self) -> None:
+        if self._run is not None:
+            self._run.close()
         self._join_executor()
 
 

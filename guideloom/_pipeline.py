@@ -59,6 +59,7 @@ __all__ = [
     "PipelineConfig",
     "make_executor",
     "move_to_device",
+    "reading_name",
     "run_pipeline",
 ]
 
@@ -146,6 +147,10 @@ def _span(cfg: PipelineConfig) -> int:
 def _reading(cfg: PipelineConfig) -> str:
     storage = cfg.dataset.storage  # None for a dataset reading a source of its own
     return f"{type(cfg.dataset if storage is None else storage).__name__}.read_many"
+
+
+#: What a read's failure names (public for the process workers' sync iterator).
+reading_name = _reading
 
 
 def _reads_for(

@@ -32,6 +32,7 @@ import multiprocessing.connection
 import os
 import pickle
 import secrets
+import selectors
 import signal
 import struct
 import sys
@@ -61,6 +62,7 @@ __all__ = [
     "SHUTDOWN_GRACE_S",
     "RemoteTraceback",
     "Session",
+    "SyncRun",
     "WorkerPool",
     "check_not_bootstrapping",
     "live_segments",
@@ -720,9 +722,14 @@ class Session:
 
     # -- reading results (on the loop) -----------------------------------------------------------
     def _on_readable(self, p: _Proc, loop: asyncio.AbstractEventLoop) -> None:
+        if not self.receive(p):
+            loop.remove_reader(p.fd)
+
+    def receive(self, p: _Proc) -> bool:
+        """Take in the messages that ``p``'s pipe holds now; False once the worker is gone (its
+        groups then fail with a :class:`~guideloom.WorkerError` at the first batch each owed)."""
         frames = p.read_frames()
         if frames is None:
-            loop.remove_reader(p.fd)
             self.pool.mark_dead(p)
             for g in self.groups.values():
                 if g.proc is p:
@@ -733,9 +740,10 @@ class Session:
                             f"{g.specs[g.received].step}"
                         )
                     )
-            return
+            return False
         for frame in frames:
             self._on_message(p, pickle.loads(frame))
+        return True
 
     def _on_message(self, p: _Proc, msg: tuple[Any, ...]) -> None:
         _, token, gid, entries = msg
@@ -891,3 +899,120 @@ class ProcessWorkers(concurrent.futures.Executor):
                 self.pool.close()
             else:  # on the pipeline's own loop thread: do not wait there for the workers
                 threading.Thread(target=self.pool.close, name="guideloom-workers-close", daemon=True).start()
+
+
+class SyncRun:
+    """One epoch of a sync ``for`` over process workers, driven from the consumer's thread.
+
+    No event loop stands in between: :meth:`next` sends groups while credits allow (at most
+    ``capacity`` batches ahead of the consumer, plus the one asked for, as with the channel's
+    credits), waits on the workers' pipes with a selector when the next batch has not arrived,
+    and hands the batch out. One message arrives per group, so the main process wakes once per
+    group, not per batch, and no batch crosses a thread or an asyncio future on its way.
+    """
+
+    #: How often a blocked :meth:`next` looks whether :meth:`close` ran in another thread.
+    POLL_S = 0.1
+
+    def __init__(
+        self,
+        session: Session,
+        plan: EpochPlan,
+        order: Order,
+        reading: str,
+        first_step: int,
+        group: int,
+        capacity: int,
+    ) -> None:
+        self.session = session
+        self.plan, self.order, self.reading = plan, order, reading
+        self.step = first_step  # the next step to send
+        self.total = len(plan)
+        self.group = max(1, group)
+        self.limit = capacity + 1
+        self.ahead = 0  # batches sent and not yet handed out
+        self.pending: deque[_Group] = deque()
+        self.selector: selectors.BaseSelector | None = None
+        self.started = False
+        self.closed = False
+
+    def _start(self) -> None:
+        pool = self.session.pool
+        pool.start()
+        self.selector = selectors.DefaultSelector()
+        for p in pool.live():
+            p.send(("epoch", self.session.token, self.plan, self.order, self.reading))
+            self.selector.register(p.fd, selectors.EVENT_READ, p)
+
+    def _fill(self) -> None:
+        """Send groups while credits allow; a group waits for a full group's credits unless
+        nothing else is in flight (a worker waiting for its next group is a worker lost)."""
+        most = 2 * self.session.pool.num_workers  # groups in flight: one queued per worker
+        while self.step < self.total and len(self.pending) < most:
+            n = min(self.group, self.total - self.step, self.limit - self.ahead)
+            if n <= 0 or (n < self.group and n < self.total - self.step and self.pending):
+                return
+            self.pending.append(self.session._submit(self.plan.batches(self.step, self.step + n)))
+            self.step += n
+            self.ahead += n
+
+    def _wait(self) -> None:
+        """Block until a worker's pipe has something (or :data:`POLL_S`), and take it in."""
+        selector = self.selector
+        if selector is None:
+            return
+        try:
+            events = selector.select(self.POLL_S)
+        except (OSError, ValueError):  # closed by close() in another thread
+            return
+        for key, _ in events:
+            p: _Proc = key.data
+            if not self.session.receive(p):
+                selector.unregister(p.fd)
+
+    def next(self) -> Delivery | None:
+        """The next batch in plan order (or the error in its place); ``None`` at the end of the
+        epoch, after a failure was handed out, or once :meth:`close` ran."""
+        if self.closed:
+            return None
+        if not self.started:
+            self.started = True
+            try:
+                self._start()
+            except Exception as exc:  # reported at the first batch, as the loop's pipeline does
+                self.closed = True
+                spec = self.plan.batch(self.step) if self.step < self.total else BatchSpec(self.step, 0, 0, 0)
+                return Delivery(spec, error=exc)
+        self._fill()
+        if not self.pending:
+            return None
+        g = self.pending[0]
+        while not g.results:
+            if self.closed:
+                return None
+            self._wait()
+        d = g.results.popleft()
+        self.ahead -= 1
+        if g.done and not g.results:
+            self.pending.popleft()
+            self.session.groups.pop(g.gid, None)
+        if d.error is not None:
+            self.close()
+        else:
+            self._fill()  # the credit is back: the workers need not wait for the next call
+        return d
+
+    def close(self) -> None:
+        """Send nothing more and tell the workers to drop this iterator's groups. Idempotent."""
+        if self.closed and self.selector is None:
+            return
+        self.closed = True
+        for g in self.pending:
+            if not g.done and g.proc is not None:
+                g.proc.inflight -= 1
+        self.pending.clear()
+        self.session.groups.clear()
+        self.session.end()
+        selector, self.selector = self.selector, None
+        if selector is not None:
+            selector.close()

@@ -1,0 +1,132 @@
+"""The sync ``for`` over process workers without an event loop (:class:`SyncRun`): the same
+batches as ``num_workers=0`` for every group size, exact resume, nothing left in ``/dev/shm``,
+and a ``close()`` from another thread ending a blocked ``next()``."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import guideloom as gl
+from guideloom._iterators import ProcessWorkerIterator
+from guideloom._procpool import live_segments
+
+from ._helpers import take
+from .test_procpool import SEQ, assert_same, ids, loader_for, rich, slow_ids, worker_pids
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_thread_leak")]
+
+
+@pytest.fixture(scope="module")
+def stream(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A local stream of 200 samples whose elements are their own positions."""
+    folder = tmp_path_factory.mktemp("procpool_sync") / "stream"
+    gl.write_stream(folder, np.arange(200 * SEQ, dtype=np.int32), shard_bytes=20_000)
+    return folder
+
+
+def sleepy(samples: Any) -> torch.Tensor:
+    """20 ms a batch, and a batch large enough to travel through shared memory."""
+    return torch.from_numpy(np.tile(np.asarray(slow_ids(samples)), (1, 2048)))
+
+
+def loop_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("guideloom-loop")]
+
+
+# (num_workers, prefetch) -> batches per group: group_size(prefetch + num_workers, num_workers).
+GROUPS = [(2, 0, 1), (2, 8, 2), (1, 7, 4), (3, 45, 8), (2, 30, 8)]
+
+
+@pytest.mark.parametrize(("workers", "prefetch", "group"), GROUPS)
+def test_batches_equal_num_workers_0_for_each_group_size(
+    stream: Path, workers: int, prefetch: int, group: int
+) -> None:
+    with loader_for(stream, rich, num_workers=0, shuffle=True, shuffle_seed=11, local_batch_size=3) as inline:
+        expected = take(inline)
+    loader = loader_for(
+        stream,
+        rich,
+        num_workers=workers,
+        prefetch=prefetch,
+        shuffle=True,
+        shuffle_seed=11,
+        local_batch_size=3,
+    )
+    with loader:
+        it = iter(loader)
+        assert isinstance(it, ProcessWorkerIterator)
+        got = [next(it)]
+        assert it._run is not None and it._run.group == group
+        token = it._run.session.pool.token  # this pool's segments (other tests may run meanwhile)
+        owner = got[0]["array"]
+        while isinstance(owner, np.ndarray):
+            owner = owner.base
+        assert isinstance(owner, ctypes.Array)  # a view of a shared-memory slot, not a copy
+        assert it._run.ahead <= prefetch + workers + 1  # the channel's credits, as on the loop
+        assert loop_threads() == []  # no event loop between the workers and the consumer
+        got.extend(it)
+        assert len(got) == len(expected)
+        for a, b in zip(got, expected, strict=True):
+            assert_same(a, b)
+    assert worker_pids() == set()
+    del got, it, owner
+    assert live_segments(token) == []
+
+
+def test_resume_anywhere_with_any_group_size(stream: Path) -> None:
+    with loader_for(stream, ids, num_workers=0, shuffle=True, shuffle_seed=4) as inline:
+        expected = take(inline)
+    loaders = {p: loader_for(stream, ids, shuffle=True, shuffle_seed=4, prefetch=p) for p in (0, 6, 30)}
+    start = loaders[0].state_dict()
+
+    @settings(max_examples=15, deadline=None, derandomize=True)
+    @given(
+        stop=st.integers(0, len(expected) - 1),
+        first=st.sampled_from(sorted(loaders)),
+        then=st.sampled_from(sorted(loaders)),
+    )
+    def resume(stop: int, first: int, then: int) -> None:
+        a, b = loaders[first], loaders[then]
+        a.load_state_dict(start)
+        before = take(a, stop)
+        b.load_state_dict(a.state_dict())
+        assert before + take(b) == expected
+
+    try:
+        for lo in loaders.values():
+            lo.open()
+        resume()
+    finally:
+        for lo in loaders.values():
+            lo.close()
+    assert worker_pids() == set()
+
+
+def test_close_from_another_thread_ends_a_blocked_next(stream: Path) -> None:
+
+    loader = loader_for(stream, sleepy, prefetch=2, num_workers=1)
+    with loader:
+        it = iter(loader)
+        next(it)
+        assert isinstance(it, ProcessWorkerIterator) and it._run is not None
+        token = it._run.session.pool.token
+        timer = threading.Timer(0.05, it.close)
+        timer.start()
+        t0 = time.monotonic()
+        rest = list(it)  # ends once close() ran, not after the epoch
+        timer.join()
+        assert time.monotonic() - t0 < 2.0
+        assert len(rest) < 40
+        assert take(loader, 1)  # the loader goes on from where the iterator stopped
+    del rest
+    assert live_segments(token) == []

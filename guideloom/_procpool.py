@@ -732,7 +732,7 @@ class Session:
         if frames is None:
             self.pool.mark_dead(p)
             for g in self.groups.values():
-                if g.proc is p:
+                if g.proc is p and not g.done:  # a done group has all it owed
                     g.fail(
                         WorkerError(
                             f"guideloom worker process {p.index} (pid {p.proc.pid}) died "

@@ -4,16 +4,19 @@ A :class:`WorkerPool` starts ``num_workers`` processes (the ``spawn`` start meth
 loader: each unpickles the dataset and ``collate_fn`` once, opens the storage itself and then
 serves *groups*: the main process sends a group's plan positions (an epoch's plan and order once
 per iterator, then ``(first_step, stop_step)`` per group), the worker reads the group as one
-window, collates each batch and sends it back. Arrays and tensors in a batch travel through
-shared memory: the worker writes them into one of its *slots* (a POSIX shared-memory segment
-that it reuses) and sends a small pickle that names them; the main process maps the slot once
-and rebuilds the arrays as views of it, without a copy. A slot is free again when the last
-array built on it is freed: the main process marks it in a state byte that the worker reads
-(no message), so a consumer that keeps batches never blocks a worker, which makes another slot.
+window, collates each batch and sends the group back in one message. Arrays and tensors travel
+through shared memory: the worker writes a whole group's into one of its *slots* (a POSIX
+shared-memory segment that it reuses), one after the other, and describes each batch in the
+message (a batch that is one array or tensor by its dtype, shape and offset; anything else by a
+small pickle that names its arrays); the main process maps the slot once and rebuilds the arrays
+as views of it, without a copy. A slot is free again when the last array built on it is freed:
+the main process marks it in a state byte that the worker reads (no message), so a consumer that
+keeps batches never blocks a worker, which makes another slot.
 
-Results are read on the pipeline's event loop (``add_reader``), so a dead worker is seen at once
-(end of file on its pipe) and becomes a :class:`~guideloom.WorkerError` at the first batch it
-owed. Slots are unlinked as soon as the main process has mapped them, and every segment of a
+A sync ``for`` reads the results in the consumer's own thread (:class:`SyncRun`, a selector over
+the workers' pipes); ``async for`` reads them on the pipeline's event loop (``add_reader``).
+Either way a dead worker is seen at once (end of file on its pipe) and becomes a
+:class:`~guideloom.WorkerError` at the first batch it owed. Slots are unlinked as soon as the main process has mapped them, and every segment of a
 pool (its names carry the pool's token) is swept from ``/dev/shm`` when a worker dies and when
 the pool closes, so nothing is left behind after a close, a death or an exception.
 """
@@ -536,11 +539,11 @@ class _Rebuilder(pickle.Unpickler):
 def _view(holder: Any, kind: str, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int) -> Any:
     """The array (``kind`` ``"n"``) or tensor (``"t"``) at ``offset`` in a slot, a view of it."""
     if kind == "n":
-        dt = np.dtype(dtype)
-        return np.frombuffer(holder, dt, nbytes // dt.itemsize, offset).reshape(shape)
+        nd = np.dtype(dtype)
+        return np.frombuffer(holder, nd, nbytes // nd.itemsize, offset).reshape(shape)
     import torch
 
-    dt = _NUMPY_OF.get(dtype, False)
+    dt: Any = _NUMPY_OF.get(dtype, False)
     if dt is False:
         try:
             dt = _NUMPY_OF[dtype] = torch.empty(0, dtype=getattr(torch, dtype)).numpy().dtype

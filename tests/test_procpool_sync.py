@@ -130,3 +130,51 @@ def test_close_from_another_thread_ends_a_blocked_next(stream: Path) -> None:
         assert take(loader, 1)  # the loader goes on from where the iterator stopped
     del rest
     assert live_segments(token) == []
+
+
+def as_int64(samples: Any) -> torch.Tensor:
+    return torch.from_numpy(np.tile(np.stack(samples).astype(np.int64), (1, 16)))
+
+
+def as_bfloat16(samples: Any) -> torch.Tensor:
+    return as_int64(samples).to(torch.bfloat16)  # numpy has no bfloat16: the other view path
+
+
+def as_transposed(samples: Any) -> torch.Tensor:
+    return as_int64(samples).t()  # not contiguous: copied into the slot contiguous
+
+
+def as_float32_array(samples: Any) -> np.ndarray:
+    return np.tile(np.stack(samples).astype(np.float32), (1, 16))
+
+
+@pytest.mark.parametrize("collate", [as_int64, as_bfloat16, as_transposed, as_float32_array])
+def test_a_batch_that_is_one_array_travels_unpickled_and_a_group_shares_one_slot(
+    stream: Path, collate: Any
+) -> None:
+    with loader_for(stream, collate, num_workers=0, shuffle=True, shuffle_seed=2) as inline:
+        expected = take(inline)
+    with loader_for(stream, collate, prefetch=14, shuffle=True, shuffle_seed=2) as loader:
+        it = iter(loader)
+        assert isinstance(it, ProcessWorkerIterator) and it._run is not None
+        got = list(it)
+        assert it._run.group == 4
+        token = it._run.session.pool.token
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        assert_same(a, b)
+
+    def address(x: Any) -> int:
+        return int(x.data_ptr()) if isinstance(x, torch.Tensor) else int(x.ctypes.data)
+
+    # One group, one slot: its batches lie one after the other at 64-byte aligned offsets.
+    step = (got[0].nbytes + 63) // 64 * 64
+    assert [address(b) - address(got[0]) for b in got[:4]] == [0, step, 2 * step, 3 * step]
+    if isinstance(got[0], np.ndarray):
+        base = got[0]
+        while isinstance(base, np.ndarray):
+            base = base.base
+        assert isinstance(base, ctypes.Array)  # a view of the slot, not a copy
+        del base
+    del got
+    assert live_segments(token) == []

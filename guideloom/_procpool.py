@@ -16,9 +16,10 @@ keeps batches never blocks a worker, which makes another slot.
 A sync ``for`` reads the results in the consumer's own thread (:class:`SyncRun`, a selector over
 the workers' pipes); ``async for`` reads them on the pipeline's event loop (``add_reader``).
 Either way a dead worker is seen at once (end of file on its pipe) and becomes a
-:class:`~guideloom.WorkerError` at the first batch it owed. Slots are unlinked as soon as the main process has mapped them, and every segment of a
-pool (its names carry the pool's token) is swept from ``/dev/shm`` when a worker dies and when
-the pool closes, so nothing is left behind after a close, a death or an exception.
+:class:`~guideloom.WorkerError` at the first batch it owed. Slots are unlinked as soon as the
+main process has mapped them, and every segment of a pool (its names carry the pool's token) is
+swept from ``/dev/shm`` when a worker dies and when the pool closes, so nothing is left behind
+after a close, a death or an exception.
 """
 
 from __future__ import annotations

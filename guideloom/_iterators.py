@@ -51,7 +51,6 @@ from ._pipeline import (
     PipelineConfig,
     group_size,
     make_executor,
-    move_to_device,
     reading_name,
     run_pipeline,
 )
@@ -280,8 +279,8 @@ def sync_iterator(loader: StatefulDataLoader[Any, BatchT]) -> SyncIterator[Batch
             cls = InlineIterator
         elif cfg.num_workers > 0 and cfg.parallel_method == "thread" and cfg.dataset.reads_inline:
             cls = ThreadWorkerIterator
-        elif cfg.num_workers > 0 and cfg.parallel_method == "process":
-            cls = ProcessWorkerIterator
+        elif cfg.num_workers > 0 and cfg.parallel_method == "process" and cfg.device.type == "cpu":
+            cls = ProcessWorkerIterator  # to a device, the loop thread overlaps the copy with the next batch
         elif cfg.capacity == 0 and not _event_loop_running_here():
             cls = CallerLoopIterator
         else:
@@ -463,7 +462,9 @@ class ThreadWorkerIterator(SyncIterator[BatchT]):
 
 
 class ProcessWorkerIterator(SyncIterator[BatchT]):
-    """Process workers driven from the caller's thread, no event loop (:class:`SyncRun`)."""
+    """Process workers driven from the caller's thread, no event loop (:class:`SyncRun`), for
+    batches that stay on the CPU: a copy to a device would run here, after each batch, where the
+    loop thread's mover overlaps it with the next."""
 
     _run: SyncRun | None = None
 
@@ -473,18 +474,12 @@ class ProcessWorkerIterator(SyncIterator[BatchT]):
         cfg = self._cfg
         group = group_size(cfg.capacity, cfg.num_workers)
         self._run = SyncRun(executor.session, cfg.plan, cfg.order, reading_name(cfg), 0, group, cfg.capacity)
-        self._device = cfg.device if cfg.device.type != "cpu" else None
 
     def _next(self) -> Delivery | None:
         assert self._run is not None
         d = self._run.next()
         if d is None or self._done:
             return None  # the end, or close() in another thread ended this next()
-        if d.error is None and self._device is not None:
-            try:
-                d.value = move_to_device(d.value, self._device, self._cfg.pin_memory)
-            except Exception as exc:
-                d.error, d.value = exc, None
         return d
 
     def _stop(self) -> None:

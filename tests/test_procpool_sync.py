@@ -178,3 +178,20 @@ def test_a_batch_that_is_one_array_travels_unpickled_and_a_group_shares_one_slot
         del base
     del got
     assert live_segments(token) == []
+
+
+def test_batches_for_a_device_keep_the_loop_thread_that_overlaps_the_copy(stream: Path) -> None:
+    """To a device, the copy runs on the loop thread's mover, overlapped with the next batch
+    (``meta`` stands in for an accelerator here), not in the consumer's thread after each batch."""
+    from guideloom._iterators import LoopThreadIterator
+
+    loader = gl.StatefulDataLoader.from_storage(
+        gl.open_stream(stream), as_int64, sequence_length=SEQ, local_batch_size=4, num_workers=2,
+        parallel_method="process", device=torch.device("meta"),
+    )  # fmt: skip
+    with loader:
+        it = iter(loader)
+        assert isinstance(it, LoopThreadIterator)
+        batch = next(it)
+        assert batch.device.type == "meta" and batch.shape[0] == 4
+        it.close()

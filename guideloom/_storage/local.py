@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import DatasetIntegrityError
-from .base import Rows
+from .base import Rows, Spans
 from .manifest import MANIFEST_NAME, ArraySpec, Manifest, read_manifest_file
 from .manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
 from .memory import gather_windows
@@ -102,6 +102,15 @@ FAULT_AROUND = 64 * 2**10
 def _close_all(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
+
+
+def span_index(starts: npt.NDArray[np.int64], counts: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """``concatenate([arange(s, s + c) for s, c in zip(starts, counts)])``, vectorised."""
+    total = int(counts.sum())
+    if total == 0:
+        return np.empty(0, dtype=np.int64)
+    ends = np.cumsum(counts)
+    return np.repeat(starts - ends + counts, counts) + np.arange(total, dtype=np.int64)
 
 
 class ShardedArray:
@@ -221,6 +230,12 @@ class ShardedArray:
         """Elements ``[starts[i], stops[i])`` for each ``i``, back to back in one new buffer, and
         the bounds of each span in it."""
         bounds = [0, *np.cumsum(stops - starts).tolist()]
+        if not self._fds and len(self._parts) == 1 and len(starts):
+            # One gather through an index of every element: a slice and a concatenation per
+            # span cost more than the index passes once a window has more than a few spans.
+            buffer = self._parts[0][span_index(starts, stops - starts)]
+            self.account(len(starts), buffer.nbytes)
+            return buffer, bounds
         if not self._fds:
             views = self._views(starts, stops)
             buffer = np.concatenate(views) if views else np.empty(0, self.dtype)
@@ -388,4 +403,4 @@ class LocalDocumentStorage(ManifestDocumentStorage):
         if len(starts) and int(lengths.min()) == int(lengths.max()):  # a packed concat window
             return Rows(self._tokens.gather(starts, int(lengths[0])))
         buffer, bounds = self._tokens.spans(starts, stops)
-        return [buffer[a:b] for a, b in itertools.pairwise(bounds)]
+        return Spans(buffer, np.asarray(bounds, dtype=np.int64))

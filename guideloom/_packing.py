@@ -260,7 +260,8 @@ class PackedDataset(DatasetAbstract[Sample]):
         assert isinstance(layout, _ConcatLayout)
         a, c = layout.first[indices], layout.first[indices + 1]
         width = int((c - a).max()) + 2 if len(indices) else 2
-        return np.minimum(a[:, None] + self._flat_range(width, np.int64), (c + 1)[:, None])
+        grid: I64 = np.minimum(a[:, None] + self._flat_range(width, np.int64), (c + 1)[:, None])
+        return grid
 
     def _concat_pieces(self, indices: I64, positions: I64, offsets: I64) -> _Pieces:
         """The pieces of full rows ``indices`` from the grid of document ``positions`` and their
@@ -353,7 +354,9 @@ class PackedDataset(DatasetAbstract[Sample]):
                 self._storage.document_offsets(positions.ravel()),  # the elements do not depend on them
                 self._storage.read_spans(indices * length, indices * length + length),
             )
-            return self._assemble(self._concat_tokens(spans, len(indices)), self._concat_pieces(indices, positions, offsets))
+            return self._assemble(
+                self._concat_tokens(spans, len(indices)), self._concat_pieces(indices, positions, offsets)
+            )
         pieces, starts, sizes, used = self._best_fit_pieces(indices)
         spans = await self._storage.read_spans(starts, starts + sizes)
         return self._assemble(self._best_fit_tokens(spans, used), pieces, used)
@@ -367,7 +370,9 @@ class PackedDataset(DatasetAbstract[Sample]):
             positions = self._concat_queries(indices)
             offsets = self._storage.document_offsets_sync(positions.ravel())
             spans = self._storage.read_spans_sync(indices * length, indices * length + length)
-            return self._assemble(self._concat_tokens(spans, len(indices)), self._concat_pieces(indices, positions, offsets))
+            return self._assemble(
+                self._concat_tokens(spans, len(indices)), self._concat_pieces(indices, positions, offsets)
+            )
         pieces, starts, sizes, used = self._best_fit_pieces(indices)
         spans = self._storage.read_spans_sync(starts, starts + sizes)
         return self._assemble(self._best_fit_tokens(spans, used), pieces, used)

@@ -79,7 +79,8 @@ class _Pieces:
     """The pieces of a window of sequences, in the window's element order (padding is a piece of
     its own, and a piece may be empty): length, document (``-1``: padding), segment id (``0``:
     padding) and where the piece's first element lies in the window's flat ``(n * L)`` block.
-    Every index array of the window is one ``np.repeat`` of one of these by ``length``."""
+    ``doc_ids`` and ``segment_ids`` are one ``np.repeat`` of these by ``length``, and
+    ``position_ids`` one running sum reset at each ``start``."""
 
     length: I64
     doc: I64
@@ -393,8 +394,8 @@ class _Window:
     first time a sample is asked for it (a collate that takes no ``doc_ids`` never pays for
     them).
 
-    Every index array is one ``np.repeat`` of a per-piece value (padding is a piece of its own),
-    so a window costs a pass or two over its elements whatever its pieces. Threads that collate
+    Each index array is one or two passes over the window's elements built from per-piece values
+    (padding is a piece of its own), whatever the number of pieces. Threads that collate
     batches of one window at once may compute an array twice, never differently.
     """
 

@@ -37,6 +37,7 @@ every epoch, and resuming at any position reads only that position's sequences (
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, get_args, overload
@@ -312,10 +313,12 @@ class PackedDataset(DatasetAbstract[Sample]):
             cached = self._arange[dtype] = np.arange(size, dtype=dtype)
         return cached[:size]
 
-    def _assemble(self, tokens: npt.NDArray[Any], pieces: _Pieces, used: I64 | None = None) -> PackedRows:
+    def _assemble(
+        self, tokens: npt.NDArray[Any], pieces: _Pieces | Callable[[], _Pieces], used: I64 | None = None
+    ) -> PackedRows:
         """The samples of a window: rows of ``tokens`` (``(n, L)``), the index arrays from its
-        ``pieces``, and ``used``, the elements each row holds before its padding (``None``:
-        every row is full)."""
+        ``pieces`` (or what computes them, on first use), and ``used``, the elements each row
+        holds before its padding (``None``: every row is full)."""
         padded = np.flatnonzero(used < self.sequence_length) if used is not None else None
         pad_from = used[padded] if used is not None and padded is not None else None
         return PackedRows(_Window(tokens, pieces, padded, pad_from, self._flat_range), 0, len(tokens))
@@ -356,7 +359,8 @@ class PackedDataset(DatasetAbstract[Sample]):
                 self._storage.read_spans(indices * length, indices * length + length),
             )
             return self._assemble(
-                self._concat_tokens(spans, len(indices)), self._concat_pieces(indices, positions, offsets)
+                self._concat_tokens(spans, len(indices)),
+                functools.partial(self._concat_pieces, indices, positions, offsets),
             )
         pieces, starts, sizes, used = self._best_fit_pieces(indices)
         spans = await self._storage.read_spans(starts, starts + sizes)
@@ -372,7 +376,8 @@ class PackedDataset(DatasetAbstract[Sample]):
             offsets = self._storage.document_offsets_sync(positions.ravel())
             spans = self._storage.read_spans_sync(indices * length, indices * length + length)
             return self._assemble(
-                self._concat_tokens(spans, len(indices)), self._concat_pieces(indices, positions, offsets)
+                self._concat_tokens(spans, len(indices)),
+                functools.partial(self._concat_pieces, indices, positions, offsets),
             )
         pieces, starts, sizes, used = self._best_fit_pieces(indices)
         spans = self._storage.read_spans_sync(starts, starts + sizes)
@@ -399,19 +404,28 @@ class _Window:
     batches of one window at once may compute an array twice, never differently.
     """
 
-    __slots__ = ("_arange", "_blocks", "_pad_from", "_padded", "pieces", "tokens")
+    __slots__ = ("_arange", "_blocks", "_pad_from", "_padded", "_pieces", "tokens")
 
     def __init__(
         self,
         tokens: npt.NDArray[Any],
-        pieces: _Pieces,
+        pieces: _Pieces | Callable[[], _Pieces],
         padded: I64 | None,
         pad_from: I64 | None,
         arange: Callable[[int, type[np.signedinteger[Any]]], npt.NDArray[Any]],
     ) -> None:
-        self.tokens, self.pieces, self._padded, self._pad_from = tokens, pieces, padded, pad_from
+        self.tokens, self._pieces, self._padded, self._pad_from = tokens, pieces, padded, pad_from
         self._arange = arange
         self._blocks: dict[str, npt.NDArray[Any]] = {"tokens": tokens}
+
+    @property
+    def pieces(self) -> _Pieces:
+        """The window's pieces, computed the first time an index array needs them (a collate of
+        tokens alone never does)."""
+        pieces = self._pieces
+        if not isinstance(pieces, _Pieces):
+            pieces = self._pieces = pieces()
+        return pieces
 
     def preset(self, blocks: dict[str, npt.NDArray[Any]]) -> None:
         self._blocks.update(blocks)

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
-from guideloom._packing import PackMode, _BestFitLayout
+from guideloom._packing import PackMode, _BestFitLayout, _Pieces
 from guideloom._storage.base import Spans
 
 KEYS = ("tokens", "doc_ids", "segment_ids", "position_ids")
@@ -147,3 +147,22 @@ def test_local_spans_are_one_buffer() -> None:
         assert np.array_equal(spans[-1], data[7:12]) and len(spans[1:3]) == 2
         spans.buffer[0] = 0  # a copy: writable, and the file is untouched
         assert storage.read_spans_sync(starts[:1], stops[:1])[0][0] == data[20]
+
+
+def test_concat_pieces_wait_for_the_first_index_array() -> None:
+    """A collate of tokens alone never pays for the window's pieces; the first index array
+    computes them once, and every later one reuses them."""
+    docs, data, offsets = documents([30, 5, 0, 44, 9, 17], 1)
+    dataset = gl.pack(gl.MemoryDocumentStorage(docs), 8, "concat")
+    asyncio.run(dataset.open())
+    rows = dataset.read_many_sync(np.arange(len(dataset), dtype=np.int64))
+    assert isinstance(rows, gl.PackedRows)
+    window = rows._window
+    assert np.array_equal(rows.block("tokens").reshape(-1), data[: len(dataset) * 8])
+    assert not isinstance(window._pieces, _Pieces), "tokens alone computed the pieces"
+    rows.block("segment_ids")
+    pieces = window._pieces
+    assert isinstance(pieces, _Pieces)
+    rows.block("position_ids")
+    assert window._pieces is pieces
+    check_window(dataset, data, offsets, np.arange(len(dataset), dtype=np.int64))

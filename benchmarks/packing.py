@@ -11,12 +11,15 @@ round (this machine is shared and noisy).
 - resume TTFB: a fresh loader over the (already laid out) packed dataset, ``load_state_dict`` at
   a random offset, time until the first batch is in hand; and the same in a fresh process, where
   open() also builds the layout.
+- window: one read window of 112 rows (what the loader reads at a time here) read with
+  ``read_many_sync`` and its 7 batches collated, without the loader around it.
 - layout build: time and peak memory (tracemalloc: every numpy and Python allocation) of the
   layout of 10M documents, in a child process per mode, over a storage that serves the offsets
   from a memory-mapped file (the layout reads only offsets, as it does from a written dataset).
 
     python -m benchmarks.packing            # the full run (~3 minutes once the data exists)
     python -m benchmarks.packing --quick    # a smoke run
+    python -m benchmarks.packing --only window   # one read window + its collates, no loader
 """
 
 from __future__ import annotations
@@ -149,6 +152,48 @@ def throughput(docs_path: Path, stream_path: Path, rounds: int, batches: int) ->
     }
 
 
+def window_costs(docs_path: Path, stream_path: Path, rounds: int, windows: int) -> dict[str, Any]:
+    """Microseconds to read one window of 112 rows (7 batches) with ``read_many_sync`` and
+    collate its 7 batches, without the loader around it: the median of ``windows`` windows per
+    round, rounds alternating the configurations; ratios to the stream's window."""
+    rows = 7 * BATCH
+    rng = np.random.default_rng(0)
+    stream = gl.open_stream(stream_path)
+    asyncio.run(stream.open())
+    nrows = len(stream) // SEQ
+    packed = {mode: gl.pack(gl.open_documents(docs_path), SEQ, mode) for mode in ("concat", "best_fit")}
+    for ds in packed.values():
+        asyncio.run(ds.open())
+
+    def median_us(read: Any, collate: Any, picks: list[np.ndarray]) -> float:
+        times = []
+        for i in range(windows):
+            t0 = time.perf_counter()
+            got = read(picks[i % len(picks)])
+            for b in range(0, rows, BATCH):
+                collate(got[b : b + BATCH])
+            times.append(time.perf_counter() - t0)
+        return 1e6 * statistics.median(times)
+
+    stream_picks = [rng.permutation(nrows)[:rows].astype(np.int64) * SEQ for _ in range(64)]
+    samples: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        samples.setdefault("stream", []).append(
+            median_us(lambda s: stream.read_many_sync(s, SEQ), stream_collate, stream_picks)
+        )
+        for mode, ds in packed.items():
+            picks = [rng.permutation(len(ds))[:rows].astype(np.int64) for _ in range(64)]
+            samples.setdefault(mode, []).append(median_us(ds.read_many_sync, packed_collate, picks))
+            samples.setdefault(f"{mode} tokens only", []).append(
+                median_us(ds.read_many_sync, tokens_collate, picks)
+            )
+    us = {k: statistics.median(v) for k, v in samples.items()}
+    return {
+        "us_per_window": us,
+        "ratio_to_stream": {k: us["stream"] / v for k, v in us.items() if k != "stream"},
+    }
+
+
 def resume_ttfb(docs_path: Path, trials: int) -> dict[str, Any]:
     cpu = torch.device("cpu")
     out: dict[str, Any] = {}
@@ -263,7 +308,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=None, help="tokens in the throughput datasets")
     ap.add_argument("--documents", type=int, default=None, help="documents in the layout-build measurement")
     ap.add_argument(
-        "--only", default="throughput,resume,build", help="parts to run (throughput,resume,build)"
+        "--only",
+        default="throughput,resume,build",
+        help="parts to run (throughput,resume,build,window)",
     )
     ap.add_argument("--build-child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -278,6 +325,8 @@ def main(argv: list[str] | None = None) -> None:
     result: dict[str, Any] = {}
     if "throughput" in parts:
         result["throughput"] = throughput(docs_path, stream_path, rounds, batches)
+    if "window" in parts:
+        result["window"] = window_costs(docs_path, stream_path, rounds, 100 if args.quick else 400)
     if "resume" in parts:
         result["resume"] = resume_ttfb(docs_path, 5 if args.quick else 20)
     if "build" in parts:

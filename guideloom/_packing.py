@@ -37,6 +37,7 @@ every epoch, and resuming at any position reads only that position's sequences (
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, get_args, overload
@@ -48,7 +49,7 @@ import numpy.typing as npt
 from ._checks import check_int
 from ._datasets import DatasetAbstract
 from ._loop import LoopThread
-from ._storage.base import DocumentStorageAbstract, Rows, StreamStorageAbstract
+from ._storage.base import DocumentStorageAbstract, Rows, Spans, StreamStorageAbstract
 
 __all__ = ["PackMode", "PackedDataset", "PackedRows", "pack"]
 
@@ -76,13 +77,16 @@ def _ranges(starts: I64, counts: I64) -> I64:
 
 @dataclass(frozen=True, slots=True)
 class _Pieces:
-    """The pieces of a window of sequences: row, first column in it, length and document; the
-    pieces of a row in column order."""
+    """The pieces of a window of sequences, in the window's element order (padding is a piece of
+    its own, and a piece may be empty): length, document (``-1``: padding), segment id (``0``:
+    padding) and where the piece's first element lies in the window's flat ``(n * L)`` block.
+    ``doc_ids`` and ``segment_ids`` are one ``np.repeat`` of these by ``length``, and
+    ``position_ids`` one running sum reset at each ``start``."""
 
-    row: I64
-    column: I64
     length: I64
     doc: I64
+    segment: npt.NDArray[np.int32]
+    start: I64
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +170,7 @@ class PackedDataset(DatasetAbstract[Sample]):
         if len(storage) == 0:
             raise ValueError(f"{storage!r} holds no documents: there is nothing to pack")
         self._layout: _ConcatLayout | _BestFitLayout | None = None
-        self._arange: npt.NDArray[Any] | None = None
+        self._arange: dict[type[np.signedinteger[Any]], npt.NDArray[Any]] = {}
 
     def __repr__(self) -> str:
         return (
@@ -250,87 +254,93 @@ class PackedDataset(DatasetAbstract[Sample]):
         return best_fit_layout(lengths, starts, length)
 
     # -- reads ----------------------------------------------------------------------------------
-    def _concat_queries(self, indices: I64) -> tuple[I64, I64, I64]:
-        """The offsets to look up for ``indices``, and the first document and count per row."""
+    def _concat_queries(self, indices: I64) -> I64:
+        """The document offsets to look up for ``indices``: an ``(n, w)`` grid, row ``i`` the
+        documents from the one holding the row's first element to the one after its last
+        (repeating the last where a row has fewer: those pieces come out empty)."""
         layout = self._layout
         assert isinstance(layout, _ConcatLayout)
         a, c = layout.first[indices], layout.first[indices + 1]
-        counts = c - a + 1
-        return _ranges(a, counts + 1), a, counts
+        width = int((c - a).max()) + 2 if len(indices) else 2
+        grid: I64 = np.minimum(a[:, None] + self._flat_range(width, np.int64), (c + 1)[:, None])
+        return grid
 
-    def _concat_pieces(self, indices: I64, offsets: I64, a: I64, counts: I64) -> _Pieces:
-        length = self.sequence_length
-        rows = np.repeat(np.arange(len(indices), dtype=np.int64), counts)
-        base = np.cumsum(counts + 1) - (counts + 1)  # where each row's offsets begin
-        k = np.arange(len(rows), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-        at = np.repeat(base, counts) + k
-        row_start = np.repeat(indices * length, counts)
-        lo = np.maximum(offsets[at], row_start)
-        hi = np.minimum(offsets[at + 1], row_start + length)
-        keep = hi > lo
-        return _Pieces(rows[keep], (lo - row_start)[keep], (hi - lo)[keep], (np.repeat(a, counts) + k)[keep])
+    def _concat_pieces(self, indices: I64, positions: I64, offsets: I64) -> _Pieces:
+        """The pieces of full rows ``indices`` from the grid of document ``positions`` and their
+        ``offsets``: a few whole-grid operations, O(rows x documents a row) whatever the row's
+        length (the elements are never looked at)."""
+        length, n = self.sequence_length, len(indices)
+        rel = offsets.reshape(positions.shape) - (indices * length)[:, None]
+        np.minimum(np.maximum(rel, 0, out=rel), length, out=rel)  # np.clip costs more on small arrays
+        sizes = rel[:, 1:] - rel[:, :-1]
+        starts = rel[:, :-1] + (self._flat_range(n, np.int64) * length)[:, None]
+        segments = np.cumsum(sizes > 0, axis=1, dtype=np.int32)  # empty documents get no id
+        return _Pieces(sizes.ravel(), positions[:, :-1].ravel(), segments.ravel(), starts.ravel())
 
-    def _best_fit_pieces(self, indices: I64) -> tuple[_Pieces, I64]:
+    def _best_fit_pieces(self, indices: I64) -> tuple[_Pieces, I64, I64, I64]:
+        """The pieces of rows ``indices``, each row's padding a piece after its last (empty in
+        a full row); where each real piece's elements start in the storage, their position in
+        the pieces, and how many elements each row holds."""
         layout = self._layout
         assert isinstance(layout, _BestFitLayout)
+        n, length = len(indices), self.sequence_length
         counts = layout.ptr[indices + 1] - layout.ptr[indices]
         at = _ranges(layout.ptr[indices], counts)
         size = layout.size[at].astype(np.int64)
         ends = np.cumsum(size)
-        row_first = np.repeat(np.cumsum(counts) - counts, counts)  # each piece's row's first piece
-        column = ends - size - np.concatenate([[0], ends])[row_first]
-        rows = np.repeat(np.arange(len(indices), dtype=np.int64), counts)
-        return _Pieces(rows, column, size, layout.doc[at]), layout.start[at]
-
-    def _with_padding(self, n: int, pieces: _Pieces) -> tuple[_Pieces, I64, I64]:
-        """``pieces`` and a padding piece (document -1) after the last piece of every row that
-        is not full; the padded rows and where their padding begins."""
-        length = self.sequence_length
-        used = np.bincount(pieces.row, weights=pieces.length, minlength=n).astype(np.int64)
-        padded = np.flatnonzero(used < length)
-        if not len(padded):
-            return pieces, padded, used[padded]
-        at = np.searchsorted(pieces.row, padded, side="right")  # after each row's last piece
-        return (
-            _Pieces(
-                np.insert(pieces.row, at, padded),
-                np.insert(pieces.column, at, used[padded]),
-                np.insert(pieces.length, at, length - used[padded]),
-                np.insert(pieces.doc, at, -1),
-            ),
-            padded,
-            used[padded],
-        )
+        last = np.cumsum(counts) - 1  # each row's last piece
+        used = np.diff(ends[last], prepend=0) if n else np.zeros(0, np.int64)
+        rows = np.repeat(self._flat_range(n, np.int64), counts)
+        real = self._flat_range(len(at), np.int64) + rows  # where the real pieces go
+        pad = last + self._flat_range(n, np.int64) + 1  # where each row's padding goes
+        row_first = np.repeat(ends[last] - used, counts)
+        total = len(at) + n
+        sizes = np.empty(total, np.int64)
+        sizes[real], sizes[pad] = size, length - used
+        docs = np.full(total, -1, np.int64)
+        docs[real] = layout.doc[at]
+        segments = np.zeros(total, np.int32)
+        segments[real] = real - np.repeat(pad - counts - 1, counts)
+        starts = np.empty(total, np.int64)
+        starts[real] = rows * length + (ends - size - row_first)
+        starts[pad] = self._flat_range(n, np.int64) * length + used
+        return _Pieces(sizes, docs, segments, starts), layout.start[at], size, used
 
     def _flat_range(self, size: int, dtype: type[np.signedinteger[Any]]) -> npt.NDArray[Any]:
-        """``arange(size)``, cut from a cached one (windows repeat their sizes)."""
-        cached = self._arange
-        if cached is None or len(cached) < size or cached.dtype != dtype:
-            cached = self._arange = np.arange(size, dtype=dtype)
+        """``arange(size)``, cut from a cached one per dtype (windows repeat their sizes)."""
+        cached = self._arange.get(dtype)
+        if cached is None or len(cached) < size:
+            cached = self._arange[dtype] = np.arange(size, dtype=dtype)
         return cached[:size]
 
-    def _assemble(self, tokens: npt.NDArray[Any], padded: tuple[_Pieces, I64, I64]) -> PackedRows:
-        """The samples of a window: rows of ``tokens`` (``(n, L)``), and the index arrays of the
-        pieces (with their padding, :meth:`_with_padding`)."""
-        return PackedRows(_Window(tokens, *padded, self._flat_range), 0, len(tokens))
+    def _assemble(
+        self, tokens: npt.NDArray[Any], pieces: _Pieces | Callable[[], _Pieces], used: I64 | None = None
+    ) -> PackedRows:
+        """The samples of a window: rows of ``tokens`` (``(n, L)``), the index arrays from its
+        ``pieces`` (or what computes them, on first use), and ``used``, the elements each row
+        holds before its padding (``None``: every row is full)."""
+        padded = np.flatnonzero(used < self.sequence_length) if used is not None else None
+        pad_from = used[padded] if used is not None and padded is not None else None
+        return PackedRows(_Window(tokens, pieces, padded, pad_from, self._flat_range), 0, len(tokens))
 
     def _concat_tokens(self, spans: Sequence[Any], n: int) -> npt.NDArray[Any]:
         if isinstance(spans, Rows):
             return spans.block
         return np.stack(spans) if n else np.empty((0, self.sequence_length), self._storage.dtype)
 
-    def _best_fit_tokens(self, spans: Sequence[Any], n: int, padded: I64, pad_from: I64) -> npt.NDArray[Any]:
-        """The pieces' elements back to back in their rows, each row padded with ``pad_id``."""
-        length, dtype = self.sequence_length, self._storage.dtype
+    def _best_fit_tokens(self, spans: Sequence[Any], used: I64) -> npt.NDArray[Any]:
+        """The pieces' elements back to back in their rows, each row (holding ``used``
+        elements) padded with ``pad_id``."""
+        length, dtype, n = self.sequence_length, self._storage.dtype, len(used)
         if isinstance(spans, Rows):
             flat = spans.block.reshape(-1)
+        elif isinstance(spans, Spans):
+            flat = spans.buffer
         else:
             flat = np.concatenate(list(spans)) if len(spans) else np.empty(0, dtype)
-        if not len(padded):
+        if len(flat) == n * length:
             return flat.reshape(n, length)
         out = np.full((n, length), self.pad_id, dtype=dtype)
-        used = np.full(n, length, dtype=np.int64)
-        used[padded] = pad_from
         ends = np.cumsum(used).tolist()
         for r, (end, u) in enumerate(zip(ends, used.tolist(), strict=True)):  # a copy per row
             out[r, :u] = flat[end - u : end]
@@ -341,35 +351,37 @@ class PackedDataset(DatasetAbstract[Sample]):
         looks up, at the same time, the offsets of the documents the sequences hold)."""
         self._require_layout()
         indices = np.asarray(indices, dtype=np.int64)
-        n, length = len(indices), self.sequence_length
+        length = self.sequence_length
         if self.mode == "concat":
-            positions, a, counts = self._concat_queries(indices)
+            positions = self._concat_queries(indices)
             offsets, spans = await _both(
-                self._storage.document_offsets(positions),  # the elements do not depend on them
+                self._storage.document_offsets(positions.ravel()),  # the elements do not depend on them
                 self._storage.read_spans(indices * length, indices * length + length),
             )
-            padded = self._with_padding(n, self._concat_pieces(indices, offsets, a, counts))
-            return self._assemble(self._concat_tokens(spans, n), padded)
-        pieces, starts = self._best_fit_pieces(indices)
-        spans = await self._storage.read_spans(starts, starts + pieces.length)
-        padded = self._with_padding(n, pieces)
-        return self._assemble(self._best_fit_tokens(spans, n, padded[1], padded[2]), padded)
+            return self._assemble(
+                self._concat_tokens(spans, len(indices)),
+                functools.partial(self._concat_pieces, indices, positions, offsets),
+            )
+        pieces, starts, sizes, used = self._best_fit_pieces(indices)
+        spans = await self._storage.read_spans(starts, starts + sizes)
+        return self._assemble(self._best_fit_tokens(spans, used), pieces, used)
 
     def read_many_sync(self, indices: I64) -> Sequence[Sample]:
         """``read_many`` in the caller's thread (where ``reads_inline``)."""
         self._require_layout()
         indices = np.asarray(indices, dtype=np.int64)
-        n, length = len(indices), self.sequence_length
+        length = self.sequence_length
         if self.mode == "concat":
-            positions, a, counts = self._concat_queries(indices)
-            offsets = self._storage.document_offsets_sync(positions)
+            positions = self._concat_queries(indices)
+            offsets = self._storage.document_offsets_sync(positions.ravel())
             spans = self._storage.read_spans_sync(indices * length, indices * length + length)
-            padded = self._with_padding(n, self._concat_pieces(indices, offsets, a, counts))
-            return self._assemble(self._concat_tokens(spans, n), padded)
-        pieces, starts = self._best_fit_pieces(indices)
-        spans = self._storage.read_spans_sync(starts, starts + pieces.length)
-        padded = self._with_padding(n, pieces)
-        return self._assemble(self._best_fit_tokens(spans, n, padded[1], padded[2]), padded)
+            return self._assemble(
+                self._concat_tokens(spans, len(indices)),
+                functools.partial(self._concat_pieces, indices, positions, offsets),
+            )
+        pieces, starts, sizes, used = self._best_fit_pieces(indices)
+        spans = self._storage.read_spans_sync(starts, starts + sizes)
+        return self._assemble(self._best_fit_tokens(spans, used), pieces, used)
 
     @property
     def reads_inline(self) -> bool:
@@ -387,24 +399,33 @@ class _Window:
     first time a sample is asked for it (a collate that takes no ``doc_ids`` never pays for
     them).
 
-    Every index array is one ``np.repeat`` of a per-piece value (padding is a piece of its own),
-    so a window costs a few passes over its elements whatever its pieces. Threads that collate
+    Each index array is one or two passes over the window's elements built from per-piece values
+    (padding is a piece of its own), whatever the number of pieces. Threads that collate
     batches of one window at once may compute an array twice, never differently.
     """
 
-    __slots__ = ("_arange", "_blocks", "_pad_from", "_padded", "pieces", "tokens")
+    __slots__ = ("_arange", "_blocks", "_pad_from", "_padded", "_pieces", "tokens")
 
     def __init__(
         self,
         tokens: npt.NDArray[Any],
-        pieces: _Pieces,
-        padded: I64,
-        pad_from: I64,
+        pieces: _Pieces | Callable[[], _Pieces],
+        padded: I64 | None,
+        pad_from: I64 | None,
         arange: Callable[[int, type[np.signedinteger[Any]]], npt.NDArray[Any]],
     ) -> None:
-        self.tokens, self.pieces, self._padded, self._pad_from = tokens, pieces, padded, pad_from
+        self.tokens, self._pieces, self._padded, self._pad_from = tokens, pieces, padded, pad_from
         self._arange = arange
         self._blocks: dict[str, npt.NDArray[Any]] = {"tokens": tokens}
+
+    @property
+    def pieces(self) -> _Pieces:
+        """The window's pieces, computed the first time an index array needs them (a collate of
+        tokens alone never does)."""
+        pieces = self._pieces
+        if not isinstance(pieces, _Pieces):
+            pieces = self._pieces = pieces()
+        return pieces
 
     def preset(self, blocks: dict[str, npt.NDArray[Any]]) -> None:
         self._blocks.update(blocks)
@@ -421,18 +442,25 @@ class _Window:
         return np.repeat(self.pieces.doc, self.pieces.length)
 
     def _segment_ids(self) -> npt.NDArray[np.int32]:
-        p = self.pieces
-        rank = np.arange(len(p.row), dtype=np.int64) - np.searchsorted(p.row, p.row)
-        return np.repeat(np.where(p.doc >= 0, rank + 1, 0).astype(np.int32), p.length)
+        return np.repeat(self.pieces.segment, self.pieces.length)
 
     def _position_ids(self) -> npt.NDArray[np.int32]:
+        """One running sum over steps of 1, reset at each piece's first element by minus the
+        previous piece's last position (steps of 0 on padding): a single array of the window's
+        size. ``arange - np.repeat(starts)`` allocates and fills a second one, and with fresh
+        pages for both measured several times slower."""
         p, (n, length) = self.pieces, self.tokens.shape
-        index_t: type[np.signedinteger[Any]] = np.int32 if n * length < 2**31 else np.int64
-        starts = (p.row * length + p.column).astype(index_t)
-        flat = self._arange(n * length, index_t) - np.repeat(starts, p.length)
-        positions: npt.NDArray[np.int32] = flat.astype(np.int32, copy=False)
-        for r, start in zip(self._padded.tolist(), self._pad_from.tolist(), strict=True):
-            positions[r * length + start : (r + 1) * length] = 0
+        positions = np.ones(n * length, dtype=np.int32)
+        if not len(positions):
+            return positions
+        if self._padded is not None and self._pad_from is not None:
+            for r, start in zip(self._padded.tolist(), self._pad_from.tolist(), strict=True):
+                positions[r * length + start : (r + 1) * length] = 0
+        real = p.length > 0
+        starts, last = p.start[real], np.where(p.doc[real] >= 0, p.length[real] - 1, 0)
+        positions[starts[1:]] = -last[:-1]
+        positions[0] = 0
+        np.cumsum(positions, out=positions)
         return positions
 
 
@@ -492,7 +520,7 @@ def _rows_of_blocks(blocks: dict[str, npt.NDArray[Any]]) -> PackedRows:
     """``PackedRows`` over arrays already made (what a pickled ``PackedRows`` becomes)."""
     tokens = blocks["tokens"]
     none = np.empty(0, dtype=np.int64)
-    window = _Window(tokens, _Pieces(none, none, none, none), none, none, _no_range)
+    window = _Window(tokens, _Pieces(none, none, np.empty(0, np.int32), none), None, None, _no_range)
     window.preset(blocks)
     return PackedRows(window, 0, len(tokens))
 

@@ -93,6 +93,39 @@ class Rows(Sequence[npt.NDArray[Any]]):
         return f"Rows({self.block!r})"
 
 
+class Spans(Sequence[npt.NDArray[Any]]):
+    """Spans of elements back to back in one buffer: a read-only ``Sequence`` whose item ``i``
+    is a view of span ``i``. What a local ``read_spans`` returns, so that a caller that wants
+    the elements contiguous (document packing) takes ``buffer`` as it is instead of
+    concatenating the spans again, and no per-span array is made unless one is asked for."""
+
+    __slots__ = ("bounds", "buffer")
+
+    def __init__(self, buffer: npt.NDArray[Any], bounds: npt.NDArray[np.int64]) -> None:
+        self.buffer, self.bounds = buffer, bounds
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    @overload
+    def __getitem__(self, index: int) -> npt.NDArray[Any]: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[npt.NDArray[Any]]: ...
+    def __getitem__(self, index: int | slice) -> npt.NDArray[Any] | Sequence[npt.NDArray[Any]]:
+        n = len(self)
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(n))]
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError(f"span {index} of {n}")
+        view: npt.NDArray[Any] = self.buffer[int(self.bounds[index]) : int(self.bounds[index + 1])]
+        return view
+
+    def __repr__(self) -> str:
+        return f"Spans({len(self)} spans, {len(self.buffer)} elements)"
+
+
 class StorageAbstract(ABC, Generic[InT, OutT]):
     """What both storage kinds share: lifecycle and a read-concurrency hint."""
 

@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import DatasetIntegrityError
-from .base import Rows
+from .base import Rows, Spans
 from .manifest import MANIFEST_NAME, ArraySpec, Manifest, read_manifest_file
 from .manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
 from .memory import gather_windows
@@ -125,6 +125,7 @@ class ShardedArray:
         self._parts: list[Array] = []
         self._maps: list[mmap.mmap] = []
         self._fds: list[int] = []
+        self._bytes: list[memoryview] = []
         self._mapped_estimate = 0
         files = [f for f in spec.files if f.elements]
         self._paths = [folder / f.path for f in files]
@@ -142,6 +143,8 @@ class ShardedArray:
                 mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
             self._maps.append(mm)
             self._parts.append(np.frombuffer(mm, dtype=spec.dtype, count=f.elements))
+        # byte views of the maps, for copies of many small spans (``_copy_spans``)
+        self._bytes = [part.view(np.uint8).data for part in self._parts]
 
     def account(self, pieces: int, nbytes: int) -> None:
         """Count a read of ``nbytes`` in ``pieces`` scattered pieces; drop the mapped pages once
@@ -222,15 +225,35 @@ class ShardedArray:
         the bounds of each span in it."""
         bounds = [0, *np.cumsum(stops - starts).tolist()]
         if not self._fds:
-            views = self._views(starts, stops)
-            buffer = np.concatenate(views) if views else np.empty(0, self.dtype)
-            self.account(len(views), buffer.nbytes)
+            buffer = self._copy_spans(starts, stops, bounds)
+            self.account(len(starts), buffer.nbytes)
             return buffer, bounds
         buffer = np.empty(bounds[-1], dtype=self.dtype)
         flat, item = buffer.view(np.uint8).data, self.dtype.itemsize
         for i, (pos, end) in enumerate(zip(starts.tolist(), stops.tolist(), strict=True)):
             self._pread_span(flat, bounds[i] * item, pos, end)
         return buffer, bounds
+
+    def _copy_spans(
+        self, starts: npt.NDArray[np.int64], stops: npt.NDArray[np.int64], bounds: list[int]
+    ) -> Array:
+        """Spans copied from the maps into one new buffer: a ``memoryview`` slice assignment per
+        span (a fraction of a microsecond, where a numpy slice and a concatenation cost several,
+        and a gather through an index of every element costs more than both)."""
+        buffer = np.empty(bounds[-1], dtype=self.dtype)
+        if not len(starts) or not self._parts:
+            return buffer
+        dest, item, base = buffer.view(np.uint8).data, self.dtype.itemsize, self._bounds.tolist()
+        maps = self._bytes
+        first = self._locate(starts).tolist()
+        last = self._locate(np.maximum(stops - 1, starts)).tolist()
+        spans = zip(starts.tolist(), stops.tolist(), first, last, bounds, strict=False)
+        for a, b, k, j, at in spans:
+            if k == j:
+                dest[at * item : (at + b - a) * item] = maps[k][(a - base[k]) * item : (b - base[k]) * item]
+            elif b > a:  # across shards
+                buffer[at : at + b - a] = self.slice(a, b)
+        return buffer
 
     def _views(self, starts: npt.NDArray[np.int64], stops: npt.NDArray[np.int64]) -> list[Array]:
         """Views of the maps for spans ``[starts[i], stops[i])``: one shard lookup for all of
@@ -388,4 +411,4 @@ class LocalDocumentStorage(ManifestDocumentStorage):
         if len(starts) and int(lengths.min()) == int(lengths.max()):  # a packed concat window
             return Rows(self._tokens.gather(starts, int(lengths[0])))
         buffer, bounds = self._tokens.spans(starts, stops)
-        return [buffer[a:b] for a, b in itertools.pairwise(bounds)]
+        return Spans(buffer, np.asarray(bounds, dtype=np.int64))

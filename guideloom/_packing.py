@@ -138,6 +138,25 @@ def _check_storage(storage: Any) -> DocumentStorageAbstract[Any, Any]:
     return storage
 
 
+def _fit_rows(spans: Sequence[Any], used: I64, length: int, dtype: Any, pad_id: int) -> npt.NDArray[Any]:
+    """Best fit's rows: the pieces' elements back to back in their rows, each row (holding
+    ``used`` elements) padded with ``pad_id``."""
+    n = len(used)
+    if isinstance(spans, Rows):
+        flat = spans.block.reshape(-1)
+    elif isinstance(spans, Spans):
+        flat = spans.buffer
+    else:
+        flat = np.concatenate(list(spans)) if len(spans) else np.empty(0, dtype)
+    if len(flat) == n * length:
+        return flat.reshape(n, length)
+    out = np.full((n, length), pad_id, dtype=dtype)
+    ends = np.cumsum(used).tolist()
+    for r, (end, u) in enumerate(zip(ends, used.tolist(), strict=True)):  # a copy per row
+        out[r, :u] = flat[end - u : end]
+    return out
+
+
 class PackedDataset(DatasetAbstract[Sample]):
     """Documents packed into sequences of ``sequence_length`` elements (see :func:`pack`).
 
@@ -328,24 +347,6 @@ class PackedDataset(DatasetAbstract[Sample]):
             return spans.block
         return np.stack(spans) if n else np.empty((0, self.sequence_length), self._storage.dtype)
 
-    def _best_fit_tokens(self, spans: Sequence[Any], used: I64) -> npt.NDArray[Any]:
-        """The pieces' elements back to back in their rows, each row (holding ``used``
-        elements) padded with ``pad_id``."""
-        length, dtype, n = self.sequence_length, self._storage.dtype, len(used)
-        if isinstance(spans, Rows):
-            flat = spans.block.reshape(-1)
-        elif isinstance(spans, Spans):
-            flat = spans.buffer
-        else:
-            flat = np.concatenate(list(spans)) if len(spans) else np.empty(0, dtype)
-        if len(flat) == n * length:
-            return flat.reshape(n, length)
-        out = np.full((n, length), self.pad_id, dtype=dtype)
-        ends = np.cumsum(used).tolist()
-        for r, (end, u) in enumerate(zip(ends, used.tolist(), strict=True)):  # a copy per row
-            out[r, :u] = flat[end - u : end]
-        return out
-
     async def read_many(self, indices: I64) -> Sequence[Sample]:
         """Packed sequences ``indices``: one batched span read of the storage (concat mode also
         looks up, at the same time, the offsets of the documents the sequences hold)."""
@@ -364,7 +365,9 @@ class PackedDataset(DatasetAbstract[Sample]):
             )
         pieces, starts, sizes, used = self._best_fit_pieces(indices)
         spans = await self._storage.read_spans(starts, starts + sizes)
-        return self._assemble(self._best_fit_tokens(spans, used), pieces, used)
+        return self._assemble(
+            _fit_rows(spans, used, self.sequence_length, self._storage.dtype, self.pad_id), pieces, used
+        )
 
     def read_many_sync(self, indices: I64) -> Sequence[Sample]:
         """``read_many`` in the caller's thread (where ``reads_inline``)."""
@@ -381,7 +384,9 @@ class PackedDataset(DatasetAbstract[Sample]):
             )
         pieces, starts, sizes, used = self._best_fit_pieces(indices)
         spans = self._storage.read_spans_sync(starts, starts + sizes)
-        return self._assemble(self._best_fit_tokens(spans, used), pieces, used)
+        return self._assemble(
+            _fit_rows(spans, used, self.sequence_length, self._storage.dtype, self.pad_id), pieces, used
+        )
 
     @property
     def reads_inline(self) -> bool:

@@ -1058,7 +1058,7 @@ class SyncRun:
             return None
         g = self.pending[0]
         while not g.results:
-            if self.closed:
+            if self._closed_meanwhile():
                 return None
             self._wait()
         d = g.results.popleft()
@@ -1071,6 +1071,10 @@ class SyncRun:
         else:
             self._fill()  # the credit is back: the workers need not wait for the next call
         return d
+
+    def _closed_meanwhile(self) -> bool:
+        """Whether :meth:`close` ran, in another thread, while this one waited."""
+        return self.closed
 
     def close(self) -> None:
         """Send nothing more and tell the workers to drop this iterator's groups. Idempotent."""

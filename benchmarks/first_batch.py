@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -28,7 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.remote_stream import BATCH, SEQ, collate, ensure_small_shards, run_child  # noqa: E402
+from benchmarks.remote_stream import BATCH, SEQ, collate, ensure_small_shards, moto_bucket, run_child  # noqa: E402
 
 MiB = 2**20
 MODES: dict[str, dict[str, Any]] = {"global (default)": {}, '"auto"': {"shuffle_block_size": "auto"}}
@@ -212,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         _child_main(args.child)
         return
-    from tests.remote._servers import Nginx, free_port, proxy_process, wait_for_port
+    from tests.remote._servers import Nginx, proxy_process
 
     data_root = Path(os.environ.get("GUIDELOOM_BENCH_DIR", Path(tempfile.gettempdir()) / "guideloom-bench"))
     data_root.mkdir(parents=True, exist_ok=True)
@@ -220,38 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     first_shard = sorted(p.name for p in folder.iterdir() if p.name != "manifest.json")[0]
     print(f"100M uint16 tokens, 32 MiB shards; L={SEQ}, B={BATCH}, shuffle, prefetch=16", flush=True)
     if "moto" in args.only:
-        import boto3
-
-        port = free_port()
-        moto = subprocess.Popen(
-            [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        try:
-            wait_for_port(port)
-            endpoint = f"http://127.0.0.1:{port}"
-            creds = {
-                "aws_access_key_id": "bench",
-                "aws_secret_access_key": "bench",
-                "region_name": "us-east-1",
-            }
-            client = boto3.client("s3", endpoint_url=endpoint, **creds)
-            client.create_bucket(Bucket="bench")
-            for f in sorted(folder.iterdir()):
-                client.upload_file(str(f), "bench", f"gl/{f.name}")
-            s3 = {
-                "endpoint": endpoint,
-                "access_key_id": "bench",
-                "secret_access_key": "bench",
-                "region": "us-east-1",
-                "allow_http": True,
-            }
+        with moto_bucket(folder) as s3:
             _measure("moto S3", "s3://bench/gl", s3, first_shard, args)
-        finally:
-            moto.terminate()
-            moto.wait(10)
     if "nginx" in args.only:
         nginx = Nginx(data_root)
         try:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -33,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -274,6 +275,41 @@ def economy_line(label: str, r: dict[str, Any]) -> str:
     )
 
 
+@contextlib.contextmanager
+def moto_bucket(folder: Path) -> Iterator[dict[str, Any]]:
+    """A moto S3 server of its own on 127.0.0.1 holding ``folder`` at ``s3://bench/gl``; yields
+    the storage options to read it with, and stops the server on leaving."""
+    import boto3
+
+    from tests.remote._servers import free_port, wait_for_port
+
+    port = free_port()
+    moto = subprocess.Popen(
+        [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_for_port(port)
+        endpoint = f"http://127.0.0.1:{port}"
+        creds = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench", "region_name": "us-east-1"}
+        client = boto3.client("s3", endpoint_url=endpoint, **creds)
+        client.create_bucket(Bucket="bench")
+        for f in sorted(folder.iterdir()):
+            client.upload_file(str(f), "bench", f"gl/{f.name}")
+        yield {
+            "endpoint": endpoint,
+            "access_key_id": "bench",
+            "secret_access_key": "bench",
+            "region": "us-east-1",
+            "allow_http": True,
+        }
+    finally:
+        moto.terminate()
+        moto.wait(10)
+
+
 def ensure_small_shards(root: Path, tokens: int, shard_bytes: int) -> Path:
     """The suite's 100M-token stream, written with LitData-sized shards (32 MiB)."""
     path = root / f"u16-{tokens}-shards{shard_bytes // MiB}MiB"
@@ -293,9 +329,8 @@ def ensure_small_shards(root: Path, tokens: int, shard_bytes: int) -> Path:
 def run_economy(args: argparse.Namespace) -> None:
     """guideloom over moto S3 (its own process) and nginx behind the 20 ms proxy, global row
     shuffle (the default) and ``shuffle_block_size="auto"``, with GETs, bytes and cost."""
-    import boto3
 
-    from tests.remote._servers import Nginx, free_port, nginx_binary, proxy_process, wait_for_port
+    from tests.remote._servers import Nginx, nginx_binary, proxy_process
 
     tokens = 20_000_000 if args.quick else 100_000_000
     batches = 200 if args.quick else 1600
@@ -303,29 +338,7 @@ def run_economy(args: argparse.Namespace) -> None:
     data_root.mkdir(parents=True, exist_ok=True)
     folder = ensure_small_shards(data_root, tokens, 32 * MiB)
     modes = {"global row shuffle (default)": {}, 'shuffle_block_size="auto"': {"shuffle_block_size": "auto"}}
-    moto_bin = Path(sys.executable).with_name("moto_server")
-    port = free_port()
-    moto = subprocess.Popen(
-        [str(moto_bin), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    creds = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench", "region_name": "us-east-1"}
-    try:
-        wait_for_port(port)
-        endpoint = f"http://127.0.0.1:{port}"
-        client = boto3.client("s3", endpoint_url=endpoint, **creds)
-        client.create_bucket(Bucket="bench")
-        for f in sorted(folder.iterdir()):
-            client.upload_file(str(f), "bench", f"gl/{f.name}")
-        s3 = {
-            "endpoint": endpoint,
-            "access_key_id": "bench",
-            "secret_access_key": "bench",
-            "region": "us-east-1",
-            "allow_http": True,
-        }
+    with moto_bucket(folder) as s3:
         print(
             f"{tokens:,} uint16 tokens, 32 MiB shards; sequence_length={SEQ}, local_batch_size={BATCH}, "
             f"shuffle on; {batches} batches or {args.max_s:.0f} s per run; GET ${GET_PRICE_PER_1000}/1000",
@@ -335,9 +348,6 @@ def run_economy(args: argparse.Namespace) -> None:
         for label, lo in modes.items():
             r = run_child("loader", "s3://bench/gl", batches, "sync", s3, lo, args.max_s)
             print(economy_line(label, r), flush=True)
-    finally:
-        moto.terminate()
-        moto.wait(10)
     if nginx_binary() is None:
         print("nginx is not installed: HTTP part skipped")
         return

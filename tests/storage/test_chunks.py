@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,14 +129,6 @@ class Sampler:
 @pytest.fixture
 def store(tmp_path: Path) -> Store:
     return Store(tmp_path)
-
-
-@pytest.fixture
-def stopped() -> Iterator[list[ChunkCache]]:
-    caches: list[ChunkCache] = []
-    yield caches
-    for c in caches:
-        c.stop()
 
 
 def test_chunks_are_downloaded_in_plan_order_and_reads_come_from_disk(

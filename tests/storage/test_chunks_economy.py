@@ -5,7 +5,6 @@ chunks than the limit holds read their rows directly instead of downloading a ch
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -16,14 +15,6 @@ from hypothesis import strategies as st
 from guideloom._storage._chunks import ChunkCache
 
 from .test_chunks import CHUNK, SEQ, Store, settle
-
-
-@pytest.fixture
-def stopped() -> Iterator[list[ChunkCache]]:
-    caches: list[ChunkCache] = []
-    yield caches
-    for c in caches:
-        c.stop()
 
 
 def _planned(store: Store, cache: ChunkCache, rows: list[int]) -> tuple[object, ...]:

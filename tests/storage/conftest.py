@@ -1,0 +1,18 @@
+"""Fixtures shared by the storage tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from guideloom._storage._chunks import ChunkCache
+
+
+@pytest.fixture
+def stopped() -> Iterator[list[ChunkCache]]:
+    """Chunk caches a test appends here are stopped when it ends, whatever it raised."""
+    caches: list[ChunkCache] = []
+    yield caches
+    for c in caches:
+        c.stop()

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +22,33 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
-from guideloom._procpool import SHM_PREFIX, SHUTDOWN_GRACE_S, RemoteTraceback, live_segments
+from guideloom._procpool import SHUTDOWN_GRACE_S, RemoteTraceback, WorkerPool, live_segments
 
 from ._helpers import take
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_thread_leak")]
 
 SEQ = 64
+
+
+@pytest.fixture
+def own_segments(monkeypatch: pytest.MonkeyPatch) -> Callable[[], list[str]]:
+    """The live ``/dev/shm`` segments of the pools this test made. Only those: another session's
+    tests may hold segments of their own meanwhile. Fails if the test made no pool at all."""
+    tokens: list[str] = []
+    init = WorkerPool.__init__
+
+    def recording(self: WorkerPool, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        tokens.append(self.token)
+
+    monkeypatch.setattr(WorkerPool, "__init__", recording)
+
+    def live() -> list[str]:
+        assert tokens, "the test made no worker pool: its leak check would prove nothing"
+        return [name for token in tokens for name in live_segments(token + "-")]
+
+    return live
 
 
 def rich(samples: Sequence[np.ndarray]) -> dict[str, Any]:
@@ -115,8 +135,9 @@ def assert_same(a: Any, b: Any) -> None:
         assert a == b
 
 
-def test_batches_match_inline_and_workers_persist_between_iterators(stream: Path) -> None:
-    shm_before = live_segments(SHM_PREFIX)
+def test_batches_match_inline_and_workers_persist_between_iterators(
+    stream: Path, own_segments: Callable[[], list[str]]
+) -> None:
     with loader_for(stream, rich, num_workers=0, shuffle=True, shuffle_seed=3) as inline:
         expected = [take(inline), take(inline)]  # two epochs
     loader = loader_for(stream, rich, shuffle=True, shuffle_seed=3, prefetch=6)
@@ -143,7 +164,7 @@ def test_batches_match_inline_and_workers_persist_between_iterators(stream: Path
         assert isinstance(owner, ctypes.Array)  # a view of a shared-memory slot, not a copy
     assert worker_pids() == set()
     del first, second, shared
-    assert live_segments(SHM_PREFIX) == shm_before
+    assert own_segments() == []
 
 
 def test_load_state_dict_between_iterators_with_persistent_workers(stream: Path) -> None:
@@ -181,8 +202,9 @@ def test_persistent_workers_false_starts_workers_per_iterator(stream: Path) -> N
         assert worker_pids() == set()
 
 
-def test_a_worker_killed_with_sigkill_is_a_worker_error_within_a_second(stream: Path) -> None:
-    shm_before = live_segments(SHM_PREFIX)
+def test_a_worker_killed_with_sigkill_is_a_worker_error_within_a_second(
+    stream: Path, own_segments: Callable[[], list[str]]
+) -> None:
     loader = loader_for(stream, slow_ids, prefetch=4, local_batch_size=2)
     got: list[list[int]] = []
     with loader:
@@ -205,11 +227,12 @@ def test_a_worker_killed_with_sigkill_is_a_worker_error_within_a_second(stream: 
         assert [i for b in got + rest for i in b] == list(range(200))
         assert victim not in worker_pids() and len(worker_pids()) == 2
     assert worker_pids() == set()
-    assert live_segments(SHM_PREFIX) == shm_before
+    assert own_segments() == []
 
 
-def test_a_collate_error_reaches_the_consumer_at_its_batch_and_leaves_no_shared_memory(stream: Path) -> None:
-    shm_before = live_segments(SHM_PREFIX)
+def test_a_collate_error_reaches_the_consumer_at_its_batch_and_leaves_no_shared_memory(
+    stream: Path, own_segments: Callable[[], list[str]]
+) -> None:
     got: list[torch.Tensor] = []
     with loader_for(stream, fails_at_40, prefetch=8) as loader:
         with pytest.raises(Boom, match="sample 40") as info:
@@ -220,7 +243,7 @@ def test_a_collate_error_reaches_the_consumer_at_its_batch_and_leaves_no_shared_
         assert [int(b[0, 0]) // SEQ for b in got] == list(range(0, 40, 4))
         assert loader.state_dict()["observation_offset"] == 40
     del got
-    assert live_segments(SHM_PREFIX) == shm_before
+    assert own_segments() == []
     assert worker_pids() == set()
 
 

@@ -47,8 +47,12 @@ class GilBoundCollate:
         self.loops = loops
 
     def __call__(self, samples: Sequence[np.ndarray]) -> torch.Tensor:
-        n = 0
-        while n < self.loops:  # bytecode the interpreter runs with the GIL held
+        # A local bound: ``self.loops`` read per iteration would make the loop's cost depend on
+        # whether the object was pickled (CPython 3.11 materialises an instance's __dict__ when
+        # pickling it, and attribute reads on it are ~1.7x slower from then on: in the workers,
+        # which unpickle it, and in the main process, which pickled it for them).
+        n, loops = 0, self.loops
+        while n < loops:  # bytecode the interpreter runs with the GIL held
             n += 1
         return collate(samples)
 

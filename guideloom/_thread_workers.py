@@ -101,18 +101,31 @@ class _Chooser:
     queue after a switch not counted, nor the time spent reading (the same in both modes). Each
     choice compares chunks in the order A, B, B, A (workers, inline, inline, workers at first,
     after :data:`WARMUP_CALLS`; later the chosen mode's last chunk, two of the other, one
-    more of the chosen), so a steady drift in speed weighs on both alike, and a mode costs its
-    cheaper chunk, so one preempted chunk does not decide; a probe ends early once one mode
-    costs :data:`DECISIVE` times the other. The workers are kept only if they cost at most
-    :data:`WORKERS_MARGIN` of inline: a hand-off that brings nothing measurable is not worth its
-    threads. A first choice stands :data:`FIRST_REPROBE_SECONDS` (eight times that when clear:
-    the other mode :data:`CLEAR` times as costly), each later one twice as long as the one before
-    (or eight times), up to :data:`REPROBE_SECONDS`, so that probes of the worse mode cost a few
-    percent at most.
+    more of the chosen), so a steady drift in speed weighs on both alike; inline costs its
+    cheaper chunk, so one preempted chunk does not decide, and the workers their dearer one (a
+    hand-off varies more from chunk to chunk, and the cheaper of two noisy chunks would flatter
+    it); a probe ends early once one mode costs :data:`DECISIVE` times the other. The workers
+    are kept only if they cost at most :data:`WORKERS_MARGIN` of inline: a hand-off that brings
+    nothing measurable is not worth its threads. A first choice stands
+    :data:`FIRST_REPROBE_SECONDS` (eight times that when clear: the other mode :data:`CLEAR`
+    times as costly), each later one twice as long as the one before (or eight times), up to
+    :data:`REPROBE_SECONDS`, so that probes of the worse mode cost a few percent at most.
     """
 
-    def __init__(self, skip: int, chunk: int) -> None:
+    def __init__(
+        self,
+        skip: int,
+        chunk: int,
+        inline_chunk: int | None = None,
+        inline_skip: int | None = None,
+        decisive: float = DECISIVE,
+    ) -> None:
         self._skip, self._chunk = skip, chunk
+        self._decisive = decisive
+        self._skips = {True: skip, False: skip if inline_skip is None else inline_skip}
+        # Inline has no queue to settle: its chunks may be shorter (a probe of a costlier inline
+        # then costs less), where the workers' must span their queue.
+        self._chunks_of = {True: chunk, False: chunk if inline_chunk is None else inline_chunk}
         self.workers = True
         self._plan = [False, False, True]  # after a first chunk of the workers, as asked for
         self._chunks: dict[bool, list[float]] = {True: [], False: []}  # mean seconds per call
@@ -132,7 +145,7 @@ class _Chooser:
         if self._n <= 0:
             return
         self._total += seconds
-        if self._n < self._chunk or self._total < CHUNK_SECONDS:
+        if self._n < self._chunks_of[self.workers] or self._total < CHUNK_SECONDS:
             return
         mode, mean = self.workers, self._total / self._n
         self._n, self._total = 0, 0.0
@@ -147,12 +160,12 @@ class _Chooser:
         self._chunks[mode].append(mean)
         # Every chunk of the worse mode costs: once one mode is twice the costlier, no drift
         # the rest of the A B B A order guards against could turn the choice round.
-        if self._plan and not (all(self._chunks.values()) and _ratio(self._chunks) > DECISIVE):
+        if self._plan and not (all(self._chunks.values()) and _ratio(self._chunks) > self._decisive):
             self._switch(self._plan.pop(0))
             return
         self._probing = False
-        cost = {m: min(c) for m, c in self._chunks.items()}  # one preempted chunk is not the cost
-        self._switch(cost[True] <= WORKERS_MARGIN * cost[False])
+        # Inline costs its cheaper chunk, the workers their dearer one (see the class docstring).
+        self._switch(max(self._chunks[True]) <= WORKERS_MARGIN * min(self._chunks[False]))
         # A clear choice stands eight times longer; a close one, which a busy machine may have
         # decided, is probed again soon.
         clear = _ratio(self._chunks) > CLEAR
@@ -163,7 +176,7 @@ class _Chooser:
     def _switch(self, workers: bool) -> None:
         if workers != self.workers:
             self.workers = workers
-            self._n, self._total = -self._skip, 0.0
+            self._n, self._total = -self._skips[workers], 0.0
 
 
 class ThreadWorkerPipeline:

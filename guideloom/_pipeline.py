@@ -422,6 +422,10 @@ class InlinePipeline:
         self._device = cfg.device if cfg.device.type != "cpu" else None
         self._pending: list[Delivery] = []  # the window's uncollated batches, last first
 
+    def buffered(self) -> int:
+        """Batches of the current window read and not yet returned."""
+        return len(self._pending)
+
     def next_raw(self) -> Delivery | None:
         """The next batch as read, not collated (or the read's error in its place); ``None`` at the
         end of the epoch. Thread workers collate what this returns."""

@@ -324,12 +324,14 @@ class _Worker:
                 continue  # that iterator has ended
             plan, indexes, reading = self.epochs[token]
             specs = plan.batches(start, stop)
+            t0 = time.perf_counter()
             if self.dataset.reads_inline:
                 deliveries = run_sync(read_window(specs, indexes, reading), self.dataset.read_many_sync)
             else:
                 deliveries = self.loop.run_until_complete(
                     run_async(read_window(specs, indexes, reading), self.dataset.read_many)
                 )
+            read_s = (time.perf_counter() - t0) / max(1, len(specs))  # the main process's estimate
             # One message and one slot for the group: a wake-up of the main process per group,
             # not per batch, and one slot to find and map.
             entries: list[tuple[Any, ...]] = []
@@ -357,7 +359,7 @@ class _Worker:
                         break
             slot = self.place(pack, entries, values)
             del values
-            _send(self.results, ("g", token, gid, entries, slot))
+            _send(self.results, ("g", token, gid, entries, slot, read_s))
 
     def place(
         self, pack: _GroupPack, entries: list[tuple[Any, ...]], values: list[Any]
@@ -773,6 +775,9 @@ class Session:
         self.groups: dict[int, _Group] = {}
         self._gid = 0
         self._ended = False
+        #: Seconds a batch's read takes in the workers (a moving average of what they report), or
+        #: None before a group came back: what reading it inline would cost once pages are mapped.
+        self.read_per_batch: float | None = None
 
     def end(self) -> None:
         """Tell the workers to drop what is left of this iterator's groups. Idempotent."""
@@ -811,7 +816,10 @@ class Session:
         return True
 
     def _on_message(self, p: _Proc, msg: tuple[Any, ...]) -> None:
-        _, token, gid, entries, slot = msg
+        _, token, gid, entries, slot, read_s = msg
+        self.read_per_batch = (
+            read_s if self.read_per_batch is None else 0.8 * self.read_per_batch + 0.2 * read_s
+        )
         g = self.groups.get(gid) if token == self.token else None
         holder: Any = None
         if slot is not None:
@@ -1005,6 +1013,13 @@ class SyncRun:
         self.selector: selectors.BaseSelector | None = None
         self.started = False
         self.closed = False
+        self.paused = False  # no new groups are sent (the collate runs inline meanwhile)
+
+    def resume(self, step: int | None = None) -> None:
+        """Send groups again, from ``step`` when given (the batches before it were made inline)."""
+        self.paused = False
+        if step is not None:
+            self.step = step
 
     def _start(self) -> None:
         pool = self.session.pool
@@ -1018,7 +1033,7 @@ class SyncRun:
         """Send groups while credits allow; a group waits for a full group's credits unless
         nothing else is in flight (a worker waiting for its next group is a worker lost)."""
         most = 2 * self.session.pool.num_workers  # groups in flight: one queued per worker
-        while self.step < self.total and len(self.pending) < most:
+        while not self.paused and self.step < self.total and len(self.pending) < most:
             n = min(self.group, self.total - self.step, self.limit - self.ahead)
             if n <= 0 or (n < self.group and n < self.total - self.step and self.pending):
                 return

@@ -55,6 +55,7 @@ from ._pipeline import (
     run_pipeline,
 )
 from ._plan import EpochPlan
+from ._process_choice import ProcessChoiceRun
 from ._procpool import ProcessWorkers, SyncRun
 from ._thread_workers import ThreadWorkerPipeline
 
@@ -467,6 +468,7 @@ class ProcessWorkerIterator(SyncIterator[BatchT]):
     loop thread's mover overlaps it with the next."""
 
     _run: SyncRun | None = None
+    _choice: ProcessChoiceRun | None = None
 
     def _start(self) -> None:
         executor = self._start_executor()
@@ -474,15 +476,20 @@ class ProcessWorkerIterator(SyncIterator[BatchT]):
         cfg = self._cfg
         group = group_size(cfg.capacity, cfg.num_workers)
         self._run = SyncRun(executor.session, cfg.plan, cfg.order, reading_name(cfg), 0, group, cfg.capacity)
+        if cfg.dataset.reads_inline:  # the collate may run inline while that is cheaper
+            self._choice = ProcessChoiceRun(cfg, self._run)
 
     def _next(self) -> Delivery | None:
-        assert self._run is not None
-        d = self._run.next()
+        source = self._choice or self._run
+        assert source is not None
+        d = source.next()
         if d is None or self._done:
             return None  # the end, or close() in another thread ended this next()
         return d
 
     def _stop(self) -> None:
+        if self._choice is not None:
+            self._choice.close()
         if self._run is not None:
             self._run.close()
         self._join_executor()

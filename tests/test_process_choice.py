@@ -1,0 +1,159 @@
+"""Process workers or the collate inline (:class:`~guideloom._process_choice.ProcessChoiceRun`):
+whichever the chooser picks, and however often it switches, the batches, their order, the error
+at its batch and the checkpoint are those of ``num_workers=0``."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import guideloom as gl
+import guideloom._process_choice as choice
+from guideloom._iterators import ProcessWorkerIterator
+
+from ._helpers import take
+from .test_procpool import SEQ, Boom, assert_same, fails_at_40, ids, loader_for, rich, worker_pids
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_thread_leak")]
+
+
+@pytest.fixture(scope="module")
+def stream(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A local stream of 200 samples whose elements are their own positions."""
+    folder = tmp_path_factory.mktemp("process_choice") / "stream"
+    gl.write_stream(folder, np.arange(200 * SEQ, dtype=np.int32), shard_bytes=20_000)
+    return folder
+
+
+class Flip:
+    """A chooser that switches between the workers and inline every ``every`` settled calls
+    (inline: once the groups the workers had been sent are delivered)."""
+
+    def __init__(self, every: int) -> None:
+        self.every, self.calls, self.workers = every, 0, True
+
+    def record(self, seconds: float, settled: bool) -> None:
+        if not settled:
+            return
+        self.calls += 1
+        if self.calls % self.every == 0:
+            self.workers = not self.workers
+
+
+@pytest.fixture
+def flips(monkeypatch: pytest.MonkeyPatch) -> list[Flip]:
+    """Every ProcessChoiceRun gets a :class:`Flip` (switching every 1, 2, 3, ... calls in turn)."""
+    made: list[Flip] = []
+
+    def make(**_: Any) -> Flip:
+        made.append(Flip(len(made) % 5 + 1))
+        return made[-1]
+
+    monkeypatch.setattr(choice, "_Chooser", make)
+    return made
+
+
+def from_slot(batch: dict[str, Any]) -> bool:
+    """Whether the batch's arrays are views of a worker's shared-memory slot."""
+    owner = batch["array"]
+    while isinstance(owner, np.ndarray):
+        owner = owner.base
+    return isinstance(owner, ctypes.Array)
+
+
+@pytest.mark.parametrize("prefetch", [0, 5, 16])
+def test_switching_at_any_batch_gives_the_batches_of_num_workers_0(
+    stream: Path, flips: list[Flip], prefetch: int
+) -> None:
+    with loader_for(stream, rich, num_workers=0, shuffle=True, shuffle_seed=3, local_batch_size=3) as inline:
+        epochs = [take(inline) for _ in range(3)]
+    loader = loader_for(stream, rich, shuffle=True, shuffle_seed=3, local_batch_size=3, prefetch=prefetch)
+    with loader:
+        for expected in epochs:  # three epochs: flipping every 1, 2 and 3 calls
+            it = iter(loader)
+            assert isinstance(it, ProcessWorkerIterator) and it._choice is not None
+            got = list(it)
+            assert len(got) == len(expected)
+            for a, b in zip(got, expected, strict=True):
+                assert_same(a, b)
+            sources = {from_slot(b) for b in got}
+            assert sources == {True, False}  # some batches came from the workers, some inline
+            del got, it
+    assert [f.every for f in flips] == [1, 2, 3]
+    assert worker_pids() == set()
+
+
+def test_resume_anywhere_while_switching(stream: Path, flips: list[Flip]) -> None:
+    with loader_for(stream, ids, num_workers=0, shuffle=True, shuffle_seed=8) as inline:
+        expected = take(inline)
+    a = loader_for(stream, ids, shuffle=True, shuffle_seed=8, prefetch=6)
+    b = loader_for(stream, ids, shuffle=True, shuffle_seed=8, prefetch=2, local_batch_size=5)
+    start = a.state_dict()
+    flat = [i for batch in expected for i in batch]
+
+    @settings(max_examples=12, deadline=None, derandomize=True)
+    @given(stop=st.integers(0, len(expected) - 1))
+    def resume(stop: int) -> None:
+        a.load_state_dict(start)
+        before = take(a, stop)
+        b.load_state_dict(a.state_dict())
+        after = [i for batch in take(b) for i in batch]
+        assert before == expected[:stop]
+        rest = len(flat) - 4 * stop
+        assert after == flat[4 * stop : 4 * stop + rest // 5 * 5]  # another batch size: the same samples on
+
+    with a, b:
+        resume()
+    assert worker_pids() == set()
+
+
+@pytest.mark.parametrize("every", [1, 2, 3, 4, 5])
+def test_a_failure_is_raised_at_its_batch_in_either_mode(
+    stream: Path, monkeypatch: pytest.MonkeyPatch, every: int
+) -> None:
+    monkeypatch.setattr(choice, "_Chooser", lambda **_: Flip(every))
+    with loader_for(stream, fails_at_40, num_workers=0) as inline:
+        it0 = iter(inline)
+        before0 = []
+        with pytest.raises(Boom, match="sample 40"):
+            before0.extend(it0)
+        n = len(before0)
+        del before0, it0
+    with loader_for(stream, fails_at_40, prefetch=4) as loader:
+        it = iter(loader)
+        got: list[Any] = []
+        with pytest.raises(Boom, match="sample 40"):
+            got.extend(it)
+        assert len(got) == n
+        assert loader.state_dict()["observation_offset"] == n * 4
+        del got, it
+    assert worker_pids() == set()
+
+
+def test_a_collate_cheaper_than_the_transport_runs_inline(tmp_path: Path) -> None:
+    """The real chooser: a collate of microseconds costs far less inline than its trip through a
+    worker process, so the epoch's batches end up made inline (and are still the same)."""
+    folder = tmp_path / "long"
+    gl.write_stream(folder, np.arange(4000 * SEQ, dtype=np.int32), shard_bytes=200_000)
+    with loader_for(folder, ids, num_workers=0, shuffle=True, shuffle_seed=1) as inline:
+        expected = take(inline)
+    modes: list[bool] = []
+    with loader_for(folder, ids, shuffle=True, shuffle_seed=1, prefetch=4) as loader:
+        it = iter(loader)
+        assert isinstance(it, ProcessWorkerIterator) and it._choice is not None
+        got = []
+        for batch in it:
+            got.append(batch)
+            if it._choice is not None:
+                modes.append(it._choice.workers)
+        del it
+    assert got == expected
+    assert modes[0] is True  # the workers first, as asked for
+    assert modes.count(False) > len(modes) // 2
+    assert worker_pids() == set()

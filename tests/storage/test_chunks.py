@@ -238,7 +238,9 @@ def test_a_sample_across_chunks_and_objects_reads_exactly(tmp_path: Path, stoppe
     rng = np.random.default_rng(1)
     starts_list = [np.sort(rng.integers(0, 6 * SEQ - 700, size=4)).astype(np.int64) for _ in range(30)]
     cache.plan(((len(s), int(s[0]), int(s[-1])), cache.table.of_rows(layouts, s, 700)) for s in starts_list)
-    for starts in starts_list:
+    for i, starts in enumerate(starts_list):
+        if i % 2:
+            settle(cache)  # half the reads find their chunks downloaded, half race the downloads
         jobs, outs = plan_windows(layouts, starts, 700, Limits())
         asyncio.run(cache.run(jobs, (len(starts), int(starts[0]), int(starts[-1])), store.remote))
         assert np.array_equal(outs["tokens"], np.stack([store.tokens[s : s + 700] for s in starts]))

@@ -8,9 +8,11 @@ at position 10^9, costs what a lookup costs.
 The order is made in three steps:
 
 1. **The schedule**: which source serves mixture position ``p``. The sources are the leaves of a
-   binary tree built like a Huffman code from their weights (the two lightest subtrees merged
-   first). Each inner node splits the positions that reach it between its two children by a
-   two-way low-discrepancy (Sturmian) rule: the node's ``j``-th position goes left iff
+   binary tree chosen for the least worst bound below: for up to six sources every tree shape is
+   tried, for more the Huffman code's tree (the two lightest subtrees merged first) or a top-down
+   halving into near-equal weights, the Huffman tree on a tie. Each inner node splits the
+   positions that reach it between its two children by a two-way low-discrepancy (Sturmian)
+   rule: the node's ``j``-th position goes left iff
    ``r(j + 1) > r(j)``, with ``r(j) = round(j * f)`` and ``f`` the left child's share of the
    node's weight, so the left child holds exactly ``r(j)`` of the node's first ``j`` positions.
    A lookup walks from the root to a leaf, carrying the index among each node's positions; at
@@ -32,10 +34,12 @@ The order is made in three steps:
 Every prefix of ``n`` positions holds ``k_s(n)`` samples of source ``s`` with ``|k_s(n) - w_s n|
 <= 1/2 (1 + sum over inner nodes a between the root and the leaf of w_s / W_a)`` (each split's
 rounding error is at most 1/2 and is scaled by the share of the node the leaf holds). That is 1/2
-for two sources; the tests measure within 1 for even weights (up to 1,000 sources) and for
-mixtures such as 0.7/0.2/0.1 or 1:2:...:7; for ragged weights over many sources the bound reaches
-about 1.5 (measured up to 1.34): +-1 is not guaranteed for every weighting (a sequential quota
-schedule would be, at the price of a precomputed index). :attr:`Mixture.discrepancy_bounds`
+for two sources, and some tree shape keeps it within 1 for any weights of up to five sources (the
+Huffman tree alone misses for about half of random four-source weightings; six sources can
+reach 1.05 whatever the shape); the tests measure within 1 for even weights (up to 1,000 sources)
+and for mixtures such as 0.7/0.2/0.1 or 1:2:...:7; for ragged weights over many sources the
+bound reaches about 1.5 (measured up to 1.34): +-1 is not guaranteed for every weighting (a
+sequential quota schedule would be, at the price of a precomputed index). :attr:`Mixture.discrepancy_bounds`
 gives the bound of each source of a mixture.
 
 The split fractions are held as exact 62-bit fixed-point integers and ``r(j)`` is computed with
@@ -49,7 +53,7 @@ import asyncio
 import hashlib
 import heapq
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -147,6 +151,153 @@ class _KeyedPermutation(Permutation):
         self._keys_np = tuple(np.uint64(k) for k in self._keys)
 
 
+#: A tree of sources: a leaf is a source's index, an inner node the pair of its children.
+_Tree = int | tuple["_Tree", "_Tree"]
+#: Up to this many sources every tree shape is tried (945 for six); above, a few constructions.
+_EXHAUSTIVE_SOURCES: Final = 6
+
+
+def _huffman(w: Sequence[float]) -> _Tree:
+    """The two lightest subtrees merged first (ties by creation order)."""
+    heap: list[tuple[float, int, _Tree]] = [(x, i, i) for i, x in enumerate(w)]
+    heapq.heapify(heap)
+    tie = len(w)
+    while len(heap) > 1:
+        wa, _, a = heapq.heappop(heap)
+        wb, _, b = heapq.heappop(heap)
+        heapq.heappush(heap, (wa + wb, tie, (a, b)))
+        tie += 1
+    return heap[0][2]
+
+
+def _halves(items: list[int], w: Sequence[float]) -> tuple[list[int], list[int]]:
+    """Two groups of near-equal weight: Karmarkar-Karp differencing (largest first)."""
+    heap = [(-w[i], n, [i], list[int]()) for n, i in enumerate(items)]
+    heapq.heapify(heap)
+    tie = len(items)
+    while len(heap) > 1:
+        da, _, a1, a2 = heapq.heappop(heap)
+        db, _, b1, b2 = heapq.heappop(heap)
+        heapq.heappush(heap, (da - db, tie, a1 + b2, a2 + b1))
+        tie += 1
+    return heap[0][2], heap[0][3]
+
+
+def _top_down(w: Sequence[float]) -> _Tree:
+    """Each set of sources split into two halves of near-equal weight, down to single sources."""
+    done: dict[int, _Tree] = {}
+    stack: list[tuple[int, list[int], bool]] = [(0, list(range(len(w))), False)]
+    parts: dict[int, tuple[int, int]] = {}
+    ids = 1
+    while stack:  # iterative: a skewed mixture may nest deeply
+        key, items, expanded = stack.pop()
+        if len(items) == 1:
+            done[key] = items[0]
+        elif expanded:
+            a, b = parts[key]
+            done[key] = (done.pop(a), done.pop(b))
+        else:
+            first, second = _halves(items, w)
+            parts[key] = (ids, ids + 1)
+            stack += [(key, items, True), (ids, first, False), (ids + 1, second, False)]
+            ids += 2
+    return done[0]
+
+
+def _all_trees(items: list[int]) -> Iterator[_Tree]:
+    """Every binary tree over ``items`` (children unordered)."""
+    if len(items) == 1:
+        yield items[0]
+        return
+    first, rest = items[0], items[1:]
+    for mask in range(2 ** len(rest) - 1):  # the first item's side takes the ones in the mask
+        a = [first] + [x for k, x in enumerate(rest) if mask >> k & 1]
+        b = [x for k, x in enumerate(rest) if not mask >> k & 1]
+        for ta in _all_trees(a):
+            for tb in _all_trees(b):
+                yield (ta, tb)
+
+
+def _worst_bound(tree: _Tree, w: Sequence[float]) -> float:
+    """The largest of the sources' prefix bounds ``1/2 (1 + w_s * sum of 1/W_a)`` over the inner
+    nodes ``a`` between the root and the source (see the module docstring)."""
+    weight: dict[int, float] = {}
+    order: list[_Tree] = []
+    stack: list[_Tree] = [tree]
+    while stack:  # post-order weights of the inner nodes
+        t = stack.pop()
+        order.append(t)
+        if isinstance(t, tuple):
+            stack += [t[0], t[1]]
+    for t in reversed(order):
+        if isinstance(t, tuple):
+            weight[id(t)] = sum(weight[id(c)] if isinstance(c, tuple) else w[c] for c in t)
+    worst = 0.0
+    walk: list[tuple[_Tree, float]] = [(tree, 0.0)]
+    while walk:
+        t, acc = walk.pop()
+        if isinstance(t, int):
+            worst = max(worst, 0.5 * (1.0 + w[t] * acc))
+            continue
+        below = acc if t is tree else acc + 1.0 / weight[id(t)]
+        walk += [(t[0], below), (t[1], below)]
+    return worst
+
+
+def _best_tree(w: Sequence[float]) -> tuple[_Tree, bool]:
+    """The tree whose worst prefix bound is least, and whether it is the Huffman tree: every
+    shape for a few sources, else the better of the Huffman tree and the top-down halving (the
+    Huffman tree on a tie, which all mixtures had before any other shape was tried)."""
+    huffman = _huffman(w)
+    if len(w) == 1:
+        return huffman, True
+    small = len(w) <= _EXHAUSTIVE_SOURCES
+    others: Iterator[_Tree] = _all_trees(list(range(len(w)))) if small else iter([_top_down(w)])
+    best, best_bound = huffman, _worst_bound(huffman, w)
+    for t in others:
+        b = _worst_bound(t, w)
+        if b < best_bound - 1e-12:
+            best, best_bound = t, b
+    return best, best is huffman
+
+
+def _flatten(
+    tree: _Tree,
+    w: Sequence[float],
+    split: list[int],
+    left: list[int],
+    right: list[int],
+    node_weight: list[float],
+) -> int:
+    """Append ``tree``'s inner nodes, children first, to the layout's arrays; the root's code
+    (``-s - 1`` for a single source ``s``)."""
+    if isinstance(tree, int):
+        return -(tree + 1)
+    code: dict[int, int] = {}
+    weight: dict[int, float] = {}
+    order: list[tuple[_Tree, _Tree]] = []
+    stack: list[_Tree] = [tree]
+    while stack:
+        t = stack.pop()
+        if isinstance(t, tuple):
+            order.append(t)
+            stack += [t[0], t[1]]
+    for t in reversed(order):  # children before parents
+        a, b = t
+        ca = code[id(a)] if isinstance(a, tuple) else -(a + 1)
+        cb = code[id(b)] if isinstance(b, tuple) else -(b + 1)
+        wa = weight[id(a)] if isinstance(a, tuple) else w[a]
+        wb = weight[id(b)] if isinstance(b, tuple) else w[b]
+        total = wa + wb
+        split.append(min(_ONE_FIX - 1, max(1, round(wa / total * _ONE_FIX))))
+        node_weight.append(total)
+        left.append(ca)
+        right.append(cb)
+        code[id(t)] = len(split) - 1
+        weight[id(t)] = total
+    return code[id(tree)]
+
+
 @dataclass(frozen=True, slots=True)
 class _Layout:
     """What a mixture's order is computed from, fixed once its sources' lengths are known.
@@ -166,31 +317,20 @@ class _Layout:
     root: int
     per_epoch: npt.NDArray[np.int64]  # each source's samples in one mixture epoch
     bounds: npt.NDArray[np.float64]  # each source's proven prefix discrepancy bound
+    shape: str  # the tree where it is not the Huffman tree ("" where it is): part of the digest
 
     @staticmethod
     def build(lengths: Sequence[int], weights: Sequence[float], num_samples: int) -> _Layout:
         n_src = len(lengths)
         w = np.asarray(weights, dtype=np.float64)
         w = w / w.sum()
-        heap: list[tuple[float, int, int]] = [(float(x), i, -(i + 1)) for i, x in enumerate(w)]
-        heapq.heapify(heap)
         split: list[int] = []
         left: list[int] = []
         right: list[int] = []
         node_weight: list[float] = []
-        tie = n_src
-        while len(heap) > 1:  # Huffman: merge the two lightest; ties by creation order
-            wa, _, a = heapq.heappop(heap)
-            wb, _, b = heapq.heappop(heap)
-            total = wa + wb
-            frac = min(_ONE_FIX - 1, max(1, round(wa / total * _ONE_FIX)))
-            split.append(frac)
-            node_weight.append(total)
-            left.append(a)
-            right.append(b)
-            heapq.heappush(heap, (total, tie, len(split) - 1))
-            tie += 1
-        root = heap[0][2]
+        wl = [float(x) for x in w]
+        tree, is_huffman = _best_tree(wl)
+        root = _flatten(tree, wl, split, left, right, node_weight)
         per_epoch = np.zeros(n_src, dtype=np.int64)
         inverse_weights = np.zeros(n_src, dtype=np.float64)  # sum of 1/W_a, inner a below the root
         stack: list[tuple[int, int, float]] = [(root, num_samples, 0.0)]
@@ -218,6 +358,7 @@ class _Layout:
             root=root,
             per_epoch=per_epoch,
             bounds=bounds,
+            shape="" if is_huffman else repr(tree),
         )
 
     def counts(self, n: int) -> npt.NDArray[np.int64]:
@@ -484,6 +625,8 @@ def _digest(names: tuple[str, ...], datasets: Sequence[DatasetAbstract[Any]], la
 
     h = hashlib.blake2b(digest_size=8)
     h.update(f"mixture:{layout.num_samples}".encode())
+    if layout.shape:  # a schedule other than the Huffman tree's, which digests made before did not name
+        h.update(f"\ntree:{layout.shape}".encode())
     for name, ds, w in zip(names, datasets, layout.weights.tolist(), strict=True):
         if type(ds) is StreamDataset:  # the common sources inline: a thousand of them add up
             fp = f"stream:{len(ds)}:{ds.sequence_length}:{_manifest_digest(ds.storage)}"

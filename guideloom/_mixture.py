@@ -218,20 +218,27 @@ def _all_trees(items: list[int]) -> Iterator[_Tree]:
                 yield (ta, tb)
 
 
+def _children_first(tree: _Tree, w: Sequence[float]) -> tuple[list[tuple[_Tree, _Tree]], dict[int, float]]:
+    """``tree``'s inner nodes, children before parents, and each one's weight (keyed by ``id``).
+    Iterative: a skewed mixture may nest deeply."""
+    order: list[tuple[_Tree, _Tree]] = []
+    stack: list[_Tree] = [tree]
+    while stack:
+        t = stack.pop()
+        if isinstance(t, tuple):
+            order.append(t)
+            stack += [t[0], t[1]]
+    order.reverse()
+    weight: dict[int, float] = {}
+    for t in order:
+        weight[id(t)] = sum(weight[id(c)] if isinstance(c, tuple) else w[c] for c in t)
+    return order, weight
+
+
 def _worst_bound(tree: _Tree, w: Sequence[float]) -> float:
     """The largest of the sources' prefix bounds ``1/2 (1 + w_s * sum of 1/W_a)`` over the inner
     nodes ``a`` between the root and the source (see the module docstring)."""
-    weight: dict[int, float] = {}
-    order: list[_Tree] = []
-    stack: list[_Tree] = [tree]
-    while stack:  # post-order weights of the inner nodes
-        t = stack.pop()
-        order.append(t)
-        if isinstance(t, tuple):
-            stack += [t[0], t[1]]
-    for t in reversed(order):
-        if isinstance(t, tuple):
-            weight[id(t)] = sum(weight[id(c)] if isinstance(c, tuple) else w[c] for c in t)
+    _, weight = _children_first(tree, w)
     worst = 0.0
     walk: list[tuple[_Tree, float]] = [(tree, 0.0)]
     while walk:
@@ -274,27 +281,17 @@ def _flatten(
     if isinstance(tree, int):
         return -(tree + 1)
     code: dict[int, int] = {}
-    weight: dict[int, float] = {}
-    order: list[tuple[_Tree, _Tree]] = []
-    stack: list[_Tree] = [tree]
-    while stack:
-        t = stack.pop()
-        if isinstance(t, tuple):
-            order.append(t)
-            stack += [t[0], t[1]]
-    for t in reversed(order):  # children before parents
+    order, weight = _children_first(tree, w)
+    for t in order:
         a, b = t
         ca = code[id(a)] if isinstance(a, tuple) else -(a + 1)
         cb = code[id(b)] if isinstance(b, tuple) else -(b + 1)
         wa = weight[id(a)] if isinstance(a, tuple) else w[a]
-        wb = weight[id(b)] if isinstance(b, tuple) else w[b]
-        total = wa + wb
-        split.append(min(_ONE_FIX - 1, max(1, round(wa / total * _ONE_FIX))))
-        node_weight.append(total)
+        split.append(min(_ONE_FIX - 1, max(1, round(wa / weight[id(t)] * _ONE_FIX))))
+        node_weight.append(weight[id(t)])
         left.append(ca)
         right.append(cb)
         code[id(t)] = len(split) - 1
-        weight[id(t)] = total
     return code[id(tree)]
 
 

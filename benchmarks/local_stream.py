@@ -8,6 +8,7 @@ reported as ratios to the bare loop of the same round (this machine is shared an
     python -m benchmarks local            # full run (~2 minutes once the data exists)
     python -m benchmarks local --quick    # a smaller smoke run
     python -m benchmarks local --process-workers   # only the process-worker table (issue 11)
+    python -m benchmarks local --steady   # only the steady-state worker ratios (issue 11)
 """
 
 from __future__ import annotations
@@ -368,6 +369,84 @@ print(dt, base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     return float(out[0]), float(out[1]), float(out[2])
 
 
+class _Feed:
+    """One loader opened once (its workers persistent) and iterated across epochs, timed in
+    windows: what a training job sees after its first few hundred batches."""
+
+    def __init__(self, path: Path, **kw: Any) -> None:
+        self.loader = make_loader(path, **kw)
+        self.loader.__enter__()
+        self.it = iter(self.loader)
+
+    def take(self, n: int) -> float:
+        """Samples/s of the next ``n`` batches (a new epoch's iterator where one ends)."""
+        t0 = time.perf_counter()
+        for _ in range(n):
+            try:
+                next(self.it)
+            except StopIteration:
+                self.it = iter(self.loader)
+                next(self.it)
+        return n * BATCH / (time.perf_counter() - t0)
+
+    def warm(self, seconds: float) -> None:
+        """Batches for ``seconds`` (after the first, which may wait for the workers to start)."""
+        self.take(1)
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            self.take(50)
+
+    def close(self) -> None:
+        self.it = iter(())
+        self.loader.__exit__(None, None, None)
+
+
+def steady_state_table(path: Path, rounds: int, window: int = 1000, warm_s: float = 1.0) -> None:
+    """Issue 11's worker ratios in steady state. Every configuration's loader is opened once
+    and warmed for ``warm_s``; then each round times one window of each configuration between
+    two windows of its ``nw=0`` baseline (A B A: a drift of the machine's speed weighs on both),
+    and the ratio is B over the mean of the two A's. Medians over the rounds, and the spread."""
+    gil = gil_bound_collate(1.0)
+    gil_window = max(20, window // 10)
+    proc = {"num_workers": 2, "parallel_method": "process", "prefetch": 16}
+    feeds = {
+        "trivial nw=0": _Feed(path, collate_fn=collate),
+        "trivial nw=2 threads": _Feed(path, collate_fn=collate, num_workers=2),
+        "trivial nw=2 processes": _Feed(path, collate_fn=collate, **proc),
+        "GIL-bound nw=0": _Feed(path, collate_fn=gil),
+        "GIL-bound nw=2 threads": _Feed(path, collate_fn=gil, num_workers=2),
+        "GIL-bound nw=2 processes": _Feed(path, collate_fn=gil, **proc),
+    }
+    try:
+        for feed in feeds.values():
+            feed.warm(warm_s)
+        ratios: dict[str, list[float]] = {k: [] for k in feeds if "nw=0" not in k}
+        rates: dict[str, list[float]] = {k: [] for k in feeds}
+        for _ in range(rounds):
+            for name, got in ratios.items():
+                kind = name.split()[0]
+                base, n = feeds[f"{kind} nw=0"], (window if kind == "trivial" else gil_window)
+                a, b, c = base.take(n), feeds[name].take(n), base.take(n)
+                rates[name].append(b)
+                rates[f"{kind} nw=0"] += [a, c]
+                got.append(2 * b / (a + c))
+        print(
+            f"\nsteady state ({os.cpu_count()} CPUs): loaders opened once, warmed {warm_s:.1f} s, "
+            f"{rounds} rounds of A B A windows ({window} batches; GIL-bound {gil_window}); "
+            f"GIL-bound collate {gil.loops:,} loops"
+        )
+        print(f"{'configuration':44s} {'samples/s':>12s} {'x nw=0':>8s} {'quartiles':>14s}")
+        for name in feeds:
+            line = f"{name:44s} {statistics.median(rates[name]):12,.0f}"
+            if name in ratios:
+                q = statistics.quantiles(ratios[name], n=4)
+                line += f" {statistics.median(ratios[name]):8.2f} {q[0]:6.2f}-{q[2]:.2f}"
+            print(line)
+    finally:
+        for feed in feeds.values():
+            feed.close()
+
+
 def thread_worker_targets(path: Path, batches: int, warmup: int, rounds: int) -> None:
     """Issue 11 item 2: thread workers against no workers, for the README's collate and a
     GIL-bound collate of ~1 ms; each ratio against ``nw=0`` of the same round (sync ``for``)."""
@@ -427,16 +506,25 @@ def main(argv: list[str] | None = None) -> None:
         "--thread-workers-only", action="store_true", help="only the thread-worker targets (issue 11)"
     )
     ap.add_argument("--process-workers", action="store_true", help="only the process-worker table")
+    ap.add_argument(
+        "--steady", action="store_true", help="only the steady-state worker ratios (long-lived loaders)"
+    )
+    ap.add_argument("--steady-rounds", type=int, default=15, help="rounds of the steady-state table")
     args = ap.parse_args(argv)
     if args.quick:
         args.tokens, args.batches, args.warmup, args.rounds = 10_000_000, 200, 50, 1
     path = ensure_dataset(args.tokens)
+    if args.steady:
+        steady_state_table(path, args.steady_rounds)
+        return
     if args.process_workers:
         process_worker_table(path, args.batches, args.warmup, args.rounds, args.skip_torch)
+        steady_state_table(path, args.steady_rounds)
         return
     nb, wu, pf = args.batches, args.warmup, args.prefetch
     if args.thread_workers_only:
         thread_worker_targets(path, nb, wu, args.rounds)
+        steady_state_table(path, args.steady_rounds)
         return
     configs: dict[str, Callable[[], float]] = {
         "bare loop, batched gather (the limit)": lambda: run_bare(path, nb),
@@ -495,6 +583,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(f"this process peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
     process_worker_table(path, nb, wu, args.rounds, args.skip_torch)
+    steady_state_table(path, args.steady_rounds)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ from ._pipeline import (
 from ._plan import EpochPlan
 from ._process_choice import ProcessChoiceRun
 from ._procpool import ProcessWorkers, SyncRun
-from ._thread_workers import ThreadWorkerPipeline
+from ._thread_workers import ThreadWorkerPipeline, _Chooser
 
 if TYPE_CHECKING:
     from .pytorch import StatefulDataLoader
@@ -441,6 +441,19 @@ class CallerLoopIterator(SyncIterator[BatchT]):
         self._close_loop()
 
 
+#: Each loader's thread-worker chooser: what one epoch learnt holds for the next, which starts in
+#: the mode the last one ended in (not with a fresh probe of both).
+_THREAD_CHOOSERS: weakref.WeakKeyDictionary[Any, _Chooser] = weakref.WeakKeyDictionary()
+
+
+def _thread_chooser(loader: Any, cfg: PipelineConfig) -> _Chooser:
+    chooser = _THREAD_CHOOSERS.get(loader)
+    if chooser is None:
+        limit = cfg.capacity + 1
+        chooser = _THREAD_CHOOSERS[loader] = _Chooser(skip=limit, chunk=max(8, 2 * limit))
+    return chooser
+
+
 class ThreadWorkerIterator(SyncIterator[BatchT]):
     """Thread workers fed from the caller's thread, no event loop (see the module docstring)."""
 
@@ -449,7 +462,7 @@ class ThreadWorkerIterator(SyncIterator[BatchT]):
     def _start(self) -> None:
         executor = self._start_executor()
         assert executor is not None
-        self._pipe = ThreadWorkerPipeline(self._cfg, executor)
+        self._pipe = ThreadWorkerPipeline(self._cfg, executor, _thread_chooser(self._loader, self._cfg))
 
     def _next(self) -> Delivery | None:
         assert self._pipe is not None

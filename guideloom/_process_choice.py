@@ -20,15 +20,24 @@ costs in the workers (they report it with each group; until then, the window's r
 its batches). The reads belong to inline's cost, since the workers read their own batches, but
 the main process's first reads fault in pages of the dataset that the workers mapped long ago, a
 passing cost that would otherwise keep a cheap collate on the workers.
+
+Two things keep the choice cheap for a collate cheaper than its transport. The workers report
+what a batch's read and collate cost them; once the main process spends as long in ``next()``
+per batch of the workers' (waiting for it, taking it in, mapping its slot) as the batch took
+them to make, making it inline cannot cost more, and inline is chosen at once, without waiting
+for the probe's chunks (which a busy machine makes noisy). And while a choice of inline stands,
+``next()`` is the bare read and collate: it looks at the clock once every
+:data:`QUIET_CALLS` calls, and times nothing until the choice is due to be probed again.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 
 from ._pipeline import COLLATE_ERRORS, Delivery, InlinePipeline, PipelineConfig
-from ._procpool import SyncRun
-from ._thread_workers import _Chooser
+from ._procpool import SyncRun, WorkerPool
+from ._thread_workers import CHUNK_SECONDS, QUIET_CALLS, _Chooser
 
 __all__ = ["PROCESS_DECISIVE", "ProcessChoiceRun"]
 
@@ -37,6 +46,18 @@ __all__ = ["PROCESS_DECISIVE", "ProcessChoiceRun"]
 #: (a GIL-bound collate: ~1.7x) or clearly cost (a cheap one: ~3x), and each chunk of the worse
 #: mode here is dear (a refill of the workers' pipeline, or milliseconds of collate inline).
 PROCESS_DECISIVE = 1.4
+#: Each pool's chooser: a loader's persistent workers keep what one epoch learnt for the next,
+#: which starts in the mode the last one ended in (inline: the workers idle until a probe).
+_CHOOSERS: weakref.WeakKeyDictionary[WorkerPool, _Chooser] = weakref.WeakKeyDictionary()
+
+
+def _chooser_for(pool: WorkerPool, limit: int) -> _Chooser:
+    chooser = _CHOOSERS.get(pool)
+    if chooser is None:
+        chooser = _CHOOSERS[pool] = _Chooser(
+            skip=limit, chunk=max(8, 2 * limit), inline_chunk=8, inline_skip=0, decisive=PROCESS_DECISIVE
+        )
+    return chooser
 
 
 class ProcessChoiceRun:
@@ -49,13 +70,14 @@ class ProcessChoiceRun:
         self._inline: InlinePipeline | None = None
         self._next_step = run.step  # the plan step after the last batch delivered
         limit = cfg.capacity + 1
-        self._chooser = chooser or _Chooser(
-            skip=limit, chunk=max(8, 2 * limit), inline_chunk=8, inline_skip=0, decisive=PROCESS_DECISIVE
-        )
+        self._chooser = chooser or _chooser_for(run.session.pool, limit)
         self._last: float | None = None  # when the last request came
         self._adjust = 0.0  # added to the cycle being timed: a window's read spread over its batches
         self._read_per_batch = 0.0
         self._settled = False
+        self._skip, self._chunk = limit, max(8, 2 * limit)  # for the workers' time in next()
+        self._in_calls, self._in_total = 0, 0.0
+        self._quiet = 0  # calls left before the clock is looked at again (inline, held)
 
     @property
     def workers(self) -> bool:
@@ -64,6 +86,11 @@ class ProcessChoiceRun:
 
     def next(self) -> Delivery | None:
         """The next batch in plan order (or the error in its place); ``None`` at the end."""
+        if self._quiet:
+            self._quiet -= 1
+            inline = self._inline
+            assert inline is not None
+            return self._make_inline(inline)
         now = time.perf_counter()
         chooser = self._chooser
         if self._last is not None:
@@ -81,21 +108,44 @@ class ProcessChoiceRun:
                 run.resume()
             self._settled = True
             d = run.next()
-        elif run.pending or not run.started:  # what the workers have been sent comes first
-            run.paused = run.started
+            self._weigh(time.perf_counter() - now)
+        elif run.pending:  # what the workers have been sent comes first
+            run.paused = True
             self._settled = False
+            self._in_calls, self._in_total = 0, 0.0
             d = run.next()
         else:
             run.paused = True
+            self._in_calls, self._in_total = 0, 0.0
             if inline is None:  # a switch's one-off cost, not timed (as the workers' refill is not)
                 t0 = time.perf_counter()
                 inline = self._inline = InlinePipeline(self._cfg, first_step=self._next_step)
                 self._adjust = t0 - time.perf_counter()
             self._settled = True
+            until = chooser.held_until()
+            if until is not None and now < until:  # nothing to time before the choice is probed
+                self._quiet, self._last = QUIET_CALLS, None
             return self._from_inline(inline)
         if d is not None:
             self._next_step = d.spec.step + 1
         return d
+
+    def _weigh(self, seconds: float) -> None:
+        """The workers' mode: ``seconds`` in ``next()`` for one of their batches (the calls that
+        refill their queue after a switch left out). Once that costs as much, per batch, as the
+        workers report a batch's read and collate costs them, inline is chosen."""
+        self._in_calls += 1
+        if self._in_calls <= self._skip:
+            return
+        self._in_total += seconds
+        counted = self._in_calls - self._skip
+        if counted < self._chunk or self._in_total < CHUNK_SECONDS:
+            return
+        mean = self._in_total / counted
+        self._in_calls, self._in_total = self._skip, 0.0
+        work = self._run.session.work_per_batch
+        if work is not None and mean >= work:
+            self._chooser.settle(False)
 
     def _from_inline(self, inline: InlinePipeline) -> Delivery | None:
         reads = not inline.buffered()
@@ -109,7 +159,15 @@ class ProcessChoiceRun:
         # pages the workers mapped long ago, which would charge inline for a passing cost.
         worker_read = self._run.session.read_per_batch
         self._adjust += self._read_per_batch if worker_read is None else worker_read
+        return self._collated(inline, d)
+
+    def _make_inline(self, inline: InlinePipeline) -> Delivery | None:
+        """The next batch read and collated inline, nothing timed."""
+        return self._collated(inline, inline.next_raw())
+
+    def _collated(self, inline: InlinePipeline, d: Delivery | None) -> Delivery | None:
         if d is None:
+            self._quiet = 0
             return None
         if d.error is None:
             try:
@@ -118,6 +176,7 @@ class ProcessChoiceRun:
                 d.error, d.value = exc, None
         if d.error is not None:
             inline.close()
+            self._quiet = 0
         self._next_step = d.spec.step + 1
         return d
 

@@ -331,7 +331,9 @@ class _Worker:
                 deliveries = self.loop.run_until_complete(
                     run_async(read_window(specs, indexes, reading), self.dataset.read_many)
                 )
-            read_s = (time.perf_counter() - t0) / max(1, len(specs))  # the main process's estimate
+            t1 = time.perf_counter()
+            read_s = (t1 - t0) / max(1, len(specs))  # the main process's estimate
+            collate_s = 0.0  # what the group's collates took: their cost inline, with read_s
             # One message and one slot for the group: a wake-up of the main process per group,
             # not per batch, and one slot to find and map.
             entries: list[tuple[Any, ...]] = []
@@ -341,10 +343,12 @@ class _Worker:
             while deliveries:
                 d = deliveries.pop()
                 if d.error is None:
+                    c0 = time.perf_counter()
                     try:
                         d.value = self.collate_fn(d.value)
                     except BaseException as exc:  # SystemExit / KeyboardInterrupt too: the consumer's
                         d.error, d.value = exc, None
+                    collate_s += time.perf_counter() - c0
                 if d.error is not None:
                     entries.append(("e", d.spec.step, *_exception_message(d.error)))
                     break
@@ -359,7 +363,8 @@ class _Worker:
                         break
             slot = self.place(pack, entries, values)
             del values
-            _send(self.results, ("g", token, gid, entries, slot, read_s))
+            work_s = read_s + collate_s / max(1, len(entries))
+            _send(self.results, ("g", token, gid, entries, slot, read_s, work_s))
 
     def place(
         self, pack: _GroupPack, entries: list[tuple[Any, ...]], values: list[Any]
@@ -423,6 +428,11 @@ def _worker_main(
 
 
 # -- the main process side ---------------------------------------------------------------------------
+def _moving(average: float | None, value: float) -> float:
+    """An exponential moving average of what the workers report, group by group."""
+    return value if average is None else 0.8 * average + 0.2 * value
+
+
 class _Proc:
     """One worker process, as the main process sees it."""
 
@@ -778,6 +788,9 @@ class Session:
         #: Seconds a batch's read takes in the workers (a moving average of what they report), or
         #: None before a group came back: what reading it inline would cost once pages are mapped.
         self.read_per_batch: float | None = None
+        #: Seconds a batch's read and collate take in the workers (a moving average), or None
+        #: before a group came back: about what making the batch inline would cost.
+        self.work_per_batch: float | None = None
 
     def end(self) -> None:
         """Tell the workers to drop what is left of this iterator's groups. Idempotent."""
@@ -816,10 +829,9 @@ class Session:
         return True
 
     def _on_message(self, p: _Proc, msg: tuple[Any, ...]) -> None:
-        _, token, gid, entries, slot, read_s = msg
-        self.read_per_batch = (
-            read_s if self.read_per_batch is None else 0.8 * self.read_per_batch + 0.2 * read_s
-        )
+        _, token, gid, entries, slot, read_s, work_s = msg
+        self.read_per_batch = _moving(self.read_per_batch, read_s)
+        self.work_per_batch = _moving(self.work_per_batch, work_s)
         g = self.groups.get(gid) if token == self.token else None
         holder: Any = None
         if slot is not None:

@@ -36,6 +36,8 @@ __all__ = [
     "CLEAR",
     "DECISIVE",
     "FIRST_REPROBE_SECONDS",
+    "PAUSE_SHARE",
+    "QUIET_CALLS",
     "REPROBE_SECONDS",
     "WARMUP_CALLS",
     "WORKERS_MARGIN",
@@ -59,6 +61,11 @@ CHUNK_SECONDS = 0.001
 WORKERS_MARGIN = 0.9
 #: A probe ends early once one mode's chunk costs this many times the other's.
 DECISIVE = 2.0
+#: While a choice of inline stands, ``next()`` looks at the clock once in this many calls.
+QUIET_CALLS = 32
+#: A chunk one of whose cycles took more than this share of its time is dropped, not compared
+#: (one in a row at most): the consumer paused, and one long cycle would decide for either mode.
+PAUSE_SHARE = 0.5
 #: A choice whose other mode costs this many times the chosen one's stands eight times longer:
 #: a busy machine does not turn a 25% gap round, and each probe of the worse mode costs.
 CLEAR = 1.25
@@ -104,7 +111,8 @@ class _Chooser:
     more of the chosen), so a steady drift in speed weighs on both alike; inline costs its
     cheaper chunk, so one preempted chunk does not decide, and the workers their dearer one (a
     hand-off varies more from chunk to chunk, and the cheaper of two noisy chunks would flatter
-    it); a probe ends early once one mode costs :data:`DECISIVE` times the other. The workers
+    it); a probe ends early once one mode costs :data:`DECISIVE` times the other. A chunk that
+    one long cycle dominates (:data:`PAUSE_SHARE`: the consumer paused) is dropped, once. The workers
     are kept only if they cost at most :data:`WORKERS_MARGIN` of inline: a hand-off that brings
     nothing measurable is not worth its threads. A first choice stands
     :data:`FIRST_REPROBE_SECONDS` (eight times that when clear: the other mode :data:`CLEAR`
@@ -133,6 +141,8 @@ class _Chooser:
         self._probing = True
         self._n = -(skip + WARMUP_CALLS)
         self._total = 0.0
+        self._longest = 0.0  # the chunk's longest cycle
+        self._dropped = False  # the last chunk was dropped as a pause
         self._until = 0.0
         self._interval = FIRST_REPROBE_SECONDS
 
@@ -145,10 +155,15 @@ class _Chooser:
         if self._n <= 0:
             return
         self._total += seconds
+        self._longest = max(self._longest, seconds)
         if self._n < self._chunks_of[self.workers] or self._total < CHUNK_SECONDS:
             return
         mode, mean = self.workers, self._total / self._n
-        self._n, self._total = 0, 0.0
+        paused = self._n > 2 and self._longest > PAUSE_SHARE * self._total and not self._dropped
+        self._n, self._total, self._longest = 0, 0.0, 0.0
+        self._dropped = paused
+        if paused:  # the consumer paused (an evaluation, a checkpoint): that says nothing of the mode
+            return
         if not self._probing:
             self._last = mean
             if time.perf_counter() >= self._until:  # probe the other: chosen, other, other, chosen
@@ -173,10 +188,24 @@ class _Chooser:
         self._until = time.perf_counter() + hold
         self._interval = min(REPROBE_SECONDS, 2 * hold)
 
+    def settle(self, workers: bool) -> None:
+        """Choose ``workers`` now, a probe or not, and hold it as a clear choice: a measurement
+        beside the chunks showed the other mode cannot be the cheaper."""
+        self._probing = False
+        self._switch(workers)
+        hold = min(REPROBE_SECONDS, 8 * self._interval)
+        self._until = time.perf_counter() + hold
+        self._interval = min(REPROBE_SECONDS, 2 * hold)
+
+    def held_until(self) -> float | None:
+        """Until when the current choice stands (no chunk need be timed before), or None while
+        probing."""
+        return None if self._probing else self._until
+
     def _switch(self, workers: bool) -> None:
         if workers != self.workers:
             self.workers = workers
-            self._n, self._total = -self._skips[workers], 0.0
+            self._n, self._total, self._longest = -self._skips[workers], 0.0, 0.0
 
 
 class ThreadWorkerPipeline:
@@ -207,6 +236,7 @@ class ThreadWorkerPipeline:
         self._read_seconds = 0.0  # spent reading since then
         self._settled = False
         self._chooser = chooser or _Chooser(skip=self._limit, chunk=max(8, 2 * self._limit))
+        self._quiet = 0  # calls left before the clock is looked at again (inline, held)
 
     def next(self) -> Delivery | None:
         """The next batch in plan order (or the error in its place); ``None`` at the end."""
@@ -214,6 +244,9 @@ class ThreadWorkerPipeline:
         # as threads that hold the GIL slow that down too (time inside next() alone misses it).
         # The reads are not counted: both modes read the same windows in this thread, and a
         # window of 64 batches read in one call would weigh on whichever chunk it fell in.
+        if self._quiet:  # inline, and the choice stands: the bare read and collate
+            self._quiet -= 1
+            return self._inline()
         now = time.perf_counter()
         chooser = self._chooser
         if self._last is not None:
@@ -222,10 +255,16 @@ class ThreadWorkerPipeline:
         if chooser.workers:
             self._fill()
         self._settled = chooser.workers or not self._queue
-        return self._take() if self._queue else self._inline()
+        if self._queue:
+            return self._take()
+        until = chooser.held_until()
+        if not chooser.workers and until is not None and now < until:
+            self._quiet, self._last = QUIET_CALLS, None  # nothing to time until the next probe
+        return self._inline()
 
     def _inline(self) -> Delivery | None:
         if self._ended:
+            self._quiet = 0
             return None
         d = self._read()
         if d is None:

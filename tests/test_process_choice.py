@@ -35,8 +35,8 @@ class Flip:
     """A chooser that switches between the workers and inline every ``every`` settled calls
     (inline: once the groups the workers had been sent are delivered)."""
 
-    def __init__(self, every: int) -> None:
-        self.every, self.calls, self.workers = every, 0, True
+    def __init__(self, every: int, workers: bool = True) -> None:
+        self.every, self.calls, self.workers = every, 0, workers
 
     def record(self, seconds: float, settled: bool) -> None:
         if not settled:
@@ -44,6 +44,12 @@ class Flip:
         self.calls += 1
         if self.calls % self.every == 0:
             self.workers = not self.workers
+
+    def held_until(self) -> float | None:
+        return None  # every call is timed (and flips)
+
+    def settle(self, workers: bool) -> None:
+        pass  # the flips alone decide
 
 
 @pytest.fixture
@@ -76,6 +82,7 @@ def test_switching_at_any_batch_gives_the_batches_of_num_workers_0(
     loader = loader_for(stream, rich, shuffle=True, shuffle_seed=3, local_batch_size=3, prefetch=prefetch)
     with loader:
         for expected in epochs:  # three epochs: flipping every 1, 2 and 3 calls
+            choice._CHOOSERS.clear()  # a chooser of its own for each epoch
             it = iter(loader)
             assert isinstance(it, ProcessWorkerIterator) and it._choice is not None
             got = list(it)
@@ -86,6 +93,40 @@ def test_switching_at_any_batch_gives_the_batches_of_num_workers_0(
             assert sources == {True, False}  # some batches came from the workers, some inline
             del got, it
     assert [f.every for f in flips] == [1, 2, 3]
+    assert worker_pids() == set()
+
+
+@pytest.mark.parametrize("every", [1, 4, 1000])
+def test_an_epoch_that_starts_inline_gives_the_batches_of_num_workers_0(
+    stream: Path, monkeypatch: pytest.MonkeyPatch, every: int
+) -> None:
+    """A pool's chooser lasts from one epoch to the next: an epoch may start inline, before the
+    workers were sent anything of it, and switch to them later (or never: every=1000)."""
+    made: list[Flip] = []
+    monkeypatch.setattr(choice, "_Chooser", lambda **_: made.append(Flip(every, workers=False)) or made[-1])
+    with loader_for(stream, rich, num_workers=0, shuffle=True, shuffle_seed=5, local_batch_size=3) as inline:
+        epochs = [take(inline) for _ in range(2)]
+        inline.load_state_dict({**inline.state_dict(), "observation_offset": 30})
+        resumed = take(inline)
+    loader = loader_for(stream, rich, shuffle=True, shuffle_seed=5, local_batch_size=3, prefetch=4)
+    with loader:
+        for expected in epochs:
+            mode = made[0].workers if made else False  # the mode the last epoch ended in
+            it = iter(loader)
+            got = list(it)
+            assert len(got) == len(expected)
+            for a, b in zip(got, expected, strict=True):
+                assert_same(a, b)
+            assert from_slot(got[0]) is mode  # the epoch started in the chooser's mode
+            assert {from_slot(b) for b in got} == ({False} if every == 1000 else {True, False})
+            del got, it
+        loader.load_state_dict({**loader.state_dict(), "observation_offset": 30})
+        got = take(loader)
+        assert len(got) == len(resumed)
+        for a, b in zip(got, resumed, strict=True):
+            assert_same(a, b)
+        del got
+    assert len(made) == 1  # one chooser for the loader's pool, all epochs
     assert worker_pids() == set()
 
 

@@ -309,3 +309,60 @@ def test_the_chooser_is_not_charged_for_reads() -> None:
         pipe.close()
     assert len(chooser.seen) >= 30
     assert max(chooser.seen) < 0.015, chooser.seen  # each read alone takes 20 ms
+
+
+def test_a_chunk_that_one_pause_dominates_is_dropped_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The consumer stopped for a while (an evaluation, a checkpoint) during an inline chunk: that
+    chunk decides nothing; a second one in a row counts, pause or not."""
+    monkeypatch.setattr(_thread_workers, "CHUNK_SECONDS", 0.0)
+    monkeypatch.setattr(_thread_workers, "WARMUP_CALLS", 0)
+    c = _Chooser(skip=0, chunk=4)
+    for _ in range(4):
+        c.record(2e-3, settled=True)  # the workers' chunk
+    assert not c.workers
+    for s in (1e-3, 1.0, 1e-3, 1e-3):  # inline, with one pause of a second
+        c.record(s, settled=True)
+    assert not c.workers  # dropped (counted, its 0.25 s a call would have sent it back to the workers)
+    for _ in range(4):
+        c.record(1e-3, settled=True)  # inline's first chunk that counts
+    assert not c.workers
+    c.settle(True)
+    for s in (2e-3, 1.0, 2e-3, 2e-3):
+        c.record(s, settled=True)
+    assert c.workers and c.held_until() is not None  # settled and held: the pause changed nothing
+
+
+def test_settle_ends_a_probe_with_a_held_choice() -> None:
+    c = _Chooser(skip=0, chunk=4)
+    assert c.held_until() is None  # probing from the start
+    c.settle(False)
+    until = c.held_until()
+    assert not c.workers and until is not None and until > time.perf_counter()
+
+
+def test_a_loaders_chooser_lasts_from_one_epoch_to_the_next() -> None:
+    """What one epoch learnt holds for the next: its chooser, in the mode it ended in, and the
+    batches are those of num_workers=0 either way."""
+
+    def ids(samples: Sequence[np.ndarray]) -> list[int]:
+        return [int(s[0]) // 4 for s in samples]
+
+    kw: dict[str, Any] = {"sequence_length": 4, "local_batch_size": 2, "shuffle": True, "shuffle_seed": 2}
+    with gl.StatefulDataLoader.from_storage(identity_stream(400), ids, **kw) as inline:
+        expected = [list(inline), list(inline)]
+    loader = gl.StatefulDataLoader.from_storage(identity_stream(400), ids, num_workers=2, **kw)
+    choosers, starts, ends = [], [], []
+    with loader:
+        for epoch in expected:
+            it = iter(loader)
+            assert isinstance(it, ThreadWorkerIterator)
+            got = [next(it)]
+            assert it._pipe is not None
+            choosers.append(it._pipe._chooser)
+            starts.append(choosers[-1].workers)
+            got.extend(it)
+            assert got == epoch
+            ends.append(choosers[-1].workers)
+            del it
+    assert choosers[0] is choosers[1]
+    assert starts[1] is ends[0]  # epoch 2 began in the mode epoch 1 ended in

@@ -198,3 +198,29 @@ def test_a_collate_cheaper_than_the_transport_runs_inline(tmp_path: Path) -> Non
     assert modes[0] is True  # the workers first, as asked for
     assert modes.count(False) > len(modes) // 2
     assert worker_pids() == set()
+
+
+def test_a_collate_cheaper_than_its_transport_is_settled_inline_without_a_probe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The workers report a batch's read and collate cost; once the main process spends at least
+    that long in next() per batch of theirs, inline is chosen at once (Chooser.settle) and held."""
+    settled: list[bool] = []
+    real = choice._Chooser.settle
+
+    def spy(self: Any, workers: bool) -> None:
+        settled.append(workers)
+        real(self, workers)
+
+    monkeypatch.setattr(choice._Chooser, "settle", spy)
+    folder = tmp_path / "long"
+    gl.write_stream(folder, np.arange(4000 * SEQ, dtype=np.int32), shard_bytes=200_000)
+    with loader_for(folder, ids, shuffle=True, shuffle_seed=1, prefetch=4) as loader:
+        it = iter(loader)
+        assert isinstance(it, ProcessWorkerIterator) and it._choice is not None
+        session = it._choice._run.session
+        n = sum(1 for _ in it)
+        assert session.work_per_batch is not None and session.work_per_batch > 0
+        del it
+    assert n > 0 and settled and not any(settled)
+    assert worker_pids() == set()

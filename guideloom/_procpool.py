@@ -331,8 +331,7 @@ class _Worker:
                 deliveries = self.loop.run_until_complete(
                     run_async(read_window(specs, indexes, reading), self.dataset.read_many)
                 )
-            t1 = time.perf_counter()
-            read_s = (t1 - t0) / max(1, len(specs))  # the main process's estimate
+            read_s = (time.perf_counter() - t0) / max(1, len(specs))  # the main process's estimate
             collate_s = 0.0  # what the group's collates took: their cost inline, with read_s
             # One message and one slot for the group: a wake-up of the main process per group,
             # not per batch, and one slot to find and map.

@@ -50,9 +50,9 @@ REPROBE_SECONDS = 3.0
 #: (or eight times) as long as the one before, up to :data:`REPROBE_SECONDS`: a busy machine may
 #: have misled an early one.
 FIRST_REPROBE_SECONDS = 0.02
-#: Calls not timed at the start of an iterator, in the workers (as asked for: a slow collate is
-#: spread from its first batch, and a short epoch still runs on the workers): the threads start
-#: and the first batches' queue fills. (The reads, whose windows grow over the first 127
+#: Calls not timed at the start of a loader's first iterator (a chooser lasts from one epoch to
+#: the next), in the workers (as asked for: a slow collate is spread from its first batch, and a
+#: short epoch still runs on the workers): the threads start and the first batches' queue fills. (The reads, whose windows grow over the first 127
 #: batches and fault pages in, are not timed at all.)
 WARMUP_CALLS = 16
 #: The least time one chunk of calls in one mode is timed over.

@@ -52,8 +52,8 @@ REPROBE_SECONDS = 3.0
 FIRST_REPROBE_SECONDS = 0.02
 #: Calls not timed at the start of a loader's first iterator (a chooser lasts from one epoch to
 #: the next), in the workers (as asked for: a slow collate is spread from its first batch, and a
-#: short epoch still runs on the workers): the threads start and the first batches' queue fills. (The reads, whose windows grow over the first 127
-#: batches and fault pages in, are not timed at all.)
+#: short epoch still runs on the workers): the threads start and the first batches' queue fills.
+#: (The reads, whose windows grow over the first 127 batches and fault pages in, are not timed.)
 WARMUP_CALLS = 16
 #: The least time one chunk of calls in one mode is timed over.
 CHUNK_SECONDS = 0.001

@@ -90,7 +90,7 @@ class ProcessChoiceRun:
             self._quiet -= 1
             inline = self._inline
             assert inline is not None
-            return self._make_inline(inline)
+            return self._collated(inline, inline.next_raw())  # nothing timed
         now = time.perf_counter()
         chooser = self._chooser
         if self._last is not None:
@@ -161,11 +161,8 @@ class ProcessChoiceRun:
         self._adjust += self._read_per_batch if worker_read is None else worker_read
         return self._collated(inline, d)
 
-    def _make_inline(self, inline: InlinePipeline) -> Delivery | None:
-        """The next batch read and collated inline, nothing timed."""
-        return self._collated(inline, inline.next_raw())
-
     def _collated(self, inline: InlinePipeline, d: Delivery | None) -> Delivery | None:
+        """``d``, read inline, collated (or the collate's error in its place)."""
         if d is None:
             self._quiet = 0
             return None

@@ -178,22 +178,21 @@ class _Chooser:
         if self._plan and not (all(self._chunks.values()) and _ratio(self._chunks) > self._decisive):
             self._switch(self._plan.pop(0))
             return
-        self._probing = False
         # Inline costs its cheaper chunk, the workers their dearer one (see the class docstring).
-        self._switch(max(self._chunks[True]) <= WORKERS_MARGIN * min(self._chunks[False]))
-        # A clear choice stands eight times longer; a close one, which a busy machine may have
-        # decided, is probed again soon.
-        clear = _ratio(self._chunks) > CLEAR
-        hold = min(REPROBE_SECONDS, (8 if clear else 1) * self._interval)
-        self._until = time.perf_counter() + hold
-        self._interval = min(REPROBE_SECONDS, 2 * hold)
+        workers = max(self._chunks[True]) <= WORKERS_MARGIN * min(self._chunks[False])
+        self._choose(workers, clear=_ratio(self._chunks) > CLEAR)
 
     def settle(self, workers: bool) -> None:
         """Choose ``workers`` now, a probe or not, and hold it as a clear choice: a measurement
         beside the chunks showed the other mode cannot be the cheaper."""
+        self._choose(workers, clear=True)
+
+    def _choose(self, workers: bool, clear: bool) -> None:
+        """End the probe with ``workers``. A clear choice stands eight times longer; a close one,
+        which a busy machine may have decided, is probed again soon."""
         self._probing = False
         self._switch(workers)
-        hold = min(REPROBE_SECONDS, 8 * self._interval)
+        hold = min(REPROBE_SECONDS, (8 if clear else 1) * self._interval)
         self._until = time.perf_counter() + hold
         self._interval = min(REPROBE_SECONDS, 2 * hold)
 

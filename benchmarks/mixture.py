@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = ap.parse_args(argv)
     if args.discrepancy:
-        discrepancy(args.discrepancy)
+        discrepancy(args.discrepancy)  # a short epoch: every mixture gets a quota table
+        discrepancy(args.discrepancy, epoch=10**9)  # a long one: exact ratios only, else the tree
         return
     sources, weights = make_sources(args.sources)
     plain_tokens = np.concatenate([s.read_many_sync(np.asarray([0]), len(s))[0] for s in sources.values()])
@@ -154,13 +155,15 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(lines))
 
 
-def discrepancy(mixtures: int, positions: int = 20_000, seed: int = 5) -> None:
-    """The worst ``|k_s(n) - w_s n|`` over every prefix of an epoch, and the proven bound, on random
-    mixtures of 2-40 sources: uniform, heavy-tailed (uniform^6) and mixed (1, 2, 10, 1e-3) weights."""
+def discrepancy(mixtures: int, positions: int = 20_000, seed: int = 5, epoch: int | None = None) -> None:
+    """The worst ``|k_s(n) - w_s n|`` over the first ``positions`` prefixes of an epoch of
+    ``epoch`` positions (default: ``positions``), and the proven bound, on random mixtures of
+    2-40 sources: uniform, heavy-tailed (uniform^6) and mixed (1, 2, 10, 1e-3) weights; and how
+    many got each kind of schedule."""
     from guideloom._mixture import _Layout
 
     rng = np.random.default_rng(seed)
-    worst, bounds = [], []
+    worst, bounds, kinds = [], [], {"quota period": 0, "quota epoch": 0, "tree": 0}
     for _ in range(mixtures):
         n, kind = int(rng.integers(2, 41)), rng.random()
         if kind < 0.3:
@@ -169,7 +172,10 @@ def discrepancy(mixtures: int, positions: int = 20_000, seed: int = 5) -> None:
             w = rng.random(n) ** 6 + 1e-12
         else:
             w = rng.choice([1.0, 1.0, 1.0, 2.0, 10.0, 1e-3], n)
-        lay = _Layout.build([1] * n, w.tolist(), positions)
+        lay = _Layout.build([1] * n, w.tolist(), epoch or positions)
+        kinds[
+            {"quota": "quota period", "quota-epoch": "quota epoch"}.get(lay.shape.split(":")[0], "tree")
+        ] += 1
         src, _ = lay.locate(np.arange(positions, dtype=np.int64))
         prefix = np.arange(1, positions + 1)
         worst.append(
@@ -178,9 +184,10 @@ def discrepancy(mixtures: int, positions: int = 20_000, seed: int = 5) -> None:
         bounds.append(float(lay.bounds.max()))
     a, b = np.asarray(worst), np.asarray(bounds)
     print(
-        f"{mixtures} random mixtures of 2-40 sources, {positions:,} positions: worst prefix error "
-        f"{a.max():.3f} (median {np.median(a):.3f}), {np.mean(a > 1):.0%} above 1; proven bound up to "
-        f"{b.max():.3f}, {np.mean(b > 1):.0%} above 1"
+        f"{mixtures} random mixtures of 2-40 sources, the first {positions:,} positions of an "
+        f"epoch of {epoch or positions:,}: worst prefix error {a.max():.3f} (median "
+        f"{np.median(a):.3f}), {np.mean(a > 1):.0%} above 1; proven bound up to {b.max():.3f}, "
+        f"{np.mean(b > 1):.0%} above 1; schedules: {kinds}"
     )
 
 

@@ -1,23 +1,36 @@
 """Weighted mixtures of datasets: ``mix({"web": a, "code": b}, weights={"web": 0.7, "code": 0.3})``.
 
 A mixture is a dataset whose epoch order is a pure function of ``(shuffle, seed, epoch,
-position)``, computed in O(log S) per position for S sources (O(S) for skewed weights, see
-below), with no precomputed blend index: opening a mixture of a thousand sources, or resuming it
+position)``, computed in O(1) per position from a table of at most 2^15 entries, or in O(log S)
+for S sources (O(S) for skewed weights, see below) where no table fits, with no blend index of
+the epoch: opening a mixture of a thousand sources, or resuming it
 at position 10^9, costs what a lookup costs.
 
 The order is made in three steps:
 
-1. **The schedule**: which source serves mixture position ``p``. The sources are the leaves of a
-   binary tree chosen for the least worst bound below: for up to six sources every tree shape is
-   tried, for more the Huffman code's tree (the two lightest subtrees merged first) or a top-down
-   halving into near-equal weights, the Huffman tree on a tie. Each inner node splits the
-   positions that reach it between its two children by a two-way low-discrepancy (Sturmian)
-   rule: the node's ``j``-th position goes left iff
-   ``r(j + 1) > r(j)``, with ``r(j) = round(j * f)`` and ``f`` the left child's share of the
-   node's weight, so the left child holds exactly ``r(j)`` of the node's first ``j`` positions.
-   A lookup walks from the root to a leaf, carrying the index among each node's positions; at
-   the leaf it is ``k_s(p)``, how many earlier positions the source served. The schedule is the
-   same every epoch and does not depend on the seed.
+1. **The schedule**: which source serves mixture position ``p``, one of two kinds.
+
+   - **A quota table**, where one fits in :data:`_PERIOD_MAX` positions: weights that print as
+     short decimals or integers (``0.7``, ``0.15``, ``3``) are exact ratios ``q_s / P`` and the
+     table holds one period ``P`` of a schedule that repeats; other weights get a table of the
+     whole epoch where the epoch is that short. The table is built once by earliest deadline
+     first over the windows that Tijdeman's chairman-assignment bound allows each sample, so
+     every prefix holds each source within ``1 - 1/(2S - 2)`` of ``w_s n`` (S sources),
+     whatever the weights and however many sources. A lookup is ``p mod P`` into the table,
+     and ``k_s(p)`` is ``(p // P) * q_s`` plus the sample's rank in the period.
+   - **A tree** otherwise (ragged floats, or the sources' lengths as default weights, in an
+     epoch longer than a table), and wherever its bound is already as good: the sources are
+     the leaves of a binary tree chosen for the least worst bound below: for up to six sources
+     every tree shape is tried, for more the Huffman code's tree (the two lightest subtrees
+     merged first) or a top-down halving into near-equal weights, the Huffman tree on a tie.
+     Each inner node splits the positions that reach it between its two children by a two-way
+     low-discrepancy (Sturmian) rule: the node's ``j``-th position goes left iff ``r(j + 1) >
+     r(j)``, with ``r(j) = round(j * f)`` and ``f`` the left child's share of the node's
+     weight, so the left child holds exactly ``r(j)`` of the node's first ``j`` positions. A
+     lookup walks from the root to a leaf, carrying the index among each node's positions; at
+     the leaf it is ``k_s(p)``, how many earlier positions the source served.
+
+   The schedule is the same every epoch and does not depend on the seed.
 2. **Each source's own stream**: the source's ``c``-th sample of the whole run, ``c = epoch *
    k_s(M) + k_s(p)`` (``M`` the mixture epoch's length, ``k_s(M)`` the source's samples per
    mixture epoch), is sample ``c mod len(source)`` of the source's own epoch ``c //
@@ -31,16 +44,15 @@ The order is made in three steps:
    sources' lengths; :meth:`Mixture.read_many` decodes keys and reads each source once, with one
    batched call, concurrently.
 
-Every prefix of ``n`` positions holds ``k_s(n)`` samples of source ``s`` with ``|k_s(n) - w_s n|
-<= 1/2 (1 + sum over inner nodes a between the root and the leaf of w_s / W_a)`` (each split's
-rounding error is at most 1/2 and is scaled by the share of the node the leaf holds). That is 1/2
-for two sources, and some tree shape keeps it within 1 for any weights of up to five sources (the
-Huffman tree alone misses for about half of random four-source weightings; six sources can
-reach 1.05 whatever the shape); the tests measure within 1 for even weights (up to 1,000 sources)
-and for mixtures such as 0.7/0.2/0.1 or 1:2:...:7; for ragged weights over many sources the
-bound reaches about 1.5 (measured up to 1.34): +-1 is not guaranteed for every weighting (a
-sequential quota schedule would be, at the price of a precomputed index). :attr:`Mixture.discrepancy_bounds`
-gives the bound of each source of a mixture.
+Under a tree, every prefix of ``n`` positions holds ``k_s(n)`` samples of source ``s`` with
+``|k_s(n) - w_s n| <= 1/2 (1 + sum over inner nodes a between the root and the leaf of w_s /
+W_a)`` (each split's rounding error is at most 1/2 and is scaled by the share of the node the
+leaf holds). That is 1/2 for two sources and within 1 for even weights (up to 1,000 sources) and
+for most mixtures of a few sources, but it can pass 1 for ragged weights from four sources on
+(up to about 1.5 over many): where it does, a quota table is used if one fits, and +-1 is not
+guaranteed for ragged float weights in epochs longer than a table.
+:attr:`Mixture.discrepancy_bounds` gives the bound of each source of a mixture (under a quota
+table, the largest deviation the table reaches, computed when it is built).
 
 The split fractions are held as exact 62-bit fixed-point integers and ``r(j)`` is computed with
 128-bit integer arithmetic (four 32-bit limbs): the schedule is the same on every platform and
@@ -50,11 +62,13 @@ exact for any position below 2^62, where a float rounding near ``f = 1`` could s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import heapq
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
@@ -155,6 +169,10 @@ class _KeyedPermutation(Permutation):
 _Tree = int | tuple["_Tree", "_Tree"]
 #: Up to this many sources every tree shape is tried (945 for six); above, a few constructions.
 _EXHAUSTIVE_SOURCES: Final = 6
+#: The longest table of the quota schedule: one period of exact-ratio weights, or a whole epoch
+#: for other weights. Longer ones get the tree schedule: building a table costs about 1.2-2 us a
+#: position, so 40-70 ms at most, once per mixture.
+_PERIOD_MAX: Final = 1 << 15
 
 
 def _huffman(w: Sequence[float]) -> _Tree:
@@ -295,6 +313,107 @@ def _flatten(
     return code[id(tree)]
 
 
+def _rational_shares(weights: Sequence[float]) -> list[int] | None:
+    """Each weight's share as ``q_s / P`` in lowest terms, reading each weight as the decimal
+    it prints as (``0.7`` is 7/10, ``3.0`` is 3), or ``None`` where ``P`` would exceed
+    :data:`_PERIOD_MAX`."""
+    fractions = [Fraction(repr(float(x))) for x in weights]
+    total = sum(fractions, Fraction(0))
+    shares = [f / total for f in fractions]
+    period = math.lcm(*(s.denominator for s in shares))
+    if period > _PERIOD_MAX:
+        return None
+    return [int(s * period) for s in shares]
+
+
+def _exact_numerators(w: npt.NDArray[np.float64]) -> list[int]:
+    """Integers proportional to the float weights ``w``, exactly (floats are dyadic rationals)."""
+    fractions = [Fraction(float(x)) for x in w]
+    scale = math.lcm(*(f.denominator for f in fractions))
+    return [int(f * scale) for f in fractions]
+
+
+def _quota_schedule(
+    weights: Sequence[float], w: npt.NDArray[np.float64], tree_bound: float, num_samples: int
+) -> tuple[list[int], int] | None:
+    """Where a quota schedule's bound beats the tree's ``tree_bound``: the integers its weights
+    are proportional to, and how many positions its table holds; else ``None``.
+
+    - weights that print as short decimals or integers are exact ratios ``q_s / P``: a table of
+      one period ``P`` (at most :data:`_PERIOD_MAX`) serves every epoch's positions;
+    - other weights (ragged floats, sources' lengths as default weights), for an epoch of at
+      most :data:`_PERIOD_MAX` positions: a table of the whole epoch, of the exact weights;
+    - else the tree (a longer table costs more to build than a mixture may take to open).
+    """
+    k = len(w)
+    if k < 2 or tree_bound <= 1.0 - 1.0 / (2 * k - 2) + 1e-12:  # Tijdeman's bound: no better
+        return None
+    exact = _rational_shares(weights)
+    if exact is not None:
+        return exact, sum(exact)
+    if num_samples <= _PERIOD_MAX:
+        return _exact_numerators(w), num_samples
+    return None
+
+
+def _quota_table(numerators: Sequence[int], horizon: int) -> npt.NDArray[np.int32]:
+    """The first ``horizon`` positions of a schedule whose every prefix ``n`` holds each source
+    ``s`` within ``D = 1 - 1/(2S - 2)`` of ``w_s n`` (Tijdeman's chairman-assignment bound, S
+    sources, ``w_s = a_s / sum(a)`` for the integers ``a = numerators``).
+
+    Each source's ``j``-th sample is a unit job that the bound allows at times ``t`` (1-based)
+    with ``ceil((j - D) / w) <= t <= floor((j - 1 + D) / w) + 1``; Tijdeman proved a schedule
+    meeting every window exists, and earliest deadline first finds one whenever one exists
+    (unit jobs, integer windows). All in integers: the windows are exact. Where the weights are
+    ``q_s / P`` and ``horizon = P``, every source has served exactly ``q_s`` at ``P`` and the
+    table repeats.
+    """
+    k, total = len(numerators), sum(numerators)
+    out = np.zeros(horizon, dtype=np.int32)
+    if k == 1:
+        return out
+    den, num = 2 * k - 2, 2 * k - 3  # D = num / den
+
+    def release(s: int, j: int) -> int:
+        return -(-((j * den - num) * total) // (numerators[s] * den))
+
+    def deadline(s: int, j: int) -> int:
+        return ((j - 1) * den + num) * total // (numerators[s] * den) + 1
+
+    calendar: list[list[int]] = [[] for _ in range(horizon + 2)]
+    for s in range(k):
+        if numerators[s] > 0 and (r := release(s, 1)) <= horizon:
+            calendar[r].append(s)
+    ready: list[tuple[int, int]] = []
+    served = [0] * k
+    for t in range(1, horizon + 1):
+        for s in calendar[t]:
+            heapq.heappush(ready, (deadline(s, served[s] + 1), s))
+        if not ready or ready[0][0] < t:
+            raise AssertionError(f"guideloom bug: no quota schedule found for {list(numerators)}")
+        _, s = heapq.heappop(ready)
+        out[t - 1] = s
+        served[s] += 1
+        if (r := max(release(s, served[s] + 1), t + 1)) <= horizon:
+            calendar[r].append(s)
+    return out
+
+
+def _table_deviation(table: npt.NDArray[np.int32], w: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    """Each source's largest ``|k_s(n) - w_s n|`` over the prefixes ``n`` of ``table`` (the
+    largest overall for a period's table: its deviation repeats)."""
+    h, k = len(table), len(w)
+    counts = np.bincount(table, minlength=k)
+    order = np.argsort(table, kind="stable")  # each source's times, in order
+    times = order.astype(np.float64) + 1
+    src = table[order].astype(np.int64)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    j = (np.arange(h, dtype=np.int64) - first[src] + 1).astype(np.float64)  # the j-th, at t_j
+    worst = np.abs(w * h - counts)  # after the last: k = counts at h
+    np.maximum.at(worst, src, np.maximum(j - w[src] * times, w[src] * (times - 1) - (j - 1)))
+    return worst
+
+
 @dataclass(frozen=True, slots=True)
 class _Layout:
     """What a mixture's order is computed from, fixed once its sources' lengths are known.
@@ -314,7 +433,12 @@ class _Layout:
     root: int
     per_epoch: npt.NDArray[np.int64]  # each source's samples in one mixture epoch
     bounds: npt.NDArray[np.float64]  # each source's proven prefix discrepancy bound
-    shape: str  # the tree where it is not the Huffman tree ("" where it is): part of the digest
+    shape: str  # the schedule where it is not the Huffman tree ("" where it is): part of the digest
+    # the quota schedule (``None`` under a tree): each period position's source, its index
+    # among that source's positions of the period, and each source's positions a period
+    period: npt.NDArray[np.int32] | None = None
+    period_rank: npt.NDArray[np.int64] | None = None
+    quota: npt.NDArray[np.int64] | None = None
 
     @staticmethod
     def build(lengths: Sequence[int], weights: Sequence[float], num_samples: int) -> _Layout:
@@ -342,6 +466,9 @@ class _Layout:
             stack.append((left[code], lc, below))
             stack.append((right[code], count - lc, below))
         bounds = 0.5 * (1.0 + w * inverse_weights)
+        quota = _quota_schedule(weights, w, float(bounds.max()), num_samples)
+        if quota is not None:
+            return _Layout._quota(lengths, w, quota[0], quota[1], num_samples)
         lengths_a = np.asarray(lengths, dtype=np.int64)
         return _Layout(
             lengths=lengths_a,
@@ -358,8 +485,47 @@ class _Layout:
             shape="" if is_huffman else repr(tree),
         )
 
+    @staticmethod
+    def _quota(
+        lengths: Sequence[int],
+        w: npt.NDArray[np.float64],
+        numerators: list[int],
+        horizon: int,
+        num_samples: int,
+    ) -> _Layout:
+        """The layout of a quota schedule's table (see :func:`_quota_table`)."""
+        table = _quota_table(numerators, horizon)
+        quota = np.bincount(table, minlength=len(lengths)).astype(np.int64)
+        order = np.argsort(table, kind="stable")
+        first = np.concatenate([[0], np.cumsum(quota)[:-1]])
+        rank = np.empty(horizon, dtype=np.int64)
+        rank[order] = np.arange(horizon, dtype=np.int64) - first[table[order]]
+        lengths_a = np.asarray(lengths, dtype=np.int64)
+        none = np.zeros(0, dtype=np.int64)
+        layout = _Layout(
+            lengths=lengths_a,
+            offsets=np.concatenate([[0], np.cumsum(lengths_a)]).astype(np.int64),
+            weights=w,
+            num_samples=num_samples,
+            split=np.zeros(0, dtype=np.uint64),
+            split_int=(),
+            left=none,
+            right=none,
+            root=0,
+            per_epoch=none,
+            bounds=_table_deviation(table, w),
+            shape=f"quota:{horizon}" if horizon != num_samples else f"quota-epoch:{horizon}",
+            period=table,
+            period_rank=rank,
+            quota=quota,
+        )
+        return dataclasses.replace(layout, per_epoch=layout.counts(num_samples))
+
     def counts(self, n: int) -> npt.NDArray[np.int64]:
         """``k_s(n)`` for every source: its samples among the epoch's first ``n`` positions."""
+        if self.period is not None and self.quota is not None:
+            whole, part = divmod(n, len(self.period))
+            return whole * self.quota + np.bincount(self.period[:part], minlength=len(self.lengths))
         out = np.zeros(len(self.lengths), dtype=np.int64)
         stack = [(self.root, n)]
         while stack:
@@ -374,6 +540,10 @@ class _Layout:
 
     def locate(self, positions: IndexArray) -> tuple[IndexArray, IndexArray]:
         """For each epoch position: its source and ``k_s(p)``, the source's earlier positions."""
+        if self.period is not None and self.quota is not None and self.period_rank is not None:
+            whole, part = np.divmod(positions.astype(np.int64), len(self.period))
+            src = self.period[part].astype(np.int64)
+            return src, whole * self.quota[src] + self.period_rank[part]
         if self.root < 0:  # one source
             return np.full(positions.shape, -self.root - 1, dtype=np.int64), positions.astype(np.int64)
         out_src = np.empty(positions.shape, dtype=np.int64)
@@ -984,9 +1154,11 @@ def mix(
 
     Position ``p`` of an epoch is served by source ``s`` by a deterministic low-discrepancy
     schedule: among the first ``n`` positions, source ``s`` serves ``weight_s * n`` samples up to
-    a bound (:attr:`Mixture.discrepancy_bounds`), whatever ``n``: 1/2 for two sources, within 1
-    for even weights and mixtures such as 0.7/0.2/0.1 (tested), up to about 1.5 for ragged
-    weights over many sources. Behind the schedule each source reads its own samples
+    a bound (:attr:`Mixture.discrepancy_bounds`), whatever ``n``: below 1 (at most ``1 - 1/(2S
+    - 2)`` for S sources) for weights that print as short decimals or integers (``0.7``,
+    ``0.15``, ``3``; a period of at most 2^15 positions), and for any weights in an epoch of at
+    most 2^15 positions; 1/2 for two sources and within 1 for even weights otherwise, up to
+    about 1.5 for ragged float weights over many sources in a longer epoch. Behind the schedule each source reads its own samples
     in its own seeded order; a source with fewer samples than its share of the epoch starts over
     in a fresh order (its own epoch, which ``loader.stats()`` reports as
     ``source_epoch/<name>``), and one with more carries on where it stopped at the next mixture

@@ -1158,10 +1158,10 @@ def mix(
     - 2)`` for S sources) for weights that print as short decimals or integers (``0.7``,
     ``0.15``, ``3``; a period of at most 2^15 positions), and for any weights in an epoch of at
     most 2^15 positions; 1/2 for two sources and within 1 for even weights otherwise, up to
-    about 1.5 for ragged float weights over many sources in a longer epoch. Behind the schedule each source reads its own samples
-    in its own seeded order; a source with fewer samples than its share of the epoch starts over
-    in a fresh order (its own epoch, which ``loader.stats()`` reports as
-    ``source_epoch/<name>``), and one with more carries on where it stopped at the next mixture
+    about 1.5 for ragged float weights over many sources in a longer epoch. Behind the schedule
+    each source reads its own samples in its own seeded order; a source with fewer samples than
+    its share of the epoch starts over in a fresh order (its own epoch, which ``loader.stats()``
+    reports as ``source_epoch/<name>``), and one with more carries on where it stopped at the next mixture
     epoch. The order depends on ``(shuffle, shuffle_seed, epoch)``, the sources' lengths, names
     and weights and ``num_samples`` alone; a checkpoint records a fingerprint of all of them.
 

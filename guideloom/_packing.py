@@ -383,10 +383,10 @@ class PackedDataset(DatasetAbstract[Sample]):
                 functools.partial(self._concat_pieces, indices, positions, offsets),
             )
         pieces, starts, sizes, used = self._best_fit_pieces(indices)
-        spans = self._storage.read_spans_sync(starts, starts + sizes)
-        return self._assemble(
-            _fit_rows(spans, used, self.sequence_length, self._storage.dtype, self.pad_id), pieces, used
-        )
+        # each piece read straight into its place in its row: one copy, no buffer of pieces
+        rows = np.full((len(indices), length), self.pad_id, dtype=self._storage.dtype)
+        self._storage.read_spans_into_sync(starts, starts + sizes, rows, pieces.start[pieces.doc >= 0])
+        return self._assemble(rows, pieces, used)
 
     @property
     def reads_inline(self) -> bool:

@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
 from guideloom._packing import PackMode, _BestFitLayout, _Pieces
+from guideloom._storage import local
 from guideloom._storage.base import Spans
 
 KEYS = ("tokens", "doc_ids", "segment_ids", "position_ids")
@@ -166,3 +168,25 @@ def test_concat_pieces_wait_for_the_first_index_array() -> None:
     rows.block("position_ids")
     assert window._pieces is pieces
     check_window(dataset, data, offsets, np.arange(len(dataset), dtype=np.int64))
+
+
+@pytest.mark.parametrize("preads", [False, True])
+def test_spans_read_into_place_equal_the_spans(monkeypatch: pytest.MonkeyPatch, preads: bool) -> None:
+    """``read_spans_into_sync`` writes each span where it is told, from mapped files, through
+    ``preadv`` (a dataset over the mapping budget) and through the default (memory storage),
+    and touches nothing else of the output."""
+    if preads:
+        monkeypatch.setattr(local, "MAPPED_BUDGET", 0)
+    docs, data, _ = documents([5, 0, 9, 3, 12, 40], 2)
+    starts, stops = np.array([20, 0, 7, 7, 29], np.int64), np.array([29, 4, 7, 12, 69], np.int64)
+    at = np.array([3, 60, 0, 12, 18], np.int64)
+    with tempfile.TemporaryDirectory() as tmp:
+        gl.write_documents(Path(tmp) / "d", docs, dtype=np.uint16, shard_bytes=32)
+        for storage in (gl.open_documents(Path(tmp) / "d"), gl.MemoryDocumentStorage(docs)):
+            asyncio.run(storage.open())
+            out = np.full((2, 40), 7, np.uint16)
+            storage.read_spans_into_sync(starts, stops, out, at)
+            want = np.full(80, 7, np.uint16)
+            for a, b, to in zip(starts.tolist(), stops.tolist(), at.tolist(), strict=True):
+                want[to : to + b - a] = data[a:b]
+            assert np.array_equal(out.reshape(-1), want), type(storage).__name__

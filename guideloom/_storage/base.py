@@ -327,6 +327,21 @@ class DocumentStorageAbstract(StorageAbstract[InT, OutT]):
         ids = _documents_of_spans(offsets, starts, stops)
         return _cut_spans(offsets, ids, self.read_many_sync(ids), starts, stops, self.dtype)
 
+    def read_spans_into_sync(
+        self,
+        starts: npt.NDArray[np.int64],
+        stops: npt.NDArray[np.int64],
+        out: npt.NDArray[Any],
+        at: npt.NDArray[np.int64],
+    ) -> None:
+        """``read_spans_sync``, each span ``i`` written into the contiguous array ``out`` (of the
+        storage's dtype, taken flat) from element ``at[i]`` on: a reader that places spans
+        (document packing's rows) gets them without a second copy where the storage can write
+        them in place. The default copies what ``read_spans_sync`` returns."""
+        flat = out.reshape(-1)
+        for to, span in zip(at.tolist(), self.read_spans_sync(starts, stops), strict=True):
+            flat[to : to + len(span)] = span
+
     async def read_spans(self, starts: npt.NDArray[np.int64], stops: npt.NDArray[np.int64]) -> Sequence[Any]:
         """``read_spans_sync`` from a coroutine (the default reads the documents the spans touch
         with one ``read_many`` call where the blocking variant is not overridden)."""

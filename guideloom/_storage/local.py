@@ -255,23 +255,12 @@ class ShardedArray:
         last = self._locate(np.maximum(stops - 1, starts)).tolist()
         spans = zip(starts.tolist(), stops.tolist(), first, last, at, strict=False)
         for a, b, k, j, to in spans:
+            if b <= a:  # an empty span: nothing to copy (at the very end, k is past the last shard)
+                continue
             if k == j:
                 dest[to * item : (to + b - a) * item] = maps[k][(a - base[k]) * item : (b - base[k]) * item]
-            elif b > a:  # across shards
+            else:  # across shards
                 out[to : to + b - a] = self.slice(a, b)
-
-    def _views(self, starts: npt.NDArray[np.int64], stops: npt.NDArray[np.int64]) -> list[Array]:
-        """Views of the maps for spans ``[starts[i], stops[i])``: one shard lookup for all of
-        them (a lookup per span cost more than the slicing), ``slice`` for a span across shards."""
-        parts, base = self._parts, self._bounds.tolist()
-        if not parts:  # no elements at all: every span is empty
-            return [np.empty(0, self.dtype) for _ in range(len(starts))]
-        first = self._locate(starts)
-        last = self._locate(np.maximum(stops - 1, starts))
-        views = []
-        for a, b, k, j in zip(starts.tolist(), stops.tolist(), first.tolist(), last.tolist(), strict=True):
-            views.append(parts[k][a - base[k] : b - base[k]] if k == j else self.slice(a, b))
-        return views
 
     def _short(self, k: int) -> None:
         raise DatasetIntegrityError(

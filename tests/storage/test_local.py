@@ -400,6 +400,33 @@ def test_preadv_document_reads_equal_mapped_reads(tmp_path: Path, monkeypatch: p
     assert [x.tolist() for x in a] == [x.tolist() for x in b] == [docs[i].tolist() for i in idx.tolist()]
 
 
+@pytest.mark.parametrize("preads", [False, True])
+@pytest.mark.parametrize("shard_bytes", [12, 1 << 20])
+def test_empty_documents_at_the_end_read_as_empty(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shard_bytes: int, preads: bool
+) -> None:
+    """An empty last document (its span starts where the last shard ends) reads as empty, mapped
+    and through ``preadv``, alone, among others and through the loader (it raised IndexError)."""
+    import guideloom._storage.local as local
+
+    if preads:
+        monkeypatch.setattr(local, "MAPPED_BUDGET", 0)
+    docs = [np.arange(5, dtype=np.uint16), np.zeros(0, np.uint16), np.arange(3, dtype=np.uint16)]
+    docs += [np.zeros(0, np.uint16)] * 2
+    gl.write_documents(tmp_path / "ds", docs, shard_bytes=shard_bytes)
+    storage = gl.open_documents(tmp_path / "ds")
+    asyncio.run(storage.open())
+    assert storage._tokens is not None and bool(storage._tokens._fds) == preads
+    want = [d.tolist() for d in docs]
+    assert [x.tolist() for x in storage.read_many_sync(np.array([4], np.int64))] == [[]]
+    assert [x.tolist() for x in storage.read_many_sync(np.arange(5, dtype=np.int64))] == want
+    loader = gl.StatefulDataLoader.from_storage(
+        gl.open_documents(tmp_path / "ds"), lambda b: [x.tolist() for x in b], local_batch_size=5
+    )
+    with loader:
+        assert list(loader) == [want]
+
+
 def test_a_file_truncated_after_open_is_an_integrity_error_with_preadv(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -444,6 +444,8 @@ class _Layout:
     def build(lengths: Sequence[int], weights: Sequence[float], num_samples: int) -> _Layout:
         n_src = len(lengths)
         w = np.asarray(weights, dtype=np.float64)
+        if not math.isfinite(sum(w.tolist())):  # weights near the float limit: their sum overflows
+            w = w / w.max()
         w = w / w.sum()
         split: list[int] = []
         left: list[int] = []

@@ -138,6 +138,20 @@ def test_weights_of_small_ratios_get_the_quota_schedule() -> None:
     assert _Layout.build([1] * 3, [1e-9, 1.0, 1.0], 10).period is None  # a period of 2e9 + 1: the tree
 
 
+def test_weights_near_the_float_limit_mix_as_their_ratios() -> None:
+    """Weights whose sum overflows a float still mix as their ratios (it divided 0 by 0)."""
+    sources = {n: gl.MemoryStreamStorage(np.arange(40, dtype=np.int32)) for n in "abc"}
+    kw: dict[str, Any] = {"sequence_length": 4, "with_source": True}
+    huge = gl.mix(sources, weights={"a": 1e308, "b": 1e308, "c": 1e308}, **kw)
+    even = gl.mix(sources, weights={"a": 1.0, "b": 1.0, "c": 1.0}, **kw)
+    for m in (huge, even):
+        asyncio.run(m.open())
+    assert len(huge) == len(even) == 30
+    keys = [m.order(shuffle=False, seed=0, epoch=0).take(np.arange(30)) for m in (huge, even)]
+    assert keys[0].tolist() == keys[1].tolist()
+    assert Counter(name for name, _ in huge.read_many_sync(keys[0])) == {"a": 10, "b": 10, "c": 10}
+
+
 quota_weights_st = st.one_of(
     st.lists(st.integers(1, 400).map(float), min_size=2, max_size=40),  # ratios: 1:4:...
     st.lists(st.integers(1, 99).map(lambda x: x / 100), min_size=2, max_size=40),  # percents

@@ -47,8 +47,8 @@ __all__ = [
 #: The longest a choice between workers and inline collation stands before the other is probed again.
 REPROBE_SECONDS = 3.0
 #: How long the first choice stands (eight times that when :data:`CLEAR`); each later one stands twice
-#: (or eight times) as long as the one before, up to :data:`REPROBE_SECONDS`: a busy machine may
-#: have misled an early one.
+#: as long as the one before (four times when it repeats the last verdict; times eight when clear), up
+#: to :data:`REPROBE_SECONDS`: a busy machine may have misled an early one.
 FIRST_REPROBE_SECONDS = 0.02
 #: Calls not timed at the start of a loader's first iterator (a chooser lasts from one epoch to
 #: the next), in the workers (as asked for: a slow collate is spread from its first batch, and a
@@ -116,8 +116,9 @@ class _Chooser:
     are kept only if they cost at most :data:`WORKERS_MARGIN` of inline: a hand-off that brings
     nothing measurable is not worth its threads. A first choice stands
     :data:`FIRST_REPROBE_SECONDS` (eight times that when clear: the other mode :data:`CLEAR`
-    times as costly), each later one twice as long as the one before (or eight times), up to
-    :data:`REPROBE_SECONDS`, so that probes of the worse mode cost a few percent at most.
+    times as costly), each later one twice as long as the one before (four times when it
+    repeats the verdict before it; times eight when clear), up to :data:`REPROBE_SECONDS`, so
+    that probes of the worse mode cost a few percent at most.
     """
 
     def __init__(
@@ -145,6 +146,7 @@ class _Chooser:
         self._dropped = False  # the last chunk was dropped as a pause
         self._until = 0.0
         self._interval = FIRST_REPROBE_SECONDS
+        self._chosen: bool | None = None  # the last probe's verdict
 
     def record(self, seconds: float, settled: bool) -> None:
         """One cycle of ``seconds`` in the current mode; ``settled``: the queue held only this
@@ -189,12 +191,17 @@ class _Chooser:
 
     def _choose(self, workers: bool, clear: bool) -> None:
         """End the probe with ``workers``. A clear choice stands eight times longer; a close one,
-        which a busy machine may have decided, is probed again soon."""
+        which a busy machine may have decided, is probed again soon. The next choice stands
+        twice as long, or four times when this one confirmed the last: a verdict that probes
+        keep repeating need not be bought again as often (each probe of a GIL-bound collate's
+        workers costs a pipeline refill, ~2% of a fresh loader's first second)."""
+        confirmed = self._chosen is workers
+        self._chosen = workers
         self._probing = False
         self._switch(workers)
         hold = min(REPROBE_SECONDS, (8 if clear else 1) * self._interval)
         self._until = time.perf_counter() + hold
-        self._interval = min(REPROBE_SECONDS, 2 * hold)
+        self._interval = min(REPROBE_SECONDS, (4 if confirmed else 2) * hold)
 
     def held_until(self) -> float | None:
         """Until when the current choice stands (no chunk need be timed before), or None while

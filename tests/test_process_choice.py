@@ -5,6 +5,7 @@ at its batch and the checkpoint are those of ``num_workers=0``."""
 from __future__ import annotations
 
 import ctypes
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,8 @@ class Flip:
     """A chooser that switches between the workers and inline every ``every`` settled calls
     (inline: once the groups the workers had been sent are delivered)."""
 
-    def __init__(self, every: int, workers: bool = True) -> None:
-        self.every, self.calls, self.workers = every, 0, workers
+    def __init__(self, every: int, workers: bool = True, held: bool = False) -> None:
+        self.every, self.calls, self.workers, self.held = every, 0, workers, held
 
     def record(self, seconds: float, settled: bool) -> None:
         if not settled:
@@ -46,7 +47,9 @@ class Flip:
             self.workers = not self.workers
 
     def held_until(self) -> float | None:
-        return None  # every call is timed (and flips)
+        # held: the choice stands, so inline runs its quiet stretches of untimed calls between
+        # flips; else every call is timed (and flips)
+        return time.perf_counter() + 100 if self.held else None
 
     def settle(self, workers: bool) -> None:
         pass  # the flips alone decide
@@ -93,6 +96,25 @@ def test_switching_at_any_batch_gives_the_batches_of_num_workers_0(
             assert sources == {True, False}  # some batches came from the workers, some inline
             del got, it
     assert [f.every for f in flips] == [1, 2, 3]
+    assert worker_pids() == set()
+
+
+@pytest.mark.parametrize("every", [1, 5])
+def test_quiet_inline_stretches_between_switches_give_the_batches_of_num_workers_0(
+    stream: Path, monkeypatch: pytest.MonkeyPatch, every: int
+) -> None:
+    """A choice of inline that stands makes ``next()`` untimed for a stretch of calls; switching
+    after such stretches still gives the same batches."""
+    monkeypatch.setattr(choice, "_Chooser", lambda **_: Flip(every, held=True))
+    with loader_for(stream, rich, num_workers=0, shuffle=True, shuffle_seed=3, local_batch_size=3) as inline:
+        expected = take(inline)
+    with loader_for(stream, rich, shuffle=True, shuffle_seed=3, local_batch_size=3, prefetch=4) as loader:
+        got = take(loader)
+        assert len(got) == len(expected)
+        for a, b in zip(got, expected, strict=True):
+            assert_same(a, b)
+        assert {from_slot(b) for b in got} == {True, False}
+        del got
     assert worker_pids() == set()
 
 
@@ -154,11 +176,13 @@ def test_resume_anywhere_while_switching(stream: Path, flips: list[Flip]) -> Non
     assert worker_pids() == set()
 
 
-@pytest.mark.parametrize("every", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize(
+    ("every", "held"), [(1, False), (2, False), (3, False), (4, False), (5, False), (3, True)]
+)
 def test_a_failure_is_raised_at_its_batch_in_either_mode(
-    stream: Path, monkeypatch: pytest.MonkeyPatch, every: int
+    stream: Path, monkeypatch: pytest.MonkeyPatch, every: int, held: bool
 ) -> None:
-    monkeypatch.setattr(choice, "_Chooser", lambda **_: Flip(every))
+    monkeypatch.setattr(choice, "_Chooser", lambda **_: Flip(every, held=held))
     with loader_for(stream, fails_at_40, num_workers=0) as inline:
         it0 = iter(inline)
         before0 = []

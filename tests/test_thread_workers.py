@@ -63,14 +63,18 @@ class Counting:
 class Flipping(_Chooser):
     """Switches mode every ``every`` calls, whatever they cost (every transition exercised)."""
 
-    def __init__(self, every: int, start_workers: bool) -> None:
+    def __init__(self, every: int, start_workers: bool, held: bool = False) -> None:
         super().__init__(skip=0, chunk=1)
-        self.every, self.calls, self.workers = every, 0, start_workers
+        self.every, self.calls, self.workers, self.held = every, 0, start_workers, held
 
     def record(self, seconds: float, settled: bool) -> None:
         self.calls += 1
         if self.calls % self.every == 0:
             self.workers = not self.workers
+
+    def held_until(self) -> float | None:
+        """``held``: the choice stands, so inline runs its quiet stretches of untimed calls."""
+        return time.perf_counter() + 100 if self.held else None
 
 
 def config(
@@ -106,10 +110,18 @@ def drain(next_: Any) -> list[tuple[Any, str | None]]:
     prefetch=st.integers(0, 12),
     every=st.integers(1, 9),
     start_workers=st.booleans(),
+    held=st.booleans(),
     fail=st.one_of(st.none(), st.tuples(st.sampled_from(["collate", "read"]), st.integers(0, 299))),
 )
 def test_same_batches_order_and_errors_as_inline_in_either_mode(
-    n: int, batch: int, nw: int, prefetch: int, every: int, start_workers: bool, fail: tuple[str, int] | None
+    n: int,
+    batch: int,
+    nw: int,
+    prefetch: int,
+    every: int,
+    start_workers: bool,
+    held: bool,
+    fail: tuple[str, int] | None,
 ) -> None:
     """Against the inline pipeline: exactly the same deliveries, the failure at its batch and
     nothing after it, and never more than ``prefetch + num_workers`` batches collated beyond
@@ -124,7 +136,7 @@ def test_same_batches_order_and_errors_as_inline_in_either_mode(
     collate = Counting(bad_collate)
     cfg = config(storage(), collate, n, batch, nw, prefetch)
     with concurrent.futures.ThreadPoolExecutor(nw) as ex:
-        pipe = ThreadWorkerPipeline(cfg, ex, Flipping(every, start_workers))
+        pipe = ThreadWorkerPipeline(cfg, ex, Flipping(every, start_workers, held))
         got = []
         while (d := pipe.next()) is not None:
             got.append((d.value, None if d.error is None else f"{type(d.error).__name__}{d.error.args}"))
@@ -275,6 +287,20 @@ def test_a_clear_choice_stands_longer_than_a_close_one(monkeypatch: pytest.Monke
         assert not c.workers
         intervals[ratio] = c._interval  # twice the hold
     assert intervals == {1.2: 2 * first, 4.0: 16 * first}
+
+
+def test_a_repeated_verdict_stands_longer_than_a_changed_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each close choice stands twice as long as the one before, four times once a probe repeats
+    the verdict before it; a changed verdict grows by two again."""
+    monkeypatch.setattr(_thread_workers, "CHUNK_SECONDS", 0.0)
+    monkeypatch.setattr(_thread_workers, "WARMUP_CALLS", 0)
+    first = _thread_workers.FIRST_REPROBE_SECONDS
+    c = _Chooser(skip=0, chunk=1)
+    holds = []
+    for workers in (False, False, False, True):
+        c._choose(workers, clear=False)
+        holds.append(c._interval)
+    assert holds == pytest.approx([2 * first, 8 * first, 32 * first, 64 * first])
 
 
 class SlowReads(gl.MemoryStreamStorage):

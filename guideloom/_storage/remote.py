@@ -48,7 +48,7 @@ import numpy.typing as npt
 
 from .._errors import DatasetFormatError, DatasetIntegrityError
 from .._order import DEFAULT_WINDOW, REMOTE_BLOCK_BYTES
-from ._cache import DatasetCache
+from ._cache import DatasetCache, copy_footprint
 from ._chunks import ChunkCache
 from ._client import Remote, open_remote
 from ._objstore import ReadOptions
@@ -93,8 +93,8 @@ class _ObjectStorageMixin:
         root = opts.cache_dir
         if root is None:
             return
-        total = sum(f.nbytes for _, _, f in self.manifest.all_files())
-        if opts.cache_max_bytes is None or opts.cache_max_bytes >= total:  # the whole copy
+        limit = opts.cache_max_bytes
+        if limit is None or limit >= copy_footprint(self.manifest):  # the whole copy fits: no chunks
             loc = self._remote.loc.display
             self._cache = DatasetCache(root, loc, self.manifest, self._remote.fetch_range)
         else:
@@ -130,7 +130,14 @@ class _ObjectStorageMixin:
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled closed, for a process worker that opens its own connection."""
-        return {**self.__dict__, "_cache": None, "_local": None, "_opened": False, "_cache_passive": True}
+        return {
+            **self.__dict__,
+            "_cache": None,
+            "_chunks": None,  # a worker makes its own: the folder and its limit are shared by lock
+            "_local": None,
+            "_opened": False,
+            "_cache_passive": True,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

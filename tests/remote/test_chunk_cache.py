@@ -3,6 +3,7 @@ against real servers (moto S3, nginx, the fault proxy)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import torch
 
 import guideloom
 from guideloom import StatefulDataLoader
-from guideloom._storage._cache import DatasetCache
+from guideloom._storage._cache import DatasetCache, copy_footprint
 from guideloom._storage._chunks import ChunkCache
 from guideloom._storage.remote import ObjectStreamStorage
 
@@ -187,12 +188,36 @@ def test_cache_limits_need_cache_dir_and_are_checked(
 def test_a_limit_at_least_the_dataset_is_the_whole_copy(
     plain_copies: Copies, s3: MotoS3, tmp_path: Path
 ) -> None:
-    for limit in (DATASET, 10 * DATASET, None):
+    """... counted as the chunk cache counts its limit: the files in 4 KiB blocks and the
+    manifest. A limit of just the files' bytes is too small for the whole copy: chunks."""
+    probe = guideloom.open_stream(plain_copies.s3_url, **s3.options())
+    assert isinstance(probe, ObjectStreamStorage)
+    footprint = copy_footprint(probe.manifest)
+    assert footprint > DATASET
+    for limit in (footprint, 10 * DATASET, None):
         s = guideloom.open_stream(
             plain_copies.s3_url, cache_dir=tmp_path, cache_max_bytes=limit, **s3.options()
         )
         assert isinstance(s, ObjectStreamStorage)
         assert isinstance(s._cache, DatasetCache) and s._chunks is None
+    for limit in (DATASET, footprint - 1):
+        s = guideloom.open_stream(
+            plain_copies.s3_url, cache_dir=tmp_path, cache_max_bytes=limit, **s3.options()
+        )
+        assert isinstance(s, ObjectStreamStorage) and s._cache is None
+        assert isinstance(s._chunks, ChunkCache)
+        asyncio.run(s.close())
+
+
+def test_process_workers_read_through_a_bounded_cache(
+    plain_copies: Copies, s3: MotoS3, tmp_path: Path
+) -> None:
+    """A storage with a chunk cache pickles for process workers (each makes its own cache on the
+    shared folder) and they deliver the batches of the local dataset (it failed to pickle)."""
+    expected = batches(guideloom.open_stream(plain_copies.local), shuffle=True, shuffle_seed=2)
+    storage = cached(plain_copies.s3_url, tmp_path, **s3.options())
+    got = batches(storage, shuffle=True, shuffle_seed=2, num_workers=2, parallel_method="process")
+    assert_same(expected, got)
 
 
 def test_documents_are_cached_in_chunks_by_the_plan_too(s3: MotoS3, tmp_path: Path) -> None:

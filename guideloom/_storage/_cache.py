@@ -33,10 +33,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from ._chunks import _blocks
 from .local import file_sha256
 from .manifest import MANIFEST_NAME, Manifest
 
-__all__ = ["DatasetCache"]
+__all__ = ["DatasetCache", "copy_footprint"]
 
 #: Bytes per ranged GET of the download, and how many are in flight at once.
 PART_BYTES = 8 * 2**20
@@ -58,6 +59,28 @@ def _abort_all() -> None:
 # Runs before the interpreter joins its threads (as concurrent.futures' pools do), so a download
 # in progress stops after its current parts instead of holding the process open.
 threading._register_atexit(_abort_all)  # type: ignore[attr-defined]
+
+
+def copy_footprint(manifest: Manifest) -> int:
+    """The bytes a whole copy of ``manifest``'s dataset takes in the cache folder, counted as
+    the chunk cache counts its limit (4 KiB blocks a file): its files and its manifest."""
+    files = [f.nbytes for _, _, f in manifest.all_files()] + [len(manifest.to_json_bytes())]
+    return sum(_blocks(n) for n in files)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class DatasetCache:
@@ -199,6 +222,8 @@ class DatasetCache:
                     for s in range(0, f.nbytes, PART_BYTES)
                 ]
                 self._fetch_parts(parts, fds)
+                for fd in fds.values():  # on disk before the folder that says "complete" appears
+                    os.fsync(fd)
             finally:
                 for fd in fds.values():
                     os.close(fd)
@@ -207,10 +232,13 @@ class DatasetCache:
                     return
                 if file_sha256(partial / f.path) != f.sha256:
                     raise ValueError(f"the downloaded object {f.path!r} does not match its checksum")
-            (partial / MANIFEST_NAME).write_bytes(self.manifest.to_json_bytes())
+            _write_synced(partial / MANIFEST_NAME, self.manifest.to_json_bytes())
+            for folder in {(partial / f.path).parent for f in files} | {partial}:
+                _fsync_dir(folder)
             if self._abort.is_set():
                 return
             os.replace(partial, self.folder)  # the folder appears complete, or not at all
+            _fsync_dir(self.root)  # and the rename is on disk too: a crash cannot undo it halfway
             self._ready = True
         finally:
             shutil.rmtree(partial, ignore_errors=True)

@@ -103,7 +103,7 @@ class _ObjectStorageMixin:
                 self._remote.loc.display,
                 self.manifest,
                 self._remote.fetch_range,
-                max_bytes=opts.cache_max_bytes,
+                max_bytes=limit,
                 chunk_bytes=opts.cache_chunk_bytes,
             )
 

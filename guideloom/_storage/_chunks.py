@@ -106,8 +106,11 @@ def _create(path: Path, size: int) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         os.ftruncate(fd, size)
-    finally:
+    except BaseException:
         os.close(fd)
+        path.unlink(missing_ok=True)  # nothing of a reservation that failed (EFBIG, ENOSPC)
+        raise
+    os.close(fd)
 
 
 def _write(path: Path, data: memoryview) -> None:
@@ -232,8 +235,16 @@ class ChunkCache:
         self.chunk_bytes = chunk
         self.max_bytes = max_bytes
         self.root = Path(root).expanduser()
+        # The limit is part of the folder's identity: each process enforces its own limit on the
+        # folder it shares, so processes with different limits must not share one.
         digest = hashlib.sha256(
-            location.encode() + b"\0" + manifest.to_json_bytes() + b"\0" + str(chunk).encode()
+            location.encode()
+            + b"\0"
+            + manifest.to_json_bytes()
+            + b"\0"
+            + str(chunk).encode()
+            + b"\0"
+            + str(max_bytes).encode()
         ).hexdigest()[:16]
         name = "".join(c if c.isalnum() or c in "-_." else "_" for c in location.rstrip("/").split("/")[-1])
         self.folder = self.root / f"{name or 'dataset'}-{digest}.chunks"

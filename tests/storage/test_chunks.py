@@ -440,3 +440,30 @@ def test_processes_sharing_a_folder_stay_within_the_limit_and_read_exactly(
     assert sampler.peak <= limit, f"{sampler.peak} bytes on disk, the limit is {limit}"
     assert not [p for p in probe.folder.iterdir() if ".tmp-" in p.name]
     probe.stop()
+
+
+def test_a_reservation_that_fails_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk's room that cannot be reserved (EFBIG under RLIMIT_FSIZE, ENOSPC) leaves no
+    temporary file behind: this process stops writing to the folder and would not sweep it."""
+
+    def too_large(fd: int, size: int) -> None:
+        raise OSError(errno.EFBIG, "File too large")
+
+    monkeypatch.setattr(os, "ftruncate", too_large)
+    with pytest.raises(OSError, match="File too large"):
+        _chunks._create(tmp_path / "c0.tmp-1", 2 * CHUNK)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_caches_of_different_limits_keep_different_folders(tmp_path: Path, stopped: list[ChunkCache]) -> None:
+    """Each process keeps its own limit on the folder it uses: processes that share a folder
+    share its limit, so a cache of another limit (or chunk size) gets a folder of its own."""
+    store = Store(tmp_path, chunks=16)
+    root = tmp_path / "c"
+    a, b, c, d = (
+        store.cache(root, max_bytes=m, chunk_bytes=k)
+        for m, k in ((6 * CHUNK, CHUNK), (6 * CHUNK, CHUNK), (12 * CHUNK, CHUNK), (12 * CHUNK, 2 * CHUNK))
+    )
+    stopped.extend((a, b, c, d))
+    assert a.folder == b.folder
+    assert len({a.folder, c.folder, d.folder}) == 3

@@ -81,10 +81,17 @@ def bridged_gap(k: I64, lo: I64, n: I64, limits: Limits) -> int:
     gap = limits.coalesce_gap
     if limits.max_read_amplification <= 1.0 or len(k) < 2:
         return gap
-    budget = (limits.max_read_amplification - 1.0) * float(n.sum())
-    ends = lo[:-1] + n[:-1]
-    gaps = lo[1:] - ends
-    gaps = gaps[(k[1:] == k[:-1]) & (gaps > gap)]  # gaps the fixed rule does not bridge already
+    # Pieces may overlap or nest (a sample read twice): a gap runs from the furthest end so far
+    # in its shard, and the budget is a share of the distinct bytes asked for.
+    ends = lo + n
+    span = int(ends.max()) + 1
+    reach = np.maximum.accumulate(k * span + ends) - k * span  # the furthest end so far, per shard
+    same = k[1:] == k[:-1]
+    before = np.where(same, reach[:-1], lo[1:])  # where each piece's shard was read up to
+    distinct = int(n[0]) + int(np.maximum(ends[1:] - np.maximum(lo[1:], before), 0).sum())
+    budget = (limits.max_read_amplification - 1.0) * float(distinct)
+    gaps = lo[1:] - reach[:-1]
+    gaps = gaps[same & (gaps > gap)]  # gaps the fixed rule does not bridge already
     if not len(gaps):
         return gap
     gaps.sort()

@@ -28,6 +28,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import ctypes
+import functools
 import importlib
 import io
 import mmap
@@ -184,6 +185,20 @@ class _Slots:
         self.slots.clear()
 
 
+@functools.cache
+def _pickles(dtype: Any) -> bool:
+    """Whether a tensor of ``dtype`` survives a pickle round trip (torch 2.13 cannot load back the
+    uint16, uint32 and uint64 tensors it pickles): small tensors of the others travel in the
+    pickle, these through a slot whatever their size."""
+    import torch
+
+    try:
+        pickle.loads(pickle.dumps(torch.zeros(1, dtype=dtype)))
+    except Exception:
+        return False
+    return True
+
+
 def _shareable(obj: Any, torch: Any) -> tuple[str, str, tuple[int, ...], np.ndarray] | None:
     """``(kind, dtype, shape, bytes)`` of an array or tensor that travels through a slot; None
     for anything else (it is pickled)."""
@@ -195,7 +210,7 @@ def _shareable(obj: Any, torch: Any) -> tuple[str, str, tuple[int, ...], np.ndar
         t = obj
         if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized:
             return None
-        if t.nbytes < _MIN_SHARED_BYTES:
+        if t.nbytes < _MIN_SHARED_BYTES and _pickles(t.dtype):
             return None
         if t.requires_grad or t.is_conj() or t.is_neg():  # each op costs: only when needed
             t = t.detach().resolve_conj().resolve_neg()

@@ -140,14 +140,10 @@ def restore_position(
     fp = current.fingerprint
     saved_fp = state_dict.get("dataset")
     matches = False
+    # No fingerprint: the reference page's five keys (or a checkpoint of guideloom before 0.2).
+    # It loads as it is, without a warning; only the offset can be checked.
     if saved_fp is None:
-        warnings.warn(
-            "this checkpoint has no dataset fingerprint (it was saved by an older guideloom), so "
-            "it cannot be checked against this loader's dataset: make sure it is the same data. "
-            "Save a new checkpoint to get the check",
-            UserWarning,
-            stacklevel=3,
-        )
+        pass
     elif not isinstance(saved_fp, Mapping):
         raise ValueError(f"checkpoint 'dataset' must be a dict from state_dict(), got {saved_fp!r}")
     else:
@@ -161,9 +157,12 @@ def restore_position(
                 "call load_state_dict(state, allow_dataset_change=True) to resume at the saved "
                 "position anyway"
             )
-    if offset > fp["observations"] and not matches:
+    n = fp["observations"]
+    if offset > n and not matches and (saved_fp is not None or offset >= 2 * max(n, 1)):
         # Over the saved dataset an offset may pass the end by the padding of a final partial
-        # batch; anywhere else it is a position this dataset does not have.
+        # batch (less than one global batch: less than the dataset, which a batch of several
+        # ranks may exceed only in a dataset too small to matter); anywhere else it is a
+        # position this dataset does not have.
         raise ValueError(
             f"checkpoint observation_offset={offset} is past the end of this dataset "
             f"({fp['observations']} observations): it was counted over other data. Resume with "
@@ -202,13 +201,6 @@ def _warn_order_changes(state_dict: Mapping[str, Any], current: LoaderIdentity) 
                 UserWarning,
                 stacklevel=4,
             )
-    if current.shuffle and current.shuffle_seed is None:
-        warnings.warn(
-            "this loader shuffles with shuffle_seed=None, so its order is not the saved run's: the "
-            "resumed epoch may repeat or skip observations. Pass a shuffle_seed to resume exactly",
-            UserWarning,
-            stacklevel=4,
-        )
 
 
 # -- the loader's side: its order, its checkpoint -------------------------------------------------

@@ -1,6 +1,9 @@
-"""Public types: the loader's checkpoint and the keyword arguments of ``from_storage``."""
+"""Public types: the loader's checkpoint and the keyword arguments of ``from_storage``.
 
-from __future__ import annotations
+No ``from __future__ import annotations`` here: ``TypedDict`` reads ``NotRequired`` from the
+evaluated annotations, so with string annotations Python 3.11 would list the optional keys of
+:class:`StatefulDataLoaderStateDict` in ``__required_keys__``.
+"""
 
 from typing import TYPE_CHECKING, Literal, NotRequired, TypedDict
 
@@ -67,7 +70,7 @@ class LoaderOptions(TypedDict, total=False):
     omitted one takes the default given here.
     """
 
-    device: torch.device | None
+    device: "torch.device | None"
     """Device batches are moved to. Default ``None``: the current CUDA device when CUDA is
     available, otherwise CPU."""
     local_batch_size: int

@@ -83,3 +83,12 @@ def test_modules_import_cleanly() -> None:
     for mod in ("guideloom._plan", "guideloom._storage.manifest"):
         m = importlib.import_module(mod)
         assert "torch" not in getattr(m, "__dict__", {})
+
+
+def test_the_checkpoint_typeddict_requires_the_pages_five_keys() -> None:
+    """At run time too (``from __future__ import annotations`` made Python 3.11 count the
+    ``NotRequired`` keys as required)."""
+    from guideloom.types import StatefulDataLoaderStateDict as State
+
+    assert State.__required_keys__ == {"epoch", "observation_offset", "shuffle", "shuffle_seed", "drop_last"}
+    assert State.__optional_keys__ == {"dataset", "shuffle_block_size", "shuffle_window"}

@@ -334,7 +334,7 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
         except BaseException as exc:
             if isinstance(exc, Exception) and self._done:
                 raise StopIteration from None  # close() in another thread ended this next()
-            self.close()
+            self._close_after_error()
             raise
         if d is None:
             if not self._done:  # the end of the epoch, not a close() in another thread
@@ -344,8 +344,18 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
                     self.close()
             raise StopIteration
         if d.error is not None:
-            self.close()
+            self._close_after_error()
         return self._accept(d, waited)
+
+    def _close_after_error(self) -> None:
+        """Close, and shut the loader's process workers down too (a failed epoch leaves nothing
+        running; the next iterator starts new workers)."""
+        try:
+            self.close()
+        finally:
+            pool = self._loader._life.drop_workers()
+            if pool is not None:
+                pool.close()
 
     def close(self) -> None:
         """Stop the pipeline and release the loader; the position stays at the last batch yielded."""
@@ -627,11 +637,22 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
                 await self.aclose()
             raise StopAsyncIteration from None
         except BaseException:
-            await self.aclose()
+            await self._aclose_after_error()
             raise
         if d.error is not None:
-            await self.aclose()
+            await self._aclose_after_error()
         return self._accept(d, waited)
+
+    async def _aclose_after_error(self) -> None:
+        """As ``SyncIterator._close_after_error``: the process workers are shut down too."""
+        try:
+            await self.aclose()
+        finally:
+            pool = self._loader._life.drop_workers()
+            if pool is not None:  # joined even if the task is cancelled (again) meanwhile
+                closing = asyncio.get_running_loop().run_in_executor(None, pool.close)
+                if await _wait_through_cancellation(closing):
+                    raise asyncio.CancelledError
 
     async def aclose(self) -> None:
         """Stop the pipeline and release the loader; the position stays at the last batch yielded."""

@@ -93,6 +93,14 @@ class Lifecycle:
             self.pool = None
             await asyncio.to_thread(pool.close)
 
+    def drop_workers(self) -> WorkerPool | None:
+        """Forget the process workers, which the caller closes: an iterator that ended in an
+        error shuts down the loader's threads and processes (the contract), persistent or not;
+        the next iterator starts new ones."""
+        with self.lock:
+            pool, self.pool = self.pool, None
+        return pool
+
     def worker_pool(self, loader: StatefulDataLoader[Any, Any]) -> WorkerPool:
         """The loader's persistent process workers, made at the first iterator that needs them
         (again if ``dataset``, ``collate_fn`` or ``num_workers`` changed since)."""

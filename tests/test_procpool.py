@@ -218,6 +218,7 @@ def test_a_worker_killed_with_sigkill_is_a_worker_error_within_a_second(
             while True:
                 got.append(next(it))
         assert time.monotonic() - killed < 1.0
+        assert worker_pids() == set()  # the failed epoch shut every worker down, loader open or not
         assert "SIGKILL" in str(info.value)
         assert [i for b in got for i in b] == list(range(2 * len(got)))  # in order, none lost before
         state = loader.state_dict()
@@ -242,6 +243,7 @@ def test_a_collate_error_reaches_the_consumer_at_its_batch_and_leaves_no_shared_
         assert "fails_at_40" in str(info.value.__cause__)
         assert [int(b[0, 0]) // SEQ for b in got] == list(range(0, 40, 4))
         assert loader.state_dict()["observation_offset"] == 40
+        assert worker_pids() == set()  # shut down with the failed epoch, while the loader is open
     del got
     assert own_segments() == []
     assert worker_pids() == set()
@@ -341,4 +343,18 @@ def test_small_batches_of_every_dtype_cross_to_the_main_process(tmp_path: Path) 
             for k in a:
                 assert type(a[k]) is type(b[k]) and a[k].dtype == b[k].dtype, k
                 assert a[k].shape == b[k].shape and (a[k] == b[k]).all(), k
+    assert worker_pids() == set()
+
+
+@pytest.mark.asyncio
+async def test_an_async_for_that_fails_shuts_the_workers_down(stream: Path) -> None:
+    """``async for`` too: the error at its batch, then no worker left while the loader is open."""
+    loader = loader_for(stream, fails_at_40, prefetch=4)
+    async with loader:
+        got = []
+        with pytest.raises(Boom, match="sample 40"):
+            async for b in loader:
+                got.append(b)
+        assert len(got) == 10 and loader.state_dict()["observation_offset"] == 40
+        assert worker_pids() == set()
     assert worker_pids() == set()

@@ -25,6 +25,20 @@ _WRITE_BLOCK = 8 * 2**20
 Array = npt.NDArray[Any]
 
 
+def _one_array(data: Any) -> Array | None:
+    """``data`` as one 1-D array where it is one (a list or tuple of numbers, a 1-D tensor or
+    other array-like), else None (an iterable of arrays)."""
+    if isinstance(data, (list, tuple)):
+        if data and all(np.ndim(x) == 0 for x in data):
+            return np.asarray(data)
+        return None
+    if hasattr(data, "__array__") and not isinstance(data, Iterator):
+        whole = np.asarray(data)
+        if whole.ndim == 1 and whole.dtype != object:
+            return whole
+    return None
+
+
 def _chunks_of(name: str, data: npt.ArrayLike | Iterable[npt.ArrayLike]) -> Iterator[Array]:
     """Accept one array or an iterable of arrays; yield 1-D arrays."""
     if isinstance(data, np.ndarray):
@@ -36,6 +50,10 @@ def _chunks_of(name: str, data: npt.ArrayLike | Iterable[npt.ArrayLike]) -> Iter
         raise TypeError(
             f"{name} must be a numpy array or an iterable of 1-D arrays, got {type(data).__name__}"
         )
+    whole = _one_array(data)
+    if whole is not None:  # a list of numbers or a 1-D tensor: one chunk, not chunks of scalars
+        yield whole
+        return
     try:
         it = iter(data)  # type: ignore[arg-type]
     except TypeError:
@@ -232,7 +250,7 @@ def write_documents_to(
 ) -> Manifest:
     """Write a document dataset to ``sink``; see :func:`guideloom.write_documents`."""
     _check_shard_bytes(shard_bytes)
-    if isinstance(documents, np.ndarray) and documents.ndim == 1 and documents.dtype != object:
+    if _one_array(documents) is not None:
         raise TypeError(
             "documents must be an iterable of 1-D arrays (one per document), not one 1-D array; "
             "wrap a single document in a list"

@@ -103,6 +103,23 @@ def test_bad_inputs_have_clear_errors(tmp_path: Path) -> None:
         gl.write_stream(tmp_path / "e", np.arange(3), shard_bytes=0)
 
 
+def test_a_list_of_numbers_or_a_tensor_is_one_array(tmp_path: Path) -> None:
+    """``chunks`` is an array or an iterable of 1-D arrays: a list of ints or a 1-D tensor is
+    one array (it was taken for chunks of scalars); for documents, it is refused as one."""
+    import torch
+
+    gl.write_stream(tmp_path / "a", [5, 6, 7], metadata={"mask": [1, 0, 1]})
+    gl.write_stream(tmp_path / "b", torch.arange(4, dtype=torch.int32))
+    a, b = gl.open_stream(tmp_path / "a"), gl.open_stream(tmp_path / "b")
+    assert (len(a), len(b), b.dtype) == (3, 4, np.dtype(np.int32))
+    asyncio.run(a.open())
+    assert a.read_many_sync(np.array([0], np.int64), 3)[0]["mask"].tolist() == [1, 0, 1]
+    assert len(gl.write_documents(tmp_path / "c", [[1, 2, 3], [4]]).offsets.files) > 0
+    for one in ([1, 2, 3], torch.arange(3)):
+        with pytest.raises(TypeError, match="not one 1-D array"):
+            gl.write_documents(tmp_path / "d", one)
+
+
 def test_existing_dataset_needs_overwrite_and_failed_overwrite_keeps_old(tmp_path: Path) -> None:
     dest = tmp_path / "ds"
     gl.write_stream(dest, np.arange(10, dtype=np.uint16))

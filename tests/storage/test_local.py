@@ -238,6 +238,36 @@ def test_verify_detects_corruption(tmp_path: Path) -> None:
         gl.verify_dataset(tmp_path / "ds")
 
 
+@pytest.mark.parametrize("kind", ["stream", "documents"])
+def test_a_file_damaged_in_place_is_refused_at_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """A byte changed, the size the same: a dataset up to VERIFY_ON_OPEN_BYTES is refused when
+    opened (checksums), never read as garbage; a larger one is checked by its sizes only."""
+    import guideloom._storage.local as local
+
+    if kind == "stream":
+        m = gl.write_stream(tmp_path / "ds", np.arange(1000, dtype=np.uint16), metadata={"m": np.ones(1000)})
+        opener: Any = gl.open_stream
+    else:
+        m = gl.write_documents(tmp_path / "ds", [np.arange(n, dtype=np.uint16) for n in (5, 300, 9)])
+        opener = gl.open_documents
+    assert len(opener(tmp_path / "ds")) > 0  # intact: opens (and is hashed once per process)
+    for _name, _spec, f in m.all_files():
+        path = tmp_path / "ds" / f.path
+        original = path.read_bytes()
+        damaged = bytearray(original)
+        damaged[len(damaged) // 2] ^= 0xFF
+        path.write_bytes(bytes(damaged))
+        with pytest.raises(DatasetIntegrityError, match=f"{f.path}.*does not match its checksum"):
+            opener(tmp_path / "ds")
+        monkeypatch.setattr(local, "VERIFY_ON_OPEN_BYTES", 0)
+        opener(tmp_path / "ds")  # over the limit: sizes only (guideloom verify checks the rest)
+        monkeypatch.undo()
+        path.write_bytes(original)
+    opener(tmp_path / "ds")
+
+
 def test_manifest_is_plain_json_with_checksums(tmp_path: Path) -> None:
     gl.write_stream(tmp_path / "ds", np.arange(10, dtype=np.uint16), info={"tokenizer": "bytes"})
     doc = json.loads((tmp_path / "ds" / MANIFEST_NAME).read_text())

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ._datasets import DatasetAbstract
 from ._order import Order, make_order, resolve_block_size
 from .types import DatasetFingerprint, StatefulDataLoaderStateDict
 
@@ -220,9 +221,10 @@ class CheckpointState:
 def block_size(loader: StatefulDataLoader[Any, Any]) -> int:
     """Samples per shuffle block, ``shuffle_block_size`` resolved (``"auto"``: the storage's).
 
-    Without shuffle the order is the identity: 1, whatever was asked.
+    Without shuffle the order is the identity, and a dataset that makes its own order (a
+    mixture) ignores blocks: 1 for both, whatever was asked (nothing to record or warn about).
     """
-    if not loader.shuffle:
+    if not loader.shuffle or type(loader.dataset).order is not DatasetAbstract.order:
         return 1
     if loader.shuffle_block_size != "auto":  # the storage is asked only for "auto"
         return resolve_block_size(loader.shuffle_block_size, block_bytes=None, sample_nbytes=0)

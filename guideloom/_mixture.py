@@ -847,7 +847,7 @@ class Mixture(DatasetAbstract[Any]):
         (``from_storage(mixture, sequence_length=...)`` calls it); ``None`` leaves it as it is."""
         if sequence_length is None:
             return self
-        if not self._pending:
+        if not self._needs_length():
             raise ValueError(
                 "every source of this mixture already has its sample rule (a sequence_length "
                 "given to mix(), document storage, or a dataset), so sequence_length="
@@ -856,7 +856,7 @@ class Mixture(DatasetAbstract[Any]):
         out = Mixture.__new__(Mixture)
         out.__dict__.update(self.__dict__)
         out._datasets = {
-            name: self._datasets[name]
+            name: _with_length(self._datasets[name], sequence_length)
             if name in self._datasets
             else StreamDataset(self._pending[name], sequence_length)
             for name in self.names
@@ -868,6 +868,13 @@ class Mixture(DatasetAbstract[Any]):
         out._read_figures = None
         out._digest_cache = None
         return out
+
+    def _needs_length(self) -> bool:
+        """Whether a stream source here, or in a mixture among the sources, has no
+        ``sequence_length`` yet."""
+        return bool(self._pending) or any(
+            isinstance(ds, Mixture) and ds._needs_length() for ds in self._datasets.values()
+        )
 
     @property
     def sources(self) -> dict[str, DatasetAbstract[Any]]:
@@ -891,6 +898,9 @@ class Mixture(DatasetAbstract[Any]):
         return flags
 
     def _require_resolved(self) -> None:
+        for ds in self._datasets.values():
+            if isinstance(ds, Mixture):
+                ds._require_resolved()  # an inner mixture's stream sources name themselves
         if self._pending:
             names = ", ".join(repr(n) for n in self._pending)
             raise ValueError(
@@ -1085,6 +1095,13 @@ def _resolve_sources(
                 f"mixture, ...), got {type(src).__name__}"
             )
     return datasets, pending
+
+
+def _with_length(dataset: DatasetAbstract[Any], sequence_length: int) -> DatasetAbstract[Any]:
+    """A source with ``sequence_length`` given to the mixtures in it that still need one."""
+    if isinstance(dataset, Mixture) and dataset._needs_length():
+        return dataset.with_sequence_length(sequence_length)
+    return dataset
 
 
 def _check_weights(names: tuple[str, ...], weights: Mapping[str, float] | None) -> list[float] | None:

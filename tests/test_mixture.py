@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -658,3 +659,40 @@ def test_a_packed_source_beside_a_stream_resumes_exactly_on_another_world() -> N
     tail = [x for s in steps for x in s]
     assert tail == full[30 : 30 + len(tail)] and len(tail) == (len(full) - 30) // 4 * 4
     assert {n for n, _ in full} == {"packed", "stream"}
+
+
+def test_a_sequence_length_from_the_loader_reaches_a_nested_mixture() -> None:
+    """A stream source inside an inner mixture takes from_storage's sequence_length (the error
+    that asks for one said to pass it there, and from_storage then refused it)."""
+    stream = gl.MemoryStreamStorage(np.arange(100, dtype=np.uint16))
+    nested = gl.mix({"m": gl.mix({"s": stream}), "a": gl.MapDataset(list(range(10)))})
+    with pytest.raises(ValueError, match="'s' need a sequence_length"):
+        len(nested)
+    loader = gl.StatefulDataLoader.from_storage(nested, list, sequence_length=5, device=CPU)
+    with loader:
+        batches = list(loader)
+    assert len(batches) == 30 and sorted(len(b[0]) for b in batches if not isinstance(b[0], int)) == [5] * 20
+
+
+def test_a_mixture_ignores_shuffle_blocks_and_does_not_record_them() -> None:
+    """A mixture makes its own order: shuffle_block_size changes nothing, so its checkpoint
+    records no blocks and a loader without them resumes it without a warning."""
+
+    def make(**kw: Any) -> gl.StatefulDataLoader[Any, Any]:
+        m = gl.mix({"a": gl.MapDataset(range(50)), "b": gl.MapDataset(range(50, 100))})
+        return gl.StatefulDataLoader(
+            m, ints, local_batch_size=4, shuffle=True, shuffle_seed=1, device=CPU, **kw
+        )
+
+    blocked = make(shuffle_block_size=8)
+    with blocked:
+        expected = take(blocked)
+        blocked.load_state_dict({**blocked.state_dict(), "epoch": 0, "observation_offset": 12})
+        state = blocked.state_dict()
+    assert "shuffle_block_size" not in state and blocked.stats()["shuffle_block_size"] == 1
+    plain = make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain.load_state_dict(state)
+    with plain:
+        assert take(plain) == expected[3:]

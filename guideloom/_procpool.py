@@ -631,8 +631,10 @@ class WorkerPool:
         except Exception as exc:
             raise TypeError(
                 f"parallel_method='process' sends the dataset to each worker process, but "
-                f"{dataset!r} could not be pickled: {exc}. Use a storage that pickles (memory, "
-                "local and object-store storages do) or parallel_method='thread'"
+                f"{dataset!r} could not be pickled: {exc}. Each worker opens the dataset and reads "
+                "its own batches: use a storage that pickles (memory, local and object-store "
+                "storages do), make your dataset picklable (no locks, open files or connections "
+                "as attributes: open them in open()), or use parallel_method='thread'"
             ) from exc
         self.dataset, self.collate_fn, self.num_workers = dataset, collate_fn, num_workers
         self.token = f"{SHM_PREFIX}{secrets.token_hex(4)}"

@@ -599,6 +599,9 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
 
     async def _start(self) -> Channel[Delivery]:
         loader = self._loader
+        # What an earlier iterator, dropped without being closed, left running (its pipeline
+        # task and workers) finishes first: it must not touch the workers this one will use.
+        await loader._life.active.ajoin_left()
         if loader._life.state == "closed":
             await loader.aopen()
             self._owns_open = True

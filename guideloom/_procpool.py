@@ -472,6 +472,10 @@ class _Proc:
             tasks_r.close()
             results_w.close()
         self.fd = self.results.fileno()
+        #: The session whose loop reader is on this pipe now: a session that ends removes the
+        #: reader only while it is still its own (a dropped ``async for``'s pipeline may finish
+        #: after the next iterator's session has put its reader on the same pipe).
+        self.reader: object | None = None
         self.send_lock = threading.Lock()
         self.cache: dict[int, tuple[str, mmap.mmap]] = {}
         self.buffer = bytearray()
@@ -919,6 +923,7 @@ class Session:
             for p in pool.live():
                 p.send(("epoch", self.token, plan, order, reading))
                 loop.add_reader(p.fd, self._on_readable, p, loop)
+                p.reader = self
                 registered.append(p)
             room = asyncio.Semaphore(2 * pool.num_workers)  # groups in flight: one queued per worker
             submitted = asyncio.Event()
@@ -972,6 +977,9 @@ class Session:
                 await asyncio.gather(submitter, return_exceptions=True)
         finally:
             for p in registered:
+                if p.reader is not self:  # a later session reads this pipe now: not ours to remove
+                    continue
+                p.reader = None
                 try:
                     loop.remove_reader(p.fd)
                 except (OSError, ValueError):

@@ -3,6 +3,7 @@ between iterators, death, stuck collates, leaks, and the ``__main__`` guard."""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import multiprocessing
 import os
@@ -357,4 +358,24 @@ async def test_an_async_for_that_fails_shuts_the_workers_down(stream: Path) -> N
                 got.append(b)
         assert len(got) == 10 and loader.state_dict()["observation_offset"] == 40
         assert worker_pids() == set()
+    assert worker_pids() == set()
+
+
+@pytest.mark.asyncio
+async def test_async_for_left_with_break_again_and_again_never_hangs(stream: Path) -> None:
+    """A dropped ``async for``'s pipeline could end after the next one had put its reader on the
+    workers' pipes, and removed it: the next epoch waited forever (2 runs in 4). Each new
+    iterator goes on where the last one stopped."""
+    loader = loader_for(stream, ids, local_batch_size=4, prefetch=4)
+    got: list[list[int]] = []
+    for _ in range(6):
+        n = 0
+        async with asyncio.timeout(30):
+            async for b in loader:
+                got.append(b)
+                n += 1
+                if n == 3:
+                    break
+    assert [i for b in got for i in b] == list(range(72))
+    await loader.aclose()
     assert worker_pids() == set()

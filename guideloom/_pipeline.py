@@ -38,6 +38,7 @@ from ._order import Order
 from ._plan import BatchSpec, EpochPlan
 from ._procpool import ProcessWorkers, WorkerPool
 from ._schedule import (
+    DELIVERED_ERRORS,
     WINDOW_BATCHES,
     Delivery,
     Indexes,
@@ -68,7 +69,7 @@ __all__ = [
 #: that calls ``sys.exit()`` (or is interrupted) ends the consumer's loop with that same exception
 #: rather than killing an event loop or a worker and leaving the consumer with a truncated epoch.
 #: Cancellation (``asyncio.CancelledError``) is not among them: it is guideloom's own signal.
-COLLATE_ERRORS: tuple[type[BaseException], ...] = (Exception, SystemExit, KeyboardInterrupt)
+COLLATE_ERRORS: tuple[type[BaseException], ...] = DELIVERED_ERRORS
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +194,7 @@ async def _reader(
         async def run(specs: list[BatchSpec], done: anyio.Event, slot: list[Any]) -> None:
             try:
                 slot.append(await run_async(read_window(specs, indexes, reading), aread))
-            except Exception as exc:
+            except COLLATE_ERRORS as exc:
                 slot.append([Delivery(specs[0], error=exc)])
             finally:
                 limit.release()
@@ -497,7 +498,7 @@ async def run_pipeline(
                             if d.error is None:
                                 try:
                                     d.value = move_to_device(d.value, cfg.device, cfg.pin_memory)
-                                except Exception as exc:
+                                except COLLATE_ERRORS as exc:
                                     d.error, d.value = exc, None
                             failed = d.error is not None
                             channel.put(d)

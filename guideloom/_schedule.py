@@ -28,6 +28,7 @@ from ._plan import BatchSpec, EpochPlan
 from ._storage.base import Rows
 
 __all__ = [
+    "DELIVERED_ERRORS",
     "WINDOW_BATCHES",
     "Delivery",
     "Indexes",
@@ -167,16 +168,24 @@ def _split(specs: list[BatchSpec], samples: Sequence[Any]) -> list[Delivery]:
     return deliveries
 
 
-def _is_about_the_data(exc: Exception) -> bool:
+#: What a read or a collate raises that reaches the consumer in place of its batch, with its own
+#: type: ``SystemExit`` and ``KeyboardInterrupt`` too (never ``CancelledError``: that one stops
+#: the task that reads).
+DELIVERED_ERRORS: tuple[type[BaseException], ...] = (Exception, SystemExit, KeyboardInterrupt)
+
+
+def _is_about_the_data(exc: BaseException) -> bool:
     """Whether re-reading a failed window batch by batch can find the batch that caused ``exc``.
 
-    A :class:`~guideloom.StorageError` (a :class:`~guideloom.RemoteReadError` included) says the
+    ``SystemExit`` and ``KeyboardInterrupt`` are not (an exit or a Ctrl-C asked for during the
+    read: a re-read would not raise it again, and it would be lost). A
+    :class:`~guideloom.StorageError` (a :class:`~guideloom.RemoteReadError` included) says the
     store itself failed, after its own retries and within its own time budget: re-reading would
     only spend that budget again for every batch of the window (a silent server then took the
     window's length times the budget to report). Anything else may depend on the samples asked
     for (a damaged shard, a storage subclass's check, a short read), so it is localised.
     """
-    return not isinstance(exc, StorageError)
+    return isinstance(exc, Exception) and not isinstance(exc, StorageError)
 
 
 def read_window(specs: list[BatchSpec], indexes: Indexes, reader: str = "read_many") -> ReadWindow:
@@ -193,7 +202,7 @@ def read_window(specs: list[BatchSpec], indexes: Indexes, reader: str = "read_ma
         samples = yield wanted
         if len(samples) != len(wanted):
             raise RuntimeError(f"{reader} returned {len(samples)} samples for {len(wanted)} indexes")
-    except Exception as exc:
+    except DELIVERED_ERRORS as exc:
         if len(specs) == 1 or not _is_about_the_data(exc):
             return [Delivery(specs[0], error=exc)]
         out: list[Delivery] = []
@@ -216,7 +225,7 @@ class _Run:
         self.deliveries: list[Delivery] = []
         self._step(schedule.send, None)  # send(None) starts a generator, as next() does
 
-    def resume(self, samples: Sequence[Any] | None, error: Exception | None) -> None:
+    def resume(self, samples: Sequence[Any] | None, error: BaseException | None) -> None:
         """Hand the pending request's outcome to the schedule."""
         if error is not None:
             self._step(self._schedule.throw, error)
@@ -232,19 +241,19 @@ class _Run:
 
 def _call(
     read: Callable[[Indices], Sequence[Any]], request: Indices
-) -> tuple[Sequence[Any] | None, Exception | None]:
+) -> tuple[Sequence[Any] | None, BaseException | None]:
     try:
         return read(request), None
-    except Exception as exc:
+    except DELIVERED_ERRORS as exc:
         return None, exc
 
 
 async def _acall(
     aread: Callable[[Indices], Awaitable[Sequence[Any]]], request: Indices
-) -> tuple[Sequence[Any] | None, Exception | None]:
+) -> tuple[Sequence[Any] | None, BaseException | None]:
     try:
         return await aread(request), None
-    except Exception as exc:
+    except DELIVERED_ERRORS as exc:
         return None, exc
 
 

@@ -421,9 +421,13 @@ def _worker_main(
             slots = _Slots(prefix, np.frombuffer(state_mm, np.uint8))
             dataset, collate_fn = pickle.loads(spec)
             worker = _Worker(tasks, results, dataset, collate_fn, slots)
-            worker.loop.run_until_complete(dataset.open())
         except BaseException as exc:
             _send(results, ("fatal", *_exception_message(exc)))
+            return
+        try:
+            worker.loop.run_until_complete(dataset.open())
+        except BaseException as exc:  # the storage's own error: the consumer gets it as it is
+            _send(results, ("open-failed", *_exception_message(exc)))
             return
         _send(results, ("ready", os.getpid()))
         try:
@@ -699,6 +703,10 @@ class WorkerPool:
             p.ready = True
             os.set_blocking(p.fd, False)
             return
+        if msg[0] == "open-failed":  # the dataset's open() raised: its own exception, as inline
+            exc = _load_exception(msg[1], msg[2])
+            exc.add_note(f"raised by the dataset's open() in guideloom worker process {p.index}")
+            raise exc
         if msg[0] == "fatal":
             exc = _load_exception(msg[1], msg[2])
             raise WorkerError(

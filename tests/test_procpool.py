@@ -379,3 +379,28 @@ async def test_async_for_left_with_break_again_and_again_never_hangs(stream: Pat
     assert [i for b in got for i in b] == list(range(72))
     await loader.aclose()
     assert worker_pids() == set()
+
+
+class OpensOnlyHere(gl.MemoryStreamStorage):
+    """A storage whose open() fails in a worker process (say, a credential only the main process
+    has): picklable, at module level."""
+
+    def open_sync(self) -> None:
+        if multiprocessing.current_process().name.startswith("guideloom-worker"):
+            raise Boom("no credentials in the worker")
+        super().open_sync()
+
+
+def test_a_storage_that_fails_to_open_in_a_worker_raises_its_own_error() -> None:
+    """The storage's own exception (with a note naming the worker), as at num_workers=0, not a
+    WorkerError; nothing left running."""
+    loader = gl.StatefulDataLoader.from_storage(
+        OpensOnlyHere(np.arange(64 * SEQ, dtype=np.int32)), ids, sequence_length=SEQ,
+        local_batch_size=4, num_workers=2, parallel_method="process", device=torch.device("cpu"),
+    )  # fmt: skip
+    with loader:
+        with pytest.raises(Boom, match="no credentials") as info:
+            next(iter(loader))
+        assert any("worker process" in note for note in getattr(info.value, "__notes__", []))
+        assert loader.state_dict()["observation_offset"] == 0
+    assert worker_pids() == set()

@@ -329,7 +329,10 @@ class _Worker:
 
     def serve(self) -> None:
         while True:
-            self.drain(block=True)
+            # "stop" may have come in the middle of a group (its drain between batches): checked
+            # before waiting for the next message, or the worker waits out the close's grace
+            if not self.stopping:
+                self.drain(block=True)
             if self.stopping:
                 return
             if not self.queue:

@@ -141,13 +141,11 @@ def restore_position(
     fp = current.fingerprint
     saved_fp = state_dict.get("dataset")
     matches = False
-    # No fingerprint: the reference page's five keys (or a checkpoint of guideloom before 0.2).
-    # It loads as it is, without a warning; only the offset can be checked.
-    if saved_fp is None:
-        pass
-    elif not isinstance(saved_fp, Mapping):
-        raise ValueError(f"checkpoint 'dataset' must be a dict from state_dict(), got {saved_fp!r}")
-    else:
+    # No fingerprint (the reference page's five keys, or a checkpoint of guideloom before 0.2):
+    # it loads as it is, without a warning; only the offset can be checked.
+    if saved_fp is not None:
+        if not isinstance(saved_fp, Mapping):
+            raise ValueError(f"checkpoint 'dataset' must be a dict from state_dict(), got {saved_fp!r}")
         diffs = _differences(saved_fp, fp)
         matches = not diffs
         if diffs and not allow_dataset_change:
@@ -166,7 +164,7 @@ def restore_position(
         # position this dataset does not have.
         raise ValueError(
             f"checkpoint observation_offset={offset} is past the end of this dataset "
-            f"({fp['observations']} observations): it was counted over other data. Resume with "
+            f"({n} observations): it was counted over other data. Resume with "
             f"the saved dataset, or load {{'epoch': {epoch + 1}, 'observation_offset': 0}} to "
             "start the next epoch"
         )

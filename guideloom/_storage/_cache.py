@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ._chunks import _blocks
+from ._sinks import fsync_dir, write_synced
 from .local import file_sha256
 from .manifest import MANIFEST_NAME, Manifest
 
@@ -66,21 +67,6 @@ def copy_footprint(manifest: Manifest) -> int:
     the chunk cache counts its limit (4 KiB blocks a file): its files and its manifest."""
     files = [f.nbytes for _, _, f in manifest.all_files()] + [len(manifest.to_json_bytes())]
     return sum(_blocks(n) for n in files)
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class DatasetCache:
@@ -232,13 +218,13 @@ class DatasetCache:
                     return
                 if file_sha256(partial / f.path) != f.sha256:
                     raise ValueError(f"the downloaded object {f.path!r} does not match its checksum")
-            _write_synced(partial / MANIFEST_NAME, self.manifest.to_json_bytes())
+            write_synced(partial / MANIFEST_NAME, self.manifest.to_json_bytes())
             for folder in {(partial / f.path).parent for f in files} | {partial}:
-                _fsync_dir(folder)
+                fsync_dir(folder)
             if self._abort.is_set():
                 return
             os.replace(partial, self.folder)  # the folder appears complete, or not at all
-            _fsync_dir(self.root)  # and the rename is on disk too: a crash cannot undo it halfway
+            fsync_dir(self.root)  # and the rename is on disk too: a crash cannot undo it halfway
             self._ready = True
         finally:
             shutil.rmtree(partial, ignore_errors=True)

@@ -17,7 +17,24 @@ from .._errors import DatasetFormatError
 from ._objstore import make_store, map_error, parse_location, secret_values, split_options
 from .manifest import MANIFEST_NAME, Manifest, read_manifest_file
 
-__all__ = ["LocalSink", "ObjectSink", "Sink"]
+__all__ = ["LocalSink", "ObjectSink", "Sink", "fsync_dir", "write_synced"]
+
+
+def write_synced(path: Path, data: bytes) -> None:
+    """Write ``path`` whole and fsync it: on disk before whatever rename publishes it."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a folder: the names created or renamed in it are on disk too."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class Sink(Protocol):
@@ -65,16 +82,9 @@ class LocalSink:
     def commit(self, manifest: Manifest, replaced: Manifest | None) -> None:
         """Write the manifest atomically, then remove the files of the dataset it replaced."""
         tmp = self.folder / f".{MANIFEST_NAME}.{self.write_id}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(manifest.to_json_bytes())
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(tmp, manifest.to_json_bytes())
         os.replace(tmp, self.folder / MANIFEST_NAME)
-        dir_fd = os.open(self.folder, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        fsync_dir(self.folder)
         if replaced is not None:
             keep = {spec.path for _, _, spec in manifest.all_files()}
             for _, _, old in replaced.all_files():

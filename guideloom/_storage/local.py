@@ -92,22 +92,21 @@ def check_local_files(folder: Path, manifest: Manifest) -> None:
                 f"{folder}: file {f.path!r} of field {name!r} lies outside the dataset folder"
             )
         try:
-            size = p.stat().st_size
+            st = p.stat()
         except FileNotFoundError:
             raise DatasetIntegrityError(
                 f"{folder}: file {f.path!r} of field {name!r} named by the manifest is missing"
             ) from None
-        if size != f.nbytes:
+        if st.st_size != f.nbytes:
             raise DatasetIntegrityError(
-                f"{folder}: file {f.path!r} of field {name!r} has {size} bytes, the manifest says "
+                f"{folder}: file {f.path!r} of field {name!r} has {st.st_size} bytes, the manifest says "
                 f"{f.nbytes}; the dataset is damaged or was not copied completely"
             )
         if verify:
-            _check_sha256(folder, name, f.path, p, f.sha256)
+            _check_sha256(folder, name, f.path, p, st, f.sha256)
 
 
-def _check_sha256(folder: Path, field: str, rel: str, path: Path, want: str) -> None:
-    st = path.stat()
+def _check_sha256(folder: Path, field: str, rel: str, path: Path, st: os.stat_result, want: str) -> None:
     key = (str(path), st.st_size, st.st_mtime_ns, st.st_ino)
     if _VERIFIED.get(key) == want:
         return

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from ._datasets import DatasetAbstract, DocumentDataset, MapDataset, StreamDataset
-from ._errors import (
+from guideloom._datasets.base import DatasetAbstract, DocumentDataset, MapDataset, StreamDataset
+from guideloom._datasets.mixture import Mixture, mix
+from guideloom._datasets.packing import PackedDataset, PackedRows, pack
+from guideloom._errors import (
     DatasetFormatError,
     DatasetIntegrityError,
     GuideloomError,
@@ -11,13 +13,11 @@ from ._errors import (
     StorageError,
     WorkerError,
 )
-from ._mixture import Mixture, mix
-from ._packing import PackedDataset, PackedRows, pack
-from ._storage.api import open_documents, open_stream, verify_dataset, write_documents, write_stream
-from ._storage.base import DocumentStorageAbstract, StreamStorageAbstract
-from ._storage.memory import MemoryDocumentStorage, MemoryStreamStorage
-from .pytorch import StatefulDataLoader
-from .types import StatefulDataLoaderStateDict
+from guideloom.pytorch import StatefulDataLoader
+from guideloom.storage._api import open_documents, open_stream, verify_dataset, write_documents, write_stream
+from guideloom.storage._memory import MemoryDocumentStorage, MemoryStreamStorage
+from guideloom.storage.base import DocumentStorageAbstract, StreamStorageAbstract
+from guideloom.types import StatefulDataLoaderStateDict
 
 __version__ = "0.1.0"
 

@@ -1,15 +1,15 @@
 """The PyTorch-facing loader: :class:`StatefulDataLoader`.
 
 The loader is a thin, stateful facade. It validates its parameters, owns the checkpoint state
-``(epoch, observation_offset)``, and starts an iterator of :mod:`guideloom._iterators`, which
-runs the pipeline of :mod:`guideloom._pipeline` in the caller's thread, on a loop thread
+``(epoch, observation_offset)``, and starts an iterator of :mod:`guideloom._loader.iterators`, which
+runs the pipeline of :mod:`guideloom._runtime.pipeline` in the caller's thread, on a loop thread
 (``for batch in loader``) or on the caller's loop (``async for``). The
 position advances only when a batch is handed to the consumer, so ``state_dict()`` never counts
 prefetched batches.
 
-What the facade delegates lives beside it: argument checks in :mod:`guideloom._checks`, the
-epoch order and the checkpoint in :mod:`guideloom._checkpoint`, opening, closing and the worker
-pool in :mod:`guideloom._lifecycle`, and ``stats()`` in :mod:`guideloom._figures`.
+What the facade delegates lives beside it: argument checks in :mod:`guideloom._core.checks`, the
+epoch order and the checkpoint in :mod:`guideloom._core.checkpoint`, opening, closing and the worker
+pool in :mod:`guideloom._loader.lifecycle`, and ``stats()`` in :mod:`guideloom._loader.figures`.
 """
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypeVar, Unpack, cast, overload
 
-from ._checkpoint import CheckpointState, identity_to_restore, restore_position, save_state
-from ._checks import check_loader_arguments
-from ._datasets import DatasetAbstract, SourceT, dataset_for
-from ._figures import LoaderFigures
-from ._iterators import AsyncIterator, SyncIterator, sync_iterator
-from ._lifecycle import Lifecycle
-from ._order import DEFAULT_WINDOW
-from ._plan import num_batches
-from ._storage.base import DocumentStorageAbstract, InT, OutT, StreamStorageAbstract
-from .types import LoaderOptions, StatefulDataLoaderStateDict
+from guideloom._core.checkpoint import CheckpointState, identity_to_restore, restore_position, save_state
+from guideloom._core.checks import check_loader_arguments
+from guideloom._core.order import DEFAULT_WINDOW
+from guideloom._core.plan import num_batches
+from guideloom._datasets.base import DatasetAbstract, SourceT, dataset_for
+from guideloom._loader.figures import LoaderFigures
+from guideloom._loader.iterators import AsyncIterator, SyncIterator, sync_iterator
+from guideloom._loader.lifecycle import Lifecycle
+from guideloom.storage.base import DocumentStorageAbstract, InT, OutT, StreamStorageAbstract
+from guideloom.types import LoaderOptions, StatefulDataLoaderStateDict
 
 if TYPE_CHECKING:
     import torch

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
-from guideloom._order import DEFAULT_WINDOW, BlockPermutation, default_block_size, make_order
-from guideloom._plan import Permutation
+from guideloom._core.order import DEFAULT_WINDOW, BlockPermutation, default_block_size, make_order
+from guideloom._core.plan import Permutation
 
 seeds = st.integers(0, 2**40)
 
@@ -293,7 +293,7 @@ def _saved(state: Any) -> Any:
 
 
 def test_resolve_block_size() -> None:
-    from guideloom._order import LOCAL_BLOCK_SIZE, REMOTE_BLOCK_BYTES, resolve_block_size
+    from guideloom._core.order import LOCAL_BLOCK_SIZE, REMOTE_BLOCK_BYTES, resolve_block_size
 
     assert resolve_block_size(None, block_bytes=REMOTE_BLOCK_BYTES, sample_nbytes=4096) == 1
     assert resolve_block_size(7, block_bytes=None, sample_nbytes=0) == 7

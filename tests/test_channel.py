@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from guideloom._channel import Channel, EndOfStream
 from guideloom._loop import LoopThread
+from guideloom._runtime.channel import Channel, EndOfStream
 
 
 def test_channel_credits_bound_prefetch() -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import guideloom as gl
-from guideloom._checkpoint import LoaderIdentity, dataset_fingerprint, restore_position
+from guideloom._core.checkpoint import LoaderIdentity, dataset_fingerprint, restore_position
 
 
 def _identity(

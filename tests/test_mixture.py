@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
-from guideloom._mixture import _Layout, _round_fix
+from guideloom._datasets.mixture import _Layout, _round_fix
 from tests._helpers import roundtrip, take
 
 CPU = torch.device("cpu")

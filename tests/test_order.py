@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from guideloom._order import (
+from guideloom._core.order import (
     DEFAULT_WINDOW,
     LOCAL_BLOCK_SIZE,
     REMOTE_BLOCK_BYTES,
@@ -15,7 +15,7 @@ from guideloom._order import (
     default_block_size,
     make_order,
 )
-from guideloom._plan import EpochPlan, Permutation, num_batches
+from guideloom._core.plan import EpochPlan, Permutation, num_batches
 
 sizes = st.integers(0, 700)
 block_sizes = st.one_of(st.integers(1, 40), st.integers(1, 2000))  # also block > N

@@ -1,4 +1,4 @@
-"""Document packing (guideloom/_packing.py): every element once, the attention indices agree
+"""Document packing (guideloom/_datasets/packing.py): every element once, the attention indices agree
 with the boundaries, best-fit keeps documents whole, resume equals the uninterrupted run."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
-from guideloom._packing import PackMode, _best_fit_decreasing, best_fit_layout
+from guideloom._datasets.packing import PackMode, _best_fit_decreasing, best_fit_layout
 
 from ._helpers import roundtrip, take
 

@@ -1,4 +1,4 @@
-"""The vectorised window construction of document packing (guideloom/_packing.py) against the
+"""The vectorised window construction of document packing (guideloom/_datasets/packing.py) against the
 straightforward one: a Python loop over each row's pieces, for random document lengths, random
 windows, both modes, over memory and local (memory-mapped, sharded) storages."""
 
@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from guideloom.storage import _local as local
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
-from guideloom._packing import PackMode, _BestFitLayout, _Pieces
-from guideloom._storage import local
-from guideloom._storage.base import Spans
+from guideloom._datasets.packing import PackMode, _BestFitLayout, _Pieces
+from guideloom.storage.base import Spans
 
 KEYS = ("tokens", "doc_ids", "segment_ids", "position_ids")
 

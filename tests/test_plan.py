@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from guideloom._plan import EpochPlan, Permutation, num_batches
+from guideloom._core.plan import EpochPlan, Permutation, num_batches
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Process workers or the collate inline (:class:`~guideloom._process_choice.ProcessChoiceRun`):
+"""Process workers or the collate inline (:class:`~guideloom._runtime.process_choice.ProcessChoiceRun`):
 whichever the chooser picks, and however often it switches, the batches, their order, the error
 at its batch and the checkpoint are those of ``num_workers=0``."""
 
@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
-import guideloom._process_choice as choice
-from guideloom._iterators import ProcessWorkerIterator
+import guideloom._runtime.process_choice as choice
+from guideloom._loader.iterators import ProcessWorkerIterator
 
 from ._helpers import take
 from .test_procpool import SEQ, Boom, assert_same, fails_at_40, ids, loader_for, rich, worker_pids

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
-from guideloom._procpool import SHUTDOWN_GRACE_S, RemoteTraceback, WorkerPool, live_segments
+from guideloom._runtime.processes import SHUTDOWN_GRACE_S, RemoteTraceback, WorkerPool, live_segments
 
 from ._helpers import take
 

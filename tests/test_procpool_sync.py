@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
-from guideloom._iterators import ProcessWorkerIterator
-from guideloom._procpool import live_segments
+from guideloom._loader.iterators import ProcessWorkerIterator
+from guideloom._runtime.processes import live_segments
 
 from ._helpers import take
 from .test_procpool import SEQ, assert_same, ids, loader_for, rich, slow_ids, worker_pids
@@ -183,7 +183,7 @@ def test_a_batch_that_is_one_array_travels_unpickled_and_a_group_shares_one_slot
 def test_batches_for_a_device_keep_the_loop_thread_that_overlaps_the_copy(stream: Path) -> None:
     """To a device, the copy runs on the loop thread's mover, overlapped with the next batch
     (``meta`` stands in for an accelerator here), not in the consumer's thread after each batch."""
-    from guideloom._iterators import LoopThreadIterator
+    from guideloom._loader.iterators import LoopThreadIterator
 
     loader = gl.StatefulDataLoader.from_storage(
         gl.open_stream(stream), as_int64, sequence_length=SEQ, local_batch_size=4, num_workers=2,

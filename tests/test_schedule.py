@@ -1,4 +1,4 @@
-"""The batch schedule (``guideloom._schedule``), with no storage: windows, split, count check,
+"""The batch schedule (``guideloom._core.schedule``), with no storage: windows, split, count check,
 localisation of a failed read, and the rule that a failed store is not re-read batch by batch."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from guideloom._core.plan import EpochPlan, Permutation
+from guideloom._core.schedule import Delivery, Indexes, max_window, read_window, run_async, run_sync, windows
 from guideloom._errors import RemoteReadError, StorageError
-from guideloom._plan import EpochPlan, Permutation
-from guideloom._schedule import Delivery, Indexes, max_window, read_window, run_async, run_sync, windows
-from guideloom._storage.base import Rows
+from guideloom.storage.base import Rows
 
 Indices = npt.NDArray[np.int64]
 

@@ -7,8 +7,8 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from guideloom._plan import EpochPlan
-from guideloom._schedule import windows
+from guideloom._core.plan import EpochPlan
+from guideloom._core.schedule import windows
 
 
 @settings(max_examples=300, deadline=None)

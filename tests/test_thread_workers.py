@@ -1,4 +1,4 @@
-"""Thread workers fed from the caller's thread (``guideloom._thread_workers``, issue 11 item 2):
+"""Thread workers fed from the caller's thread (``guideloom._runtime.threads``, issue 11 item 2):
 the same batches in the same order, errors at their batch, nothing collated beyond the
 prefetch bound, whichever mode (workers or inline) each ``next()`` runs in."""
 
@@ -17,11 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
-from guideloom import _thread_workers
-from guideloom._iterators import ThreadWorkerIterator
-from guideloom._pipeline import InlinePipeline, PipelineConfig
-from guideloom._plan import EpochPlan, Permutation
-from guideloom._thread_workers import ThreadWorkerPipeline, _Chooser
+from guideloom._runtime import threads as _thread_workers
+from guideloom._core.plan import EpochPlan, Permutation
+from guideloom._loader.iterators import ThreadWorkerIterator
+from guideloom._runtime.pipeline import InlinePipeline, PipelineConfig
+from guideloom._runtime.threads import ThreadWorkerPipeline, _Chooser
 
 from ._helpers import identity_stream
 

@@ -11,8 +11,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from .._errors import GuideloomError
-from ._common import CLIError
+from guideloom._cli._common import CLIError
+from guideloom._errors import GuideloomError
 
 __all__ = ["main"]
 
@@ -28,7 +28,7 @@ Run `guideloom COMMAND --help` for each command's options and examples.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import _bench, _inspect, _prepare
+    from guideloom._cli import _bench, _inspect, _prepare
 
     common = argparse.ArgumentParser(add_help=False)
     out = common.add_argument_group("output")
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from .. import __version__
+    from guideloom import __version__
 
     parser.add_argument("--version", action="version", version=f"guideloom {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from .._storage.base import DocumentStorageAbstract
-from ._common import CLIError, format_count, int_at_least, require
-from ._inspect import open_dataset
+from guideloom._cli._common import CLIError, format_count, int_at_least, require
+from guideloom._cli._inspect import open_dataset
+from guideloom.storage.base import DocumentStorageAbstract
 
 __all__ = ["add_parser", "collate_documents", "collate_stream"]
 
@@ -89,7 +89,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     torch = require("torch", "guideloom bench")
-    from ..pytorch import StatefulDataLoader
+    from guideloom.pytorch import StatefulDataLoader
 
     _manifest, storage = open_dataset(args.dataset)
     documents = isinstance(storage, DocumentStorageAbstract)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal, cast
 
-from ._common import InputError, UsageError, require
+from guideloom._cli._common import InputError, UsageError, require
 
 __all__ = ["FORMATS", "InputFile", "Task", "expand_inputs", "iter_tasks"]
 

@@ -9,13 +9,13 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import DatasetFormatError
-from .._storage.api import _local_folder, open_documents, open_stream, verify_dataset
-from .._storage.base import DocumentStorageAbstract, StreamStorageAbstract
-from .._storage.local import read_local_manifest
-from .._storage.manifest import Manifest
-from ._common import Progress, format_bytes
-from ._tokenizers import Tokenizer, tokenizer_for_decoding
+from guideloom._cli._common import Progress, format_bytes
+from guideloom._cli._tokenizers import Tokenizer, tokenizer_for_decoding
+from guideloom._errors import DatasetFormatError
+from guideloom.storage._api import _local_folder, open_documents, open_stream, verify_dataset
+from guideloom.storage._local import read_local_manifest
+from guideloom.storage._manifest import Manifest
+from guideloom.storage.base import DocumentStorageAbstract, StreamStorageAbstract
 
 __all__ = ["add_parsers", "open_dataset"]
 

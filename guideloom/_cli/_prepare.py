@@ -13,12 +13,12 @@ from typing import IO, Any
 import numpy as np
 import numpy.typing as npt
 
-from .._storage.api import write_documents, write_stream
-from .._storage.manifest import MANIFEST_NAME
-from ._common import CLIError, Progress, UsageError, format_bytes, format_count, int_at_least
-from ._inputs import FORMATS, expand_inputs, iter_tasks
-from ._tokenizers import resolve_tokenizer
-from ._work import Options, Result, ordered_results
+from guideloom._cli._common import CLIError, Progress, UsageError, format_bytes, format_count, int_at_least
+from guideloom._cli._inputs import FORMATS, expand_inputs, iter_tasks
+from guideloom._cli._tokenizers import resolve_tokenizer
+from guideloom._cli._work import Options, Result, ordered_results
+from guideloom.storage._api import write_documents, write_stream
+from guideloom.storage._manifest import MANIFEST_NAME
 
 __all__ = ["add_parser", "run"]
 

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from ._common import UsageError, require
+from guideloom._cli._common import UsageError, require
 
 __all__ = ["BYTE_EOS", "TokenizerSpec", "Tokenizer", "build_tokenizer", "resolve_tokenizer", "smallest_dtype"]
 

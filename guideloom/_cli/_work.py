@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._common import CLIError, InputError
-from ._inputs import Task, read_range, read_text_file
-from ._tokenizers import Tokenizer, TokenizerSpec, build_tokenizer
+from guideloom._cli._common import CLIError, InputError
+from guideloom._cli._inputs import Task, read_range, read_text_file
+from guideloom._cli._tokenizers import Tokenizer, TokenizerSpec, build_tokenizer
 
 __all__ = ["Options", "Result", "init_worker", "ordered_results", "process", "run_task"]
 

@@ -15,7 +15,7 @@ import torch
 
 import guideloom
 from guideloom import StatefulDataLoader
-from guideloom._order import DEFAULT_WINDOW
+from guideloom._core.order import DEFAULT_WINDOW
 
 from ._servers import MotoS3, Nginx
 from .conftest import BUCKET, Copies

@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from guideloom.storage import _cache
 
 import guideloom
 from guideloom import StatefulDataLoader
-from guideloom._storage import _cache
-from guideloom._storage.remote import ObjectStreamStorage
+from guideloom.storage._remote import ObjectStreamStorage
 
 from ._servers import MotoS3, Nginx
 from .conftest import BUCKET, Copies, unique
@@ -170,7 +170,7 @@ def test_interpreter_exit_stops_a_copy_and_leaves_no_partial_folder(
     script = f"""
 import asyncio, time
 import guideloom
-from guideloom._storage import _cache
+from guideloom.storage import _cache
 _cache.PART_BYTES = 1024
 s = guideloom.open_stream({f"{nginx.url}/{plain_copies.http_path}"!r}, cache_dir={str(tmp_path)!r})
 slow = s._cache._fetch

@@ -15,9 +15,9 @@ import torch
 
 import guideloom
 from guideloom import StatefulDataLoader
-from guideloom._storage._cache import DatasetCache, copy_footprint
-from guideloom._storage._chunks import ChunkCache
-from guideloom._storage.remote import ObjectStreamStorage
+from guideloom.storage._cache import DatasetCache, copy_footprint
+from guideloom.storage._chunks import ChunkCache
+from guideloom.storage._remote import ObjectStreamStorage
 
 from ..storage.test_chunks import Sampler
 from ._servers import FaultProxy, MotoS3, Nginx

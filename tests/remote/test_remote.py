@@ -428,7 +428,7 @@ def test_options_are_checked(plain_copies: Copies, s3: MotoS3, nginx: Nginx) -> 
 
 
 def test_azure_urls_are_understood_without_a_server() -> None:
-    from guideloom._storage._objstore import RetryPolicy, make_store, parse_location
+    from guideloom.storage._objstore import RetryPolicy, make_store, parse_location
 
     loc = parse_location("az://container/some/prefix?sig=SECRETSAS")
     assert (loc.kind, loc.bucket, loc.prefix) == ("azure", "container", "some/prefix")

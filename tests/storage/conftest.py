@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from guideloom._storage._chunks import ChunkCache
+from guideloom.storage._chunks import ChunkCache
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The whole copy (``guideloom._storage._cache``): what it puts on disk, and in what order."""
+"""The whole copy (``guideloom.storage._cache``): what it puts on disk, and in what order."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import guideloom
-from guideloom._storage._cache import DatasetCache, copy_footprint
+from guideloom.storage._cache import DatasetCache, copy_footprint
 
 
 def test_the_copy_is_on_disk_before_the_folder_that_says_complete_appears(

@@ -1,4 +1,4 @@
-"""The chunk cache on its own (``guideloom._storage._chunks``): plan-order downloads, Belady
+"""The chunk cache on its own (``guideloom.storage._chunks``): plan-order downloads, Belady
 eviction, the byte limit, checksums, crashed and concurrent holders, folder faults.
 
 The "object store" here is a local dataset's bytes behind a ``fetch`` function, so every test
@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from guideloom.storage import _chunks
 
 import guideloom
-from guideloom._storage import _chunks
-from guideloom._storage._chunks import ChunkCache
-from guideloom._storage._ranges import Job, Layout, Limits, fill, plan_windows
+from guideloom.storage._chunks import ChunkCache
+from guideloom.storage._ranges import Job, Layout, Limits, fill, plan_windows
 
 CHUNK = 4096
 SEQ = CHUNK // 2  # uint16 elements: one sample is one chunk
@@ -334,8 +334,8 @@ _HOLDER = """
 import os, sys, time
 import numpy as np
 import guideloom
-from guideloom._storage._chunks import ChunkCache
-from guideloom._storage.manifest import Manifest
+from guideloom.storage._chunks import ChunkCache
+from guideloom.storage._manifest import Manifest
 folder = sys.argv[1]
 manifest = guideloom.open_stream(folder).manifest
 data = {f.path: open(os.path.join(folder, f.path), "rb").read() for f in manifest.tokens.files}
@@ -387,8 +387,8 @@ _RANK = """
 import os, sys, json
 import numpy as np
 import guideloom
-from guideloom._storage._chunks import ChunkCache
-from guideloom._storage._ranges import Layout, Limits, fill, plan_windows
+from guideloom.storage._chunks import ChunkCache
+from guideloom.storage._ranges import Layout, Limits, fill, plan_windows
 import asyncio
 folder, root, limit, order = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
 manifest = guideloom.open_stream(folder).manifest

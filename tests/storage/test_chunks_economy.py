@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from guideloom._storage._chunks import ChunkCache
+from guideloom.storage._chunks import ChunkCache
 
 from .test_chunks import CHUNK, SEQ, Store, settle
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import guideloom as gl
 from guideloom import DatasetFormatError, DatasetIntegrityError
-from guideloom._storage.manifest import MANIFEST_NAME
+from guideloom.storage._manifest import MANIFEST_NAME
 
 
 async def read_all_stream(storage: gl.StreamStorageAbstract, length: int) -> list[np.ndarray]:  # type: ignore[type-arg]
@@ -244,7 +244,7 @@ def test_a_file_damaged_in_place_is_refused_at_open(
 ) -> None:
     """A byte changed, the size the same: a dataset up to VERIFY_ON_OPEN_BYTES is refused when
     opened (checksums), never read as garbage; a larger one is checked by its sizes only."""
-    import guideloom._storage.local as local
+    import guideloom.storage._local as local
 
     if kind == "stream":
         m = gl.write_stream(tmp_path / "ds", np.arange(1000, dtype=np.uint16), metadata={"m": np.ones(1000)})
@@ -382,7 +382,7 @@ def _rss_file_kib() -> int:
 
 @pytest.mark.asyncio
 async def test_mapped_pages_do_not_accumulate_in_rss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import guideloom._storage.local as local
+    import guideloom.storage._local as local
 
     monkeypatch.setattr(local, "MAPPED_BUDGET", 8 * 2**20)
     gl.write_stream(tmp_path / "ds", np.zeros(48 * 2**20, dtype=np.uint8))  # 48 MiB
@@ -399,7 +399,7 @@ async def test_mapped_pages_do_not_accumulate_in_rss(tmp_path: Path, monkeypatch
 
 def _open_both(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write: Any, opener: Any) -> tuple[Any, Any]:
     """The same dataset opened twice: gathered from the maps, and (over a tiny budget) read with preadv."""
-    import guideloom._storage.local as local
+    import guideloom.storage._local as local
 
     write(tmp_path / "ds")
     mapped = opener(tmp_path / "ds")
@@ -454,7 +454,7 @@ def test_empty_documents_at_the_end_read_as_empty(
 ) -> None:
     """An empty last document (its span starts where the last shard ends) reads as empty, mapped
     and through ``preadv``, alone, among others and through the loader (it raised IndexError)."""
-    import guideloom._storage.local as local
+    import guideloom.storage._local as local
 
     if preads:
         monkeypatch.setattr(local, "MAPPED_BUDGET", 0)
@@ -477,7 +477,7 @@ def test_empty_documents_at_the_end_read_as_empty(
 def test_a_file_truncated_after_open_is_an_integrity_error_with_preadv(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import guideloom._storage.local as local
+    import guideloom.storage._local as local
 
     monkeypatch.setattr(local, "MAPPED_BUDGET", 1024)
     gl.write_stream(tmp_path / "ds", np.arange(4_000, dtype=np.uint16))
@@ -492,7 +492,7 @@ def test_a_file_truncated_after_open_is_an_integrity_error_with_preadv(
 def test_preadv_arrays_hold_no_maps_and_offsets_never_use_preadv(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import guideloom._storage.local as local
+    import guideloom.storage._local as local
 
     monkeypatch.setattr(local, "MAPPED_BUDGET", 16)
     gl.write_documents(tmp_path / "d", [np.arange(n, dtype=np.int64) for n in (3, 50, 7)])

@@ -8,11 +8,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from guideloom.storage import _manifest as manifest_module
 
 import guideloom as gl
 from guideloom import DatasetFormatError
-from guideloom._storage import manifest as manifest_module
-from guideloom._storage.manifest import (
+from guideloom.storage._manifest import (
     MANIFEST_NAME,
     MAX_INFO_DEPTH,
     MAX_MANIFEST_BYTES,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from guideloom import MemoryDocumentStorage, MemoryStreamStorage
-from guideloom._storage.memory import gather_windows
+from guideloom.storage._memory import gather_windows
 
 
 @pytest.mark.asyncio
@@ -73,7 +73,7 @@ def test_rows_is_a_sequence_of_row_views_whose_array_is_the_block() -> None:
     import torch
     from torch.utils.data import default_collate
 
-    from guideloom._storage.base import Rows
+    from guideloom.storage.base import Rows
 
     block = np.arange(12, dtype=np.uint16).reshape(3, 4)
     rows = Rows(block)

@@ -1,0 +1,301 @@
+"""The checkpoint: what ``state_dict()`` records and how ``load_state_dict()`` checks it.
+
+A checkpoint is a position, ``(epoch, observation_offset)``, plus what that position means: how
+the order was made (``shuffle``, ``shuffle_seed``, ``drop_last``) and which data it counts
+(a *fingerprint* of the dataset). A position is only meaningful over the dataset it was counted
+on: loaded into another one it silently skips or repeats data, so a fingerprint that does not
+match is refused unless the caller says the change is on purpose. Everything is plain ints,
+bools, strings and None (``torch.load(..., weights_only=True)`` and
+``torch.distributed.checkpoint`` take it as is) and nothing depends on the rank.
+
+The loader-facing half (:func:`save_state`, :func:`identity_to_restore`, :func:`epoch_order`) is what
+:class:`~guideloom.pytorch.StatefulDataLoader`'s checkpoint methods call: the order of an epoch
+is built from the same resolved shuffle blocks that a checkpoint records, so both live here.
+
+Pure: no I/O beyond reading the manifest a storage already holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from guideloom._core.order import Order, make_order, resolve_block_size
+from guideloom._datasets.base import DatasetAbstract
+from guideloom.types import DatasetFingerprint, StatefulDataLoaderStateDict
+
+if TYPE_CHECKING:
+    from guideloom.pytorch import StatefulDataLoader
+
+__all__ = [
+    "CheckpointState",
+    "LoaderIdentity",
+    "block_size",
+    "dataset_fingerprint",
+    "epoch_order",
+    "identity_to_restore",
+    "restore_position",
+    "save_state",
+    "window",
+]
+
+
+def _manifest_digest(storage: Any) -> str:
+    """A short digest of a written dataset's manifest: its kind, dtype, fields, and every data
+    file's length and checksum in order (not its name, which each write draws afresh), so the
+    same data written twice, or copied to a bucket, has the same digest; ``""`` for a storage
+    without a manifest (in memory)."""
+    manifest = getattr(storage, "manifest", None)
+    if manifest is None or not hasattr(manifest, "all_files"):
+        return ""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(
+        f"{manifest.kind}:{manifest.dtype.name}:{manifest.num_elements}:{manifest.num_documents}".encode()
+    )
+    for name, spec, f in manifest.all_files():
+        h.update(f"\n{name}:{spec.dtype.name}:{f.elements}:{f.sha256}".encode())
+    return h.hexdigest()
+
+
+def dataset_fingerprint(dataset: Any) -> DatasetFingerprint:
+    """What identifies ``dataset`` for a checkpoint: its kind (``"packed-concat"`` and
+    ``"packed-best_fit"`` for packed documents), number of observations, sequence length (0 for
+    documents) and manifest digest (for a mixture: a digest of its sources' fingerprints, names,
+    weights and epoch length)."""
+    from guideloom._datasets.base import DocumentDataset, StreamDataset
+    from guideloom._datasets.mixture import Mixture
+    from guideloom._datasets.packing import PackedDataset
+
+    if isinstance(dataset, Mixture):  # its sources' fingerprints, names and weights in one digest
+        return DatasetFingerprint(
+            kind="mixture", observations=len(dataset), sequence_length=0, digest=dataset.fingerprint_digest()
+        )
+    if isinstance(dataset, PackedDataset):  # another packing counts other sequences
+        kind, sequence_length = f"packed-{dataset.mode}", dataset.sequence_length
+    elif isinstance(dataset, StreamDataset):
+        kind, sequence_length = "stream", dataset.sequence_length
+    elif isinstance(dataset, DocumentDataset):
+        kind, sequence_length = "documents", 0
+    else:
+        kind, sequence_length = type(dataset).__name__, int(getattr(dataset, "sequence_length", 0) or 0)
+    return DatasetFingerprint(
+        kind=kind,
+        observations=len(dataset),
+        sequence_length=sequence_length,
+        digest=_manifest_digest(getattr(dataset, "storage", None)),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class LoaderIdentity:
+    """What the loading side compares a checkpoint against."""
+
+    shuffle: bool
+    shuffle_seed: int | None
+    drop_last: bool
+    fingerprint: DatasetFingerprint
+    shuffle_block_size: int = 1
+    """Samples per shuffle block, resolved (``"auto"`` is recorded as the size it chose)."""
+    shuffle_window: int = 1
+    """Blocks per mixing window (1 for a global shuffle)."""
+
+
+def _differences(saved: Mapping[str, Any], current: DatasetFingerprint) -> list[str]:
+    out = []
+    for key in ("kind", "observations", "sequence_length", "digest"):
+        a, b = saved.get(key), current[key]
+        if key == "digest" and (not a or not b):
+            continue  # one side has no manifest (in memory): its counts are all there is
+        if a != b:
+            out.append(f"{key} {a!r} (saved) != {b!r} (this loader)")
+    return out
+
+
+def _check_position(epoch: Any, offset: Any) -> tuple[int, int]:
+    for name, value in (("epoch", epoch), ("observation_offset", offset)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"checkpoint {name} must be an int >= 0, got {value!r}")
+    return epoch, offset
+
+
+def restore_position(
+    state_dict: Any, current: LoaderIdentity, *, allow_dataset_change: bool = False
+) -> tuple[int, int]:
+    """The ``(epoch, observation_offset)`` to resume at, after checking ``state_dict``.
+
+    Raises ``ValueError`` for a malformed checkpoint, for one counted on another dataset (unless
+    ``allow_dataset_change``), and for an offset past the end of this dataset. Warns where the
+    order after resuming will differ from the saved run's.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a dict from state_dict(), got {type(state_dict).__name__}")
+    missing = {"epoch", "observation_offset"} - state_dict.keys()
+    if missing:
+        raise ValueError(
+            f"checkpoint lacks {sorted(missing)}; pass a dict returned by StatefulDataLoader.state_dict()"
+        )
+    epoch, offset = _check_position(state_dict["epoch"], state_dict["observation_offset"])
+    fp = current.fingerprint
+    saved_fp = state_dict.get("dataset")
+    matches = False
+    # No fingerprint (the reference page's five keys, or a checkpoint of guideloom before 0.2):
+    # it loads as it is, without a warning; only the offset can be checked.
+    if saved_fp is not None:
+        if not isinstance(saved_fp, Mapping):
+            raise ValueError(f"checkpoint 'dataset' must be a dict from state_dict(), got {saved_fp!r}")
+        diffs = _differences(saved_fp, fp)
+        matches = not diffs
+        if diffs and not allow_dataset_change:
+            raise ValueError(
+                "this checkpoint was saved over another dataset: " + "; ".join(diffs) + ". Its "
+                "position would skip or repeat data here. Load it into a loader over the saved "
+                "dataset (same files, same sequence_length), or, if the data changed on purpose, "
+                "call load_state_dict(state, allow_dataset_change=True) to resume at the saved "
+                "position anyway"
+            )
+    n = fp["observations"]
+    if offset > n and not matches and (saved_fp is not None or offset >= 2 * max(n, 1)):
+        # Over the saved dataset an offset may pass the end by the padding of a final partial
+        # batch (less than one global batch: less than the dataset, which a batch of several
+        # ranks may exceed only in a dataset too small to matter); anywhere else it is a
+        # position this dataset does not have.
+        raise ValueError(
+            f"checkpoint observation_offset={offset} is past the end of this dataset "
+            f"({n} observations): it was counted over other data. Resume with "
+            f"the saved dataset, or load {{'epoch': {epoch + 1}, 'observation_offset': 0}} to "
+            "start the next epoch"
+        )
+    _warn_order_changes(state_dict, current)
+    return epoch, offset
+
+
+def _saved_order_value(state_dict: Mapping[str, Any], key: str, mine: Any) -> Any:
+    """The saved value of ``key``; a checkpoint from before block shuffles has a global one."""
+    if key in ("shuffle_block_size", "shuffle_window"):
+        return state_dict.get(key, 1)
+    return state_dict.get(key, mine)
+
+
+def _warn_order_changes(state_dict: Mapping[str, Any], current: LoaderIdentity) -> None:
+    either_shuffles = current.shuffle or bool(state_dict.get("shuffle", False))
+    keys = ("shuffle", "shuffle_seed", "drop_last", "shuffle_block_size", "shuffle_window")
+    for key in keys:
+        if key in ("shuffle_seed", "shuffle_block_size", "shuffle_window") and not either_shuffles:
+            continue  # the seed and the blocks are ignored when neither loader shuffles
+        mine = getattr(current, key)
+        saved = _saved_order_value(state_dict, key, mine)
+        if key == "shuffle_window" and not (
+            current.shuffle_block_size == state_dict.get("shuffle_block_size", 1) > 1
+        ):
+            continue  # a window only means something between equal blocks of several samples
+        if saved != mine:
+            warnings.warn(
+                f"the checkpoint was saved by a loader with {key}={saved!r}, this loader has "
+                f"{key}={mine!r}; the saved value is not applied, so the order after resuming "
+                f"differs from the saved run. Construct the loader with {key}={saved!r} to resume "
+                "it exactly",
+                UserWarning,
+                stacklevel=4,
+            )
+
+
+# -- the loader's side: its order, its checkpoint -------------------------------------------------
+@dataclass(slots=True)
+class CheckpointState:
+    """What a loader's checkpoint is made of, apart from its parameters: its position (advanced by
+    its iterators as they hand batches over), the seed its orders are drawn from, and its
+    dataset's fingerprint once computed."""
+
+    epoch: int = 0
+    offset: int = 0
+    """``observation_offset``: observations of the epoch delivered, across all ranks."""
+    order_seed: int = 0
+    fingerprint: DatasetFingerprint | None = None
+
+
+def block_size(loader: StatefulDataLoader[Any, Any]) -> int:
+    """Samples per shuffle block, ``shuffle_block_size`` resolved (``"auto"``: the storage's).
+
+    Without shuffle the order is the identity, and a dataset that makes its own order (a
+    mixture) ignores blocks: 1 for both, whatever was asked (nothing to record or warn about).
+    """
+    if not loader.shuffle or type(loader.dataset).order is not DatasetAbstract.order:
+        return 1
+    if loader.shuffle_block_size != "auto":  # the storage is asked only for "auto"
+        return resolve_block_size(loader.shuffle_block_size, block_bytes=None, sample_nbytes=0)
+    return resolve_block_size(
+        "auto",
+        block_bytes=getattr(loader.dataset.storage, "shuffle_block_bytes", None),
+        sample_nbytes=loader.dataset.sample_nbytes_hint(),
+    )
+
+
+def window(loader: StatefulDataLoader[Any, Any]) -> int:
+    """Blocks per mixing window that the order uses (1 where blocks are single samples)."""
+    return loader.shuffle_window if block_size(loader) > 1 else 1
+
+
+def epoch_order(loader: StatefulDataLoader[Any, Any], epoch: int) -> Order:
+    """The order of ``epoch``: the dataset's own where it makes one (a mixture), otherwise
+    identity, global row shuffle or block shuffle."""
+    own = loader.dataset.order(shuffle=loader.shuffle, seed=loader._ckpt.order_seed, epoch=epoch)
+    if own is not None:
+        return own
+    return make_order(
+        len(loader.dataset),
+        shuffle=loader.shuffle,
+        seed=loader._ckpt.order_seed,
+        epoch=epoch,
+        block_size=block_size(loader),
+        window=window(loader),
+    )
+
+
+def _loader_fingerprint(loader: StatefulDataLoader[Any, Any]) -> DatasetFingerprint:
+    """The dataset's fingerprint, computed once while open (a manifest digest walks every
+    file entry; a storage may know its length only once open)."""
+    if loader._ckpt.fingerprint is not None:
+        return loader._ckpt.fingerprint
+    fp = dataset_fingerprint(loader.dataset)
+    if loader._life.state != "closed":
+        loader._ckpt.fingerprint = fp
+    return fp
+
+
+def save_state(loader: StatefulDataLoader[Any, Any]) -> StatefulDataLoaderStateDict:
+    """``loader.state_dict()``: its position and what the position means."""
+    state = StatefulDataLoaderStateDict(
+        epoch=loader._ckpt.epoch,
+        observation_offset=loader._ckpt.offset,
+        shuffle=loader.shuffle,
+        shuffle_seed=loader.shuffle_seed,
+        drop_last=loader.drop_last,
+        dataset=_loader_fingerprint(loader),
+    )
+    block = block_size(loader)
+    if block > 1:  # a global shuffle's checkpoint stays as it was: no key means blocks of 1
+        state["shuffle_block_size"] = block
+        state["shuffle_window"] = window(loader)
+    return state
+
+
+def identity_to_restore(loader: StatefulDataLoader[Any, Any]) -> LoaderIdentity:
+    """What ``loader.load_state_dict()`` checks a checkpoint against (under the loader's lock;
+    refused while an iterator is active). The method calls :func:`restore_position` itself, so
+    that its warnings point at the caller's line."""
+    if loader._life.active.get() is not None:
+        raise RuntimeError(
+            "load_state_dict() was called while an iterator on this loader is active; "
+            "exhaust or close the iterator first, then load the checkpoint"
+        )
+    return LoaderIdentity(
+        loader.shuffle,
+        loader.shuffle_seed,
+        loader.drop_last,
+        _loader_fingerprint(loader),
+        shuffle_block_size=block_size(loader),
+        shuffle_window=window(loader),
+    )

@@ -1,0 +1,259 @@
+"""Pure planning: epoch order, rank blocks, batch boundaries and offsets.
+
+Nothing here does I/O, starts threads or imports torch. Every decision about *which* observations
+a rank sees at a given step is made here, so the exactly-once and resume guarantees can be tested
+directly (see ``tests/test_plan.py``).
+
+The epoch order is a keyed bijection of ``[0, N)``: a balanced Feistel network over the smallest
+even number of bits that covers ``N``, with cycle-walking to stay inside ``[0, N)``. A lookup costs
+O(1) time and the permutation O(1) memory, so resuming at any offset of any epoch is instant, and
+a vectorised lookup serves a whole read-ahead window with a handful of numpy operations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from guideloom._core.order import Order
+
+__all__ = ["BatchSpec", "EpochPlan", "Permutation", "num_batches"]
+
+_ROUNDS: Final = 6
+_MASK64: Final = (1 << 64) - 1
+_MIX1: Final = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2: Final = np.uint64(0x94D049BB133111EB)
+
+IndexArray = npt.NDArray[np.int64]
+
+
+def _round_keys(seed: int, epoch: int) -> tuple[int, ...]:
+    """Derive the Feistel round keys from ``(seed, epoch)`` with a stable hash."""
+    digest = hashlib.blake2b(f"guideloom-order:{seed}:{epoch}".encode(), digest_size=8 * _ROUNDS).digest()
+    return tuple(int.from_bytes(digest[8 * i : 8 * i + 8], "little") for i in range(_ROUNDS))
+
+
+class Permutation:
+    """A random-access permutation of ``[0, n)`` fixed by ``(seed, epoch)``.
+
+    ``perm[i]`` and ``perm.take(positions)`` map order positions to observation indexes. The
+    identity is used when ``shuffle`` is false.
+    """
+
+    __slots__ = ("_half_bits", "_half_mask", "_keys", "_keys_np", "_shuffle", "n")
+
+    def __init__(self, n: int, *, shuffle: bool, seed: int, epoch: int) -> None:
+        if n < 0:
+            raise ValueError(f"a permutation needs n >= 0, got {n}")
+        self.n = n
+        self._shuffle = shuffle and n > 1
+        bits = max(2, (n - 1).bit_length())
+        bits += bits & 1  # balanced halves: an even number of bits
+        self._half_bits = bits // 2
+        self._half_mask = (1 << self._half_bits) - 1
+        self._keys = _round_keys(seed, epoch)
+        self._keys_np = tuple(np.uint64(k) for k in self._keys)
+
+    def __len__(self) -> int:
+        return self.n
+
+    # -- scalar path -------------------------------------------------------------------------
+    def _feistel_scalar(self, x: int) -> int:
+        h, mask = self._half_bits, self._half_mask
+        left, right = x >> h, x & mask
+        for key in self._keys:
+            z = ((right ^ key) * 0xBF58476D1CE4E5B9) & _MASK64
+            z ^= z >> 31
+            z = (z * 0x94D049BB133111EB) & _MASK64
+            z ^= z >> 29
+            left, right = right, left ^ (z & mask)
+        return (left << h) | right
+
+    def __getitem__(self, position: int) -> int:
+        if not 0 <= position < self.n:
+            raise IndexError(f"position {position} outside [0, {self.n})")
+        if not self._shuffle:
+            return position
+        x = self._feistel_scalar(position)
+        while x >= self.n:  # cycle-walking: at most a few steps, the domain is < 4n
+            x = self._feistel_scalar(x)
+        return x
+
+    # -- vectorised path ---------------------------------------------------------------------
+    def _feistel(self, x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+        h = np.uint64(self._half_bits)
+        mask = np.uint64(self._half_mask)
+        left = x >> h
+        right = x & mask
+        s31, s29 = np.uint64(31), np.uint64(29)
+        z, t = np.empty_like(left), np.empty_like(left)
+        for key in self._keys_np:  # the scalar rounds, in place: no temporary array per operation
+            np.bitwise_xor(right, key, out=z)
+            np.multiply(z, _MIX1, out=z)
+            np.right_shift(z, s31, out=t)
+            np.bitwise_xor(z, t, out=z)
+            np.multiply(z, _MIX2, out=z)
+            np.right_shift(z, s29, out=t)
+            np.bitwise_xor(z, t, out=z)
+            np.bitwise_and(z, mask, out=z)
+            np.bitwise_xor(z, left, out=z)
+            left, right, z = right, z, left  # the old left's buffer is the next round's scratch
+        np.left_shift(left, h, out=left)
+        np.bitwise_or(left, right, out=left)
+        return left
+
+    def take(self, positions: npt.ArrayLike) -> IndexArray:
+        """Map an array of order positions to observation indexes (vectorised)."""
+        pos = np.asarray(positions, dtype=np.int64)
+        if pos.size and (pos.min() < 0 or pos.max() >= self.n):
+            raise IndexError(f"positions outside [0, {self.n})")
+        if not self._shuffle:
+            return pos.copy()
+        x = self._feistel(pos.astype(np.uint64))
+        n = np.uint64(self.n)
+        out_of_range = np.flatnonzero(x >= n)
+        while out_of_range.size:
+            walked = self._feistel(x[out_of_range])
+            x[out_of_range] = walked
+            out_of_range = out_of_range[walked >= n]
+        return x.astype(np.int64)
+
+    def range(self, start: int, stop: int) -> IndexArray:
+        """Observation indexes at order positions ``[start, stop)``."""
+        if not self._shuffle:
+            return np.arange(start, stop, dtype=np.int64)
+        return self.take(np.arange(start, stop, dtype=np.int64))
+
+
+def num_batches(num_observations: int, global_batch_size: int, drop_last: bool, offset: int = 0) -> int:
+    """Global batches left in an epoch of ``num_observations`` from ``offset`` on."""
+    remaining = max(0, num_observations - offset)
+    if drop_last:
+        return remaining // global_batch_size
+    return -(-remaining // global_batch_size)
+
+
+class BatchSpec(NamedTuple):
+    """One batch for one rank: its step, its order positions and the offset after it.
+
+    A named tuple: one is made per batch, and it is the cheapest immutable record to make.
+    """
+
+    step: int
+    """Index of the global batch counted from the iterator's start offset."""
+    start: int
+    """First order position of this rank's block (clipped to the epoch)."""
+    stop: int
+    """One past the last order position of this rank's block (clipped; may equal ``start``)."""
+    offset_after: int
+    """Global observation offset once this batch is delivered."""
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class EpochPlan:
+    """The batches one rank receives in one epoch, starting at a global observation offset.
+
+    Global batch ``b`` covers order positions ``[o + b*G, o + (b+1)*G)``; rank ``r`` takes the
+    contiguous block ``[o + b*G + r*B, o + b*G + (r+1)*B)`` clipped to ``[0, N)``. With
+    ``drop_last`` a final global batch smaller than ``G`` is not part of the plan. Every rank's
+    plan has the same number of batches.
+
+    ``order`` maps order positions to observation indexes (an :class:`~guideloom._core.order.Order`:
+    a :class:`Permutation`, a chunk-aware block order, or a dataset's own); ``None`` is the
+    identity. The plan's arithmetic is over positions and never depends on the order, so any
+    bijection of ``[0, N)`` keeps every guarantee (exactly once, ranks disjoint, resume).
+    """
+
+    num_observations: int
+    local_batch_size: int
+    world_size: int
+    rank: int
+    drop_last: bool
+    start_offset: int = 0
+    order: Order | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.order is None:
+            identity = Permutation(self.num_observations, shuffle=False, seed=0, epoch=0)
+            object.__setattr__(self, "order", identity)
+        elif len(self.order) != self.num_observations:
+            raise ValueError(
+                f"the epoch order covers {len(self.order)} observations, the plan {self.num_observations}"
+            )
+        if self.local_batch_size < 1:
+            raise ValueError(f"local_batch_size must be >= 1, got {self.local_batch_size}")
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        if self.start_offset < 0:
+            raise ValueError(f"observation_offset must be >= 0, got {self.start_offset}")
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.local_batch_size * self.world_size
+
+    def __len__(self) -> int:
+        return num_batches(self.num_observations, self.global_batch_size, self.drop_last, self.start_offset)
+
+    def batch(self, step: int) -> BatchSpec:
+        """This rank's ``step``-th batch (0-based from ``start_offset``)."""
+        if not 0 <= step < len(self):
+            raise IndexError(f"step {step} outside [0, {len(self)})")
+        return self._batch(step)
+
+    def _batch(self, step: int) -> BatchSpec:
+        g, b, n = self.global_batch_size, self.local_batch_size, self.num_observations
+        base = self.start_offset + step * g
+        start = min(base + self.rank * b, n)
+        stop = min(base + (self.rank + 1) * b, n)
+        return BatchSpec(step=step, start=start, stop=stop, offset_after=base + g)
+
+    def batches(self, first_step: int = 0, stop_step: int | None = None) -> list[BatchSpec]:
+        """The batches ``[first_step, stop_step)`` (to the epoch's end by default)."""
+        stop = len(self) if stop_step is None else min(stop_step, len(self))
+        g, n, o = self.global_batch_size, self.num_observations, self.start_offset
+        lo = o + self.rank * self.local_batch_size
+        hi = lo + self.local_batch_size
+        return [
+            BatchSpec(step, min(lo + step * g, n), min(hi + step * g, n), o + (step + 1) * g)
+            for step in range(max(0, first_step), stop)
+        ]
+
+    def positions(self, first_step: int, stop_step: int) -> tuple[IndexArray, IndexArray]:
+        """Order positions of batches ``[first_step, stop_step)`` back to back, and each one's size.
+
+        Vectorised: a block of a thousand batches costs a handful of numpy operations.
+        """
+        g, b, n = self.global_batch_size, self.local_batch_size, self.num_observations
+        steps = np.arange(first_step, min(stop_step, len(self)), dtype=np.int64)
+        lo = np.minimum(self.start_offset + steps * g + self.rank * b, n)
+        hi = np.minimum(lo + b, n)
+        sizes = hi - lo
+        if len(steps) == 0:
+            return np.zeros(0, dtype=np.int64), sizes
+        if self.world_size == 1:  # consecutive blocks: one range
+            return np.arange(lo[0], hi[-1], dtype=np.int64), sizes
+        grid = lo[:, None] + np.arange(b, dtype=np.int64)
+        return grid[grid < hi[:, None]], sizes
+
+    @property
+    def epoch_order(self) -> Order:
+        """The order (never None: ``order=None`` is stored as the identity)."""
+        assert self.order is not None
+        return self.order
+
+    def indices(self, first_step: int, stop_step: int) -> tuple[IndexArray, IndexArray]:
+        """Observation indexes of batches ``[first_step, stop_step)`` back to back, and each
+        one's size: :meth:`positions` through the order."""
+        positions, sizes = self.positions(first_step, stop_step)
+        return self.epoch_order.take(positions), sizes

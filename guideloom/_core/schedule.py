@@ -1,0 +1,275 @@
+"""The batch schedule, free of I/O: which reads to make, and what each read delivers.
+
+As httpx drives its auth flow, the reader's logic is a plain generator that *yields* a read
+request (the int64 observation indexes of a window) and is *sent* the samples, or has the read's
+exception *thrown* into it; a driver performs the read. :func:`run_sync` reads with a blocking
+call (the inline loop), :func:`run_async` with a coroutine (the event-loop reader), so windows,
+index lookup, the count check, the split into batches and the localisation of a failure exist
+once, and are tested without any storage (``tests/test_schedule.py``).
+
+The schedule comes in two parts so that the async reader can keep several windows in flight:
+:func:`windows` plans the epoch's windows ahead (a pure iterator of batch lists), and
+:func:`read_window` is the generator for one window's read.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+from guideloom._core.order import Order
+from guideloom._core.plan import BatchSpec, EpochPlan
+from guideloom._core.rows import Rows
+from guideloom._errors import StorageError
+
+__all__ = [
+    "DELIVERED_ERRORS",
+    "WINDOW_BATCHES",
+    "Delivery",
+    "Indexes",
+    "ReadWindow",
+    "future_reads",
+    "max_window",
+    "read_window",
+    "run_async",
+    "run_sync",
+    "windows",
+]
+
+#: Read-ahead window: at most this many batches per storage call (and at most the storage's
+#: ``read_window_bytes``).
+WINDOW_BATCHES = 64
+
+Indices: TypeAlias = npt.NDArray[np.int64]
+#: One window's read: yields the indexes to read, is sent their samples, returns the deliveries.
+ReadWindow: TypeAlias = Generator[Indices, Sequence[Any], "list[Delivery]"]
+
+
+@dataclass(slots=True)
+class Delivery:
+    """One batch on its way to the consumer, or the error that replaced it."""
+
+    spec: BatchSpec
+    value: Any = None
+    error: BaseException | None = None
+
+
+def _positions(specs: Sequence[BatchSpec]) -> npt.NDArray[np.int64]:
+    if len(specs) == 1 or all(a.stop == b.start for a, b in itertools.pairwise(specs)):
+        return np.arange(specs[0].start, specs[-1].stop, dtype=np.int64)
+    return np.concatenate([np.arange(s.start, s.stop, dtype=np.int64) for s in specs])
+
+
+class Indexes:
+    """This rank's observation indexes, computed for a block of upcoming batches at a time.
+
+    A permutation lookup is a few dozen numpy operations whatever the array's length, so looking
+    up ~16k positions at once costs about what 16 do: computed per window it was ~4 µs a batch,
+    per block it is a fraction of that.
+    """
+
+    BLOCK_POSITIONS = 16384
+
+    def __init__(self, plan: EpochPlan, order: Order) -> None:
+        self._plan = plan
+        self._order = order
+        self._first = self._stop = 0  # steps held: [first, stop)
+        self._offsets = np.zeros(1, dtype=np.int64)
+        self._values = np.zeros(0, dtype=np.int64)
+
+    def _fill(self, step: int) -> None:
+        plan = self._plan
+        block = getattr(self._order, "lookup_block", self.BLOCK_POSITIONS)  # a mixture's is smaller
+        stop = min(len(plan), step + max(1, block // plan.local_batch_size))
+        positions, sizes = plan.positions(step, stop)
+        self._values = self._order.take(positions)
+        self._offsets = np.concatenate([[0], np.cumsum(sizes)])
+        self._first, self._stop = step, stop
+
+    def of(self, specs: Sequence[BatchSpec]) -> Indices:
+        """Indexes of consecutive batches ``specs``, in order."""
+        first, last = specs[0].step, specs[-1].step
+        if not (self._first <= first and last < self._stop):
+            self._fill(first)
+            if last >= self._stop:  # a window longer than a block: compute it directly
+                return self._order.take(_positions(specs))
+        a = int(self._offsets[first - self._first])
+        b = int(self._offsets[last + 1 - self._first])
+        return self._values[a:b]
+
+
+def max_window(
+    plan: EpochPlan, sample_nbytes: int, window_bytes: int, max_batches: int = WINDOW_BATCHES
+) -> int:
+    """Batches per read-ahead window: up to ``max_batches`` (the storage's
+    ``read_window_batches``) and the storage's byte budget."""
+    nbytes = max(1, sample_nbytes * plan.local_batch_size)
+    return max(1, min(max_batches, window_bytes // nbytes))
+
+
+def windows(plan: EpochPlan, first_step: int, largest: int, span: int = 0) -> Iterator[list[BatchSpec]]:
+    """The epoch's read windows from ``first_step``, at most ``largest`` batches each.
+
+    Without ``span``: 1, 2, 4, ... batches (a fast first batch), then ``largest`` each. With a
+    ``span`` (order positions per mixing window of a block shuffle): the first batch alone,
+    then windows that end where a span ends, so that one read holds all of a span's samples,
+    which are whole contiguous blocks: a few large range requests instead of scattered ones.
+    """
+    step, total = first_step, len(plan)
+    if span <= 0:
+        size = 1
+        while step < total:
+            specs = plan.batches(step, step + size)
+            step += len(specs)
+            size = min(largest, size * 2)
+            yield specs
+        return
+    g, offset = plan.global_batch_size, plan.start_offset
+    if step < total:
+        yield plan.batches(step, step + 1)
+        step += 1
+    while step < total:
+        span_end = ((offset + step * g) // span + 1) * span
+        stop = -(-(span_end - offset) // g)  # the first batch that starts in the next span
+        stop = min(max(stop, step + 1), step + largest, total)
+        yield plan.batches(step, stop)
+        step = stop
+
+
+def future_reads(plan: EpochPlan, order: Order, specs: Iterable[list[BatchSpec]]) -> Iterator[Indices]:
+    """The indexes :func:`read_window` will read for each of the windows ``specs`` (those of
+    :func:`windows`), in order, computed lazily: the hint a storage may prepare ahead by. It has
+    its own :class:`Indexes`, so it can be consumed on another thread."""
+    indexes = Indexes(plan, order)
+    for window in specs:
+        yield indexes.of(window)
+
+
+def _split(specs: list[BatchSpec], samples: Sequence[Any]) -> list[Delivery]:
+    """One window's samples, cut into its batches (rows of one block stay rows of one block)."""
+    deliveries = []
+    pos = 0
+    if isinstance(samples, Rows):
+        block = samples.block
+        for spec in specs:
+            end = pos + spec.stop - spec.start
+            deliveries.append(Delivery(spec, Rows(block[pos:end])))  # empty: Rows == [] holds
+            pos = end
+        return deliveries
+    for spec in specs:
+        end = pos + spec.stop - spec.start
+        deliveries.append(Delivery(spec, samples[pos:end]))
+        pos = end
+    return deliveries
+
+
+#: What a read or a collate raises that reaches the consumer in place of its batch, with its own
+#: type: ``SystemExit`` and ``KeyboardInterrupt`` too (never ``CancelledError``: that one stops
+#: the task that reads).
+DELIVERED_ERRORS: tuple[type[BaseException], ...] = (Exception, SystemExit, KeyboardInterrupt)
+
+
+def _is_about_the_data(exc: BaseException) -> bool:
+    """Whether re-reading a failed window batch by batch can find the batch that caused ``exc``.
+
+    ``SystemExit`` and ``KeyboardInterrupt`` are not (an exit or a Ctrl-C asked for during the
+    read: a re-read would not raise it again, and it would be lost). A
+    :class:`~guideloom.StorageError` (a :class:`~guideloom.RemoteReadError` included) says the
+    store itself failed, after its own retries and within its own time budget: re-reading would
+    only spend that budget again for every batch of the window (a silent server then took the
+    window's length times the budget to report). Anything else may depend on the samples asked
+    for (a damaged shard, a storage subclass's check, a short read), so it is localised.
+    """
+    return isinstance(exc, Exception) and not isinstance(exc, StorageError)
+
+
+def read_window(specs: list[BatchSpec], indexes: Indexes, reader: str = "read_many") -> ReadWindow:
+    """The read of one window of consecutive batches; returns their deliveries, in order.
+
+    It yields the window's indexes once and is sent the samples (or the read's exception is
+    thrown in). A failure about the data is localised: the window is requested again batch by
+    batch, and the first batch that fails carries the error, with nothing after it requested. A
+    failure of the store itself is delivered at the window's first batch without re-reading. It
+    never raises for a failed read. ``reader`` names the read in the count check's message.
+    """
+    try:
+        wanted = indexes.of(specs)
+        samples = yield wanted
+        if len(samples) != len(wanted):
+            raise RuntimeError(f"{reader} returned {len(samples)} samples for {len(wanted)} indexes")
+    except DELIVERED_ERRORS as exc:
+        if len(specs) == 1 or not _is_about_the_data(exc):
+            return [Delivery(specs[0], error=exc)]
+        out: list[Delivery] = []
+        for spec in specs:  # localise the failure: it surfaces at the batch that fails
+            out.extend((yield from read_window([spec], indexes, reader)))
+            if out[-1].error is not None:
+                break
+        return out
+    return _split(specs, samples)
+
+
+class _Run:
+    """A schedule being driven: its pending request (None once it has ended) and its deliveries."""
+
+    __slots__ = ("_schedule", "deliveries", "request")
+
+    def __init__(self, schedule: ReadWindow) -> None:
+        self._schedule = schedule
+        self.request: Indices | None = None
+        self.deliveries: list[Delivery] = []
+        self._step(schedule.send, None)  # send(None) starts a generator, as next() does
+
+    def resume(self, samples: Sequence[Any] | None, error: BaseException | None) -> None:
+        """Hand the pending request's outcome to the schedule."""
+        if error is not None:
+            self._step(self._schedule.throw, error)
+        else:
+            self._step(self._schedule.send, samples)
+
+    def _step(self, how: Callable[[Any], Indices], value: Any) -> None:
+        try:
+            self.request = how(value)
+        except StopIteration as stop:
+            self.request, self.deliveries = None, stop.value
+
+
+def _call(
+    read: Callable[[Indices], Sequence[Any]], request: Indices
+) -> tuple[Sequence[Any] | None, BaseException | None]:
+    try:
+        return read(request), None
+    except DELIVERED_ERRORS as exc:
+        return None, exc
+
+
+async def _acall(
+    aread: Callable[[Indices], Awaitable[Sequence[Any]]], request: Indices
+) -> tuple[Sequence[Any] | None, BaseException | None]:
+    try:
+        return await aread(request), None
+    except DELIVERED_ERRORS as exc:
+        return None, exc
+
+
+def run_sync(schedule: ReadWindow, read: Callable[[Indices], Sequence[Any]]) -> list[Delivery]:
+    """Run ``schedule`` to its end, each request read by the blocking ``read``."""
+    run = _Run(schedule)
+    while run.request is not None:
+        run.resume(*_call(read, run.request))
+    return run.deliveries
+
+
+async def run_async(
+    schedule: ReadWindow, aread: Callable[[Indices], Awaitable[Sequence[Any]]]
+) -> list[Delivery]:
+    """:func:`run_sync` with each request read by the coroutine function ``aread``."""
+    run = _Run(schedule)
+    while run.request is not None:
+        run.resume(*(await _acall(aread, run.request)))
+    return run.deliveries

@@ -1,0 +1,1 @@
+"""Datasets: observation ``i`` to sample, over a storage or any random-access source."""

@@ -1,0 +1,67 @@
+"""What ``StatefulDataLoader.stats()`` reports: the loader's delivery counters and the storage's
+read counters since the current epoch began.
+
+Kept apart from the loader's checkpoint state: these figures are for logging only, they are
+never saved in a checkpoint, and no position depends on them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from guideloom._core.checkpoint import block_size, window
+
+if TYPE_CHECKING:
+    from guideloom.pytorch import StatefulDataLoader
+
+__all__ = ["LoaderFigures"]
+
+
+class LoaderFigures:
+    """A loader's figures: ``counts`` (batches, samples, wait seconds), which its iterators add
+    to as they hand batches over, and the storage's read counters at the epoch's start."""
+
+    __slots__ = ("counts", "reads_mark")
+
+    def __init__(self) -> None:
+        self.counts: dict[str, float] = {
+            "batches": 0,
+            "samples": 0,
+            "wait_seconds": 0.0,
+            "last_wait_seconds": 0.0,
+        }
+        self.reads_mark: tuple[int, int, int] | None = None
+
+    def report(self, loader: StatefulDataLoader[Any, Any]) -> dict[str, float]:
+        """``loader.stats()``."""
+        out = dict(self.counts)
+        out["shuffle_block_size"] = block_size(loader)
+        out["shuffle_window"] = window(loader)
+        reads = _storage_reads(loader)
+        if reads is not None:
+            mark = self.reads_mark if self.reads_mark is not None else (loader._ckpt.epoch, 0, 0)
+            out["requests"], out["bytes_read"] = reads
+            out["epoch_requests"] = reads[0] - mark[1]
+            out["epoch_bytes_read"] = reads[1] - mark[2]
+        out.update(loader.dataset.position_stats(epoch=loader._ckpt.epoch, offset=loader._ckpt.offset))
+        return out
+
+    def mark_epoch_reads(self, loader: StatefulDataLoader[Any, Any]) -> None:
+        """At an iterator's start: the storage's counters, the first time in this epoch (what
+        ``stats()`` counts an epoch's requests and bytes from)."""
+        if self.reads_mark is None or self.reads_mark[0] != loader._ckpt.epoch:
+            reads = _storage_reads(loader)
+            if reads is not None:
+                self.reads_mark = (loader._ckpt.epoch, *reads)
+
+
+def _storage_reads(loader: StatefulDataLoader[Any, Any]) -> tuple[int, int] | None:
+    """Requests and bytes read so far by the dataset's storage, where it counts them (object
+    storage); None elsewhere."""
+    stats = getattr(loader.dataset.storage, "stats", None)
+    if not callable(stats):
+        return None
+    figures = stats()
+    if not isinstance(figures, dict) or "requests" not in figures or "bytes_read" not in figures:
+        return None
+    return int(figures["requests"]), int(figures["bytes_read"])

@@ -1,1 +1,0 @@
-"""Storage backends behind two small async interfaces (see :mod:`guideloom._storage.base`)."""

@@ -1,0 +1,259 @@
+"""One object-store dataset's connection: its store client, limits, retries and range fetches.
+
+:class:`Remote` reads the manifest and checks the objects' sizes when a dataset is opened, and
+runs the jobs that :mod:`guideloom.storage._ranges` plans through its
+:class:`~guideloom.storage._fetch.RangeFetcher`: concurrently, under a limit of requests and
+bytes in flight (per event loop), each with bounded retries and backoff. Every obstore call is a
+synchronous one on an I/O thread (see :mod:`guideloom.storage._objstore`).
+
+Errors carry scrubbed messages only, and are raised outside the ``except`` block that caught
+obstore's error, so no link of their ``__context__`` chain holds a credential.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import gc
+import hashlib
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from guideloom._errors import DatasetIntegrityError
+from guideloom.storage._fetch import RangeFetcher, ReadCounters, gather_first_error
+from guideloom.storage._manifest import MANIFEST_NAME, Manifest
+from guideloom.storage._objstore import (
+    RANGES_PER_CALL,
+    Location,
+    ReadOptions,
+    RetryPolicy,
+    call_with_retries,
+    io_executor,
+    make_store,
+    map_error,
+    parse_location,
+    secret_values,
+    split_options,
+)
+from guideloom.storage._ranges import Job, Limits
+
+__all__ = ["Remote", "gather_first_error", "open_remote"]
+
+_OPEN: weakref.WeakSet[Remote] = weakref.WeakSet()
+
+#: A manifest checked this recently (``open_stream`` checks it and every object's size) is not
+#: read again by ``open()``: the round trip would sit in front of the first batch, and a
+#: dataset rewritten within these seconds is a race no check closes. Later opens read it again.
+MANIFEST_FRESH_SECONDS = 5.0
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    """Drop every store guideloom still holds, so nothing of obstore outlives the interpreter."""
+    for remote in list(_OPEN):
+        remote.drop_store()
+    gc.collect()
+
+
+class Remote:
+    """A dataset location's store client, its read limits, and its range-fetch engine (``fetcher``)."""
+
+    def __init__(self, url: str, options: dict[str, Any]) -> None:
+        self.loc: Location = parse_location(url)
+        self.opts: ReadOptions
+        self.opts, _w, self._config, self._client = split_options(options, write=False)
+        self.secrets = secret_values(self._config, url)
+        cap = self.opts.max_request_bytes
+        # A job takes the byte budget as one acquisition: keep several within it, so that the
+        # in-flight bound holds and the requests still overlap.
+        self.limits = Limits(
+            coalesce_gap=self.opts.coalesce_gap,
+            max_request_bytes=cap,
+            job_bytes=max(cap, self.opts.max_inflight_bytes // 4),
+            ranges_per_call=RANGES_PER_CALL,
+            # coalesce_gap=0 asks for the exact ranges: no bridging by amplification either
+            max_read_amplification=self.opts.max_read_amplification if self.opts.coalesce_gap else 1.0,
+        )
+        self._store: Any = None
+        self._store = self._new_store()
+        self.checked_until = 0.0  # monotonic: until then open() need not read the manifest again
+        self.counters = ReadCounters()  # counted into by the blocking reads here and by the fetcher
+        self.fetcher = RangeFetcher(self.loc, self.opts, self.secrets, self.counters)
+        _OPEN.add(self)
+
+    def _new_store(self) -> Any:
+        return make_store(self.loc, self._config, self._client, self.opts.policy, obstore_retries=False)
+
+    @property
+    def policy(self) -> RetryPolicy:
+        return self.opts.policy
+
+    def store(self) -> Any:
+        if self._store is None:
+            self._store = self._new_store()
+            _OPEN.add(self)
+        return self._store
+
+    def drop_store(self) -> None:
+        self._store = None
+
+    def store_for_reading(self) -> Any:
+        if self._store is None:
+            raise RuntimeError(f"{self.loc.display} is not open; call `await storage.open()` first")
+        return self._store
+
+    @property
+    def requests(self) -> int:
+        """Range GETs sent, retries included (each is billed)."""
+        return self.counters.requests
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes those GETs returned."""
+        return self.counters.bytes_read
+
+    def peak_inflight_bytes(self) -> int:
+        return self.fetcher.peak_inflight_bytes()
+
+    # -- blocking calls (the caller's thread, the I/O pool or the cache's threads) ----------------
+    def fetch_range(self, path: str, start: int, end: int) -> Any:
+        """Bytes ``[start, end)`` of object ``path``: a blocking call with retries (the cache's)."""
+        import obstore
+
+        store = self.store()  # a copy goes on after close(): it keeps a client of its own
+
+        def get() -> Any:
+            self.counters.requests += 1
+            return obstore.get_range(store, path, start=start, end=end)
+
+        try:
+            data = call_with_retries(get, self.policy)
+            self.counters.bytes_read += end - start
+            return data
+        except Exception as exc:
+            error = map_error(exc, f"reading {self.loc.object_url(path)}", self.secrets)
+        raise error
+
+    def read_manifest(self) -> Manifest:
+        import obstore
+
+        store = self.store()
+        try:
+            data = call_with_retries(lambda: bytes(obstore.get(store, MANIFEST_NAME).bytes()), self.policy)
+        except Exception as exc:
+            error = map_error(exc, f"cannot read {self.loc.object_url(MANIFEST_NAME)}", self.secrets)
+        else:
+            return Manifest.from_json_bytes(data, source=self.loc.display)
+        if isinstance(error, FileNotFoundError):
+            error = FileNotFoundError(
+                f"no dataset at {self.loc.display!r}: it has no {MANIFEST_NAME} (an unfinished "
+                "or interrupted write leaves none; write or copy the dataset again)"
+            )
+        raise error
+
+    def list_sizes(self) -> dict[str, int] | None:
+        """Every object's size under the prefix, from one listing; None where listing is
+        impossible (``http(s)://``, no list permission)."""
+        import obstore
+
+        if self.loc.kind == "http":
+            return None
+        store = self.store()
+        try:
+            listed = call_with_retries(lambda: obstore.list(store).collect(), self.policy)
+            return {str(m["path"]): int(m["size"]) for m in listed}
+        except Exception:
+            return None  # e.g. no list permission: one HEAD per object instead
+
+    def object_sizes(self, paths: Sequence[str], listed: dict[str, int] | None = None) -> dict[str, int]:
+        """Sizes of ``paths`` (missing ones absent): from ``listed`` (:meth:`list_sizes`, made
+        while the manifest was read), one listing, or HEADs where listing is impossible."""
+        import obstore
+
+        store = self.store()
+        sizes = listed if listed is not None else self.list_sizes()
+        if sizes is not None:
+            return {p: sizes[p] for p in paths if p in sizes}
+
+        def head(path: str) -> tuple[str, int | None]:
+            try:
+                meta = call_with_retries(lambda: obstore.head(store, path), self.policy)
+            except FileNotFoundError:
+                return path, None
+            except Exception as exc:
+                error = map_error(exc, f"cannot inspect {self.loc.object_url(path)}", self.secrets)
+            else:
+                return path, int(meta["size"])
+            raise error
+
+        out: dict[str, int] = {}
+        for path, size in io_executor().map(head, paths):
+            if size is not None:
+                out[path] = size
+        return out
+
+    def check_objects(self, manifest: Manifest, listed: dict[str, int] | None = None) -> None:
+        """Refuse a manifest whose objects are missing or of the wrong size (as for local files)."""
+        files = manifest.all_files()
+        sizes = self.object_sizes([f.path for _, _, f in files], listed)
+        for name, _spec, f in files:
+            size = sizes.get(f.path)
+            if size is None:
+                raise DatasetIntegrityError(
+                    f"{self.loc.display}: object {f.path!r} of field {name!r} named by the manifest "
+                    "is missing"
+                )
+            if size != f.nbytes:
+                raise DatasetIntegrityError(
+                    f"{self.loc.display}: object {f.path!r} of field {name!r} has {size} bytes, the "
+                    f"manifest says {f.nbytes}; the dataset is damaged or was not copied completely"
+                )
+
+    def sha256(self, path: str, progress: Callable[[int], object] | None = None) -> str:
+        """The hex sha256 of object ``path``, streamed once (``progress`` gets each chunk's size)."""
+        import obstore
+
+        digest = hashlib.sha256()
+        try:
+            result = obstore.get(self.store(), path)
+            for chunk in result.stream(min_chunk_size=8 * 2**20):
+                digest.update(memoryview(chunk))
+                if progress is not None:
+                    progress(memoryview(chunk).nbytes)
+        except Exception as exc:
+            error = map_error(exc, f"reading {self.loc.object_url(path)}", self.secrets)
+        else:
+            return digest.hexdigest()
+        raise error
+
+    async def reopen(self, manifest: Manifest) -> None:
+        """``open()``: a client, and the manifest read again and compared (off the event loop),
+        unless it was checked less than :data:`MANIFEST_FRESH_SECONDS` ago (once)."""
+        if time.monotonic() < self.checked_until:
+            self.checked_until = 0.0
+            return
+        loop = asyncio.get_running_loop()
+        current = await loop.run_in_executor(io_executor(), self.read_manifest)
+        if current != manifest:
+            raise DatasetIntegrityError(
+                f"{self.loc.display}: the manifest changed since the dataset was opened; open it again"
+            )
+
+    # -- batched range reads (the engine is :class:`~._fetch.RangeFetcher`) -----------------------
+    async def run(self, jobs: list[Job]) -> None:
+        """Run ``jobs`` concurrently under the request and byte limits; the first failure wins."""
+        if jobs:
+            await self.fetcher.run(self.store_for_reading(), jobs)
+
+
+def open_remote(url: str, options: dict[str, Any]) -> tuple[Remote, Manifest]:
+    """A connection to ``url`` and its manifest, checked against the objects' sizes."""
+    remote = Remote(url, options)
+    # The listing does not need the manifest: made while it is read, one round trip less.
+    listing = io_executor().submit(remote.list_sizes) if remote.loc.kind != "http" else None
+    manifest = remote.read_manifest()
+    remote.check_objects(manifest, None if listing is None else listing.result())
+    remote.checked_until = time.monotonic() + MANIFEST_FRESH_SECONDS
+    return remote, manifest

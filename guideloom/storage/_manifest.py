@@ -1,0 +1,371 @@
+"""The on-disk dataset format: a JSON manifest and raw little-endian data files.
+
+A dataset is a folder (or an object prefix) holding ``manifest.json`` and the data files it
+names by relative path. Each *array* (the token stream, each metadata field, the document
+offsets) is stored as one or more shard files of raw little-endian elements. The manifest is
+written last and atomically, so a folder without one is an interrupted write, never a dataset.
+
+It builds, serialises and checks manifests. :func:`parse_manifest` is the one way bytes become a
+:class:`Manifest` (local, remote and cached datasets alike): every problem, however the bytes are
+damaged, is a :class:`DatasetFormatError` naming the file. The one function that touches a file,
+:func:`read_manifest_file`, reads at most :data:`MAX_MANIFEST_BYTES` + 1 bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import re
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal, TypeGuard
+
+import numpy as np
+
+from guideloom._errors import DatasetFormatError
+
+__all__ = [
+    "CHECKSUM",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "MAX_INFO_DEPTH",
+    "MAX_MANIFEST_BYTES",
+    "SUPPORTED_DTYPES",
+    "ArraySpec",
+    "FileSpec",
+    "Manifest",
+    "check_field_name",
+    "parse_manifest",
+    "read_manifest_file",
+    "storage_dtype",
+]
+
+FORMAT_NAME: Final = "guideloom-dataset"
+FORMAT_VERSION: Final = 1
+MANIFEST_NAME: Final = "manifest.json"
+CHECKSUM: Final = "sha256"
+MAX_MANIFEST_BYTES: Final = 64 * 2**20
+"""The largest manifest read or parsed. A manifest holds ~200 bytes per shard file, so this is
+room for ~300,000 shards; anything larger is damage or not a manifest, and is refused before it
+is read whole or parsed (parsed JSON takes several times its size in memory)."""
+MAX_INFO_DEPTH: Final = 64
+"""The deepest nesting of objects and lists in ``info``: deeper JSON could not be written back
+(a cache copy re-serialises the manifest) without risking the interpreter's recursion limit."""
+_MAX_INT: Final = 2**63 - 1  # element and byte counts: what a file offset (int64) can hold
+SUPPORTED_DTYPES: Final = (
+    "bool",
+    "uint8",
+    "int8",
+    "uint16",
+    "int16",
+    "uint32",
+    "int32",
+    "uint64",
+    "int64",
+    "float16",
+    "float32",
+    "float64",
+)
+_FIELD_RE: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,99}$")
+Kind = Literal["stream", "documents"]
+
+
+def storage_dtype(dtype: Any) -> np.dtype[Any]:
+    """The canonical little-endian dtype for ``dtype``, or a ``TypeError`` naming the choices."""
+    try:
+        dt = np.dtype(dtype)
+    except (TypeError, ValueError, SyntaxError) as exc:  # numpy parses some strings as Python syntax
+        raise TypeError(f"unknown dtype {_show(dtype)}; use one of {', '.join(SUPPORTED_DTYPES)}") from exc
+    if dt.name not in SUPPORTED_DTYPES:
+        raise TypeError(f"dtype {dt} cannot be stored; use one of {', '.join(SUPPORTED_DTYPES)}")
+    little: np.dtype[Any] = dt.newbyteorder("<")
+    return little
+
+
+def check_field_name(name: str) -> str:
+    if not isinstance(name, str) or not _FIELD_RE.match(name):
+        raise ValueError(
+            f"field name {name!r} is not allowed: use letters, digits, '_', '.' or '-', "
+            "starting with a letter or '_' (at most 100 characters)"
+        )
+    return name
+
+
+def _show(value: Any) -> str:
+    """``repr(value)``, cut short: a damaged manifest can hold megabytes where a name belongs."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+def _has_surrogates(text: str) -> bool:
+    """JSON can spell lone surrogates (``"\\ud800"``), which no file system path can hold."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _safe_relpath(path: Any, *, where: str) -> str:
+    """Refuse names that could escape the dataset folder."""
+    if not isinstance(path, str) or not path:
+        raise DatasetFormatError(f"{where}: file path must be a non-empty string, got {_show(path)}")
+    norm = posixpath.normpath(path)
+    if (
+        path.startswith(("/", "\\"))
+        or "\\" in path
+        or norm != path
+        or norm == ".."
+        or norm.startswith("../")
+        or ":" in path
+        or "\x00" in path
+        or not path.isprintable()
+        or _has_surrogates(path)
+    ):
+        raise DatasetFormatError(
+            f"{where}: file path {_show(path)} is not a plain relative path inside the dataset folder"
+        )
+    return path
+
+
+@dataclass(frozen=True, slots=True)
+class FileSpec:
+    """One shard file of an array."""
+
+    path: str
+    elements: int
+    nbytes: int
+    sha256: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "elements": self.elements, "bytes": self.nbytes, "sha256": self.sha256}
+
+
+@dataclass(frozen=True, slots=True)
+class ArraySpec:
+    """A 1-D array stored as consecutive shard files."""
+
+    dtype: np.dtype[Any]
+    files: tuple[FileSpec, ...]
+
+    @property
+    def length(self) -> int:
+        return sum(f.elements for f in self.files)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dtype": self.dtype.name, "files": [f.to_json() for f in self.files]}
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """A parsed, self-consistent manifest."""
+
+    kind: Kind
+    fields: dict[str, ArraySpec]
+    """``"tokens"`` first, then metadata fields in the order they were written."""
+    offsets: ArraySpec | None = None
+    """Documents only: ``num_documents + 1`` int64 offsets into ``tokens``."""
+    num_documents: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form user information (``info=`` on the writers), kept as written."""
+
+    @property
+    def tokens(self) -> ArraySpec:
+        return self.fields["tokens"]
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return self.tokens.dtype
+
+    @property
+    def num_elements(self) -> int:
+        return self.tokens.length
+
+    def all_files(self) -> list[tuple[str, ArraySpec, FileSpec]]:
+        out = [(name, spec, f) for name, spec in self.fields.items() for f in spec.files]
+        if self.offsets is not None:
+            out += [("offsets", self.offsets, f) for f in self.offsets.files]
+        return out
+
+    def to_json_bytes(self) -> bytes:
+        doc: dict[str, Any] = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "kind": self.kind,
+            "dtype": self.dtype.name,
+            "num_elements": self.num_elements,
+            "checksum": CHECKSUM,
+            "fields": {name: spec.to_json() for name, spec in self.fields.items()},
+        }
+        if self.kind == "documents":
+            assert self.offsets is not None
+            doc["num_documents"] = self.num_documents
+            doc["offsets"] = self.offsets.to_json()
+        if self.extra:
+            doc["info"] = self.extra
+        return (json.dumps(doc, indent=1, sort_keys=False) + "\n").encode()
+
+    @staticmethod
+    def from_json_bytes(data: bytes, *, source: str) -> Manifest:
+        """``parse_manifest(data, f"{source}/manifest.json")``: ``source`` is the dataset's folder or URL."""
+        return parse_manifest(data, f"{source}/{MANIFEST_NAME}")
+
+
+def _parse_array(raw: Any, *, where: str) -> ArraySpec:
+    if not isinstance(raw, dict):
+        raise DatasetFormatError(f"{where} must be an object with 'dtype' and 'files'")
+    name = raw.get("dtype")
+    try:
+        if not isinstance(name, str) or len(name) > 32:
+            raise TypeError(f"dtype must be a name such as 'uint16', got {_show(name)}")
+        dtype = storage_dtype(name)
+    except TypeError as exc:
+        raise DatasetFormatError(f"{where}: {exc}") from None
+    files_raw = raw.get("files")
+    if not isinstance(files_raw, list):
+        raise DatasetFormatError(f"{where}: 'files' must be a list")
+    files = []
+    for i, f in enumerate(files_raw):
+        fw = f"{where} files[{i}]"
+        if not isinstance(f, dict):
+            raise DatasetFormatError(f"{fw} must be an object")
+        path = _safe_relpath(f.get("path"), where=fw)
+        elements, nbytes, digest = f.get("elements"), f.get("bytes"), f.get("sha256")
+        if not (_is_count(elements) and _is_count(nbytes)):
+            raise DatasetFormatError(f"{fw}: 'elements' and 'bytes' must be integers >= 0 (and < 2**63)")
+        if nbytes != elements * dtype.itemsize:
+            raise DatasetFormatError(
+                f"{fw}: {elements} elements of {dtype} need {elements * dtype.itemsize} bytes, "
+                f"the manifest says {nbytes}"
+            )
+        if not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)):
+            raise DatasetFormatError(f"{fw}: 'sha256' must be 64 lowercase hex digits")
+        files.append(FileSpec(path=path, elements=elements, nbytes=nbytes, sha256=digest))
+    return ArraySpec(dtype=dtype, files=tuple(files))
+
+
+def _is_count(value: Any) -> TypeGuard[int]:
+    """An element or byte count: an int (not a bool) that a file offset (int64) can hold."""
+    return type(value) is int and 0 <= value <= _MAX_INT
+
+
+def _check_depth(value: Any, *, where: str) -> None:
+    """Refuse ``info`` nested deeper than :data:`MAX_INFO_DEPTH` (walked without recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth >= MAX_INFO_DEPTH:
+                    raise DatasetFormatError(f"{where}: 'info' is nested deeper than {MAX_INFO_DEPTH} levels")
+                stack.append((child, depth + 1))
+
+
+def _too_large(where: str, size: int) -> DatasetFormatError:
+    return DatasetFormatError(
+        f"{where} is {size} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may hold: "
+        "it is not a guideloom manifest, or it is damaged"
+    )
+
+
+def read_manifest_file(path: str | os.PathLike[str]) -> bytes:
+    """A local manifest's bytes, refused unread when larger than :data:`MAX_MANIFEST_BYTES`.
+
+    ``FileNotFoundError`` when it does not exist (the caller says what that means). At most
+    ``MAX_MANIFEST_BYTES + 1`` bytes are read, so a file that grows meanwhile is refused too.
+    """
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size <= MAX_MANIFEST_BYTES:
+            data = fh.read(MAX_MANIFEST_BYTES + 1)
+            if len(data) <= MAX_MANIFEST_BYTES:
+                return data
+            size = len(data)
+    raise _too_large(os.fspath(path), size)
+
+
+def parse_manifest(data: bytes, where: str) -> Manifest:
+    """Parse and check a manifest's bytes; every problem is a :class:`DatasetFormatError`.
+
+    ``where`` names the file in messages (a path or URL). The local and the remote readers both
+    call it on the bytes they got, so the size bound and every check hold for both.
+    """
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise _too_large(where, len(data))
+    try:
+        doc = json.loads(data)
+    except RecursionError:
+        raise DatasetFormatError(
+            f"{where} is not a guideloom manifest: its JSON is nested too deeply"
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DatasetFormatError(f"{where} is not valid JSON: {exc}") from None
+    except ValueError:  # int() refuses over 4300 digits (CPython's guard against quadratic parsing)
+        raise DatasetFormatError(
+            f"{where} is not a guideloom manifest: it holds an integer of thousands of digits"
+        ) from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise DatasetFormatError(f"{where} is not a guideloom dataset manifest")
+    version = doc.get("format_version")
+    if type(version) is not int or version != FORMAT_VERSION:
+        raise DatasetFormatError(
+            f"{where} has format_version {_show(version)}; this guideloom reads version "
+            f"{FORMAT_VERSION} (upgrade guideloom to read newer datasets)"
+        )
+    kind = doc.get("kind")
+    if kind not in ("stream", "documents"):
+        raise DatasetFormatError(f"{where}: kind must be 'stream' or 'documents', got {_show(kind)}")
+    raw_fields = doc.get("fields")
+    if not isinstance(raw_fields, dict) or "tokens" not in raw_fields:
+        raise DatasetFormatError(f"{where}: 'fields' must be an object with a 'tokens' entry")
+    fields = {"tokens": _parse_array(raw_fields["tokens"], where=f"{where} fields.tokens")}
+    for name, raw in raw_fields.items():
+        if name == "tokens":
+            continue
+        try:
+            check_field_name(name)
+        except ValueError as exc:
+            raise DatasetFormatError(f"{where}: {exc}") from None
+        fields[name] = _parse_array(raw, where=f"{where} fields.{name}")
+    length = fields["tokens"].length
+    num_elements = doc.get("num_elements")
+    if type(num_elements) is not int or num_elements != length:
+        raise DatasetFormatError(
+            f"{where}: num_elements {_show(num_elements)} does not match the "
+            f"{length} elements its token files hold"
+        )
+    if doc.get("dtype") != fields["tokens"].dtype.name:
+        raise DatasetFormatError(f"{where}: dtype {_show(doc.get('dtype'))} does not match fields.tokens")
+    offsets = None
+    num_documents = 0
+    if kind == "stream":
+        for name, spec in fields.items():
+            if spec.length != length:
+                raise DatasetFormatError(
+                    f"{where}: field {name!r} holds {spec.length} elements but the stream holds {length}"
+                )
+    else:
+        if len(fields) != 1:
+            raise DatasetFormatError(f"{where}: document datasets have only a 'tokens' field")
+        offsets = _parse_array(doc.get("offsets"), where=f"{where} offsets")
+        num_documents = doc.get("num_documents")  # type: ignore[assignment]
+        if not _is_count(num_documents):
+            raise DatasetFormatError(f"{where}: num_documents must be an integer >= 0 (and < 2**63)")
+        if offsets.dtype != np.dtype("<i8") or offsets.length != num_documents + 1:
+            raise DatasetFormatError(
+                f"{where}: offsets must be {num_documents + 1} int64 values, got "
+                f"{offsets.length} of {offsets.dtype}"
+            )
+    seen: set[str] = set()
+    for spec in [*fields.values(), *([offsets] if offsets else [])]:
+        for f in spec.files:
+            if f.path == MANIFEST_NAME or f.path in seen:
+                raise DatasetFormatError(f"{where}: file {f.path!r} is named twice")
+            seen.add(f.path)
+    extra = doc.get("info") or {}
+    if not isinstance(extra, dict):
+        raise DatasetFormatError(f"{where}: 'info' must be an object")
+    _check_depth(extra, where=where)
+    return Manifest(kind=kind, fields=fields, offsets=offsets, num_documents=num_documents, extra=extra)

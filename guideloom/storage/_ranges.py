@@ -1,0 +1,293 @@
+"""Range planning for object-store reads: a batched read as byte ranges per object, and back.
+
+A dataset's array is stored as shard objects laid end to end (:class:`Layout`). A batched read
+(windows of a stream, the spans of documents, single offsets) becomes *pieces*: bytes of one
+object that go to one place of the output block. Pieces of an object are sorted and coalesced
+into *ranges* (one HTTP range request each) when they are adjacent or at most ``coalesce_gap``
+bytes apart (or, under ``max_read_amplification``, the read's smallest gaps, within a byte
+budget: :func:`bridged_gap`), a range never exceeds ``max_request_bytes`` (a longer piece is
+cut into parts, which are then fetched in parallel), and ranges of one object are grouped into
+*jobs* of at most ``ranges_per_call`` ranges (one blocking ``get_ranges`` call on an I/O
+thread). :func:`fill` is the inverse: it copies each fetched range's pieces into the output
+block.
+
+Pure: no I/O, no obstore, no asyncio; the property tests in ``tests/storage/test_ranges.py``
+check it against direct slices of an in-memory byte array.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from guideloom.storage._manifest import ArraySpec
+
+__all__ = ["Job", "Layout", "Limits", "bridged_gap", "fill", "plan", "plan_spans", "plan_windows"]
+
+Array = npt.NDArray[Any]
+I64 = npt.NDArray[np.int64]
+U8 = npt.NDArray[np.uint8]
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """An array stored as shard objects: their dtype, paths and cumulative byte bounds."""
+
+    dtype: np.dtype[Any]
+    paths: tuple[str, ...]
+    bounds: I64  # len(paths) + 1 cumulative byte offsets, bounds[0] == 0
+
+    @staticmethod
+    def of(spec: ArraySpec) -> Layout:
+        return Layout.of_sizes(spec.dtype, [f.path for f in spec.files], [f.nbytes for f in spec.files])
+
+    @staticmethod
+    def of_sizes(dtype: Any, paths: Sequence[str], sizes: Sequence[int]) -> Layout:
+        bounds = np.cumsum([0, *sizes], dtype=np.int64)
+        return Layout(np.dtype(dtype), tuple(paths), bounds)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.bounds[-1])
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """How pieces become requests: coalescing distance, request size, job size.
+
+    ``max_read_amplification`` lets a read spend bytes to save requests: besides gaps of up to
+    ``coalesce_gap``, the smallest gaps between a read's pieces are bridged too, as long as all
+    bridged bytes stay within ``(max_read_amplification - 1)`` times the bytes asked for. A
+    dense read (a large read-ahead window of a shuffled epoch, sorted) then becomes a few large
+    requests, while a sparse one (samples far apart) stays one request per piece: the rule
+    depends on the read, not on a fixed distance. ``1.0`` bridges nothing beyond the gap.
+    """
+
+    coalesce_gap: int = 8 * 1024
+    max_request_bytes: int = 4 * 2**20
+    job_bytes: int = 16 * 2**20  # a job takes its bytes of the in-flight budget in one go
+    ranges_per_call: int = 10
+    max_read_amplification: float = 1.0
+
+
+def bridged_gap(k: I64, lo: I64, n: I64, limits: Limits) -> int:
+    """The largest gap to bridge between sorted pieces (``k``: shard, ``lo``: offset, ``n``:
+    length), under :attr:`Limits.max_read_amplification`: the smallest gaps first, until
+    their sum would pass the budget."""
+    gap = limits.coalesce_gap
+    if limits.max_read_amplification <= 1.0 or len(k) < 2:
+        return gap
+    # Pieces may overlap or nest (a sample read twice): a gap runs from the furthest end so far
+    # in its shard, and the budget is a share of the distinct bytes asked for.
+    ends = lo + n
+    span = int(ends.max()) + 1
+    reach = np.maximum.accumulate(k * span + ends) - k * span  # the furthest end so far, per shard
+    same = k[1:] == k[:-1]
+    before = np.where(same, reach[:-1], lo[1:])  # where each piece's shard was read up to
+    distinct = int(n[0]) + int(np.maximum(ends[1:] - np.maximum(lo[1:], before), 0).sum())
+    budget = (limits.max_read_amplification - 1.0) * float(distinct)
+    gaps = lo[1:] - reach[:-1]
+    gaps = gaps[same & (gaps > gap)]  # gaps the fixed rule does not bridge already
+    if not len(gaps):
+        return gap
+    gaps.sort()
+    spent = np.cumsum(gaps)
+    fits = int(np.searchsorted(spent, budget, side="right"))  # gaps[:fits] fit in the budget
+    if fits == 0:
+        return gap
+    if fits < len(gaps) and gaps[fits] == gaps[fits - 1]:
+        # equal gaps cannot be told apart by a threshold: bridge none of that size
+        fits = int(np.searchsorted(gaps, gaps[fits], side="left"))
+        if fits == 0:
+            return gap
+    return max(gap, int(gaps[fits - 1]))
+
+
+@dataclass(slots=True)
+class Job:
+    """Coalesced ranges of one object, fetched by one call, and where their bytes go."""
+
+    path: str
+    dest: U8
+    starts: list[int] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)
+    #: per range: (object offset, length, destination offset) of every piece it serves
+    pieces: list[list[tuple[int, int, int]]] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e - s for s, e in zip(self.starts, self.ends, strict=True))
+
+    def singles(self) -> list[Job]:
+        """One job per range (a failed multi-range call is retried range by range)."""
+        return [
+            Job(self.path, self.dest, [s], [e], [p])
+            for s, e, p in zip(self.starts, self.ends, self.pieces, strict=True)
+        ]
+
+
+def _pieces(layout: Layout, starts: I64, lengths: I64, dest_offsets: I64) -> tuple[I64, I64, I64, I64]:
+    """Bytes ``[s, s+n)`` of the array as (shard, offset in shard, length, destination) pieces,
+    cut at shard boundaries."""
+    keep = lengths > 0
+    starts, lengths, dest_offsets = starts[keep], lengths[keep], dest_offsets[keep]
+    bounds = layout.bounds
+    ends = starts + lengths
+    if len(starts) and (int(ends.max()) > int(bounds[-1]) or int(starts.min()) < 0):
+        raise IndexError(
+            f"a read of bytes [{int(starts.min())}, {int(ends.max())}) reaches outside the stored "
+            f"{int(bounds[-1])} bytes"
+        )
+    shard = np.searchsorted(bounds, starts, side="right") - 1
+    inside = ends <= bounds[np.minimum(shard + 1, len(bounds) - 1)]
+    k, lo, n, d = shard[inside], starts[inside] - bounds[shard[inside]], lengths[inside], dest_offsets[inside]
+    extra: list[tuple[int, int, int, int]] = []
+    for i in np.flatnonzero(~inside).tolist():  # pieces that cross a shard boundary
+        s, e, off = int(starts[i]), int(ends[i]), int(dest_offsets[i])
+        while s < e:
+            kk = int(np.searchsorted(bounds, s, side="right")) - 1
+            stop = min(e, int(bounds[kk + 1]))
+            extra.append((kk, s - int(bounds[kk]), stop - s, off))
+            off += stop - s
+            s = stop
+    if extra:
+        ex = np.asarray(extra, dtype=np.int64)
+        k, lo, n, d = (np.concatenate([a, ex[:, j]]) for j, a in enumerate((k, lo, n, d)))
+    return k, lo, n, d
+
+
+def _cut(k: I64, lo: I64, n: I64, d: I64, cap: int) -> tuple[I64, I64, I64, I64]:
+    """Pieces longer than ``cap`` as parts of at most ``cap`` bytes (fetched in parallel)."""
+    if not len(n) or int(n.max()) <= cap:
+        return k, lo, n, d
+    parts: list[tuple[int, int, int, int]] = []
+    for i in np.flatnonzero(n > cap).tolist():
+        for j in range(0, int(n[i]), cap):
+            parts.append((int(k[i]), int(lo[i]) + j, min(cap, int(n[i]) - j), int(d[i]) + j))
+    small = n <= cap
+    ex = np.asarray(parts, dtype=np.int64)
+    k, lo, n, d = (np.concatenate([a[small], ex[:, j]]) for j, a in enumerate((k, lo, n, d)))
+    return k, lo, n, d
+
+
+def plan(
+    layout: Layout,
+    starts: I64,
+    lengths: I64,
+    dest_offsets: I64,
+    *,
+    dest: U8,
+    limits: Limits,
+    jobs: list[Job],
+) -> None:
+    """Append to ``jobs`` what copies bytes ``[s, s+n)`` of ``layout`` to ``dest[d:d+n]``, for
+    each ``(s, n, d)`` of ``starts``, ``lengths``, ``dest_offsets`` (byte units)."""
+    k, lo, n, d = _pieces(
+        layout,
+        np.asarray(starts, dtype=np.int64),
+        np.asarray(lengths, dtype=np.int64),
+        np.asarray(dest_offsets, dtype=np.int64),
+    )
+    if not len(k):
+        return
+    cap = limits.max_request_bytes
+    k, lo, n, d = _cut(k, lo, n, d, cap)
+    order = np.lexsort((lo, k))
+    gap = bridged_gap(k[order], lo[order], n[order], limits)
+    ks, los, ns, ds = (a[order].tolist() for a in (k, lo, n, d))
+    job: Job | None = None
+    cur_k = cur_s = cur_e = -1
+    cur_pieces: list[tuple[int, int, int]] = []
+
+    def flush() -> None:
+        nonlocal job
+        if not cur_pieces:
+            return
+        path = layout.paths[cur_k]
+        if (
+            job is None
+            or job.path != path
+            or len(job.starts) >= limits.ranges_per_call
+            or job.nbytes + (cur_e - cur_s) > limits.job_bytes
+        ):
+            job = Job(path, dest)
+            jobs.append(job)
+        job.starts.append(cur_s)
+        job.ends.append(cur_e)
+        job.pieces.append(list(cur_pieces))
+
+    for kk, s, ln, off in zip(ks, los, ns, ds, strict=True):
+        e = s + ln
+        if kk == cur_k and s <= cur_e + gap and max(cur_e, e) - cur_s <= cap:
+            cur_e = max(cur_e, e)
+            cur_pieces.append((s, ln, off))
+            continue
+        flush()
+        cur_k, cur_s, cur_e = kk, s, e
+        cur_pieces = [(s, ln, off)]
+    flush()
+
+
+def plan_windows(
+    layouts: Mapping[str, Layout], starts: I64, length: int, limits: Limits
+) -> tuple[list[Job], dict[str, Array]]:
+    """Jobs that read elements ``[s, s+length)`` of every array, and the ``(n, length)`` blocks
+    they fill (one per array, in the arrays' own dtypes)."""
+    starts = np.asarray(starts, dtype=np.int64)
+    n = len(starts)
+    jobs: list[Job] = []
+    outs: dict[str, Array] = {}
+    for name, layout in layouts.items():
+        item = layout.dtype.itemsize
+        out = np.empty((n, length), dtype=layout.dtype)
+        outs[name] = out
+        row = length * item
+        plan(
+            layout,
+            starts * item,
+            np.full(n, row, dtype=np.int64),
+            np.arange(n, dtype=np.int64) * row,
+            dest=out.reshape(-1).view(np.uint8),
+            limits=limits,
+            jobs=jobs,
+        )
+    return jobs, outs
+
+
+def plan_spans(layout: Layout, starts: I64, stops: I64, limits: Limits) -> tuple[list[Job], Array, list[int]]:
+    """Jobs that read elements ``[starts[i], stops[i])`` back to back into one flat buffer, the
+    buffer, and each span's bounds in it (``len(starts) + 1`` of them)."""
+    starts = np.asarray(starts, dtype=np.int64)
+    lengths = np.asarray(stops, dtype=np.int64) - starts
+    item = layout.dtype.itemsize
+    pos = np.zeros(len(starts) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=pos[1:])
+    flat = np.empty(int(pos[-1]), dtype=layout.dtype)
+    jobs: list[Job] = []
+    plan(
+        layout,
+        starts * item,
+        lengths * item,
+        pos[:-1] * item,
+        dest=flat.view(np.uint8),
+        limits=limits,
+        jobs=jobs,
+    )
+    return jobs, flat, pos.tolist()
+
+
+def fill(job: Job, buffers: Sequence[Any]) -> None:
+    """Copy the pieces of each fetched range (``buffers[i]`` holds ``[starts[i], ends[i])``)."""
+    if len(buffers) != len(job.starts):
+        raise ValueError(f"{len(buffers)} buffers for {len(job.starts)} ranges")
+    dest = job.dest
+    for buf, base, end, pieces in zip(buffers, job.starts, job.ends, job.pieces, strict=True):
+        src = np.frombuffer(memoryview(buf), dtype=np.uint8)
+        if src.nbytes != end - base:
+            raise ValueError(f"a buffer of {src.nbytes} bytes for a range of {end - base}")
+        for s, ln, off in pieces:
+            dest[off : off + ln] = src[s - base : s - base + ln]

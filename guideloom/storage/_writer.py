@@ -1,0 +1,290 @@
+"""Writers for stream and document datasets.
+
+They stream their input (one chunk in memory at a time), check that every value fits the stored
+dtype (nothing is silently truncated), shard the data files, hash them on the way, and commit the
+manifest last, atomically. New data files get fresh names, so a failed or interrupted overwrite
+leaves the previous dataset readable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator, Mapping
+from typing import IO, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from guideloom.storage._manifest import ArraySpec, FileSpec, Manifest, check_field_name, storage_dtype
+from guideloom.storage._sinks import Sink
+
+__all__ = ["DEFAULT_SHARD_BYTES", "write_documents_to", "write_stream_to"]
+
+DEFAULT_SHARD_BYTES = 256 * 2**20
+_WRITE_BLOCK = 8 * 2**20
+Array = npt.NDArray[Any]
+
+
+def _one_array(data: Any) -> Array | None:
+    """``data`` as one 1-D array where it is one (a list or tuple of numbers, a 1-D tensor or
+    other array-like), else None (an iterable of arrays)."""
+    if isinstance(data, (list, tuple)):
+        if data and all(np.ndim(x) == 0 for x in data):
+            return np.asarray(data)
+        return None
+    if hasattr(data, "__array__") and not isinstance(data, Iterator):
+        whole = np.asarray(data)
+        if whole.ndim == 1 and whole.dtype != object:
+            return whole
+    return None
+
+
+def _chunks_of(name: str, data: npt.ArrayLike | Iterable[npt.ArrayLike]) -> Iterator[Array]:
+    """Accept one array or an iterable of arrays; yield 1-D arrays."""
+    if isinstance(data, np.ndarray):
+        if data.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {data.shape}")
+        yield data
+        return
+    if isinstance(data, (str, bytes)):
+        raise TypeError(
+            f"{name} must be a numpy array or an iterable of 1-D arrays, got {type(data).__name__}"
+        )
+    whole = _one_array(data)
+    if whole is not None:  # a list of numbers or a 1-D tensor: one chunk, not chunks of scalars
+        yield whole
+        return
+    try:
+        it = iter(data)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"{name} must be a numpy array or an iterable of 1-D arrays, got {type(data).__name__}"
+        ) from None
+    for i, chunk in enumerate(it):
+        arr = np.asarray(chunk)
+        if arr.ndim != 1:
+            raise ValueError(f"{name}: chunk {i} must be 1-D, got shape {arr.shape}")
+        yield arr
+
+
+def _fit(name: str, index: int, chunk: Array, dtype: np.dtype[Any]) -> Array:
+    """Cast ``chunk`` to ``dtype`` only if no value changes; else say which dtype would hold it."""
+    if chunk.dtype == dtype:
+        return chunk
+    if chunk.dtype.kind not in "biuf":
+        raise TypeError(
+            f"{name}: chunk {index} has dtype {chunk.dtype}; only numbers and booleans can be stored"
+        )
+    if chunk.size == 0 or np.can_cast(chunk.dtype, dtype, casting="safe"):
+        return chunk.astype(dtype)
+    cast = chunk.astype(dtype)
+    back = cast.astype(chunk.dtype) if chunk.dtype.kind != "b" else cast.astype(bool)
+    if not np.array_equal(back, chunk):
+        lo, hi = chunk.min(), chunk.max()
+        raise ValueError(
+            f"{name}: chunk {index} holds values in [{lo}, {hi}] that {dtype} cannot represent "
+            f"exactly; pass a dtype that holds them (e.g. dtype=np.{_holding(lo, hi, chunk.dtype)})"
+        )
+    return cast
+
+
+def _holding(lo: Any, hi: Any, given: np.dtype[Any]) -> str:
+    """The smallest storable dtype that holds ``[lo, hi]`` (floats stay floats)."""
+    if given.kind == "f" and not (float(lo).is_integer() and float(hi).is_integer()):
+        return "float64"
+    for name in ("uint8", "uint16", "uint32", "uint64") if lo >= 0 else ("int8", "int16", "int32", "int64"):
+        info = np.iinfo(name)
+        if info.min <= lo and hi <= info.max:
+            return name
+    return "float64"
+
+
+class _ArrayWriter:
+    """Appends chunks of one array into shard files, hashing as it goes."""
+
+    def __init__(
+        self, sink: Sink, name: str, dtype: np.dtype[Any], shard_bytes: int, written: list[str]
+    ) -> None:
+        self.sink, self.name, self.dtype = sink, name, dtype
+        self.shard_elements = max(1, shard_bytes // dtype.itemsize)
+        self.files: list[FileSpec] = []
+        self._written = written
+        self._fh: IO[bytes] | None = None
+        self._hash = hashlib.sha256()
+        self._count = 0
+        self._path = ""
+
+    def _roll(self) -> None:
+        self._finish_file()
+        self._path = f"{self.name}-{self.sink.write_id}-{len(self.files):05d}.bin"
+        self._written.append(self._path)
+        self._fh = self.sink.open_file(self._path)
+        self._hash = hashlib.sha256()
+        self._count = 0
+
+    def _finish_file(self) -> None:
+        if self._fh is None:
+            return
+        self._fh.close()
+        self.files.append(
+            FileSpec(self._path, self._count, self._count * self.dtype.itemsize, self._hash.hexdigest())
+        )
+        self._fh = None
+
+    def append(self, chunk: Array) -> None:
+        data = np.ascontiguousarray(chunk, dtype=self.dtype)
+        pos = 0
+        while pos < len(data):
+            if self._fh is None or self._count == self.shard_elements:
+                self._roll()
+            assert self._fh is not None
+            take = min(
+                len(data) - pos, self.shard_elements - self._count, _WRITE_BLOCK // self.dtype.itemsize
+            )
+            view = data[pos : pos + take].data.cast("B")
+            self._fh.write(view)
+            self._hash.update(view)
+            self._count += take
+            pos += take
+
+    def discard(self) -> None:
+        """Close the open file of a write that failed (the sink removes the files)."""
+        if self._fh is not None:
+            getattr(self._fh, "discard", self._fh.close)()  # an upload is dropped, not completed
+            self._fh = None
+
+    def finish(self) -> ArraySpec:
+        if self._fh is None and not self.files:
+            self._roll()  # an empty array still gets one (empty) file
+        self._finish_file()
+        return ArraySpec(dtype=self.dtype, files=tuple(self.files))
+
+
+def _write_array(
+    sink: Sink, name: str, data: Any, dtype: Any, shard_bytes: int, written: list[str], progress: Any = None
+) -> ArraySpec:
+    chunks = _chunks_of(name, data)
+    first = next(chunks, None)
+    target = storage_dtype(dtype if dtype is not None else (first.dtype if first is not None else np.int64))
+    writer = _ArrayWriter(sink, name, target, shard_bytes, written)
+    try:
+        return _append_all(writer, name, first, chunks, target, progress)
+    except BaseException:
+        writer.discard()
+        raise
+
+
+def _append_all(
+    writer: _ArrayWriter,
+    name: str,
+    first: Array | None,
+    chunks: Iterator[Array],
+    target: np.dtype[Any],
+    progress: Any,
+) -> ArraySpec:
+    if first is not None:
+        writer.append(_fit(name, 0, first, target))
+        if progress is not None:
+            progress(len(first))
+        for i, chunk in enumerate(chunks, start=1):
+            writer.append(_fit(name, i, chunk, target))
+            if progress is not None:
+                progress(len(chunk))
+    return writer.finish()
+
+
+def _check_shard_bytes(shard_bytes: int) -> int:
+    if not isinstance(shard_bytes, int) or shard_bytes < 1:
+        raise ValueError(f"shard_bytes must be a positive integer, got {shard_bytes!r}")
+    return shard_bytes
+
+
+def write_stream_to(
+    sink: Sink,
+    chunks: npt.ArrayLike | Iterable[npt.ArrayLike],
+    *,
+    dtype: Any = None,
+    metadata: Mapping[str, npt.ArrayLike | Iterable[npt.ArrayLike]] | None = None,
+    metadata_dtypes: Mapping[str, Any] | None = None,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    overwrite: bool = False,
+    info: Mapping[str, Any] | None = None,
+    progress: Any = None,
+) -> Manifest:
+    """Write a stream dataset to ``sink``; see :func:`guideloom.write_stream`."""
+    _check_shard_bytes(shard_bytes)
+    metadata = dict(metadata or {})
+    for name in metadata:
+        if name == "tokens":
+            raise ValueError('metadata cannot use the field name "tokens"')
+        check_field_name(name)
+    replaced = sink.prepare(overwrite=overwrite)
+    written: list[str] = []
+    try:
+        fields = {"tokens": _write_array(sink, "tokens", chunks, dtype, shard_bytes, written, progress)}
+        for name, data in metadata.items():
+            spec = _write_array(sink, name, data, (metadata_dtypes or {}).get(name), shard_bytes, written)
+            if spec.length != fields["tokens"].length:
+                raise ValueError(
+                    f"metadata[{name!r}] has {spec.length} elements but the stream has "
+                    f"{fields['tokens'].length}; every metadata field must be as long as the stream"
+                )
+            fields[name] = spec
+        manifest = Manifest(kind="stream", fields=fields, extra=dict(info or {}))
+        sink.commit(manifest, replaced)
+    except BaseException:
+        sink.abort(written)
+        raise
+    return manifest
+
+
+def write_documents_to(
+    sink: Sink,
+    documents: Iterable[npt.ArrayLike],
+    *,
+    dtype: Any = None,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    overwrite: bool = False,
+    info: Mapping[str, Any] | None = None,
+    progress: Any = None,
+) -> Manifest:
+    """Write a document dataset to ``sink``; see :func:`guideloom.write_documents`."""
+    _check_shard_bytes(shard_bytes)
+    if _one_array(documents) is not None:
+        raise TypeError(
+            "documents must be an iterable of 1-D arrays (one per document), not one 1-D array; "
+            "wrap a single document in a list"
+        )
+    replaced = sink.prepare(overwrite=overwrite)
+    written: list[str] = []
+    offsets_writer = _ArrayWriter(sink, "offsets", np.dtype("<i8"), shard_bytes, written)
+    pending: list[int] = [0]
+    state = {"end": 0, "count": 0}
+
+    def counted() -> Iterator[Array]:
+        for doc in _chunks_of("documents", documents):
+            state["end"] += len(doc)
+            state["count"] += 1
+            pending.append(state["end"])
+            if len(pending) >= 65536:  # offsets go out in blocks: memory stays bounded
+                offsets_writer.append(np.asarray(pending, dtype=np.int64))
+                pending.clear()
+            yield doc
+
+    try:
+        tokens = _write_array(sink, "tokens", counted(), dtype, shard_bytes, written, progress)
+        offsets_writer.append(np.asarray(pending, dtype=np.int64))
+        offsets_spec = offsets_writer.finish()
+        manifest = Manifest(
+            kind="documents",
+            fields={"tokens": tokens},
+            offsets=offsets_spec,
+            num_documents=state["count"],
+            extra=dict(info or {}),
+        )
+        sink.commit(manifest, replaced)
+    except BaseException:
+        offsets_writer.discard()
+        sink.abort(written)
+        raise
+    return manifest

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-from guideloom._datasets.base import DatasetAbstract, DocumentDataset, MapDataset, StreamDataset
-from guideloom._datasets.mixture import Mixture, mix
-from guideloom._datasets.packing import PackedDataset, PackedRows, pack
+from guideloom._datasets import (
+    DatasetAbstract,
+    DocumentDataset,
+    MapDataset,
+    Mixture,
+    PackedDataset,
+    PackedRows,
+    StreamDataset,
+    mix,
+    pack,
+)
 from guideloom._errors import (
     DatasetFormatError,
     DatasetIntegrityError,
@@ -14,9 +22,17 @@ from guideloom._errors import (
     WorkerError,
 )
 from guideloom.pytorch import StatefulDataLoader
-from guideloom.storage._api import open_documents, open_stream, verify_dataset, write_documents, write_stream
-from guideloom.storage._memory import MemoryDocumentStorage, MemoryStreamStorage
-from guideloom.storage.base import DocumentStorageAbstract, StreamStorageAbstract
+from guideloom.storage import (
+    DocumentStorageAbstract,
+    MemoryDocumentStorage,
+    MemoryStreamStorage,
+    StreamStorageAbstract,
+    open_documents,
+    open_stream,
+    verify_dataset,
+    write_documents,
+    write_stream,
+)
 from guideloom.types import StatefulDataLoaderStateDict
 
 __version__ = "0.1.0"

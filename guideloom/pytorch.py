@@ -7,9 +7,9 @@ runs the pipeline of :mod:`guideloom._runtime.pipeline` in the caller's thread, 
 position advances only when a batch is handed to the consumer, so ``state_dict()`` never counts
 prefetched batches.
 
-What the facade delegates lives beside it: argument checks in :mod:`guideloom._core.checks`, the
-epoch order and the checkpoint in :mod:`guideloom._core.checkpoint`, opening, closing and the worker
-pool in :mod:`guideloom._loader.lifecycle`, and ``stats()`` in :mod:`guideloom._loader.figures`.
+What the facade delegates lives in :mod:`guideloom._loader`: argument checks (``arguments``), the
+epoch order and the checkpoint (``state``, over the pure checks of :mod:`guideloom._core.checkpoint`),
+opening, closing and the worker pool (``lifecycle``), and ``stats()`` (``figures``).
 """
 
 from __future__ import annotations
@@ -20,14 +20,15 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypeVar, Unpack, cast, overload
 
-from guideloom._core.checkpoint import CheckpointState, identity_to_restore, restore_position, save_state
-from guideloom._core.checks import check_loader_arguments
+from guideloom._core.checkpoint import CheckpointState, restore_position
 from guideloom._core.order import DEFAULT_WINDOW
 from guideloom._core.plan import num_batches
-from guideloom._datasets.base import DatasetAbstract, SourceT, dataset_for
+from guideloom._datasets import DatasetAbstract, SourceT, dataset_for
+from guideloom._loader.arguments import check_loader_arguments
 from guideloom._loader.figures import LoaderFigures
 from guideloom._loader.iterators import AsyncIterator, SyncIterator, sync_iterator
 from guideloom._loader.lifecycle import Lifecycle
+from guideloom._loader.state import block_size, identity_to_restore, save_state, window
 from guideloom.storage.base import DocumentStorageAbstract, InT, OutT, StreamStorageAbstract
 from guideloom.types import LoaderOptions, StatefulDataLoaderStateDict
 
@@ -269,7 +270,10 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         included), which is what an epoch costs. A mixture adds ``source_epoch/<name>``: the
         epoch each of its sources is in at the current position.
         """
-        return self._figures.report(self)
+        out = self._figures.report(self.dataset, epoch=self._ckpt.epoch, offset=self._ckpt.offset)
+        out["shuffle_block_size"] = block_size(self)
+        out["shuffle_window"] = window(self)
+        return out
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> StatefulDataLoaderStateDict:

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 import guideloom as gl
-from guideloom._core.checkpoint import LoaderIdentity, dataset_fingerprint, restore_position
+from guideloom._core.checkpoint import LoaderIdentity, restore_position
 
 
 def _identity(
     dataset: Any, *, shuffle: bool = False, seed: int | None = 0, drop_last: bool = True
 ) -> LoaderIdentity:
     return LoaderIdentity(
-        shuffle=shuffle, shuffle_seed=seed, drop_last=drop_last, fingerprint=dataset_fingerprint(dataset)
+        shuffle=shuffle, shuffle_seed=seed, drop_last=drop_last, fingerprint=dataset.fingerprint()
     )
 
 
@@ -28,7 +28,7 @@ def _state(dataset: Any, epoch: int = 0, offset: int = 0, **extra: Any) -> dict[
         "shuffle": False,
         "shuffle_seed": 0,
         "drop_last": True,
-        "dataset": dict(dataset_fingerprint(dataset)),
+        "dataset": dict(dataset.fingerprint()),
         **extra,
     }
 
@@ -38,17 +38,17 @@ def _stream(n: int, length: int = 8) -> gl.StreamDataset[Any]:
 
 
 def test_fingerprint_of_stream_and_documents(tmp_path: Path) -> None:
-    fp = dataset_fingerprint(_stream(100, 8))
+    fp = _stream(100, 8).fingerprint()
     assert fp == {"kind": "stream", "observations": 12, "sequence_length": 8, "digest": ""}
     docs = gl.DocumentDataset(gl.MemoryDocumentStorage([np.arange(3), np.arange(5)]))
-    assert dataset_fingerprint(docs) == {
+    assert docs.fingerprint() == {
         "kind": "documents",
         "observations": 2,
         "sequence_length": 0,
         "digest": "",
     }
     gl.write_stream(tmp_path / "a", np.arange(1000, dtype=np.uint16))
-    written = dataset_fingerprint(gl.StreamDataset(gl.open_stream(tmp_path / "a"), 10))
+    written = gl.StreamDataset(gl.open_stream(tmp_path / "a"), 10).fingerprint()
     assert len(written["digest"]) == 16 and written["observations"] == 100
 
 
@@ -58,7 +58,7 @@ def test_digest_follows_the_data(tmp_path: Path) -> None:
     gl.write_stream(tmp_path / "c", np.arange(1000, dtype=np.uint16))
 
     def digest(name: str) -> str:
-        return dataset_fingerprint(gl.StreamDataset(gl.open_stream(tmp_path / name), 10))["digest"]
+        return gl.StreamDataset(gl.open_stream(tmp_path / name), 10).fingerprint()["digest"]
 
     assert digest("a") == digest("c")  # same content, same files: same digest
     assert digest("a") != digest("b")  # same sizes, other tokens

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from guideloom._core.checks import check_bool, check_device, check_int, check_optional_int
+from guideloom._core.checks import check_bool, check_int, check_optional_int
+from guideloom._loader.arguments import check_device
 
 
 @pytest.mark.parametrize("value", [3, np.int64(3), np.int32(3), np.uint8(3)])

@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from guideloom.storage import _local as local
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
 from guideloom._datasets.packing import PackMode, _BestFitLayout, _Pieces
+from guideloom.storage import _local as local
 from guideloom.storage.base import Spans
 
 KEYS = ("tokens", "doc_ids", "segment_ids", "position_ids")

@@ -96,7 +96,7 @@ def _epoch_and_states(storage: Any, n_steps: int | None = None, **kw: Any) -> tu
 
 
 def test_reads_inline_only_where_the_blocking_read_is_the_read() -> None:
-    from guideloom._datasets.base import StreamDataset
+    from guideloom._datasets import StreamDataset
 
     assert StreamDataset(gl.MemoryStreamStorage(np.arange(8)), 4).reads_inline
     # A subclass that overrides only read_many: its own read must be called, so not inline.
@@ -184,7 +184,7 @@ def test_inline_pipeline_reports_a_collate_error_at_its_batch_and_stops() -> Non
 
 
 def test_a_dataset_subclass_that_overrides_read_many_is_read_through_it() -> None:
-    from guideloom._datasets.base import StreamDataset
+    from guideloom._datasets import StreamDataset
 
     class Augmented(StreamDataset[Any]):
         async def read_many(self, indices: np.ndarray) -> Any:

@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
-from guideloom._runtime import threads as _thread_workers
 from guideloom._core.plan import EpochPlan, Permutation
 from guideloom._loader.iterators import ThreadWorkerIterator
+from guideloom._runtime import threads as _thread_workers
 from guideloom._runtime.pipeline import InlinePipeline, PipelineConfig
 from guideloom._runtime.threads import ThreadWorkerPipeline, _Chooser
 

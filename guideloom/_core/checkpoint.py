@@ -8,85 +8,24 @@ match is refused unless the caller says the change is on purpose. Everything is 
 bools, strings and None (``torch.load(..., weights_only=True)`` and
 ``torch.distributed.checkpoint`` take it as is) and nothing depends on the rank.
 
-The loader-facing half (:func:`save_state`, :func:`identity_to_restore`, :func:`epoch_order`) is what
-:class:`~guideloom.pytorch.StatefulDataLoader`'s checkpoint methods call: the order of an epoch
-is built from the same resolved shuffle blocks that a checkpoint records, so both live here.
-
-Pure: no I/O beyond reading the manifest a storage already holds.
+Pure: the loader's side (what it saves, what it checks a checkpoint against) is
+:mod:`guideloom._loader.state`; each dataset computes its own fingerprint.
 """
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from guideloom._core.order import Order, make_order, resolve_block_size
-from guideloom._datasets.base import DatasetAbstract
-from guideloom.types import DatasetFingerprint, StatefulDataLoaderStateDict
-
-if TYPE_CHECKING:
-    from guideloom.pytorch import StatefulDataLoader
+from guideloom.types import DatasetFingerprint
 
 __all__ = [
     "CheckpointState",
     "LoaderIdentity",
-    "block_size",
-    "dataset_fingerprint",
-    "epoch_order",
-    "identity_to_restore",
     "restore_position",
-    "save_state",
-    "window",
 ]
-
-
-def _manifest_digest(storage: Any) -> str:
-    """A short digest of a written dataset's manifest: its kind, dtype, fields, and every data
-    file's length and checksum in order (not its name, which each write draws afresh), so the
-    same data written twice, or copied to a bucket, has the same digest; ``""`` for a storage
-    without a manifest (in memory)."""
-    manifest = getattr(storage, "manifest", None)
-    if manifest is None or not hasattr(manifest, "all_files"):
-        return ""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(
-        f"{manifest.kind}:{manifest.dtype.name}:{manifest.num_elements}:{manifest.num_documents}".encode()
-    )
-    for name, spec, f in manifest.all_files():
-        h.update(f"\n{name}:{spec.dtype.name}:{f.elements}:{f.sha256}".encode())
-    return h.hexdigest()
-
-
-def dataset_fingerprint(dataset: Any) -> DatasetFingerprint:
-    """What identifies ``dataset`` for a checkpoint: its kind (``"packed-concat"`` and
-    ``"packed-best_fit"`` for packed documents), number of observations, sequence length (0 for
-    documents) and manifest digest (for a mixture: a digest of its sources' fingerprints, names,
-    weights and epoch length)."""
-    from guideloom._datasets.base import DocumentDataset, StreamDataset
-    from guideloom._datasets.mixture import Mixture
-    from guideloom._datasets.packing import PackedDataset
-
-    if isinstance(dataset, Mixture):  # its sources' fingerprints, names and weights in one digest
-        return DatasetFingerprint(
-            kind="mixture", observations=len(dataset), sequence_length=0, digest=dataset.fingerprint_digest()
-        )
-    if isinstance(dataset, PackedDataset):  # another packing counts other sequences
-        kind, sequence_length = f"packed-{dataset.mode}", dataset.sequence_length
-    elif isinstance(dataset, StreamDataset):
-        kind, sequence_length = "stream", dataset.sequence_length
-    elif isinstance(dataset, DocumentDataset):
-        kind, sequence_length = "documents", 0
-    else:
-        kind, sequence_length = type(dataset).__name__, int(getattr(dataset, "sequence_length", 0) or 0)
-    return DatasetFingerprint(
-        kind=kind,
-        observations=len(dataset),
-        sequence_length=sequence_length,
-        digest=_manifest_digest(getattr(dataset, "storage", None)),
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +141,6 @@ def _warn_order_changes(state_dict: Mapping[str, Any], current: LoaderIdentity) 
             )
 
 
-# -- the loader's side: its order, its checkpoint -------------------------------------------------
 @dataclass(slots=True)
 class CheckpointState:
     """What a loader's checkpoint is made of, apart from its parameters: its position (advanced by
@@ -214,88 +152,3 @@ class CheckpointState:
     """``observation_offset``: observations of the epoch delivered, across all ranks."""
     order_seed: int = 0
     fingerprint: DatasetFingerprint | None = None
-
-
-def block_size(loader: StatefulDataLoader[Any, Any]) -> int:
-    """Samples per shuffle block, ``shuffle_block_size`` resolved (``"auto"``: the storage's).
-
-    Without shuffle the order is the identity, and a dataset that makes its own order (a
-    mixture) ignores blocks: 1 for both, whatever was asked (nothing to record or warn about).
-    """
-    if not loader.shuffle or type(loader.dataset).order is not DatasetAbstract.order:
-        return 1
-    if loader.shuffle_block_size != "auto":  # the storage is asked only for "auto"
-        return resolve_block_size(loader.shuffle_block_size, block_bytes=None, sample_nbytes=0)
-    return resolve_block_size(
-        "auto",
-        block_bytes=getattr(loader.dataset.storage, "shuffle_block_bytes", None),
-        sample_nbytes=loader.dataset.sample_nbytes_hint(),
-    )
-
-
-def window(loader: StatefulDataLoader[Any, Any]) -> int:
-    """Blocks per mixing window that the order uses (1 where blocks are single samples)."""
-    return loader.shuffle_window if block_size(loader) > 1 else 1
-
-
-def epoch_order(loader: StatefulDataLoader[Any, Any], epoch: int) -> Order:
-    """The order of ``epoch``: the dataset's own where it makes one (a mixture), otherwise
-    identity, global row shuffle or block shuffle."""
-    own = loader.dataset.order(shuffle=loader.shuffle, seed=loader._ckpt.order_seed, epoch=epoch)
-    if own is not None:
-        return own
-    return make_order(
-        len(loader.dataset),
-        shuffle=loader.shuffle,
-        seed=loader._ckpt.order_seed,
-        epoch=epoch,
-        block_size=block_size(loader),
-        window=window(loader),
-    )
-
-
-def _loader_fingerprint(loader: StatefulDataLoader[Any, Any]) -> DatasetFingerprint:
-    """The dataset's fingerprint, computed once while open (a manifest digest walks every
-    file entry; a storage may know its length only once open)."""
-    if loader._ckpt.fingerprint is not None:
-        return loader._ckpt.fingerprint
-    fp = dataset_fingerprint(loader.dataset)
-    if loader._life.state != "closed":
-        loader._ckpt.fingerprint = fp
-    return fp
-
-
-def save_state(loader: StatefulDataLoader[Any, Any]) -> StatefulDataLoaderStateDict:
-    """``loader.state_dict()``: its position and what the position means."""
-    state = StatefulDataLoaderStateDict(
-        epoch=loader._ckpt.epoch,
-        observation_offset=loader._ckpt.offset,
-        shuffle=loader.shuffle,
-        shuffle_seed=loader.shuffle_seed,
-        drop_last=loader.drop_last,
-        dataset=_loader_fingerprint(loader),
-    )
-    block = block_size(loader)
-    if block > 1:  # a global shuffle's checkpoint stays as it was: no key means blocks of 1
-        state["shuffle_block_size"] = block
-        state["shuffle_window"] = window(loader)
-    return state
-
-
-def identity_to_restore(loader: StatefulDataLoader[Any, Any]) -> LoaderIdentity:
-    """What ``loader.load_state_dict()`` checks a checkpoint against (under the loader's lock;
-    refused while an iterator is active). The method calls :func:`restore_position` itself, so
-    that its warnings point at the caller's line."""
-    if loader._life.active.get() is not None:
-        raise RuntimeError(
-            "load_state_dict() was called while an iterator on this loader is active; "
-            "exhaust or close the iterator first, then load the checkpoint"
-        )
-    return LoaderIdentity(
-        loader.shuffle,
-        loader.shuffle_seed,
-        loader.drop_last,
-        _loader_fingerprint(loader),
-        shuffle_block_size=block_size(loader),
-        shuffle_window=window(loader),
-    )

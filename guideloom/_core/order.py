@@ -22,13 +22,22 @@ offset) are closed forms, and a lookup costs O(1) time and memory at any positio
 
 from __future__ import annotations
 
-import hashlib
 from typing import Final, Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from guideloom._core.plan import IndexArray, Permutation
+from guideloom._core.keys import (
+    GOLDEN,
+    MIX1,
+    MIX2,
+    ROUNDS,
+    feistel_round,
+    hash_words,
+    splitmix,
+    splitmix_scalar,
+)
+from guideloom._core.permutation import IndexArray, Permutation
 
 __all__ = [
     "DEFAULT_WINDOW",
@@ -53,13 +62,10 @@ DEFAULT_WINDOW: Final = 16
 """Default blocks per mixing window (see ``benchmarks/shuffle_quality.py`` for the measurement
 it was chosen from)."""
 
-_ROUNDS: Final = 6
-_MASK64: Final = (1 << 64) - 1
-_GOLDEN: Final = 0x9E3779B97F4A7C15
-_MIX1_INT: Final = 0xBF58476D1CE4E5B9
-_MIX2_INT: Final = 0x94D049BB133111EB
-_MIX1: Final = np.uint64(_MIX1_INT)
-_MIX2: Final = np.uint64(_MIX2_INT)
+_ROUNDS: Final = ROUNDS
+_GOLDEN: Final = GOLDEN
+_MIX1: Final = np.uint64(MIX1)
+_MIX2: Final = np.uint64(MIX2)
 _S29, _S30, _S31, _S27 = np.uint64(29), np.uint64(30), np.uint64(31), np.uint64(27)
 _ONE: Final = np.uint64(1)
 
@@ -82,37 +88,11 @@ class Order(Protocol):
 def _block_keys(seed: int, epoch: int, n: int, block_size: int) -> tuple[int, tuple[int, ...], int]:
     """The short block's slot seed, the window round keys and the window-key salt.
 
-    A stable hash (blake2b), like :func:`guideloom._core.plan._round_keys`, under another prefix so
+    A stable hash (blake2b), like :func:`guideloom._core.permutation._round_keys`, under another prefix so
     that the keys are independent of the block permutation's.
     """
-    digest = hashlib.blake2b(
-        f"guideloom-blocks:{seed}:{epoch}:{n}:{block_size}".encode(), digest_size=8 * (_ROUNDS + 2)
-    ).digest()
-    words = [int.from_bytes(digest[8 * i : 8 * i + 8], "little") for i in range(_ROUNDS + 2)]
+    words = hash_words(f"guideloom-blocks:{seed}:{epoch}:{n}:{block_size}", _ROUNDS + 2)
     return words[0], tuple(words[1 : _ROUNDS + 1]), words[_ROUNDS + 1]
-
-
-def _splitmix_scalar(x: int) -> int:
-    """splitmix64's finaliser: a bijective 64-bit mixer (one window index -> one window key)."""
-    z = x & _MASK64
-    z ^= z >> 30
-    z = (z * _MIX1_INT) & _MASK64
-    z ^= z >> 27
-    z = (z * _MIX2_INT) & _MASK64
-    return z ^ (z >> 31)
-
-
-def _splitmix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """:func:`_splitmix_scalar` over an array, in place."""
-    t = x >> _S30
-    np.bitwise_xor(x, t, out=x)
-    np.multiply(x, _MIX1, out=x)
-    np.right_shift(x, _S27, out=t)
-    np.bitwise_xor(x, t, out=x)
-    np.multiply(x, _MIX2, out=x)
-    np.right_shift(x, _S31, out=t)
-    np.bitwise_xor(x, t, out=x)
-    return x
 
 
 def _domain_bits(size: int) -> int:
@@ -216,11 +196,7 @@ class BlockPermutation:
         masks = ((1 << (bits - right_bits)) - 1, (1 << right_bits) - 1)
         left, right = x >> right_bits, x & masks[1]
         for i, key in enumerate(self._keys):
-            z = (((right ^ wkey ^ key) & _MASK64) * _MIX1_INT) & _MASK64
-            z ^= z >> 31
-            z = (z * _MIX2_INT) & _MASK64
-            z ^= z >> 29
-            left, right = right, left ^ (z & masks[i & 1])
+            left, right = right, left ^ (feistel_round(right, wkey ^ key) & masks[i & 1])
         return (left << right_bits) | right
 
     def __getitem__(self, position: int) -> int:
@@ -230,7 +206,7 @@ class BlockPermutation:
         k = (position + pad if position >= split else position) // self._window_samples
         start = k * self._window_samples - (pad if k * self._w > t else 0)
         size, bits = self._window_size(k)
-        wkey = _splitmix_scalar(k * _GOLDEN + self._salt)
+        wkey = splitmix_scalar(k * _GOLDEN + self._salt)
         u = self._feistel_scalar(position - start, bits, wkey)
         while u >= size:  # cycle-walking: the domain is < 2 * size
             u = self._feistel_scalar(u, bits, wkey)
@@ -274,9 +250,9 @@ class BlockPermutation:
         lo, hi = int(k.min()), int(k.max())
         salt, golden = np.uint64(self._salt), np.uint64(_GOLDEN)
         if hi - lo < k.size // 2:
-            wkey = _splitmix(np.arange(lo, hi + 1, dtype=np.uint64) * golden + salt)[k - lo]
+            wkey = splitmix(np.arange(lo, hi + 1, dtype=np.uint64) * golden + salt, inplace=True)[k - lo]
         else:
-            wkey = _splitmix(k.astype(np.uint64) * golden + salt)
+            wkey = splitmix(k.astype(np.uint64) * golden + salt, inplace=True)
         if not (lo <= self._last_window <= hi or lo <= self._short_window <= hi):
             return np.uint64(self._m_full), np.uint64(self._bits_full), wkey
         is_last = k == self._last_window

@@ -10,34 +10,24 @@ implements ``__len__`` and ``read_many``; ``storage`` is optional (``None`` by d
 
 from __future__ import annotations
 
-import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-from guideloom._core.checks import check_int
-from guideloom.storage.base import DocumentStorageAbstract, StorageAbstract, StreamStorageAbstract
+from guideloom.storage.base import StorageAbstract
+from guideloom.types import DatasetFingerprint
 
 if TYPE_CHECKING:
     from guideloom._core.order import Order
 
-__all__ = ["DatasetAbstract", "DocumentDataset", "MapDataset", "SourceT", "StreamDataset", "dataset_for"]
+__all__ = ["DatasetAbstract", "SourceT"]
 
 _DEFAULT_READ_WINDOW_BYTES = 4 * 2**20  # what StorageAbstract.read_window_bytes defaults to
 
 SourceT = TypeVar("SourceT")
-_T_co = TypeVar("_T_co", covariant=True)
-
-
-class _MapStyle(Protocol[_T_co]):
-    """What MapDataset needs of a source: ``len(source)`` and ``source[i]``."""
-
-    def __len__(self) -> int: ...
-
-    def __getitem__(self, index: int, /) -> _T_co: ...
 
 
 class DatasetAbstract(ABC, Generic[SourceT]):
@@ -46,6 +36,21 @@ class DatasetAbstract(ABC, Generic[SourceT]):
     Subclass it for a source of your own: implement ``__len__`` and ``read_many`` (and, where
     the source must be opened and closed, ``open`` and ``close``). ``storage`` is optional.
     """
+
+    #: Whether this class's ``read_many`` is the one guideloom wrote, so that ``read_many_sync``
+    #: and ``will_read`` stand for it. A subclass that defines ``read_many`` without declaring
+    #: this again is read through its own ``read_many`` (a check, an augmentation, a fault).
+    _plain_reads: ClassVar[bool] = False
+    #: Whether :meth:`order` makes the epoch order (a class that defines ``order`` does, unless it
+    #: declares otherwise); shuffle blocks are then neither used nor recorded.
+    makes_own_order: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "read_many" in cls.__dict__ and "_plain_reads" not in cls.__dict__:
+            cls._plain_reads = False
+        if "order" in cls.__dict__ and "makes_own_order" not in cls.__dict__:
+            cls.makes_own_order = True
 
     @property
     def storage(self) -> StorageAbstract[Any, SourceT] | None:
@@ -120,6 +125,19 @@ class DatasetAbstract(ABC, Generic[SourceT]):
         """
         return None
 
+    def fingerprint(self) -> DatasetFingerprint:
+        """What identifies this dataset for a checkpoint: its kind, number of observations,
+        sequence length (0 where samples have none) and the digest of its storage's content
+        (``""`` where the storage has no manifest). A checkpoint counted over another
+        fingerprint is refused on load."""
+        storage = self.storage
+        return DatasetFingerprint(
+            kind=type(self).__name__,
+            observations=len(self),
+            sequence_length=int(getattr(self, "sequence_length", 0) or 0),
+            digest="" if storage is None else storage.content_digest(),
+        )
+
     def position_stats(self, *, epoch: int, offset: int) -> dict[str, float]:
         """Figures about position ``(epoch, offset)`` for ``loader.stats()`` (none by default; a
         mixture reports each source's own epoch)."""
@@ -129,165 +147,3 @@ class DatasetAbstract(ABC, Generic[SourceT]):
         """A hint: the ``read_many(indices)`` calls the loader will make next, in order (see
         :meth:`StreamStorageAbstract.will_read <guideloom.StreamStorageAbstract.will_read>`).
         The default ignores it."""
-
-
-class StreamDataset(DatasetAbstract[SourceT]):
-    """Samples of ``sequence_length`` consecutive stream elements; sample ``i`` starts at ``i * L``.
-
-    Trailing elements that do not fill a whole sample are not a sample.
-    """
-
-    def __init__(self, storage: StreamStorageAbstract[Any, SourceT], sequence_length: int) -> None:
-        if not isinstance(storage, StreamStorageAbstract):
-            raise TypeError(f"StreamDataset needs a StreamStorageAbstract, got {type(storage).__name__}")
-        self._storage = storage
-        self.sequence_length = check_int("sequence_length", sequence_length, 1)
-
-    def __repr__(self) -> str:
-        return f"StreamDataset({self._storage!r}, sequence_length={self.sequence_length})"
-
-    @property
-    def storage(self) -> StreamStorageAbstract[Any, SourceT]:
-        return self._storage
-
-    def __len__(self) -> int:
-        return len(self._storage) // self.sequence_length
-
-    async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
-        return await self._storage.read_many(indices * self.sequence_length, self.sequence_length)
-
-    def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
-        return self._storage.read_many_sync(indices * self.sequence_length, self.sequence_length)
-
-    @property
-    def reads_inline(self) -> bool:
-        return type(self).read_many is StreamDataset.read_many and self._storage.reads_inline()
-
-    def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
-        if type(self).read_many is StreamDataset.read_many:  # reads map to the storage's 1:1
-            length = self.sequence_length
-            self._storage.will_read((np.asarray(w, dtype=np.int64) * length for w in windows), length)
-
-    def sample_nbytes_hint(self) -> int:
-        return self.sequence_length * max(
-            1, self._storage.sample_nbytes_hint() or self._storage.dtype.itemsize
-        )
-
-
-class DocumentDataset(DatasetAbstract[SourceT]):
-    """One document per sample, as written."""
-
-    def __init__(self, storage: DocumentStorageAbstract[Any, SourceT]) -> None:
-        if not isinstance(storage, DocumentStorageAbstract):
-            raise TypeError(f"DocumentDataset needs a DocumentStorageAbstract, got {type(storage).__name__}")
-        self._storage = storage
-
-    def __repr__(self) -> str:
-        return f"DocumentDataset({self._storage!r})"
-
-    @property
-    def storage(self) -> DocumentStorageAbstract[Any, SourceT]:
-        return self._storage
-
-    def __len__(self) -> int:
-        return len(self._storage)
-
-    async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
-        return await self._storage.read_many(indices)
-
-    def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
-        return self._storage.read_many_sync(indices)
-
-    @property
-    def reads_inline(self) -> bool:
-        return type(self).read_many is DocumentDataset.read_many and self._storage.reads_inline()
-
-    def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
-        if type(self).read_many is DocumentDataset.read_many:  # reads map to the storage's 1:1
-            self._storage.will_read(windows)
-
-    def sample_nbytes_hint(self) -> int:
-        return self._storage.sample_nbytes_hint()
-
-
-class MapDataset(DatasetAbstract[SourceT]):
-    """Any object with ``__len__`` and ``__getitem__`` (a list, a ``torch.utils.data.Dataset``,
-    a Hugging Face dataset) as a dataset: sample ``i`` is ``source[i]``.
-
-    A source with ``__getitems__`` (PyTorch's batched read) is read through it, one call per
-    read-ahead window. Reads block: on the loader's own event loop they run inline (a plain
-    ``__getitem__`` is CPU work or a local read); from ``async for`` on your loop they run on a
-    worker thread, so your loop is not blocked. ``len(source)`` is read once, here.
-
-    Examples:
-        >>> import guideloom as gl
-        >>> ds = gl.MapDataset(["a", "b", "c"])
-        >>> len(ds)
-        3
-    """
-
-    def __init__(self, source: _MapStyle[SourceT]) -> None:
-        if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
-            raise TypeError(
-                "MapDataset needs an object with __len__ and __getitem__ (a list, a "
-                f"torch.utils.data.Dataset, ...), got {type(source).__name__}"
-            )
-        self.source = source
-        self._len = check_int("len(source)", len(source), 0)
-        self._getitems = getattr(source, "__getitems__", None)
-
-    def __repr__(self) -> str:
-        return f"MapDataset({type(self.source).__name__}, len={self._len})"
-
-    def __len__(self) -> int:
-        return self._len
-
-    def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
-        keys = indices.tolist()
-        if self._getitems is not None:
-            return list(self._getitems(keys))
-        source = self.source
-        return [source[i] for i in keys]
-
-    async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
-        return await asyncio.to_thread(self.read_many_sync, indices)
-
-    @property
-    def reads_inline(self) -> bool:
-        return type(self).read_many is MapDataset.read_many
-
-
-def dataset_for(storage: Any, sequence_length: int | None) -> DatasetAbstract[Any]:
-    """The dataset that wraps ``storage``: a :class:`StreamDataset` of ``sequence_length``
-    samples for stream storage (which needs one), a :class:`DocumentDataset` for document
-    storage (which takes none). A dataset (a mixture) is taken as it is; a mixture's stream
-    sources without a sequence length of their own take ``sequence_length``."""
-    if isinstance(storage, DatasetAbstract):
-        from guideloom._datasets.mixture import Mixture
-
-        if isinstance(storage, Mixture):
-            return storage.with_sequence_length(sequence_length)
-        if sequence_length is not None:
-            raise ValueError(
-                f"{type(storage).__name__} is a dataset, which has its own sample rule and takes "
-                f"no sequence_length (got {sequence_length}); drop the argument"
-            )
-        return storage
-    if isinstance(storage, StreamStorageAbstract):
-        if sequence_length is None:
-            raise ValueError(
-                "stream storage needs sequence_length: pass sequence_length=<elements per sample>"
-            )
-        return StreamDataset(storage, sequence_length)
-    if isinstance(storage, DocumentStorageAbstract):
-        if sequence_length is not None:
-            raise ValueError(
-                "document storage yields one whole document per sample and takes no "
-                f"sequence_length (got {sequence_length}); drop the argument"
-            )
-        return DocumentDataset(storage)
-    raise TypeError(
-        "storage must be a StreamStorageAbstract or DocumentStorageAbstract (for example "
-        f"MemoryStreamStorage, or what open_stream() returns) or a mixture from mix(), got "
-        f"{type(storage).__name__}"
-    )

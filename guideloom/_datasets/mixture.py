@@ -69,15 +69,19 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 import numpy as np
 import numpy.typing as npt
 
 from guideloom._core.checks import check_bool, check_int
-from guideloom._core.plan import IndexArray, Permutation
-from guideloom._datasets.base import DatasetAbstract, DocumentDataset, StreamDataset
+from guideloom._core.keys import GOLDEN, MIX1, MIX2, ROUNDS, hash64, splitmix
+from guideloom._core.permutation import IndexArray, Permutation
+from guideloom._datasets.base import DatasetAbstract
+from guideloom._datasets.documents import DocumentDataset
+from guideloom._datasets.stream import StreamDataset
 from guideloom.storage.base import DocumentStorageAbstract, StreamStorageAbstract
+from guideloom.types import DatasetFingerprint
 
 if TYPE_CHECKING:
     from guideloom._core.order import Order
@@ -94,13 +98,12 @@ _U2: Final = np.uint64(2)
 _HALF_U: Final = np.uint64(_HALF_FIX)
 _MASK62: Final = np.uint64(_ONE_FIX - 1)
 _ONE_U: Final = np.uint64(_ONE_FIX)
-_MIX1: Final = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2: Final = np.uint64(0x94D049BB133111EB)
-_GOLDEN: Final = np.uint64(0x9E3779B97F4A7C15)
-_S31, _S30, _S29, _S27 = np.uint64(31), np.uint64(30), np.uint64(29), np.uint64(27)
-_ROUNDS: Final = 6  # Permutation's rounds
+_MIX1: Final = np.uint64(MIX1)
+_MIX2: Final = np.uint64(MIX2)
+_GOLDEN: Final = np.uint64(GOLDEN)
+_S31, _S29 = np.uint64(31), np.uint64(29)
 _ROUND_OFFSETS: Final = np.asarray(
-    [((r + 1) * 0x9E3779B97F4A7C15) & ((1 << 64) - 1) for r in range(_ROUNDS)], dtype=np.uint64
+    [((r + 1) * GOLDEN) & ((1 << 64) - 1) for r in range(ROUNDS)], dtype=np.uint64
 )
 _ORDER_CACHE: Final = 4096  # (source, source epoch) orders a MixtureOrder keeps
 
@@ -131,28 +134,14 @@ def _round_fix(j: npt.NDArray[np.uint64], a: npt.NDArray[np.uint64]) -> IndexArr
     return _split(j, a)[0]
 
 
-def _splitmix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """splitmix64's finaliser, a bijective 64-bit mixer, element-wise."""
-    x = x ^ (x >> _S30)
-    x = x * _MIX1
-    x = x ^ (x >> _S27)
-    x = x * _MIX2
-    return x ^ (x >> _S31)
-
-
-def _hash64(text: str) -> int:
-    """A stable 64-bit hash (blake2b) of ``text``."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
-
-
 def _epoch_keys(
     source_keys: npt.NDArray[np.uint64], epochs: npt.NDArray[np.uint64]
 ) -> npt.NDArray[np.uint64]:
     """The Feistel round keys of source epochs, shape ``(rounds, len)``: splitmix64 of the
     source's key and the epoch, then of that and the round (independent keys per source epoch
     without a hash call each: a thousand sources' epochs cost a few numpy operations)."""
-    base = _splitmix(source_keys ^ _splitmix(epochs * _GOLDEN + _GOLDEN))
-    return _splitmix(base[None, :] + _ROUND_OFFSETS[:, None])
+    base = splitmix(source_keys ^ splitmix(epochs * _GOLDEN + _GOLDEN, inplace=True), inplace=True)
+    return splitmix(base[None, :] + _ROUND_OFFSETS[:, None], inplace=True)
 
 
 class _KeyedPermutation(Permutation):
@@ -604,7 +593,7 @@ class _SourceKeys:
     def name_keys(self) -> npt.NDArray[np.uint64]:
         """A stable 64-bit hash of each source's name, made once."""
         if self._name_keys is None:
-            hashes = [_hash64(f"guideloom-mix-source:{name}") for name in self._names]
+            hashes = [hash64(f"guideloom-mix-source:{name}") for name in self._names]
             self._name_keys = np.asarray(hashes, dtype=np.uint64)
         return self._name_keys
 
@@ -612,8 +601,10 @@ class _SourceKeys:
         """Each source's permutation key for ``seed``: splitmix64 of a hash of its name (made once)
         and a hash of the seed, so a new seed costs one hash, not one per source."""
         if self._seed_cache is None or self._seed_cache[0] != seed:
-            seed_key = _splitmix(np.asarray([_hash64(f"guideloom-mix-seed:{seed}")], dtype=np.uint64))
-            self._seed_cache = (seed, _splitmix(self.name_keys() ^ seed_key))
+            seed_key = splitmix(
+                np.asarray([hash64(f"guideloom-mix-seed:{seed}")], dtype=np.uint64), inplace=True
+            )
+            self._seed_cache = (seed, splitmix(self.name_keys() ^ seed_key, inplace=True))
         return self._seed_cache[1]
 
 
@@ -788,22 +779,15 @@ def _assemble(
 
 def _digest(names: tuple[str, ...], datasets: Sequence[DatasetAbstract[Any]], layout: _Layout) -> str:
     """What :meth:`Mixture.fingerprint_digest` returns, computed from the names, the sources and
-    the layout alone (the mixture only caches it): each source's checkpoint fingerprint, inlined
-    for the common kinds of source, with its name and weight."""
-    from guideloom._core.checkpoint import _manifest_digest, dataset_fingerprint
-
+    the layout alone (the mixture only caches it): each source's checkpoint fingerprint, with its
+    name and weight."""
     h = hashlib.blake2b(digest_size=8)
     h.update(f"mixture:{layout.num_samples}".encode())
     if layout.shape:  # a schedule other than the Huffman tree's, which digests made before did not name
         h.update(f"\ntree:{layout.shape}".encode())
     for name, ds, w in zip(names, datasets, layout.weights.tolist(), strict=True):
-        if type(ds) is StreamDataset:  # the common sources inline: a thousand of them add up
-            fp = f"stream:{len(ds)}:{ds.sequence_length}:{_manifest_digest(ds.storage)}"
-        elif type(ds) is DocumentDataset:
-            fp = f"documents:{len(ds)}:0:{_manifest_digest(ds.storage)}"
-        else:
-            f = dataset_fingerprint(ds)
-            fp = f"{f['kind']}:{f['observations']}:{f['sequence_length']}:{f['digest']}"
+        f = ds.fingerprint()
+        fp = f"{f['kind']}:{f['observations']}:{f['sequence_length']}:{f['digest']}"
         h.update(f"\n{name}:{w!r}:{fp}".encode())
     return h.hexdigest()
 
@@ -811,6 +795,9 @@ def _digest(names: tuple[str, ...], datasets: Sequence[DatasetAbstract[Any]], la
 class Mixture(DatasetAbstract[Any]):
     """A weighted mixture of datasets, made by :func:`mix`: one dataset whose epoch interleaves
     its sources by weight, each source in its own seeded order (see :func:`mix`)."""
+
+    _plain_reads: ClassVar[bool] = True
+    makes_own_order: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -947,6 +934,12 @@ class Mixture(DatasetAbstract[Any]):
         return self._digest_cache
 
     # -- DatasetAbstract ------------------------------------------------------------------------
+    def fingerprint(self) -> DatasetFingerprint:
+        """Its sources' fingerprints, names and weights in one digest."""
+        return DatasetFingerprint(
+            kind="mixture", observations=len(self), sequence_length=0, digest=self.fingerprint_digest()
+        )
+
     def __len__(self) -> int:
         """The mixture epoch's length: ``num_samples``, by default the sum of the sources' lengths."""
         return self._layout().num_samples
@@ -1011,7 +1004,7 @@ class Mixture(DatasetAbstract[Any]):
 
     @property
     def reads_inline(self) -> bool:
-        if type(self).read_many is not Mixture.read_many or self._pending:
+        if not self._plain_reads or self._pending:
             return False
         if not self._inline:  # asked every window: kept once true (local files stay local)
             self._inline = all(ds.reads_inline for ds in self._datasets_list())

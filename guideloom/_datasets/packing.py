@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar, get_args, overload
+from typing import Any, ClassVar, Literal, TypeVar, get_args, overload
 
 import anyio
 import numpy as np
@@ -50,6 +50,7 @@ from guideloom._core.checks import check_int
 from guideloom._datasets.base import DatasetAbstract
 from guideloom._loop import LoopThread
 from guideloom.storage.base import DocumentStorageAbstract, Rows, Spans, StreamStorageAbstract
+from guideloom.types import DatasetFingerprint
 
 __all__ = ["PackMode", "PackedDataset", "PackedRows", "pack"]
 
@@ -165,6 +166,8 @@ class PackedDataset(DatasetAbstract[Sample]):
     ``len()`` and reads need the layout, which :meth:`open` builds the first time (the loader
     opens its dataset); it stays built after :meth:`close`.
     """
+
+    _plain_reads: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -388,11 +391,20 @@ class PackedDataset(DatasetAbstract[Sample]):
         self._storage.read_spans_into_sync(starts, starts + sizes, rows, pieces.start[pieces.doc >= 0])
         return self._assemble(rows, pieces, used)
 
+    def fingerprint(self) -> DatasetFingerprint:
+        """Another packing counts other sequences: the kind names the mode."""
+        return DatasetFingerprint(
+            kind=f"packed-{self.mode}",
+            observations=len(self),
+            sequence_length=self.sequence_length,
+            digest=self._storage.content_digest(),
+        )
+
     @property
     def reads_inline(self) -> bool:
         """Whether reads can run in the caller's thread: the storage's say, unless a subclass
         overrides ``read_many``."""
-        return type(self).read_many is PackedDataset.read_many and self._storage.reads_inline()
+        return self._plain_reads and self._storage.reads_inline()
 
     def sample_nbytes_hint(self) -> int:
         """A sequence's bytes: its elements and its three index arrays."""

@@ -7,12 +7,9 @@ never saved in a checkpoint, and no position depends on them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from guideloom._core.checkpoint import block_size, window
-
-if TYPE_CHECKING:
-    from guideloom.pytorch import StatefulDataLoader
+from guideloom._datasets import DatasetAbstract
 
 __all__ = ["LoaderFigures"]
 
@@ -32,33 +29,31 @@ class LoaderFigures:
         }
         self.reads_mark: tuple[int, int, int] | None = None
 
-    def report(self, loader: StatefulDataLoader[Any, Any]) -> dict[str, float]:
-        """``loader.stats()``."""
+    def report(self, dataset: DatasetAbstract[Any], *, epoch: int, offset: int) -> dict[str, float]:
+        """``loader.stats()`` at position ``(epoch, offset)``, less the order's figures."""
         out = dict(self.counts)
-        out["shuffle_block_size"] = block_size(loader)
-        out["shuffle_window"] = window(loader)
-        reads = _storage_reads(loader)
+        reads = _storage_reads(dataset)
         if reads is not None:
-            mark = self.reads_mark if self.reads_mark is not None else (loader._ckpt.epoch, 0, 0)
+            mark = self.reads_mark if self.reads_mark is not None else (epoch, 0, 0)
             out["requests"], out["bytes_read"] = reads
             out["epoch_requests"] = reads[0] - mark[1]
             out["epoch_bytes_read"] = reads[1] - mark[2]
-        out.update(loader.dataset.position_stats(epoch=loader._ckpt.epoch, offset=loader._ckpt.offset))
+        out.update(dataset.position_stats(epoch=epoch, offset=offset))
         return out
 
-    def mark_epoch_reads(self, loader: StatefulDataLoader[Any, Any]) -> None:
-        """At an iterator's start: the storage's counters, the first time in this epoch (what
+    def mark_epoch_reads(self, dataset: DatasetAbstract[Any], epoch: int) -> None:
+        """At an iterator's start: the storage's counters, the first time in ``epoch`` (what
         ``stats()`` counts an epoch's requests and bytes from)."""
-        if self.reads_mark is None or self.reads_mark[0] != loader._ckpt.epoch:
-            reads = _storage_reads(loader)
+        if self.reads_mark is None or self.reads_mark[0] != epoch:
+            reads = _storage_reads(dataset)
             if reads is not None:
-                self.reads_mark = (loader._ckpt.epoch, *reads)
+                self.reads_mark = (epoch, *reads)
 
 
-def _storage_reads(loader: StatefulDataLoader[Any, Any]) -> tuple[int, int] | None:
+def _storage_reads(dataset: DatasetAbstract[Any]) -> tuple[int, int] | None:
     """Requests and bytes read so far by the dataset's storage, where it counts them (object
     storage); None elsewhere."""
-    stats = getattr(loader.dataset.storage, "stats", None)
+    stats = getattr(dataset.storage, "stats", None)
     if not callable(stats):
         return None
     figures = stats()

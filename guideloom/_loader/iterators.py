@@ -42,8 +42,9 @@ from collections.abc import AsyncIterator as AsyncIteratorABC
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from guideloom._core.checkpoint import epoch_order
 from guideloom._core.plan import EpochPlan
+from guideloom._loader.lifecycle import wait_through_cancellation
+from guideloom._loader.state import epoch_order
 from guideloom._loop import LoopThread
 from guideloom._runtime.channel import Channel, EndOfStream
 from guideloom._runtime.pipeline import (
@@ -60,10 +61,9 @@ from guideloom._runtime.processes import ProcessWorkers, SyncRun
 from guideloom._runtime.threads import ThreadWorkerPipeline, _Chooser
 
 if TYPE_CHECKING:
-    from guideloom.pytorch import StatefulDataLoader
+    from guideloom._loader.host import Loader
 
 __all__ = [
-    "ActiveIterator",
     "AsyncIterator",
     "CallerLoopIterator",
     "InlineIterator",
@@ -78,7 +78,7 @@ __all__ = [
 BatchT = TypeVar("BatchT")
 
 
-def pipeline_config(loader: StatefulDataLoader[Any, Any]) -> PipelineConfig:
+def pipeline_config(loader: Loader[Any]) -> PipelineConfig:
     """The pipeline of the loader's next epoch, from its parameters and position."""
     if loader.parallel_method == "process" and loader.num_workers > 0:
         try:
@@ -90,7 +90,7 @@ def pipeline_config(loader: StatefulDataLoader[Any, Any]) -> PipelineConfig:
                 "parallel_method='thread' for closures and lambdas"
             ) from exc
     n = len(loader.dataset)
-    loader._figures.mark_epoch_reads(loader)
+    loader._figures.mark_epoch_reads(loader.dataset, loader._ckpt.epoch)
     order = epoch_order(loader, loader._ckpt.epoch)
     return PipelineConfig(
         dataset=loader.dataset,
@@ -116,87 +116,10 @@ def pipeline_config(loader: StatefulDataLoader[Any, Any]) -> PipelineConfig:
     )
 
 
-class ActiveIterator:
-    """A loader's one active iterator. Held weakly: an abandoned iterator is collected (and
-    closes itself), which releases the loader."""
-
-    __slots__ = ("_left", "_lock", "_ref")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._ref: weakref.ref[_IteratorBase[Any]] | None = None
-        # What an async iterator closed without waiting (collected, or closed from sync code)
-        # left to finish: its pipeline task and its workers, joined when the loader closes.
-        self._left: list[tuple[asyncio.Task[None] | None, threading.Thread | None]] = []
-
-    def get(self) -> _IteratorBase[Any] | None:
-        ref = self._ref
-        return ref() if ref is not None else None
-
-    def claim(self, it: _IteratorBase[Any]) -> None:
-        with self._lock:
-            if self.get() is not None:
-                raise RuntimeError(
-                    "an iterator on this loader is still active: exhaust it or close it "
-                    "(iterator.close()) before starting another"
-                )
-            self._ref = weakref.ref(it)
-
-    def release(self, it: _IteratorBase[Any]) -> None:
-        with self._lock:
-            if self._ref is not None and self._ref() in (it, None):
-                self._ref = None
-
-    def leave(self, task: asyncio.Task[None] | None, executor: concurrent.futures.Executor | None) -> None:
-        """Stop what a closed iterator could not wait for (its pipeline ``task`` is cancelled
-        already): ``executor`` shuts down on a thread of its own, and :meth:`join_left` /
-        :meth:`ajoin_left` wait for both."""
-        joiner = None
-        if executor is not None:
-            joiner = threading.Thread(
-                target=executor.shutdown,
-                kwargs={"wait": True, "cancel_futures": True},
-                name="guideloom-join",
-                daemon=True,
-            )
-            joiner.start()
-        with self._lock:  # what has finished meanwhile needs no join
-            self._left = [
-                (t, j) for t, j in self._left if not (t is None or t.done()) or (j and j.is_alive())
-            ]
-            if task is not None or joiner is not None:
-                self._left.append((task, joiner))
-
-    def _take_left(self) -> list[tuple[asyncio.Task[None] | None, threading.Thread | None]]:
-        with self._lock:
-            left, self._left = self._left, []
-        return left
-
-    def join_left(self) -> None:
-        """Join the workers of iterators closed without waiting (sync ``loader.close()``)."""
-        for _, joiner in self._take_left():
-            if joiner is not None:
-                joiner.join()
-
-    async def ajoin_left(self) -> None:
-        """As :meth:`join_left`, from the loop: wait for their pipeline tasks, then join their
-        workers, through a cancellation of the caller (raised once all is joined)."""
-        cancelled = False
-        loop = asyncio.get_running_loop()
-        for task, joiner in self._take_left():
-            if task is not None and task.get_loop() is loop:
-                cancelled = await _wait_through_cancellation(task) or cancelled
-            if joiner is not None:
-                joined = loop.run_in_executor(None, joiner.join)
-                cancelled = await _wait_through_cancellation(joined) or cancelled
-        if cancelled:
-            raise asyncio.CancelledError
-
-
 class _IteratorBase(Generic[BatchT]):
     """What every iterator shares: claiming the loader and advancing its state."""
 
-    def __init__(self, loader: StatefulDataLoader[Any, BatchT]) -> None:
+    def __init__(self, loader: Loader[BatchT]) -> None:
         self._loader = loader
         self._done = True  # until a subclass has started: __del__ and close() then do nothing
         self._owns_open = False
@@ -264,7 +187,7 @@ def _event_loop_running_here() -> bool:
     return True
 
 
-def sync_iterator(loader: StatefulDataLoader[Any, BatchT]) -> SyncIterator[BatchT]:
+def sync_iterator(loader: Loader[BatchT]) -> SyncIterator[BatchT]:
     """The iterator ``for batch in loader`` uses, of the class its configuration needs.
 
     An unopened loader is opened for the iterator's duration first: whether the storage reads
@@ -301,7 +224,7 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
     which must also undo a :meth:`_start` that failed halfway.
     """
 
-    def __init__(self, loader: StatefulDataLoader[Any, BatchT], cfg: PipelineConfig, owns_open: bool) -> None:
+    def __init__(self, loader: Loader[BatchT], cfg: PipelineConfig, owns_open: bool) -> None:
         super().__init__(loader)
         self._owns_open = owns_open
         self._configure(cfg)
@@ -573,22 +496,10 @@ class LoopThreadIterator(SyncIterator[BatchT]):
         lt.stop()
 
 
-async def _wait_through_cancellation(fut: asyncio.Future[Any]) -> bool:
-    """Wait until ``fut`` is done, even if the waiting task is cancelled meanwhile (``fut`` is
-    not cancelled with it); return whether it was, so the caller re-raises once done."""
-    cancelled = False
-    while not fut.done():
-        try:
-            await asyncio.wait({fut})
-        except asyncio.CancelledError:
-            cancelled = True
-    return cancelled
-
-
 class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
     """The iterator ``async for batch in loader`` uses: the pipeline runs on the caller's loop."""
 
-    def __init__(self, loader: StatefulDataLoader[Any, BatchT]) -> None:
+    def __init__(self, loader: Loader[BatchT]) -> None:
         super().__init__(loader)
         self._task: asyncio.Task[None] | None = None
         self._channel: Channel[Delivery] | None = None
@@ -654,7 +565,7 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
             pool = self._loader._life.drop_workers()
             if pool is not None:  # joined even if the task is cancelled (again) meanwhile
                 closing = asyncio.get_running_loop().run_in_executor(None, pool.close)
-                if await _wait_through_cancellation(closing):
+                if await wait_through_cancellation(closing):
                     raise asyncio.CancelledError
 
     async def aclose(self) -> None:
@@ -670,12 +581,12 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
             task = self._task
             if task is not None and not task.done():
                 task.cancel()
-                cancelled = await _wait_through_cancellation(task)
+                cancelled = await wait_through_cancellation(task)
             if task is not None and task.done() and not task.cancelled():
                 task.exception()  # retrieved: its failures reached the consumer as deliveries
             if self._executor is not None:
                 joined = asyncio.get_running_loop().run_in_executor(None, self._join_executor)
-                cancelled = await _wait_through_cancellation(joined) or cancelled
+                cancelled = await wait_through_cancellation(joined) or cancelled
                 joined.result()
             if cancelled:
                 raise asyncio.CancelledError

@@ -13,16 +13,137 @@ import asyncio
 import threading
 import weakref
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from guideloom._loader.iterators import ActiveIterator
 from guideloom._loop import LoopThread
 from guideloom._runtime.processes import WorkerPool
 
 if TYPE_CHECKING:
-    from guideloom.pytorch import StatefulDataLoader
+    import concurrent.futures
+    from collections.abc import Callable, Sequence
 
-__all__ = ["Lifecycle"]
+    from guideloom._datasets import DatasetAbstract
+
+__all__ = ["ActiveIterator", "Lifecycle", "wait_through_cancellation"]
+
+
+class _Owner(Protocol):
+    """What the lifecycle takes of its loader, given at each call."""
+
+    @property
+    def dataset(self) -> DatasetAbstract[Any]: ...
+
+    @property
+    def collate_fn(self) -> Callable[[Sequence[Any]], Any]: ...
+
+    @property
+    def num_workers(self) -> int: ...
+
+    @property
+    def local_batch_size(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def global_batch_size(self) -> int: ...
+
+
+class _Closable(Protocol):
+    """An iterator, as the lifecycle closes it."""
+
+    def close_sync(self) -> None: ...
+
+    async def close_async(self) -> None: ...
+
+
+class ActiveIterator:
+    """A loader's one active iterator. Held weakly: an abandoned iterator is collected (and
+    closes itself), which releases the loader."""
+
+    __slots__ = ("_left", "_lock", "_ref")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ref: weakref.ref[_Closable] | None = None
+        # What an async iterator closed without waiting (collected, or closed from sync code)
+        # left to finish: its pipeline task and its workers, joined when the loader closes.
+        self._left: list[tuple[asyncio.Task[None] | None, threading.Thread | None]] = []
+
+    def get(self) -> _Closable | None:
+        ref = self._ref
+        return ref() if ref is not None else None
+
+    def claim(self, it: _Closable) -> None:
+        with self._lock:
+            if self.get() is not None:
+                raise RuntimeError(
+                    "an iterator on this loader is still active: exhaust it or close it "
+                    "(iterator.close()) before starting another"
+                )
+            self._ref = weakref.ref(it)
+
+    def release(self, it: _Closable) -> None:
+        with self._lock:
+            if self._ref is not None and self._ref() in (it, None):
+                self._ref = None
+
+    def leave(self, task: asyncio.Task[None] | None, executor: concurrent.futures.Executor | None) -> None:
+        """Stop what a closed iterator could not wait for (its pipeline ``task`` is cancelled
+        already): ``executor`` shuts down on a thread of its own, and :meth:`join_left` /
+        :meth:`ajoin_left` wait for both."""
+        joiner = None
+        if executor is not None:
+            joiner = threading.Thread(
+                target=executor.shutdown,
+                kwargs={"wait": True, "cancel_futures": True},
+                name="guideloom-join",
+                daemon=True,
+            )
+            joiner.start()
+        with self._lock:  # what has finished meanwhile needs no join
+            self._left = [
+                (t, j) for t, j in self._left if not (t is None or t.done()) or (j and j.is_alive())
+            ]
+            if task is not None or joiner is not None:
+                self._left.append((task, joiner))
+
+    def _take_left(self) -> list[tuple[asyncio.Task[None] | None, threading.Thread | None]]:
+        with self._lock:
+            left, self._left = self._left, []
+        return left
+
+    def join_left(self) -> None:
+        """Join the workers of iterators closed without waiting (sync ``loader.close()``)."""
+        for _, joiner in self._take_left():
+            if joiner is not None:
+                joiner.join()
+
+    async def ajoin_left(self) -> None:
+        """As :meth:`join_left`, from the loop: wait for their pipeline tasks, then join their
+        workers, through a cancellation of the caller (raised once all is joined)."""
+        cancelled = False
+        loop = asyncio.get_running_loop()
+        for task, joiner in self._take_left():
+            if task is not None and task.get_loop() is loop:
+                cancelled = await wait_through_cancellation(task) or cancelled
+            if joiner is not None:
+                joined = loop.run_in_executor(None, joiner.join)
+                cancelled = await wait_through_cancellation(joined) or cancelled
+        if cancelled:
+            raise asyncio.CancelledError
+
+
+async def wait_through_cancellation(fut: asyncio.Future[Any]) -> bool:
+    """Wait until ``fut`` is done, even if the waiting task is cancelled meanwhile (``fut`` is
+    not cancelled with it); return whether it was, so the caller re-raises once done."""
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.wait({fut})
+        except asyncio.CancelledError:
+            cancelled = True
+    return cancelled
 
 
 class Lifecycle:
@@ -37,7 +158,7 @@ class Lifecycle:
         self.lock = threading.RLock()
         self.pool: WorkerPool | None = None
 
-    def open(self, loader: StatefulDataLoader[Any, Any]) -> None:
+    def open(self, loader: _Owner) -> None:
         """``loader.open()``: open the dataset reader, then check there is a global batch."""
         with self.lock:
             if self.state != "closed":
@@ -50,7 +171,7 @@ class Lifecycle:
                 raise
             self.state = "open"
 
-    def close(self, loader: StatefulDataLoader[Any, Any], *, keep_workers: bool) -> None:
+    def close(self, loader: _Owner, *, keep_workers: bool) -> None:
         """``loader.close()``; an iterator that opened the loader for itself keeps the workers."""
         with self.lock:
             it = self.active.get()
@@ -67,7 +188,7 @@ class Lifecycle:
         if pool is not None:
             pool.close()
 
-    async def aopen(self, loader: StatefulDataLoader[Any, Any]) -> None:
+    async def aopen(self, loader: _Owner) -> None:
         """``loader.aopen()``: as :meth:`open`, on the running event loop."""
         if self.state != "closed":
             return
@@ -79,7 +200,7 @@ class Lifecycle:
             raise
         self.state = "async-open"
 
-    async def aclose(self, loader: StatefulDataLoader[Any, Any], *, keep_workers: bool) -> None:
+    async def aclose(self, loader: _Owner, *, keep_workers: bool) -> None:
         """``loader.aclose()``: as :meth:`close`, from async code."""
         it = self.active.get()
         if it is not None:
@@ -101,7 +222,7 @@ class Lifecycle:
             pool, self.pool = self.pool, None
         return pool
 
-    def worker_pool(self, loader: StatefulDataLoader[Any, Any]) -> WorkerPool:
+    def worker_pool(self, loader: _Owner) -> WorkerPool:
         """The loader's persistent process workers, made at the first iterator that needs them
         (again if ``dataset``, ``collate_fn`` or ``num_workers`` changed since)."""
         with self.lock:
@@ -115,7 +236,7 @@ class Lifecycle:
             return pool
 
 
-def _check_size(loader: StatefulDataLoader[Any, Any]) -> None:
+def _check_size(loader: _Owner) -> None:
     n, g = len(loader.dataset), loader.global_batch_size
     if n < g:
         raise ValueError(
@@ -125,7 +246,7 @@ def _check_size(loader: StatefulDataLoader[Any, Any]) -> None:
         )
 
 
-def _run_blocking(loader: StatefulDataLoader[Any, Any], coro: Coroutine[Any, Any, None]) -> None:
+def _run_blocking(loader: _Owner, coro: Coroutine[Any, Any, None]) -> None:
     """Run a storage coroutine (open, close) from sync code, wherever that code runs.
 
     A short-lived loop thread serves it: the loader holds no thread while no iterator is

@@ -13,6 +13,7 @@ damaged, is a :class:`DatasetFormatError` naming the file. The one function that
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import posixpath
@@ -187,6 +188,16 @@ class Manifest:
         if self.offsets is not None:
             out += [("offsets", self.offsets, f) for f in self.offsets.files]
         return out
+
+    def digest(self) -> str:
+        """A short digest of the dataset's content: its kind, dtype, fields, and every data
+        file's length and checksum in order (not its name, which each write draws afresh), so the
+        same data written twice, or copied to a bucket, has the same digest."""
+        h = hashlib.blake2b(digest_size=8)
+        h.update(f"{self.kind}:{self.dtype.name}:{self.num_elements}:{self.num_documents}".encode())
+        for name, spec, f in self.all_files():
+            h.update(f"\n{name}:{spec.dtype.name}:{f.elements}:{f.sha256}".encode())
+        return h.hexdigest()
 
     def to_json_bytes(self) -> bytes:
         doc: dict[str, Any] = {

@@ -40,6 +40,9 @@ class _Written:
     def dtype(self) -> np.dtype[Any]:
         return self.manifest.dtype
 
+    def content_digest(self) -> str:
+        return self.manifest.digest()
+
 
 class ManifestStreamStorage(_Written, StreamStorageAbstract[Array, Any]):
     """A written stream dataset: sizes and fields come from its manifest."""

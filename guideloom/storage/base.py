@@ -64,6 +64,15 @@ class StorageAbstract(ABC, Generic[InT, OutT]):
     #: Whether ``open_sync`` and ``read_many_sync`` only touch memory: the async ``open`` and
     #: ``read_many`` then run them inline on any loop, as a worker thread would cost more.
     blocking_calls_are_cheap: ClassVar[bool] = False
+    #: Whether this class's ``read_many`` is the base class's, which runs ``read_many_sync``. A
+    #: class that defines ``read_many`` (an object store, or a subclass that checks, changes or
+    #: fails the async read) is read through it, unless it declares this again.
+    _plain_reads: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "read_many" in cls.__dict__ and "_plain_reads" not in cls.__dict__:
+            cls._plain_reads = False
 
     async def _blocking(self, call: Callable[..., R], *args: Any) -> R:
         """Run a blocking call of this storage from a coroutine: inline where it is cheap, else on
@@ -80,8 +89,7 @@ class StorageAbstract(ABC, Generic[InT, OutT]):
 
         The default runs ``open_sync`` (on a worker thread unless ``blocking_calls_are_cheap``).
         """
-        if type(self).open_sync is not StorageAbstract.open_sync:
-            await self._blocking(self.open_sync)
+        await self._blocking(self.open_sync)
 
     async def close(self) -> None:
         """Release what ``open`` acquired. Idempotent; the storage may be opened again."""
@@ -107,6 +115,12 @@ class StorageAbstract(ABC, Generic[InT, OutT]):
         """A typical sample's size in bytes, for sizing read-ahead windows (0 if unknown)."""
         return 0
 
+    def content_digest(self) -> str:
+        """A short digest of the stored content, which a checkpoint's dataset fingerprint
+        records: ``""`` where there is none to take (in memory), the manifest's for a written
+        dataset."""
+        return ""
+
     def reads_inline(self) -> bool:
         """Whether ``read_many_sync`` can serve reads now, in the caller's thread (memory,
         memory-mapped local files, a remote dataset once its local copy is complete).
@@ -123,6 +137,8 @@ class StorageAbstract(ABC, Generic[InT, OutT]):
 
 class StreamStorageAbstract(StorageAbstract[InT, OutT]):
     """One long stream of elements (tokens), optionally with per-element metadata fields."""
+
+    _plain_reads: ClassVar[bool] = True
 
     @abstractmethod
     def __len__(self) -> int:
@@ -151,7 +167,7 @@ class StreamStorageAbstract(StorageAbstract[InT, OutT]):
         return await self._blocking(self.read_many_sync, starts, length)
 
     def reads_inline(self) -> bool:
-        return type(self).read_many is StreamStorageAbstract.read_many
+        return self._plain_reads
 
     def will_read(self, windows: Iterable[npt.NDArray[np.int64]], length: int) -> None:
         """A hint: the ``read_many(starts, length)`` calls the loader will make next, as the
@@ -165,6 +181,8 @@ class StreamStorageAbstract(StorageAbstract[InT, OutT]):
 
 class DocumentStorageAbstract(StorageAbstract[InT, OutT]):
     """A sequence of variable-length documents, each a 1-D array."""
+
+    _plain_reads: ClassVar[bool] = True
 
     @abstractmethod
     def __len__(self) -> int:
@@ -184,7 +202,7 @@ class DocumentStorageAbstract(StorageAbstract[InT, OutT]):
         return await self._blocking(self.read_many_sync, indices)
 
     def reads_inline(self) -> bool:
-        return type(self).read_many is DocumentStorageAbstract.read_many
+        return self._plain_reads
 
     def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
         """A hint: the ``read_many(indices)`` calls the loader will make next, as their

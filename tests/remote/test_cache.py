@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from guideloom.storage import _cache
 
 import guideloom
 from guideloom import StatefulDataLoader
+from guideloom.storage import _cache
 from guideloom.storage._remote import ObjectStreamStorage
 
 from ._servers import MotoS3, Nginx

@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from guideloom.storage import _client
 
 import guideloom
 from guideloom._errors import DatasetIntegrityError
+from guideloom.storage import _client
 
 from ._servers import MotoS3
 from .conftest import BUCKET, Copies, unique

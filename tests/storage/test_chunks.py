@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from guideloom.storage import _chunks
 
 import guideloom
+from guideloom.storage import _chunks
 from guideloom.storage._chunks import ChunkCache
 from guideloom.storage._ranges import Job, Layout, Limits, fill, plan_windows
 

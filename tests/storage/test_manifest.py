@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from guideloom.storage import _manifest as manifest_module
 
 import guideloom as gl
 from guideloom import DatasetFormatError
+from guideloom.storage import _manifest as manifest_module
 from guideloom.storage._manifest import (
     MANIFEST_NAME,
     MAX_INFO_DEPTH,

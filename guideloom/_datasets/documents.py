@@ -1,0 +1,58 @@
+"""Document samples: one written document per sample."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+from guideloom._datasets.base import DatasetAbstract, SourceT
+from guideloom.storage.base import DocumentStorageAbstract
+from guideloom.types import DatasetFingerprint
+
+__all__ = ["DocumentDataset"]
+
+
+class DocumentDataset(DatasetAbstract[SourceT]):
+    """One document per sample, as written."""
+
+    _plain_reads: ClassVar[bool] = True
+
+    def __init__(self, storage: DocumentStorageAbstract[Any, SourceT]) -> None:
+        if not isinstance(storage, DocumentStorageAbstract):
+            raise TypeError(f"DocumentDataset needs a DocumentStorageAbstract, got {type(storage).__name__}")
+        self._storage = storage
+
+    def __repr__(self) -> str:
+        return f"DocumentDataset({self._storage!r})"
+
+    @property
+    def storage(self) -> DocumentStorageAbstract[Any, SourceT]:
+        return self._storage
+
+    def __len__(self) -> int:
+        return len(self._storage)
+
+    async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
+        return await self._storage.read_many(indices)
+
+    def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
+        return self._storage.read_many_sync(indices)
+
+    @property
+    def reads_inline(self) -> bool:
+        return self._plain_reads and self._storage.reads_inline()
+
+    def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
+        if self._plain_reads:  # reads map to the storage's 1:1
+            self._storage.will_read(windows)
+
+    def fingerprint(self) -> DatasetFingerprint:
+        return DatasetFingerprint(
+            kind="documents", observations=len(self), sequence_length=0, digest=self._storage.content_digest()
+        )
+
+    def sample_nbytes_hint(self) -> int:
+        return self._storage.sample_nbytes_hint()

@@ -1,0 +1,157 @@
+"""The package's imports point down its layers, and no module imports itself through others.
+
+Every import counts: at module level, inside functions and under ``TYPE_CHECKING`` alike, since
+each is a dependency a reader has to follow. The layers, from the bottom:
+
+0. ``_errors``, ``types``, ``_loop``: exceptions, public types, the event-loop thread
+1. ``_core``: pure planning (no I/O)
+2. ``storage``: where samples come from, how datasets are written
+3. ``_datasets``: observation to sample
+4. ``_runtime``: the ways of running an epoch
+5. ``_loader``: the loader's parts behind the facade
+6. ``pytorch``: the facade
+7. ``_cli``, ``__init__``, ``__main__``: the command line and the public names
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "guideloom"
+
+LAYERS: list[tuple[str, ...]] = [
+    ("guideloom._errors", "guideloom.types", "guideloom._loop"),
+    ("guideloom._core",),
+    ("guideloom.storage",),
+    ("guideloom._datasets",),
+    ("guideloom._runtime",),
+    ("guideloom._loader",),
+    ("guideloom.pytorch",),
+    ("guideloom._cli", "guideloom.__main__", "guideloom"),
+]
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(name: str, path: Path, known: set[str]) -> Iterator[tuple[str, int]]:
+    """The package's modules that ``name`` imports, with the line of each import."""
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield from _resolve(alias.name, known, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = name.split(".") if is_package else name.split(".")[:-1]
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join([*parts, base] if base else parts)
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                if candidate in known:  # ``from package import module``
+                    yield candidate, node.lineno
+                else:
+                    yield from _resolve(base, known, node.lineno)
+
+
+def _resolve(dotted: str, known: set[str], line: int) -> Iterator[tuple[str, int]]:
+    while dotted and dotted not in known:
+        dotted = dotted.rpartition(".")[0]
+    if dotted.startswith("guideloom"):
+        yield dotted, line
+
+
+def graph() -> dict[str, dict[str, int]]:
+    mods = modules()
+    known = set(mods)
+    out: dict[str, dict[str, int]] = {}
+    for name, path in mods.items():
+        edges = out.setdefault(name, {})
+        for target, line in _imports(name, path, known):
+            if target != name and not name.startswith(target + "."):  # a package's own __init__
+                edges.setdefault(target, line)
+    return out
+
+
+def layer(name: str) -> int:
+    best, depth = -1, -1
+    for i, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > depth:
+                best, depth = i, len(prefix)
+    assert best >= 0, f"{name} belongs to no layer: add it to LAYERS"
+    return best
+
+
+def _cycles(edges: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_every_module_has_a_layer() -> None:
+    for name in modules():
+        layer(name)
+
+
+def test_imports_point_down() -> None:
+    mods = modules()
+    upward = [
+        f"{mods[src].relative_to(PACKAGE.parent)}:{line} imports {dst} (layer {layer(dst)} above {layer(src)})"
+        for src, targets in graph().items()
+        for dst, line in targets.items()
+        if layer(dst) > layer(src)
+    ]
+    assert not upward, "imports that point up a layer:\n" + "\n".join(upward)
+
+
+def test_no_import_cycles() -> None:
+    cycles = _cycles(graph())
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize("layer_index", range(len(LAYERS)))
+def test_layers_are_not_empty(layer_index: int) -> None:
+    assert any(layer(name) == layer_index for name in modules())

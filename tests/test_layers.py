@@ -139,7 +139,8 @@ def test_every_module_has_a_layer() -> None:
 def test_imports_point_down() -> None:
     mods = modules()
     upward = [
-        f"{mods[src].relative_to(PACKAGE.parent)}:{line} imports {dst} (layer {layer(dst)} above {layer(src)})"
+        f"{mods[src].relative_to(PACKAGE.parent)}:{line} imports {dst} "
+        f"(layer {layer(dst)} above {layer(src)})"
         for src, targets in graph().items()
         for dst, line in targets.items()
         if layer(dst) > layer(src)

@@ -30,7 +30,7 @@ def test_all_is_sorted_complete_and_importable() -> None:
     assert set(guideloom.__all__) >= CONTRACT_NAMES
     for name in guideloom.__all__:
         assert hasattr(guideloom, name), name
-    public = {n for n in dir(guideloom) if not n.startswith("_")} - {"annotations", "pytorch", "types"}
+    public = {n for n in dir(guideloom) if not n.startswith("_")} - {"annotations", "pytorch", "storage", "types"}
     assert public <= set(guideloom.__all__), public - set(guideloom.__all__)
 
 
@@ -51,10 +51,21 @@ def test_implementation_modules_are_private() -> None:
     pkg = Path(guideloom.__file__).parent
     for path in pkg.rglob("*.py"):
         rel = path.relative_to(pkg)
-        if rel.name in ("__init__.py", "__main__.py") or rel.parts[0].startswith("_"):
+        if rel.name in ("__init__.py", "__main__.py") or any(p.startswith("_") for p in rel.parts):
             continue
-        assert rel.name in ("pytorch.py", "types.py"), f"public module {rel}"
+        assert str(rel) in ("pytorch.py", "types.py", "storage/base.py"), f"public module {rel}"
     assert (pkg / "py.typed").exists()
+
+
+def test_storage_face_is_sorted_and_the_same_objects() -> None:
+    """``guideloom.storage`` is the storage layer's public face: its names are guideloom's own."""
+    import guideloom.storage as storage
+
+    assert storage.__all__ == sorted(storage.__all__)
+    for name in storage.__all__:
+        obj = getattr(storage, name)
+        if name in guideloom.__all__:
+            assert getattr(guideloom, name) is obj, name
 
 
 def test_error_hierarchy() -> None:

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
+from guideloom._core.delivery import DELIVERED_ERRORS, Delivery
 from guideloom._core.order import Order
 from guideloom._core.plan import BatchSpec, EpochPlan
 from guideloom._core.rows import Rows
@@ -48,15 +48,6 @@ WINDOW_BATCHES = 64
 Indices: TypeAlias = npt.NDArray[np.int64]
 #: One window's read: yields the indexes to read, is sent their samples, returns the deliveries.
 ReadWindow: TypeAlias = Generator[Indices, Sequence[Any], "list[Delivery]"]
-
-
-@dataclass(slots=True)
-class Delivery:
-    """One batch on its way to the consumer, or the error that replaced it."""
-
-    spec: BatchSpec
-    value: Any = None
-    error: BaseException | None = None
 
 
 def _positions(specs: Sequence[BatchSpec]) -> npt.NDArray[np.int64]:
@@ -166,12 +157,6 @@ def _split(specs: list[BatchSpec], samples: Sequence[Any]) -> list[Delivery]:
         deliveries.append(Delivery(spec, samples[pos:end]))
         pos = end
     return deliveries
-
-
-#: What a read or a collate raises that reaches the consumer in place of its batch, with its own
-#: type: ``SystemExit`` and ``KeyboardInterrupt`` too (never ``CancelledError``: that one stops
-#: the task that reads).
-DELIVERED_ERRORS: tuple[type[BaseException], ...] = (Exception, SystemExit, KeyboardInterrupt)
 
 
 def _is_about_the_data(exc: BaseException) -> bool:

@@ -42,6 +42,7 @@ from collections.abc import AsyncIterator as AsyncIteratorABC
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from guideloom._core.delivery import for_the_consumer
 from guideloom._core.plan import EpochPlan
 from guideloom._loader.lifecycle import wait_through_cancellation
 from guideloom._loader.state import epoch_order
@@ -155,7 +156,7 @@ class _IteratorBase(Generic[BatchT]):
         stats["wait_seconds"] += waited
         stats["last_wait_seconds"] = waited
         if d.error is not None:
-            raise d.error
+            raise for_the_consumer(d.error)
         self._loader._ckpt.offset = d.spec.offset_after
         self._delivered += 1
         stats["batches"] += 1

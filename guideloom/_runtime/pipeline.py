@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,10 +33,10 @@ try:  # anyio loads its asyncio backend on first use: load it with guideloom, no
 except ImportError:  # pragma: no cover - a future anyio may move it; it then loads lazily
     pass
 
+from guideloom._core.delivery import DELIVERED_ERRORS, apply, apply_group
 from guideloom._core.order import Order
 from guideloom._core.plan import BatchSpec, EpochPlan
 from guideloom._core.schedule import (
-    DELIVERED_ERRORS,
     WINDOW_BATCHES,
     Delivery,
     Indexes,
@@ -54,8 +55,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "COLLATE_ERRORS",
     "Delivery",
+    "making_steps",
     "InlinePipeline",
     "PipelineConfig",
     "make_executor",
@@ -63,13 +64,6 @@ __all__ = [
     "reading_name",
     "run_pipeline",
 ]
-
-#: What a ``collate_fn`` (or the device copy) may raise that is delivered to the consumer at its
-#: batch: every ``Exception``, and ``SystemExit``/``KeyboardInterrupt`` too, so that a collate
-#: that calls ``sys.exit()`` (or is interrupted) ends the consumer's loop with that same exception
-#: rather than killing an event loop or a worker and leaving the consumer with a truncated epoch.
-#: Cancellation (``asyncio.CancelledError``) is not among them: it is guideloom's own signal.
-COLLATE_ERRORS: tuple[type[BaseException], ...] = DELIVERED_ERRORS
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +116,14 @@ def move_to_device(obj: Any, device: torch.device, pin_memory: bool) -> Any:
     if isinstance(obj, list):
         return [move_to_device(v, device, pin_memory) for v in obj]
     return obj
+
+
+def making_steps(cfg: PipelineConfig) -> tuple[Callable[[Any], Any], ...]:
+    """What makes a read batch into a delivered one: ``collate_fn``, then the copy to the device
+    where there is one to make (on CPU a batch stays where it is)."""
+    if cfg.device.type == "cpu":
+        return (cfg.collate_fn,)
+    return (cfg.collate_fn, functools.partial(move_to_device, device=cfg.device, pin_memory=cfg.pin_memory))
 
 
 # -- reader ------------------------------------------------------------------------------------------
@@ -194,7 +196,7 @@ async def _reader(
         async def run(specs: list[BatchSpec], done: anyio.Event, slot: list[Any]) -> None:
             try:
                 slot.append(await run_async(read_window(specs, indexes, reading), aread))
-            except COLLATE_ERRORS as exc:
+            except DELIVERED_ERRORS as exc:
                 slot.append([Delivery(specs[0], error=exc)])
             finally:
                 limit.release()
@@ -237,24 +239,6 @@ async def _reader(
 
 
 # -- collate -----------------------------------------------------------------------------------------
-def _collate_many(
-    collate_fn: Callable[[Sequence[Any]], Any], batches: list[Sequence[Any]]
-) -> list[tuple[Any, BaseException | None]]:
-    """Collate consecutive batches in one worker call (one hand-off for several batches).
-
-    Stops at the first failure, which is returned in place of its batch. Runs in worker threads
-    and in worker processes (so it is a module-level function).
-    """
-    out: list[tuple[Any, BaseException | None]] = []
-    for b in batches:
-        try:
-            out.append((collate_fn(b), None))
-        except COLLATE_ERRORS as exc:
-            out.append((None, exc))
-            break
-    return out
-
-
 def make_executor(cfg: PipelineConfig, *, off_loop: bool = False) -> concurrent.futures.Executor | None:
     """The collate workers for ``cfg``: none at ``num_workers=0`` unless ``off_loop`` (a caller's
     event loop must never run ``collate_fn``: then one thread collates)."""
@@ -305,12 +289,7 @@ async def _collate(
                 while window:
                     d = window.pop()
                     await channel.reserve()
-                    if d.error is None:
-                        try:
-                            d.value = cfg.collate_fn(d.value)
-                        except COLLATE_ERRORS as exc:
-                            d.error, d.value = exc, None
-                    failed = d.error is not None
+                    failed = apply(d, cfg.collate_fn)
                     await emit(d)
                     del d
                     if failed:
@@ -328,7 +307,7 @@ async def _collate(
         def submit() -> None:
             if group:
                 batches = [d.value for d in group]
-                fut = loop.run_in_executor(executor, _collate_many, cfg.collate_fn, batches)
+                fut = loop.run_in_executor(executor, apply_group, (cfg.collate_fn,), batches)
                 pending.append((list(group), fut))
                 group.clear()
 
@@ -420,7 +399,7 @@ class InlinePipeline:
         self._windows = windows(cfg.plan, first_step, _max_window(cfg), _span(cfg))
         self._read = cfg.dataset.read_many_sync
         self._reading = _reading(cfg)
-        self._device = cfg.device if cfg.device.type != "cpu" else None
+        self._steps = making_steps(cfg)
         self._pending: list[Delivery] = []  # the window's uncollated batches, last first
 
     def buffered(self) -> int:
@@ -446,15 +425,10 @@ class InlinePipeline:
         d = self.next_raw()
         if d is None:
             return None
-        if d.error is None:
-            try:
-                d.value = self._cfg.collate_fn(d.value)
-                if self._device is not None:
-                    d.value = move_to_device(d.value, self._device, self._cfg.pin_memory)
-            except COLLATE_ERRORS as exc:
-                d.error, d.value = exc, None
-        if d.error is not None:
-            self.close()
+        for step in self._steps:
+            if apply(d, step):
+                self.close()
+                break
         return d
 
     def close(self) -> None:
@@ -494,13 +468,9 @@ async def run_pipeline(
 
                 async def mover() -> None:
                     async with to_move_recv:
+                        move = functools.partial(move_to_device, device=cfg.device, pin_memory=cfg.pin_memory)
                         async for d in to_move_recv:
-                            if d.error is None:
-                                try:
-                                    d.value = move_to_device(d.value, cfg.device, cfg.pin_memory)
-                                except COLLATE_ERRORS as exc:
-                                    d.error, d.value = exc, None
-                            failed = d.error is not None
+                            failed = apply(d, move)
                             channel.put(d)
                             del d
                             if failed:

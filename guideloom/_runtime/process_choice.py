@@ -35,7 +35,8 @@ from __future__ import annotations
 import time
 import weakref
 
-from guideloom._runtime.pipeline import COLLATE_ERRORS, Delivery, InlinePipeline, PipelineConfig
+from guideloom._core.delivery import Delivery, apply
+from guideloom._runtime.pipeline import InlinePipeline, PipelineConfig
 from guideloom._runtime.processes import SyncRun, WorkerPool
 from guideloom._runtime.threads import CHUNK_SECONDS, QUIET_CALLS, _Chooser
 
@@ -166,12 +167,7 @@ class ProcessChoiceRun:
         if d is None:
             self._quiet = 0
             return None
-        if d.error is None:
-            try:
-                d.value = self._collate(d.value)
-            except COLLATE_ERRORS as exc:
-                d.error, d.value = exc, None
-        if d.error is not None:
+        if apply(d, self._collate):
             inline.close()
             self._quiet = 0
         self._next_step = d.spec.step + 1

@@ -52,9 +52,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from guideloom._core.delivery import Delivery, apply
 from guideloom._core.order import Order
 from guideloom._core.plan import BatchSpec, EpochPlan
-from guideloom._core.schedule import Delivery, Indexes, read_window, run_async, run_sync
+from guideloom._core.schedule import Indexes, read_window, run_async, run_sync
 from guideloom._errors import WorkerError
 
 if TYPE_CHECKING:
@@ -359,13 +360,9 @@ class _Worker:
             deliveries.reverse()
             while deliveries:
                 d = deliveries.pop()
-                if d.error is None:
-                    c0 = time.perf_counter()
-                    try:
-                        d.value = self.collate_fn(d.value)
-                    except BaseException as exc:  # SystemExit / KeyboardInterrupt too: the consumer's
-                        d.error, d.value = exc, None
-                    collate_s += time.perf_counter() - c0
+                c0 = time.perf_counter()
+                apply(d, self.collate_fn)
+                collate_s += time.perf_counter() - c0
                 if d.error is not None:
                     entries.append(("e", d.spec.step, *_exception_message(d.error)))
                     break

@@ -23,20 +23,13 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from guideloom._runtime.pipeline import (
-    COLLATE_ERRORS,
-    Delivery,
-    InlinePipeline,
-    PipelineConfig,
-    group_size,
-    move_to_device,
-)
+from guideloom._core.delivery import Delivery, Results, apply, apply_group
+from guideloom._runtime.pipeline import InlinePipeline, PipelineConfig, group_size, making_steps
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 __all__ = [
     "CHUNK_SECONDS",
@@ -76,29 +69,6 @@ PAUSE_SHARE = 0.5
 #: A choice whose other mode costs this many times the chosen one's stands eight times longer:
 #: a busy machine does not turn a 25% gap round, and each probe of the worse mode costs.
 CLEAR = 1.25
-
-Results = list[tuple[Any, BaseException | None]]
-
-
-def _collate_group(
-    collate_fn: Callable[[Sequence[Any]], Any],
-    device: torch.device | None,
-    pin_memory: bool,
-    batches: list[Any],
-) -> Results:
-    """A worker's call: collate (and move) consecutive batches; stops at the first failure,
-    which is returned in place of its batch."""
-    out: Results = []
-    for b in batches:
-        try:
-            value = collate_fn(b)
-            if device is not None:
-                value = move_to_device(value, device, pin_memory)
-            out.append((value, None))
-        except COLLATE_ERRORS as exc:
-            out.append((None, exc))
-            break
-    return out
 
 
 def _ratio(chunks: dict[bool, list[float]]) -> float:
@@ -235,9 +205,7 @@ class ThreadWorkerPipeline:
     ) -> None:
         self._source = InlinePipeline(cfg)
         self._executor = executor
-        self._collate = cfg.collate_fn
-        self._device = cfg.device if cfg.device.type != "cpu" else None
-        self._pin = cfg.pin_memory
+        self._steps = making_steps(cfg)
         self._limit = cfg.capacity + 1  # batches prepared ahead, plus the one asked for
         self._group = group_size(cfg.capacity, cfg.num_workers)
         # Groups in plan order, each its batches (first last, popped as delivered) and the
@@ -283,10 +251,10 @@ class ThreadWorkerPipeline:
         if d is None:
             self._ended = True
             return None
-        if d.error is None:
-            d.value, d.error = _collate_group(self._collate, self._device, self._pin, [d.value])[0]
-        if d.error is not None:
-            self._end()
+        for step in self._steps:
+            if apply(d, step):
+                self._end()
+                break
         return d
 
     def _read(self) -> Delivery | None:
@@ -321,7 +289,7 @@ class ThreadWorkerPipeline:
         batches = [d.value for d in group]
         for d in group:
             d.value = None  # the worker holds the raw batch; delivered values replace it
-        fut = self._executor.submit(_collate_group, self._collate, self._device, self._pin, batches)
+        fut = self._executor.submit(apply_group, self._steps, batches)
         group.reverse()
         self._queue.append((list(group), fut))
         self._ahead += len(group)

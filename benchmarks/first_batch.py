@@ -1,4 +1,4 @@
-"""Time to first batch over object storage, traced request by request (issue 12).
+"""Time to first batch over object storage, traced request by request.
 
 For the default order (a global row shuffle) and ``shuffle_block_size="auto"``, on moto S3 (its
 own process) and on nginx behind the 20 ms loopback proxy, one fresh process per measurement

@@ -1,6 +1,6 @@
 """Fuzz the manifest reader: whatever the bytes, a valid Manifest or a DatasetFormatError.
 
-    python -m benchmarks fuzz                 # an hour of cases (issue 10)
+    python -m benchmarks fuzz                 # an hour of cases
     python -m benchmarks fuzz --minutes 3     # a short run
 
 Cases come from hypothesis, three ways: valid manifests (every kind, dtype, field and file

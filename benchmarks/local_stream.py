@@ -1,14 +1,14 @@
 """Local stream throughput: guideloom against a bare memmap loop and torch's DataLoader.
 
-Workload (issue 2): a uint16 stream of 100M tokens on local disk, sequence_length=2048,
+Workload: a uint16 stream of 100M tokens on local disk, sequence_length=2048,
 local_batch_size=16, shuffle on, collate to an int64 (16, 2048) tensor, N batches after a
 warm-up. Every configuration runs in the same process, in alternating rounds, and the figures are
 reported as ratios to the bare loop of the same round (this machine is shared and noisy).
 
     python -m benchmarks local            # full run (~2 minutes once the data exists)
     python -m benchmarks local --quick    # a smaller smoke run
-    python -m benchmarks local --process-workers   # only the process-worker table (issue 11)
-    python -m benchmarks local --steady   # only the steady-state worker ratios (issue 11)
+    python -m benchmarks local --process-workers   # only the process-worker table
+    python -m benchmarks local --steady   # only the steady-state worker ratios
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ def run_with_step(path: Path, batches: int, warmup: int, **kw: Any) -> float:
     return batches / dt
 
 
-# -- process workers (issue 11) ----------------------------------------------------------------------
+# -- process workers ---------------------------------------------------------------------------------
 def epoch2_first_batch(path: Path, **kw: Any) -> tuple[float, float]:
     """Seconds to the first batch of epoch 1 (workers start) and of epoch 2 (persistent workers:
     no respawn), with process workers and the README's collate."""
@@ -285,7 +285,7 @@ def epoch2_first_batch(path: Path, **kw: Any) -> tuple[float, float]:
 
 
 def process_worker_table(path: Path, batches: int, warmup: int, rounds: int, skip_torch: bool) -> None:
-    """Issue 11's targets: nw=2 processes against nw=0 (and torch at nw=2) for a GIL-bound and a
+    """The process-worker targets: nw=2 processes against nw=0 (and torch at nw=2) for a GIL-bound and a
     trivial collate, ratios within each round; then epoch 2's first batch."""
     gil = gil_bound_collate(1.0)
     gil_ms = statistics.median(_timed(gil, [np.zeros(SEQ, np.uint16)] * BATCH) for _ in range(20)) * 1e3
@@ -402,7 +402,7 @@ class _Feed:
 
 
 def steady_state_table(path: Path, rounds: int, window: int = 1000, warm_s: float = 1.0) -> None:
-    """Issue 11's worker ratios in steady state. Every configuration's loader is opened once
+    """The worker ratios in steady state. Every configuration's loader is opened once
     and warmed for ``warm_s``; then each round times one window of each configuration between
     two windows of its ``nw=0`` baseline (A B A: a drift of the machine's speed weighs on both),
     and the ratio is B over the mean of the two A's. Medians over the rounds, and the spread."""
@@ -448,7 +448,7 @@ def steady_state_table(path: Path, rounds: int, window: int = 1000, warm_s: floa
 
 
 def thread_worker_targets(path: Path, batches: int, warmup: int, rounds: int) -> None:
-    """Issue 11 item 2: thread workers against no workers, for the README's collate and a
+    """Thread workers against no workers, for the README's collate and a
     GIL-bound collate of ~1 ms; each ratio against ``nw=0`` of the same round (sync ``for``)."""
     gil = gil_bound_collate(1.0)
     gil_batches = max(50, batches // 3)
@@ -482,9 +482,7 @@ def thread_worker_targets(path: Path, batches: int, warmup: int, rounds: int) ->
             rates[name].append(fn())
         for name, (_fn, base) in cases.items():
             ratios[name].append(rates[name][-1] / rates[base][-1])
-    print(
-        f"\nthread workers (issue 11; GIL-bound collate: {gil.loops:,} Python loops, {gil_batches} batches)"
-    )
+    print(f"\nthread workers (GIL-bound collate: {gil.loops:,} Python loops, {gil_batches} batches)")
     print(f"{'configuration':44s} {'samples/s':>12s} {'x nw=0':>8s} {'min x':>6s}")
     for name in cases:
         print(
@@ -502,9 +500,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="10M tokens, 200 batches, 1 round")
     ap.add_argument("--prefetch", type=int, default=16, help="prefetch for the prefetching configurations")
     ap.add_argument("--skip-torch", action="store_true")
-    ap.add_argument(
-        "--thread-workers-only", action="store_true", help="only the thread-worker targets (issue 11)"
-    )
+    ap.add_argument("--thread-workers-only", action="store_true", help="only the thread-worker targets")
     ap.add_argument("--process-workers", action="store_true", help="only the process-worker table")
     ap.add_argument(
         "--steady", action="store_true", help="only the steady-state worker ratios (long-lived loaders)"

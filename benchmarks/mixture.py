@@ -1,4 +1,4 @@
-"""Mixture open and resume times (issue 13 targets): a 1,000-source mixture opens in < 100 ms and
+"""Mixture open and resume times against their targets: a 1,000-source mixture opens in < 100 ms and
 resumes in < 20 ms at position 10^9 (time to the first batch after ``load_state_dict``).
 
     python -m benchmarks mixture [--sources 1000] [--rounds 7]

@@ -1,6 +1,6 @@
 """Document packing: throughput against the plain stream loader, resume TTFB, layout build cost.
 
-Workload (issue 13): a local document dataset (uint16, lognormal lengths, mean about 600
+Workload: a local document dataset (uint16, lognormal lengths, mean about 600
 tokens) and a local stream dataset holding the same tokens in the same order;
 sequence_length=2048, local_batch_size=16, shuffle on, num_workers=0. The stream loader's
 collate widens the tokens to int64; the packed loaders' collate does the same and also stacks

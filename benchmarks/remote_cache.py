@@ -1,6 +1,6 @@
 """The local cache of a remote stream: a byte-limited chunk cache against the whole copy and local files.
 
-Workload (issue 12): a uint16 stream (256 MiB, 32 MiB objects) served by nginx on 127.0.0.1
+Workload: a uint16 stream (256 MiB, 32 MiB objects) served by nginx on 127.0.0.1
 behind the loopback proxy at 20 ms round trip, ``sequence_length=2048`` (4 KiB samples),
 ``local_batch_size=16``, ``prefetch=8``. Each measurement is one fresh child process with a cold
 cache folder, over two whole epochs; in one run, so the ratios compare like with like:

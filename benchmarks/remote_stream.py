@@ -1,6 +1,6 @@
 """Remote stream throughput: guideloom over HTTP at 20 ms round trip, against its ceiling.
 
-Workload (issue 3): a uint16 stream of 256 MiB served by nginx on 127.0.0.1, behind a loopback
+Workload: a uint16 stream of 256 MiB served by nginx on 127.0.0.1, behind a loopback
 proxy that adds 10 ms each way (20 ms round trip), ``sequence_length=2048`` (4 KiB samples),
 ``local_batch_size=16``, shuffle on. In one run it measures
 

@@ -1,4 +1,4 @@
-"""Shuffle quality of chunk-aware orders against a global row shuffle (issue 12 §1).
+"""Shuffle quality of chunk-aware orders against a global row shuffle.
 
     python benchmarks/shuffle_quality.py            # the table (N = 48,828, B = 16), a few seconds
     python benchmarks/shuffle_quality.py --timing   # also µs per position of a 16k-position take

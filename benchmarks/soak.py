@@ -1,6 +1,6 @@
 """Soak: epochs of loading through a faulty proxy with worker processes killed; nothing lost or leaked.
 
-    python -m benchmarks soak                  # 10 minutes (issue 10)
+    python -m benchmarks soak                  # 10 minutes
     python -m benchmarks soak --minutes 2      # a short check
 
 A stream dataset whose tokens are their own positions (so each delivered sample names itself)

@@ -15,8 +15,13 @@ def _f(x: Any, fmt: str = ",.0f") -> str:
     return format(x, fmt)
 
 
+def _md(text: Any) -> str:
+    """``text`` for a Markdown table cell: ``__getitem__`` stays a name, not bold ``getitem``."""
+    return str(text).replace("__", "\\_\\_")
+
+
 def _row(*cells: Any) -> str:
-    return "| " + " | ".join(str(c) for c in cells) + " |"
+    return "| " + " | ".join(_md(c) for c in cells) + " |"
 
 
 def _best(rows: list[dict[str, Any]], pred: Any, metric: str = "samples_per_s") -> dict[str, Any] | None:
@@ -25,7 +30,7 @@ def _best(rows: list[dict[str, Any]], pred: Any, metric: str = "samples_per_s") 
 
 
 def targets(out: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
-    """(target, measured, met) for each target of the issue that this run measured."""
+    """(target, measured, met) for each of guideloom's performance targets that this run measured."""
     res: list[tuple[str, str, bool | None]] = []
     local = out.get("local", [])
     if local:
@@ -155,7 +160,7 @@ def markdown(out: dict[str, Any]) -> str:
         ]
         for r in out["local"]:
             if "error" in r:
-                lines.append(f"| {r['label']} | {r['nw']} | failed: {r['error'][:80]} | | | | | | |")
+                lines.append(_row(r["label"], r["nw"], f"failed: {r['error'][:80]}", "", "", "", "", "", ""))
                 continue
             lines.append(
                 _row(
@@ -191,7 +196,7 @@ def markdown(out: dict[str, Any]) -> str:
         for r in out["resume"]:
             a = _f(r.get("ttfb_at_1000"), ".3f") if not r.get("error_at_1000") else "failed"
             b = _f(r.get("ttfb_at_1000000"), ".3f") if not r.get("error_at_1000000") else "failed"
-            lines.append(f"| {r['label']} | {a} | {b} | {_f(r.get('peak_rss_mib'))} | {r['how']} |")
+            lines.append(_row(r["label"], a, b, _f(r.get("peak_rss_mib")), r["how"]))
         lines.append("")
     if out.get("remote"):
         lines += [
@@ -235,7 +240,7 @@ def markdown(out: dict[str, Any]) -> str:
     ts = targets(out)
     if ts:
         lines += ["## Targets", "", "| target | measured | met |", "| --- | --- | --- |"]
-        lines += [f"| {t} | {m_} | {'-' if ok is None else 'yes' if ok else 'no'} |" for t, m_, ok in ts]
+        lines += [_row(t, m_, "-" if ok is None else "yes" if ok else "no") for t, m_, ok in ts]
         lines.append("")
     return "\n".join(lines)
 
@@ -310,6 +315,10 @@ python -m benchmarks suite --quick    # one round, shorter windows
 python -m benchmarks report           # re-render the table and chart from benchmarks/results/latest.json
 python -m benchmarks local            # the short local comparison (guideloom, a bare loop, torch)
 python -m benchmarks remote           # over HTTP at 20 ms round trip, against the range-read ceiling
+python -m benchmarks remote-cache     # cache_dir: a 25% chunk cache against the whole copy and local files
+python -m benchmarks first-batch      # time to first batch over object storage, request by request
+python -m benchmarks packing          # document packing against the stream loader
+python -m benchmarks mixture          # a 1,000-source mixture: open, resume, schedule discrepancy
 python -m benchmarks fuzz             # an hour of fuzzing the manifest reader
 python -m benchmarks soak             # 10 minutes of loading through a faulty proxy, workers killed
 ```

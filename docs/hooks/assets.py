@@ -1,6 +1,6 @@
 """mkdocs hook: serve the benchmark chart from where the benchmark suite writes it.
 
-``docs/benchmarks.md`` is written by ``python -m benchmarks run`` and links the chart as
+``docs/benchmarks.md`` is written by ``python -m benchmarks report`` (and ``suite``) and links the chart as
 ``../benchmarks/results/results.png`` (right on GitHub, outside ``docs_dir`` for mkdocs). The
 hook adds every file of ``benchmarks/results/`` that a page links to the site under
 ``assets/benchmarks/`` and points the page's links there, so the site always shows the latest

@@ -30,7 +30,12 @@ def test_all_is_sorted_complete_and_importable() -> None:
     assert set(guideloom.__all__) >= CONTRACT_NAMES
     for name in guideloom.__all__:
         assert hasattr(guideloom, name), name
-    public = {n for n in dir(guideloom) if not n.startswith("_")} - {"annotations", "pytorch", "storage", "types"}
+    public = {n for n in dir(guideloom) if not n.startswith("_")} - {
+        "annotations",
+        "pytorch",
+        "storage",
+        "types",
+    }
     assert public <= set(guideloom.__all__), public - set(guideloom.__all__)
 
 

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 import guideloom as gl
 from guideloom._core.plan import EpochPlan, Permutation
 from guideloom._core.schedule import Indexes, _positions
-from guideloom._loader.iterators import InlineIterator
-from guideloom._runtime.pipeline import PipelineConfig, group_size, move_to_device
+from guideloom._runtime.config import PipelineConfig, group_size, move_to_device
+from guideloom._runtime.inline import InlinePipeline
 
 
 def _cfg(n: int, batch: int, world: int, rank: int, offset: int) -> PipelineConfig:
@@ -151,7 +151,7 @@ def test_inline_iteration_runs_no_event_loop_and_works_inside_one() -> None:
     async def inside_a_loop() -> list[Any]:
         with loader:
             it = iter(loader)
-            assert type(it) is InlineIterator  # no event loop, no loop thread
+            assert type(it._runner) is InlinePipeline  # no event loop, no loop thread
             out = list(it)
             assert set(threading.enumerate()) <= threads  # no loop thread was started
             return out

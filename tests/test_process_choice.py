@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import guideloom as gl
 import guideloom._runtime.process_choice as choice
-from guideloom._loader.iterators import ProcessWorkerIterator
+from guideloom._runtime.runners import ProcessRunner
 
 from ._helpers import take
 from .test_procpool import SEQ, Boom, assert_same, fails_at_40, ids, loader_for, rich, worker_pids
@@ -64,7 +64,7 @@ def flips(monkeypatch: pytest.MonkeyPatch) -> list[Flip]:
         made.append(Flip(len(made) % 5 + 1))
         return made[-1]
 
-    monkeypatch.setattr(choice, "_Chooser", make)
+    monkeypatch.setattr(choice, "Chooser", make)
     return made
 
 
@@ -85,9 +85,9 @@ def test_switching_at_any_batch_gives_the_batches_of_num_workers_0(
     loader = loader_for(stream, rich, shuffle=True, shuffle_seed=3, local_batch_size=3, prefetch=prefetch)
     with loader:
         for expected in epochs:  # three epochs: flipping every 1, 2 and 3 calls
-            choice._CHOOSERS.clear()  # a chooser of its own for each epoch
+            loader._life._choosers.clear()  # a chooser of its own for each epoch
             it = iter(loader)
-            assert isinstance(it, ProcessWorkerIterator) and it._choice is not None
+            assert isinstance(it._runner, ProcessRunner) and it._runner._choice is not None
             got = list(it)
             assert len(got) == len(expected)
             for a, b in zip(got, expected, strict=True):
@@ -105,7 +105,7 @@ def test_quiet_inline_stretches_between_switches_give_the_batches_of_num_workers
 ) -> None:
     """A choice of inline that stands makes ``next()`` untimed for a stretch of calls; switching
     after such stretches still gives the same batches."""
-    monkeypatch.setattr(choice, "_Chooser", lambda **_: Flip(every, held=True))
+    monkeypatch.setattr(choice, "Chooser", lambda **_: Flip(every, held=True))
     with loader_for(stream, rich, num_workers=0, shuffle=True, shuffle_seed=3, local_batch_size=3) as inline:
         expected = take(inline)
     with loader_for(stream, rich, shuffle=True, shuffle_seed=3, local_batch_size=3, prefetch=4) as loader:
@@ -125,7 +125,7 @@ def test_an_epoch_that_starts_inline_gives_the_batches_of_num_workers_0(
     """A pool's chooser lasts from one epoch to the next: an epoch may start inline, before the
     workers were sent anything of it, and switch to them later (or never: every=1000)."""
     made: list[Flip] = []
-    monkeypatch.setattr(choice, "_Chooser", lambda **_: made.append(Flip(every, workers=False)) or made[-1])
+    monkeypatch.setattr(choice, "Chooser", lambda **_: made.append(Flip(every, workers=False)) or made[-1])
     with loader_for(stream, rich, num_workers=0, shuffle=True, shuffle_seed=5, local_batch_size=3) as inline:
         epochs = [take(inline) for _ in range(2)]
         inline.load_state_dict({**inline.state_dict(), "observation_offset": 30})
@@ -182,7 +182,7 @@ def test_resume_anywhere_while_switching(stream: Path, flips: list[Flip]) -> Non
 def test_a_failure_is_raised_at_its_batch_in_either_mode(
     stream: Path, monkeypatch: pytest.MonkeyPatch, every: int, held: bool
 ) -> None:
-    monkeypatch.setattr(choice, "_Chooser", lambda **_: Flip(every, held=held))
+    monkeypatch.setattr(choice, "Chooser", lambda **_: Flip(every, held=held))
     with loader_for(stream, fails_at_40, num_workers=0) as inline:
         it0 = iter(inline)
         before0 = []
@@ -211,12 +211,12 @@ def test_a_collate_cheaper_than_the_transport_runs_inline(tmp_path: Path) -> Non
     modes: list[bool] = []
     with loader_for(folder, ids, shuffle=True, shuffle_seed=1, prefetch=4) as loader:
         it = iter(loader)
-        assert isinstance(it, ProcessWorkerIterator) and it._choice is not None
+        assert isinstance(it._runner, ProcessRunner) and it._runner._choice is not None
         got = []
         for batch in it:
             got.append(batch)
-            if it._choice is not None:
-                modes.append(it._choice.workers)
+            if it._runner._choice is not None:
+                modes.append(it._runner._choice.workers)
         del it
     assert got == expected
     assert modes[0] is True  # the workers first, as asked for
@@ -230,19 +230,19 @@ def test_a_collate_cheaper_than_its_transport_is_settled_inline_without_a_probe(
     """The workers report a batch's read and collate cost; once the main process spends at least
     that long in next() per batch of theirs, inline is chosen at once (Chooser.settle) and held."""
     settled: list[bool] = []
-    real = choice._Chooser.settle
+    real = choice.Chooser.settle
 
     def spy(self: Any, workers: bool) -> None:
         settled.append(workers)
         real(self, workers)
 
-    monkeypatch.setattr(choice._Chooser, "settle", spy)
+    monkeypatch.setattr(choice.Chooser, "settle", spy)
     folder = tmp_path / "long"
     gl.write_stream(folder, np.arange(4000 * SEQ, dtype=np.int32), shard_bytes=200_000)
     with loader_for(folder, ids, shuffle=True, shuffle_seed=1, prefetch=4) as loader:
         it = iter(loader)
-        assert isinstance(it, ProcessWorkerIterator) and it._choice is not None
-        session = it._choice._run.session
+        assert isinstance(it._runner, ProcessRunner) and it._runner._choice is not None
+        session = it._runner._choice._run.session
         n = sum(1 for _ in it)
         assert session.work_per_batch is not None and session.work_per_batch > 0
         del it

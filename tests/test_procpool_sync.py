@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
-from guideloom._loader.iterators import ProcessWorkerIterator
 from guideloom._runtime.processes import live_segments
+from guideloom._runtime.runners import ProcessRunner
 
 from ._helpers import take
 from .test_procpool import SEQ, assert_same, ids, loader_for, rich, slow_ids, worker_pids
@@ -64,15 +64,16 @@ def test_batches_equal_num_workers_0_for_each_group_size(
     )
     with loader:
         it = iter(loader)
-        assert isinstance(it, ProcessWorkerIterator)
+        assert isinstance(it._runner, ProcessRunner)
+        run = it._runner._run
         got = [next(it)]
-        assert it._run is not None and it._run.group == group
-        token = it._run.session.pool.token  # this pool's segments (other tests may run meanwhile)
+        assert run.flow.group == group
+        token = run.session.pool.token  # this pool's segments (other tests may run meanwhile)
         owner = got[0]["array"]
         while isinstance(owner, np.ndarray):
             owner = owner.base
         assert isinstance(owner, ctypes.Array)  # a view of a shared-memory slot, not a copy
-        assert it._run.ahead <= prefetch + workers + 1  # the channel's credits, as on the loop
+        assert run.ahead <= prefetch + workers + 1  # the channel's credits, as on the loop
         assert loop_threads() == []  # no event loop between the workers and the consumer
         got.extend(it)
         assert len(got) == len(expected)
@@ -118,8 +119,8 @@ def test_close_from_another_thread_ends_a_blocked_next(stream: Path) -> None:
     with loader:
         it = iter(loader)
         next(it)
-        assert isinstance(it, ProcessWorkerIterator) and it._run is not None
-        token = it._run.session.pool.token
+        assert isinstance(it._runner, ProcessRunner)
+        token = it._runner._run.session.pool.token
         timer = threading.Timer(0.05, it.close)
         timer.start()
         t0 = time.monotonic()
@@ -156,10 +157,10 @@ def test_a_batch_that_is_one_array_travels_unpickled_and_a_group_shares_one_slot
         expected = take(inline)
     with loader_for(stream, collate, prefetch=14, shuffle=True, shuffle_seed=2) as loader:
         it = iter(loader)
-        assert isinstance(it, ProcessWorkerIterator) and it._run is not None
+        assert isinstance(it._runner, ProcessRunner)
         got = list(it)
-        assert it._run.group == 4
-        token = it._run.session.pool.token
+        assert it._runner._run.flow.group == 4
+        token = it._runner._run.session.pool.token
     assert len(got) == len(expected)
     for a, b in zip(got, expected, strict=True):
         assert_same(a, b)
@@ -183,7 +184,7 @@ def test_a_batch_that_is_one_array_travels_unpickled_and_a_group_shares_one_slot
 def test_batches_for_a_device_keep_the_loop_thread_that_overlaps_the_copy(stream: Path) -> None:
     """To a device, the copy runs on the loop thread's mover, overlapped with the next batch
     (``meta`` stands in for an accelerator here), not in the consumer's thread after each batch."""
-    from guideloom._loader.iterators import LoopThreadIterator
+    from guideloom._runtime.runners import LoopThreadRunner
 
     loader = gl.StatefulDataLoader.from_storage(
         gl.open_stream(stream), as_int64, sequence_length=SEQ, local_batch_size=4, num_workers=2,
@@ -191,7 +192,7 @@ def test_batches_for_a_device_keep_the_loop_thread_that_overlaps_the_copy(stream
     )  # fmt: skip
     with loader:
         it = iter(loader)
-        assert isinstance(it, LoopThreadIterator)
+        assert isinstance(it._runner, LoopThreadRunner)
         batch = next(it)
         assert batch.device.type == "meta" and batch.shape[0] == 4
         it.close()

@@ -18,10 +18,12 @@ from hypothesis import strategies as st
 
 import guideloom as gl
 from guideloom._core.plan import EpochPlan, Permutation
-from guideloom._loader.iterators import ThreadWorkerIterator
-from guideloom._runtime import threads as _thread_workers
-from guideloom._runtime.pipeline import InlinePipeline, PipelineConfig
-from guideloom._runtime.threads import ThreadWorkerPipeline, _Chooser
+from guideloom._runtime import chooser as _thread_workers
+from guideloom._runtime.chooser import Chooser as _Chooser
+from guideloom._runtime.config import PipelineConfig
+from guideloom._runtime.inline import InlinePipeline
+from guideloom._runtime.runners import ThreadRunner
+from guideloom._runtime.threads import ThreadWorkerPipeline
 
 from ._helpers import identity_stream
 
@@ -244,7 +246,7 @@ def test_a_collate_that_releases_the_gil_runs_on_the_workers() -> None:
     )  # fmt: skip
     with loader:
         it = iter(loader)
-        assert isinstance(it, ThreadWorkerIterator)
+        assert isinstance(it._runner, ThreadRunner)
         got = [i for b in it for i in b]
     assert got == list(range(2000))
     on_workers = sum(n.startswith("guideloom-collate") for n in names)
@@ -381,10 +383,9 @@ def test_a_loaders_chooser_lasts_from_one_epoch_to_the_next() -> None:
     with loader:
         for epoch in expected:
             it = iter(loader)
-            assert isinstance(it, ThreadWorkerIterator)
+            assert isinstance(it._runner, ThreadRunner)
             got = [next(it)]
-            assert it._pipe is not None
-            choosers.append(it._pipe._chooser)
+            choosers.append(it._runner._pipe._chooser)
             starts.append(choosers[-1].workers)
             got.extend(it)
             assert got == epoch

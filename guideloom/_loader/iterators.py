@@ -1,80 +1,35 @@
-"""The loader's iterators: one class per way of running the pipeline, chosen when one starts.
+"""The loader's two iterators: ``for batch in loader`` and ``async for batch in loader``.
 
-``for batch in loader`` gets one of three sync iterators, picked by :func:`sync_iterator` once
-the loader is open (as torchdata picks its iterator class):
-
-- :class:`InlineIterator`: ``num_workers=0`` and ``prefetch=0`` over a storage that
-  ``reads_inline()`` (memory, local files): the pipeline as a plain loop in the caller's thread
-  (:class:`~guideloom._runtime.pipeline.InlinePipeline`), no event loop at all, as PyTorch loads batches
-  in the main process at ``num_workers=0``; an event loop's turns would cost about a batch's
-  whole work.
-- :class:`CallerLoopIterator`: ``num_workers=0`` and ``prefetch=0`` over any other storage: the
-  pipeline on a private asyncio loop that ``next()`` drives in the caller's thread (its reads
-  stay in flight between batches; plain asyncio, whose ``run_until_complete`` costs half of
-  uvloop's). It hands over to the plain loop at the next batch once the storage reads inline
-  (a remote dataset's ``cache_dir`` copy is complete).
-- :class:`LoopThreadIterator`: workers or prefetch (or a caller's thread that already runs an
-  event loop, such as a notebook): the pipeline on a loop thread of its own, which the iterator
-  stops when it ends (a loader holds no thread between iterators); batches come through the
-  :class:`~guideloom._runtime.channel.Channel` as soon as they are ready.
-
-- :class:`ProcessWorkerIterator`: ``parallel_method="process"`` workers: the caller's thread sends
-  groups to the workers and takes their batches off the pipes itself, no event loop
-  (:class:`~guideloom._runtime.processes.SyncRun`).
-- :class:`ThreadWorkerIterator`: ``parallel_method="thread"`` workers over a storage that
-  ``reads_inline()``: no event loop; the caller's thread reads and hands groups of batches to
-  the worker threads, or collates inline while that is cheaper
-  (:mod:`guideloom._runtime.threads`).
-
-``async for`` gets :class:`AsyncIterator`, which runs the pipeline on the caller's loop.
+Both claim the loader, plan its epoch from its position, and advance its checkpoint one handed-
+out batch at a time; how the epoch runs is the runtime's. :class:`SyncIterator` drives the
+runner :func:`~guideloom._runtime.runners.make_runner` picks for it once the loader is open;
+:class:`AsyncIterator` runs the pipeline's stages on the caller's loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import pickle
-import threading
 import time
-import weakref
 from collections.abc import AsyncIterator as AsyncIteratorABC
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from guideloom._core.delivery import for_the_consumer
+from guideloom._core.delivery import Delivery, for_the_consumer
 from guideloom._core.plan import EpochPlan
 from guideloom._loader.lifecycle import wait_through_cancellation
 from guideloom._loader.state import epoch_order
-from guideloom._loop import LoopThread
 from guideloom._runtime.channel import Channel, EndOfStream
-from guideloom._runtime.pipeline import (
-    Delivery,
-    InlinePipeline,
-    PipelineConfig,
-    group_size,
-    make_executor,
-    reading_name,
-    run_pipeline,
-)
-from guideloom._runtime.process_choice import ProcessChoiceRun
-from guideloom._runtime.processes import ProcessWorkers, SyncRun
-from guideloom._runtime.threads import ThreadWorkerPipeline, _Chooser
+from guideloom._runtime.config import PipelineConfig
+from guideloom._runtime.pipeline import Workers, run_pipeline
+from guideloom._runtime.runners import Runner, make_runner
+from guideloom._runtime.workers import make_workers
 
 if TYPE_CHECKING:
     from guideloom._loader.host import Loader
 
-__all__ = [
-    "AsyncIterator",
-    "CallerLoopIterator",
-    "InlineIterator",
-    "LoopThreadIterator",
-    "ProcessWorkerIterator",
-    "SyncIterator",
-    "ThreadWorkerIterator",
-    "pipeline_config",
-    "sync_iterator",
-]
+__all__ = ["AsyncIterator", "SyncIterator", "pipeline_config", "sync_iterator"]
 
 BatchT = TypeVar("BatchT")
 
@@ -125,7 +80,6 @@ class _IteratorBase(Generic[BatchT]):
         self._done = True  # until a subclass has started: __del__ and close() then do nothing
         self._owns_open = False
         self._expected = self._delivered = 0
-        self._executor: concurrent.futures.Executor | None = None
         loader._life.active.claim(self)
 
     def __len__(self) -> int:
@@ -140,16 +94,6 @@ class _IteratorBase(Generic[BatchT]):
         only then)."""
         self._cfg = cfg
         self._expected = len(cfg.plan)
-
-    def _start_executor(self, *, off_loop: bool = False) -> concurrent.futures.Executor | None:
-        self._executor = make_executor(self._cfg, off_loop=off_loop)
-        return self._executor
-
-    def _join_executor(self) -> None:
-        """Wait for the collate workers (threads or processes) to exit."""
-        ex, self._executor = self._executor, None
-        if ex is not None:
-            ex.shutdown(wait=True, cancel_futures=True)
 
     def _accept(self, d: Delivery, waited: float) -> BatchT:
         stats = self._loader._figures.counts
@@ -180,37 +124,18 @@ class _IteratorBase(Generic[BatchT]):
         raise NotImplementedError
 
 
-def _event_loop_running_here() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
-
-
 def sync_iterator(loader: Loader[BatchT]) -> SyncIterator[BatchT]:
-    """The iterator ``for batch in loader`` uses, of the class its configuration needs.
+    """The iterator ``for batch in loader`` uses.
 
-    An unopened loader is opened for the iterator's duration first: whether the storage reads
-    inline may be known only once it is open (a remote dataset's local copy).
+    An unopened loader is opened for the iterator's duration first: how the epoch runs depends
+    on whether the storage reads inline, which may be known only once it is open (a remote
+    dataset's local copy).
     """
     owns_open = loader._life.state == "closed"
     if owns_open:
         loader.open()
     try:
-        cfg = pipeline_config(loader)
-        cls: type[SyncIterator[BatchT]]
-        if cfg.capacity == 0 and cfg.dataset.reads_inline:
-            cls = InlineIterator
-        elif cfg.num_workers > 0 and cfg.parallel_method == "thread" and cfg.dataset.reads_inline:
-            cls = ThreadWorkerIterator
-        elif cfg.num_workers > 0 and cfg.parallel_method == "process" and cfg.device.type == "cpu":
-            cls = ProcessWorkerIterator  # to a device, the loop thread overlaps the copy with the next batch
-        elif cfg.capacity == 0 and not _event_loop_running_here():
-            cls = CallerLoopIterator
-        else:
-            cls = LoopThreadIterator
-        return cls(loader, cfg, owns_open)
+        return SyncIterator(loader, pipeline_config(loader), owns_open)
     except BaseException:
         if owns_open:
             loader.close()  # idempotent: a started iterator that failed has closed it already
@@ -218,12 +143,9 @@ def sync_iterator(loader: Loader[BatchT]) -> SyncIterator[BatchT]:
 
 
 class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
-    """What the three sync iterators share: ``next()``'s bookkeeping and closing.
+    """The iterator ``for batch in loader`` uses: ``next()``'s bookkeeping over a runner."""
 
-    A subclass starts its pipeline in :meth:`_start`, produces the next delivery in
-    :meth:`_next` (``None`` at the end of the stream) and stops everything in :meth:`_stop`,
-    which must also undo a :meth:`_start` that failed halfway.
-    """
+    _runner: Runner | None = None
 
     def __init__(self, loader: Loader[BatchT], cfg: PipelineConfig, owns_open: bool) -> None:
         super().__init__(loader)
@@ -231,19 +153,11 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
         self._configure(cfg)
         self._done = False
         try:
-            self._start()
+            self._runner = runner = make_runner(cfg, loader._life)
         except BaseException:
             self.close()
             raise
-
-    def _start(self) -> None:
-        raise NotImplementedError
-
-    def _next(self) -> Delivery | None:
-        raise NotImplementedError
-
-    def _stop(self) -> None:
-        raise NotImplementedError
+        self._next = runner.next  # the hot path: no extra frame
 
     def __iter__(self) -> SyncIterator[BatchT]:
         return self
@@ -287,7 +201,8 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
             return
         self._done = True
         try:
-            self._stop()
+            if self._runner is not None:
+                self._runner.close()
         finally:
             self._loader._life.active.release(self)
             if self._owns_open:
@@ -303,200 +218,6 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
             self.close()
 
 
-class InlineIterator(SyncIterator[BatchT]):
-    """The pipeline as a plain loop in the caller's thread (see the module docstring)."""
-
-    def _start(self) -> None:
-        self._inline = InlinePipeline(self._cfg)
-        self._next = self._inline.next  # type: ignore[method-assign]  # the hot path: no extra frame
-
-    def _stop(self) -> None:
-        inline = getattr(self, "_inline", None)
-        if inline is not None:
-            inline.close()
-
-
-class CallerLoopIterator(SyncIterator[BatchT]):
-    """The pipeline on a private asyncio loop that ``next()`` drives (see the module docstring)."""
-
-    _loop: asyncio.AbstractEventLoop | None = None
-    _task: asyncio.Task[None] | None = None
-    _inline: InlinePipeline | None = None
-
-    def _start(self) -> None:
-        self._loop = loop = asyncio.new_event_loop()
-        self._channel: Channel[Delivery] = Channel(loop, 0)
-        self._task = loop.create_task(run_pipeline(self._cfg, self._channel, 0, None, own_loop=True))
-
-    def _next(self) -> Delivery | None:
-        if self._inline is not None:
-            return self._inline.next()
-        assert self._loop is not None
-        try:
-            d = self._loop.run_until_complete(self._channel.get_future())
-        except EndOfStream:
-            if self._done:  # close() in another thread could not close the loop we were running
-                self._close_loop()
-            return None
-        if d.error is None and self._cfg.dataset.reads_inline:
-            # Before the batch counts as delivered: a failure here loses nothing.
-            self._go_inline(d.spec.step + 1)
-        return d
-
-    def _go_inline(self, next_step: int) -> None:
-        """The storage can now read inline (a remote dataset's local copy is complete): go on
-        with the plain loop from ``next_step``. The event-loop pipeline's read-ahead is dropped;
-        it held raw reads only, so nothing delivered changes."""
-        self._close_loop()
-        self._loop = self._task = None
-        self._inline = InlinePipeline(self._cfg, first_step=next_step)
-
-    def _close_loop(self) -> None:
-        """Cancel the pipeline task and close the loop (when no ``next()`` is running it)."""
-        loop, task = self._loop, self._task
-        if loop is None or loop.is_closed():
-            return
-        if loop.is_running():  # another thread's next() is inside it: it finishes the job
-            if task is not None:
-                loop.call_soon_threadsafe(task.cancel)
-            return
-        try:
-            if task is not None and not task.done():
-                task.cancel()
-                loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.run_until_complete(loop.shutdown_default_executor())
-        finally:
-            loop.close()
-
-    def _stop(self) -> None:
-        if self._inline is not None:
-            self._inline.close()
-        self._close_loop()
-
-
-#: Each loader's thread-worker chooser: what one epoch learnt holds for the next, which starts in
-#: the mode the last one ended in (not with a fresh probe of both).
-_THREAD_CHOOSERS: weakref.WeakKeyDictionary[Any, _Chooser] = weakref.WeakKeyDictionary()
-
-
-def _thread_chooser(loader: Any, cfg: PipelineConfig) -> _Chooser:
-    chooser = _THREAD_CHOOSERS.get(loader)
-    if chooser is None:
-        limit = cfg.capacity + 1
-        chooser = _THREAD_CHOOSERS[loader] = _Chooser(skip=limit, chunk=max(8, 2 * limit))
-    return chooser
-
-
-class ThreadWorkerIterator(SyncIterator[BatchT]):
-    """Thread workers fed from the caller's thread, no event loop (see the module docstring)."""
-
-    _pipe: ThreadWorkerPipeline | None = None
-
-    def _start(self) -> None:
-        executor = self._start_executor()
-        assert executor is not None
-        self._pipe = ThreadWorkerPipeline(self._cfg, executor, _thread_chooser(self._loader, self._cfg))
-
-    def _next(self) -> Delivery | None:
-        assert self._pipe is not None
-        d = self._pipe.next()
-        return None if self._done else d  # None: close() in another thread ended this next()
-
-    def _stop(self) -> None:
-        if self._pipe is not None:
-            self._pipe.close()
-        self._join_executor()
-
-
-class ProcessWorkerIterator(SyncIterator[BatchT]):
-    """Process workers driven from the caller's thread, no event loop (:class:`SyncRun`), for
-    batches that stay on the CPU: a copy to a device would run here, after each batch, where the
-    loop thread's mover overlaps it with the next."""
-
-    _run: SyncRun | None = None
-    _choice: ProcessChoiceRun | None = None
-
-    def _start(self) -> None:
-        executor = self._start_executor()
-        assert isinstance(executor, ProcessWorkers)
-        cfg = self._cfg
-        group = group_size(cfg.capacity, cfg.num_workers)
-        self._run = SyncRun(executor.session, cfg.plan, cfg.order, reading_name(cfg), 0, group, cfg.capacity)
-        if cfg.dataset.reads_inline:  # the collate may run inline while that is cheaper
-            self._choice = ProcessChoiceRun(cfg, self._run)
-
-    def _next(self) -> Delivery | None:
-        source = self._choice or self._run
-        assert source is not None
-        d = source.next()
-        if d is None or self._done:
-            return None  # the end, or close() in another thread ended this next()
-        return d
-
-    def _stop(self) -> None:
-        if self._choice is not None:
-            self._choice.close()
-        if self._run is not None:
-            self._run.close()
-        self._join_executor()
-
-
-async def _drive(
-    cfg: PipelineConfig,
-    channel: Channel[Delivery],
-    executor: concurrent.futures.Executor | None,
-    finished: threading.Event,
-) -> None:
-    """The loop thread's pipeline task. It holds no reference to the iterator, so an abandoned
-    iterator is collected (and closes the pipeline) even while this task waits."""
-    try:
-        await run_pipeline(cfg, channel, 0, executor, own_loop=True)
-    finally:
-        finished.set()  # set only once every stage has stopped
-
-
-class LoopThreadIterator(SyncIterator[BatchT]):
-    """The pipeline on a loop thread of its own (see the module docstring)."""
-
-    _lt: LoopThread | None = None
-    _future: concurrent.futures.Future[None] | None = None
-
-    def _start(self) -> None:
-        self._finished = threading.Event()
-        self._lt = lt = LoopThread(name=f"guideloom-loop-{id(self._loader):x}")
-        self._channel: Channel[Delivery] = Channel(lt.loop, self._cfg.capacity)
-        self._start_executor()
-        self._future = lt.submit(_drive(self._cfg, self._channel, self._executor, self._finished))
-
-    def _next(self) -> Delivery | None:
-        try:
-            return self._channel.get()
-        except EndOfStream:
-            return None
-
-    def _stop(self) -> None:
-        fut, lt = self._future, self._lt
-        if fut is None:  # the start failed before the pipeline was submitted
-            self._join_executor()
-            if lt is not None:
-                lt.stop()
-            return
-        assert lt is not None
-        if not fut.done():
-            fut.cancel()  # cancels the pipeline task on the loop
-        if lt.is_current():
-            # Collected on our own loop thread (cyclic GC can run anywhere): the task finishes
-            # on this loop once we return; do not wait for ourselves.
-            if self._executor is not None:
-                self._executor.shutdown(wait=False, cancel_futures=True)
-        else:
-            # A cancelled future reports at once; wait for the task's cleanup to finish.
-            self._finished.wait()
-            self._join_executor()
-        lt.stop()
-
-
 class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
     """The iterator ``async for batch in loader`` uses: the pipeline runs on the caller's loop."""
 
@@ -504,6 +225,7 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
         super().__init__(loader)
         self._task: asyncio.Task[None] | None = None
         self._channel: Channel[Delivery] | None = None
+        self._workers: Workers | None = None
         self._done = False
 
     def __aiter__(self) -> AsyncIterator[BatchT]:
@@ -522,10 +244,8 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
         channel: Channel[Delivery] = Channel(loop, self._cfg.capacity)
         # The caller's loop serves other tasks: collate_fn never runs on it (one thread at
         # num_workers=0), however long it takes.
-        executor = self._start_executor(off_loop=True)
-        self._task = loop.create_task(
-            run_pipeline(self._cfg, channel, 0, executor), name="guideloom-pipeline"
-        )
+        self._workers = workers = make_workers(self._cfg, off_loop=True)
+        self._task = loop.create_task(run_pipeline(self._cfg, channel, 0, workers), name="guideloom-pipeline")
         self._channel = channel
         return channel
 
@@ -585,8 +305,9 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
                 cancelled = await wait_through_cancellation(task)
             if task is not None and task.done() and not task.cancelled():
                 task.exception()  # retrieved: its failures reached the consumer as deliveries
-            if self._executor is not None:
-                joined = asyncio.get_running_loop().run_in_executor(None, self._join_executor)
+            workers, self._workers = self._workers, None
+            if workers is not None:
+                joined = asyncio.get_running_loop().run_in_executor(None, workers.shutdown)
                 cancelled = await wait_through_cancellation(joined) or cancelled
                 joined.result()
             if cancelled:
@@ -606,8 +327,8 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
         if task is not None and not task.done():
             task.get_loop().call_soon_threadsafe(task.cancel)
         # Nothing is awaited here (collected, or closed from sync code): closing the loader joins it.
-        self._loader._life.active.leave(task, self._executor)
-        self._executor = None
+        self._loader._life.active.leave(task, self._workers)
+        self._workers = None
         self._loader._life.active.release(self)
 
     def __del__(self) -> None:

@@ -16,10 +16,11 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from guideloom._loop import LoopThread
+from guideloom._runtime.chooser import Chooser
+from guideloom._runtime.pipeline import Workers
 from guideloom._runtime.processes import WorkerPool
 
 if TYPE_CHECKING:
-    import concurrent.futures
     from collections.abc import Callable, Sequence
 
     from guideloom._datasets import DatasetAbstract
@@ -88,18 +89,13 @@ class ActiveIterator:
             if self._ref is not None and self._ref() in (it, None):
                 self._ref = None
 
-    def leave(self, task: asyncio.Task[None] | None, executor: concurrent.futures.Executor | None) -> None:
+    def leave(self, task: asyncio.Task[None] | None, workers: Workers | None) -> None:
         """Stop what a closed iterator could not wait for (its pipeline ``task`` is cancelled
-        already): ``executor`` shuts down on a thread of its own, and :meth:`join_left` /
+        already): ``workers`` shut down on a thread of their own, and :meth:`join_left` /
         :meth:`ajoin_left` wait for both."""
         joiner = None
-        if executor is not None:
-            joiner = threading.Thread(
-                target=executor.shutdown,
-                kwargs={"wait": True, "cancel_futures": True},
-                name="guideloom-join",
-                daemon=True,
-            )
+        if workers is not None:
+            joiner = threading.Thread(target=workers.shutdown, name="guideloom-join", daemon=True)
             joiner.start()
         with self._lock:  # what has finished meanwhile needs no join
             self._left = [
@@ -150,13 +146,24 @@ class Lifecycle:
     """Whether the loader is open (from sync or async code), its active iterator and its worker
     pool, all changed under one lock."""
 
-    __slots__ = ("active", "lock", "pool", "state")
+    __slots__ = ("_choosers", "active", "lock", "pool", "state")
 
     def __init__(self) -> None:
         self.state: Literal["closed", "open", "async-open"] = "closed"
         self.active = ActiveIterator()
         self.lock = threading.RLock()
         self.pool: WorkerPool | None = None
+        self._choosers: dict[str, Chooser] = {}
+
+    def chooser(self, kind: str, make: Callable[[], Chooser]) -> Chooser:
+        """The loader's chooser of ``kind`` (``"threads"``, ``"processes"``): what one epoch
+        learnt holds for the next, which starts in the mode the last one ended in. The process
+        workers' one goes with the pool it measured."""
+        with self.lock:
+            chooser = self._choosers.get(kind)
+            if chooser is None:
+                chooser = self._choosers[kind] = make()
+            return chooser
 
     def open(self, loader: _Owner) -> None:
         """``loader.open()``: open the dataset reader, then check there is a global batch."""
@@ -220,6 +227,8 @@ class Lifecycle:
         the next iterator starts new ones."""
         with self.lock:
             pool, self.pool = self.pool, None
+            if pool is not None:
+                self._choosers.pop("processes", None)
         return pool
 
     def worker_pool(self, loader: _Owner) -> WorkerPool:
@@ -231,6 +240,7 @@ class Lifecycle:
                 return pool
             if pool is not None:
                 pool.close()
+            self._choosers.pop("processes", None)
             self.pool = pool = WorkerPool(loader.dataset, loader.collate_fn, loader.num_workers)
             weakref.finalize(loader, pool.close)  # a loader collected without close()
             return pool

@@ -17,9 +17,8 @@ import asyncio
 import concurrent.futures
 import functools
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 import anyio
 import anyio.lowlevel
@@ -33,127 +32,21 @@ try:  # anyio loads its asyncio backend on first use: load it with guideloom, no
 except ImportError:  # pragma: no cover - a future anyio may move it; it then loads lazily
     pass
 
-from guideloom._core.delivery import DELIVERED_ERRORS, apply, apply_group
-from guideloom._core.order import Order
-from guideloom._core.plan import BatchSpec, EpochPlan
-from guideloom._core.schedule import (
-    WINDOW_BATCHES,
-    Delivery,
-    Indexes,
-    future_reads,
-    max_window,
-    read_window,
-    run_async,
-    run_sync,
-    windows,
-)
-from guideloom._datasets.base import DatasetAbstract
+from guideloom._core.delivery import DELIVERED_ERRORS, Delivery, apply, apply_group
+from guideloom._core.plan import BatchSpec
+from guideloom._core.schedule import Indexes, future_reads, read_window, run_async, windows
+from guideloom._datasets import DatasetAbstract
 from guideloom._runtime.channel import Channel
-from guideloom._runtime.processes import ProcessWorkers, WorkerPool
+from guideloom._runtime.config import (
+    PipelineConfig,
+    group_size,
+    max_window_batches,
+    move_to_device,
+    reading_name,
+    window_span,
+)
 
-if TYPE_CHECKING:
-    import torch
-
-__all__ = [
-    "Delivery",
-    "making_steps",
-    "InlinePipeline",
-    "PipelineConfig",
-    "make_executor",
-    "move_to_device",
-    "reading_name",
-    "run_pipeline",
-]
-
-
-@dataclass(frozen=True, slots=True)
-class PipelineConfig:
-    dataset: DatasetAbstract[Any]
-    plan: EpochPlan
-    order: Order
-    collate_fn: Callable[[Sequence[Any]], Any]
-    device: torch.device
-    pin_memory: bool
-    num_workers: int
-    parallel_method: Literal["thread", "process"]
-    prefetch: int
-    #: The loader's persistent process workers (``persistent_workers=True``); None: a pool of
-    #: this iterator's own.
-    worker_pool: Callable[[], WorkerPool] | None = None
-
-    @property
-    def capacity(self) -> int:
-        """Batches that may be prepared ahead of the consumer's requests."""
-        return self.prefetch + self.num_workers
-
-
-# -- device transfer ------------------------------------------------------------------------------
-def move_to_device(obj: Any, device: torch.device, pin_memory: bool) -> Any:
-    """Move every tensor in a nested dict/list/tuple to ``device`` (pinned first for CUDA)."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        if obj.device == device:
-            return obj
-        if device.type == "cuda":
-            if pin_memory and obj.device.type == "cpu" and not obj.is_pinned():
-                obj = obj.pin_memory()
-            return obj.to(device, non_blocking=True)
-        return obj.to(device)
-    if isinstance(obj, Mapping):
-        moved = {k: move_to_device(v, device, pin_memory) for k, v in obj.items()}
-        if type(obj) is dict:
-            return moved
-        try:
-            return type(obj)(moved)  # type: ignore[call-arg]
-        except TypeError:
-            return moved
-    if isinstance(obj, tuple):
-        items = [move_to_device(v, device, pin_memory) for v in obj]
-        if hasattr(obj, "_fields"):  # namedtuple
-            return type(obj)(*items)
-        return tuple(items)
-    if isinstance(obj, list):
-        return [move_to_device(v, device, pin_memory) for v in obj]
-    return obj
-
-
-def making_steps(cfg: PipelineConfig) -> tuple[Callable[[Any], Any], ...]:
-    """What makes a read batch into a delivered one: ``collate_fn``, then the copy to the device
-    where there is one to make (on CPU a batch stays where it is)."""
-    if cfg.device.type == "cpu":
-        return (cfg.collate_fn,)
-    return (cfg.collate_fn, functools.partial(move_to_device, device=cfg.device, pin_memory=cfg.pin_memory))
-
-
-# -- reader ------------------------------------------------------------------------------------------
-def _max_window(cfg: PipelineConfig) -> int:
-    storage = cfg.dataset.storage
-    most = max(1, int(getattr(storage, "read_window_batches", WINDOW_BATCHES)))
-    return max_window(cfg.plan, cfg.dataset.sample_nbytes_hint(), cfg.dataset.read_window_bytes, most)
-
-
-def _span(cfg: PipelineConfig) -> int:
-    """Order positions per aligned read window, where the storage asks for blocks (object
-    stores); 0 elsewhere (windows of 1, 2, 4, ... batches, as before).
-
-    A block shuffle's mixing window: one read is a few large requests. Any other order: the
-    largest window, with no ramp of small windows in between, since a small window of a
-    shuffled epoch is scattered samples, one request each, where the largest one coalesces.
-    """
-    if getattr(cfg.dataset.storage, "shuffle_block_bytes", None) is None:
-        return 0
-    span = int(getattr(cfg.order, "span", 0))
-    return span if span > 0 else _max_window(cfg) * cfg.plan.global_batch_size
-
-
-def _reading(cfg: PipelineConfig) -> str:
-    storage = cfg.dataset.storage  # None for a dataset reading a source of its own
-    return f"{type(cfg.dataset if storage is None else storage).__name__}.read_many"
-
-
-#: What a read's failure names (public for the process workers' sync iterator).
-reading_name = _reading
+__all__ = ["StageWorkers", "Workers", "run_pipeline"]
 
 
 def _reads_for(
@@ -185,9 +78,9 @@ async def _reader(
     and send them in order."""
     concurrency = cfg.dataset.max_concurrent_reads
     indexes = Indexes(cfg.plan, cfg.order)
-    reading = _reading(cfg)
+    reading = reading_name(cfg)
     # The plan is known: tell the storage what comes (a chunk cache downloads ahead by it).
-    ahead = windows(cfg.plan, first_step, _max_window(cfg), _span(cfg))  # the windows read below
+    ahead = windows(cfg.plan, first_step, max_window_batches(cfg), window_span(cfg))  # the windows read below
     cfg.dataset.will_read(future_reads(cfg.plan, cfg.order, ahead))
     async with send, anyio.create_task_group() as tg:
         results: deque[tuple[anyio.Event, list[list[Delivery] | BaseException]]] = deque()
@@ -217,7 +110,7 @@ async def _reader(
             return True
 
         first = True
-        for specs in windows(cfg.plan, first_step, _max_window(cfg), _span(cfg)):
+        for specs in windows(cfg.plan, first_step, max_window_batches(cfg), window_span(cfg)):
             await limit.acquire()
             event = anyio.Event()
             slot: list[Any] = []
@@ -239,20 +132,6 @@ async def _reader(
 
 
 # -- collate -----------------------------------------------------------------------------------------
-def make_executor(cfg: PipelineConfig, *, off_loop: bool = False) -> concurrent.futures.Executor | None:
-    """The collate workers for ``cfg``: none at ``num_workers=0`` unless ``off_loop`` (a caller's
-    event loop must never run ``collate_fn``: then one thread collates)."""
-    if cfg.num_workers == 0:
-        if off_loop:
-            return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="guideloom-collate")
-        return None
-    if cfg.parallel_method == "thread":
-        return concurrent.futures.ThreadPoolExecutor(cfg.num_workers, thread_name_prefix="guideloom-collate")
-    if cfg.worker_pool is not None:
-        return ProcessWorkers(cfg.worker_pool(), owned=False)
-    return ProcessWorkers(WorkerPool(cfg.dataset, cfg.collate_fn, cfg.num_workers), owned=True)
-
-
 def _retrieve(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()  # retrieved: asyncio does not log "Future exception was never retrieved"
@@ -263,11 +142,6 @@ def _discard(futures: Iterable[asyncio.Future[Any]]) -> None:
     for fut in futures:
         fut.add_done_callback(_retrieve)
         fut.cancel()
-
-
-def group_size(capacity: int, num_workers: int) -> int:
-    """Batches per worker call: enough to amortise the hand-off, small enough to keep all busy."""
-    return max(1, min(8, capacity // (2 * max(1, num_workers))))
 
 
 async def _collate(
@@ -362,79 +236,48 @@ async def _collate(
             _discard(f for _, f in pending)  # after a failure: nothing waits for them
 
 
-async def _produce(
-    cfg: PipelineConfig,
-    first_step: int,
-    own_loop: bool,
-    emit: Callable[[Delivery], Any],
-    channel: Channel[Delivery],
-    executor: concurrent.futures.Executor | None,
-) -> None:
-    """Read and collate from ``first_step``, emitting in plan order: the reader and collate
-    stages here, or process workers that read and collate their own batches."""
-    if isinstance(executor, ProcessWorkers):
-        group = group_size(cfg.capacity, cfg.num_workers)
-        await executor.session.run(cfg.plan, cfg.order, _reading(cfg), first_step, group, emit, channel)
-        return
-    to_collate_send, to_collate_recv = anyio.create_memory_object_stream[list[Delivery]](1)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(_reader, cfg, to_collate_send, first_step, _reads_for(cfg.dataset, own_loop))
-        tg.start_soon(_collate, cfg, to_collate_recv, emit, channel, executor)
+class Workers(Protocol):
+    """What makes an epoch's batches on the loop: the reader and collate stages (the collate inline,
+    or on threads), or process workers that read and collate their own. Each answers for itself."""
+
+    async def produce(
+        self,
+        cfg: PipelineConfig,
+        first_step: int,
+        own_loop: bool,
+        emit: Callable[[Delivery], Any],
+        channel: Channel[Delivery],
+    ) -> None:
+        """Make the batches from ``first_step`` and ``emit`` them in plan order, a failure at its
+        batch and nothing after it."""
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop, joining what runs the work unless ``wait`` is false."""
 
 
-# -- no concurrency: the caller's thread ------------------------------------------------------------
-class InlinePipeline:
-    """The whole pipeline as a plain loop in the caller's thread: one batch per :meth:`next`.
+class StageWorkers:
+    """The reader and collate stages on the loop; ``executor`` runs the collate (None: the loop
+    itself does, which only guideloom's private loop may)."""
 
-    For ``num_workers=0`` and ``prefetch=0`` over a storage that ``reads_inline``: nothing may be
-    prepared ahead of a request, so an event loop would only add its own turns to every batch
-    (about as much as a whole batch's work, measured here). The stages are :func:`run_pipeline`'s:
-    windowed reads, collate, transfer, and a failure delivered at the batch that failed, after
-    which nothing is produced. It keeps no reference to a batch it has returned.
-    """
+    def __init__(self, executor: concurrent.futures.Executor | None) -> None:
+        self.executor = executor
 
-    def __init__(self, cfg: PipelineConfig, first_step: int = 0) -> None:
-        self._cfg = cfg
-        self._indexes = Indexes(cfg.plan, cfg.order)
-        self._windows = windows(cfg.plan, first_step, _max_window(cfg), _span(cfg))
-        self._read = cfg.dataset.read_many_sync
-        self._reading = _reading(cfg)
-        self._steps = making_steps(cfg)
-        self._pending: list[Delivery] = []  # the window's uncollated batches, last first
+    async def produce(
+        self,
+        cfg: PipelineConfig,
+        first_step: int,
+        own_loop: bool,
+        emit: Callable[[Delivery], Any],
+        channel: Channel[Delivery],
+    ) -> None:
+        to_collate_send, to_collate_recv = anyio.create_memory_object_stream[list[Delivery]](1)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_reader, cfg, to_collate_send, first_step, _reads_for(cfg.dataset, own_loop))
+            tg.start_soon(_collate, cfg, to_collate_recv, emit, channel, self.executor)
 
-    def buffered(self) -> int:
-        """Batches of the current window read and not yet returned."""
-        return len(self._pending)
-
-    def next_raw(self) -> Delivery | None:
-        """The next batch as read, not collated (or the read's error in its place); ``None`` at the
-        end of the epoch. Thread workers collate what this returns."""
-        pending = self._pending
-        if not pending:
-            specs = next(self._windows, None)
-            if specs is None:
-                return None
-            pending.extend(reversed(run_sync(read_window(specs, self._indexes, self._reading), self._read)))
-        try:
-            return pending.pop()
-        except IndexError:  # close() from another thread meanwhile
-            return None
-
-    def next(self) -> Delivery | None:
-        """The next batch (or the error in its place); ``None`` once the epoch or a failure ended it."""
-        d = self.next_raw()
-        if d is None:
-            return None
-        for step in self._steps:
-            if apply(d, step):
-                self.close()
-                break
-        return d
-
-    def close(self) -> None:
-        """Produce nothing more."""
-        self._pending.clear()
-        self._windows = iter(())
+    def shutdown(self, wait: bool = True) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=wait, cancel_futures=True)
 
 
 # -- the whole pipeline -------------------------------------------------------------------------------
@@ -442,7 +285,7 @@ async def run_pipeline(
     cfg: PipelineConfig,
     channel: Channel[Delivery],
     first_step: int,
-    executor: concurrent.futures.Executor | None,
+    workers: Workers,
     *,
     own_loop: bool = False,
 ) -> None:
@@ -464,7 +307,7 @@ async def run_pipeline(
 
                 async def collate_then_close() -> None:
                     async with to_move_send:
-                        await _produce(cfg, first_step, own_loop, emit_to_transfer, channel, executor)
+                        await workers.produce(cfg, first_step, own_loop, emit_to_transfer, channel)
 
                 async def mover() -> None:
                     async with to_move_recv:
@@ -484,7 +327,7 @@ async def run_pipeline(
                 async def emit_direct(d: Delivery) -> None:
                     channel.put(d)
 
-                tg.start_soon(_produce, cfg, first_step, own_loop, emit_direct, channel, executor)
+                tg.start_soon(workers.produce, cfg, first_step, own_loop, emit_direct, channel)
     except BaseException as exc:
         if not isinstance(exc, Exception):
             raise  # cancellation: the consumer closed the iterator

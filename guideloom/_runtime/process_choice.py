@@ -1,11 +1,11 @@
-"""Process workers that never cost more than they bring, for a sync ``for`` (issue 11).
+"""Process workers that never cost more than they bring, for a sync ``for``.
 
 A process worker reads and collates a whole group of batches, writes their arrays into shared
 memory and describes them in a message; the main process maps the slot and rebuilds the arrays.
 For a collate that costs less than that transport (the README's ``np.asarray`` of the rows: tens
 of microseconds a batch) two workers on two cores deliver fewer batches a second than the main
 process makes alone. So over a storage that reads inline (memory, page-cached local files),
-:class:`ProcessChoiceRun` measures, as the thread workers do (:class:`~guideloom._runtime.threads._Chooser`,
+:class:`ProcessChoiceRun` measures, as the thread workers do (:class:`~guideloom._runtime.chooser.Chooser`,
 same rules: chunks compared A-B-B-A, the workers kept only at <= 0.9x inline's cycle, the other
 mode probed again after a while that grows up to 3 s): it times the consumer's whole cycle with
 the batches coming from the workers and with the batch read and collated inline in ``next()``,
@@ -33,45 +33,43 @@ for the probe's chunks (which a busy machine makes noisy). And while a choice of
 from __future__ import annotations
 
 import time
-import weakref
 
 from guideloom._core.delivery import Delivery, apply
-from guideloom._runtime.pipeline import InlinePipeline, PipelineConfig
-from guideloom._runtime.processes import SyncRun, WorkerPool
-from guideloom._runtime.threads import CHUNK_SECONDS, QUIET_CALLS, _Chooser
+from guideloom._runtime.chooser import CHUNK_SECONDS, QUIET_CALLS, Chooser
+from guideloom._runtime.config import PipelineConfig
+from guideloom._runtime.inline import InlinePipeline
+from guideloom._runtime.processes import SyncRun
 
-__all__ = ["PROCESS_DECISIVE", "ProcessChoiceRun"]
+__all__ = ["PROCESS_DECISIVE", "ProcessChoiceRun", "process_chooser"]
 
 #: A probe ends after one chunk of each mode once one costs this many times the other. Lower than
-#: the threads' :data:`~guideloom._runtime.threads.DECISIVE`: process workers either clearly pay
+#: the threads' :data:`~guideloom._runtime.chooser.DECISIVE`: process workers either clearly pay
 #: (a GIL-bound collate: ~1.7x) or clearly cost (a cheap one: ~3x), and each chunk of the worse
 #: mode here is dear (a refill of the workers' pipeline, or milliseconds of collate inline).
 PROCESS_DECISIVE = 1.4
-#: Each pool's chooser: a loader's persistent workers keep what one epoch learnt for the next,
-#: which starts in the mode the last one ended in (inline: the workers idle until a probe).
-_CHOOSERS: weakref.WeakKeyDictionary[WorkerPool, _Chooser] = weakref.WeakKeyDictionary()
 
 
-def _chooser_for(pool: WorkerPool, limit: int) -> _Chooser:
-    chooser = _CHOOSERS.get(pool)
-    if chooser is None:
-        chooser = _CHOOSERS[pool] = _Chooser(
-            skip=limit, chunk=max(8, 2 * limit), inline_chunk=8, inline_skip=0, decisive=PROCESS_DECISIVE
-        )
-    return chooser
+def process_chooser(capacity: int) -> Chooser:
+    """A new chooser between process workers and inline collation for a pipeline of ``capacity``
+    batches ahead. The loader's lifecycle keeps it with its persistent workers: what one epoch
+    learnt holds for the next, which starts in the mode the last one ended in."""
+    limit = capacity + 1
+    return Chooser(
+        skip=limit, chunk=max(8, 2 * limit), inline_chunk=8, inline_skip=0, decisive=PROCESS_DECISIVE
+    )
 
 
 class ProcessChoiceRun:
     """One epoch of a sync ``for``: batches from ``run``'s process workers or made inline."""
 
-    def __init__(self, cfg: PipelineConfig, run: SyncRun, chooser: _Chooser | None = None) -> None:
+    def __init__(self, cfg: PipelineConfig, run: SyncRun, chooser: Chooser) -> None:
         self._cfg = cfg
         self._run = run
         self._collate = cfg.collate_fn
         self._inline: InlinePipeline | None = None
         self._next_step = run.step  # the plan step after the last batch delivered
         limit = cfg.capacity + 1
-        self._chooser = chooser or _chooser_for(run.session.pool, limit)
+        self._chooser = chooser
         self._last: float | None = None  # when the last request came
         self._adjust = 0.0  # added to the cycle being timed: a window's read spread over its batches
         self._read_per_batch = 0.0

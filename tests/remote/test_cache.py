@@ -79,7 +79,7 @@ def test_the_loader_switches_to_the_copy_mid_epoch_without_changing_the_batches(
         it = iter(loader)
         for b in it:
             got.append(b)
-            modes.append(it._inline is not None)  # type: ignore[attr-defined]
+            modes.append(it._runner._inline is not None)  # type: ignore[union-attr]
             if len(got) == 3:
                 go.set()
                 wait_for_copy(storage)

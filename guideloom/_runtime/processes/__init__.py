@@ -1,0 +1,30 @@
+"""Process workers (``parallel_method="process"``): each worker reads and collates its own groups
+of batches and returns them through shared memory.
+
+- :mod:`.shm`: the segments, the workers' slots and the views rebuilt from them;
+- :mod:`.wire`: the typed messages between the main process and a worker;
+- :mod:`.worker`: what runs in a worker process;
+- :mod:`.pool`: the pool of processes and a session of it, the main process's side;
+- :mod:`.flow`: one epoch's groups as a state machine, driven from a sync ``for`` or a loop.
+"""
+
+from __future__ import annotations
+
+from guideloom._runtime.processes.flow import GroupFlow, ProcessWorkers, SyncRun, run_on_loop
+from guideloom._runtime.processes.pool import SHUTDOWN_GRACE_S, Session, WorkerPool, check_not_bootstrapping
+from guideloom._runtime.processes.shm import SHM_PREFIX, live_segments
+from guideloom._runtime.processes.wire import RemoteTraceback
+
+__all__ = [
+    "SHM_PREFIX",
+    "SHUTDOWN_GRACE_S",
+    "GroupFlow",
+    "ProcessWorkers",
+    "RemoteTraceback",
+    "Session",
+    "SyncRun",
+    "WorkerPool",
+    "check_not_bootstrapping",
+    "live_segments",
+    "run_on_loop",
+]

@@ -1,0 +1,324 @@
+"""One epoch on the process workers: a state machine of its groups, and its two drivers.
+
+:class:`GroupFlow` decides which consecutive batches go to a worker as one group and when, and
+hands the batches out in plan order, a failure at its batch and nothing after it. It waits for
+nothing itself: :class:`SyncRun` drives it from the consumer's thread (a sync ``for``: a selector
+over the workers' pipes, no event loop), :func:`run_on_loop` from an event loop (``async for``,
+or a loop thread that overlaps the copy to a device). :class:`ProcessWorkers` is what a pipeline
+holds of the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import selectors
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from guideloom._core.delivery import Delivery
+from guideloom._core.order import Order
+from guideloom._core.plan import BatchSpec, EpochPlan
+from guideloom._runtime.config import PipelineConfig, group_size, reading_name
+from guideloom._runtime.processes.pool import Group, Proc, Session, WorkerPool
+from guideloom._runtime.processes.wire import Epoch
+
+if TYPE_CHECKING:
+    from guideloom._runtime.channel import Channel
+
+__all__ = ["GroupFlow", "ProcessWorkers", "SyncRun", "run_on_loop"]
+
+
+class GroupFlow:
+    """The groups of one epoch from ``first_step``: sent while credits allow, at most two in
+    flight per worker (one queued behind the one being made), and handed out in plan order."""
+
+    def __init__(
+        self, session: Session, plan: EpochPlan, order: Order, reading: str, first_step: int, group: int
+    ) -> None:
+        self.session = session
+        self.plan, self.order, self.reading = plan, order, reading
+        self.step = first_step  # the next step to send
+        self.total = len(plan)
+        self.group = max(1, group)
+        self.most = 2 * session.pool.num_workers
+        self.pending: deque[Group] = deque()
+        self.paused = False  # no new groups are sent (the collate runs inline meanwhile)
+        self.closed = False
+
+    def start(self) -> list[Proc]:
+        """Send the epoch to every live worker (the pool has started); the workers sent to."""
+        live = self.session.pool.live()
+        for p in live:
+            p.send(Epoch(self.session.token, self.plan, self.order, self.reading))
+        return live
+
+    def size_now(self, room: int, *, whole: bool) -> int:
+        """Batches in the group to send now with ``room`` batches of credit; 0: none now.
+
+        ``whole``: a group waits for a whole group's room unless nothing else is in flight (a
+        worker waiting for its next group is a worker lost), so a consumer that takes one batch
+        at a time does not shrink the groups to one batch.
+        """
+        left = self.total - self.step
+        if self.paused or self.closed or left <= 0 or len(self.pending) >= self.most:
+            return 0
+        n = min(self.group, left, room)
+        if n <= 0 or (whole and n < self.group and n < left and self.pending):
+            return 0
+        return n
+
+    def send(self, n: int) -> None:
+        """Send the next ``n`` steps as one group."""
+        self.pending.append(self.session.submit(self.plan.batches(self.step, self.step + n)))
+        self.step += n
+
+    def fail(self, exc: BaseException) -> None:
+        """A failure outside any group (a bug): delivered at the next step not yet sent."""
+        failed = Group(0, self.plan.batches(self.step, self.step + 1), None)
+        failed.fail(exc)
+        self.pending.append(failed)
+
+    def head(self) -> Group | None:
+        """The group whose batches come next."""
+        return self.pending[0] if self.pending else None
+
+    def take(self) -> Delivery | None:
+        """The next batch in plan order if it has arrived; None if not (or nothing is in flight)."""
+        g = self.head()
+        if g is None or not g.results:
+            return None
+        d = g.results.popleft()
+        if g.done and not g.results:
+            self.pending.popleft()
+            self.session.groups.pop(g.gid, None)
+        return d
+
+    def close(self) -> None:
+        """Send nothing more and tell the workers to drop this epoch's groups. Idempotent."""
+        self.closed = True
+        for g in self.pending:
+            if not g.done and g.proc is not None:
+                g.proc.inflight -= 1
+        self.pending.clear()
+        self.session.groups.clear()
+        self.session.end()
+
+
+class SyncRun:
+    """One epoch of a sync ``for`` over process workers, driven from the consumer's thread.
+
+    :meth:`next` sends groups while credits allow (at most ``capacity`` batches ahead of the
+    consumer, plus the one asked for, as with the channel's credits), waits on the workers'
+    pipes with a selector when the next batch has not arrived, and hands the batch out. One
+    message arrives per group, so the main process wakes once per group, not per batch, and no
+    batch crosses a thread or an asyncio future on its way.
+    """
+
+    #: How often a blocked :meth:`next` looks whether :meth:`close` ran in another thread.
+    POLL_S = 0.1
+
+    def __init__(self, flow: GroupFlow, capacity: int) -> None:
+        self.session = flow.session
+        self.flow = flow
+        self.limit = capacity + 1
+        self.ahead = 0  # batches sent and not yet handed out
+        self.selector: selectors.BaseSelector | None = None
+        self.started = False
+
+    @property
+    def step(self) -> int:
+        """The next step to send."""
+        return self.flow.step
+
+    @property
+    def pending(self) -> bool:
+        """Whether batches sent to the workers are still to be handed out."""
+        return bool(self.flow.pending)
+
+    @property
+    def paused(self) -> bool:
+        return self.flow.paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        self.flow.paused = value
+
+    def resume(self, step: int | None = None) -> None:
+        """Send groups again, from ``step`` when given (the batches before it were made inline)."""
+        self.flow.paused = False
+        if step is not None:
+            self.flow.step = step
+
+    def _start(self) -> None:
+        self.session.pool.start()
+        self.selector = selectors.DefaultSelector()
+        for p in self.flow.start():
+            self.selector.register(p.fd, selectors.EVENT_READ, p)
+
+    def _fill(self) -> None:
+        flow = self.flow
+        while n := flow.size_now(self.limit - self.ahead, whole=True):
+            flow.send(n)
+            self.ahead += n
+
+    def _wait(self) -> None:
+        """Block until a worker's pipe has something (or :data:`POLL_S`), and take it in."""
+        selector = self.selector
+        if selector is None:
+            return
+        try:
+            events = selector.select(self.POLL_S)
+        except (OSError, ValueError):  # closed by close() in another thread
+            return
+        for key, _ in events:
+            p: Proc = key.data
+            if not self.session.receive(p):
+                selector.unregister(p.fd)
+
+    def next(self) -> Delivery | None:
+        """The next batch in plan order (or the error in its place); ``None`` at the end of the
+        epoch, after a failure was handed out, or once :meth:`close` ran."""
+        flow = self.flow
+        if flow.closed:
+            return None
+        if not self.started:
+            self.started = True
+            try:
+                self._start()
+            except Exception as exc:  # reported at the first batch, as the loop's pipeline does
+                flow.closed = True
+                step = flow.step
+                spec = flow.plan.batch(step) if step < flow.total else BatchSpec(step, 0, 0, 0)
+                return Delivery(spec, error=exc)
+        self._fill()
+        if not flow.pending:
+            return None
+        while (d := flow.take()) is None:
+            if flow.closed:  # close() ran in another thread while this one waited
+                return None
+            self._wait()
+        self.ahead -= 1
+        if d.error is not None:
+            self.close()
+        else:
+            self._fill()  # the credit is back: the workers need not wait for the next call
+        return d
+
+    def close(self) -> None:
+        """Send nothing more and tell the workers to drop this iterator's groups. Idempotent."""
+        if self.flow.closed and self.selector is None:
+            return
+        self.flow.close()
+        selector, self.selector = self.selector, None
+        if selector is not None:
+            selector.close()
+
+
+async def run_on_loop(flow: GroupFlow, emit: Callable[[Delivery], Any], channel: Channel[Delivery]) -> None:
+    """Drive ``flow`` on the running loop: emit each batch in plan order, and a failure at its
+    batch, after which nothing more is emitted. Groups are sent as soon as the channel grants a
+    credit (a worker waiting for its next group is a worker lost), from a task of their own."""
+    session = flow.session
+    await asyncio.to_thread(session.pool.start)
+    loop = asyncio.get_running_loop()
+    registered: list[Proc] = []
+    try:
+        for p in flow.start():
+            loop.add_reader(p.fd, session._on_readable, p, loop)
+            p.reader = session
+            registered.append(p)
+        sent = asyncio.Event()
+        room = asyncio.Event()  # a group was handed out: one more may be in flight
+
+        async def submit() -> None:
+            held = 0  # credits reserved and not yet sent
+            try:
+                while flow.step < flow.total and not flow.closed:
+                    if held == 0:
+                        await channel.reserve()
+                        held = 1
+                    while held < flow.group and channel.try_reserve():
+                        held += 1
+                    n = flow.size_now(held, whole=False)
+                    if n == 0:  # the most groups are in flight
+                        room.clear()
+                        await room.wait()
+                        continue
+                    flow.send(n)
+                    held -= n
+                    sent.set()
+            except Exception as exc:  # a bug: reported at the batch it stopped before
+                flow.fail(exc)
+                sent.set()
+
+        submitter = loop.create_task(submit(), name="guideloom-submit")
+        try:
+            for _ in range(flow.step, flow.total):
+                while (d := flow.take()) is None:
+                    g = flow.head()
+                    if g is None:
+                        sent.clear()
+                        await sent.wait()
+                        continue
+                    g.waiter = loop.create_future()
+                    try:
+                        await g.waiter
+                    finally:
+                        g.waiter = None
+                room.set()
+                failed = d.error is not None
+                await emit(d)
+                del d
+                if failed:
+                    return
+        finally:
+            submitter.cancel()
+            await asyncio.gather(submitter, return_exceptions=True)
+    finally:
+        for p in registered:
+            if p.reader is not session:  # a later session reads this pipe now: not ours to remove
+                continue
+            p.reader = None
+            try:
+                loop.remove_reader(p.fd)
+            except (OSError, ValueError):
+                pass
+        flow.close()
+
+
+class ProcessWorkers:
+    """A pipeline's hold on process workers: its session of the pool, and the pool itself when it
+    is the iterator's own (``persistent_workers=False``), closed with the iterator."""
+
+    def __init__(self, pool: WorkerPool, owned: bool) -> None:
+        self.pool = pool
+        self.owned = owned
+        self.session = pool.session()
+
+    def flow(self, cfg: PipelineConfig, first_step: int) -> GroupFlow:
+        """The epoch of ``cfg`` from ``first_step`` on these workers."""
+        group = group_size(cfg.capacity, cfg.num_workers)
+        return GroupFlow(self.session, cfg.plan, cfg.order, reading_name(cfg), first_step, group)
+
+    async def produce(
+        self,
+        cfg: PipelineConfig,
+        first_step: int,
+        own_loop: bool,
+        emit: Callable[[Delivery], Any],
+        channel: Channel[Delivery],
+    ) -> None:
+        """The workers read and collate their own batches; ``own_loop`` changes nothing here."""
+        await run_on_loop(self.flow(cfg, first_step), emit, channel)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """End the session; an owned pool closes too (on a thread of its own unless ``wait``: on
+        the pipeline's own loop thread, nothing waits there for the workers)."""
+        self.session.end()
+        if self.owned:
+            if wait:
+                self.pool.close()
+            else:
+                threading.Thread(target=self.pool.close, name="guideloom-workers-close", daemon=True).start()

@@ -1,0 +1,469 @@
+"""Process workers, the main process's side: the pool of ``num_workers`` processes (the
+``spawn`` start method), each worker as the main process sees it, and a session, one iterator's
+use of the pool: it sends the workers tasks and takes in their results.
+
+A dead worker is seen at once (end of file on its pipe) and becomes a
+:class:`~guideloom.WorkerError` at the first batch it owed; every segment of a pool (its names
+carry the pool's token) is swept from ``/dev/shm`` when a worker dies and when the pool closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import ctypes
+import mmap
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import secrets
+import signal
+import struct
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from guideloom._core.delivery import Delivery
+from guideloom._core.plan import BatchSpec
+from guideloom._errors import WorkerError
+from guideloom._runtime.processes.shm import (
+    MAX_SLOTS,
+    SHM_PREFIX,
+    map_segment,
+    posix_shm_available,
+    release,
+    sweep,
+    unlink,
+)
+from guideloom._runtime.processes.wire import End, Epoch, Failed, GroupDone, Ready, Stop, Task, load_exception
+from guideloom._runtime.processes.worker import worker_main
+
+if TYPE_CHECKING:
+    from guideloom._datasets import DatasetAbstract
+
+__all__ = ["SHUTDOWN_GRACE_S", "Group", "Proc", "Session", "WorkerPool", "check_not_bootstrapping"]
+
+#: How long ``close()`` waits for a worker to finish its batch before terminating it.
+SHUTDOWN_GRACE_S = 5.0
+
+
+def check_not_bootstrapping() -> None:
+    """Refuse to start workers from a worker that is still importing the main module.
+
+    Under ``spawn`` (and ``forkserver``) each worker imports the main script; one without the
+    ``if __name__ == "__main__":`` guard would start the loader again in every worker.
+    """
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError(
+            "guideloom: a loader with parallel_method='process' was started while a worker process "
+            "was still importing the main module. Worker processes are started with the 'spawn' "
+            "method, which re-imports your script: put the code that creates and iterates the "
+            'loader under `if __name__ == "__main__":` (or in a function called from there).'
+        )
+
+
+def _moving(average: float | None, value: float) -> float:
+    """An exponential moving average of what the workers report, group by group."""
+    return value if average is None else 0.8 * average + 0.2 * value
+
+
+class Proc:
+    """One worker process, as the main process sees it."""
+
+    def __init__(self, pool: WorkerPool, index: int, gen: int) -> None:
+        self.index = index
+        self.prefix = f"{pool.token}-{index}.{gen}-"
+        state_name = f"{self.prefix}state"
+        self.state_mm = map_segment(state_name, MAX_SLOTS, create=True)
+        self.state = np.frombuffer(self.state_mm, np.uint8)
+        ctx = multiprocessing.get_context("spawn")
+        tasks_r, self.tasks = ctx.Pipe(duplex=False)
+        self.results, results_w = ctx.Pipe(duplex=False)
+        self.proc: BaseProcess = ctx.Process(
+            target=worker_main,
+            args=(tasks_r, results_w, pool.spec, self.prefix, state_name),
+            name=f"guideloom-worker-{index}",
+            daemon=True,
+        )
+        self.state_name = state_name
+        try:
+            self.proc.start()
+        finally:
+            tasks_r.close()
+            results_w.close()
+        self.fd = self.results.fileno()
+        #: The session whose loop reader is on this pipe now: a session that ends removes the
+        #: reader only while it is still its own (a dropped ``async for``'s pipeline may finish
+        #: after the next iterator's session has put its reader on the same pipe).
+        self.reader: object | None = None
+        self.send_lock = threading.Lock()
+        self.cache: dict[int, tuple[str, mmap.mmap]] = {}
+        self.buffer = bytearray()
+        self.alive = True
+        self.ready = False
+        self.inflight = 0
+
+    def send(self, msg: Task | Epoch | End | Stop) -> None:
+        with self.send_lock:
+            self.tasks.send(msg)
+
+    def describe_exit(self) -> str:
+        code = self.proc.exitcode
+        if code is None:
+            return "its pipe closed"
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
+
+    def map_slot(self, i: int, name: str, size: int) -> mmap.mmap:
+        cached = self.cache.get(i)
+        if cached is not None and cached[0] == name:
+            return cached[1]
+        mm = map_segment(name, size, create=False)
+        unlink(name)  # mapped on both sides: nothing in /dev/shm from here on
+        self.cache[i] = (name, mm)
+        return mm
+
+    def read_frames(self) -> list[bytes] | None:
+        """The complete messages available now; None at end of file (the worker is gone)."""
+        chunks: list[bytes] = []
+        while True:
+            try:
+                data = os.read(self.fd, 1 << 20)
+            except BlockingIOError:
+                break
+            except OSError:
+                data = b""
+            if not data:
+                if not chunks:
+                    return None
+                break
+            chunks.append(data)
+            if len(data) < 1 << 20:
+                break
+        buf = self.buffer
+        for c in chunks:
+            buf += c
+        frames = []
+        pos = 0
+        while len(buf) - pos >= 4:
+            (n,) = struct.unpack_from("!i", buf, pos)
+            head = 4
+            if n == -1:
+                if len(buf) - pos < 12:
+                    break
+                (n,) = struct.unpack_from("!Q", buf, pos + 4)
+                head = 12
+            if len(buf) - pos - head < n:
+                break
+            frames.append(bytes(buf[pos + head : pos + head + n]))
+            pos += head + n
+        del buf[:pos]
+        return frames
+
+
+class Group:
+    """Consecutive batches one worker reads and collates; their deliveries arrive in order."""
+
+    __slots__ = ("done", "gid", "proc", "received", "results", "specs", "waiter")
+
+    def __init__(self, gid: int, specs: list[BatchSpec], proc: Proc | None) -> None:
+        self.gid = gid
+        self.specs = specs
+        self.proc = proc
+        self.results: deque[Delivery] = deque()  # received, not yet emitted
+        self.received = 0
+        self.waiter: asyncio.Future[None] | None = None
+        self.done = False  # nothing more will arrive
+
+    def add(self, d: Delivery) -> None:
+        self.received += 1
+        self.results.append(d)
+        if d.error is not None or d.spec.step == self.specs[-1].step:
+            self.done = True
+        self.wake()
+
+    def fail(self, exc: BaseException) -> None:
+        if self.done:
+            return
+        self.add(Delivery(self.specs[self.received], error=exc))
+
+    def wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+
+class WorkerPool:
+    """``num_workers`` worker processes, started once and used by one iterator at a time."""
+
+    def __init__(
+        self, dataset: DatasetAbstract[Any], collate_fn: Callable[[Sequence[Any]], Any], num_workers: int
+    ) -> None:
+        if (
+            not posix_shm_available()
+        ):  # pragma: no cover - guideloom's process workers need POSIX shared memory
+            raise RuntimeError("parallel_method='process' needs POSIX shared memory; use 'thread'")
+        try:
+            self.spec = pickle.dumps((dataset, collate_fn), protocol=5)
+        except Exception as exc:
+            raise TypeError(
+                f"parallel_method='process' sends the dataset to each worker process, but "
+                f"{dataset!r} could not be pickled: {exc}. Each worker opens the dataset and reads "
+                "its own batches: use a storage that pickles (memory, local and object-store "
+                "storages do), make your dataset picklable (no locks, open files or connections "
+                "as attributes: open them in open()), or use parallel_method='thread'"
+            ) from exc
+        self.dataset, self.collate_fn, self.num_workers = dataset, collate_fn, num_workers
+        self.token = f"{SHM_PREFIX}{secrets.token_hex(4)}"
+        self.procs: list[Proc | None] = [None] * num_workers
+        self._gens = [0] * num_workers
+        self._lock = threading.Lock()
+        self._closed = False
+        self._tokens = 0
+        _POOLS.add(self)
+
+    def matches(self, dataset: Any, collate_fn: Any, num_workers: int) -> bool:
+        """Whether this pool serves that dataset and collate (a loader whose attributes changed
+        gets a new pool)."""
+        return (
+            not self._closed
+            and self.dataset is dataset
+            and self.collate_fn is collate_fn
+            and self.num_workers == num_workers
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def start(self) -> None:
+        """Start the workers that are not running (all at first, a dead one again) and wait until
+        each has opened the storage. Blocking: seconds on a first start (``spawn``)."""
+        check_not_bootstrapping()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the loader's worker pool was closed")
+            starting: list[Proc] = []
+            for k, p in enumerate(self.procs):
+                if p is not None and p.alive and p.proc.is_alive():
+                    continue
+                if p is not None:
+                    self._discard(p)
+                self._gens[k] += 1
+                p = self.procs[k] = Proc(self, k, self._gens[k])
+                starting.append(p)
+            try:
+                for p in starting:
+                    self._wait_ready(p)
+            except BaseException:
+                for p in starting:
+                    self._stop([p], 0.0)
+                    self.procs[p.index] = None
+                raise
+
+    def _wait_ready(self, p: Proc) -> None:
+        try:
+            msg: Ready | Failed | None = pickle.loads(p.results.recv_bytes())
+        except EOFError:
+            msg = None
+        finally:
+            unlink(p.state_name)  # mapped by the worker by now, or it is gone
+        if isinstance(msg, Ready):
+            p.ready = True
+            os.set_blocking(p.fd, False)
+            return
+        if isinstance(msg, Failed):
+            exc = load_exception(msg.error, msg.tb)
+            if msg.at_open:  # the dataset's open() raised: its own exception, as inline
+                exc.add_note(f"raised by the dataset's open() in guideloom worker process {p.index}")
+                raise exc
+            raise WorkerError(
+                f"guideloom worker process {p.index} could not start: {type(exc).__name__}: {exc}"
+            ) from exc
+        p.proc.join(5.0)
+        raise WorkerError(
+            f"guideloom worker process {p.index} exited while starting ({p.describe_exit()}); "
+            "see its error above. Worker processes are started with the 'spawn' method, which "
+            "re-imports your main module: a script that creates and iterates the loader at "
+            'module level must do so under `if __name__ == "__main__":`'
+        )
+
+    def session(self) -> Session:
+        """A handle for one iterator's use of the workers."""
+        self._tokens += 1
+        return Session(self, self._tokens)
+
+    def live(self) -> list[Proc]:
+        return [p for p in self.procs if p is not None and p.alive]
+
+    def mark_dead(self, p: Proc) -> None:
+        """A worker's pipe closed: reap it and remove its segments (it may have died mid-write)."""
+        p.alive = False
+        p.proc.join(1.0)
+        sweep(p.prefix)
+
+    def _discard(self, p: Proc) -> None:
+        p.alive = False
+        p.proc.join(0.1)
+        if p.proc.is_alive():
+            p.proc.kill()
+            p.proc.join()
+        for c in (p.tasks, p.results):
+            c.close()
+        sweep(p.prefix)
+
+    def _stop(self, procs: list[Proc], grace: float) -> None:
+        for p in procs:
+            try:
+                p.send(Stop())
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + grace
+        for p in procs:
+            p.proc.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.proc.is_alive():
+                p.proc.terminate()  # a collate that does not return within the grace period
+        for p in procs:
+            p.proc.join(1.0)
+            if p.proc.is_alive():
+                p.proc.kill()
+                p.proc.join()
+        for p in procs:
+            p.alive = False
+            for c in (p.tasks, p.results):
+                c.close()
+            sweep(p.prefix)
+
+    def close(self, grace: float | None = None) -> None:
+        """Stop every worker: each finishes its batch within ``grace`` seconds (default
+        :data:`SHUTDOWN_GRACE_S`) or is terminated. Idempotent; removes every segment."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            procs = [p for p in self.procs if p is not None]
+            self.procs = [None] * self.num_workers
+            try:
+                self._stop(procs, SHUTDOWN_GRACE_S if grace is None else grace)
+            finally:
+                sweep(self.token + "-")
+                _POOLS.discard(self)
+
+
+_POOLS: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_pools() -> None:
+    """At interpreter exit: stop every pool's workers (a short grace) and remove its segments."""
+    for pool in list(_POOLS):
+        pool.close(grace=1.0)
+
+
+class Session:
+    """One iterator's use of a pool: it sends its epoch, then groups, and reads their batches."""
+
+    def __init__(self, pool: WorkerPool, token: int) -> None:
+        self.pool = pool
+        self.token = token
+        self.groups: dict[int, Group] = {}
+        self._gid = 0
+        self._ended = False
+        #: Seconds a batch's read takes in the workers (a moving average of what they report), or
+        #: None before a group came back: what reading it inline would cost once pages are mapped.
+        self.read_per_batch: float | None = None
+        #: Seconds a batch's read and collate take in the workers (a moving average), or None
+        #: before a group came back: about what making the batch inline would cost.
+        self.work_per_batch: float | None = None
+
+    def end(self) -> None:
+        """Tell the workers to drop what is left of this iterator's groups. Idempotent."""
+        if self._ended:
+            return
+        self._ended = True
+        for p in self.pool.live():
+            try:
+                p.send(End(self.token))
+            except (OSError, ValueError):
+                pass
+
+    # -- reading results (on the loop) -----------------------------------------------------------
+    def _on_readable(self, p: Proc, loop: asyncio.AbstractEventLoop) -> None:
+        if not self.receive(p):
+            loop.remove_reader(p.fd)
+
+    def receive(self, p: Proc) -> bool:
+        """Take in the messages that ``p``'s pipe holds now; False once the worker is gone (its
+        groups then fail with a :class:`~guideloom.WorkerError` at the first batch each owed)."""
+        frames = p.read_frames()
+        if frames is None:
+            self.pool.mark_dead(p)
+            for g in self.groups.values():
+                if g.proc is p and not g.done:  # a done group has all it owed
+                    g.fail(
+                        WorkerError(
+                            f"guideloom worker process {p.index} (pid {p.proc.pid}) died "
+                            f"({p.describe_exit()}) while reading or collating batch "
+                            f"{g.specs[g.received].step}"
+                        )
+                    )
+            return False
+        for frame in frames:
+            self._on_message(p, pickle.loads(frame))
+        return True
+
+    def _on_message(self, p: Proc, msg: GroupDone) -> None:
+        token, gid, entries, slot, read_s, work_s = msg
+        self.read_per_batch = _moving(self.read_per_batch, read_s)
+        self.work_per_batch = _moving(self.work_per_batch, work_s)
+        g = self.groups.get(gid) if token == self.token else None
+        holder: Any = None
+        if slot is not None:
+            i, name, size = slot
+            mm = p.map_slot(i, name, size)
+            holder = (ctypes.c_char * size).from_buffer(mm)  # the group's arrays are views of it
+            weakref.finalize(holder, release, p.state, i)  # freed with the group's last array
+        if g is None or g.done:
+            return  # an ended iterator's batches: dropping them frees their slot
+        for entry in entries:
+            spec = g.specs[g.received]
+            assert spec.step == entry.step, (spec, entry.step)
+            try:
+                d = entry.delivery(spec, holder)
+            except Exception as exc:
+                d = Delivery(spec, error=exc)
+            g.add(d)
+        if g is not None and not g.done:
+            g.fail(RuntimeError(f"guideloom bug: a worker returned {g.received} of {len(g.specs)} batches"))
+        if g is not None and g.proc is not None:
+            g.proc.inflight -= 1
+
+    def submit(self, specs: list[BatchSpec]) -> Group:
+        """Send consecutive batches to the least busy live worker as one group."""
+        self._gid += 1
+        live = [p for p in self.pool.live() if p.proc.is_alive()]
+        if not live:
+            g = Group(self._gid, specs, None)
+            g.fail(WorkerError("every guideloom worker process has died"))
+            return g
+        p = min(live, key=lambda q: q.inflight)
+        g = self.groups[self._gid] = Group(self._gid, specs, p)
+        try:
+            p.send(Task(self.token, g.gid, specs[0].step, specs[-1].step + 1))
+        except (OSError, ValueError) as exc:
+            g.fail(WorkerError(f"guideloom worker process {p.index} died: {exc}"))
+            return g
+        p.inflight += 1
+        return g

@@ -1,0 +1,179 @@
+"""Shared memory, both sides: the segments (named ``guideloom-...`` in ``/dev/shm``), a
+worker's reusable slots, and the views the main process rebuilds arrays and tensors as.
+
+A worker writes a whole group's arrays into one of its slots, one after the other; the main
+process maps the slot once and rebuilds each array as a view of it, without a copy. A slot is free
+again when the last array built on it is freed: the main process clears its state byte, which the
+worker reads (no message). Slots are unlinked as soon as the main process has mapped them, and a
+pool's segments are swept when a worker dies and when the pool closes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import mmap
+import os
+import pickle
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = [
+    "ALIGN",
+    "MAX_SLOTS",
+    "MIN_SHARED_BYTES",
+    "SHM_PREFIX",
+    "SharedArray",
+    "Rebuilder",
+    "Slots",
+    "live_segments",
+    "map_segment",
+    "posix_shm_available",
+    "release",
+    "sweep",
+    "unlink",
+    "view",
+]
+
+#: Every shared-memory segment guideloom makes starts with this (``/dev/shm/guideloom-...``).
+SHM_PREFIX = "guideloom-"
+#: Arrays smaller than this travel inside the pickle: a slot costs more than copying them.
+MIN_SHARED_BYTES = 4096
+#: Slots per worker at most (one state byte each); past that, batches travel pickled.
+MAX_SLOTS = 4096
+ALIGN = 64
+
+_shm: Any = importlib.import_module("_posixshmem") if os.name == "posix" else None
+
+
+def live_segments(prefix: str = SHM_PREFIX) -> list[str]:
+    """Names of the shared-memory segments in ``/dev/shm`` that start with ``prefix`` (Linux)."""
+    try:
+        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+    except OSError:
+        return []
+
+
+def unlink(name: str) -> None:
+    try:
+        _shm.shm_unlink("/" + name)
+    except (FileNotFoundError, OSError):
+        pass
+
+
+def sweep(prefix: str) -> None:
+    for name in live_segments(prefix):
+        unlink(name)
+
+
+def map_segment(name: str, size: int, create: bool) -> mmap.mmap:
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = _shm.shm_open("/" + name, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+class Slots:
+    """A worker's slots: shared-memory segments it writes batches into and reuses once free."""
+
+    def __init__(self, prefix: str, state: np.ndarray) -> None:
+        self.prefix = prefix
+        self.state = state  # 0 free, 1 in use (the main process frees)
+        self.slots: list[tuple[str, int, mmap.mmap]] = []
+        self.gen = 0
+
+    def take(self, nbytes: int) -> tuple[int, str, int, mmap.mmap] | None:
+        n = len(self.slots)
+        free = np.flatnonzero(self.state[:n] == 0).tolist()
+        fits = [i for i in free if self.slots[i][1] >= nbytes]
+        if fits:
+            i = min(fits, key=lambda k: self.slots[k][1])
+        elif free:
+            i = free[0]
+            self.slots[i][2].close()
+            self.slots[i] = self._new(i, nbytes)
+        elif n < MAX_SLOTS:
+            i = n
+            self.slots.append(self._new(i, nbytes))
+        else:
+            return None
+        self.state[i] = 1
+        name, size, mm = self.slots[i]
+        return i, name, size, mm
+
+    def _new(self, i: int, nbytes: int) -> tuple[str, int, mmap.mmap]:
+        size = 1 << max(16, (nbytes - 1).bit_length())  # power of two: a reused slot fits more
+        self.gen += 1
+        name = f"{self.prefix}{i}.{self.gen}"
+        return name, size, map_segment(name, size, create=True)
+
+    def close(self) -> None:
+        for name, _, mm in self.slots:
+            mm.close()
+            unlink(name)  # the main process unlinks what it mapped; the rest goes here
+        self.slots.clear()
+
+
+class SharedArray(NamedTuple):
+    """Where an array (``kind`` ``"n"``) or a tensor (``"t"``) lies in a slot."""
+
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def posix_shm_available() -> bool:
+    """Whether this platform has POSIX shared memory (process workers need it)."""
+    return _shm is not None
+
+
+def release(state: np.ndarray, i: int) -> None:
+    state[i] = 0
+
+
+class Rebuilder(pickle.Unpickler):
+    """Unpickles a batch, its arrays and tensors views of the slot's ``holder``."""
+
+    def __init__(self, data: bytes, holder: Any) -> None:
+        super().__init__(io.BytesIO(data))
+        self.holder = holder
+        self._made: dict[Any, Any] = {}
+
+    def persistent_load(self, pid: Any) -> Any:
+        made = self._made.get(pid)
+        if made is None:  # an object the batch holds twice comes back as one object
+            made = self._made[pid] = self._make(*pid)
+        return made
+
+    def _make(self, kind: str, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int) -> Any:
+        return view(self.holder, kind, dtype, shape, offset, nbytes)
+
+
+def view(holder: Any, kind: str, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int) -> Any:
+    """The array (``kind`` ``"n"``) or tensor (``"t"``) at ``offset`` in a slot, a view of it."""
+    if kind == "n":
+        nd = np.dtype(dtype)
+        return np.frombuffer(holder, nd, nbytes // nd.itemsize, offset).reshape(shape)
+    import torch
+
+    dt: Any = _NUMPY_OF.get(dtype, False)
+    if dt is False:
+        try:
+            dt = _NUMPY_OF[dtype] = torch.empty(0, dtype=getattr(torch, dtype)).numpy().dtype
+        except TypeError:  # bfloat16 and others numpy has no dtype for
+            dt = _NUMPY_OF[dtype] = None
+    if dt is not None:  # one view fewer: measured at half the cost a batch
+        return torch.from_numpy(np.frombuffer(holder, dt, nbytes // dt.itemsize, offset).reshape(shape))
+    raw = np.frombuffer(holder, np.uint8, nbytes, offset)
+    return torch.from_numpy(raw).view(getattr(torch, dtype)).reshape(shape)
+
+
+#: The numpy dtype of each torch dtype seen (None: numpy has none).
+_NUMPY_OF: dict[str, Any] = {}

@@ -1,0 +1,174 @@
+"""The messages between the main process and its workers, each a typed tuple.
+
+To a worker: :class:`Epoch` (an iterator's plan and order, once), :class:`Task` (a group of
+consecutive steps to read and collate), :class:`End` (drop what is left of an iterator's groups)
+and :class:`Stop`. From a worker: :class:`Ready` or :class:`Failed` once, at its start, then a
+:class:`GroupDone` per task, whose entries describe each batch: an array or tensor in the group's
+slot (:class:`ArrayEntry`), a pickle whose large arrays are in the slot or that holds them itself
+(:class:`PickleEntry`), or the exception that replaced the batch (:class:`ErrorEntry`). Each entry
+turns itself back into a delivery.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.connection
+import pickle
+import traceback
+from typing import Any, NamedTuple
+
+from guideloom._core.delivery import Delivery
+from guideloom._core.order import Order
+from guideloom._core.plan import BatchSpec, EpochPlan
+from guideloom._runtime.processes.shm import Rebuilder, SharedArray, view
+
+__all__ = [
+    "ArrayEntry",
+    "End",
+    "Entry",
+    "Epoch",
+    "ErrorEntry",
+    "Failed",
+    "GroupDone",
+    "PickleEntry",
+    "Ready",
+    "RemoteTraceback",
+    "Stop",
+    "Task",
+    "exception_message",
+    "load_exception",
+    "send_message",
+]
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a worker process (set as its ``__cause__``)."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.tb}"""'
+
+
+# -- to a worker ----------------------------------------------------------------------------------
+class Epoch(NamedTuple):
+    """An iterator's epoch: the tasks that carry its ``token`` read by this plan and order."""
+
+    token: int
+    plan: EpochPlan
+    order: Order
+    reading: str
+
+
+class Task(NamedTuple):
+    """Read and collate steps ``[start, stop)`` of the epoch of ``token``, as group ``gid``."""
+
+    token: int
+    gid: int
+    start: int
+    stop: int
+
+
+class End(NamedTuple):
+    """The iterator of ``token`` has ended: drop its tasks."""
+
+    token: int
+
+
+class Stop(NamedTuple):
+    """Finish the batch at hand and exit."""
+
+
+# -- from a worker --------------------------------------------------------------------------------
+class Ready(NamedTuple):
+    """The worker has opened the dataset."""
+
+    pid: int
+
+
+class Failed(NamedTuple):
+    """The worker could not start: the dataset's ``open()`` raised (``at_open``), or something
+    before it (unpickling the dataset or the collate)."""
+
+    error: bytes
+    tb: str
+    at_open: bool
+
+
+class ArrayEntry(NamedTuple):
+    """A batch that is one array or tensor, in the group's slot."""
+
+    step: int
+    array: SharedArray
+
+    def delivery(self, spec: BatchSpec, holder: Any) -> Delivery:
+        return Delivery(spec, view(holder, *self.array))
+
+
+class PickleEntry(NamedTuple):
+    """A batch as a pickle; ``in_slot``: its large arrays are in the group's slot, named by it."""
+
+    step: int
+    data: bytes
+    in_slot: bool
+
+    def delivery(self, spec: BatchSpec, holder: Any) -> Delivery:
+        if self.in_slot:
+            return Delivery(spec, Rebuilder(self.data, holder).load())
+        return Delivery(spec, pickle.loads(self.data))
+
+
+class ErrorEntry(NamedTuple):
+    """The exception that replaced a batch (the group ends with it)."""
+
+    step: int
+    error: bytes
+    tb: str
+
+    def delivery(self, spec: BatchSpec, holder: Any) -> Delivery:
+        return Delivery(spec, error=load_exception(self.error, self.tb))
+
+
+Entry = ArrayEntry | PickleEntry | ErrorEntry
+
+
+class GroupDone(NamedTuple):
+    """A task's batches: their entries, the slot their arrays are in (``(index, name, size)``, or
+    None), and what a batch's read and its read and collate took in the worker (seconds)."""
+
+    token: int
+    gid: int
+    entries: list[Entry]
+    slot: tuple[int, str, int] | None
+    read_s: float
+    work_s: float
+
+
+def send_message(conn: multiprocessing.connection.Connection, msg: tuple[Any, ...]) -> None:
+    """Send one message from a worker (pickled once, protocol 5)."""
+    conn.send_bytes(pickle.dumps(msg, protocol=5))
+
+
+def exception_message(exc: BaseException) -> tuple[bytes, str]:
+    """``exc`` pickled, with its traceback as text; an exception that does not survive a pickle
+    round trip travels as a ``RuntimeError`` that names it."""
+    tb = "".join(traceback.format_exception(exc))
+    try:
+        data = pickle.dumps(exc, protocol=5)
+        pickle.loads(data)  # an exception that pickles but does not unpickle is sent as text
+    except Exception:
+        data = pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"), protocol=5)
+    return data, tb
+
+
+def load_exception(data: bytes, tb: str) -> BaseException:
+    """A worker's exception, its traceback in a :class:`RemoteTraceback` as its ``__cause__``."""
+    exc: BaseException
+    try:
+        loaded = pickle.loads(data)
+    except Exception as err:
+        loaded = RuntimeError(f"an exception from a worker process could not be unpickled ({err})")
+    exc = loaded if isinstance(loaded, BaseException) else RuntimeError(repr(loaded))
+    exc.__cause__ = RemoteTraceback(tb)
+    return exc

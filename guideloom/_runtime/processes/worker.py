@@ -1,0 +1,296 @@
+"""What runs in a worker process: it unpickles the dataset and ``collate_fn`` once, opens the
+storage itself, then serves tasks: reads a group of consecutive batches as one window, collates
+each, writes the group's arrays into one slot and describes the batches in one message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import io
+import mmap
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from guideloom._core.delivery import apply
+from guideloom._core.plan import EpochPlan
+from guideloom._core.schedule import Indexes, read_window, run_async, run_sync
+from guideloom._runtime.processes.shm import (
+    ALIGN,
+    MAX_SLOTS,
+    MIN_SHARED_BYTES,
+    SharedArray,
+    Slots,
+    map_segment,
+)
+from guideloom._runtime.processes.wire import (
+    ArrayEntry,
+    End,
+    Entry,
+    Epoch,
+    ErrorEntry,
+    Failed,
+    GroupDone,
+    PickleEntry,
+    Ready,
+    Stop,
+    Task,
+    exception_message,
+    send_message,
+)
+
+if TYPE_CHECKING:
+    from guideloom._datasets import DatasetAbstract
+
+__all__ = ["worker_main"]
+
+
+@functools.cache
+def _pickles(dtype: Any) -> bool:
+    """Whether a tensor of ``dtype`` survives a pickle round trip (torch 2.13 cannot load back the
+    uint16, uint32 and uint64 tensors it pickles): small tensors of the others travel in the
+    pickle, these through a slot whatever their size."""
+    import torch
+
+    try:
+        pickle.loads(pickle.dumps(torch.zeros(1, dtype=dtype)))
+    except Exception:
+        return False
+    return True
+
+
+def _shareable(obj: Any, torch: Any) -> tuple[str, str, tuple[int, ...], np.ndarray] | None:
+    """``(kind, dtype, shape, bytes)`` of an array or tensor that travels through a slot; None
+    for anything else (it is pickled)."""
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.hasobject or obj.nbytes < MIN_SHARED_BYTES:
+            return None
+        return "n", obj.dtype.str, obj.shape, np.ascontiguousarray(obj).reshape(-1).view(np.uint8)
+    if torch is not None and isinstance(obj, torch.Tensor):
+        t = obj
+        if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized:
+            return None
+        if t.nbytes < MIN_SHARED_BYTES and _pickles(t.dtype):
+            return None
+        if t.requires_grad or t.is_conj() or t.is_neg():  # each op costs: only when needed
+            t = t.detach().resolve_conj().resolve_neg()
+        raw = t.reshape(-1).view(torch.uint8)  # reshape copies a non-contiguous tensor
+        return "t", str(t.dtype).removeprefix("torch."), tuple(t.shape), raw.numpy()
+    return None
+
+
+class GroupPack:
+    """A group's batches as they go into one slot: their arrays' bytes, laid out one after the
+    other, and each batch's entry (a description of its arrays, or a pickle that names them)."""
+
+    def __init__(self) -> None:
+        self.arrays: list[np.ndarray] = []  # byte views of what goes into the slot, in order
+        self.size = 0
+        self.torch = sys.modules.get("torch")
+
+    def add(self, kind: str, dtype: str, shape: tuple[int, ...], raw: np.ndarray) -> SharedArray:
+        offset = self.size
+        self.size = offset + (raw.nbytes + ALIGN - 1) // ALIGN * ALIGN
+        self.arrays.append(raw)
+        return SharedArray(kind, dtype, shape, offset, raw.nbytes)
+
+    def entry(self, step: int, value: Any) -> Entry:
+        """One batch's entry: an :class:`ArrayEntry` for a batch that is one array or tensor (no
+        pickle either way), a :class:`PickleEntry` that names its arrays in the slot otherwise."""
+        torch = self.torch
+        if type(value) is np.ndarray or (torch is not None and type(value) is torch.Tensor):
+            shared = _shareable(value, torch)
+            if shared is not None:
+                return ArrayEntry(step, self.add(*shared))
+        mark = len(self.arrays), self.size
+        buf = io.BytesIO()
+        try:
+            _SharedPickler(buf, self).dump(value)
+        except Exception as exc:
+            del self.arrays[mark[0] :]
+            self.size = mark[1]
+            return ErrorEntry(step, *exception_message(exc))
+        return PickleEntry(step, buf.getvalue(), in_slot=True)
+
+
+class _SharedPickler(pickle.Pickler):
+    """Pickles a batch with its large arrays and tensors left out, recorded in the group's pack."""
+
+    def __init__(self, file: io.BytesIO, pack: GroupPack) -> None:
+        super().__init__(file, protocol=5)
+        self.pack = pack
+        self._seen: dict[int, SharedArray] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) in _PLAIN:  # the pids' own parts, and most of what a batch holds
+            return None
+        pid = self._seen.get(id(obj))
+        if pid is not None:
+            return pid
+        shared = _shareable(obj, self.pack.torch)
+        if shared is None:
+            return None
+        pid = self._seen[id(obj)] = self.pack.add(*shared)
+        return pid
+
+
+_PLAIN = frozenset({int, float, str, bytes, bool, tuple, list, dict, type(None)})
+
+
+class _Worker:
+    """What runs in a worker process: read, collate, write into a slot, send."""
+
+    def __init__(
+        self,
+        tasks: multiprocessing.connection.Connection,
+        results: multiprocessing.connection.Connection,
+        dataset: DatasetAbstract[Any],
+        collate_fn: Callable[[Sequence[Any]], Any],
+        slots: Slots,
+    ) -> None:
+        self.tasks, self.results = tasks, results
+        self.dataset, self.collate_fn, self.slots = dataset, collate_fn, slots
+        self.loop = asyncio.new_event_loop()
+        self.epochs: dict[int, tuple[EpochPlan, Indexes, str]] = {}
+        self.queue: deque[Task] = deque()
+        self.stopping = False
+
+    def handle(self, msg: Task | Epoch | End | Stop) -> None:
+        match msg:
+            case Task():
+                self.queue.append(msg)
+            case Epoch(token, plan, order, reading):
+                self.epochs = {token: (plan, Indexes(plan, order), reading)}  # earlier ones are over
+            case End(token):
+                self.epochs.pop(token, None)
+            case Stop():
+                self.stopping = True
+
+    def drain(self, block: bool) -> None:
+        if block and not self.queue:
+            self.handle(self.tasks.recv())
+        while self.tasks.poll():
+            self.handle(self.tasks.recv())
+
+    def serve(self) -> None:
+        while True:
+            # "stop" may have come in the middle of a group (its drain between batches): checked
+            # before waiting for the next message, or the worker waits out the close's grace
+            if not self.stopping:
+                self.drain(block=True)
+            if self.stopping:
+                return
+            if not self.queue:
+                continue
+            token, gid, start, stop = self.queue.popleft()
+            if token not in self.epochs:
+                continue  # that iterator has ended
+            plan, indexes, reading = self.epochs[token]
+            specs = plan.batches(start, stop)
+            t0 = time.perf_counter()
+            if self.dataset.reads_inline:
+                deliveries = run_sync(read_window(specs, indexes, reading), self.dataset.read_many_sync)
+            else:
+                deliveries = self.loop.run_until_complete(
+                    run_async(read_window(specs, indexes, reading), self.dataset.read_many)
+                )
+            read_s = (time.perf_counter() - t0) / max(1, len(specs))  # the main process's estimate
+            collate_s = 0.0  # what the group's collates took: their cost inline, with read_s
+            # One message and one slot for the group: a wake-up of the main process per group,
+            # not per batch, and one slot to find and map.
+            entries: list[Entry] = []
+            pack = GroupPack()
+            values: list[Any] = []  # kept until the slot is written: pickled whole without one
+            deliveries.reverse()
+            while deliveries:
+                d = deliveries.pop()
+                c0 = time.perf_counter()
+                apply(d, self.collate_fn)
+                collate_s += time.perf_counter() - c0
+                if d.error is not None:
+                    entries.append(ErrorEntry(d.spec.step, *exception_message(d.error)))
+                    break
+                entries.append(pack.entry(d.spec.step, d.value))
+                values.append(d.value)
+                del d
+                if isinstance(entries[-1], ErrorEntry):
+                    break
+                if deliveries:
+                    self.drain(block=False)
+                    if self.stopping or token not in self.epochs:
+                        break
+            slot = self.place(pack, entries, values)
+            del values
+            work_s = read_s + collate_s / max(1, len(entries))
+            send_message(self.results, GroupDone(token, gid, entries, slot, read_s, work_s))
+
+    def place(self, pack: GroupPack, entries: list[Entry], values: list[Any]) -> tuple[int, str, int] | None:
+        """Write the group's arrays into one free slot; the slot's ``(index, name, size)``, or
+        None when nothing needs one (or every slot is held: then each batch is pickled whole)."""
+        if not pack.arrays:
+            return None
+        taken = self.slots.take(pack.size)
+        if taken is None:  # every slot held by the consumer: send the batches whole
+            for k, v in enumerate(values):
+                if not isinstance(entries[k], ErrorEntry):
+                    entries[k] = PickleEntry(entries[k].step, pickle.dumps(v, protocol=5), in_slot=False)
+            return None
+        i, name, size, mm = taken
+        view = np.frombuffer(mm, np.uint8, pack.size)
+        offset = 0
+        for raw in pack.arrays:
+            view[offset : offset + raw.nbytes] = raw
+            offset += (raw.nbytes + ALIGN - 1) // ALIGN * ALIGN
+        del view
+        return i, name, size
+
+
+def worker_main(
+    tasks: multiprocessing.connection.Connection,
+    results: multiprocessing.connection.Connection,
+    spec: bytes,
+    prefix: str,
+    state_name: str,
+) -> None:
+    """A worker process's entry point."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    state_mm: mmap.mmap | None = None
+    slots: Slots | None = None
+    worker: _Worker | None = None
+    try:
+        try:
+            state_mm = map_segment(state_name, MAX_SLOTS, create=False)
+            slots = Slots(prefix, np.frombuffer(state_mm, np.uint8))
+            dataset, collate_fn = pickle.loads(spec)
+            worker = _Worker(tasks, results, dataset, collate_fn, slots)
+        except BaseException as exc:
+            send_message(results, Failed(*exception_message(exc), at_open=False))
+            return
+        try:
+            worker.loop.run_until_complete(dataset.open())
+        except BaseException as exc:  # the storage's own error: the consumer gets it as it is
+            send_message(results, Failed(*exception_message(exc), at_open=True))
+            return
+        send_message(results, Ready(os.getpid()))
+        try:
+            worker.serve()
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            pass  # the main process went away
+        finally:
+            try:
+                worker.loop.run_until_complete(worker.dataset.close())
+            except Exception:
+                pass
+            worker.loop.close()
+    finally:
+        if slots is not None:
+            slots.close()

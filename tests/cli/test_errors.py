@@ -125,6 +125,21 @@ def test_missing_inputs_are_usage_errors(cli, tmp_path: Path) -> None:
     assert r.code == 2 and "--output" in r.err
 
 
+def test_empty_output_is_a_usage_error(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # an empty DEST would be the current folder: a mistake (an unset variable), not a wish
+    (tmp_path / "a.txt").write_text("hello")
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    for dest in ("", "file://"):
+        r = cli("prepare", tmp_path / "a.txt", "-o", dest)
+        assert r.code == 2, (dest, r)
+        assert "argument -o/--output: " in r.err and "empty" in r.err and "Traceback" not in r.err
+        assert list((tmp_path / "cwd").iterdir()) == [], "nothing is written to the current folder"
+    r = cli("prepare", tmp_path / "a.txt", "-o", ".")  # the current folder, when meant, is "."
+    assert r.code == 0, r
+    assert (tmp_path / "cwd" / "manifest.json").exists()
+
+
 def test_existing_destination_needs_overwrite(cli, tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("first")
     assert cli("prepare", tmp_path / "a.txt", "-o", tmp_path / "ds").code == 0

@@ -121,14 +121,29 @@ def _check_position(epoch: Any, offset: Any) -> tuple[int, int]:
     return epoch, offset
 
 
+def _last_offset(observations: int) -> int:
+    """The largest ``observation_offset`` a run over ``observations`` can save.
+
+    With ``drop_last=False`` the final partial global batch advances the offset by a whole
+    global batch ``G``: it starts before the end, so the offset stays below ``N + G``. A loader
+    refuses to open with ``G > N`` (there would be no whole batch), so whatever batch size and
+    world size a run had (and a resumed run may have others), it stays below ``2N``; over no
+    observations, no batch is ever delivered.
+    """
+    return max(2 * observations - 1, 0)
+
+
 def restore_position(
     state_dict: Any, current: LoaderIdentity, *, allow_dataset_change: bool = False
 ) -> tuple[int, int]:
     """The ``(epoch, observation_offset)`` to resume at, after checking ``state_dict``.
 
     Raises ``ValueError`` for a malformed checkpoint, for one counted on another dataset (unless
-    ``allow_dataset_change``), and for an offset past the end of this dataset. Warns where the
-    order after resuming will differ from the saved run's.
+    ``allow_dataset_change``), and for an offset past the end of this dataset: with
+    ``allow_dataset_change``, any offset past the end; otherwise (the same dataset, or a
+    checkpoint without a fingerprint), one past what the padding of a final partial batch can
+    reach (:func:`_last_offset`). Warns where the order after resuming will differ from the saved
+    run's.
     """
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a dict from state_dict(), got {type(state_dict).__name__}")
@@ -157,16 +172,21 @@ def restore_position(
                 "position anyway"
             )
     n = fp["observations"]
-    if offset > n and not matches and (saved_fp is not None or offset >= 2 * max(n, 1)):
-        # Over the saved dataset an offset may pass the end by the padding of a final partial
-        # batch (less than one global batch: less than the dataset, which a batch of several
-        # ranks may exceed only in a dataset too small to matter); anywhere else it is a
-        # position this dataset does not have.
+    if saved_fp is not None and not matches:
+        if offset > n:  # counted over other data: only a position inside this dataset means one
+            raise ValueError(
+                f"checkpoint observation_offset={offset} is past the end of this dataset "
+                f"({n} observations): it was counted over other data. Resume with "
+                f"the saved dataset, or load {{'epoch': {epoch + 1}, 'observation_offset': 0}} to "
+                "start the next epoch"
+            )
+    elif offset > _last_offset(n):
         raise ValueError(
             f"checkpoint observation_offset={offset} is past the end of this dataset "
-            f"({n} observations): it was counted over other data. Resume with "
-            f"the saved dataset, or load {{'epoch': {epoch + 1}, 'observation_offset': 0}} to "
-            "start the next epoch"
+            f"({n} observations) by more than the padding of a final partial batch: a run over "
+            f"these {n} observations saves at most {_last_offset(n)}, so the checkpoint was counted "
+            "over other data or is damaged. Resume from a checkpoint of this run, or load "
+            f"{{'epoch': {epoch + 1}, 'observation_offset': 0}} to start the next epoch"
         )
     _warn_order_changes(state_dict, current)
     return epoch, offset

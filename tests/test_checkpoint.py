@@ -109,6 +109,33 @@ def test_padding_past_the_end_of_the_saved_dataset_is_accepted() -> None:
     assert restore_position(_state(ds, 0, 128), _identity(ds)) == (0, 128)
 
 
+@pytest.mark.parametrize("fingerprint", [True, False])
+@pytest.mark.parametrize("offset", [200, 201, 10**6, 10**30])
+def test_an_offset_past_a_final_padded_batch_is_refused(offset: int, fingerprint: bool) -> None:
+    """A run passes the end of its dataset by the padding of its final batch: less than one
+    global batch, which a loader keeps within the dataset; so N observations end before 2N."""
+    ds = _stream(800)  # 100 observations
+    state = _state(ds, 3, offset)
+    if not fingerprint:
+        del state["dataset"]
+    with pytest.raises(
+        ValueError, match=rf"observation_offset={offset} is past the end .*\(100 observations\)"
+    ) as info:
+        restore_position(state, _identity(ds))
+    assert "{'epoch': 4, 'observation_offset': 0}" in str(info.value)
+
+
+def test_every_offset_a_run_can_save_is_accepted() -> None:
+    # a global batch G <= N over N observations: the final batch starts before N, ends before N + G
+    ds = _stream(800)  # 100 observations
+    for offset in (0, 99, 100, 104, 128, 199):
+        assert restore_position(_state(ds, 0, offset), _identity(ds)) == (0, offset)
+    empty = _stream(0)  # no loader iterates over it: only the start is a position
+    assert restore_position(_state(empty, 2, 0), _identity(empty)) == (2, 0)
+    with pytest.raises(ValueError, match=r"observation_offset=1 is past the end .*\(0 observations\)"):
+        restore_position(_state(empty, 2, 1), _identity(empty))
+
+
 def test_a_checkpoint_of_the_pages_five_keys_loads_without_a_warning() -> None:
     """The reference page's checkpoint has no fingerprint (nor has guideloom's before 0.2): it
     loads silently, its padding past the end of an epoch included."""

@@ -170,6 +170,71 @@ def test_malformed_checkpoints(state: Any, error: type[Exception], match: str) -
         restore_position(state, _identity(_stream(1000)))
 
 
+def _deep(depth: int = 100_000) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+_FIELDS = [
+    "epoch",
+    "observation_offset",
+    "shuffle",
+    "shuffle_seed",
+    "drop_last",
+    "shuffle_block_size",
+    "shuffle_window",
+    "dataset",
+    "dataset.kind",
+    "dataset.observations",
+    "dataset.sequence_length",
+    "dataset.digest",
+]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("field", _FIELDS)
+def test_a_deeply_nested_value_is_refused_by_name(field: str, shuffle: bool) -> None:
+    """repr() of a 100,000-deep list raises RecursionError: no message may repr a value whole."""
+    ds = _stream(1000)
+    state = _state(ds, 1, 16, shuffle=shuffle, shuffle_block_size=4, shuffle_window=2)
+    if field.startswith("dataset."):
+        state["dataset"][field.split(".")[1]] = _deep()
+    else:
+        state[field] = _deep()
+    key = field.rsplit(".", maxsplit=1)[-1]
+    for allow in (False, True):
+        with pytest.raises(ValueError, match=rf"\b{key}\b") as info:
+            restore_position(state, _identity(ds, shuffle=shuffle), allow_dataset_change=allow)
+        assert len(str(info.value)) < 400 and "[[[" in str(info.value)
+
+
+@pytest.mark.parametrize("field", _FIELDS)
+def test_a_huge_value_is_cut_short_in_the_message(field: str) -> None:
+    ds = _stream(1000)
+    state = _state(ds, 1, 16, shuffle_block_size=4, shuffle_window=2)
+    huge: Any = "x" * 10**6
+    if field.startswith("dataset."):
+        state["dataset"][field.split(".")[1]] = huge
+    else:
+        state[field] = huge
+    if field == "dataset.digest":  # of a storage in memory: not compared, so not refused
+        assert restore_position(state, _identity(ds)) == (1, 16)
+        return
+    with pytest.raises(ValueError, match=field.rsplit(".", maxsplit=1)[-1]) as info:
+        restore_position(state, _identity(ds))
+    assert len(str(info.value)) < 600
+
+
+def test_an_offset_too_long_to_print_is_refused() -> None:
+    ds = _stream(1000)
+    for offset in (10**5000, -(10**5000)):  # str() of an int refuses past 4300 digits
+        with pytest.raises(ValueError, match="observation_offset") as info:
+            restore_position(_state(ds, 0, offset), _identity(ds))
+        assert len(str(info.value)) < 600 and "Exceeds the limit" not in str(info.value)
+
+
 def test_order_changes_warn() -> None:
     ds = _stream(1000)
     with pytest.warns(UserWarning, match="shuffle=False, this loader has shuffle=True"):

@@ -198,6 +198,19 @@ def test_load_state_dict_validates() -> None:
         loader.load_state_dict({"epoch": 0})  # type: ignore[typeddict-item]
 
 
+def test_load_state_dict_refuses_a_deeply_nested_seed_by_name() -> None:
+    nested: list[Any] = []
+    for _ in range(100_000):
+        nested = [nested]
+    with make(identity_stream(20), shuffle=True, shuffle_seed=3) as loader:
+        state = loader.state_dict()
+        with pytest.raises(ValueError, match="checkpoint 'shuffle_seed' must be an int or None, got list"):
+            loader.load_state_dict({**state, "shuffle_seed": nested})  # type: ignore[typeddict-item]
+        with pytest.raises(ValueError, match="checkpoint 'dataset' must be a dict"):
+            loader.load_state_dict({**state, "dataset": nested})  # type: ignore[typeddict-item]
+        loader.load_state_dict(state)  # and the checkpoint itself loads
+
+
 def test_load_state_dict_while_iterating_raises() -> None:
     with make(identity_stream(20)) as loader:
         it = iter(loader)

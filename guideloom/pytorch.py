@@ -301,7 +301,8 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         Raises:
             RuntimeError: If an iterator on this loader is still active.
             ValueError: If the checkpoint is malformed, was counted over another dataset, or its
-                offset lies past the end of this dataset.
+                offset lies past the end of this dataset (further than the padding of a final
+                partial batch can reach; with ``allow_dataset_change``, past it at all).
         """
         with self._life.lock:
             self._ckpt.epoch, self._ckpt.offset = restore_position(

@@ -109,6 +109,33 @@ def test_padding_past_the_end_of_the_saved_dataset_is_accepted() -> None:
     assert restore_position(_state(ds, 0, 128), _identity(ds)) == (0, 128)
 
 
+@pytest.mark.parametrize("fingerprint", [True, False])
+@pytest.mark.parametrize("offset", [200, 201, 10**6, 10**30])
+def test_an_offset_past_a_final_padded_batch_is_refused(offset: int, fingerprint: bool) -> None:
+    """A run passes the end of its dataset by the padding of its final batch: less than one
+    global batch, which a loader keeps within the dataset; so N observations end before 2N."""
+    ds = _stream(800)  # 100 observations
+    state = _state(ds, 3, offset)
+    if not fingerprint:
+        del state["dataset"]
+    with pytest.raises(
+        ValueError, match=rf"observation_offset={offset} is past the end .*\(100 observations\)"
+    ) as info:
+        restore_position(state, _identity(ds))
+    assert "{'epoch': 4, 'observation_offset': 0}" in str(info.value)
+
+
+def test_every_offset_a_run_can_save_is_accepted() -> None:
+    # a global batch G <= N over N observations: the final batch starts before N, ends before N + G
+    ds = _stream(800)  # 100 observations
+    for offset in (0, 99, 100, 104, 128, 199):
+        assert restore_position(_state(ds, 0, offset), _identity(ds)) == (0, offset)
+    empty = _stream(0)  # no loader iterates over it: only the start is a position
+    assert restore_position(_state(empty, 2, 0), _identity(empty)) == (2, 0)
+    with pytest.raises(ValueError, match=r"observation_offset=1 is past the end .*\(0 observations\)"):
+        restore_position(_state(empty, 2, 1), _identity(empty))
+
+
 def test_a_checkpoint_of_the_pages_five_keys_loads_without_a_warning() -> None:
     """The reference page's checkpoint has no fingerprint (nor has guideloom's before 0.2): it
     loads silently, its padding past the end of an epoch included."""
@@ -141,6 +168,71 @@ def test_old_checkpoint_past_the_end_is_refused() -> None:
 def test_malformed_checkpoints(state: Any, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         restore_position(state, _identity(_stream(1000)))
+
+
+def _deep(depth: int = 100_000) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+_FIELDS = [
+    "epoch",
+    "observation_offset",
+    "shuffle",
+    "shuffle_seed",
+    "drop_last",
+    "shuffle_block_size",
+    "shuffle_window",
+    "dataset",
+    "dataset.kind",
+    "dataset.observations",
+    "dataset.sequence_length",
+    "dataset.digest",
+]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("field", _FIELDS)
+def test_a_deeply_nested_value_is_refused_by_name(field: str, shuffle: bool) -> None:
+    """repr() of a 100,000-deep list raises RecursionError: no message may repr a value whole."""
+    ds = _stream(1000)
+    state = _state(ds, 1, 16, shuffle=shuffle, shuffle_block_size=4, shuffle_window=2)
+    if field.startswith("dataset."):
+        state["dataset"][field.split(".")[1]] = _deep()
+    else:
+        state[field] = _deep()
+    key = field.rsplit(".", maxsplit=1)[-1]
+    for allow in (False, True):
+        with pytest.raises(ValueError, match=rf"\b{key}\b") as info:
+            restore_position(state, _identity(ds, shuffle=shuffle), allow_dataset_change=allow)
+        assert len(str(info.value)) < 400 and "[[[" in str(info.value)
+
+
+@pytest.mark.parametrize("field", _FIELDS)
+def test_a_huge_value_is_cut_short_in_the_message(field: str) -> None:
+    ds = _stream(1000)
+    state = _state(ds, 1, 16, shuffle_block_size=4, shuffle_window=2)
+    huge: Any = "x" * 10**6
+    if field.startswith("dataset."):
+        state["dataset"][field.split(".")[1]] = huge
+    else:
+        state[field] = huge
+    if field == "dataset.digest":  # of a storage in memory: not compared, so not refused
+        assert restore_position(state, _identity(ds)) == (1, 16)
+        return
+    with pytest.raises(ValueError, match=field.rsplit(".", maxsplit=1)[-1]) as info:
+        restore_position(state, _identity(ds))
+    assert len(str(info.value)) < 600
+
+
+def test_an_offset_too_long_to_print_is_refused() -> None:
+    ds = _stream(1000)
+    for offset in (10**5000, -(10**5000)):  # str() of an int refuses past 4300 digits
+        with pytest.raises(ValueError, match="observation_offset") as info:
+            restore_position(_state(ds, 0, offset), _identity(ds))
+        assert len(str(info.value)) < 600 and "Exceeds the limit" not in str(info.value)
 
 
 def test_order_changes_warn() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import glob
 import gzip
+import io
 import os
 import shutil
 import tempfile
@@ -136,15 +137,85 @@ def expand_inputs(
     return files
 
 
+class _ZstdReader(io.RawIOBase):
+    """The decompressed bytes of the zstd frames in ``raw``; refuses a file cut inside a frame.
+
+    zstandard's ``stream_reader`` returns what it has when the file ends in the middle of a frame,
+    so a truncated file would read as a shorter one; its ``decompressobj`` says when a frame is
+    complete (``eof``), one frame per object, and hands back the bytes past it (``unused_data``),
+    where the next frame starts. Compressed input is fed ``read_size`` bytes at a time, which
+    bounds the output of one step to what those bytes expand to. Errors are ``EOFError`` for a
+    cut file (as :mod:`gzip` raises) and ``ValueError`` for bytes that are not zstd.
+    """
+
+    def __init__(self, zstandard: Any, raw: IO[bytes], read_size: int = 2**17) -> None:
+        super().__init__()
+        self._zstandard = zstandard
+        self._dctx = zstandard.ZstdDecompressor()
+        self._raw = raw
+        self._read_size = read_size
+        self._frame: Any = None  # the decompressobj of the frame under way; None between frames
+        self._pending = b""  # compressed bytes read past the end of the last frame
+        self._out = b""
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def _fill(self, read_size: int = 0) -> bool:
+        """Decompress another step into ``_out``; False at the end of the last whole frame."""
+        data, self._pending = self._pending or self._raw.read(read_size or self._read_size), b""
+        if not data:
+            if self._frame is not None:
+                raise EOFError("the file ends inside a zstd frame (truncated?)")
+            return False
+        if self._frame is None:
+            self._frame = self._dctx.decompressobj()
+        try:
+            out = self._frame.decompress(data)
+        except self._zstandard.ZstdError as exc:
+            raise ValueError(f"not valid zstd data ({exc})") from None
+        if self._frame.eof:
+            self._pending, self._frame = self._frame.unused_data, None
+        self._out, self._pos = out, 0
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        if size is None or size < 0:
+            return self.readall()
+        while self._pos >= len(self._out):
+            if size == 0 or not self._fill():
+                return b""
+        part = self._out[self._pos : self._pos + size]
+        self._pos += len(part)
+        return part
+
+    def readall(self) -> bytes:
+        parts = [self._out[self._pos :]]
+        while self._fill(2**20):  # all of it is kept anyway: fewer, larger steps
+            parts.append(self._out)
+        self._out, self._pos = b"", 0
+        return b"".join(parts)
+
+    def readinto(self, buffer: Any) -> int:
+        part = self.read(len(memoryview(buffer)))
+        memoryview(buffer).cast("B")[: len(part)] = part
+        return len(part)
+
+
 @contextmanager
 def _open(f: InputFile) -> Iterator[tuple[IO[bytes], IO[bytes]]]:
-    """(decompressed stream, raw file): the raw one's position measures progress."""
+    """(decompressed stream, raw file): the raw one's position measures progress.
+
+    A compressed file that ends early, or is not in its format, raises ``EOFError``, ``OSError``
+    or ``ValueError`` as it is read (the readers below turn them into an :class:`InputError`).
+    """
     with open(f.path, "rb") as raw:
         if f.compression == "gzip":
             yield cast(IO[bytes], gzip.GzipFile(fileobj=raw, mode="rb")), raw
         elif f.compression == "zstd":
             zstandard = require("zstandard", f"reading {f.path.name}")
-            yield zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True), raw
+            yield cast(IO[bytes], _ZstdReader(zstandard, raw)), raw
         else:
             yield raw, raw
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from guideloom._cli._common import Progress, format_bytes
+from guideloom._cli._common import Progress, format_bytes, int_at_least
 from guideloom._cli._tokenizers import Tokenizer, tokenizer_for_decoding
 from guideloom._errors import DatasetFormatError
 from guideloom.storage._api import _local_folder, open_documents, open_stream, verify_dataset
@@ -52,9 +52,15 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
         metavar="bytes|PATH|auto",
         help="decode samples with it ('auto': the tokenizer the dataset records)",
     )
-    p.add_argument("--samples", type=int, default=3, metavar="K", help="documents to decode (default 3)")
     p.add_argument(
-        "--chars", type=int, default=200, metavar="C", help="show at most C characters of each (default 200)"
+        "--samples", type=int_at_least(0), default=3, metavar="K", help="documents to decode (default 3)"
+    )
+    p.add_argument(
+        "--chars",
+        type=int_at_least(0),
+        default=200,
+        metavar="C",
+        help="show at most C characters of each (default 200)",
     )
     p.set_defaults(func=run_inspect)
 
@@ -123,6 +129,8 @@ def _eos_of(manifest: Manifest | None) -> int | None:
 
 
 async def _first_documents(storage: Storage, k: int, eos: int | None) -> list[np.ndarray[Any, Any]]:
+    if k <= 0:
+        return []
     await storage.open()
     try:
         if isinstance(storage, DocumentStorageAbstract):
@@ -156,7 +164,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     lines = _describe(args.dataset, manifest, storage)
     if args.tokenizer:
         tokenizer = tokenizer_for_decoding(args.tokenizer, manifest.extra if manifest is not None else {})
-        docs = asyncio.run(_first_documents(storage, max(0, args.samples), _eos_of(manifest)))
+        docs = asyncio.run(_first_documents(storage, args.samples, _eos_of(manifest)))
         name = args.tokenizer
         if name == "auto" and manifest is not None:
             name = f"{manifest.extra.get('tokenizer')} (auto)"

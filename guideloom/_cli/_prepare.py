@@ -68,6 +68,15 @@ def _size(text: str) -> int:
     return max(1, int(value * units[unit]))
 
 
+def _destination(text: str) -> str:
+    """``--output``: an empty one (an unset shell variable, say) would mean the current folder."""
+    if not text or text.lower() == "file://":
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is an empty path: name the dataset's folder or URL (use '.' for the current folder)"
+        )
+    return text
+
+
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "prepare",
@@ -86,6 +95,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-o",
         "--output",
+        type=_destination,
         required=True,
         metavar="DEST",
         help="a folder, file:// URL, or s3:// gs:// az:// prefix",

@@ -14,10 +14,14 @@ Pure: the loader's side (what it saves, what it checks a checkpoint against) is
 
 from __future__ import annotations
 
+import numbers
+import reprlib
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from guideloom.types import DatasetFingerprint
 
@@ -42,6 +46,54 @@ class LoaderIdentity:
     """Blocks per mixing window (1 for a global shuffle)."""
 
 
+def _show(value: Any) -> str:
+    """A checkpoint's value for a message, a few levels deep and a few dozen characters long.
+
+    A damaged checkpoint can hold anything: ``repr()`` of a 100,000-deep list raises
+    ``RecursionError``, ``str()`` of an int of 5,000 digits raises ``ValueError``, and a string of
+    a megabyte is no message.
+    """
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"<an int of {value.bit_length()} bits>"
+    short = reprlib.Repr()
+    short.maxlevel, short.maxstring, short.maxlong, short.maxother = 3, 40, 40, 40
+    try:
+        text = short.repr(value)
+    except Exception:  # an int too long to print, an object whose repr fails
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
+
+
+# The optional keys of a checkpoint and what each holds, checked before any is compared or shown.
+_ORDER_KEYS: dict[str, tuple[str, Any]] = {
+    "shuffle": ("True or False", lambda v: isinstance(v, bool | np.bool_ | numbers.Integral)),
+    "drop_last": ("True or False", lambda v: isinstance(v, bool | np.bool_ | numbers.Integral)),
+    "shuffle_seed": ("an int or None", lambda v: v is None or _is_int(v)),
+    "shuffle_block_size": ("an int", _is_int),
+    "shuffle_window": ("an int", _is_int),
+}
+_FINGERPRINT_KEYS: dict[str, tuple[str, Any]] = {
+    "kind": ("a str", lambda v: isinstance(v, str)),
+    "observations": ("an int", _is_int),
+    "sequence_length": ("an int", _is_int),
+    "digest": ("a str", lambda v: isinstance(v, str)),
+}
+
+
+def _check_values(values: Mapping[str, Any], expected: dict[str, tuple[str, Any]], where: str) -> None:
+    for key, (what, ok) in expected.items():
+        if key in values and not ok(values[key]):
+            value = values[key]
+            raise ValueError(
+                f"checkpoint {where}{key!r} must be {what}, got {type(value).__name__} {_show(value)}; "
+                "pass a dict returned by StatefulDataLoader.state_dict()"
+            )
+
+
 def _differences(saved: Mapping[str, Any], current: DatasetFingerprint) -> list[str]:
     out = []
     for key in ("kind", "observations", "sequence_length", "digest"):
@@ -49,15 +101,27 @@ def _differences(saved: Mapping[str, Any], current: DatasetFingerprint) -> list[
         if key == "digest" and (not a or not b):
             continue  # one side has no manifest (in memory): its counts are all there is
         if a != b:
-            out.append(f"{key} {a!r} (saved) != {b!r} (this loader)")
+            out.append(f"{key} {_show(a)} (saved) != {_show(b)} (this loader)")
     return out
 
 
 def _check_position(epoch: Any, offset: Any) -> tuple[int, int]:
     for name, value in (("epoch", epoch), ("observation_offset", offset)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"checkpoint {name} must be an int >= 0, got {value!r}")
+            raise ValueError(f"checkpoint {name} must be an int >= 0, got {_show(value)}")
     return epoch, offset
+
+
+def _last_offset(observations: int) -> int:
+    """The largest ``observation_offset`` a run over ``observations`` can save.
+
+    With ``drop_last=False`` the final partial global batch advances the offset by a whole
+    global batch ``G``: it starts before the end, so the offset stays below ``N + G``. A loader
+    refuses to open with ``G > N`` (there would be no whole batch), so whatever batch size and
+    world size a run had (and a resumed run may have others), it stays below ``2N``; over no
+    observations, no batch is ever delivered.
+    """
+    return max(2 * observations - 1, 0)
 
 
 def restore_position(
@@ -66,8 +130,11 @@ def restore_position(
     """The ``(epoch, observation_offset)`` to resume at, after checking ``state_dict``.
 
     Raises ``ValueError`` for a malformed checkpoint, for one counted on another dataset (unless
-    ``allow_dataset_change``), and for an offset past the end of this dataset. Warns where the
-    order after resuming will differ from the saved run's.
+    ``allow_dataset_change``), and for an offset past the end of this dataset: with
+    ``allow_dataset_change``, any offset past the end; otherwise (the same dataset, or a
+    checkpoint without a fingerprint), one past what the padding of a final partial batch can
+    reach (:func:`_last_offset`). Warns where the order after resuming will differ from the saved
+    run's.
     """
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a dict from state_dict(), got {type(state_dict).__name__}")
@@ -77,6 +144,7 @@ def restore_position(
             f"checkpoint lacks {sorted(missing)}; pass a dict returned by StatefulDataLoader.state_dict()"
         )
     epoch, offset = _check_position(state_dict["epoch"], state_dict["observation_offset"])
+    _check_values(state_dict, _ORDER_KEYS, "")
     fp = current.fingerprint
     saved_fp = state_dict.get("dataset")
     matches = False
@@ -84,7 +152,11 @@ def restore_position(
     # it loads as it is, without a warning; only the offset can be checked.
     if saved_fp is not None:
         if not isinstance(saved_fp, Mapping):
-            raise ValueError(f"checkpoint 'dataset' must be a dict from state_dict(), got {saved_fp!r}")
+            raise ValueError(
+                f"checkpoint 'dataset' must be a dict from state_dict(), got "
+                f"{type(saved_fp).__name__} {_show(saved_fp)}"
+            )
+        _check_values(saved_fp, _FINGERPRINT_KEYS, "'dataset' field ")
         diffs = _differences(saved_fp, fp)
         matches = not diffs
         if diffs and not allow_dataset_change:
@@ -96,16 +168,21 @@ def restore_position(
                 "position anyway"
             )
     n = fp["observations"]
-    if offset > n and not matches and (saved_fp is not None or offset >= 2 * max(n, 1)):
-        # Over the saved dataset an offset may pass the end by the padding of a final partial
-        # batch (less than one global batch: less than the dataset, which a batch of several
-        # ranks may exceed only in a dataset too small to matter); anywhere else it is a
-        # position this dataset does not have.
+    if saved_fp is not None and not matches:
+        if offset > n:  # counted over other data: only a position inside this dataset means one
+            raise ValueError(
+                f"checkpoint observation_offset={_show(offset)} is past the end of this dataset "
+                f"({n} observations): it was counted over other data. Resume with "
+                f"the saved dataset, or load {{'epoch': {_show(epoch + 1)}, 'observation_offset': 0}} to "
+                "start the next epoch"
+            )
+    elif offset > _last_offset(n):
         raise ValueError(
-            f"checkpoint observation_offset={offset} is past the end of this dataset "
-            f"({n} observations): it was counted over other data. Resume with "
-            f"the saved dataset, or load {{'epoch': {epoch + 1}, 'observation_offset': 0}} to "
-            "start the next epoch"
+            f"checkpoint observation_offset={_show(offset)} is past the end of this dataset "
+            f"({n} observations) by more than the padding of a final partial batch: a run over "
+            f"these {n} observations saves at most {_last_offset(n)}, so the checkpoint was counted "
+            "over other data or is damaged. Resume from a checkpoint of this run, or load "
+            f"{{'epoch': {_show(epoch + 1)}, 'observation_offset': 0}} to start the next epoch"
         )
     _warn_order_changes(state_dict, current)
     return epoch, offset
@@ -132,9 +209,9 @@ def _warn_order_changes(state_dict: Mapping[str, Any], current: LoaderIdentity) 
             continue  # a window only means something between equal blocks of several samples
         if saved != mine:
             warnings.warn(
-                f"the checkpoint was saved by a loader with {key}={saved!r}, this loader has "
+                f"the checkpoint was saved by a loader with {key}={_show(saved)}, this loader has "
                 f"{key}={mine!r}; the saved value is not applied, so the order after resuming "
-                f"differs from the saved run. Construct the loader with {key}={saved!r} to resume "
+                f"differs from the saved run. Construct the loader with {key}={_show(saved)} to resume "
                 "it exactly",
                 UserWarning,
                 stacklevel=4,

@@ -78,7 +78,8 @@ def write_stream(
 ) -> Manifest:
     """Write a stream dataset: the concatenation of ``chunks`` (an array or an iterable of 1-D arrays).
 
-    ``dtype`` defaults to the first chunk's; every value must fit it exactly. ``metadata`` maps
+    ``dtype`` defaults to the first chunk's; every value must fit it exactly (floats for an
+    integer dtype: whole numbers below ``2**53`` in magnitude, or pass integers). ``metadata`` maps
     field names to arrays (or iterables of chunks) as long as the stream; samples of such a
     stream are dicts. Data files are at most ``shard_bytes`` each; the manifest is written last
     and atomically. An existing dataset is replaced only with ``overwrite=True``. ``info`` is a

@@ -68,24 +68,81 @@ def _chunks_of(name: str, data: npt.ArrayLike | Iterable[npt.ArrayLike]) -> Iter
 
 
 def _fit(name: str, index: int, chunk: Array, dtype: np.dtype[Any]) -> Array:
-    """Cast ``chunk`` to ``dtype`` only if no value changes; else say which dtype would hold it."""
+    """Cast ``chunk`` to ``dtype`` only if no value changes; else say which dtype would hold it.
+
+    The check compares values, not a cast and its inverse (``int32`` -1 cast to ``uint32`` and
+    back is -1 again, numpy calls ``int64`` to ``float64`` a safe cast). Floats given for an
+    integer dtype must be whole numbers below ``2**53`` in magnitude (``2**24`` for float32,
+    ``2**11`` for float16): beyond, a float stands for several integers (``2**53 + 1`` was
+    rounded to ``2**53`` before the writer saw it), so the values cannot be trusted.
+    """
     if chunk.dtype == dtype:
         return chunk
     if chunk.dtype.kind not in "biuf":
         raise TypeError(
             f"{name}: chunk {index} has dtype {chunk.dtype}; only numbers and booleans can be stored"
         )
-    if chunk.size == 0 or np.can_cast(chunk.dtype, dtype, casting="safe"):
+    if chunk.size == 0 or chunk.dtype.kind == "b":  # False and True are 0 and 1 in every dtype
         return chunk.astype(dtype)
-    cast = chunk.astype(dtype)
-    back = cast.astype(chunk.dtype) if chunk.dtype.kind != "b" else cast.astype(bool)
-    if not np.array_equal(back, chunk):
+    if chunk.dtype.kind == "f" and dtype.kind in "iu":
+        _check_whole_floats(name, index, chunk, dtype)
+    if not _exact(chunk, dtype):
         lo, hi = chunk.min(), chunk.max()
         raise ValueError(
             f"{name}: chunk {index} holds values in [{lo}, {hi}] that {dtype} cannot represent "
             f"exactly; pass a dtype that holds them (e.g. dtype=np.{_holding(lo, hi, chunk.dtype)})"
         )
-    return cast
+    return chunk.astype(dtype)
+
+
+def _check_whole_floats(name: str, index: int, chunk: Array, dtype: np.dtype[Any]) -> None:
+    """Floats for an integer dtype: finite, and below the magnitude where they skip integers."""
+    if not np.isfinite(chunk).all():
+        raise ValueError(
+            f"{name}: chunk {index} holds NaN or infinite values that {dtype} cannot represent "
+            f"exactly; pass finite whole numbers"
+        )
+    bits = np.finfo(chunk.dtype).nmant + 1
+    largest = max(-float(chunk.min()), float(chunk.max()))
+    if largest >= 2.0**bits:
+        raise ValueError(
+            f"{name}: chunk {index} is {chunk.dtype} with values as large as {largest:.0f} in "
+            f"magnitude, for dtype {dtype}: a {chunk.dtype} holds integers exactly only below "
+            f"2**{bits} (2**{bits} + 1 rounds to 2**{bits}), so these may have been rounded already; "
+            f"pass an integer array (e.g. np.asarray(values, dtype=np.int64)) instead of floats"
+        )
+
+
+def _exact(chunk: Array, dtype: np.dtype[Any]) -> bool:
+    """Whether every value of ``chunk`` (numbers, not bool) has the same value in ``dtype``."""
+    src = chunk.dtype
+    if np.can_cast(src, dtype, casting="safe") and not (src.kind in "iu" and dtype.kind == "f"):
+        return True  # a wider dtype of the same kind (numpy's "safe" also allows int64 to float64)
+    if dtype.kind == "b":
+        return bool(((chunk == 0) | (chunk == 1)).all())
+    if src.kind in "iu" and dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return info.min <= int(chunk.min()) and int(chunk.max()) <= info.max
+    if src.kind == "f" and dtype.kind in "iu":  # finite whole-number checks come first
+        info = np.iinfo(dtype)
+        if not (info.min <= float(chunk.min()) and float(chunk.max()) <= info.max):
+            return False
+        return bool((np.trunc(chunk) == chunk).all())
+    if src.kind in "iu":  # to a float: exact below 2**bits; above, only if the float casts back
+        bits = np.finfo(dtype).nmant + 1
+        if -(2**bits) <= int(chunk.min()) and int(chunk.max()) <= 2**bits:
+            return True
+        info = np.iinfo(src)
+        with np.errstate(over="ignore"):
+            cast = chunk.astype(dtype)
+        # casting back is defined only inside the source's range ([-2**63, 2**63) for int64)
+        if not (np.isfinite(cast).all() and info.min <= cast.min() and cast.max() < float(info.max) + 1):
+            return False
+        return bool(np.array_equal(cast.astype(src), chunk))
+    # float to float: the round trip tells (a NaN stays a NaN; what overflows is inf)
+    with np.errstate(over="ignore"):
+        back = chunk.astype(dtype).astype(src)
+    return bool(np.array_equal(back, chunk, equal_nan=True))
 
 
 def _holding(lo: Any, hi: Any, given: np.dtype[Any]) -> str:

@@ -60,6 +60,22 @@ def test_inspect_documents(cli, docs_ds: Path) -> None:
     assert repr(TEXTS[1][:10]) + "..." in r.out
 
 
+@pytest.mark.parametrize("fixture", ["stream_ds", "docs_ds"])
+def test_inspect_counts_are_checked_by_the_parser(cli, fixture: str, request: pytest.FixtureRequest) -> None:
+    ds = request.getfixturevalue(fixture)
+    for option in ("--samples", "--chars"):
+        r = cli("inspect", ds, "--tokenizer", "bytes", option, "-1")
+        assert r.code == 2, (option, r)
+        assert f"argument {option}: must be at least 0, got -1" in r.err and "Traceback" not in r.err
+        assert r.err.startswith("usage: guideloom inspect"), r
+    r = cli("inspect", ds, "--tokenizer", "bytes", "--samples", "0")
+    assert r.code == 0, r
+    assert "samples (first 0 documents" in r.out and "[0]" not in r.out
+    r = cli("inspect", ds, "--tokenizer", "bytes", "--samples", "1", "--chars", "0")
+    assert r.code == 0, r
+    assert "  [0] " in r.out and "[1]" not in r.out
+
+
 def test_verify_ok_then_detects_corruption(cli, stream_ds: Path) -> None:
     r = cli("verify", stream_ds)
     assert r.code == 0 and r.out.startswith("ok:") and "sha256" in r.out

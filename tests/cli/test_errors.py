@@ -125,6 +125,21 @@ def test_missing_inputs_are_usage_errors(cli, tmp_path: Path) -> None:
     assert r.code == 2 and "--output" in r.err
 
 
+def test_empty_output_is_a_usage_error(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # an empty DEST would be the current folder: a mistake (an unset variable), not a wish
+    (tmp_path / "a.txt").write_text("hello")
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    for dest in ("", "file://"):
+        r = cli("prepare", tmp_path / "a.txt", "-o", dest)
+        assert r.code == 2, (dest, r)
+        assert "argument -o/--output: " in r.err and "empty" in r.err and "Traceback" not in r.err
+        assert list((tmp_path / "cwd").iterdir()) == [], "nothing is written to the current folder"
+    r = cli("prepare", tmp_path / "a.txt", "-o", ".")  # the current folder, when meant, is "."
+    assert r.code == 0, r
+    assert (tmp_path / "cwd" / "manifest.json").exists()
+
+
 def test_existing_destination_needs_overwrite(cli, tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("first")
     assert cli("prepare", tmp_path / "a.txt", "-o", tmp_path / "ds").code == 0
@@ -318,6 +333,62 @@ def test_corrupt_compressed_input_is_a_data_error(cli, tmp_path: Path) -> None:
     (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n' * 1000)[:-20])
     r = cli("prepare", tmp_path / "d.jsonl.gz", "-o", tmp_path / "ds")
     assert r.code == 1 and "d.jsonl.gz" in r.err and "Traceback" not in r.err
+    assert not (tmp_path / "ds" / "manifest.json").exists()
+
+
+def _zstd_frames(data: bytes, pieces: int) -> bytes:
+    """``data`` as ``pieces`` consecutive zstd frames (as ``cat a.zst b.zst`` makes)."""
+    import zstandard
+
+    step = -(-len(data) // pieces)
+    cctx = zstandard.ZstdCompressor()
+    return b"".join(cctx.compress(data[i : i + step]) for i in range(0, len(data), step))
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.parametrize("name", ["d.jsonl.zst", "d.txt.zst", "d.parquet.zst"])
+@pytest.mark.parametrize("cut", ["half", "last byte", "second frame"])
+def test_truncated_zstd_input_is_a_data_error(cli, tmp_path: Path, name: str, cut: str, workers: str) -> None:
+    # zstandard's stream reader ends quietly where a cut file ends: the frame must be seen to end
+    if name.startswith("d.parquet"):
+        import io
+
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        buf = io.BytesIO()
+        pq.write_table(pa.table({"text": [f"row {i} " * 20 for i in range(2000)]}), buf)
+        raw = buf.getvalue()
+    else:
+        raw = "".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(2000)).encode()
+    whole = _zstd_frames(raw, 2)
+    first = len(_zstd_frames(raw, 2)) - len(_zstd_frames(raw[-(-len(raw) // 2) :], 1))
+    size = {"half": first // 2, "last byte": len(whole) - 1, "second frame": first + 10}[cut]
+    (tmp_path / name).write_bytes(whole[:size])
+    r = cli("prepare", tmp_path / name, "-o", tmp_path / "ds", "--workers", workers, "--task-size", "4096")
+    assert r.code == 1, r
+    assert r.err.startswith("guideloom: error:") and str(tmp_path / name) in r.err, r
+    message = r.err.replace(str(tmp_path), "")
+    assert "truncated" in message and "Traceback" not in r.err and r.err.count("\n") == 1, r
+    assert not (tmp_path / "ds" / "manifest.json").exists()
+    # the whole file reads
+    (tmp_path / name).write_bytes(whole)
+    r = cli("prepare", tmp_path / name, "-o", tmp_path / "ok", "--workers", workers)
+    assert r.code == 0, r
+    assert manifest_of(tmp_path / "ok")["info"]["documents"] == (1 if "txt" in name else 2000)
+
+
+@pytest.mark.parametrize("name", ["d.jsonl.zst", "d.txt.zst", "d.parquet.zst"])
+@pytest.mark.parametrize("content", ["plain text", "zstd then junk"])
+def test_input_that_is_not_zstd_is_a_data_error(cli, tmp_path: Path, name: str, content: str) -> None:
+    plain = b'{"text": "not compressed at all"}\n' * 50
+    data = plain if content == "plain text" else _zstd_frames(plain, 1) + b"junk after the frame" * 3
+    (tmp_path / name).write_bytes(data)
+    r = cli("prepare", tmp_path / name, "-o", tmp_path / "ds")
+    assert r.code == 1, r
+    assert r.err.startswith("guideloom: error:") and str(tmp_path / name) in r.err, r
+    assert "zstd" in r.err.replace(str(tmp_path), ""), r
+    assert "Traceback" not in r.err and r.err.count("\n") == 1, r
     assert not (tmp_path / "ds" / "manifest.json").exists()
 
 

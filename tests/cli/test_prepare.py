@@ -108,6 +108,25 @@ def test_formats_give_the_same_tokens(cli, tmp_path: Path, fmt: str) -> None:
     assert byte_texts(tmp_path / "ds2") == TEXTS
 
 
+def test_zstd_frames_skippable_frames_and_empty_files_read_whole(cli, tmp_path: Path) -> None:
+    import zstandard
+
+    # as `cat a.zst b.zst` makes, with a skippable frame (metadata that some tools write) between
+    raw = write_jsonl(tmp_path / "raw.jsonl", [{"text": t} for t in TEXTS]).read_bytes()
+    cctx = zstandard.ZstdCompressor()
+    skippable = (0x184D2A50).to_bytes(4, "little") + (5).to_bytes(4, "little") + b"notes"
+    half = len(raw) // 2
+    (tmp_path / "d.jsonl.zst").write_bytes(cctx.compress(raw[:half]) + skippable + cctx.compress(raw[half:]))
+    r = cli("prepare", tmp_path / "d.jsonl.zst", "-o", tmp_path / "ds", "--task-size", "64")
+    assert r.code == 0, r
+    assert byte_texts(tmp_path / "ds") == TEXTS
+    (tmp_path / "e.txt.zst").write_bytes(b"")
+    (tmp_path / "f.txt.zst").write_bytes(cctx.compress(b""))
+    r = cli("prepare", tmp_path / "e.txt.zst", tmp_path / "f.txt.zst", "-o", tmp_path / "empty")
+    assert r.code == 0, r
+    assert byte_texts(tmp_path / "empty") == ["", ""]
+
+
 def _mixed_corpus(root: Path) -> Path:
     rng = np.random.default_rng(0)
     words = ["alpha", "βeta", "gamma", "δ", "epsilon", "🙂", "\n", '"q"']

@@ -198,6 +198,19 @@ def test_load_state_dict_validates() -> None:
         loader.load_state_dict({"epoch": 0})  # type: ignore[typeddict-item]
 
 
+def test_load_state_dict_refuses_a_deeply_nested_seed_by_name() -> None:
+    nested: list[Any] = []
+    for _ in range(100_000):
+        nested = [nested]
+    with make(identity_stream(20), shuffle=True, shuffle_seed=3) as loader:
+        state = loader.state_dict()
+        with pytest.raises(ValueError, match="checkpoint 'shuffle_seed' must be an int or None, got list"):
+            loader.load_state_dict({**state, "shuffle_seed": nested})  # type: ignore[typeddict-item]
+        with pytest.raises(ValueError, match="checkpoint 'dataset' must be a dict"):
+            loader.load_state_dict({**state, "dataset": nested})  # type: ignore[typeddict-item]
+        loader.load_state_dict(state)  # and the checkpoint itself loads
+
+
 def test_load_state_dict_while_iterating_raises() -> None:
     with make(identity_stream(20)) as loader:
         it = iter(loader)
@@ -221,6 +234,31 @@ def test_checkpoint_of_a_larger_dataset_is_refused_not_an_epoch_skipped() -> Non
     assert small.state_dict()["observation_offset"] == 0  # nothing applied
     with pytest.raises(ValueError, match="past the end"):
         small.load_state_dict(state, allow_dataset_change=True)
+
+
+def test_the_furthest_padded_offset_resumes_and_one_beyond_it_is_refused() -> None:
+    # 10 observations: 3 batches of 3 reach offset 9; a resume with one global batch of 10
+    # (2 ranks of 5) delivers sample 9 and pads to 19, the furthest a run can count
+    with make(identity_stream(10), local_batch_size=3, drop_last=False) as first:
+        take(first, 3)
+        state = roundtrip(first.state_dict())
+    kw: dict[str, Any] = {"local_batch_size": 5, "world_size": 2, "drop_last": False}
+    with make(identity_stream(10), **kw) as second:
+        second.load_state_dict(state)
+        assert take(second, 1) == [[9]]
+        state = roundtrip(second.state_dict())
+    assert state["observation_offset"] == 19
+    with make(identity_stream(10), **kw) as resumed:
+        resumed.load_state_dict(state)
+        assert take(resumed) == []  # the epoch is over
+        assert (resumed.state_dict()["epoch"], resumed.state_dict()["observation_offset"]) == (1, 0)
+    for offset in (20, 10**6, 10**30):
+        loader = make(identity_stream(10), **kw)
+        with pytest.raises(
+            ValueError, match=rf"observation_offset={offset} is past the end .*10 observations"
+        ):
+            loader.load_state_dict({**state, "observation_offset": offset})
+        assert loader.state_dict()["observation_offset"] == 0  # nothing applied
 
 
 def test_allow_dataset_change_resumes_at_the_saved_position() -> None:

@@ -90,6 +90,86 @@ def test_values_that_do_not_fit_are_refused(tmp_path: Path) -> None:
     assert gl.open_stream(tmp_path / "ok").dtype == np.uint16
 
 
+def _read_back(dest: Path) -> list[Any]:
+    s = gl.open_stream(dest)
+    asyncio.run(s.open())
+    values: list[Any] = s.read_many_sync(np.array([0], np.int64), len(s))[0].tolist()
+    return values
+
+
+@pytest.mark.parametrize(
+    ("values", "given", "dtype"),
+    [
+        ([2**60 + 1], np.float64, np.int64),  # the float already holds 2**60: no integer array could
+        ([2**53 + 1, 1], np.float64, np.int64),  # 2**53: the first float that stands for two integers
+        ([-(2**53)], np.float64, np.int64),
+        ([2**53], np.float64, np.uint64),
+        ([2**24], np.float32, np.int32),
+        ([2**11], np.float16, np.int16),
+    ],
+)
+def test_floats_beyond_their_exact_integers_are_refused_for_integer_dtypes(
+    tmp_path: Path, values: list[int], given: Any, dtype: Any
+) -> None:
+    chunk = np.array(values, dtype=given)
+    with pytest.raises(ValueError, match=r"exact.*pass an integer array") as info:
+        gl.write_stream(tmp_path / "x", [np.arange(3, dtype=dtype), chunk], dtype=dtype)
+    assert "chunk 1" in str(info.value) and np.dtype(given).name in str(info.value)
+    assert not (tmp_path / "x" / MANIFEST_NAME).exists()
+    # an integer array is written exactly; so are whole floats below the limit
+    gl.write_stream(tmp_path / "ints", np.array(values, dtype=np.int64).astype(dtype))
+    assert _read_back(tmp_path / "ints") == values
+    bits = np.finfo(given).nmant + 1
+    below = [2**bits - 1, 0] if np.dtype(dtype).kind == "u" else [2**bits - 1, -(2**bits - 1)]
+    gl.write_stream(tmp_path / "below", np.array(below, dtype=given), dtype=dtype)
+    assert _read_back(tmp_path / "below") == below
+
+
+@pytest.mark.parametrize(
+    ("chunk", "dtype"),
+    [
+        (np.array([-1], np.int32), np.uint32),  # same width: the cast and its inverse wrap back
+        (np.array([2**63], np.uint64), np.int64),
+        (np.array([2**64 - 1], np.uint64), np.int64),
+        (np.array([-1], np.int64), np.uint64),
+        (np.array([2**53 + 1], np.int64), np.float64),  # numpy's "safe" cast rounds it
+        (np.array([2**63 - 1], np.int64), np.float64),
+        (np.array([2**64 - 1], np.uint64), np.float64),
+        (np.array([70000], np.int64), np.float16),
+        (np.array([np.nan, 1.0]), np.int64),
+        (np.array([np.inf]), np.int32),
+        (np.array([3e9]), np.int32),
+        (np.array([2.0]), np.bool_),
+        (np.array([1e300]), np.float32),
+    ],
+)
+def test_every_value_must_survive_the_cast(tmp_path: Path, chunk: Any, dtype: Any) -> None:
+    with pytest.raises(ValueError, match=r"cannot represent|pass an integer array"):
+        gl.write_stream(tmp_path / "x", chunk, dtype=dtype)
+    assert not (tmp_path / "x" / MANIFEST_NAME).exists()
+
+
+@pytest.mark.parametrize(
+    ("values", "given", "dtype"),
+    [
+        ([2**62, -(2**63)], np.int64, np.float64),  # powers of two are exact floats
+        ([2**53, 7, -(2**53)], np.int64, np.float64),
+        ([2**32 - 1, 0], np.uint32, np.int64),
+        ([2**31 - 1, 0], np.uint32, np.int32),
+        ([0.0, 1.0, 0.0], np.float64, np.bool_),
+        ([0.5, -2.0, float("nan"), float("inf")], np.float64, np.float32),
+        ([1.0, 0.0], np.bool_, np.float16),
+    ],
+)
+def test_values_that_survive_the_cast_are_written(
+    tmp_path: Path, values: list[Any], given: Any, dtype: Any
+) -> None:
+    gl.write_stream(tmp_path / "ok", np.array(values, dtype=given), dtype=dtype)
+    back = np.array(_read_back(tmp_path / "ok"), dtype=np.dtype(dtype))
+    assert np.array_equal(back, np.array(values, dtype=given).astype(dtype), equal_nan=True)
+    assert np.array_equal(back.astype(given), np.array(values, dtype=given), equal_nan=True)
+
+
 def test_bad_inputs_have_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="1-D"):
         gl.write_stream(tmp_path / "a", np.zeros((2, 3)))

@@ -213,7 +213,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
             ValueError: If the dataset contains fewer observations than ``world_size *
                 local_batch_size``.
         """
-        self._life.open(self)
+        self._life.open(self.dataset, self._check_size)
 
     def close(self) -> None:
         """Close the dataset reader; an active iterator ends and its threads/processes stop.
@@ -221,16 +221,25 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         Persistent process workers stop too: each finishes its batch within 5 seconds or is
         terminated.
         """
-        self._life.close(self, keep_workers=False)
+        self._life.close(self.dataset, keep_workers=False)
 
     async def aopen(self) -> None:
         """Open the dataset reader on the running event loop (what ``async with`` calls)."""
-        await self._life.aopen(self)
+        await self._life.aopen(self.dataset, self._check_size)
 
     async def aclose(self) -> None:
         """Close from async code: ends an active iterator, closes the dataset reader, stops
         persistent process workers (see :meth:`close`)."""
-        await self._life.aclose(self, keep_workers=False)
+        await self._life.aclose(self.dataset, keep_workers=False)
+
+    def _check_size(self) -> None:
+        n, g = len(self.dataset), self.global_batch_size
+        if n < g:
+            raise ValueError(
+                f"the dataset has {n} observations, fewer than one global batch of "
+                f"world_size * local_batch_size = {self.world_size} * {self.local_batch_size} = {g}; "
+                "use a smaller local_batch_size or a larger dataset"
+            )
 
     def __enter__(self) -> StatefulDataLoader[SourceT, BatchT]:
         self.open()

@@ -1,16 +1,26 @@
-"""Public types: the loader's checkpoint and the keyword arguments of ``from_storage``.
+"""Public types: the loader's checkpoint, the keyword arguments of ``from_storage``, and the
+options of the storage functions for object stores.
 
 No ``from __future__ import annotations`` here: ``TypedDict`` reads ``NotRequired`` from the
 evaluated annotations, so with string annotations Python 3.11 would list the optional keys of
 :class:`StatefulDataLoaderStateDict` in ``__required_keys__``.
 """
 
-from typing import TYPE_CHECKING, Literal, NotRequired, TypedDict
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal, NotRequired, TypedDict
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DatasetFingerprint", "LoaderOptions", "StatefulDataLoaderStateDict"]
+__all__ = [
+    "DatasetFingerprint",
+    "LoaderOptions",
+    "OpenOptions",
+    "StatefulDataLoaderStateDict",
+    "StoreOptions",
+    "WriteOptions",
+]
 
 
 class DatasetFingerprint(TypedDict):
@@ -106,3 +116,79 @@ class LoaderOptions(TypedDict, total=False):
     persistent_workers: bool
     """Keep process workers running between iterators (epochs), until ``close()``. Default
     ``True``."""
+
+
+class StoreOptions(TypedDict, total=False):
+    """How to reach an object store (``s3://``, ``gs://``, ``az://``, ``http(s)://``): the keys
+    every call that opens, writes or verifies a remote dataset takes. They override the standard
+    environment variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...). Credentials never
+    appear in a message, a log line or a ``repr``. Any other obstore ``S3Config``, ``GCSConfig``
+    or ``AzureConfig`` key is passed on to the store as well."""
+
+    endpoint: str
+    """The store's URL (``endpoint_url`` is taken as a synonym)."""
+    endpoint_url: str
+    access_key_id: str
+    secret_access_key: str
+    session_token: str
+    region: str
+    skip_signature: bool
+    """Send unsigned requests (public buckets)."""
+    allow_http: bool
+    allow_invalid_certificates: bool
+    proxy_url: str
+    user_agent: str
+    root_certificate: str
+    client_options: Mapping[str, Any]
+    """obstore ``ClientConfig`` keys."""
+    timeout: float
+    """Seconds per request. Default ``30``."""
+    connect_timeout: float
+    """Seconds to connect. Default ``5``."""
+    retries: int
+    """Retries of a failed request. Default ``5``."""
+    retry_timeout: float
+    """No retry starts after this many seconds. Default ``120``."""
+    backoff: float
+    """First retry's backoff in seconds, doubled each retry, with full jitter. Default ``0.1``."""
+    max_backoff: float
+    """Longest backoff in seconds. Default ``5``."""
+
+
+class OpenOptions(StoreOptions, total=False):
+    """What ``open_stream``, ``open_documents`` and ``verify_dataset`` take for a remote dataset:
+    how to reach the store, and how to read it."""
+
+    max_inflight_requests: int
+    """Range requests in flight at once. Default ``256``."""
+    max_inflight_bytes: int
+    """Bytes in flight at once. Default 64 MiB."""
+    coalesce_gap: int
+    """Bytes between two ranges that one request bridges. Default 8 KiB; ``0`` fetches exactly
+    the ranges asked for."""
+    max_read_amplification: float
+    """Bytes a read may fetch per byte asked for, bridging its smallest gaps. Default ``4``."""
+    max_request_bytes: int
+    """Largest range one request asks for. Default 4 MiB."""
+    max_concurrent_reads: int
+    """Read-ahead windows the loader keeps in flight. Default ``4``."""
+    offsets_cache_bytes: int
+    """Documents: offsets up to this size are loaded at ``open()``, larger ones read per batch.
+    Default 64 MiB."""
+    cache_dir: str | os.PathLike[str] | None
+    """A local folder the dataset is copied to in the background and read from once complete.
+    Default ``None``: no copy."""
+    cache_max_bytes: int | None
+    """A limit on ``cache_dir``: a larger dataset is cached in chunks, downloaded ahead in the
+    loader's order and evicted by next use. Default ``None``: the whole copy."""
+    cache_chunk_bytes: int
+    """Chunk size of a bounded cache. Default 16 MiB."""
+
+
+class WriteOptions(StoreOptions, total=False):
+    """What ``write_stream`` and ``write_documents`` take for a remote destination."""
+
+    part_size: int
+    """Multipart upload part size. Default 16 MiB."""
+    max_upload_concurrency: int
+    """Parts uploaded at once. Default ``4``."""

@@ -36,12 +36,13 @@ class Delivery:
     error: BaseException | None = None
 
 
-def apply(d: Delivery, step: Callable[[Any], Any]) -> bool:
-    """Run ``step`` on ``d``'s value in place; its failure replaces the value. Whether ``d`` now
-    carries an error (a batch that already failed is left as it is)."""
+def apply(d: Delivery, *steps: Callable[[Any], Any]) -> bool:
+    """Run ``steps`` in turn on ``d``'s value in place; a failure replaces the value and ends
+    them. Whether ``d`` now carries an error (a batch that already failed is left as it is)."""
     if d.error is None:
         try:
-            d.value = step(d.value)
+            for step in steps:
+                d.value = step(d.value)
         except DELIVERED_ERRORS as exc:
             d.value, d.error = None, exc
     return d.error is not None

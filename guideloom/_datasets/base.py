@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from guideloom.storage.base import StorageAbstract
+from guideloom.storage.base import StorageAbstract, mark_own_reads
 from guideloom.types import DatasetFingerprint
 
 if TYPE_CHECKING:
@@ -47,8 +47,7 @@ class DatasetAbstract(ABC, Generic[SourceT]):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "read_many" in cls.__dict__ and "_plain_reads" not in cls.__dict__:
-            cls._plain_reads = False
+        mark_own_reads(cls)
         if "order" in cls.__dict__ and "makes_own_order" not in cls.__dict__:
             cls.makes_own_order = True
 
@@ -132,11 +131,15 @@ class DatasetAbstract(ABC, Generic[SourceT]):
         fingerprint is refused on load."""
         storage = self.storage
         return DatasetFingerprint(
-            kind=type(self).__name__,
+            kind=self._fingerprint_kind(),
             observations=len(self),
             sequence_length=int(getattr(self, "sequence_length", 0) or 0),
             digest="" if storage is None else storage.content_digest(),
         )
+
+    def _fingerprint_kind(self) -> str:
+        """The kind a checkpoint records (a dataset of your own: its class's name)."""
+        return type(self).__name__
 
     def position_stats(self, *, epoch: int, offset: int) -> dict[str, float]:
         """Figures about position ``(epoch, offset)`` for ``loader.stats()`` (none by default; a

@@ -10,7 +10,6 @@ import numpy.typing as npt
 
 from guideloom._datasets.base import DatasetAbstract, SourceT
 from guideloom.storage.base import DocumentStorageAbstract
-from guideloom.types import DatasetFingerprint
 
 __all__ = ["DocumentDataset"]
 
@@ -49,10 +48,8 @@ class DocumentDataset(DatasetAbstract[SourceT]):
         if self._plain_reads:  # reads map to the storage's 1:1
             self._storage.will_read(windows)
 
-    def fingerprint(self) -> DatasetFingerprint:
-        return DatasetFingerprint(
-            kind="documents", observations=len(self), sequence_length=0, digest=self._storage.content_digest()
-        )
+    def _fingerprint_kind(self) -> str:
+        return "documents"
 
     def sample_nbytes_hint(self) -> int:
         return self._storage.sample_nbytes_hint()

@@ -11,7 +11,6 @@ import numpy.typing as npt
 from guideloom._core.checks import check_int
 from guideloom._datasets.base import DatasetAbstract, SourceT
 from guideloom.storage.base import StreamStorageAbstract
-from guideloom.types import DatasetFingerprint
 
 __all__ = ["StreamDataset"]
 
@@ -55,13 +54,8 @@ class StreamDataset(DatasetAbstract[SourceT]):
             length = self.sequence_length
             self._storage.will_read((np.asarray(w, dtype=np.int64) * length for w in windows), length)
 
-    def fingerprint(self) -> DatasetFingerprint:
-        return DatasetFingerprint(
-            kind="stream",
-            observations=len(self),
-            sequence_length=self.sequence_length,
-            digest=self._storage.content_digest(),
-        )
+    def _fingerprint_kind(self) -> str:
+        return "stream"
 
     def sample_nbytes_hint(self) -> int:
         return self.sequence_length * max(

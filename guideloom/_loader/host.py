@@ -27,52 +27,27 @@ BatchT_co = TypeVar("BatchT_co", covariant=True)
 class Loader(Protocol[BatchT_co]):
     """A loader's parameters and state, as its iterators, lifecycle and checkpoint see them."""
 
-    @property
-    def dataset(self) -> DatasetAbstract[Any]: ...
-
-    @property
-    def collate_fn(self) -> Callable[[Sequence[Any]], BatchT_co]: ...
-
+    dataset: DatasetAbstract[Any]
     device: torch.device
-
-    @property
-    def local_batch_size(self) -> int: ...
-
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def num_workers(self) -> int: ...
-
-    @property
-    def parallel_method(self) -> Literal["thread", "process"]: ...
-
-    @property
-    def shuffle(self) -> bool: ...
-
+    local_batch_size: int
+    rank: int
+    world_size: int
+    num_workers: int
+    parallel_method: Literal["thread", "process"]
+    shuffle: bool
     shuffle_seed: int | None
-
-    @property
-    def pin_memory(self) -> bool: ...
-
-    @property
-    def drop_last(self) -> bool: ...
-
-    @property
-    def prefetch(self) -> int: ...
-
+    pin_memory: bool
+    drop_last: bool
+    prefetch: int
     shuffle_block_size: int | Literal["auto"] | None
     shuffle_window: int
-
-    @property
-    def persistent_workers(self) -> bool: ...
-
+    persistent_workers: bool
     _ckpt: CheckpointState
     _life: Lifecycle
     _figures: LoaderFigures
+
+    @property
+    def collate_fn(self) -> Callable[[Sequence[Any]], BatchT_co]: ...
 
     @property
     def global_batch_size(self) -> int: ...

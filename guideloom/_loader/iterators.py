@@ -66,7 +66,9 @@ def pipeline_config(loader: Loader[Any]) -> PipelineConfig:
         num_workers=loader.num_workers,
         parallel_method=loader.parallel_method,
         prefetch=loader.prefetch,
-        worker_pool=functools.partial(loader._life.worker_pool, loader)
+        worker_pool=functools.partial(
+            loader._life.worker_pool, loader, loader.dataset, loader.collate_fn, loader.num_workers
+        )
         if loader.persistent_workers
         else None,
     )
@@ -206,7 +208,7 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
         finally:
             self._loader._life.active.release(self)
             if self._owns_open:
-                self._loader._life.close(self._loader, keep_workers=True)
+                self._loader._life.close(self._loader.dataset, keep_workers=True)
 
     close_sync = close
 
@@ -315,7 +317,7 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
         finally:
             self._loader._life.active.release(self)
             if self._owns_open:
-                await self._loader._life.aclose(self._loader, keep_workers=True)
+                await self._loader._life.aclose(self._loader.dataset, keep_workers=True)
 
     close_async = aclose
 

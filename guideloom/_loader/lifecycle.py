@@ -28,28 +28,6 @@ if TYPE_CHECKING:
 __all__ = ["ActiveIterator", "Lifecycle", "wait_through_cancellation"]
 
 
-class _Owner(Protocol):
-    """What the lifecycle takes of its loader, given at each call."""
-
-    @property
-    def dataset(self) -> DatasetAbstract[Any]: ...
-
-    @property
-    def collate_fn(self) -> Callable[[Sequence[Any]], Any]: ...
-
-    @property
-    def num_workers(self) -> int: ...
-
-    @property
-    def local_batch_size(self) -> int: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def global_batch_size(self) -> int: ...
-
-
 class _Closable(Protocol):
     """An iterator, as the lifecycle closes it."""
 
@@ -165,20 +143,21 @@ class Lifecycle:
                 chooser = self._choosers[kind] = make()
             return chooser
 
-    def open(self, loader: _Owner) -> None:
-        """``loader.open()``: open the dataset reader, then check there is a global batch."""
+    def open(self, dataset: DatasetAbstract[Any], check: Callable[[], None]) -> None:
+        """``loader.open()``: open the dataset reader, then ``check`` it (there is a global
+        batch: a storage may know its length only once open)."""
         with self.lock:
             if self.state != "closed":
                 return
-            _run_blocking(loader, loader.dataset.open())
+            _run_blocking(dataset.open())
             try:
-                _check_size(loader)  # after opening: a storage may know its length only then
+                check()
             except BaseException:
-                _run_blocking(loader, loader.dataset.close())
+                _run_blocking(dataset.close())
                 raise
             self.state = "open"
 
-    def close(self, loader: _Owner, *, keep_workers: bool) -> None:
+    def close(self, dataset: DatasetAbstract[Any], *, keep_workers: bool) -> None:
         """``loader.close()``; an iterator that opened the loader for itself keeps the workers."""
         with self.lock:
             it = self.active.get()
@@ -191,23 +170,23 @@ class Lifecycle:
                 self.pool = None
             if self.state != "closed":
                 self.state = "closed"
-                _run_blocking(loader, loader.dataset.close())
+                _run_blocking(dataset.close())
         if pool is not None:
             pool.close()
 
-    async def aopen(self, loader: _Owner) -> None:
+    async def aopen(self, dataset: DatasetAbstract[Any], check: Callable[[], None]) -> None:
         """``loader.aopen()``: as :meth:`open`, on the running event loop."""
         if self.state != "closed":
             return
-        await loader.dataset.open()
+        await dataset.open()
         try:
-            _check_size(loader)
+            check()
         except BaseException:
-            await loader.dataset.close()
+            await dataset.close()
             raise
         self.state = "async-open"
 
-    async def aclose(self, loader: _Owner, *, keep_workers: bool) -> None:
+    async def aclose(self, dataset: DatasetAbstract[Any], *, keep_workers: bool) -> None:
         """``loader.aclose()``: as :meth:`close`, from async code."""
         it = self.active.get()
         if it is not None:
@@ -215,7 +194,7 @@ class Lifecycle:
         await self.active.ajoin_left()
         if self.state != "closed":
             self.state = "closed"
-            await loader.dataset.close()
+            await dataset.close()
         pool = None if keep_workers else self.pool
         if pool is not None:
             self.pool = None
@@ -231,38 +210,34 @@ class Lifecycle:
                 self._choosers.pop("processes", None)
         return pool
 
-    def worker_pool(self, loader: _Owner) -> WorkerPool:
+    def worker_pool(
+        self,
+        owner: object,
+        dataset: DatasetAbstract[Any],
+        collate_fn: Callable[[Sequence[Any]], Any],
+        num_workers: int,
+    ) -> WorkerPool:
         """The loader's persistent process workers, made at the first iterator that needs them
         (again if ``dataset``, ``collate_fn`` or ``num_workers`` changed since)."""
         with self.lock:
             pool = self.pool
-            if pool is not None and pool.matches(loader.dataset, loader.collate_fn, loader.num_workers):
+            if pool is not None and pool.matches(dataset, collate_fn, num_workers):
                 return pool
             if pool is not None:
                 pool.close()
             self._choosers.pop("processes", None)
-            self.pool = pool = WorkerPool(loader.dataset, loader.collate_fn, loader.num_workers)
-            weakref.finalize(loader, pool.close)  # a loader collected without close()
+            self.pool = pool = WorkerPool(dataset, collate_fn, num_workers)
+            weakref.finalize(owner, pool.close)  # a loader collected without close()
             return pool
 
 
-def _check_size(loader: _Owner) -> None:
-    n, g = len(loader.dataset), loader.global_batch_size
-    if n < g:
-        raise ValueError(
-            f"the dataset has {n} observations, fewer than one global batch of "
-            f"world_size * local_batch_size = {loader.world_size} * {loader.local_batch_size} = {g}; "
-            "use a smaller local_batch_size or a larger dataset"
-        )
-
-
-def _run_blocking(loader: _Owner, coro: Coroutine[Any, Any, None]) -> None:
+def _run_blocking(coro: Coroutine[Any, Any, None]) -> None:
     """Run a storage coroutine (open, close) from sync code, wherever that code runs.
 
     A short-lived loop thread serves it: the loader holds no thread while no iterator is
     active, and this works even when the caller's own thread runs an event loop.
     """
-    lt = LoopThread(name=f"guideloom-loop-{id(loader):x}")
+    lt = LoopThread(name="guideloom-open")
     try:
         lt.run(coro)
     finally:

@@ -57,10 +57,8 @@ class InlinePipeline:
         d = self.next_raw()
         if d is None:
             return None
-        for step in self._steps:
-            if apply(d, step):
-                self.close()
-                break
+        if apply(d, *self._steps):
+            self.close()
         return d
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ import concurrent.futures
 import functools
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
@@ -46,7 +47,7 @@ from guideloom._runtime.config import (
     window_span,
 )
 
-__all__ = ["StageWorkers", "Workers", "run_pipeline"]
+__all__ = ["Production", "StageWorkers", "Workers", "run_pipeline"]
 
 
 def _reads_for(
@@ -236,20 +237,25 @@ async def _collate(
             _discard(f for _, f in pending)  # after a failure: nothing waits for them
 
 
+@dataclass(frozen=True, slots=True)
+class Production:
+    """What a pipeline asks its workers to make: ``cfg``'s epoch from ``first_step``, each batch
+    handed to ``emit`` in plan order, a failure at its batch and nothing after it, within the
+    ``channel``'s credits. ``own_loop``: the loop is guideloom's private one."""
+
+    cfg: PipelineConfig
+    first_step: int
+    own_loop: bool
+    emit: Callable[[Delivery], Awaitable[None]]
+    channel: Channel[Delivery]
+
+
 class Workers(Protocol):
     """What makes an epoch's batches on the loop: the reader and collate stages (the collate inline,
     or on threads), or process workers that read and collate their own. Each answers for itself."""
 
-    async def produce(
-        self,
-        cfg: PipelineConfig,
-        first_step: int,
-        own_loop: bool,
-        emit: Callable[[Delivery], Any],
-        channel: Channel[Delivery],
-    ) -> None:
-        """Make the batches from ``first_step`` and ``emit`` them in plan order, a failure at its
-        batch and nothing after it."""
+    async def produce(self, job: Production) -> None:
+        """Make what ``job`` asks for."""
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop, joining what runs the work unless ``wait`` is false."""
@@ -262,18 +268,14 @@ class StageWorkers:
     def __init__(self, executor: concurrent.futures.Executor | None) -> None:
         self.executor = executor
 
-    async def produce(
-        self,
-        cfg: PipelineConfig,
-        first_step: int,
-        own_loop: bool,
-        emit: Callable[[Delivery], Any],
-        channel: Channel[Delivery],
-    ) -> None:
+    async def produce(self, job: Production) -> None:
+        cfg = job.cfg
         to_collate_send, to_collate_recv = anyio.create_memory_object_stream[list[Delivery]](1)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_reader, cfg, to_collate_send, first_step, _reads_for(cfg.dataset, own_loop))
-            tg.start_soon(_collate, cfg, to_collate_recv, emit, channel, self.executor)
+            tg.start_soon(
+                _reader, cfg, to_collate_send, job.first_step, _reads_for(cfg.dataset, job.own_loop)
+            )
+            tg.start_soon(_collate, cfg, to_collate_recv, job.emit, job.channel, self.executor)
 
     def shutdown(self, wait: bool = True) -> None:
         if self.executor is not None:
@@ -307,7 +309,9 @@ async def run_pipeline(
 
                 async def collate_then_close() -> None:
                     async with to_move_send:
-                        await workers.produce(cfg, first_step, own_loop, emit_to_transfer, channel)
+                        await workers.produce(
+                            Production(cfg, first_step, own_loop, emit_to_transfer, channel)
+                        )
 
                 async def mover() -> None:
                     async with to_move_recv:
@@ -327,7 +331,7 @@ async def run_pipeline(
                 async def emit_direct(d: Delivery) -> None:
                     channel.put(d)
 
-                tg.start_soon(workers.produce, cfg, first_step, own_loop, emit_direct, channel)
+                tg.start_soon(workers.produce, Production(cfg, first_step, own_loop, emit_direct, channel))
     except BaseException as exc:
         if not isinstance(exc, Exception):
             raise  # cancellation: the consumer closed the iterator

@@ -99,10 +99,8 @@ class ThreadWorkerPipeline:
         if d is None:
             self._ended = True
             return None
-        for step in self._steps:
-            if apply(d, step):
-                self._end()
-                break
+        if apply(d, *self._steps):
+            self._end()
         return d
 
     def _read(self) -> Delivery | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 from urllib.parse import unquote, urlparse
 
 import numpy.typing as npt
@@ -21,6 +21,7 @@ from guideloom.storage._manifest import Manifest
 from guideloom.storage._sinks import LocalSink, Sink
 from guideloom.storage._writer import DEFAULT_SHARD_BYTES, write_documents_to, write_stream_to
 from guideloom.storage.base import DocumentStorageAbstract, StreamStorageAbstract
+from guideloom.types import OpenOptions, WriteOptions
 
 __all__ = ["open_documents", "open_stream", "verify_dataset", "write_documents", "write_stream"]
 
@@ -52,7 +53,7 @@ def _remote() -> Any:
     return remote
 
 
-def _sink(destination: Location, options: dict[str, Any]) -> Sink:
+def _sink(destination: Location, options: Mapping[str, Any]) -> Sink:
     """Where a writer writes: a local folder, or an object-store prefix configured by ``options``."""
     folder = _local_folder(destination)
     if folder is None:
@@ -74,7 +75,7 @@ def write_stream(
     overwrite: bool = False,
     info: Mapping[str, Any] | None = None,
     progress: Callable[[int], object] | None = None,
-    **options: Any,
+    **options: Unpack[WriteOptions],
 ) -> Manifest:
     """Write a stream dataset: the concatenation of ``chunks`` (an array or an iterable of 1-D arrays).
 
@@ -111,7 +112,7 @@ def write_documents(
     overwrite: bool = False,
     info: Mapping[str, Any] | None = None,
     progress: Callable[[int], object] | None = None,
-    **options: Any,
+    **options: Unpack[WriteOptions],
 ) -> Manifest:
     """Write a document dataset, one document per 1-D array, in order. See :func:`write_stream`."""
     sink = _sink(destination, options)
@@ -126,46 +127,50 @@ def write_documents(
     )
 
 
-def open_stream(source: Location, **options: Any) -> StreamStorageAbstract[Any, Any]:
+def _folder_or_remote(source: Location, options: Mapping[str, Any]) -> Path | None:
+    """The local folder of ``source``, or None for an object store (which ``options`` configure:
+    a local dataset takes none)."""
+    folder = _local_folder(source)
+    if folder is not None and options:
+        raise TypeError(f"unexpected options for a local dataset: {sorted(options)}")
+    return folder
+
+
+def open_stream(source: Location, **options: Unpack[OpenOptions]) -> StreamStorageAbstract[Any, Any]:
     """Open a written stream dataset; its manifest is read and checked against the files now.
 
-    Raises ``FileNotFoundError`` when there is no dataset, and :class:`DatasetFormatError` /
+    ``options`` configure an object store (:class:`~guideloom.types.OpenOptions`). Raises
+    ``FileNotFoundError`` when there is no dataset, and :class:`DatasetFormatError` /
     :class:`DatasetIntegrityError` when the manifest or files are not a valid dataset.
     """
-    folder = _local_folder(source)
+    folder = _folder_or_remote(source, options)
     if folder is None:
         storage: StreamStorageAbstract[Any, Any] = _remote().open_stream(str(source), **options)
         return storage
-    if options:
-        raise TypeError(f"unexpected options for a local dataset: {sorted(options)}")
     return LocalStreamStorage(folder, read_local_manifest(folder))
 
 
-def open_documents(source: Location, **options: Any) -> DocumentStorageAbstract[Any, Any]:
+def open_documents(source: Location, **options: Unpack[OpenOptions]) -> DocumentStorageAbstract[Any, Any]:
     """Open a written document dataset. See :func:`open_stream`."""
-    folder = _local_folder(source)
+    folder = _folder_or_remote(source, options)
     if folder is None:
         storage: DocumentStorageAbstract[Any, Any] = _remote().open_documents(str(source), **options)
         return storage
-    if options:
-        raise TypeError(f"unexpected options for a local dataset: {sorted(options)}")
     return LocalDocumentStorage(folder, read_local_manifest(folder))
 
 
 def verify_dataset(
-    source: Location, *, progress: Callable[[int], object] | None = None, **options: Any
+    source: Location, *, progress: Callable[[int], object] | None = None, **options: Unpack[OpenOptions]
 ) -> Manifest:
     """Re-read every data file of a dataset and check its checksum against the manifest.
 
     ``progress`` is called with the bytes of each block read; ``options`` configure an object
     store as for :func:`open_stream`.
     """
-    folder = _local_folder(source)
+    folder = _folder_or_remote(source, options)
     if folder is None:
         verified: Manifest = _remote().verify_dataset(str(source), progress=progress, **options)
         return verified
-    if options:
-        raise TypeError(f"unexpected options for a local dataset: {sorted(options)}")
     manifest = read_local_manifest(folder)
     for name, _spec, f in manifest.all_files():
         if file_sha256(folder / f.path, progress) != f.sha256:

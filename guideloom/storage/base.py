@@ -36,12 +36,20 @@ __all__ = [
     "OutT",
     "StorageAbstract",
     "StreamStorageAbstract",
+    "mark_own_reads",
 ]
 
 InT = TypeVar("InT")
 OutT = TypeVar("OutT")
 
 R = TypeVar("R")
+
+
+def mark_own_reads(cls: type) -> None:
+    """A class that defines ``read_many`` without declaring ``_plain_reads`` again is read
+    through its own ``read_many`` (storages and datasets alike; run at class creation)."""
+    if "read_many" in cls.__dict__ and "_plain_reads" not in cls.__dict__:
+        cls._plain_reads = False  # type: ignore[attr-defined]
 
 
 class StorageAbstract(ABC, Generic[InT, OutT]):
@@ -71,8 +79,7 @@ class StorageAbstract(ABC, Generic[InT, OutT]):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "read_many" in cls.__dict__ and "_plain_reads" not in cls.__dict__:
-            cls._plain_reads = False
+        mark_own_reads(cls)
 
     async def _blocking(self, call: Callable[..., R], *args: Any) -> R:
         """Run a blocking call of this storage from a coroutine: inline where it is cheap, else on

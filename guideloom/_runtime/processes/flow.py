@@ -25,6 +25,9 @@ from guideloom._runtime.processes.pool import Group, Proc, Session, WorkerPool
 from guideloom._runtime.processes.wire import Epoch
 
 if TYPE_CHECKING:
+    from guideloom._runtime.pipeline import Production
+
+if TYPE_CHECKING:
     from guideloom._runtime.channel import Channel
 
 __all__ = ["GroupFlow", "ProcessWorkers", "SyncRun", "run_on_loop"]
@@ -196,7 +199,7 @@ class SyncRun:
         if not flow.pending:
             return None
         while (d := flow.take()) is None:
-            if flow.closed:  # close() ran in another thread while this one waited
+            if self._closed_meanwhile():
                 return None
             self._wait()
         self.ahead -= 1
@@ -205,6 +208,10 @@ class SyncRun:
         else:
             self._fill()  # the credit is back: the workers need not wait for the next call
         return d
+
+    def _closed_meanwhile(self) -> bool:
+        """Whether :meth:`close` ran, in another thread, while this one waited."""
+        return self.flow.closed
 
     def close(self) -> None:
         """Send nothing more and tell the workers to drop this iterator's groups. Idempotent."""
@@ -302,16 +309,9 @@ class ProcessWorkers:
         group = group_size(cfg.capacity, cfg.num_workers)
         return GroupFlow(self.session, cfg.plan, cfg.order, reading_name(cfg), first_step, group)
 
-    async def produce(
-        self,
-        cfg: PipelineConfig,
-        first_step: int,
-        own_loop: bool,
-        emit: Callable[[Delivery], Any],
-        channel: Channel[Delivery],
-    ) -> None:
-        """The workers read and collate their own batches; ``own_loop`` changes nothing here."""
-        await run_on_loop(self.flow(cfg, first_step), emit, channel)
+    async def produce(self, job: Production) -> None:
+        """The workers read and collate their own batches (wherever the loop is)."""
+        await run_on_loop(self.flow(job.cfg, job.first_step), job.emit, job.channel)
 
     def shutdown(self, wait: bool = True) -> None:
         """End the session; an owned pool closes too (on a thread of its own unless ``wait``: on

@@ -21,7 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
-from guideloom._datasets.mixture import _Layout, _round_fix
+from guideloom._datasets.mixture.schedule import Layout as _Layout
+from guideloom._datasets.mixture.schedule import round_fix as _round_fix
 from tests._helpers import roundtrip, take
 
 CPU = torch.device("cpu")

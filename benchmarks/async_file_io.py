@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import statistics
 import tempfile
@@ -84,11 +85,11 @@ async def main_async(args: argparse.Namespace) -> None:
             for _ in range(args.rounds):  # interleaved: a drift in speed weighs on both
                 offsets = sorted(rng.integers(0, limit, args.ranges).tolist())
                 if name == "window":
-                    a.append(await _time(lambda o=offsets: ours(data, o, args.range_bytes), 20))
-                    b.append(await _time(lambda o=offsets: theirs(data, o, args.range_bytes), 20))
+                    a.append(await _time(functools.partial(ours, data, offsets, args.range_bytes), 20))
+                    b.append(await _time(functools.partial(theirs, data, offsets, args.range_bytes), 20))
                 else:
-                    a.append(await _time(lambda: ours(manifest), 200))
-                    b.append(await _time(lambda: theirs(manifest), 200))
+                    a.append(await _time(functools.partial(ours, manifest), 200))
+                    b.append(await _time(functools.partial(theirs, manifest), 200))
             rows.append((name, statistics.median(a), statistics.median(b)))
     print(f"{'read':<10}{'one hop (us)':>14}{'aiofiles (us)':>15}{'aiofiles / one hop':>20}")
     for name, a, b in rows:

@@ -11,9 +11,11 @@ implements ``__len__`` and ``read_many``; ``storage`` is optional (``None`` by d
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
+import anyio
 import numpy as np
 import numpy.typing as npt
 
@@ -23,7 +25,7 @@ from guideloom.types import DatasetFingerprint
 if TYPE_CHECKING:
     from guideloom._core.order import Order
 
-__all__ = ["DatasetAbstract", "SourceT"]
+__all__ = ["Call", "DatasetAbstract", "ReadPlan", "SourceT", "read_async", "read_sync"]
 
 _DEFAULT_READ_WINDOW_BYTES = 4 * 2**20  # what StorageAbstract.read_window_bytes defaults to
 
@@ -150,3 +152,62 @@ class DatasetAbstract(ABC, Generic[SourceT]):
         """A hint: the ``read_many(indices)`` calls the loader will make next, in order (see
         :meth:`StreamStorageAbstract.will_read <guideloom.StreamStorageAbstract.will_read>`).
         The default ignores it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One storage call of a read, in both its forms: ``blocking()`` (in the caller's thread, for
+    a dataset that reads inline) and ``coroutine()``; both return the same value."""
+
+    blocking: Callable[[], Any]
+    coroutine: Callable[[], Awaitable[Any]]
+
+
+#: A dataset's read written once, as a generator (the httpx auth-flow shape): it yields the
+#: storage calls it needs next, all at once (they may run concurrently), is sent their results in
+#: order, and returns the samples. :func:`read_sync` and :func:`read_async` drive it.
+ReadPlan = Generator[list[Call], list[Any], Sequence[Any]]
+
+
+def read_sync(plan: ReadPlan) -> Sequence[Any]:
+    """Run ``plan`` with each call's blocking form, in the caller's thread."""
+    try:
+        calls = next(plan)
+        while True:
+            calls = plan.send([call.blocking() for call in calls])
+    except StopIteration as done:
+        samples: Sequence[Any] = done.value
+        return samples
+
+
+async def read_async(plan: ReadPlan) -> Sequence[Any]:
+    """Run ``plan`` with each call's coroutine, the calls of one step concurrently."""
+    try:
+        calls = next(plan)
+        while True:
+            calls = plan.send(await _gather(calls))
+    except StopIteration as done:
+        samples: Sequence[Any] = done.value
+        return samples
+
+
+async def _gather(calls: list[Call]) -> list[Any]:
+    """Await the calls at once; the first failure is raised as it is (not in an exception group:
+    the loader reports a storage's error with its own type, at its batch)."""
+    if len(calls) == 1:
+        return [await calls[0].coroutine()]
+    got: list[Any] = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    async def run(i: int, call: Call) -> None:
+        try:
+            got[i] = await call.coroutine()
+        except Exception as exc:
+            errors.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        for i, call in enumerate(calls):
+            tg.start_soon(run, i, call)
+    if errors:
+        raise errors[0]
+    return got

@@ -38,16 +38,15 @@ every epoch, and resuming at any position reads only that position's sequences (
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar, get_args, overload
 
-import anyio
 import numpy as np
 import numpy.typing as npt
 
 from guideloom._core.checks import check_int
-from guideloom._datasets.base import DatasetAbstract
+from guideloom._datasets.base import Call, DatasetAbstract, ReadPlan, read_async, read_sync
 from guideloom._loop import LoopThread
 from guideloom.storage.base import DocumentStorageAbstract, Rows, Spans, StreamStorageAbstract
 
@@ -349,46 +348,57 @@ class PackedDataset(DatasetAbstract[Sample]):
             return spans.block
         return np.stack(spans) if n else np.empty((0, self.sequence_length), self._storage.dtype)
 
-    async def read_many(self, indices: I64) -> Sequence[Sample]:
+    def _read(self, indices: I64) -> ReadPlan:
         """Packed sequences ``indices``: one batched span read of the storage (concat mode also
         looks up, at the same time, the offsets of the documents the sequences hold)."""
         self._require_layout()
         indices = np.asarray(indices, dtype=np.int64)
         length = self.sequence_length
+        storage = self._storage
         if self.mode == "concat":
-            positions = self._concat_queries(indices)
-            offsets, spans = await _both(
-                self._storage.document_offsets(positions.ravel()),  # the elements do not depend on them
-                self._storage.read_spans(indices * length, indices * length + length),
-            )
+            grid = self._concat_queries(indices)
+            positions = grid.ravel()  # the offsets; the elements do not depend on them
+            starts, stops = indices * length, indices * length + length
+            offsets, spans = yield [
+                Call(
+                    functools.partial(storage.document_offsets_sync, positions),
+                    functools.partial(storage.document_offsets, positions),
+                ),
+                Call(
+                    functools.partial(storage.read_spans_sync, starts, stops),
+                    functools.partial(storage.read_spans, starts, stops),
+                ),
+            ]
             return self._assemble(
                 self._concat_tokens(spans, len(indices)),
-                functools.partial(self._concat_pieces, indices, positions, offsets),
+                functools.partial(self._concat_pieces, indices, grid, offsets),
             )
         pieces, starts, sizes, used = self._best_fit_pieces(indices)
+        (rows,) = yield [
+            Call(
+                functools.partial(self._fit_rows_sync, pieces, starts, sizes, len(indices)),
+                functools.partial(self._fit_rows_async, starts, sizes, used),
+            )
+        ]
+        return self._assemble(rows, pieces, used)
+
+    def _fit_rows_sync(self, pieces: _Pieces, starts: I64, sizes: I64, n: int) -> npt.NDArray[Any]:
+        """Best-fit rows in the caller's thread: each piece read straight into its place in its
+        row (one copy, no buffer of pieces)."""
+        rows = np.full((n, self.sequence_length), self.pad_id, dtype=self._storage.dtype)
+        self._storage.read_spans_into_sync(starts, starts + sizes, rows, pieces.start[pieces.doc >= 0])
+        return rows
+
+    async def _fit_rows_async(self, starts: I64, sizes: I64, used: I64) -> npt.NDArray[Any]:
         spans = await self._storage.read_spans(starts, starts + sizes)
-        return self._assemble(
-            _fit_rows(spans, used, self.sequence_length, self._storage.dtype, self.pad_id), pieces, used
-        )
+        return _fit_rows(spans, used, self.sequence_length, self._storage.dtype, self.pad_id)
+
+    async def read_many(self, indices: I64) -> Sequence[Sample]:
+        return await read_async(self._read(indices))
 
     def read_many_sync(self, indices: I64) -> Sequence[Sample]:
         """``read_many`` in the caller's thread (where ``reads_inline``)."""
-        self._require_layout()
-        indices = np.asarray(indices, dtype=np.int64)
-        length = self.sequence_length
-        if self.mode == "concat":
-            positions = self._concat_queries(indices)
-            offsets = self._storage.document_offsets_sync(positions.ravel())
-            spans = self._storage.read_spans_sync(indices * length, indices * length + length)
-            return self._assemble(
-                self._concat_tokens(spans, len(indices)),
-                functools.partial(self._concat_pieces, indices, positions, offsets),
-            )
-        pieces, starts, sizes, used = self._best_fit_pieces(indices)
-        # each piece read straight into its place in its row: one copy, no buffer of pieces
-        rows = np.full((len(indices), length), self.pad_id, dtype=self._storage.dtype)
-        self._storage.read_spans_into_sync(starts, starts + sizes, rows, pieces.start[pieces.doc >= 0])
-        return self._assemble(rows, pieces, used)
+        return read_sync(self._read(indices))
 
     def _fingerprint_kind(self) -> str:
         """Another packing counts other sequences: the kind names the mode."""
@@ -561,26 +571,6 @@ class _PackedSample(Mapping[str, npt.NDArray[Any]]):
 
     def __repr__(self) -> str:
         return "{" + ", ".join(f"{k!r}: {self[k]!r}" for k in _KEYS) + "}"
-
-
-async def _both(first: Awaitable[A], second: Awaitable[B]) -> tuple[A, B]:
-    """Await two reads at once; the first failure is raised as it is (not in an exception
-    group: the loader reports a storage's error with its own type, at its batch)."""
-    got: dict[int, Any] = {}
-    errors: list[BaseException] = []
-
-    async def run(i: int, read: Awaitable[Any]) -> None:
-        try:
-            got[i] = await read
-        except Exception as exc:
-            errors.append(exc)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(run, 0, first)
-        tg.start_soon(run, 1, second)
-    if errors:
-        raise errors[0]
-    return got[0], got[1]
 
 
 def best_fit_layout(lengths: I64, starts: I64, length: int) -> _BestFitLayout:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
@@ -13,7 +13,7 @@ import numpy.typing as npt
 
 from guideloom._core.checks import check_bool, check_int
 from guideloom._core.permutation import IndexArray
-from guideloom._datasets.base import DatasetAbstract
+from guideloom._datasets.base import Call, DatasetAbstract, ReadPlan, read_async, read_sync
 from guideloom._datasets.documents import DocumentDataset
 from guideloom._datasets.mixture.order import MixtureOrder, SourceKeys
 from guideloom._datasets.mixture.schedule import MAX_SAMPLES, Layout
@@ -299,18 +299,25 @@ class Mixture(DatasetAbstract[Any]):
         if errors:
             raise errors[0]
 
-    async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[Any]:
-        """Samples at mixture keys ``indices``: each source read once, concurrently."""
+    def _read(self, indices: npt.NDArray[np.int64]) -> ReadPlan:
+        """Samples at mixture keys ``indices``: each source read once (concurrently, async)."""
         datasets = self._datasets_list()
         groups = _groups(self._layout().offsets, indices)
-        results = await asyncio.gather(*(datasets[s].read_many(idx) for s, _, idx in groups))
+        calls = [
+            Call(
+                functools.partial(datasets[s].read_many_sync, idx),
+                functools.partial(datasets[s].read_many, idx),
+            )
+            for s, _, idx in groups
+        ]
+        results = yield calls
         return _assemble(self.names, self.with_source, len(indices), groups, results)
 
+    async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[Any]:
+        return await read_async(self._read(indices))
+
     def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[Any]:
-        datasets = self._datasets_list()
-        groups = _groups(self._layout().offsets, indices)
-        results = [datasets[s].read_many_sync(idx) for s, _, idx in groups]
-        return _assemble(self.names, self.with_source, len(indices), groups, results)
+        return read_sync(self._read(indices))
 
     @property
     def reads_inline(self) -> bool:

@@ -11,8 +11,11 @@ The copy is a local dataset folder, ``<cache_dir>/<name>-<digest>``, the digest 
 location and its manifest, so a dataset that changes gets a new folder. It is written under
 ``.partial`` and renamed into place with its manifest, so a folder that exists is complete.
 A lock file lets one process of a node download while the others (other ranks) wait for the
-folder to appear and read remotely meanwhile. A failed download (disk full, a checksum that does
-not match) warns once and leaves the loader reading remotely; it loses nothing. A copy in
+folder to appear and read remotely meanwhile. A failed download (disk full, the object store
+failing) warns once and leaves the loader reading remotely; it loses nothing. An object that does
+not match the manifest (its checksum, or a change on the store since the dataset was opened) is
+another matter: the storage refuses every read after it (:attr:`DatasetCache.damaged`), and never
+serves the store's changed bytes instead. A copy in
 progress outlives ``close()`` of its storage (a loader outside ``with`` closes it each epoch) and
 stops at interpreter exit.
 """
@@ -33,6 +36,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from guideloom._errors import DatasetIntegrityError
 from guideloom.storage._chunks import _blocks
 from guideloom.storage._local import file_sha256
 from guideloom.storage._manifest import MANIFEST_NAME, Manifest
@@ -115,9 +119,17 @@ class DatasetCache:
             self.start()  # the process that held the lock may have failed or exited: take over
         return self._ready
 
+    @property
+    def damaged(self) -> str | None:
+        """Why the dataset is refused, where the download found an object that does not match
+        the manifest (its checksum, or a change on the store); None otherwise."""
+        error = self.error
+        return str(error) if isinstance(error, DatasetIntegrityError) else None
+
     def warn_if_failed(self) -> None:
-        """Warn once that the download failed (the loader keeps reading remotely)."""
-        if self.error is not None and not self._warned:
+        """Warn once that the download failed (the loader keeps reading remotely); not for a
+        damaged dataset, which the storage refuses instead."""
+        if self.error is not None and not self._warned and self.damaged is None:
             self._warned = True
             warnings.warn(
                 f"guideloom could not copy {self.location} to the cache folder {self.folder}: "
@@ -217,7 +229,11 @@ class DatasetCache:
                 if self._abort.is_set():
                     return
                 if file_sha256(partial / f.path) != f.sha256:
-                    raise ValueError(f"the downloaded object {f.path!r} does not match its checksum")
+                    raise DatasetIntegrityError(
+                        f"{self.location}: object {f.path!r} does not match its checksum in the "
+                        "manifest (copied whole to the cache folder, none of it is read): write or "
+                        "copy the dataset again"
+                    )
             write_synced(partial / MANIFEST_NAME, self.manifest.to_json_bytes())
             for folder in {(partial / f.path).parent for f in files} | {partial}:
                 fsync_dir(folder)

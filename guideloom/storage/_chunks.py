@@ -27,8 +27,10 @@ creating the temporary file at its full size, so the sum of the folder's file si
 Faults never change what is read: a chunk is checked against the digest in its name the first
 time this process uses it, and a damaged one is deleted and read remotely; a folder that cannot
 be written (read-only, full, a file-size limit) stops the downloads with one warning and reads
-go to the object store. Warnings are issued from the reading thread, never from a background
-thread.
+go to the object store. An object that does not match the manifest (a chunk that is the whole
+object fails its checksum, or the object changed on the store since it was opened) is refused:
+every read after it raises :class:`DatasetIntegrityError` (:attr:`ChunkCache.damaged`).
+Warnings are issued from the reading thread, never from a background thread.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
+from guideloom._errors import DatasetIntegrityError
 from guideloom.storage._manifest import Manifest
 from guideloom.storage._objstore import io_executor
 from guideloom.storage._ranges import Job, Layout, _pieces, fill
@@ -351,6 +354,7 @@ class ChunkCache:
         ``key`` identifies the read among the planned windows (None: not a planned read).
         """
         self.warn_pending()
+        self.check_intact()
         local, waits, far, pins = self._split(jobs, key)
         done = False
         try:
@@ -385,6 +389,16 @@ class ChunkCache:
                 if pins:
                     self._cond.notify_all()
         self.warn_pending()
+
+    @property
+    def damaged(self) -> str | None:
+        """Why the dataset is refused, once a download found an object that does not match the
+        manifest; None otherwise."""
+        return self._downloader.damaged
+
+    def check_intact(self) -> None:
+        if self._downloader.damaged is not None:
+            raise DatasetIntegrityError(self._downloader.damaged)
 
     def _split(
         self, jobs: list[Job], key: tuple[int, int, int] | None
@@ -827,6 +841,7 @@ class _Downloader:
         self.downloads = 0
         self.evictions = 0
         self.last_error: str | None = None
+        self.damaged: str | None = None  # an object that does not match the manifest: refused
 
     def start(self) -> None:
         with self._cond:
@@ -972,9 +987,9 @@ class _Downloader:
                 digest = hashlib.sha256(data).hexdigest()
                 if start == 0 and end == self._table.sizes[f] and digest != self._table.sha256[f]:
                     raise _RemoteDamaged(
-                        f"the object {self._table.paths[f]!r} of {self._location} does not match its "
-                        "checksum in the manifest; it is not cached (reads go to the object store, "
-                        "as without a cache): write or copy the dataset again"
+                        f"{self._location}: object {self._table.paths[f]!r} does not match its "
+                        "checksum in the manifest (downloaded whole to the chunk cache, none of it "
+                        "is read): write or copy the dataset again"
                     )
                 if self.stopped:
                     raise InterruptedError("the cache was stopped")
@@ -1005,8 +1020,10 @@ class _Downloader:
                 f"{self._location} from the object store instead, nothing is lost",
                 disable=True,
             )
-        elif isinstance(exc, _RemoteDamaged):
-            self._fault(str(exc))
+        elif isinstance(exc, DatasetIntegrityError):  # refused from now on, by every read
+            with self._cond:
+                if self.damaged is None:
+                    self.damaged = str(exc)
         elif exc is not None:  # the object store after its retries, or a stop: reads go remote
             self.last_error = f"chunk {gid} of {self._location} was not cached: {exc}"
         with self._cond:
@@ -1027,6 +1044,8 @@ def _fetch_parts(fetch: Callable[[str, int, int], Any], path: str, start: int, e
     def one(span: tuple[int, int]) -> memoryview:
         try:
             got = memoryview(fetch(path, *span))
+        except DatasetIntegrityError:
+            raise  # the object changed on the store: the dataset is refused
         except Exception as exc:
             raise _FetchFailed(str(exc)) from None  # not the folder's fault
         if got.nbytes != span[1] - span[0]:
@@ -1043,7 +1062,7 @@ class _FetchFailed(Exception):
     """The object store failed a chunk's download (after its retries): the reads go remote."""
 
 
-class _RemoteDamaged(ValueError):
+class _RemoteDamaged(DatasetIntegrityError):
     """A whole object, downloaded as one chunk, does not match the manifest's checksum."""
 
 

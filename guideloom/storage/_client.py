@@ -1,6 +1,7 @@
 """One object-store dataset's connection: its store client, limits, retries and range fetches.
 
-:class:`Remote` reads the manifest and checks the objects' sizes when a dataset is opened, and
+:class:`Remote` reads the manifest and checks the objects' sizes when a dataset is opened (and
+records each object's version: every later read is conditional on it), and
 runs the jobs that :mod:`guideloom.storage._ranges` plans through its
 :class:`~guideloom.storage._fetch.RangeFetcher`: concurrently, under a limit of requests and
 bytes in flight (per event loop), each with bounded retries and backoff. Every obstore call is a
@@ -19,17 +20,20 @@ import hashlib
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from guideloom._errors import DatasetIntegrityError
-from guideloom.storage._fetch import RangeFetcher, ReadCounters, gather_first_error
+from guideloom.storage._fetch import RangeFetcher, ReadCounters, gather_first_error, integrity_error
 from guideloom.storage._manifest import MANIFEST_NAME, Manifest
 from guideloom.storage._objstore import (
     RANGES_PER_CALL,
     Location,
+    ObjectVersion,
     ReadOptions,
     RetryPolicy,
     call_with_retries,
+    get_checked,
     io_executor,
     make_store,
     map_error,
@@ -80,7 +84,12 @@ class Remote:
         self._store = self._new_store()
         self.checked_until = 0.0  # monotonic: until then open() need not read the manifest again
         self.counters = ReadCounters()  # counted into by the blocking reads here and by the fetcher
-        self.fetcher = RangeFetcher(self.loc, self.opts, self.secrets, self.counters)
+        #: Each data object as the dataset was opened with it (``check_objects``); reads are
+        #: conditional on it.
+        self.versions: dict[str, ObjectVersion] = {}
+        #: Why the dataset is refused, once a read found an object changed: every later read is.
+        self.damaged: str | None = None
+        self.fetcher = RangeFetcher(self.loc, self.opts, self.secrets, self.counters, self.versions)
         _OPEN.add(self)
 
     def _new_store(self) -> Any:
@@ -117,23 +126,42 @@ class Remote:
     def peak_inflight_bytes(self) -> int:
         return self.fetcher.peak_inflight_bytes()
 
+    # -- integrity -------------------------------------------------------------------------------
+    def mark_damaged(self, message: str) -> None:
+        """Refuse every later read: an object does not match the manifest (the first reason stays)."""
+        if self.damaged is None:
+            self.damaged = message
+
+    def check_intact(self) -> None:
+        """Raise :class:`DatasetIntegrityError` once an object was found changed."""
+        if self.damaged is not None:
+            raise DatasetIntegrityError(self.damaged)
+
     # -- blocking calls (the caller's thread, the I/O pool or the cache's threads) ----------------
     def fetch_range(self, path: str, start: int, end: int) -> Any:
-        """Bytes ``[start, end)`` of object ``path``: a blocking call with retries (the cache's)."""
-        import obstore
-
+        """Bytes ``[start, end)`` of object ``path``: a blocking, checked call with retries (the
+        cache's); :class:`DatasetIntegrityError` where the object changed since it was opened."""
+        self.check_intact()
         store = self.store()  # a copy goes on after close(): it keeps a client of its own
+        version = self.versions.get(path)
 
         def get() -> Any:
             self.counters.requests += 1
-            return obstore.get_range(store, path, start=start, end=end)
+            return get_checked(store, path, start, end, version)
 
+        error: Exception
         try:
             data = call_with_retries(get, self.policy)
             self.counters.bytes_read += end - start
             return data
         except Exception as exc:
-            error = map_error(exc, f"reading {self.loc.object_url(path)}", self.secrets)
+            changed = integrity_error(self.loc, path, exc)
+            if changed is not None:
+                self.mark_damaged(str(changed))
+                error = changed
+            else:
+                what = f"reading {self.loc.object_url(path)} bytes {start}-{end - 1}"
+                error = map_error(exc, what, self.secrets)
         raise error
 
     def read_manifest(self) -> Manifest:
@@ -153,9 +181,9 @@ class Remote:
             )
         raise error
 
-    def list_sizes(self) -> dict[str, int] | None:
-        """Every object's size under the prefix, from one listing; None where listing is
-        impossible (``http(s)://``, no list permission)."""
+    def list_sizes(self) -> dict[str, ObjectVersion] | None:
+        """Every object's size and version (ETag, modification time) under the prefix, from one
+        listing; None where listing is impossible (``http(s)://``, no list permission)."""
         import obstore
 
         if self.loc.kind == "http":
@@ -163,13 +191,16 @@ class Remote:
         store = self.store()
         try:
             listed = call_with_retries(lambda: obstore.list(store).collect(), self.policy)
-            return {str(m["path"]): int(m["size"]) for m in listed}
+            return {str(m["path"]): ObjectVersion.of(m) for m in listed}
         except Exception:
             return None  # e.g. no list permission: one HEAD per object instead
 
-    def object_sizes(self, paths: Sequence[str], listed: dict[str, int] | None = None) -> dict[str, int]:
-        """Sizes of ``paths`` (missing ones absent): from ``listed`` (:meth:`list_sizes`, made
-        while the manifest was read), one listing, or HEADs where listing is impossible."""
+    def object_sizes(
+        self, paths: Sequence[str], listed: dict[str, ObjectVersion] | None = None
+    ) -> dict[str, ObjectVersion]:
+        """Sizes and versions of ``paths`` (missing ones absent): from ``listed``
+        (:meth:`list_sizes`, made while the manifest was read), one listing, or HEADs where
+        listing is impossible."""
         import obstore
 
         store = self.store()
@@ -177,7 +208,7 @@ class Remote:
         if sizes is not None:
             return {p: sizes[p] for p in paths if p in sizes}
 
-        def head(path: str) -> tuple[str, int | None]:
+        def head(path: str) -> tuple[str, ObjectVersion | None]:
             try:
                 meta = call_with_retries(lambda: obstore.head(store, path), self.policy)
             except FileNotFoundError:
@@ -185,31 +216,34 @@ class Remote:
             except Exception as exc:
                 error = map_error(exc, f"cannot inspect {self.loc.object_url(path)}", self.secrets)
             else:
-                return path, int(meta["size"])
+                return path, ObjectVersion.of(meta)
             raise error
 
-        out: dict[str, int] = {}
-        for path, size in io_executor().map(head, paths):
-            if size is not None:
-                out[path] = size
+        out: dict[str, ObjectVersion] = {}
+        for path, version in io_executor().map(head, paths):
+            if version is not None:
+                out[path] = version
         return out
 
-    def check_objects(self, manifest: Manifest, listed: dict[str, int] | None = None) -> None:
-        """Refuse a manifest whose objects are missing or of the wrong size (as for local files)."""
+    def check_objects(self, manifest: Manifest, listed: dict[str, ObjectVersion] | None = None) -> None:
+        """Refuse a manifest whose objects are missing or of the wrong size (as for local files);
+        record each object's version, on which every later read is conditional."""
         files = manifest.all_files()
-        sizes = self.object_sizes([f.path for _, _, f in files], listed)
+        found = self.object_sizes([f.path for _, _, f in files], listed)
         for name, _spec, f in files:
-            size = sizes.get(f.path)
-            if size is None:
+            version = found.get(f.path)
+            if version is None:
                 raise DatasetIntegrityError(
                     f"{self.loc.display}: object {f.path!r} of field {name!r} named by the manifest "
                     "is missing"
                 )
+            size = version.size
             if size != f.nbytes:
                 raise DatasetIntegrityError(
                     f"{self.loc.display}: object {f.path!r} of field {name!r} has {size} bytes, the "
                     f"manifest says {f.nbytes}; the dataset is damaged or was not copied completely"
                 )
+            self.versions[f.path] = replace(version, sha256=f.sha256)
 
     def sha256(self, path: str, progress: Callable[[int], object] | None = None) -> str:
         """The hex sha256 of object ``path``, streamed once (``progress`` gets each chunk's size)."""
@@ -243,9 +277,16 @@ class Remote:
 
     # -- batched range reads (the engine is :class:`~._fetch.RangeFetcher`) -----------------------
     async def run(self, jobs: list[Job]) -> None:
-        """Run ``jobs`` concurrently under the request and byte limits; the first failure wins."""
-        if jobs:
+        """Run ``jobs`` concurrently under the request and byte limits; the first failure wins.
+        An object found changed is refused, and so is every read after it."""
+        self.check_intact()
+        if not jobs:
+            return
+        try:
             await self.fetcher.run(self.store_for_reading(), jobs)
+        except DatasetIntegrityError as exc:
+            self.mark_damaged(str(exc))
+            raise
 
 
 def open_remote(url: str, options: dict[str, Any]) -> tuple[Remote, Manifest]:

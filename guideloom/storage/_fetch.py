@@ -2,10 +2,11 @@
 
 :mod:`guideloom.storage._ranges` plans the jobs (pure); :class:`RangeFetcher` runs them:
 concurrently, under a limit of requests and bytes in flight (per event loop), each with bounded
-retries and backoff, a failed multi-range call retried range by range. It is apart from the
-connection (:class:`guideloom.storage._client.Remote`), which owns the store client and the
-dataset-level calls (manifest, sizes, checksums), so that the hot path's limits and retry
-decisions read on their own; it holds no store, the connection hands it one per :meth:`run`.
+retries and backoff, every range a conditional GET of the object the dataset was opened with.
+It is apart from the connection (:class:`guideloom.storage._client.Remote`), which owns the
+store client and the dataset-level calls (manifest, sizes, checksums), so that the hot path's
+limits and retry decisions read on their own; it holds no store, the connection hands it one per
+:meth:`run`.
 
 Errors carry scrubbed messages only, and are raised outside the ``except`` block that caught
 obstore's error, so no link of their ``__context__`` chain holds a credential.
@@ -15,23 +16,28 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from guideloom._errors import DatasetIntegrityError
 from guideloom.storage._objstore import (
     Location,
+    ObjectChangedError,
+    ObjectVersion,
     PerLoop,
     ReadOptions,
-    ShortReadError,
+    get_checked,
     io_executor,
+    range_executor,
     remote_read_error,
     retryable,
 )
 from guideloom.storage._ranges import Job, fill
 
-__all__ = ["RangeFetcher", "ReadCounters", "gather_first_error"]
+__all__ = ["RangeFetcher", "ReadCounters", "gather_first_error", "integrity_error"]
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -47,80 +53,115 @@ class ReadCounters:
 
 
 class RangeFetcher:
-    """Runs range-read jobs: the in-flight limits, the retries with backoff, the final errors."""
+    """Runs range-read jobs: the in-flight limits, the retries with backoff, the final errors.
+
+    Each range of a job is one conditional GET (:func:`~._objstore.get_checked`) on an I/O
+    thread, the ranges of a job concurrently, each with its own retries: obstore's multi-range
+    call takes no conditions, merges adjacent ranges into one request, and panics on a body
+    shorter than asked for.
+    """
 
     def __init__(
-        self, loc: Location, opts: ReadOptions, secrets: Sequence[str], counters: ReadCounters
+        self,
+        loc: Location,
+        opts: ReadOptions,
+        secrets: Sequence[str],
+        counters: ReadCounters,
+        versions: Mapping[str, ObjectVersion] | None = None,
     ) -> None:
         self.loc = loc
         self.policy = opts.policy
         self.secrets = secrets
         self.counters = counters
+        #: Each data object as the dataset was opened with it (filled by the connection's open).
+        self.versions: Mapping[str, ObjectVersion] = {} if versions is None else versions
         self._inflight = PerLoop(opts.max_inflight_requests, opts.max_inflight_bytes)
 
     def peak_inflight_bytes(self) -> int:
         return self._inflight.peak_bytes()
 
-    def _run_job_sync(self, store: Any, job: Job) -> None:
-        """On an I/O thread: fetch the job's ranges, check their lengths, copy the pieces out."""
-        import obstore
-
-        if len(job.starts) == 1:
-            bufs = [obstore.get_range(store, job.path, start=job.starts[0], end=job.ends[0])]
-        else:
-            bufs = obstore.get_ranges(store, job.path, starts=job.starts, ends=job.ends, coalesce=0)
-        for i, buf in enumerate(bufs):
-            want = job.ends[i] - job.starts[i]
-            got = memoryview(buf).nbytes
-            if got != want:
-                raise ShortReadError(f"the server returned {got} of the {want} bytes asked for (short read)")
-        fill(job, bufs)
-
-    def _describe(self, job: Job) -> str:
-        more = len(job.starts) - 1
-        rng = f"bytes {job.starts[0]}-{job.ends[0] - 1}"
-        return f"{self.loc.object_url(job.path)} {rng}" + (f" (and {more} more ranges)" if more else "")
-
     def _final_error(
-        self, job: Job, exc: Exception, attempt: int, elapsed: float, delay: float
+        self, path: str, start: int, end: int, exc: Exception, attempt: int, elapsed: float, delay: float
     ) -> Exception | None:
         """The error a failed attempt ends with, or None when it is to be retried after ``delay``."""
-        import obstore.exceptions as oe
-
-        if isinstance(exc, FileNotFoundError | oe.NotFoundError):
-            return DatasetIntegrityError(
-                f"{self.loc.object_url(job.path)}, named by the manifest, is missing: the "
-                "dataset changed or was deleted after it was opened"
-            )
+        error = integrity_error(self.loc, path, exc)
+        if error is not None:
+            return error
         policy = self.policy
         if not retryable(exc) or attempt > policy.retries or elapsed + delay > policy.retry_timeout:
-            return remote_read_error(self._describe(job), exc, attempt, elapsed, self.secrets)
+            what = f"{self.loc.object_url(path)} bytes {start}-{end - 1}"
+            return remote_read_error(what, exc, attempt, elapsed, self.secrets)
         return None
 
-    async def _run_job(self, store: Any, job: Job, attempt: int = 0, t0: float | None = None) -> None:
-        """Fetch ``job`` with bounded retries.
-
-        A multi-range call is all-or-nothing, so after a failure its ranges are retried one by one
-        (concurrently, within the same slots): one bad connection does not cost a whole group.
-        """
+    async def _get(self, store: Any, path: str, start: int, end: int, t0: float, attempt: int = 0) -> Any:
+        """Bytes ``[start, end)`` of ``path``, checked, with bounded retries (``t0``: the job's
+        start, from which ``retry_timeout`` counts; ``attempt``: those already made)."""
         loop = asyncio.get_running_loop()
-        t0 = time.monotonic() if t0 is None else t0
+        version = self.versions.get(path)
         while True:
             attempt += 1
-            self.counters.requests += len(job.starts)
+            self.counters.requests += 1
             try:
-                await loop.run_in_executor(io_executor(), self._run_job_sync, store, job)
-                self.counters.bytes_read += job.nbytes
-                return
+                data = await loop.run_in_executor(
+                    io_executor(), get_checked, store, path, start, end, version
+                )
+                self.counters.bytes_read += end - start
+                return data
             except Exception as exc:
                 delay = self.policy.delay(attempt)
-                error = self._final_error(job, exc, attempt, time.monotonic() - t0, delay)
+                error = self._final_error(path, start, end, exc, attempt, time.monotonic() - t0, delay)
             if error is not None:
                 raise error  # outside the handler: obstore's error is not its __context__
             await asyncio.sleep(delay)
-            if len(job.starts) > 1:
-                await gather_first_error([self._run_job(store, one, attempt, t0) for one in job.singles()])
-                return
+
+    def _run_job_sync(self, store: Any, job: Job) -> list[Any]:
+        """On an I/O thread: one attempt at each of ``job``'s ranges, concurrently (the first
+        here, the others on the range pool); each range's bytes, or the exception it failed with.
+
+        One hand-off to the event loop per job, not per range: that is what keeps a read of many
+        small ranges as cheap in CPU as obstore's multi-range call, which takes no conditions."""
+        path, version = job.path, self.versions.get(job.path)
+        pool = range_executor()
+        rest = [
+            pool.submit(_attempt, store, path, s, e, version)
+            for s, e in zip(job.starts[1:], job.ends[1:], strict=True)
+        ]
+        out = [_attempt(store, path, job.starts[0], job.ends[0], version)]
+        out.extend(f.result() for f in rest)
+        return out
+
+    async def _run_job(self, store: Any, job: Job) -> None:
+        """Fetch ``job``'s ranges concurrently, then copy their pieces out; the ranges that
+        failed go on to :meth:`_get`'s retries, concurrently."""
+        t0 = time.monotonic()
+        path, n = job.path, len(job.starts)
+        if n == 1:
+            fill(job, [await self._get(store, path, job.starts[0], job.ends[0], t0)])
+            return
+        loop = asyncio.get_running_loop()
+        self.counters.requests += n
+        bufs = await loop.run_in_executor(io_executor(), self._run_job_sync, store, job)
+        retry: list[int] = []
+        error: Exception | None = None
+        for i, got in enumerate(bufs):
+            if not isinstance(got, Exception):
+                self.counters.bytes_read += job.ends[i] - job.starts[i]
+                continue
+            delay = self.policy.delay(1)
+            error = self._final_error(path, job.starts[i], job.ends[i], got, 1, time.monotonic() - t0, delay)
+            if error is not None:
+                break
+            retry.append(i)
+        if error is not None:
+            raise error  # outside any handler: obstore's error is not its __context__
+        if retry:
+            await asyncio.sleep(self.policy.delay(1))
+            again = await gather_first_error(
+                [self._get(store, path, job.starts[i], job.ends[i], t0, attempt=1) for i in retry]
+            )
+            for i, buf in zip(retry, again, strict=True):
+                bufs[i] = buf
+        fill(job, bufs)
 
     async def run(self, store: Any, jobs: list[Job]) -> None:
         """Run ``jobs`` on ``store`` concurrently under the request and byte limits; the first
@@ -161,13 +202,46 @@ class RangeFetcher:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def gather_first_error(coros: Sequence[Coroutine[Any, Any, None]]) -> None:
-    """Run ``coros`` concurrently; on the first failure cancel the rest and raise it."""
+def _attempt(store: Any, path: str, start: int, end: int, version: ObjectVersion | None) -> Any:
+    """One :func:`get_checked` call: the bytes, or the exception it failed with (returned)."""
+    try:
+        return get_checked(store, path, start, end, version)
+    except Exception as exc:
+        return exc
+
+
+async def gather_first_error(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run ``coros`` concurrently and return their results; on the first failure cancel the
+    rest and raise it."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
-        await asyncio.gather(*tasks)
+        return await asyncio.gather(*tasks)
     finally:
         for t in tasks:
             if not t.done():
                 t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def integrity_error(loc: Location, path: str, exc: BaseException) -> DatasetIntegrityError | None:
+    """The error a read of ``path`` that failed with ``exc`` ends with when the object is missing
+    or is not the one the dataset was opened with (never retried); None for other failures."""
+    import obstore.exceptions as oe
+
+    url = loc.object_url(path)
+    if isinstance(exc, FileNotFoundError | oe.NotFoundError):
+        return DatasetIntegrityError(
+            f"{url}, named by the manifest, is missing: the dataset changed or was deleted after it "
+            "was opened"
+        )
+    if isinstance(exc, ObjectChangedError):
+        why = str(exc)
+    elif isinstance(exc, oe.PreconditionError):
+        why = "the store refused the read: the object is no longer the one the dataset was opened with"
+    else:
+        return None
+    return DatasetIntegrityError(
+        f"{url}, named by the manifest, changed on the object store after the dataset was opened "
+        f"({why}); none of its bytes are read: open the dataset again once it is whole, or write "
+        "or copy it again"
+    )

@@ -10,18 +10,28 @@ the GIL during interpreter finalisation. Measured with obstore 0.12 on CPython 3
 scripts aborted. The synchronous functions block in the calling Python thread with the GIL
 released and never let a tokio thread touch Python, and the pool's threads are joined before the
 interpreter finalises (``concurrent.futures`` registers that), so the abort cannot happen. Each
-worker thread runs one ``get_ranges`` call of up to :data:`RANGES_PER_CALL` ranges, which obstore
-fetches concurrently; that amortises the thread hand-off over several requests.
+I/O thread runs one batch of up to :data:`RANGES_PER_CALL` ranges of an object, fetched
+concurrently as conditional single-range GETs (the others on :func:`range_executor`); that
+amortises the hand-off to the event loop over several requests. (obstore's ``get_ranges`` takes
+no conditions, merges adjacent ranges into one request, and panics on a short body.)
 
 Retries are guideloom's own (obstore's are turned off for reads, so the two never multiply):
 bounded in count and in time, exponential backoff with full jitter, on throttling, 5xx,
-timeouts, connection errors and short reads; never on "not found", "forbidden" or other 4xx.
+timeouts, connection errors, short reads and answers obstore's client fails on (it panics on some
+malformed ones); never on "not found", "forbidden", other 4xx, or an object that changed.
+
+Every range read of a data object is conditional on the object being the one the dataset was
+opened with (:class:`ObjectVersion`: its ETag, or its modification time where the store gives no
+strong ETag), and the answer's own size and ETag are checked too, so a server that ignores the
+condition cannot slip another object's bytes in; a read that covers a whole object is checked
+against the manifest's sha256.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import os
 import random
 import re
@@ -31,7 +41,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Final, TypeVar
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
@@ -39,11 +49,15 @@ from guideloom._errors import RemoteReadError, StorageError
 
 __all__ = [
     "RANGES_PER_CALL",
+    "ClientFaultError",
     "InflightLimit",
     "Location",
+    "ObjectChangedError",
+    "ObjectVersion",
     "ReadOptions",
     "RetryPolicy",
     "WriteOptions",
+    "get_checked",
     "io_executor",
     "make_store",
     "map_error",
@@ -55,7 +69,7 @@ __all__ = [
 
 T = TypeVar("T")
 
-#: Ranges per worker-thread call (obstore fetches up to 10 of one call's ranges concurrently).
+#: Ranges per I/O-thread call (fetched concurrently, one GET each).
 RANGES_PER_CALL: Final = 10
 _MiB: Final = 2**20
 
@@ -491,9 +505,111 @@ def _new_store(
     )
 
 
-# -- retries ---------------------------------------------------------------------------------------
+# -- versions and checked reads --------------------------------------------------------------------
 class ShortReadError(StorageError):
     """A range read returned fewer bytes than asked for (retried; never a short sample)."""
+
+
+class ClientFaultError(StorageError):
+    """obstore's client failed on the server's answer (a Rust panic, e.g. on a body shorter than
+    its headers said): a failed request, retried as other transient failures are."""
+
+
+class ObjectChangedError(StorageError):
+    """An object is not the one the dataset was opened with (never retried, never read)."""
+
+
+def _is_panic(exc: BaseException) -> bool:
+    """Whether ``exc`` is a Rust panic surfaced by pyo3 (``pyo3_runtime.PanicException``, a
+    BaseException, so that ``except Exception`` does not see it)."""
+    return type(exc).__name__ == "PanicException" and not isinstance(exc, Exception)
+
+
+def _client_fault(exc: BaseException) -> ClientFaultError:
+    text = " ".join(str(exc).split())[:300]
+    return ClientFaultError(f"the object store client failed on the server's answer ({text})")
+
+
+def _weak(etag: str) -> str:
+    return etag[2:] if etag.startswith("W/") else etag
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectVersion:
+    """The object a dataset was opened with: its size, its ETag and modification time (from the
+    listing or a HEAD at open), and its sha256 from the manifest."""
+
+    size: int
+    etag: str | None = None
+    last_modified: datetime | None = None
+    sha256: str | None = None
+
+    @classmethod
+    def of(cls, meta: Mapping[str, Any]) -> ObjectVersion:
+        """From obstore's ``ObjectMeta`` (a listing's entry or a HEAD)."""
+        etag = meta.get("e_tag")
+        modified = meta.get("last_modified")
+        return cls(
+            int(meta["size"]),
+            str(etag) if etag else None,
+            modified if isinstance(modified, datetime) else None,
+        )
+
+    def conditions(self) -> dict[str, Any]:
+        """GET options that make the store refuse (412) a read of any other object: ``if_match``
+        with a strong ETag; else ``if_unmodified_since`` (a weak ETag never matches a range)."""
+        if self.etag and not self.etag.startswith("W/"):
+            return {"if_match": self.etag}
+        if self.last_modified is not None:
+            return {"if_unmodified_since": self.last_modified}
+        return {}
+
+    def check(self, meta: Mapping[str, Any]) -> None:
+        """Refuse an answer whose object is another one (a server may ignore the condition)."""
+        size = meta.get("size")
+        if size is not None and int(size) != self.size:
+            raise ObjectChangedError(f"it has {int(size)} bytes now, the manifest says {self.size}")
+        etag = meta.get("e_tag")
+        if self.etag and etag and _weak(str(etag)) != _weak(self.etag):
+            raise ObjectChangedError(f"its ETag is {etag} now, {self.etag} when the dataset was opened")
+
+
+def get_checked(store: Any, path: str, start: int, end: int, version: ObjectVersion | None) -> Any:
+    """Bytes ``[start, end)`` of object ``path``, a blocking call: conditional on ``version``
+    (when known), the answer's object, length and (for a whole object) checksum checked.
+
+    Raises :class:`ObjectChangedError` for another object, :class:`ShortReadError` for fewer
+    bytes than asked for, :class:`ClientFaultError` where obstore panics, obstore's errors else.
+    """
+    import obstore
+
+    options: Any = {"range": (start, end)}  # obstore's GetOptions
+    if version is not None:
+        options.update(version.conditions())
+    error: Exception
+    try:
+        result = obstore.get(store, path, options=options)
+        if version is not None:
+            version.check(result.meta)
+        data = result.bytes()
+    except BaseException as exc:
+        if not _is_panic(exc):
+            raise
+        error = _client_fault(exc)
+    else:
+        got = memoryview(data).nbytes
+        if got != end - start:
+            raise ShortReadError(
+                f"the server returned {got} of the {end - start} bytes asked for (short read)"
+            )
+        whole = version is not None and version.sha256 and start == 0 and end == version.size
+        if whole and hashlib.sha256(data).hexdigest() != version.sha256:  # type: ignore[union-attr]
+            raise ObjectChangedError("it does not match its checksum in the manifest")
+        return data
+    raise error  # outside the handler: the panic is not this error's __context__
+
+
+# -- retries ---------------------------------------------------------------------------------------
 
 
 _STATUS: Final = re.compile(r"status(?: code)?:? (\d{3})")
@@ -503,8 +619,10 @@ def retryable(exc: BaseException) -> bool:
     """Throttling, 5xx, timeouts, connection errors and short reads: yes. 404, 403, other 4xx: no."""
     import obstore.exceptions as oe
 
-    if isinstance(exc, ShortReadError):
+    if isinstance(exc, ShortReadError | ClientFaultError):
         return True
+    if isinstance(exc, ObjectChangedError):
+        return False
     if isinstance(exc, FileNotFoundError | PermissionError | NotImplementedError | ValueError | TypeError):
         return False
     if isinstance(
@@ -535,7 +653,13 @@ def call_with_retries(fn: Callable[[], T], policy: RetryPolicy) -> T:
     attempt = 0
     while True:
         try:
-            return fn()
+            try:
+                return fn()
+            except BaseException as panic:
+                if not _is_panic(panic):
+                    raise
+                fault = _client_fault(panic)
+            raise fault  # outside the handler: the panic is not its __context__
         except Exception as exc:
             attempt += 1
             if not retryable(exc) or attempt > policy.retries:
@@ -562,6 +686,24 @@ def io_executor() -> concurrent.futures.ThreadPoolExecutor:
         if not _IO:
             _IO.append(concurrent.futures.ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="guideloom-io"))
         return _IO[0]
+
+
+_RANGES: list[concurrent.futures.ThreadPoolExecutor] = []
+_RANGE_THREADS: Final = 512
+
+
+def range_executor() -> concurrent.futures.ThreadPoolExecutor:
+    """The pool on which a batched read's ranges after its first are fetched, concurrently, each
+    a blocking conditional GET (threads start on demand; joined as the I/O pool's are). Apart
+    from :func:`io_executor`, whose threads wait on it: its own tasks never wait on anything,
+    so neither pool can starve the other. Its size bounds the ranges in flight at once, beside
+    one per I/O thread."""
+    with _IO_LOCK:
+        if not _RANGES:
+            _RANGES.append(
+                concurrent.futures.ThreadPoolExecutor(_RANGE_THREADS, thread_name_prefix="guideloom-range")
+            )
+        return _RANGES[0]
 
 
 # -- bounded in-flight requests and bytes ----------------------------------------------------------

@@ -7,8 +7,8 @@ into *ranges* (one HTTP range request each) when they are adjacent or at most ``
 bytes apart (or, under ``max_read_amplification``, the read's smallest gaps, within a byte
 budget: :func:`bridged_gap`), a range never exceeds ``max_request_bytes`` (a longer piece is
 cut into parts, which are then fetched in parallel), and ranges of one object are grouped into
-*jobs* of at most ``ranges_per_call`` ranges (one blocking ``get_ranges`` call on an I/O
-thread). :func:`fill` is the inverse: it copies each fetched range's pieces into the output
+*jobs* of at most ``ranges_per_call`` ranges (one blocking call on an I/O thread, its ranges
+fetched concurrently). :func:`fill` is the inverse: it copies each fetched range's pieces into the output
 block.
 
 Pure: no I/O, no obstore, no asyncio; the property tests in ``tests/storage/test_ranges.py``

@@ -107,14 +107,29 @@ class _ObjectStorageMixin:
                 chunk_bytes=opts.cache_chunk_bytes,
             )
 
+    def _check_intact(self) -> None:
+        """Refuse the read once an object was found not to match the manifest: by a read, by
+        the whole copy's checksums or by the chunk cache's (never served from the store)."""
+        self._remote.check_intact()
+        for cache in (self._cache, self._chunks):
+            damaged = None if cache is None else cache.damaged
+            if damaged is not None:
+                self._remote.mark_damaged(damaged)
+                raise DatasetIntegrityError(damaged)
+
     async def _run(self, jobs: list[Any], key: tuple[int, int, int] | None = None) -> None:
-        """Fetch ``jobs``: through the chunk cache when there is one, else from the store."""
+        """Fetch ``jobs``: through the chunk cache when there is one, else from the store.
+
+        Checked before and after: what a cache found damaged while the read was in flight is
+        refused, not delivered."""
+        self._check_intact()
         if self._chunks is None:
             await self._remote.run(jobs)
             if self._cache is not None:
                 self._cache.first_read.set()
         else:
             await self._chunks.run(jobs, key, self._remote.run)
+        self._check_intact()
 
     async def _stop_chunks(self) -> None:
         if self._chunks is not None:

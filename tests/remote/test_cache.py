@@ -17,6 +17,7 @@ import torch
 
 import guideloom
 from guideloom import StatefulDataLoader
+from guideloom._errors import DatasetIntegrityError
 from guideloom.storage import _cache
 from guideloom.storage._remote import ObjectStreamStorage
 
@@ -88,7 +89,7 @@ def test_the_loader_switches_to_the_copy_mid_epoch_without_changing_the_batches(
     assert loader.state_dict()["epoch"] == 1
 
 
-def test_a_copy_that_does_not_match_its_checksums_warns_and_reading_goes_on_remotely(
+def test_a_copy_that_does_not_match_its_checksums_is_refused_not_read_from_the_store(
     tmp_path: Path, s3: MotoS3
 ) -> None:
     folder = tmp_path / "ds"
@@ -105,11 +106,10 @@ def test_a_copy_that_does_not_match_its_checksums_warns_and_reading_goes_on_remo
     asyncio.run(storage.open())
     assert isinstance(storage, ObjectStreamStorage) and storage._cache is not None
     storage._cache._done.wait(30)
-    with pytest.warns(RuntimeWarning, match="does not match its checksum.*nothing is lost"):
-        assert not storage.reads_inline()
-    assert not storage.reads_inline()  # warned once
-    samples = asyncio.run(storage.read_many(np.arange(0, 200, 100, dtype=np.int64), 100))
-    assert np.asarray(samples).shape == (2, 100)  # reads go on from the object store
+    assert not storage.reads_inline()  # no warning: the dataset is refused, not read remotely
+    for _ in range(2):  # every read, not only the first
+        with pytest.raises(DatasetIntegrityError, match=rf"{shard.name}.*does not match its checksum"):
+            asyncio.run(storage.read_many(np.arange(0, 200, 100, dtype=np.int64), 100))
     assert not any(p.name.endswith(".partial") for p in cache.iterdir())
     assert not (Path(storage.cache_folder or "") / "manifest.json").exists()
     asyncio.run(storage.close())

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import guideloom
+from guideloom._errors import DatasetIntegrityError
 from guideloom.storage import _chunks
 from guideloom.storage._chunks import ChunkCache
 from guideloom.storage._ranges import Job, Layout, Limits, fill, plan_windows
@@ -267,7 +268,7 @@ def test_a_damaged_chunk_warns_is_deleted_and_read_remotely(
     assert store.remote_ranges == 1 and not victim.exists()
 
 
-def test_an_object_that_does_not_match_its_manifest_checksum_is_not_cached_and_warns(
+def test_an_object_that_does_not_match_its_manifest_checksum_is_not_cached_and_refused(
     tmp_path: Path, stopped: list[ChunkCache]
 ) -> None:
     store = Store(tmp_path, chunks=2, shard_bytes=3000)  # objects smaller than a chunk: whole
@@ -281,9 +282,11 @@ def test_an_object_that_does_not_match_its_manifest_checksum_is_not_cached_and_w
     settle(cache)
     assert 0 not in cache._local and not list(cache.folder.glob("c000000000.*"))
     assert 1 in cache._local, "the sound object beside it is cached"
-    with pytest.warns(RuntimeWarning, match="does not match its checksum in the manifest"):
-        store.read(cache, [0])
-    assert store.remote_ranges >= 1
+    remote = store.remote_ranges
+    for sample in (0, 1):  # the sound object's too: the dataset is refused, never read remotely
+        with pytest.raises(DatasetIntegrityError, match=f"{path}.*does not match its checksum"):
+            store.read(cache, [sample])
+    assert store.remote_ranges == remote
 
 
 def test_a_full_folder_warns_once_stops_downloading_and_reads_stay_exact(

@@ -12,7 +12,7 @@ import numpy as np
 from guideloom._cli._common import Progress, format_bytes, int_at_least
 from guideloom._cli._tokenizers import Tokenizer, tokenizer_for_decoding
 from guideloom._errors import DatasetFormatError
-from guideloom.storage._api import _local_folder, open_documents, open_stream, verify_dataset
+from guideloom.storage._api import local_folder, open_documents, open_stream, verify_dataset
 from guideloom.storage._local import read_local_manifest
 from guideloom.storage._manifest import Manifest
 from guideloom.storage.base import DocumentStorageAbstract, StreamStorageAbstract
@@ -79,7 +79,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def open_dataset(dest: str) -> tuple[Manifest | None, Storage]:
     """The dataset's manifest (when the storage exposes it) and a storage of the right kind."""
-    folder = _local_folder(dest)
+    folder = local_folder(dest)
     if folder is not None:
         manifest = read_local_manifest(folder)
         storage: Storage = open_stream(dest) if manifest.kind == "stream" else open_documents(dest)
@@ -176,7 +176,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    folder = _local_folder(args.dataset)
+    folder = local_folder(args.dataset)
     total = None
     if folder is not None:
         total = sum(f.nbytes for _, _, f in read_local_manifest(Path(folder)).all_files())

@@ -29,7 +29,7 @@ Location = str | os.PathLike[str]
 _REMOTE_SCHEMES = ("s3", "gs", "gcs", "az", "azure", "abfs", "abfss", "http", "https")
 
 
-def _local_folder(location: Location) -> Path | None:
+def local_folder(location: Location) -> Path | None:
     """The local folder a location names, or None for an object-store URL."""
     if not isinstance(location, str):
         return Path(os.fspath(location)).expanduser()
@@ -55,7 +55,7 @@ def _remote() -> Any:
 
 def _sink(destination: Location, options: Mapping[str, Any]) -> Sink:
     """Where a writer writes: a local folder, or an object-store prefix configured by ``options``."""
-    folder = _local_folder(destination)
+    folder = local_folder(destination)
     if folder is None:
         remote_sink: Sink = _remote().sink_for(str(destination), **options)
         return remote_sink
@@ -130,7 +130,7 @@ def write_documents(
 def _folder_or_remote(source: Location, options: Mapping[str, Any]) -> Path | None:
     """The local folder of ``source``, or None for an object store (which ``options`` configure:
     a local dataset takes none)."""
-    folder = _local_folder(source)
+    folder = local_folder(source)
     if folder is not None and options:
         raise TypeError(f"unexpected options for a local dataset: {sorted(options)}")
     return folder

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from guideloom._errors import DatasetIntegrityError
-from guideloom.storage._chunks import _blocks
+from guideloom.storage._chunks import blocks_of
 from guideloom.storage._local import file_sha256
 from guideloom.storage._manifest import MANIFEST_NAME, Manifest
 from guideloom.storage._sinks import fsync_dir, write_synced
@@ -70,7 +70,7 @@ def copy_footprint(manifest: Manifest) -> int:
     """The bytes a whole copy of ``manifest``'s dataset takes in the cache folder, counted as
     the chunk cache counts its limit (4 KiB blocks a file): its files and its manifest."""
     files = [f.nbytes for _, _, f in manifest.all_files()] + [len(manifest.to_json_bytes())]
-    return sum(_blocks(n) for n in files)
+    return sum(blocks_of(n) for n in files)
 
 
 class DatasetCache:

@@ -57,7 +57,7 @@ import numpy.typing as npt
 from guideloom._errors import DatasetIntegrityError
 from guideloom.storage._manifest import Manifest
 from guideloom.storage._objstore import io_executor
-from guideloom.storage._ranges import Job, Layout, _pieces, fill
+from guideloom.storage._ranges import Job, Layout, fill, pieces_of
 
 __all__ = ["CHUNK_BYTES", "ChunkCache"]
 
@@ -99,7 +99,7 @@ def _stop_all() -> None:
 threading._register_atexit(_stop_all)  # type: ignore[attr-defined]
 
 
-def _blocks(nbytes: int) -> int:
+def blocks_of(nbytes: int) -> int:
     return -(-nbytes // BLOCK) * BLOCK
 
 
@@ -181,7 +181,7 @@ class _Table:
     def use_of_spans(self, layout: Layout, starts: I64, lengths: I64) -> tuple[I64, I64]:
         """:meth:`of_spans` and the bytes of the spans that lie in each of those chunks."""
         lengths = np.asarray(lengths, dtype=np.int64)
-        k, lo, n, _d = _pieces(
+        k, lo, n, _d = pieces_of(
             layout, np.asarray(starts, dtype=np.int64), lengths, np.zeros(len(lengths), np.int64)
         )
         if not len(k):
@@ -697,13 +697,13 @@ class _Folder:
                         continue
                     except FileNotFoundError:
                         pass  # renamed since the listing: complete now, and counted as such
-                used += _blocks(self.table.nbytes(gid))
+                used += blocks_of(self.table.nbytes(gid))
             else:
                 if gid in found:  # two copies of one chunk: keep one
                     Path(e.path).unlink(missing_ok=True)
                     continue
                 found[gid] = name
-                used += _blocks(self.table.nbytes(gid))
+                used += blocks_of(self.table.nbytes(gid))
         with self._cond:
             for g, name in before.items():
                 if g not in found and self.local.get(g) == name:
@@ -937,7 +937,7 @@ class _Downloader:
 
         Evicts the chunks needed furthest in the future, never one needed before ``when`` or in
         use; None if that does not make room."""
-        need = _blocks(self._table.nbytes(gid))
+        need = blocks_of(self._table.nbytes(gid))
         if need > self._max_bytes:
             with self._cond:
                 self._schedule.skip.add(gid)
@@ -956,7 +956,7 @@ class _Downloader:
                 self._disk.verified.discard(victim)
             self._disk.remove(name)
             self.evictions += 1
-            used -= _blocks(self._table.nbytes(victim))
+            used -= blocks_of(self._table.nbytes(victim))
         return self._disk.reserve(gid)
 
     def _after_other(self, gid: int, when: int) -> None:

@@ -130,7 +130,7 @@ class Job:
         ]
 
 
-def _pieces(layout: Layout, starts: I64, lengths: I64, dest_offsets: I64) -> tuple[I64, I64, I64, I64]:
+def pieces_of(layout: Layout, starts: I64, lengths: I64, dest_offsets: I64) -> tuple[I64, I64, I64, I64]:
     """Bytes ``[s, s+n)`` of the array as (shard, offset in shard, length, destination) pieces,
     cut at shard boundaries."""
     keep = lengths > 0
@@ -186,7 +186,7 @@ def plan(
 ) -> None:
     """Append to ``jobs`` what copies bytes ``[s, s+n)`` of ``layout`` to ``dest[d:d+n]``, for
     each ``(s, n, d)`` of ``starts``, ``lengths``, ``dest_offsets`` (byte units)."""
-    k, lo, n, d = _pieces(
+    k, lo, n, d = pieces_of(
         layout,
         np.asarray(starts, dtype=np.int64),
         np.asarray(lengths, dtype=np.int64),

@@ -41,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -73,6 +73,9 @@ I64 = npt.NDArray[np.int64]
 
 
 # -- storages --------------------------------------------------------------------------------------
+_L = TypeVar("_L", LocalStreamStorage, LocalDocumentStorage)
+
+
 class _ObjectStorageMixin:
     #: ``shuffle_block_size="auto"``: blocks of about 4 MiB (a round trip amortised over MiBs).
     shuffle_block_bytes: int | None = REMOTE_BLOCK_BYTES
@@ -83,6 +86,7 @@ class _ObjectStorageMixin:
     _remote: Remote
     manifest: Manifest
     _opened: bool
+    _plain_reads: ClassVar[bool]
     _cache: DatasetCache | None = None
     _chunks: ChunkCache | None = None
     _cache_broken = False
@@ -194,11 +198,20 @@ class _ObjectStorageMixin:
 
     def reads_inline(self) -> bool:
         # Not for a subclass that overrides read_many: its own read is the one to call.
-        own_read = getattr(type(self), "read_many", None) in (
-            ObjectStreamStorage.read_many,
-            ObjectDocumentStorage.read_many,
-        )
-        return own_read and self._local_copy() is not None
+        return self._plain_reads and self._local_copy() is not None
+
+    def _complete_copy(self, kind: type[_L]) -> _L:
+        """The complete local copy, for a blocking read (only where ``reads_inline()``)."""
+        local = self._local_copy()
+        if not isinstance(local, kind):
+            raise RuntimeError(f"{self!r} has no complete local copy to read from (reads_inline() is False)")
+        return local
+
+    def _open_copy(self) -> LocalStreamStorage | LocalDocumentStorage | None:
+        """For an async read: the complete local copy, or None (the store is read)."""
+        if not self._opened:
+            raise RuntimeError(f"{self!r} is not open; call `await storage.open()` first")
+        return self._local_copy()
 
     @property
     def cache_folder(self) -> str | None:
@@ -234,6 +247,9 @@ class _ObjectStorageMixin:
 
 class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):
     """A stream dataset under an object-store prefix, read with concurrent range requests."""
+
+    #: guideloom's own read: a subclass that defines ``read_many`` is read through it.
+    _plain_reads: ClassVar[bool] = True
 
     def __init__(self, remote: Remote, manifest: Manifest) -> None:
         check_kind(manifest, "stream", remote.loc.display)
@@ -273,15 +289,10 @@ class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):
         chunks.plan(planned())
 
     def read_many_sync(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
-        local = self._local_copy()
-        if not isinstance(local, LocalStreamStorage):
-            raise RuntimeError(f"{self!r} has no complete local copy to read from (reads_inline() is False)")
-        return local.read_many_sync(starts, length)
+        return self._complete_copy(LocalStreamStorage).read_many_sync(starts, length)
 
     async def read_many(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
-        if not self._opened:
-            raise RuntimeError(f"{self!r} is not open; call `await storage.open()` first")
-        local = self._local_copy()
+        local = self._open_copy()
         if isinstance(local, LocalStreamStorage):
             return await local.read_many(starts, length)
         starts = np.asarray(starts, dtype=np.int64)
@@ -298,6 +309,8 @@ class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):
 
 class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
     """A document dataset under an object-store prefix."""
+
+    _plain_reads: ClassVar[bool] = True
 
     def __init__(self, remote: Remote, manifest: Manifest) -> None:
         check_kind(manifest, "documents", remote.loc.display)
@@ -370,15 +383,10 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         chunks.plan(planned())
 
     def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:
-        local = self._local_copy()
-        if not isinstance(local, LocalDocumentStorage):
-            raise RuntimeError(f"{self!r} has no complete local copy to read from (reads_inline() is False)")
-        return local.read_many_sync(indices)
+        return self._complete_copy(LocalDocumentStorage).read_many_sync(indices)
 
     async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:
-        if not self._opened:
-            raise RuntimeError(f"{self!r} is not open; call `await storage.open()` first")
-        local = self._local_copy()
+        local = self._open_copy()
         if isinstance(local, LocalDocumentStorage):
             return await local.read_many(indices)
         indices = np.asarray(indices, dtype=np.int64)
@@ -401,15 +409,10 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         return [flat[bounds[i] : bounds[i + 1]] for i in range(n)]
 
     def document_offsets_sync(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        local = self._local_copy()
-        if not isinstance(local, LocalDocumentStorage):
-            raise RuntimeError(f"{self!r} has no complete local copy to read from (reads_inline() is False)")
-        return local.document_offsets_sync(positions)
+        return self._complete_copy(LocalDocumentStorage).document_offsets_sync(positions)
 
     async def document_offsets(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        if not self._opened:
-            raise RuntimeError(f"{self!r} is not open; call `await storage.open()` first")
-        local = self._local_copy()
+        local = self._open_copy()
         if isinstance(local, LocalDocumentStorage):
             return await local.document_offsets(positions)
         positions = np.asarray(positions, dtype=np.int64)
@@ -432,15 +435,10 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         return offsets
 
     def read_spans_sync(self, starts: npt.NDArray[np.int64], stops: npt.NDArray[np.int64]) -> Sequence[Any]:
-        local = self._local_copy()
-        if not isinstance(local, LocalDocumentStorage):
-            raise RuntimeError(f"{self!r} has no complete local copy to read from (reads_inline() is False)")
-        return local.read_spans_sync(starts, stops)
+        return self._complete_copy(LocalDocumentStorage).read_spans_sync(starts, stops)
 
     async def read_spans(self, starts: npt.NDArray[np.int64], stops: npt.NDArray[np.int64]) -> Sequence[Any]:
-        if not self._opened:
-            raise RuntimeError(f"{self!r} is not open; call `await storage.open()` first")
-        local = self._local_copy()
+        local = self._open_copy()
         if isinstance(local, LocalDocumentStorage):
             return await local.read_spans(starts, stops)
         starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)

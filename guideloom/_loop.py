@@ -66,12 +66,13 @@ class LoopThread:
         """Run ``coro`` on the loop and wait for its result here."""
         return self.submit(coro).result()
 
-    def stop(self) -> None:
-        """Stop the loop (cancelling what still runs on it) and join the thread. Idempotent."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop the loop (cancelling what still runs on it) and join the thread, for at most
+        ``timeout`` seconds (a daemon thread stuck in a call is left to finish it). Idempotent."""
         if self._thread.is_alive():
             try:
                 self.loop.call_soon_threadsafe(self.loop.stop)
             except RuntimeError:  # already closed
                 pass
             if threading.current_thread() is not self._thread:
-                self._thread.join()
+                self._thread.join(timeout)

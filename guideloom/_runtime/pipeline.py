@@ -46,6 +46,7 @@ from guideloom._runtime.config import (
     reading_name,
     window_span,
 )
+from guideloom._runtime.threadpool import CollateThreads
 
 __all__ = ["Production", "StageWorkers", "Workers", "run_pipeline"]
 
@@ -265,7 +266,7 @@ class StageWorkers:
     """The reader and collate stages on the loop; ``executor`` runs the collate (None: the loop
     itself does, which only guideloom's private loop may)."""
 
-    def __init__(self, executor: concurrent.futures.Executor | None) -> None:
+    def __init__(self, executor: CollateThreads | None) -> None:
         self.executor = executor
 
     async def produce(self, job: Production) -> None:
@@ -278,6 +279,8 @@ class StageWorkers:
             tg.start_soon(_collate, cfg, to_collate_recv, job.emit, job.channel, self.executor)
 
     def shutdown(self, wait: bool = True) -> None:
+        """Stop the collate threads, waiting for a call in progress at most
+        :data:`~guideloom._runtime.threadpool.CLOSE_GRACE_S` (then it is left running)."""
         if self.executor is not None:
             self.executor.shutdown(wait=wait, cancel_futures=True)
 

@@ -40,6 +40,7 @@ from guideloom._runtime.inline import InlinePipeline
 from guideloom._runtime.pipeline import Workers, run_pipeline
 from guideloom._runtime.process_choice import ProcessChoiceRun, process_chooser
 from guideloom._runtime.processes import ProcessWorkers, SyncRun
+from guideloom._runtime.threadpool import CLOSE_GRACE_S, CollateThreads, warn_left_running
 from guideloom._runtime.threads import ThreadWorkerPipeline, thread_chooser
 from guideloom._runtime.workers import make_workers, process_workers
 
@@ -100,9 +101,7 @@ class ThreadRunner:
 
     def __init__(self, cfg: PipelineConfig, chooser: Chooser) -> None:
         self._closed = False
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            cfg.num_workers, thread_name_prefix="guideloom-collate"
-        )
+        self._executor = CollateThreads(cfg.num_workers)
         self._pipe = ThreadWorkerPipeline(cfg, self._executor, chooser)
 
     def next(self) -> Delivery | None:
@@ -258,8 +257,16 @@ class LoopThreadRunner:
             if workers is not None:
                 workers.shutdown(wait=False)
         else:
-            # A cancelled future reports at once; wait for the task's cleanup to finish.
-            self._finished.wait()
+            # A cancelled future reports at once; wait for the task's cleanup to finish. A stage
+            # that never returns to the loop (a collate_fn that blocks forever on the loop's own
+            # thread, at num_workers=0) is left running there, as a collate thread would be.
+            if not self._finished.wait(CLOSE_GRACE_S):
+                warn_left_running("the pipeline (a collate_fn on its loop thread)", CLOSE_GRACE_S)
+                self._channel.close()  # a consumer waiting in next() sees the end
+                if workers is not None:
+                    workers.shutdown(wait=False)
+                lt.stop(timeout=0.0)
+                return
             if workers is not None:
                 workers.shutdown(wait=True)
         lt.stop()

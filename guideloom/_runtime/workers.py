@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import concurrent.futures
-
 from guideloom._runtime.config import PipelineConfig
 from guideloom._runtime.pipeline import StageWorkers, Workers
 from guideloom._runtime.processes import ProcessWorkers, WorkerPool
+from guideloom._runtime.threadpool import CollateThreads
 
 __all__ = ["make_workers", "process_workers"]
-
-
-def _threads(n: int) -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="guideloom-collate")
 
 
 def make_workers(cfg: PipelineConfig, *, off_loop: bool = False) -> Workers:
@@ -22,12 +17,10 @@ def make_workers(cfg: PipelineConfig, *, off_loop: bool = False) -> Workers:
     it keeps one)."""
     if cfg.num_workers == 0:
         if off_loop:
-            return StageWorkers(
-                concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="guideloom-collate")
-            )
+            return StageWorkers(CollateThreads(1))
         return StageWorkers(None)
     if cfg.parallel_method == "thread":
-        return StageWorkers(_threads(cfg.num_workers))
+        return StageWorkers(CollateThreads(cfg.num_workers))
     return process_workers(cfg)
 
 

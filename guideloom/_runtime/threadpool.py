@@ -1,0 +1,125 @@
+"""The collate threads: a thread pool whose shutdown is bounded in time.
+
+``concurrent.futures.ThreadPoolExecutor`` joins its threads without a limit, at shutdown and at
+interpreter exit: a ``collate_fn`` that never returns would hang ``loader.close()`` and then the
+process's exit. A thread cannot be killed, so :class:`CollateThreads` runs daemon threads,
+waits at most :data:`CLOSE_GRACE_S` for them at shutdown, and then warns which call is left
+running (the thread goes on until it returns, or until the process exits).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+__all__ = ["CLOSE_GRACE_S", "CollateThreads", "warn_left_running"]
+
+T = TypeVar("T")
+
+#: How long closing waits for a collate call in progress before it leaves the thread running.
+CLOSE_GRACE_S = 5.0
+
+_Item = tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
+
+def _describe(fn: Callable[..., Any], args: tuple[Any, ...]) -> str:
+    """The call a worker runs, by the name a user knows: the collate inside a group's call."""
+    for candidate in (*args, fn):
+        steps = candidate if isinstance(candidate, tuple) else (candidate,)
+        for step in steps:
+            name = getattr(step, "__qualname__", None)
+            module = getattr(step, "__module__", None)
+            if name and module and not module.startswith("guideloom."):
+                return f"{module}.{name}"
+    return getattr(fn, "__qualname__", repr(fn))
+
+
+def warn_left_running(what: str, seconds: float, stacklevel: int = 3) -> None:
+    """Warn that ``what`` did not return within ``seconds`` of a close and was left running."""
+    warnings.warn(
+        f"guideloom closed the loader, but {what} had not returned {seconds:.0f} s after the "
+        "close was asked for: its thread is left running until the call returns (it is a "
+        "daemon thread: the process can still exit). Look for a collate_fn that blocks forever "
+        "(a lock, a queue, a network call without a timeout)",
+        RuntimeWarning,
+        stacklevel=stacklevel,
+    )
+
+
+class CollateThreads(concurrent.futures.Executor):
+    """``n`` daemon threads running submitted calls in order of submission."""
+
+    def __init__(self, n: int, name: str = "guideloom-collate") -> None:
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._running: dict[threading.Thread, tuple[str, float]] = {}  # what each runs, since when
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True) for i in range(max(1, n))
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot submit to the collate threads after shutdown")
+            self._queue.put((future, fn, args, kwargs))
+        return future
+
+    def _work(self) -> None:
+        me = threading.current_thread()
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._queue.put(None)  # the others stop too
+                return
+            future, fn, args, kwargs = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            self._running[me] = (_describe(fn, args), time.monotonic())
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+            finally:
+                self._running.pop(me, None)
+                del item, future, fn, args, kwargs  # a finished batch is not kept alive here
+
+    def shutdown(
+        self, wait: bool = True, *, cancel_futures: bool = False, grace: float | None = None
+    ) -> None:
+        """Stop taking calls (cancelling the queued ones with ``cancel_futures``); with ``wait``,
+        join the threads for at most ``grace`` seconds (:data:`CLOSE_GRACE_S`) and warn about a
+        call still running then."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                if cancel_futures:
+                    while True:
+                        try:
+                            item = self._queue.get_nowait()
+                        except queue.Empty:
+                            break
+                        if item is not None:
+                            item[0].cancel()
+                self._queue.put(None)
+        if not wait:
+            return
+        deadline = time.monotonic() + (CLOSE_GRACE_S if grace is None else grace)
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
+        left = [
+            f"{what} (on thread {t.name})" for t, (what, _) in list(self._running.items()) if t.is_alive()
+        ]
+        if left:
+            warn_left_running(" and ".join(left), CLOSE_GRACE_S if grace is None else grace, 4)

@@ -1,0 +1,81 @@
+"""Closing is bounded in time whatever ``collate_fn`` does: a collate that never returns is left
+running on its (daemon) thread, with a warning that names it, and the loader closes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+import torch
+
+import guideloom as gl
+from guideloom._runtime.threadpool import CLOSE_GRACE_S
+
+RELEASE = threading.Event()
+
+
+def stuck_at_40(samples: Sequence[np.ndarray]) -> list[int]:
+    """Collates until the sample of element 40, then waits for the test to release it."""
+    if int(samples[0][0]) >= 40:
+        RELEASE.wait(60)
+    return [int(s[0]) for s in samples]
+
+
+def _loader(**kw: object) -> gl.StatefulDataLoader[np.ndarray, list[int]]:
+    return gl.StatefulDataLoader.from_storage(
+        gl.MemoryStreamStorage(np.arange(400)), stuck_at_40, sequence_length=4, local_batch_size=2,
+        device=torch.device("cpu"), **kw,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _release_at_the_end() -> object:
+    RELEASE.clear()
+    yield
+    RELEASE.set()
+
+
+@pytest.mark.parametrize(
+    "kw", [{"num_workers": 2}, {"prefetch": 4}, {"num_workers": 2, "prefetch": 2}, {"num_workers": 1}]
+)
+def test_close_returns_while_a_collate_hangs_and_says_which(kw: dict[str, object]) -> None:
+    loader = _loader(**kw)
+    loader.open()
+    got: list[list[int]] = []
+    consumer = threading.Thread(target=lambda: got.extend(iter(loader)), daemon=True)
+    consumer.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="had not returned .* left running"):
+        loader.close()
+    assert time.monotonic() - t0 < CLOSE_GRACE_S + 3
+    RELEASE.set()
+    consumer.join(10)
+    assert not consumer.is_alive()
+    assert [b[0] for b in got] == list(range(0, 40, 8))  # the batches before the stuck one
+
+
+def test_async_close_returns_while_a_collate_hangs() -> None:
+    loader = _loader(num_workers=2)
+
+    async def run() -> float:
+        async with loader:
+            it = aiter(loader)
+            await anext(it)
+            task = asyncio.create_task(anext(it))
+            await asyncio.sleep(0.3)
+            for _ in range(8):  # up to the stuck batch
+                if task.done():
+                    task = asyncio.create_task(anext(it))
+                await asyncio.sleep(0.05)
+            t0 = time.monotonic()
+            with pytest.warns(RuntimeWarning, match="left running"):
+                await it.aclose()  # type: ignore[attr-defined]
+            task.cancel()
+            return time.monotonic() - t0
+
+    assert asyncio.run(run()) < CLOSE_GRACE_S + 3

@@ -53,10 +53,5 @@ class LoaderFigures:
 def _storage_reads(dataset: DatasetAbstract[Any]) -> tuple[int, int] | None:
     """Requests and bytes read so far by the dataset's storage, where it counts them (object
     storage); None elsewhere."""
-    stats = getattr(dataset.storage, "stats", None)
-    if not callable(stats):
-        return None
-    figures = stats()
-    if not isinstance(figures, dict) or "requests" not in figures or "bytes_read" not in figures:
-        return None
-    return int(figures["requests"]), int(figures["bytes_read"])
+    storage = dataset.storage
+    return None if storage is None else storage.read_counts()

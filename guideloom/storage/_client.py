@@ -123,6 +123,11 @@ class Remote:
         """Bytes those GETs returned."""
         return self.counters.bytes_read
 
+    def count_reads(self, requests: int, nbytes: int) -> None:
+        """Count reads another copy of this connection made (a process worker's)."""
+        self.counters.requests += requests
+        self.counters.bytes_read += nbytes
+
     def peak_inflight_bytes(self) -> int:
         return self.fetcher.peak_inflight_bytes()
 

@@ -231,6 +231,12 @@ class _ObjectStorageMixin:
     def options(self) -> ReadOptions:
         return self._remote.opts
 
+    def read_counts(self) -> tuple[int, int]:
+        return self._remote.requests, self._remote.bytes_read
+
+    def add_read_counts(self, requests: int, nbytes: int) -> None:
+        self._remote.count_reads(requests, nbytes)
+
     def stats(self) -> dict[str, int]:
         """Range requests (GETs) issued so far, retries included, the bytes they returned, and
         the peak bytes that were in flight at once (with a ``cache_max_bytes`` cache, also its

@@ -122,6 +122,16 @@ class StorageAbstract(ABC, Generic[InT, OutT]):
         """A typical sample's size in bytes, for sizing read-ahead windows (0 if unknown)."""
         return 0
 
+    def read_counts(self) -> tuple[int, int] | None:
+        """Requests and bytes read so far, where the storage counts them (object stores: range
+        GETs, retries included, and the bytes they returned); ``None`` elsewhere."""
+        return None
+
+    def add_read_counts(self, requests: int, nbytes: int) -> None:
+        """Count reads made for this storage by a copy of it elsewhere (a process worker's), so
+        that :meth:`read_counts` holds every read the loader made. Ignored where nothing is
+        counted."""
+
     def content_digest(self) -> str:
         """A short digest of the stored content, which a checkpoint's dataset fingerprint
         records: ``""`` where there is none to take (in memory), the manifest's for a written

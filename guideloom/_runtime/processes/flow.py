@@ -14,13 +14,20 @@ import asyncio
 import selectors
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from guideloom._core.delivery import Delivery
 from guideloom._core.order import Order
 from guideloom._core.plan import BatchSpec, EpochPlan
-from guideloom._runtime.config import PipelineConfig, group_size, reading_name
+from guideloom._core.schedule import windows
+from guideloom._runtime.config import (
+    PipelineConfig,
+    group_size,
+    max_window_batches,
+    reading_name,
+    window_span,
+)
 from guideloom._runtime.processes.pool import Group, Proc, Session, WorkerPool
 from guideloom._runtime.processes.wire import Epoch
 
@@ -38,7 +45,14 @@ class GroupFlow:
     flight per worker (one queued behind the one being made), and handed out in plan order."""
 
     def __init__(
-        self, session: Session, plan: EpochPlan, order: Order, reading: str, first_step: int, group: int
+        self,
+        session: Session,
+        plan: EpochPlan,
+        order: Order,
+        reading: str,
+        first_step: int,
+        group: int,
+        windows: Iterator[list[BatchSpec]] | None = None,
     ) -> None:
         self.session = session
         self.plan, self.order, self.reading = plan, order, reading
@@ -49,6 +63,12 @@ class GroupFlow:
         self.pending: deque[Group] = deque()
         self.paused = False  # no new groups are sent (the collate runs inline meanwhile)
         self.closed = False
+        # Read windows (object stores): each read whole by one worker, taken in turns, the next
+        # one read ahead by its worker while this one's groups are made.
+        self._windows = windows
+        self._window: tuple[int, int] | None = None
+        self._next_window: tuple[int, int] | None = None
+        self._turn = -1
 
     def start(self) -> list[Proc]:
         """Send the epoch to every live worker (the pool has started); the workers sent to."""
@@ -67,15 +87,40 @@ class GroupFlow:
         left = self.total - self.step
         if self.paused or self.closed or left <= 0 or len(self.pending) >= self.most:
             return 0
-        n = min(self.group, left, room)
-        if n <= 0 or (whole and n < self.group and n < left and self.pending):
+        window = self._window_at(self.step)
+        full = min(self.group, left if window is None else window[1] - self.step)
+        n = min(full, room)
+        if n <= 0 or (whole and n < full and self.pending):
             return 0
         return n
 
     def send(self, n: int) -> None:
-        """Send the next ``n`` steps as one group."""
-        self.pending.append(self.session.submit(self.plan.batches(self.step, self.step + n)))
+        """Send the next ``n`` steps as one group (to the worker reading their window, if any)."""
+        specs = self.plan.batches(self.step, self.step + n)
+        window = self._window_at(self.step)
+        self.pending.append(self.session.submit(specs, window, self._turn if window is not None else -1))
         self.step += n
+
+    def _window_at(self, step: int) -> tuple[int, int] | None:
+        """The read window that holds ``step`` (None without windows); entering one sends the
+        next one to its worker to read ahead."""
+        if self._windows is None:
+            return None
+        if self._window is not None and step < self._window[1]:
+            return self._window
+        while self._window is None or step >= self._window[1]:
+            nxt = self._next_window or self._take_window()
+            if nxt is None:  # past the planned windows: groups are read on their own
+                self._windows = None
+                return None
+            self._window, self._next_window, self._turn = nxt, self._take_window(), self._turn + 1
+        if self._next_window is not None:
+            self.session.read_ahead(self._next_window, self._turn + 1)
+        return self._window
+
+    def _take_window(self) -> tuple[int, int] | None:
+        specs = next(self._windows, None) if self._windows is not None else None
+        return None if not specs else (specs[0].step, specs[-1].step + 1)
 
     def fail(self, exc: BaseException) -> None:
         """A failure outside any group (a bug): delivered at the next step not yet sent."""
@@ -307,7 +352,13 @@ class ProcessWorkers:
     def flow(self, cfg: PipelineConfig, first_step: int) -> GroupFlow:
         """The epoch of ``cfg`` from ``first_step`` on these workers."""
         group = group_size(cfg.capacity, cfg.num_workers)
-        return GroupFlow(self.session, cfg.plan, cfg.order, reading_name(cfg), first_step, group)
+        # Over a storage that does not read inline (an object store), the workers read the main
+        # process's read windows, each whole, so that its requests coalesce as the main
+        # process's do; elsewhere each group is read on its own.
+        planned = None
+        if not cfg.dataset.reads_inline:
+            planned = windows(cfg.plan, first_step, max_window_batches(cfg), window_span(cfg))
+        return GroupFlow(self.session, cfg.plan, cfg.order, reading_name(cfg), first_step, group, planned)
 
     async def produce(self, job: Production) -> None:
         """The workers read and collate their own batches (wherever the loop is)."""

@@ -42,7 +42,17 @@ from guideloom._runtime.processes.shm import (
     sweep,
     unlink,
 )
-from guideloom._runtime.processes.wire import End, Epoch, Failed, GroupDone, Ready, Stop, Task, load_exception
+from guideloom._runtime.processes.wire import (
+    End,
+    Epoch,
+    Failed,
+    GroupDone,
+    ReadAhead,
+    Ready,
+    Stop,
+    Task,
+    load_exception,
+)
 from guideloom._runtime.processes.worker import worker_main
 
 if TYPE_CHECKING:
@@ -110,7 +120,7 @@ class Proc:
         self.ready = False
         self.inflight = 0
 
-    def send(self, msg: Task | Epoch | End | Stop) -> None:
+    def send(self, msg: Task | ReadAhead | Epoch | End | Stop) -> None:
         with self.send_lock:
             self.tasks.send(msg)
 
@@ -425,7 +435,9 @@ class Session:
         return True
 
     def _on_message(self, p: Proc, msg: GroupDone) -> None:
-        token, gid, entries, slot, read_s, work_s = msg
+        token, gid, entries, slot, read_s, work_s, reads = msg
+        if reads != (0, 0) and (storage := self.pool.dataset.storage) is not None:
+            storage.add_read_counts(*reads)  # what stats() reports counts the workers' reads
         self.read_per_batch = _moving(self.read_per_batch, read_s)
         self.work_per_batch = _moving(self.work_per_batch, work_s)
         g = self.groups.get(gid) if token == self.token else None
@@ -450,18 +462,29 @@ class Session:
         if g is not None and g.proc is not None:
             g.proc.inflight -= 1
 
-    def submit(self, specs: list[BatchSpec]) -> Group:
-        """Send consecutive batches to the least busy live worker as one group."""
+    def read_ahead(self, window: tuple[int, int], turn: int) -> None:
+        """Have the ``turn``-th live worker read ``window`` now, before its groups come."""
+        live = [p for p in self.pool.live() if p.proc.is_alive()]
+        if live:
+            try:
+                live[turn % len(live)].send(ReadAhead(self.token, *window))
+            except (OSError, ValueError):
+                pass  # a dead worker fails its groups when they are sent
+
+    def submit(self, specs: list[BatchSpec], window: tuple[int, int] | None = None, turn: int = -1) -> Group:
+        """Send consecutive batches to a live worker as one group: the least busy, or the
+        ``turn``-th (modulo the live ones) for a group of read ``window``, so that each window's
+        groups go to one worker, which reads the window once."""
         self._gid += 1
         live = [p for p in self.pool.live() if p.proc.is_alive()]
         if not live:
             g = Group(self._gid, specs, None)
             g.fail(WorkerError("every guideloom worker process has died"))
             return g
-        p = min(live, key=lambda q: q.inflight)
+        p = live[turn % len(live)] if turn >= 0 else min(live, key=lambda q: q.inflight)
         g = self.groups[self._gid] = Group(self._gid, specs, p)
         try:
-            p.send(Task(self.token, g.gid, specs[0].step, specs[-1].step + 1))
+            p.send(Task(self.token, g.gid, specs[0].step, specs[-1].step + 1, window))
         except (OSError, ValueError) as exc:
             g.fail(WorkerError(f"guideloom worker process {p.index} died: {exc}"))
             return g

@@ -31,6 +31,7 @@ __all__ = [
     "GroupDone",
     "PickleEntry",
     "Ready",
+    "ReadAhead",
     "RemoteTraceback",
     "Stop",
     "Task",
@@ -62,10 +63,25 @@ class Epoch(NamedTuple):
 
 
 class Task(NamedTuple):
-    """Read and collate steps ``[start, stop)`` of the epoch of ``token``, as group ``gid``."""
+    """Read and collate steps ``[start, stop)`` of the epoch of ``token``, as group ``gid``.
+
+    ``window``: the read window ``[start, stop)`` of steps these belong to, read whole the first
+    time and kept for the window's other groups, which come to the same worker (object stores:
+    one window's reads coalesce into a few large requests, as the main process's do); None:
+    read the group's steps alone.
+    """
 
     token: int
     gid: int
+    start: int
+    stop: int
+    window: tuple[int, int] | None = None
+
+
+class ReadAhead(NamedTuple):
+    """Read the window ``[start, stop)`` of the epoch of ``token`` now: its groups come next."""
+
+    token: int
     start: int
     stop: int
 
@@ -135,7 +151,8 @@ Entry = ArrayEntry | PickleEntry | ErrorEntry
 
 class GroupDone(NamedTuple):
     """A task's batches: their entries, the slot their arrays are in (``(index, name, size)``, or
-    None), and what a batch's read and its read and collate took in the worker (seconds)."""
+    None), what a batch's read and its read and collate took in the worker (seconds), and the
+    requests and bytes the worker's storage read since its last message (object stores)."""
 
     token: int
     gid: int
@@ -143,6 +160,7 @@ class GroupDone(NamedTuple):
     slot: tuple[int, str, int] | None
     read_s: float
     work_s: float
+    reads: tuple[int, int] = (0, 0)
 
 
 def send_message(conn: multiprocessing.connection.Connection, msg: tuple[Any, ...]) -> None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from guideloom._core.delivery import apply
+from guideloom._core.delivery import Delivery, apply
 from guideloom._core.plan import EpochPlan
 from guideloom._core.schedule import Indexes, read_window, run_async, run_sync
 from guideloom._runtime.processes.shm import (
@@ -41,6 +41,7 @@ from guideloom._runtime.processes.wire import (
     Failed,
     GroupDone,
     PickleEntry,
+    ReadAhead,
     Ready,
     Stop,
     Task,
@@ -161,19 +162,57 @@ class _Worker:
         self.dataset, self.collate_fn, self.slots = dataset, collate_fn, slots
         self.loop = asyncio.new_event_loop()
         self.epochs: dict[int, tuple[EpochPlan, Indexes, str]] = {}
-        self.queue: deque[Task] = deque()
+        self.queue: deque[Task | ReadAhead] = deque()
         self.stopping = False
+        #: Read windows held, by (token, start, stop): each step's delivery, taken out by its group.
+        self.windows: dict[tuple[int, int, int], dict[int, Delivery]] = {}
+        self.counted = _read_counts(dataset)  # the storage's reads when last reported
 
-    def handle(self, msg: Task | Epoch | End | Stop) -> None:
+    def handle(self, msg: Task | ReadAhead | Epoch | End | Stop) -> None:
         match msg:
-            case Task():
+            case Task() | ReadAhead():
                 self.queue.append(msg)
             case Epoch(token, plan, order, reading):
                 self.epochs = {token: (plan, Indexes(plan, order), reading)}  # earlier ones are over
+                self.windows.clear()
             case End(token):
                 self.epochs.pop(token, None)
+                self.windows.clear()
             case Stop():
                 self.stopping = True
+
+    def _read(self, token: int, start: int, stop: int) -> list[Delivery]:
+        """Steps ``[start, stop)`` as read (the read's failure at its batch, nothing after it)."""
+        plan, indexes, reading = self.epochs[token]
+        schedule = read_window(plan.batches(start, stop), indexes, reading)
+        if self.dataset.reads_inline:
+            return run_sync(schedule, self.dataset.read_many_sync)
+        return self.loop.run_until_complete(run_async(schedule, self.dataset.read_many))
+
+    def _window(self, token: int, start: int, stop: int) -> dict[int, Delivery]:
+        """The window ``[start, stop)``, read whole once; at most two are held (the one being
+        served and the one read ahead)."""
+        key = (token, start, stop)
+        held = self.windows.get(key)
+        if held is None:
+            while len(self.windows) >= 2:
+                del self.windows[next(iter(self.windows))]
+            held = self.windows[key] = {d.spec.step: d for d in self._read(token, start, stop)}
+        return held
+
+    def _steps(self, task: Task) -> list[Delivery]:
+        if task.window is None:
+            return self._read(task.token, task.start, task.stop)
+        held = self._window(task.token, *task.window)
+        out = [held.pop(s) for s in range(task.start, task.stop) if s in held]
+        if not held or task.stop >= task.window[1]:
+            self.windows.pop((task.token, *task.window), None)
+        return out
+
+    def _reads_since(self) -> tuple[int, int]:
+        now = _read_counts(self.dataset)
+        (r0, b0), self.counted = self.counted, now
+        return now[0] - r0, now[1] - b0
 
     def drain(self, block: bool) -> None:
         if block and not self.queue:
@@ -191,19 +230,18 @@ class _Worker:
                 return
             if not self.queue:
                 continue
-            token, gid, start, stop = self.queue.popleft()
+            task = self.queue.popleft()
+            token = task.token
             if token not in self.epochs:
                 continue  # that iterator has ended
-            plan, indexes, reading = self.epochs[token]
-            specs = plan.batches(start, stop)
+            if isinstance(task, ReadAhead):
+                self._window(token, task.start, task.stop)
+                continue
             t0 = time.perf_counter()
-            if self.dataset.reads_inline:
-                deliveries = run_sync(read_window(specs, indexes, reading), self.dataset.read_many_sync)
-            else:
-                deliveries = self.loop.run_until_complete(
-                    run_async(read_window(specs, indexes, reading), self.dataset.read_many)
-                )
-            read_s = (time.perf_counter() - t0) / max(1, len(specs))  # the main process's estimate
+            deliveries = self._steps(task)
+            read_s = (time.perf_counter() - t0) / max(
+                1, task.stop - task.start
+            )  # the main process's estimate
             collate_s = 0.0  # what the group's collates took: their cost inline, with read_s
             # One message and one slot for the group: a wake-up of the main process per group,
             # not per batch, and one slot to find and map.
@@ -231,7 +269,8 @@ class _Worker:
             slot = self.place(pack, entries, values)
             del values
             work_s = read_s + collate_s / max(1, len(entries))
-            send_message(self.results, GroupDone(token, gid, entries, slot, read_s, work_s))
+            reads = self._reads_since()
+            send_message(self.results, GroupDone(token, task.gid, entries, slot, read_s, work_s, reads))
 
     def place(self, pack: GroupPack, entries: list[Entry], values: list[Any]) -> tuple[int, str, int] | None:
         """Write the group's arrays into one free slot; the slot's ``(index, name, size)``, or
@@ -252,6 +291,13 @@ class _Worker:
             offset += (raw.nbytes + ALIGN - 1) // ALIGN * ALIGN
         del view
         return i, name, size
+
+
+def _read_counts(dataset: DatasetAbstract[Any]) -> tuple[int, int]:
+    """Requests and bytes the dataset's storage has read (zeros where it does not count)."""
+    storage = dataset.storage
+    counts = None if storage is None else storage.read_counts()
+    return (0, 0) if counts is None else counts
 
 
 def worker_main(

@@ -1,0 +1,75 @@
+"""Process workers over object storage: an epoch with ``parallel_method="process"`` against the
+same epoch with thread workers, on a moto S3 server on 127.0.0.1, in one run.
+
+Workload: a uint16 stream (``--mib`` MiB, 4 MiB objects), ``sequence_length=2048`` (4 KiB
+samples), ``local_batch_size=16``, ``num_workers=2``, ``prefetch=4``, each order below. Each
+measurement is a fresh loader in this process over one whole epoch (the process pool's start is
+not timed: the first batch is taken before the clock starts), alternating threads and processes
+``--rounds`` times. Printed: seconds per epoch and GET requests per MiB read (the loader's
+``stats()``), and the ratio processes / threads.
+
+    python -m benchmarks.process_remote [--mib 32] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import guideloom as gl
+from benchmarks.remote_stream import collate, moto_bucket
+
+MiB = 2**20
+
+
+def epoch(url: str, options: dict[str, Any], method: str, shuffle: bool) -> tuple[float, float]:
+    """Seconds for one epoch after its first batch, and GETs per MiB read."""
+    storage = gl.open_stream(url, **options)
+    loader = gl.StatefulDataLoader.from_storage(
+        storage, collate, sequence_length=2048, local_batch_size=16, num_workers=2, prefetch=4,
+        parallel_method=method, shuffle=shuffle, shuffle_seed=0, device=torch.device("cpu"),  # type: ignore[arg-type]
+    )  # fmt: skip
+    with loader:
+        it = iter(loader)
+        next(it)  # the workers have started, the first window is in
+        t0 = time.perf_counter()
+        for _ in it:
+            pass
+        seconds = time.perf_counter() - t0
+        stats = loader.stats()
+    return seconds, stats["requests"] / max(1e-9, stats["bytes_read"] / MiB)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mib", type=int, default=32, help="dataset size in MiB (default 32)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of each, alternating (default 3)")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "ds"
+        rng = np.random.default_rng(0)
+        tokens = args.mib * MiB // 2
+        gl.write_stream(folder, rng.integers(0, 50_000, tokens, dtype=np.uint16), shard_bytes=4 * MiB)
+        with moto_bucket(folder) as options:
+            print(f"{'order':<10}{'workers':<10}{'s/epoch':>9}{'GET/MiB':>9}{'vs threads':>12}")
+            for order, shuffle in (("sequential", False), ("global", True)):
+                runs: dict[str, list[tuple[float, float]]] = {"thread": [], "process": []}
+                for _ in range(args.rounds):
+                    for method in ("thread", "process"):
+                        runs[method].append(epoch("s3://bench/gl", options, method, shuffle))
+                base = statistics.median(s for s, _ in runs["thread"])
+                for method in ("thread", "process"):
+                    s = statistics.median(x for x, _ in runs[method])
+                    g = statistics.median(y for _, y in runs[method])
+                    print(f"{order:<10}{method:<10}{s:>9.2f}{g:>9.1f}{s / base:>11.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -32,6 +32,7 @@ WORKLOADS: dict[str, tuple[dict[str, object], bool]] = {
     "nw=0": ({}, False),
     "nw=0 prefetch=8": ({"prefetch": 8}, False),
     "nw=2 threads prefetch=16": ({"num_workers": 2, "prefetch": 16}, False),
+    "nw=2 processes prefetch=16": ({"num_workers": 2, "prefetch": 16, "parallel_method": "process"}, False),
     "async nw=0 prefetch=8": ({"prefetch": 8}, True),
 }
 
@@ -100,15 +101,18 @@ def main(argv: list[str] | None = None) -> None:
         f"medians of {rounds} round(s), {batches} batches each\n"
     )
     print(
-        "| workload | base samples/s | current samples/s | current / base | resume TTFB base / current (ms) |"
+        "| workload | base samples/s | current samples/s | current / base "
+        "| first batch base / current (ms) | resume TTFB base / current (ms) |"
     )
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name in WORKLOADS:
         b = statistics.median(x["samples_per_s"] for x in results[("base", name)])
         c = statistics.median(x["samples_per_s"] for x in results[("current", name)])
         tb = statistics.median(x["resume_ttfb_ms"] for x in results[("base", name)])
         tc = statistics.median(x["resume_ttfb_ms"] for x in results[("current", name)])
-        print(f"| {name} | {b:,.0f} | {c:,.0f} | {c / b:.2f} | {tb:.1f} / {tc:.1f} |")
+        fb = statistics.median(x.get("first_batch_ms", float("nan")) for x in results[("base", name)])
+        fc = statistics.median(x.get("first_batch_ms", float("nan")) for x in results[("current", name)])
+        print(f"| {name} | {b:,.0f} | {c:,.0f} | {c / b:.2f} | {fb:.1f} / {fc:.1f} | {tb:.1f} / {tc:.1f} |")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from guideloom._cli._common import CLIError, format_count, int_at_least, require
+from guideloom._cli._common import CLIError, add_count, format_count, require
 from guideloom._cli._inspect import open_dataset
 from guideloom.storage.base import DocumentStorageAbstract
 
@@ -56,32 +56,14 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("dataset", metavar="DEST", help="a dataset folder or URL")
-    p.add_argument(
-        "--sequence-length",
-        type=int_at_least(1),
-        default=2048,
-        metavar="N",
-        help="tokens per sample of a stream dataset (default 2048)",
-    )
-    p.add_argument(
-        "--batch-size", type=int_at_least(1), default=16, metavar="B", help="local batch size (default 16)"
-    )
-    p.add_argument(
-        "--num-workers", type=int_at_least(0), default=0, metavar="N", help="loader workers (default 0)"
-    )
+    add_count(p, "--sequence-length", 1, 2048, "N", "tokens per sample of a stream dataset")
+    add_count(p, "--batch-size", 1, 16, "B", "local batch size")
+    add_count(p, "--num-workers", 0, 0, "N", "loader workers")
     p.add_argument("--parallel-method", choices=("thread", "process"), default="thread")
-    p.add_argument(
-        "--prefetch", type=int_at_least(0), default=0, metavar="N", help="batches to prefetch (default 0)"
-    )
+    add_count(p, "--prefetch", 0, 0, "N", "batches to prefetch")
     p.add_argument("--shuffle", action="store_true", help="shuffle the samples")
     p.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
-    p.add_argument(
-        "--batches",
-        type=int_at_least(1),
-        default=100,
-        metavar="K",
-        help="stop after K batches or at the end of the epoch (default 100)",
-    )
+    add_count(p, "--batches", 1, 100, "K", "stop after K batches or at the end of the epoch")
     p.add_argument("--device", default="cpu", help="where batches go (default cpu; e.g. cuda)")
     p.add_argument("--pin-memory", action="store_true")
     p.set_defaults(func=run)

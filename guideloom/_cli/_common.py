@@ -60,6 +60,14 @@ def int_at_least(minimum: int) -> Any:
     return parse
 
 
+def add_count(
+    parser: argparse.ArgumentParser, flag: str, minimum: int, default: int, metavar: str, what: str
+) -> None:
+    """An integer option of at least ``minimum``, its default said in its help."""
+    help_text = f"{what} (default {default})"
+    parser.add_argument(flag, type=int_at_least(minimum), default=default, metavar=metavar, help=help_text)
+
+
 def require(module: str, purpose: str) -> Any:
     """Import an optional dependency, or fail with the ``pip install`` line that provides it."""
     try:

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from guideloom._cli._common import Progress, format_bytes, int_at_least
+from guideloom._cli._common import Progress, add_count, format_bytes
 from guideloom._cli._tokenizers import Tokenizer, tokenizer_for_decoding
 from guideloom._errors import DatasetFormatError
 from guideloom.storage._api import local_folder, open_documents, open_stream, verify_dataset
@@ -52,16 +52,8 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
         metavar="bytes|PATH|auto",
         help="decode samples with it ('auto': the tokenizer the dataset records)",
     )
-    p.add_argument(
-        "--samples", type=int_at_least(0), default=3, metavar="K", help="documents to decode (default 3)"
-    )
-    p.add_argument(
-        "--chars",
-        type=int_at_least(0),
-        default=200,
-        metavar="C",
-        help="show at most C characters of each (default 200)",
-    )
+    add_count(p, "--samples", 0, 3, "K", "documents to decode")
+    add_count(p, "--chars", 0, 200, "C", "show at most C characters of each")
     p.set_defaults(func=run_inspect)
 
     v = sub.add_parser(

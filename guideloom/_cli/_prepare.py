@@ -13,7 +13,7 @@ from typing import IO, Any
 import numpy as np
 import numpy.typing as npt
 
-from guideloom._cli._common import CLIError, Progress, UsageError, format_bytes, format_count, int_at_least
+from guideloom._cli._common import CLIError, Progress, UsageError, add_count, format_bytes, format_count
 from guideloom._cli._inputs import FORMATS, expand_inputs, iter_tasks
 from guideloom._cli._tokenizers import resolve_tokenizer
 from guideloom._cli._work import Options, Result, ordered_results
@@ -139,13 +139,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         metavar="PATTERN",
         help="in folders, read the files whose name matches PATTERN (e.g. '*.py'); repeatable",
     )
-    p.add_argument(
-        "--workers",
-        type=int_at_least(1),
-        default=1,
-        metavar="N",
-        help="tokenize in N processes (the output is the same for any N; default 1)",
-    )
+    add_count(p, "--workers", 1, 1, "N", "tokenize in N processes (the output is the same for any N)")
     p.add_argument(
         "--document-ids",
         action="store_true",

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ._blocks import python_blocks
+from tests.support.docs import python_blocks
+
 from .conftest import DOCS, ROOT
 
 PAGES = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))

@@ -20,7 +20,8 @@ from urllib.parse import unquote, urlsplit
 import numpy as np
 import pytest
 
-from ._png import read_png
+from tests.support.png import read_png
+
 from .conftest import ROOT
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from .._helpers import check_resume_equals_uninterrupted, identity_stream, make, roundtrip, take
-from ._support import (
+from tests.support.data import check_resume_equals_uninterrupted, identity_stream, make, roundtrip, take
+from tests.support.loader import (
     flat,
 )
 

@@ -14,9 +14,8 @@ import pytest
 import torch
 
 import guideloom as gl
-
-from .._helpers import identity_stream, make, take
-from ._support import (
+from tests.support.data import identity_stream, make, take
+from tests.support.loader import (
     Boom,
     Tracked,
     slow_thread_worker_loader,
@@ -126,7 +125,7 @@ def test_stats_count_batches_samples_and_waiting() -> None:
 
 
 def test_no_thread_runs_between_iterators_even_while_open() -> None:
-    from ..conftest import guideloom_threads
+    from tests.conftest import guideloom_threads
 
     def boom(samples: Sequence[np.ndarray]) -> list[int]:
         if int(samples[0][0]) >= 16:

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 import guideloom as gl
-
-from .._helpers import identity_stream, make, take
-from ._support import (
+from tests.support.data import identity_stream, make, take
+from tests.support.loader import (
     flat,
 )
 

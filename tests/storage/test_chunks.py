@@ -2,7 +2,7 @@
 eviction, the byte limit, checksums, crashed and concurrent holders, folder faults.
 
 The "object store" here is a local dataset's bytes behind a ``fetch`` function, so every test
-can count what was fetched and inject faults; tests/remote/test_chunk_cache.py runs the same
+can count what was fetched and inject faults; tests/storage/remote/test_chunk_cache.py runs the same
 cache against real servers through the loader.
 """
 

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 import guideloom
-
-from ._servers import FaultProxy, MotoS3, Nginx, nginx_binary
+from tests.support.servers import FaultProxy, MotoS3, Nginx, nginx_binary
 
 BUCKET = "guideloom-test"
 _names = itertools.count()

@@ -20,9 +20,8 @@ import pytest
 import torch
 
 import guideloom as gl
-
-from ._helpers import IdsOf, identity_stream
-from .conftest import guideloom_threads
+from tests.conftest import guideloom_threads
+from tests.support.data import IdsOf, identity_stream
 
 pytestmark = pytest.mark.usefixtures("no_thread_leak")
 

@@ -17,9 +17,17 @@ from hypothesis import strategies as st
 import guideloom as gl
 import guideloom._runtime.process_choice as choice
 from guideloom._runtime.runners import ProcessRunner
-
-from ._helpers import take
-from .test_procpool import SEQ, Boom, assert_same, fails_at_40, ids, loader_for, rich, worker_pids
+from tests.runtime.test_processes import (
+    SEQ,
+    Boom,
+    assert_same,
+    fails_at_40,
+    ids,
+    loader_for,
+    rich,
+    worker_pids,
+)
+from tests.support.data import take
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_thread_leak")]
 

@@ -16,8 +16,8 @@ import torch
 import guideloom
 from guideloom import StatefulDataLoader
 from guideloom._core.order import DEFAULT_WINDOW
+from tests.support.servers import MotoS3, Nginx
 
-from ._servers import MotoS3, Nginx
 from .conftest import BUCKET, Copies
 
 CPU = torch.device("cpu")

@@ -24,8 +24,7 @@ from hypothesis import strategies as st
 
 import guideloom as gl
 from guideloom._runtime.processes import SHUTDOWN_GRACE_S, RemoteTraceback, WorkerPool, live_segments
-
-from ._helpers import take
+from tests.support.data import take
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_thread_leak")]
 

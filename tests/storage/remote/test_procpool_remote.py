@@ -7,8 +7,8 @@ import multiprocessing
 import pytest
 
 import guideloom
+from tests.support.servers import MotoS3
 
-from ._servers import MotoS3
 from .conftest import Copies
 from .test_remote import assert_same, loader_for
 

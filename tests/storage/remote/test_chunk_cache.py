@@ -18,9 +18,9 @@ from guideloom import StatefulDataLoader
 from guideloom.storage._cache import DatasetCache, copy_footprint
 from guideloom.storage._chunks import ChunkCache
 from guideloom.storage._remote import ObjectStreamStorage
+from tests.storage.test_chunks import Sampler
+from tests.support.servers import FaultProxy, MotoS3, Nginx
 
-from ..storage.test_chunks import Sampler
-from ._servers import FaultProxy, MotoS3, Nginx
 from .conftest import Copies, start_proxy
 from .test_remote import assert_same, collate
 

@@ -20,8 +20,8 @@ import torch
 import guideloom
 from guideloom import StatefulDataLoader
 from guideloom._errors import DatasetFormatError, DatasetIntegrityError, RemoteReadError
+from tests.support.servers import SECRET_KEY, FaultProxy, MotoS3, Nginx
 
-from ._servers import SECRET_KEY, FaultProxy, MotoS3, Nginx
 from .conftest import BUCKET, Copies, start_proxy, unique
 
 CPU = torch.device("cpu")
@@ -362,7 +362,7 @@ async def test_async_for_over_s3_leaves_the_event_loop_responsive(
     storage = guideloom.open_stream(  # one request per 400-byte sample: a load that lasts a while
         plain_copies.s3_url, coalesce_gap=0, max_request_bytes=400, **s3.options(proxy.url)
     )
-    from .._helpers import loop_gaps
+    from tests.support.data import loop_gaps
 
     async with loop_gaps() as gaps:
         batches = await all_batches_async(storage, sequence_length=200, local_batch_size=2)
@@ -445,7 +445,7 @@ def test_azure_urls_are_understood_without_a_server() -> None:
 
 
 # -- clean exit ------------------------------------------------------------------------------------
-EXIT_SCRIPT = Path(__file__).with_name("_exit_script.py")
+EXIT_SCRIPT = Path(__file__).resolve().parents[2] / "support" / "exit_script.py"
 
 
 @pytest.mark.slow

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 import guideloom as gl
-
-from ._ranks import run_ranks
+from tests.support.ranks import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
@@ -20,11 +19,11 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 def test_ranks_never_share_a_sample_and_agree_on_the_checkpoint(tmp_path: Path, world_size: int) -> None:
     n_samples, seq = 100, 8  # 100 samples, global batch 3 * world: a partial last step
     gl.write_stream(tmp_path / "ds", np.arange(n_samples * seq + 5, dtype=np.uint32), shard_bytes=1000)
-    argv = [sys.executable, "-m", "tests._dist_worker", str(tmp_path / "ds")]
+    argv = [sys.executable, "-m", "tests.support.stream_rank", str(tmp_path / "ds")]
     run_ranks(
         world_size,
         lambda rank: [*argv, str(tmp_path / f"rank{rank}.json"), "4"],
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
         timeout=150,
     )
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]

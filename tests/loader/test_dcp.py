@@ -2,7 +2,7 @@
 
 Runs ``examples/dcp_resume.py`` (the example the checkpointing page shows) as real rank
 processes, started the way torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), as
-``tests/test_distributed.py`` does.
+``tests/loader/test_distributed.py`` does.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-from ._ranks import run_ranks
+from tests.support.ranks import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "dcp_resume.py"
 NUM_SAMPLES = 1_001  # the example's dataset
 

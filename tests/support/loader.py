@@ -13,8 +13,7 @@ import torch
 
 import guideloom as gl
 from guideloom.pytorch import StatefulDataLoader
-
-from .._helpers import identity_stream
+from tests.support.data import identity_stream
 
 
 def flat(batches: list[list[int]]) -> list[int]:

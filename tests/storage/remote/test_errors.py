@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import guideloom
+from tests.support.servers import SECRET_KEY, FaultProxy, MotoS3, free_port
 
-from ._servers import SECRET_KEY, FaultProxy, MotoS3, free_port
 from .conftest import BUCKET, Copies, start_proxy
 
 URL_SECRET = "url-secret-9d41c7e2"

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 import guideloom as gl
-
-from ._helpers import identity_stream
+from tests.support.data import identity_stream
 
 pytestmark = pytest.mark.usefixtures("no_thread_leak")
 

@@ -11,8 +11,8 @@ import torch
 
 import guideloom
 from guideloom._cli import main
+from tests.support.servers import MotoS3
 
-from ._servers import MotoS3
 from .conftest import BUCKET, unique
 
 

@@ -19,9 +19,8 @@ from hypothesis import strategies as st
 import guideloom as gl
 from guideloom._runtime.processes import live_segments
 from guideloom._runtime.runners import ProcessRunner
-
-from ._helpers import take
-from .test_procpool import SEQ, assert_same, ids, loader_for, rich, slow_ids, worker_pids
+from tests.runtime.test_processes import SEQ, assert_same, ids, loader_for, rich, slow_ids, worker_pids
+from tests.support.data import take
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_thread_leak")]
 

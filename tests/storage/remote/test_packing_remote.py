@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import guideloom as gl
+from tests.support.servers import MotoS3, Nginx
 
-from ._servers import MotoS3, Nginx
 from .conftest import BUCKET, unique
 
 

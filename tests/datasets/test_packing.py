@@ -21,8 +21,7 @@ from hypothesis import strategies as st
 
 import guideloom as gl
 from guideloom._datasets.packing import PackMode, _best_fit_decreasing, best_fit_layout
-
-from ._helpers import roundtrip, take
+from tests.support.data import roundtrip, take
 
 lengths_st = st.lists(st.integers(0, 40), min_size=1, max_size=40)
 
@@ -375,7 +374,7 @@ def test_process_workers_collate_packed_samples() -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["best_fit", "concat"])
 def test_the_packing_example_runs(mode: str, tmp_path: Path) -> None:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
         [
             sys.executable,

@@ -1,6 +1,6 @@
 """Read an S3 dataset asynchronously, then exit: the process must always exit with code 0.
 
-Usage: ``python _exit_script.py s3://bucket/prefix MODE`` with the server in the AWS_* variables.
+Usage: ``python tests/support/exit_script.py s3://bucket/prefix MODE`` with the server in the AWS_* variables.
 MODE: ``read`` (read and close), ``noclose`` (read, exit with the storage open), ``inflight``
 (exit while range requests are still in flight), ``loader`` (``async for`` over a loader, left
 midway).

@@ -12,8 +12,8 @@ import pytest
 import guideloom
 from guideloom._errors import DatasetIntegrityError
 from guideloom.storage import _client
+from tests.support.servers import MotoS3
 
-from ._servers import MotoS3
 from .conftest import BUCKET, Copies, unique
 
 

@@ -24,8 +24,7 @@ from guideloom._runtime.config import PipelineConfig
 from guideloom._runtime.inline import InlinePipeline
 from guideloom._runtime.runners import ThreadRunner
 from guideloom._runtime.threads import ThreadWorkerPipeline
-
-from ._helpers import identity_stream
+from tests.support.data import identity_stream
 
 
 class Boom(Exception):

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 import guideloom as gl
-from tests._helpers import roundtrip, take
+from tests.support.data import roundtrip, take
+from tests.support.servers import MotoS3, Nginx
 
-from ._servers import MotoS3, Nginx
 from .conftest import Copies
 
 CPU = torch.device("cpu")

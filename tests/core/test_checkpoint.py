@@ -1,4 +1,8 @@
-"""The checkpoint's dataset fingerprint and the checks ``load_state_dict`` makes with it."""
+"""The checkpoint's pure checks (``guideloom._core.checkpoint``), with no loader: the dataset
+fingerprint a checkpoint records, and what ``restore_position`` accepts, refuses and warns about.
+
+Checkpoints taken and loaded through a loader (``state_dict``/``load_state_dict``, exact resume)
+are in ``tests/loader/test_checkpoint.py``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""Chunk-aware epoch orders: bijection, block/window structure, determinism, plans and resume."""
+"""Epoch orders (``guideloom._core.order``), with no loader: the chunk-aware orders' bijection,
+block/window structure and determinism, and exactly-once across ranks and resumes with plans.
+
+The order a loader delivers (rank blocks, ``drop_last``, seeds) is in
+``tests/loader/test_order.py``; the block shuffle through the loader in
+``tests/loader/test_block_shuffle.py``."""
 
 from __future__ import annotations
 

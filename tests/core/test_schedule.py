@@ -1,9 +1,14 @@
-"""The batch schedule (``guideloom._core.schedule``), with no storage: windows, split, count check,
-localisation of a failed read, and the rule that a failed store is not re-read batch by batch."""
+"""The batch schedule (``guideloom._core.schedule``), with no storage: windows, split, count
+check, localisation of a failed read, and the rule that a failed store is not re-read batch by
+batch; then read windows aligned to a block shuffle's mixing windows (``windows(..., span=S)``).
+
+What the loader tells a storage it will read (``will_read``) is in
+``tests/loader/test_read_hints.py``."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -112,7 +117,7 @@ def test_a_data_error_is_localised_to_its_batch_and_nothing_after_it_is_read() -
 
 @pytest.mark.parametrize("error", [StorageError("the store failed"), RemoteReadError("3 attempts in 6.8 s")])
 def test_a_failed_store_is_not_read_again_batch_by_batch(error: Exception) -> None:
-    """Issue 10 item 6: a read's retries and time budget hold for the batch that fails, so the
+    """A read's retries and time budget hold for the batch that fails, so the
     error of a failed store comes at the window's first batch after one request."""
     plan, order = _plan(40, 4), _order(40)
     read = Reads(bad=int(order.take(np.asarray([13]))[0]), error=error)
@@ -183,3 +188,46 @@ def test_every_batch_is_delivered_once_in_order_up_to_the_failure(
         last = delivered[-1].spec
         own = taken[len(rows_before) : len(rows_before) + last.size]
         assert bad in own
+
+
+# -- read windows aligned to mixing windows -------------------------------------------------------
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(1, 2000),
+    batch=st.integers(1, 16),
+    world=st.integers(1, 4),
+    offset=st.integers(0, 2000),
+    span=st.integers(1, 300),
+    largest=st.integers(1, 80),
+    first=st.integers(0, 5),
+)
+def test_span_windows_cover_the_plan_in_order_and_end_at_span_ends(
+    n: int, batch: int, world: int, offset: int, span: int, largest: int, first: int
+) -> None:
+    offset = min(offset, n)
+    plan = EpochPlan(n, batch, world, 0, drop_last=False, start_offset=offset)
+    got = list(windows(plan, first, largest, span))
+    steps = [spec.step for w in got for spec in w]
+    assert steps == list(range(first, len(plan)))
+    if not got:
+        return
+    assert len(got[0]) == 1, "the first batch is read alone (a fast first batch)"
+    g = plan.global_batch_size
+    for w, after in itertools.pairwise(got[1:]):
+        assert 1 <= len(w) <= largest
+        if len(w) < largest:  # not cut by the cap: the window ends where its span ends
+            start = offset + w[0].step * g
+            span_end = (start // span + 1) * span
+            assert offset + w[-1].step * g < span_end <= offset + after[0].step * g
+
+
+def test_without_a_span_windows_double_up_to_the_largest() -> None:
+    plan = EpochPlan(1000, 1, 1, 0, drop_last=False)
+    sizes = [len(w) for w in windows(plan, 0, 16)]
+    assert sizes[:6] == [1, 2, 4, 8, 16, 16]
+
+
+def test_one_window_per_span_when_batches_tile_it() -> None:
+    plan = EpochPlan(4096, 16, 1, 0, drop_last=False)
+    sizes = [len(w) for w in windows(plan, 0, 4096, span=1024)]
+    assert sizes == [1, 63, 64, 64, 64], "batch 0 alone, then the rest of span 0, then a span each"

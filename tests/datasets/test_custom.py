@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import guideloom as gl
-from tests.support.data import roundtrip, take
+from tests.support.loader import roundtrip, take
 
 CPU = torch.device("cpu")
 

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 import guideloom as gl
 from guideloom._datasets.mixture.schedule import Layout as _Layout
 from guideloom._datasets.mixture.schedule import round_fix as _round_fix
-from tests.support.data import roundtrip, take
+from tests.support import ROOT
+from tests.support.loader import roundtrip, take
 
 CPU = torch.device("cpu")
 
@@ -514,7 +515,7 @@ def test_bad_input_is_refused_with_a_clear_error() -> None:
 # -- the example --------------------------------------------------------------------------------
 @pytest.mark.timeout(300)
 def test_the_example_runs_and_checks_itself(tmp_path: Path) -> None:
-    example = Path(__file__).resolve().parents[2] / "examples" / "mixture.py"
+    example = ROOT / "examples" / "mixture.py"
     env = dict(os.environ, PYTHONPATH=str(example.parent.parent))
     proc = subprocess.run(
         [sys.executable, "-W", "error", str(example), "--dir", str(tmp_path)],
@@ -566,7 +567,7 @@ def test_real_gloo_ranks_share_no_sample_of_a_source_epoch_and_resume_on_another
     gl.write_stream(tmp_path / "stream", np.arange(40 * SEQ, dtype=np.uint32), shard_bytes=400)
     gl.write_documents(tmp_path / "docs", [np.full(i % 5 + 1, i, dtype=np.uint32) for i in range(13)])
     argv = [sys.executable, "-m", "tests.support.mixture_rank", str(tmp_path)]
-    run_ranks(2, lambda r: [*argv, str(tmp_path / f"rank{r}.json")], cwd=Path(__file__).resolve().parents[2])
+    run_ranks(2, lambda r: [*argv, str(tmp_path / f"rank{r}.json")], cwd=ROOT)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert results[0]["steps"] == results[1]["steps"]  # both gathered the same global batches
     seen = [tuple(x) for step in results[0]["steps"] for x in step]

@@ -15,11 +15,12 @@ from typing import Any
 import pytest
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
+from tests.support import ROOT
 from tests.support.ranks import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
-ROOT = Path(__file__).resolve().parents[2]
+
 EXAMPLE = ROOT / "examples" / "dcp_resume.py"
 NUM_SAMPLES = 1_001  # the example's dataset
 

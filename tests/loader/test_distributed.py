@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import guideloom as gl
+from tests.support import ROOT
 from tests.support.ranks import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
@@ -23,7 +24,7 @@ def test_ranks_never_share_a_sample_and_agree_on_the_checkpoint(tmp_path: Path, 
     run_ranks(
         world_size,
         lambda rank: [*argv, str(tmp_path / f"rank{rank}.json"), "4"],
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=ROOT,
         timeout=150,
     )
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]

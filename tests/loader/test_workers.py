@@ -11,10 +11,8 @@ import pytest
 import torch
 
 import guideloom as gl
-from tests.support.data import identity_stream, make, take
-from tests.support.loader import (
-    flat,
-)
+from tests.support.data import identity_stream
+from tests.support.loader import flat, make, take
 
 pytestmark = pytest.mark.usefixtures("no_thread_leak")
 

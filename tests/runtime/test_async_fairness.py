@@ -1,4 +1,4 @@
-"""``async for`` shares the caller's event loop fairly (issue 11 item 3): it gives the loop a turn
+"""``async for`` shares the caller's event loop fairly: it gives the loop a turn
 once per batch even when batches are buffered, never runs ``collate_fn`` on the loop, and a
 cancelled consumer task joins every guideloom thread and worker process before its cancellation
 propagates."""
@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import guideloom as gl
-from tests.conftest import guideloom_threads
 from tests.support.data import IdsOf, identity_stream
+from tests.support.loader import guideloom_threads
 
 pytestmark = pytest.mark.usefixtures("no_thread_leak")
 

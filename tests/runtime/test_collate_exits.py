@@ -1,4 +1,4 @@
-"""A ``collate_fn`` that raises ``SystemExit`` or ``KeyboardInterrupt`` (issue 11 item 4): the
+"""A ``collate_fn`` that raises ``SystemExit`` or ``KeyboardInterrupt``: the
 consumer gets that same exception at the batch, after every earlier batch, in every way of
 running the pipeline (inline, on a loop, thread and process workers; ``for`` and ``async for``)."""
 

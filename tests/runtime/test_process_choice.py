@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 import guideloom as gl
 import guideloom._runtime.process_choice as choice
 from guideloom._runtime.runners import ProcessRunner
-from tests.runtime.test_processes import (
+from tests.support.loader import take
+from tests.support.processes import (
     SEQ,
     Boom,
     assert_same,
@@ -27,17 +28,8 @@ from tests.runtime.test_processes import (
     rich,
     worker_pids,
 )
-from tests.support.data import take
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_thread_leak")]
-
-
-@pytest.fixture(scope="module")
-def stream(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A local stream of 200 samples whose elements are their own positions."""
-    folder = tmp_path_factory.mktemp("process_choice") / "stream"
-    gl.write_stream(folder, np.arange(200 * SEQ, dtype=np.int32), shard_bytes=20_000)
-    return folder
 
 
 class Flip:

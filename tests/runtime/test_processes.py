@@ -1,5 +1,10 @@
-"""Process workers (parallel_method="process"): batches through shared memory, workers kept
-between iterators, death, stuck collates, leaks, and the ``__main__`` guard."""
+"""Process workers (``parallel_method="process"``): batches through shared memory, workers kept
+between iterators, death, stuck collates, leaks and the ``__main__`` guard; then the sync ``for``
+over them without an event loop (:class:`SyncRun`): the same batches as ``num_workers=0`` for
+every group size, exact resume, nothing left in ``/dev/shm``, and a ``close()`` from another
+thread ending a blocked ``next()``.
+
+Which of process workers or the collate inline runs each batch is in ``test_process_choice.py``."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,11 +30,21 @@ from hypothesis import strategies as st
 
 import guideloom as gl
 from guideloom._runtime.processes import SHUTDOWN_GRACE_S, RemoteTraceback, WorkerPool, live_segments
-from tests.support.data import take
+from guideloom._runtime.runners import ProcessRunner
+from tests.support.loader import take
+from tests.support.processes import (
+    SEQ,
+    Boom,
+    assert_same,
+    fails_at_40,
+    ids,
+    loader_for,
+    rich,
+    slow_ids,
+    worker_pids,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_thread_leak")]
-
-SEQ = 64
 
 
 @pytest.fixture
@@ -51,88 +67,10 @@ def own_segments(monkeypatch: pytest.MonkeyPatch) -> Callable[[], list[str]]:
     return live
 
 
-def rich(samples: Sequence[np.ndarray]) -> dict[str, Any]:
-    """A collate whose batch holds what travels through shared memory (large tensors and arrays,
-    bfloat16 too) and what travels pickled (small tensors, plain objects)."""
-    block = np.stack([np.asarray(s) for s in samples]).astype(np.int64)
-    big = np.tile(block, (1, 16))  # (4, 1024): 32 KiB, well above the 4 KiB threshold
-    return {
-        "tokens": torch.from_numpy(big),
-        "half": torch.from_numpy(big).to(torch.bfloat16),
-        "array": big.astype(np.float32),
-        "transposed": torch.from_numpy(big).t(),  # not contiguous
-        "small": torch.from_numpy(block[:, :2].copy()),
-        "ids": [int(s[0]) // SEQ for s in samples],
-        "same": (torch.from_numpy(big),) * 2,
-    }
-
-
-def ids(samples: Sequence[np.ndarray]) -> list[int]:
-    return [int(s[0]) // SEQ for s in samples]
-
-
-def slow_ids(samples: Sequence[np.ndarray]) -> list[int]:
-    time.sleep(0.02)
-    return ids(samples)
-
-
-class Boom(Exception):
-    pass
-
-
-def fails_at_40(samples: Sequence[np.ndarray]) -> torch.Tensor:
-    if any(int(s[0]) // SEQ == 40 for s in samples):
-        raise Boom("sample 40")
-    return torch.from_numpy(np.tile(np.stack(samples).astype(np.int64), (1, 16)))  # shared memory
-
-
 def stuck_at_8(samples: Sequence[np.ndarray]) -> list[int]:
     if any(int(s[0]) // SEQ == 8 for s in samples):
         time.sleep(10_000)  # a collate that never returns
     return ids(samples)
-
-
-@pytest.fixture(scope="module")
-def stream(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A local stream of 200 samples whose elements are their own positions."""
-    folder = tmp_path_factory.mktemp("procpool") / "stream"
-    gl.write_stream(folder, np.arange(200 * SEQ, dtype=np.int32), shard_bytes=20_000)
-    return folder
-
-
-def loader_for(path: Path, collate: Any, **kw: Any) -> gl.StatefulDataLoader[Any, Any]:
-    kw.setdefault("num_workers", 2)
-    kw.setdefault("local_batch_size", 4)
-    return gl.StatefulDataLoader.from_storage(
-        gl.open_stream(path),
-        collate,
-        sequence_length=SEQ,
-        parallel_method="process",
-        device=torch.device("cpu"),
-        **kw,
-    )
-
-
-def worker_pids() -> set[int]:
-    return {p.pid for p in multiprocessing.active_children() if p.name.startswith("guideloom-worker")}
-
-
-def assert_same(a: Any, b: Any) -> None:
-    assert type(a) is type(b)
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and np.array_equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            assert_same(a[k], b[k])
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert_same(x, y)
-    else:
-        assert a == b
 
 
 def test_batches_match_inline_and_workers_persist_between_iterators(
@@ -438,3 +376,168 @@ def test_workers_stopped_in_the_middle_of_a_group_exit_at_once() -> None:
                     next(it)
             assert time.monotonic() - t0 < SHUTDOWN_GRACE_S - 1.0, "a worker waited out the grace"
             assert worker_pids() == set()
+
+
+# -- the sync ``for`` without an event loop ---------------------------------------------------
+def sleepy(samples: Any) -> torch.Tensor:
+    """20 ms a batch, and a batch large enough to travel through shared memory."""
+    return torch.from_numpy(np.tile(np.asarray(slow_ids(samples)), (1, 2048)))
+
+
+def loop_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("guideloom-loop")]
+
+
+# (num_workers, prefetch) -> batches per group: group_size(prefetch + num_workers, num_workers).
+GROUPS = [(2, 0, 1), (2, 8, 2), (1, 7, 4), (3, 45, 8), (2, 30, 8)]
+
+
+@pytest.mark.parametrize(("workers", "prefetch", "group"), GROUPS)
+def test_batches_equal_num_workers_0_for_each_group_size(
+    stream: Path, workers: int, prefetch: int, group: int
+) -> None:
+    with loader_for(stream, rich, num_workers=0, shuffle=True, shuffle_seed=11, local_batch_size=3) as inline:
+        expected = take(inline)
+    loader = loader_for(
+        stream,
+        rich,
+        num_workers=workers,
+        prefetch=prefetch,
+        shuffle=True,
+        shuffle_seed=11,
+        local_batch_size=3,
+    )
+    with loader:
+        it = iter(loader)
+        assert isinstance(it._runner, ProcessRunner)
+        run = it._runner._run
+        got = [next(it)]
+        assert run.flow.group == group
+        token = run.session.pool.token  # this pool's segments (other tests may run meanwhile)
+        owner = got[0]["array"]
+        while isinstance(owner, np.ndarray):
+            owner = owner.base
+        assert isinstance(owner, ctypes.Array)  # a view of a shared-memory slot, not a copy
+        assert run.ahead <= prefetch + workers + 1  # the channel's credits, as on the loop
+        assert loop_threads() == []  # no event loop between the workers and the consumer
+        got.extend(it)
+        assert len(got) == len(expected)
+        for a, b in zip(got, expected, strict=True):
+            assert_same(a, b)
+    assert worker_pids() == set()
+    del got, it, owner
+    assert live_segments(token) == []
+
+
+def test_resume_anywhere_with_any_group_size(stream: Path) -> None:
+    with loader_for(stream, ids, num_workers=0, shuffle=True, shuffle_seed=4) as inline:
+        expected = take(inline)
+    loaders = {p: loader_for(stream, ids, shuffle=True, shuffle_seed=4, prefetch=p) for p in (0, 6, 30)}
+    start = loaders[0].state_dict()
+
+    @settings(max_examples=15, deadline=None, derandomize=True)
+    @given(
+        stop=st.integers(0, len(expected) - 1),
+        first=st.sampled_from(sorted(loaders)),
+        then=st.sampled_from(sorted(loaders)),
+    )
+    def resume(stop: int, first: int, then: int) -> None:
+        a, b = loaders[first], loaders[then]
+        a.load_state_dict(start)
+        before = take(a, stop)
+        b.load_state_dict(a.state_dict())
+        assert before + take(b) == expected
+
+    try:
+        for lo in loaders.values():
+            lo.open()
+        resume()
+    finally:
+        for lo in loaders.values():
+            lo.close()
+    assert worker_pids() == set()
+
+
+def test_close_from_another_thread_ends_a_blocked_next(stream: Path) -> None:
+
+    loader = loader_for(stream, sleepy, prefetch=2, num_workers=1)
+    with loader:
+        it = iter(loader)
+        next(it)
+        assert isinstance(it._runner, ProcessRunner)
+        token = it._runner._run.session.pool.token
+        timer = threading.Timer(0.05, it.close)
+        timer.start()
+        t0 = time.monotonic()
+        rest = list(it)  # ends once close() ran, not after the epoch
+        timer.join()
+        assert time.monotonic() - t0 < 2.0
+        assert len(rest) < 40
+        assert take(loader, 1)  # the loader goes on from where the iterator stopped
+    del rest
+    assert live_segments(token) == []
+
+
+def as_int64(samples: Any) -> torch.Tensor:
+    return torch.from_numpy(np.tile(np.stack(samples).astype(np.int64), (1, 16)))
+
+
+def as_bfloat16(samples: Any) -> torch.Tensor:
+    return as_int64(samples).to(torch.bfloat16)  # numpy has no bfloat16: the other view path
+
+
+def as_transposed(samples: Any) -> torch.Tensor:
+    return as_int64(samples).t()  # not contiguous: copied into the slot contiguous
+
+
+def as_float32_array(samples: Any) -> np.ndarray:
+    return np.tile(np.stack(samples).astype(np.float32), (1, 16))
+
+
+@pytest.mark.parametrize("collate", [as_int64, as_bfloat16, as_transposed, as_float32_array])
+def test_a_batch_that_is_one_array_travels_unpickled_and_a_group_shares_one_slot(
+    stream: Path, collate: Any
+) -> None:
+    with loader_for(stream, collate, num_workers=0, shuffle=True, shuffle_seed=2) as inline:
+        expected = take(inline)
+    with loader_for(stream, collate, prefetch=14, shuffle=True, shuffle_seed=2) as loader:
+        it = iter(loader)
+        assert isinstance(it._runner, ProcessRunner)
+        got = list(it)
+        assert it._runner._run.flow.group == 4
+        token = it._runner._run.session.pool.token
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        assert_same(a, b)
+
+    def address(x: Any) -> int:
+        return int(x.data_ptr()) if isinstance(x, torch.Tensor) else int(x.ctypes.data)
+
+    # One group, one slot: its batches lie one after the other at 64-byte aligned offsets.
+    step = (got[0].nbytes + 63) // 64 * 64
+    assert [address(b) - address(got[0]) for b in got[:4]] == [0, step, 2 * step, 3 * step]
+    if isinstance(got[0], np.ndarray):
+        base = got[0]
+        while isinstance(base, np.ndarray):
+            base = base.base
+        assert isinstance(base, ctypes.Array)  # a view of the slot, not a copy
+        del base
+    del got
+    assert live_segments(token) == []
+
+
+def test_batches_for_a_device_keep_the_loop_thread_that_overlaps_the_copy(stream: Path) -> None:
+    """To a device, the copy runs on the loop thread's mover, overlapped with the next batch
+    (``meta`` stands in for an accelerator here), not in the consumer's thread after each batch."""
+    from guideloom._runtime.runners import LoopThreadRunner
+
+    loader = gl.StatefulDataLoader.from_storage(
+        gl.open_stream(stream), as_int64, sequence_length=SEQ, local_batch_size=4, num_workers=2,
+        parallel_method="process", device=torch.device("meta"),
+    )  # fmt: skip
+    with loader:
+        it = iter(loader)
+        assert isinstance(it._runner, LoopThreadRunner)
+        batch = next(it)
+        assert batch.device.type == "meta" and batch.shape[0] == 4
+        it.close()

@@ -1,4 +1,4 @@
-"""Thread workers fed from the caller's thread (``guideloom._runtime.threads``, issue 11 item 2):
+"""Thread workers fed from the caller's thread (``guideloom._runtime.threads``):
 the same batches in the same order, errors at their batch, nothing collated beyond the
 prefetch bound, whichever mode (workers or inline) each ``next()`` runs in."""
 

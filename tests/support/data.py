@@ -1,55 +1,30 @@
-"""Helpers shared by the loader tests: identity datasets and the resume check."""
+"""Identity datasets and storages, and the collate functions the loader tests pass.
+
+In an identity stream element ``i`` is ``i``, so a sample's first element tells which sample it
+is. Every collate here is module-level: process workers unpickle it by its module path.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import io
+import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 import guideloom as gl
 
 
-@contextlib.asynccontextmanager
-async def loop_gaps() -> AsyncIterator[list[float]]:
-    """Record the gaps between the ticks of a 5 ms ticker on the running loop: a blocked loop
-    shows up as a long gap."""
-    gaps: list[float] = []
-    stop = asyncio.Event()
-
-    async def ticker() -> None:
-        last = time.perf_counter()
-        while not stop.is_set():
-            await asyncio.sleep(0.005)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-
-    task = asyncio.create_task(ticker())
-    try:
-        yield gaps
-    finally:
-        stop.set()
-        await task
+def identity_stream(n_samples: int, sequence_length: int = 4, extra: int = 0) -> gl.MemoryStreamStorage:
+    return gl.MemoryStreamStorage(np.arange(n_samples * sequence_length + extra, dtype=np.int64))
 
 
 def ids(samples: Sequence[np.ndarray]) -> list[int]:
     """Collate for identity streams: element ``i`` of the stream is ``i``, so a sample's first
-    element divided by the sequence length is its observation index. Module-level: picklable."""
-    return [int(s[0]) for s in samples]
-
-
-def die(samples: Sequence[np.ndarray]) -> list[int]:
-    """A collate that kills its worker process, as an out-of-memory kill would."""
-    import os
-
-    if any(int(s[0]) >= 40 for s in samples):
-        os._exit(3)
+    element divided by the sequence length is its observation index."""
     return [int(s[0]) for s in samples]
 
 
@@ -63,50 +38,52 @@ class IdsOf:
         return [int(s[0]) // self.sequence_length for s in samples]
 
 
-def identity_stream(n_samples: int, sequence_length: int = 4, extra: int = 0) -> gl.MemoryStreamStorage:
-    return gl.MemoryStreamStorage(np.arange(n_samples * sequence_length + extra, dtype=np.int64))
+def slow_ids(samples: Sequence[np.ndarray]) -> list[int]:
+    """The indexes of samples of length 4, 10 ms a batch."""
+    time.sleep(0.01)
+    return [int(s[0]) // 4 for s in samples]
 
 
-def make(storage: Any, sequence_length: int = 4, **kw: Any) -> gl.StatefulDataLoader[Any, list[int]]:
-    kw.setdefault("device", torch.device("cpu"))
-    return gl.StatefulDataLoader.from_storage(
-        storage, IdsOf(sequence_length), sequence_length=sequence_length, **kw
-    )
+def die(samples: Sequence[np.ndarray]) -> list[int]:
+    """A collate that kills its worker process, as an out-of-memory kill would."""
+    if any(int(s[0]) >= 40 for s in samples):
+        os._exit(3)
+    return [int(s[0]) for s in samples]
 
 
-def take(loader: gl.StatefulDataLoader[Any, Any], k: int | None = None) -> list[Any]:
-    """Up to ``k`` batches (all when None) from a fresh iterator, which is then closed."""
-    if k == 0:
-        return []
-    it = iter(loader)
-    out = []
-    try:
-        for batch in it:
-            out.append(batch)
-            if k is not None and len(out) == k:
-                break
-    finally:
-        it.close()
-    return out
+def stack_collate(samples: Sequence[np.ndarray]) -> torch.Tensor:
+    """Stack 1-D samples into an int64 tensor; an empty list gives a (0, 0) tensor."""
+    if len(samples) == 0:
+        return torch.empty((0, 0), dtype=torch.int64)
+    return torch.from_numpy(np.stack(samples).astype(np.int64))
 
 
-def roundtrip(state: gl.StatefulDataLoaderStateDict) -> Any:
-    """Save and load a checkpoint the way training jobs do (torch.save, weights_only load)."""
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
+class Tracked(gl.MemoryStreamStorage):
+    """Records when the loader opens and closes it."""
+
+    def __init__(self, tokens: npt.ArrayLike) -> None:
+        super().__init__(tokens)
+        self.events: list[str] = []
+
+    async def open(self) -> None:
+        self.events.append("open")
+
+    async def close(self) -> None:
+        self.events.append("close")
 
 
-def check_resume_equals_uninterrupted(n_samples: int, stop_after: int, **kw: Any) -> None:
-    """Resume at step ``stop_after`` in a fresh loader == the uninterrupted run, for one config."""
-    storage = identity_stream(n_samples)
-    with make(storage, **kw) as full:
-        expected = take(full)
-    with make(storage, **kw) as first:
-        before = take(first, stop_after)
-        state = roundtrip(first.state_dict())
-    with make(storage, **kw) as second:
-        second.load_state_dict(state)
-        after = take(second)
-    assert before + after == expected, (kw, stop_after)
+class Boom(Exception):
+    pass
+
+
+class FailingStorage(gl.MemoryStreamStorage):
+    """Fails the reads that include the sample starting at ``bad_start``."""
+
+    def __init__(self, tokens: npt.ArrayLike, bad_start: int) -> None:
+        super().__init__(tokens)
+        self.bad_start = bad_start
+
+    async def read_many(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
+        if self.bad_start in starts.tolist():
+            raise OSError(f"disk error at {self.bad_start}")
+        return await super().read_many(starts, length)

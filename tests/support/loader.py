@@ -1,50 +1,72 @@
-"""Small helpers shared by the loader tests: a flattener, a tracked storage, failing parts."""
+"""Running a loader in a test: build one over an identity stream, take batches, check a resume,
+and watch the threads and the event loop it uses."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import io
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 import pytest
 import torch
 
 import guideloom as gl
 from guideloom.pytorch import StatefulDataLoader
-from tests.support.data import identity_stream
+
+from .data import IdsOf, identity_stream, slow_ids
+
+
+def make(storage: Any, sequence_length: int = 4, **kw: Any) -> gl.StatefulDataLoader[Any, list[int]]:
+    kw.setdefault("device", torch.device("cpu"))
+    return gl.StatefulDataLoader.from_storage(
+        storage, IdsOf(sequence_length), sequence_length=sequence_length, **kw
+    )
+
+
+def take(loader: gl.StatefulDataLoader[Any, Any], k: int | None = None) -> list[Any]:
+    """Up to ``k`` batches (all when None) from a fresh iterator, which is then closed."""
+    if k == 0:
+        return []
+    it = iter(loader)
+    out = []
+    try:
+        for batch in it:
+            out.append(batch)
+            if k is not None and len(out) == k:
+                break
+    finally:
+        it.close()
+    return out
 
 
 def flat(batches: list[list[int]]) -> list[int]:
     return [i for b in batches for i in b]
 
 
-class Tracked(gl.MemoryStreamStorage):
-    """Records when the loader opens and closes it."""
-
-    def __init__(self, tokens: npt.ArrayLike) -> None:
-        super().__init__(tokens)
-        self.events: list[str] = []
-
-    async def open(self) -> None:
-        self.events.append("open")
-
-    async def close(self) -> None:
-        self.events.append("close")
+def roundtrip(state: gl.StatefulDataLoaderStateDict) -> Any:
+    """Save and load a checkpoint the way training jobs do (torch.save, weights_only load)."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
 
 
-def without_the_process_module(monkeypatch: pytest.MonkeyPatch) -> None:
-    """As in a fresh process that never used process workers: ``concurrent.futures`` has not
-    imported its ``process`` submodule (issue 10 item 1)."""
-    import concurrent.futures
-
-    monkeypatch.delattr(concurrent.futures, "process", raising=False)
-
-
-def slow_ids(samples: Sequence[np.ndarray]) -> list[int]:
-    time.sleep(0.01)
-    return [int(s[0]) // 4 for s in samples]
+def check_resume_equals_uninterrupted(n_samples: int, stop_after: int, **kw: Any) -> None:
+    """Resume at step ``stop_after`` in a fresh loader == the uninterrupted run, for one config."""
+    storage = identity_stream(n_samples)
+    with make(storage, **kw) as full:
+        expected = take(full)
+    with make(storage, **kw) as first:
+        before = take(first, stop_after)
+        state = roundtrip(first.state_dict())
+    with make(storage, **kw) as second:
+        second.load_state_dict(state)
+        after = take(second)
+    assert before + after == expected, (kw, stop_after)
 
 
 def slow_thread_worker_loader() -> StatefulDataLoader[Any, Any]:
@@ -60,16 +82,36 @@ def slow_thread_worker_loader() -> StatefulDataLoader[Any, Any]:
     )
 
 
-class Boom(Exception):
-    pass
+def without_the_process_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As in a fresh process that never used process workers: ``concurrent.futures`` has not
+    imported its ``process`` submodule."""
+    import concurrent.futures
+
+    monkeypatch.delattr(concurrent.futures, "process", raising=False)
 
 
-class FailingStorage(gl.MemoryStreamStorage):
-    def __init__(self, tokens: npt.ArrayLike, bad_start: int) -> None:
-        super().__init__(tokens)
-        self.bad_start = bad_start
+def guideloom_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("guideloom")]
 
-    async def read_many(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
-        if self.bad_start in starts.tolist():
-            raise OSError(f"disk error at {self.bad_start}")
-        return await super().read_many(starts, length)
+
+@contextlib.asynccontextmanager
+async def loop_gaps() -> AsyncIterator[list[float]]:
+    """Record the gaps between the ticks of a 5 ms ticker on the running loop: a blocked loop
+    shows up as a long gap."""
+    gaps: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    task = asyncio.create_task(ticker())
+    try:
+        yield gaps
+    finally:
+        stop.set()
+        await task

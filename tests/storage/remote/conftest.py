@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import itertools
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import guideloom
+from tests.support.remote import BUCKET, Copies
 from tests.support.servers import FaultProxy, MotoS3, Nginx, nginx_binary
-
-BUCKET = "guideloom-test"
-_names = itertools.count()
 
 
 @pytest.fixture(scope="session")
@@ -47,27 +43,6 @@ def proxy_for() -> Iterator[list[FaultProxy]]:
     yield started
     for p in started:
         p.stop()
-
-
-def start_proxy(started: list[FaultProxy], upstream_port: int, **kwargs: float) -> FaultProxy:
-    p = FaultProxy(upstream_port, lifetime=kwargs.pop("lifetime", 100.0), **kwargs).start()
-    started.append(p)
-    return p
-
-
-@dataclass
-class Copies:
-    """One dataset in three places: a local folder, an S3 prefix and an nginx-served folder."""
-
-    local: Path
-    s3_url: str
-    http_path: str  # path under the nginx root
-    tokens: np.ndarray
-    meta: np.ndarray | None = None
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}-{next(_names)}"
 
 
 @pytest.fixture(scope="session")

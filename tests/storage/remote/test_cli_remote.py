@@ -11,9 +11,8 @@ import torch
 
 import guideloom
 from guideloom._cli import main
+from tests.support.remote import BUCKET, unique
 from tests.support.servers import MotoS3
-
-from .conftest import BUCKET, unique
 
 
 def test_prepare_to_s3_then_inspect_verify_and_load(

@@ -12,9 +12,8 @@ import pytest
 import guideloom
 from guideloom._errors import DatasetIntegrityError
 from guideloom.storage import _client
+from tests.support.remote import BUCKET, Copies, unique
 from tests.support.servers import MotoS3
-
-from .conftest import BUCKET, Copies, unique
 
 
 def _count_manifest_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:

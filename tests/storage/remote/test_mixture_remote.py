@@ -12,10 +12,9 @@ import numpy as np
 import torch
 
 import guideloom as gl
-from tests.support.data import roundtrip, take
+from tests.support.loader import roundtrip, take
+from tests.support.remote import Copies
 from tests.support.servers import MotoS3, Nginx
-
-from .conftest import Copies
 
 CPU = torch.device("cpu")
 

@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 import guideloom as gl
+from tests.support.remote import BUCKET, unique
 from tests.support.servers import MotoS3, Nginx
-
-from .conftest import BUCKET, unique
 
 
 async def read_all(dataset: gl.PackedDataset, order: np.ndarray) -> list[Any]:

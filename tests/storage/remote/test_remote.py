@@ -15,55 +15,22 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 import guideloom
 from guideloom import StatefulDataLoader
 from guideloom._errors import DatasetFormatError, DatasetIntegrityError, RemoteReadError
+from tests.support import ROOT
+from tests.support.remote import (
+    BUCKET,
+    Copies,
+    all_batches,
+    all_batches_async,
+    assert_same,
+    loader_for,
+    start_proxy,
+    unique,
+)
 from tests.support.servers import SECRET_KEY, FaultProxy, MotoS3, Nginx
-
-from .conftest import BUCKET, Copies, start_proxy, unique
-
-CPU = torch.device("cpu")
-
-
-def collate(samples: Sequence[Any]) -> Any:
-    if isinstance(samples[0], dict):
-        return {k: torch.from_numpy(np.stack([s[k] for s in samples]).astype(np.int64)) for k in samples[0]}
-    return torch.from_numpy(np.stack(samples).astype(np.int64))
-
-
-def loader_for(storage: Any, **kwargs: Any) -> StatefulDataLoader[Any, Any]:
-    kwargs.setdefault("sequence_length", 100)
-    kwargs.setdefault("local_batch_size", 4)
-    kwargs.setdefault("shuffle", True)
-    kwargs.setdefault("shuffle_seed", 7)
-    return StatefulDataLoader.from_storage(storage, collate, device=CPU, **kwargs)
-
-
-def all_batches(storage: Any, **kwargs: Any) -> list[Any]:
-    with loader_for(storage, **kwargs) as loader:
-        return list(loader)
-
-
-async def all_batches_async(storage: Any, **kwargs: Any) -> list[Any]:
-    out = []
-    async with loader_for(storage, **kwargs) as loader:
-        async for b in loader:
-            out.append(b)
-    return out
-
-
-def assert_same(a: list[Any], b: list[Any]) -> None:
-    assert len(a) == len(b) and len(a) > 0
-    for x, y in zip(a, b, strict=True):
-        if isinstance(x, dict):
-            assert x.keys() == y.keys()
-            for k in x:
-                assert torch.equal(x[k], y[k])
-        else:
-            assert torch.equal(x, y)
-
 
 FAST = {"timeout": 5.0, "backoff": 0.01, "max_backoff": 0.05}
 
@@ -362,7 +329,7 @@ async def test_async_for_over_s3_leaves_the_event_loop_responsive(
     storage = guideloom.open_stream(  # one request per 400-byte sample: a load that lasts a while
         plain_copies.s3_url, coalesce_gap=0, max_request_bytes=400, **s3.options(proxy.url)
     )
-    from tests.support.data import loop_gaps
+    from tests.support.loader import loop_gaps
 
     async with loop_gaps() as gaps:
         batches = await all_batches_async(storage, sequence_length=200, local_batch_size=2)
@@ -445,7 +412,7 @@ def test_azure_urls_are_understood_without_a_server() -> None:
 
 
 # -- clean exit ------------------------------------------------------------------------------------
-EXIT_SCRIPT = Path(__file__).resolve().parents[2] / "support" / "exit_script.py"
+EXIT_SCRIPT = ROOT / "tests" / "support" / "exit_script.py"
 
 
 @pytest.mark.slow

@@ -7,10 +7,8 @@ import multiprocessing
 import pytest
 
 import guideloom
+from tests.support.remote import Copies, assert_same, loader_for
 from tests.support.servers import MotoS3
-
-from .conftest import Copies
-from .test_remote import assert_same, loader_for
 
 pytestmark = pytest.mark.slow
 

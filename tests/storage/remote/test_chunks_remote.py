@@ -18,11 +18,9 @@ from guideloom import StatefulDataLoader
 from guideloom.storage._cache import DatasetCache, copy_footprint
 from guideloom.storage._chunks import ChunkCache
 from guideloom.storage._remote import ObjectStreamStorage
-from tests.storage.test_chunks import Sampler
+from tests.support.chunks import Sampler
+from tests.support.remote import Copies, assert_same, collate, start_proxy
 from tests.support.servers import FaultProxy, MotoS3, Nginx
-
-from .conftest import Copies, start_proxy
-from .test_remote import assert_same, collate
 
 CPU = torch.device("cpu")
 DATASET = 80_000  # plain_copies: 40,000 uint16 in three objects
@@ -223,7 +221,7 @@ def test_process_workers_read_through_a_bounded_cache(
 def test_documents_are_cached_in_chunks_by_the_plan_too(s3: MotoS3, tmp_path: Path) -> None:
     import numpy as np
 
-    from .conftest import BUCKET, unique
+    from tests.support.remote import BUCKET, unique
 
     rng = np.random.default_rng(3)
     docs = [rng.integers(0, 60_000, int(n), dtype=np.uint16) for n in rng.integers(0, 300, 400)]

@@ -19,10 +19,8 @@ import guideloom
 from guideloom import StatefulDataLoader
 from guideloom.storage import _cache
 from guideloom.storage._remote import ObjectStreamStorage
+from tests.support.remote import BUCKET, Copies, all_batches, assert_same, collate, unique
 from tests.support.servers import MotoS3, Nginx
-
-from .conftest import BUCKET, Copies, unique
-from .test_remote import all_batches, assert_same, collate
 
 CPU = torch.device("cpu")
 

@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
         child_main(args.child)
         return
 
-    from tests.remote._servers import Nginx, nginx_binary, proxy_process
+    from tests.support.servers import Nginx, nginx_binary, proxy_process
 
     if nginx_binary() is None:
         raise SystemExit("nginx is needed: run .ci/install-servers.sh")

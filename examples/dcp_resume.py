@@ -10,7 +10,7 @@ DCP stores it once, and any number of ranks can load it. The second command resu
 on 3 ranks where 2 ranks stopped it, and every sample of the epoch is seen exactly once.
 
 Each rank appends the sample ids it saw to ``<checkpoint>.seen-<run>-rank<r>.json`` (run ``save``
-or ``resume``), which ``tests/test_dcp.py`` checks. Without ``--data`` present, rank 0 writes a
+or ``resume``), which ``tests/loader/test_dcp.py`` checks. Without ``--data`` present, rank 0 writes a
 small dataset there first.
 """
 

@@ -2,7 +2,7 @@
 
 Nothing here does I/O, starts threads or imports torch. Every decision about *which* observations
 a rank sees at a given step is made here, so the exactly-once and resume guarantees can be tested
-directly (see ``tests/test_plan.py``).
+directly (see ``tests/core/test_plan.py``).
 
 The epoch order itself is an :class:`~guideloom._core.order.Order` (the keyed permutation of
 :mod:`guideloom._core.permutation`, a block shuffle, or a dataset's own).

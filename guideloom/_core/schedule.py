@@ -5,7 +5,7 @@ request (the int64 observation indexes of a window) and is *sent* the samples, o
 exception *thrown* into it; a driver performs the read. :func:`run_sync` reads with a blocking
 call (the inline loop), :func:`run_async` with a coroutine (the event-loop reader), so windows,
 index lookup, the count check, the split into batches and the localisation of a failure exist
-once, and are tested without any storage (``tests/test_schedule.py``).
+once, and are tested without any storage (``tests/core/test_schedule.py``).
 
 The schedule comes in two parts so that the async reader can keep several windows in flight:
 :func:`windows` plans the epoch's windows ahead (a pure iterator of batch lists), and

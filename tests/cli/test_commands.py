@@ -13,8 +13,7 @@ import pytest
 import torch
 
 import guideloom as gl
-
-from .conftest import manifest_of, write_jsonl
+from tests.support.cli import manifest_of, write_jsonl
 
 TEXTS = [f"document number {i}: " + "lorem ipsum " * (i % 13) for i in range(200)]
 

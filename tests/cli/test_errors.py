@@ -16,8 +16,7 @@ import pytest
 
 import guideloom as gl
 from guideloom._cli import _tokenizers
-
-from .conftest import byte_texts, manifest_of, write_jsonl
+from tests.support.cli import byte_texts, manifest_of, write_jsonl
 
 
 def _jsonl_with_bad_line(path: Path, bad_line: int, total: int = 40, compress: bool = False) -> list[str]:
@@ -413,7 +412,7 @@ def test_console_script_errors_have_no_traceback(tmp_path: Path) -> None:
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_binary_input_is_one_error_line_in_a_fresh_process(tmp_path: Path, workers: str) -> None:
     # A fresh interpreter: with one worker no process pool is ever made, so the error path must
-    # not rely on concurrent.futures.process having been imported by someone else (issue 10).
+    # not rely on concurrent.futures.process having been imported by someone else.
     (tmp_path / "blob.bin").write_bytes(bytes(range(256)) * 8)
     args = ["prepare", str(tmp_path / "blob.bin"), "-o", str(tmp_path / "ds"), "--workers", workers]
     out = subprocess.run(

@@ -12,8 +12,7 @@ import pytest
 
 import guideloom as gl
 from guideloom._cli import _prepare
-
-from .conftest import BYTE_EOS, byte_texts, checksums, data_files, field_of, manifest_of, write_jsonl
+from tests.support.cli import BYTE_EOS, byte_texts, checksums, data_files, field_of, manifest_of, write_jsonl
 
 TEXTS = [
     "Hello, world!",

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-DOCS = ROOT / "docs"
+from tests.support import ROOT
 
 
 @pytest.fixture(scope="session")

@@ -138,7 +138,7 @@ def test_roles_become_code_spans() -> None:
 
     pytest.importorskip("griffe", reason='the docs extra is not installed: pip install -e ".[docs]"')
 
-    from .conftest import DOCS
+    from tests.support.docs import DOCS
 
     spec = importlib.util.spec_from_file_location("griffe_roles", DOCS / "hooks" / "griffe_roles.py")
     assert spec is not None and spec.loader is not None

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ._blocks import python_blocks
-from .conftest import DOCS, ROOT
+from tests.support import ROOT
+from tests.support.docs import DOCS, python_blocks
 
 PAGES = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))
 RUNNABLE = [p for p in PAGES if python_blocks(DOCS / p)[0]]

@@ -20,8 +20,8 @@ from urllib.parse import unquote, urlsplit
 import numpy as np
 import pytest
 
-from ._png import read_png
-from .conftest import ROOT
+from tests.support import ROOT
+from tests.support.docs import read_png
 
 CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOTS = ROOT / "site" / "screenshots"

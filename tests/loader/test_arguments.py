@@ -10,9 +10,8 @@ import torch
 
 import guideloom as gl
 from guideloom.pytorch import StatefulDataLoader
-
-from .._helpers import identity_stream, make
-from ..conftest import stack_collate
+from tests.support.data import identity_stream, stack_collate
+from tests.support.loader import make
 
 pytestmark = pytest.mark.usefixtures("no_thread_leak")
 

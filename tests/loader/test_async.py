@@ -12,13 +12,8 @@ import numpy.typing as npt
 import pytest
 
 import guideloom as gl
-
-from .._helpers import identity_stream, make, take
-from ._support import (
-    Tracked,
-    slow_thread_worker_loader,
-    without_the_process_module,
-)
+from tests.support.data import Tracked, identity_stream
+from tests.support.loader import make, slow_thread_worker_loader, take, without_the_process_module
 
 pytestmark = pytest.mark.usefixtures("no_thread_leak")
 
@@ -92,7 +87,7 @@ class SlowBlockingStream(gl.MemoryStreamStorage):
 
 @pytest.mark.asyncio
 async def test_async_iteration_keeps_the_event_loop_responsive() -> None:
-    from .._helpers import loop_gaps
+    from tests.support.loader import loop_gaps
 
     loader = make(SlowBlockingStream(np.arange(400)), local_batch_size=4)
     async with loop_gaps() as gaps, loader:

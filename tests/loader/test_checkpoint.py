@@ -1,4 +1,8 @@
-"""Checkpoints: what state_dict counts, and exact resume with another batch or world size."""
+"""Checkpoints through the loader: what ``state_dict`` counts, what ``load_state_dict`` refuses
+or warns about, and exact resume with another batch or world size.
+
+The pure checks behind them (the fingerprint, ``restore_position``) are in
+``tests/core/test_checkpoint.py``."""
 
 from __future__ import annotations
 
@@ -9,10 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from .._helpers import check_resume_equals_uninterrupted, identity_stream, make, roundtrip, take
-from ._support import (
-    flat,
-)
+from tests.support.data import identity_stream
+from tests.support.loader import check_resume_equals_uninterrupted, flat, make, roundtrip, take
 
 pytestmark = pytest.mark.usefixtures("no_thread_leak")
 

@@ -10,13 +10,8 @@ import pytest
 import torch
 
 import guideloom as gl
-
-from .._helpers import identity_stream, make, take
-from ._support import (
-    Boom,
-    FailingStorage,
-    flat,
-)
+from tests.support.data import Boom, FailingStorage, identity_stream
+from tests.support.loader import flat, make, take
 
 pytestmark = pytest.mark.usefixtures("no_thread_leak")
 

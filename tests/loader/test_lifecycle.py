@@ -14,14 +14,8 @@ import pytest
 import torch
 
 import guideloom as gl
-
-from .._helpers import identity_stream, make, take
-from ._support import (
-    Boom,
-    Tracked,
-    slow_thread_worker_loader,
-    without_the_process_module,
-)
+from tests.support.data import Boom, Tracked, identity_stream
+from tests.support.loader import make, slow_thread_worker_loader, take, without_the_process_module
 
 pytestmark = pytest.mark.usefixtures("no_thread_leak")
 
@@ -126,7 +120,7 @@ def test_stats_count_batches_samples_and_waiting() -> None:
 
 
 def test_no_thread_runs_between_iterators_even_while_open() -> None:
-    from ..conftest import guideloom_threads
+    from tests.support.loader import guideloom_threads
 
     def boom(samples: Sequence[np.ndarray]) -> list[int]:
         if int(samples[0][0]) >= 16:

@@ -1,4 +1,7 @@
-"""Epoch order and partitioning across ranks (contract: order, rank blocks, drop_last)."""
+"""Epoch order and partitioning across ranks through the loader (contract: order, rank blocks,
+drop_last).
+
+The orders themselves, with no loader, are in ``tests/core/test_order.py``."""
 
 from __future__ import annotations
 
@@ -9,11 +12,8 @@ import pytest
 import torch
 
 import guideloom as gl
-
-from .._helpers import identity_stream, make, take
-from ._support import (
-    flat,
-)
+from tests.support.data import identity_stream
+from tests.support.loader import flat, make, take
 
 pytestmark = pytest.mark.usefixtures("no_thread_leak")
 

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 import guideloom as gl
-
-from .._helpers import identity_stream, take
-from ..conftest import stack_collate
+from tests.support.data import identity_stream, stack_collate
+from tests.support.loader import take
 
 pytestmark = pytest.mark.usefixtures("no_thread_leak")
 

@@ -11,11 +11,8 @@ import pytest
 import torch
 
 import guideloom as gl
-
-from .._helpers import identity_stream, make, take
-from ._support import (
-    flat,
-)
+from tests.support.data import identity_stream
+from tests.support.loader import flat, make, take
 
 pytestmark = pytest.mark.usefixtures("no_thread_leak")
 
@@ -86,7 +83,7 @@ def test_process_workers_keep_order_and_errors() -> None:
 def test_a_worker_process_that_dies_is_a_worker_error() -> None:
     import multiprocessing
 
-    from .._helpers import die
+    from tests.support.data import die
 
     loader = gl.StatefulDataLoader.from_storage(
         identity_stream(20),
@@ -111,7 +108,7 @@ def test_a_worker_killed_between_batches_is_a_worker_error(caplog: pytest.LogCap
     import os
     import signal
 
-    from .._helpers import IdsOf
+    from tests.support.data import IdsOf
 
     loader = gl.StatefulDataLoader.from_storage(
         identity_stream(400),

@@ -1,4 +1,7 @@
-"""The whole copy (``guideloom.storage._cache``): what it puts on disk, and in what order."""
+"""The whole copy (``guideloom.storage._cache``): what it puts on disk, and in what order.
+
+``cache_dir`` over a real object store, through the loader, is in
+``tests/storage/remote/test_cache_remote.py``."""
 
 from __future__ import annotations
 

@@ -13,8 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from guideloom.storage._chunks import ChunkCache
-
-from .test_chunks import CHUNK, SEQ, Store, settle
+from tests.support.chunks import CHUNK, SEQ, Store, settle
 
 
 def _planned(store: Store, cache: ChunkCache, rows: list[int]) -> tuple[object, ...]:

@@ -1,0 +1,192 @@
+"""Datasets of one's own: a DatasetAbstract subclass without a storage, and MapDataset over any
+object with ``__len__``/``__getitem__``, in the loader with thread and process workers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+import torch
+
+import guideloom as gl
+from tests.support.loader import roundtrip, take
+
+CPU = torch.device("cpu")
+
+
+class Squares(gl.DatasetAbstract[int]):
+    """A random-access source of its own: sample ``i`` is ``i * i``; counts its opens and reads."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.opened = self.closed = 0
+        self.calls: list[int] = []
+
+    async def open(self) -> None:
+        self.opened += 1
+
+    async def close(self) -> None:
+        self.closed += 1
+
+    def __len__(self) -> int:
+        return self.n
+
+    async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[int]:
+        self.calls.append(len(indices))
+        return [int(i) * int(i) for i in indices]
+
+
+class Bare(gl.DatasetAbstract[int]):
+    """The least a dataset needs: ``__len__`` and ``read_many``."""
+
+    def __len__(self) -> int:
+        return 10
+
+    async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[int]:
+        return indices.tolist()
+
+
+class Batched:
+    """A map-style source with PyTorch's batched ``__getitems__``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.batched_calls = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        raise AssertionError("read through __getitems__")
+
+    def __getitems__(self, keys: list[int]) -> list[int]:
+        self.batched_calls += 1
+        return [k + 1000 for k in keys]
+
+
+class TorchSquares(torch.utils.data.Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i, i * i])
+
+
+def as_list(samples: Sequence[int]) -> list[int]:
+    return [int(x) for x in samples]
+
+
+def stack(samples: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(list(samples))
+
+
+def test_a_subclass_needs_no_storage_and_its_open_and_close_are_called() -> None:
+    ds = Squares(20)
+    assert ds.storage is None
+    with gl.StatefulDataLoader(ds, as_list, local_batch_size=4, device=CPU) as ld:
+        assert ds.opened == 1
+        batches = take(ld)
+    assert ds.closed == 1
+    assert batches == [[i * i for i in range(k, k + 4)] for k in range(0, 20, 4)]
+    assert sum(ds.calls) == 20  # read through its read_many, in batched calls
+
+
+def test_the_defaults_of_a_dataset_without_storage() -> None:
+    ds = Bare()
+    asyncio.run(ds.open())  # nothing to open or close: no error
+    asyncio.run(ds.close())
+    assert ds.max_concurrent_reads == 1 and ds.read_window_bytes == 4 * 2**20
+    assert ds.order(shuffle=True, seed=0, epoch=0) is None and ds.position_stats(epoch=0, offset=0) == {}
+    assert not ds.reads_inline
+    with pytest.raises(NotImplementedError, match="no blocking reads"):
+        ds.read_many_sync(np.arange(2))
+    with gl.StatefulDataLoader(
+        ds, as_list, local_batch_size=5, shuffle=True, shuffle_seed=1, device=CPU
+    ) as ld:
+        assert sorted(x for b in take(ld) for x in b) == list(range(10))
+
+
+def test_the_built_in_datasets_keep_their_storage() -> None:
+    s = gl.MemoryStreamStorage(np.arange(10))
+    d = gl.MemoryDocumentStorage([np.arange(3)])
+    assert gl.StreamDataset(s, 2).storage is s and gl.DocumentDataset(d).storage is d
+
+
+def test_a_subclass_with_workers_and_resume() -> None:
+    # thread workers here; process workers read the same way (the reads stay in this process,
+    # the samples go to the workers): the MapDataset test below runs them
+    def make() -> gl.StatefulDataLoader[int, list[int]]:
+        return gl.StatefulDataLoader(
+            Squares(40),
+            as_list,
+            local_batch_size=3,
+            shuffle=True,
+            shuffle_seed=4,
+            num_workers=2,
+            parallel_method="thread",
+            prefetch=2,
+            device=CPU,
+        )
+
+    with make() as ld:
+        full = take(ld)
+    with make() as ld:
+        head = take(ld, 5)
+        state = roundtrip(ld.state_dict())
+    with make() as ld:
+        ld.load_state_dict(state)
+        assert head + take(ld) == full
+    seen = [x for b in full for x in b]  # 13 batches of 3: 39 of the 40, each once
+    assert len(seen) == len(set(seen)) == 39 and set(seen) <= {i * i for i in range(40)}
+
+
+def test_map_dataset_over_a_list_a_range_and_a_torch_dataset() -> None:
+    words = [f"w{i}" for i in range(9)]
+    with gl.StatefulDataLoader(gl.MapDataset(words), list, local_batch_size=3, device=CPU) as ld:
+        assert take(ld) == [words[0:3], words[3:6], words[6:9]]
+    ds = gl.MapDataset(TorchSquares())
+    assert len(ds) == 24 and ds.reads_inline
+    with gl.StatefulDataLoader(ds, stack, local_batch_size=8, shuffle=True, shuffle_seed=0, device=CPU) as ld:
+        batches = take(ld)
+    seen = torch.cat(batches)
+    assert sorted(seen[:, 0].tolist()) == list(range(24)) and (seen[:, 1] == seen[:, 0] ** 2).all()
+
+
+def test_map_dataset_reads_through_getitems_in_batched_calls() -> None:
+    src = Batched(32)
+    ds = gl.MapDataset(src)
+    with gl.StatefulDataLoader(ds, as_list, local_batch_size=4, device=CPU) as ld:
+        assert [x for b in take(ld) for x in b] == list(range(1000, 1032))
+    assert 1 <= src.batched_calls <= 8  # one call per read window, not one per sample
+
+
+@pytest.mark.parametrize("method", ["thread", "process"])
+def test_map_dataset_with_workers_matches_the_inline_run(method: str) -> None:
+    kw: dict[str, Any] = {"local_batch_size": 4, "shuffle": True, "shuffle_seed": 9, "device": CPU}
+    with gl.StatefulDataLoader(gl.MapDataset(range(50)), as_list, **kw) as ld:
+        inline = take(ld)
+    with gl.StatefulDataLoader(
+        gl.MapDataset(range(50)), as_list, num_workers=2, parallel_method=method, prefetch=1, **kw
+    ) as ld:
+        assert take(ld) == inline
+
+
+def test_map_dataset_from_async_for_reads_off_the_loop() -> None:
+    async def main() -> list[list[int]]:
+        async with gl.StatefulDataLoader(
+            gl.MapDataset(range(12)), as_list, local_batch_size=4, device=CPU
+        ) as ld:
+            return [b async for b in ld]
+
+    assert asyncio.run(main()) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+def test_map_dataset_refuses_what_is_not_map_style() -> None:
+    with pytest.raises(TypeError, match="__len__ and __getitem__"):
+        gl.MapDataset(iter(range(3)))
+    with pytest.raises(ValueError, match="takes no sequence_length"):
+        gl.StatefulDataLoader.from_storage(gl.MapDataset(range(3)), as_list, sequence_length=2, device=CPU)

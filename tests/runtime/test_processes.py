@@ -1,0 +1,543 @@
+"""Process workers (``parallel_method="process"``): batches through shared memory, workers kept
+between iterators, death, stuck collates, leaks and the ``__main__`` guard; then the sync ``for``
+over them without an event loop (:class:`SyncRun`): the same batches as ``num_workers=0`` for
+every group size, exact resume, nothing left in ``/dev/shm``, and a ``close()`` from another
+thread ending a blocked ``next()``.
+
+Which of process workers or the collate inline runs each batch is in ``test_process_choice.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import guideloom as gl
+from guideloom._runtime.processes import SHUTDOWN_GRACE_S, RemoteTraceback, WorkerPool, live_segments
+from guideloom._runtime.runners import ProcessRunner
+from tests.support.loader import take
+from tests.support.processes import (
+    SEQ,
+    Boom,
+    assert_same,
+    fails_at_40,
+    ids,
+    loader_for,
+    rich,
+    slow_ids,
+    worker_pids,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_thread_leak")]
+
+
+@pytest.fixture
+def own_segments(monkeypatch: pytest.MonkeyPatch) -> Callable[[], list[str]]:
+    """The live ``/dev/shm`` segments of the pools this test made. Only those: another session's
+    tests may hold segments of their own meanwhile. Fails if the test made no pool at all."""
+    tokens: list[str] = []
+    init = WorkerPool.__init__
+
+    def recording(self: WorkerPool, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        tokens.append(self.token)
+
+    monkeypatch.setattr(WorkerPool, "__init__", recording)
+
+    def live() -> list[str]:
+        assert tokens, "the test made no worker pool: its leak check would prove nothing"
+        return [name for token in tokens for name in live_segments(token + "-")]
+
+    return live
+
+
+def stuck_at_8(samples: Sequence[np.ndarray]) -> list[int]:
+    if any(int(s[0]) // SEQ == 8 for s in samples):
+        time.sleep(10_000)  # a collate that never returns
+    return ids(samples)
+
+
+def test_batches_match_inline_and_workers_persist_between_iterators(
+    stream: Path, own_segments: Callable[[], list[str]]
+) -> None:
+    with loader_for(stream, rich, num_workers=0, shuffle=True, shuffle_seed=3) as inline:
+        expected = [take(inline), take(inline)]  # two epochs
+    loader = loader_for(stream, rich, shuffle=True, shuffle_seed=3, prefetch=6)
+    with loader:
+        first = take(loader)
+        pids = worker_pids()
+        assert len(pids) == 2
+        t0 = time.perf_counter()
+        it = iter(loader)
+        second = [next(it)]
+        first_batch_s = time.perf_counter() - t0
+        second.extend(it)
+        assert worker_pids() == pids  # the same processes served epoch 2: no respawn
+        assert first_batch_s < 2.0, first_batch_s  # no spawn (seconds); the benchmark times it
+        for got, want in zip((first, second), expected, strict=True):
+            assert len(got) == len(want)
+            for a, b in zip(got, want, strict=True):
+                assert_same(a, b)
+        shared = first[0]["tokens"]
+        assert shared.is_contiguous() and first[0]["same"][0] is first[0]["same"][1]
+        owner = first[0]["array"]
+        while isinstance(owner, np.ndarray):
+            owner = owner.base
+        assert isinstance(owner, ctypes.Array)  # a view of a shared-memory slot, not a copy
+    assert worker_pids() == set()
+    del first, second, shared
+    assert own_segments() == []
+
+
+def test_load_state_dict_between_iterators_with_persistent_workers(stream: Path) -> None:
+    with loader_for(stream, ids, num_workers=0, shuffle=True, shuffle_seed=5) as inline:
+        expected = take(inline)
+    loader = loader_for(stream, ids, shuffle=True, shuffle_seed=5, prefetch=4)
+    start = loader.state_dict()
+
+    @settings(max_examples=12, deadline=None, derandomize=True)
+    @given(stop=st.integers(0, len(expected) - 1), back=st.integers(0, 3))
+    def resume_anywhere(stop: int, back: int) -> None:
+        loader.load_state_dict(start)
+        before = take(loader, stop)
+        state = loader.state_dict()
+        take(loader, back)  # read on, then go back: the workers keep nothing that matters for order
+        loader.load_state_dict(state)
+        after = take(loader)
+        assert before + after == expected
+
+    with loader:
+        resume_anywhere()
+        assert len(worker_pids()) == 2
+
+
+def test_persistent_workers_false_starts_workers_per_iterator(stream: Path) -> None:
+    loader = loader_for(stream, ids, persistent_workers=False, prefetch=2)
+    with loader:
+        it = iter(loader)
+        assert next(it) == [0, 1, 2, 3]
+        pids = worker_pids()
+        assert len(pids) == 2
+        it.close()
+        assert worker_pids() == set()
+        assert take(loader, 1) == [[4, 5, 6, 7]]  # the position goes on
+        assert worker_pids() == set()
+
+
+def test_a_worker_killed_with_sigkill_is_a_worker_error_within_a_second(
+    stream: Path, own_segments: Callable[[], list[str]]
+) -> None:
+    loader = loader_for(stream, slow_ids, prefetch=4, local_batch_size=2)
+    got: list[list[int]] = []
+    with loader:
+        it = iter(loader)
+        for _ in range(3):
+            got.append(next(it))
+        victim = min(worker_pids())
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(gl.WorkerError, match="died") as info:
+            while True:
+                got.append(next(it))
+        assert time.monotonic() - killed < 1.0
+        assert worker_pids() == set()  # the failed epoch shut every worker down, loader open or not
+        assert "SIGKILL" in str(info.value)
+        assert [i for b in got for i in b] == list(range(2 * len(got)))  # in order, none lost before
+        state = loader.state_dict()
+        assert state["observation_offset"] == 2 * len(got)
+        # The next iterator starts a worker in the dead one's place and resumes exactly.
+        rest = take(loader)
+        assert [i for b in got + rest for i in b] == list(range(200))
+        assert victim not in worker_pids() and len(worker_pids()) == 2
+    assert worker_pids() == set()
+    assert own_segments() == []
+
+
+def test_a_collate_error_reaches_the_consumer_at_its_batch_and_leaves_no_shared_memory(
+    stream: Path, own_segments: Callable[[], list[str]]
+) -> None:
+    got: list[torch.Tensor] = []
+    with loader_for(stream, fails_at_40, prefetch=8) as loader:
+        with pytest.raises(Boom, match="sample 40") as info:
+            for b in loader:
+                got.append(b)
+        assert isinstance(info.value.__cause__, RemoteTraceback)
+        assert "fails_at_40" in str(info.value.__cause__)
+        assert [int(b[0, 0]) // SEQ for b in got] == list(range(0, 40, 4))
+        assert loader.state_dict()["observation_offset"] == 40
+        assert worker_pids() == set()  # shut down with the failed epoch, while the loader is open
+    del got
+    assert own_segments() == []
+    assert worker_pids() == set()
+
+
+def test_a_stuck_collate_is_terminated_on_close(stream: Path) -> None:
+    loader = loader_for(stream, stuck_at_8, prefetch=2)
+    loader.open()
+    it = iter(loader)
+    assert [next(it), next(it)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert len(worker_pids()) == 2
+    t0 = time.monotonic()
+    loader.close()  # batch 2 never comes: its worker is terminated after the grace period
+    elapsed = time.monotonic() - t0
+    assert elapsed < SHUTDOWN_GRACE_S + 1.0, elapsed
+    assert multiprocessing.active_children() == []
+
+
+def test_a_script_without_the_main_guard_is_told_so(stream: Path, tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import numpy as np, torch
+            import guideloom as gl
+
+            def ids(samples):
+                return [int(s[0]) for s in samples]
+
+            loader = gl.StatefulDataLoader.from_storage(
+                gl.open_stream({str(stream)!r}), ids, sequence_length=64, num_workers=1,
+                parallel_method="process", device=torch.device("cpu"),
+            )
+            with loader:
+                for batch in loader:
+                    pass
+            print("finished")
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run(
+        [sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=100, env=env
+    )
+    assert r.returncode != 0
+    assert "finished" not in r.stdout
+    assert 'if __name__ == "__main__":' in r.stderr
+    assert "WorkerError" in r.stderr
+    assert [ln for ln in r.stderr.splitlines() if "guideloom.WorkerError" in ln or "WorkerError:" in ln]
+
+
+def test_async_for_with_process_workers(stream: Path) -> None:
+    import asyncio
+
+    with loader_for(stream, rich, num_workers=0, shuffle=True, shuffle_seed=9) as inline:
+        expected = take(inline)
+
+    async def run() -> list[Any]:
+        out = []
+        async with loader_for(stream, rich, shuffle=True, shuffle_seed=9, prefetch=4) as loader:
+            async for batch in loader:
+                out.append(batch)
+            assert len(worker_pids()) == 2  # kept for the next epoch until the loader closes
+        assert worker_pids() == set()
+        return out
+
+    got = asyncio.run(run())
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        assert_same(a, b)
+
+
+def small_of_every_dtype(samples: Sequence[np.ndarray]) -> dict[str, Any]:
+    """Batches far below the shared-memory threshold, in every dtype (module level: picklable)."""
+    rows = np.stack([np.asarray(s)[:2] for s in samples]) if len(samples) else np.zeros((0, 2), np.int64)
+    dtypes = (torch.uint8, torch.int8, torch.uint16, torch.int16, torch.uint32, torch.int32, torch.uint64)
+    out: dict[str, Any] = {str(d): torch.from_numpy(rows % 100).to(d) for d in dtypes}
+    out |= {str(d): torch.from_numpy(rows).to(d) for d in (torch.int64, torch.float32, torch.bfloat16)}
+    out["numpy uint16"] = (rows % 100).astype(np.uint16)
+    return out
+
+
+def test_small_batches_of_every_dtype_cross_to_the_main_process(tmp_path: Path) -> None:
+    """torch 2.13 cannot load back a pickled uint16/uint32/uint64 tensor: small ones, which
+    travel in the pickle, went through a slot only above 4 KiB and crashed below (the usual
+    dtype of token ids). The empty batch of a trailing rank too."""
+    gl.write_stream(tmp_path / "s", np.arange(40 * SEQ, dtype=np.uint16))
+    for kw in ({}, {"world_size": 3, "rank": 2, "drop_last": False, "local_batch_size": 9}):
+        with loader_for(tmp_path / "s", small_of_every_dtype, num_workers=0, **kw) as inline:
+            expected = take(inline)
+        with loader_for(tmp_path / "s", small_of_every_dtype, **kw) as loader:
+            got = take(loader)
+        assert len(got) == len(expected)
+        assert kw == {} or len(got[-1]["numpy uint16"]) == 0  # the trailing rank's empty batch
+        for a, b in zip(got, expected, strict=True):
+            assert a.keys() == b.keys()
+            for k in a:
+                assert type(a[k]) is type(b[k]) and a[k].dtype == b[k].dtype, k
+                assert a[k].shape == b[k].shape and (a[k] == b[k]).all(), k
+    assert worker_pids() == set()
+
+
+@pytest.mark.asyncio
+async def test_an_async_for_that_fails_shuts_the_workers_down(stream: Path) -> None:
+    """``async for`` too: the error at its batch, then no worker left while the loader is open."""
+    loader = loader_for(stream, fails_at_40, prefetch=4)
+    async with loader:
+        got = []
+        with pytest.raises(Boom, match="sample 40"):
+            async for b in loader:
+                got.append(b)
+        assert len(got) == 10 and loader.state_dict()["observation_offset"] == 40
+        assert worker_pids() == set()
+    assert worker_pids() == set()
+
+
+@pytest.mark.asyncio
+async def test_async_for_left_with_break_again_and_again_never_hangs(stream: Path) -> None:
+    """A dropped ``async for``'s pipeline could end after the next one had put its reader on the
+    workers' pipes, and removed it: the next epoch waited forever (2 runs in 4). Each new
+    iterator goes on where the last one stopped."""
+    loader = loader_for(stream, ids, local_batch_size=4, prefetch=4)
+    got: list[list[int]] = []
+    for _ in range(6):
+        n = 0
+        async with asyncio.timeout(30):
+            async for b in loader:
+                got.append(b)
+                n += 1
+                if n == 3:
+                    break
+    assert [i for b in got for i in b] == list(range(72))
+    await loader.aclose()
+    assert worker_pids() == set()
+
+
+class OpensOnlyHere(gl.MemoryStreamStorage):
+    """A storage whose open() fails in a worker process (say, a credential only the main process
+    has): picklable, at module level."""
+
+    def open_sync(self) -> None:
+        if multiprocessing.current_process().name.startswith("guideloom-worker"):
+            raise Boom("no credentials in the worker")
+        super().open_sync()
+
+
+def test_a_storage_that_fails_to_open_in_a_worker_raises_its_own_error() -> None:
+    """The storage's own exception (with a note naming the worker), as at num_workers=0, not a
+    WorkerError; nothing left running."""
+    loader = gl.StatefulDataLoader.from_storage(
+        OpensOnlyHere(np.arange(64 * SEQ, dtype=np.int32)), ids, sequence_length=SEQ,
+        local_batch_size=4, num_workers=2, parallel_method="process", device=torch.device("cpu"),
+    )  # fmt: skip
+    with loader:
+        with pytest.raises(Boom, match="no credentials") as info:
+            next(iter(loader))
+        assert any("worker process" in note for note in getattr(info.value, "__notes__", []))
+        assert loader.state_dict()["observation_offset"] == 0
+    assert worker_pids() == set()
+
+
+def as_tensor(samples: Sequence[np.ndarray]) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(samples).astype(np.int64))
+
+
+class StoreFailsAt(gl.MemoryStreamStorage):
+    """A storage whose read of sample 12 fails as the store itself would (``StorageError``: not
+    localised, so it ends a whole group while the other worker is still busy with its own)."""
+
+    def read_many_sync(self, starts: Any, length: int) -> Sequence[Any]:
+        if (np.asarray(starts) == 12 * length).any():
+            raise gl.StorageError("the store failed")
+        return super().read_many_sync(starts, length)
+
+
+def test_workers_stopped_in_the_middle_of_a_group_exit_at_once() -> None:
+    """A worker that took "stop" between two batches of a group went back to wait for a message
+    that never came and was terminated after the 5 s grace (5 runs in 8 once a failed epoch shut
+    the workers down): each close now takes a fraction of that."""
+    for _ in range(4):
+        loader = gl.StatefulDataLoader.from_storage(
+            StoreFailsAt(np.arange(64 * 4, dtype=np.int32)), as_tensor, sequence_length=4,
+            local_batch_size=4, num_workers=2, parallel_method="process", prefetch=8,
+            device=torch.device("cpu"),
+        )  # fmt: skip
+        with loader:
+            it = iter(loader)
+            next(it)
+            t0 = time.monotonic()
+            with pytest.raises(gl.StorageError):
+                while True:
+                    next(it)
+            assert time.monotonic() - t0 < SHUTDOWN_GRACE_S - 1.0, "a worker waited out the grace"
+            assert worker_pids() == set()
+
+
+# -- the sync ``for`` without an event loop ---------------------------------------------------
+def sleepy(samples: Any) -> torch.Tensor:
+    """20 ms a batch, and a batch large enough to travel through shared memory."""
+    return torch.from_numpy(np.tile(np.asarray(slow_ids(samples)), (1, 2048)))
+
+
+def loop_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("guideloom-loop")]
+
+
+# (num_workers, prefetch) -> batches per group: group_size(prefetch + num_workers, num_workers).
+GROUPS = [(2, 0, 1), (2, 8, 2), (1, 7, 4), (3, 45, 8), (2, 30, 8)]
+
+
+@pytest.mark.parametrize(("workers", "prefetch", "group"), GROUPS)
+def test_batches_equal_num_workers_0_for_each_group_size(
+    stream: Path, workers: int, prefetch: int, group: int
+) -> None:
+    with loader_for(stream, rich, num_workers=0, shuffle=True, shuffle_seed=11, local_batch_size=3) as inline:
+        expected = take(inline)
+    loader = loader_for(
+        stream,
+        rich,
+        num_workers=workers,
+        prefetch=prefetch,
+        shuffle=True,
+        shuffle_seed=11,
+        local_batch_size=3,
+    )
+    with loader:
+        it = iter(loader)
+        assert isinstance(it._runner, ProcessRunner)
+        run = it._runner._run
+        got = [next(it)]
+        assert run.flow.group == group
+        token = run.session.pool.token  # this pool's segments (other tests may run meanwhile)
+        owner = got[0]["array"]
+        while isinstance(owner, np.ndarray):
+            owner = owner.base
+        assert isinstance(owner, ctypes.Array)  # a view of a shared-memory slot, not a copy
+        assert run.ahead <= prefetch + workers + 1  # the channel's credits, as on the loop
+        assert loop_threads() == []  # no event loop between the workers and the consumer
+        got.extend(it)
+        assert len(got) == len(expected)
+        for a, b in zip(got, expected, strict=True):
+            assert_same(a, b)
+    assert worker_pids() == set()
+    del got, it, owner
+    assert live_segments(token) == []
+
+
+def test_resume_anywhere_with_any_group_size(stream: Path) -> None:
+    with loader_for(stream, ids, num_workers=0, shuffle=True, shuffle_seed=4) as inline:
+        expected = take(inline)
+    loaders = {p: loader_for(stream, ids, shuffle=True, shuffle_seed=4, prefetch=p) for p in (0, 6, 30)}
+    start = loaders[0].state_dict()
+
+    @settings(max_examples=15, deadline=None, derandomize=True)
+    @given(
+        stop=st.integers(0, len(expected) - 1),
+        first=st.sampled_from(sorted(loaders)),
+        then=st.sampled_from(sorted(loaders)),
+    )
+    def resume(stop: int, first: int, then: int) -> None:
+        a, b = loaders[first], loaders[then]
+        a.load_state_dict(start)
+        before = take(a, stop)
+        b.load_state_dict(a.state_dict())
+        assert before + take(b) == expected
+
+    try:
+        for lo in loaders.values():
+            lo.open()
+        resume()
+    finally:
+        for lo in loaders.values():
+            lo.close()
+    assert worker_pids() == set()
+
+
+def test_close_from_another_thread_ends_a_blocked_next(stream: Path) -> None:
+
+    loader = loader_for(stream, sleepy, prefetch=2, num_workers=1)
+    with loader:
+        it = iter(loader)
+        next(it)
+        assert isinstance(it._runner, ProcessRunner)
+        token = it._runner._run.session.pool.token
+        timer = threading.Timer(0.05, it.close)
+        timer.start()
+        t0 = time.monotonic()
+        rest = list(it)  # ends once close() ran, not after the epoch
+        timer.join()
+        assert time.monotonic() - t0 < 2.0
+        assert len(rest) < 40
+        assert take(loader, 1)  # the loader goes on from where the iterator stopped
+    del rest
+    assert live_segments(token) == []
+
+
+def as_int64(samples: Any) -> torch.Tensor:
+    return torch.from_numpy(np.tile(np.stack(samples).astype(np.int64), (1, 16)))
+
+
+def as_bfloat16(samples: Any) -> torch.Tensor:
+    return as_int64(samples).to(torch.bfloat16)  # numpy has no bfloat16: the other view path
+
+
+def as_transposed(samples: Any) -> torch.Tensor:
+    return as_int64(samples).t()  # not contiguous: copied into the slot contiguous
+
+
+def as_float32_array(samples: Any) -> np.ndarray:
+    return np.tile(np.stack(samples).astype(np.float32), (1, 16))
+
+
+@pytest.mark.parametrize("collate", [as_int64, as_bfloat16, as_transposed, as_float32_array])
+def test_a_batch_that_is_one_array_travels_unpickled_and_a_group_shares_one_slot(
+    stream: Path, collate: Any
+) -> None:
+    with loader_for(stream, collate, num_workers=0, shuffle=True, shuffle_seed=2) as inline:
+        expected = take(inline)
+    with loader_for(stream, collate, prefetch=14, shuffle=True, shuffle_seed=2) as loader:
+        it = iter(loader)
+        assert isinstance(it._runner, ProcessRunner)
+        got = list(it)
+        assert it._runner._run.flow.group == 4
+        token = it._runner._run.session.pool.token
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        assert_same(a, b)
+
+    def address(x: Any) -> int:
+        return int(x.data_ptr()) if isinstance(x, torch.Tensor) else int(x.ctypes.data)
+
+    # One group, one slot: its batches lie one after the other at 64-byte aligned offsets.
+    step = (got[0].nbytes + 63) // 64 * 64
+    assert [address(b) - address(got[0]) for b in got[:4]] == [0, step, 2 * step, 3 * step]
+    if isinstance(got[0], np.ndarray):
+        base = got[0]
+        while isinstance(base, np.ndarray):
+            base = base.base
+        assert isinstance(base, ctypes.Array)  # a view of the slot, not a copy
+        del base
+    del got
+    assert live_segments(token) == []
+
+
+def test_batches_for_a_device_keep_the_loop_thread_that_overlaps_the_copy(stream: Path) -> None:
+    """To a device, the copy runs on the loop thread's mover, overlapped with the next batch
+    (``meta`` stands in for an accelerator here), not in the consumer's thread after each batch."""
+    from guideloom._runtime.runners import LoopThreadRunner
+
+    loader = gl.StatefulDataLoader.from_storage(
+        gl.open_stream(stream), as_int64, sequence_length=SEQ, local_batch_size=4, num_workers=2,
+        parallel_method="process", device=torch.device("meta"),
+    )  # fmt: skip
+    with loader:
+        it = iter(loader)
+        assert isinstance(it._runner, LoopThreadRunner)
+        batch = next(it)
+        assert batch.device.type == "meta" and batch.shape[0] == 4
+        it.close()

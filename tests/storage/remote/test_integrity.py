@@ -1,0 +1,151 @@
+"""Objects replaced on the store after a dataset was opened: refused, never read as data.
+
+Against each server the suite starts (moto S3, nginx), with and without each cache mode, for a
+replacement of the same size and of another size, made before the loader opens the storage and
+in the middle of an epoch. Every batch delivered is the dataset's; the first read that meets the
+changed object raises :class:`DatasetIntegrityError` naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import guideloom
+from guideloom import StatefulDataLoader
+from guideloom._errors import DatasetIntegrityError
+from guideloom.storage._cache import copy_footprint
+from guideloom.storage._remote import ObjectStreamStorage
+from tests.support.remote import BUCKET, collate, unique
+from tests.support.servers import MotoS3, Nginx
+
+CPU = torch.device("cpu")
+KW: dict[str, Any] = dict(sequence_length=100, local_batch_size=4, shuffle=True, shuffle_seed=5, prefetch=2)
+
+
+class Dataset:
+    """A small stream of three objects on one server, and a way to replace one of them."""
+
+    def __init__(self, tmp_path: Path, server: str, s3: MotoS3, www: Path, nginx: Nginx) -> None:
+        self.local = tmp_path / "ds"
+        tokens = np.random.default_rng(3).integers(0, 60_000, 20_000, dtype=np.uint16)
+        guideloom.write_stream(self.local, tokens, shard_bytes=16_000)
+        self.shard = sorted(p.name for p in self.local.iterdir() if p.suffix == ".bin")[0]
+        self.server = server
+        name = unique("integrity")
+        if server == "s3":
+            s3.upload_folder(self.local, BUCKET, name)
+            self.url, self.options = f"s3://{BUCKET}/{name}", s3.options()
+            self._put: Callable[[bytes], None] = lambda body: s3.client().put_object(
+                Bucket=BUCKET, Key=f"{name}/{self.shard}", Body=body
+            )
+        else:
+            shutil.copytree(self.local, www / name)
+            self.url, self.options = f"{nginx.url}/{name}", {}
+            self._put = lambda body: self._put_file(www / name / self.shard, body)
+
+    @staticmethod
+    def _put_file(path: Path, body: bytes) -> None:
+        # nginx's ETag is the modification time (in seconds) and the size: a replacement is a
+        # new file with a later time, as any copy tool that rewrites it would leave.
+        st = path.stat()
+        tmp = path.with_name(path.name + ".new")
+        tmp.write_bytes(body)
+        os.utime(tmp, (st.st_atime + 10, st.st_mtime + 10))
+        os.replace(tmp, path)
+
+    def replace(self, same_size: bool) -> None:
+        body = bytearray((self.local / self.shard).read_bytes())
+        for i in range(0, len(body), 2):
+            body[i] ^= 0x5A  # every token differs
+        self._put(bytes(body) if same_size else bytes(body) + b"\0\0")
+
+    def open(self, cache: str, root: Path) -> ObjectStreamStorage:
+        opts: dict[str, Any] = dict(self.options)
+        if cache != "none":
+            opts["cache_dir"] = root
+        if cache == "chunks":
+            opts["cache_max_bytes"] = copy_footprint(guideloom.open_stream(self.local).manifest) // 4
+            opts["cache_chunk_bytes"] = 4096
+        storage = guideloom.open_stream(self.url, **opts)
+        assert isinstance(storage, ObjectStreamStorage)
+        assert (storage._cache is not None) == (cache == "copy")
+        assert (storage._chunks is not None) == (cache == "chunks")
+        storage.read_window_bytes = 4000  # windows of a few batches: reads go on all epoch
+        return storage
+
+
+def hold_cache_downloads(storage: ObjectStreamStorage) -> threading.Event:
+    """Hold the cache's downloads until the returned event is set (the copy would otherwise be
+    complete, and read locally, before the object is replaced)."""
+    go = threading.Event()
+    if storage._cache is not None:
+        owner: Any = storage._cache
+    elif storage._chunks is not None:
+        owner = storage._chunks._downloader
+    else:
+        go.set()
+        return go
+    fetch = owner._fetch
+
+    def held(path: str, start: int, end: int) -> Any:
+        assert go.wait(30)
+        return fetch(path, start, end)
+
+    owner._fetch = held
+    return go
+
+
+@pytest.fixture(params=["s3", "http"])
+def server(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.mark.parametrize("cache", ["none", "copy", "chunks"])
+@pytest.mark.parametrize("same_size", [True, False], ids=["same-size", "other-size"])
+@pytest.mark.parametrize("when", ["before-open", "mid-epoch"])
+def test_a_replaced_object_is_refused_never_read(
+    server: str,
+    cache: str,
+    same_size: bool,
+    when: str,
+    tmp_path: Path,
+    s3: MotoS3,
+    www: Path,
+    request: pytest.FixtureRequest,
+) -> None:
+    nginx: Nginx = request.getfixturevalue("nginx") if server == "http" else None  # type: ignore[assignment]
+    ds = Dataset(tmp_path, server, s3, www, nginx)
+    with StatefulDataLoader.from_storage(
+        guideloom.open_stream(ds.local), collate, device=CPU, **KW
+    ) as loader:
+        expected = list(loader)
+    storage = ds.open(cache, tmp_path / "cache")
+    go = hold_cache_downloads(storage)
+    got: list[Any] = []
+    with (
+        pytest.raises(DatasetIntegrityError, match=ds.shard),
+        StatefulDataLoader.from_storage(storage, collate, device=CPU, **KW) as loader,
+    ):
+        if when == "before-open":
+            ds.replace(same_size)
+            go.set()
+        for batch in loader:
+            got.append(batch)
+            if len(got) == 2 and when == "mid-epoch":
+                ds.replace(same_size)
+                go.set()
+    go.set()
+    assert len(expected) > 0 and len(got) < len(expected)
+    for i, batch in enumerate(got):
+        assert torch.equal(batch, expected[i]), f"batch {i} is not the dataset's"
+    asyncio.run(storage.close())

@@ -1,0 +1,89 @@
+"""Identity datasets and storages, and the collate functions the loader tests pass.
+
+In an identity stream element ``i`` is ``i``, so a sample's first element tells which sample it
+is. Every collate here is module-level: process workers unpickle it by its module path.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+import guideloom as gl
+
+
+def identity_stream(n_samples: int, sequence_length: int = 4, extra: int = 0) -> gl.MemoryStreamStorage:
+    return gl.MemoryStreamStorage(np.arange(n_samples * sequence_length + extra, dtype=np.int64))
+
+
+def ids(samples: Sequence[np.ndarray]) -> list[int]:
+    """Collate for identity streams: element ``i`` of the stream is ``i``, so a sample's first
+    element divided by the sequence length is its observation index."""
+    return [int(s[0]) for s in samples]
+
+
+class IdsOf:
+    """Picklable collate that maps samples of an identity stream to their indexes."""
+
+    def __init__(self, sequence_length: int) -> None:
+        self.sequence_length = sequence_length
+
+    def __call__(self, samples: Sequence[np.ndarray]) -> list[int]:
+        return [int(s[0]) // self.sequence_length for s in samples]
+
+
+def slow_ids(samples: Sequence[np.ndarray]) -> list[int]:
+    """The indexes of samples of length 4, 10 ms a batch."""
+    time.sleep(0.01)
+    return [int(s[0]) // 4 for s in samples]
+
+
+def die(samples: Sequence[np.ndarray]) -> list[int]:
+    """A collate that kills its worker process, as an out-of-memory kill would."""
+    if any(int(s[0]) >= 40 for s in samples):
+        os._exit(3)
+    return [int(s[0]) for s in samples]
+
+
+def stack_collate(samples: Sequence[np.ndarray]) -> torch.Tensor:
+    """Stack 1-D samples into an int64 tensor; an empty list gives a (0, 0) tensor."""
+    if len(samples) == 0:
+        return torch.empty((0, 0), dtype=torch.int64)
+    return torch.from_numpy(np.stack(samples).astype(np.int64))
+
+
+class Tracked(gl.MemoryStreamStorage):
+    """Records when the loader opens and closes it."""
+
+    def __init__(self, tokens: npt.ArrayLike) -> None:
+        super().__init__(tokens)
+        self.events: list[str] = []
+
+    async def open(self) -> None:
+        self.events.append("open")
+
+    async def close(self) -> None:
+        self.events.append("close")
+
+
+class Boom(Exception):
+    pass
+
+
+class FailingStorage(gl.MemoryStreamStorage):
+    """Fails the reads that include the sample starting at ``bad_start``."""
+
+    def __init__(self, tokens: npt.ArrayLike, bad_start: int) -> None:
+        super().__init__(tokens)
+        self.bad_start = bad_start
+
+    async def read_many(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
+        if self.bad_start in starts.tolist():
+            raise OSError(f"disk error at {self.bad_start}")
+        return await super().read_many(starts, length)

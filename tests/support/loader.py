@@ -1,0 +1,117 @@
+"""Running a loader in a test: build one over an identity stream, take batches, check a resume,
+and watch the threads and the event loop it uses."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+
+import guideloom as gl
+from guideloom.pytorch import StatefulDataLoader
+
+from .data import IdsOf, identity_stream, slow_ids
+
+
+def make(storage: Any, sequence_length: int = 4, **kw: Any) -> gl.StatefulDataLoader[Any, list[int]]:
+    kw.setdefault("device", torch.device("cpu"))
+    return gl.StatefulDataLoader.from_storage(
+        storage, IdsOf(sequence_length), sequence_length=sequence_length, **kw
+    )
+
+
+def take(loader: gl.StatefulDataLoader[Any, Any], k: int | None = None) -> list[Any]:
+    """Up to ``k`` batches (all when None) from a fresh iterator, which is then closed."""
+    if k == 0:
+        return []
+    it = iter(loader)
+    out = []
+    try:
+        for batch in it:
+            out.append(batch)
+            if k is not None and len(out) == k:
+                break
+    finally:
+        it.close()
+    return out
+
+
+def flat(batches: list[list[int]]) -> list[int]:
+    return [i for b in batches for i in b]
+
+
+def roundtrip(state: gl.StatefulDataLoaderStateDict) -> Any:
+    """Save and load a checkpoint the way training jobs do (torch.save, weights_only load)."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def check_resume_equals_uninterrupted(n_samples: int, stop_after: int, **kw: Any) -> None:
+    """Resume at step ``stop_after`` in a fresh loader == the uninterrupted run, for one config."""
+    storage = identity_stream(n_samples)
+    with make(storage, **kw) as full:
+        expected = take(full)
+    with make(storage, **kw) as first:
+        before = take(first, stop_after)
+        state = roundtrip(first.state_dict())
+    with make(storage, **kw) as second:
+        second.load_state_dict(state)
+        after = take(second)
+    assert before + after == expected, (kw, stop_after)
+
+
+def slow_thread_worker_loader() -> StatefulDataLoader[Any, Any]:
+    """Thread workers with a slow collate: an epoch still runs when the loader is closed."""
+    return StatefulDataLoader.from_storage(
+        identity_stream(400),
+        slow_ids,
+        sequence_length=4,
+        local_batch_size=2,
+        num_workers=2,
+        prefetch=4,
+        device=torch.device("cpu"),
+    )
+
+
+def without_the_process_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As in a fresh process that never used process workers: ``concurrent.futures`` has not
+    imported its ``process`` submodule."""
+    import concurrent.futures
+
+    monkeypatch.delattr(concurrent.futures, "process", raising=False)
+
+
+def guideloom_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("guideloom")]
+
+
+@contextlib.asynccontextmanager
+async def loop_gaps() -> AsyncIterator[list[float]]:
+    """Record the gaps between the ticks of a 5 ms ticker on the running loop: a blocked loop
+    shows up as a long gap."""
+    gaps: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    task = asyncio.create_task(ticker())
+    try:
+        yield gaps
+    finally:
+        stop.set()
+        await task

@@ -1,0 +1,96 @@
+"""A local stream and collates for the process-worker tests (``parallel_method="process"``).
+
+The collates are module-level: the workers, started with ``spawn``, unpickle them by their
+module path. In the stream, sample ``i`` starts with element ``i * SEQ``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import guideloom as gl
+
+SEQ = 64
+
+
+def write_positions(folder: Path, n_samples: int = 200, shard_bytes: int = 20_000) -> Path:
+    """A local stream of ``n_samples`` samples whose elements are their own positions."""
+    gl.write_stream(folder, np.arange(n_samples * SEQ, dtype=np.int32), shard_bytes=shard_bytes)
+    return folder
+
+
+def rich(samples: Sequence[np.ndarray]) -> dict[str, Any]:
+    """A collate whose batch holds what travels through shared memory (large tensors and arrays,
+    bfloat16 too) and what travels pickled (small tensors, plain objects)."""
+    block = np.stack([np.asarray(s) for s in samples]).astype(np.int64)
+    big = np.tile(block, (1, 16))  # (4, 1024): 32 KiB, well above the 4 KiB threshold
+    return {
+        "tokens": torch.from_numpy(big),
+        "half": torch.from_numpy(big).to(torch.bfloat16),
+        "array": big.astype(np.float32),
+        "transposed": torch.from_numpy(big).t(),  # not contiguous
+        "small": torch.from_numpy(block[:, :2].copy()),
+        "ids": [int(s[0]) // SEQ for s in samples],
+        "same": (torch.from_numpy(big),) * 2,
+    }
+
+
+def ids(samples: Sequence[np.ndarray]) -> list[int]:
+    return [int(s[0]) // SEQ for s in samples]
+
+
+def slow_ids(samples: Sequence[np.ndarray]) -> list[int]:
+    time.sleep(0.02)
+    return ids(samples)
+
+
+class Boom(Exception):
+    pass
+
+
+def fails_at_40(samples: Sequence[np.ndarray]) -> torch.Tensor:
+    if any(int(s[0]) // SEQ == 40 for s in samples):
+        raise Boom("sample 40")
+    return torch.from_numpy(np.tile(np.stack(samples).astype(np.int64), (1, 16)))  # shared memory
+
+
+def loader_for(path: Path, collate: Any, **kw: Any) -> gl.StatefulDataLoader[Any, Any]:
+    kw.setdefault("num_workers", 2)
+    kw.setdefault("local_batch_size", 4)
+    return gl.StatefulDataLoader.from_storage(
+        gl.open_stream(path),
+        collate,
+        sequence_length=SEQ,
+        parallel_method="process",
+        device=torch.device("cpu"),
+        **kw,
+    )
+
+
+def worker_pids() -> set[int]:
+    return {p.pid for p in multiprocessing.active_children() if p.name.startswith("guideloom-worker")}
+
+
+def assert_same(a: Any, b: Any) -> None:
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    else:
+        assert a == b

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from guideloom._errors import DatasetIntegrityError
-from guideloom.storage import _chunks
+from guideloom.storage import _chunk_download, _chunk_folder, _chunks
 from guideloom.storage._chunks import ChunkCache
 from guideloom.storage._ranges import Limits, plan_windows
 from tests.support.chunks import CHUNK, SEQ, Sampler, Store, folder_bytes, settle
@@ -37,7 +37,7 @@ def store(tmp_path: Path) -> Store:
 def test_chunks_are_downloaded_in_plan_order_and_reads_come_from_disk(
     store: Store, tmp_path: Path, stopped: list[ChunkCache], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_chunks, "FETCHES_IN_FLIGHT", 1)  # one at a time: the order is observable
+    monkeypatch.setattr(_chunk_download, "FETCHES_IN_FLIGHT", 1)  # one at a time: the order is observable
     cache = store.cache(tmp_path / "c", max_bytes=4 * CHUNK, chunk_bytes=CHUNK)
     stopped.append(cache)
     order = [5, 2, 7, 0]
@@ -194,7 +194,7 @@ def test_an_object_that_does_not_match_its_manifest_checksum_is_not_cached_and_r
 def test_a_full_folder_warns_once_stops_downloading_and_reads_stay_exact(
     store: Store, tmp_path: Path, stopped: list[ChunkCache], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = _chunks._write
+    real = _chunk_folder._write
     calls = []
 
     def full(path: Path, data: memoryview) -> None:
@@ -203,8 +203,8 @@ def test_a_full_folder_warns_once_stops_downloading_and_reads_stay_exact(
             raise OSError(errno.ENOSPC, "No space left on device")
         real(path, data)
 
-    monkeypatch.setattr(_chunks, "_write", full)
-    monkeypatch.setattr(_chunks, "FETCHES_IN_FLIGHT", 1)
+    monkeypatch.setattr(_chunk_folder, "_write", full)
+    monkeypatch.setattr(_chunk_download, "FETCHES_IN_FLIGHT", 1)
     cache = store.cache(tmp_path / "c", max_bytes=8 * CHUNK, chunk_bytes=CHUNK)
     stopped.append(cache)
     order = list(range(8))
@@ -224,7 +224,7 @@ def test_a_read_only_folder_warns_and_reads_remotely(
     def read_only(path: Path, size: int) -> None:
         raise OSError(errno.EROFS, "Read-only file system", str(path))
 
-    monkeypatch.setattr(_chunks, "_create", read_only)
+    monkeypatch.setattr(_chunk_folder, "_create", read_only)
     cache = store.cache(tmp_path / "c", max_bytes=8 * CHUNK, chunk_bytes=CHUNK)
     stopped.append(cache)
     cache.plan(store.window(cache, [i]) for i in [0, 1])
@@ -356,7 +356,7 @@ def test_a_reservation_that_fails_leaves_no_file(tmp_path: Path, monkeypatch: py
 
     monkeypatch.setattr(os, "ftruncate", too_large)
     with pytest.raises(OSError, match="File too large"):
-        _chunks._create(tmp_path / "c0.tmp-1", 2 * CHUNK)
+        _chunk_folder._create(tmp_path / "c0.tmp-1", 2 * CHUNK)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -1,5 +1,5 @@
 """The chunk cache never costs more than no cache: a full cache evicts only for a chunk that the
-planned reads use enough of (``_chunks.MIN_USE_DENOMINATOR``), so windows that touch far more
+planned reads use enough of (``_chunk_schedule.MIN_USE_DENOMINATOR``), so windows that touch far more
 chunks than the limit holds read their rows directly instead of downloading a chunk per row."""
 
 from __future__ import annotations

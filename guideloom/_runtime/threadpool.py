@@ -59,11 +59,9 @@ class CollateThreads(concurrent.futures.Executor):
         self._lock = threading.Lock()
         self._closed = False
         self._running: dict[threading.Thread, tuple[str, float]] = {}  # what each runs, since when
-        self._threads = [
-            threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True) for i in range(max(1, n))
-        ]
-        for t in self._threads:
-            t.start()
+        self._most, self._name = max(1, n), name
+        self._threads: list[threading.Thread] = []  # started as calls come (none while idle)
+        self._idle = threading.Semaphore(0)
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
@@ -71,6 +69,12 @@ class CollateThreads(concurrent.futures.Executor):
             if self._closed:
                 raise RuntimeError("cannot submit to the collate threads after shutdown")
             self._queue.put((future, fn, args, kwargs))
+            if not self._idle.acquire(timeout=0) and len(self._threads) < self._most:
+                t = threading.Thread(
+                    target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True
+                )
+                self._threads.append(t)
+                t.start()
         return future
 
     def _work(self) -> None:
@@ -93,6 +97,7 @@ class CollateThreads(concurrent.futures.Executor):
             finally:
                 self._running.pop(me, None)
                 del item, future, fn, args, kwargs  # a finished batch is not kept alive here
+            self._idle.release()
 
     def shutdown(
         self, wait: bool = True, *, cancel_futures: bool = False, grace: float | None = None
@@ -115,7 +120,7 @@ class CollateThreads(concurrent.futures.Executor):
         if not wait:
             return
         deadline = time.monotonic() + (CLOSE_GRACE_S if grace is None else grace)
-        for t in self._threads:
+        for t in list(self._threads):
             if t is not threading.current_thread():
                 t.join(max(0.0, deadline - time.monotonic()))
         left = [

@@ -83,7 +83,7 @@ def _shareable(obj: Any, torch: Any) -> tuple[str, str, tuple[int, ...], np.ndar
             return None
         if t.requires_grad or t.is_conj() or t.is_neg():  # each op costs: only when needed
             t = t.detach().resolve_conj().resolve_neg()
-        raw = t.reshape(-1).view(torch.uint8)  # reshape copies a non-contiguous tensor
+        raw = t.contiguous().view(-1).view(torch.uint8)  # reshape(-1) may be a view with a step
         return "t", str(t.dtype).removeprefix("torch."), tuple(t.shape), raw.numpy()
     return None
 

@@ -68,24 +68,99 @@ def _pickles(dtype: Any) -> bool:
     return True
 
 
-def _shareable(obj: Any, torch: Any) -> tuple[str, str, tuple[int, ...], np.ndarray] | None:
-    """``(kind, dtype, shape, bytes)`` of an array or tensor that travels through a slot; None
-    for anything else (it is pickled)."""
-    if isinstance(obj, np.ndarray):
-        if obj.dtype.hasobject or obj.nbytes < MIN_SHARED_BYTES:
-            return None
-        return "n", obj.dtype.str, obj.shape, np.ascontiguousarray(obj).reshape(-1).view(np.uint8)
+#: What :meth:`GroupPack.add` takes: ``(kind, dtype, shape, bytes, strides, grad, cls)``, the
+#: fields of a :class:`SharedArray` with the bytes in place of where they will lie.
+Shareable = tuple[str, Any, tuple[int, ...], np.ndarray, tuple[int, ...] | None, bool, type | None]
+
+
+def _shareable(obj: Any, torch: Any) -> Shareable | None:
+    """What :meth:`GroupPack.add` takes for an array or tensor that travels through a slot; None
+    for anything else (it is pickled).
+
+    A dense layout (C order, or any permutation of it: transposed, Fortran order, channels_last;
+    numpy's reversed axes too) travels as the bytes of its span in memory order with its strides,
+    and comes back with them; any other (overlapping, broadcast, a view of a larger
+    buffer with gaps) as a contiguous copy. A tensor keeps ``requires_grad`` and its class (the
+    ``torch.nn.Parameter`` of a module, a plain subclass); a subclass with a
+    ``__torch_dispatch__`` of its own or attributes set on it, and an ndarray subclass other than
+    ``np.memmap`` (a masked array, a matrix), is left to its own pickling, which keeps them."""
+    if type(obj) is np.ndarray or type(obj) is np.memmap:
+        return _array(obj)
     if torch is not None and isinstance(obj, torch.Tensor):
-        t = obj
-        if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized:
-            return None
-        if t.nbytes < MIN_SHARED_BYTES and _pickles(t.dtype):
-            return None
-        if t.requires_grad or t.is_conj() or t.is_neg():  # each op costs: only when needed
-            t = t.detach().resolve_conj().resolve_neg()
-        raw = t.contiguous().view(-1).view(torch.uint8)  # reshape(-1) may be a view with a step
-        return "t", str(t.dtype).removeprefix("torch."), tuple(t.shape), raw.numpy()
+        return _tensor(obj, torch)
     return None
+
+
+def _array(a: np.ndarray) -> Shareable | None:
+    dt = a.dtype
+    if dt.hasobject or a.nbytes < MIN_SHARED_BYTES:
+        return None
+    name = dt.str if dt.names is None else dt  # dtype.str drops a structured dtype's fields
+    strides = None
+    if a.flags.c_contiguous:
+        if 1 in a.shape and a.strides != _c_strides(a.shape, dt.itemsize):
+            strides = a.strides  # the strides of its axes of length 1, which C order ignores
+        raw = a.reshape(-1)
+    elif _dense(a.shape, a.strides, dt.itemsize):
+        strides = a.strides
+        if min(strides) < 0:  # the same span with every axis forwards: its bytes in memory order
+            a = a[tuple(slice(None, None, -1) if s < 0 else slice(None) for s in strides)]
+        raw = a.ravel(order="K")  # a view: the elements in memory order
+    else:
+        raw = np.ascontiguousarray(a).reshape(-1)
+    return "n", name, a.shape, raw.view(np.uint8), strides, False, None
+
+
+def _tensor(t: Any, torch: Any) -> Shareable | None:
+    if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized:
+        return None
+    if t.nbytes < MIN_SHARED_BYTES and _pickles(t.dtype):
+        return None
+    cls: Any = type(t)
+    if cls is torch.Tensor:
+        cls = None
+    elif cls.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__ or t.__dict__:
+        return None  # its own pickling keeps what it is
+    else:
+        t = t.as_subclass(torch.Tensor)  # the same tensor, plain
+    grad = t.requires_grad
+    if grad or t.is_conj() or t.is_neg():  # each op costs: only when needed
+        t = t.detach().resolve_conj().resolve_neg()
+    strides = None
+    if t.is_contiguous():
+        if 1 in t.shape and t.stride() != _c_strides(t.shape, 1):
+            strides = t.stride()  # the strides of its axes of length 1, which C order ignores
+        raw = t.reshape(-1)
+    elif _dense(t.shape, t.stride(), 1):
+        strides = t.stride()
+        raw = t.as_strided((t.numel(),), (1,))  # its span, in memory order (strides are >= 0)
+    else:
+        raw = t.contiguous().view(-1)  # a copy: reshape(-1) may be a view with a step
+    dtype = str(t.dtype).removeprefix("torch.")
+    return "t", dtype, tuple(t.shape), raw.view(torch.uint8).numpy(), strides, grad, cls
+
+
+def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """The strides of a C-contiguous array of ``shape`` (in units of ``itemsize``)."""
+    out = []
+    step = itemsize
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
+
+
+def _dense(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> bool:
+    """Whether ``strides`` lay the elements of ``shape`` out without gaps or overlaps: a
+    permutation of C order, each axis forwards or backwards (axes of length 1 ignored)."""
+    step = itemsize
+    for stride, n in sorted((abs(s), n) for n, s in zip(shape, strides, strict=True) if n != 1):
+        if n == 0:
+            return True  # no elements
+        if stride != step:
+            return False
+        step *= n
+    return True
 
 
 class GroupPack:
@@ -97,11 +172,20 @@ class GroupPack:
         self.size = 0
         self.torch = sys.modules.get("torch")
 
-    def add(self, kind: str, dtype: str, shape: tuple[int, ...], raw: np.ndarray) -> SharedArray:
+    def add(
+        self,
+        kind: str,
+        dtype: Any,
+        shape: tuple[int, ...],
+        raw: np.ndarray,
+        strides: tuple[int, ...] | None,
+        grad: bool,
+        cls: type | None,
+    ) -> SharedArray:
         offset = self.size
         self.size = offset + (raw.nbytes + ALIGN - 1) // ALIGN * ALIGN
         self.arrays.append(raw)
-        return SharedArray(kind, dtype, shape, offset, raw.nbytes)
+        return SharedArray(kind, dtype, shape, offset, raw.nbytes, strides, grad, cls)
 
     def entry(self, step: int, value: Any) -> Entry:
         """One batch's entry: an :class:`ArrayEntry` for a batch that is one array or tensor (no

@@ -218,18 +218,23 @@ class Noted(torch.Tensor):
     """A tensor subclass whose instances carry an attribute."""
 
 
-def noted(samples: Sequence[np.ndarray]) -> Noted:
-    t = torch.from_numpy(wide(samples)).as_subclass(Noted)
-    t.note = "kept"  # type: ignore[attr-defined]
-    return t
+def noted(samples: Sequence[np.ndarray]) -> dict[str, torch.Tensor]:
+    sub = torch.from_numpy(wide(samples)).as_subclass(Noted)
+    sub.note = "kept"  # type: ignore[attr-defined]
+    plain = torch.from_numpy(wide(samples)).t()
+    plain.note = "kept"  # type: ignore[attr-defined]
+    return {"sub": sub, "plain": plain}
 
 
-def test_a_subclass_with_attributes_crosses_by_its_own_pickling(stream: Path) -> None:
+def test_tensors_with_attributes_cross_by_their_own_pickling(stream: Path) -> None:
     got = batches(stream, noted, 2)
     want = batches(stream, noted, 0)
+    assert len(got) == len(want) == 6
     for a, b in zip(got, want, strict=True):
-        assert type(a) is Noted and a.note == "kept"  # type: ignore[attr-defined]
-        assert torch.equal(a.as_subclass(torch.Tensor), b.as_subclass(torch.Tensor))
+        for k in ("sub", "plain"):
+            assert type(a[k]) is type(b[k]) and a[k].note == "kept", k
+            assert a[k].stride() == b[k].stride(), k
+            assert torch.equal(a[k].as_subclass(torch.Tensor), b[k].as_subclass(torch.Tensor)), k
 
 
 def numpy_kinds(samples: Sequence[np.ndarray]) -> dict[str, Any]:

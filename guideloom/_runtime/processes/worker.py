@@ -81,9 +81,9 @@ def _shareable(obj: Any, torch: Any) -> Shareable | None:
     numpy's reversed axes too) travels as the bytes of its span in memory order with its strides,
     and comes back with them; any other (overlapping, broadcast, a view of a larger
     buffer with gaps) as a contiguous copy. A tensor keeps ``requires_grad`` and its class (the
-    ``torch.nn.Parameter`` of a module, a plain subclass); a subclass with a
-    ``__torch_dispatch__`` of its own or attributes set on it, and an ndarray subclass other than
-    ``np.memmap`` (a masked array, a matrix), is left to its own pickling, which keeps them."""
+    ``torch.nn.Parameter`` of a module, a plain subclass); a tensor with attributes set on it or
+    a subclass with a ``__torch_dispatch__`` of its own, and an ndarray subclass other than
+    ``np.memmap`` (a masked array, a recarray), is left to its own pickling, which keeps them."""
     if type(obj) is np.ndarray or type(obj) is np.memmap:
         return _array(obj)
     if torch is not None and isinstance(obj, torch.Tensor):
@@ -117,10 +117,12 @@ def _tensor(t: Any, torch: Any) -> Shareable | None:
     if t.nbytes < MIN_SHARED_BYTES and _pickles(t.dtype):
         return None
     cls: Any = type(t)
-    if cls is torch.Tensor:
+    plain = cls is torch.Tensor
+    own = t.__dict__ or (not plain and cls.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__)
+    if own and _pickles(t.dtype):
+        return None  # its own pickling keeps what it is: its attributes, its dispatch
+    if plain:
         cls = None
-    elif cls.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__ or t.__dict__:
-        return None  # its own pickling keeps what it is
     else:
         t = t.as_subclass(torch.Tensor)  # the same tensor, plain
     grad = t.requires_grad

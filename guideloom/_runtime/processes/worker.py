@@ -96,19 +96,20 @@ def _array(a: np.ndarray) -> Shareable | None:
     if dt.hasobject or a.nbytes < MIN_SHARED_BYTES:
         return None
     name = dt.str if dt.names is None else dt  # dtype.str drops a structured dtype's fields
+    shape = a.shape
     strides = None
     if a.flags.c_contiguous:
-        if 1 in a.shape and a.strides != _c_strides(a.shape, dt.itemsize):
+        if 1 in shape and a.strides != _c_strides(shape, dt.itemsize):
             strides = a.strides  # the strides of its axes of length 1, which C order ignores
         raw = a.reshape(-1)
-    elif _dense(a.shape, a.strides, dt.itemsize):
+    elif _dense(shape, a.strides, dt.itemsize):
         strides = a.strides
         if min(strides) < 0:  # the same span with every axis forwards: its bytes in memory order
             a = a[tuple(slice(None, None, -1) if s < 0 else slice(None) for s in strides)]
         raw = a.ravel(order="K")  # a view: the elements in memory order
     else:
         raw = np.ascontiguousarray(a).reshape(-1)
-    return "n", name, a.shape, raw.view(np.uint8), strides, False, None
+    return "n", name, shape, raw.view(np.uint8), strides, False, None
 
 
 def _tensor(t: Any, torch: Any) -> Shareable | None:
@@ -128,18 +129,25 @@ def _tensor(t: Any, torch: Any) -> Shareable | None:
     grad = t.requires_grad
     if grad or t.is_conj() or t.is_neg():  # each op costs: only when needed
         t = t.detach().resolve_conj().resolve_neg()
+    shape = tuple(t.shape)
     strides = None
     if t.is_contiguous():
-        if 1 in t.shape and t.stride() != _c_strides(t.shape, 1):
+        if 1 in shape and t.stride() != _c_strides(shape, 1):
             strides = t.stride()  # the strides of its axes of length 1, which C order ignores
         raw = t.reshape(-1)
-    elif _dense(t.shape, t.stride(), 1):
+    elif _dense(shape, t.stride(), 1):
         strides = t.stride()
         raw = t.as_strided((t.numel(),), (1,))  # its span, in memory order (strides are >= 0)
     else:
         raw = t.contiguous().view(-1)  # a copy: reshape(-1) may be a view with a step
-    dtype = str(t.dtype).removeprefix("torch.")
-    return "t", dtype, tuple(t.shape), raw.view(torch.uint8).numpy(), strides, grad, cls
+    dtype = _TORCH_NAMES.get(t.dtype)
+    if dtype is None:
+        dtype = _TORCH_NAMES[t.dtype] = str(t.dtype).removeprefix("torch.")
+    return "t", dtype, shape, raw.view(torch.uint8).numpy(), strides, grad, cls
+
+
+#: The name of each torch dtype seen (``"float32"``), as the main process looks it up.
+_TORCH_NAMES: dict[Any, str] = {}
 
 
 def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:

@@ -25,6 +25,7 @@ __all__ = [
     "MIN_SHARED_BYTES",
     "SHM_PREFIX",
     "SharedArray",
+    "SharedArrayFull",
     "Rebuilder",
     "Slots",
     "live_segments",
@@ -120,21 +121,31 @@ class Slots:
 
 
 class SharedArray(NamedTuple):
-    """Where an array (``kind`` ``"n"``) or a tensor (``"t"``) lies in a slot, and what it is.
-
-    ``strides``: None for a C-contiguous layout; otherwise the strides to rebuild the array or
-    tensor with over its ``nbytes`` (the dense span, in memory order): numpy's in bytes (negative
-    ones too), torch's in elements. ``grad``: the tensor requires grad. ``cls``: the tensor's class
-    when it is a subclass of ``torch.Tensor`` (``torch.nn.Parameter``), None for a plain tensor."""
+    """Where a C-contiguous array (``kind`` ``"n"``) or plain tensor (``"t"``) lies in a slot:
+    the common case, whose description is kept short (each costs its unpickling)."""
 
     kind: str
     dtype: Any  # a dtype's name (numpy's ``dtype.str``), or a numpy dtype with named fields
     shape: tuple[int, ...]
     offset: int
     nbytes: int
-    strides: tuple[int, ...] | None = None
-    grad: bool = False
-    cls: type | None = None
+
+
+class SharedArrayFull(NamedTuple):
+    """A :class:`SharedArray` with what else it is rebuilt with. ``strides``: None for a
+    C-contiguous layout; otherwise the strides to rebuild it with over its ``nbytes`` (the dense
+    span, in memory order): numpy's in bytes (negative ones too), torch's in elements. ``grad``:
+    the tensor requires grad. ``cls``: the tensor's class when it is a subclass of
+    ``torch.Tensor`` (``torch.nn.Parameter``), None for a plain tensor."""
+
+    kind: str
+    dtype: Any
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    strides: tuple[int, ...] | None
+    grad: bool
+    cls: type | None
 
 
 def posix_shm_available() -> bool:
@@ -176,7 +187,7 @@ def view(
     cls: type | None = None,
 ) -> Any:
     """The array (``kind`` ``"n"``) or tensor (``"t"``) at ``offset`` in a slot, a view of it, with
-    the strides, ``requires_grad`` and class it was sent with (see :class:`SharedArray`)."""
+    the strides, ``requires_grad`` and class it was sent with (see :class:`SharedArrayFull`)."""
     if kind == "n":
         nd = np.dtype(dtype)
         if strides is None:

@@ -29,6 +29,7 @@ from guideloom._runtime.processes.shm import (
     MAX_SLOTS,
     MIN_SHARED_BYTES,
     SharedArray,
+    SharedArrayFull,
     Slots,
     map_segment,
 )
@@ -69,7 +70,7 @@ def _pickles(dtype: Any) -> bool:
 
 
 #: What :meth:`GroupPack.add` takes: ``(kind, dtype, shape, bytes, strides, grad, cls)``, the
-#: fields of a :class:`SharedArray` with the bytes in place of where they will lie.
+#: fields of a :class:`SharedArrayFull` with the bytes in place of where they will lie.
 Shareable = tuple[str, Any, tuple[int, ...], np.ndarray, tuple[int, ...] | None, bool, type | None]
 
 
@@ -191,11 +192,13 @@ class GroupPack:
         strides: tuple[int, ...] | None,
         grad: bool,
         cls: type | None,
-    ) -> SharedArray:
+    ) -> SharedArray | SharedArrayFull:
         offset = self.size
         self.size = offset + (raw.nbytes + ALIGN - 1) // ALIGN * ALIGN
         self.arrays.append(raw)
-        return SharedArray(kind, dtype, shape, offset, raw.nbytes, strides, grad, cls)
+        if strides is None and not grad and cls is None:
+            return SharedArray(kind, dtype, shape, offset, raw.nbytes)
+        return SharedArrayFull(kind, dtype, shape, offset, raw.nbytes, strides, grad, cls)
 
     def entry(self, step: int, value: Any) -> Entry:
         """One batch's entry: an :class:`ArrayEntry` for a batch that is one array or tensor (no
@@ -222,7 +225,7 @@ class _SharedPickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO, pack: GroupPack) -> None:
         super().__init__(file, protocol=5)
         self.pack = pack
-        self._seen: dict[int, SharedArray] = {}
+        self._seen: dict[int, SharedArray | SharedArrayFull] = {}
 
     def persistent_id(self, obj: Any) -> Any:
         if type(obj) in _PLAIN:  # the pids' own parts, and most of what a batch holds

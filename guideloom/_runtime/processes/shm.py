@@ -25,6 +25,7 @@ __all__ = [
     "MIN_SHARED_BYTES",
     "SHM_PREFIX",
     "SharedArray",
+    "SharedArrayFull",
     "Rebuilder",
     "Slots",
     "live_segments",
@@ -120,13 +121,31 @@ class Slots:
 
 
 class SharedArray(NamedTuple):
-    """Where an array (``kind`` ``"n"``) or a tensor (``"t"``) lies in a slot."""
+    """Where a C-contiguous array (``kind`` ``"n"``) or plain tensor (``"t"``) lies in a slot:
+    the common case, whose description is kept short (each costs its unpickling)."""
 
     kind: str
-    dtype: str
+    dtype: Any  # a dtype's name (numpy's ``dtype.str``), or a numpy dtype with named fields
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+
+
+class SharedArrayFull(NamedTuple):
+    """A :class:`SharedArray` with what else it is rebuilt with. ``strides``: None for a
+    C-contiguous layout; otherwise the strides to rebuild it with over its ``nbytes`` (the dense
+    span, in memory order): numpy's in bytes (negative ones too), torch's in elements. ``grad``:
+    the tensor requires grad. ``cls``: the tensor's class when it is a subclass of
+    ``torch.Tensor`` (``torch.nn.Parameter``), None for a plain tensor."""
+
+    kind: str
+    dtype: Any
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    strides: tuple[int, ...] | None
+    grad: bool
+    cls: type | None
 
 
 def posix_shm_available() -> bool:
@@ -152,15 +171,30 @@ class Rebuilder(pickle.Unpickler):
             made = self._made[pid] = self._make(*pid)
         return made
 
-    def _make(self, kind: str, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int) -> Any:
-        return view(self.holder, kind, dtype, shape, offset, nbytes)
+    def _make(self, *pid: Any) -> Any:
+        return view(self.holder, *pid)
 
 
-def view(holder: Any, kind: str, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int) -> Any:
-    """The array (``kind`` ``"n"``) or tensor (``"t"``) at ``offset`` in a slot, a view of it."""
+def view(
+    holder: Any,
+    kind: str,
+    dtype: Any,
+    shape: tuple[int, ...],
+    offset: int,
+    nbytes: int,
+    strides: tuple[int, ...] | None = None,
+    grad: bool = False,
+    cls: type | None = None,
+) -> Any:
+    """The array (``kind`` ``"n"``) or tensor (``"t"``) at ``offset`` in a slot, a view of it, with
+    the strides, ``requires_grad`` and class it was sent with (see :class:`SharedArrayFull`)."""
     if kind == "n":
         nd = np.dtype(dtype)
-        return np.frombuffer(holder, nd, nbytes // nd.itemsize, offset).reshape(shape)
+        if strides is None:
+            return np.frombuffer(holder, nd, nbytes // nd.itemsize, offset).reshape(shape)
+        # the first element: past the span of each axis that runs backwards
+        first = sum((1 - n) * s for n, s in zip(shape, strides, strict=True) if s < 0 and n > 0)
+        return np.ndarray(shape, nd, holder, offset + first, strides)
     import torch
 
     dt: Any = _NUMPY_OF.get(dtype, False)
@@ -170,9 +204,18 @@ def view(holder: Any, kind: str, dtype: str, shape: tuple[int, ...], offset: int
         except TypeError:  # bfloat16 and others numpy has no dtype for
             dt = _NUMPY_OF[dtype] = None
     if dt is not None:  # one view fewer: measured at half the cost a batch
-        return torch.from_numpy(np.frombuffer(holder, dt, nbytes // dt.itemsize, offset).reshape(shape))
-    raw = np.frombuffer(holder, np.uint8, nbytes, offset)
-    return torch.from_numpy(raw).view(getattr(torch, dtype)).reshape(shape)
+        flat = np.frombuffer(holder, dt, nbytes // dt.itemsize, offset)
+        if strides is None and not grad and cls is None:
+            return torch.from_numpy(flat.reshape(shape))
+        t = torch.from_numpy(flat)
+    else:
+        t = torch.from_numpy(np.frombuffer(holder, np.uint8, nbytes, offset)).view(getattr(torch, dtype))
+    t = t.reshape(shape) if strides is None else t.as_strided(shape, strides)
+    if cls is torch.nn.Parameter:
+        return torch.nn.Parameter(t, requires_grad=grad)
+    if cls is not None:
+        t = t.as_subclass(cls)
+    return t.requires_grad_() if grad else t
 
 
 #: The numpy dtype of each torch dtype seen (None: numpy has none).

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from guideloom._core.delivery import Delivery
 from guideloom._core.order import Order
 from guideloom._core.plan import BatchSpec, EpochPlan
-from guideloom._runtime.processes.shm import Rebuilder, SharedArray, view
+from guideloom._runtime.processes.shm import Rebuilder, SharedArray, SharedArrayFull, view
 
 __all__ = [
     "ArrayEntry",
@@ -116,7 +116,7 @@ class ArrayEntry(NamedTuple):
     """A batch that is one array or tensor, in the group's slot."""
 
     step: int
-    array: SharedArray
+    array: SharedArray | SharedArrayFull
 
     def delivery(self, spec: BatchSpec, holder: Any) -> Delivery:
         return Delivery(spec, view(holder, *self.array))

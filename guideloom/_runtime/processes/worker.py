@@ -29,6 +29,7 @@ from guideloom._runtime.processes.shm import (
     MAX_SLOTS,
     MIN_SHARED_BYTES,
     SharedArray,
+    SharedArrayFull,
     Slots,
     map_segment,
 )
@@ -69,24 +70,109 @@ def _pickles(dtype: Any) -> bool:
     return True
 
 
-def _shareable(obj: Any, torch: Any) -> tuple[str, str, tuple[int, ...], np.ndarray] | None:
-    """``(kind, dtype, shape, bytes)`` of an array or tensor that travels through a slot; None
-    for anything else (it is pickled)."""
-    if isinstance(obj, np.ndarray):
-        if obj.dtype.hasobject or obj.nbytes < MIN_SHARED_BYTES:
-            return None
-        return "n", obj.dtype.str, obj.shape, np.ascontiguousarray(obj).reshape(-1).view(np.uint8)
+#: What :meth:`GroupPack.add` takes: ``(kind, dtype, shape, bytes, strides, grad, cls)``, the
+#: fields of a :class:`SharedArrayFull` with the bytes in place of where they will lie.
+Shareable = tuple[str, Any, tuple[int, ...], np.ndarray, tuple[int, ...] | None, bool, type | None]
+
+
+def _shareable(obj: Any, torch: Any) -> Shareable | None:
+    """What :meth:`GroupPack.add` takes for an array or tensor that travels through a slot; None
+    for anything else (it is pickled).
+
+    A dense layout (C order, or any permutation of it: transposed, Fortran order, channels_last;
+    numpy's reversed axes too) travels as the bytes of its span in memory order with its strides,
+    and comes back with them; any other (overlapping, broadcast, a view of a larger
+    buffer with gaps) as a contiguous copy. A tensor keeps ``requires_grad`` and its class (the
+    ``torch.nn.Parameter`` of a module, a plain subclass); a tensor with attributes set on it or
+    a subclass with a ``__torch_dispatch__`` of its own, and an ndarray subclass other than
+    ``np.memmap`` (a masked array, a recarray), is left to its own pickling, which keeps them."""
+    if type(obj) is np.ndarray or type(obj) is np.memmap:
+        return _array(obj)
     if torch is not None and isinstance(obj, torch.Tensor):
-        t = obj
-        if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized:
-            return None
-        if t.nbytes < MIN_SHARED_BYTES and _pickles(t.dtype):
-            return None
-        if t.requires_grad or t.is_conj() or t.is_neg():  # each op costs: only when needed
-            t = t.detach().resolve_conj().resolve_neg()
-        raw = t.reshape(-1).view(torch.uint8)  # reshape copies a non-contiguous tensor
-        return "t", str(t.dtype).removeprefix("torch."), tuple(t.shape), raw.numpy()
+        return _tensor(obj, torch)
     return None
+
+
+def _array(a: np.ndarray) -> Shareable | None:
+    dt = a.dtype
+    if dt.hasobject or a.nbytes < MIN_SHARED_BYTES:
+        return None
+    name = dt.str if dt.names is None else dt  # dtype.str drops a structured dtype's fields
+    shape = a.shape
+    strides = None
+    if a.flags.c_contiguous:
+        if 1 in shape and a.strides != _c_strides(shape, dt.itemsize):
+            strides = a.strides  # the strides of its axes of length 1, which C order ignores
+        raw = a.reshape(-1)
+    elif _dense(shape, a.strides, dt.itemsize):
+        strides = a.strides
+        if min(strides) < 0:  # the same span with every axis forwards: its bytes in memory order
+            a = a[tuple(slice(None, None, -1) if s < 0 else slice(None) for s in strides)]
+        raw = a.ravel(order="K")  # a view: the elements in memory order
+    else:
+        raw = np.ascontiguousarray(a).reshape(-1)
+    return "n", name, shape, raw.view(np.uint8), strides, False, None
+
+
+def _tensor(t: Any, torch: Any) -> Shareable | None:
+    if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized:
+        return None
+    if t.nbytes < MIN_SHARED_BYTES and _pickles(t.dtype):
+        return None
+    cls: Any = type(t)
+    plain = cls is torch.Tensor
+    own = t.__dict__ or (not plain and cls.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__)
+    if own and _pickles(t.dtype):
+        return None  # its own pickling keeps what it is: its attributes, its dispatch
+    if plain:
+        cls = None
+    else:
+        t = t.as_subclass(torch.Tensor)  # the same tensor, plain
+    grad = t.requires_grad
+    if grad or t.is_conj() or t.is_neg():  # each op costs: only when needed
+        t = t.detach().resolve_conj().resolve_neg()
+    shape = tuple(t.shape)
+    strides = None
+    if t.is_contiguous():
+        if 1 in shape and t.stride() != _c_strides(shape, 1):
+            strides = t.stride()  # the strides of its axes of length 1, which C order ignores
+        raw = t.reshape(-1)
+    elif _dense(shape, t.stride(), 1):
+        strides = t.stride()
+        raw = t.as_strided((t.numel(),), (1,))  # its span, in memory order (strides are >= 0)
+    else:
+        raw = t.contiguous().view(-1)  # a copy: reshape(-1) may be a view with a step
+    dtype = _TORCH_NAMES.get(t.dtype)
+    if dtype is None:
+        dtype = _TORCH_NAMES[t.dtype] = str(t.dtype).removeprefix("torch.")
+    return "t", dtype, shape, raw.view(torch.uint8).numpy(), strides, grad, cls
+
+
+#: The name of each torch dtype seen (``"float32"``), as the main process looks it up.
+_TORCH_NAMES: dict[Any, str] = {}
+
+
+def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """The strides of a C-contiguous array of ``shape`` (in units of ``itemsize``)."""
+    out = []
+    step = itemsize
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
+
+
+def _dense(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> bool:
+    """Whether ``strides`` lay the elements of ``shape`` out without gaps or overlaps: a
+    permutation of C order, each axis forwards or backwards (axes of length 1 ignored)."""
+    step = itemsize
+    for stride, n in sorted((abs(s), n) for n, s in zip(shape, strides, strict=True) if n != 1):
+        if n == 0:
+            return True  # no elements
+        if stride != step:
+            return False
+        step *= n
+    return True
 
 
 class GroupPack:
@@ -98,11 +184,22 @@ class GroupPack:
         self.size = 0
         self.torch = sys.modules.get("torch")
 
-    def add(self, kind: str, dtype: str, shape: tuple[int, ...], raw: np.ndarray) -> SharedArray:
+    def add(
+        self,
+        kind: str,
+        dtype: Any,
+        shape: tuple[int, ...],
+        raw: np.ndarray,
+        strides: tuple[int, ...] | None,
+        grad: bool,
+        cls: type | None,
+    ) -> SharedArray | SharedArrayFull:
         offset = self.size
         self.size = offset + (raw.nbytes + ALIGN - 1) // ALIGN * ALIGN
         self.arrays.append(raw)
-        return SharedArray(kind, dtype, shape, offset, raw.nbytes)
+        if strides is None and not grad and cls is None:
+            return SharedArray(kind, dtype, shape, offset, raw.nbytes)
+        return SharedArrayFull(kind, dtype, shape, offset, raw.nbytes, strides, grad, cls)
 
     def entry(self, step: int, value: Any) -> Entry:
         """One batch's entry: an :class:`ArrayEntry` for a batch that is one array or tensor (no
@@ -129,7 +226,7 @@ class _SharedPickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO, pack: GroupPack) -> None:
         super().__init__(file, protocol=5)
         self.pack = pack
-        self._seen: dict[int, SharedArray] = {}
+        self._seen: dict[int, SharedArray | SharedArrayFull] = {}
 
     def persistent_id(self, obj: Any) -> Any:
         if type(obj) in _PLAIN:  # the pids' own parts, and most of what a batch holds

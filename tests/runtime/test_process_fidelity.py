@@ -17,8 +17,7 @@ import torch
 
 import guideloom as gl
 from guideloom._runtime.processes import WorkerPool, live_segments
-
-from ._helpers import take
+from tests.support.loader import take
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_thread_leak")]
 

@@ -29,6 +29,18 @@ class LoaderFigures:
         }
         self.reads_mark: tuple[int, int, int] | None = None
 
+    def waited(self, seconds: float) -> None:
+        """The consumer waited ``seconds`` for its last batch."""
+        counts = self.counts
+        counts["wait_seconds"] += seconds
+        counts["last_wait_seconds"] = seconds
+
+    def delivered(self, samples: int) -> None:
+        """A batch of ``samples`` reached the consumer."""
+        counts = self.counts
+        counts["batches"] += 1
+        counts["samples"] += samples
+
     def report(self, dataset: DatasetAbstract[Any], *, epoch: int, offset: int) -> dict[str, float]:
         """``loader.stats()`` at position ``(epoch, offset)``, less the order's figures."""
         out = dict(self.counts)

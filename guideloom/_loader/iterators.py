@@ -79,10 +79,12 @@ class _IteratorBase(Generic[BatchT]):
 
     def __init__(self, loader: Loader[BatchT]) -> None:
         self._loader = loader
+        # The loader's state this iterator changes: its position, its figures, its lifecycle.
+        self._ckpt, self._figures, self._life = loader._ckpt, loader._figures, loader._life
         self._done = True  # until a subclass has started: __del__ and close() then do nothing
         self._owns_open = False
         self._expected = self._delivered = 0
-        loader._life.active.claim(self)
+        self._life.active.claim(self)
 
     def __len__(self) -> int:
         """Batches this iterator still yields: the rest of the epoch from where it stands (after a
@@ -98,15 +100,12 @@ class _IteratorBase(Generic[BatchT]):
         self._expected = len(cfg.plan)
 
     def _accept(self, d: Delivery, waited: float) -> BatchT:
-        stats = self._loader._figures.counts
-        stats["wait_seconds"] += waited
-        stats["last_wait_seconds"] = waited
+        self._figures.waited(waited)
         if d.error is not None:
             raise for_the_consumer(d.error)
-        self._loader._ckpt.offset = d.spec.offset_after
+        self._ckpt.offset = d.spec.offset_after
         self._delivered += 1
-        stats["batches"] += 1
-        stats["samples"] += d.spec.size
+        self._figures.delivered(d.spec.size)
         value: BatchT = d.value
         return value
 
@@ -116,8 +115,8 @@ class _IteratorBase(Generic[BatchT]):
                 f"guideloom bug: the pipeline ended after {self._delivered} of "
                 f"{self._expected} batches without an error"
             )
-        self._loader._ckpt.epoch += 1
-        self._loader._ckpt.offset = 0
+        self._ckpt.epoch += 1
+        self._ckpt.offset = 0
 
     def close_sync(self) -> None:
         raise NotImplementedError
@@ -193,7 +192,7 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
         try:
             self.close()
         finally:
-            pool = self._loader._life.drop_workers()
+            pool = self._life.drop_workers()
             if pool is not None:
                 pool.close()
 
@@ -206,9 +205,9 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
             if self._runner is not None:
                 self._runner.close()
         finally:
-            self._loader._life.active.release(self)
+            self._life.active.release(self)
             if self._owns_open:
-                self._loader._life.close(self._loader.dataset, keep_workers=True)
+                self._life.close(self._loader.dataset, keep_workers=True)
 
     close_sync = close
 
@@ -285,7 +284,7 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
         try:
             await self.aclose()
         finally:
-            pool = self._loader._life.drop_workers()
+            pool = self._life.drop_workers()
             if pool is not None:  # joined even if the task is cancelled (again) meanwhile
                 closing = asyncio.get_running_loop().run_in_executor(None, pool.close)
                 if await wait_through_cancellation(closing):
@@ -315,9 +314,9 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
             if cancelled:
                 raise asyncio.CancelledError
         finally:
-            self._loader._life.active.release(self)
+            self._life.active.release(self)
             if self._owns_open:
-                await self._loader._life.aclose(self._loader.dataset, keep_workers=True)
+                await self._life.aclose(self._loader.dataset, keep_workers=True)
 
     close_async = aclose
 
@@ -329,9 +328,9 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
         if task is not None and not task.done():
             task.get_loop().call_soon_threadsafe(task.cancel)
         # Nothing is awaited here (collected, or closed from sync code): closing the loader joins it.
-        self._loader._life.active.leave(task, self._workers)
+        self._life.active.leave(task, self._workers)
         self._workers = None
-        self._loader._life.active.release(self)
+        self._life.active.release(self)
 
     def __del__(self) -> None:
         if not getattr(self, "_done", True):

@@ -33,7 +33,7 @@ try:  # anyio loads its asyncio backend on first use: load it with guideloom, no
 except ImportError:  # pragma: no cover - a future anyio may move it; it then loads lazily
     pass
 
-from guideloom._core.delivery import DELIVERED_ERRORS, Delivery, apply, apply_group
+from guideloom._core.delivery import DELIVERED_ERRORS, Delivery, Results, apply, apply_group
 from guideloom._core.plan import BatchSpec
 from guideloom._core.schedule import Indexes, future_reads, read_window, run_async, windows
 from guideloom._datasets import DatasetAbstract
@@ -46,6 +46,7 @@ from guideloom._runtime.config import (
     reading_name,
     window_span,
 )
+from guideloom._runtime.groups import CollateGroups
 from guideloom._runtime.threadpool import CollateThreads
 
 __all__ = ["Production", "StageWorkers", "Workers", "run_pipeline"]
@@ -175,31 +176,29 @@ async def _collate(
         loop = asyncio.get_running_loop()
         workers = max(1, cfg.num_workers)  # num_workers=0 with an executor: one collate thread
         max_group = group_size(cfg.capacity, workers)
-        pending: deque[tuple[list[Delivery], asyncio.Future[list[tuple[Any, BaseException | None]]]]] = (
-            deque()
-        )
+        pending: CollateGroups[asyncio.Future[Results]] = CollateGroups()
         group: list[Delivery] = []
 
+        def run_group(batches: list[Any]) -> asyncio.Future[Results]:
+            return loop.run_in_executor(executor, apply_group, (cfg.collate_fn,), batches)
+
         def submit() -> None:
-            if group:
-                batches = [d.value for d in group]
-                fut = loop.run_in_executor(executor, apply_group, (cfg.collate_fn,), batches)
-                pending.append((list(group), fut))
-                group.clear()
+            nonlocal group
+            pending.start(group, run_group)
+            group = []
 
         async def flush(keep: int) -> bool:
             """Emit finished groups, oldest first, until at most ``keep`` are in flight."""
             while len(pending) > keep:
-                ds, fut = pending.popleft()
-                try:
-                    results = await fut
-                except Exception as exc:  # the group's own failure (collate errors come per batch)
-                    results = [(None, exc)]
-                ds.reverse()
-                results.reverse()
-                while ds and results:  # pop as we go: emitted batches are not kept alive here
-                    d = ds.pop()
-                    d.value, d.error = results.pop()
+                fut = pending.head_future()
+                if fut is not None:
+                    try:
+                        results = await fut
+                    except Exception as exc:  # the group's own failure (collate errors come per batch)
+                        results = [(None, exc)]
+                    pending.resolve_head(results)
+                for _ in range(pending.head_size()):  # taken as emitted: not kept alive here
+                    d = pending.take()
                     failed = d.error is not None
                     await emit(d)
                     del d
@@ -235,7 +234,7 @@ async def _collate(
             submit()
             await flush(0)
         finally:
-            _discard(f for _, f in pending)  # after a failure: nothing waits for them
+            _discard(pending.futures())  # after a failure: nothing waits for them
 
 
 @dataclass(frozen=True, slots=True)

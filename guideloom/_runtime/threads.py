@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from collections import deque
+from typing import Any
 
 from guideloom._core.delivery import Delivery, Results, apply, apply_group
 from guideloom._runtime.chooser import QUIET_CALLS, Chooser
 from guideloom._runtime.config import PipelineConfig, group_size, making_steps
+from guideloom._runtime.groups import CollateGroups
 from guideloom._runtime.inline import InlinePipeline
 
 __all__ = ["ThreadWorkerPipeline", "thread_chooser"]
@@ -56,10 +57,7 @@ class ThreadWorkerPipeline:
         self._steps = making_steps(cfg)
         self._limit = cfg.capacity + 1  # batches prepared ahead, plus the one asked for
         self._group = group_size(cfg.capacity, cfg.num_workers)
-        # Groups in plan order, each its batches (first last, popped as delivered) and the
-        # worker's future (None once its results are in the batches).
-        self._queue: deque[tuple[list[Delivery], concurrent.futures.Future[Results] | None]] = deque()
-        self._ahead = 0  # batches in the queue
+        self._groups: CollateGroups[concurrent.futures.Future[Results]] = CollateGroups()
         self._ended = False  # the source has nothing more (the end, a failure, close())
         self._last: float | None = None  # when the last request came
         self._read_seconds = 0.0  # spent reading since then
@@ -83,8 +81,8 @@ class ThreadWorkerPipeline:
         self._last, self._read_seconds = now, 0.0
         if chooser.workers:
             self._fill()
-        self._settled = chooser.workers or not self._queue
-        if self._queue:
+        self._settled = chooser.workers or not self._groups
+        if self._groups:
             return self._take()
         until = chooser.held_until()
         if not chooser.workers and until is not None and now < until:
@@ -111,52 +109,34 @@ class ThreadWorkerPipeline:
 
     def _fill(self) -> None:
         """Hand groups to the workers while a whole group's room is free (or nothing is queued)."""
+        groups = self._groups
         group: list[Delivery] = []
-        while not self._ended and (self._limit - self._ahead >= self._group or not self._queue):
-            while len(group) < self._group and self._ahead + len(group) < self._limit:
+        while not self._ended and (self._limit - groups.ahead >= self._group or not groups):
+            while len(group) < self._group and groups.ahead + len(group) < self._limit:
                 d = self._read()
                 if d is None:
                     self._ended = True
                     break
                 if d.error is not None:  # a read failed: it is delivered after the batches before it
-                    self._submit(group)
-                    self._queue.append(([d], None))
-                    self._ahead += 1
+                    groups.start(group, self._submit)
+                    groups.add_ready(d)
                     self._end()
                     return
                 group.append(d)
             if not group:
                 return
-            self._submit(group)
+            groups.start(group, self._submit)
+            group = []
 
-    def _submit(self, group: list[Delivery]) -> None:
-        if not group:
-            return
-        batches = [d.value for d in group]
-        for d in group:
-            d.value = None  # the worker holds the raw batch; delivered values replace it
-        fut = self._executor.submit(apply_group, self._steps, batches)
-        group.reverse()
-        self._queue.append((list(group), fut))
-        self._ahead += len(group)
-        group.clear()
+    def _submit(self, batches: list[Any]) -> concurrent.futures.Future[Results]:
+        return self._executor.submit(apply_group, self._steps, batches)
 
     def _take(self) -> Delivery:
-        ds, fut = self._queue[0]
+        groups = self._groups
+        fut = groups.head_future()
         if fut is not None:
-            results = fut.result()
-            results.reverse()
-            dropped = len(ds) - len(results)
-            if dropped:  # the group stopped at a failure: nothing after it (first last in ds)
-                del ds[:dropped]
-                self._ahead -= dropped
-            for d in reversed(ds):
-                d.value, d.error = results.pop()
-            self._queue[0] = (ds, None)
-        d = ds.pop()
-        self._ahead -= 1
-        if not ds:
-            self._queue.popleft()
+            groups.resolve_head(fut.result())
+        d = groups.take()
         if d.error is not None:
             self._end()
         return d
@@ -169,8 +149,6 @@ class ThreadWorkerPipeline:
     def close(self) -> None:
         """Produce nothing more; queued groups are cancelled (the owner joins the workers)."""
         self._end()
-        while self._queue:
-            _, fut = self._queue.popleft()
-            if fut is not None:
-                fut.cancel()
-        self._ahead = 0
+        for fut in self._groups.futures():
+            fut.cancel()
+        self._groups.clear()

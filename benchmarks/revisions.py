@@ -9,6 +9,9 @@ two runs taken moments apart is what means something), and prints medians and th
     python -m benchmarks revisions --base 016ac7a           # 3 rounds
     python -m benchmarks revisions --base HEAD~5 --quick    # 1 round, fewer batches
 
+Both trees are byte-compiled first: a tree imported from source (``PYTHONDONTWRITEBYTECODE``
+set, or a fresh checkout) pays ~70 ms per interpreter, which each process worker pays too.
+
 The workloads use the public API only, so any two revisions compare: a 100M-token uint16 stream
 on local disk (the suite's dataset), sequence_length=2048, local_batch_size=16, shuffle, the
 README's collate (``np.asarray`` to int64).
@@ -85,6 +88,12 @@ def main(argv: list[str] | None = None) -> None:
 
     data = ensure_dataset(args.tokens)
     trees = {"base": _worktree(args.base), "current": REPO}
+    for tree in trees.values():  # both import from bytecode, whatever PYTHONDONTWRITEBYTECODE says
+        subprocess.run(
+            [sys.executable, "-m", "compileall", "-q", str(tree / "guideloom")],
+            check=True,
+            env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"},
+        )
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
     for r in range(rounds):
         for name in WORKLOADS:

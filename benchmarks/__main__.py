@@ -11,6 +11,9 @@
     python -m benchmarks soak [--minutes 10]       # loading through a faulty proxy, workers killed
     python -m benchmarks packing [--quick]         # document packing vs the stream loader; layout of 10M docs
     python -m benchmarks mixture [--sources 1000]  # a 1,000-source mixture: open and resume at 10^9
+    python -m benchmarks revisions --base REV      # the local workloads on two revisions, side by side
+    python -m benchmarks process-remote            # process workers over object storage vs threads
+    python -m benchmarks async-file-io             # async file reads: one thread hop a window vs aiofiles
 
 `suite` runs in a venv of its own with the peers ($GUIDELOOM_BENCH_VENV, default
 $TMPDIR/guideloom-bench-venv): it creates it on first use and re-runs itself there. Nothing else
@@ -40,6 +43,9 @@ _PASSTHROUGH = {
     "soak": "benchmarks.soak",
     "packing": "benchmarks.packing",
     "mixture": "benchmarks.mixture",
+    "revisions": "benchmarks.revisions",
+    "process-remote": "benchmarks.process_remote",
+    "async-file-io": "benchmarks.async_file_io",
 }
 
 
@@ -122,6 +128,9 @@ def main(argv: list[str] | None = None) -> None:
         "soak",
         "packing",
         "mixture",
+        "revisions",
+        "process-remote",
+        "async-file-io",
     ]
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__)

@@ -2,7 +2,7 @@
 aiofiles (one thread hop per read call), for the reads guideloom makes from async code: a window
 of ranges of a data file, and a whole small file (a manifest).
 
-    python -m benchmarks.async_file_io [--ranges 64] [--range-bytes 65536] [--rounds 5]
+    python -m benchmarks async-file-io [--ranges 64] [--range-bytes 65536] [--rounds 5]
 
 Prints the median time per window of each way, and their ratio, measured in one run. aiofiles is
 a benchmark requirement only (``pip install aiofiles``).
@@ -96,12 +96,12 @@ async def main_async(args: argparse.Namespace) -> None:
         print(f"{name:<10}{a * 1e6:>14.1f}{b * 1e6:>15.1f}{b / a:>20.2f}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranges", type=int, default=64, help="ranges per window (default 64)")
     p.add_argument("--range-bytes", type=int, default=65536, help="bytes per range (default 64 KiB)")
     p.add_argument("--rounds", type=int, default=5, help="rounds of each, interleaved (default 5)")
-    asyncio.run(main_async(p.parse_args()))
+    asyncio.run(main_async(p.parse_args(argv)))
 
 
 if __name__ == "__main__":

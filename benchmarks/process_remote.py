@@ -8,7 +8,7 @@ not timed: the first batch is taken before the clock starts), alternating thread
 ``--rounds`` times. Printed: seconds per epoch and GET requests per MiB read (the loader's
 ``stats()``), and the ratio processes / threads.
 
-    python -m benchmarks.process_remote [--mib 32] [--rounds 3]
+    python -m benchmarks process-remote [--mib 32] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ def epoch(url: str, options: dict[str, Any], method: str, shuffle: bool) -> tupl
     return seconds, stats["requests"] / max(1e-9, stats["bytes_read"] / MiB)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=int, default=32, help="dataset size in MiB (default 32)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of each, alternating (default 3)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "ds"
         rng = np.random.default_rng(0)

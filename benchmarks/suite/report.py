@@ -322,8 +322,8 @@ python -m benchmarks mixture          # a 1,000-source mixture: open, resume, sc
 python -m benchmarks fuzz             # an hour of fuzzing the manifest reader
 python -m benchmarks soak             # 10 minutes of loading through a faulty proxy, workers killed
 python -m benchmarks revisions --base REV  # the local workloads on two revisions, side by side
-python -m benchmarks.process_remote   # process workers over object storage against threads
-python -m benchmarks.async_file_io    # async file reads: one thread hop a window against aiofiles
+python -m benchmarks process-remote   # process workers over object storage against threads
+python -m benchmarks async-file-io    # async file reads: one thread hop a window against aiofiles
 ```
 
 How it measures: every configuration runs in a fresh interpreter (torch imported before the clock

@@ -14,6 +14,8 @@ opening, closing and the worker pool (``lifecycle``), and ``stats()`` (``figures
 
 from __future__ import annotations
 
+import functools
+import pickle
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,14 +23,16 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypeVar, Unpack, cast, overload
 
 from guideloom._core.checkpoint import CheckpointState, restore_position
+from guideloom._core.checks import check_block_size, check_bool, check_int, check_optional_int
 from guideloom._core.order import DEFAULT_WINDOW
-from guideloom._core.plan import num_batches
+from guideloom._core.plan import EpochPlan, num_batches
 from guideloom._datasets import DatasetAbstract, SourceT, dataset_for
-from guideloom._loader.arguments import check_loader_arguments
+from guideloom._loader.arguments import check_device
 from guideloom._loader.figures import LoaderFigures
 from guideloom._loader.iterators import AsyncIterator, SyncIterator, sync_iterator
 from guideloom._loader.lifecycle import Lifecycle
-from guideloom._loader.state import block_size, identity_to_restore, save_state, window
+from guideloom._loader.state import block_size, epoch_order, identity_to_restore, save_state, window
+from guideloom._runtime.config import PipelineConfig
 from guideloom.storage.base import DocumentStorageAbstract, InT, OutT, StreamStorageAbstract
 from guideloom.types import LoaderOptions, StatefulDataLoaderStateDict
 
@@ -85,7 +89,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
     _figures: LoaderFigures = field(default_factory=LoaderFigures, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        check_loader_arguments(self)
+        self._check_arguments()
         # shuffle_seed=None: one random seed for this loader's lifetime (not reproducible).
         self._ckpt.order_seed = self.shuffle_seed if self.shuffle_seed is not None else secrets.randbits(63)
 
@@ -240,6 +244,75 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
                 f"world_size * local_batch_size = {self.world_size} * {self.local_batch_size} = {g}; "
                 "use a smaller local_batch_size or a larger dataset"
             )
+
+    def _check_arguments(self) -> None:
+        """Refuse constructor arguments of the wrong type or range; a device given as a str or
+        an int becomes a ``torch.device``."""
+        if not isinstance(self.dataset, DatasetAbstract):
+            raise TypeError(
+                f"dataset must be a DatasetAbstract (StreamDataset or DocumentDataset), got "
+                f"{type(self.dataset).__name__}; StatefulDataLoader.from_storage wraps a storage for you"
+            )
+        if not callable(self.collate_fn):
+            raise TypeError(f"collate_fn must be callable, got {type(self.collate_fn).__name__}")
+        self.device = check_device(self.device)
+        for name, minimum in (
+            ("local_batch_size", 1),
+            ("world_size", 1),
+            ("rank", 0),
+            ("num_workers", 0),
+            ("prefetch", 0),
+        ):
+            setattr(self, name, check_int(name, getattr(self, name), minimum))
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
+        if self.parallel_method not in ("thread", "process"):
+            raise ValueError(f"parallel_method must be 'thread' or 'process', got {self.parallel_method!r}")
+        for name in ("shuffle", "pin_memory", "drop_last", "persistent_workers"):
+            setattr(self, name, check_bool(name, getattr(self, name)))
+        self.shuffle_seed = check_optional_int("shuffle_seed", self.shuffle_seed)
+        self.shuffle_block_size = check_block_size(self.shuffle_block_size)
+        self.shuffle_window = check_int("shuffle_window", self.shuffle_window, 1)
+
+    def _epoch(self) -> PipelineConfig:
+        """The pipeline of the next epoch, from the parameters and the position: what an
+        iterator runs."""
+        if self.parallel_method == "process" and self.num_workers > 0:
+            try:
+                pickle.dumps(self.collate_fn)
+            except Exception as exc:
+                raise TypeError(
+                    "parallel_method='process' needs a picklable collate_fn (a module-level "
+                    f"function or a picklable object), got {self.collate_fn!r}: {exc}. Use "
+                    "parallel_method='thread' for closures and lambdas"
+                ) from exc
+        n = len(self.dataset)
+        self._figures.mark_epoch_reads(self.dataset, self._ckpt.epoch)
+        order = epoch_order(self, self._ckpt.epoch)
+        return PipelineConfig(
+            dataset=self.dataset,
+            plan=EpochPlan(
+                num_observations=n,
+                local_batch_size=self.local_batch_size,
+                world_size=self.world_size,
+                rank=self.rank,
+                drop_last=self.drop_last,
+                start_offset=self._ckpt.offset,
+                order=order,
+            ),
+            order=order,
+            collate_fn=self.collate_fn,
+            device=self.device,
+            pin_memory=self.pin_memory,
+            num_workers=self.num_workers,
+            parallel_method=self.parallel_method,
+            prefetch=self.prefetch,
+            worker_pool=functools.partial(
+                self._life.worker_pool, self, self.dataset, self.collate_fn, self.num_workers
+            )
+            if self.persistent_workers
+            else None,
+        )
 
     def __enter__(self) -> StatefulDataLoader[SourceT, BatchT]:
         self.open()

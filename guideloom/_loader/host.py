@@ -1,5 +1,6 @@
-"""What the loader's parts see of the loader: its parameters and the three objects that hold
-its changing state (position, lifecycle, figures).
+"""What the loader's parts see of the loader: the parameters that fix an epoch's order, the
+next epoch's pipeline, and the three objects that hold its changing state (position, lifecycle,
+figures).
 
 A protocol, so that the parts depend on this shape and not on the facade above them;
 :class:`~guideloom.pytorch.StatefulDataLoader` is the one implementation.
@@ -12,10 +13,9 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from guideloom._core.checkpoint import CheckpointState
 from guideloom._datasets import DatasetAbstract
+from guideloom._runtime.config import PipelineConfig
 
 if TYPE_CHECKING:
-    import torch
-
     from guideloom._loader.figures import LoaderFigures
     from guideloom._loader.lifecycle import Lifecycle
 
@@ -28,23 +28,19 @@ class Loader(Protocol[BatchT_co]):
     """A loader's parameters and state, as its iterators, lifecycle and checkpoint see them."""
 
     dataset: DatasetAbstract[Any]
-    device: torch.device
-    local_batch_size: int
-    rank: int
-    world_size: int
-    num_workers: int
-    parallel_method: Literal["thread", "process"]
+    #: What fixes the order of an epoch (and what a checkpoint records of it).
     shuffle: bool
     shuffle_seed: int | None
-    pin_memory: bool
     drop_last: bool
-    prefetch: int
     shuffle_block_size: int | Literal["auto"] | None
     shuffle_window: int
-    persistent_workers: bool
     _ckpt: CheckpointState
     _life: Lifecycle
     _figures: LoaderFigures
+
+    def _epoch(self) -> PipelineConfig:
+        """The pipeline of the next epoch (from every other parameter and the position)."""
+        ...
 
     @property
     def collate_fn(self) -> Callable[[Sequence[Any]], BatchT_co]: ...

@@ -9,17 +9,13 @@ runner :func:`~guideloom._runtime.runners.make_runner` picks for it once the loa
 from __future__ import annotations
 
 import asyncio
-import functools
-import pickle
 import time
 from collections.abc import AsyncIterator as AsyncIteratorABC
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from guideloom._core.delivery import Delivery, for_the_consumer
-from guideloom._core.plan import EpochPlan
 from guideloom._loader.lifecycle import wait_through_cancellation
-from guideloom._loader.state import epoch_order
 from guideloom._runtime.channel import Channel, EndOfStream
 from guideloom._runtime.config import PipelineConfig
 from guideloom._runtime.pipeline import Workers, run_pipeline
@@ -29,49 +25,9 @@ from guideloom._runtime.workers import make_workers
 if TYPE_CHECKING:
     from guideloom._loader.host import Loader
 
-__all__ = ["AsyncIterator", "SyncIterator", "pipeline_config", "sync_iterator"]
+__all__ = ["AsyncIterator", "SyncIterator", "sync_iterator"]
 
 BatchT = TypeVar("BatchT")
-
-
-def pipeline_config(loader: Loader[Any]) -> PipelineConfig:
-    """The pipeline of the loader's next epoch, from its parameters and position."""
-    if loader.parallel_method == "process" and loader.num_workers > 0:
-        try:
-            pickle.dumps(loader.collate_fn)
-        except Exception as exc:
-            raise TypeError(
-                "parallel_method='process' needs a picklable collate_fn (a module-level "
-                f"function or a picklable object), got {loader.collate_fn!r}: {exc}. Use "
-                "parallel_method='thread' for closures and lambdas"
-            ) from exc
-    n = len(loader.dataset)
-    loader._figures.mark_epoch_reads(loader.dataset, loader._ckpt.epoch)
-    order = epoch_order(loader, loader._ckpt.epoch)
-    return PipelineConfig(
-        dataset=loader.dataset,
-        plan=EpochPlan(
-            num_observations=n,
-            local_batch_size=loader.local_batch_size,
-            world_size=loader.world_size,
-            rank=loader.rank,
-            drop_last=loader.drop_last,
-            start_offset=loader._ckpt.offset,
-            order=order,
-        ),
-        order=order,
-        collate_fn=loader.collate_fn,
-        device=loader.device,
-        pin_memory=loader.pin_memory,
-        num_workers=loader.num_workers,
-        parallel_method=loader.parallel_method,
-        prefetch=loader.prefetch,
-        worker_pool=functools.partial(
-            loader._life.worker_pool, loader, loader.dataset, loader.collate_fn, loader.num_workers
-        )
-        if loader.persistent_workers
-        else None,
-    )
 
 
 class _IteratorBase(Generic[BatchT]):
@@ -136,7 +92,7 @@ def sync_iterator(loader: Loader[BatchT]) -> SyncIterator[BatchT]:
     if owns_open:
         loader.open()
     try:
-        return SyncIterator(loader, pipeline_config(loader), owns_open)
+        return SyncIterator(loader, loader._epoch(), owns_open)
     except BaseException:
         if owns_open:
             loader.close()  # idempotent: a started iterator that failed has closed it already
@@ -240,7 +196,7 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
         if loader._life.state == "closed":
             await loader.aopen()
             self._owns_open = True
-        self._configure(pipeline_config(loader))
+        self._configure(loader._epoch())
         loop = asyncio.get_running_loop()
         channel: Channel[Delivery] = Channel(loop, self._cfg.capacity)
         # The caller's loop serves other tasks: collate_fn never runs on it (one thread at

@@ -14,6 +14,7 @@
     python -m benchmarks revisions --base REV      # the local workloads on two revisions, side by side
     python -m benchmarks process-remote            # process workers over object storage vs threads
     python -m benchmarks async-file-io             # async file reads: one thread hop a window vs aiofiles
+    python -m benchmarks faults [--only WORD]      # the fault and bad-input trial's cases, as a group
 
 `suite` runs in a venv of its own with the peers ($GUIDELOOM_BENCH_VENV, default
 $TMPDIR/guideloom-bench-venv): it creates it on first use and re-runs itself there. Nothing else
@@ -46,6 +47,7 @@ _PASSTHROUGH = {
     "revisions": "benchmarks.revisions",
     "process-remote": "benchmarks.process_remote",
     "async-file-io": "benchmarks.async_file_io",
+    "faults": "benchmarks.faults",
 }
 
 
@@ -131,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
         "revisions",
         "process-remote",
         "async-file-io",
+        "faults",
     ]
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__)

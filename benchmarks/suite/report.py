@@ -324,6 +324,7 @@ python -m benchmarks soak             # 10 minutes of loading through a faulty p
 python -m benchmarks revisions --base REV  # the local workloads on two revisions, side by side
 python -m benchmarks process-remote   # process workers over object storage against threads
 python -m benchmarks async-file-io    # async file reads: one thread hop a window against aiofiles
+python -m benchmarks faults           # the fault and bad-input trial's cases, as a group
 ```
 
 How it measures: every configuration runs in a fresh interpreter (torch imported before the clock

@@ -295,9 +295,9 @@ async def run_pipeline(
 ) -> None:
     """Run every stage until the epoch's last batch (or the first failure) reaches ``channel``.
 
-    ``executor`` (from :func:`make_executor`) runs collation (when None, it runs on this loop); the caller
-    owns it and shuts it down once this coroutine has finished, so that a cancelled pipeline
-    still joins its workers. ``own_loop`` says the loop is guideloom's private one (see
+    ``workers`` (from :func:`~guideloom._runtime.workers.make_workers`) make the batches; the
+    caller owns them and shuts them down once this coroutine has finished, so that a cancelled
+    pipeline still joins its workers. ``own_loop`` says the loop is guideloom's private one (see
     :func:`_reads_for`).
     """
     try:

@@ -58,7 +58,8 @@ class CollateThreads(concurrent.futures.Executor):
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
-        self._running: dict[threading.Thread, tuple[str, float]] = {}  # what each runs, since when
+        # The call each thread runs now, described only if a close has to warn about it.
+        self._running: dict[threading.Thread, tuple[Callable[..., Any], tuple[Any, ...]]] = {}
         self._most, self._name = max(1, n), name
         self._threads: list[threading.Thread] = []  # started as calls come (none while idle)
         self._idle = threading.Semaphore(0)
@@ -87,7 +88,7 @@ class CollateThreads(concurrent.futures.Executor):
             future, fn, args, kwargs = item
             if not future.set_running_or_notify_cancel():
                 continue
-            self._running[me] = (_describe(fn, args), time.monotonic())
+            self._running[me] = (fn, args)
             try:
                 result = fn(*args, **kwargs)
             except BaseException as exc:
@@ -123,8 +124,7 @@ class CollateThreads(concurrent.futures.Executor):
         for t in list(self._threads):
             if t is not threading.current_thread():
                 t.join(max(0.0, deadline - time.monotonic()))
-        left = [
-            f"{what} (on thread {t.name})" for t, (what, _) in list(self._running.items()) if t.is_alive()
-        ]
+        running = list(self._running.items())
+        left = [f"{_describe(fn, args)} (on thread {t.name})" for t, (fn, args) in running if t.is_alive()]
         if left:
             warn_left_running(" and ".join(left), CLOSE_GRACE_S if grace is None else grace, 4)

@@ -7,9 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
-import torch
 
-import guideloom as gl
 from tests.support.data import Boom, FailingStorage, identity_stream
 from tests.support.loader import flat, make, take
 
@@ -26,14 +24,7 @@ def test_collate_error_reaches_consumer_at_its_batch(workers: dict[str, int]) ->
             raise Boom(f"bad batch {out}")
         return out
 
-    loader = gl.StatefulDataLoader.from_storage(
-        identity_stream(40),
-        collate,
-        sequence_length=4,
-        local_batch_size=4,
-        device=torch.device("cpu"),
-        **workers,
-    )
+    loader = make(identity_stream(40), collate=collate, local_batch_size=4, **workers)
     got = []
     with loader:
         with pytest.raises(Boom, match="bad batch"):
@@ -74,14 +65,7 @@ _ALL_MODES = [
 def test_collate_stop_iteration_is_an_error_not_the_end_of_the_epoch(workers: dict[str, object]) -> None:
     """As PEP 479 rules for generators: a StopIteration from collate_fn would end a ``for`` loop
     as if the epoch were complete; it reaches the consumer as a RuntimeError at its batch."""
-    loader = gl.StatefulDataLoader.from_storage(
-        identity_stream(80),
-        stop_at_seven,
-        sequence_length=4,
-        local_batch_size=4,
-        device=torch.device("cpu"),
-        **workers,  # type: ignore[arg-type]
-    )
+    loader = make(identity_stream(80), collate=stop_at_seven, local_batch_size=4, **workers)
     got = []
     with loader:
         with pytest.raises(RuntimeError, match="raised StopIteration") as info:
@@ -96,14 +80,7 @@ def test_collate_stop_iteration_is_an_error_not_the_end_of_the_epoch(workers: di
 
 @pytest.mark.parametrize("workers", _ALL_MODES)
 def test_collate_stop_async_iteration_is_an_error_under_async_for(workers: dict[str, object]) -> None:
-    loader = gl.StatefulDataLoader.from_storage(
-        identity_stream(80),
-        stop_async_at_seven,
-        sequence_length=4,
-        local_batch_size=4,
-        device=torch.device("cpu"),
-        **workers,  # type: ignore[arg-type]
-    )
+    loader = make(identity_stream(80), collate=stop_async_at_seven, local_batch_size=4, **workers)
 
     async def run() -> list[list[int]]:
         got = []

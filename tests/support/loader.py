@@ -20,10 +20,13 @@ from guideloom.pytorch import StatefulDataLoader
 from .data import IdsOf, identity_stream, slow_ids
 
 
-def make(storage: Any, sequence_length: int = 4, **kw: Any) -> gl.StatefulDataLoader[Any, list[int]]:
+def make(
+    storage: Any, sequence_length: int = 4, collate: Any = None, **kw: Any
+) -> gl.StatefulDataLoader[Any, list[int]]:
+    """A CPU loader whose batches are the ids of their samples (or what ``collate`` makes)."""
     kw.setdefault("device", torch.device("cpu"))
     return gl.StatefulDataLoader.from_storage(
-        storage, IdsOf(sequence_length), sequence_length=sequence_length, **kw
+        storage, collate or IdsOf(sequence_length), sequence_length=sequence_length, **kw
     )
 
 

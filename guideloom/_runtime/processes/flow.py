@@ -32,10 +32,8 @@ from guideloom._runtime.processes.pool import Group, Proc, Session, WorkerPool
 from guideloom._runtime.processes.wire import Epoch
 
 if TYPE_CHECKING:
-    from guideloom._runtime.pipeline import Production
-
-if TYPE_CHECKING:
     from guideloom._runtime.channel import Channel
+    from guideloom._runtime.pipeline import Production
 
 __all__ = ["GroupFlow", "ProcessWorkers", "SyncRun", "run_on_loop"]
 

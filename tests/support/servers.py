@@ -1,8 +1,8 @@
 """Real servers on 127.0.0.1 for the object-store tests: moto (S3), nginx (HTTP), a fault proxy.
 
 Everything binds to the loopback interface only, and everything stops itself: the proxy after a
-hard lifetime, nginx and moto when their fixture ends (and nginx is killed with its process group
-if the test process dies). Run as a script, this module starts a proxy in its own process (the
+hard lifetime, nginx and moto when their fixture ends (and both are killed with their process
+groups if the test process dies). Run as a script, this module starts a proxy in its own process (the
 benchmark does that, so the proxy does not compete with the loader for the GIL)::
 
     python tests/support/servers.py proxy --upstream 127.0.0.1:8080 --delay 0.01 --lifetime 600
@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import contextlib
 import grp
-import logging
 import os
 import pwd
 import shutil
@@ -57,18 +56,21 @@ def wait_for_port(port: int, timeout: float = 10.0) -> None:
 
 # -- S3: moto ---------------------------------------------------------------------------------------
 class MotoS3:
-    """moto's threaded S3 server on 127.0.0.1, with boto3 for test set-up (creating buckets)."""
+    """moto's S3 server on 127.0.0.1 in its own process (so its request handling does not share
+    the test process's GIL with the loader), with boto3 for test set-up (creating buckets)."""
 
     def __init__(self) -> None:
-        from moto.server import ThreadedMotoServer
-
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        self._server = ThreadedMotoServer(ip_address=LOOPBACK, port=free_port(), verbose=False)
-        self._server.start()
-        _host, port = self._server.get_host_and_port()
-        self.port = int(port)
+        self.port = free_port()
         self.endpoint = f"http://{LOOPBACK}:{self.port}"
-        wait_for_port(self.port)
+        self._proc = _start_process(
+            [sys.executable, "-m", "moto.server", "-H", LOOPBACK, "-p", str(self.port)],
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            wait_for_port(self.port, timeout=30)
+        except TimeoutError:
+            self.stop()
+            raise
 
     def client(self) -> Any:
         import boto3
@@ -112,7 +114,7 @@ class MotoS3:
                 c.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(folder).as_posix()}")
 
     def stop(self) -> None:
-        self._server.stop()
+        _stop_process(self._proc)
 
 
 # -- HTTP: nginx ------------------------------------------------------------------------------------
@@ -161,6 +163,32 @@ def _die_with_parent() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def _start_process(argv: list[str], *, stderr: int) -> subprocess.Popen[bytes]:
+    """A server in its own session, which dies with the test process."""
+    return subprocess.Popen(
+        argv,
+        stdout=subprocess.DEVNULL,
+        stderr=stderr,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,  # noqa: PLW1509 - only prctl(), before exec
+    )
+
+
+def _stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the server's process group, SIGKILL it if it lingers."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
+    if proc.stderr is not None:
+        proc.stderr.close()
+
+
 class Nginx:
     """nginx serving ``root`` on 127.0.0.1 (it honours ``Range``, unlike ``http.server``)."""
 
@@ -179,12 +207,9 @@ class Nginx:
         conf.write_text(
             _NGINX_CONF.format(user=user, tmp=self._tmp, host=LOOPBACK, port=self.port, root=root)
         )
-        self._proc = subprocess.Popen(
+        self._proc = _start_process(
             [binary, "-c", str(conf), "-p", self._tmp, "-e", f"{self._tmp}/error.log"],
-            stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509 - only prctl(), before exec
         )
         try:
             wait_for_port(self.port, timeout=10)
@@ -193,17 +218,7 @@ class Nginx:
             raise
 
     def stop(self) -> None:
-        if self._proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._proc.pid, signal.SIGTERM)
-            try:
-                self._proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self._proc.pid, signal.SIGKILL)
-                self._proc.wait(timeout=5)
-        if self._proc.stderr is not None:
-            self._proc.stderr.close()
+        _stop_process(self._proc)
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 from guideloom._core.delivery import Delivery, Results
+from guideloom._core.plan import BatchSpec
 
 __all__ = ["CollateGroups"]
 
@@ -39,15 +40,16 @@ class CollateGroups(Generic[F]):
     def __len__(self) -> int:
         return len(self._queue)
 
-    def start(self, group: list[Delivery], submit: Callable[[list[Any]], F]) -> None:
-        """Hand ``group``'s raw batches to a worker (``submit`` makes the call, returns its
-        future); the worker holds them from here, the deliveries get the results."""
+    def start(self, group: list[Delivery], submit: Callable[[list[BatchSpec], list[Any]], F]) -> None:
+        """Hand ``group``'s raw batches to a worker (``submit`` makes the call with their specs
+        and values, returns its future); the worker holds them from here, the deliveries get the
+        results."""
         if not group:
             return
         values = [d.value for d in group]
         for d in group:
             d.value = None
-        self._queue.append(_Group(group[::-1], submit(values)))
+        self._queue.append(_Group(group[::-1], submit([d.spec for d in group], values)))
         self.ahead += len(group)
 
     def add_ready(self, d: Delivery) -> None:

@@ -14,7 +14,6 @@ that failed; everything before it is still delivered, nothing after it is produc
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -49,7 +48,7 @@ from guideloom._runtime.config import (
 from guideloom._runtime.groups import CollateGroups
 from guideloom._runtime.threadpool import CollateThreads
 
-__all__ = ["Production", "StageWorkers", "Workers", "run_pipeline"]
+__all__ = ["GroupRunner", "Production", "StageWorkers", "Workers", "read_and_collate", "run_pipeline"]
 
 
 def _reads_for(
@@ -147,16 +146,25 @@ def _discard(futures: Iterable[asyncio.Future[Any]]) -> None:
         fut.cancel()
 
 
+#: Starts a group's collate off the loop: its specs and raw batches in, the future of its results.
+GroupRunner = Callable[[list[BatchSpec], list[Any]], "asyncio.Future[Results]"]
+
+
 async def _collate(
     cfg: PipelineConfig,
     receive: ObjectReceiveStream[list[Delivery]],
     emit: Callable[[Delivery], Any],
     channel: Channel[Delivery],
-    executor: concurrent.futures.Executor | None,
+    run_group: GroupRunner | None,
+    workers: int,
+    in_flight: int,
 ) -> None:
-    """Collate each batch once the consumer has granted a credit for it; emit in plan order."""
+    """Collate each batch once the consumer has granted a credit for it; emit in plan order.
+
+    ``run_group`` collates groups of consecutive batches on ``workers`` workers (threads, or
+    process workers), at most ``in_flight`` groups at once; None: the loop collates itself."""
     async with receive:
-        if executor is None:
+        if run_group is None:
             async for window in receive:
                 # Hand each batch on without keeping a reference: a delivered batch must be
                 # freed when the consumer drops it, not when the window is done (memory, and
@@ -173,14 +181,9 @@ async def _collate(
                         return
             return
 
-        loop = asyncio.get_running_loop()
-        workers = max(1, cfg.num_workers)  # num_workers=0 with an executor: one collate thread
         max_group = group_size(cfg.capacity, workers)
         pending: CollateGroups[asyncio.Future[Results]] = CollateGroups()
         group: list[Delivery] = []
-
-        def run_group(batches: list[Any]) -> asyncio.Future[Results]:
-            return loop.run_in_executor(executor, apply_group, (cfg.collate_fn,), batches)
 
         def submit() -> None:
             nonlocal group
@@ -219,17 +222,17 @@ async def _collate(
                         return
                     if not channel.try_reserve():
                         submit()  # no credit now: start what we have before waiting
-                        if not await flush(workers - 1):
+                        if not await flush(in_flight - 1):
                             return
                         await channel.reserve()
                     group.append(d)
                     del d
                     if len(group) >= max_group:
                         submit()
-                        if not await flush(workers - 1):
+                        if not await flush(in_flight - 1):
                             return
                 submit()
-                if not await flush(workers - 1):
+                if not await flush(in_flight - 1):
                     return
             submit()
             await flush(0)
@@ -261,6 +264,21 @@ class Workers(Protocol):
         """Stop, joining what runs the work unless ``wait`` is false."""
 
 
+async def read_and_collate(
+    job: Production, run_group: GroupRunner | None, workers: int, in_flight: int | None = None
+) -> None:
+    """The reader and collate stages on the loop for ``job``: windows read here, each group of
+    batches collated by ``run_group`` on ``workers`` workers, ``in_flight`` groups at once at
+    most (default: one per worker), or by the loop itself (``run_group`` None)."""
+    cfg = job.cfg
+    to_collate_send, to_collate_recv = anyio.create_memory_object_stream[list[Delivery]](1)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_reader, cfg, to_collate_send, job.first_step, _reads_for(cfg.dataset, job.own_loop))
+        tg.start_soon(
+            _collate, cfg, to_collate_recv, job.emit, job.channel, run_group, workers, in_flight or workers
+        )
+
+
 class StageWorkers:
     """The reader and collate stages on the loop; ``executor`` runs the collate (None: the loop
     itself does, which only guideloom's private loop may)."""
@@ -269,13 +287,18 @@ class StageWorkers:
         self.executor = executor
 
     async def produce(self, job: Production) -> None:
-        cfg = job.cfg
-        to_collate_send, to_collate_recv = anyio.create_memory_object_stream[list[Delivery]](1)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(
-                _reader, cfg, to_collate_send, job.first_step, _reads_for(cfg.dataset, job.own_loop)
-            )
-            tg.start_soon(_collate, cfg, to_collate_recv, job.emit, job.channel, self.executor)
+        executor = self.executor
+        if executor is None:
+            await read_and_collate(job, None, 1)
+            return
+        loop = asyncio.get_running_loop()
+        steps = (job.cfg.collate_fn,)
+
+        def run_group(specs: list[BatchSpec], batches: list[Any]) -> asyncio.Future[Results]:
+            return loop.run_in_executor(executor, apply_group, steps, batches)
+
+        # num_workers=0 with an executor: one collate thread
+        await read_and_collate(job, run_group, max(1, job.cfg.num_workers))
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the collate threads, waiting for a call in progress at most

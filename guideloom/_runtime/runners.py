@@ -11,13 +11,15 @@ ran in another thread); :meth:`~Runner.close` stops everything it started and jo
   turns would cost about a batch's whole work.
 - :class:`ThreadRunner`: thread workers over a storage that reads inline: the caller's thread
   reads and hands groups of batches to the threads, or collates inline while that is cheaper.
-- :class:`ProcessRunner`: process workers for batches that stay on the CPU: the caller's thread
-  sends groups and takes their batches off the pipes itself, or collates inline while cheaper.
+- :class:`ProcessRunner`: process workers over a storage that reads inline, for batches that stay
+  on the CPU: the caller's thread sends groups and takes their batches off the pipes itself, or
+  collates inline while cheaper.
 - :class:`CallerLoopRunner`: ``num_workers=0`` and ``prefetch=0`` over any other storage: the
   pipeline on a private asyncio loop that ``next()`` drives (reads stay in flight between
   batches); it goes on as a plain loop once the storage reads inline (a complete local copy).
-- :class:`LoopThreadRunner`: everything else (prefetch, or a caller's thread that already runs an
-  event loop): the pipeline on a loop thread of its own, batches through the channel.
+- :class:`LoopThreadRunner`: everything else (prefetch, an object store, or a caller's thread that
+  already runs an event loop): the pipeline on a loop thread of its own, batches through the
+  channel. Over an object store the loop reads for every kind of worker, threads or processes.
 
 ``async for`` runs the same pipeline stages on the caller's loop (:func:`run_pipeline`).
 """
@@ -87,7 +89,7 @@ def make_runner(cfg: PipelineConfig, choosers: Choosers) -> Runner:
         return InlinePipeline(cfg)
     if cfg.num_workers > 0 and cfg.parallel_method == "thread" and reads_inline:
         return ThreadRunner(cfg, choosers.chooser("threads", functools.partial(thread_chooser, cfg.capacity)))
-    if cfg.num_workers > 0 and cfg.parallel_method == "process" and cfg.device.type == "cpu":
+    if cfg.num_workers > 0 and cfg.parallel_method == "process" and reads_inline and cfg.device.type == "cpu":
         # To a device, the loop thread overlaps the copy with the next batch instead.
         return ProcessRunner(cfg, choosers)
     if cfg.capacity == 0 and not _event_loop_running_here():
@@ -115,31 +117,28 @@ class ThreadRunner:
 
 
 class ProcessRunner:
-    """Process workers driven from the caller's thread, no event loop (:class:`SyncRun`), for
-    batches that stay on the CPU; over a storage that reads inline, the collate may run inline
-    while that is cheaper (:class:`ProcessChoiceRun`)."""
+    """Process workers driven from the caller's thread, no event loop (:class:`SyncRun`), over a
+    storage that reads inline, for batches that stay on the CPU; the collate runs inline while
+    that is cheaper (:class:`ProcessChoiceRun`)."""
 
     def __init__(self, cfg: PipelineConfig, choosers: Choosers) -> None:
         self._closed = False
         self._workers: ProcessWorkers = process_workers(cfg)
         self._run = SyncRun(self._workers.flow(cfg, 0), cfg.capacity)
-        self._choice: ProcessChoiceRun | None = None
-        if cfg.dataset.reads_inline:
-            # The loader's persistent workers keep their chooser from epoch to epoch; a pool of
-            # this iterator's own starts afresh, as its workers do.
-            make = functools.partial(process_chooser, cfg.capacity)
-            chooser = choosers.chooser("processes", make) if cfg.worker_pool is not None else make()
-            self._choice = ProcessChoiceRun(cfg, self._run, chooser)
+        # The loader's persistent workers keep their chooser from epoch to epoch; a pool of this
+        # iterator's own starts afresh, as its workers do.
+        make = functools.partial(process_chooser, cfg.capacity)
+        chooser = choosers.chooser("processes", make) if cfg.worker_pool is not None else make()
+        self._choice = ProcessChoiceRun(cfg, self._run, chooser)
 
     def next(self) -> Delivery | None:
-        d = (self._choice or self._run).next()
+        d = self._choice.next()
         return None if self._closed else d  # None: close() in another thread ended this next()
 
     def close(self) -> None:
         self._closed = True
         try:
-            if self._choice is not None:
-                self._choice.close()
+            self._choice.close()
             self._run.close()
         finally:
             self._workers.shutdown(wait=True)

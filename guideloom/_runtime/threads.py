@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 from guideloom._core.delivery import Delivery, Results, apply, apply_group
+from guideloom._core.plan import BatchSpec
 from guideloom._runtime.chooser import QUIET_CALLS, Chooser
 from guideloom._runtime.config import PipelineConfig, group_size, making_steps
 from guideloom._runtime.groups import CollateGroups
@@ -128,7 +129,7 @@ class ThreadWorkerPipeline:
             groups.start(group, self._submit)
             group = []
 
-    def _submit(self, batches: list[Any]) -> concurrent.futures.Future[Results]:
+    def _submit(self, specs: list[BatchSpec], batches: list[Any]) -> concurrent.futures.Future[Results]:
         return self._executor.submit(apply_group, self._steps, batches)
 
     def _take(self) -> Delivery:

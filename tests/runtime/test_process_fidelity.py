@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import guideloom as gl
-from guideloom._runtime.processes import WorkerPool, live_segments
 from tests.support.loader import take
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_thread_leak")]
@@ -91,25 +90,6 @@ def stream(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("fidelity") / "stream"
     gl.write_stream(folder, np.arange(24 * SEQ, dtype=np.int32))
     return folder
-
-
-@pytest.fixture
-def own_segments(monkeypatch: pytest.MonkeyPatch) -> Callable[[], list[str]]:
-    """The live ``/dev/shm`` segments of the pools this test made."""
-    tokens: list[str] = []
-    init = WorkerPool.__init__
-
-    def recording(self: WorkerPool, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        tokens.append(self.token)
-
-    monkeypatch.setattr(WorkerPool, "__init__", recording)
-
-    def live() -> list[str]:
-        assert tokens, "the test made no worker pool"
-        return [name for token in tokens for name in live_segments(token + "-")]
-
-    return live
 
 
 def batches(path: Path, collate: Any, num_workers: int) -> list[Any]:

@@ -7,17 +7,40 @@ module path. In the stream, sample ``i`` starts with element ``i * SEQ``.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 import guideloom as gl
+from guideloom._runtime.processes import WorkerPool, live_segments
 
 SEQ = 64
+
+
+@pytest.fixture
+def own_segments(monkeypatch: pytest.MonkeyPatch) -> Callable[[], list[str]]:
+    """The live ``/dev/shm`` segments of the pools this test made. Only those: another session's
+    tests may hold segments of their own meanwhile. Fails if the test made no pool at all."""
+    tokens: list[str] = []
+    init = WorkerPool.__init__
+
+    def recording(self: WorkerPool, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        tokens.append(self.token)
+
+    monkeypatch.setattr(WorkerPool, "__init__", recording)
+
+    def live() -> list[str]:
+        assert tokens, "the test made no worker pool: its leak check would prove nothing"
+        return [name for token in tokens for name in live_segments(token + "-")]
+
+    return live
 
 
 def write_positions(folder: Path, n_samples: int = 200, shard_bytes: int = 20_000) -> Path:
@@ -94,3 +117,8 @@ def assert_same(a: Any, b: Any) -> None:
             assert_same(x, y)
     else:
         assert a == b
+
+
+def collated_where(samples: Sequence[Any]) -> dict[str, Any]:
+    """A collate that says which process ran it, beside the stacked samples."""
+    return {"pid": os.getpid(), "tokens": torch.from_numpy(np.stack(samples).astype(np.int64))}

@@ -59,7 +59,7 @@ def loader_for(storage: Any, **kwargs: Any) -> StatefulDataLoader[Any, Any]:
     kwargs.setdefault("local_batch_size", 4)
     kwargs.setdefault("shuffle", True)
     kwargs.setdefault("shuffle_seed", 7)
-    return StatefulDataLoader.from_storage(storage, collate, device=CPU, **kwargs)
+    return StatefulDataLoader.from_storage(storage, kwargs.pop("collate_fn", collate), device=CPU, **kwargs)
 
 
 def all_batches(storage: Any, **kwargs: Any) -> list[Any]:

@@ -1,7 +1,9 @@
-"""Process workers (``parallel_method="process"``): each worker reads and collates its own groups
-of batches and returns them through shared memory.
+"""Process workers (``parallel_method="process"``): each worker collates groups of batches, read
+by itself (local files, memory) or by the main process and sent through shared memory (object
+stores), and returns them through shared memory.
 
 - :mod:`.shm`: the segments, the workers' slots and the views rebuilt from them;
+- :mod:`.pack`: arrays laid into a segment and the pickle that names them, both ways;
 - :mod:`.wire`: the typed messages between the main process and a worker;
 - :mod:`.worker`: what runs in a worker process;
 - :mod:`.pool`: the pool of processes and a session of it, the main process's side;

@@ -11,23 +11,18 @@ holds of the workers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import selectors
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from guideloom._core.delivery import Delivery
+from guideloom._core.delivery import Delivery, Results
 from guideloom._core.order import Order
 from guideloom._core.plan import BatchSpec, EpochPlan
-from guideloom._core.schedule import windows
-from guideloom._runtime.config import (
-    PipelineConfig,
-    group_size,
-    max_window_batches,
-    reading_name,
-    window_span,
-)
+from guideloom._runtime.config import PipelineConfig, group_size, reading_name
+from guideloom._runtime.pipeline import read_and_collate
 from guideloom._runtime.processes.pool import Group, Proc, Session, WorkerPool
 from guideloom._runtime.processes.wire import Epoch
 
@@ -50,7 +45,6 @@ class GroupFlow:
         reading: str,
         first_step: int,
         group: int,
-        windows: Iterator[list[BatchSpec]] | None = None,
     ) -> None:
         self.session = session
         self.plan, self.order, self.reading = plan, order, reading
@@ -61,12 +55,6 @@ class GroupFlow:
         self.pending: deque[Group] = deque()
         self.paused = False  # no new groups are sent (the collate runs inline meanwhile)
         self.closed = False
-        # Read windows (object stores): each read whole by one worker, taken in turns, the next
-        # one read ahead by its worker while this one's groups are made.
-        self._windows = windows
-        self._window: tuple[int, int] | None = None
-        self._next_window: tuple[int, int] | None = None
-        self._turn = -1
 
     def start(self) -> list[Proc]:
         """Send the epoch to every live worker (the pool has started); the workers sent to."""
@@ -85,40 +73,16 @@ class GroupFlow:
         left = self.total - self.step
         if self.paused or self.closed or left <= 0 or len(self.pending) >= self.most:
             return 0
-        window = self._window_at(self.step)
-        full = min(self.group, left if window is None else window[1] - self.step)
+        full = min(self.group, left)
         n = min(full, room)
         if n <= 0 or (whole and n < full and self.pending):
             return 0
         return n
 
     def send(self, n: int) -> None:
-        """Send the next ``n`` steps as one group (to the worker reading their window, if any)."""
-        specs = self.plan.batches(self.step, self.step + n)
-        window = self._window_at(self.step)
-        self.pending.append(self.session.submit(specs, window, self._turn if window is not None else -1))
+        """Send the next ``n`` steps as one group."""
+        self.pending.append(self.session.submit(self.plan.batches(self.step, self.step + n)))
         self.step += n
-
-    def _window_at(self, step: int) -> tuple[int, int] | None:
-        """The read window that holds ``step`` (None without windows); entering one sends the
-        next one to its worker to read ahead."""
-        if self._windows is None:
-            return None
-        if self._window is not None and step < self._window[1]:
-            return self._window
-        while self._window is None or step >= self._window[1]:
-            nxt = self._next_window or self._take_window()
-            if nxt is None:  # past the planned windows: groups are read on their own
-                self._windows = None
-                return None
-            self._window, self._next_window, self._turn = nxt, self._take_window(), self._turn + 1
-        if self._next_window is not None:
-            self.session.read_ahead(self._next_window, self._turn + 1)
-        return self._window
-
-    def _take_window(self) -> tuple[int, int] | None:
-        specs = next(self._windows, None) if self._windows is not None else None
-        return None if not specs else (specs[0].step, specs[-1].step + 1)
 
     def fail(self, exc: BaseException) -> None:
         """A failure outside any group (a bug): delivered at the next step not yet sent."""
@@ -266,11 +230,10 @@ class SyncRun:
             selector.close()
 
 
-async def run_on_loop(flow: GroupFlow, emit: Callable[[Delivery], Any], channel: Channel[Delivery]) -> None:
-    """Drive ``flow`` on the running loop: emit each batch in plan order, and a failure at its
-    batch, after which nothing more is emitted. Groups are sent as soon as the channel grants a
-    credit (a worker waiting for its next group is a worker lost), from a task of their own."""
-    session = flow.session
+@contextlib.asynccontextmanager
+async def _on_loop(session: Session, flow: GroupFlow) -> AsyncIterator[asyncio.AbstractEventLoop]:
+    """The pool started (off the loop), the epoch sent to every worker and their pipes read by
+    the running loop until the block ends, when ``flow`` closes."""
     await asyncio.to_thread(session.pool.start)
     loop = asyncio.get_running_loop()
     registered: list[Proc] = []
@@ -279,6 +242,33 @@ async def run_on_loop(flow: GroupFlow, emit: Callable[[Delivery], Any], channel:
             loop.add_reader(p.fd, session._on_readable, p, loop)
             p.reader = session
             registered.append(p)
+        yield loop
+    finally:
+        for p in registered:
+            if p.reader is not session:  # a later session reads this pipe now: not ours to remove
+                continue
+            p.reader = None
+            try:
+                loop.remove_reader(p.fd)
+            except (OSError, ValueError):
+                pass
+        flow.close()
+
+
+async def _arrival(g: Group, loop: asyncio.AbstractEventLoop) -> None:
+    """Wait until something of ``g`` has arrived (or it failed)."""
+    g.waiter = loop.create_future()
+    try:
+        await g.waiter
+    finally:
+        g.waiter = None
+
+
+async def run_on_loop(flow: GroupFlow, emit: Callable[[Delivery], Any], channel: Channel[Delivery]) -> None:
+    """Drive ``flow`` on the running loop: emit each batch in plan order, and a failure at its
+    batch, after which nothing more is emitted. Groups are sent as soon as the channel grants a
+    credit (a worker waiting for its next group is a worker lost), from a task of their own."""
+    async with _on_loop(flow.session, flow) as loop:
         sent = asyncio.Event()
         room = asyncio.Event()  # a group was handed out: one more may be in flight
 
@@ -312,11 +302,7 @@ async def run_on_loop(flow: GroupFlow, emit: Callable[[Delivery], Any], channel:
                         sent.clear()
                         await sent.wait()
                         continue
-                    g.waiter = loop.create_future()
-                    try:
-                        await g.waiter
-                    finally:
-                        g.waiter = None
+                    await _arrival(g, loop)
                 room.set()
                 failed = d.error is not None
                 await emit(d)
@@ -326,16 +312,6 @@ async def run_on_loop(flow: GroupFlow, emit: Callable[[Delivery], Any], channel:
         finally:
             submitter.cancel()
             await asyncio.gather(submitter, return_exceptions=True)
-    finally:
-        for p in registered:
-            if p.reader is not session:  # a later session reads this pipe now: not ours to remove
-                continue
-            p.reader = None
-            try:
-                loop.remove_reader(p.fd)
-            except (OSError, ValueError):
-                pass
-        flow.close()
 
 
 class ProcessWorkers:
@@ -350,17 +326,42 @@ class ProcessWorkers:
     def flow(self, cfg: PipelineConfig, first_step: int) -> GroupFlow:
         """The epoch of ``cfg`` from ``first_step`` on these workers."""
         group = group_size(cfg.capacity, cfg.num_workers)
-        # Over a storage that does not read inline (an object store), the workers read the main
-        # process's read windows, each whole, so that its requests coalesce as the main
-        # process's do; elsewhere each group is read on its own.
-        planned = None
-        if not cfg.dataset.reads_inline:
-            planned = windows(cfg.plan, first_step, max_window_batches(cfg), window_span(cfg))
-        return GroupFlow(self.session, cfg.plan, cfg.order, reading_name(cfg), first_step, group, planned)
+        return GroupFlow(self.session, cfg.plan, cfg.order, reading_name(cfg), first_step, group)
 
     async def produce(self, job: Production) -> None:
-        """The workers read and collate their own batches (wherever the loop is)."""
-        await run_on_loop(self.flow(job.cfg, job.first_step), job.emit, job.channel)
+        """The workers read and collate their own batches over a storage that reads inline
+        (local files, memory). Over any other (an object store) the main process reads, as it
+        does for thread workers: its windows' requests coalesce and stay in flight together,
+        and each group's samples go to a worker, which collates them."""
+        cfg = job.cfg
+        flow = self.flow(cfg, job.first_step)
+        if cfg.dataset.reads_inline:
+            await run_on_loop(flow, job.emit, job.channel)
+            return
+        async with _on_loop(self.session, flow) as loop:
+
+            def run_group(specs: list[BatchSpec], batches: list[Any]) -> asyncio.Future[Results]:
+                return loop.create_task(self._collate(specs, batches, loop))
+
+            # Two groups per worker: one queued behind the one it makes, as a group's round trip
+            # through the pipes would leave the worker idle.
+            await read_and_collate(job, run_group, cfg.num_workers, 2 * cfg.num_workers)
+
+    async def _collate(
+        self, specs: list[BatchSpec], batches: list[Any], loop: asyncio.AbstractEventLoop
+    ) -> Results:
+        """One group collated by a worker from the samples read here: its results, in order."""
+        session = self.session
+        g = session.submit(specs, batches)
+        del batches  # in the worker's segment now
+        try:
+            while not g.done:
+                await _arrival(g, loop)
+            return [(d.value, d.error) for d in g.results]
+        finally:
+            session.groups.pop(g.gid, None)
+            if not g.done and g.proc is not None:  # cancelled: its worker's result is dropped
+                g.proc.inflight -= 1
 
     def shutdown(self, wait: bool = True) -> None:
         """End the session; an owned pool closes too (on a thread of its own unless ``wait``: on

@@ -33,9 +33,11 @@ import numpy as np
 from guideloom._core.delivery import Delivery
 from guideloom._core.plan import BatchSpec
 from guideloom._errors import WorkerError
+from guideloom._runtime.processes.pack import Segment, pack_samples
 from guideloom._runtime.processes.shm import (
     MAX_SLOTS,
     SHM_PREFIX,
+    Inputs,
     map_segment,
     posix_shm_available,
     release,
@@ -47,8 +49,8 @@ from guideloom._runtime.processes.wire import (
     Epoch,
     Failed,
     GroupDone,
-    ReadAhead,
     Ready,
+    Samples,
     Stop,
     Task,
     load_exception,
@@ -115,12 +117,13 @@ class Proc:
         self.reader: object | None = None
         self.send_lock = threading.Lock()
         self.cache: dict[int, tuple[str, mmap.mmap]] = {}
+        self.inputs = Inputs(self.prefix)  # the segments its samples are sent in
         self.buffer = bytearray()
         self.alive = True
         self.ready = False
         self.inflight = 0
 
-    def send(self, msg: Task | ReadAhead | Epoch | End | Stop) -> None:
+    def send(self, msg: Task | Epoch | End | Stop) -> None:
         with self.send_lock:
             self.tasks.send(msg)
 
@@ -321,6 +324,7 @@ class WorkerPool:
         """A worker's pipe closed: reap it and remove its segments (it may have died mid-write)."""
         p.alive = False
         p.proc.join(1.0)
+        p.inputs.close()
         sweep(p.prefix)
 
     def _discard(self, p: Proc) -> None:
@@ -331,6 +335,7 @@ class WorkerPool:
             p.proc.join()
         for c in (p.tasks, p.results):
             c.close()
+        p.inputs.close()
         sweep(p.prefix)
 
     def _stop(self, procs: list[Proc], grace: float) -> None:
@@ -354,6 +359,7 @@ class WorkerPool:
             p.alive = False
             for c in (p.tasks, p.results):
                 c.close()
+            p.inputs.close()
             sweep(p.prefix)
 
     def close(self, grace: float | None = None) -> None:
@@ -389,6 +395,8 @@ class Session:
         self.pool = pool
         self.token = token
         self.groups: dict[int, Group] = {}
+        #: The segments of the samples sent with groups, by gid, until the worker answers.
+        self.inputs: dict[int, tuple[Proc, Segment]] = {}
         self._gid = 0
         self._ended = False
         #: Seconds a batch's read takes in the workers (a moving average of what they report), or
@@ -408,6 +416,17 @@ class Session:
                 p.send(End(self.token))
             except (OSError, ValueError):
                 pass
+        for gid in list(self.inputs):
+            self._free_input(gid)
+
+    def _free_input(self, gid: int) -> None:
+        """The segment of the samples sent with group ``gid`` may take the worker's next ones.
+        At the end of a session, a group the worker has not answered for yet is one nobody waits
+        for: the worker takes its tasks in order, so the next one's samples never reach it
+        before it is done with that group."""
+        held = self.inputs.pop(gid, None)
+        if held is not None:
+            held[0].inputs.give_back(held[1])
 
     # -- reading results (on the loop) -----------------------------------------------------------
     def _on_readable(self, p: Proc, loop: asyncio.AbstractEventLoop) -> None:
@@ -436,6 +455,8 @@ class Session:
 
     def _on_message(self, p: Proc, msg: GroupDone) -> None:
         token, gid, entries, slot, read_s, work_s, reads = msg
+        if token == self.token:
+            self._free_input(gid)
         if reads != (0, 0) and (storage := self.pool.dataset.storage) is not None:
             storage.add_read_counts(*reads)  # what stats() reports counts the workers' reads
         self.read_per_batch = _moving(self.read_per_batch, read_s)
@@ -462,31 +483,36 @@ class Session:
         if g is not None and g.proc is not None:
             g.proc.inflight -= 1
 
-    def read_ahead(self, window: tuple[int, int], turn: int) -> None:
-        """Have the ``turn``-th live worker read ``window`` now, before its groups come."""
-        live = [p for p in self.pool.live() if p.proc.is_alive()]
-        if live:
-            try:
-                live[turn % len(live)].send(ReadAhead(self.token, *window))
-            except (OSError, ValueError):
-                pass  # a dead worker fails its groups when they are sent
-
-    def submit(self, specs: list[BatchSpec], window: tuple[int, int] | None = None, turn: int = -1) -> Group:
-        """Send consecutive batches to a live worker as one group: the least busy, or the
-        ``turn``-th (modulo the live ones) for a group of read ``window``, so that each window's
-        groups go to one worker, which reads the window once."""
+    def submit(self, specs: list[BatchSpec], samples: list[Any] | None = None) -> Group:
+        """Send consecutive batches to the least busy live worker as one group: to read and
+        collate, or to collate from ``samples`` (each batch's, read by the main process)."""
         self._gid += 1
         live = [p for p in self.pool.live() if p.proc.is_alive()]
         if not live:
             g = Group(self._gid, specs, None)
             g.fail(WorkerError("every guideloom worker process has died"))
             return g
-        p = live[turn % len(live)] if turn >= 0 else min(live, key=lambda q: q.inflight)
+        p = min(live, key=lambda q: q.inflight)
         g = self.groups[self._gid] = Group(self._gid, specs, p)
         try:
-            p.send(Task(self.token, g.gid, specs[0].step, specs[-1].step + 1, window))
+            sent = None if samples is None else self._pack(p, g.gid, samples)
+        except Exception as exc:  # samples that do not pickle, or no room in /dev/shm
+            self._free_input(g.gid)
+            g.fail(exc)
+            return g
+        try:
+            p.send(Task(self.token, g.gid, specs[0].step, specs[-1].step + 1, sent))
         except (OSError, ValueError) as exc:
+            self._free_input(g.gid)
             g.fail(WorkerError(f"guideloom worker process {p.index} died: {exc}"))
             return g
         p.inflight += 1
         return g
+
+    def _pack(self, p: Proc, gid: int, samples: list[Any]) -> Samples:
+        """``samples`` as they travel to ``p``, in one of its input segments (given back when
+        it answers for the group)."""
+        sent, seg = pack_samples(samples, p.inputs.take)
+        if seg is not None:
+            self.inputs[gid] = (p, seg)
+        return sent

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 __all__ = [
+    "Inputs",
     "ALIGN",
     "MAX_SLOTS",
     "MIN_SHARED_BYTES",
@@ -118,6 +119,42 @@ class Slots:
             mm.close()
             unlink(name)  # the main process unlinks what it mapped; the rest goes here
         self.slots.clear()
+
+
+class Inputs:
+    """The segments the main process sends one worker's samples in, each reused once the worker
+    has answered for its group: a group costs a copy into memory already mapped on both sides,
+    not a new segment. Their names stay in ``/dev/shm`` while the worker may map them, until
+    :meth:`close` (or a sweep of the worker's prefix)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.free: list[tuple[str, int, mmap.mmap]] = []
+        self.made: list[tuple[str, int, mmap.mmap]] = []
+        self.gen = 0
+
+    def take(self, nbytes: int) -> tuple[str, int, mmap.mmap]:
+        fits = [seg for seg in self.free if seg[1] >= nbytes]
+        if fits:
+            seg = min(fits, key=lambda s: s[1])
+            self.free.remove(seg)
+            return seg
+        self.gen += 1
+        size = 1 << max(16, (nbytes - 1).bit_length())  # power of two: a reused one fits more
+        name = f"{self.prefix}in{self.gen}"
+        seg = name, size, map_segment(name, size, create=True)
+        self.made.append(seg)
+        return seg
+
+    def give_back(self, seg: tuple[str, int, mmap.mmap]) -> None:
+        self.free.append(seg)
+
+    def close(self) -> None:
+        for name, _, mm in self.made:
+            unlink(name)
+            mm.close()
+        self.made.clear()
+        self.free.clear()
 
 
 class SharedArray(NamedTuple):

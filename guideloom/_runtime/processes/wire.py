@@ -1,12 +1,13 @@
 """The messages between the main process and its workers, each a typed tuple.
 
 To a worker: :class:`Epoch` (an iterator's plan and order, once), :class:`Task` (a group of
-consecutive steps to read and collate), :class:`End` (drop what is left of an iterator's groups)
-and :class:`Stop`. From a worker: :class:`Ready` or :class:`Failed` once, at its start, then a
-:class:`GroupDone` per task, whose entries describe each batch: an array or tensor in the group's
-slot (:class:`ArrayEntry`), a pickle whose large arrays are in the slot or that holds them itself
-(:class:`PickleEntry`), or the exception that replaced the batch (:class:`ErrorEntry`). Each entry
-turns itself back into a delivery.
+consecutive steps to read and collate, or to collate from the samples sent with it),
+:class:`End` (drop what is left of an iterator's groups) and :class:`Stop`. From a worker:
+:class:`Ready` or :class:`Failed` once, at its start, then a :class:`GroupDone` per task, whose
+entries describe each batch: an array or tensor in the group's slot (:class:`ArrayEntry`), a
+pickle whose large arrays are in the slot or that holds them itself (:class:`PickleEntry`), or
+the exception that replaced the batch (:class:`ErrorEntry`). Each entry turns itself back into a
+delivery.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ __all__ = [
     "Entry",
     "Epoch",
     "ErrorEntry",
+    "FlatLayout",
     "Failed",
     "GroupDone",
     "PickleEntry",
     "Ready",
-    "ReadAhead",
     "RemoteTraceback",
+    "Samples",
     "Stop",
     "Task",
     "exception_message",
@@ -62,28 +64,36 @@ class Epoch(NamedTuple):
     reading: str
 
 
-class Task(NamedTuple):
-    """Read and collate steps ``[start, stop)`` of the epoch of ``token``, as group ``gid``.
+class FlatLayout(NamedTuple):
+    """Samples that are 1-D arrays of one dtype, laid one after the other: each ``length``
+    elements (one length for all, or each its own), ``counts`` of them per batch."""
 
-    ``window``: the read window ``[start, stop)`` of steps these belong to, read whole the first
-    time and kept for the window's other groups, which come to the same worker (object stores:
-    one window's reads coalesce into a few large requests, as the main process's do); None:
-    read the group's steps alone.
-    """
+    dtype: str
+    lengths: int | tuple[int, ...]
+    counts: tuple[int, ...]
+
+
+class Samples(NamedTuple):
+    """Samples the main process read for a task, in the shared-memory ``segment`` of ``size``
+    bytes (None: nothing there): laid flat (``flat``), or pickled (``data``), the pickle naming
+    the arrays it left in the segment."""
+
+    segment: str | None
+    size: int
+    data: bytes | None
+    flat: FlatLayout | None
+
+
+class Task(NamedTuple):
+    """Collate steps ``[start, stop)`` of the epoch of ``token``, as group ``gid``: read by the
+    worker, or, with ``samples`` (each step's list of samples), read by the main process, which
+    reads an object store's windows with its requests coalesced and in flight together."""
 
     token: int
     gid: int
     start: int
     stop: int
-    window: tuple[int, int] | None = None
-
-
-class ReadAhead(NamedTuple):
-    """Read the window ``[start, stop)`` of the epoch of ``token`` now: its groups come next."""
-
-    token: int
-    start: int
-    stop: int
+    samples: Samples | None = None
 
 
 class End(NamedTuple):

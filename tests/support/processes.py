@@ -84,6 +84,13 @@ def fails_at_40(samples: Sequence[np.ndarray]) -> torch.Tensor:
     return torch.from_numpy(np.tile(np.stack(samples).astype(np.int64), (1, 16)))  # shared memory
 
 
+def exits_at_40(samples: Sequence[np.ndarray]) -> list[int]:
+    """A collate that kills its worker process at sample 40, as an out-of-memory kill would."""
+    if any(int(s[0]) // SEQ == 40 for s in samples):
+        os._exit(3)
+    return ids(samples)
+
+
 def loader_for(path: Path, collate: Any, **kw: Any) -> gl.StatefulDataLoader[Any, Any]:
     kw.setdefault("num_workers", 2)
     kw.setdefault("local_batch_size", 4)

@@ -6,13 +6,15 @@ from __future__ import annotations
 import multiprocessing
 import os
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 import guideloom
-from tests.support.processes import collated_where
-from tests.support.remote import Copies, all_batches, assert_same, loader_for
+from guideloom._runtime.processes import RemoteTraceback
+from tests.support.processes import SEQ, Boom, collated_where, exits_at_40, fails_at_40, ids, write_positions
+from tests.support.remote import BUCKET, Copies, all_batches, assert_same, loader_for, unique
 from tests.support.servers import MotoS3
 
 pytestmark = pytest.mark.slow
@@ -63,5 +65,69 @@ def test_process_workers_over_s3_collate_in_the_workers(
     assert all(torch.equal(b["tokens"], e) for b, e in zip(got, expected, strict=True))
     pids = {b["pid"] for b in got}
     assert os.getpid() not in pids and len(pids) >= 1, pids
+    assert own_segments() == []
+    assert multiprocessing.active_children() == []
+
+
+@pytest.fixture(scope="module")
+def positions_on_s3(tmp_path_factory: pytest.TempPathFactory, s3: MotoS3) -> str:
+    """A stream whose sample ``i`` starts with ``i * SEQ``, on S3."""
+    folder = write_positions(tmp_path_factory.mktemp("positions") / "ds")
+    prefix = unique("positions")
+    s3.upload_folder(folder, BUCKET, prefix)
+    return f"s3://{BUCKET}/{prefix}"
+
+
+def _on_s3(url: str, s3: MotoS3, collate: Any, **kw: Any) -> guideloom.StatefulDataLoader[Any, Any]:
+    return guideloom.StatefulDataLoader.from_storage(
+        guideloom.open_stream(url, **s3.options()),
+        collate,
+        sequence_length=SEQ,
+        local_batch_size=4,
+        num_workers=2,
+        parallel_method="process",
+        prefetch=4,
+        device=torch.device("cpu"),
+        **kw,
+    )
+
+
+def test_a_collate_error_over_s3_reaches_the_consumer_at_its_batch(
+    positions_on_s3: str, s3: MotoS3, own_segments: Callable[[], list[str]]
+) -> None:
+    with _on_s3(positions_on_s3, s3, fails_at_40) as loader:
+        got = []
+        with pytest.raises(Boom, match="sample 40") as info:
+            for batch in loader:
+                got.append(batch)
+        assert len(got) == 10  # batches 0-9: samples 0-39
+        assert all(torch.equal(b[:, 0], torch.arange(4 * k, 4 * k + 4) * SEQ) for k, b in enumerate(got))
+        assert isinstance(info.value.__cause__, RemoteTraceback)
+        assert loader.state_dict()["observation_offset"] == 40
+    assert own_segments() == []
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.asyncio
+async def test_async_for_over_s3_with_process_workers_delivers_every_batch(
+    positions_on_s3: str, s3: MotoS3
+) -> None:
+    got = []
+    async with _on_s3(positions_on_s3, s3, ids, shuffle=True, shuffle_seed=3) as loader:
+        async for batch in loader:
+            got.extend(batch)
+    assert sorted(got) == list(range(200))
+    assert got != sorted(got)
+
+
+def test_a_worker_that_dies_over_s3_is_a_worker_error(
+    positions_on_s3: str, s3: MotoS3, own_segments: Callable[[], list[str]]
+) -> None:
+    with (
+        _on_s3(positions_on_s3, s3, exits_at_40) as loader,
+        pytest.raises(guideloom.WorkerError, match="died"),
+    ):
+        for _ in loader:
+            pass
     assert own_segments() == []
     assert multiprocessing.active_children() == []

@@ -1,0 +1,249 @@
+"""The training-framework recipes of ``examples/recipes/``, run with the real frameworks.
+
+Each recipe trains on 2 gloo ranks (processes started as torchrun starts them), saves a checkpoint
+mid-epoch through the framework's own mechanism and stops; then it resumes from that checkpoint
+on another number of ranks with another ``local_batch_size`` and finishes both epochs. The two
+runs together must have trained on every sample of each epoch exactly once.
+
+The in-process tests check what the recipes' page says about each framework's own data helpers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import guideloom as gl
+from tests.support import ROOT
+from tests.support.recipes import RECIPES, check_save_then_resume, records, run_recipe
+
+pytestmark = pytest.mark.timeout(240)
+
+EXTRA = 'the recipes extra is not installed: pip install -e ".[recipes]"'
+
+
+def needs(module: str) -> pytest.MarkDecorator:
+    """Skip where ``module`` is not installed, without importing it (Lightning takes seconds)."""
+    return pytest.mark.skipif(importlib.util.find_spec(module) is None, reason=EXTRA)
+
+
+# Lightning 2.6 builds a torch LeafSpec when it wraps the train loader in its CombinedLoader, which
+# torch 2.13 deprecates: a FutureWarning from inside Lightning, not from the recipe. (A -W filter's
+# message is plain text, a pytest filter's a regular expression.)
+LIGHTNING_LEAFSPEC = "ignore:`isinstance(treespec, LeafSpec)` is deprecated:FutureWarning"
+LIGHTNING_LEAFSPEC_PYTEST = r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning"
+# The resumed Trainer writes its checkpoints into the folder it resumed from, as a restarted job
+# does, and Lightning warns that the folder is not empty.
+LIGHTNING_CKPT_DIR = "ignore:Checkpoint directory:UserWarning"
+
+SAVED_OFFSET = 5 * 4 * 2  # every recipe saves after 5 steps of 4 samples on each of 2 ranks
+
+
+@pytest.fixture
+def ranks_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What torchrun gives each rank beyond its rank variables: one OpenMP thread (Accelerate
+    warns when that is unset); and this checkout's guideloom on the path."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+
+
+def flat_keys(state: dict[str, Any], prefix: str) -> list[str]:
+    """The entry names DCP gives a nested state dict (``loader.epoch``, ``loader.dataset.kind``...)."""
+    keys = []
+    for key, value in state.items():
+        keys += flat_keys(value, f"{prefix}.{key}") if isinstance(value, dict) else [f"{prefix}.{key}"]
+    return keys
+
+
+# -- each recipe: save on 2 ranks, resume on another number -----------------------------------------
+
+
+@needs("lightning")
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.usefixtures("ranks_env")
+def test_fabric_saves_on_2_ranks_and_resumes_on_1(tmp_path: Path) -> None:
+    args = ["--data", "corpus", "--checkpoint", "ckpt.pt"]
+    run_recipe("fabric_resume.py", 2, *args, "--stop-after", "5", "--record", "save", cwd=tmp_path)
+    run_recipe(
+        "fabric_resume.py", 1, *args, "--resume", "--batch-size", "5", "--record", "resume", cwd=tmp_path
+    )
+    saved = check_save_then_resume(
+        records(tmp_path / "save", 2), records(tmp_path / "resume", 1), saved_offset=SAVED_OFFSET
+    )
+    # fabric.save wrote loader.state_dict() beside the model and the optimizer
+    checkpoint = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert set(checkpoint) == {"model", "optimizer", "loader"}
+    assert checkpoint["loader"] == saved
+
+
+@needs("lightning")
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.usefixtures("ranks_env")
+def test_lightning_trainer_saves_on_2_ranks_and_resumes_on_1(tmp_path: Path) -> None:
+    args = ["--data", "corpus", "--checkpoint", "ckpts"]
+    save = [*args, "--stop-after", "5", "--record", "save"]
+    run_recipe("lightning_trainer_resume.py", 2, *save, cwd=tmp_path, ignore=[LIGHTNING_LEAFSPEC])
+    checkpoint = torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=True)
+    # A global batch of 6 after 8: a smaller one, which the Trainer's step count allows (a larger
+    # one would end its epoch early). The resumed epoch ends when the loader's iterator does, the
+    # next one after len(loader) steps, where FinishLoaderEpoch starts the loader's next epoch.
+    resume = [*args, "--resume", "--batch-size", "6", "--record", "resume"]
+    run_recipe(
+        "lightning_trainer_resume.py",
+        1,
+        *resume,
+        cwd=tmp_path,
+        ignore=[LIGHTNING_LEAFSPEC, LIGHTNING_CKPT_DIR],
+    )
+    saved = check_save_then_resume(
+        records(tmp_path / "save", 2), records(tmp_path / "resume", 1), saved_offset=SAVED_OFFSET
+    )
+    # the DataModule's entry; the Trainer also keeps its own copy of a stateful train loader's state
+    assert checkpoint["TokenData"] == {"loader": saved}
+    assert checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [saved]
+
+
+@needs("accelerate")
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.usefixtures("ranks_env")
+def test_accelerate_saves_on_2_ranks_and_resumes_on_3(tmp_path: Path) -> None:
+    args = ["--data", "corpus", "--checkpoint", "ckpt"]
+    run_recipe("accelerate_resume.py", 2, *args, "--stop-after", "5", "--record", "save", cwd=tmp_path)
+    resume = [*args, "--resume", "--batch-size", "3", "--record", "resume"]
+    run_recipe("accelerate_resume.py", 3, *resume, cwd=tmp_path)
+    saved = check_save_then_resume(
+        records(tmp_path / "save", 2), records(tmp_path / "resume", 3), saved_offset=SAVED_OFFSET
+    )
+    # register_for_checkpointing: save_state wrote loader.state_dict() once, from the main process
+    assert torch.load(tmp_path / "ckpt" / "custom_checkpoint_0.pkl", weights_only=True) == saved
+    assert [p.name for p in (tmp_path / "ckpt").glob("custom_checkpoint_*")] == ["custom_checkpoint_0.pkl"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.usefixtures("ranks_env")
+def test_dcp_train_state_saves_on_2_ranks_and_resumes_on_3(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    args = ["--data", "corpus", "--checkpoint", "ckpts"]
+    run_recipe("dcp_train_state.py", 2, *args, "--stop-after", "5", "--record", "save", cwd=tmp_path)
+    resume = [*args, "--resume", "--batch-size", "3", "--record", "resume"]
+    run_recipe("dcp_train_state.py", 3, *resume, cwd=tmp_path)
+    saved = check_save_then_resume(
+        records(tmp_path / "save", 2), records(tmp_path / "resume", 3), saved_offset=SAVED_OFFSET
+    )
+    # the checkpoint holds the loader's state once, as one Stateful, not one per rank
+    entries = FileSystemReader(str(tmp_path / "ckpts" / "step-5")).read_metadata().state_dict_metadata
+    assert sorted(k for k in entries if k.startswith("loader.")) == sorted(flat_keys(saved, "loader"))
+    assert "train_state.step" in entries
+
+
+# -- what the frameworks' own data helpers do with the loader ----------------------------------------
+
+
+def ids(samples: Sequence[np.ndarray]) -> torch.Tensor:
+    return torch.tensor([int(s[0]) // 4 for s in samples], dtype=torch.int64)
+
+
+def small_loader(n: int = 24) -> gl.StatefulDataLoader[Any, torch.Tensor]:
+    return gl.StatefulDataLoader.from_storage(
+        gl.MemoryStreamStorage(np.arange(n * 4, dtype=np.int64)),
+        ids,
+        sequence_length=4,
+        local_batch_size=4,
+        device=torch.device("cpu"),
+    )
+
+
+@needs("lightning")
+def test_fabric_setup_dataloaders_refuses_the_loader() -> None:
+    import lightning as L  # noqa: N812 - Lightning's own convention
+
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    with pytest.raises(TypeError, match="Only PyTorch DataLoader are currently supported"):
+        fabric.setup_dataloaders(small_loader())
+
+
+@needs("accelerate")
+def test_accelerate_prepare_returns_the_loader_unchanged() -> None:
+    from accelerate import Accelerator
+    from accelerate.data_loader import skip_first_batches
+
+    accelerator = Accelerator(cpu=True)
+    loader = small_loader()
+    assert accelerator.prepare(loader) is loader
+    # skip_first_batches rebuilds a DataLoader from the one it is given: not a guideloom loader
+    with pytest.raises(AttributeError):
+        skip_first_batches(loader, 2)
+
+
+@needs("lightning")
+@pytest.mark.filterwarnings(LIGHTNING_LEAFSPEC_PYTEST)
+def test_the_trainer_iterates_the_loader_as_is_and_needs_its_epochs_finished(tmp_path: Path) -> None:
+    """The Trainer iterates the loader it is given (no sampler, no re-wrapping), ends each epoch
+    after len(loader) batches and calls iter(loader) again for the next: without the recipe's
+    FinishLoaderEpoch the first epoch's iterator is still open, and guideloom refuses a second."""
+    import lightning as L  # noqa: N812 - Lightning's own convention
+
+    spec = importlib.util.spec_from_file_location("trainer_recipe", RECIPES / "lightning_trainer_resume.py")
+    assert spec is not None and spec.loader is not None
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+            self.seen: list[tuple[int, list[int]]] = []
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            self.seen.append((self.current_epoch, batch.tolist()))
+            return self.layer(batch.float()[:, None]).sum()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    class Data(L.LightningDataModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.loader = small_loader()
+
+        def train_dataloader(self) -> gl.StatefulDataLoader[Any, torch.Tensor]:
+            return self.loader
+
+    def fit(callbacks: list[Any]) -> tuple[Module, Data, Any]:
+        module, data = Module(), Data()
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_epochs=3,
+            callbacks=callbacks,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        try:
+            trainer.fit(module, datamodule=data)
+        finally:
+            data.loader.close()
+        return module, data, trainer
+
+    with pytest.raises(RuntimeError, match="an iterator on this loader is still active"):
+        fit(callbacks=[])
+
+    module, data, trainer = fit(callbacks=[recipe.FinishLoaderEpoch()])
+    assert trainer.train_dataloader is data.loader
+    for epoch in range(3):
+        assert sorted(i for e, batch in module.seen if e == epoch for i in batch) == list(range(24))
+    assert data.loader.state_dict()["epoch"] == 3

@@ -126,6 +126,9 @@ def main() -> None:
     if args.record:
         record = {"seen": seen, "state": dict(loader.state_dict())}
         Path(f"{args.record}-rank{accelerator.process_index}.json").write_text(json.dumps(record))
+    # Release the DDP model before end_training() destroys the process group: a gloo group whose
+    # last holder is DDP's reducer is destroyed without releasing the GIL, which can deadlock.
+    model, optimizer = accelerator.free_memory(model, optimizer)
     accelerator.end_training()
 
 

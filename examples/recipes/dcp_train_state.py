@@ -175,6 +175,9 @@ def main() -> None:
     print(f"rank {rank}: step {train_state.step}, loss {loss.item():.3f}, loader state {state}")
     if args.record:
         Path(f"{args.record}-rank{rank}.json").write_text(json.dumps({"seen": seen, "state": dict(state)}))
+    # DDP's reducer holds the process group: release it first. A gloo group whose last holder is
+    # the reducer is destroyed without releasing the GIL, which can deadlock with gloo's threads.
+    del states, model
     dist.destroy_process_group()
 
 

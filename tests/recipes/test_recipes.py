@@ -177,13 +177,17 @@ def test_fabric_setup_dataloaders_refuses_the_loader() -> None:
 def test_accelerate_prepare_returns_the_loader_unchanged() -> None:
     from accelerate import Accelerator
     from accelerate.data_loader import skip_first_batches
+    from accelerate.state import AcceleratorState
 
-    accelerator = Accelerator(cpu=True)
-    loader = small_loader()
-    assert accelerator.prepare(loader) is loader
-    # skip_first_batches rebuilds a DataLoader from the one it is given: not a guideloom loader
-    with pytest.raises(AttributeError):
-        skip_first_batches(loader, 2)
+    try:
+        accelerator = Accelerator(cpu=True)
+        loader = small_loader()
+        assert accelerator.prepare(loader) is loader
+        # skip_first_batches rebuilds a DataLoader from the one it is given: not a guideloom loader
+        with pytest.raises(AttributeError):
+            skip_first_batches(loader, 2)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)  # the process-wide singletons
 
 
 @needs("lightning")
@@ -193,6 +197,7 @@ def test_the_trainer_iterates_the_loader_as_is_and_needs_its_epochs_finished(tmp
     after len(loader) batches and calls iter(loader) again for the next: without the recipe's
     FinishLoaderEpoch the first epoch's iterator is still open, and guideloom refuses a second."""
     import lightning as L  # noqa: N812 - Lightning's own convention
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
     spec = importlib.util.spec_from_file_location("trainer_recipe", RECIPES / "lightning_trainer_resume.py")
     assert spec is not None and spec.loader is not None
@@ -228,7 +233,7 @@ def test_the_trainer_iterates_the_loader_as_is_and_needs_its_epochs_finished(tmp
             max_epochs=3,
             callbacks=callbacks,
             logger=False,
-            enable_checkpointing=False,
+            enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
             enable_progress_bar=False,
             enable_model_summary=False,
             default_root_dir=tmp_path,
@@ -242,8 +247,13 @@ def test_the_trainer_iterates_the_loader_as_is_and_needs_its_epochs_finished(tmp
     with pytest.raises(RuntimeError, match="an iterator on this loader is still active"):
         fit(callbacks=[])
 
-    module, data, trainer = fit(callbacks=[recipe.FinishLoaderEpoch()])
+    epoch_ends = ModelCheckpoint(dirpath=tmp_path / "ckpts", filename="{epoch}", save_top_k=-1)
+    module, data, trainer = fit(callbacks=[recipe.FinishLoaderEpoch(), epoch_ends])
     assert trainer.train_dataloader is data.loader
     for epoch in range(3):
         assert sorted(i for e, batch in module.seen if e == epoch for i in batch) == list(range(24))
     assert data.loader.state_dict()["epoch"] == 3
+    # FinishLoaderEpoch ran before the epoch-end checkpoint: it holds the next epoch's start
+    first = torch.load(tmp_path / "ckpts" / "epoch=0.ckpt", weights_only=True)
+    (state,) = first["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert (state["epoch"], state["observation_offset"]) == (1, 0)

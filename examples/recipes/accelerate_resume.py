@@ -102,6 +102,7 @@ def main() -> None:
 
     seen: list[tuple[int, int]] = []  # (epoch, sample id), for --record
     step = 0
+    loss = torch.tensor(float("nan"))  # the last step's, for the log line
     with loader:
         # The loader's state holds the epoch: a resumed job goes on mid-epoch, then runs the rest.
         for epoch in range(loader.state_dict()["epoch"], args.epochs):

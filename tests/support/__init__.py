@@ -10,6 +10,8 @@
 - ``servers``: moto, nginx and a fault proxy on 127.0.0.1 (also run as a script by the
   benchmarks); ``remote``: the datasets and loaders the object-store tests share;
   ``exit_script``: a program run by file path to check that processes reading S3 exit cleanly
+- ``recipes``: the training-framework recipes of ``examples/recipes/`` run as ranks, and what
+  each rank trained on
 - ``cli``: reading back what the command line wrote
 - ``docs``: the docs pages' code blocks and a PNG reader for the screenshots
 """

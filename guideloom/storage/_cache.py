@@ -15,7 +15,9 @@ quarter of a part, :data:`DENSE_FRACTION`) whose part is not on its way yet: as 
 again fetch the parts such reads wait for, first. Only the rest, sparse rows of parts still to
 come, is fetched from the store. The other parts go down in the order the loader will read them
 (``will_read``), those it has not begun to read remotely first, so the copy runs ahead of the
-reads it serves. At most ``2 * PARTS_IN_FLIGHT`` parts are in flight.
+reads it serves. At most ``2 * PARTS_IN_FLIGHT`` parts are in flight. Each part is hashed as it
+is written, in order, so an object is checked against the manifest as soon as its last part is
+down, not after the whole copy.
 
 The copy is a local dataset folder, ``<cache_dir>/<name>-<digest>``, the digest naming the
 location and its manifest, so a dataset that changes gets a new folder. It is written under
@@ -129,6 +131,11 @@ class _Partial:
     def __init__(self, table: ChunkTable, fds: dict[str, int]) -> None:
         self.table = table
         self.fds = fds
+        #: Each object's sha256 so far, over its first ``hashed[path]`` bytes: a part is hashed
+        #: as it is written, in order, so an object is checked as soon as its last part is down.
+        self.hashers = {path: hashlib.sha256() for path in table.paths}
+        self.hashed = dict.fromkeys(table.paths, 0)
+        self.hash_locks = {path: threading.Lock() for path in table.paths}
         self.state = bytearray(table.count)  # _WAITING, _FETCHING or _WRITTEN, per part
         self.queue: deque[int] = deque()  # parts of the planned windows walked so far, to take
         self.wanted: deque[int] = deque()  # parts dense reads are waiting for: taken first
@@ -260,9 +267,10 @@ class DatasetCache:
         size, ETag and length checked, with the same retries), written whole before it counts as
         written, and never written again; the descriptor read is a duplicate of the download's,
         so it reads that file even once the folder is renamed or removed. A checksum that fails
-        later is a fault of the object the store itself serves at that version, which a remote
-        read would deliver just the same: from then on the cache is damaged and the storage
-        refuses every read, as it does when no byte was served locally.
+        (checked as soon as an object's last part is written) is a fault of the object the store
+        itself serves at that version, which a remote read would deliver just the same: from then
+        on the cache is damaged and the storage refuses every read, as it does when no byte was
+        served locally.
         """
         fd = self._descriptor(path, start, end)
         if fd is None:
@@ -409,12 +417,10 @@ class DatasetCache:
                 for f in files:  # every byte is checked before the copy is used
                     if self._abort.is_set():
                         return
-                    if file_sha256(partial / f.path) != f.sha256:
-                        raise DatasetIntegrityError(
-                            f"{self.location}: object {f.path!r} does not match its checksum in the "
-                            "manifest (copied whole to the cache folder): write or copy the dataset "
-                            "again"
-                        )
+                    whole = copy.hashed[f.path] == f.nbytes  # hashed as its parts were written
+                    digest = copy.hashers[f.path].hexdigest() if whole else file_sha256(partial / f.path)
+                    if digest != f.sha256:
+                        raise self._mismatch(f.path)
                 write_synced(partial / MANIFEST_NAME, self.manifest.to_json_bytes())
                 for folder in {(partial / f.path).parent for f in files} | {partial}:
                     fsync_dir(folder)
@@ -431,6 +437,41 @@ class DatasetCache:
                     os.close(fd)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
+
+    def _mismatch(self, path: str) -> DatasetIntegrityError:
+        return DatasetIntegrityError(
+            f"{self.location}: object {path!r} does not match its checksum in the manifest (copied "
+            "whole to the cache folder): write or copy the dataset again"
+        )
+
+    def _hash(self, copy: _Partial, path: str, start: int, data: memoryview) -> None:
+        """Hash part ``[start, start + len(data))`` of ``path``, just written, if the object is
+        hashed up to it, and the parts after it already written (read back); an object hashed
+        whole is checked against the manifest here (:class:`DatasetIntegrityError`, which stops
+        the download: the cache is damaged from then on)."""
+        table = copy.table
+        f = table.index[path]
+        with copy.hash_locks[path]:
+            if copy.hashed[path] != start:
+                return  # an earlier part is not written yet: the thread that writes it goes on here
+            digest = copy.hashers[path]
+            digest.update(data)
+            pos, size, fd = start + data.nbytes, table.sizes[f], copy.fds[path]
+            while pos < size:
+                g = table.gids(path, pos, pos + 1)[0]
+                with self._cond:
+                    if copy.state[g] != _WRITTEN:
+                        break
+                _f, _s, end = table.span(g)
+                while pos < end:
+                    block = os.pread(fd, end - pos, pos)
+                    if not block:
+                        raise OSError(errno.EIO, f"{path}: the copy ends early")
+                    digest.update(block)
+                    pos += len(block)
+            copy.hashed[path] = pos
+            if pos == size and digest.hexdigest() != table.sha256[f]:
+                raise self._mismatch(path)
 
     def _next_part(self, copy: _Partial) -> int | None:
         """The part to fetch next (marked as fetching), None once every part is taken: those
@@ -538,16 +579,17 @@ class DatasetCache:
                     done = 0
                     while done < data.nbytes:  # a part counts as written once all of it is
                         done += os.pwrite(copy.fds[path], data[done:], start + done)
+                    with self._cond:
+                        copy.state[g] = _WRITTEN
+                        self.parts_fetched += 1
+                        self.bytes_fetched += end - start
+                        self._cond.notify_all()
+                    self._hash(copy, path, start, data)
                 except BaseException as exc:
                     failures.append(exc)
                     with self._cond:
                         self._cond.notify_all()  # readers waiting for a part go to the store
                     return
-                with self._cond:
-                    copy.state[g] = _WRITTEN
-                    self.parts_fetched += 1
-                    self.bytes_fetched += end - start
-                    self._cond.notify_all()
 
         n = min(PARTS_IN_FLIGHT, max(1, table.count))
         threads = [

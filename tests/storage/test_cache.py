@@ -151,3 +151,32 @@ def test_the_copy_fetches_the_planned_parts_first_and_those_read_remotely_last(
     assert order == [7, 12, 1, 0, 2, 4, 5, 6, 8, 9, 10, 11, 13, 14, 3]
     assert cache.stats()["cache_downloads"] == 15
     assert (cache.folder / "manifest.json").is_file()
+
+
+def test_an_object_is_checked_as_soon_as_its_last_part_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A damaged object stops the copy (and is refused) when its parts are down, not after the
+    whole dataset."""
+    monkeypatch.setattr(_cache, "PART_BYTES", 4096)
+    monkeypatch.setattr(_cache, "PARTS_IN_FLIGHT", 1)
+    fetched: list[str] = []
+
+    def fetch(path: str, start: int, end: int) -> bytes:
+        fetched.append(path)
+        body = bytearray(data[path][start:end])
+        if path == first and start == 0:
+            body[7] ^= 0xFF  # the store serves other bytes than the manifest's
+        return bytes(body)
+
+    cache, data = _cache_over(tmp_path, fetch)
+    first = cache.table.paths[0]
+    cache.first_read.set()
+    cache._run()
+    assert (
+        cache.damaged is not None
+        and first in cache.damaged
+        and "does not match its checksum" in cache.damaged
+    )
+    assert set(fetched) == {first}, "the other objects were not fetched"
+    assert cache.read(first, 4096, 8192) is None and not (cache.folder / "manifest.json").exists()

@@ -87,18 +87,18 @@ def test_the_loader_switches_to_the_copy_mid_epoch_without_changing_the_batches(
     assert loader.state_dict()["epoch"] == 1
 
 
-def hold_at_the_checksums(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
-    """Hold the whole copy once every part is written, before it checks the checksums (the folder
-    would appear, and reads switch to it): returns (every part written, go on)."""
+def hold_before_complete(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Hold the whole copy once every part is written and checked, before its manifest is (the
+    folder would appear, and reads switch to it): returns (every part written, go on)."""
     written, go = threading.Event(), threading.Event()
-    real = _cache.file_sha256
+    real = _cache.write_synced
 
-    def held(path: Any) -> str:
+    def held(path: Any, data: bytes) -> None:
         written.set()
         assert go.wait(30)
-        return real(path)
+        real(path, data)
 
-    monkeypatch.setattr(_cache, "file_sha256", held)
+    monkeypatch.setattr(_cache, "write_synced", held)
     return written, go
 
 
@@ -136,13 +136,13 @@ def test_the_first_epoch_reads_the_parts_the_copy_has_written_from_it_not_from_t
         return data
 
     storage._cache._fetch = counted
-    written, go = hold_at_the_checksums(monkeypatch)
+    written, go = hold_before_complete(monkeypatch)
     got: list[Any] = []
     with loader_for(storage, **kw) as loader:
         for batch in loader:
             got.append(batch)
             if len(got) == 1:
-                assert written.wait(30)  # the copy is written, not yet checked: in progress
+                assert written.wait(30)  # the copy is written, not complete: in progress
     assert not storage.reads_inline()
     go.set()
     assert_same(expected, got)

@@ -125,7 +125,7 @@ _WAITING, _FETCHING, _WRITTEN = 0, 1, 2
 
 class _Partial:
     """A download in progress: its open partial files and the state of each part (guarded by
-    the cache's condition). Written parts are never written again: a new download makes new
+    the cache's ``_mutex``). Written parts are never written again: a new download makes new
     files (the partial folder is removed first) and a new ``_Partial``."""
 
     def __init__(self, table: ChunkTable, fds: dict[str, int]) -> None:
@@ -139,6 +139,7 @@ class _Partial:
         self.state = bytearray(table.count)  # _WAITING, _FETCHING or _WRITTEN, per part
         self.queue: deque[int] = deque()  # parts of the planned windows walked so far, to take
         self.wanted: deque[int] = deque()  # parts dense reads are waiting for: taken first
+        self.events: dict[int, threading.Event] = {}  # set once the part is written (or given up)
         self.untaken = table.count  # parts still waiting
         self.barren = 0  # planned windows in a row that had no part left to take
         self.cursor = [0, 0]  # how far the two passes in part order have looked
@@ -177,7 +178,10 @@ class DatasetCache:
         self._warned = False
         #: Every object cut into parts of ``PART_BYTES``: the download's units, global ids.
         self.table = ChunkTable(manifest, PART_BYTES)
-        self._cond = threading.Condition()
+        #: Guards the copy's state; a read waits for its part on an event of that part, and the
+        #: demand threads for a wanted part on ``_demand``, so a part written wakes only its readers.
+        self._mutex = threading.Lock()
+        self._demand = threading.Condition(self._mutex)
         self._partial: _Partial | None = None  # the download in progress, while its files are open
         self._plan_lock = threading.Lock()  # consumes the plan (one download thread at a time)
         self._plan: Iterator[I64] | None = None
@@ -240,7 +244,7 @@ class DatasetCache:
             return  # read locally from the next window on
         with self._plan_lock:
             self._plan = iter(windows)
-            with self._cond:
+            with self._mutex:
                 self._claimed[:] = bytes(len(self._claimed))
                 partial = self._partial
                 if partial is not None:
@@ -274,7 +278,7 @@ class DatasetCache:
         """
         fd = self._descriptor(path, start, end)
         if fd is None:
-            with self._cond:
+            with self._mutex:
                 self.remote_reads += 1
             return False
         try:
@@ -287,12 +291,12 @@ class DatasetCache:
                         raise OSError(errno.EIO, f"{path}: the copy ends early")
                     done += got
         except OSError:
-            with self._cond:
+            with self._mutex:
                 self.remote_reads += 1
             return False  # the store has it: a local fault costs a GET, never a read
         finally:
             os.close(fd)
-        with self._cond:
+        with self._mutex:
             self.local_reads += 1
         return True
 
@@ -302,31 +306,35 @@ class DatasetCache:
         if path not in self.table.index:
             return None
         gids = self.table.gids(path, start, end)
-        with self._cond:
-            partial = self._partial
-            if partial is not None:
+        dense = end - start >= self.table.chunk // DENSE_FRACTION
+        deadline = time.monotonic() + PART_WAIT_SECONDS
+        first, asked = self._partial, False
+        while first is not None:
+            with self._mutex:
+                partial = self._partial
+                if partial is not first:
+                    break
                 state = partial.state
-                dense = end - start >= self.table.chunk // DENSE_FRACTION
-                deadline = time.monotonic() + PART_WAIT_SECONDS
-                asked = False
-                while any(state[g] != _WRITTEN for g in gids):
-                    left = deadline - time.monotonic()
-                    waiting = [g for g in gids if state[g] == _WAITING]
-                    if left <= 0 or (waiting and not dense):
-                        break
-                    if waiting and not asked:
-                        partial.wanted.extend(waiting)  # fetched next, by a demand thread
-                        asked = True
-                        self._cond.notify_all()
-                    self._cond.wait(left)
-                    if self._partial is not partial:
-                        break
-                else:
+                missing = [g for g in gids if state[g] != _WRITTEN]
+                if not missing:
                     return os.dup(partial.fds[path])
-            if not self._ready:
+                left = deadline - time.monotonic()
+                waiting = [g for g in missing if state[g] == _WAITING]
+                if left <= 0 or (waiting and not dense):
+                    break
+                if waiting and not asked:
+                    partial.wanted.extend(waiting)  # fetched next, by a demand thread
+                    asked = True
+                    self._demand.notify(len(waiting))
+                event = partial.events.setdefault(missing[0], threading.Event())
+            event.wait(left)
+        with self._mutex:
+            ready = self._ready
+            if not ready:
                 for g in gids:  # it fetches them last (before the download starts too)
                     self._claimed[g] = 1
-                return None
+        if not ready:
+            return None
         try:  # complete: a read planned before the storage switched to the copy
             return os.open(self.folder / path, os.O_RDONLY)
         except OSError:
@@ -400,6 +408,7 @@ class DatasetCache:
                     "or pass another cache_dir",
                 )
             fds: dict[str, int] = {}
+            copy: _Partial | None = None
             try:
                 for f in files:
                     target = (partial / f.path).resolve()
@@ -409,7 +418,7 @@ class DatasetCache:
                     fds[f.path] = fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
                     os.ftruncate(fd, f.nbytes)
                 copy = _Partial(self.table, fds)
-                with self._cond:
+                with self._mutex:
                     self._partial = copy  # reads may be served from its written parts now
                 self._fetch_parts(copy)
                 for fd in fds.values():  # on disk before the folder that says "complete" appears
@@ -430,9 +439,11 @@ class DatasetCache:
                 fsync_dir(self.root)  # and the rename is on disk too: a crash cannot undo it halfway
                 self._ready = True
             finally:
-                with self._cond:
+                with self._mutex:
                     self._partial = None  # no read takes a descriptor from here on
-                    self._cond.notify_all()
+                    waiting = list(copy.events.values()) if copy is not None else []
+                for event in waiting:
+                    event.set()  # their reads go on without this copy
                 for fd in fds.values():
                     os.close(fd)
         finally:
@@ -459,7 +470,7 @@ class DatasetCache:
             pos, size, fd = start + data.nbytes, table.sizes[f], copy.fds[path]
             while pos < size:
                 g = table.gids(path, pos, pos + 1)[0]
-                with self._cond:
+                with self._mutex:
                     if copy.state[g] != _WRITTEN:
                         break
                 _f, _s, end = table.span(g)
@@ -479,7 +490,7 @@ class DatasetCache:
         in order; parts the loader has begun to read from the store come after those it has not."""
         state, claimed = copy.state, self._claimed
 
-        def take(parts: deque[int], unclaimed: bool) -> int | None:  # under the condition
+        def take(parts: deque[int], unclaimed: bool) -> int | None:  # under the mutex
             while parts:
                 g = parts.popleft()
                 if state[g] == _WAITING and not (unclaimed and claimed[g]):
@@ -488,13 +499,13 @@ class DatasetCache:
                     return g
             return None
 
-        with self._cond:
+        with self._mutex:
             g = take(copy.wanted, False)
         if g is not None:
             return g
         with self._plan_lock:
             while True:
-                with self._cond:
+                with self._mutex:
                     g = take(copy.wanted, False)
                     if g is None:
                         g = take(copy.queue, True)
@@ -502,7 +513,7 @@ class DatasetCache:
                     return g
                 if not self._walk_plan(copy):
                     break
-        with self._cond:
+        with self._mutex:
             g = take(copy.wanted, False)
             if g is not None:
                 return g
@@ -535,14 +546,14 @@ class DatasetCache:
         claimed = np.frombuffer(self._claimed, dtype=np.uint8)
         left = gids[(state[gids] == _WAITING) & (claimed[gids] == 0)]
         copy.barren = 0 if len(left) else copy.barren + 1
-        with self._cond:
+        with self._mutex:
             copy.queue.extend(left.tolist())
         return True
 
     def _wanted_part(self, copy: _Partial, stop: Callable[[], bool]) -> int | None:
         """For a demand thread: the next part a dense read waits for (marked as fetching), once
         there is one; None once every part is taken, or ``stop()``."""
-        with self._cond:
+        with self._demand:
             while not stop():
                 while copy.wanted:
                     g = copy.wanted.popleft()
@@ -552,7 +563,7 @@ class DatasetCache:
                         return g
                 if not copy.untaken:
                     return None
-                self._cond.wait(0.1)  # woken by a read that wants a part (or looks at stop())
+                self._demand.wait(0.1)  # woken by a read that wants a part (or looks at stop())
         return None
 
     def _fetch_parts(self, copy: _Partial) -> None:
@@ -579,16 +590,16 @@ class DatasetCache:
                     done = 0
                     while done < data.nbytes:  # a part counts as written once all of it is
                         done += os.pwrite(copy.fds[path], data[done:], start + done)
-                    with self._cond:
+                    with self._mutex:
                         copy.state[g] = _WRITTEN
                         self.parts_fetched += 1
                         self.bytes_fetched += end - start
-                        self._cond.notify_all()
+                        event = copy.events.pop(g, None)
+                    if event is not None:
+                        event.set()
                     self._hash(copy, path, start, data)
                 except BaseException as exc:
-                    failures.append(exc)
-                    with self._cond:
-                        self._cond.notify_all()  # readers waiting for a part go to the store
+                    failures.append(exc)  # the readers waiting for a part go on once the copy stops
                     return
 
         n = min(PARTS_IN_FLIGHT, max(1, table.count))

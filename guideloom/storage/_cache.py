@@ -2,22 +2,34 @@
 
 An object store answers a random 4 KiB row in one round trip, however fast its bandwidth: over a
 20 ms link a globally shuffled epoch is bound by latency, not bytes. With ``cache_dir`` the
-dataset's objects are copied whole into a local folder by large concurrent ranged GETs, while
-the loader keeps reading ranges remotely; once every object is down and matches its checksum,
-reads switch to the local copy (memory-mapped, as for a local dataset) with no change to the
-order or to what is delivered. The next ``open()`` finds the copy and reads locally at once.
+dataset's objects are copied whole into a local folder by large concurrent ranged GETs of
+:data:`PART_BYTES` each; once every object is down and matches its checksum, reads switch to the
+local copy (memory-mapped, as for a local dataset) with no change to the order or to what is
+delivered. The next ``open()`` finds the copy and reads locally at once.
+
+The first epoch does not read the data twice. While the copy is in progress the loader's range
+reads ask it first (:meth:`DatasetCache.read_into`, as each range starts): a range that lies
+wholly in parts already written is read from the partial file, one whose part is on its way
+waits for it (a short while: :data:`PART_WAIT_SECONDS`), and so does a dense range (at least a
+quarter of a part, :data:`DENSE_FRACTION`) whose part is not on its way yet: as many threads
+again fetch the parts such reads wait for, first. Only the rest, sparse rows of parts still to
+come, is fetched from the store. The other parts go down in the order the loader will read them
+(``will_read``), those it has not begun to read remotely first, so the copy runs ahead of the
+reads it serves. At most ``2 * PARTS_IN_FLIGHT`` parts are in flight. Each part is hashed as it
+is written, in order, so an object is checked against the manifest as soon as its last part is
+down, not after the whole copy.
 
 The copy is a local dataset folder, ``<cache_dir>/<name>-<digest>``, the digest naming the
 location and its manifest, so a dataset that changes gets a new folder. It is written under
 ``.partial`` and renamed into place with its manifest, so a folder that exists is complete.
 A lock file lets one process of a node download while the others (other ranks) wait for the
-folder to appear and read remotely meanwhile. A failed download (disk full, the object store
-failing) warns once and leaves the loader reading remotely; it loses nothing. An object that does
-not match the manifest (its checksum, or a change on the store since the dataset was opened) is
-another matter: the storage refuses every read after it (:attr:`DatasetCache.damaged`), and never
-serves the store's changed bytes instead. A copy in
-progress outlives ``close()`` of its storage (a loader outside ``with`` closes it each epoch) and
-stops at interpreter exit.
+folder to appear and read remotely meanwhile (only the downloading process reads its partial
+files). A failed download (disk full, the object store failing) warns once and leaves the loader
+reading remotely; it loses nothing. An object that does not match the manifest (its checksum, or
+a change on the store since the dataset was opened) is another matter: the storage refuses every
+read after it (:attr:`DatasetCache.damaged`), and never serves the store's changed bytes instead.
+A copy in progress outlives ``close()`` of its storage (a loader outside ``with`` closes it each
+epoch) and stops at interpreter exit.
 """
 
 from __future__ import annotations
@@ -32,21 +44,40 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from guideloom._errors import DatasetIntegrityError
+from guideloom.storage._chunk_table import ChunkTable
 from guideloom.storage._chunks import blocks_of
 from guideloom.storage._local import file_sha256
 from guideloom.storage._manifest import MANIFEST_NAME, Manifest
+from guideloom.storage._ranges import U8, Piece
 from guideloom.storage._sinks import fsync_dir, write_synced
 
 __all__ = ["DatasetCache", "copy_footprint"]
 
+I64 = npt.NDArray[np.int64]
+
 #: Bytes per ranged GET of the download, and how many are in flight at once.
 PART_BYTES = 8 * 2**20
 PARTS_IN_FLIGHT = 8
+#: How long a range read waits for a part the download is fetching (or is to fetch next, for a
+#: dense read) before it reads the range from the store: a second GET of the same bytes.
+PART_WAIT_SECONDS = 1.0
+#: A range of at least 1/this of a part is a dense read: a part it needs that is not on its way
+#: yet is fetched next, and waited for. Such a range would cost as many bytes from the store as
+#: a good share of the part, which the copy fetches anyway; a sparser range (a few rows of a
+#: shuffle over a large dataset) is cheaper to read directly than to wait for its part.
+DENSE_FRACTION = 4
+#: The download gives up the plan's order once this many planned windows in a row have no part
+#: left to take (a shuffle that touches every part in every window): the rest go in part order.
+PLAN_BARREN_WINDOWS = 8
 #: How often a process that does not download looks for the folder another one is writing.
 POLL_SECONDS = 1.0
 #: The download waits for the first read to complete, at most this long: the first batch does
@@ -66,6 +97,21 @@ def _abort_all() -> None:
 threading._register_atexit(_abort_all)  # type: ignore[attr-defined]
 
 
+def _runs(pieces: Sequence[Piece]) -> Iterator[Piece]:
+    """``pieces`` (sorted by object offset), those adjacent both in the object and in the
+    destination merged: a sequential read is one run a range."""
+    run: Piece | None = None
+    for at, n, off in pieces:
+        if run is not None and at == run[0] + run[1] and off == run[2] + run[1]:
+            run = (run[0], run[1] + n, run[2])
+            continue
+        if run is not None:
+            yield run
+        run = (at, n, off)
+    if run is not None:
+        yield run
+
+
 def copy_footprint(manifest: Manifest) -> int:
     """The bytes a whole copy of ``manifest``'s dataset takes in the cache folder, counted as
     the chunk cache counts its limit (4 KiB blocks a file): its files and its manifest."""
@@ -73,8 +119,35 @@ def copy_footprint(manifest: Manifest) -> int:
     return sum(blocks_of(n) for n in files)
 
 
+# A part's state in a copy in progress.
+_WAITING, _FETCHING, _WRITTEN = 0, 1, 2
+
+
+class _Partial:
+    """A download in progress: its open partial files and the state of each part (guarded by
+    the cache's ``_mutex``). Written parts are never written again: a new download makes new
+    files (the partial folder is removed first) and a new ``_Partial``."""
+
+    def __init__(self, table: ChunkTable, fds: dict[str, int]) -> None:
+        self.table = table
+        self.fds = fds
+        #: Each object's sha256 so far, over its first ``hashed[path]`` bytes: a part is hashed
+        #: as it is written, in order, so an object is checked as soon as its last part is down.
+        self.hashers = {path: hashlib.sha256() for path in table.paths}
+        self.hashed = dict.fromkeys(table.paths, 0)
+        self.hash_locks = {path: threading.Lock() for path in table.paths}
+        self.state = bytearray(table.count)  # _WAITING, _FETCHING or _WRITTEN, per part
+        self.queue: deque[int] = deque()  # parts of the planned windows walked so far, to take
+        self.wanted: deque[int] = deque()  # parts dense reads are waiting for: taken first
+        self.events: dict[int, threading.Event] = {}  # set once the part is written (or given up)
+        self.untaken = table.count  # parts still waiting
+        self.barren = 0  # planned windows in a row that had no part left to take
+        self.cursor = [0, 0]  # how far the two passes in part order have looked
+
+
 class DatasetCache:
-    """One dataset's local copy: where it lives, and the download that fills it.
+    """One dataset's local copy: where it lives, the download that fills it, and the reads it
+    serves while in progress.
 
     ``fetch(path, start, end)`` returns bytes ``[start, end)`` of object ``path`` (a blocking call
     with its own retries); it runs on the download's threads.
@@ -103,6 +176,21 @@ class DatasetCache:
         self._lock_was_held = False  # another process was downloading when this one tried
         self.error: BaseException | None = None
         self._warned = False
+        #: Every object cut into parts of ``PART_BYTES``: the download's units, global ids.
+        self.table = ChunkTable(manifest, PART_BYTES)
+        #: Guards the copy's state; a read waits for its part on an event of that part, and the
+        #: demand threads for a wanted part on ``_demand``, so a part written wakes only its readers.
+        self._mutex = threading.Lock()
+        self._demand = threading.Condition(self._mutex)
+        self._partial: _Partial | None = None  # the download in progress, while its files are open
+        self._plan_lock = threading.Lock()  # consumes the plan (one download thread at a time)
+        self._plan: Iterator[I64] | None = None
+        #: Parts the loader has begun to read from the store under this plan: fetched last.
+        self._claimed = bytearray(self.table.count)
+        self.local_reads = 0  # ranges served from the copy in progress
+        self.remote_reads = 0  # ranges it did not hold (read from the store)
+        self.parts_fetched = 0
+        self.bytes_fetched = 0
         _LIVE.add(self)
 
     # -- state -------------------------------------------------------------------------------------
@@ -137,6 +225,120 @@ class DatasetCache:
                 RuntimeWarning,
                 stacklevel=3,
             )
+
+    def stats(self) -> dict[str, int]:
+        """Ranges served from the copy in progress and those read remotely meanwhile, and the
+        parts the download fetched and their bytes."""
+        return {
+            "cache_local_ranges": self.local_reads,
+            "cache_remote_ranges": self.remote_reads,
+            "cache_downloads": self.parts_fetched,
+            "cache_download_bytes": self.bytes_fetched,
+        }
+
+    # -- the reads it serves while in progress -----------------------------------------------------
+    def plan(self, windows: Iterable[I64]) -> None:
+        """The parts each of the loader's upcoming reads touch, in read order (consumed lazily):
+        the download fetches them in that order. Replaces the previous plan (a new epoch)."""
+        if self._ready:
+            return  # read locally from the next window on
+        with self._plan_lock:
+            self._plan = iter(windows)
+            with self._mutex:
+                self._claimed[:] = bytes(len(self._claimed))
+                partial = self._partial
+                if partial is not None:
+                    partial.queue.clear()
+                    partial.barren = 0
+
+    def read(self, path: str, start: int, end: int) -> npt.NDArray[np.uint8] | None:
+        """Bytes ``[start, end)`` of object ``path`` from the local copy, or None where it does
+        not hold them (see :meth:`read_into`)."""
+        buf = np.empty(end - start, dtype=np.uint8)
+        return buf if self.read_into(path, start, end, [(start, end - start, 0)], buf) else None
+
+    def read_into(self, path: str, start: int, end: int, pieces: Sequence[Piece], dest: U8) -> bool:
+        """Copy the ``pieces`` of range ``[start, end)`` of object ``path`` (object offset,
+        length, offset in ``dest``) from the copy in progress, when every part the range lies in
+        is written, or from the complete copy (for the reads planned before it was); False
+        otherwise: the caller fetches the range from the store. A part on its way is waited for,
+        up to ``PART_WAIT_SECONDS``, and so is one a dense range needs (``DENSE_FRACTION``),
+        which the download fetches next. Blocking (an I/O thread's call).
+
+        These bytes are the ones the store would return, before the object's checksum is
+        verified: each part was fetched by the loader's own checked read (``Remote.fetch_range``:
+        conditional on the ETag, or modification time, the dataset was opened with, the answer's
+        size, ETag and length checked, with the same retries), written whole before it counts as
+        written, and never written again; the descriptor read is a duplicate of the download's,
+        so it reads that file even once the folder is renamed or removed. A checksum that fails
+        (checked as soon as an object's last part is written) is a fault of the object the store
+        itself serves at that version, which a remote read would deliver just the same: from then
+        on the cache is damaged and the storage refuses every read, as it does when no byte was
+        served locally.
+        """
+        fd = self._descriptor(path, start, end)
+        if fd is None:
+            with self._mutex:
+                self.remote_reads += 1
+            return False
+        try:
+            for at, n, off in _runs(pieces):  # straight into place: no buffer, no second copy
+                view = dest[off : off + n].data
+                done = 0
+                while done < n:
+                    got = os.preadv(fd, [view[done:]], at + done)
+                    if got <= 0:
+                        raise OSError(errno.EIO, f"{path}: the copy ends early")
+                    done += got
+        except OSError:
+            with self._mutex:
+                self.remote_reads += 1
+            return False  # the store has it: a local fault costs a GET, never a read
+        finally:
+            os.close(fd)
+        with self._mutex:
+            self.local_reads += 1
+        return True
+
+    def _descriptor(self, path: str, start: int, end: int) -> int | None:
+        """A descriptor of ``path``'s local file that holds bytes ``[start, end)`` (the caller
+        closes it), or None: read them from the store (the parts they lie in are claimed)."""
+        if path not in self.table.index:
+            return None
+        gids = self.table.gids(path, start, end)
+        dense = end - start >= self.table.chunk // DENSE_FRACTION
+        deadline = time.monotonic() + PART_WAIT_SECONDS
+        first, asked = self._partial, False
+        while first is not None:
+            with self._mutex:
+                partial = self._partial
+                if partial is not first:
+                    break
+                state = partial.state
+                missing = [g for g in gids if state[g] != _WRITTEN]
+                if not missing:
+                    return os.dup(partial.fds[path])
+                left = deadline - time.monotonic()
+                waiting = [g for g in missing if state[g] == _WAITING]
+                if left <= 0 or (waiting and not dense):
+                    break
+                if waiting and not asked:
+                    partial.wanted.extend(waiting)  # fetched next, by a demand thread
+                    asked = True
+                    self._demand.notify(len(waiting))
+                event = partial.events.setdefault(missing[0], threading.Event())
+            event.wait(left)
+        with self._mutex:
+            ready = self._ready
+            if not ready:
+                for g in gids:  # it fetches them last (before the download starts too)
+                    self._claimed[g] = 1
+        if not ready:
+            return None
+        try:  # complete: a read planned before the storage switched to the copy
+            return os.open(self.folder / path, os.O_RDONLY)
+        except OSError:
+            return None
 
     # -- the download ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -206,6 +408,7 @@ class DatasetCache:
                     "or pass another cache_dir",
                 )
             fds: dict[str, int] = {}
+            copy: _Partial | None = None
             try:
                 for f in files:
                     target = (partial / f.path).resolve()
@@ -214,62 +417,199 @@ class DatasetCache:
                     target.parent.mkdir(parents=True, exist_ok=True)
                     fds[f.path] = fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
                     os.ftruncate(fd, f.nbytes)
-                parts = [
-                    (f.path, s, min(f.nbytes, s + PART_BYTES))
-                    for f in files
-                    for s in range(0, f.nbytes, PART_BYTES)
-                ]
-                self._fetch_parts(parts, fds)
+                copy = _Partial(self.table, fds)
+                with self._mutex:
+                    self._partial = copy  # reads may be served from its written parts now
+                self._fetch_parts(copy)
                 for fd in fds.values():  # on disk before the folder that says "complete" appears
                     os.fsync(fd)
-            finally:
-                for fd in fds.values():
-                    os.close(fd)
-            for f in files:  # every byte is checked before the copy is used
+                for f in files:  # every byte is checked before the copy is used
+                    if self._abort.is_set():
+                        return
+                    whole = copy.hashed[f.path] == f.nbytes  # hashed as its parts were written
+                    digest = copy.hashers[f.path].hexdigest() if whole else file_sha256(partial / f.path)
+                    if digest != f.sha256:
+                        raise self._mismatch(f.path)
+                write_synced(partial / MANIFEST_NAME, self.manifest.to_json_bytes())
+                for folder in {(partial / f.path).parent for f in files} | {partial}:
+                    fsync_dir(folder)
                 if self._abort.is_set():
                     return
-                if file_sha256(partial / f.path) != f.sha256:
-                    raise DatasetIntegrityError(
-                        f"{self.location}: object {f.path!r} does not match its checksum in the "
-                        "manifest (copied whole to the cache folder, none of it is read): write or "
-                        "copy the dataset again"
-                    )
-            write_synced(partial / MANIFEST_NAME, self.manifest.to_json_bytes())
-            for folder in {(partial / f.path).parent for f in files} | {partial}:
-                fsync_dir(folder)
-            if self._abort.is_set():
-                return
-            os.replace(partial, self.folder)  # the folder appears complete, or not at all
-            fsync_dir(self.root)  # and the rename is on disk too: a crash cannot undo it halfway
-            self._ready = True
+                os.replace(partial, self.folder)  # the folder appears complete, or not at all
+                fsync_dir(self.root)  # and the rename is on disk too: a crash cannot undo it halfway
+                self._ready = True
+            finally:
+                with self._mutex:
+                    self._partial = None  # no read takes a descriptor from here on
+                    waiting = list(copy.events.values()) if copy is not None else []
+                for event in waiting:
+                    event.set()  # their reads go on without this copy
+                for fd in fds.values():
+                    os.close(fd)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
 
-    def _fetch_parts(self, parts: list[tuple[str, int, int]], fds: dict[str, int]) -> None:
-        """Fetch ``parts`` on ``PARTS_IN_FLIGHT`` threads; the first failure stops them all."""
-        queue = iter(parts)
-        lock = threading.Lock()
+    def _mismatch(self, path: str) -> DatasetIntegrityError:
+        return DatasetIntegrityError(
+            f"{self.location}: object {path!r} does not match its checksum in the manifest (copied "
+            "whole to the cache folder): write or copy the dataset again"
+        )
+
+    def _hash(self, copy: _Partial, path: str, start: int, data: memoryview) -> None:
+        """Hash part ``[start, start + len(data))`` of ``path``, just written, if the object is
+        hashed up to it, and the parts after it already written (read back); an object hashed
+        whole is checked against the manifest here (:class:`DatasetIntegrityError`, which stops
+        the download: the cache is damaged from then on)."""
+        table = copy.table
+        f = table.index[path]
+        with copy.hash_locks[path]:
+            if copy.hashed[path] != start:
+                return  # an earlier part is not written yet: the thread that writes it goes on here
+            digest = copy.hashers[path]
+            digest.update(data)
+            pos, size, fd = start + data.nbytes, table.sizes[f], copy.fds[path]
+            while pos < size:
+                g = table.gids(path, pos, pos + 1)[0]
+                with self._mutex:
+                    if copy.state[g] != _WRITTEN:
+                        break
+                _f, _s, end = table.span(g)
+                while pos < end:
+                    block = os.pread(fd, end - pos, pos)
+                    if not block:
+                        raise OSError(errno.EIO, f"{path}: the copy ends early")
+                    digest.update(block)
+                    pos += len(block)
+            copy.hashed[path] = pos
+            if pos == size and digest.hexdigest() != table.sha256[f]:
+                raise self._mismatch(path)
+
+    def _next_part(self, copy: _Partial) -> int | None:
+        """The part to fetch next (marked as fetching), None once every part is taken: those
+        dense reads wait for, then the parts of the planned reads in their order, then the others
+        in order; parts the loader has begun to read from the store come after those it has not."""
+        state, claimed = copy.state, self._claimed
+
+        def take(parts: deque[int], unclaimed: bool) -> int | None:  # under the mutex
+            while parts:
+                g = parts.popleft()
+                if state[g] == _WAITING and not (unclaimed and claimed[g]):
+                    state[g] = _FETCHING
+                    copy.untaken -= 1
+                    return g
+            return None
+
+        with self._mutex:
+            g = take(copy.wanted, False)
+        if g is not None:
+            return g
+        with self._plan_lock:
+            while True:
+                with self._mutex:
+                    g = take(copy.wanted, False)
+                    if g is None:
+                        g = take(copy.queue, True)
+                if g is not None:
+                    return g
+                if not self._walk_plan(copy):
+                    break
+        with self._mutex:
+            g = take(copy.wanted, False)
+            if g is not None:
+                return g
+            for npass in (0, 1):  # those not claimed, then any
+                g = copy.cursor[npass]
+                while g < len(state) and (state[g] != _WAITING or (npass == 0 and claimed[g])):
+                    g += 1
+                copy.cursor[npass] = g
+                if g < len(state):
+                    state[g] = _FETCHING
+                    copy.untaken -= 1
+                    return g
+        return None
+
+    def _walk_plan(self, copy: _Partial) -> bool:
+        """Queue the parts of the next planned window that are left to take (under the plan
+        lock); False once the plan is done, or given up (``PLAN_BARREN_WINDOWS``)."""
+        if self._plan is None or copy.barren >= PLAN_BARREN_WINDOWS:
+            self._plan = None
+            return False
+        try:
+            window = next(self._plan, None)
+        except Exception:  # a plan that cannot be walked is only a lost hint
+            window = None
+        if window is None:
+            self._plan = None
+            return False
+        gids = np.unique(np.asarray(window, dtype=np.int64))
+        state = np.frombuffer(copy.state, dtype=np.uint8)  # read unlocked: taken under the lock
+        claimed = np.frombuffer(self._claimed, dtype=np.uint8)
+        left = gids[(state[gids] == _WAITING) & (claimed[gids] == 0)]
+        copy.barren = 0 if len(left) else copy.barren + 1
+        with self._mutex:
+            copy.queue.extend(left.tolist())
+        return True
+
+    def _wanted_part(self, copy: _Partial, stop: Callable[[], bool]) -> int | None:
+        """For a demand thread: the next part a dense read waits for (marked as fetching), once
+        there is one; None once every part is taken, or ``stop()``."""
+        with self._demand:
+            while not stop():
+                while copy.wanted:
+                    g = copy.wanted.popleft()
+                    if copy.state[g] == _WAITING:
+                        copy.state[g] = _FETCHING
+                        copy.untaken -= 1
+                        return g
+                if not copy.untaken:
+                    return None
+                self._demand.wait(0.1)  # woken by a read that wants a part (or looks at stop())
+        return None
+
+    def _fetch_parts(self, copy: _Partial) -> None:
+        """Fetch every part on ``PARTS_IN_FLIGHT`` threads in the download's order, and the parts
+        dense reads wait for on as many more (the loader's reads, which would otherwise be its own
+        GETs); the first failure stops them all."""
+        table = copy.table
         failures: list[BaseException] = []
 
-        def worker() -> None:
-            while not self._abort.is_set() and not failures:
-                with lock:
-                    part = next(queue, None)
-                if part is None:
+        def stop() -> bool:
+            return self._abort.is_set() or bool(failures)
+
+        def worker(take: Callable[[], int | None]) -> None:
+            while not stop():
+                g = take()
+                if g is None:
                     return
-                path, start, end = part
+                f, start, end = table.span(g)
+                path = table.paths[f]
                 try:
-                    data = memoryview(self._fetch(path, start, end))
+                    data = memoryview(self._fetch(path, start, end)).cast("B")
                     if data.nbytes != end - start:
                         raise ValueError(f"short read of {path!r}: {data.nbytes} of {end - start} bytes")
-                    os.pwrite(fds[path], data, start)
+                    done = 0
+                    while done < data.nbytes:  # a part counts as written once all of it is
+                        done += os.pwrite(copy.fds[path], data[done:], start + done)
+                    with self._mutex:
+                        copy.state[g] = _WRITTEN
+                        self.parts_fetched += 1
+                        self.bytes_fetched += end - start
+                        event = copy.events.pop(g, None)
+                    if event is not None:
+                        event.set()
+                    self._hash(copy, path, start, data)
                 except BaseException as exc:
-                    failures.append(exc)
+                    failures.append(exc)  # the readers waiting for a part go on once the copy stops
                     return
 
+        n = min(PARTS_IN_FLIGHT, max(1, table.count))
         threads = [
-            threading.Thread(target=worker, name=f"guideloom-cache-{i}")
-            for i in range(min(PARTS_IN_FLIGHT, max(1, len(parts))))
+            threading.Thread(target=worker, args=(take,), name=f"guideloom-cache-{kind}{i}")
+            for kind, take in (
+                ("", lambda: self._next_part(copy)),
+                ("demand-", lambda: self._wanted_part(copy, stop)),
+            )
+            for i in range(n)
         ]
         for t in threads:
             t.start()

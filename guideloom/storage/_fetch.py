@@ -2,7 +2,10 @@
 
 :mod:`guideloom.storage._ranges` plans the jobs (pure); :class:`RangeFetcher` runs them:
 concurrently, under a limit of requests and bytes in flight (per event loop), each with bounded
-retries and backoff, every range a conditional GET of the object the dataset was opened with.
+retries and backoff, every range a conditional GET of the object the dataset was opened with, or
+a local read where a copy in progress already holds it (:class:`LocalRanges`: ``cache_dir``'s
+whole copy, asked as each range starts, so a range planned before its bytes came down is still
+read locally).
 It is apart from the connection (:class:`guideloom.storage._client.Remote`), which owns the
 store client and the dataset-level calls (manifest, sizes, checksums), so that the hot path's
 limits and retry decisions read on their own; it holds no store, the connection hands it one per
@@ -16,9 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 from guideloom._errors import DatasetIntegrityError
 from guideloom.storage._objstore import (
@@ -33,9 +36,9 @@ from guideloom.storage._objstore import (
     remote_read_error,
     retryable,
 )
-from guideloom.storage._ranges import Job, fill
+from guideloom.storage._ranges import U8, Job, Piece, fill
 
-__all__ = ["RangeFetcher", "ReadCounters", "gather_first_error", "integrity_error"]
+__all__ = ["LocalRanges", "RangeFetcher", "ReadCounters", "gather_first_error", "integrity_error"]
 
 T = TypeVar("T")
 
@@ -50,6 +53,15 @@ class ReadCounters:
 
     requests: int = 0  # range GETs sent, retries included (each is billed)
     bytes_read: int = 0  # bytes those GETs returned
+
+
+class LocalRanges(Protocol):
+    """A local source of some of a dataset's bytes (``cache_dir``'s copy in progress)."""
+
+    def read_into(self, path: str, start: int, end: int, pieces: Sequence[Piece], dest: U8) -> bool:
+        """Copy the ``pieces`` of range ``[start, end)`` of object ``path`` to ``dest``, as
+        :func:`~._ranges.fill` would from the fetched range (blocking, on an I/O thread); False
+        where the range is not held locally: it is then fetched from the store."""
 
 
 class RangeFetcher:
@@ -75,7 +87,22 @@ class RangeFetcher:
         self.counters = counters
         #: Each data object as the dataset was opened with it (filled by the connection's open).
         self.versions: Mapping[str, ObjectVersion] = {} if versions is None else versions
+        #: Where ranges may be read locally before a GET is sent (set by the storage).
+        self.local: LocalRanges | None = None
         self._inflight = PerLoop(opts.max_inflight_requests, opts.max_inflight_bytes)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "local": None}  # a process worker's storage sets its own
+
+    def _read(self, store: Any, job: Job, i: int) -> Any:
+        """On an I/O thread: ``job``'s range ``i``, its pieces copied out by :attr:`local` where
+        it holds them (:data:`_FILLED`), else its bytes from one checked GET (raises what it
+        raises)."""
+        path, start, end = job.path, job.starts[i], job.ends[i]
+        local = self.local
+        if local is not None and local.read_into(path, start, end, job.pieces[i], job.dest):
+            return _FILLED
+        return get_checked(store, path, start, end, self.versions.get(path))
 
     def peak_inflight_bytes(self) -> int:
         return self._inflight.peak_bytes()
@@ -93,21 +120,23 @@ class RangeFetcher:
             return remote_read_error(what, exc, attempt, elapsed, self.secrets)
         return None
 
-    async def _get(self, store: Any, path: str, start: int, end: int, t0: float, attempt: int = 0) -> Any:
-        """Bytes ``[start, end)`` of ``path``, checked, with bounded retries (``t0``: the job's
-        start, from which ``retry_timeout`` counts; ``attempt``: those already made)."""
+    async def _get(self, store: Any, job: Job, i: int, t0: float, attempt: int = 0) -> Any:
+        """The bytes of ``job``'s range ``i``, checked, with bounded retries, or :data:`_FILLED`
+        (``t0``: the job's start, from which ``retry_timeout`` counts; ``attempt``: those
+        already made)."""
         loop = asyncio.get_running_loop()
-        version = self.versions.get(path)
+        path, start, end = job.path, job.starts[i], job.ends[i]
         while True:
             attempt += 1
-            self.counters.requests += 1
             try:
-                data = await loop.run_in_executor(
-                    io_executor(), get_checked, store, path, start, end, version
-                )
+                data = await loop.run_in_executor(io_executor(), self._read, store, job, i)
+                if data is _FILLED:
+                    return data
+                self.counters.requests += 1
                 self.counters.bytes_read += end - start
                 return data
             except Exception as exc:
+                self.counters.requests += 1
                 delay = self.policy.delay(attempt)
                 error = self._final_error(path, start, end, exc, attempt, time.monotonic() - t0, delay)
             if error is not None:
@@ -120,13 +149,9 @@ class RangeFetcher:
 
         One hand-off to the event loop per job, not per range: that is what keeps a read of many
         small ranges as cheap in CPU as obstore's multi-range call, which takes no conditions."""
-        path, version = job.path, self.versions.get(job.path)
         pool = range_executor()
-        rest = [
-            pool.submit(_attempt, store, path, s, e, version)
-            for s, e in zip(job.starts[1:], job.ends[1:], strict=True)
-        ]
-        out = [_attempt(store, path, job.starts[0], job.ends[0], version)]
+        rest = [pool.submit(_attempt, self._read, store, job, i) for i in range(1, len(job.starts))]
+        out = [_attempt(self._read, store, job, 0)]
         out.extend(f.result() for f in rest)
         return out
 
@@ -136,14 +161,16 @@ class RangeFetcher:
         t0 = time.monotonic()
         path, n = job.path, len(job.starts)
         if n == 1:
-            fill(job, [await self._get(store, path, job.starts[0], job.ends[0], t0)])
+            _fill_fetched(job, [await self._get(store, job, 0, t0)])
             return
         loop = asyncio.get_running_loop()
-        self.counters.requests += n
         bufs = await loop.run_in_executor(io_executor(), self._run_job_sync, store, job)
         retry: list[int] = []
         error: Exception | None = None
         for i, got in enumerate(bufs):
+            if got is _FILLED:
+                continue
+            self.counters.requests += 1
             if not isinstance(got, Exception):
                 self.counters.bytes_read += job.ends[i] - job.starts[i]
                 continue
@@ -156,12 +183,10 @@ class RangeFetcher:
             raise error  # outside any handler: obstore's error is not its __context__
         if retry:
             await asyncio.sleep(self.policy.delay(1))
-            again = await gather_first_error(
-                [self._get(store, path, job.starts[i], job.ends[i], t0, attempt=1) for i in retry]
-            )
+            again = await gather_first_error([self._get(store, job, i, t0, attempt=1) for i in retry])
             for i, buf in zip(retry, again, strict=True):
                 bufs[i] = buf
-        fill(job, bufs)
+        _fill_fetched(job, bufs)
 
     async def run(self, store: Any, jobs: list[Job]) -> None:
         """Run ``jobs`` on ``store`` concurrently under the request and byte limits; the first
@@ -202,10 +227,28 @@ class RangeFetcher:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _attempt(store: Any, path: str, start: int, end: int, version: ObjectVersion | None) -> Any:
-    """One :func:`get_checked` call: the bytes, or the exception it failed with (returned)."""
+#: A range whose pieces were copied out locally (no GET was sent: nothing to count or fill).
+_FILLED: Final = object()
+
+
+def _fill_fetched(job: Job, bufs: list[Any]) -> None:
+    """:func:`~._ranges.fill` for the ranges of ``job`` that were fetched (not :data:`_FILLED`)."""
+    fetched = [i for i, b in enumerate(bufs) if b is not _FILLED]
+    if len(fetched) == len(bufs):
+        fill(job, bufs)
+    elif fetched:
+        starts, ends = [job.starts[i] for i in fetched], [job.ends[i] for i in fetched]
+        fill(
+            Job(job.path, job.dest, starts, ends, [job.pieces[i] for i in fetched]),
+            [bufs[i] for i in fetched],
+        )
+
+
+def _attempt(read: Callable[[Any, Job, int], Any], store: Any, job: Job, i: int) -> Any:
+    """One ``read`` (:meth:`RangeFetcher._read`): its result, or the exception it failed with
+    (returned)."""
     try:
-        return get_checked(store, path, start, end, version)
+        return read(store, job, i)
     except Exception as exc:
         return exc
 

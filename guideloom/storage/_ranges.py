@@ -26,11 +26,13 @@ import numpy.typing as npt
 
 from guideloom.storage._manifest import ArraySpec
 
-__all__ = ["Job", "Layout", "Limits", "bridged_gap", "fill", "plan", "plan_spans", "plan_windows"]
+__all__ = ["Job", "Layout", "Limits", "Piece", "bridged_gap", "fill", "plan", "plan_spans", "plan_windows"]
 
 Array = npt.NDArray[Any]
 I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
+#: One piece of a range: (object offset, length, destination offset), in bytes.
+Piece = tuple[int, int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +117,8 @@ class Job:
     dest: U8
     starts: list[int] = field(default_factory=list)
     ends: list[int] = field(default_factory=list)
-    #: per range: (object offset, length, destination offset) of every piece it serves
-    pieces: list[list[tuple[int, int, int]]] = field(default_factory=list)
+    #: per range: every piece it serves
+    pieces: list[list[Piece]] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:

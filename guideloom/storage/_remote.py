@@ -22,11 +22,11 @@ Options (``open_stream(url, **options)``, ``open_documents``, ``write_stream(url
   ``max_request_bytes`` (4 MiB), ``max_concurrent_reads`` (read-ahead windows the
   loader keeps in flight, 4), ``offsets_cache_bytes`` (documents: offsets up to this size are
   loaded at ``open()``, larger ones are read per batch; 64 MiB), ``cache_dir`` (a local folder:
-  the dataset is copied there in the background and read locally once complete, see
-  :mod:`guideloom.storage._cache`; none by default), ``cache_max_bytes`` (a limit on the
-  folder: a dataset larger than it is cached in chunks of ``cache_chunk_bytes`` (16 MiB),
-  downloaded ahead in the loader's order and evicted by next use, see
-  :mod:`guideloom.storage._chunks`; none: the whole copy);
+  the dataset is copied there in the background, read from the copy as its parts come down and
+  locally once complete, see :mod:`guideloom.storage._cache`; none by default),
+  ``cache_max_bytes`` (a limit on the folder: a dataset larger than it is cached in chunks of
+  ``cache_chunk_bytes`` (16 MiB), downloaded ahead in the loader's order and evicted by next
+  use, see :mod:`guideloom.storage._chunks`; none: the whole copy);
 - faults: ``timeout`` (seconds per request, 30), ``connect_timeout`` (5), ``retries`` (5),
   ``retry_timeout`` (no retry starts after this many seconds, 120), ``backoff`` (0.1),
   ``max_backoff`` (5);
@@ -101,6 +101,7 @@ class _ObjectStorageMixin:
         if limit is None or limit >= copy_footprint(self.manifest):  # the whole copy fits: no chunks
             loc = self._remote.loc.display
             self._cache = DatasetCache(root, loc, self.manifest, self._remote.fetch_range)
+            self._remote.fetcher.local = self._cache  # ranges it has written are read from it
         else:
             self._chunks = ChunkCache(
                 root,
@@ -240,14 +241,17 @@ class _ObjectStorageMixin:
     def stats(self) -> dict[str, int]:
         """Range requests (GETs) issued so far, retries included, the bytes they returned, and
         the peak bytes that were in flight at once (with a ``cache_max_bytes`` cache, also its
-        chunks downloaded and evicted and the ranges it served locally and remotely)."""
+        chunks downloaded and evicted and the ranges it served locally and remotely; with the
+        whole copy, the ranges it served while in progress and those read remotely meanwhile,
+        and the parts it fetched and their bytes, which the GETs and bytes include)."""
         out = {
             "requests": self._remote.requests,
             "bytes_read": self._remote.bytes_read,
             "peak_inflight_bytes": self._remote.peak_inflight_bytes(),
         }
-        if self._chunks is not None:
-            out.update(self._chunks.stats())
+        for cache in (self._chunks, self._cache):
+            if cache is not None:
+                out.update(cache.stats())
         return out
 
 
@@ -280,11 +284,19 @@ class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):
         self._remote.drop_store()
 
     def will_read(self, windows: Iterable[npt.NDArray[np.int64]], length: int) -> None:
-        """The loader's upcoming windows, in read order: a chunk cache downloads ahead by them."""
-        chunks = self._chunks
+        """The loader's upcoming windows, in read order: a chunk cache downloads ahead by them,
+        and the whole copy fetches its parts in their order."""
+        chunks, arrays = self._chunks, self._arrays
+        cache = self._cache
+        if cache is not None:
+            table = cache.table
+            cache.plan(
+                table.of_rows(arrays, st, length)
+                for st in (np.asarray(w, dtype=np.int64) for w in windows)
+                if len(st)
+            )
         if chunks is None:
             return
-        arrays = self._arrays
 
         def planned() -> Any:
             for starts in windows:
@@ -369,12 +381,25 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         return out
 
     def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
-        """The loader's upcoming reads, in order: a chunk cache downloads ahead by them (when the
-        offsets are held in memory, ``offsets_cache_bytes``)."""
-        chunks, offsets = self._chunks, self._offsets
-        if chunks is None or offsets is None:
+        """The loader's upcoming reads, in order: a chunk cache downloads ahead by them, and the
+        whole copy fetches its parts in their order (when the offsets are held in memory,
+        ``offsets_cache_bytes``)."""
+        chunks, offsets, cache = self._chunks, self._offsets, self._cache
+        if offsets is None:
             return
         layout, item = self._tokens, self._tokens.dtype.itemsize
+        if cache is not None:
+
+            def parts() -> Any:
+                for indices in windows:
+                    idx = np.asarray(indices, dtype=np.int64)
+                    if len(idx):
+                        starts = offsets[idx]
+                        yield cache.table.of_spans(layout, starts * item, (offsets[idx + 1] - starts) * item)
+
+            cache.plan(parts())
+        if chunks is None:
+            return
 
         def planned() -> Any:
             for indices in windows:

@@ -20,7 +20,7 @@ from guideloom import StatefulDataLoader
 from guideloom._errors import DatasetIntegrityError
 from guideloom.storage import _cache
 from guideloom.storage._remote import ObjectStreamStorage
-from tests.support.remote import BUCKET, Copies, all_batches, assert_same, collate, unique
+from tests.support.remote import BUCKET, Copies, all_batches, assert_same, collate, loader_for, unique
 from tests.support.servers import MotoS3, Nginx
 
 CPU = torch.device("cpu")
@@ -85,6 +85,72 @@ def test_the_loader_switches_to_the_copy_mid_epoch_without_changing_the_batches(
     assert_same(expected, got)
     assert modes[:3] == [False] * 3 and all(modes[3:]), "remote until the copy is complete, then inline"
     assert loader.state_dict()["epoch"] == 1
+
+
+def hold_before_complete(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Hold the whole copy once every part is written and checked, before its manifest is (the
+    folder would appear, and reads switch to it): returns (every part written, go on)."""
+    written, go = threading.Event(), threading.Event()
+    real = _cache.write_synced
+
+    def held(path: Any, data: bytes) -> None:
+        written.set()
+        assert go.wait(30)
+        real(path, data)
+
+    monkeypatch.setattr(_cache, "write_synced", held)
+    return written, go
+
+
+@pytest.mark.parametrize("server", ["s3", "http"])
+def test_the_first_epoch_reads_the_parts_the_copy_has_written_from_it_not_from_the_store(
+    server: str,
+    plain_copies: Copies,
+    s3: MotoS3,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+) -> None:
+    monkeypatch.setattr(_cache, "PART_BYTES", 4096)
+    if server == "s3":
+        url, opts = plain_copies.s3_url, s3.options()
+    else:
+        url, opts = f"{request.getfixturevalue('nginx').url}/{plain_copies.http_path}", {}
+    kw: dict[str, Any] = dict(
+        sequence_length=100, local_batch_size=4, shuffle=True, shuffle_seed=11, prefetch=2
+    )
+    expected = all_batches(guideloom.open_stream(plain_copies.local), **kw)
+    plain = guideloom.open_stream(url, **opts)
+    assert isinstance(plain, ObjectStreamStorage)
+    plain.read_window_bytes = 4000  # windows of a few batches: the reads go on all epoch
+    assert_same(expected, all_batches(plain, **kw))
+    without = plain.stats()["bytes_read"]  # an epoch's GETs with no cache
+    storage = guideloom.open_stream(url, cache_dir=tmp_path, **opts)
+    assert isinstance(storage, ObjectStreamStorage) and storage._cache is not None
+    storage.read_window_bytes = 4000
+    fetch, copied = storage._cache._fetch, [0]
+
+    def counted(path: str, start: int, end: int) -> Any:
+        data = fetch(path, start, end)
+        copied[0] += end - start
+        return data
+
+    storage._cache._fetch = counted
+    written, go = hold_before_complete(monkeypatch)
+    got: list[Any] = []
+    with loader_for(storage, **kw) as loader:
+        for batch in loader:
+            got.append(batch)
+            if len(got) == 1:
+                assert written.wait(30)  # the copy is written, not complete: in progress
+    assert not storage.reads_inline()
+    go.set()
+    assert_same(expected, got)
+    loader_bytes = storage.stats()["bytes_read"] - copied[0]
+    assert loader_bytes < without / 2, (loader_bytes, without)
+    assert storage.stats()["cache_local_ranges"] > 0
+    assert storage._cache._done.wait(30) and storage._cache.error is None
+    assert (Path(storage.cache_folder or "") / "manifest.json").is_file()
 
 
 def test_a_copy_that_does_not_match_its_checksums_is_refused_not_read_from_the_store(

@@ -12,6 +12,7 @@ import asyncio
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import torch
 import guideloom
 from guideloom import StatefulDataLoader
 from guideloom._errors import DatasetIntegrityError
+from guideloom.storage import _cache
 from guideloom.storage._cache import copy_footprint
 from guideloom.storage._remote import ObjectStreamStorage
 from tests.support.remote import BUCKET, collate, unique
@@ -148,4 +150,60 @@ def test_a_replaced_object_is_refused_never_read(
     assert len(expected) > 0 and len(got) < len(expected)
     for i, batch in enumerate(got):
         assert torch.equal(batch, expected[i]), f"batch {i} is not the dataset's"
+    asyncio.run(storage.close())
+
+
+def test_an_object_replaced_while_the_copy_serves_reads_is_refused_never_read(
+    server: str,
+    tmp_path: Path,
+    s3: MotoS3,
+    www: Path,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The copy in progress serves the parts it has written (the other objects'), while the
+    object it has not copied yet is replaced (same size) on the store: the first read that meets
+    it is refused, and every batch delivered before is the dataset's."""
+    monkeypatch.setattr(_cache, "PART_BYTES", 4096)
+    nginx: Nginx = request.getfixturevalue("nginx") if server == "http" else None  # type: ignore[assignment]
+    ds = Dataset(tmp_path, server, s3, www, nginx)
+    with StatefulDataLoader.from_storage(
+        guideloom.open_stream(ds.local), collate, device=CPU, **KW
+    ) as loader:
+        expected = list(loader)
+    storage = ds.open("copy", tmp_path / "cache")
+    assert storage._cache is not None
+    cache, go = storage._cache, threading.Event()
+    fetch = cache._fetch
+
+    def all_but_the_shard(path: str, start: int, end: int) -> Any:
+        if path == ds.shard:
+            assert go.wait(30)
+        return fetch(path, start, end)
+
+    cache._fetch = all_but_the_shard
+    others = sum(1 for g in range(cache.table.count) if cache.table.paths[cache.table.span(g)[0]] != ds.shard)
+    got: list[Any] = []
+    replaced_at = 0
+    with (
+        pytest.raises(DatasetIntegrityError, match=ds.shard),
+        StatefulDataLoader.from_storage(storage, collate, device=CPU, **KW) as loader,
+    ):
+        for batch in loader:
+            got.append(batch)
+            if len(got) == 1:
+                deadline = time.monotonic() + 30
+                while cache.stats()["cache_downloads"] < others:  # the other objects are written
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+            if not replaced_at and cache.stats()["cache_local_ranges"] > 0:
+                replaced_at = len(got)  # reads were served from the copy: now replace the object
+                ds.replace(same_size=True)
+                go.set()
+    go.set()
+    assert replaced_at > 0, "no range was read from the copy in progress"
+    assert replaced_at <= len(got) < len(expected)
+    for i, batch in enumerate(got):
+        assert torch.equal(batch, expected[i]), f"batch {i} is not the dataset's"
+    assert cache.damaged is not None or storage._remote.damaged is not None
     asyncio.run(storage.close())

@@ -20,9 +20,10 @@ What is particular to the Trainer:
   Trainer writes into every checkpoint and hands back before it asks for ``train_dataloader()``.
 - The Trainer ends an epoch after ``len(loader)`` batches without asking the loader's iterator
   for its end, and starts the next epoch with a new ``iter(loader)`` while that iterator is still
-  open: guideloom refuses a second iterator, and its position would still be the end of the
-  finished epoch. ``FinishLoaderEpoch`` below closes that iterator at the epoch's end and moves
-  the loader into the next epoch (before the epoch-end checkpoints are written).
+  open: guideloom then ends it as exhausted and starts the next epoch, but until then the
+  loader's position is the end of the finished epoch, which an epoch-end checkpoint would hold.
+  ``FinishLoaderEpoch`` below ends that iterator at the epoch's end and moves the loader into the
+  next epoch before the epoch-end checkpoints are written.
 - The Trainer also counts an epoch in steps: resumed mid-epoch, it adds the steps it had taken
   (at the old global batch size) to the new ones and ends the epoch at ``len(loader)``. Resume
   with the same global batch size (``local_batch_size * world_size``) or a smaller one; a larger

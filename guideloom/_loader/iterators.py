@@ -74,6 +74,15 @@ class _IteratorBase(Generic[BatchT]):
         self._ckpt.epoch += 1
         self._ckpt.offset = 0
 
+    def spent(self) -> bool:
+        """Whether every batch of this iterator's epoch has been handed out, and it still runs."""
+        return not self._done and hasattr(self, "_cfg") and self._delivered == self._expected
+
+    def finish(self) -> None:
+        """End a spent iterator as its ``StopIteration`` would: the next epoch begins."""
+        self._finish_epoch()
+        self.close_sync()
+
     def close_sync(self) -> None:
         raise NotImplementedError
 
@@ -88,6 +97,7 @@ def sync_iterator(loader: Loader[BatchT]) -> SyncIterator[BatchT]:
     on whether the storage reads inline, which may be known only once it is open (a remote
     dataset's local copy).
     """
+    loader._life.active.end_spent()
     owns_open = loader._life.state == "closed"
     if owns_open:
         loader.open()
@@ -179,6 +189,7 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
     """The iterator ``async for batch in loader`` uses: the pipeline runs on the caller's loop."""
 
     def __init__(self, loader: Loader[BatchT]) -> None:
+        loader._life.active.end_spent()
         super().__init__(loader)
         self._task: asyncio.Task[None] | None = None
         self._channel: Channel[Delivery] | None = None

@@ -35,6 +35,10 @@ class _Closable(Protocol):
 
     async def close_async(self) -> None: ...
 
+    def spent(self) -> bool: ...
+
+    def finish(self) -> None: ...
+
 
 class ActiveIterator:
     """A loader's one active iterator. Held weakly: an abandoned iterator is collected (and
@@ -52,6 +56,15 @@ class ActiveIterator:
     def get(self) -> _Closable | None:
         ref = self._ref
         return ref() if ref is not None else None
+
+    def end_spent(self) -> None:
+        """End the active iterator as exhausted if it has handed out its epoch's last batch and
+        was not asked for another (a loop that stops after ``len(loader)`` batches, as Lightning's
+        ``Trainer`` does): the epoch advances and a new iterator starts the next one, as a new
+        ``iter()`` of a torch ``DataLoader`` does. An iterator with batches left stays active."""
+        old = self.get()
+        if old is not None and old.spent():
+            old.finish()
 
     def claim(self, it: _Closable) -> None:
         with self._lock:

@@ -30,6 +30,45 @@ def test_second_iterator_while_active_raises_and_closing_midway_continues() -> N
         assert take(loader) == [[2, 3], [4, 5], [6, 7], [8, 9]]
 
 
+@pytest.mark.parametrize("workers", [{}, {"prefetch": 2}, {"num_workers": 2}])
+def test_a_new_iterator_after_the_last_batch_starts_the_next_epoch(workers: dict[str, Any]) -> None:
+    """A loop that takes ``len(loader)`` batches and never sees StopIteration (Lightning's
+    Trainer does this) may start the next epoch with a new ``iter()``, as with torch."""
+    with make(identity_stream(6), local_batch_size=2, shuffle=True, shuffle_seed=1, **workers) as loader:
+        first = iter(loader)
+        epoch0 = [next(first) for _ in range(len(loader))]
+        assert loader.state_dict()["epoch"] == 0 and loader.state_dict()["observation_offset"] == 6
+        second = iter(loader)  # the spent one ends as exhausted: epoch 1 from its start
+        assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["observation_offset"] == 0
+        epoch1 = list(second)
+        with pytest.raises(StopIteration):
+            next(first)
+    assert sorted(x for b in epoch0 for x in b) == sorted(x for b in epoch1 for x in b) == list(range(6))
+    assert epoch0 != epoch1  # another epoch, another shuffle
+    assert loader.state_dict()["epoch"] == 2
+
+
+def test_an_iterator_one_batch_short_of_the_end_is_still_active() -> None:
+    with make(identity_stream(6), local_batch_size=2) as loader:
+        it = iter(loader)
+        next(it), next(it)
+        with pytest.raises(RuntimeError, match="still active"):
+            iter(loader)
+        assert next(it) == [4, 5]
+        assert take(loader, 1) == [[0, 1]]  # it was spent: the next epoch
+        assert loader.state_dict()["epoch"] == 1
+
+
+@pytest.mark.asyncio
+async def test_a_new_async_iterator_after_the_last_batch_starts_the_next_epoch() -> None:
+    async with make(identity_stream(6), local_batch_size=2) as loader:
+        first = aiter(loader)
+        epoch0 = [await anext(first) for _ in range(len(loader))]
+        epoch1 = [b async for b in loader]
+    assert epoch0 == epoch1 == [[0, 1], [2, 3], [4, 5]]
+    assert loader.state_dict()["epoch"] == 2
+
+
 def test_abandoned_for_loop_iterator_is_released() -> None:
     with make(identity_stream(10), local_batch_size=2) as loader:
         for batch in loader:

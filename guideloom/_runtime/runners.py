@@ -163,8 +163,8 @@ class ProcessRunner:
         too); None once they are up (:attr:`_choice` is then set) or at the end of the epoch."""
         inline = self._starting
         assert inline is not None
-        if inline.buffered() or self._workers.pool.starting():
-            d = inline.next()  # None: the epoch ended before the workers were up
+        if inline.buffered() or self._workers.pool.starting() or self._next_step >= len(self._cfg.plan):
+            d = inline.next()  # None: the epoch ended before the workers were up (or as they came)
             if d is not None:
                 self._next_step = d.spec.step + 1
             return d

@@ -379,7 +379,7 @@ class ProcessWorkers:
             del d
             if failed:
                 return None
-        return step
+        return step if step < len(job.cfg.plan) else None  # None: the epoch ended as they came
 
     async def _collate(
         self, specs: list[BatchSpec], batches: list[Any], loop: asyncio.AbstractEventLoop

@@ -333,7 +333,7 @@ class WorkerPool:
                 return
             self._start_error = None
             self._starter = threading.Thread(
-                target=self._start_missing, name=f"guideloom-workers-start-{self.token}", daemon=True
+                target=self._start_missing, name="guideloom-workers-start", daemon=True
             )
             self._starter.start()
 

@@ -376,13 +376,10 @@ class WorkerPool:
                     self._gens[k] += 1
                     gen = self._gens[k]
                 p = Proc(self, k, gen)  # blocks while the fork server starts
-                with self._lock:
-                    if not self._closed:
-                        self.procs[k] = p
-                        started.append(p)
-                        continue
-                self._stop([p], 0.0)
-                return
+                if not self._keep(p):  # the pool closed meanwhile
+                    self._stop([p], 0.0)
+                    return
+                started.append(p)
             for p in started:
                 self._wait_ready(p)
         except BaseException as exc:
@@ -394,6 +391,14 @@ class WorkerPool:
                     if self.procs[p.index] is p:
                         self.procs[p.index] = None
             self._stop(started, 0.0)
+
+    def _keep(self, p: Proc) -> bool:
+        """Put a worker just started in its place, unless the pool has closed meanwhile."""
+        with self._lock:
+            if self._closed:
+                return False
+            self.procs[p.index] = p
+            return True
 
     def _wait_ready(self, p: Proc) -> None:
         try:

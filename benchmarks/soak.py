@@ -44,9 +44,9 @@ import guideloom as gl
 SEQ = 64  # tokens per sample
 BATCH = 16
 SAMPLES = 4096  # 256 batches an epoch; 1 MiB of uint32 tokens
-# The loader's worker processes (spawned) run this; Python's resource
-# tracker (one per interpreter, by design outliving every pool) does not.
-_WORKER_MARK = b"spawn_main"
+# The loader's worker processes are forked from multiprocessing's fork server (children of it,
+# with its command line); the server and Python's resource tracker (one per interpreter, by
+# design outliving every pool) are not workers.
 _TRACKER_MARK = b"resource_tracker"
 _POOL_THREADS = ("guideloom-io",)  # the process-wide obstore I/O pool: idle threads, joined at exit
 
@@ -91,11 +91,12 @@ def _alive(pid: int) -> bool:
 
 
 def worker_pids() -> list[int]:
-    return [
-        p
-        for p in _children(os.getpid())
-        if _WORKER_MARK in (cmd := _cmdline(p)) and _TRACKER_MARK not in cmd and _alive(p)
-    ]
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+    if server is None:
+        return []
+    return [p for p in _children(server) if _TRACKER_MARK not in _cmdline(p) and _alive(p)]
 
 
 def guideloom_threads() -> list[str]:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.support.loader import guideloom_threads
-from tests.support.processes import own_segments  # noqa: F401 - a fixture, for every test
+from tests.support.processes import own_segments, workers_up_first  # noqa: F401 - fixtures, for every test
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ ran in another thread); :meth:`~Runner.close` stops everything it started and jo
   reads and hands groups of batches to the threads, or collates inline while that is cheaper.
 - :class:`ProcessRunner`: process workers over a storage that reads inline, for batches that stay
   on the CPU: the caller's thread sends groups and takes their batches off the pipes itself, or
-  collates inline while cheaper.
+  collates inline while cheaper, and while the workers start.
 - :class:`CallerLoopRunner`: ``num_workers=0`` and ``prefetch=0`` over any other storage: the
   pipeline on a private asyncio loop that ``next()`` drives (reads stay in flight between
   batches); it goes on as a plain loop once the storage reads inline (a complete local copy).
@@ -119,26 +119,67 @@ class ThreadRunner:
 class ProcessRunner:
     """Process workers driven from the caller's thread, no event loop (:class:`SyncRun`), over a
     storage that reads inline, for batches that stay on the CPU; the collate runs inline while
-    that is cheaper (:class:`ProcessChoiceRun`)."""
+    that is cheaper (:class:`ProcessChoiceRun`).
+
+    While the workers start (a fork each, but the fork server's own start, once a process, takes
+    about a second), the batches are read and collated inline, from the first; the workers take
+    over from the batch after the last one made so, once they are up.
+    """
 
     def __init__(self, cfg: PipelineConfig, choosers: Choosers) -> None:
         self._closed = False
+        self._cfg = cfg
         self._workers: ProcessWorkers = process_workers(cfg)
         self._run = SyncRun(self._workers.flow(cfg, 0), cfg.capacity)
         # The loader's persistent workers keep their chooser from epoch to epoch; a pool of this
         # iterator's own starts afresh, as its workers do.
         make = functools.partial(process_chooser, cfg.capacity)
-        chooser = choosers.chooser("processes", make) if cfg.worker_pool is not None else make()
-        self._choice = ProcessChoiceRun(cfg, self._run, chooser)
+        self._chooser = choosers.chooser("processes", make) if cfg.worker_pool is not None else make()
+        self._choice: ProcessChoiceRun | None = None  # once the workers are up
+        self._starting: InlinePipeline | None = None  # the batches made while they start
+        self._next_step = 0  # the step after the last batch made so
+        pool = self._workers.pool
+        try:
+            pool.begin()  # from iter() on, the workers start while the consumer goes on
+        except Exception:
+            pass  # raised again by the pool's start in the workers' run, at the first batch
+        if pool.starting():
+            self._starting = InlinePipeline(cfg)
+        else:
+            self._choice = ProcessChoiceRun(cfg, self._run, self._chooser)
 
     def next(self) -> Delivery | None:
-        d = self._choice.next()
+        choice = self._choice
+        if choice is None:
+            d = self._while_starting()
+            if d is not None or self._choice is None:  # a batch, or the epoch ended before them
+                return None if self._closed else d
+            choice = self._choice
+        d = choice.next()
         return None if self._closed else d  # None: close() in another thread ended this next()
+
+    def _while_starting(self) -> Delivery | None:
+        """The next batch made inline while the workers start (the rest of a window read so
+        too); None once they are up (:attr:`_choice` is then set) or at the end of the epoch."""
+        inline = self._starting
+        assert inline is not None
+        if inline.buffered() or self._workers.pool.starting() or self._next_step >= len(self._cfg.plan):
+            d = inline.next()  # None: the epoch ended before the workers were up (or as they came)
+            if d is not None:
+                self._next_step = d.spec.step + 1
+            return d
+        self._starting = None
+        self._run.resume(self._next_step)  # the workers go on after the batches made inline
+        self._choice = ProcessChoiceRun(self._cfg, self._run, self._chooser)
+        return None
 
     def close(self) -> None:
         self._closed = True
         try:
-            self._choice.close()
+            if self._starting is not None:
+                self._starting.close()
+            if self._choice is not None:
+                self._choice.close()
             self._run.close()
         finally:
             self._workers.shutdown(wait=True)

@@ -45,6 +45,7 @@ def test_thread_workers_run_collate_in_parallel() -> None:
     assert peak >= 2
 
 
+@pytest.mark.usefixtures("workers_up_first")  # its batches come from the workers
 @pytest.mark.slow
 def test_process_workers_keep_order_and_errors() -> None:
     import multiprocessing
@@ -79,6 +80,7 @@ def test_process_workers_keep_order_and_errors() -> None:
         )
 
 
+@pytest.mark.usefixtures("workers_up_first")  # its batches come from the workers
 @pytest.mark.slow
 def test_a_worker_process_that_dies_is_a_worker_error() -> None:
     import multiprocessing
@@ -102,6 +104,7 @@ def test_a_worker_process_that_dies_is_a_worker_error() -> None:
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.usefixtures("workers_up_first")  # its batches come from the workers
 @pytest.mark.slow
 def test_a_worker_killed_between_batches_is_a_worker_error(caplog: pytest.LogCaptureFixture) -> None:
     import multiprocessing

@@ -29,7 +29,8 @@ from tests.support.processes import (
     worker_pids,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_thread_leak")]
+# The chooser decides from an epoch's first batch on: the workers are up before it.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_thread_leak", "workers_up_first")]
 
 
 class Flip:

@@ -18,7 +18,8 @@ import torch
 import guideloom as gl
 from tests.support.loader import take
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_thread_leak")]
+# What crosses from a worker: the workers are up before the first batch, which comes from them.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_thread_leak", "workers_up_first")]
 
 SEQ = 64
 

@@ -1,8 +1,12 @@
-"""Process workers (``parallel_method="process"``): batches through shared memory, workers kept
-between iterators, death, stuck collates, leaks and the ``__main__`` guard; then the sync ``for``
-over them without an event loop (:class:`SyncRun`): the same batches as ``num_workers=0`` for
-every group size, exact resume, nothing left in ``/dev/shm``, and a ``close()`` from another
-thread ending a blocked ``next()``.
+"""Process workers (``parallel_method="process"``): how they start (forked from the fork server,
+the first batches made meanwhile), batches through shared memory, workers kept between iterators
+and across ``load_state_dict``, death, stuck collates, leaks and the ``__main__`` guard; then the
+sync ``for`` over them without an event loop (:class:`SyncRun`): the same batches as
+``num_workers=0`` for every group size, exact resume, nothing left in ``/dev/shm``, and a
+``close()`` from another thread ending a blocked ``next()``.
+
+Tests of what crosses from a worker use ``workers_up_first``: every batch then comes from the
+workers, as from a loader's second epoch on.
 
 Which of process workers or the collate inline runs each batch is in ``test_process_choice.py``."""
 
@@ -33,18 +37,250 @@ from guideloom._runtime.processes import SHUTDOWN_GRACE_S, RemoteTraceback, live
 from guideloom._runtime.runners import ProcessRunner
 from tests.support.loader import take
 from tests.support.processes import (
+    HELD,
     SEQ,
     Boom,
     assert_same,
+    collated_where,
     fails_at_40,
     ids,
     loader_for,
     rich,
     slow_ids,
+    takes_the_lock,
     worker_pids,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_thread_leak")]
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.usefixtures("workers_up_first")
+def test_workers_are_forked_from_a_fork_server_that_preloads_torch(stream: Path) -> None:
+    from multiprocessing import forkserver
+
+    with loader_for(stream, collated_where) as loader:
+        it = iter(loader)
+        assert isinstance(it._runner, ProcessRunner)
+        pool = it._runner._workers.pool
+        assert pool.ctx.get_start_method() == "forkserver"
+        batch = next(it)
+        pids = worker_pids()
+        assert batch["pid"] in pids  # made by a worker
+        server = forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+        assert {_parent(pid) for pid in pids} == {server}  # not children of this process
+        preload = forkserver._forkserver._preload_modules  # type: ignore[attr-defined]
+        assert {"guideloom._runtime.processes.worker", "numpy", "torch"} <= set(preload)
+        assert "__main__" not in preload  # the server does not import the main script
+        it.close()
+
+
+def test_a_lock_held_in_the_main_process_is_free_in_the_workers(stream: Path) -> None:
+    """Workers inherit no state of the main process's threads: a lock one of them holds while
+    the workers start (forked from it, they would find it held forever) is free in each."""
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with HELD:
+            holding.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold, name="test-holder")
+    holder.start()
+    holding.wait()
+    try:
+        with loader_for(stream, takes_the_lock, local_batch_size=1) as loader:
+            while True:  # the first batches are made here while the workers start
+                got = take(loader)
+                assert [int(b["tokens"][0, 0]) // SEQ for b in got] == list(range(200))
+                if any(b["pid"] != os.getpid() for b in got):
+                    break
+    finally:
+        release.set()
+        holder.join()
+
+
+class OpensSlowly(gl.MemoryStreamStorage):
+    """A storage that opens 1 s late in a worker process (picklable, at module level): the
+    workers start well after the first batches."""
+
+    def open_sync(self) -> None:
+        if multiprocessing.current_process().name.startswith("guideloom-worker"):
+            time.sleep(1.0)
+        super().open_sync()
+
+
+def slowly_where(samples: Sequence[np.ndarray]) -> dict[str, Any]:
+    time.sleep(0.002)
+    return collated_where(samples)
+
+
+@pytest.mark.parametrize("how", ["for", "async for"])
+def test_the_first_batches_are_made_here_while_the_workers_start_then_theirs_follow_in_order(
+    how: str,
+) -> None:
+    """An epoch resumed at an offset that is no multiple of anything, shuffled: its first batches
+    come from this process, the workers go on from the batch after the last of them, and the
+    whole is the epoch of ``num_workers=0`` (resumed again until the workers came up during
+    one: their start takes seconds on a busy machine)."""
+    tokens = np.arange(300 * SEQ, dtype=np.int32)
+
+    def make(**kw: Any) -> gl.StatefulDataLoader[Any, Any]:
+        return gl.StatefulDataLoader.from_storage(
+            OpensSlowly(tokens), slowly_where, sequence_length=SEQ, local_batch_size=3, shuffle=True,
+            shuffle_seed=8, parallel_method="process", device=torch.device("cpu"), **kw,
+        )  # fmt: skip
+
+    def firsts(batches: list[Any]) -> list[int]:
+        return [int(b["tokens"][0, 0]) // SEQ for b in batches]
+
+    resume = {**make().state_dict(), "observation_offset": 7}
+    with make(num_workers=0) as inline:
+        inline.load_state_dict(resume)
+        expected = firsts(take(inline))
+    epochs: list[list[Any]] = []
+
+    def done() -> bool:
+        return any(b["pid"] != os.getpid() for b in epochs[-1])
+
+    async def async_epochs(loader: gl.StatefulDataLoader[Any, Any]) -> None:
+        async with loader:
+            while not epochs or not done():
+                loader.load_state_dict(resume)
+                epochs.append([b async for b in loader])
+
+    loader = make(num_workers=2, prefetch=4)
+    if how == "for":
+        with loader:
+            while not epochs or not done():
+                loader.load_state_dict(resume)
+                epochs.append(take(loader))
+    else:
+        asyncio.run(async_epochs(loader))
+    for got in epochs:
+        assert firsts(got) == expected
+    where = [b["pid"] == os.getpid() for b in epochs[0]]
+    assert where[0]  # made here: the workers were not up
+    if len(epochs) == 1:
+        switch = where.index(False)  # the workers' first batch
+        assert all(where[:switch])
+    assert worker_pids() == set()
+
+
+def test_loaders_without_process_workers_start_no_fork_server(tmp_path: Path, stream: Path) -> None:
+    """Importing guideloom starts nothing, nor do loaders with num_workers=0 or thread workers
+    (``for`` and ``async for``); the first loader with process workers does."""
+    script = tmp_path / "count.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import asyncio, os
+            from multiprocessing import forkserver
+            import torch
+            import guideloom as gl
+
+            def ids(samples):
+                return [int(s[0]) for s in samples]
+
+            def state():
+                children = 0
+                for entry in os.listdir("/proc"):
+                    try:
+                        with open(f"/proc/{{entry}}/stat") as f:
+                            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                    except (OSError, ValueError):
+                        continue
+                    children += ppid == os.getpid()
+                return forkserver._forkserver._forkserver_pid, children
+
+            def make(**kw):
+                return gl.StatefulDataLoader.from_storage(
+                    gl.open_stream({str(stream)!r}), ids, sequence_length=64, prefetch=2,
+                    device=torch.device("cpu"), **kw,
+                )
+
+            async def async_epoch(loader):
+                async with loader:
+                    async for batch in loader:
+                        pass
+
+            if __name__ == "__main__":
+                print("import", *state())
+                for kw in ({{}}, {{"num_workers": 2}}):
+                    with make(**kw) as loader:
+                        for batch in loader:
+                            pass
+                    asyncio.run(async_epoch(make(**kw)))
+                    print("loader", *state())
+                with make(num_workers=1, parallel_method="process") as loader:
+                    for batch in loader:
+                        pass
+                    loader._life.pool.start()
+                    print("process", state()[0] is not None)
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run(
+        [sys.executable, str(script)], check=True, capture_output=True, text=True, timeout=100, env=env
+    )
+    assert r.stdout.splitlines() == ["import None 0", "loader None 0", "loader None 0", "process True"]
+
+
+def _alive(pid: str) -> bool:
+    """Whether process ``pid`` runs (a zombie that nobody reaped yet does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_workers_and_their_shared_memory_are_gone_after_interpreter_exit(
+    tmp_path: Path, stream: Path
+) -> None:
+    """A script that exits with its loader open, in the middle of an epoch from the workers."""
+    script = tmp_path / "leave.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import numpy as np, torch
+            import guideloom as gl
+            from multiprocessing import forkserver
+
+            def rows(samples):
+                return torch.from_numpy(np.tile(np.asarray(samples), (1, 16)))  # through a slot
+
+            if __name__ == "__main__":
+                loader = gl.StatefulDataLoader.from_storage(
+                    gl.open_stream({str(stream)!r}), rows, sequence_length=64, num_workers=2,
+                    parallel_method="process", prefetch=4, device=torch.device("cpu"),
+                )
+                loader.open()
+                it = iter(loader)
+                next(it)
+                pool = it._runner._workers.pool
+                pool.start()  # the workers are up
+                kept = [next(it) for _ in range(5)]
+                pids = [p.proc.pid for p in pool.procs]
+                print(pool.token, forkserver._forkserver._forkserver_pid, *pids)
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run(
+        [sys.executable, str(script)], check=True, capture_output=True, text=True, timeout=100, env=env
+    )
+    token, *pids = r.stdout.split()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.05)
+    assert [pid for pid in pids if _alive(pid)] == []  # the workers and the fork server
+    assert live_segments(token) == []
 
 
 def stuck_at_8(samples: Sequence[np.ndarray]) -> list[int]:
@@ -53,6 +289,7 @@ def stuck_at_8(samples: Sequence[np.ndarray]) -> list[int]:
     return ids(samples)
 
 
+@pytest.mark.usefixtures("workers_up_first")
 def test_batches_match_inline_and_workers_persist_between_iterators(
     stream: Path, own_segments: Callable[[], list[str]]
 ) -> None:
@@ -85,11 +322,13 @@ def test_batches_match_inline_and_workers_persist_between_iterators(
     assert own_segments() == []
 
 
-def test_load_state_dict_between_iterators_with_persistent_workers(stream: Path) -> None:
+@pytest.mark.usefixtures("workers_up_first")
+def test_load_state_dict_on_an_open_loader_keeps_its_workers_and_resumes_exactly(stream: Path) -> None:
     with loader_for(stream, ids, num_workers=0, shuffle=True, shuffle_seed=5) as inline:
         expected = take(inline)
     loader = loader_for(stream, ids, shuffle=True, shuffle_seed=5, prefetch=4)
     start = loader.state_dict()
+    pids: set[int] = set()
 
     @settings(max_examples=12, deadline=None, derandomize=True)
     @given(stop=st.integers(0, len(expected) - 1), back=st.integers(0, 3))
@@ -101,12 +340,16 @@ def test_load_state_dict_between_iterators_with_persistent_workers(stream: Path)
         loader.load_state_dict(state)
         after = take(loader)
         assert before + after == expected
+        assert worker_pids() == pids  # the same processes: load_state_dict restarts nothing
 
     with loader:
+        take(loader, 1)
+        pids.update(worker_pids())
+        assert len(pids) == 2
         resume_anywhere()
-        assert len(worker_pids()) == 2
 
 
+@pytest.mark.usefixtures("workers_up_first")
 def test_persistent_workers_false_starts_workers_per_iterator(stream: Path) -> None:
     loader = loader_for(stream, ids, persistent_workers=False, prefetch=2)
     with loader:
@@ -120,6 +363,7 @@ def test_persistent_workers_false_starts_workers_per_iterator(stream: Path) -> N
         assert worker_pids() == set()
 
 
+@pytest.mark.usefixtures("workers_up_first")
 def test_a_worker_killed_with_sigkill_is_a_worker_error_promptly(
     stream: Path, own_segments: Callable[[], list[str]]
 ) -> None:
@@ -150,6 +394,7 @@ def test_a_worker_killed_with_sigkill_is_a_worker_error_promptly(
     assert own_segments() == []
 
 
+@pytest.mark.usefixtures("workers_up_first")
 def test_a_collate_error_reaches_the_consumer_at_its_batch_and_leaves_no_shared_memory(
     stream: Path, own_segments: Callable[[], list[str]]
 ) -> None:
@@ -168,6 +413,7 @@ def test_a_collate_error_reaches_the_consumer_at_its_batch_and_leaves_no_shared_
     assert worker_pids() == set()
 
 
+@pytest.mark.usefixtures("workers_up_first")
 def test_a_stuck_collate_is_terminated_on_close(stream: Path) -> None:
     loader = loader_for(stream, stuck_at_8, prefetch=2)
     loader.open()
@@ -186,10 +432,12 @@ def test_a_script_without_the_main_guard_is_told_so(stream: Path, tmp_path: Path
     script.write_text(
         textwrap.dedent(
             f"""
+            import time
             import numpy as np, torch
             import guideloom as gl
 
             def ids(samples):
+                time.sleep(0.002)
                 return [int(s[0]) for s in samples]
 
             loader = gl.StatefulDataLoader.from_storage(
@@ -197,8 +445,9 @@ def test_a_script_without_the_main_guard_is_told_so(stream: Path, tmp_path: Path
                 parallel_method="process", device=torch.device("cpu"),
             )
             with loader:
-                for batch in loader:
-                    pass
+                for epoch in range(100):  # made here while the worker starts: until it fails
+                    for batch in loader:
+                        pass
             print("finished")
             """
         )
@@ -214,6 +463,7 @@ def test_a_script_without_the_main_guard_is_told_so(stream: Path, tmp_path: Path
     assert [ln for ln in r.stderr.splitlines() if "guideloom.WorkerError" in ln or "WorkerError:" in ln]
 
 
+@pytest.mark.usefixtures("workers_up_first")
 def test_async_for_with_process_workers(stream: Path) -> None:
     import asyncio
 
@@ -245,6 +495,7 @@ def small_of_every_dtype(samples: Sequence[np.ndarray]) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.usefixtures("workers_up_first")
 def test_small_batches_of_every_dtype_cross_to_the_main_process(tmp_path: Path) -> None:
     """torch 2.13 cannot load back a pickled uint16/uint32/uint64 tensor: small ones, which
     travel in the pickle, went through a slot only above 4 KiB and crashed below (the usual
@@ -309,18 +560,29 @@ class OpensOnlyHere(gl.MemoryStreamStorage):
         super().open_sync()
 
 
-def test_a_storage_that_fails_to_open_in_a_worker_raises_its_own_error() -> None:
+@pytest.mark.parametrize("up_first", [True, False])
+def test_a_storage_that_fails_to_open_in_a_worker_raises_its_own_error(
+    request: pytest.FixtureRequest, up_first: bool
+) -> None:
     """The storage's own exception (with a note naming the worker), as at num_workers=0, not a
-    WorkerError; nothing left running."""
+    WorkerError; nothing left running. It comes at the batch the workers would have made first:
+    the first, or the one after those made while they started."""
+    if up_first:
+        request.getfixturevalue("workers_up_first")
     loader = gl.StatefulDataLoader.from_storage(
         OpensOnlyHere(np.arange(64 * SEQ, dtype=np.int32)), ids, sequence_length=SEQ,
         local_batch_size=4, num_workers=2, parallel_method="process", device=torch.device("cpu"),
     )  # fmt: skip
+    got: list[list[int]] = []
     with loader:
         with pytest.raises(Boom, match="no credentials") as info:
-            next(iter(loader))
+            while True:  # epoch after epoch: the batches made while the workers start
+                for b in loader:
+                    got.append(b)
         assert any("worker process" in note for note in getattr(info.value, "__notes__", []))
-        assert loader.state_dict()["observation_offset"] == 0
+        assert (len(got) == 0) if up_first else (len(got) > 0)
+        assert loader.state_dict()["observation_offset"] == 4 * (len(got) % 16)
+        assert [i for b in got for i in b] == [i % 64 for i in range(4 * len(got))]
     assert worker_pids() == set()
 
 
@@ -338,6 +600,7 @@ class StoreFailsAt(gl.MemoryStreamStorage):
         return super().read_many_sync(starts, length)
 
 
+@pytest.mark.usefixtures("workers_up_first")
 def test_workers_stopped_in_the_middle_of_a_group_exit_at_once() -> None:
     """A worker that took "stop" between two batches of a group went back to wait for a message
     that never came and was terminated after the 5 s grace (5 runs in 8 once a failed epoch shut
@@ -373,6 +636,7 @@ def loop_threads() -> list[str]:
 GROUPS = [(2, 0, 1), (2, 8, 2), (1, 7, 4), (3, 45, 8), (2, 30, 8)]
 
 
+@pytest.mark.usefixtures("workers_up_first")
 @pytest.mark.parametrize(("workers", "prefetch", "group"), GROUPS)
 def test_batches_equal_num_workers_0_for_each_group_size(
     stream: Path, workers: int, prefetch: int, group: int
@@ -439,6 +703,7 @@ def test_resume_anywhere_with_any_group_size(stream: Path) -> None:
     assert worker_pids() == set()
 
 
+@pytest.mark.usefixtures("workers_up_first")
 def test_close_from_another_thread_ends_a_blocked_next(stream: Path) -> None:
 
     loader = loader_for(stream, sleepy, prefetch=2, num_workers=1)
@@ -475,6 +740,7 @@ def as_float32_array(samples: Any) -> np.ndarray:
     return np.tile(np.stack(samples).astype(np.float32), (1, 16))
 
 
+@pytest.mark.usefixtures("workers_up_first")
 @pytest.mark.parametrize("collate", [as_int64, as_bfloat16, as_transposed, as_float32_array])
 def test_a_batch_that_is_one_array_travels_unpickled_and_a_group_shares_one_slot(
     stream: Path, collate: Any

@@ -1,6 +1,6 @@
 """A local stream and collates for the process-worker tests (``parallel_method="process"``).
 
-The collates are module-level: the workers, started with ``spawn``, unpickle them by their
+The collates are module-level: the workers, forked from the fork server, unpickle them by their
 module path. In the stream, sample ``i`` starts with element ``i * SEQ``.
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,6 +22,23 @@ import guideloom as gl
 from guideloom._runtime.processes import WorkerPool, live_segments
 
 SEQ = 64
+
+
+@pytest.fixture
+def workers_up_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every pool's workers are up before an iterator's first batch, as they are from a loader's
+    second epoch on: for tests of what crosses from a worker, whose batches must all come from
+    the workers (by default a loader makes its first batches itself while they start). A start
+    that fails still raises at the first batch."""
+    begin = WorkerPool.begin
+
+    def begin_and_wait(self: WorkerPool) -> None:
+        begin(self)
+        starter = self._starter
+        if starter is not None:
+            starter.join()
+
+    monkeypatch.setattr(WorkerPool, "begin", begin_and_wait)
 
 
 @pytest.fixture
@@ -124,6 +142,20 @@ def assert_same(a: Any, b: Any) -> None:
             assert_same(x, y)
     else:
         assert a == b
+
+
+#: Held by a thread of the main process in a test: a worker that inherited it held would wait.
+HELD = threading.Lock()
+
+
+def takes_the_lock(samples: Sequence[np.ndarray]) -> dict[str, Any]:
+    """In a worker: take :data:`HELD` (fails after 10 s if it is held there); the batch says
+    which process made it. Inline, where a test holds it, the lock is not taken."""
+    if multiprocessing.current_process().name.startswith("guideloom-worker"):
+        if not HELD.acquire(timeout=10):
+            raise RuntimeError("the worker's copy of the lock is held: it inherited the main process's")
+        HELD.release()
+    return collated_where(samples)
 
 
 def collated_where(samples: Sequence[Any]) -> dict[str, Any]:

@@ -18,10 +18,11 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from guideloom._core.delivery import Delivery, Results
+from guideloom._core.delivery import Delivery, Results, apply
 from guideloom._core.order import Order
 from guideloom._core.plan import BatchSpec, EpochPlan
 from guideloom._runtime.config import PipelineConfig, group_size, reading_name
+from guideloom._runtime.inline import InlinePipeline
 from guideloom._runtime.pipeline import read_and_collate
 from guideloom._runtime.processes.pool import Group, Proc, Session, WorkerPool
 from guideloom._runtime.processes.wire import Epoch
@@ -330,14 +331,17 @@ class ProcessWorkers:
 
     async def produce(self, job: Production) -> None:
         """The workers read and collate their own batches over a storage that reads inline
-        (local files, memory). Over any other (an object store) the main process reads, as it
-        does for thread workers: its windows' requests coalesce and stay in flight together,
-        and each group's samples go to a worker, which collates them."""
+        (local files, memory), once they are up (the batches before are made here). Over any
+        other (an object store) the main process reads, as it does for thread workers: its
+        windows' requests coalesce and stay in flight together, and each group's samples go to
+        a worker, which collates them."""
         cfg = job.cfg
-        flow = self.flow(cfg, job.first_step)
         if cfg.dataset.reads_inline:
-            await run_on_loop(flow, job.emit, job.channel)
+            first = await self._while_starting(job)
+            if first is not None:
+                await run_on_loop(self.flow(cfg, first), job.emit, job.channel)
             return
+        flow = self.flow(cfg, job.first_step)
         async with _on_loop(self.session, flow) as loop:
 
             def run_group(specs: list[BatchSpec], batches: list[Any]) -> asyncio.Future[Results]:
@@ -346,6 +350,36 @@ class ProcessWorkers:
             # Two groups per worker: one queued behind the one it makes, as a group's round trip
             # through the pipes would leave the worker idle.
             await read_and_collate(job, run_group, cfg.num_workers, 2 * cfg.num_workers)
+
+    async def _while_starting(self, job: Production) -> int | None:
+        """Batches read and collated in this process, in plan order from ``job.first_step``,
+        while the workers start (on the loop where it is guideloom's own, else on a thread: a
+        caller's loop never runs ``collate_fn``); the step the workers go on from, or None when
+        the epoch, or a failure, ended first."""
+        pool = self.pool
+        try:
+            pool.begin()
+        except Exception:
+            return job.first_step  # raised again by the pool's start, at the first batch
+        if not pool.starting():
+            return job.first_step
+        inline = InlinePipeline(job.cfg, first_step=job.first_step)
+        step = job.first_step
+        while inline.buffered() or pool.starting():
+            await job.channel.reserve()
+            if job.own_loop:
+                d = _made_inline(inline, job.cfg.collate_fn)
+            else:
+                d = await asyncio.to_thread(_made_inline, inline, job.cfg.collate_fn)
+            if d is None:
+                return None
+            step = d.spec.step + 1
+            failed = d.error is not None
+            await job.emit(d)
+            del d
+            if failed:
+                return None
+        return step if step < len(job.cfg.plan) else None  # None: the epoch ended as they came
 
     async def _collate(
         self, specs: list[BatchSpec], batches: list[Any], loop: asyncio.AbstractEventLoop
@@ -372,3 +406,12 @@ class ProcessWorkers:
                 self.pool.close()
             else:
                 threading.Thread(target=self.pool.close, name="guideloom-workers-close", daemon=True).start()
+
+
+def _made_inline(inline: InlinePipeline, collate_fn: Callable[[Any], Any]) -> Delivery | None:
+    """The next batch read by ``inline`` and collated (the copy to a device is the transfer
+    stage's); None at the end of the epoch."""
+    d = inline.next_raw()
+    if d is not None and apply(d, collate_fn):
+        inline.close()
+    return d

@@ -1,6 +1,14 @@
-"""Process workers, the main process's side: the pool of ``num_workers`` processes (the
-``spawn`` start method), each worker as the main process sees it, and a session, one iterator's
-use of the pool: it sends the workers tasks and takes in their results.
+"""Process workers, the main process's side: the pool of ``num_workers`` processes, each worker
+as the main process sees it, and a session, one iterator's use of the pool: it sends the workers
+tasks and takes in their results.
+
+Workers are forked from multiprocessing's fork server (:func:`worker_context`), a process that
+imports the worker's modules, numpy and torch once and forks a worker in milliseconds: a worker
+shares those pages with it instead of importing them again, and inherits none of the main
+process's threads or locks (``fork`` from the main process would: a lock another thread held at
+that moment stays held in the worker, and obstore's runtime, whose threads are gone, hangs). The
+server starts with the first pool of a process, about a second; a pool starts its workers on a
+thread of its own (:meth:`WorkerPool.begin`) so that the first batches can be made meanwhile.
 
 A dead worker is seen at once (end of file on its pipe) and becomes a
 :class:`~guideloom.WorkerError` at the first batch it owed; every segment of a pool (its names
@@ -20,11 +28,13 @@ import pickle
 import secrets
 import signal
 import struct
+import sys
 import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
+from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
@@ -60,24 +70,67 @@ from guideloom._runtime.processes.worker import worker_main
 if TYPE_CHECKING:
     from guideloom._datasets import DatasetAbstract
 
-__all__ = ["SHUTDOWN_GRACE_S", "Group", "Proc", "Session", "WorkerPool", "check_not_bootstrapping"]
+__all__ = [
+    "PRELOAD",
+    "SHUTDOWN_GRACE_S",
+    "START_METHOD",
+    "Group",
+    "Proc",
+    "Session",
+    "WorkerPool",
+    "check_not_bootstrapping",
+    "worker_context",
+]
 
 #: How long ``close()`` waits for a worker to finish its batch before terminating it.
 SHUTDOWN_GRACE_S = 5.0
+#: How workers start: ``"forkserver"``; ``"spawn"`` where the platform has no fork server.
+#: (The benchmark of worker start sets it to compare the methods.)
+START_METHOD = "forkserver"
+#: What the fork server imports before it forks a worker (torch too, when the main process has
+#: imported it): each worker shares them instead of importing them anew.
+PRELOAD = ("guideloom._runtime.processes.worker", "numpy")
+
+
+def worker_context() -> ForkServerContext | SpawnContext | ForkContext:
+    """The multiprocessing context workers start in: the fork server, told what to preload.
+
+    The fork server is one per process, shared with any other user of ``forkserver``: the
+    modules are added to its preload list, and take effect when it starts (with the first
+    pool's first worker: never here). The list's default, ``["__main__"]``, is replaced: the
+    server does not import the main script (each worker does, when it starts).
+    """
+    if START_METHOD == "fork":
+        return multiprocessing.get_context("fork")
+    if START_METHOD == "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    from multiprocessing import forkserver
+
+    current = list(getattr(forkserver._forkserver, "_preload_modules", ()))
+    if current == ["__main__"]:
+        current = []
+    wanted = [*PRELOAD, *(["torch"] if "torch" in sys.modules else [])]
+    missing = [m for m in wanted if m not in current]
+    if missing:
+        ctx.set_forkserver_preload(current + missing)
+    return ctx
 
 
 def check_not_bootstrapping() -> None:
     """Refuse to start workers from a worker that is still importing the main module.
 
-    Under ``spawn`` (and ``forkserver``) each worker imports the main script; one without the
-    ``if __name__ == "__main__":`` guard would start the loader again in every worker.
+    Each worker imports the main script, as multiprocessing's ``spawn`` and ``forkserver`` do;
+    one without the ``if __name__ == "__main__":`` guard would start the loader again in every
+    worker.
     """
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         raise RuntimeError(
             "guideloom: a loader with parallel_method='process' was started while a worker process "
-            "was still importing the main module. Worker processes are started with the 'spawn' "
-            "method, which re-imports your script: put the code that creates and iterates the "
-            'loader under `if __name__ == "__main__":` (or in a function called from there).'
+            "was still importing the main module. Each worker process imports your main script "
+            "(as multiprocessing's 'spawn' and 'forkserver' start methods do): put the code that "
+            'creates and iterates the loader under `if __name__ == "__main__":` (or in a function '
+            "called from there)."
         )
 
 
@@ -90,12 +143,13 @@ class Proc:
     """One worker process, as the main process sees it."""
 
     def __init__(self, pool: WorkerPool, index: int, gen: int) -> None:
+        """Start the worker (blocking while the fork server starts, once a process)."""
         self.index = index
         self.prefix = f"{pool.token}-{index}.{gen}-"
         state_name = f"{self.prefix}state"
         self.state_mm = map_segment(state_name, MAX_SLOTS, create=True)
         self.state = np.frombuffer(self.state_mm, np.uint8)
-        ctx = multiprocessing.get_context("spawn")
+        ctx = pool.ctx
         tasks_r, self.tasks = ctx.Pipe(duplex=False)
         self.results, results_w = ctx.Pipe(duplex=False)
         self.proc: BaseProcess = ctx.Process(
@@ -244,6 +298,10 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._closed = False
         self._tokens = 0
+        self.ctx = worker_context()
+        #: The thread of a start :meth:`begin` made, until :meth:`start` has waited for it.
+        self._starter: threading.Thread | None = None
+        self._start_error: BaseException | None = None
         _POOLS.add(self)
 
     def matches(self, dataset: Any, collate_fn: Any, num_workers: int) -> bool:
@@ -260,35 +318,92 @@ class WorkerPool:
     def closed(self) -> bool:
         return self._closed
 
-    def start(self) -> None:
-        """Start the workers that are not running (all at first, a dead one again) and wait until
-        each has opened the storage. Blocking: seconds on a first start (``spawn``)."""
+    def begin(self) -> None:
+        """Start the workers that are not running (all at first, a dead one again) on a thread of
+        the pool's, which waits until each has opened the storage; :meth:`starting` says whether
+        it still runs, :meth:`start` waits for it. Returns at once: the first start of a process
+        takes about a second (the fork server imports torch), and the first batches can be made
+        meanwhile. Nothing is started while an earlier start is under way or not yet waited for.
+        """
         check_not_bootstrapping()
         with self._lock:
             if self._closed:
                 raise RuntimeError("the loader's worker pool was closed")
-            starting: list[Proc] = []
-            for k, p in enumerate(self.procs):
-                if p is not None and p.alive and p.proc.is_alive():
-                    continue
-                if p is not None:
-                    self._discard(p)
-                self._gens[k] += 1
-                p = self.procs[k] = Proc(self, k, self._gens[k])
-                starting.append(p)
-            try:
-                for p in starting:
-                    self._wait_ready(p)
-            except BaseException:
-                for p in starting:
+            if self._starter is not None or all(_running(p) for p in self.procs):
+                return
+            self._start_error = None
+            self._starter = threading.Thread(
+                target=self._start_missing, name="guideloom-workers-start", daemon=True
+            )
+            self._starter.start()
+
+    def starting(self) -> bool:
+        """Whether a start begun by :meth:`begin` is still under way."""
+        starter = self._starter
+        return starter is not None and starter.is_alive()
+
+    def start(self) -> None:
+        """Start the workers that are not running and wait until each has opened the storage (or
+        wait for the start :meth:`begin` made); raise what made that start fail."""
+        self.begin()
+        starter = self._starter
+        if starter is None:
+            return
+        starter.join()
+        with self._lock:
+            if self._starter is starter:
+                self._starter = None
+            error, self._start_error = self._start_error, None
+        if error is not None:
+            raise error
+
+    def _start_missing(self) -> None:
+        """The starter thread: fork each missing worker, then wait until each is ready. On a
+        failure every worker it started is stopped and the error kept for :meth:`start`; once
+        the pool closes, what it starts is stopped at once."""
+        started: list[Proc] = []
+        try:
+            for k in range(self.num_workers):
+                with self._lock:
+                    if self._closed:
+                        return
+                    old = self.procs[k]
+                    if _running(old):
+                        continue
+                    if old is not None:
+                        self.procs[k] = None
+                        self._discard(old)
+                    self._gens[k] += 1
+                    gen = self._gens[k]
+                p = Proc(self, k, gen)  # blocks while the fork server starts
+                if not self._keep(p):  # the pool closed meanwhile
                     self._stop([p], 0.0)
-                    self.procs[p.index] = None
-                raise
+                    return
+                started.append(p)
+            for p in started:
+                self._wait_ready(p)
+        except BaseException as exc:
+            self._start_error = exc
+            with self._lock:
+                if self._closed:
+                    return  # close() stops and joins them, once this thread is done
+                for p in started:
+                    if self.procs[p.index] is p:
+                        self.procs[p.index] = None
+            self._stop(started, 0.0)
+
+    def _keep(self, p: Proc) -> bool:
+        """Put a worker just started in its place, unless the pool has closed meanwhile."""
+        with self._lock:
+            if self._closed:
+                return False
+            self.procs[p.index] = p
+            return True
 
     def _wait_ready(self, p: Proc) -> None:
         try:
             msg: Ready | Failed | None = pickle.loads(p.results.recv_bytes())
-        except EOFError:
+        except (EOFError, OSError):
             msg = None
         finally:
             unlink(p.state_name)  # mapped by the worker by now, or it is gone
@@ -305,11 +420,15 @@ class WorkerPool:
                 f"guideloom worker process {p.index} could not start: {type(exc).__name__}: {exc}"
             ) from exc
         p.proc.join(5.0)
+        if self._closed:
+            raise WorkerError(
+                f"guideloom worker process {p.index} was stopped while starting (the loader closed)"
+            )
         raise WorkerError(
             f"guideloom worker process {p.index} exited while starting ({p.describe_exit()}); "
-            "see its error above. Worker processes are started with the 'spawn' method, which "
-            "re-imports your main module: a script that creates and iterates the loader at "
-            'module level must do so under `if __name__ == "__main__":`'
+            "see its error above. Each worker process imports your main script (as "
+            "multiprocessing's 'spawn' and 'forkserver' start methods do): a script that creates "
+            'and iterates the loader at module level must do so under `if __name__ == "__main__":`'
         )
 
     def session(self) -> Session:
@@ -364,18 +483,33 @@ class WorkerPool:
 
     def close(self, grace: float | None = None) -> None:
         """Stop every worker: each finishes its batch within ``grace`` seconds (default
-        :data:`SHUTDOWN_GRACE_S`) or is terminated. Idempotent; removes every segment."""
+        :data:`SHUTDOWN_GRACE_S`) or is terminated. A start under way ends first: the workers
+        still starting are killed (they owe no batch). Idempotent; removes every segment."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            procs = [p for p in self.procs if p is not None]
-            self.procs = [None] * self.num_workers
-            try:
-                self._stop(procs, SHUTDOWN_GRACE_S if grace is None else grace)
-            finally:
-                sweep(self.token + "-")
-                _POOLS.discard(self)
+            starter = self._starter
+            if starter is not None:
+                for p in self.procs:
+                    if p is not None and not p.ready and p.proc.is_alive():
+                        p.proc.kill()  # its pipe closes: the starter stops waiting for it
+        try:
+            if starter is not None and starter is not threading.current_thread():
+                starter.join()  # (a loader collected on the starter thread itself: not waited for)
+            with self._lock:
+                procs = [p for p in self.procs if p is not None]
+                self.procs = [None] * self.num_workers
+                self._starter = None
+            self._stop(procs, SHUTDOWN_GRACE_S if grace is None else grace)
+        finally:
+            sweep(self.token + "-")
+            _POOLS.discard(self)
+
+
+def _running(p: Proc | None) -> bool:
+    """Whether ``p`` is a worker that is up (or starting) and has not died."""
+    return p is not None and p.alive and p.proc.is_alive()
 
 
 _POOLS: weakref.WeakSet[WorkerPool] = weakref.WeakSet()

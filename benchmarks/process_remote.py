@@ -2,7 +2,7 @@
 same epoch with thread workers, on a moto S3 server on 127.0.0.1, in one run.
 
 Workload: a uint16 stream (``--mib`` MiB, 4 MiB objects), ``sequence_length=2048`` (4 KiB
-samples), ``local_batch_size=16``, ``num_workers=2``, ``prefetch=4``, each order below. Each
+samples), ``local_batch_size=16``, ``num_workers=2``, ``prefetch=4`` (``--prefetch``), each order below. Each
 measurement is a fresh loader in this process: a first epoch starts its workers (not timed), and
 the second, read from the store again, is timed whole, from ``iter()`` to its last batch, as
 every epoch after the first of a training run is. Threads and processes alternate ``--rounds``
@@ -43,12 +43,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def epoch(url: str, options: dict[str, Any], method: str, shuffle: bool) -> tuple[float, float, float, float]:
+def epoch(
+    url: str, options: dict[str, Any], method: str, shuffle: bool, prefetch: int
+) -> tuple[float, float, float, float]:
     """Seconds for a whole second epoch, its GETs per MiB read, and the CPU seconds it cost the
     main process and the worker processes."""
     storage = gl.open_stream(url, **options)
     loader = gl.StatefulDataLoader.from_storage(
-        storage, collate, sequence_length=2048, local_batch_size=16, num_workers=2, prefetch=4,
+        storage, collate, sequence_length=2048, local_batch_size=16, num_workers=2, prefetch=prefetch,
         parallel_method=method, shuffle=shuffle, shuffle_seed=0, device=torch.device("cpu"),  # type: ignore[arg-type]
     )  # fmt: skip
     with loader:
@@ -77,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=int, default=64, help="dataset size in MiB (default 64)")
     p.add_argument("--rounds", type=int, default=5, help="rounds of each, alternating (default 5)")
+    p.add_argument("--prefetch", type=int, default=4, help="batches prefetched (default 4)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "ds"
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
                 runs: dict[str, list[tuple[float, float, float, float]]] = {"thread": [], "process": []}
                 for _ in range(args.rounds):
                     for method in ("thread", "process"):
-                        runs[method].append(epoch("s3://bench/gl", options, method, shuffle))
+                        runs[method].append(epoch("s3://bench/gl", options, method, shuffle, args.prefetch))
                 base = statistics.median(r[0] for r in runs["thread"])
                 for method in ("thread", "process"):
                     s, g, main_cpu, workers_cpu = (

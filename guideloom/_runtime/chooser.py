@@ -9,7 +9,9 @@ loader's lifecycle keeps one per kind of worker, so what one epoch learnt holds 
 
 from __future__ import annotations
 
+import math
 import time
+from typing import NamedTuple
 
 __all__ = [
     "CHUNK_SECONDS",
@@ -22,6 +24,8 @@ __all__ = [
     "WARMUP_CALLS",
     "WORKERS_MARGIN",
     "Chooser",
+    "PinnedChooser",
+    "Verdict",
 ]
 
 #: The longest a choice between workers and inline collation stands before the other is probed again.
@@ -55,6 +59,21 @@ def _ratio(chunks: dict[bool, list[float]]) -> float:
     """The costlier mode's cheapest chunk over the other's."""
     cost = [min(c) for c in chunks.values()]
     return max(cost) / max(min(cost), 1e-12)
+
+
+class Verdict(NamedTuple):
+    """A chooser's last choice and the figures it was made on (what ``loader.stats()`` reports)."""
+
+    workers: bool
+    """Whether the workers were chosen (else the collate runs inline)."""
+    workers_seconds: float
+    """What a batch cost with the workers: the consumer's cycle (request to request, reads left
+    out); for a :meth:`Chooser.settle`, the time ``next()`` spent taking a batch off them."""
+    inline_seconds: float
+    """What a batch cost with the collate inline: the consumer's cycle; for a
+    :meth:`Chooser.settle`, the batch's read and collate as the workers timed it."""
+    made: int
+    """Choices made so far, this one included."""
 
 
 class Chooser:
@@ -104,6 +123,7 @@ class Chooser:
         self._until = 0.0
         self._interval = FIRST_REPROBE_SECONDS
         self._chosen: bool | None = None  # the last probe's verdict
+        self.verdict: Verdict | None = None  # the last choice and its figures
 
     def record(self, seconds: float, settled: bool) -> None:
         """One cycle of ``seconds`` in the current mode; ``settled``: the queue held only this
@@ -138,15 +158,17 @@ class Chooser:
             self._switch(self._plan.pop(0))
             return
         # Inline costs its cheaper chunk, the workers their dearer one (see the class docstring).
-        workers = max(self._chunks[True]) <= WORKERS_MARGIN * min(self._chunks[False])
-        self._choose(workers, clear=_ratio(self._chunks) > CLEAR)
+        costs = (max(self._chunks[True]), min(self._chunks[False]))
+        workers = costs[0] <= WORKERS_MARGIN * costs[1]
+        self._choose(workers, clear=_ratio(self._chunks) > CLEAR, costs=costs)
 
-    def settle(self, workers: bool) -> None:
+    def settle(self, workers: bool, costs: tuple[float, float] = (math.nan, math.nan)) -> None:
         """Choose ``workers`` now, a probe or not, and hold it as a clear choice: a measurement
-        beside the chunks showed the other mode cannot be the cheaper."""
-        self._choose(workers, clear=True)
+        beside the chunks (its ``costs``: the workers', inline's) showed the other mode cannot
+        be the cheaper."""
+        self._choose(workers, clear=True, costs=costs)
 
-    def _choose(self, workers: bool, clear: bool) -> None:
+    def _choose(self, workers: bool, clear: bool, costs: tuple[float, float] = (math.nan, math.nan)) -> None:
         """End the probe with ``workers``. A clear choice stands eight times longer; a close one,
         which a busy machine may have decided, is probed again soon. The next choice stands
         twice as long, or four times when this one confirmed the last: a verdict that probes
@@ -154,6 +176,7 @@ class Chooser:
         workers costs a pipeline refill, ~2% of a fresh loader's first second)."""
         confirmed = self._chosen is workers
         self._chosen = workers
+        self.verdict = Verdict(workers, *costs, 1 if self.verdict is None else self.verdict.made + 1)
         self._probing = False
         self._switch(workers)
         hold = min(REPROBE_SECONDS, (8 if clear else 1) * self._interval)
@@ -169,3 +192,20 @@ class Chooser:
         if workers != self.workers:
             self.workers = workers
             self._n, self._total, self._longest = -self._skips[workers], 0.0, 0.0
+
+
+class PinnedChooser(Chooser):
+    """A mode the user pinned (``collate_mode="workers"``): nothing is timed, nothing probed, no
+    verdict made."""
+
+    def __init__(self, workers: bool = True) -> None:
+        super().__init__(skip=0, chunk=1)
+        self.workers = workers
+        self._probing = False
+        self._until = math.inf
+
+    def record(self, seconds: float, settled: bool) -> None:
+        """Nothing to measure."""
+
+    def settle(self, workers: bool, costs: tuple[float, float] = (math.nan, math.nan)) -> None:
+        """The pinned mode stands."""

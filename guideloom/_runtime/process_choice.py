@@ -77,6 +77,8 @@ class ProcessChoiceRun:
         self._skip, self._chunk = limit, max(8, 2 * limit)  # for the workers' time in next()
         self._in_calls, self._in_total = 0, 0.0
         self._quiet = 0  # calls left before the clock is looked at again (inline, held)
+        #: Where the last delivery was collated: ``"processes"`` or ``"inline"`` (``stats()``).
+        self.place = "processes"
 
     @property
     def workers(self) -> bool:
@@ -89,6 +91,7 @@ class ProcessChoiceRun:
             self._quiet -= 1
             inline = self._inline
             assert inline is not None
+            self.place = "inline"
             return self._collated(inline, inline.next_raw())  # nothing timed
         now = time.perf_counter()
         chooser = self._chooser
@@ -106,12 +109,14 @@ class ProcessChoiceRun:
             elif run.paused:  # back before anything was made inline: the groups go on as sent
                 run.resume()
             self._settled = True
+            self.place = "processes"
             d = run.next()
             self._weigh(time.perf_counter() - now)
         elif run.pending:  # what the workers have been sent comes first
             run.paused = True
             self._settled = False
             self._in_calls, self._in_total = 0, 0.0
+            self.place = "processes"
             d = run.next()
         else:
             run.paused = True
@@ -144,9 +149,10 @@ class ProcessChoiceRun:
         self._in_calls, self._in_total = self._skip, 0.0
         work = self._run.session.work_per_batch
         if work is not None and mean >= work:
-            self._chooser.settle(False)
+            self._chooser.settle(False, (mean, work))
 
     def _from_inline(self, inline: InlinePipeline) -> Delivery | None:
+        self.place = "inline"
         reads = not inline.buffered()
         t0 = time.perf_counter()
         d = inline.next_raw()

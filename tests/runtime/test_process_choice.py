@@ -51,7 +51,7 @@ class Flip:
         # flips; else every call is timed (and flips)
         return time.perf_counter() + 100 if self.held else None
 
-    def settle(self, workers: bool) -> None:
+    def settle(self, workers: bool, costs: tuple[float, float] = (0.0, 0.0)) -> None:
         pass  # the flips alone decide
 
 
@@ -232,9 +232,9 @@ def test_a_collate_cheaper_than_its_transport_is_settled_inline_without_a_probe(
     settled: list[bool] = []
     real = choice.Chooser.settle
 
-    def spy(self: Any, workers: bool) -> None:
+    def spy(self: Any, workers: bool, costs: tuple[float, float]) -> None:
         settled.append(workers)
-        real(self, workers)
+        real(self, workers, costs)
 
     monkeypatch.setattr(choice.Chooser, "settle", spy)
     folder = tmp_path / "long"

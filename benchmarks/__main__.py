@@ -15,6 +15,7 @@
     python -m benchmarks process-remote            # process workers over object storage vs threads
     python -m benchmarks async-file-io             # async file reads: one thread hop a window vs aiofiles
     python -m benchmarks faults [--only WORD]      # the fault and bad-input trial's cases, as a group
+    python -m benchmarks worker-control [--hogs N] # collate_mode auto vs pinned, beside busy-loop processes
 
 `suite` runs in a venv of its own with the peers ($GUIDELOOM_BENCH_VENV, default
 $TMPDIR/guideloom-bench-venv): it creates it on first use and re-runs itself there. Nothing else
@@ -48,6 +49,7 @@ _PASSTHROUGH = {
     "process-remote": "benchmarks.process_remote",
     "async-file-io": "benchmarks.async_file_io",
     "faults": "benchmarks.faults",
+    "worker-control": "benchmarks.worker_control",
 }
 
 
@@ -134,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         "process-remote",
         "async-file-io",
         "faults",
+        "worker-control",
     ]
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__)

@@ -5,6 +5,13 @@ the collate (or the consumer's own step) leaves room for them. So the loader mea
 guessing: it times the consumer's cycle in each mode, keeps the cheaper, and probes the other
 again from time to time. A :class:`Chooser` holds those measurements and the verdict; the
 loader's lifecycle keeps one per kind of worker, so what one epoch learnt holds for the next.
+
+The workers are what the user asked for (``num_workers > 0``), so they are the default: the
+collate goes inline only when inline measures cheaper in every comparison of a probe (or, after
+a longer probe, by the medians), not when the two cannot be told apart. On a machine that other
+processes load, one chunk of calls can cost several times its neighbour in the same mode; a rule
+that needed the workers to win clearly would then keep a collate inline that the workers run
+half again as fast.
 """
 
 from __future__ import annotations
@@ -18,11 +25,14 @@ __all__ = [
     "CLEAR",
     "DECISIVE",
     "FIRST_REPROBE_SECONDS",
+    "INLINE_MARGIN",
+    "LONGEST_HOLD_SECONDS",
     "PAUSE_SHARE",
+    "PROBE_CHUNKS",
+    "PROBE_SHARE",
     "QUIET_CALLS",
     "REPROBE_SECONDS",
     "WARMUP_CALLS",
-    "WORKERS_MARGIN",
     "Chooser",
     "PinnedChooser",
     "Verdict",
@@ -41,10 +51,22 @@ FIRST_REPROBE_SECONDS = 0.02
 WARMUP_CALLS = 16
 #: The least time one chunk of calls in one mode is timed over.
 CHUNK_SECONDS = 0.001
-#: Workers are used only when the consumer's cycle takes at most this fraction of inline's.
-WORKERS_MARGIN = 0.9
-#: A probe ends early once one mode's chunk costs this many times the other's.
+#: The collate goes inline only when the consumer's cycle with it takes at most this fraction of
+#: the workers' (within it the two are as good as equal, and the workers were asked for).
+INLINE_MARGIN = 0.95
+#: A probe ends early once every chunk of one mode costs this many times every chunk of the other,
+#: the costlier mode timed twice (one chunk may be one burst of another process's load).
 DECISIVE = 2.0
+#: Chunks of each mode a probe takes at most: one whose A B B A chunks overlap goes on, the modes
+#: alternating, until one mode is cheaper in every comparison or this many are in hand.
+PROBE_CHUNKS = 3
+#: A choice stands at least this many times as long as the probe that made it took (beyond
+#: :data:`REPROBE_SECONDS` if need be, up to :data:`LONGEST_HOLD_SECONDS`): probes, half of whose
+#: chunks run the worse mode, then take a tenth of the time at most, however slow each call is
+#: (a loaded machine, a slow step).
+PROBE_SHARE = 0.1
+#: The longest a choice stands, however long its probe took.
+LONGEST_HOLD_SECONDS = 30.0
 #: While a choice of inline stands, ``next()`` looks at the clock once in this many calls.
 QUIET_CALLS = 32
 #: A chunk one of whose cycles took more than this share of its time is dropped, not compared
@@ -55,10 +77,10 @@ PAUSE_SHARE = 0.5
 CLEAR = 1.25
 
 
-def _ratio(chunks: dict[bool, list[float]]) -> float:
-    """The costlier mode's cheapest chunk over the other's."""
-    cost = [min(c) for c in chunks.values()]
-    return max(cost) / max(min(cost), 1e-12)
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 class Verdict(NamedTuple):
@@ -68,10 +90,11 @@ class Verdict(NamedTuple):
     """Whether the workers were chosen (else the collate runs inline)."""
     workers_seconds: float
     """What a batch cost with the workers: the consumer's cycle (request to request, reads left
-    out); for a :meth:`Chooser.settle`, the time ``next()`` spent taking a batch off them."""
+    out), the median of the probe's chunks; for a :meth:`Chooser.settle`, the CPU time ``next()``
+    spent taking a batch off them."""
     inline_seconds: float
-    """What a batch cost with the collate inline: the consumer's cycle; for a
-    :meth:`Chooser.settle`, the batch's read and collate as the workers timed it."""
+    """What a batch cost with the collate inline: the consumer's cycle, the median of the probe's
+    chunks; for a :meth:`Chooser.settle`, the batch's read and collate as the workers timed it."""
     made: int
     """Choices made so far, this one included."""
 
@@ -84,14 +107,15 @@ class Chooser:
     queue after a switch not counted, nor the time spent reading (the same in both modes). Each
     choice compares chunks in the order A, B, B, A (workers, inline, inline, workers at first,
     after :data:`WARMUP_CALLS`; later the chosen mode's last chunk, two of the other, one
-    more of the chosen), so a steady drift in speed weighs on both alike; inline costs its
-    cheaper chunk, so one preempted chunk does not decide, and the workers their dearer one (a
-    hand-off varies more from chunk to chunk, and the cheaper of two noisy chunks would flatter
-    it); a probe ends early once one mode costs :data:`DECISIVE` times the other. A chunk that
-    one long cycle dominates (:data:`PAUSE_SHARE`: the consumer paused) is dropped, once. The workers
-    are kept only if they cost at most :data:`WORKERS_MARGIN` of inline: a hand-off that brings
-    nothing measurable is not worth its threads. A first choice stands
-    :data:`FIRST_REPROBE_SECONDS` (eight times that when clear: the other mode :data:`CLEAR`
+    more of the chosen), so a steady drift in speed weighs on both alike. Inline is chosen when
+    each of its chunks costs at most :data:`INLINE_MARGIN` of each of the workers' chunks, the
+    workers when each of theirs costs less than each of inline's; chunks that overlap (a busy
+    machine, or two modes as good as equal) extend the probe, the modes alternating, up to
+    :data:`PROBE_CHUNKS` of each, and then inline is chosen only if its median chunk costs at most
+    :data:`INLINE_MARGIN` of the workers' median. A probe ends early once both chunks of one mode
+    cost :data:`DECISIVE` times every chunk of the other. A chunk that
+    one long cycle dominates (:data:`PAUSE_SHARE`: the consumer paused) is dropped, once. A first
+    choice stands :data:`FIRST_REPROBE_SECONDS` (eight times that when clear: the other mode :data:`CLEAR`
     times as costly), each later one twice as long as the one before (four times when it
     repeats the verdict before it; times eight when clear), up to :data:`REPROBE_SECONDS`, so
     that probes of the worse mode cost a few percent at most.
@@ -123,7 +147,10 @@ class Chooser:
         self._until = 0.0
         self._interval = FIRST_REPROBE_SECONDS
         self._chosen: bool | None = None  # the last probe's verdict
+        self._probe_started: float | None = None  # when the probe under way began
         self.verdict: Verdict | None = None  # the last choice and its figures
+        #: Whether the caller should time anything for it (a pinned mode needs nothing).
+        self.measures = True
 
     def record(self, seconds: float, settled: bool) -> None:
         """One cycle of ``seconds`` in the current mode; ``settled``: the queue held only this
@@ -137,30 +164,58 @@ class Chooser:
         self._longest = max(self._longest, seconds)
         if self._n < self._chunks_of[self.workers] or self._total < CHUNK_SECONDS:
             return
-        mode, mean = self.workers, self._total / self._n
-        paused = self._n > 2 and self._longest > PAUSE_SHARE * self._total and not self._dropped
+        mode, mean, total, longest = self.workers, self._total / self._n, self._total, self._longest
+        paused = self._n > 2 and longest > PAUSE_SHARE * total and not self._dropped
         self._n, self._total, self._longest = 0, 0.0, 0.0
         self._dropped = paused
+        now = time.perf_counter()
         if paused:  # the consumer paused (an evaluation, a checkpoint): that says nothing of the mode
+            # nor does it use up the choice's time, or count as the probe's
+            if not self._probing:
+                self._until += longest
+            elif self._probe_started is not None:
+                self._probe_started += longest
             return
         if not self._probing:
             self._last = mean
-            if time.perf_counter() >= self._until:  # probe the other: chosen, other, other, chosen
+            if now >= self._until:  # probe the other: chosen, other, other, chosen
                 self._probing = True
+                self._probe_started = now
                 self._chunks = {mode: [mean], not mode: []}
                 self._plan = [not mode, mode]
                 self._switch(not mode)
             return
+        if self._probe_started is None:  # the first probe: from its first chunk
+            self._probe_started = now - total
         self._chunks[mode].append(mean)
-        # Every chunk of the worse mode costs: once one mode is twice the costlier, no drift
-        # the rest of the A B B A order guards against could turn the choice round.
-        if self._plan and not (all(self._chunks.values()) and _ratio(self._chunks) > self._decisive):
-            self._switch(self._plan.pop(0))
+        verdict = self._weigh()
+        if verdict is None:
+            self._switch(self._plan.pop(0) if self._plan else not mode)
             return
-        # Inline costs its cheaper chunk, the workers their dearer one (see the class docstring).
-        costs = (max(self._chunks[True]), min(self._chunks[False]))
-        workers = costs[0] <= WORKERS_MARGIN * costs[1]
-        self._choose(workers, clear=_ratio(self._chunks) > CLEAR, costs=costs)
+        w, i = _median(self._chunks[True]), _median(self._chunks[False])
+        self._choose(verdict[0], clear=verdict[1], costs=(w, i))
+
+    def _weigh(self) -> tuple[bool, bool] | None:
+        """The probe's verdict so far, ``(workers, clear)``, or None to go on probing."""
+        w, i = self._chunks[True], self._chunks[False]
+        if not (w and i):
+            return None
+        if self._plan:  # the A B B A order under way: only a decisive gap ends it early
+            if len(i) > 1 and min(i) > self._decisive * max(w):
+                return True, True
+            if len(w) > 1 and min(w) > self._decisive * max(i):
+                return False, True
+            return None
+        # Every chunk of one mode cheaper than every chunk of the other: a drift or a burst of
+        # another process's load would have had to favour that mode in each comparison.
+        if max(i) <= INLINE_MARGIN * min(w):
+            return False, _median(w) > CLEAR * _median(i)
+        if max(w) < min(i):
+            return True, _median(i) > CLEAR * _median(w)
+        if len(w) < PROBE_CHUNKS or len(i) < PROBE_CHUNKS:
+            return None
+        # Still overlapping after the longer probe: the workers, unless inline's median is cheaper.
+        return _median(i) > INLINE_MARGIN * _median(w), False
 
     def settle(self, workers: bool, costs: tuple[float, float] = (math.nan, math.nan)) -> None:
         """Choose ``workers`` now, a probe or not, and hold it as a clear choice: a measurement
@@ -179,9 +234,13 @@ class Chooser:
         self.verdict = Verdict(workers, *costs, 1 if self.verdict is None else self.verdict.made + 1)
         self._probing = False
         self._switch(workers)
+        now = time.perf_counter()
         hold = min(REPROBE_SECONDS, (8 if clear else 1) * self._interval)
-        self._until = time.perf_counter() + hold
         self._interval = min(REPROBE_SECONDS, (4 if confirmed else 2) * hold)
+        if self._probe_started is not None:  # a tenth of the time in probes at most
+            hold = max(hold, min(LONGEST_HOLD_SECONDS, (now - self._probe_started) / PROBE_SHARE))
+            self._probe_started = None
+        self._until = now + hold
 
     def held_until(self) -> float | None:
         """Until when the current choice stands (no chunk need be timed before), or None while
@@ -201,6 +260,7 @@ class PinnedChooser(Chooser):
     def __init__(self, workers: bool = True) -> None:
         super().__init__(skip=0, chunk=1)
         self.workers = workers
+        self.measures = False
         self._probing = False
         self._until = math.inf
 

@@ -22,10 +22,11 @@ the main process's first reads fault in pages of the dataset that the workers ma
 passing cost that would otherwise keep a cheap collate on the workers.
 
 Two things keep the choice cheap for a collate cheaper than its transport. The workers report
-what a batch's read and collate cost them; once the main process spends as long in ``next()``
-per batch of the workers' (waiting for it, taking it in, mapping its slot) as the batch took
-them to make, making it inline cannot cost more, and inline is chosen at once, without waiting
-for the probe's chunks (which a busy machine makes noisy). And while a choice of inline stands,
+what a batch's read and collate cost them; once the main process spends as much CPU time in
+``next()`` per batch of the workers' (taking it in, mapping its slot) as the batch took them to
+make, making it inline cannot cost more, and inline is chosen at once, without waiting for the
+probe's chunks (which a busy machine makes noisy). CPU time, not wall time: waiting for workers
+that a loaded machine slows down is not a cost of their transport. And while a choice of inline stands,
 ``next()`` is the bare read and collate: it looks at the clock once every
 :data:`QUIET_CALLS` calls, and times nothing until the choice is due to be probed again.
 """
@@ -110,8 +111,12 @@ class ProcessChoiceRun:
                 run.resume()
             self._settled = True
             self.place = "processes"
-            d = run.next()
-            self._weigh(time.perf_counter() - now)
+            if chooser.measures:
+                c0 = time.thread_time()
+                d = run.next()
+                self._weigh(time.thread_time() - c0)
+            else:
+                d = run.next()
         elif run.pending:  # what the workers have been sent comes first
             run.paused = True
             self._settled = False
@@ -135,9 +140,11 @@ class ProcessChoiceRun:
         return d
 
     def _weigh(self, seconds: float) -> None:
-        """The workers' mode: ``seconds`` in ``next()`` for one of their batches (the calls that
-        refill their queue after a switch left out). Once that costs as much, per batch, as the
-        workers report a batch's read and collate costs them, inline is chosen."""
+        """The workers' mode: ``seconds`` of this thread's CPU time spent taking one of their
+        batches (the calls that refill their queue after a switch left out). Once that costs as
+        much, per batch, as the workers report a batch's read and collate costs them, inline is
+        chosen. CPU time, not the time ``next()`` took: that includes waiting for the workers,
+        which a loaded machine slows down (and would slow the batch made inline down too)."""
         self._in_calls += 1
         if self._in_calls <= self._skip:
             return

@@ -26,7 +26,7 @@ from guideloom._core.checkpoint import CheckpointState, restore_position
 from guideloom._core.checks import check_block_size, check_bool, check_int, check_optional_int
 from guideloom._core.order import DEFAULT_WINDOW
 from guideloom._core.plan import EpochPlan, num_batches
-from guideloom._datasets import DatasetAbstract, SourceT, dataset_for
+from guideloom._datasets import DatasetAbstract, SourceT, StreamDataset, dataset_for
 from guideloom._loader.arguments import check_device
 from guideloom._loader.figures import LoaderFigures, verdict_figures
 from guideloom._loader.iterators import AsyncIterator, SyncIterator, sync_iterator
@@ -242,12 +242,21 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
 
     def _check_size(self) -> None:
         n, g = len(self.dataset), self.global_batch_size
-        if n < g:
-            raise ValueError(
-                f"the dataset has {n} observations, fewer than one global batch of "
-                f"world_size * local_batch_size = {self.world_size} * {self.local_batch_size} = {g}; "
-                "use a smaller local_batch_size or a larger dataset"
-            )
+        if n >= g:
+            return
+        what = f"the dataset has {n} observations"
+        fix = "use a smaller local_batch_size or a larger dataset"
+        if isinstance(self.dataset, StreamDataset):  # the sequence length may be what is too large
+            elements, length = len(self.dataset.storage), self.dataset.sequence_length
+            what += f" (samples of sequence_length={length} from a stream of {elements} elements)"
+            if n == 0:
+                fix = f"use a sequence_length of at most {elements}"
+            else:
+                fix = "use a smaller local_batch_size or sequence_length, or a larger dataset"
+        raise ValueError(
+            f"{what}, fewer than one global batch of world_size * local_batch_size = "
+            f"{self.world_size} * {self.local_batch_size} = {g}; {fix}"
+        )
 
     def _check_arguments(self) -> None:
         """Refuse constructor arguments of the wrong type or range; a device given as a str or

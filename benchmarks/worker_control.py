@@ -80,7 +80,7 @@ class Step:
         self.a = torch.randn(256, 256)
         self.reps = 1
         best = min(_timed(self, None) for _ in range(20))
-        self.reps = max(1, round(ms / 1000 / best))
+        self.reps = max(1, round(ms / 1000 / best)) if ms > 0 else 0  # 0: a loop that only loads
 
     def __call__(self, batch: Any) -> None:
         for _ in range(self.reps):
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         "--warm", type=float, default=1.0, help="seconds each loader runs untimed first (default 1)"
     )
     ap.add_argument(
-        "--step-ms", type=float, default=1.0, help="the training step's torch work (default 1 ms)"
+        "--step-ms", type=float, default=1.0, help="the training step's torch work (default 1 ms; 0: none)"
     )
     ap.add_argument("--tokens", type=int, default=100_000_000, help="tokens in the dataset (default 100M)")
     args = ap.parse_args(argv)

@@ -7,10 +7,10 @@ again from time to time. A :class:`Chooser` holds those measurements and the ver
 loader's lifecycle keeps one per kind of worker, so what one epoch learnt holds for the next.
 
 The workers are what the user asked for (``num_workers > 0``), so they are the default: the
-collate goes inline only when inline measures cheaper in every comparison of a probe (or, after
-a longer probe, by the medians), not when the two cannot be told apart. On a machine that other
-processes load, one chunk of calls can cost several times its neighbour in the same mode; a rule
-that needed the workers to win clearly would then keep a collate inline that the workers run
+collate goes inline only when inline's mean cycle is at least 5% shorter, not when the two
+cannot be told apart. On a machine that other processes load, one chunk of calls can cost
+several times its neighbour in the same mode; a rule that needed the workers to win clearly
+(their dearest chunk against inline's cheapest) then kept inline a collate that the workers ran
 half again as fast.
 """
 
@@ -32,6 +32,7 @@ __all__ = [
     "PROBE_SHARE",
     "QUIET_CALLS",
     "REPROBE_SECONDS",
+    "STRETCH",
     "WARMUP_CALLS",
     "Chooser",
     "PinnedChooser",
@@ -51,15 +52,18 @@ FIRST_REPROBE_SECONDS = 0.02
 WARMUP_CALLS = 16
 #: The least time one chunk of calls in one mode is timed over.
 CHUNK_SECONDS = 0.001
-#: The collate goes inline only when the consumer's cycle with it takes at most this fraction of
-#: the workers' (within it the two are as good as equal, and the workers were asked for).
+#: The collate goes inline only when the consumer's mean cycle with it takes at most this fraction
+#: of the workers' (within it the two are as good as equal, and the workers were asked for).
 INLINE_MARGIN = 0.95
 #: A probe ends early once every chunk of one mode costs this many times every chunk of the other,
 #: the costlier mode timed twice (one chunk may be one burst of another process's load).
 DECISIVE = 2.0
 #: Chunks of each mode a probe takes at most: one whose A B B A chunks overlap goes on, the modes
-#: alternating, until one mode is cheaper in every comparison or this many are in hand.
+#: alternating, until every chunk of one mode is cheaper than the other's or this many are in hand.
 PROBE_CHUNKS = 3
+#: Chunks of a probe whose A B B A chunks overlap are this many times longer, in calls and in
+#: seconds: more of each mode's calls, and fewer switches, for the mean that decides.
+STRETCH = 4
 #: A choice stands at least this many times as long as the probe that made it took (beyond
 #: :data:`REPROBE_SECONDS` if need be, up to :data:`LONGEST_HOLD_SECONDS`): probes, half of whose
 #: chunks run the worse mode, then take a tenth of the time at most, however slow each call is
@@ -77,12 +81,6 @@ PAUSE_SHARE = 0.5
 CLEAR = 1.25
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 class Verdict(NamedTuple):
     """A chooser's last choice and the figures it was made on (what ``loader.stats()`` reports)."""
 
@@ -90,10 +88,10 @@ class Verdict(NamedTuple):
     """Whether the workers were chosen (else the collate runs inline)."""
     workers_seconds: float
     """What a batch cost with the workers: the consumer's cycle (request to request, reads left
-    out), the median of the probe's chunks; for a :meth:`Chooser.settle`, the CPU time ``next()``
+    out), the mean of the probe's chunks; for a :meth:`Chooser.settle`, the CPU time ``next()``
     spent taking a batch off them."""
     inline_seconds: float
-    """What a batch cost with the collate inline: the consumer's cycle, the median of the probe's
+    """What a batch cost with the collate inline: the consumer's cycle, the mean of the probe's
     chunks; for a :meth:`Chooser.settle`, the batch's read and collate as the workers timed it."""
     made: int
     """Choices made so far, this one included."""
@@ -107,13 +105,13 @@ class Chooser:
     queue after a switch not counted, nor the time spent reading (the same in both modes). Each
     choice compares chunks in the order A, B, B, A (workers, inline, inline, workers at first,
     after :data:`WARMUP_CALLS`; later the chosen mode's last chunk, two of the other, one
-    more of the chosen), so a steady drift in speed weighs on both alike. Inline is chosen when
-    each of its chunks costs at most :data:`INLINE_MARGIN` of each of the workers' chunks, the
-    workers when each of theirs costs less than each of inline's; chunks that overlap (a busy
-    machine, or two modes as good as equal) extend the probe, the modes alternating, up to
-    :data:`PROBE_CHUNKS` of each, and then inline is chosen only if its median chunk costs at most
-    :data:`INLINE_MARGIN` of the workers' median. A probe ends early once both chunks of one mode
-    cost :data:`DECISIVE` times every chunk of the other. A chunk that
+    more of the chosen), so a steady drift in speed weighs on both alike. When every chunk of
+    one mode is cheaper than every chunk of the other, the probe ends; when they overlap (a busy
+    machine, or two modes as good as equal) it goes on, the modes alternating, in chunks
+    :data:`STRETCH` times as long, up to :data:`PROBE_CHUNKS` of each. Then inline is chosen if
+    its mean cycle over the probe's calls costs at most :data:`INLINE_MARGIN` of the workers';
+    else the workers. A probe ends early once both
+    chunks of one mode cost :data:`DECISIVE` times every chunk of the other. A chunk that
     one long cycle dominates (:data:`PAUSE_SHARE`: the consumer paused) is dropped, once. A first
     choice stands :data:`FIRST_REPROBE_SECONDS` (eight times that when clear: the other mode :data:`CLEAR`
     times as costly), each later one twice as long as the one before (four times when it
@@ -138,6 +136,8 @@ class Chooser:
         self.workers = True
         self._plan = [False, False, True]  # after a first chunk of the workers, as asked for
         self._chunks: dict[bool, list[float]] = {True: [], False: []}  # mean seconds per call
+        self._pool = {True: (0.0, 0), False: (0.0, 0)}  # the probe's seconds and calls per mode
+        self._stretch = 1  # chunks of a probe gone on past A B B A are this many times longer
         self._last = 0.0  # the chosen mode's latest chunk
         self._probing = True
         self._n = -(skip + WARMUP_CALLS)
@@ -162,9 +162,11 @@ class Chooser:
             return
         self._total += seconds
         self._longest = max(self._longest, seconds)
-        if self._n < self._chunks_of[self.workers] or self._total < CHUNK_SECONDS:
+        stretch = self._stretch
+        if self._n < stretch * self._chunks_of[self.workers] or self._total < stretch * CHUNK_SECONDS:
             return
-        mode, mean, total, longest = self.workers, self._total / self._n, self._total, self._longest
+        mode, calls, total, longest = self.workers, self._n, self._total, self._longest
+        mean = total / calls
         paused = self._n > 2 and longest > PAUSE_SHARE * total and not self._dropped
         self._n, self._total, self._longest = 0, 0.0, 0.0
         self._dropped = paused
@@ -182,18 +184,27 @@ class Chooser:
                 self._probing = True
                 self._probe_started = now
                 self._chunks = {mode: [mean], not mode: []}
+                self._pool = {mode: (total, calls), not mode: (0.0, 0)}
                 self._plan = [not mode, mode]
                 self._switch(not mode)
             return
         if self._probe_started is None:  # the first probe: from its first chunk
             self._probe_started = now - total
         self._chunks[mode].append(mean)
+        pooled = self._pool[mode]
+        self._pool[mode] = (pooled[0] + total, pooled[1] + calls)
         verdict = self._weigh()
         if verdict is None:
+            if not self._plan:  # past A B B A: the chunks overlap, so time longer ones
+                self._stretch = STRETCH
             self._switch(self._plan.pop(0) if self._plan else not mode)
             return
-        w, i = _median(self._chunks[True]), _median(self._chunks[False])
-        self._choose(verdict[0], clear=verdict[1], costs=(w, i))
+        self._choose(verdict[0], clear=verdict[1], costs=(self._mean(True), self._mean(False)))
+
+    def _mean(self, workers: bool) -> float:
+        """The mean cycle of the probe's calls in one mode (its chunks weighed by their calls)."""
+        seconds, calls = self._pool[workers]
+        return seconds / calls if calls else math.nan
 
     def _weigh(self) -> tuple[bool, bool] | None:
         """The probe's verdict so far, ``(workers, clear)``, or None to go on probing."""
@@ -206,16 +217,14 @@ class Chooser:
             if len(w) > 1 and min(w) > self._decisive * max(i):
                 return False, True
             return None
-        # Every chunk of one mode cheaper than every chunk of the other: a drift or a burst of
-        # another process's load would have had to favour that mode in each comparison.
-        if max(i) <= INLINE_MARGIN * min(w):
-            return False, _median(w) > CLEAR * _median(i)
-        if max(w) < min(i):
-            return True, _median(i) > CLEAR * _median(w)
-        if len(w) < PROBE_CHUNKS or len(i) < PROBE_CHUNKS:
-            return None
-        # Still overlapping after the longer probe: the workers, unless inline's median is cheaper.
-        return _median(i) > INLINE_MARGIN * _median(w), False
+        # Compared by the mean cycle of all the probe's calls in each mode: a loaded machine
+        # preempts the consumer now and then, for milliseconds, and more often with the workers'
+        # threads running; a median would pick the chunks no preemption hit and miss that cost.
+        mw, mi = self._mean(True), self._mean(False)
+        separated = max(i) < min(w) or max(w) < min(i)
+        if not separated and (len(w) < PROBE_CHUNKS or len(i) < PROBE_CHUNKS):
+            return None  # chunks that overlap: time more of each
+        return mi > INLINE_MARGIN * mw, separated and max(mw, mi) > CLEAR * min(mw, mi)
 
     def settle(self, workers: bool, costs: tuple[float, float] = (math.nan, math.nan)) -> None:
         """Choose ``workers`` now, a probe or not, and hold it as a clear choice: a measurement
@@ -231,6 +240,7 @@ class Chooser:
         workers costs a pipeline refill, ~2% of a fresh loader's first second)."""
         confirmed = self._chosen is workers
         self._chosen = workers
+        self._stretch = 1
         self.verdict = Verdict(workers, *costs, 1 if self.verdict is None else self.verdict.made + 1)
         self._probing = False
         self._switch(workers)

@@ -242,6 +242,7 @@ def test_a_collate_cheaper_than_its_transport_is_settled_inline_without_a_probe(
 
     monkeypatch.setattr(choice.Chooser, "settle", spy)
     monkeypatch.setattr(pool_module, "_moving", lambda average, value: 1e-9)
+    monkeypatch.setattr(choice, "CPU_SAMPLE", 1.0)  # every batch timed, not one in 16 at random
     folder = tmp_path / "long"
     gl.write_stream(folder, np.arange(4000 * SEQ, dtype=np.int32), shard_bytes=200_000)
     with loader_for(folder, ids, shuffle=True, shuffle_seed=1, prefetch=4) as loader:

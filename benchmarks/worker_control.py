@@ -3,8 +3,8 @@
 Beside the loader, ``--hogs`` processes (one per CPU by default) each spin a busy loop, as other
 jobs on a shared machine do. For thread and process workers (``num_workers=2``, ``prefetch=4``)
 and three collates (a ~1 ms pure-Python loop that holds the GIL, a ~1 ms numpy collate that
-releases it, and the README's, ~30 us, cheaper than a hand-off), with a training step of ~1 ms
-of torch work (which releases the GIL), three loaders, ``collate_mode="auto"``, ``"workers"``
+releases it, and the README's, ~30 us, cheaper than a hand-off), with a training step of one ~1 ms
+matrix product (which releases the GIL), three loaders, ``collate_mode="auto"``, ``"workers"``
 and ``"inline"`` (which is ``num_workers=0``), are opened once, warmed, then timed in
 interleaved windows (a drift of the machine's load weighs on all three). The figure is steps/s;
 the target: auto at 0.95x or more of the better pinned mode, as the median over the rounds of
@@ -72,18 +72,25 @@ def _timed(fn: Callable[[Any], Any], arg: Any) -> float:
 
 
 class Step:
-    """The consumer's training step: matrix products on one torch thread (torch releases the
-    GIL meanwhile, as a real step's kernels do), calibrated to about ``ms`` milliseconds."""
+    """The consumer's training step: one matrix product on one torch thread, sized to take about
+    ``ms`` milliseconds; torch releases the GIL for all of it, as a step spent waiting on a GPU
+    does (many small products would hand the GIL back and forth with a collate thread instead)."""
 
     def __init__(self, ms: float) -> None:
         torch.set_num_threads(1)
-        self.a = torch.randn(256, 256)
-        self.reps = 1
-        best = min(_timed(self, None) for _ in range(20))
-        self.reps = max(1, round(ms / 1000 / best)) if ms > 0 else 0  # 0: a loop that only loads
+        self.a: torch.Tensor | None = None
+        if ms <= 0:  # a loop that only loads
+            return
+        n = 128
+        while True:
+            self.a = torch.randn(n, n)
+            best = min(_timed(self, None) for _ in range(5))
+            if best >= ms / 1000 or n >= 4096:
+                break
+            n = max(n + 16, int(n * min(2.0, (ms / 1000 / best) ** (1 / 3))))
 
     def __call__(self, batch: Any) -> None:
-        for _ in range(self.reps):
+        if self.a is not None:
             torch.mm(self.a, self.a)
 
 
@@ -194,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         "--warm", type=float, default=1.0, help="seconds each loader runs untimed first (default 1)"
     )
     ap.add_argument(
-        "--step-ms", type=float, default=1.0, help="the training step's torch work (default 1 ms; 0: none)"
+        "--step-ms", type=float, default=1.0, help="the step's matrix product (default 1 ms; 0: none)"
     )
     ap.add_argument("--tokens", type=int, default=100_000_000, help="tokens in the dataset (default 100M)")
     args = ap.parse_args(argv)
@@ -219,8 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         print(
             f"{os.cpu_count()} CPUs, {args.hogs} busy-loop processes beside the loader; num_workers=2, "
-            f"prefetch=4, batch {BATCH}x{SEQ}, step ~{args.step_ms:g} ms of torch work; steps/s, medians "
-            f"of {args.rounds} interleaved {args.seconds:g} s windows after {args.warm:g} s warm-up; "
+            f"prefetch=4, batch {BATCH}x{SEQ}, step: one ~{args.step_ms:g} ms matrix product; steps/s, "
+            f"medians of {args.rounds} interleaved {args.seconds:g} s windows after {args.warm:g} s warm-up; "
             "auto/best: median over the rounds of auto over the better pinned mode"
         )
         print(

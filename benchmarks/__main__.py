@@ -16,6 +16,8 @@
     python -m benchmarks async-file-io             # async file reads: one thread hop a window vs aiofiles
     python -m benchmarks faults [--only WORD]      # the fault and bad-input trial's cases, as a group
     python -m benchmarks worker-start [--rounds 3] # process workers' start and memory vs torch's DataLoader
+    python -m benchmarks worker-control [--hogs N] # collate_mode auto vs pinned, beside busy-loop processes
+    python -m benchmarks gpu [--quick]             # the device copy: GB/s, overlap with compute, correctness
 
 `suite` runs in a venv of its own with the peers ($GUIDELOOM_BENCH_VENV, default
 $TMPDIR/guideloom-bench-venv): it creates it on first use and re-runs itself there. Nothing else
@@ -50,6 +52,8 @@ _PASSTHROUGH = {
     "async-file-io": "benchmarks.async_file_io",
     "faults": "benchmarks.faults",
     "worker-start": "benchmarks.worker_start",
+    "worker-control": "benchmarks.worker_control",
+    "gpu": "benchmarks.gpu",
 }
 
 
@@ -137,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
         "async-file-io",
         "faults",
         "worker-start",
+        "worker-control",
+        "gpu",
     ]
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__)

@@ -26,9 +26,9 @@ from guideloom._core.checkpoint import CheckpointState, restore_position
 from guideloom._core.checks import check_block_size, check_bool, check_int, check_optional_int
 from guideloom._core.order import DEFAULT_WINDOW
 from guideloom._core.plan import EpochPlan, num_batches
-from guideloom._datasets import DatasetAbstract, SourceT, dataset_for
+from guideloom._datasets import DatasetAbstract, SourceT, StreamDataset, dataset_for
 from guideloom._loader.arguments import check_device
-from guideloom._loader.figures import LoaderFigures
+from guideloom._loader.figures import LoaderFigures, verdict_figures
 from guideloom._loader.iterators import AsyncIterator, SyncIterator, sync_iterator
 from guideloom._loader.lifecycle import Lifecycle
 from guideloom._loader.state import block_size, epoch_order, identity_to_restore, save_state, window
@@ -40,6 +40,9 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["StatefulDataLoader"]
+
+#: What ``collate_mode`` takes: measured, pinned to the workers, pinned inline.
+_COLLATE_MODES = ("auto", "workers", "inline")
 
 BatchT = TypeVar("BatchT")
 cBatchT = TypeVar("cBatchT")  # noqa: N816 - the name the reference page uses
@@ -83,6 +86,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
     shuffle_block_size: int | Literal["auto"] | None = None
     shuffle_window: int = DEFAULT_WINDOW
     persistent_workers: bool = True
+    collate_mode: Literal["auto", "workers", "inline"] = "auto"
 
     _ckpt: CheckpointState = field(default_factory=CheckpointState, init=False, repr=False)
     _life: Lifecycle = field(default_factory=Lifecycle, init=False, repr=False)
@@ -238,12 +242,21 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
 
     def _check_size(self) -> None:
         n, g = len(self.dataset), self.global_batch_size
-        if n < g:
-            raise ValueError(
-                f"the dataset has {n} observations, fewer than one global batch of "
-                f"world_size * local_batch_size = {self.world_size} * {self.local_batch_size} = {g}; "
-                "use a smaller local_batch_size or a larger dataset"
-            )
+        if n >= g:
+            return
+        what = f"the dataset has {n} observations"
+        fix = "use a smaller local_batch_size or a larger dataset"
+        if isinstance(self.dataset, StreamDataset):  # the sequence length may be what is too large
+            elements, length = len(self.dataset.storage), self.dataset.sequence_length
+            what += f" (samples of sequence_length={length} from a stream of {elements} elements)"
+            if n == 0:
+                fix = f"use a sequence_length of at most {elements}"
+            else:
+                fix = "use a smaller local_batch_size or sequence_length, or a larger dataset"
+        raise ValueError(
+            f"{what}, fewer than one global batch of world_size * local_batch_size = "
+            f"{self.world_size} * {self.local_batch_size} = {g}; {fix}"
+        )
 
     def _check_arguments(self) -> None:
         """Refuse constructor arguments of the wrong type or range; a device given as a str or
@@ -268,6 +281,13 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
             raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
         if self.parallel_method not in ("thread", "process"):
             raise ValueError(f"parallel_method must be 'thread' or 'process', got {self.parallel_method!r}")
+        if self.collate_mode not in _COLLATE_MODES:
+            raise ValueError(f"collate_mode must be 'auto', 'workers' or 'inline', got {self.collate_mode!r}")
+        if self.collate_mode == "workers" and self.num_workers == 0:
+            raise ValueError(
+                "collate_mode='workers' needs num_workers > 0 (at num_workers=0 there are no "
+                "workers to collate on)"
+            )
         for name in ("shuffle", "pin_memory", "drop_last", "persistent_workers"):
             setattr(self, name, check_bool(name, getattr(self, name)))
         self.shuffle_seed = check_optional_int("shuffle_seed", self.shuffle_seed)
@@ -277,7 +297,11 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
     def _epoch(self) -> PipelineConfig:
         """The pipeline of the next epoch, from the parameters and the position: what an
         iterator runs."""
-        if self.parallel_method == "process" and self.num_workers > 0:
+        # Pinned inline: batches made on request by the loader itself, as at num_workers=0 and
+        # prefetch=0; no worker is started.
+        inline = self.collate_mode == "inline"
+        num_workers, prefetch = (0, 0) if inline else (self.num_workers, self.prefetch)
+        if self.parallel_method == "process" and num_workers > 0:
             try:
                 pickle.dumps(self.collate_fn)
             except Exception as exc:
@@ -304,13 +328,13 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
             collate_fn=self.collate_fn,
             device=self.device,
             pin_memory=self.pin_memory,
-            num_workers=self.num_workers,
+            num_workers=num_workers,
             parallel_method=self.parallel_method,
-            prefetch=self.prefetch,
+            prefetch=prefetch,
             worker_pool=functools.partial(
                 self._life.worker_pool, self, self.dataset, self.collate_fn, self.num_workers
             )
-            if self.persistent_workers
+            if self.persistent_workers and not inline
             else None,
         )
 
@@ -351,10 +375,21 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         and ``epoch_bytes_read`` since the current epoch's first iterator started (read-ahead
         included), which is what an epoch costs. A mixture adds ``source_epoch/<name>``: the
         epoch each of its sources is in at the current position.
+
+        Where the delivered batches were collated: ``collated_inline`` (by the loader itself: in
+        your thread, or on its pipeline's loop at ``num_workers=0``), ``collated_threads`` (on
+        worker threads, and ``async for``'s collate thread at ``num_workers=0``) and
+        ``collated_processes``; they add up to ``batches``. Once the workers chooser of a sync
+        ``for`` (``collate_mode="auto"``) has chosen, its last verdict: ``chooser_workers`` (1 the
+        workers, 0 inline), the seconds a batch cost with the workers and inline as it measured
+        them (``chooser_workers_seconds``, ``chooser_inline_seconds``: your loop's cycle, reads
+        left out; NaN where not measured) and ``chooser_verdicts``, the choices made so far.
         """
         out = self._figures.report(self.dataset, epoch=self._ckpt.epoch, offset=self._ckpt.offset)
         out["shuffle_block_size"] = block_size(self)
         out["shuffle_window"] = window(self)
+        kind = "threads" if self.parallel_method == "thread" else "processes"
+        out.update(verdict_figures(self._life.verdict(kind)))
         return out
 
     # -- checkpoints ------------------------------------------------------------------------------

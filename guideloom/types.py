@@ -116,6 +116,12 @@ class LoaderOptions(TypedDict, total=False):
     persistent_workers: bool
     """Keep process workers running between iterators (epochs), until ``close()``. Default
     ``True``."""
+    collate_mode: Literal["auto", "workers", "inline"]
+    """Where a sync ``for`` over memory or local files runs ``collate_fn`` when ``num_workers > 0``.
+    ``"auto"``: measured, the workers kept only while they make your loop's cycle shorter (see
+    the docs' Workers page). ``"workers"``: always on the workers, as ``torch.utils.data.DataLoader``
+    does (needs ``num_workers > 0``). ``"inline"``: each batch read and collated when you ask for it,
+    as at ``num_workers=0`` and ``prefetch=0``; no worker is started. Default ``"auto"``."""
 
 
 class StoreOptions(TypedDict, total=False):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -13,7 +14,11 @@ from guideloom._cli._common import CLIError, add_count, format_count, require
 from guideloom._cli._inspect import open_dataset
 from guideloom.storage.base import DocumentStorageAbstract
 
-__all__ = ["add_parser", "collate_documents", "collate_stream"]
+__all__ = ["MIN_TIMED_BATCHES", "add_parser", "collate_documents", "collate_stream"]
+
+#: Batches after the first that a rate is measured over, at least: below that, a rate would be the
+#: time of one or two batches (timer noise, a page fault), not the loader's throughput.
+MIN_TIMED_BATCHES = 10
 
 EXAMPLES = """\
 examples:
@@ -75,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
 
     _manifest, storage = open_dataset(args.dataset)
     documents = isinstance(storage, DocumentStorageAbstract)
+    _check_sizes(args, storage, documents)
     try:
         device = torch.device(args.device)
     except RuntimeError as exc:
@@ -114,11 +120,16 @@ def run(args: argparse.Namespace) -> int:
     total = time.perf_counter() - started
     if batches == 0:
         raise CLIError(f"{args.dataset}: the loader delivered no batch")
-    # Rates after the first batch (startup is reported on its own), over all when there is one.
-    steady = batches > 1 and total > first
-    rate_time = total - first if steady else total
-    rate_samples = samples - first_samples if steady else samples
-    rate_tokens = tokens - first_tokens if steady else tokens
+    # Rates after the first batch (startup is reported on its own), over enough batches to mean
+    # something; fewer get no rate at all, and a warning saying what to change.
+    timed = batches - 1
+    rate_time = total - first
+    measured = timed >= MIN_TIMED_BATCHES and rate_time > 0
+    if measured:
+        samples_s = format_count((samples - first_samples) / rate_time) + " (after the first batch)"
+        tokens_s = format_count((tokens - first_tokens) / rate_time) + " (after the first batch)"
+    else:
+        samples_s = tokens_s = f"not measured: {timed} batch{'es' * (timed != 1)} after the first"
     kind = "documents" if documents else "stream"
     if not args.quiet:
         print(
@@ -132,11 +143,59 @@ def run(args: argparse.Namespace) -> int:
                     f"batches:              {batches:,} ({samples:,} samples, {tokens:,} tokens) "
                     f"in {total:.3f} s",
                     f"time to first batch:  {first * 1e3:.1f} ms",
-                    f"samples/s:            {format_count(rate_samples / rate_time)}"
-                    + (" (after the first batch)" if steady else ""),
-                    f"tokens/s:             {format_count(rate_tokens / rate_time)}"
-                    + (" (after the first batch)" if steady else ""),
+                    f"samples/s:            {samples_s}",
+                    f"tokens/s:             {tokens_s}",
                 ]
             )
         )
+        if not measured:
+            print(_too_few(args, batches, samples, documents), file=sys.stderr)
     return 0
+
+
+def _too_few(args: argparse.Namespace, batches: int, samples: int, documents: bool) -> str:
+    """The warning for a run too short to measure a rate: what to change."""
+    head = (
+        f"guideloom: warning: {batches} batch{'es' * (batches != 1)} in all, {batches - 1} after the "
+        f"first: too few to measure a rate (at least {MIN_TIMED_BATCHES} after the first are timed); "
+    )
+    if batches >= args.batches:  # stopped by --batches
+        return head + f"use --batches {MIN_TIMED_BATCHES + 1} or more"
+    # the epoch ended: the dataset has too few batches of this size
+    fits = samples // (MIN_TIMED_BATCHES + 1)
+    smaller = f"a --batch-size of at most {fits}" if fits >= 1 else "a smaller --batch-size"
+    if not documents:
+        smaller += " or a smaller --sequence-length"
+    return head + (
+        f"the dataset gives {batches} batch{'es' * (batches != 1)} of --batch-size {args.batch_size}: "
+        f"use {smaller}, "
+        "or a larger dataset"
+    )
+
+
+def _check_sizes(args: argparse.Namespace, storage: Any, documents: bool) -> None:
+    """Refuse sizes that leave no batch, naming the argument to change: a stream shorter than
+    one sample blames --sequence-length, fewer samples than a batch --batch-size."""
+    try:
+        n = len(storage)
+    except Exception:  # a storage that knows its length only once open: the loader checks then
+        return
+    if documents:
+        if n < args.batch_size:
+            raise CLIError(
+                f"{args.dataset}: {n:,} documents, fewer than one batch of --batch-size "
+                f"{args.batch_size}; use --batch-size {max(1, n)} or less"
+            )
+        return
+    samples = n // args.sequence_length
+    if samples == 0:
+        raise CLIError(
+            f"{args.dataset}: the stream holds {n:,} tokens, fewer than one sample of "
+            f"--sequence-length {args.sequence_length:,}; use a --sequence-length of at most {n:,}"
+        )
+    if samples < args.batch_size:
+        raise CLIError(
+            f"{args.dataset}: {n:,} tokens make {samples:,} samples of --sequence-length "
+            f"{args.sequence_length:,}, fewer than one batch of --batch-size {args.batch_size}; use "
+            f"--batch-size {samples} or less, or a smaller --sequence-length"
+        )

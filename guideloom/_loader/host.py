@@ -34,6 +34,8 @@ class Loader(Protocol[BatchT_co]):
     drop_last: bool
     shuffle_block_size: int | Literal["auto"] | None
     shuffle_window: int
+    #: Where a sync ``for`` with workers collates: measured (``"auto"``) or pinned.
+    collate_mode: Literal["auto", "workers", "inline"]
     _ckpt: CheckpointState
     _life: Lifecycle
     _figures: LoaderFigures

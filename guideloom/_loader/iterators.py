@@ -11,15 +11,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator as AsyncIteratorABC
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from guideloom._core.delivery import Delivery, for_the_consumer
 from guideloom._loader.lifecycle import wait_through_cancellation
 from guideloom._runtime.channel import Channel, EndOfStream
+from guideloom._runtime.chooser import Chooser, PinnedChooser
 from guideloom._runtime.config import PipelineConfig
 from guideloom._runtime.pipeline import Workers, run_pipeline
-from guideloom._runtime.runners import Runner, make_runner
+from guideloom._runtime.runners import Choosers, Runner, make_runner, workers_place
 from guideloom._runtime.workers import make_workers
 
 if TYPE_CHECKING:
@@ -55,13 +56,16 @@ class _IteratorBase(Generic[BatchT]):
         self._cfg = cfg
         self._expected = len(cfg.plan)
 
-    def _accept(self, d: Delivery, waited: float) -> BatchT:
+    def _accept(self, d: Delivery, waited: float, place: str) -> BatchT:
         self._figures.waited(waited)
         if d.error is not None:
-            raise for_the_consumer(d.error)
+            error = for_the_consumer(d.error)
+            if d.spec.size == 0:
+                _note_empty_batch(error, self._cfg)
+            raise error
         self._ckpt.offset = d.spec.offset_after
         self._delivered += 1
-        self._figures.delivered(d.spec.size)
+        self._figures.delivered(d.spec.size, place)
         value: BatchT = d.value
         return value
 
@@ -88,6 +92,32 @@ class _IteratorBase(Generic[BatchT]):
 
     async def close_async(self) -> None:
         raise NotImplementedError
+
+
+class _PinnedChoosers:
+    """The choosers of a loader whose ``collate_mode`` pins the workers: nothing is measured."""
+
+    def chooser(self, kind: str, make: Callable[[], Chooser], *, fresh: bool = False) -> Chooser:
+        return PinnedChooser(workers=True)
+
+
+_PINNED = _PinnedChoosers()
+
+
+def _note_empty_batch(error: BaseException, cfg: PipelineConfig) -> None:
+    """Say on ``error`` (raised making an empty batch) why the batch was empty and what to do:
+    a collate that cannot take ``[]`` otherwise fails with a message about reductions or
+    stacking that names no loader argument."""
+    plan = cfg.plan
+    note = (
+        f"guideloom: this batch was empty: collate_fn([]). With drop_last=False and "
+        f"world_size={plan.world_size}, a rank whose block lies past the end of the epoch's last, "
+        f"incomplete global batch (here rank {plan.rank}) gets an empty sample list, so that every "
+        "rank takes the same number of steps. Make collate_fn accept an empty list (return an "
+        "empty batch), or pass drop_last=True."
+    )
+    if note not in getattr(error, "__notes__", ()):
+        error.add_note(note)
 
 
 def sync_iterator(loader: Loader[BatchT]) -> SyncIterator[BatchT]:
@@ -120,11 +150,13 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
         self._configure(cfg)
         self._done = False
         try:
-            self._runner = runner = make_runner(cfg, loader._life)
+            choosers: Choosers = loader._life if loader.collate_mode == "auto" else _PINNED
+            self._runner = runner = make_runner(cfg, choosers)
         except BaseException:
             self.close()
             raise
         self._next = runner.next  # the hot path: no extra frame
+        self._running: Runner = runner
 
     def __iter__(self) -> SyncIterator[BatchT]:
         return self
@@ -150,7 +182,7 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
             raise StopIteration
         if d.error is not None:
             self._close_after_error()
-        return self._accept(d, waited)
+        return self._accept(d, waited, self._running.place)
 
     def _close_after_error(self) -> None:
         """Close, and shut the loader's process workers down too (a failed epoch leaves nothing
@@ -194,6 +226,7 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
         self._task: asyncio.Task[None] | None = None
         self._channel: Channel[Delivery] | None = None
         self._workers: Workers | None = None
+        self._where = "threads"  # where the collate runs (stats()): known once the epoch is planned
         self._done = False
 
     def __aiter__(self) -> AsyncIterator[BatchT]:
@@ -208,6 +241,7 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
             await loader.aopen()
             self._owns_open = True
         self._configure(loader._epoch())
+        self._where = workers_place(self._cfg, off_loop=True)
         loop = asyncio.get_running_loop()
         channel: Channel[Delivery] = Channel(loop, self._cfg.capacity)
         # The caller's loop serves other tasks: collate_fn never runs on it (one thread at
@@ -244,7 +278,7 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
             raise
         if d.error is not None:
             await self._aclose_after_error()
-        return self._accept(d, waited)
+        return self._accept(d, waited, self._where)
 
     async def _aclose_after_error(self) -> None:
         """As ``SyncIterator._close_after_error``: the process workers are shut down too."""

@@ -16,7 +16,7 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from guideloom._loop import LoopThread
-from guideloom._runtime.chooser import Chooser
+from guideloom._runtime.chooser import Chooser, Verdict
 from guideloom._runtime.pipeline import Workers
 from guideloom._runtime.processes import WorkerPool
 
@@ -146,15 +146,21 @@ class Lifecycle:
         self.pool: WorkerPool | None = None
         self._choosers: dict[str, Chooser] = {}
 
-    def chooser(self, kind: str, make: Callable[[], Chooser]) -> Chooser:
+    def chooser(self, kind: str, make: Callable[[], Chooser], *, fresh: bool = False) -> Chooser:
         """The loader's chooser of ``kind`` (``"threads"``, ``"processes"``): what one epoch
         learnt holds for the next, which starts in the mode the last one ended in. The process
-        workers' one goes with the pool it measured."""
+        workers' one goes with the pool it measured; ``fresh``: a new one (workers of the
+        iterator's own), kept only for :meth:`verdict`."""
         with self.lock:
             chooser = self._choosers.get(kind)
-            if chooser is None:
+            if chooser is None or fresh:
                 chooser = self._choosers[kind] = make()
             return chooser
+
+    def verdict(self, kind: str) -> Verdict | None:
+        """The last choice of the loader's chooser of ``kind`` (``stats()``), if it made one."""
+        chooser = self._choosers.get(kind)
+        return None if chooser is None else chooser.verdict
 
     def open(self, dataset: DatasetAbstract[Any], check: Callable[[], None]) -> None:
         """``loader.open()``: open the dataset reader, then ``check`` it (there is a global

@@ -5,23 +5,38 @@ the collate (or the consumer's own step) leaves room for them. So the loader mea
 guessing: it times the consumer's cycle in each mode, keeps the cheaper, and probes the other
 again from time to time. A :class:`Chooser` holds those measurements and the verdict; the
 loader's lifecycle keeps one per kind of worker, so what one epoch learnt holds for the next.
+
+The workers are what the user asked for (``num_workers > 0``), so they are the default: the
+collate goes inline only when inline's mean cycle is at least 5% shorter, not when the two
+cannot be told apart. On a machine that other processes load, one chunk of calls can cost
+several times its neighbour in the same mode; a rule that needed the workers to win clearly
+(their dearest chunk against inline's cheapest) then kept inline a collate that the workers ran
+half again as fast.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from typing import NamedTuple
 
 __all__ = [
     "CHUNK_SECONDS",
     "CLEAR",
     "DECISIVE",
     "FIRST_REPROBE_SECONDS",
+    "INLINE_MARGIN",
+    "LONGEST_HOLD_SECONDS",
     "PAUSE_SHARE",
+    "PROBE_CHUNKS",
+    "PROBE_SHARE",
     "QUIET_CALLS",
     "REPROBE_SECONDS",
+    "STRETCH",
     "WARMUP_CALLS",
-    "WORKERS_MARGIN",
     "Chooser",
+    "PinnedChooser",
+    "Verdict",
 ]
 
 #: The longest a choice between workers and inline collation stands before the other is probed again.
@@ -37,10 +52,25 @@ FIRST_REPROBE_SECONDS = 0.02
 WARMUP_CALLS = 16
 #: The least time one chunk of calls in one mode is timed over.
 CHUNK_SECONDS = 0.001
-#: Workers are used only when the consumer's cycle takes at most this fraction of inline's.
-WORKERS_MARGIN = 0.9
-#: A probe ends early once one mode's chunk costs this many times the other's.
+#: The collate goes inline only when the consumer's mean cycle with it takes at most this fraction
+#: of the workers' (within it the two are as good as equal, and the workers were asked for).
+INLINE_MARGIN = 0.95
+#: A probe ends early once every chunk of one mode costs this many times every chunk of the other,
+#: the costlier mode timed twice (one chunk may be one burst of another process's load).
 DECISIVE = 2.0
+#: Chunks of each mode a probe takes at most: one whose A B B A chunks overlap goes on, the modes
+#: alternating, until every chunk of one mode is cheaper than the other's or this many are in hand.
+PROBE_CHUNKS = 3
+#: Chunks of a probe whose A B B A chunks overlap are this many times longer, in calls and in
+#: seconds: more of each mode's calls, and fewer switches, for the mean that decides.
+STRETCH = 4
+#: A choice stands at least this many times as long as the probe that made it took (beyond
+#: :data:`REPROBE_SECONDS` if need be, up to :data:`LONGEST_HOLD_SECONDS`): probes, half of whose
+#: chunks run the worse mode, then take a tenth of the time at most, however slow each call is
+#: (a loaded machine, a slow step).
+PROBE_SHARE = 0.1
+#: The longest a choice stands, however long its probe took.
+LONGEST_HOLD_SECONDS = 30.0
 #: While a choice of inline stands, ``next()`` looks at the clock once in this many calls.
 QUIET_CALLS = 32
 #: A chunk one of whose cycles took more than this share of its time is dropped, not compared
@@ -51,10 +81,20 @@ PAUSE_SHARE = 0.5
 CLEAR = 1.25
 
 
-def _ratio(chunks: dict[bool, list[float]]) -> float:
-    """The costlier mode's cheapest chunk over the other's."""
-    cost = [min(c) for c in chunks.values()]
-    return max(cost) / max(min(cost), 1e-12)
+class Verdict(NamedTuple):
+    """A chooser's last choice and the figures it was made on (what ``loader.stats()`` reports)."""
+
+    workers: bool
+    """Whether the workers were chosen (else the collate runs inline)."""
+    workers_seconds: float
+    """What a batch cost with the workers: the consumer's cycle (request to request, reads left
+    out), the mean of the probe's chunks; for a :meth:`Chooser.settle`, the CPU time ``next()``
+    spent taking a batch off them."""
+    inline_seconds: float
+    """What a batch cost with the collate inline: the consumer's cycle, the mean of the probe's
+    chunks; for a :meth:`Chooser.settle`, the batch's read and collate as the workers timed it."""
+    made: int
+    """Choices made so far, this one included."""
 
 
 class Chooser:
@@ -65,14 +105,15 @@ class Chooser:
     queue after a switch not counted, nor the time spent reading (the same in both modes). Each
     choice compares chunks in the order A, B, B, A (workers, inline, inline, workers at first,
     after :data:`WARMUP_CALLS`; later the chosen mode's last chunk, two of the other, one
-    more of the chosen), so a steady drift in speed weighs on both alike; inline costs its
-    cheaper chunk, so one preempted chunk does not decide, and the workers their dearer one (a
-    hand-off varies more from chunk to chunk, and the cheaper of two noisy chunks would flatter
-    it); a probe ends early once one mode costs :data:`DECISIVE` times the other. A chunk that
-    one long cycle dominates (:data:`PAUSE_SHARE`: the consumer paused) is dropped, once. The workers
-    are kept only if they cost at most :data:`WORKERS_MARGIN` of inline: a hand-off that brings
-    nothing measurable is not worth its threads. A first choice stands
-    :data:`FIRST_REPROBE_SECONDS` (eight times that when clear: the other mode :data:`CLEAR`
+    more of the chosen), so a steady drift in speed weighs on both alike. When every chunk of
+    one mode is cheaper than every chunk of the other, the probe ends; when they overlap (a busy
+    machine, or two modes as good as equal) it goes on, the modes alternating, in chunks
+    :data:`STRETCH` times as long, up to :data:`PROBE_CHUNKS` of each. Then inline is chosen if
+    its mean cycle over the probe's calls costs at most :data:`INLINE_MARGIN` of the workers';
+    else the workers. A probe ends early once both
+    chunks of one mode cost :data:`DECISIVE` times every chunk of the other. A chunk that
+    one long cycle dominates (:data:`PAUSE_SHARE`: the consumer paused) is dropped, once. A first
+    choice stands :data:`FIRST_REPROBE_SECONDS` (eight times that when clear: the other mode :data:`CLEAR`
     times as costly), each later one twice as long as the one before (four times when it
     repeats the verdict before it; times eight when clear), up to :data:`REPROBE_SECONDS`, so
     that probes of the worse mode cost a few percent at most.
@@ -95,6 +136,8 @@ class Chooser:
         self.workers = True
         self._plan = [False, False, True]  # after a first chunk of the workers, as asked for
         self._chunks: dict[bool, list[float]] = {True: [], False: []}  # mean seconds per call
+        self._pool = {True: (0.0, 0), False: (0.0, 0)}  # the probe's seconds and calls per mode
+        self._stretch = 1  # chunks of a probe gone on past A B B A are this many times longer
         self._last = 0.0  # the chosen mode's latest chunk
         self._probing = True
         self._n = -(skip + WARMUP_CALLS)
@@ -104,6 +147,10 @@ class Chooser:
         self._until = 0.0
         self._interval = FIRST_REPROBE_SECONDS
         self._chosen: bool | None = None  # the last probe's verdict
+        self._probe_started: float | None = None  # when the probe under way began
+        self.verdict: Verdict | None = None  # the last choice and its figures
+        #: Whether the caller should time anything for it (a pinned mode needs nothing).
+        self.measures = True
 
     def record(self, seconds: float, settled: bool) -> None:
         """One cycle of ``seconds`` in the current mode; ``settled``: the queue held only this
@@ -115,38 +162,77 @@ class Chooser:
             return
         self._total += seconds
         self._longest = max(self._longest, seconds)
-        if self._n < self._chunks_of[self.workers] or self._total < CHUNK_SECONDS:
+        stretch = self._stretch
+        if self._n < stretch * self._chunks_of[self.workers] or self._total < stretch * CHUNK_SECONDS:
             return
-        mode, mean = self.workers, self._total / self._n
-        paused = self._n > 2 and self._longest > PAUSE_SHARE * self._total and not self._dropped
+        mode, calls, total, longest = self.workers, self._n, self._total, self._longest
+        mean = total / calls
+        paused = self._n > 2 and longest > PAUSE_SHARE * total and not self._dropped
         self._n, self._total, self._longest = 0, 0.0, 0.0
         self._dropped = paused
+        now = time.perf_counter()
         if paused:  # the consumer paused (an evaluation, a checkpoint): that says nothing of the mode
+            # nor does it use up the choice's time, or count as the probe's
+            if not self._probing:
+                self._until += longest
+            elif self._probe_started is not None:
+                self._probe_started += longest
             return
         if not self._probing:
             self._last = mean
-            if time.perf_counter() >= self._until:  # probe the other: chosen, other, other, chosen
+            if now >= self._until:  # probe the other: chosen, other, other, chosen
                 self._probing = True
+                self._probe_started = now
                 self._chunks = {mode: [mean], not mode: []}
+                self._pool = {mode: (total, calls), not mode: (0.0, 0)}
                 self._plan = [not mode, mode]
                 self._switch(not mode)
             return
+        if self._probe_started is None:  # the first probe: from its first chunk
+            self._probe_started = now - total
         self._chunks[mode].append(mean)
-        # Every chunk of the worse mode costs: once one mode is twice the costlier, no drift
-        # the rest of the A B B A order guards against could turn the choice round.
-        if self._plan and not (all(self._chunks.values()) and _ratio(self._chunks) > self._decisive):
-            self._switch(self._plan.pop(0))
+        pooled = self._pool[mode]
+        self._pool[mode] = (pooled[0] + total, pooled[1] + calls)
+        verdict = self._weigh()
+        if verdict is None:
+            if not self._plan:  # past A B B A: the chunks overlap, so time longer ones
+                self._stretch = STRETCH
+            self._switch(self._plan.pop(0) if self._plan else not mode)
             return
-        # Inline costs its cheaper chunk, the workers their dearer one (see the class docstring).
-        workers = max(self._chunks[True]) <= WORKERS_MARGIN * min(self._chunks[False])
-        self._choose(workers, clear=_ratio(self._chunks) > CLEAR)
+        self._choose(verdict[0], clear=verdict[1], costs=(self._mean(True), self._mean(False)))
 
-    def settle(self, workers: bool) -> None:
+    def _mean(self, workers: bool) -> float:
+        """The mean cycle of the probe's calls in one mode (its chunks weighed by their calls)."""
+        seconds, calls = self._pool[workers]
+        return seconds / calls if calls else math.nan
+
+    def _weigh(self) -> tuple[bool, bool] | None:
+        """The probe's verdict so far, ``(workers, clear)``, or None to go on probing."""
+        w, i = self._chunks[True], self._chunks[False]
+        if not (w and i):
+            return None
+        if self._plan:  # the A B B A order under way: only a decisive gap ends it early
+            if len(i) > 1 and min(i) > self._decisive * max(w):
+                return True, True
+            if len(w) > 1 and min(w) > self._decisive * max(i):
+                return False, True
+            return None
+        # Compared by the mean cycle of all the probe's calls in each mode: a loaded machine
+        # preempts the consumer now and then, for milliseconds, and more often with the workers'
+        # threads running; a median would pick the chunks no preemption hit and miss that cost.
+        mw, mi = self._mean(True), self._mean(False)
+        separated = max(i) < min(w) or max(w) < min(i)
+        if not separated and (len(w) < PROBE_CHUNKS or len(i) < PROBE_CHUNKS):
+            return None  # chunks that overlap: time more of each
+        return mi > INLINE_MARGIN * mw, separated and max(mw, mi) > CLEAR * min(mw, mi)
+
+    def settle(self, workers: bool, costs: tuple[float, float] = (math.nan, math.nan)) -> None:
         """Choose ``workers`` now, a probe or not, and hold it as a clear choice: a measurement
-        beside the chunks showed the other mode cannot be the cheaper."""
-        self._choose(workers, clear=True)
+        beside the chunks (its ``costs``: the workers', inline's) showed the other mode cannot
+        be the cheaper."""
+        self._choose(workers, clear=True, costs=costs)
 
-    def _choose(self, workers: bool, clear: bool) -> None:
+    def _choose(self, workers: bool, clear: bool, costs: tuple[float, float] = (math.nan, math.nan)) -> None:
         """End the probe with ``workers``. A clear choice stands eight times longer; a close one,
         which a busy machine may have decided, is probed again soon. The next choice stands
         twice as long, or four times when this one confirmed the last: a verdict that probes
@@ -154,11 +240,17 @@ class Chooser:
         workers costs a pipeline refill, ~2% of a fresh loader's first second)."""
         confirmed = self._chosen is workers
         self._chosen = workers
+        self._stretch = 1
+        self.verdict = Verdict(workers, *costs, 1 if self.verdict is None else self.verdict.made + 1)
         self._probing = False
         self._switch(workers)
+        now = time.perf_counter()
         hold = min(REPROBE_SECONDS, (8 if clear else 1) * self._interval)
-        self._until = time.perf_counter() + hold
         self._interval = min(REPROBE_SECONDS, (4 if confirmed else 2) * hold)
+        if self._probe_started is not None:  # a tenth of the time in probes at most
+            hold = max(hold, min(LONGEST_HOLD_SECONDS, (now - self._probe_started) / PROBE_SHARE))
+            self._probe_started = None
+        self._until = now + hold
 
     def held_until(self) -> float | None:
         """Until when the current choice stands (no chunk need be timed before), or None while
@@ -169,3 +261,21 @@ class Chooser:
         if workers != self.workers:
             self.workers = workers
             self._n, self._total, self._longest = -self._skips[workers], 0.0, 0.0
+
+
+class PinnedChooser(Chooser):
+    """A mode the user pinned (``collate_mode="workers"``): nothing is timed, nothing probed, no
+    verdict made."""
+
+    def __init__(self, workers: bool = True) -> None:
+        super().__init__(skip=0, chunk=1)
+        self.workers = workers
+        self.measures = False
+        self._probing = False
+        self._until = math.inf
+
+    def record(self, seconds: float, settled: bool) -> None:
+        """Nothing to measure."""
+
+    def settle(self, workers: bool, costs: tuple[float, float] = (math.nan, math.nan)) -> None:
+        """The pinned mode stands."""

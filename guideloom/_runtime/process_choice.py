@@ -22,16 +22,18 @@ the main process's first reads fault in pages of the dataset that the workers ma
 passing cost that would otherwise keep a cheap collate on the workers.
 
 Two things keep the choice cheap for a collate cheaper than its transport. The workers report
-what a batch's read and collate cost them; once the main process spends as long in ``next()``
-per batch of the workers' (waiting for it, taking it in, mapping its slot) as the batch took
-them to make, making it inline cannot cost more, and inline is chosen at once, without waiting
-for the probe's chunks (which a busy machine makes noisy). And while a choice of inline stands,
+what a batch's read and collate cost them; once the main process spends as much CPU time in
+``next()`` per batch of the workers' (taking it in, mapping its slot) as the batch took them to
+make, making it inline cannot cost more, and inline is chosen at once, without waiting for the
+probe's chunks (which a busy machine makes noisy). CPU time, not wall time: waiting for workers
+that a loaded machine slows down is not a cost of their transport. And while a choice of inline stands,
 ``next()`` is the bare read and collate: it looks at the clock once every
 :data:`QUIET_CALLS` calls, and times nothing until the choice is due to be probed again.
 """
 
 from __future__ import annotations
 
+import random
 import time
 
 from guideloom._core.delivery import Delivery, apply
@@ -40,7 +42,12 @@ from guideloom._runtime.config import PipelineConfig
 from guideloom._runtime.inline import InlinePipeline
 from guideloom._runtime.processes import SyncRun
 
-__all__ = ["PROCESS_DECISIVE", "ProcessChoiceRun", "process_chooser"]
+__all__ = ["CPU_SAMPLE", "PROCESS_DECISIVE", "ProcessChoiceRun", "process_chooser"]
+
+#: The share of the workers' batches whose taking is timed in CPU time: reading a thread's CPU
+#: clock is a system call, at which a loaded machine may switch to another thread (measured: a
+#: 13% slower loop when every batch was timed), where the wall clock is read without one.
+CPU_SAMPLE = 1 / 16
 
 #: A probe ends after one chunk of each mode once one costs this many times the other. Lower than
 #: the threads' :data:`~guideloom._runtime.chooser.DECISIVE`: process workers either clearly pay
@@ -75,8 +82,10 @@ class ProcessChoiceRun:
         self._read_per_batch = 0.0
         self._settled = False
         self._skip, self._chunk = limit, max(8, 2 * limit)  # for the workers' time in next()
-        self._in_calls, self._in_total = 0, 0.0
+        self._in_calls, self._in_sampled, self._in_total = 0, 0, 0.0
         self._quiet = 0  # calls left before the clock is looked at again (inline, held)
+        #: Where the last delivery was collated: ``"processes"`` or ``"inline"`` (``stats()``).
+        self.place = "processes"
 
     @property
     def workers(self) -> bool:
@@ -89,6 +98,7 @@ class ProcessChoiceRun:
             self._quiet -= 1
             inline = self._inline
             assert inline is not None
+            self.place = "inline"
             return self._collated(inline, inline.next_raw())  # nothing timed
         now = time.perf_counter()
         chooser = self._chooser
@@ -106,16 +116,23 @@ class ProcessChoiceRun:
             elif run.paused:  # back before anything was made inline: the groups go on as sent
                 run.resume()
             self._settled = True
-            d = run.next()
-            self._weigh(time.perf_counter() - now)
+            self.place = "processes"
+            self._in_calls += 1
+            if chooser.measures and self._in_calls > self._skip and random.random() < CPU_SAMPLE:
+                c0 = time.thread_time()
+                d = run.next()
+                self._weigh(time.thread_time() - c0)
+            else:
+                d = run.next()
         elif run.pending:  # what the workers have been sent comes first
             run.paused = True
             self._settled = False
-            self._in_calls, self._in_total = 0, 0.0
+            self._in_calls, self._in_sampled, self._in_total = 0, 0, 0.0
+            self.place = "processes"
             d = run.next()
         else:
             run.paused = True
-            self._in_calls, self._in_total = 0, 0.0
+            self._in_calls, self._in_sampled, self._in_total = 0, 0, 0.0
             if inline is None:  # a switch's one-off cost, not timed (as the workers' refill is not)
                 t0 = time.perf_counter()
                 inline = self._inline = InlinePipeline(self._cfg, first_step=self._next_step)
@@ -130,23 +147,24 @@ class ProcessChoiceRun:
         return d
 
     def _weigh(self, seconds: float) -> None:
-        """The workers' mode: ``seconds`` in ``next()`` for one of their batches (the calls that
-        refill their queue after a switch left out). Once that costs as much, per batch, as the
-        workers report a batch's read and collate costs them, inline is chosen."""
-        self._in_calls += 1
-        if self._in_calls <= self._skip:
-            return
+        """The workers' mode: ``seconds`` of this thread's CPU time spent taking one of their
+        batches (one call in about 1 / :data:`CPU_SAMPLE`, the calls that refill their queue
+        after a switch left out). Once that costs as much, per batch, as the workers report a
+        batch's read and collate costs them, inline is chosen. CPU time, not the time ``next()``
+        took: that includes waiting for the workers, which a loaded machine slows down (and
+        would slow the batch made inline down too)."""
+        self._in_sampled += 1
         self._in_total += seconds
-        counted = self._in_calls - self._skip
-        if counted < self._chunk or self._in_total < CHUNK_SECONDS:
+        if self._in_sampled < self._chunk or self._in_total < CHUNK_SECONDS:
             return
-        mean = self._in_total / counted
-        self._in_calls, self._in_total = self._skip, 0.0
+        mean = self._in_total / self._in_sampled
+        self._in_sampled, self._in_total = 0, 0.0
         work = self._run.session.work_per_batch
         if work is not None and mean >= work:
-            self._chooser.settle(False)
+            self._chooser.settle(False, (mean, work))
 
     def _from_inline(self, inline: InlinePipeline) -> Delivery | None:
+        self.place = "inline"
         reads = not inline.buffered()
         t0 = time.perf_counter()
         d = inline.next_raw()

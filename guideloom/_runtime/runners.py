@@ -54,11 +54,18 @@ __all__ = [
     "Runner",
     "ThreadRunner",
     "make_runner",
+    "workers_place",
 ]
 
 
 class Runner(Protocol):
     """One epoch run for a sync ``for``: deliveries one at a time, then ``None``."""
+
+    @property
+    def place(self) -> str:
+        """Where the last delivery was collated: ``"inline"`` (no worker: the caller's thread or
+        the pipeline's own loop), ``"threads"`` or ``"processes"``."""
+        ...
 
     def next(self) -> Delivery | None:
         """The next delivery in plan order; ``None`` at the end, or once :meth:`close` ran."""
@@ -70,8 +77,9 @@ class Runner(Protocol):
 class Choosers(Protocol):
     """Where a runner finds the chooser that outlives its epoch (the loader's lifecycle)."""
 
-    def chooser(self, kind: str, make: Callable[[], Chooser]) -> Chooser:
-        """The chooser of ``kind``, made by ``make`` the first time."""
+    def chooser(self, kind: str, make: Callable[[], Chooser], *, fresh: bool = False) -> Chooser:
+        """The chooser of ``kind``, made by ``make`` the first time (every time if ``fresh``:
+        for workers of this iterator's own, measured afresh)."""
 
 
 def _event_loop_running_here() -> bool:
@@ -82,11 +90,26 @@ def _event_loop_running_here() -> bool:
     return True
 
 
+def workers_place(cfg: PipelineConfig, *, off_loop: bool = False) -> str:
+    """Where the pipeline's workers for ``cfg`` collate (:attr:`Runner.place`): ``"inline"``
+    at ``num_workers=0`` (on the pipeline's loop), unless ``off_loop`` (``async for``: one
+    collate thread)."""
+    if cfg.num_workers == 0:
+        return "threads" if off_loop else "inline"
+    return "threads" if cfg.parallel_method == "thread" else "processes"
+
+
+class InlineRunner(InlinePipeline):
+    """:class:`~guideloom._runtime.inline.InlinePipeline` as a runner: every batch inline."""
+
+    place = "inline"
+
+
 def make_runner(cfg: PipelineConfig, choosers: Choosers) -> Runner:
     """The runner for ``cfg``'s epoch (see the module docstring for which and why)."""
     reads_inline = cfg.dataset.reads_inline
     if cfg.capacity == 0 and reads_inline:
-        return InlinePipeline(cfg)
+        return InlineRunner(cfg)
     if cfg.num_workers > 0 and cfg.parallel_method == "thread" and reads_inline:
         return ThreadRunner(cfg, choosers.chooser("threads", functools.partial(thread_chooser, cfg.capacity)))
     if cfg.num_workers > 0 and cfg.parallel_method == "process" and reads_inline and cfg.device.type == "cpu":
@@ -105,6 +128,10 @@ class ThreadRunner:
         self._closed = False
         self._executor = CollateThreads(cfg.num_workers)
         self._pipe = ThreadWorkerPipeline(cfg, self._executor, chooser)
+
+    @property
+    def place(self) -> str:
+        return self._pipe.place
 
     def next(self) -> Delivery | None:
         d = self._pipe.next()
@@ -134,7 +161,7 @@ class ProcessRunner:
         # The loader's persistent workers keep their chooser from epoch to epoch; a pool of this
         # iterator's own starts afresh, as its workers do.
         make = functools.partial(process_chooser, cfg.capacity)
-        self._chooser = choosers.chooser("processes", make) if cfg.worker_pool is not None else make()
+        self._chooser = choosers.chooser("processes", make, fresh=cfg.worker_pool is None)
         self._choice: ProcessChoiceRun | None = None  # once the workers are up
         self._starting: InlinePipeline | None = None  # the batches made while they start
         self._next_step = 0  # the step after the last batch made so
@@ -147,6 +174,11 @@ class ProcessRunner:
             self._starting = InlinePipeline(cfg)
         else:
             self._choice = ProcessChoiceRun(cfg, self._run, self._chooser)
+
+    @property
+    def place(self) -> str:
+        # while the workers start, the batches are collated here
+        return "inline" if self._choice is None else self._choice.place
 
     def next(self) -> Delivery | None:
         choice = self._choice
@@ -188,6 +220,8 @@ class ProcessRunner:
 class CallerLoopRunner:
     """The pipeline on a private asyncio loop that ``next()`` drives in the caller's thread
     (plain asyncio, whose ``run_until_complete`` costs half of uvloop's)."""
+
+    place = "inline"  # num_workers=0: the collate runs on the loop, in the caller's thread
 
     def __init__(self, cfg: PipelineConfig) -> None:
         self._cfg = cfg
@@ -264,6 +298,7 @@ class LoopThreadRunner:
     iterators)."""
 
     def __init__(self, cfg: PipelineConfig) -> None:
+        self.place = workers_place(cfg)
         self._finished = threading.Event()
         self._future: concurrent.futures.Future[None] | None = None
         self._workers: Workers | None = None

@@ -65,6 +65,8 @@ class ThreadWorkerPipeline:
         self._settled = False
         self._chooser = chooser or thread_chooser(cfg.capacity)
         self._quiet = 0  # calls left before the clock is looked at again (inline, held)
+        #: Where the last delivery was collated: ``"threads"`` or ``"inline"`` (``stats()``).
+        self.place = "threads"
 
     def next(self) -> Delivery | None:
         """The next batch in plan order (or the error in its place); ``None`` at the end."""
@@ -91,6 +93,7 @@ class ThreadWorkerPipeline:
         return self._inline()
 
     def _inline(self) -> Delivery | None:
+        self.place = "inline"
         if self._ended:
             self._quiet = 0
             return None
@@ -133,6 +136,7 @@ class ThreadWorkerPipeline:
         return self._executor.submit(apply_group, self._steps, batches)
 
     def _take(self) -> Delivery:
+        self.place = "threads"
         groups = self._groups
         fut = groups.head_future()
         if fut is not None:

@@ -152,6 +152,41 @@ def test_bench_too_small_dataset_is_a_data_error(cli, tmp_path: Path) -> None:
     assert r.code == 1 and "guideloom: error:" in r.err
 
 
+def test_bench_blames_the_sequence_length_or_the_batch_size(cli, stream_ds: Path) -> None:
+    """No batch at all: the message names the argument that is too large."""
+    tokens = manifest_of(stream_ds)["num_elements"]
+    r = cli("bench", stream_ds, "--sequence-length", str(tokens + 1))
+    assert r.code == 1, r
+    assert f"fewer than one sample of --sequence-length {tokens + 1:,}" in r.err
+    assert f"use a --sequence-length of at most {tokens:,}" in r.err and "batch-size" not in r.err
+    samples = tokens // 64
+    r = cli("bench", stream_ds, "--sequence-length", "64", "--batch-size", str(samples + 1))
+    assert r.code == 1, r
+    assert f"{samples:,} samples of --sequence-length 64, fewer than one batch of --batch-size" in r.err
+    assert f"use --batch-size {samples} or less" in r.err
+
+
+def test_bench_does_not_report_a_rate_it_cannot_measure(cli, stream_ds: Path, docs_ds: Path) -> None:
+    """Too few batches after the first: no samples/s, and a warning saying what to change."""
+    tokens = manifest_of(stream_ds)["num_elements"]
+    batch = tokens // 64 // 3  # three batches in the epoch
+    r = cli("bench", stream_ds, "--sequence-length", "64", "--batch-size", str(batch))
+    assert r.code == 0, r
+    assert "samples/s:            not measured: 2 batches after the first" in r.out
+    assert "too few to measure a rate" in r.err
+    assert f"use a --batch-size of at most {3 * batch // 11}" in r.err and "--sequence-length" in r.err
+    r = cli("bench", stream_ds, "--sequence-length", "64", "--batch-size", "2", "--batches", "4")
+    assert r.code == 0 and "not measured: 3 batches after the first" in r.out
+    assert "use --batches 11 or more" in r.err
+    r = cli("bench", docs_ds, "--batch-size", "50")  # 200 documents: 4 batches
+    assert "not measured" in r.out and "sequence-length" not in r.err
+    r = cli("bench", stream_ds, "--sequence-length", "64", "--batch-size", "2", "--batches", "4", "-q")
+    assert r.code == 0 and r.out == r.err == ""
+    r = cli("bench", stream_ds, "--sequence-length", "64", "--batch-size", "2", "--batches", "12")
+    assert "samples/s:            not measured" not in r.out and "(after the first batch)" in r.out
+    assert r.err == ""
+
+
 def test_collate_functions() -> None:
     from guideloom._cli._bench import collate_documents, collate_stream
 

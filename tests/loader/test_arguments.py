@@ -109,3 +109,16 @@ def test_numpy_integers_are_accepted_everywhere() -> None:
 def test_cuda_device_without_cuda_is_refused_at_construction() -> None:
     with pytest.raises(ValueError, match="CUDA is not available"):
         make(identity_stream(100), device="cuda")
+
+
+def test_a_stream_too_short_for_one_sample_blames_the_sequence_length() -> None:
+    loader = StatefulDataLoader.from_storage(identity_stream(10), stack_collate, sequence_length=100)
+    with pytest.raises(
+        ValueError, match=r"from a stream of 40 elements.*use a sequence_length of at most 40"
+    ):
+        loader.open()
+    loader = StatefulDataLoader.from_storage(
+        identity_stream(10), stack_collate, sequence_length=4, local_batch_size=20
+    )
+    with pytest.raises(ValueError, match="use a smaller local_batch_size or sequence_length"):
+        loader.open()

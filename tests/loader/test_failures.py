@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
+import guideloom as gl
 from tests.support.data import Boom, FailingStorage, identity_stream
 from tests.support.loader import flat, make, take
 
@@ -115,3 +118,66 @@ def test_exception_group_free_errors_in_async() -> None:
         assert got == [[0, 1, 2, 3, 4]]
 
     asyncio.run(main())
+
+
+def stack_nonempty(samples: Sequence[np.ndarray]) -> torch.Tensor:
+    """A collate that cannot take an empty list (``torch.stack([])`` raises)."""
+    return torch.stack([torch.from_numpy(np.asarray(s)) for s in samples])
+
+
+_EMPTY_BATCH_MODES = [
+    {},
+    {"prefetch": 4},
+    {"num_workers": 2, "collate_mode": "workers"},
+    {"num_workers": 2, "collate_mode": "inline"},
+    {"num_workers": 2, "parallel_method": "process", "collate_mode": "workers"},
+]
+
+
+def _trailing_rank(workers: dict[str, object]) -> gl.StatefulDataLoader[Any, Any]:
+    """Rank 1 of 4, 10 samples, batches of 2, drop_last=False: its second batch is empty."""
+    return make(
+        identity_stream(10), collate=stack_nonempty, local_batch_size=2, world_size=4, rank=1,
+        drop_last=False, **workers,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("workers", _EMPTY_BATCH_MODES)
+def test_a_collate_failing_on_an_empty_batch_says_why_the_batch_was_empty(workers: dict[str, object]) -> None:
+    loader = _trailing_rank(workers)
+    with loader:
+        it = iter(loader)
+        assert next(it).tolist() == [[8, 9, 10, 11], [12, 13, 14, 15]]
+        with pytest.raises(RuntimeError, match="non-empty TensorList") as info:
+            next(it)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "this batch was empty" in notes and "world_size=4" in notes and "rank 1" in notes
+    assert "accept an empty list" in notes and "drop_last=True" in notes
+
+
+@pytest.mark.parametrize(
+    "workers", [{}, {"num_workers": 2}, {"num_workers": 2, "parallel_method": "process"}]
+)
+def test_the_empty_batch_note_under_async_for(workers: dict[str, object]) -> None:
+    loader = _trailing_rank(workers)
+
+    async def run() -> BaseException:
+        async with loader:
+            with pytest.raises(RuntimeError, match="non-empty TensorList") as info:
+                async for _ in loader:
+                    pass
+        return info.value
+
+    notes = getattr(asyncio.run(run()), "__notes__", [])
+    assert len(notes) == 1 and "this batch was empty" in notes[0]
+
+
+def test_a_failure_of_a_batch_with_samples_gets_no_note() -> None:
+    def fails(samples: Sequence[np.ndarray]) -> None:
+        raise Boom("not about emptiness")
+
+    loader = make(identity_stream(10), collate=fails, local_batch_size=2, world_size=4, rank=1,
+                  drop_last=False)  # fmt: skip
+    with loader, pytest.raises(Boom) as info:
+        take(loader)
+    assert not getattr(info.value, "__notes__", [])

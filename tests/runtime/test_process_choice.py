@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import guideloom as gl
 import guideloom._runtime.process_choice as choice
+import guideloom._runtime.processes.pool as pool_module
 from guideloom._runtime.runners import ProcessRunner
 from tests.support.loader import take
 from tests.support.processes import (
@@ -37,6 +38,8 @@ class Flip:
     """A chooser that switches between the workers and inline every ``every`` settled calls
     (inline: once the groups the workers had been sent are delivered)."""
 
+    measures = True  # the workers' CPU time per batch is weighed (and settle() ignored)
+
     def __init__(self, every: int, workers: bool = True, held: bool = False) -> None:
         self.every, self.calls, self.workers, self.held = every, 0, workers, held
 
@@ -52,7 +55,7 @@ class Flip:
         # flips; else every call is timed (and flips)
         return time.perf_counter() + 100 if self.held else None
 
-    def settle(self, workers: bool) -> None:
+    def settle(self, workers: bool, costs: tuple[float, float] = (0.0, 0.0)) -> None:
         pass  # the flips alone decide
 
 
@@ -229,23 +232,28 @@ def test_a_collate_cheaper_than_its_transport_is_settled_inline_without_a_probe(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The workers report a batch's read and collate cost; once the main process spends at least
-    that long in next() per batch of theirs, inline is chosen at once (Chooser.settle) and held."""
-    settled: list[bool] = []
+    that much CPU time in next() per batch of theirs, inline is chosen at once (Chooser.settle),
+    with those two figures as the verdict's, and held. Here the workers' reports are made tiny."""
+    settled: list[tuple[bool, tuple[float, float]]] = []
     real = choice.Chooser.settle
 
-    def spy(self: Any, workers: bool) -> None:
-        settled.append(workers)
-        real(self, workers)
+    def spy(self: Any, workers: bool, costs: tuple[float, float]) -> None:
+        settled.append((workers, costs))
+        real(self, workers, costs)
 
     monkeypatch.setattr(choice.Chooser, "settle", spy)
+    monkeypatch.setattr(pool_module, "_moving", lambda average, value: 1e-9)
+    monkeypatch.setattr(choice, "CPU_SAMPLE", 1.0)  # every batch timed, not one in 16 at random
     folder = tmp_path / "long"
     gl.write_stream(folder, np.arange(4000 * SEQ, dtype=np.int32), shard_bytes=200_000)
     with loader_for(folder, ids, shuffle=True, shuffle_seed=1, prefetch=4) as loader:
         it = iter(loader)
         assert isinstance(it._runner, ProcessRunner) and it._runner._choice is not None
-        session = it._runner._choice._run.session
         n = sum(1 for _ in it)
-        assert session.work_per_batch is not None and session.work_per_batch > 0
         del it
-    assert n > 0 and settled and not any(settled)
+        stats = loader.stats()
+    assert n > 0 and settled and not any(workers for workers, _ in settled)
+    cpu, work = settled[0][1]
+    assert cpu >= work == 1e-9
+    assert stats["chooser_verdicts"] >= len(settled)  # later probes may have chosen since
     assert worker_pids() == set()

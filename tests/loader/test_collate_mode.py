@@ -1,0 +1,167 @@
+"""``collate_mode``: the workers' collate measured (``"auto"``) or pinned (``"workers"``,
+``"inline"``), the same batches either way, and ``stats()`` saying where batches were collated
+and what the chooser last chose."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from guideloom._runtime.runners import ProcessRunner, ThreadRunner
+from tests.support.data import identity_stream
+from tests.support.loader import guideloom_threads, make, take
+from tests.support.processes import worker_pids
+
+pytestmark = pytest.mark.usefixtures("no_thread_leak")
+
+PLACES = ("collated_inline", "collated_threads", "collated_processes")
+
+
+def where(samples: Sequence[np.ndarray]) -> dict[str, Any]:
+    """The batch's ids, and the process and thread that collated it."""
+    return {
+        "ids": [int(s[0]) // 4 for s in samples],
+        "pid": os.getpid(),
+        "thread": threading.current_thread().name,
+    }
+
+
+def ids_of(batches: list[dict[str, Any]]) -> list[list[int]]:
+    return [b["ids"] for b in batches]
+
+
+def places(stats: dict[str, float]) -> tuple[float, ...]:
+    return tuple(stats[k] for k in PLACES)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"collate_mode": "threads"}, "collate_mode must be 'auto', 'workers' or 'inline'"),
+        ({"collate_mode": None}, "collate_mode must be"),
+        ({"collate_mode": "workers"}, r"collate_mode='workers' needs num_workers > 0"),
+    ],
+)
+def test_a_bad_collate_mode_is_a_value_error(kw: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make(identity_stream(10), **kw)
+
+
+def test_the_default_is_auto_and_inline_needs_no_workers() -> None:
+    assert make(identity_stream(10)).collate_mode == "auto"
+    assert make(identity_stream(10), collate_mode="inline").collate_mode == "inline"
+
+
+def test_pinned_workers_collate_every_batch_on_the_threads() -> None:
+    kw: dict[str, Any] = {"collate": where, "local_batch_size": 3, "shuffle": True, "shuffle_seed": 4}
+    with make(identity_stream(200), **kw) as plain:
+        expected = ids_of(take(plain))
+    loader = make(identity_stream(200), num_workers=2, prefetch=2, collate_mode="workers", **kw)
+    with loader:
+        it = iter(loader)
+        assert isinstance(it._runner, ThreadRunner)
+        got = list(it)
+    assert ids_of(got) == expected
+    assert all(b["thread"].startswith("guideloom-collate") for b in got)
+    stats = loader.stats()
+    assert places(stats) == (0, len(got), 0)
+    assert not any(k.startswith("chooser_") for k in stats)  # nothing measured
+
+
+def test_pinned_inline_collates_in_the_callers_thread_and_starts_no_worker() -> None:
+    with make(identity_stream(200), collate=where, local_batch_size=3) as plain:
+        expected = ids_of(take(plain))
+    loader = make(identity_stream(200), collate=where, local_batch_size=3, num_workers=2, prefetch=4,
+                  collate_mode="inline")  # fmt: skip
+    me = threading.current_thread().name
+    with loader:
+        got = []
+        for batch in loader:
+            got.append(batch)
+            assert guideloom_threads() == []
+    assert ids_of(got) == expected
+    assert {b["thread"] for b in got} == {me}
+    assert places(loader.stats()) == (len(got), 0, 0)
+
+
+def test_auto_reports_the_choosers_verdict_and_where_each_batch_was_collated() -> None:
+    """A cheap collate with thread workers: the chooser measures both ways and says so."""
+    loader = make(identity_stream(3000), collate=where, local_batch_size=2, num_workers=2, prefetch=2)
+    with loader:
+        got = take(loader)
+    stats = loader.stats()
+    on_threads = sum(b["thread"].startswith("guideloom-collate") for b in got)
+    assert places(stats) == (len(got) - on_threads, on_threads, 0)
+    assert stats["chooser_verdicts"] >= 1 and stats["chooser_workers"] in (0.0, 1.0)
+    assert stats["chooser_workers_seconds"] > 0 and stats["chooser_inline_seconds"] > 0
+
+
+def test_stats_count_the_collate_thread_of_async_for() -> None:
+    """``async for`` never collates on the caller's loop: at num_workers=0 on a thread of its own."""
+    loader = make(identity_stream(20), local_batch_size=2)
+
+    async def run() -> int:
+        async with loader:
+            return len([b async for b in loader])
+
+    n = asyncio.run(run())
+    assert places(loader.stats()) == (0, n, 0)
+
+
+def test_collate_mode_can_change_between_epochs() -> None:
+    loader = make(identity_stream(40), local_batch_size=2, num_workers=2, collate_mode="inline")
+    with loader:
+        first = take(loader)
+        loader.collate_mode = "workers"
+        second = take(loader)
+    assert first == second
+    assert places(loader.stats()) == (20, 20, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["workers", "inline", "auto"])
+def test_process_workers_pinned_or_measured(mode: str) -> None:
+    kw: dict[str, Any] = {"collate": where, "local_batch_size": 3, "shuffle": True, "shuffle_seed": 4}
+    with make(identity_stream(300), **kw) as plain:
+        expected = ids_of(take(plain))
+    loader = make(identity_stream(300), num_workers=2, parallel_method="process", collate_mode=mode, **kw)
+    with loader:
+        it = iter(loader)
+        if mode == "inline":
+            assert not isinstance(it._runner, ProcessRunner)
+        got = list(it)
+        if mode == "inline":
+            assert worker_pids() == set()  # none was started
+    assert ids_of(got) == expected
+    in_workers = sum(b["pid"] != os.getpid() for b in got)
+    stats = loader.stats()
+    assert places(stats) == (len(got) - in_workers, 0, in_workers)
+    if mode == "workers":
+        assert in_workers == len(got) and "chooser_workers" not in stats
+    elif mode == "inline":
+        assert in_workers == 0
+    else:
+        assert stats["chooser_verdicts"] >= 1
+        assert not math.isnan(stats["chooser_workers_seconds"])
+    assert worker_pids() == set()
+
+
+def test_async_for_with_pinned_workers_collates_on_the_workers() -> None:
+    """Where no choice is made (``async for``), ``"workers"`` is what happens anyway."""
+    loader = make(identity_stream(40), collate=where, local_batch_size=2, num_workers=2,
+                  collate_mode="workers")  # fmt: skip
+
+    async def run() -> list[dict[str, Any]]:
+        async with loader:
+            return [b async for b in loader]
+
+    got = asyncio.run(run())
+    assert all(b["thread"].startswith("guideloom-collate") for b in got)
+    assert places(loader.stats()) == (0, len(got), 0)

@@ -36,7 +36,7 @@ from typing import Protocol
 from guideloom._core.delivery import Delivery
 from guideloom._loop import LoopThread
 from guideloom._runtime.channel import Channel, EndOfStream
-from guideloom._runtime.chooser import Chooser
+from guideloom._runtime.chooser import Chooser, PinnedChooser
 from guideloom._runtime.config import PipelineConfig
 from guideloom._runtime.inline import InlinePipeline
 from guideloom._runtime.pipeline import Workers, run_pipeline
@@ -170,7 +170,8 @@ class ProcessRunner:
             pool.begin()  # from iter() on, the workers start while the consumer goes on
         except Exception:
             pass  # raised again by the pool's start in the workers' run, at the first batch
-        if pool.starting():
+        # Collate pinned to the workers: every batch waits for them, the first ones too.
+        if pool.starting() and not isinstance(self._chooser, PinnedChooser):
             self._starting = InlinePipeline(cfg)
         else:
             self._choice = ProcessChoiceRun(cfg, self._run, self._chooser)

@@ -127,11 +127,15 @@ def test_collate_mode_can_change_between_epochs() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["workers", "inline", "auto"])
-def test_process_workers_pinned_or_measured(mode: str) -> None:
+def test_process_workers_pinned_or_measured(mode: str, request: pytest.FixtureRequest) -> None:
+    n = 300
+    if mode == "auto":  # the chooser measures the workers once they are up, over a long enough epoch
+        request.getfixturevalue("workers_up_first")
+        n = 3000
     kw: dict[str, Any] = {"collate": where, "local_batch_size": 3, "shuffle": True, "shuffle_seed": 4}
-    with make(identity_stream(300), **kw) as plain:
+    with make(identity_stream(n), **kw) as plain:
         expected = ids_of(take(plain))
-    loader = make(identity_stream(300), num_workers=2, parallel_method="process", collate_mode=mode, **kw)
+    loader = make(identity_stream(n), num_workers=2, parallel_method="process", collate_mode=mode, **kw)
     with loader:
         it = iter(loader)
         if mode == "inline":

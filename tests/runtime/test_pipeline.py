@@ -151,7 +151,7 @@ def test_inline_iteration_runs_no_event_loop_and_works_inside_one() -> None:
     async def inside_a_loop() -> list[Any]:
         with loader:
             it = iter(loader)
-            assert type(it._runner) is InlinePipeline  # no event loop, no loop thread
+            assert isinstance(it._runner, InlinePipeline)  # no event loop, no loop thread
             out = list(it)
             assert set(threading.enumerate()) <= threads  # no loop thread was started
             return out

@@ -80,6 +80,12 @@ def map_segment(name: str, size: int, create: bool) -> mmap.mmap:
         os.close(fd)
 
 
+def segment_size(nbytes: int) -> int:
+    """The size of a new segment for ``nbytes``: a power of two (64 KiB at least), so that a
+    reused segment fits more than what it was made for."""
+    return 1 << max(16, (nbytes - 1).bit_length())
+
+
 class Slots:
     """A worker's slots: shared-memory segments it writes batches into and reuses once free."""
 
@@ -109,7 +115,7 @@ class Slots:
         return i, name, size, mm
 
     def _new(self, i: int, nbytes: int) -> tuple[str, int, mmap.mmap]:
-        size = 1 << max(16, (nbytes - 1).bit_length())  # power of two: a reused slot fits more
+        size = segment_size(nbytes)
         self.gen += 1
         name = f"{self.prefix}{i}.{self.gen}"
         return name, size, map_segment(name, size, create=True)
@@ -140,7 +146,7 @@ class Inputs:
             self.free.remove(seg)
             return seg
         self.gen += 1
-        size = 1 << max(16, (nbytes - 1).bit_length())  # power of two: a reused one fits more
+        size = segment_size(nbytes)
         name = f"{self.prefix}in{self.gen}"
         seg = name, size, map_segment(name, size, create=True)
         self.made.append(seg)

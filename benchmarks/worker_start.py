@@ -78,10 +78,18 @@ def _tree(root: int) -> set[int]:
     return tree
 
 
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
 class PeakPss:
     """The largest sum of PSS over this process's tree seen by :meth:`sample`, how many
     processes it counted, and its parts: this process, the workers, the fork server (guideloom's
-    ``forkserver``) and any other (Python's resource tracker)."""
+    zygote or multiprocessing's ``forkserver``) and any other (Python's resource tracker)."""
 
     def __init__(self) -> None:
         self.mib, self.processes = 0.0, 0
@@ -95,16 +103,18 @@ class PeakPss:
         total = sum(each.values())
         if total <= self.mib:
             return
-        server = forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
         me = os.getpid()
         if workers is None:  # torch's: every child is a worker
             workers = tree - {me}
+        # the fork server: multiprocessing's, or the zygote that forked the workers
+        servers = {forkserver._forkserver._forkserver_pid} | {_parent(w) for w in workers}  # type: ignore[attr-defined]
+        servers -= {me, None}
         self.mib, self.processes = total, len(tree)
         self.parts = {"main": each[me], "workers": 0.0, "fork server": 0.0, "other": 0.0}
         for p, mib in each.items():
             if p in workers:
                 self.parts["workers"] += mib
-            elif p == server:
+            elif p in servers:
                 self.parts["fork server"] += mib
             elif p != me:
                 self.parts["other"] += mib
@@ -247,11 +257,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=100_000_000)
     ap.add_argument("--prefetch", type=int, default=4)
     ap.add_argument(
-        "--methods", default="forkserver", help="guideloom's start methods to measure (forkserver,spawn,fork)"
+        "--methods",
+        default="zygote,forkserver",
+        help="guideloom's start methods to measure (zygote,forkserver,spawn,fork)",
     )
     ap.add_argument("--child", choices=["torch", "guideloom"], help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
-    ap.add_argument("--method", default="forkserver", help=argparse.SUPPRESS)
+    ap.add_argument("--method", default="zygote,forkserver", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child is not None:
         path = Path(args.path)

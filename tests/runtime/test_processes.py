@@ -60,9 +60,16 @@ def _parent(pid: int) -> int:
 
 
 @pytest.mark.usefixtures("workers_up_first")
-def test_workers_are_forked_from_a_fork_server_that_preloads_torch(stream: Path) -> None:
+def test_workers_are_forked_from_a_fork_server_that_preloads_torch(
+    stream: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a zygote is not safe (a thread of the process's own: here the one forced), the
+    workers come from multiprocessing's fork server."""
     from multiprocessing import forkserver
 
+    import guideloom._runtime.processes.pool as pool_module
+
+    monkeypatch.setattr(pool_module, "fork_is_safe", lambda: False)
     with loader_for(stream, collated_where) as loader:
         it = iter(loader)
         assert isinstance(it._runner, ProcessRunner)
@@ -77,6 +84,85 @@ def test_workers_are_forked_from_a_fork_server_that_preloads_torch(stream: Path)
         assert {"guideloom._runtime.processes.worker", "numpy", "torch"} <= set(preload)
         assert "__main__" not in preload  # the server does not import the main script
         it.close()
+
+
+_ZYGOTE_SCRIPT = """
+import os, sys, threading, time
+from multiprocessing import forkserver
+import numpy as np, torch
+import guideloom as gl
+
+def parent(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+def where(samples):
+    assert torch.ones(1 << 20).mul(2).sum() == 2 << 20  # an op torch parallelises, if it may
+    return [os.getpid(), *(int(s[0]) for s in samples)]
+
+def loader(**kw):
+    return gl.StatefulDataLoader.from_storage(
+        gl.open_stream(STREAM), where, sequence_length=64, local_batch_size=4, shuffle=True,
+        shuffle_seed=3, device=torch.device("cpu"), **kw,
+    )
+
+if __name__ == "__main__":
+    torch.randn(512, 512) @ torch.randn(512, 512)  # torch's OpenMP pool, started here
+    if sys.argv[1] == "thread":
+        stop = threading.Event()
+        threading.Thread(target=stop.wait, daemon=True).start()
+    with loader() as inline:
+        want = [b[1:] for b in inline]
+    with loader(num_workers=2, parallel_method="process", collate_mode="workers") as ld:
+        got = list(ld)
+        pool = ld._life.pool
+        server = getattr(getattr(pool.ctx, "server", None), "_forkserver_pid", None)
+        workers = [p.proc.pid for p in pool.procs]
+        print(type(pool.ctx).__name__, forkserver._forkserver._forkserver_pid is not None)
+        print(server is not None and parent(server) == os.getpid(),
+              {parent(w) for w in workers} == {server or forkserver._forkserver._forkserver_pid})
+        print(got and [b[1:] for b in got] == want, {b[0] for b in got} <= set(workers))
+        token = pool.token
+    print(token, server, *workers)
+"""
+
+
+@pytest.mark.parametrize(
+    ("threads", "expect"),
+    [
+        ("none", ["ZygoteContext False", "True True", "True True"]),
+        ("thread", ["ForkServerContext True", "False True", "True True"]),
+    ],
+)
+def test_workers_come_from_a_zygote_of_the_main_process_while_it_has_one_thread(
+    tmp_path: Path, stream: Path, threads: str, expect: list[str]
+) -> None:
+    """A pool made on the process's only Python thread (torch's OpenMP pool running beside it)
+    forks a zygote from it, whose workers share the main process's pages (torch's included) and
+    run torch on one thread; with another Python thread running, multiprocessing's fork server
+    serves instead. The same batches either way; the zygote, the workers and their
+    segments are gone once the loader is closed."""
+    script = tmp_path / "zygote.py"
+    script.write_text(_ZYGOTE_SCRIPT.replace("STREAM", repr(str(stream))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run(
+        [sys.executable, str(script), threads],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+    )
+    *lines, last = r.stdout.splitlines()
+    assert lines == expect
+    token, server, *pids = last.split()
+    if threads == "none":
+        pids.append(server)  # the zygote ends with its pool
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.05)
+    assert [pid for pid in pids if _alive(pid)] == []
+    assert live_segments(token) == []
 
 
 def test_a_lock_held_in_the_main_process_is_free_in_the_workers(stream: Path) -> None:
@@ -219,8 +305,10 @@ def test_loaders_without_process_workers_start_no_fork_server(tmp_path: Path, st
                 with make(num_workers=1, parallel_method="process") as loader:
                     for batch in loader:
                         pass
-                    loader._life.pool.start()
-                    print("process", state()[0] is not None)
+                    pool = loader._life.pool
+                    pool.start()
+                    # a zygote of this process (one thread here), else the fork server
+                    print("process", getattr(pool.ctx, "server", None) is not None or state()[0] is not None)
             """
         )
     )
@@ -267,7 +355,8 @@ def test_the_workers_and_their_shared_memory_are_gone_after_interpreter_exit(
                 pool.start()  # the workers are up
                 kept = [next(it) for _ in range(5)]
                 pids = [p.proc.pid for p in pool.procs]
-                print(pool.token, forkserver._forkserver._forkserver_pid, *pids)
+                zygote = getattr(getattr(pool.ctx, "server", None), "_forkserver_pid", None)
+                print(pool.token, zygote or forkserver._forkserver._forkserver_pid, *pids)
             """
         )
     )
@@ -427,14 +516,21 @@ def test_a_stuck_collate_is_terminated_on_close(stream: Path) -> None:
     assert multiprocessing.active_children() == []
 
 
-def test_a_script_without_the_main_guard_is_told_so(stream: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("threads", ["none", "thread"])
+def test_a_script_without_the_main_guard_is_told_so(stream: Path, tmp_path: Path, threads: str) -> None:
+    """Workers from multiprocessing's fork server import the main script: one without the guard
+    is told so. A zygote's workers do not import it again (they are forked from it, as torch's
+    are): there the same script runs."""
     script = tmp_path / "train.py"
     script.write_text(
         textwrap.dedent(
             f"""
-            import time
+            import threading, time
             import numpy as np, torch
             import guideloom as gl
+
+            if {threads == "thread"!r}:  # a thread of the script's own: no zygote
+                threading.Thread(target=threading.Event().wait, daemon=True).start()
 
             def ids(samples):
                 time.sleep(0.002)
@@ -456,6 +552,10 @@ def test_a_script_without_the_main_guard_is_told_so(stream: Path, tmp_path: Path
     r = subprocess.run(
         [sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=100, env=env
     )
+    if threads == "none":
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == ["finished"]
+        return
     assert r.returncode != 0
     assert "finished" not in r.stdout
     assert 'if __name__ == "__main__":' in r.stderr

@@ -2,13 +2,16 @@
 as the main process sees it, and a session, one iterator's use of the pool: it sends the workers
 tasks and takes in their results.
 
-Workers are forked from multiprocessing's fork server (:func:`worker_context`), a process that
-imports the worker's modules, numpy and torch once and forks a worker in milliseconds: a worker
-shares those pages with it instead of importing them again, and inherits none of the main
-process's threads or locks (``fork`` from the main process would: a lock another thread held at
-that moment stays held in the worker, and obstore's runtime, whose threads are gone, hangs). The
-server starts with the first pool of a process, about a second; a pool starts its workers on a
-thread of its own (:meth:`WorkerPool.begin`) so that the first batches can be made meanwhile.
+Workers are forked from a fork server (:func:`worker_context`) and inherit none of the main
+process's threads or locks (``fork`` from a main process with threads would: a lock another thread
+held at that moment stays held in the worker, and obstore's runtime, whose threads are gone,
+hangs). Where the pool is made on the process's only thread, the server is a zygote forked from
+the main process then (:mod:`~guideloom._runtime.processes.zygote`): the workers share the main
+process's pages, torch's included, as torch's own forked workers do. Elsewhere it is
+multiprocessing's fork server, a process that imports the worker's modules, numpy and torch once
+(about a second, with the first pool of a process) and forks a worker in milliseconds. A pool
+starts its workers on a thread of its own (:meth:`WorkerPool.begin`) so that the first batches
+can be made meanwhile.
 
 A dead worker is seen at once (end of file on its pipe) and becomes a
 :class:`~guideloom.WorkerError` at the first batch it owed; every segment of a pool (its names
@@ -66,6 +69,7 @@ from guideloom._runtime.processes.wire import (
     load_exception,
 )
 from guideloom._runtime.processes.worker import worker_main
+from guideloom._runtime.processes.zygote import ZygoteContext, fork_is_safe, fork_zygote
 
 if TYPE_CHECKING:
     from guideloom._datasets import DatasetAbstract
@@ -84,16 +88,18 @@ __all__ = [
 
 #: How long ``close()`` waits for a worker to finish its batch before terminating it.
 SHUTDOWN_GRACE_S = 5.0
-#: How workers start: ``"forkserver"``; ``"spawn"`` where the platform has no fork server.
-#: (The benchmark of worker start sets it to compare the methods.)
-START_METHOD = "forkserver"
+#: How workers start: ``"zygote"`` (a fork server forked from this process where that is safe,
+#: multiprocessing's fork server elsewhere); ``"spawn"`` where the platform has no fork server.
+#: (The benchmark of worker start sets it to compare the methods: also ``"forkserver"``, ``"fork"``.)
+START_METHOD = "zygote"
 #: What the fork server imports before it forks a worker (torch too, when the main process has
 #: imported it): each worker shares them instead of importing them anew.
 PRELOAD = ("guideloom._runtime.processes.worker", "numpy")
 
 
 def worker_context() -> ForkServerContext | SpawnContext | ForkContext:
-    """The multiprocessing context workers start in: the fork server, told what to preload.
+    """The multiprocessing context a new pool's workers start in: a zygote forked from this
+    process now, if this thread is its only one; else the fork server, told what to preload.
 
     The fork server is one per process, shared with any other user of ``forkserver``: the
     modules are added to its preload list, and take effect when it starts (with the first
@@ -104,13 +110,15 @@ def worker_context() -> ForkServerContext | SpawnContext | ForkContext:
         return multiprocessing.get_context("fork")
     if START_METHOD == "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
+    wanted = [*PRELOAD, *(["torch"] if "torch" in sys.modules else [])]
+    if START_METHOD == "zygote" and fork_is_safe():
+        return ZygoteContext(fork_zygote(wanted))
     ctx = multiprocessing.get_context("forkserver")
     from multiprocessing import forkserver
 
     current = list(getattr(forkserver._forkserver, "_preload_modules", ()))
     if current == ["__main__"]:
         current = []
-    wanted = [*PRELOAD, *(["torch"] if "torch" in sys.modules else [])]
     missing = [m for m in wanted if m not in current]
     if missing:
         ctx.set_forkserver_preload(current + missing)
@@ -505,6 +513,8 @@ class WorkerPool:
         finally:
             sweep(self.token + "-")
             _POOLS.discard(self)
+            if isinstance(self.ctx, ZygoteContext):
+                self.ctx.close()
 
 
 def _running(p: Proc | None) -> bool:

@@ -13,6 +13,7 @@ import multiprocessing.connection
 import os
 import pickle
 import signal
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -213,6 +214,9 @@ def worker_main(
             state_mm = map_segment(state_name, MAX_SLOTS, create=False)
             slots = Slots(prefix, np.frombuffer(state_mm, np.uint8))
             dataset, collate_fn = pickle.loads(spec)
+            torch = sys.modules.get("torch")
+            if torch is not None:  # one thread each, as torch's own workers: no oversubscription,
+                torch.set_num_threads(1)  # and no OpenMP pool inherited from a forked parent
             worker = _Worker(tasks, results, dataset, collate_fn, slots)
         except BaseException as exc:
             send_message(results, Failed(*exception_message(exc), at_open=False))

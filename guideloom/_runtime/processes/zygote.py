@@ -1,0 +1,206 @@
+"""A fork server forked from the main process: workers that share the main process's pages.
+
+multiprocessing's fork server is a fresh interpreter: it imports numpy and torch again, and the
+workers it forks share those pages with it but not with the main process, so a pool of workers
+costs a second copy of torch (peak PSS about 1.5x torch's ``DataLoader``, whose workers are forked
+from the main process). ``fork`` from the main process shares everything, but is only safe while
+no other thread of it can hold what the child needs: a lock another Python thread holds at the
+moment of the fork stays held in the child forever, and obstore's runtime, whose (named) threads
+are gone in the child, hangs.
+
+A zygote gets both. When a pool is made on the process's only Python thread, CUDA is not
+initialised, and every other thread of the process is an unnamed one of a native library's pool
+(``/proc/self/task``: OpenBLAS's, which shuts itself down around a fork; OpenMP's, which the
+workers do not use: they run torch on one thread, as torch's own workers do), the pool
+forks a process from it at once, and that process runs multiprocessing's own fork-server loop
+(:func:`multiprocessing.forkserver.main`). Workers are then forked from the zygote on request, from
+any thread, safely (the zygote has one thread), and share the main process's pages copy-on-write,
+modules included: they do not import the main script again. Where the main process has other
+threads, the pool uses multiprocessing's fork server instead (:func:`worker_context`).
+
+The zygote lives as long as its pool and the workers it forked: closing the pool closes its end of
+the zygote's "alive" pipe, and the zygote exits once every worker has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import socket
+import sys
+import threading
+import time
+import warnings
+from multiprocessing import connection, forkserver, popen_forkserver, reduction, resource_tracker, spawn, util
+from multiprocessing.context import ForkServerContext, ForkServerProcess, set_spawning_popen
+from typing import Any
+
+__all__ = ["ZygoteContext", "fork_zygote", "fork_is_safe"]
+
+#: The private attributes of :class:`multiprocessing.forkserver.ForkServer` a zygote sets, as
+#: ``ensure_running`` does: a Python whose fork server has others (an authentication key) gets
+#: multiprocessing's own fork server instead.
+_SERVER_ATTRS = frozenset(
+    {
+        "_forkserver_address",
+        "_forkserver_alive_fd",
+        "_forkserver_pid",
+        "_inherited_fds",
+        "_lock",
+        "_preload_modules",
+    }
+)
+
+
+#: How long :func:`fork_is_safe` waits for threads that stand in the way to end.
+_ENDING_S = 0.05
+
+
+def _comm(task: str) -> str | None:
+    try:
+        with open(f"/proc/self/task/{task}/comm") as f:
+            return f.read()
+    except OSError:  # gone meanwhile
+        return None
+
+
+def _threads_allow_fork() -> bool:
+    """Whether this is the process's only Python thread and every other thread is an unnamed
+    one of a native library's pool (a named one, such as obstore's runtime's, is not)."""
+    if threading.active_count() != 1:
+        return False
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:  # no /proc: not Linux; the threads cannot be told apart
+        return False
+    me = str(threading.get_native_id())
+    name = _comm(me)
+    return all(_comm(t) in (name, None) for t in tasks if t != me)
+
+
+def fork_is_safe() -> bool:
+    """Whether this process may fork now: see the module's docstring. A thread that is ending
+    (an idle AnyIO worker thread whose loop has just stopped) is given a moment to end."""
+    deadline = time.monotonic() + _ENDING_S
+    while not _threads_allow_fork():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            if torch.cuda.is_initialized():
+                return False
+        except Exception:  # pragma: no cover - a torch without a cuda module
+            return False
+    return set(vars(forkserver.ForkServer())) == _SERVER_ATTRS
+
+
+def fork_zygote(preload: list[str]) -> forkserver.ForkServer:
+    """Fork a zygote from this process (:func:`fork_is_safe` must hold) and return the
+    :class:`~multiprocessing.forkserver.ForkServer` that talks to it. Should the zygote die, the
+    server starts multiprocessing's usual fork server in its place, with ``preload``."""
+    server = forkserver.ForkServer()
+    server._preload_modules = list(preload)  # type: ignore[attr-defined]  # for that restart only
+    resource_tracker.ensure_running()  # started before the fork: the zygote's children share it
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()
+        with warnings.catch_warnings():
+            # Python 3.12+ warns of any fork with threads; those left are fork-safe (above).
+            warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # pragma: no cover - the zygote (coverage does not follow a fork that _exits)
+            code = 0
+            try:
+                os.close(alive_w)
+                # A fork from a coroutine: no loop runs on this thread here.
+                asyncio.events._set_running_loop(None)
+                forkserver.main(listener.fileno(), alive_r, [])
+            except SystemExit:  # every client gone: the loop's normal end
+                pass
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(alive_r)
+    server._forkserver_address = address  # type: ignore[attr-defined]
+    server._forkserver_alive_fd = alive_w  # type: ignore[attr-defined]
+    server._forkserver_pid = pid  # type: ignore[attr-defined]
+    return server
+
+
+def close_zygote(server: forkserver.ForkServer) -> None:
+    """Close this process's end of the zygote's alive pipe: the zygote exits once the workers it
+    forked have (they hold the other ends), and is reaped by the next pool's check or at exit."""
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        server._forkserver_alive_fd = None  # type: ignore[attr-defined]
+        os.close(fd)
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is not None:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                server._forkserver_pid = None  # type: ignore[attr-defined]
+        except ChildProcessError:
+            server._forkserver_pid = None  # type: ignore[attr-defined]
+
+
+class _ZygotePopen(popen_forkserver.Popen):
+    """multiprocessing's fork-server ``Popen``, asking the process's zygote for the fork."""
+
+    def _launch(self, process_obj: _ZygoteProcess) -> None:
+        # multiprocessing.popen_forkserver.Popen._launch, with the zygote's server in place of the
+        # process-wide one.
+        prep_data = spawn.get_preparation_data(process_obj.name)
+        buf = io.BytesIO()
+        set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            set_spawning_popen(None)
+        server = process_obj._zygote
+        assert server is not None
+        self.sentinel, w = server.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
+        parent_w = os.dup(w)  # the child's sentinel of this process, as multiprocessing keeps it
+        self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))  # type: ignore[attr-defined]
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class _ZygoteProcess(ForkServerProcess):
+    """A process forked by a zygote; the zygote itself is not sent to the child."""
+
+    _zygote: forkserver.ForkServer | None = None
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> _ZygotePopen:  # noqa: N802 - multiprocessing's name
+        return _ZygotePopen(process_obj)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_zygote", None)
+        return state
+
+
+class ZygoteContext(ForkServerContext):
+    """A multiprocessing context whose processes a zygote forks (pipes as any context's)."""
+
+    def __init__(self, server: forkserver.ForkServer) -> None:
+        super().__init__()
+        self.server = server
+
+    def Process(self, *args: Any, **kwargs: Any) -> _ZygoteProcess:  # type: ignore[override]  # noqa: N802
+        proc = _ZygoteProcess(*args, **kwargs)
+        proc._zygote = self.server
+        return proc
+
+    def close(self) -> None:
+        close_zygote(self.server)

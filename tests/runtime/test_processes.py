@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 
 import guideloom as gl
 from guideloom._runtime.processes import SHUTDOWN_GRACE_S, RemoteTraceback, live_segments
+from guideloom._runtime.processes.zygote import _SERVER_ATTRS
 from guideloom._runtime.runners import ProcessRunner
 from tests.support.loader import take
 from tests.support.processes import (
@@ -52,6 +53,13 @@ from tests.support.processes import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_thread_leak")]
+
+
+#: Whether this Python's fork server is the one a zygote runs (3.14's authenticates: no zygote).
+ZYGOTE = pytest.mark.skipif(
+    set(vars(__import__("multiprocessing.forkserver").forkserver.ForkServer())) != _SERVER_ATTRS,
+    reason="this Python's fork server is not the one a zygote runs",
+)
 
 
 def _parent(pid: int) -> int:
@@ -134,6 +142,7 @@ if __name__ == "__main__":
         ("thread", ["ForkServerContext True", "False True", "True True"]),
     ],
 )
+@ZYGOTE
 def test_workers_come_from_a_zygote_of_the_main_process_while_it_has_one_thread(
     tmp_path: Path, stream: Path, threads: str, expect: list[str]
 ) -> None:
@@ -163,6 +172,70 @@ def test_workers_come_from_a_zygote_of_the_main_process_while_it_has_one_thread(
         time.sleep(0.05)
     assert [pid for pid in pids if _alive(pid)] == []
     assert live_segments(token) == []
+
+
+_FORK_HYGIENE_SCRIPT = """
+import _thread, os, random, select, sys, threading
+import numpy as np, torch
+import guideloom as gl
+
+def draw(samples):
+    return [os.getpid(), float(np.random.random()), random.random(), float(torch.rand(()))]
+
+def make():
+    return gl.StatefulDataLoader.from_storage(
+        gl.open_stream(STREAM), draw, sequence_length=64, local_batch_size=4, num_workers=2,
+        parallel_method="process", collate_mode="workers", device=torch.device("cpu"),
+    )
+
+def zombies():
+    n = 0
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        n += int(fields[1]) == os.getpid() and fields[0] == "Z"
+    return n
+
+if __name__ == "__main__":
+    print("buffered", end=" ")  # still in this process's buffer when the zygote forks
+    r, w = os.pipe()
+    with make() as loader:
+        batches = list(loader)
+        kind = type(loader._life.pool.ctx).__name__
+        os.close(w)  # nobody else holds it: the reader sees the end at once
+        ended = bool(select.select([r], [], [], 5)[0]) and os.read(r, 1) == b""
+    for _ in range(3):
+        with make() as loader:
+            list(loader)
+    draws = [tuple(b[1:]) for b in batches]
+    print(kind, ended, zombies(), len({b[0] for b in batches}), len(set(draws)) == len(draws))
+    lock = threading.Lock()
+    _thread.start_new_thread(lambda: (lock.acquire(), threading.Event().wait()), ())
+    while not lock.locked():
+        pass
+    with make() as loader:  # a thread threading does not count: no zygote
+        list(loader)
+        print(type(loader._life.pool.ctx).__name__)
+"""
+
+
+@ZYGOTE
+def test_a_zygote_starts_as_an_exec_would_leave_it(tmp_path: Path, stream: Path) -> None:
+    """The output the main process had buffered is written once, not again by each worker; a
+    descriptor the main process closes is closed (no zygote or worker holds a copy); the zygotes
+    of closed loaders are reaped; each worker draws its own random numbers (numpy, random,
+    torch); a thread started with ``_thread`` keeps the zygote away as any other does."""
+    script = tmp_path / "hygiene.py"
+    script.write_text(_FORK_HYGIENE_SCRIPT.replace("STREAM", repr(str(stream))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("PYTHONUNBUFFERED", None)  # stdout is a pipe here: block-buffered
+    r = subprocess.run(
+        [sys.executable, str(script)], check=True, capture_output=True, text=True, timeout=100, env=env
+    )
+    assert r.stdout.split() == ["buffered", "ZygoteContext", "True", "0", "2", "True", "ForkServerContext"]
 
 
 def test_a_lock_held_in_the_main_process_is_free_in_the_workers(stream: Path) -> None:

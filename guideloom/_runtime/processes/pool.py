@@ -162,7 +162,7 @@ class Proc:
         self.results, results_w = ctx.Pipe(duplex=False)
         self.proc: BaseProcess = ctx.Process(
             target=worker_main,
-            args=(tasks_r, results_w, pool.spec, self.prefix, state_name),
+            args=(tasks_r, results_w, pool.spec, self.prefix, state_name, pool.worker_seed(index, gen)),
             name=f"guideloom-worker-{index}",
             daemon=True,
         )
@@ -301,6 +301,7 @@ class WorkerPool:
             ) from exc
         self.dataset, self.collate_fn, self.num_workers = dataset, collate_fn, num_workers
         self.token = f"{SHM_PREFIX}{secrets.token_hex(4)}"
+        self._seed = secrets.randbits(62)
         self.procs: list[Proc | None] = [None] * num_workers
         self._gens = [0] * num_workers
         self._lock = threading.Lock()
@@ -311,6 +312,11 @@ class WorkerPool:
         self._starter: threading.Thread | None = None
         self._start_error: BaseException | None = None
         _POOLS.add(self)
+
+    def worker_seed(self, index: int, gen: int) -> int:
+        """The seed of worker ``index``'s random generators (its ``gen``-th start): each worker's
+        own, as torch's workers' are, whether it was forked from this process or not."""
+        return hash((self._seed, index, gen)) & (2**63 - 1)
 
     def matches(self, dataset: Any, collate_fn: Any, num_workers: int) -> bool:
         """Whether this pool serves that dataset and collate (a loader whose attributes changed

@@ -12,6 +12,7 @@ import mmap
 import multiprocessing.connection
 import os
 import pickle
+import random
 import signal
 import sys
 import time
@@ -203,8 +204,11 @@ def worker_main(
     spec: bytes,
     prefix: str,
     state_name: str,
+    seed: int,
 ) -> None:
-    """A worker process's entry point."""
+    """A worker process's entry point. ``seed`` seeds its ``random``, numpy and torch generators,
+    as torch's workers are seeded: a random augmentation in a collate differs between workers
+    (forked from one process, they would otherwise draw the same numbers)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     state_mm: mmap.mmap | None = None
     slots: Slots | None = None
@@ -214,9 +218,12 @@ def worker_main(
             state_mm = map_segment(state_name, MAX_SLOTS, create=False)
             slots = Slots(prefix, np.frombuffer(state_mm, np.uint8))
             dataset, collate_fn = pickle.loads(spec)
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
             torch = sys.modules.get("torch")
             if torch is not None:  # one thread each, as torch's own workers: no oversubscription,
                 torch.set_num_threads(1)  # and no OpenMP pool inherited from a forked parent
+                torch.manual_seed(seed)
             worker = _Worker(tasks, results, dataset, collate_fn, slots)
         except BaseException as exc:
             send_message(results, Failed(*exception_message(exc), at_open=False))

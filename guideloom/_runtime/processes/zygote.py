@@ -18,13 +18,23 @@ any thread, safely (the zygote has one thread), and share the main process's pag
 modules included: they do not import the main script again. Where the main process has other
 threads, the pool uses multiprocessing's fork server instead (:func:`worker_context`).
 
-The zygote lives as long as its pool and the workers it forked: closing the pool closes its end of
-the zygote's "alive" pipe, and the zygote exits once every worker has.
+The zygote starts as an ``exec`` would leave it: the main process's buffered output is flushed
+before the fork (else each worker would write it again), and every descriptor the main process
+did not mark inheritable (its files, sockets, pipes, other zygotes' pipes) is pointed at
+``/dev/null`` in the zygote, so that closing one in the main process closes it (a socket's peer
+sees the end, a port can be bound again). The number stays taken, so that an object of the main
+process's that a worker's collector finalises cannot close a descriptor the worker opened since.
+
+A Python whose fork server differs from the one this module knows (3.14's authenticates its
+clients) gets multiprocessing's fork server. The zygote lives as long as its pool and the workers
+it forked: closing the pool closes its end of the zygote's "alive" pipe, and the zygote exits once
+every worker has.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import io
 import os
 import socket
@@ -68,7 +78,8 @@ def _comm(task: str) -> str | None:
 def _threads_allow_fork() -> bool:
     """Whether this is the process's only Python thread and every other thread is an unnamed
     one of a native library's pool (a named one, such as obstore's runtime's, is not)."""
-    if threading.active_count() != 1:
+    # threading's count misses threads started with _thread.start_new_thread; the frames do not
+    if threading.active_count() != 1 or len(sys._current_frames()) != 1:
         return False
     try:
         tasks = os.listdir("/proc/self/task")
@@ -111,6 +122,8 @@ def fork_zygote(preload: list[str]) -> forkserver.ForkServer:
             os.chmod(address, 0o600)
         listener.listen()
         alive_r, alive_w = os.pipe()
+        _reap_closed()
+        util._flush_std_streams()  # type: ignore[attr-defined]  # else each worker writes it again
         with warnings.catch_warnings():
             # Python 3.12+ warns of any fork with threads; those left are fork-safe (above).
             warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
@@ -119,6 +132,7 @@ def fork_zygote(preload: list[str]) -> forkserver.ForkServer:
             code = 0
             try:
                 os.close(alive_w)
+                _close_fds_but(listener.fileno(), alive_r)
                 # A fork from a coroutine: no loop runs on this thread here.
                 asyncio.events._set_running_loop(None)
                 forkserver.main(listener.fileno(), alive_r, [])
@@ -135,20 +149,69 @@ def fork_zygote(preload: list[str]) -> forkserver.ForkServer:
     return server
 
 
+#: The zygotes of closed pools not yet reaped (each ends once its workers have).
+_CLOSED: list[int] = []
+
+
+def _reap_closed() -> None:
+    """Reap the zygotes of closed pools that have exited since."""
+    for pid in list(_CLOSED):
+        try:
+            done = os.waitpid(pid, os.WNOHANG)[0]
+        except ChildProcessError:
+            done = True
+        if done:
+            _CLOSED.remove(pid)
+
+
+def _close_fds_but(*keep: int) -> None:
+    """In the zygote: close what an exec would have closed (every non-inheritable fd: the main
+    process's files, sockets, pipes, other zygotes' alive pipes), keeping 0-2 and ``keep``."""
+    try:
+        fds = [int(x) for x in os.listdir("/proc/self/fd")]
+    except OSError:
+        return
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    for fd in fds:
+        if fd > 2 and fd != null and fd not in keep:
+            try:
+                if not os.get_inheritable(fd):
+                    # dup2, not close: the file/pipe/socket is released, but the number stays
+                    # taken, so a stale object of the main process's that closes it later (a
+                    # cycle the GC collects in a worker) cannot close a worker's own fd
+                    os.dup2(null, fd, inheritable=False)
+            except OSError:
+                pass
+    os.close(null)
+
+
 def close_zygote(server: forkserver.ForkServer) -> None:
-    """Close this process's end of the zygote's alive pipe: the zygote exits once the workers it
-    forked have (they hold the other ends), and is reaped by the next pool's check or at exit."""
+    """Close this process's end of the zygote's alive pipe and remove its socket: the zygote
+    exits once the workers it forked have (they hold the other ends; the pool has joined them),
+    and is reaped here, or by the next zygote's fork or at exit if it takes longer."""
     fd = getattr(server, "_forkserver_alive_fd", None)
     if fd is not None:
         server._forkserver_alive_fd = None  # type: ignore[attr-defined]
         os.close(fd)
+    address = getattr(server, "_forkserver_address", None)
+    if address is not None and not util.is_abstract_socket_namespace(address):
+        try:
+            os.unlink(address)
+        except OSError:
+            pass
     pid = getattr(server, "_forkserver_pid", None)
     if pid is not None:
-        try:
-            if os.waitpid(pid, os.WNOHANG)[0]:
-                server._forkserver_pid = None  # type: ignore[attr-defined]
-        except ChildProcessError:
-            server._forkserver_pid = None  # type: ignore[attr-defined]
+        server._forkserver_pid = None  # type: ignore[attr-defined]
+        _CLOSED.append(pid)
+        deadline = time.monotonic() + 0.2  # its workers are gone: it ends at once
+        while _CLOSED and time.monotonic() < deadline:
+            _reap_closed()
+            if pid not in _CLOSED:
+                break
+            time.sleep(0.005)
+
+
+atexit.register(_reap_closed)
 
 
 class _ZygotePopen(popen_forkserver.Popen):

@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from guideloom._errors import DatasetIntegrityError
-from guideloom.storage._manifest import MANIFEST_NAME, ArraySpec, Manifest, read_manifest_file
+from guideloom.storage._manifest import MANIFEST_NAME, ArraySpec, Manifest, add_bases, read_manifest_file
 from guideloom.storage._manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
 from guideloom.storage._memory import gather_windows
 from guideloom.storage.base import Rows, Spans
@@ -151,6 +151,7 @@ class ShardedArray:
 
     def __init__(self, folder: Path, spec: ArraySpec, *, preads: bool = True) -> None:
         self.dtype = spec.dtype
+        self._bases = spec.bases()  # files' bases (a merge of prepared parts), added as read
         self._parts: list[Array] = []
         self._maps: list[mmap.mmap] = []
         self._fds: list[int] = []
@@ -196,6 +197,8 @@ class ShardedArray:
         """Windows ``[s, s+length)`` for each start, as one ``(n, length)`` array (a copy)."""
         out = self._gather(starts, length)
         self.account(len(out), out.nbytes)
+        if self._bases is not None:
+            add_bases(out, starts[:, None] + np.arange(length, dtype=np.int64), self._bases)
         return out
 
     def _gather(self, starts: npt.NDArray[np.int64], length: int) -> Array:
@@ -211,7 +214,7 @@ class ShardedArray:
             rows = np.flatnonzero(inside & (first == shard))
             out[rows] = gather_windows(self._parts[shard], starts[rows] - self._bounds[shard], length)
         for row in np.flatnonzero(~inside).tolist():
-            out[row] = self.slice(int(starts[row]), int(starts[row]) + length)
+            out[row] = self._slice(int(starts[row]), int(starts[row]) + length)
         return out
 
     def _pread_windows(self, starts: npt.NDArray[np.int64], length: int) -> Array:
@@ -289,7 +292,7 @@ class ShardedArray:
             if k == j:
                 dest[to * item : (to + b - a) * item] = maps[k][(a - base[k]) * item : (b - base[k]) * item]
             else:  # across shards
-                out[to : to + b - a] = self.slice(a, b)
+                out[to : to + b - a] = self._slice(a, b)
 
     def _short(self, k: int) -> None:
         raise DatasetIntegrityError(
@@ -299,6 +302,12 @@ class ShardedArray:
 
     def slice(self, start: int, stop: int) -> Array:
         """Elements ``[start, stop)``: a view when they lie in one mapped shard, else a copy."""
+        if self._bases is not None:
+            positions = np.arange(start, max(start, stop), dtype=np.int64)
+            return add_bases(self._slice(start, stop).copy(), positions, self._bases)
+        return self._slice(start, stop)
+
+    def _slice(self, start: int, stop: int) -> Array:
         if self._fds:
             out = np.empty(max(0, stop - start), dtype=self.dtype)
             self._pread_span(out.view(np.uint8).data, 0, start, stop)
@@ -320,8 +329,14 @@ class ShardedArray:
 
     def take(self, positions: npt.NDArray[np.int64]) -> Array:
         """Elements at ``positions``."""
+        out = self._take(positions)
+        if self._bases is not None:
+            out = add_bases(out.copy(), positions, self._bases)
+        return out
+
+    def _take(self, positions: npt.NDArray[np.int64]) -> Array:
         if self._fds:
-            return np.asarray([self.slice(p, p + 1)[0] for p in positions.tolist()], dtype=self.dtype)
+            return np.asarray([self._slice(p, p + 1)[0] for p in positions.tolist()], dtype=self.dtype)
         if len(self._parts) == 1:
             return self._parts[0][positions]
         shard = self._locate(positions)

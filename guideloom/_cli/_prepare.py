@@ -8,7 +8,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -237,6 +237,29 @@ class _Counter:
         self.lengths_file = lengths_file
 
 
+def _doc_dtype(counter: _Counter, which: str) -> type[np.integer[Any]]:
+    if which == "doc_id":
+        return np.uint32 if counter.documents <= 2**32 else np.int64
+    return np.uint32 if counter.max_length <= 2**32 else np.int64
+
+
+class _DocDtypes(Mapping[str, Any]):
+    """``doc_id``/``doc_pos`` dtypes, looked up once the tokens are written and the totals known
+    (so an empty dataset, or part, stores them in the same dtype as any other)."""
+
+    def __init__(self, counter: _Counter) -> None:
+        self.counter = counter
+
+    def __getitem__(self, key: str) -> Any:
+        return _doc_dtype(self.counter, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(("doc_id", "doc_pos"))
+
+    def __len__(self) -> int:
+        return 2
+
+
 def _doc_metadata(counter: _Counter, which: str) -> Iterator[npt.NDArray[Any]]:
     """``doc_id`` or ``doc_pos`` for every token, rebuilt from the spilled document lengths.
 
@@ -245,10 +268,7 @@ def _doc_metadata(counter: _Counter, which: str) -> Iterator[npt.NDArray[Any]]:
     """
     fh = counter.lengths_file
     assert fh is not None
-    if which == "doc_id":
-        dtype = np.uint32 if counter.documents <= 2**32 else np.int64
-    else:
-        dtype = np.uint32 if counter.max_length <= 2**32 else np.int64
+    dtype = _doc_dtype(counter, which)
     fh.seek(0)
     base_doc = 0
     while block := fh.read(8 * _LENGTHS_BLOCK):
@@ -473,7 +493,11 @@ def prepare_files(
                     else None
                 )
                 manifest = write_stream(
-                    dest, (r.tokens for r in counted()), metadata=metadata, **write_options
+                    dest,
+                    (r.tokens for r in counted()),
+                    metadata=metadata,
+                    metadata_dtypes=_DocDtypes(counter) if args.document_ids else None,
+                    **write_options,
                 )
             else:
                 manifest = _write_documents(

@@ -82,17 +82,18 @@ def check_local_files(folder: Path, manifest: Manifest) -> None:
     """Refuse a manifest whose files are missing, outside the folder, or of the wrong size, and
     (for a dataset of at most :data:`VERIFY_ON_OPEN_BYTES`) whose bytes do not match their
     checksums."""
-    root = folder.resolve()
+    root = str(folder.resolve())
     files = list(manifest.all_files())
     verify = sum(f.nbytes for _, _, f in files) <= VERIFY_ON_OPEN_BYTES
+    dirs: dict[str, str | None] = {}  # each subfolder resolved once: a merge names thousands
     for name, _spec, f in files:
-        p = (folder / f.path).resolve()
-        if not p.is_relative_to(root):
+        inside = _inside(root, f.path, dirs)
+        if inside is None:
             raise DatasetIntegrityError(
                 f"{folder}: file {f.path!r} of field {name!r} lies outside the dataset folder"
             )
         try:
-            st = p.stat()
+            st = os.stat(inside)
         except FileNotFoundError:
             raise DatasetIntegrityError(
                 f"{folder}: file {f.path!r} of field {name!r} named by the manifest is missing"
@@ -103,7 +104,37 @@ def check_local_files(folder: Path, manifest: Manifest) -> None:
                 f"{f.nbytes}; the dataset is damaged or was not copied completely"
             )
         if verify:
-            _check_sha256(folder, name, f.path, p, st, f.sha256)
+            _check_sha256(folder, name, f.path, Path(inside), st, f.sha256)
+
+
+def _within(root: str, path: str) -> str | None:
+    """``path`` with its symbolic links resolved, or None when that lies outside ``root``."""
+    real = os.path.realpath(path)
+    return real if real == root or real.startswith(root + os.sep) else None
+
+
+def _folder_in(root: str, sub: str, dirs: dict[str, str | None]) -> str | None:
+    """Subfolder ``sub`` of the resolved ``root``, resolved (None: it leads outside), one
+    ``lstat`` per folder not seen before."""
+    if not sub:
+        return root
+    if sub not in dirs:
+        head, _, leaf = sub.rpartition("/")
+        parent = _folder_in(root, head, dirs)
+        path = None if parent is None else f"{parent}/{leaf}"
+        dirs[sub] = _within(root, path) if path is not None and os.path.islink(path) else path
+    return dirs[sub]
+
+
+def _inside(root: str, relpath: str, dirs: dict[str, str | None]) -> str | None:
+    """Where ``relpath`` (checked by the manifest: relative, normalised) lies under the resolved
+    ``root``, or None when a symbolic link (of a subfolder or of the file) leads outside it."""
+    sub, _, leaf = relpath.rpartition("/")
+    parent = _folder_in(root, sub, dirs)
+    if parent is None:
+        return None
+    path = f"{parent}/{leaf}"
+    return _within(root, path) if os.path.islink(path) else path
 
 
 def _check_sha256(folder: Path, field: str, rel: str, path: Path, st: os.stat_result, want: str) -> None:
@@ -123,6 +154,10 @@ def _check_sha256(folder: Path, field: str, rel: str, path: Path, st: os.stat_re
 #: Mapped pages a storage's maps may hold before they are dropped (see ShardedArray). Maps no
 #: larger than this in all are never dropped: the whole map then fits the budget.
 MAPPED_BUDGET = 256 * 2**20
+#: Shard files no larger than this are read into memory when an array is opened, not mapped: a
+#: map keeps a file descriptor open (Python's mmap holds a duplicate), and a dataset of many
+#: parts has many small files (each part's document offsets), which would use up the limit.
+SMALL_FILE_BYTES = 64 * 2**10
 #: A page fault maps the page-cached pages around the one it needs too (Linux maps 64 KiB), so
 #: a read of scattered rows maps about this much more per row than it reads.
 FAULT_AROUND = 64 * 2**10
@@ -169,6 +204,13 @@ class ShardedArray:
                 fds.append(os.open(path, os.O_RDONLY))
             return
         for f, path in zip(files, self._paths, strict=True):
+            if f.nbytes <= SMALL_FILE_BYTES:  # read whole: a map would hold a descriptor open
+                small = np.fromfile(path, dtype=spec.dtype, count=f.elements)
+                if len(small) != f.elements:
+                    self._short(len(self._parts))
+                small.flags.writeable = False
+                self._parts.append(small)
+                continue
             with open(path, "rb") as fh:
                 mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
             self._maps.append(mm)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 import guideloom as gl
-from guideloom._errors import DatasetFormatError
+from guideloom._errors import DatasetFormatError, DatasetIntegrityError
 from guideloom.storage._local import ShardedArray
 from guideloom.storage._manifest import Manifest, parse_manifest
 
@@ -83,3 +84,49 @@ def test_a_base_on_a_float_field_is_refused(tmp_path: Path) -> None:
     doc["fields"]["w"]["files"][0]["base"] = 1
     with pytest.raises(DatasetFormatError, match="of an integer array"):
         parse_manifest(json.dumps(doc).encode(), "m")
+
+
+def _in_subfolder(folder: Path) -> None:
+    """Move a dataset's files into ``folder/sub/`` and name them so in the manifest."""
+    doc = json.loads((folder / "manifest.json").read_text())
+    (folder / "sub").mkdir()
+    for spec in doc["fields"].values():
+        for f in spec["files"]:
+            os.replace(folder / f["path"], folder / "sub" / f["path"])
+            f["path"] = "sub/" + f["path"]
+    (folder / "manifest.json").write_text(json.dumps(doc))
+
+
+def test_files_in_subfolders_open_and_links_out_of_the_folder_are_refused(tmp_path: Path) -> None:
+    data = np.arange(100, dtype=np.uint16)
+    gl.write_stream(tmp_path / "ds", data, shard_bytes=64)
+    _in_subfolder(tmp_path / "ds")
+    storage = gl.open_stream(tmp_path / "ds")
+    storage.open_sync()
+    assert storage.read_many_sync(np.asarray([0], np.int64), 100)[0].tolist() == data.tolist()
+    # a subfolder that is a link to a folder outside
+    os.replace(tmp_path / "ds" / "sub", tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "ds" / "sub")
+    with pytest.raises(DatasetIntegrityError, match="lies outside the dataset folder"):
+        gl.open_stream(tmp_path / "ds")
+    # a link inside the folder is followed
+    os.unlink(tmp_path / "ds" / "sub")
+    os.replace(tmp_path / "elsewhere", tmp_path / "ds" / "real")
+    os.symlink("real", tmp_path / "ds" / "sub")
+    gl.open_stream(tmp_path / "ds").open_sync()
+    # a file that is a link to a file outside
+    first = sorted((tmp_path / "ds" / "real").iterdir())[0]
+    os.replace(first, tmp_path / "outside.bin")
+    os.symlink(tmp_path / "outside.bin", first)
+    with pytest.raises(DatasetIntegrityError, match="lies outside the dataset folder"):
+        gl.open_stream(tmp_path / "ds")
+
+
+def test_small_files_are_read_whole_and_hold_no_descriptor(tmp_path: Path) -> None:
+    gl.write_documents(tmp_path / "d", [np.arange(n, dtype=np.uint16) for n in (3, 5)])
+    docs = gl.open_documents(tmp_path / "d")
+    docs.open_sync()
+    offsets = docs._offsets  # type: ignore[attr-defined]
+    assert not offsets._maps and not offsets._fds
+    view = offsets.slice(0, 3)
+    assert view.tolist() == [0, 3, 8] and not view.flags.writeable

@@ -8,7 +8,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -214,6 +214,27 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         metavar="DEST",
         help="write DEST's manifest over its finished parts (the last task to finish does it too)",
     )
+    tasks.add_argument(
+        "--engine",
+        choices=("local", "ray"),
+        default="local",
+        help="local: this machine is one task (default); ray: submit the --tasks N tasks (default: "
+        "one per CPU of the cluster) to a Ray cluster, then merge (needs guideloom[ray])",
+    )
+    tasks.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="the Ray cluster to use (default: the one this process is connected to, else a local "
+        "one of 2 CPUs)",
+    )
+    tasks.add_argument(
+        "--retries",
+        type=int_at_least(0),
+        default=2,
+        metavar="R",
+        help="--engine ray: run a task again up to R times when its worker dies or it fails to read "
+        "or write (default 2)",
+    )
     p.set_defaults(func=run)
 
 
@@ -297,6 +318,16 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--document-ids applies to --kind stream (a document dataset keeps its boundaries)")
     if args.no_eos and args.eos is not None:
         raise UsageError("--eos and --no-eos contradict each other")
+    if args.engine == "ray":
+        if args.task is not None:
+            raise UsageError("--engine ray runs all the tasks: name --tasks N, not --task")
+        from guideloom._cli._ray_engine import run_on_ray
+
+        spec = resolve_tokenizer(args.tokenizer, eos=args.eos, no_eos=args.no_eos, dtype=args.dtype)
+        files = expand_inputs(args.inputs, include=args.include, forced=args.format)
+        return run_on_ray(args, spec, files)
+    if args.ray_address is not None:
+        raise UsageError("--ray-address goes with --engine ray")
     slot = _slot(args)
     spec = resolve_tokenizer(args.tokenizer, eos=args.eos, no_eos=args.no_eos, dtype=args.dtype)
     files = expand_inputs(args.inputs, include=args.include, forced=args.format)
@@ -362,9 +393,18 @@ def _options_record(
     )
 
 
-def _run_task(args: argparse.Namespace, spec: TokenizerSpec, files: list[InputFile], slot: TaskSlot) -> int:
+def _run_task(
+    args: argparse.Namespace,
+    spec: TokenizerSpec,
+    files: list[InputFile],
+    slot: TaskSlot,
+    *,
+    merge: bool = True,
+    on_result: Callable[[int], object] | None = None,
+) -> int:
     """Prepare task ``slot``'s share into its part; skip a part already finished with the same
-    options; merge when every part is finished."""
+    options; merge when every part is finished (unless not ``merge``: the Ray engine merges).
+    ``on_result`` is called with the input bytes of each piece of work done."""
     dest: str = args.output
     root = open_root(dest)
     name = part_folder(slot.task, slot.tasks)
@@ -401,10 +441,11 @@ def _run_task(args: argparse.Namespace, spec: TokenizerSpec, files: list[InputFi
             extra={"part": part},
             offsets_head=True,
             desc=f"task {slot.task}/{slot.tasks}",
+            on_result=on_result,
         )
         if not args.quiet:
             _report(manifest, f"{dest}/{name}", counter, share, elapsed)
-    if _all_done(root, slot.tasks):  # the last task to finish merges (two at once write the same)
+    if merge and _all_done(root, slot.tasks):  # the last task to finish merges (two at once write the same)
         try:
             merged = merge_parts(dest, tasks=slot.tasks)
         except DatasetFormatError as exc:  # parts of another run, being prepared again: not yet
@@ -433,6 +474,7 @@ def prepare_files(
     extra: dict[str, Any] | None = None,
     offsets_head: bool = False,
     desc: str = "prepare",
+    on_result: Callable[[int], object] | None = None,
 ) -> tuple[Manifest, _Counter, float]:
     """Tokenize ``files`` into a dataset at ``dest``: its manifest, totals and seconds taken."""
     options = Options(tokenizer=spec, field=args.field, skip_invalid=args.skip_invalid)
@@ -473,6 +515,8 @@ def prepare_files(
                 if counter.lengths_file is not None:
                     counter.lengths_file.write(r.lengths.tobytes())
                 progress.update(r.disk_bytes, docs=len(r.lengths), tokens=len(r.tokens))
+                if on_result is not None:
+                    on_result(r.disk_bytes)
                 yield r
             info["documents"] = counter.documents
             info["tokens"] = counter.tokens

@@ -325,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
 
         spec = resolve_tokenizer(args.tokenizer, eos=args.eos, no_eos=args.no_eos, dtype=args.dtype)
         files = expand_inputs(args.inputs, include=args.include, forced=args.format)
-        return run_on_ray(args, spec, files)
+        return run_on_ray(args, spec, files, _run_task)
     if args.ray_address is not None:
         raise UsageError("--ray-address goes with --engine ray")
     slot = _slot(args)

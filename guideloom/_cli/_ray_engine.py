@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from typing import Any
 
 from guideloom._cli._common import Progress, format_count, require
@@ -25,16 +26,20 @@ from guideloom._cli._tokenizers import TokenizerSpec
 __all__ = ["run_on_ray"]
 
 _POLL = 0.25  # seconds between progress updates
+RunTask = Callable[..., int]
 
 
 def _task(
-    args: argparse.Namespace, spec: TokenizerSpec, files: list[InputFile], slot: TaskSlot, done: Any
+    run_task: RunTask,
+    args: argparse.Namespace,
+    spec: TokenizerSpec,
+    files: list[InputFile],
+    slot: TaskSlot,
+    done: Any,
 ) -> int:
     """One task, in a Ray worker: prepare the part (no merge: the driver merges)."""
-    from guideloom._cli._prepare import _run_task
-
     quiet = argparse.Namespace(**{**vars(args), "quiet": True, "progress": False})
-    return _run_task(quiet, spec, files, slot, merge=False, on_result=done.add.remote)
+    return run_task(quiet, spec, files, slot, merge=False, on_result=done.add.remote)
 
 
 class _Done:
@@ -50,7 +55,10 @@ class _Done:
         return self.total
 
 
-def run_on_ray(args: argparse.Namespace, spec: TokenizerSpec, files: list[InputFile]) -> int:
+def run_on_ray(
+    args: argparse.Namespace, spec: TokenizerSpec, files: list[InputFile], run_task: RunTask
+) -> int:
+    """Run ``run_task`` (what ``prepare --task I --tasks N`` runs) for every task on Ray, then merge."""
     ray = require("ray", "--engine ray")
     started_here = not ray.is_initialized()
     if started_here:
@@ -73,7 +81,9 @@ def run_on_ray(args: argparse.Namespace, spec: TokenizerSpec, files: list[InputF
         retried = {"max_retries": args.retries, "retry_exceptions": [OSError]}
         task = ray.remote(num_cpus=min(args.workers, cpus), **retried)(_task)
         spec_ref, files_ref = ray.put(spec), ray.put(files)
-        pending = [task.remote(args, spec_ref, files_ref, TaskSlot(i, tasks), done) for i in range(tasks)]
+        pending = [
+            task.remote(run_task, args, spec_ref, files_ref, TaskSlot(i, tasks), done) for i in range(tasks)
+        ]
         shown = 0
         try:
             while pending:

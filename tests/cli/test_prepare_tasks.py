@@ -265,3 +265,21 @@ def test_part_manifests_stay_datasets_of_their_own(cli: Cli, tmp_path: Path) -> 
     got = [d for p in parts for d in samples(p, "documents")[0]]
     assert got == merged
     assert os.path.getsize(dest / "manifest.json") < 64 * 1024
+
+
+def test_a_bad_line_in_a_share_that_starts_inside_a_file_is_located(cli: Cli, tmp_path: Path) -> None:
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    lines = [json.dumps({"text": f"line {i} " + "x" * (i % 37)}) for i in range(400)]
+    lines[310] = "{broken"
+    data = ("\n".join(lines) + "\n").encode()
+    (corpus / "a.jsonl").write_bytes(data)
+    r = cli("prepare", corpus, "--output", tmp_path / "one")
+    assert r.code == 1 and "a.jsonl:311: invalid JSON" in r.err  # one machine: the file's line
+    r = cli("prepare", corpus, "--output", tmp_path / "ds", "--task", 1, "--tasks", 2, "--task-size", 1000)
+    assert r.code == 1, r
+    after = int(r.err.split("starting after byte ")[1].split(" ")[0])
+    starts = [0] + [i + 1 for i, b in enumerate(data) if b == ord("\n")][:-1]
+    first = next(k for k, s in enumerate(starts) if s >= after)
+    assert f"line {310 - first + 1} of the lines starting after byte {after}" in r.err
+    assert "invalid JSON" in r.err

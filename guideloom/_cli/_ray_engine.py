@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from guideloom._cli._common import Progress, format_count, require
+from guideloom._cli._common import CLIError, Progress, format_count, require
 from guideloom._cli._inputs import InputFile
 from guideloom._cli._parts import TaskSlot, merge_parts
 from guideloom._cli._tokenizers import TokenizerSpec
@@ -55,6 +55,26 @@ class _Done:
         return self.total
 
 
+def _get(ray: Any, refs: list[Any], retries: int) -> None:
+    """Wait for ``refs``; a task's own error is raised as itself (its message, not Ray's
+    traceback), a worker that died more often than retried as a :class:`CLIError`."""
+    try:
+        ray.get(refs)
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, BaseException):
+            raise cause from None
+        raise CLIError(f"a Ray task failed: {exc}") from None
+    except ray.exceptions.RayError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CLIError(
+            f"a Ray task failed {retries + 1} time{'s' if retries else ''} ({type(exc).__name__}: "
+            f"{first}); its worker was "
+            "killed or ran out of memory: run the command again (finished parts are kept), with "
+            "more --retries or smaller --workers"
+        ) from None
+
+
 def run_on_ray(
     args: argparse.Namespace, spec: TokenizerSpec, files: list[InputFile], run_task: RunTask
 ) -> int:
@@ -88,7 +108,7 @@ def run_on_ray(
         try:
             while pending:
                 finished, pending = ray.wait(pending, num_returns=len(pending), timeout=_POLL)
-                ray.get(finished)  # a task's error (after its retries) ends the run here
+                _get(ray, finished, args.retries)  # a task's error (after its retries) ends the run
                 now = ray.get(done.get.remote())
                 progress.update(now - shown)
                 shown = now

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
+import signal
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -109,3 +114,45 @@ def test_the_datasink_names_a_missing_column(tmp_path: Path) -> None:
     ds = ray.data.from_items([{"ids": [1, 2]}])
     with pytest.raises(Exception, match="no column 'tokens'"):
         gl.write_ray_dataset(ds, str(tmp_path / "ds"), dtype="uint16")
+
+
+def _kill_a_running_task(stop: threading.Event) -> int | None:
+    """SIGKILL the first Ray worker seen running a prepare task (its process title is
+    ``ray::_task`` while it runs one); its pid, or None if none was seen before ``stop``."""
+    while not stop.is_set():
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                title = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if title.startswith(b"ray::_task"):
+                os.kill(int(entry.name), signal.SIGKILL)
+                return int(entry.name)
+        time.sleep(0.02)
+    return None
+
+
+@pytest.mark.parametrize("retries", [2, 0])
+def test_a_task_whose_worker_dies_is_run_again(cli: Cli, tmp_path: Path, retries: int) -> None:
+    corpus = write_corpus(tmp_path / "c", [("jsonl", [400 + i % 300 for i in range(6000)])])
+    common = ["--task-size", "65536", "--kind", "documents"]
+    stop = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        killer = pool.submit(_kill_a_running_task, stop)
+        r = cli(
+            "prepare", corpus, "--output", tmp_path / "ray", "--engine", "ray", "--tasks", 2,
+            "--retries", retries, *common,
+        )  # fmt: skip
+        stop.set()
+        killed = killer.result()
+    assert killed is not None, "no task was seen running"
+    if retries == 0:
+        assert r.code == 1 and "a Ray task failed 1 time (" in r.err, r
+        assert not (tmp_path / "ray" / "manifest.json").exists()
+        return
+    assert r.code == 0, r
+    assert cli("prepare", corpus, "--output", tmp_path / "one", "--quiet", *common).code == 0
+    assert samples(tmp_path / "ray", "documents") == samples(tmp_path / "one", "documents")
+    assert cli("verify", tmp_path / "ray", "--quiet").code == 0

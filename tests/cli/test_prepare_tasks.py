@@ -279,7 +279,7 @@ def test_a_bad_line_in_a_share_that_starts_inside_a_file_is_located(cli: Cli, tm
     r = cli("prepare", corpus, "--output", tmp_path / "ds", "--task", 1, "--tasks", 2, "--task-size", 1000)
     assert r.code == 1, r
     after = int(r.err.split("starting after byte ")[1].split(" ")[0])
-    starts = [0] + [i + 1 for i, b in enumerate(data) if b == ord("\n")][:-1]
+    starts = [0, *[i + 1 for i, b in enumerate(data) if b == ord("\n")][:-1]]
     first = next(k for k, s in enumerate(starts) if s >= after)
     assert f"line {310 - first + 1} of the lines starting after byte {after}" in r.err
     assert "invalid JSON" in r.err

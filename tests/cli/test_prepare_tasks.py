@@ -122,6 +122,19 @@ def test_any_number_of_tasks_writes_the_one_machine_dataset(
     assert cli("verify", tmp / "many", "--quiet").code == 0
 
 
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_the_same_dataset_for_1_2_7_and_64_tasks(cli: Cli, tmp_path: Path, kind: str) -> None:
+    shape = [("jsonl", [i * 7 % 250 for i in range(120)]), ("gz", [5, 0, 40]), ("txt", [3]), ("jsonl", [])]
+    corpus = write_corpus(tmp_path / "corpus", shape)
+    read_as, options = KINDS[kind]
+    common = ("--task-size", 1024, *options)
+    assert cli("prepare", corpus, "--output", tmp_path / "one", "--quiet", *common).code == 0
+    want = samples(tmp_path / "one", read_as)
+    for tasks in (1, 2, 7, 64):
+        prepare_in_tasks(cli, corpus, tmp_path / f"n{tasks}", tasks, *common)
+        assert samples(tmp_path / f"n{tasks}", read_as) == want, tasks
+
+
 def test_a_share_is_consecutive_pieces_and_all_shares_are_the_inputs() -> None:
     files = [
         InputFile(Path("a.jsonl"), "jsonl", None, 10_000),

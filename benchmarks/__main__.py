@@ -18,6 +18,8 @@
     python -m benchmarks worker-start [--rounds 3] # process workers' start and memory vs torch's DataLoader
     python -m benchmarks worker-control [--hogs N] # collate_mode auto vs pinned, beside busy-loop processes
     python -m benchmarks gpu [--quick]             # the device copy: GB/s, overlap with compute, correctness
+    python -m benchmarks merge [--parts 1000,10000] # prepare --merge of 10,000 parts: time, size, open
+    python -m benchmarks prepare-tasks [--mb 200]  # prepare as 8 task processes and on Ray vs --workers 2
 
 `suite` runs in a venv of its own with the peers ($GUIDELOOM_BENCH_VENV, default
 $TMPDIR/guideloom-bench-venv): it creates it on first use and re-runs itself there. Nothing else
@@ -54,6 +56,8 @@ _PASSTHROUGH = {
     "worker-start": "benchmarks.worker_start",
     "worker-control": "benchmarks.worker_control",
     "gpu": "benchmarks.gpu",
+    "merge": "benchmarks.merge",
+    "prepare-tasks": "benchmarks.prepare_tasks",
 }
 
 
@@ -143,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
         "worker-start",
         "worker-control",
         "gpu",
+        "merge",
+        "prepare-tasks",
     ]
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__)

@@ -33,6 +33,7 @@ from guideloom.storage import (
     write_documents,
     write_stream,
 )
+from guideloom.storage._ray_write import ray_datasink, write_ray_dataset
 from guideloom.types import StatefulDataLoaderStateDict
 
 __version__ = "0.1.0"
@@ -62,7 +63,9 @@ __all__ = [
     "open_documents",
     "open_stream",
     "pack",
+    "ray_datasink",
     "verify_dataset",
     "write_documents",
+    "write_ray_dataset",
     "write_stream",
 ]

@@ -25,6 +25,7 @@ _INSTALL_HINT = {
     "zstandard": _CLI_EXTRA,
     "pyarrow": _CLI_EXTRA,
     "tokenizers": 'pip install "guideloom[tokenizers]"',
+    "ray": 'pip install "guideloom[ray]"',
     "torch": 'pip install "guideloom[torch]" (install the CPU or CUDA build of PyTorch you want first)',
 }
 

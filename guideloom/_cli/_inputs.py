@@ -9,9 +9,11 @@ in worker processes, on tasks of about ``task_bytes`` of input each.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import glob
 import gzip
+import hashlib
 import io
 import os
 import shutil
@@ -24,7 +26,7 @@ from typing import IO, Any, Literal, cast
 
 from guideloom._cli._common import InputError, UsageError, require
 
-__all__ = ["FORMATS", "InputFile", "Task", "expand_inputs", "iter_tasks"]
+__all__ = ["FORMATS", "InputFile", "Task", "expand_inputs", "inputs_fingerprint", "iter_tasks", "share_of"]
 
 Format = Literal["text", "jsonl", "parquet"]
 FORMATS: tuple[Format, ...] = ("text", "jsonl", "parquet")
@@ -44,6 +46,9 @@ class InputFile:
     format: Format
     compression: str | None
     size: int
+    span: tuple[int, int] | None = None
+    """An uncompressed JSONL file's share: the lines that start in ``[span[0], span[1])``
+    (``None``: the whole file). See :func:`share_of`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,9 +250,10 @@ def _jsonl_tasks(f: InputFile, task_bytes: int) -> Iterator[Task]:
     name = str(f.path)
     if f.compression is None:
         # The workers read their own byte ranges: the main process does not touch the data.
-        for k, start in enumerate(range(0, max(f.size, 1), task_bytes)):
+        low, high = f.span or (0, max(f.size, 1))
+        for start in range(low, high, task_bytes):
             stop = min(f.size, start + task_bytes)
-            yield Task("jsonl", name, (name, start, stop), 0 if k == 0 else -1, stop - start)
+            yield Task("jsonl", name, (name, start, stop), 0 if start == 0 else -1, stop - start)
         return
     first = 0
     carry = b""
@@ -381,3 +387,48 @@ def iter_tasks(files: Sequence[InputFile], *, field_name: str, task_bytes: int) 
         else:
             yield from _parquet_tasks(f, field_name, task_bytes)
         i += 1
+
+
+def _units(f: InputFile, task_bytes: int) -> list[tuple[int, int]]:
+    """The pieces a file can be shared out in without reading it: an uncompressed JSONL file's
+    ``task_bytes`` blocks (the grid the tasks use), else the whole file."""
+    if f.format == "jsonl" and f.compression is None and f.size > task_bytes:
+        return [(a, min(f.size, a + task_bytes)) for a in range(0, f.size, task_bytes)]
+    return [(0, f.size)]
+
+
+def share_of(files: Sequence[InputFile], *, task_bytes: int, task: int, tasks: int) -> list[InputFile]:
+    """Task ``task``'s share of ``files`` when ``tasks`` tasks prepare them: consecutive pieces
+    (whole files, or blocks of an uncompressed JSONL file) of about ``1/tasks`` of the bytes.
+
+    Shares follow the inputs' order, the concatenation of all shares is all of the inputs, and
+    each piece is read as it would be by one task: so the parts of a dataset prepared by any
+    number of tasks, taken in task order, hold what one machine's ``prepare`` writes. Computed
+    from the file list and sizes alone, so every task finds the same shares without reading data.
+    """
+    pieces = [(i, a, b) for i, f in enumerate(files) for a, b in _units(f, task_bytes)]
+    total = sum(b - a for _, a, b in pieces)
+    out: list[InputFile] = []
+    done = 0
+    for i, a, b in pieces:
+        middle = done + (b - a) / 2  # the share whose byte range holds the piece's middle
+        owner = min(tasks - 1, int(middle * tasks / total)) if total else 0
+        done += b - a
+        if owner != task:
+            continue
+        f = files[i]
+        whole = (a, b) == (0, f.size)
+        if out and out[-1].path == f.path and out[-1].span is not None:
+            out[-1] = dataclasses.replace(out[-1], span=(out[-1].span[0], b))
+        else:
+            out.append(f if whole else dataclasses.replace(f, span=(a, b)))
+    return [f if f.span != (0, f.size) else dataclasses.replace(f, span=None) for f in out]
+
+
+def inputs_fingerprint(files: Sequence[InputFile]) -> str:
+    """A digest of the input list (each file's path, format and size): parts prepared from other
+    inputs are told apart."""
+    h = hashlib.blake2b(digest_size=8)
+    for f in files:
+        h.update(f"{f.path}\0{f.format}\0{f.compression}\0{f.size}\n".encode())
+    return h.hexdigest()

@@ -4,21 +4,42 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 import numpy.typing as npt
 
-from guideloom._cli._common import CLIError, Progress, UsageError, add_count, format_bytes, format_count
-from guideloom._cli._inputs import FORMATS, expand_inputs, iter_tasks
-from guideloom._cli._tokenizers import resolve_tokenizer
+from guideloom._cli._common import (
+    CLIError,
+    Progress,
+    UsageError,
+    add_count,
+    format_bytes,
+    format_count,
+    int_at_least,
+)
+from guideloom._cli._inputs import FORMATS, InputFile, expand_inputs, inputs_fingerprint, iter_tasks, share_of
+from guideloom._cli._parts import (
+    Root,
+    TaskSlot,
+    merge_parts,
+    open_root,
+    part_folder,
+    part_options,
+    task_from_environment,
+)
+from guideloom._cli._tokenizers import TokenizerSpec, resolve_tokenizer
 from guideloom._cli._work import Options, Result, ordered_results
-from guideloom.storage._api import write_documents, write_stream
-from guideloom.storage._manifest import MANIFEST_NAME
+from guideloom._errors import DatasetFormatError
+from guideloom.storage._api import _sink, write_documents, write_stream
+from guideloom.storage._manifest import MANIFEST_NAME, Manifest, parse_manifest
+from guideloom.storage._writer import write_documents_to
 
 __all__ = ["add_parser", "run"]
 
@@ -39,6 +60,10 @@ examples:
 
   # to object storage (needs guideloom[remote])
   guideloom prepare corpus/ --output s3://bucket/datasets/corpus
+
+  # on 64 machines: a Slurm array, one task each; the last to finish writes the manifest
+  sbatch --array=0-63 --wrap "guideloom prepare corpus/ --output s3://bucket/corpus"
+  guideloom prepare --merge s3://bucket/corpus   # again, or after a rerun of failed tasks
 """
 
 
@@ -91,14 +116,13 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help="files, globs or folders")
+    p.add_argument("inputs", nargs="*", metavar="INPUT", help="files, globs or folders")
     p.add_argument(
         "-o",
         "--output",
         type=_destination,
-        required=True,
         metavar="DEST",
-        help="a folder, file:// URL, or s3:// gs:// az:// prefix",
+        help="a folder, file:// URL, or s3:// gs:// az:// prefix (required)",
     )
     p.add_argument(
         "--kind",
@@ -166,6 +190,51 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="input text per parallel task (default 4MiB)",
     )
+    tasks = p.add_argument_group(
+        "tasks",
+        "prepare on several machines: task I of N writes its share of the inputs into "
+        "DEST/parts/part-I-of-N/; the merge writes DEST's manifest over all parts without "
+        "copying them (the dataset is the same for any N)",
+    )
+    tasks.add_argument(
+        "--task",
+        type=int_at_least(0),
+        metavar="I",
+        help="this task, from 0 (default: SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN in a Slurm array)",
+    )
+    tasks.add_argument(
+        "--tasks",
+        type=int_at_least(1),
+        metavar="N",
+        help="the number of tasks (default: SLURM_ARRAY_TASK_COUNT in a Slurm array)",
+    )
+    tasks.add_argument(
+        "--merge",
+        type=_destination,
+        metavar="DEST",
+        help="write DEST's manifest over its finished parts (the last task to finish does it too)",
+    )
+    tasks.add_argument(
+        "--engine",
+        choices=("local", "ray"),
+        default="local",
+        help="local: this machine is one task (default); ray: submit the --tasks N tasks (default: "
+        "one per CPU of the cluster) to a Ray cluster, then merge (needs guideloom[ray])",
+    )
+    tasks.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="the Ray cluster to use (default: the one this process is connected to, else a local "
+        "one of 2 CPUs)",
+    )
+    tasks.add_argument(
+        "--retries",
+        type=int_at_least(0),
+        default=2,
+        metavar="R",
+        help="--engine ray: run a task again up to R times when its worker dies or it fails to read "
+        "or write (default 2)",
+    )
     p.set_defaults(func=run)
 
 
@@ -189,6 +258,29 @@ class _Counter:
         self.lengths_file = lengths_file
 
 
+def _doc_dtype(counter: _Counter, which: str) -> type[np.integer[Any]]:
+    if which == "doc_id":
+        return np.uint32 if counter.documents <= 2**32 else np.int64
+    return np.uint32 if counter.max_length <= 2**32 else np.int64
+
+
+class _DocDtypes(Mapping[str, Any]):
+    """``doc_id``/``doc_pos`` dtypes, looked up once the tokens are written and the totals known
+    (so an empty dataset, or part, stores them in the same dtype as any other)."""
+
+    def __init__(self, counter: _Counter) -> None:
+        self.counter = counter
+
+    def __getitem__(self, key: str) -> Any:
+        return _doc_dtype(self.counter, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(("doc_id", "doc_pos"))
+
+    def __len__(self) -> int:
+        return 2
+
+
 def _doc_metadata(counter: _Counter, which: str) -> Iterator[npt.NDArray[Any]]:
     """``doc_id`` or ``doc_pos`` for every token, rebuilt from the spilled document lengths.
 
@@ -197,10 +289,7 @@ def _doc_metadata(counter: _Counter, which: str) -> Iterator[npt.NDArray[Any]]:
     """
     fh = counter.lengths_file
     assert fh is not None
-    if which == "doc_id":
-        dtype = np.uint32 if counter.documents <= 2**32 else np.int64
-    else:
-        dtype = np.uint32 if counter.max_length <= 2**32 else np.int64
+    dtype = _doc_dtype(counter, which)
     fh.seek(0)
     base_doc = 0
     while block := fh.read(8 * _LENGTHS_BLOCK):
@@ -219,12 +308,31 @@ def _doc_metadata(counter: _Counter, which: str) -> Iterator[npt.NDArray[Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.merge is not None:
+        return _merge(args)
+    if not args.inputs:
+        raise UsageError("name the inputs to prepare (files, globs or folders), or --merge DEST")
+    if args.output is None:
+        raise UsageError("the following argument is required: -o/--output")
     if args.kind == "documents" and args.document_ids:
         raise UsageError("--document-ids applies to --kind stream (a document dataset keeps its boundaries)")
     if args.no_eos and args.eos is not None:
         raise UsageError("--eos and --no-eos contradict each other")
+    if args.engine == "ray":
+        if args.task is not None:
+            raise UsageError("--engine ray runs all the tasks: name --tasks N, not --task")
+        from guideloom._cli._ray_engine import run_on_ray
+
+        spec = resolve_tokenizer(args.tokenizer, eos=args.eos, no_eos=args.no_eos, dtype=args.dtype)
+        files = expand_inputs(args.inputs, include=args.include, forced=args.format)
+        return run_on_ray(args, spec, files, _run_task)
+    if args.ray_address is not None:
+        raise UsageError("--ray-address goes with --engine ray")
+    slot = _slot(args)
     spec = resolve_tokenizer(args.tokenizer, eos=args.eos, no_eos=args.no_eos, dtype=args.dtype)
     files = expand_inputs(args.inputs, include=args.include, forced=args.format)
+    if slot is not None:
+        return _run_task(args, spec, files, slot)
     dest: str = args.output
     if _is_local(dest):
         folder = _local_folder(dest)
@@ -232,6 +340,143 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError(f"--output {dest!r} exists and is not a folder")
         if (folder / MANIFEST_NAME).exists() and not args.overwrite:
             raise CLIError(f"a dataset already exists at {dest!r}; pass --overwrite to replace it")
+    manifest, counter, elapsed = prepare_files(args, spec, files, dest, overwrite=args.overwrite)
+    if not args.quiet:
+        _report(manifest, dest, counter, files, elapsed)
+    return 0
+
+
+def _slot(args: argparse.Namespace) -> TaskSlot | None:
+    """``--task``/``--tasks``, else the Slurm array's task, else None (one machine)."""
+    if args.task is None and args.tasks is None:
+        return task_from_environment(os.environ)
+    if args.task is None or args.tasks is None:
+        raise UsageError("--task I and --tasks N go together (outside a Slurm array, name both)")
+    if args.task >= args.tasks:
+        raise UsageError(f"--task {args.task} is not one of the {args.tasks} tasks (0 to {args.tasks - 1})")
+    return TaskSlot(args.task, args.tasks)
+
+
+def _merge(args: argparse.Namespace) -> int:
+    if args.inputs or args.output is not None:
+        raise UsageError("--merge DEST takes no inputs and no --output: it merges DEST's parts")
+    started = time.perf_counter()
+    manifest = merge_parts(args.merge, tasks=args.tasks)
+    if not args.quiet:
+        print(
+            f"merged {manifest.extra['parts']['tasks']:,} parts into {args.merge}: "
+            f"{format_count(manifest.num_elements)} tokens, {len(manifest.all_files()):,} data files, "
+            f"in {time.perf_counter() - started:.2f} s"
+        )
+    return 0
+
+
+def _options_record(
+    args: argparse.Namespace, spec: TokenizerSpec, files: list[InputFile], tasks: int
+) -> dict[str, Any]:
+    """What every part of one dataset must share: the options that shape its data, and the inputs."""
+    return part_options(
+        {
+            "kind": args.kind,
+            **spec.info(),
+            "dtype": np.dtype(spec.dtype).name,
+            "field": args.field,
+            "format": args.format,
+            "include": list(args.include),
+            "document_ids": bool(args.document_ids),
+            "skip_invalid": bool(args.skip_invalid),
+            "task_size": args.task_size,
+            "tasks": tasks,
+            "source_files": len(files),
+            "inputs": inputs_fingerprint(files),
+        }
+    )
+
+
+def _run_task(
+    args: argparse.Namespace,
+    spec: TokenizerSpec,
+    files: list[InputFile],
+    slot: TaskSlot,
+    *,
+    merge: bool = True,
+    on_result: Callable[[int], object] | None = None,
+) -> int:
+    """Prepare task ``slot``'s share into its part; skip a part already finished with the same
+    options; merge when every part is finished (unless not ``merge``: the Ray engine merges).
+    ``on_result`` is called with the input bytes of each piece of work done."""
+    dest: str = args.output
+    root = open_root(dest)
+    name = part_folder(slot.task, slot.tasks)
+    record = _options_record(args, spec, files, slot.tasks)
+    top = root.read(MANIFEST_NAME)
+    if top is not None and not args.overwrite:
+        try:
+            is_merge = "parts" in parse_manifest(top, f"{dest}/{MANIFEST_NAME}").extra
+        except DatasetFormatError:
+            is_merge = False
+        if not is_merge:
+            raise CLIError(f"a dataset already exists at {dest!r}; pass --overwrite to replace it")
+    existing = root.read(f"{name}/{MANIFEST_NAME}")
+    if existing is not None and not args.overwrite:
+        part = parse_manifest(existing, f"{dest}/{name}/{MANIFEST_NAME}").extra.get("part") or {}
+        if part.get("fingerprint") != record["fingerprint"]:
+            raise CLIError(
+                f"{dest}/{name} was prepared with other options or inputs; pass --overwrite to "
+                "prepare it again (and every other part: a dataset's parts share their options)"
+            )
+        if not args.quiet:
+            print(f"{dest}/{name} is already prepared; skipped")
+    else:
+        if existing is None:
+            root.clear(name)  # what an interrupted write of this part left
+        share = share_of(files, task_bytes=args.task_size, task=slot.task, tasks=slot.tasks)
+        part = {"task": slot.task, "tasks": slot.tasks, **record}
+        manifest, counter, elapsed = prepare_files(
+            args,
+            spec,
+            share,
+            root.location(name),
+            overwrite=args.overwrite,
+            extra={"part": part},
+            offsets_head=True,
+            desc=f"task {slot.task}/{slot.tasks}",
+            on_result=on_result,
+        )
+        if not args.quiet:
+            _report(manifest, f"{dest}/{name}", counter, share, elapsed)
+    if merge and _all_done(root, slot.tasks):  # the last task to finish merges (two at once write the same)
+        try:
+            merged = merge_parts(dest, tasks=slot.tasks)
+        except DatasetFormatError as exc:  # parts of another run, being prepared again: not yet
+            print(f"guideloom: the parts are not merged yet: {exc}", file=sys.stderr)
+            return 0
+        if not args.quiet:
+            print(
+                f"all {slot.tasks} parts are prepared: wrote {dest}/{MANIFEST_NAME} "
+                f"({format_count(merged.num_elements)} tokens)"
+            )
+    return 0
+
+
+def _all_done(root: Root, tasks: int) -> bool:
+    done = root.part_manifests()
+    return all(part_folder(i, tasks) in done for i in range(tasks))
+
+
+def prepare_files(
+    args: argparse.Namespace,
+    spec: TokenizerSpec,
+    files: list[InputFile],
+    dest: str,
+    *,
+    overwrite: bool,
+    extra: dict[str, Any] | None = None,
+    offsets_head: bool = False,
+    desc: str = "prepare",
+    on_result: Callable[[int], object] | None = None,
+) -> tuple[Manifest, _Counter, float]:
+    """Tokenize ``files`` into a dataset at ``dest``: its manifest, totals and seconds taken."""
     options = Options(tokenizer=spec, field=args.field, skip_invalid=args.skip_invalid)
     info: dict[str, Any] = {
         **spec.info(),
@@ -239,12 +484,13 @@ def run(args: argparse.Namespace) -> int:
         "source_files": len(files),
         "documents": 0,
         "created_by": "guideloom prepare",
+        **(extra or {}),
     }
-    total_disk = sum(f.size for f in files)
+    total_disk = sum(_disk(f) for f in files)
     progress = Progress(
         enabled=Progress.wanted(progress=args.progress, quiet=args.quiet),
         total=total_disk,
-        desc="prepare",
+        desc=desc,
         counters=("docs", "tokens"),
     )
     started = time.perf_counter()
@@ -269,6 +515,8 @@ def run(args: argparse.Namespace) -> int:
                 if counter.lengths_file is not None:
                     counter.lengths_file.write(r.lengths.tobytes())
                 progress.update(r.disk_bytes, docs=len(r.lengths), tokens=len(r.tokens))
+                if on_result is not None:
+                    on_result(r.disk_bytes)
                 yield r
             info["documents"] = counter.documents
             info["tokens"] = counter.tokens
@@ -278,7 +526,7 @@ def run(args: argparse.Namespace) -> int:
         write_options: dict[str, Any] = {
             "dtype": np.dtype(spec.dtype),
             "shard_bytes": args.shard_size,
-            "overwrite": args.overwrite,
+            "overwrite": overwrite,
             "info": info,
         }
         try:
@@ -289,25 +537,45 @@ def run(args: argparse.Namespace) -> int:
                     else None
                 )
                 manifest = write_stream(
-                    dest, (r.tokens for r in counted()), metadata=metadata, **write_options
+                    dest,
+                    (r.tokens for r in counted()),
+                    metadata=metadata,
+                    metadata_dtypes=_DocDtypes(counter) if args.document_ids else None,
+                    **write_options,
                 )
             else:
-                manifest = write_documents(dest, _split_documents(counted()), **write_options)
+                manifest = _write_documents(
+                    dest, _split_documents(counted()), offsets_head=offsets_head, **write_options
+                )
         finally:
             results.close()
             progress.close()
-    elapsed = time.perf_counter() - started
-    if not args.quiet:
-        nbytes = sum(f.nbytes for _, _, f in manifest.all_files())
-        print(
-            f"wrote {manifest.kind} dataset {dest}: {format_count(manifest.num_elements)} tokens "
-            f"({manifest.dtype.name}), {counter.documents:,} documents from {len(files):,} files, "
-            f"{len(manifest.all_files())} data files ({format_bytes(nbytes)}) in {elapsed:.1f} s "
-            f"({total_disk / max(elapsed, 1e-9) / 1e6:.1f} MB/s of input)"
-        )
-        if counter.invalid:
-            print(f"skipped {counter.invalid:,} invalid lines, rows or files (--skip-invalid)")
-    return 0
+    return manifest, counter, time.perf_counter() - started
+
+
+def _disk(f: InputFile) -> int:
+    return f.size if f.span is None else f.span[1] - f.span[0]
+
+
+def _write_documents(
+    dest: str, documents: Iterator[npt.NDArray[Any]], *, offsets_head: bool, **options: Any
+) -> Manifest:
+    if not offsets_head:
+        return write_documents(dest, documents, **options)
+    return write_documents_to(_sink(dest, {}), documents, offsets_head=True, **options)
+
+
+def _report(manifest: Manifest, dest: str, counter: _Counter, files: list[InputFile], elapsed: float) -> None:
+    total_disk = sum(_disk(f) for f in files)
+    nbytes = sum(f.nbytes for _, _, f in manifest.all_files())
+    print(
+        f"wrote {manifest.kind} dataset {dest}: {format_count(manifest.num_elements)} tokens "
+        f"({manifest.dtype.name}), {counter.documents:,} documents from {len(files):,} files, "
+        f"{len(manifest.all_files())} data files ({format_bytes(nbytes)}) in {elapsed:.1f} s "
+        f"({total_disk / max(elapsed, 1e-9) / 1e6:.1f} MB/s of input)"
+    )
+    if counter.invalid:
+        print(f"skipped {counter.invalid:,} invalid lines, rows or files (--skip-invalid)")
 
 
 def _split_documents(results: Iterator[Result]) -> Iterator[npt.NDArray[Any]]:

@@ -207,17 +207,26 @@ def ordered_results(tasks: Iterable[Task], options: Options, workers: int) -> Ge
         )
         run = run_task
     pending: deque[tuple[Task, concurrent.futures.Future[Result]]] = deque()
-    line = 1  # the first line of the next jsonl task, within its file
+    line = 1  # the first line of the next jsonl task, within its file (or from ``after``)
+    source = ""
+    after: int | None = None  # a task's share starting inside a file: lines count from this byte
 
     def take() -> Result:
-        nonlocal line
+        nonlocal line, source, after
         task, future = pending.popleft()
-        if task.kind == "jsonl" and task.first == 0:
-            line = 1
+        if task.kind == "jsonl" and (task.first == 0 or task.source != source):
+            line, source = 1, task.source
+            inside = task.first != 0 and isinstance(task.payload, tuple)
+            after = task.payload[1] if inside else None
         try:
             result = future.result()
         except LineError as exc:
-            raise exc.located(line) from None
+            if after is None:
+                raise exc.located(line) from None
+            raise InputError(
+                f"{exc.source}: line {line + exc.line} of the lines starting after byte {after} "
+                f"(where this task's share of the file begins): {exc.detail}{_SKIP_HINT}"
+            ) from None
         except concurrent.futures.process.BrokenProcessPool:
             raise CLIError(
                 "a worker process died (killed, or out of memory); try fewer --workers or a "

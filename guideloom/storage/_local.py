@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from guideloom._errors import DatasetIntegrityError
-from guideloom.storage._manifest import MANIFEST_NAME, ArraySpec, Manifest, read_manifest_file
+from guideloom.storage._manifest import MANIFEST_NAME, ArraySpec, Manifest, add_bases, read_manifest_file
 from guideloom.storage._manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
 from guideloom.storage._memory import gather_windows
 from guideloom.storage.base import Rows, Spans
@@ -82,17 +82,18 @@ def check_local_files(folder: Path, manifest: Manifest) -> None:
     """Refuse a manifest whose files are missing, outside the folder, or of the wrong size, and
     (for a dataset of at most :data:`VERIFY_ON_OPEN_BYTES`) whose bytes do not match their
     checksums."""
-    root = folder.resolve()
+    root = str(folder.resolve())
     files = list(manifest.all_files())
     verify = sum(f.nbytes for _, _, f in files) <= VERIFY_ON_OPEN_BYTES
+    dirs: dict[str, str | None] = {}  # each subfolder resolved once: a merge names thousands
     for name, _spec, f in files:
-        p = (folder / f.path).resolve()
-        if not p.is_relative_to(root):
+        inside = _inside(root, f.path, dirs)
+        if inside is None:
             raise DatasetIntegrityError(
                 f"{folder}: file {f.path!r} of field {name!r} lies outside the dataset folder"
             )
         try:
-            st = p.stat()
+            st = os.stat(inside)
         except FileNotFoundError:
             raise DatasetIntegrityError(
                 f"{folder}: file {f.path!r} of field {name!r} named by the manifest is missing"
@@ -103,7 +104,37 @@ def check_local_files(folder: Path, manifest: Manifest) -> None:
                 f"{f.nbytes}; the dataset is damaged or was not copied completely"
             )
         if verify:
-            _check_sha256(folder, name, f.path, p, st, f.sha256)
+            _check_sha256(folder, name, f.path, Path(inside), st, f.sha256)
+
+
+def _within(root: str, path: str) -> str | None:
+    """``path`` with its symbolic links resolved, or None when that lies outside ``root``."""
+    real = os.path.realpath(path)
+    return real if real == root or real.startswith(root + os.sep) else None
+
+
+def _folder_in(root: str, sub: str, dirs: dict[str, str | None]) -> str | None:
+    """Subfolder ``sub`` of the resolved ``root``, resolved (None: it leads outside), one
+    ``lstat`` per folder not seen before."""
+    if not sub:
+        return root
+    if sub not in dirs:
+        head, _, leaf = sub.rpartition("/")
+        parent = _folder_in(root, head, dirs)
+        path = None if parent is None else f"{parent}/{leaf}"
+        dirs[sub] = _within(root, path) if path is not None and os.path.islink(path) else path
+    return dirs[sub]
+
+
+def _inside(root: str, relpath: str, dirs: dict[str, str | None]) -> str | None:
+    """Where ``relpath`` (checked by the manifest: relative, normalised) lies under the resolved
+    ``root``, or None when a symbolic link (of a subfolder or of the file) leads outside it."""
+    sub, _, leaf = relpath.rpartition("/")
+    parent = _folder_in(root, sub, dirs)
+    if parent is None:
+        return None
+    path = f"{parent}/{leaf}"
+    return _within(root, path) if os.path.islink(path) else path
 
 
 def _check_sha256(folder: Path, field: str, rel: str, path: Path, st: os.stat_result, want: str) -> None:
@@ -123,6 +154,10 @@ def _check_sha256(folder: Path, field: str, rel: str, path: Path, st: os.stat_re
 #: Mapped pages a storage's maps may hold before they are dropped (see ShardedArray). Maps no
 #: larger than this in all are never dropped: the whole map then fits the budget.
 MAPPED_BUDGET = 256 * 2**20
+#: Shard files no larger than this are read into memory when an array is opened, not mapped: a
+#: map keeps a file descriptor open (Python's mmap holds a duplicate), and a dataset of many
+#: parts has many small files (each part's document offsets), which would use up the limit.
+SMALL_FILE_BYTES = 64 * 2**10
 #: A page fault maps the page-cached pages around the one it needs too (Linux maps 64 KiB), so
 #: a read of scattered rows maps about this much more per row than it reads.
 FAULT_AROUND = 64 * 2**10
@@ -151,6 +186,7 @@ class ShardedArray:
 
     def __init__(self, folder: Path, spec: ArraySpec, *, preads: bool = True) -> None:
         self.dtype = spec.dtype
+        self._bases = spec.bases()  # files' bases (a merge of prepared parts), added as read
         self._parts: list[Array] = []
         self._maps: list[mmap.mmap] = []
         self._fds: list[int] = []
@@ -168,6 +204,13 @@ class ShardedArray:
                 fds.append(os.open(path, os.O_RDONLY))
             return
         for f, path in zip(files, self._paths, strict=True):
+            if f.nbytes <= SMALL_FILE_BYTES:  # read whole: a map would hold a descriptor open
+                small = np.fromfile(path, dtype=spec.dtype, count=f.elements)
+                if len(small) != f.elements:
+                    self._short(len(self._parts))
+                small.flags.writeable = False
+                self._parts.append(small)
+                continue
             with open(path, "rb") as fh:
                 mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
             self._maps.append(mm)
@@ -196,6 +239,8 @@ class ShardedArray:
         """Windows ``[s, s+length)`` for each start, as one ``(n, length)`` array (a copy)."""
         out = self._gather(starts, length)
         self.account(len(out), out.nbytes)
+        if self._bases is not None:
+            add_bases(out, starts[:, None] + np.arange(length, dtype=np.int64), self._bases)
         return out
 
     def _gather(self, starts: npt.NDArray[np.int64], length: int) -> Array:
@@ -211,7 +256,7 @@ class ShardedArray:
             rows = np.flatnonzero(inside & (first == shard))
             out[rows] = gather_windows(self._parts[shard], starts[rows] - self._bounds[shard], length)
         for row in np.flatnonzero(~inside).tolist():
-            out[row] = self.slice(int(starts[row]), int(starts[row]) + length)
+            out[row] = self._slice(int(starts[row]), int(starts[row]) + length)
         return out
 
     def _pread_windows(self, starts: npt.NDArray[np.int64], length: int) -> Array:
@@ -289,7 +334,7 @@ class ShardedArray:
             if k == j:
                 dest[to * item : (to + b - a) * item] = maps[k][(a - base[k]) * item : (b - base[k]) * item]
             else:  # across shards
-                out[to : to + b - a] = self.slice(a, b)
+                out[to : to + b - a] = self._slice(a, b)
 
     def _short(self, k: int) -> None:
         raise DatasetIntegrityError(
@@ -299,6 +344,12 @@ class ShardedArray:
 
     def slice(self, start: int, stop: int) -> Array:
         """Elements ``[start, stop)``: a view when they lie in one mapped shard, else a copy."""
+        if self._bases is not None:
+            positions = np.arange(start, max(start, stop), dtype=np.int64)
+            return add_bases(self._slice(start, stop).copy(), positions, self._bases)
+        return self._slice(start, stop)
+
+    def _slice(self, start: int, stop: int) -> Array:
         if self._fds:
             out = np.empty(max(0, stop - start), dtype=self.dtype)
             self._pread_span(out.view(np.uint8).data, 0, start, stop)
@@ -320,8 +371,14 @@ class ShardedArray:
 
     def take(self, positions: npt.NDArray[np.int64]) -> Array:
         """Elements at ``positions``."""
+        out = self._take(positions)
+        if self._bases is not None:
+            out = add_bases(out.copy(), positions, self._bases)
+        return out
+
+    def _take(self, positions: npt.NDArray[np.int64]) -> Array:
         if self._fds:
-            return np.asarray([self.slice(p, p + 1)[0] for p in positions.tolist()], dtype=self.dtype)
+            return np.asarray([self._slice(p, p + 1)[0] for p in positions.tolist()], dtype=self.dtype)
         if len(self._parts) == 1:
             return self._parts[0][positions]
         shard = self._locate(positions)

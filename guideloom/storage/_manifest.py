@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeGuard
 
 import numpy as np
+import numpy.typing as npt
 
 from guideloom._errors import DatasetFormatError
 
@@ -29,6 +30,7 @@ __all__ = [
     "CHECKSUM",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "FORMAT_VERSION_BASES",
     "MANIFEST_NAME",
     "MAX_INFO_DEPTH",
     "MAX_MANIFEST_BYTES",
@@ -36,6 +38,7 @@ __all__ = [
     "ArraySpec",
     "FileSpec",
     "Manifest",
+    "add_bases",
     "check_field_name",
     "parse_manifest",
     "read_manifest_file",
@@ -44,6 +47,10 @@ __all__ = [
 
 FORMAT_NAME: Final = "guideloom-dataset"
 FORMAT_VERSION: Final = 1
+FORMAT_VERSION_BASES: Final = 2
+"""The version of a manifest whose files carry a ``base`` (a merge of prepared parts): older
+readers, which would read the stored values without it, refuse it rather than misread it."""
+READ_VERSIONS: Final = (FORMAT_VERSION, FORMAT_VERSION_BASES)
 MANIFEST_NAME: Final = "manifest.json"
 CHECKSUM: Final = "sha256"
 MAX_MANIFEST_BYTES: Final = 64 * 2**20
@@ -138,9 +145,25 @@ class FileSpec:
     elements: int
     nbytes: int
     sha256: str
+    base: int = 0
+    """Added to every stored value when it is read (integer arrays only): a merge of prepared
+    parts references each part's document offsets and ``doc_id`` files as they are, their values
+    counted from the part's start, and says here where the part starts."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "elements": self.elements, "bytes": self.nbytes, "sha256": self.sha256}
+        out: dict[str, Any] = {
+            "path": self.path,
+            "elements": self.elements,
+            "bytes": self.nbytes,
+            "sha256": self.sha256,
+        }
+        if self.base:
+            out["base"] = self.base
+        return out
+
+    def moved(self, prefix: str, base: int = 0) -> FileSpec:
+        """This file as a dataset that holds it under ``prefix`` names it, its values shifted by ``base``."""
+        return FileSpec(f"{prefix}/{self.path}", self.elements, self.nbytes, self.sha256, self.base + base)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,8 +177,39 @@ class ArraySpec:
     def length(self) -> int:
         return sum(f.elements for f in self.files)
 
+    @property
+    def has_bases(self) -> bool:
+        return any(f.base for f in self.files)
+
+    def bases(self) -> Bases | None:
+        """``(bounds, bases)`` of the non-empty files when any has a base, else None: element
+        ``i`` of the array is its stored value plus ``bases[k]``, ``k`` the file whose
+        ``[bounds[k], bounds[k+1])`` holds ``i`` (see :func:`add_bases`)."""
+        if not self.has_bases:
+            return None
+        files = [f for f in self.files if f.elements]
+        bounds = np.cumsum([0, *(f.elements for f in files)], dtype=np.int64)
+        return bounds, np.asarray([f.base for f in files], dtype=np.int64)
+
     def to_json(self) -> dict[str, Any]:
         return {"dtype": self.dtype.name, "files": [f.to_json() for f in self.files]}
+
+
+Bases = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]
+
+
+def add_bases(
+    values: npt.NDArray[Any], positions: npt.NDArray[np.int64], bases: Bases | None
+) -> npt.NDArray[Any]:
+    """``values`` read at ``positions`` (any shape, the same), with their files' bases added in
+    place (see :meth:`ArraySpec.bases`); ``values`` unchanged when there are none."""
+    if bases is None or not values.size:
+        return values
+    bounds, per_file = bases
+    shard = np.searchsorted(bounds, positions, side="right") - 1
+    shard = np.clip(shard, 0, len(per_file) - 1)
+    values += per_file[shard].astype(values.dtype, copy=False)
+    return values
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,12 +251,16 @@ class Manifest:
         h.update(f"{self.kind}:{self.dtype.name}:{self.num_elements}:{self.num_documents}".encode())
         for name, spec, f in self.all_files():
             h.update(f"\n{name}:{spec.dtype.name}:{f.elements}:{f.sha256}".encode())
+            if f.base:
+                h.update(f"+{f.base}".encode())
         return h.hexdigest()
 
     def to_json_bytes(self) -> bytes:
         doc: dict[str, Any] = {
             "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
+            "format_version": FORMAT_VERSION_BASES
+            if any(f.base for _, _, f in self.all_files())
+            else FORMAT_VERSION,
             "kind": self.kind,
             "dtype": self.dtype.name,
             "num_elements": self.num_elements,
@@ -223,7 +281,7 @@ class Manifest:
         return parse_manifest(data, f"{source}/{MANIFEST_NAME}")
 
 
-def _parse_array(raw: Any, *, where: str) -> ArraySpec:
+def _parse_array(raw: Any, *, where: str, version: int | None = FORMAT_VERSION) -> ArraySpec:
     if not isinstance(raw, dict):
         raise DatasetFormatError(f"{where} must be an object with 'dtype' and 'files'")
     name = raw.get("dtype")
@@ -252,7 +310,14 @@ def _parse_array(raw: Any, *, where: str) -> ArraySpec:
             )
         if not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)):
             raise DatasetFormatError(f"{fw}: 'sha256' must be 64 lowercase hex digits")
-        files.append(FileSpec(path=path, elements=elements, nbytes=nbytes, sha256=digest))
+        base = f.get("base", 0)
+        if not _is_count(base) or (base and dtype.kind not in "iu"):
+            raise DatasetFormatError(f"{fw}: 'base' must be an integer >= 0 (< 2**63), of an integer array")
+        if base and (version or 0) < FORMAT_VERSION_BASES:
+            raise DatasetFormatError(
+                f"{fw}: 'base' needs format_version {FORMAT_VERSION_BASES}; the manifest says {version}"
+            )
+        files.append(FileSpec(path=path, elements=elements, nbytes=nbytes, sha256=digest, base=base))
     return ArraySpec(dtype=dtype, files=tuple(files))
 
 
@@ -320,10 +385,10 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise DatasetFormatError(f"{where} is not a guideloom dataset manifest")
     version = doc.get("format_version")
-    if type(version) is not int or version != FORMAT_VERSION:
+    if type(version) is not int or version not in READ_VERSIONS:
         raise DatasetFormatError(
-            f"{where} has format_version {_show(version)}; this guideloom reads version "
-            f"{FORMAT_VERSION} (upgrade guideloom to read newer datasets)"
+            f"{where} has format_version {_show(version)}; this guideloom reads versions "
+            f"{FORMAT_VERSION} and {FORMAT_VERSION_BASES} (upgrade guideloom to read newer datasets)"
         )
     kind = doc.get("kind")
     if kind not in ("stream", "documents"):
@@ -331,7 +396,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     raw_fields = doc.get("fields")
     if not isinstance(raw_fields, dict) or "tokens" not in raw_fields:
         raise DatasetFormatError(f"{where}: 'fields' must be an object with a 'tokens' entry")
-    fields = {"tokens": _parse_array(raw_fields["tokens"], where=f"{where} fields.tokens")}
+    fields = {"tokens": _parse_array(raw_fields["tokens"], where=f"{where} fields.tokens", version=version)}
     for name, raw in raw_fields.items():
         if name == "tokens":
             continue
@@ -339,7 +404,9 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
             check_field_name(name)
         except ValueError as exc:
             raise DatasetFormatError(f"{where}: {exc}") from None
-        fields[name] = _parse_array(raw, where=f"{where} fields.{name}")
+        fields[name] = _parse_array(raw, where=f"{where} fields.{name}", version=version)
+    if fields["tokens"].has_bases:
+        raise DatasetFormatError(f"{where}: fields.tokens: token files carry no 'base'")
     length = fields["tokens"].length
     num_elements = doc.get("num_elements")
     if type(num_elements) is not int or num_elements != length:
@@ -360,7 +427,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     else:
         if len(fields) != 1:
             raise DatasetFormatError(f"{where}: document datasets have only a 'tokens' field")
-        offsets = _parse_array(doc.get("offsets"), where=f"{where} offsets")
+        offsets = _parse_array(doc.get("offsets"), where=f"{where} offsets", version=version)
         num_documents = doc.get("num_documents")  # type: ignore[assignment]
         if not _is_count(num_documents):
             raise DatasetFormatError(f"{where}: num_documents must be an integer >= 0 (and < 2**63)")

@@ -52,7 +52,7 @@ from guideloom.storage._cache import DatasetCache, copy_footprint
 from guideloom.storage._chunks import ChunkCache
 from guideloom.storage._client import Remote, open_remote
 from guideloom.storage._local import LocalDocumentStorage, LocalStreamStorage
-from guideloom.storage._manifest import Manifest
+from guideloom.storage._manifest import Manifest, add_bases
 from guideloom.storage._manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
 from guideloom.storage._objstore import ReadOptions
 from guideloom.storage._ranges import Layout, plan_spans, plan_windows
@@ -267,6 +267,8 @@ class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):
         self.manifest = manifest
         self.max_concurrent_reads = remote.opts.max_concurrent_reads
         self._arrays = {name: Layout.of(spec) for name, spec in manifest.fields.items()}
+        #: the fields whose files carry bases (a merge of prepared parts), added as read
+        self._bases = {n: b for n, s in manifest.fields.items() if (b := s.bases()) is not None}
         self._opened = False
         self._setup_cache()
 
@@ -319,6 +321,8 @@ class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):
             raise IndexError(f"{self!r}: read_many windows must lie inside [0, {len(self)})")
         jobs, outs = plan_windows(self._arrays, starts, length, self._remote.limits)
         await self._run(jobs, _key(starts) if n else None)
+        for name, bases in self._bases.items():
+            add_bases(outs[name], starts[:, None] + np.arange(length, dtype=np.int64), bases)
         tokens = outs.pop("tokens")
         if not outs:
             return Rows(tokens)
@@ -338,6 +342,7 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         self.max_concurrent_reads = remote.opts.max_concurrent_reads
         self._tokens = Layout.of(manifest.tokens)
         self._offsets_arr = Layout.of(manifest.offsets)
+        self._offsets_bases = manifest.offsets.bases()
         self._offsets: I64 | None = None
         self._opened = False
         self._setup_cache()
@@ -378,7 +383,8 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         jobs, outs = plan_windows({"offsets": self._offsets_arr}, positions, length, self._remote.limits)
         out = outs["offsets"].reshape(-1)
         await self._run(jobs)
-        return out
+        where = positions if length == 1 else np.arange(length, dtype=np.int64)
+        return add_bases(out, where, self._offsets_bases)
 
     def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
         """The loader's upcoming reads, in order: a chunk cache downloads ahead by them, and the
@@ -458,7 +464,8 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
             {"offsets": self._offsets_arr}, np.asarray([start], np.int64), length, self._remote.limits
         )
         await self._run(jobs)  # through the chunk cache, when there is one
-        return outs["offsets"].reshape(-1)
+        where = np.arange(start, start + length, dtype=np.int64)
+        return add_bases(outs["offsets"].reshape(-1), where, self._offsets_bases)
 
     def _check_run(self, offsets: I64) -> I64:
         if np.any(np.diff(offsets) < 0) or (len(offsets) and int(offsets[-1]) > self.manifest.num_elements):

@@ -204,6 +204,10 @@ class _ArrayWriter:
             self._count += take
             pos += take
 
+    def cut(self) -> None:
+        """End the current file: the next element starts a new one."""
+        self._finish_file()
+
     def discard(self) -> None:
         """Close the open file of a write that failed (the sink removes the files)."""
         if self._fh is not None:
@@ -304,8 +308,13 @@ def write_documents_to(
     overwrite: bool = False,
     info: Mapping[str, Any] | None = None,
     progress: Any = None,
+    offsets_head: bool = False,
 ) -> Manifest:
-    """Write a document dataset to ``sink``; see :func:`guideloom.write_documents`."""
+    """Write a document dataset to ``sink``; see :func:`guideloom.write_documents`.
+
+    ``offsets_head``: the first offset (0) goes in a file of its own, so that a merge of
+    prepared parts can name each part's other offset files as they are (``prepare --tasks``).
+    """
     _check_shard_bytes(shard_bytes)
     if _one_array(documents) is not None:
         raise TypeError(
@@ -316,6 +325,10 @@ def write_documents_to(
     written: list[str] = []
     offsets_writer = _ArrayWriter(sink, "offsets", np.dtype("<i8"), shard_bytes, written)
     pending: list[int] = [0]
+    if offsets_head:
+        offsets_writer.append(np.zeros(1, dtype=np.int64))
+        offsets_writer.cut()
+        pending.clear()
     state = {"end": 0, "count": 0}
 
     def counted() -> Iterator[Array]:

@@ -575,6 +575,7 @@ def test_preadv_arrays_hold_no_maps_and_offsets_never_use_preadv(
     import guideloom.storage._local as local
 
     monkeypatch.setattr(local, "MAPPED_BUDGET", 16)
+    monkeypatch.setattr(local, "SMALL_FILE_BYTES", 0)  # map even the small offsets file
     gl.write_documents(tmp_path / "d", [np.arange(n, dtype=np.int64) for n in (3, 50, 7)])
     docs = gl.open_documents(tmp_path / "d")
     asyncio.run(docs.open())

@@ -1,0 +1,48 @@
+"""``prepare --task I --tasks N`` to object storage (a real S3 server on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from guideloom._cli import main
+from tests.cli.test_prepare_tasks import samples, write_corpus
+from tests.support.remote import BUCKET, unique
+from tests.support.servers import MotoS3
+
+
+@pytest.mark.parametrize("kind", ["ids", "documents"])
+def test_tasks_upload_their_parts_and_the_last_merges(
+    s3: MotoS3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    corpus = write_corpus(
+        tmp_path / "c", [("jsonl", list(range(0, 500, 3))), ("gz", [4, 0, 9]), ("txt", [7])]
+    )
+    options = ["--task-size", "1024", *(["--document-ids"] if kind == "ids" else ["--kind", "documents"])]
+    read_as = "stream" if kind == "ids" else "documents"
+    url = f"s3://{BUCKET}/{unique('tasks')}"
+    assert main(["prepare", str(corpus), "--output", str(tmp_path / "one"), "--quiet", *options]) == 0
+    for i in (0, 2):
+        assert (
+            main(["prepare", str(corpus), "--output", url, "--task", str(i), "--tasks", "3", "-q", *options])
+            == 0
+        )
+    capsys.readouterr()
+    assert main(["prepare", "--merge", url]) == 1
+    assert "1 of 3 parts are missing or unfinished (tasks 1" in capsys.readouterr().err
+    assert main(["prepare", str(corpus), "--output", url, "--task", "1", "--tasks", "3", "-q", *options]) == 0
+    assert main(["verify", url, "--quiet"]) == 0
+    assert samples(url, read_as) == samples(tmp_path / "one", read_as)
+    # a rerun of a finished task skips it
+    capsys.readouterr()
+    assert main(["prepare", str(corpus), "--output", url, "--task", "0", "--tasks", "3", *options]) == 0
+    assert "already prepared; skipped" in capsys.readouterr().out
+    assert main(["prepare", "--merge", url, "--quiet"]) == 0
+    manifest = json.loads(
+        s3.client().get_object(Bucket=BUCKET, Key=f"{url.split('/', 3)[3]}/manifest.json")["Body"].read()
+    )
+    assert all(f["path"].startswith("parts/part-") for f in manifest["fields"]["tokens"]["files"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from guideloom._core.audit import AuditReport
 from guideloom._datasets import (
     DatasetAbstract,
     DocumentDataset,
@@ -38,6 +39,7 @@ from guideloom.types import StatefulDataLoaderStateDict
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuditReport",
     "DatasetAbstract",
     "DatasetFormatError",
     "DatasetIntegrityError",

@@ -55,6 +55,11 @@ class _IteratorBase(Generic[BatchT]):
         only then)."""
         self._cfg = cfg
         self._expected = len(cfg.plan)
+        plan = cfg.plan
+        # what the audit's tally counts each batch under (None: the loader tracks nothing)
+        self._geometry = (
+            (plan.local_batch_size, plan.world_size, plan.rank) if self._loader.track_deliveries else None
+        )
 
     def _accept(self, d: Delivery, waited: float, place: str) -> BatchT:
         self._figures.waited(waited)
@@ -63,7 +68,8 @@ class _IteratorBase(Generic[BatchT]):
             if d.spec.size == 0:
                 _note_empty_batch(error, self._cfg)
             raise error
-        self._ckpt.offset = d.spec.offset_after
+        spec = d.spec
+        self._ckpt.deliver(spec.start, spec.stop, spec.offset_after, self._geometry)
         self._delivered += 1
         self._figures.delivered(d.spec.size, place)
         value: BatchT = d.value
@@ -75,8 +81,7 @@ class _IteratorBase(Generic[BatchT]):
                 f"guideloom bug: the pipeline ended after {self._delivered} of "
                 f"{self._expected} batches without an error"
             )
-        self._ckpt.epoch += 1
-        self._ckpt.offset = 0
+        self._ckpt.next_epoch()
 
     def spent(self) -> bool:
         """Whether every batch of this iterator's epoch has been handed out, and it still runs."""

@@ -60,6 +60,7 @@ def test_checkpoint_is_plain_and_weights_only_loadable() -> None:
         "shuffle_seed": 5,
         "drop_last": True,
         "dataset": {"kind": "stream", "observations": 10, "sequence_length": 4, "digest": ""},
+        "history": "0:0:0:1:1",  # one stretch of epoch 0 from offset 0: batches of 1 on 1 rank
     }
 
 

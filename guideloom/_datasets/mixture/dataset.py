@@ -257,6 +257,17 @@ class Mixture(DatasetAbstract[Any]):
             epoch=epoch,
         )
 
+    def describe(self, index: int) -> dict[str, Any]:
+        """Mixture key ``index``: its ``source`` (``outer/inner`` through nested mixtures), the
+        sample's index in it (``source_index``) and what that source says of the sample."""
+        ((s, _, idx),) = _groups(self._layout().offsets, np.asarray([index], dtype=np.int64))
+        inner = self._datasets_list()[s].describe(int(idx[0]))
+        name = self.names[s]
+        out = {"source": name, "source_index": int(idx[0]), **inner}
+        if "source" in inner:
+            out["source"] = f"{name}/{inner['source']}"
+        return out
+
     def position_stats(self, *, epoch: int, offset: int) -> dict[str, float]:
         """``source_epoch/<name>``: the epoch of its own that each source is in at this position
         (how many times it has been read whole; a source smaller than its share exceeds the

@@ -11,6 +11,7 @@ from guideloom._datasets import (
     PackedDataset,
     PackedRows,
     StreamDataset,
+    WeightSchedule,
     mix,
     pack,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "StorageError",
     "StreamDataset",
     "StreamStorageAbstract",
+    "WeightSchedule",
     "WorkerError",
     "__version__",
     "mix",

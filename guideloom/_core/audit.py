@@ -10,17 +10,19 @@ positions below ``2^62`` share a digest with a chance below ``2^-19`` per compar
 largest epochs (a polynomial of degree ``< 2^42`` has at most that many roots among ``2^61``
 values), far less for ordinary ones.
 
-A tally also keeps its *runs*: each stretch of consecutive batches as ``(offset, batches,
-local_batch_size, world_size, rank)``, merged while one continues the last, so a handful per
-epoch. The digest says whether the epoch so far is exact; the runs, gathered only when it is
-not, say where it stopped being.
+A rank's deliveries are *runs*: each stretch of consecutive batches as ``(offset, batches,
+local_batch_size, world_size, rank)``, one per iterator (merged while one continues the last), so
+a handful per epoch and nothing to do per batch: an iterator's count of handed-over batches is the
+run's length. The count and digest of a run are closed forms. The digests (three ints summed over
+the ranks) say whether the epoch so far is exact; the runs, gathered only when it is not, say
+where it stopped being.
 
 Pure: no I/O, no torch (the loader gathers the ranks' tallies, :mod:`guideloom._loader.audit`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,7 +30,16 @@ import numpy as np
 from guideloom._core.keys import hash64
 from guideloom._core.provenance import History
 
-__all__ = ["MODULUS", "AuditReport", "RankTally", "Tally", "audit_base", "compare", "range_digest"]
+__all__ = [
+    "MODULUS",
+    "AuditReport",
+    "RankTally",
+    "Tally",
+    "audit_base",
+    "compare",
+    "range_digest",
+    "run_summary",
+]
 
 MODULUS = (1 << 61) - 1
 
@@ -50,44 +61,80 @@ def range_digest(x: int, inverse: int, start: int, stop: int) -> int:
 Run = list[int]
 
 
+def run_summary(run: Sequence[int], n: int, x: int, inverse: int) -> tuple[int, int]:
+    """The count and digest of a run's positions, clipped to ``n``, in closed form: its whole
+    blocks are a geometric series of geometric series, and at most one block is cut by ``n``."""
+    base, batches, b, w, rank = run
+    g = b * w
+    first = base + rank * b
+    if batches <= 0 or first >= n:
+        return 0, 0
+    whole = max(0, min(batches, (n - first - b) // g + 1)) if first + b <= n else 0
+    count, digest = whole * b, 0
+    if whole:
+        xg = pow(x, g, MODULUS)
+        if xg == 1:  # x's order divides g: every block has the same digest
+            blocks = whole % MODULUS
+        else:
+            blocks = (pow(xg, whole, MODULUS) - 1) * pow(xg - 1, MODULUS - 2, MODULUS) % MODULUS
+        digest = range_digest(x, inverse, first, first + b) * blocks % MODULUS
+    if whole < batches:  # the block cut by the epoch's end, if it starts before it
+        cut = first + whole * g
+        if cut < n:
+            count += n - cut
+            digest = (digest + range_digest(x, inverse, cut, n)) % MODULUS
+    return count, digest
+
+
 @dataclass(slots=True)
 class Tally:
     """One rank's deliveries in one epoch, from ``start`` (the offset it began counting at: 0, or
-    where a checkpoint resumed the epoch)."""
+    where a checkpoint resumed the epoch), as runs of consecutive batches.
+
+    Nothing is done per batch: an iterator opens a run when it starts (its first offset and
+    geometry) and the tally reads how many batches it has handed over (``live``) when asked, and
+    once more when it ends. The count and digest are computed from the runs in closed form."""
 
     epoch: int = 0
     start: int = 0
-    count: int = 0
-    digest: int = 0
     runs: list[Run] = field(default_factory=list)
-    x: int = 2
-    inverse: int = 1
+    live: Callable[[], int] | None = None
+    owner: int = 0
+    """Which iterator ``live`` counts for (``id()``): only it ends its run."""
 
     def reset(self, epoch: int, start: int) -> None:
         """Count afresh from ``(epoch, start)``."""
-        self.epoch, self.start, self.count, self.digest, self.runs = epoch, start, 0, 0, []
-        self.x = audit_base(epoch)
-        self.inverse = pow(self.x - 1, MODULUS - 2, MODULUS)
+        self.epoch, self.start, self.runs, self.live = epoch, start, [], None
 
-    def add(
-        self, start: int, stop: int, offset_after: int, local_batch_size: int, world_size: int, rank: int
-    ) -> None:
-        """A batch of positions ``[start, stop)`` was handed over; the global batch ended at
-        ``offset_after``."""
-        self.count += stop - start
-        if stop > start:
-            self.digest = (self.digest + range_digest(self.x, self.inverse, start, stop)) % MODULUS
-        base = offset_after - local_batch_size * world_size
-        runs = self.runs
-        if runs:
-            last = runs[-1]
-            if (
-                last[2:] == [local_batch_size, world_size, rank]
-                and base == last[0] + last[1] * local_batch_size * world_size
-            ):
-                last[1] += 1
-                return
-        runs.append([base, 1, local_batch_size, world_size, rank])
+    def begin(self, run: Run, delivered: Callable[[], int], owner: int) -> None:
+        """Iterator ``owner`` starts handing over the batches of ``run`` (its count 0);
+        ``delivered`` says how many it has handed over."""
+        self.end(self.owner)
+        self.runs.append(run)
+        self.live, self.owner = delivered, owner
+
+    def end(self, owner: int) -> None:
+        """Iterator ``owner`` stopped: its count is final (a run that continues the one before
+        is merged into it; an empty one is dropped). Another iterator's end changes nothing."""
+        if self.live is None or owner != self.owner:
+            return
+        self.runs[-1][1] = self.live()
+        self.live = None
+        last = self.runs[-1]
+        if last[1] == 0:
+            self.runs.pop()
+        elif len(self.runs) > 1:
+            prev = self.runs[-2]
+            if prev[2:] == last[2:] and last[0] == prev[0] + prev[1] * last[2] * last[3]:
+                prev[1] += last[1]
+                self.runs.pop()
+
+    def current(self) -> list[Run]:
+        """The runs so far, the running iterator's included."""
+        runs = [list(r) for r in self.runs]
+        if self.live is not None and runs:
+            runs[-1][1] = self.live()
+        return [r for r in runs if r[1] > 0]
 
 
 @dataclass(frozen=True, slots=True)

@@ -238,18 +238,9 @@ class CheckpointState:
     tally: Tally = field(default_factory=Tally)
     """This rank's deliveries in the epoch, for the audit (never saved: it is the rank's own)."""
 
-    def deliver(
-        self, start: int, stop: int, offset_after: int, geometry: tuple[int, int, int] | None
-    ) -> None:
-        """A batch of positions ``[start, stop)`` reached the consumer: the position advances
-        and, where ``geometry`` (``local_batch_size, world_size, rank``) is given, the tally
-        counts it."""
-        self.offset = offset_after
-        if geometry is not None:
-            self.tally.add(start, stop, offset_after, *geometry)
-
     def next_epoch(self) -> None:
         """The epoch's last batch was handed over: the next one starts at its offset 0."""
+        self.tally.end(self.tally.owner)
         self.epoch += 1
         self.offset = 0
         self.tally.reset(self.epoch, 0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import AsyncIterator as AsyncIteratorABC
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Generic, TypeVar
@@ -55,11 +56,16 @@ class _IteratorBase(Generic[BatchT]):
         only then)."""
         self._cfg = cfg
         self._expected = len(cfg.plan)
-        plan = cfg.plan
-        # what the audit's tally counts each batch under (None: the loader tracks nothing)
-        self._geometry = (
-            (plan.local_batch_size, plan.world_size, plan.rank) if self._loader.track_deliveries else None
-        )
+        if self._loader.track_deliveries:  # the audit's run: this iterator's batches, counted
+            plan, ref = cfg.plan, weakref.ref(self)
+            delivered = self._delivered
+
+            def count() -> int:
+                it = ref()
+                return delivered if it is None else it._delivered
+
+            run = [plan.start_offset, 0, plan.local_batch_size, plan.world_size, plan.rank]
+            self._ckpt.tally.begin(run, count, id(self))
 
     def _accept(self, d: Delivery, waited: float, place: str) -> BatchT:
         self._figures.waited(waited)
@@ -68,8 +74,7 @@ class _IteratorBase(Generic[BatchT]):
             if d.spec.size == 0:
                 _note_empty_batch(error, self._cfg)
             raise error
-        spec = d.spec
-        self._ckpt.deliver(spec.start, spec.stop, spec.offset_after, self._geometry)
+        self._ckpt.offset = d.spec.offset_after
         self._delivered += 1
         self._figures.delivered(d.spec.size, place)
         value: BatchT = d.value
@@ -208,6 +213,7 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
             if self._runner is not None:
                 self._runner.close()
         finally:
+            self._ckpt.tally.end(id(self))
             self._life.active.release(self)
             if self._owns_open:
                 self._life.close(self._loader.dataset, keep_workers=True)
@@ -320,6 +326,7 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
             if cancelled:
                 raise asyncio.CancelledError
         finally:
+            self._ckpt.tally.end(id(self))
             self._life.active.release(self)
             if self._owns_open:
                 await self._life.aclose(self._loader.dataset, keep_workers=True)
@@ -336,6 +343,7 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
         # Nothing is awaited here (collected, or closed from sync code): closing the loader joins it.
         self._life.active.leave(task, self._workers)
         self._workers = None
+        self._ckpt.tally.end(id(self))
         self._life.active.release(self)
 
     def __del__(self) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from guideloom._core.audit import AuditReport, RankTally, audit_base, compare
+from guideloom._core.audit import MODULUS, AuditReport, RankTally, audit_base, compare, run_summary
 from guideloom._core.plan import num_batches
 from guideloom._core.provenance import History, Segment, block
 from guideloom._loader.host import Loader
@@ -99,9 +99,18 @@ def _distributed() -> Any:
 
 
 def _mine(loader: Loader[Any]) -> RankTally:
+    """This rank's tally: its runs, and their count and digest."""
     ckpt = loader._ckpt
     t = ckpt.tally
-    return RankTally(t.epoch, t.start, ckpt.offset, t.count, t.digest, tuple(tuple(r) for r in t.runs))
+    runs = t.current()
+    x = audit_base(t.epoch)
+    inverse = pow(x - 1, MODULUS - 2, MODULUS)
+    n = len(loader.dataset)
+    count = digest = 0
+    for run in runs:
+        c, d = run_summary(run, n, x, inverse)
+        count, digest = count + c, (digest + d) % MODULUS
+    return RankTally(t.epoch, t.start, ckpt.offset, count, digest, tuple(tuple(r) for r in runs))
 
 
 def audit_ranks(loader: Loader[Any]) -> AuditReport:

@@ -151,7 +151,8 @@ class RankTally:
 
 @dataclass(frozen=True, slots=True)
 class AuditReport:
-    """What :meth:`StatefulDataLoader.audit <guideloom.StatefulDataLoader.audit>` found.
+    """What an audit of the ranks found (:meth:`StatefulDataLoader.audit
+    <guideloom.StatefulDataLoader.audit>`).
 
     ``ok`` is whether the ranks together were handed every position of ``[start, offset)`` of
     the epoch exactly once, and nothing else. Where not, ``step`` is the first step (the epoch's

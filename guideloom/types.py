@@ -74,8 +74,9 @@ class StatefulDataLoaderStateDict(TypedDict):
     history: NotRequired[str]
     """Where the batch geometry (``local_batch_size``, ``world_size``) changed in the current
     epoch and the one before: ``epoch:offset:step:local_batch_size:world_size`` per change,
-    ``;`` between them. What ``explain()`` maps a step to positions with after resumes; absent
-    before the loader's first iterator."""
+    ``;`` between them (``""`` before the loader's first iterator). What ``explain()`` maps a
+    step to positions with after resumes; a checkpoint without it counts the steps before its
+    offset as if the loading side's geometry had taken them."""
 
 
 class LoaderOptions(TypedDict, total=False):

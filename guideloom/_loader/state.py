@@ -74,9 +74,9 @@ def save_state(loader: Loader[Any]) -> StatefulDataLoaderStateDict:
         drop_last=loader.drop_last,
         dataset=_loader_fingerprint(loader),
     )
-    history = loader._ckpt.history.encode()
-    if history:  # no iterator has run yet: no history to record
-        state["history"] = history
+    # always there, "" before the first iterator: torch.distributed.checkpoint loads the keys of
+    # the loading side's state_dict() only, so a fresh loader's must have it too
+    state["history"] = loader._ckpt.history.encode()
     block = block_size(loader)
     if block > 1:  # a global shuffle's checkpoint stays as it was: no key means blocks of 1
         state["shuffle_block_size"] = block

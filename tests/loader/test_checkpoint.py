@@ -28,6 +28,7 @@ def test_state_dict_counts_only_delivered_batches() -> None:
             "shuffle_seed": None,
             "drop_last": True,
             "dataset": {"kind": "stream", "observations": 50, "sequence_length": 4, "digest": ""},
+            "history": "",  # no batch geometry has read anything yet
         }
         it = iter(loader)
         next(it)

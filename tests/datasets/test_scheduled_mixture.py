@@ -145,3 +145,20 @@ def test_a_schedule_is_checked() -> None:
         gl.mix({"web": web, "x": web}, gl.WeightSchedule([(0, {"web": 1.0})]), sequence_length=3)
     with pytest.raises(ValueError, match="finite and > 0"):
         gl.mix({"web": web}, gl.WeightSchedule([(0, {"web": -1.0})]), sequence_length=3)
+
+
+def test_explain_of_a_scheduled_mixture_is_what_was_read() -> None:
+    schedule = gl.WeightSchedule([(0, {"web": 0.9, "code": 0.1}), (60, {"web": 0.2, "code": 0.8})])
+    ld = make(schedule, 4, 1, 0)
+    with ld:
+        it = iter(ld)
+        for step in range(30):
+            batch = next(it)
+            records = ld.explain(step)
+            assert [(r["source"], r["source_index"]) for r in records] == [
+                (name, r["source_index"]) for (name, _), r in zip(batch, records, strict=True)
+            ]
+            for (name, sample), r in zip(batch, records, strict=True):
+                first = int(np.asarray(sample)[0])
+                assert first == (r["elements"][0][0] if name == "web" else r["documents"][0][0])
+        it.close()

@@ -200,3 +200,40 @@ def test_an_audit_without_every_rank_refuses() -> None:
     with pytest.raises(RuntimeError, match="track_deliveries=True"):
         off.audit()
     np.testing.assert_equal(len(list(off)), 10)
+
+
+def test_async_iteration_and_process_workers_are_tallied_and_explained() -> None:
+    import asyncio
+
+    async def run() -> list[list[int]]:
+        ld = loader(60, 4, 1, 0, drop_last=True)
+        got = []
+        async with ld:
+            async for batch in ld:
+                got.append(batch)
+                if len(got) == 5:
+                    break
+            assert ld.audit().ok and ld.audit().delivered == 20
+            assert [[x["index"] for x in ld.explain(s)] for s in range(5)] == got
+        return got
+
+    assert len(asyncio.run(run())) == 5
+    workers = gl.StatefulDataLoader(
+        MapDataset(list(range(60))),
+        list,
+        device=torch.device("cpu"),
+        local_batch_size=4,
+        shuffle=True,
+        shuffle_seed=5,
+        num_workers=2,
+        parallel_method="process",
+        collate_mode="workers",
+        prefetch=3,
+    )
+    with workers:
+        it = iter(workers)
+        got = [next(it) for _ in range(6)]
+        report = workers.audit()  # the running iterator's batches so far, none prefetched
+        assert report.ok and report.delivered == 24, report
+        it.close()
+        assert [[x["index"] for x in workers.explain(s)] for s in range(6)] == got

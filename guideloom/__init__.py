@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from guideloom._core.audit import AuditReport
 from guideloom._datasets import (
     DatasetAbstract,
     DocumentDataset,
@@ -10,6 +11,7 @@ from guideloom._datasets import (
     PackedDataset,
     PackedRows,
     StreamDataset,
+    WeightSchedule,
     mix,
     pack,
 )
@@ -39,6 +41,7 @@ from guideloom.types import StatefulDataLoaderStateDict
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuditReport",
     "DatasetAbstract",
     "DatasetFormatError",
     "DatasetIntegrityError",
@@ -57,6 +60,7 @@ __all__ = [
     "StorageError",
     "StreamDataset",
     "StreamStorageAbstract",
+    "WeightSchedule",
     "WorkerError",
     "__version__",
     "mix",

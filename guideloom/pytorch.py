@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypeVar, Unpack, cast, overload
 
-from guideloom._core.checkpoint import CheckpointState, restore_position
+from guideloom._core.audit import AuditReport
+from guideloom._core.checkpoint import CheckpointState, restore_history, restore_position
 from guideloom._core.checks import check_block_size, check_bool, check_int, check_optional_int
 from guideloom._core.order import DEFAULT_WINDOW
 from guideloom._core.plan import EpochPlan, num_batches
@@ -31,7 +32,15 @@ from guideloom._loader.arguments import check_device
 from guideloom._loader.figures import LoaderFigures, verdict_figures
 from guideloom._loader.iterators import AsyncIterator, SyncIterator, sync_iterator
 from guideloom._loader.lifecycle import Lifecycle
-from guideloom._loader.state import block_size, epoch_order, identity_to_restore, save_state, window
+from guideloom._loader.provenance import audit_ranks, explain_step
+from guideloom._loader.state import (
+    begin_run,
+    block_size,
+    epoch_order,
+    identity_to_restore,
+    save_state,
+    window,
+)
 from guideloom._runtime.config import PipelineConfig
 from guideloom.storage.base import DocumentStorageAbstract, InT, OutT, StreamStorageAbstract
 from guideloom.types import LoaderOptions, StatefulDataLoaderStateDict
@@ -87,6 +96,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
     shuffle_window: int = DEFAULT_WINDOW
     persistent_workers: bool = True
     collate_mode: Literal["auto", "workers", "inline"] = "auto"
+    track_deliveries: bool = True
 
     _ckpt: CheckpointState = field(default_factory=CheckpointState, init=False, repr=False)
     _life: Lifecycle = field(default_factory=Lifecycle, init=False, repr=False)
@@ -96,6 +106,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         self._check_arguments()
         # shuffle_seed=None: one random seed for this loader's lifetime (not reproducible).
         self._ckpt.order_seed = self.shuffle_seed if self.shuffle_seed is not None else secrets.randbits(63)
+        self._ckpt.tally.reset(0, 0)
 
     # -- construction from storage (NoReturn: the storage kind and sequence_length do not pair) ---
     @overload
@@ -288,7 +299,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
                 "collate_mode='workers' needs num_workers > 0 (at num_workers=0 there are no "
                 "workers to collate on)"
             )
-        for name in ("shuffle", "pin_memory", "drop_last", "persistent_workers"):
+        for name in ("shuffle", "pin_memory", "drop_last", "persistent_workers", "track_deliveries"):
             setattr(self, name, check_bool(name, getattr(self, name)))
         self.shuffle_seed = check_optional_int("shuffle_seed", self.shuffle_seed)
         self.shuffle_block_size = check_block_size(self.shuffle_block_size)
@@ -312,6 +323,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
                 ) from exc
         n = len(self.dataset)
         self._figures.mark_epoch_reads(self.dataset, self._ckpt.epoch)
+        begin_run(self)
         order = epoch_order(self, self._ckpt.epoch)
         return PipelineConfig(
             dataset=self.dataset,
@@ -422,6 +434,50 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
                 partial batch can reach; with ``allow_dataset_change``, past it at all).
         """
         with self._life.lock:
-            self._ckpt.epoch, self._ckpt.offset = restore_position(
+            epoch, offset = restore_position(
                 state_dict, identity_to_restore(self), allow_dataset_change=allow_dataset_change
             )
+            self._ckpt.restore(epoch, offset, restore_history(state_dict, epoch, offset))
+
+    # -- provenance -------------------------------------------------------------------------------
+    def explain(
+        self, step: int, *, rank: int | None = None, epoch: int | None = None
+    ) -> list[dict[str, Any]]:
+        """What ``rank`` read at ``step`` of ``epoch``: one dict per sample of that batch.
+
+        ``step`` is the epoch's global batch index: how many batches each rank had been handed in
+        the epoch before it, counted across resumes (the checkpoint's ``history`` records where
+        the batch size or world size changed). ``rank`` defaults to this loader's, ``epoch`` to
+        the current one; steps not taken yet are those the loader's present geometry will take.
+        Each dict holds ``epoch``, ``step``, ``rank``, ``position`` (in the epoch's order) and
+        ``index`` (the dataset's sample), and what the dataset says of that sample: a mixture
+        its ``source`` and ``source_index``; packed and document datasets the ``documents``
+        (``[document, first element, end]`` in the document); datasets over storage the
+        ``elements`` (``[start, stop)`` in the storage, one per piece) and, for written datasets,
+        the ``files`` of each piece (``[path, first byte, end byte]`` per file it spans). O(1)
+        per sample: nothing is replayed or read but the few offsets that place its documents.
+
+        Raises:
+            IndexError: For a step outside the epoch or a rank outside that step's world.
+            ValueError: For an epoch whose history the loader no longer keeps (before the
+                last one).
+        """
+        return explain_step(self, step, rank=rank, epoch=epoch)
+
+    def audit(self) -> AuditReport:
+        """Check that the ranks together were handed each position of the epoch so far exactly
+        once, against what the plan says the epoch holds at this offset.
+
+        Every rank counts what it delivers (a count and an order-independent digest of the
+        positions, a few microseconds a batch). Under ``torch.distributed`` (initialised) this is
+        a collective: call it on every rank at the same step; it sums the ranks' tallies with
+        ``all_reduce`` and, only where they disagree with the plan, gathers each rank's runs of
+        batches to name the first step that went wrong. Without it, the loader checks itself
+        (``world_size`` 1). The tally counts from the epoch's start or from the position a
+        checkpoint resumed it at.
+
+        Returns:
+            An :class:`~guideloom.AuditReport`: ``ok``, and where not, the first disagreeing
+            ``step`` and a ``message``.
+        """
+        return audit_ranks(self)

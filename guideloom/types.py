@@ -71,6 +71,12 @@ class StatefulDataLoaderStateDict(TypedDict):
     block shuffle only: absent means blocks of 1, a global row shuffle (or no shuffle)."""
     shuffle_window: NotRequired[int]
     """Blocks per mixing window that loader's order used (present with ``shuffle_block_size``)."""
+    history: NotRequired[str]
+    """Where the batch geometry (``local_batch_size``, ``world_size``) changed in the current
+    epoch and the one before: ``epoch:offset:step:local_batch_size:world_size`` per change,
+    ``;`` between them (``""`` before the loader's first iterator). What ``explain()`` maps a
+    step to positions with after resumes; a checkpoint without it counts the steps before its
+    offset as if the loading side's geometry had taken them."""
 
 
 class LoaderOptions(TypedDict, total=False):
@@ -113,6 +119,9 @@ class LoaderOptions(TypedDict, total=False):
     """Blocks per mixing window of a block shuffle: samples are shuffled among this many
     consecutive blocks of the shuffled block order (ignored for a global shuffle). Default
     ``16``."""
+    track_deliveries: bool
+    """Tally each delivered batch (a count and a digest of its positions) for ``audit()``.
+    Default ``True``; the cost is a few microseconds a batch."""
     persistent_workers: bool
     """Keep process workers running between iterators (epochs), until ``close()``. Default
     ``True``."""

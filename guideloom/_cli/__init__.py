@@ -1,4 +1,4 @@
-"""The ``guideloom`` command line: ``prepare``, ``inspect``, ``verify`` and ``bench``.
+"""The ``guideloom`` command line: ``prepare``, ``inspect``, ``verify``, ``explain`` and ``bench``.
 
 :func:`main` is the console script's entry point; it returns the exit status: 0 on success, 1 for
 a data error (unreadable input, a damaged dataset, an existing destination), 2 for a usage error,
@@ -21,6 +21,7 @@ examples:
   guideloom prepare corpus/ --output ds --workers 2
   guideloom inspect ds --tokenizer bytes
   guideloom verify ds
+  guideloom explain ds --checkpoint ckpt.pt --step 1200 --sequence-length 2048
   guideloom bench ds --sequence-length 2048 --batch-size 16 --shuffle
 
 Run `guideloom COMMAND --help` for each command's options and examples.
@@ -28,7 +29,7 @@ Run `guideloom COMMAND --help` for each command's options and examples.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from guideloom._cli import _bench, _inspect, _prepare
+    from guideloom._cli import _bench, _explain, _inspect, _prepare
 
     common = argparse.ArgumentParser(add_help=False)
     out = common.add_argument_group("output")
@@ -39,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="guideloom",
-        description="Prepare, inspect, verify and benchmark guideloom datasets.",
+        description="Prepare, inspect, verify, explain and benchmark guideloom datasets.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _prepare.add_parser(sub, common)
     _inspect.add_parsers(sub, common)
+    _explain.add_parser(sub, common)
     _bench.add_parser(sub, common)
     return parser
 

@@ -18,16 +18,19 @@ import numbers
 import reprlib
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from guideloom._core.audit import Tally
+from guideloom._core.provenance import History, parse_history
 from guideloom.types import DatasetFingerprint
 
 __all__ = [
     "CheckpointState",
     "LoaderIdentity",
+    "restore_history",
     "restore_position",
 ]
 
@@ -229,3 +232,31 @@ class CheckpointState:
     """``observation_offset``: observations of the epoch delivered, across all ranks."""
     order_seed: int = 0
     fingerprint: DatasetFingerprint | None = None
+    history: History = field(default_factory=History)
+    """Where the batch geometry changed in this epoch and the last (see
+    :mod:`guideloom._core.provenance`)."""
+    tally: Tally = field(default_factory=Tally)
+    """This rank's deliveries in the epoch, for the audit (never saved: it is the rank's own)."""
+
+    def next_epoch(self) -> None:
+        """The epoch's last batch was handed over: the next one starts at its offset 0."""
+        self.tally.end(self.tally.owner)
+        self.epoch += 1
+        self.offset = 0
+        self.tally.reset(self.epoch, 0)
+
+    def restore(self, epoch: int, offset: int, history: History) -> None:
+        """Resume at ``(epoch, offset)`` with a checkpoint's history; the audit counts from here."""
+        self.epoch, self.offset, self.history = epoch, offset, history
+        self.tally.reset(epoch, offset)
+
+
+def restore_history(state_dict: Any, epoch: int, offset: int) -> History:
+    """The history of a checkpoint already checked by :func:`restore_position`, less what lies
+    past its position (an empty one for a checkpoint that has none)."""
+    text = state_dict.get("history", "")
+    history = parse_history(text)
+    history.segments = [
+        s for s in history.segments if s.epoch < epoch or (s.epoch == epoch and s.offset <= offset)
+    ]
+    return history

@@ -11,7 +11,7 @@ from typing import Any
 from guideloom._datasets.base import DatasetAbstract, SourceT
 from guideloom._datasets.documents import DocumentDataset
 from guideloom._datasets.map import MapDataset
-from guideloom._datasets.mixture import Mixture, mix
+from guideloom._datasets.mixture import Mixture, WeightSchedule, mix
 from guideloom._datasets.packing import PackedDataset, PackedRows, pack
 from guideloom._datasets.stream import StreamDataset
 from guideloom.storage.base import DocumentStorageAbstract, StreamStorageAbstract
@@ -25,6 +25,7 @@ __all__ = [
     "PackedRows",
     "SourceT",
     "StreamDataset",
+    "WeightSchedule",
     "dataset_for",
     "mix",
     "pack",

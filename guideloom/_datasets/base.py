@@ -143,6 +143,14 @@ class DatasetAbstract(ABC, Generic[SourceT]):
         """The kind a checkpoint records (a dataset of your own: its class's name)."""
         return type(self).__name__
 
+    def describe(self, index: int) -> dict[str, Any]:
+        """What sample ``index`` is made of, for ``loader.explain()``: JSON-like values under
+        the keys a kind of dataset knows (``source``, ``source_index``, ``documents``,
+        ``elements``, ``files``; see :meth:`StatefulDataLoader.explain
+        <guideloom.StatefulDataLoader.explain>`). O(1): a few lookups, never a sample's data.
+        Empty by default (a dataset of your own may say what it knows)."""
+        return {}
+
     def position_stats(self, *, epoch: int, offset: int) -> dict[str, float]:
         """Figures about position ``(epoch, offset)`` for ``loader.stats()`` (none by default; a
         mixture reports each source's own epoch)."""

@@ -48,6 +48,17 @@ class DocumentDataset(DatasetAbstract[SourceT]):
         if self._plain_reads:  # reads map to the storage's 1:1
             self._storage.will_read(windows)
 
+    def describe(self, index: int) -> dict[str, Any]:
+        """Document ``index``: its elements in the storage and the files holding them."""
+        start, stop = self._storage.document_offsets_sync(
+            np.asarray([index, index + 1], dtype=np.int64)
+        ).tolist()
+        return {
+            "documents": [[index, 0, stop - start]],
+            "elements": [[start, stop]],
+            "files": [self._storage.locate(start, stop)],
+        }
+
     def _fingerprint_kind(self) -> str:
         return "documents"
 

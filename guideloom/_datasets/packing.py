@@ -400,6 +400,33 @@ class PackedDataset(DatasetAbstract[Sample]):
         """``read_many`` in the caller's thread (where ``reads_inline``)."""
         return read_sync(self._read(indices))
 
+    def describe(self, index: int) -> dict[str, Any]:
+        """The pieces of packed sequence ``index``: each one's document and element range in it
+        (``documents``), in the storage (``elements``), and the files holding them. A few lookups
+        in the layout and one of the documents' offsets."""
+        layout = self._require_layout()
+        length, storage = self.sequence_length, self._storage
+        if isinstance(layout, _ConcatLayout):
+            a, c = int(layout.first[index]), int(layout.first[index + 1])
+            docs = np.arange(a, c + 1, dtype=np.int64)
+            offsets = storage.document_offsets_sync(np.arange(a, c + 2, dtype=np.int64))
+            lo = np.maximum(offsets[:-1], index * length)
+            hi = np.minimum(offsets[1:], (index + 1) * length)
+            keep = hi > lo
+            docs, lo, hi, begin = docs[keep], lo[keep], hi[keep], offsets[:-1][keep]
+        else:
+            at = np.arange(layout.ptr[index], layout.ptr[index + 1], dtype=np.int64)
+            docs = layout.doc[at]
+            lo = layout.start[at]
+            hi = lo + layout.size[at].astype(np.int64)
+            begin = storage.document_offsets_sync(docs)
+        pieces = list(zip(docs.tolist(), lo.tolist(), hi.tolist(), begin.tolist(), strict=True))
+        return {
+            "documents": [[d, x - b, y - b] for d, x, y, b in pieces],
+            "elements": [[x, y] for _, x, y, _ in pieces],
+            "files": [storage.locate(x, y) for _, x, y, _ in pieces],
+        }
+
     def _fingerprint_kind(self) -> str:
         """Another packing counts other sequences: the kind names the mode."""
         return f"packed-{self.mode}"

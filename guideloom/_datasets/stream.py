@@ -54,6 +54,12 @@ class StreamDataset(DatasetAbstract[SourceT]):
             length = self.sequence_length
             self._storage.will_read((np.asarray(w, dtype=np.int64) * length for w in windows), length)
 
+    def describe(self, index: int) -> dict[str, Any]:
+        """The stream elements of sample ``index`` and the files holding them."""
+        start = index * self.sequence_length
+        stop = start + self.sequence_length
+        return {"elements": [[start, stop]], "files": [self._storage.locate(start, stop)]}
+
     def _fingerprint_kind(self) -> str:
         return "stream"
 

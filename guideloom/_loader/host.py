@@ -36,6 +36,11 @@ class Loader(Protocol[BatchT_co]):
     shuffle_window: int
     #: Where a sync ``for`` with workers collates: measured (``"auto"``) or pinned.
     collate_mode: Literal["auto", "workers", "inline"]
+    #: Whether each delivered batch is tallied for :meth:`audit`.
+    track_deliveries: bool
+    rank: int
+    world_size: int
+    local_batch_size: int
     _ckpt: CheckpointState
     _life: Lifecycle
     _figures: LoaderFigures

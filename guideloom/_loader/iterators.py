@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import AsyncIterator as AsyncIteratorABC
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Generic, TypeVar
@@ -55,6 +56,16 @@ class _IteratorBase(Generic[BatchT]):
         only then)."""
         self._cfg = cfg
         self._expected = len(cfg.plan)
+        if self._loader.track_deliveries:  # the audit's run: this iterator's batches, counted
+            plan, ref = cfg.plan, weakref.ref(self)
+            delivered = self._delivered
+
+            def count() -> int:
+                it = ref()
+                return delivered if it is None else it._delivered
+
+            run = [plan.start_offset, 0, plan.local_batch_size, plan.world_size, plan.rank]
+            self._ckpt.tally.begin(run, count, id(self))
 
     def _accept(self, d: Delivery, waited: float, place: str) -> BatchT:
         self._figures.waited(waited)
@@ -75,8 +86,7 @@ class _IteratorBase(Generic[BatchT]):
                 f"guideloom bug: the pipeline ended after {self._delivered} of "
                 f"{self._expected} batches without an error"
             )
-        self._ckpt.epoch += 1
-        self._ckpt.offset = 0
+        self._ckpt.next_epoch()
 
     def spent(self) -> bool:
         """Whether every batch of this iterator's epoch has been handed out, and it still runs."""
@@ -203,6 +213,7 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
             if self._runner is not None:
                 self._runner.close()
         finally:
+            self._ckpt.tally.end(id(self))
             self._life.active.release(self)
             if self._owns_open:
                 self._life.close(self._loader.dataset, keep_workers=True)
@@ -315,6 +326,7 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
             if cancelled:
                 raise asyncio.CancelledError
         finally:
+            self._ckpt.tally.end(id(self))
             self._life.active.release(self)
             if self._owns_open:
                 await self._life.aclose(self._loader.dataset, keep_workers=True)
@@ -331,6 +343,7 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
         # Nothing is awaited here (collected, or closed from sync code): closing the loader joins it.
         self._life.active.leave(task, self._workers)
         self._workers = None
+        self._ckpt.tally.end(id(self))
         self._life.active.release(self)
 
     def __del__(self) -> None:

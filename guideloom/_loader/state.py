@@ -12,7 +12,7 @@ from guideloom._core.order import Order, make_order, resolve_block_size
 from guideloom._loader.host import Loader
 from guideloom.types import DatasetFingerprint, StatefulDataLoaderStateDict
 
-__all__ = ["block_size", "epoch_order", "identity_to_restore", "save_state", "window"]
+__all__ = ["begin_run", "block_size", "epoch_order", "identity_to_restore", "save_state", "window"]
 
 
 def block_size(loader: Loader[Any]) -> int:
@@ -74,6 +74,9 @@ def save_state(loader: Loader[Any]) -> StatefulDataLoaderStateDict:
         drop_last=loader.drop_last,
         dataset=_loader_fingerprint(loader),
     )
+    # always there, "" before the first iterator: torch.distributed.checkpoint loads the keys of
+    # the loading side's state_dict() only, so a fresh loader's must have it too
+    state["history"] = loader._ckpt.history.encode()
     block = block_size(loader)
     if block > 1:  # a global shuffle's checkpoint stays as it was: no key means blocks of 1
         state["shuffle_block_size"] = block
@@ -98,3 +101,12 @@ def identity_to_restore(loader: Loader[Any]) -> LoaderIdentity:
         shuffle_block_size=block_size(loader),
         shuffle_window=window(loader),
     )
+
+
+def begin_run(loader: Loader[Any]) -> None:
+    """An iterator starts at the loader's position: its batch geometry joins the history (a new
+    segment where it differs from the last), and a tally of another epoch starts afresh."""
+    ckpt = loader._ckpt
+    ckpt.history.begin(ckpt.epoch, ckpt.offset, loader.local_batch_size, loader.world_size)
+    if ckpt.tally.epoch != ckpt.epoch:
+        ckpt.tally.reset(ckpt.epoch, ckpt.offset)

@@ -43,6 +43,28 @@ class _Written:
     def content_digest(self) -> str:
         return self.manifest.digest()
 
+    def locate(self, start: int, stop: int) -> list[list[Any]]:
+        """The shard files of ``tokens`` holding elements ``[start, stop)``, with byte ranges
+        (a shard is its elements back to back)."""
+        out: list[list[Any]] = []
+        itemsize = self.dtype.itemsize
+        first = 0
+        for f in self.manifest.tokens.files:
+            end = first + f.elements
+            lo, hi = max(start, first), min(stop, end)
+            if hi > lo:
+                out.append(
+                    [
+                        f"{self.location.rstrip('/')}/{f.path}",
+                        (lo - first) * itemsize,
+                        (hi - first) * itemsize,
+                    ]
+                )
+            if end >= stop:
+                break
+            first = end
+        return out
+
 
 class ManifestStreamStorage(_Written, StreamStorageAbstract[Array, Any]):
     """A written stream dataset: sizes and fields come from its manifest."""

@@ -138,6 +138,12 @@ class StorageAbstract(ABC, Generic[InT, OutT]):
         dataset."""
         return ""
 
+    def locate(self, start: int, stop: int) -> list[list[Any]]:
+        """Where elements ``[start, stop)`` of the token data are stored: ``[file, first byte,
+        end byte]`` for each file holding some of them, in order (what ``loader.explain()``
+        reports). ``[]`` for a storage without files (in memory)."""
+        return []
+
     def reads_inline(self) -> bool:
         """Whether ``read_many_sync`` can serve reads now, in the caller's thread (memory,
         memory-mapped local files, a remote dataset once its local copy is complete).

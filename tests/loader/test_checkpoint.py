@@ -28,6 +28,7 @@ def test_state_dict_counts_only_delivered_batches() -> None:
             "shuffle_seed": None,
             "drop_last": True,
             "dataset": {"kind": "stream", "observations": 50, "sequence_length": 4, "digest": ""},
+            "history": "",  # no batch geometry has read anything yet
         }
         it = iter(loader)
         next(it)
@@ -60,6 +61,7 @@ def test_checkpoint_is_plain_and_weights_only_loadable() -> None:
         "shuffle_seed": 5,
         "drop_last": True,
         "dataset": {"kind": "stream", "observations": 10, "sequence_length": 4, "digest": ""},
+        "history": "0:0:0:1:1",  # one stretch of epoch 0 from offset 0: batches of 1 on 1 rank
     }
 
 

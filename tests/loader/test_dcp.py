@@ -73,3 +73,5 @@ def test_two_ranks_save_three_ranks_resume_every_sample_once(tmp_path: Path) -> 
     assert len(before) == steps * 4 * 2
     assert sorted(before + after) == list(range(NUM_SAMPLES))  # each sample exactly once
     assert all(r["state"]["epoch"] == 1 for r in resumed)
+    # DCP carried the history over: the resumed epoch's steps are numbered on from the saved one's
+    assert resumed[0]["state"]["history"] == f"0:0:0:4:2;0:{steps * 8}:{steps}:4:3"

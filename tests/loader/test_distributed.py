@@ -45,5 +45,6 @@ def test_ranks_never_share_a_sample_and_agree_on_the_checkpoint(tmp_path: Path, 
         "shuffle": True,
         "shuffle_seed": 17,
         "drop_last": False,
+        "history": f"0:0:0:3:{world_size}",
     }
     assert all(r["epoch_after"] == 1 for r in results)

@@ -17,6 +17,7 @@ from guideloom._datasets.base import Call, DatasetAbstract, ReadPlan, read_async
 from guideloom._datasets.documents import DocumentDataset
 from guideloom._datasets.mixture.order import MixtureOrder, SourceKeys
 from guideloom._datasets.mixture.schedule import MAX_SAMPLES, Layout
+from guideloom._datasets.mixture.scheduled import ScheduledLayout, WeightSchedule, check_schedule_names
 from guideloom._datasets.stream import StreamDataset
 from guideloom.storage.base import DocumentStorageAbstract, StreamStorageAbstract
 from guideloom.types import DatasetFingerprint
@@ -79,7 +80,12 @@ def _assemble(
     return out
 
 
-def _digest(names: tuple[str, ...], datasets: Sequence[DatasetAbstract[Any]], layout: Layout) -> str:
+def _digest(
+    names: tuple[str, ...],
+    datasets: Sequence[DatasetAbstract[Any]],
+    layout: Layout,
+    scheduled: ScheduledLayout | None = None,
+) -> str:
     """What :meth:`Mixture.fingerprint_digest` returns, computed from the names, the sources and
     the layout alone (the mixture only caches it): each source's checkpoint fingerprint, with its
     name and weight."""
@@ -87,6 +93,8 @@ def _digest(names: tuple[str, ...], datasets: Sequence[DatasetAbstract[Any]], la
     h.update(f"mixture:{layout.num_samples}".encode())
     if layout.shape:  # a schedule other than the Huffman tree's, which digests made before did not name
         h.update(f"\ntree:{layout.shape}".encode())
+    if scheduled is not None:  # weights that change with progress: the whole schedule
+        h.update(f"\n{scheduled.describe()}".encode())
     for name, ds, w in zip(names, datasets, layout.weights.tolist(), strict=True):
         f = ds.fingerprint()
         fp = f"{f['kind']}:{f['observations']}:{f['sequence_length']}:{f['digest']}"
@@ -104,7 +112,7 @@ class Mixture(DatasetAbstract[Any]):
     def __init__(
         self,
         sources: Mapping[str, Source],
-        weights: Mapping[str, float] | None = None,
+        weights: Mapping[str, float] | WeightSchedule | None = None,
         *,
         sequence_length: int | Mapping[str, int] | None = None,
         num_samples: int | None = None,
@@ -117,7 +125,12 @@ class Mixture(DatasetAbstract[Any]):
         self._num_samples = None if num_samples is None else check_int("num_samples", num_samples, 1)
         if self._num_samples is not None and self._num_samples >= MAX_SAMPLES:
             raise ValueError(f"num_samples must be below 2**62 (the schedule's range), got {num_samples}")
+        self._schedule: WeightSchedule | None = None
+        if isinstance(weights, WeightSchedule):
+            check_schedule_names(weights, self.names)
+            self._schedule, weights = weights, weights.weights[0]
         self._weights = _check_weights(self.names, weights)
+        self._scheduled_cache: ScheduledLayout | None = None
         self._datasets, self._pending = _resolve_sources(self.names, sources, sequence_length)
         self._layout_cache: Layout | None = None
         self._list_cache: list[DatasetAbstract[Any]] | None = None
@@ -152,6 +165,7 @@ class Mixture(DatasetAbstract[Any]):
         }
         out._pending = {}
         out._layout_cache = None
+        out._scheduled_cache = None
         out._list_cache = None
         out._own_cache = {}
         out._read_figures = None
@@ -209,30 +223,53 @@ class Mixture(DatasetAbstract[Any]):
             weights = self._weights if self._weights is not None else [float(n) for n in lengths]
             m = self._num_samples if self._num_samples is not None else sum(lengths)
             self._layout_cache = Layout.build(lengths, weights, m)
+            self._scheduled_cache = None
+            if self._schedule is not None:
+                self._scheduled_cache = ScheduledLayout.build(lengths, self._schedule, self.names)
         return self._layout_cache
+
+    def _scheduled(self) -> ScheduledLayout | None:
+        """The layout of a schedule of weights (``None`` for constant weights)."""
+        self._layout()
+        return self._scheduled_cache
+
+    @property
+    def schedule(self) -> WeightSchedule | None:
+        """The weights' schedule, where they change with progress (``None``: constant)."""
+        return self._schedule
 
     @property
     def weights(self) -> dict[str, float]:
-        """Each source's share of the mixture (normalised to sum to 1)."""
+        """Each source's share of the mixture (normalised to sum to 1); under a schedule, the
+        shares at position 0 (``loader.stats()`` reports those in force)."""
         return dict(zip(self.names, self._layout().weights.tolist(), strict=True))
 
     @property
     def samples_per_epoch(self) -> dict[str, int]:
         """How many samples each source serves in one mixture epoch (its weight times
-        ``len(mixture)``, rounded by the schedule)."""
+        ``len(mixture)``, rounded by the schedule); under a schedule of weights, in the first
+        epoch."""
+        scheduled = self._scheduled()
+        if scheduled is not None:
+            counts = scheduled.counts(len(self)).tolist()
+            return dict(zip(self.names, counts, strict=True))
         return dict(zip(self.names, self._layout().per_epoch.tolist(), strict=True))
 
     @property
     def discrepancy_bounds(self) -> dict[str, float]:
         """For each source, the bound on ``|samples of it among the first n positions - weight *
-        n|`` that holds for every prefix ``n`` of every epoch (see :func:`mix`)."""
-        return dict(zip(self.names, self._layout().bounds.tolist(), strict=True))
+        n|`` that holds for every prefix ``n`` of every epoch (see :func:`mix`). Under a schedule of
+        weights, the bound on ``|samples among the first P global positions - the integral of
+        its weight over them|`` for every ``P`` (see :class:`~guideloom.WeightSchedule`)."""
+        scheduled = self._scheduled()
+        bounds = self._layout().bounds if scheduled is None else scheduled.bounds
+        return dict(zip(self.names, bounds.tolist(), strict=True))
 
     def fingerprint_digest(self) -> str:
         """A digest of what fixes the order: the names, weights, epoch length and each source's
         checkpoint fingerprint (a checkpoint is refused over a mixture with another digest)."""
         if self._digest_cache is None:
-            self._digest_cache = _digest(self.names, self._datasets_list(), self._layout())
+            self._digest_cache = _digest(self.names, self._datasets_list(), self._layout(), self._scheduled())
         return self._digest_cache
 
     # -- DatasetAbstract ------------------------------------------------------------------------
@@ -255,18 +292,44 @@ class Mixture(DatasetAbstract[Any]):
             shuffle=shuffle,
             seed=seed,
             epoch=epoch,
+            scheduled=self._scheduled(),
         )
+
+    def describe(self, index: int) -> dict[str, Any]:
+        """Mixture key ``index``: its ``source`` (``outer/inner`` through nested mixtures), the
+        sample's index in it (``source_index``) and what that source says of the sample."""
+        ((s, _, idx),) = _groups(self._layout().offsets, np.asarray([index], dtype=np.int64))
+        inner = self._datasets_list()[s].describe(int(idx[0]))
+        name = self.names[s]
+        out = {"source": name, "source_index": int(idx[0]), **inner}
+        if "source" in inner:
+            out["source"] = f"{name}/{inner['source']}"
+        return out
 
     def position_stats(self, *, epoch: int, offset: int) -> dict[str, float]:
         """``source_epoch/<name>``: the epoch of its own that each source is in at this position
         (how many times it has been read whole; a source smaller than its share exceeds the
-        mixture's epoch). Empty until the mixture is open."""
+        mixture's epoch). Under a schedule of weights also ``weight/<name>``, each source's
+        (normalised) weight in force at the position, and ``drawn/<name>``, its share of the samples
+        drawn since the run began. Empty until the mixture is open."""
         lay = self._layout_cache
         if lay is None:  # not open yet (a remote source may not know its length): nothing to say
             return {}
-        cum = epoch * lay.per_epoch + lay.counts(min(max(offset, 0), lay.num_samples))
+        at = min(max(offset, 0), lay.num_samples)
+        scheduled = self._scheduled_cache
+        if scheduled is None:
+            cum = epoch * lay.per_epoch + lay.counts(at)
+        else:
+            progress = epoch * lay.num_samples + at
+            cum = scheduled.counts(progress)
         epochs = cum // lay.lengths
-        return {f"source_epoch/{name}": float(e) for name, e in zip(self.names, epochs.tolist(), strict=True)}
+        out = {f"source_epoch/{name}": float(e) for name, e in zip(self.names, epochs.tolist(), strict=True)}
+        if scheduled is not None:
+            weights = scheduled.weights_at(progress).tolist()
+            drawn = (cum / max(progress, 1)).tolist()
+            for name, w, d in zip(self.names, weights, drawn, strict=True):
+                out[f"weight/{name}"], out[f"drawn/{name}"] = float(w), float(d)
+        return out
 
     async def open(self) -> None:
         datasets = self._datasets_list()
@@ -455,7 +518,7 @@ def _split_lengths(
 
 def mix(
     sources: Mapping[str, Source],
-    weights: Mapping[str, float] | None = None,
+    weights: Mapping[str, float] | WeightSchedule | None = None,
     *,
     sequence_length: int | Mapping[str, int] | None = None,
     num_samples: int | None = None,
@@ -471,7 +534,9 @@ def mix(
         sources: Name to source: stream storage (cut into ``sequence_length`` samples), document
             storage (one document per sample), or any ``DatasetAbstract`` (a ``StreamDataset``
             with its own length, a ``MapDataset``, a packed dataset, another mixture).
-        weights: Name to weight (any positive numbers; they are normalised). Default: each
+        weights: Name to weight (any positive numbers; they are normalised), or a
+            :class:`~guideloom.WeightSchedule` of weights that change with training progress
+            (piecewise constant or linear over the mixture's global position). Default: each
             source's number of samples, so an epoch reads every source about once.
         sequence_length: Elements per sample of the stream storages: one int for all, or a dict
             by name. Stream storages left without one take ``from_storage``'s

@@ -13,6 +13,7 @@ from guideloom._core.keys import GOLDEN, MIX1, MIX2, ROUNDS, hash64, splitmix
 from guideloom._core.permutation import IndexArray, Permutation
 from guideloom._datasets.base import DatasetAbstract
 from guideloom._datasets.mixture.schedule import Layout
+from guideloom._datasets.mixture.scheduled import ScheduledLayout
 
 if TYPE_CHECKING:
     from guideloom._core.order import Order
@@ -112,9 +113,11 @@ class MixtureOrder:
         shuffle: bool,
         seed: int,
         epoch: int,
+        scheduled: ScheduledLayout | None = None,
     ) -> None:
         self._datasets = datasets
         self._layout = layout
+        self._scheduled = scheduled
         self._shuffle = shuffle
         self._seed = seed
         self.epoch = epoch
@@ -152,8 +155,11 @@ class MixtureOrder:
         pos = np.asarray(positions, dtype=np.int64)
         if pos.size and (pos.min() < 0 or pos.max() >= lay.num_samples):
             raise IndexError(f"positions outside [0, {lay.num_samples})")
-        src, local = lay.locate(pos)
-        cum = self.epoch * lay.per_epoch[src] + local
+        if self._scheduled is not None:  # weights that change with progress: global positions
+            src, cum = self._scheduled.locate(self.epoch * lay.num_samples + pos)
+        else:
+            src, local = lay.locate(pos)
+            cum = self.epoch * lay.per_epoch[src] + local
         length = lay.lengths[src]
         source_epoch, within = np.divmod(cum, length)
         return src, source_epoch, self._permute(src, source_epoch, within)

@@ -41,7 +41,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from guideloom._errors import DatasetFormatError, DatasetIntegrityError
+from guideloom._errors import DatasetFormatError, DatasetIntegrityError, StorageError
 from guideloom.storage._text import TextEncoder, TokenizerLike
 from guideloom.storage.base import DocumentStorageAbstract
 
@@ -155,9 +155,18 @@ class _RemoteFiles:
         self.prefix_url, self.options = prefix_url, options
         self._conn: Any = None
         self._tails: dict[str, tuple[int, bytes]] = {}  # each footer's bytes, as fetched
+        #: Each object's version as first seen: every read is conditional on it, in a process
+        #: worker's copy too.
+        self.versions: dict[str, Any] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"prefix_url": self.prefix_url, "options": self.options, "_conn": None, "_tails": {}}
+        return {
+            "prefix_url": self.prefix_url,
+            "options": self.options,
+            "_conn": None,
+            "_tails": {},
+            "versions": self.versions,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -168,18 +177,21 @@ class _RemoteFiles:
             from guideloom.storage._client import Remote
 
             self._conn = Remote(self.prefix_url, dict(self.options))
+            self._conn.versions.update(self.versions)
         return self._conn
 
     def listing(self) -> dict[str, _Stat] | None:
         listed = self.conn.list_sizes()
         if listed is None:
             return None
+        self.versions.update(listed)
+        self.conn.versions.update(listed)
         return {p: _Stat(v.size, v.etag or str(v.last_modified)) for p, v in listed.items()}
 
     def stats(self, paths: Sequence[str]) -> dict[str, _Stat]:
         found = self.conn.object_sizes(list(paths))
-        for p, v in found.items():
-            self.conn.versions[p] = v
+        self.versions.update(found)
+        self.conn.versions.update(found)
         return {p: _Stat(v.size, v.etag or str(v.last_modified)) for p, v in found.items()}
 
     def footer(self, path: str, size: int) -> Any:
@@ -210,7 +222,7 @@ class _RemoteFiles:
     def read_group(self, path: str, metadata: Any, group: int, columns: list[str], chunks: Any) -> Any:
         start, end = chunks
         data = self.conn.fetch_range(path, start, end)
-        size = int(self.conn.versions[path].size)
+        size = int(self.versions[path].size)
         tail_start, tail = self._tails[path]
         pieces = {start: data, tail_start: tail}
         return (
@@ -522,13 +534,11 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
             table = self._files.read_group(e.path, reader, g, [self.column], _chunk_range(md, g, leaves))
             array = table.column(self.column).combine_chunks()
             decoded = _Decoded(array, e.kind)
-        except (DatasetIntegrityError, FileNotFoundError):
+        except (DatasetIntegrityError, FileNotFoundError, StorageError):
             raise
         except DatasetFormatError as exc:
             raise DatasetFormatError(f"{self._where(group)}: {exc}") from None
         except (OSError, ValueError, IndexError) as exc:
-            if type(exc).__name__ == "RemoteReadError":
-                raise
             raise DatasetFormatError(f"{self._where(group)}: cannot be decoded ({exc})") from None
         if len(array) != e.rows[g]:
             raise DatasetFormatError(
@@ -823,10 +833,8 @@ def open_parquet(
     try:
         if files.remote:
             missing = [p for p in paths if p not in known]
-            if missing:
+            if missing:  # a listing recorded the others' versions: reads are conditional on them
                 known.update(files.stats(missing))
-            else:
-                files.stats(paths)  # records each object's version: later reads are conditional on it
             for p in paths:
                 if p not in known:
                     raise FileNotFoundError(f"no object {shown(p)!r}")

@@ -92,7 +92,7 @@ def test_an_object_replaced_after_opening_is_refused(tmp_path: Path, s3: MotoS3)
     s3.client().upload_file(
         str(tmp_path / "other" / "train-00000.parquet"), BUCKET, f"{prefix}/train-00002.parquet"
     )
-    with pytest.raises(gl.DatasetIntegrityError, match="train-00002.parquet"):
+    with pytest.raises(gl.DatasetIntegrityError, match=r"train-00002\.parquet"):
         storage.read_many_sync(np.asarray([299], np.int64))
 
 

@@ -425,6 +425,10 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         """The files, in the order their rows are numbered."""
         return [self._shown(e.path) for e in self._entries]
 
+    def file_summary(self) -> list[tuple[str, int, int, int]]:
+        """Each file's name, rows, row groups and size in bytes, in row order."""
+        return [(self._shown(e.path), sum(e.rows), len(e.rows), e.size) for e in self._entries]
+
     @property
     def num_row_groups(self) -> int:
         return len(self._sizes)
@@ -757,6 +761,45 @@ def _write_index_cache(path: Path | None, entries: list[_FileEntry], key: Callab
     os.replace(tmp, path)
 
 
+def _resolve(source: Any, options: dict[str, Any]) -> tuple[Any, list[str], dict[str, _Stat]]:
+    """The files ``source`` names (local, or objects of one store prefix), in sorted path order,
+    and the sizes a listing found for them."""
+    items = [source] if isinstance(source, (str, os.PathLike)) else list(source)
+    if not items:
+        raise ValueError("open_parquet needs at least one file")
+    texts = [os.fspath(s) for s in items]
+    remote = [_is_remote(t) for t in texts]
+    if any(remote) and not all(remote):
+        raise ValueError("open_parquet reads local files or objects of one store, not both at once")
+    if not remote[0]:
+        if options:
+            raise TypeError(f"unexpected options for local files: {sorted(options)}")
+        return _LocalFiles(), [p for t in texts for p in _local_paths(t)], {}
+    if len(texts) == 1:
+        return _remote_sources(texts[0], dict(options))
+    parents = {_split_url(t)[0] for t in texts}
+    if len(parents) != 1:
+        raise ValueError("a list of object URLs must name objects of one folder (one prefix)")
+    return _RemoteFiles(parents.pop(), dict(options)), [_split_url(t)[1] for t in texts], {}
+
+
+def parquet_columns(source: Any, **options: Any) -> tuple[list[str], list[tuple[str, str]]]:
+    """The files ``source`` names and the columns of the first one (name, arrow type): what
+    ``guideloom inspect`` shows before it knows which column to read."""
+    files, paths, known = _resolve(source, options)
+    first = paths[0]
+    stat = known.get(first) or (files.stats([first]).get(first) if files.remote else files.stat(first))
+    if stat is None:
+        raise FileNotFoundError(f"no object {files.name(first)!r}")
+    try:
+        schema = files.footer(first, stat.size).schema.to_arrow_schema()
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, DatasetFormatError | FileNotFoundError):
+            raise
+        raise DatasetFormatError(f"{files.name(first)}: damaged or not a Parquet file ({exc})") from None
+    return [files.name(p) for p in paths], [(f.name, str(f.type)) for f in schema]
+
+
 def open_parquet(
     source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     column: str,
@@ -795,35 +838,8 @@ def open_parquet(
         raise TypeError(f"column must be a column name, got {column!r}")
     _pq()
     cache = None if cache_dir is None else os.fspath(cache_dir)
-    items = [source] if isinstance(source, (str, os.PathLike)) else list(source)
-    if not items:
-        raise ValueError("open_parquet needs at least one file")
-    texts = [os.fspath(s) for s in items]
-    remote = [_is_remote(t) for t in texts]
-    if any(remote) and not all(remote):
-        raise ValueError("open_parquet reads local files or objects of one store, not both at once")
-    files: Any
-    known: dict[str, _Stat] = {}
-    if remote[0]:
-        if len(texts) == 1:
-            files, paths, known = _remote_sources(texts[0], dict(options))
-        else:
-            parents = {_split_url(t)[0] for t in texts}
-            if len(parents) != 1:
-                raise ValueError("a list of object URLs must name objects of one folder (one prefix)")
-            files = _RemoteFiles(parents.pop(), dict(options))
-            paths = [_split_url(t)[1] for t in texts]
-
-        def shown(path: str) -> str:
-            return str(files.name(path))
-    else:
-        if options:
-            raise TypeError(f"unexpected options for local files: {sorted(options)}")
-        files = _LocalFiles()
-        paths = [p for t in texts for p in _local_paths(t)]
-
-        def shown(path: str) -> str:
-            return path
+    files, paths, known = _resolve(source, options)
+    shown = files.name
 
     encoder = None if tokenizer is None else TextEncoder(tokenizer, bos=bos, eos=eos, dtype=dtype)
     if tokenizer is None and (bos is not None or eos is not None):

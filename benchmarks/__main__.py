@@ -18,7 +18,7 @@
     python -m benchmarks worker-start [--rounds 3] # process workers' start and memory vs torch's DataLoader
     python -m benchmarks worker-control [--hogs N] # collate_mode auto vs pinned, beside busy-loop processes
     python -m benchmarks gpu [--quick]             # the device copy: GB/s, overlap with compute, correctness
-    python -m benchmarks parquet [--quick]         # open_parquet vs HF datasets streaming and prepared streams
+    python -m benchmarks parquet [--quick]         # open_parquet vs HF streaming and prepared streams
 
 `suite` runs in a venv of its own with the peers ($GUIDELOOM_BENCH_VENV, default
 $TMPDIR/guideloom-bench-venv): it creates it on first use and re-runs itself there. Nothing else

@@ -22,7 +22,8 @@ Text, tokenized with 2 process workers (local_batch_size 32, shuffled, one epoch
 
 Pre-tokenized ``list<int32>``, no workers (local_batch_size 32, shuffled): ``gl-parquet-tokens``
 against ``gl-stream-tokens``, the same tokens as a guideloom stream dataset (sequence_length
-1024): tokens/s.
+1024), and ``gl-stream-tokens-doclen``, the same stream cut into samples as long as the mean
+document (so that a batch carries as many tokens as a batch of rows): tokens/s.
 
 Also: the time to the first batch after ``load_state_dict`` at a mid-epoch offset (a loader
 already open, and a fresh one that opens the files first), the time to open 1,000 files, the
@@ -63,7 +64,7 @@ VOCAB = 8192
 #: data set, so that every epoch decodes every row group again, as it would at scale.
 DECODED = 20 * 2**20
 TEXT_CONFIGS = ("gl-parquet-text", "hf-streaming", "gl-stream-prepared")
-TOKEN_CONFIGS = ("gl-parquet-tokens", "gl-stream-tokens")
+TOKEN_CONFIGS = ("gl-parquet-tokens", "gl-stream-tokens", "gl-stream-tokens-doclen")
 
 
 # -- data ----------------------------------------------------------------------------------------------
@@ -218,6 +219,12 @@ def make_loader(config: str, data: Path) -> Any:
         return gl.StatefulDataLoader.from_storage(
             storage, collate_docs, local_batch_size=BATCH, shuffle=True, shuffle_block_size="auto", device=cpu
         )
+    if config == "gl-stream-tokens-doclen":  # samples as long as the mean document
+        mean = len(gl.open_stream(data / "tokens-stream")) // len(gl.open_parquet(data / "data", "input_ids"))
+        return gl.StatefulDataLoader.from_storage(
+            gl.open_stream(data / "tokens-stream"), collate_stream, sequence_length=mean,
+            local_batch_size=BATCH, shuffle=True, device=cpu,
+        )  # fmt: skip
     if config == "gl-stream-tokens":
         return gl.StatefulDataLoader.from_storage(
             gl.open_stream(data / "tokens-stream"), collate_stream, sequence_length=SEQ,
@@ -463,6 +470,8 @@ def main(argv: list[str] | None = None) -> None:
          ratio_of("gl-parquet-text", "gl-stream-prepared", "tokens_s"), 1.0),
         ("gl-parquet-tokens / gl-stream-tokens, tokens/s",
          ratio_of("gl-parquet-tokens", "gl-stream-tokens", "tokens_s"), 0.5),
+        ("gl-parquet-tokens / gl-stream-tokens-doclen, tokens/s",
+         ratio_of("gl-parquet-tokens", "gl-stream-tokens-doclen", "tokens_s"), 0.5),
         ("peak PSS gl-parquet-text / gl-stream-prepared",
          ratio_of("gl-parquet-text", "gl-stream-prepared", "peak_pss_mb"), 1.2),
         ("peak PSS gl-parquet-tokens / gl-stream-tokens",

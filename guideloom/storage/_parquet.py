@@ -381,13 +381,14 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         self._lock = threading.Lock()
         self._decoded: OrderedDict[int, _Decoded] = OrderedDict()
         self._decoded_bytes = 0
+        self._evicted_bytes = 0  # evicted since arrow's pool last released its unused memory
         self._readers: OrderedDict[int, Any] = OrderedDict()
         self._offsets: I64 | None = None
         self.counts = {"parquet_row_group_decodes": 0, "parquet_null_rows": 0}
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without what it decoded or opened: a process worker decodes its own."""
-        keep = ("_lock", "_decoded", "_decoded_bytes", "_readers", "counts")
+        keep = ("_lock", "_decoded", "_decoded_bytes", "_evicted_bytes", "_readers", "counts")
         return {k: v for k, v in self.__dict__.items() if k not in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -431,6 +432,7 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
 
     @property
     def num_row_groups(self) -> int:
+        """Row groups over all files."""
         return len(self._sizes)
 
     def row_group_sizes(self) -> I64:
@@ -555,6 +557,12 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
             while self._decoded_bytes > self.max_decoded_bytes and len(self._decoded) > 1:
                 _, old = self._decoded.popitem(last=False)
                 self._decoded_bytes -= old.nbytes
+                self._evicted_bytes += old.nbytes
+            release = self._evicted_bytes > self.max_decoded_bytes
+            if release:
+                self._evicted_bytes = 0
+        if release:  # once per turnover of the decoded row groups: their memory back to the system
+            _pa().default_memory_pool().release_unused()
         return decoded
 
     def _nulls(self, group: int, decoded: _Decoded, local: I64) -> None:

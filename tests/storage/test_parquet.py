@@ -533,3 +533,22 @@ def test_the_storage_pickles_without_what_it_decoded(folder: Path) -> None:
     assert [r.tolist() for r in copy.read_many_sync(np.arange(10, dtype=np.int64))] == [
         r.tolist() for r in storage.read_many_sync(np.arange(10, dtype=np.int64))
     ]
+
+
+def test_the_footer_index_in_cache_dir_is_reused_for_unchanged_files_only(
+    folder: Path, tmp_path: Path
+) -> None:
+    dest = copy_of(folder, tmp_path)
+    cache = tmp_path / "cache"
+    first = gl.open_parquet(dest, "input_ids", cache_dir=cache)
+    (index,) = cache.glob("parquet-index-*.json")
+    victim = dest / "train-00001-of-00003.parquet"
+    st = victim.stat()
+    data = victim.read_bytes()
+    victim.write_bytes(data[:-12] + b"\x00" * 8 + data[-4:])  # same size, a damaged footer
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))  # and the version the index holds
+    again = gl.open_parquet(dest, "input_ids", cache_dir=cache)  # not read again: the index says
+    assert len(again) == len(first) and index.exists()
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # another version: read again
+    with pytest.raises(gl.DatasetFormatError, match=r"train-00001-of-00003\.parquet"):
+        gl.open_parquet(dest, "input_ids", cache_dir=cache)

@@ -21,6 +21,7 @@
     python -m benchmarks merge [--parts 1000,10000] # prepare --merge of 10,000 parts: time, size, open
     python -m benchmarks prepare-tasks [--mb 200]  # prepare as 8 task processes and on Ray vs --workers 2
     python -m benchmarks provenance [--sources N]  # explain() at 10^12 of 1,000 packed sources; audit cost
+    python -m benchmarks parquet [--quick]         # open_parquet vs HF streaming and prepared streams
 
 `suite` runs in a venv of its own with the peers ($GUIDELOOM_BENCH_VENV, default
 $TMPDIR/guideloom-bench-venv): it creates it on first use and re-runs itself there. Nothing else
@@ -60,6 +61,7 @@ _PASSTHROUGH = {
     "merge": "benchmarks.merge",
     "prepare-tasks": "benchmarks.prepare_tasks",
     "provenance": "benchmarks.provenance",
+    "parquet": "benchmarks.parquet",
 }
 
 
@@ -152,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         "merge",
         "prepare-tasks",
         "provenance",
+        "parquet",
     ]
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__)

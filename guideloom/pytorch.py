@@ -325,6 +325,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         self._figures.mark_epoch_reads(self.dataset, self._ckpt.epoch)
         begin_run(self)
         order = epoch_order(self, self._ckpt.epoch)
+        collate = self.dataset.collate_with(self.collate_fn)  # a dataset's step (tokenizing) first
         return PipelineConfig(
             dataset=self.dataset,
             plan=EpochPlan(
@@ -337,14 +338,14 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
                 order=order,
             ),
             order=order,
-            collate_fn=self.collate_fn,
+            collate_fn=collate,
             device=self.device,
             pin_memory=self.pin_memory,
             num_workers=num_workers,
             parallel_method=self.parallel_method,
             prefetch=prefetch,
             worker_pool=functools.partial(
-                self._life.worker_pool, self, self.dataset, self.collate_fn, self.num_workers
+                self._life.worker_pool, self, self.dataset, collate, self.num_workers
             )
             if self.persistent_workers and not inline
             else None,

@@ -9,12 +9,13 @@ from typing import Any
 
 import numpy as np
 
-from guideloom._cli._common import Progress, add_count, format_bytes
+from guideloom._cli._common import Progress, UsageError, add_count, format_bytes
 from guideloom._cli._tokenizers import Tokenizer, tokenizer_for_decoding
 from guideloom._errors import DatasetFormatError
 from guideloom.storage._api import local_folder, open_documents, open_stream, verify_dataset
 from guideloom.storage._local import read_local_manifest
-from guideloom.storage._manifest import Manifest
+from guideloom.storage._manifest import MANIFEST_NAME, Manifest
+from guideloom.storage._parquet import open_parquet, parquet_columns
 from guideloom.storage.base import DocumentStorageAbstract, StreamStorageAbstract
 
 __all__ = ["add_parsers", "open_dataset"]
@@ -26,6 +27,8 @@ examples:
   guideloom inspect stdlib-bytes
   guideloom inspect stdlib-bytes --tokenizer bytes --samples 5
   guideloom inspect ds --tokenizer tokenizer.json --chars 500
+  guideloom inspect hub-dataset/data                       # a folder of Parquet files
+  guideloom inspect 'data/train-*.parquet' --column input_ids --tokenizer tokenizer.json
 """
 
 VERIFY_EXAMPLES = """\
@@ -46,7 +49,14 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
         epilog=INSPECT_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("dataset", metavar="DEST", help="a dataset folder or URL")
+    p.add_argument(
+        "dataset", metavar="DEST", help="a dataset folder or URL, or Parquet files (a folder, a glob, a file)"
+    )
+    p.add_argument(
+        "--column",
+        metavar="NAME",
+        help="Parquet: the column to count and show (default: the first text or token-id column)",
+    )
     p.add_argument(
         "--tokenizer",
         metavar="bytes|PATH|auto",
@@ -151,7 +161,69 @@ def _preview(tokenizer: Tokenizer, tokens: np.ndarray[Any, Any], chars: int) -> 
     return repr(text[:chars]) + more
 
 
+def is_parquet(dest: str) -> bool:
+    """Whether ``dest`` names Parquet files (a ``.parquet`` file or glob, or a local folder of
+    them without a guideloom manifest) rather than a prepared dataset."""
+    if dest.rstrip("/").endswith(".parquet") or any(c in dest for c in "*?["):
+        return True
+    folder = local_folder(dest)
+    if folder is None or not folder.is_dir() or (folder / MANIFEST_NAME).exists():
+        return False
+    return next(iter(folder.rglob("*.parquet")), None) is not None
+
+
+def _readable_column(columns: list[tuple[str, str]]) -> str:
+    for name, kind in columns:
+        if kind in ("string", "large_string") or (
+            kind.startswith(("list<", "large_list<")) and "int" in kind
+        ):
+            return name
+    shown = ", ".join(f"{n} ({k})" for n, k in columns)
+    raise UsageError(f"no text or token-id column to show among {shown}; name one with --column")
+
+
+def _inspect_parquet(args: argparse.Namespace) -> list[str]:
+    files, columns = parquet_columns(args.dataset)
+    column = args.column or _readable_column(columns)
+    storage = open_parquet(args.dataset, column)
+    sizes = storage.row_group_sizes()
+    lines = [
+        f"dataset:    {args.dataset}",
+        "kind:       parquet (rows read where they lie: gl.open_parquet)",
+        f"rows:       {len(storage):,}",
+        f"files:      {len(files)}",
+        f"row groups: {len(sizes):,} (rows each: min {int(sizes.min()):,}, mean {sizes.mean():,.0f}, "
+        f"max {int(sizes.max()):,})",
+        "columns:    " + ", ".join(f"{n} ({k})" for n, k in columns),
+        f"column:     {column} ({'text' if storage.dtype == object else f'token ids, {storage.dtype}'})",
+    ]
+    summary = storage.file_summary()
+    width = max(len(f) for f, *_ in summary)
+    for f, nrows, groups, nbytes in summary:
+        lines.append(f"  {f:<{width}}  {nrows:>12,} rows {groups:>6,} row groups {nbytes:>15,} B")
+    k = min(args.samples, len(storage))
+    rows = storage.read_many_sync(np.arange(k, dtype=np.int64))
+    tokenizer = tokenizer_for_decoding(args.tokenizer, {}) if args.tokenizer else None
+    lines.append(f"samples (first {k} rows of {column!r}):")
+    for i, row in enumerate(rows):
+        if isinstance(row, str):
+            text = row
+            more = "..." if len(text) > args.chars else ""
+            lines.append(f"  [{i}] {len(text):,} chars: {text[: args.chars]!r}{more}")
+        elif tokenizer is not None:
+            lines.append(f"  [{i}] {len(row):,} tokens: {_preview(tokenizer, row, args.chars)}")
+        else:
+            head = ", ".join(str(t) for t in row[:16].tolist())
+            lines.append(f"  [{i}] {len(row):,} tokens: [{head}{', ...' if len(row) > 16 else ''}]")
+    return lines
+
+
 def run_inspect(args: argparse.Namespace) -> int:
+    if is_parquet(args.dataset):
+        print("\n".join(_inspect_parquet(args)))
+        return 0
+    if args.column:
+        raise UsageError("--column applies to Parquet files only")
     manifest, storage = open_dataset(args.dataset)
     lines = _describe(args.dataset, manifest, storage)
     if args.tokenizer:

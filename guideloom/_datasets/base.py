@@ -25,7 +25,7 @@ from guideloom.types import DatasetFingerprint
 if TYPE_CHECKING:
     from guideloom._core.order import Order
 
-__all__ = ["Call", "DatasetAbstract", "ReadPlan", "SourceT", "read_async", "read_sync"]
+__all__ = ["Call", "DatasetAbstract", "FinishThenCollate", "ReadPlan", "SourceT", "read_async", "read_sync"]
 
 _DEFAULT_READ_WINDOW_BYTES = 4 * 2**20  # what StorageAbstract.read_window_bytes defaults to
 
@@ -150,6 +150,17 @@ class DatasetAbstract(ABC, Generic[SourceT]):
         <guideloom.StatefulDataLoader.explain>`). O(1): a few lookups, never a sample's data.
         Empty by default (a dataset of your own may say what it knows)."""
         return {}
+    def natural_blocks(self) -> npt.NDArray[np.int64] | None:
+        """The sizes of the runs of consecutive observations its storage reads together (Parquet
+        row groups), which ``shuffle_block_size="auto"`` keeps together; ``None`` (the default)
+        for uniform blocks."""
+        return None
+
+    def collate_with(self, collate_fn: Callable[[Sequence[Any]], Any]) -> Callable[[Sequence[Any]], Any]:
+        """What the loader runs where it collates: ``collate_fn`` itself (the default), or a
+        step of this dataset's reads first (tokenizing texts), so that it runs in the workers.
+        The same ``collate_fn`` gives the same object each time."""
+        return collate_fn
 
     def position_stats(self, *, epoch: int, offset: int) -> dict[str, float]:
         """Figures about position ``(epoch, offset)`` for ``loader.stats()`` (none by default; a
@@ -160,6 +171,27 @@ class DatasetAbstract(ABC, Generic[SourceT]):
         """A hint: the ``read_many(indices)`` calls the loader will make next, in order (see
         :meth:`StreamStorageAbstract.will_read <guideloom.StreamStorageAbstract.will_read>`).
         The default ignores it."""
+
+
+class FinishThenCollate:
+    """A batch's samples finished by a dataset's step (tokenized), then collated: one callable
+    where ``collate_fn`` ran, picklable where both are (process workers)."""
+
+    __slots__ = ("collate_fn", "finish")
+
+    def __init__(
+        self, finish: Callable[[Sequence[Any]], Sequence[Any]], collate_fn: Callable[[Sequence[Any]], Any]
+    ) -> None:
+        self.finish, self.collate_fn = finish, collate_fn
+
+    def __call__(self, samples: Sequence[Any]) -> Any:
+        return self.collate_fn(self.finish(samples))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FinishThenCollate, (self.finish, self.collate_fn))
+
+    def __repr__(self) -> str:
+        return f"FinishThenCollate({self.finish!r}, {self.collate_fn!r})"
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
 
-from guideloom._datasets.base import DatasetAbstract, SourceT
+from guideloom._datasets.base import DatasetAbstract, FinishThenCollate, SourceT
 from guideloom.storage.base import DocumentStorageAbstract
 
 __all__ = ["DocumentDataset"]
@@ -22,10 +22,18 @@ class DocumentDataset(DatasetAbstract[SourceT]):
     def __init__(self, storage: DocumentStorageAbstract[Any, SourceT]) -> None:
         if not isinstance(storage, DocumentStorageAbstract):
             raise TypeError(f"DocumentDataset needs a DocumentStorageAbstract, got {type(storage).__name__}")
+        self._given = storage
+        #: Where the storage's reads end in a step that may run in the workers (tokenizing): it
+        #: runs before collate_fn, and the reads here stop before it.
+        self._finish: Callable[[Sequence[Any]], Sequence[Any]] | None = None
+        deferred = storage.deferred_step()
+        if deferred is not None:
+            storage, self._finish = deferred
         self._storage = storage
+        self._collates: tuple[Any, Any] | None = None
 
     def __repr__(self) -> str:
-        return f"DocumentDataset({self._storage!r})"
+        return f"DocumentDataset({self._given!r})"
 
     @property
     def storage(self) -> DocumentStorageAbstract[Any, SourceT]:
@@ -61,6 +69,23 @@ class DocumentDataset(DatasetAbstract[SourceT]):
 
     def _fingerprint_kind(self) -> str:
         return "documents"
+
+    def natural_blocks(self) -> npt.NDArray[np.int64] | None:
+        return self._storage.natural_blocks()
+
+    def collate_with(self, collate_fn: Callable[[Sequence[Any]], Any]) -> Callable[[Sequence[Any]], Any]:
+        """``collate_fn``, after the storage's deferred step where it has one (see
+        :meth:`DocumentStorageAbstract.deferred_step`); the same object for the same
+        ``collate_fn`` (persistent workers keep theirs)."""
+        if self._finish is None:
+            return collate_fn
+        if self._collates is None or self._collates[0] is not collate_fn:
+            self._collates = (collate_fn, FinishThenCollate(self._finish, collate_fn))
+        made: Callable[[Sequence[Any]], Any] = self._collates[1]
+        return made
+
+    def position_stats(self, *, epoch: int, offset: int) -> dict[str, float]:
+        return self._storage.figures()
 
     def sample_nbytes_hint(self) -> int:
         return self._storage.sample_nbytes_hint()

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from guideloom._core.checkpoint import LoaderIdentity
+from guideloom._core.group_order import GroupPermutation
 from guideloom._core.order import Order, make_order, resolve_block_size
 from guideloom._loader.host import Loader
 from guideloom.types import DatasetFingerprint, StatefulDataLoaderStateDict
@@ -25,6 +26,9 @@ def block_size(loader: Loader[Any]) -> int:
         return 1
     if loader.shuffle_block_size != "auto":  # the storage is asked only for "auto"
         return resolve_block_size(loader.shuffle_block_size, block_bytes=None, sample_nbytes=0)
+    natural = loader.dataset.natural_blocks()
+    if natural is not None and len(natural):  # recorded as their mean size; the files pin them
+        return max(2, round(int(natural.sum()) / len(natural)))
     return resolve_block_size(
         "auto",
         block_bytes=getattr(loader.dataset.storage, "shuffle_block_bytes", None),
@@ -43,6 +47,11 @@ def epoch_order(loader: Loader[Any], epoch: int) -> Order:
     own = loader.dataset.order(shuffle=loader.shuffle, seed=loader._ckpt.order_seed, epoch=epoch)
     if own is not None:
         return own
+    natural = (
+        loader.dataset.natural_blocks() if loader.shuffle and loader.shuffle_block_size == "auto" else None
+    )
+    if natural is not None and len(natural):  # blocks of the storage's own (row groups)
+        return GroupPermutation(natural, seed=loader._ckpt.order_seed, epoch=epoch, window=window(loader))
     return make_order(
         len(loader.dataset),
         shuffle=loader.shuffle,

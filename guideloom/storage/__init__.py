@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from guideloom.storage._api import open_documents, open_stream, verify_dataset, write_documents, write_stream
 from guideloom.storage._memory import MemoryDocumentStorage, MemoryStreamStorage
+from guideloom.storage._parquet import ParquetStorage, open_parquet
 from guideloom.storage.base import (
     DocumentStorageAbstract,
     Rows,
@@ -22,11 +23,13 @@ __all__ = [
     "DocumentStorageAbstract",
     "MemoryDocumentStorage",
     "MemoryStreamStorage",
+    "ParquetStorage",
     "Rows",
     "Spans",
     "StorageAbstract",
     "StreamStorageAbstract",
     "open_documents",
+    "open_parquet",
     "open_stream",
     "verify_dataset",
     "write_documents",

@@ -143,6 +143,10 @@ class StorageAbstract(ABC, Generic[InT, OutT]):
         end byte]`` for each file holding some of them, in order (what ``loader.explain()``
         reports). ``[]`` for a storage without files (in memory)."""
         return []
+    def figures(self) -> dict[str, float]:
+        """Counts of this storage's own that ``loader.stats()`` reports (none by default; a
+        Parquet storage reports its files, row groups, decodes and null rows)."""
+        return {}
 
     def reads_inline(self) -> bool:
         """Whether ``read_many_sync`` can serve reads now, in the caller's thread (memory,
@@ -232,6 +236,23 @@ class DocumentStorageAbstract(StorageAbstract[InT, OutT]):
         ``indices``, in order (a lazy iterable). See :meth:`StreamStorageAbstract.will_read
         <guideloom.StreamStorageAbstract.will_read>`; the default ignores it.
         """
+
+    def natural_blocks(self) -> npt.NDArray[np.int64] | None:
+        """The sizes of the runs of consecutive documents this storage reads together (a
+        Parquet file's row groups, decoded whole), in document order; ``None`` (the default)
+        where a document is read on its own. A loader's ``shuffle_block_size="auto"`` keeps
+        these runs together in its block shuffle."""
+        return None
+
+    def deferred_step(
+        self,
+    ) -> tuple[DocumentStorageAbstract[Any, Any], Callable[[Sequence[Any]], Sequence[Any]]] | None:
+        """A per-batch step of this storage's reads that may run where batches are collated
+        (tokenizing texts), as ``(storage that reads without it, step)``; ``None`` (the
+        default): reads are complete. A loader's document dataset reads with the first and runs
+        the step before ``collate_fn``, in its workers; ``pack`` and mixtures read complete
+        documents."""
+        return None
 
     # -- element-level access, what packing (guideloom.pack) plans and reads over ---------------
     #: Offsets found by reading every document once (the defaults below), kept for the next call.

@@ -270,3 +270,31 @@ def test_installed_console_script_end_to_end(tmp_path: Path) -> None:
     np.testing.assert_array_equal(tokens, expected[: len(tokens)])
     assert len(tokens) == len(expected) // 64 * 64
     assert json.loads((tmp_path / "ds" / "manifest.json").read_text())["info"]["documents"] == 200
+
+
+def test_inspect_a_parquet_folder_shows_rows_files_row_groups_columns_and_samples(
+    cli, tmp_path: Path
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for f in range(2):
+        rows = range(f * 100, f * 100 + 100)
+        table = pa.table(
+            {"n": list(rows), "text": [TEXTS[i] for i in rows], "input_ids": [[i, 7, 8] for i in rows]}
+        )
+        pq.write_table(table, folder / f"train-{f:05d}-of-00002.parquet", row_group_size=30)
+    r = cli("inspect", folder, "--samples", "2", "--chars", "15")
+    assert r.code == 0, r
+    assert "rows:       200" in r.out and "files:      2" in r.out
+    assert "row groups: 8 (rows each: min 10, mean 25, max 30)" in r.out
+    assert "columns:    n (int64), text (string), input_ids (list<element: int64>)" in r.out
+    assert "column:     text (text)" in r.out and "train-00001-of-00002.parquet" in r.out
+    assert f"  [1] {len(TEXTS[1])} chars: {TEXTS[1][:15]!r}..." in r.out and "[2]" not in r.out
+    r = cli("inspect", folder / "train-00001-*.parquet", "--column", "input_ids", "--samples", "1")
+    assert r.code == 0, r
+    assert "rows:       100" in r.out and "  [0] 3 tokens: [100, 7, 8]" in r.out
+    r = cli("inspect", folder, "--column", "missing")
+    assert r.code != 0 and "no column 'missing'" in r.err

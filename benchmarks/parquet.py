@@ -1,0 +1,505 @@
+"""Training on Parquet where it lies: ``gl.open_parquet`` against its peers, in one run.
+
+Workload: a folder of Parquet shards (``train-0000k-of-0000n.parquet``, zstd, row groups of
+1,000 rows) with a ``text`` column (Zipf-distributed pseudo-words, about 900 characters a row)
+and an ``input_ids`` column (``list<int32>``: the same texts tokenized), and a BPE
+``tokenizer.json`` (``tokenizers``, 8,192 ids) trained on them. Every configuration runs in a
+fresh process of its own, one after the other, in alternating rounds; its peak PSS (its own and
+its worker processes', sampled every 50 ms) is reported beside its speed, and each figure as a
+ratio to its baseline of the same round (this machine is shared and noisy).
+
+Text, tokenized with 2 process workers (local_batch_size 32, shuffled, one epoch):
+
+- ``gl-parquet-text``: ``open_parquet(folder, "text", tokenizer=..., eos=...)``,
+  ``shuffle_block_size="auto"`` (row-group blocks), 2 process workers tokenizing where they
+  collate.
+- ``hf-streaming``: Hugging Face ``datasets``: ``load_dataset("parquet", data_files=...,
+  streaming=True)``, ``.shuffle(buffer_size=1000)``, ``split_dataset_by_node``, ``.map`` of the
+  same tokenizer (batched), under torchdata's ``StatefulDataLoader(num_workers=2)``.
+- ``gl-stream-prepared``: the same texts prepared with ``guideloom prepare`` (same tokenizer and
+  end-of-document id) read by guideloom's stream loader (sequence_length 1024, 2 process
+  workers): tokens/s against tokens/s.
+
+Pre-tokenized ``list<int32>``, no workers (local_batch_size 32, shuffled): ``gl-parquet-tokens``
+against ``gl-stream-tokens``, the same tokens as a guideloom stream dataset (sequence_length
+1024), and ``gl-stream-tokens-doclen``, the same stream cut into samples as long as the mean
+document (so that a batch carries as many tokens as a batch of rows): tokens/s.
+
+Also: the time to the first batch after ``load_state_dict`` at a mid-epoch offset (a loader
+already open, and a fresh one that opens the files first), the time to open 1,000 files, the
+length index's cost per GB of text (what ``pack`` needs over a text column), and the shuffle
+quality of the row-group order against a global shuffle (``benchmarks/shuffle_quality.py``'s
+figures).
+
+    python -m benchmarks parquet            # the full run (~6 minutes once the data exists)
+    python -m benchmarks parquet --quick    # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+BATCH = 32
+SEQ = 1024
+ROW_GROUP = 1000
+VOCAB = 8192
+#: Decoded row groups kept: a mixing window's (16 row groups of about 1 MB) but not the whole
+#: data set, so that every epoch decodes every row group again, as it would at scale.
+DECODED = 20 * 2**20
+TEXT_CONFIGS = ("gl-parquet-text", "hf-streaming", "gl-stream-prepared")
+TOKEN_CONFIGS = ("gl-parquet-tokens", "gl-stream-tokens", "gl-stream-tokens-doclen")
+
+
+# -- data ----------------------------------------------------------------------------------------------
+def data_dir(rows: int, files: int) -> Path:
+    base = Path(os.environ.get("GUIDELOOM_BENCH_DIR", Path(tempfile.gettempdir()) / "guideloom-bench"))
+    return base / f"parquet-{rows}-{files}"
+
+
+def make_data(rows: int, files: int) -> Path:
+    """The Parquet folder, the tokenizer and the prepared stream datasets (made once)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    import guideloom as gl
+
+    out = data_dir(rows, files)
+    if (out / "done").exists():
+        return out
+    (out / "data").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    words = [
+        "".join(chr(97 + c) for c in rng.integers(0, 26, int(rng.integers(2, 9)))) for _ in range(20_000)
+    ]
+    counts = rng.integers(60, 260, rows)
+    ids = np.minimum(rng.zipf(1.2, int(counts.sum())), len(words)) - 1
+    ends = np.cumsum(counts)
+    texts = [
+        " ".join(words[i] for i in ids[e - c : e])
+        for e, c in zip(ends.tolist(), counts.tolist(), strict=True)
+    ]
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(
+        texts[:5000], trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["[UNK]", "</s>"])
+    )
+    tok.save(str(out / "tokenizer.json"))
+    eos = tok.token_to_id("</s>")
+    encoded = [[*e.ids, eos] for e in tok.encode_batch(texts, add_special_tokens=False)]
+    for f, part in enumerate(np.array_split(np.arange(rows), files)):
+        table = pa.table(
+            {
+                "text": [texts[i] for i in part],
+                "input_ids": pa.array([encoded[i] for i in part], pa.list_(pa.int32())),
+            }
+        )
+        pq.write_table(
+            table,
+            out / "data" / f"train-{f:05d}-of-{files:05d}.parquet",
+            row_group_size=ROW_GROUP,
+            compression="zstd",
+        )
+    flat = np.concatenate([np.asarray(e, np.int32) for e in encoded])
+    gl.write_stream(out / "tokens-stream", flat, overwrite=True)
+    t0 = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-m", "guideloom", "prepare", str(out / "data"), "-o", str(out / "prepared"),
+         "--field", "text",
+         "--tokenizer", str(out / "tokenizer.json"), "--eos", "</s>", "--overwrite", "-q", "--workers", "2"],
+        check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    (out / "prepare.json").write_text(
+        json.dumps({"prepare_s": time.perf_counter() - t0, "tokens": len(flat)})
+    )
+    (out / "done").write_text("")
+    return out
+
+
+# -- one configuration, in a process of its own ---------------------------------------------------------
+class PeakPSS:
+    """Peak PSS of this process and its children, sampled every 50 ms on a thread."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._me = psutil.Process()
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> int:
+        total = 0
+        for p in [self._me, *self._me.children(recursive=True)]:
+            try:
+                total += p.memory_full_info().pss
+            except Exception:
+                pass
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, self._sample())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def collate_docs(samples: Sequence[Any]) -> Any:
+    """Documents to one flat int64 tensor and their lengths (what a packing collate starts from)."""
+    import torch
+
+    arrays = [np.asarray(s) for s in samples]
+    lengths = torch.tensor([len(a) for a in arrays])
+    return torch.from_numpy(np.concatenate(arrays).astype(np.int64)), lengths
+
+
+def collate_hf(samples: Sequence[dict[str, Any]]) -> Any:
+    return collate_docs([s["input_ids"] for s in samples])
+
+
+def collate_stream(samples: Sequence[Any]) -> Any:
+    import torch
+
+    return torch.from_numpy(np.stack(samples).astype(np.int64))
+
+
+_HF_TOKENIZER: dict[str, Any] = {}  # one per worker process, loaded on first use
+
+
+def hf_tokenize(batch: dict[str, list[str]], path: str, eos: int) -> dict[str, list[list[int]]]:
+    if path not in _HF_TOKENIZER:
+        from tokenizers import Tokenizer
+
+        _HF_TOKENIZER[path] = Tokenizer.from_file(path)
+    enc = _HF_TOKENIZER[path].encode_batch_fast(batch["text"], add_special_tokens=False)
+    return {"input_ids": [[*e.ids, eos] for e in enc]}
+
+
+def make_loader(config: str, data: Path) -> Any:
+    import torch
+
+    import guideloom as gl
+
+    cpu = torch.device("cpu")
+    tok = str(data / "tokenizer.json")
+    if config == "gl-parquet-text":
+        storage = gl.open_parquet(data / "data", "text", tokenizer=tok, eos="</s>", max_decoded_bytes=DECODED)
+        return gl.StatefulDataLoader.from_storage(
+            storage, collate_docs, local_batch_size=BATCH, num_workers=2, parallel_method="process",
+            shuffle=True, shuffle_block_size="auto", device=cpu,
+        )  # fmt: skip
+    if config == "gl-stream-prepared":
+        return gl.StatefulDataLoader.from_storage(
+            gl.open_stream(data / "prepared"), collate_stream, sequence_length=SEQ, local_batch_size=BATCH,
+            num_workers=2, parallel_method="process", shuffle=True, device=cpu,
+        )  # fmt: skip
+    if config == "gl-parquet-tokens":
+        storage = gl.open_parquet(data / "data", "input_ids", max_decoded_bytes=DECODED)
+        return gl.StatefulDataLoader.from_storage(
+            storage, collate_docs, local_batch_size=BATCH, shuffle=True, shuffle_block_size="auto", device=cpu
+        )
+    if config == "gl-stream-tokens-doclen":  # samples as long as the mean document
+        mean = len(gl.open_stream(data / "tokens-stream")) // len(gl.open_parquet(data / "data", "input_ids"))
+        return gl.StatefulDataLoader.from_storage(
+            gl.open_stream(data / "tokens-stream"), collate_stream, sequence_length=mean,
+            local_batch_size=BATCH, shuffle=True, device=cpu,
+        )  # fmt: skip
+    if config == "gl-stream-tokens":
+        return gl.StatefulDataLoader.from_storage(
+            gl.open_stream(data / "tokens-stream"), collate_stream, sequence_length=SEQ,
+            local_batch_size=BATCH,
+            shuffle=True, device=cpu,
+        )  # fmt: skip
+    if config == "hf-streaming":
+        import functools
+
+        import datasets
+        from datasets.distributed import split_dataset_by_node
+        from tokenizers import Tokenizer
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        eos = Tokenizer.from_file(tok).token_to_id("</s>")
+        files = sorted(glob.glob(str(data / "data" / "*.parquet")))
+        ds = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
+        ds = ds.shuffle(seed=0, buffer_size=1000)
+        ds = split_dataset_by_node(ds, rank=0, world_size=1)
+        ds = ds.map(
+            functools.partial(hf_tokenize, path=tok, eos=eos),
+            batched=True,
+            batch_size=BATCH,
+            remove_columns=["text", "input_ids"],
+        )
+        return StatefulDataLoader(ds, batch_size=BATCH, num_workers=2, collate_fn=collate_hf)
+    raise ValueError(config)
+
+
+def batch_counts(config: str, batch: Any) -> tuple[int, int]:
+    """Samples and tokens in a batch."""
+    if config.startswith("gl-stream"):
+        return int(batch.shape[0]), int(batch.numel())
+    flat, lengths = batch
+    return len(lengths), int(flat.numel())
+
+
+def run_one(config: str, data: Path, seconds: float) -> dict[str, float]:
+    """Epochs until ``seconds`` have passed; the rate counts from the first batch on (that one's
+    wait is reported on its own: it holds the workers' start)."""
+    meter = PeakPSS()
+    loader = make_loader(config, data)
+    samples = tokens = 0
+    t0 = time.perf_counter()
+    first = start = None
+    ctx = loader if hasattr(loader, "__enter__") else None
+    if ctx is not None:
+        ctx.__enter__()
+    try:
+        while start is None or time.perf_counter() - start < seconds:
+            for batch in loader:
+                if start is None:
+                    start = time.perf_counter()
+                    first = start - t0
+                    continue
+                s, t = batch_counts(config, batch)
+                samples += s
+                tokens += t
+                if time.perf_counter() - start > seconds:
+                    break
+        assert start is not None
+        elapsed = time.perf_counter() - start
+    finally:
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+    peak = meter.stop()
+    return {
+        "samples_s": samples / elapsed,
+        "tokens_s": tokens / elapsed,
+        "first_batch_s": first or 0.0,
+        "peak_pss_mb": peak / 2**20,
+        "seconds": elapsed,
+    }
+
+
+def in_child(config: str, data: Path, seconds: float) -> dict[str, float]:
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.parquet", "--child", config, "--data", str(data),
+         "--seconds", str(seconds)],
+        check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+    )  # fmt: skip
+    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+# -- the other figures ---------------------------------------------------------------------------------
+def resume_times(data: Path, repeats: int) -> dict[str, float]:
+    """First batch after load_state_dict at mid-epoch: on an open loader, and on a fresh one."""
+    import torch
+
+    import guideloom as gl
+
+    def loader() -> Any:
+        storage = gl.open_parquet(data / "data", "input_ids")
+        return gl.StatefulDataLoader.from_storage(
+            storage, collate_docs, local_batch_size=BATCH, shuffle=True, shuffle_block_size="auto",
+            device=torch.device("cpu"),
+        )  # fmt: skip
+
+    open_times, fresh_times = [], []
+    rng = np.random.default_rng(1)
+    with loader() as warm:
+        n = len(warm.dataset)
+        next(iter(warm))
+        saved = warm.state_dict()
+        for _ in range(repeats):
+            state = {**saved, "observation_offset": int(rng.integers(0, n // BATCH)) * BATCH}
+            t0 = time.perf_counter()
+            warm.load_state_dict(state)
+            next(iter(warm))
+            open_times.append(time.perf_counter() - t0)
+    for _ in range(repeats):
+        state = {**saved, "observation_offset": int(rng.integers(0, n // BATCH)) * BATCH}
+        t0 = time.perf_counter()
+        with loader() as fresh:
+            fresh.load_state_dict(state)
+            next(iter(fresh))
+            fresh_times.append(time.perf_counter() - t0)
+    return {
+        "resume_open_ms": 1e3 * statistics.median(open_times),
+        "resume_fresh_ms": 1e3 * statistics.median(fresh_times),
+    }
+
+
+def open_thousand(tmp: Path) -> float:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import guideloom as gl
+
+    table = pa.table({"input_ids": pa.array([[1, 2, 3]] * 2000, pa.list_(pa.int32()))})
+    for f in range(1000):
+        pq.write_table(table, tmp / f"train-{f:05d}-of-01000.parquet", row_group_size=500)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        gl.open_parquet(tmp, "input_ids")
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def length_index_cost(data: Path) -> dict[str, float]:
+    import guideloom as gl
+
+    storage = gl.open_parquet(data / "data", "text")
+    text_bytes = sum(len(t.encode()) for t in storage.read_many_sync(np.arange(len(storage), dtype=np.int64)))
+    storage = gl.open_parquet(data / "data", "text", tokenizer=str(data / "tokenizer.json"), eos="</s>")
+    t0 = time.perf_counter()
+    storage.build_length_index(threads=2)
+    seconds = time.perf_counter() - t0
+    return {
+        "length_index_s": seconds,
+        "text_gb": text_bytes / 1e9,
+        "length_index_s_per_gb": seconds / (text_bytes / 1e9),
+    }
+
+
+def shuffle_quality() -> list[str]:
+    from benchmarks.shuffle_quality import metrics
+    from guideloom._core.group_order import GroupPermutation
+    from guideloom._core.permutation import Permutation
+
+    n, group = 48_000, 1000
+    sizes = np.full(n // group, group)
+    rows = [("global row shuffle", Permutation(n, shuffle=True, seed=0, epoch=0).range(0, n))]
+    for window in (4, 16):
+        rows.append(
+            (
+                f"row groups of {group}, window {window}",
+                GroupPermutation(sizes, seed=0, epoch=0, window=window).range(0, n),
+            )
+        )
+    out = [
+        "| order | distinct row groups / batch of 32 (mean) | mean dist/N "
+        "| batches with 2 rows of one group |",
+        "|---|---|---|---|",
+    ]
+    for name, order in rows:
+        m = metrics(np.asarray(order), group, batch=32)
+        out.append(f"| {name} | {m['distinct_mean']:.1f} | {m['dist_mean']:.3f} | {m['same_block']:.2f} |")
+    return out
+
+
+def loadavg() -> str:
+    return Path("/proc/loadavg").read_text().strip()
+
+
+# -- the run -------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks parquet", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a smoke run: small data, one round")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--seconds", type=float, default=20.0, help="at most this long per configuration")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--data", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(run_one(args.child, Path(args.data), args.seconds)))
+        return
+    rows, files = (4000, 4) if args.quick else (40_000, 8)
+    rounds = 1 if args.quick else args.rounds
+    seconds = 5.0 if args.quick else args.seconds
+    t0 = time.perf_counter()
+    data = make_data(rows, files)
+    text_mb = sum(os.path.getsize(p) for p in glob.glob(str(data / "data" / "*.parquet"))) / 2**20
+    print(
+        f"data: {rows:,} rows in {files} files ({text_mb:.1f} MiB of Parquet), "
+        f"made in {time.perf_counter() - t0:.1f} s"
+    )
+    print(f"load average before: {loadavg()}")
+    results: dict[str, list[dict[str, float]]] = {c: [] for c in TEXT_CONFIGS + TOKEN_CONFIGS}
+    for r in range(rounds):
+        order = list(TEXT_CONFIGS + TOKEN_CONFIGS)
+        if r % 2:
+            order.reverse()
+        for config in order:
+            got = in_child(config, data, seconds)
+            results[config].append(got)
+            print(f"  round {r + 1} {config:<20} {got['samples_s']:>9,.0f} samples/s "
+                  f"{got['tokens_s']:>12,.0f} tokens/s peak PSS {got['peak_pss_mb']:>7,.0f} MiB  "
+                  f"first batch {1e3 * got['first_batch_s']:.0f} ms")  # fmt: skip
+
+    def med(config: str, key: str) -> float:
+        return statistics.median(x[key] for x in results[config])
+
+    prep = json.loads((data / "prepare.json").read_text())
+    epoch_tokens = prep["tokens"]
+    stream_epoch_s = epoch_tokens / med("gl-stream-prepared", "tokens_s")
+    parquet_epoch_s = epoch_tokens / med("gl-parquet-text", "tokens_s")
+    print(f"\nguideloom prepare of the same files: {prep['prepare_s']:.1f} s (2 workers); one epoch after it "
+          f"{stream_epoch_s:.2f} s; open_parquet's epoch tokenizing as it goes: {parquet_epoch_s:.2f} s "
+          f"(prepare + one epoch take {(prep['prepare_s'] + stream_epoch_s) / parquet_epoch_s:.2f}x "
+          "as long)")  # fmt: skip
+    print("\nratios (median over rounds):")
+
+    def ratio_of(a: str, b: str, key: str) -> float:
+        return med(a, key) / med(b, key)
+
+    lines = [
+        ("gl-parquet-text / hf-streaming, samples/s",
+         ratio_of("gl-parquet-text", "hf-streaming", "samples_s"), 1.5),
+        ("gl-parquet-text / gl-stream-prepared, tokens/s",
+         ratio_of("gl-parquet-text", "gl-stream-prepared", "tokens_s"), 1.0),
+        ("gl-parquet-tokens / gl-stream-tokens, tokens/s",
+         ratio_of("gl-parquet-tokens", "gl-stream-tokens", "tokens_s"), 0.5),
+        ("gl-parquet-tokens / gl-stream-tokens-doclen, tokens/s",
+         ratio_of("gl-parquet-tokens", "gl-stream-tokens-doclen", "tokens_s"), 0.5),
+        ("peak PSS gl-parquet-text / gl-stream-prepared",
+         ratio_of("gl-parquet-text", "gl-stream-prepared", "peak_pss_mb"), 1.2),
+        ("peak PSS gl-parquet-tokens / gl-stream-tokens",
+         ratio_of("gl-parquet-tokens", "gl-stream-tokens", "peak_pss_mb"), 1.2),
+    ]  # fmt: skip
+    for name, ratio, target in lines:
+        better = ratio <= target if "PSS" in name else ratio >= target
+        print(
+            f"  {name:<50} {ratio:6.2f}   target {'<=' if 'PSS' in name else '>='} {target}  "
+            f"{'met' if better else 'NOT met'}"
+        )
+    resume = resume_times(data, 3 if args.quick else 7)
+    print(f"\nfirst batch after load_state_dict at mid-epoch: {resume['resume_open_ms']:.1f} ms on an open "
+          f"loader, {resume['resume_fresh_ms']:.1f} ms on a fresh one (opening {files} files' footers "
+          "included); target < 100 ms")  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        print(
+            f"open_parquet over 1,000 files (footers only): {1e3 * open_thousand(Path(tmp)):.0f} ms "
+            "(best of 3)"
+        )
+    cost = length_index_cost(data)
+    print(f"length index (tokenizing every row, 2 threads): {cost['length_index_s']:.1f} s for "
+          f"{cost['text_gb'] * 1e3:.0f} MB "
+          f"of text = {cost['length_index_s_per_gb']:.0f} s per GB")  # fmt: skip
+    print("\nshuffle quality, 48,000 rows in row groups of 1,000 (batches of 32):")
+    print("\n".join(shuffle_quality()))
+    print(f"\nload average after: {loadavg()}")
+
+
+if __name__ == "__main__":
+    main()

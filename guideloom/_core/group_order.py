@@ -1,0 +1,115 @@
+"""A block shuffle over blocks of uneven size: a source's own groups (Parquet row groups).
+
+Nothing here does I/O. :class:`GroupPermutation` is what :class:`~guideloom._core.order.BlockPermutation`
+is for uniform blocks, over groups whose sizes the source names: the groups are laid out in a
+seeded random order, consecutive groups of that order form *windows* of ``window`` groups, and the
+samples of each window are shuffled among themselves by a keyed permutation of the window's size.
+A window holds exactly the samples of its groups, so a reader that decodes a group whole decodes
+each group once per visit while it keeps a window's groups (``window`` of them) at hand.
+
+The order is a bijection of ``[0, N)`` fixed by ``(sizes, seed, epoch, window)``: it never
+depends on batch size, world size or the position resumed at. Building it costs O(G) time and
+memory for G groups (one permutation of the groups and the windows' starts); a lookup costs
+O(log(G / window)) to find the window (a binary search over the windows' starts) and O(1) after
+it, at any position.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import numpy.typing as npt
+
+from guideloom._core.keys import hash64
+from guideloom._core.permutation import IndexArray, Permutation
+
+__all__ = ["GroupPermutation"]
+
+#: Windows whose within-window permutation is kept (each is a few integers).
+_KEEP_WINDOWS = 64
+
+
+class GroupPermutation:
+    """A random-access permutation of ``[0, sum(sizes))`` that keeps groups together by windows.
+
+    ``sizes[g]`` is the number of samples in group ``g``; group ``g`` holds samples
+    ``[starts[g], starts[g] + sizes[g])`` (the groups are consecutive, in index order).
+    """
+
+    __slots__ = ("_epoch", "_group_of_slot", "_perms", "_seed", "_sizes", "_starts", "_w", "_wstarts", "n")
+
+    def __init__(self, sizes: npt.ArrayLike, *, seed: int, epoch: int, window: int) -> None:
+        sizes_a = np.asarray(sizes, dtype=np.int64)
+        if sizes_a.ndim != 1 or (sizes_a < 0).any():
+            raise ValueError("group sizes must be a 1-D array of counts >= 0")
+        if window < 1:
+            raise ValueError(f"shuffle_window must be >= 1, got {window}")
+        self._sizes = sizes_a
+        self._starts = np.concatenate([[0], np.cumsum(sizes_a)]).astype(np.int64)
+        self.n = int(self._starts[-1])
+        self._w = window
+        self._seed, self._epoch = seed, epoch
+        groups = len(sizes_a)
+        self._group_of_slot = Permutation(groups, shuffle=True, seed=seed, epoch=epoch).range(0, groups)
+        in_order = sizes_a[self._group_of_slot]
+        nwin = -(-groups // window)
+        per_window = (
+            np.add.reduceat(in_order, np.arange(0, groups, window)) if groups else np.zeros(0, np.int64)
+        )
+        self._wstarts = np.concatenate([[0], np.cumsum(per_window)]).astype(np.int64)
+        assert len(self._wstarts) == nwin + 1
+        self._perms: OrderedDict[int, tuple[Permutation, IndexArray, IndexArray]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def span(self) -> int:
+        """Order positions of the largest window (a read of one window's positions decodes its
+        groups and no other)."""
+        return int(np.diff(self._wstarts).max()) if len(self._wstarts) > 1 else 0
+
+    def _window(self, k: int) -> tuple[Permutation, IndexArray, IndexArray]:
+        """Window ``k``'s permutation of its samples, its groups' first samples and their
+        cumulative sizes inside the window."""
+        got = self._perms.get(k)
+        if got is not None:
+            self._perms.move_to_end(k)
+            return got
+        groups = self._group_of_slot[k * self._w : (k + 1) * self._w]
+        inner = np.concatenate([[0], np.cumsum(self._sizes[groups])]).astype(np.int64)
+        key = hash64(f"guideloom-groups:{self._seed}:{self._epoch}:{k}")
+        perm = Permutation(int(inner[-1]), shuffle=True, seed=key, epoch=self._epoch)
+        got = (perm, self._starts[groups], inner)
+        self._perms[k] = got
+        if len(self._perms) > _KEEP_WINDOWS:
+            self._perms.popitem(last=False)
+        return got
+
+    def __getitem__(self, position: int) -> int:
+        if not 0 <= position < self.n:
+            raise IndexError(f"position {position} outside [0, {self.n})")
+        return int(self.take(np.asarray([position], dtype=np.int64))[0])
+
+    def take(self, positions: npt.ArrayLike) -> IndexArray:
+        """Map an array of order positions to sample indexes (vectorised per window)."""
+        given = np.asarray(positions, dtype=np.int64)
+        if not given.size:
+            return np.zeros(given.shape, dtype=np.int64)
+        if given.min() < 0 or given.max() >= self.n:
+            raise IndexError(f"positions outside [0, {self.n})")
+        flat = given.ravel()
+        k = np.searchsorted(self._wstarts, flat, side="right") - 1
+        out = np.empty(len(flat), dtype=np.int64)
+        for win in np.unique(k).tolist():
+            at = np.flatnonzero(k == win) if len(flat) > 1 else np.zeros(1, np.int64)
+            perm, first, inner = self._window(win)
+            q = perm.take(flat[at] - self._wstarts[win])
+            g = np.searchsorted(inner, q, side="right") - 1
+            out[at] = first[g] + (q - inner[g])
+        return out.reshape(given.shape)
+
+    def range(self, start: int, stop: int) -> IndexArray:
+        """Sample indexes at order positions ``[start, stop)``."""
+        return self.take(np.arange(start, stop, dtype=np.int64))

@@ -1,0 +1,911 @@
+"""Parquet files read where they lie: a document storage over the rows of one or many files.
+
+:func:`open_parquet` takes a folder, a glob, one file or a list of them, local or on an object
+store, and reads the files' footers only (in parallel): how many rows each row group holds, where
+its column chunks lie. Row ``i`` of the files concatenated (in sorted path order) is document
+``i``. A read decodes the row groups its rows lie in, each whole and once, and keeps decoded row
+groups up to ``max_decoded_bytes`` (least recently used first out), so a row-group-aware shuffle
+(the loader's ``shuffle_block_size="auto"``) decodes each row group once per visit.
+
+A ``list<int>`` column (pre-tokenized) yields a 1-D array per row, a view of the decoded values
+(no Python object per element); a string column yields its text, or token arrays with
+``tokenizer=``. Under a loader, the texts are tokenized where batches are collated (see
+:meth:`ParquetStorage.deferred_step`); under :func:`~guideloom.pack` or a mixture, at read.
+
+What the storage checks: each file's size and version (modification time; an object's ETag)
+against what its footer was read with (a changed file is refused at its next read; over an
+object store every read is conditional on the version), each footer, the column's presence and
+kind in every file, and each decoded row group. A null row is an error by default
+(``on_null="error"``, naming the file, row group, column and row); ``on_null="empty"`` reads it
+as an empty document and counts it (``stats()``'s ``parquet_null_rows``). An empty text or list
+is an empty document.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import fnmatch
+import glob as globlib
+import hashlib
+import importlib
+import io
+import json
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from guideloom._errors import DatasetFormatError, DatasetIntegrityError, StorageError
+from guideloom.storage._text import TextEncoder, TokenizerLike
+from guideloom.storage.base import DocumentStorageAbstract
+
+__all__ = ["ParquetStorage", "open_parquet"]
+
+I64 = npt.NDArray[np.int64]
+OnNull = Literal["error", "empty"]
+_REMOTE_SCHEMES = ("s3", "gs", "gcs", "az", "azure", "abfs", "abfss", "http", "https")
+_FOOTER_GUESS = 64 * 1024  # bytes read from an object's end first: most footers fit
+_INDEX_VERSION = 1
+#: Default bytes of decoded row groups kept (what the row-group shuffle's window should fit).
+DEFAULT_DECODED_BYTES = 512 * 2**20
+_OPEN_FILES = 64  # local ParquetFile handles kept open per process
+
+
+def _pq() -> Any:
+    try:
+        return importlib.import_module("pyarrow.parquet")
+    except ImportError as exc:  # the extra is missing
+        raise ImportError("open_parquet needs pyarrow: pip install 'guideloom[parquet]'") from exc
+
+
+def _pa() -> Any:
+    return importlib.import_module("pyarrow")
+
+
+def _is_remote(location: str) -> bool:
+    scheme = location.split("://", 1)[0].lower() if "://" in location else ""
+    return scheme in _REMOTE_SCHEMES
+
+
+def _has_glob(text: str) -> bool:
+    return any(c in text for c in "*?[")
+
+
+# -- the files: local, or objects of a store --------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _Stat:
+    size: int
+    version: str  # local: modification time in ns; an object: its ETag (or modification time)
+
+
+class _LocalFiles:
+    """Local files: ``os.stat`` for versions, ``pyarrow.parquet`` reading by path."""
+
+    remote = False
+
+    def stat(self, path: str) -> _Stat:
+        st = os.stat(path)
+        return _Stat(st.st_size, str(st.st_mtime_ns))
+
+    def stats(self, paths: Sequence[str]) -> dict[str, _Stat]:
+        return {p: self.stat(p) for p in paths}
+
+    def footer(self, path: str, size: int) -> Any:
+        return _pq().read_metadata(path)
+
+    def reader(self, path: str, metadata: Any) -> Any:
+        return _pq().ParquetFile(path, metadata=metadata)
+
+    def read_group(self, path: str, reader: Any, group: int, columns: list[str], chunks: Any) -> Any:
+        return reader.read_row_group(group, columns=columns, use_threads=False)
+
+    def name(self, path: str) -> str:
+        return path
+
+
+class _SparseFile(io.RawIOBase):
+    """A read-only file of ``size`` bytes of which only some ranges were fetched: what pyarrow
+    reads a footer and a row group's column chunks from (a read outside them is a bug here)."""
+
+    def __init__(self, size: int, pieces: dict[int, Any]) -> None:
+        super().__init__()
+        self._size, self._pos = size, 0
+        self._pieces = sorted((start, memoryview(data).cast("B")) for start, data in pieces.items())
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self._pos, self._size)[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        want = min(len(buffer), self._size - self._pos)
+        if want <= 0:
+            return 0
+        for start, data in self._pieces:
+            if start <= self._pos and self._pos + want <= start + len(data):
+                at = self._pos - start
+                memoryview(buffer).cast("B")[:want] = data[at : at + want]
+                self._pos += want
+                return want
+        raise OSError(f"bytes {self._pos}-{self._pos + want - 1} were not fetched")
+
+
+class _RemoteFiles:
+    """Objects of one store prefix, read by ranges through guideloom's object-store connection
+    (retries, scrubbed errors, reads conditional on the version the footer was read from)."""
+
+    remote = True
+
+    def __init__(self, prefix_url: str, options: dict[str, Any]) -> None:
+        self.prefix_url, self.options = prefix_url, options
+        self._conn: Any = None
+        self._tails: dict[str, tuple[int, bytes]] = {}  # each footer's bytes, as fetched
+        #: Each object's version as first seen: every read is conditional on it, in a process
+        #: worker's copy too.
+        self.versions: dict[str, Any] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "prefix_url": self.prefix_url,
+            "options": self.options,
+            "_conn": None,
+            "_tails": {},
+            "versions": self.versions,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    @property
+    def conn(self) -> Any:
+        if self._conn is None:
+            from guideloom.storage._client import Remote
+
+            self._conn = Remote(self.prefix_url, dict(self.options))
+            self._conn.versions.update(self.versions)
+        return self._conn
+
+    def listing(self) -> dict[str, _Stat] | None:
+        listed = self.conn.list_sizes()
+        if listed is None:
+            return None
+        self.versions.update(listed)
+        self.conn.versions.update(listed)
+        return {p: _Stat(v.size, v.etag or str(v.last_modified)) for p, v in listed.items()}
+
+    def stats(self, paths: Sequence[str]) -> dict[str, _Stat]:
+        found = self.conn.object_sizes(list(paths))
+        self.versions.update(found)
+        self.conn.versions.update(found)
+        return {p: _Stat(v.size, v.etag or str(v.last_modified)) for p, v in found.items()}
+
+    def footer(self, path: str, size: int) -> Any:
+        if size < 12:
+            raise DatasetFormatError(f"{self.name(path)}: {size} bytes is too short to be a Parquet file")
+        tail_start = max(0, size - _FOOTER_GUESS)
+        tail = bytes(self.conn.fetch_range(path, tail_start, size))
+        if tail[-4:] != b"PAR1":
+            raise DatasetFormatError(
+                f"{self.name(path)}: the file does not end with Parquet's magic bytes (truncated, or "
+                "not a Parquet file)"
+            )
+        length = int.from_bytes(tail[-8:-4], "little")
+        if length + 8 > size:
+            raise DatasetFormatError(f"{self.name(path)}: its footer length {length} exceeds the file's size")
+        if length + 8 > len(tail):
+            tail_start = size - length - 8
+            tail = bytes(self.conn.fetch_range(path, tail_start, size))
+        self._tails[path] = (tail_start, tail)
+        return _pq().read_metadata(_SparseFile(size, {tail_start: tail}))
+
+    def name(self, path: str) -> str:
+        return f"{self.prefix_url.rstrip('/')}/{path}"
+
+    def reader(self, path: str, metadata: Any) -> Any:
+        return metadata
+
+    def read_group(self, path: str, metadata: Any, group: int, columns: list[str], chunks: Any) -> Any:
+        start, end = chunks
+        data = self.conn.fetch_range(path, start, end)
+        size = int(self.versions[path].size)
+        tail_start, tail = self._tails[path]
+        pieces = {start: data, tail_start: tail}
+        return (
+            _pq()
+            .ParquetFile(_SparseFile(size, pieces), metadata=metadata)
+            .read_row_group(group, columns=columns, use_threads=False)
+        )
+
+
+# -- the index: footers only -----------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _FileEntry:
+    path: str  # local path, or an object's path under its prefix
+    size: int
+    version: str
+    rows: tuple[int, ...]  # per row group
+    nbytes: tuple[int, ...]  # uncompressed bytes of the column per row group
+    kind: str  # "text" or "tokens:<dtype>"
+
+
+def _column_kind(arrow_type: Any, where: str, column: str) -> str:
+    pa = _pa()
+    t = arrow_type
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "text"
+    if (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type):
+        return f"tokens:{t.value_type.to_pandas_dtype().__name__}"
+    raise DatasetFormatError(
+        f"{where}: column {column!r} is {arrow_type}; open_parquet reads a string column (text) or a "
+        "list of integers (token ids)"
+    )
+
+
+def _entry(files: Any, path: str, stat: _Stat, column: str, shown: str) -> _FileEntry:
+    try:
+        md = files.footer(path, stat.size)
+    except DatasetFormatError:
+        raise
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise DatasetFormatError(
+            f"{shown}: damaged or not a Parquet file: its footer cannot be read ({exc})"
+        ) from None
+    schema = md.schema.to_arrow_schema()
+    if column not in schema.names:
+        raise DatasetFormatError(
+            f"{shown}: no column {column!r}; its columns are {', '.join(schema.names)} (pass column=...)"
+        )
+    kind = _column_kind(schema.field(column).type, shown, column)
+    leaves = _leaves(md, column)
+    rows, nbytes = [], []
+    for g in range(md.num_row_groups):
+        rg = md.row_group(g)
+        rows.append(int(rg.num_rows))
+        nbytes.append(sum(int(rg.column(j).total_uncompressed_size) for j in leaves))
+    return _FileEntry(path, stat.size, stat.version, tuple(rows), tuple(nbytes), kind)
+
+
+def _leaves(md: Any, column: str) -> list[int]:
+    """The leaf columns (column chunks) that make up ``column``."""
+    schema = md.schema
+    return [j for j in range(len(schema)) if schema.column(j).path.split(".")[0] == column]
+
+
+def _chunk_range(md: Any, group: int, leaves: list[int]) -> tuple[int, int]:
+    """The bytes a row group's column chunks of ``leaves`` lie in."""
+    rg = md.row_group(group)
+    starts, ends = [], []
+    for j in leaves:
+        c = rg.column(j)
+        start = (
+            c.dictionary_page_offset
+            if c.has_dictionary_page and c.dictionary_page_offset
+            else c.data_page_offset
+        )
+        start = min(start, c.data_page_offset)
+        starts.append(int(start))
+        ends.append(int(start) + int(c.total_compressed_size))
+    return min(starts), max(ends)
+
+
+# -- decoded row groups ------------------------------------------------------------------------------
+class _Decoded:
+    """One row group's column, decoded: offsets and values (tokens) or the arrow array (texts)."""
+
+    __slots__ = ("nbytes", "nulls", "offsets", "texts", "values")
+
+    def __init__(self, array: Any, kind: str) -> None:
+        pa = _pa()
+        if pa.types.is_dictionary(array.type):
+            array = array.dictionary_decode()
+        self.nulls: npt.NDArray[np.bool_] | None = (
+            None if array.null_count == 0 else np.asarray(array.is_null().to_numpy(zero_copy_only=False))
+        )
+        self.nbytes = int(array.nbytes)
+        self.texts: Any = None
+        self.offsets: I64 | None = None
+        self.values: npt.NDArray[Any] | None = None
+        if kind == "text":
+            self.texts = array
+        else:
+            offsets = np.asarray(array.offsets.to_numpy(zero_copy_only=False), dtype=np.int64)
+            self.values = array.values.to_numpy(zero_copy_only=False)  # the whole buffer, null slots too
+            self.offsets = offsets
+
+    def rows(self, local: I64) -> list[Any]:
+        if self.texts is not None:
+            got: list[Any] = self.texts.take(local).to_pylist()
+            return ["" if t is None else t for t in got]
+        off, values = self.offsets, self.values
+        assert off is not None and values is not None
+        starts, ends = off[local].tolist(), off[local + 1].tolist()
+        return [values[a:b] for a, b in zip(starts, ends, strict=True)]
+
+    def lengths(self) -> I64:
+        assert self.offsets is not None
+        return np.diff(self.offsets)
+
+
+class ParquetStorage(DocumentStorageAbstract[Any, Any]):
+    """The rows of Parquet files as documents (see :func:`open_parquet`)."""
+
+    max_concurrent_reads = 1
+
+    def __init__(
+        self,
+        files: Any,
+        entries: list[_FileEntry],
+        column: str,
+        *,
+        encoder: TextEncoder | None,
+        on_null: OnNull,
+        max_decoded_bytes: int,
+        cache_dir: str | None,
+        tokenize: bool = True,
+    ) -> None:
+        self._files, self._entries, self.column = files, entries, column
+        self._encoder, self.on_null, self.max_decoded_bytes = encoder, on_null, max_decoded_bytes
+        self._cache_dir, self._tokenize = cache_dir, tokenize
+        self._shown: Callable[[str], str] = files.name
+        rows = [np.asarray(e.rows, dtype=np.int64) for e in entries]
+        self._sizes = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+        self._gstarts = np.concatenate([[0], np.cumsum(self._sizes)]).astype(np.int64)
+        self._file_of = np.repeat(np.arange(len(entries)), [len(e.rows) for e in entries]).astype(np.int64)
+        firsts = np.concatenate([[0], np.cumsum([len(e.rows) for e in entries])]).astype(np.int64)
+        self._group_in_file = np.arange(len(self._sizes), dtype=np.int64) - firsts[self._file_of]
+        self._kind = entries[0].kind if entries else "text"
+        self._digest = self._make_digest()
+        self.max_concurrent_reads = 4 if getattr(files, "remote", False) else 1
+        self._reset()
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+        self._decoded: OrderedDict[int, _Decoded] = OrderedDict()
+        self._decoded_bytes = 0
+        self._evicted_bytes = 0  # evicted since arrow's pool last released its unused memory
+        self._readers: OrderedDict[int, Any] = OrderedDict()
+        self._offsets: I64 | None = None
+        self.counts = {"parquet_row_group_decodes": 0, "parquet_null_rows": 0}
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without what it decoded or opened: a process worker decodes its own."""
+        keep = ("_lock", "_decoded", "_decoded_bytes", "_evicted_bytes", "_readers", "counts")
+        return {k: v for k, v in self.__dict__.items() if k not in keep}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        offsets = state.get("_offsets")
+        self.__dict__.update(state)
+        self._reset()
+        self._offsets = offsets
+
+    def __repr__(self) -> str:
+        first = self._shown(self._entries[0].path) if self._entries else "-"
+        return (
+            f"ParquetStorage({len(self._entries)} files from {first!r}, column={self.column!r}, "
+            f"rows={len(self)})"
+        )
+
+    # -- what it holds ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return int(self._gstarts[-1])
+
+    @property
+    def tokenized(self) -> bool:
+        """Whether samples are token arrays (a list column, or a text column with a tokenizer)."""
+        return self._kind != "text" or (self._encoder is not None and self._tokenize)
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        if self._kind != "text":
+            return np.dtype(self._kind.split(":", 1)[1])
+        if self._encoder is not None and self._tokenize:
+            return self._encoder.dtype
+        return np.dtype(object)
+
+    @property
+    def files(self) -> list[str]:
+        """The files, in the order their rows are numbered."""
+        return [self._shown(e.path) for e in self._entries]
+
+    def file_summary(self) -> list[tuple[str, int, int, int]]:
+        """Each file's name, rows, row groups and size in bytes, in row order."""
+        return [(self._shown(e.path), sum(e.rows), len(e.rows), e.size) for e in self._entries]
+
+    @property
+    def num_row_groups(self) -> int:
+        """Row groups over all files."""
+        return len(self._sizes)
+
+    def row_group_sizes(self) -> I64:
+        """Rows in each row group, over all files in order."""
+        return self._sizes.copy()
+
+    def natural_blocks(self) -> I64:
+        """The row groups' sizes: the blocks a row-group-aware shuffle keeps together."""
+        return self._sizes
+
+    def sample_nbytes_hint(self) -> int:
+        total = sum(sum(e.nbytes) for e in self._entries)
+        return max(1, total // max(1, len(self)))
+
+    def content_digest(self) -> str:
+        """A digest of every file's path, size, version and row groups, the column and the
+        tokenizer: a checkpoint over other files (or the same ones changed) is refused."""
+        return self._digest
+
+    def _make_digest(self) -> str:
+        h = hashlib.sha256()
+        parts: list[Any] = [self.column, self._kind, self.on_null]
+        if self._encoder is not None:
+            parts.append(self._encoder.describe())
+        parts += [[self._shown(e.path), e.size, e.version, list(e.rows)] for e in self._entries]
+        h.update(json.dumps(parts).encode())
+        return "parquet-" + h.hexdigest()[:32]
+
+    def figures(self) -> dict[str, float]:
+        """What ``loader.stats()`` reports of this storage (counted in the process that reads)."""
+        return {
+            "parquet_files": float(len(self._entries)),
+            "parquet_row_groups": float(len(self._sizes)),
+            **{k: float(v) for k, v in self.counts.items()},
+        }
+
+    def reads_inline(self) -> bool:
+        return self._plain_reads and not getattr(self._files, "remote", False)
+
+    def deferred_step(self) -> tuple[ParquetStorage, Callable[[Sequence[Any]], Sequence[Any]]] | None:
+        """Where a loader reads this storage document by document: the storage that reads the
+        texts untokenized and the step that tokenizes a batch of them, which the loader runs
+        where it collates (in thread or process workers, in parallel). ``None`` for a list
+        column or a text column without a tokenizer."""
+        if self._kind != "text" or self._encoder is None or not self._tokenize:
+            return None
+        texts = ParquetStorage.__new__(ParquetStorage)
+        texts.__setstate__({**self.__getstate__(), "_tokenize": False})
+        return texts, self._encoder.encode_many
+
+    # -- decoding --------------------------------------------------------------------------------
+    def _where(self, group: int) -> str:
+        e = self._entries[int(self._file_of[group])]
+        return f"{self._shown(e.path)}: row group {int(self._group_in_file[group])}, column {self.column!r}"
+
+    def _reader(self, f: int) -> Any:
+        with self._lock:
+            got = self._readers.get(f)
+            if got is not None:
+                self._readers.move_to_end(f)
+                return got
+        e = self._entries[f]
+        self._check_unchanged(e)
+        try:
+            md = self._files.footer(e.path, e.size)
+            reader = self._files.reader(e.path, md)
+        except (DatasetFormatError, DatasetIntegrityError, FileNotFoundError):
+            raise
+        except (OSError, ValueError) as exc:
+            raise DatasetFormatError(f"{self._shown(e.path)}: its footer cannot be read ({exc})") from None
+        got = (md, reader, _leaves(md, self.column))
+        with self._lock:
+            self._readers[f] = got
+            while len(self._readers) > _OPEN_FILES:
+                self._readers.popitem(last=False)
+        return got
+
+    def _check_unchanged(self, e: _FileEntry) -> None:
+        if self._files.remote:
+            return  # every range read is conditional on the version
+        try:
+            now = self._files.stat(e.path)
+        except FileNotFoundError:
+            raise DatasetIntegrityError(f"{e.path}: the file is gone since the dataset was opened") from None
+        if now != _Stat(e.size, e.version):
+            raise DatasetIntegrityError(
+                f"{e.path}: the file changed since the dataset was opened (size {e.size} -> {now.size} "
+                "bytes, or its modification time); open it again (a checkpoint made over the old "
+                "files is refused)"
+            )
+
+    def _decode(self, group: int) -> _Decoded:
+        with self._lock:
+            got = self._decoded.get(group)
+            if got is not None:
+                self._decoded.move_to_end(group)
+                return got
+        f = int(self._file_of[group])
+        e = self._entries[f]
+        md, reader, leaves = self._reader(f)
+        g = int(self._group_in_file[group])
+        if not self._files.remote:
+            self._check_unchanged(e)
+        try:
+            table = self._files.read_group(e.path, reader, g, [self.column], _chunk_range(md, g, leaves))
+            array = table.column(self.column).combine_chunks()
+            decoded = _Decoded(array, e.kind)
+        except (DatasetIntegrityError, FileNotFoundError, StorageError):
+            raise
+        except DatasetFormatError as exc:
+            raise DatasetFormatError(f"{self._where(group)}: {exc}") from None
+        except (OSError, ValueError, IndexError) as exc:
+            raise DatasetFormatError(f"{self._where(group)}: cannot be decoded ({exc})") from None
+        if len(array) != e.rows[g]:
+            raise DatasetFormatError(
+                f"{self._where(group)}: decoded {len(array)} rows, the footer says {e.rows[g]}"
+            )
+        with self._lock:
+            self.counts["parquet_row_group_decodes"] += 1
+            self._decoded[group] = decoded
+            self._decoded_bytes += decoded.nbytes
+            while self._decoded_bytes > self.max_decoded_bytes and len(self._decoded) > 1:
+                _, old = self._decoded.popitem(last=False)
+                self._decoded_bytes -= old.nbytes
+                self._evicted_bytes += old.nbytes
+            release = self._evicted_bytes > self.max_decoded_bytes
+            if release:
+                self._evicted_bytes = 0
+        if release:  # once per turnover of the decoded row groups: their memory back to the system
+            _pa().default_memory_pool().release_unused()
+        return decoded
+
+    def _nulls(self, group: int, decoded: _Decoded, local: I64) -> None:
+        if decoded.nulls is None:
+            return
+        hit = local[decoded.nulls[local]]
+        if not len(hit):
+            return
+        if self.on_null == "error":
+            row = int(hit[0])
+            raise DatasetFormatError(
+                f"{self._where(group)}: row {row} (document {int(self._gstarts[group]) + row}) is null; "
+                "pass on_null='empty' to read null rows as empty documents (they are counted in "
+                "stats()), or filter them out of the files"
+            )
+        with self._lock:
+            self.counts["parquet_null_rows"] += len(hit)
+
+    def _rows(self, indices: I64) -> list[Any]:
+        indices = np.asarray(indices, dtype=np.int64)
+        out: list[Any] = [None] * len(indices)
+        if not len(indices):
+            return out
+        groups = np.searchsorted(self._gstarts, indices, side="right") - 1
+        order = np.argsort(groups, kind="stable")
+        sorted_groups = groups[order]
+        bounds = np.flatnonzero(np.diff(sorted_groups)) + 1
+        for at in np.split(order, bounds):
+            group = int(groups[at[0]])
+            decoded = self._decode(group)
+            local = indices[at] - self._gstarts[group]
+            self._nulls(group, decoded, local)
+            for i, row in zip(at.tolist(), decoded.rows(local), strict=True):
+                out[i] = row
+        return out
+
+    def read_many_sync(self, indices: I64) -> Sequence[Any]:
+        rows = self._rows(indices)
+        if self._kind == "text" and self._encoder is not None and self._tokenize:
+            return self._encoder.encode_many(rows)
+        return rows
+
+    # -- element access (packing): the length index ---------------------------------------------------
+    def _lengths_of(self, group: int) -> I64:
+        decoded = self._decode(group)
+        if decoded.offsets is not None:
+            lengths = decoded.lengths()
+        else:
+            texts = decoded.rows(np.arange(int(self._sizes[group]), dtype=np.int64))
+            if self._encoder is None:
+                raise TypeError(
+                    f"column {self.column!r} holds texts: pass tokenizer= to open_parquet to pack or "
+                    "count tokens"
+                )
+            lengths = np.fromiter(
+                map(len, self._encoder.encode_many(texts)), dtype=np.int64, count=len(texts)
+            )
+        if decoded.nulls is not None:
+            self._nulls(group, decoded, np.flatnonzero(decoded.nulls).astype(np.int64))
+            lengths = np.where(decoded.nulls, 0, lengths)
+        return lengths.astype(np.int64)
+
+    def _length_folder(self) -> Path | None:
+        if self._cache_dir is None:
+            return None
+        return Path(self._cache_dir) / f"lengths-{self._digest}"
+
+    def build_length_index(
+        self, *, threads: int | None = None, progress: Callable[[int], object] | None = None
+    ) -> I64:
+        """Every document's length in tokens (one pass over the files, decoding and, for texts,
+        tokenizing every row group, on ``threads`` threads). With ``cache_dir`` each row group's
+        lengths are saved as they are done, under a folder named by the files' digest: a build
+        that was interrupted goes on where it stopped, and a later open reads them back."""
+        if self._offsets is not None:
+            return self._offsets
+        folder = self._length_folder()
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            whole = folder / "lengths.npy"
+            if whole.exists():
+                lengths = np.load(whole)
+                if len(lengths) == len(self):
+                    self._offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+                    return self._offsets
+
+        def one(group: int) -> I64:
+            part = None if folder is None else folder / f"group-{group}.npy"
+            if part is not None and part.exists():
+                got = np.load(part)
+                if len(got) == int(self._sizes[group]):
+                    return np.asarray(got, dtype=np.int64)
+            lengths = self._lengths_of(group)
+            if part is not None:
+                tmp = part.with_suffix(f".tmp{os.getpid()}.npy")
+                np.save(tmp, lengths.astype(np.int32 if lengths.max(initial=0) < 2**31 else np.int64))
+                os.replace(tmp, part)
+            if progress is not None:
+                progress(1)
+            return lengths
+
+        n = len(self._sizes)
+        workers = threads or min(8, os.cpu_count() or 1)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            parts = list(pool.map(one, range(n)))
+        lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        if folder is not None:
+            tmp = folder / f"lengths.tmp{os.getpid()}.npy"
+            np.save(tmp, lengths)
+            os.replace(tmp, folder / "lengths.npy")
+            for g in range(n):
+                (folder / f"group-{g}.npy").unlink(missing_ok=True)
+        self._offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        return self._offsets
+
+    def document_offsets_sync(self, positions: I64) -> I64:
+        return self.build_length_index()[np.asarray(positions, dtype=np.int64)]
+
+    def _all_offsets_sync(self) -> I64:
+        return self.build_length_index()
+
+
+# -- opening ------------------------------------------------------------------------------------------
+def _local_paths(source: Any) -> list[str]:
+    path = os.fspath(source)
+    if _has_glob(path):
+        found = sorted(p for p in globlib.glob(os.path.expanduser(path), recursive=True) if os.path.isfile(p))
+        if not found:
+            raise FileNotFoundError(f"no file matches {path!r}")
+        return found
+    p = Path(path).expanduser()
+    if p.is_dir():
+        found = sorted(str(f) for f in p.rglob("*.parquet") if f.is_file())
+        if not found:
+            raise FileNotFoundError(f"{path!r} holds no *.parquet file (in it or its subfolders)")
+        return found
+    if not p.exists():
+        raise FileNotFoundError(f"no such file or folder: {path!r}")
+    return [str(p)]
+
+
+def _split_url(url: str) -> tuple[str, str]:
+    """An object URL as its parent prefix and its name."""
+    head, _, name = url.rstrip("/").rpartition("/")
+    return head, name
+
+
+def _remote_sources(source: str, options: dict[str, Any]) -> tuple[_RemoteFiles, list[str], dict[str, _Stat]]:
+    """One store prefix and the objects under it that ``source`` names, with their sizes."""
+    if _has_glob(source):
+        cut = min(source.index(c) for c in "*?[" if c in source)
+        prefix = source[:cut].rpartition("/")[0]
+        pattern = source[len(prefix) + 1 :]
+        files = _RemoteFiles(prefix, options)
+        listed = files.listing()
+        if listed is None:
+            raise ValueError(f"{source!r}: this store cannot be listed; pass the files' URLs as a list")
+        names = sorted(p for p in listed if fnmatch.fnmatch(p, pattern))
+        if not names:
+            raise FileNotFoundError(f"no object matches {source!r}")
+        return files, names, {p: listed[p] for p in names}
+    if source.rstrip("/").endswith(".parquet"):
+        prefix, name = _split_url(source)
+        files = _RemoteFiles(prefix, options)
+        return files, [name], {}
+    files = _RemoteFiles(source.rstrip("/"), options)
+    listed = files.listing()
+    if listed is None:
+        raise ValueError(
+            f"{source!r}: this store cannot be listed (http(s)://); pass the files' URLs as a list"
+        )
+    names = sorted(p for p in listed if p.endswith(".parquet"))
+    if not names:
+        raise FileNotFoundError(f"{source!r} holds no *.parquet object")
+    return files, names, {p: listed[p] for p in names}
+
+
+def _read_index_cache(path: Path | None) -> dict[str, Any]:
+    if path is None or not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data.get("files", {}) if data.get("version") == _INDEX_VERSION else {}
+
+
+def _write_index_cache(path: Path | None, entries: list[_FileEntry], key: Callable[[str], str]) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    files = {
+        key(e.path): {
+            "size": e.size,
+            "version": e.version,
+            "rows": e.rows,
+            "nbytes": e.nbytes,
+            "kind": e.kind,
+        }
+        for e in entries
+    }
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"version": _INDEX_VERSION, "files": files}))
+    os.replace(tmp, path)
+
+
+def _resolve(source: Any, options: dict[str, Any]) -> tuple[Any, list[str], dict[str, _Stat]]:
+    """The files ``source`` names (local, or objects of one store prefix), in sorted path order,
+    and the sizes a listing found for them."""
+    items = [source] if isinstance(source, (str, os.PathLike)) else list(source)
+    if not items:
+        raise ValueError("open_parquet needs at least one file")
+    texts = [os.fspath(s) for s in items]
+    remote = [_is_remote(t) for t in texts]
+    if any(remote) and not all(remote):
+        raise ValueError("open_parquet reads local files or objects of one store, not both at once")
+    if not remote[0]:
+        if options:
+            raise TypeError(f"unexpected options for local files: {sorted(options)}")
+        return _LocalFiles(), [p for t in texts for p in _local_paths(t)], {}
+    if len(texts) == 1:
+        return _remote_sources(texts[0], dict(options))
+    parents = {_split_url(t)[0] for t in texts}
+    if len(parents) != 1:
+        raise ValueError("a list of object URLs must name objects of one folder (one prefix)")
+    return _RemoteFiles(parents.pop(), dict(options)), [_split_url(t)[1] for t in texts], {}
+
+
+def parquet_columns(source: Any, **options: Any) -> tuple[list[str], list[tuple[str, str]]]:
+    """The files ``source`` names and the columns of the first one (name, arrow type): what
+    ``guideloom inspect`` shows before it knows which column to read."""
+    files, paths, known = _resolve(source, options)
+    first = paths[0]
+    stat = known.get(first) or (files.stats([first]).get(first) if files.remote else files.stat(first))
+    if stat is None:
+        raise FileNotFoundError(f"no object {files.name(first)!r}")
+    try:
+        schema = files.footer(first, stat.size).schema.to_arrow_schema()
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, DatasetFormatError | FileNotFoundError):
+            raise
+        raise DatasetFormatError(f"{files.name(first)}: damaged or not a Parquet file ({exc})") from None
+    return [files.name(p) for p in paths], [(f.name, str(f.type)) for f in schema]
+
+
+def open_parquet(
+    source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    column: str,
+    *,
+    tokenizer: TokenizerLike | None = None,
+    bos: int | str | None = None,
+    eos: int | str | None = None,
+    dtype: Any = None,
+    on_null: OnNull = "error",
+    max_decoded_bytes: int = DEFAULT_DECODED_BYTES,
+    cache_dir: str | os.PathLike[str] | None = None,
+    threads: int = 32,
+    **options: Any,
+) -> ParquetStorage:
+    """Open the rows of Parquet files as a document storage: row ``i`` of the files in sorted
+    path order is document ``i``.
+
+    ``source``: a folder (every ``*.parquet`` under it), a glob (``data/train-*.parquet``), one
+    file, or a list of files; local or ``s3://``, ``gs://``, ``az://``, ``http(s)://`` (an
+    ``http(s)://`` folder cannot be listed: pass a list). ``column``: a string column (texts,
+    or tokens with ``tokenizer=``) or a list-of-integers column (token ids). ``tokenizer``: a
+    ``tokenizers.Tokenizer``, the path of a ``tokenizer.json``, or a callable from a text to
+    token ids; ``bos``/``eos`` add those ids (or tokens, by name) around each document.
+    ``on_null``: ``"error"`` (the default) or ``"empty"`` (a null row is an empty document,
+    counted in ``stats()``). ``max_decoded_bytes``: decoded row groups kept in memory per
+    process. ``cache_dir``: where the footer index and a length index (for packing) are kept
+    between runs. ``options``: how to reach an object store (see ``open_stream``).
+
+    Opening reads the footers only, ``threads`` at a time. Raises ``FileNotFoundError`` for no
+    files, :class:`~guideloom.DatasetFormatError` for a damaged footer, a missing column or a
+    column of another kind in some file (naming it).
+    """
+    if on_null not in ("error", "empty"):
+        raise ValueError(f"on_null must be 'error' or 'empty', got {on_null!r}")
+    if not isinstance(column, str) or not column:
+        raise TypeError(f"column must be a column name, got {column!r}")
+    _pq()
+    cache = None if cache_dir is None else os.fspath(cache_dir)
+    files, paths, known = _resolve(source, options)
+    shown = files.name
+
+    encoder = None if tokenizer is None else TextEncoder(tokenizer, bos=bos, eos=eos, dtype=dtype)
+    if tokenizer is None and (bos is not None or eos is not None):
+        raise ValueError("bos and eos apply to tokenizing a text column: pass tokenizer= too")
+    workers = max(1, min(threads, len(paths)))
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
+    try:
+        if files.remote:
+            missing = [p for p in paths if p not in known]
+            if missing:  # a listing recorded the others' versions: reads are conditional on them
+                known.update(files.stats(missing))
+            for p in paths:
+                if p not in known:
+                    raise FileNotFoundError(f"no object {shown(p)!r}")
+        else:
+            known = dict(zip(paths, pool.map(files.stat, paths), strict=True))
+        index_file = None
+        if cache is not None:
+            digest = hashlib.sha256(json.dumps([shown(p) for p in paths] + [column]).encode()).hexdigest()[
+                :24
+            ]
+            index_file = Path(cache) / f"parquet-index-{digest}.json"
+        cached = _read_index_cache(index_file)
+
+        def entry(path: str) -> _FileEntry:
+            stat = known[path]
+            hit = cached.get(shown(path))
+            if hit and hit["size"] == stat.size and hit["version"] == stat.version:
+                return _FileEntry(
+                    path, stat.size, stat.version, tuple(hit["rows"]), tuple(hit["nbytes"]), hit["kind"]
+                )
+            return _entry(files, path, stat, column, shown(path))
+
+        entries = list(pool.map(entry, paths))
+    finally:
+        pool.shutdown(wait=True)
+    kinds = {e.kind for e in entries}
+    if len(kinds) > 1:
+        first = entries[0]
+        other = next(e for e in entries if e.kind != first.kind)
+        raise DatasetFormatError(
+            f"column {column!r} differs between files: {_describe_kind(first.kind)} in {shown(first.path)}, "
+            f"{_describe_kind(other.kind)} in {shown(other.path)}; rewrite them with one schema"
+        )
+    if cache is not None:
+        _write_index_cache(index_file, entries, shown)
+    if entries[0].kind != "text" and encoder is not None:
+        raise ValueError(f"column {column!r} holds token ids already; drop tokenizer=")
+    return ParquetStorage(
+        files,
+        entries,
+        column,
+        encoder=encoder,
+        on_null=on_null,
+        max_decoded_bytes=int(max_decoded_bytes),
+        cache_dir=cache,
+    )
+
+
+def _describe_kind(kind: str) -> str:
+    return "strings" if kind == "text" else f"lists of {kind.split(':', 1)[1]}"

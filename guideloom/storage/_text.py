@@ -1,0 +1,137 @@
+"""Texts to token arrays: the tokenizer a Parquet text column is read with.
+
+:class:`TextEncoder` is small and picklable: it holds what names the tokenizer (a
+``tokenizers.Tokenizer``, the path of a ``tokenizer.json``, or a callable from a text to token
+ids) and builds the tokenizer itself the first time it encodes, in whichever process or thread
+that is, so thread and process workers each tokenize with a copy of their own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["TextEncoder", "TokenizerLike"]
+
+#: What ``tokenizer=`` takes: a ``tokenizers.Tokenizer``, a path to a ``tokenizer.json``, or a
+#: callable from one text to its token ids.
+TokenizerLike = Any
+
+
+def _load_json(path: str) -> Any:
+    try:
+        import tokenizers
+    except ImportError as exc:
+        raise ImportError(
+            "a tokenizer.json needs the tokenizers library: pip install 'guideloom[tokenizers]'"
+        ) from exc
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"tokenizer {path!r}: no such file (pass the path of a tokenizer.json)")
+    try:
+        return tokenizers.Tokenizer.from_file(path)
+    except Exception as exc:  # the library raises a plain Exception for a bad file
+        raise ValueError(f"{path!r} is not a tokenizer.json the tokenizers library reads: {exc}") from None
+
+
+class TextEncoder:
+    """Encodes a batch of texts to one 1-D token array each, with optional ``bos``/``eos`` ids
+    around every document (given as token strings, resolved by the tokenizer, or as ids)."""
+
+    def __init__(
+        self,
+        tokenizer: TokenizerLike,
+        *,
+        bos: int | str | None = None,
+        eos: int | str | None = None,
+        dtype: Any = None,
+    ) -> None:
+        if isinstance(tokenizer, os.PathLike):
+            tokenizer = os.fspath(tokenizer)
+        if not (isinstance(tokenizer, str) or callable(tokenizer) or hasattr(tokenizer, "encode_batch")):
+            raise TypeError(
+                "tokenizer must be a tokenizers.Tokenizer, the path of a tokenizer.json or a "
+                f"callable from a text to token ids, got {type(tokenizer).__name__}"
+            )
+        self._source = tokenizer
+        self._tok: Any = None
+        tok = self._built()
+        self.bos_id = self._token_id("bos", bos, tok)
+        self.eos_id = self._token_id("eos", eos, tok)
+        vocab = int(tok.get_vocab_size(with_added_tokens=True)) if hasattr(tok, "get_vocab_size") else 2**32
+        self.dtype = (
+            np.dtype(dtype) if dtype is not None else np.dtype(np.uint32 if vocab <= 2**32 else np.int64)
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a path is loaded again where it is used; a Tokenizer object pickles itself
+        return {**self.__dict__, "_tok": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def describe(self) -> str:
+        """What names this encoding in a fingerprint (the tokenizer and the ids around documents)."""
+        src = self._source
+        name = src if isinstance(src, str) else getattr(src, "__qualname__", type(src).__name__)
+        return f"{name}|bos={self.bos_id}|eos={self.eos_id}|{self.dtype}"
+
+    def _built(self) -> Any:
+        if self._tok is None:
+            src = self._source
+            self._tok = _load_json(src) if isinstance(src, str) else src
+        return self._tok
+
+    @staticmethod
+    def _token_id(what: str, value: int | str | None, tok: Any) -> int | None:
+        if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+            return value
+        if not isinstance(value, str) or not hasattr(tok, "token_to_id"):
+            raise TypeError(
+                f"{what} must be a token id (an int), or a token string where the tokenizer is a "
+                f"tokenizers.Tokenizer or a tokenizer.json, got {value!r}"
+            )
+        found = tok.token_to_id(value)
+        if found is None:
+            raise ValueError(
+                f"{what}={value!r}: the tokenizer has no such token (give the token, e.g. '</s>', or its id)"
+            )
+        return int(found)
+
+    def encode_many(self, texts: Sequence[str]) -> list[npt.NDArray[Any]]:
+        """One token array per text (``bos`` first and ``eos`` last where given)."""
+        tok = self._built()
+        if hasattr(tok, "encode_batch"):
+            encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+            ids: list[Any] = [e.ids for e in encode(list(texts), add_special_tokens=False)]
+        else:
+            call: Callable[[str], Any] = tok
+            ids = [call(t) for t in texts]
+        head = [] if self.bos_id is None else [self.bos_id]
+        tail = [] if self.eos_id is None else [self.eos_id]
+        dtype = self.dtype
+        if head or tail:
+            return [np.array(head + list(doc) + tail, dtype=dtype) for doc in ids]
+        return [np.array(doc, dtype=dtype) for doc in ids]
+
+
+class TokenizeStep:
+    """The step that turns a batch's texts into token arrays where collation runs (thread or
+    process workers, or inline), then hands them to ``collate_fn``; picklable where both are."""
+
+    __slots__ = ("collate_fn", "encoder")
+
+    def __init__(self, encoder: TextEncoder, collate_fn: Callable[[Sequence[Any]], Any]) -> None:
+        self.encoder, self.collate_fn = encoder, collate_fn
+
+    def __call__(self, texts: Sequence[Any]) -> Any:
+        return self.collate_fn(self.encoder.encode_many(texts))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (TokenizeStep, (self.encoder, self.collate_fn))
+
+    def __repr__(self) -> str:
+        return f"TokenizeStep({self.encoder.describe()}, {self.collate_fn!r})"

@@ -1,0 +1,554 @@
+"""Parquet read where it lies (``guideloom/storage/_parquet.py``): files written by real writers
+(Hugging Face ``datasets``, pyarrow with several row-group sizes, codecs, dictionary encoding,
+string and large_string, list and large_list) read back row for row; the loader over them with
+the row-group-aware order, thread and process workers tokenizing; resume at any offset on
+another world; packing and mixtures; and each kind of bad or changed input refused with a
+message naming the file, the row group and the column."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import guideloom as gl
+from guideloom._core.group_order import GroupPermutation
+from tests.support import ROOT
+from tests.support.loader import roundtrip, take
+
+CPU = torch.device("cpu")
+WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta", "iota", "kappa"]
+
+
+def make_rows(n: int, seed: int = 0) -> tuple[list[list[int]], list[str]]:
+    """Rows whose first token and first word are their own index (so a row names itself)."""
+    rng = np.random.default_rng(seed)
+    ids, texts = [], []
+    for i in range(n):
+        k = int(rng.integers(0, 30))
+        ids.append([i, *rng.integers(0, 1000, k).tolist()])
+        texts.append(f"r{i} " + " ".join(WORDS[j] for j in rng.integers(0, len(WORDS), k)))
+    return ids, texts
+
+
+def write_files(
+    folder: Path,
+    ids: list[list[int]],
+    texts: list[str],
+    *,
+    files: int = 3,
+    row_group_size: int = 50,
+    compression: str = "zstd",
+    list_type: Any = None,
+    string_type: Any = None,
+    dictionary: bool = False,
+) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    cuts = np.array_split(np.arange(len(ids)), files)
+    for f, rows in enumerate(cuts):
+        table = pa.table(
+            {
+                "input_ids": pa.array([ids[i] for i in rows], list_type or pa.list_(pa.int32())),
+                "text": pa.array([texts[i] for i in rows], string_type or pa.string()),
+            }
+        )
+        pq.write_table(
+            table,
+            folder / f"train-{f:05d}-of-{files:05d}.parquet",
+            row_group_size=row_group_size,
+            compression=compression,
+            use_dictionary=dictionary,
+        )
+    return folder
+
+
+@pytest.fixture(scope="module")
+def rows() -> tuple[list[list[int]], list[str]]:
+    return make_rows(600)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory, rows: Any) -> Path:
+    return write_files(tmp_path_factory.mktemp("pq") / "data", *rows)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    corpus = [" ".join(WORDS)] * 20 + [f"r{i}" for i in range(1000)]
+    tok.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "<s>", "</s>"])
+    )
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return str(path)
+
+
+def all_rows(storage: gl.ParquetStorage) -> list[Any]:
+    return list(storage.read_many_sync(np.arange(len(storage), dtype=np.int64)))
+
+
+def first_ids(samples: Sequence[np.ndarray]) -> list[int]:
+    """Collate: each row's own index (its first token)."""
+    return [int(s[0]) for s in samples]
+
+
+def lengths(samples: Sequence[np.ndarray]) -> list[tuple[int, ...]]:
+    return [tuple(np.asarray(s).tolist()) for s in samples]
+
+
+# -- reading what real writers wrote ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("compression", "row_group_size", "list_type", "string_type", "dictionary"),
+    [
+        ("zstd", 50, pa.list_(pa.int32()), pa.string(), False),
+        ("snappy", 7, pa.large_list(pa.int64()), pa.large_string(), True),
+        ("snappy", 1000, pa.list_(pa.uint16()), pa.string(), True),
+        ("none", 1, pa.list_(pa.int32()), pa.large_string(), False),
+    ],
+)
+def test_rows_read_back_as_written_for_each_writer_setting(
+    tmp_path: Path,
+    rows: Any,
+    compression: str,
+    row_group_size: int,
+    list_type: Any,
+    string_type: Any,
+    dictionary: bool,
+) -> None:
+    ids, texts = rows[0][:200], rows[1][:200]
+    folder = write_files(
+        tmp_path,
+        ids,
+        texts,
+        compression=compression,
+        row_group_size=row_group_size,
+        list_type=list_type,
+        string_type=string_type,
+        dictionary=dictionary,
+    )
+    tokens = gl.open_parquet(folder, "input_ids")
+    assert len(tokens) == 200 and tokens.dtype == list_type.value_type.to_pandas_dtype()
+    got = all_rows(tokens)
+    assert all(isinstance(g, np.ndarray) and g.ndim == 1 for g in got)
+    assert [g.tolist() for g in got] == ids
+    assert all_rows(gl.open_parquet(folder, "text")) == texts
+    assert tokens.num_row_groups == sum(
+        -(-len(c) // row_group_size) for c in np.array_split(np.arange(200), 3)
+    )
+
+
+def test_rows_of_a_list_column_are_views_of_the_decoded_values(folder: Path) -> None:
+    storage = gl.open_parquet(folder, "input_ids")
+    a, b = storage.read_many_sync(np.asarray([3, 4], dtype=np.int64))
+    assert a.base is not None and a.base is b.base  # one values buffer, no copy per row
+
+
+def test_files_written_by_hugging_face_datasets(tmp_path: Path, rows: Any) -> None:
+    import datasets
+
+    ids, texts = rows
+    ds = datasets.Dataset.from_dict({"text": texts, "input_ids": ids})
+    (tmp_path / "data").mkdir()
+    for shard in range(2):
+        ds.shard(2, shard, contiguous=True).to_parquet(
+            str(tmp_path / "data" / f"train-{shard:05d}-of-00002.parquet")
+        )
+    storage = gl.open_parquet(tmp_path / "data/train-*.parquet", "text")
+    assert all_rows(storage) == texts
+    assert [r.tolist() for r in all_rows(gl.open_parquet(tmp_path, "input_ids"))] == ids
+
+
+def test_folder_glob_file_and_list_name_the_same_rows_in_path_order(folder: Path, rows: Any) -> None:
+    files = sorted(str(p) for p in folder.glob("*.parquet"))
+    whole = gl.open_parquet(folder, "text")
+    assert whole.files == files
+    assert all_rows(gl.open_parquet(str(folder / "*.parquet"), "text")) == rows[1]
+    assert all_rows(gl.open_parquet(files[1], "text")) == all_rows(whole)[200:400]
+    assert all_rows(gl.open_parquet(files[::-1], "text"))[:200] == rows[1][400:]
+
+
+def test_import_guideloom_does_not_import_pyarrow() -> None:
+    code = "import sys, guideloom; assert 'pyarrow' not in sys.modules, 'pyarrow was imported'"
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
+
+
+def test_a_thousand_files_open_well_under_a_second(tmp_path: Path) -> None:
+    table = pa.table({"input_ids": pa.array([[1, 2], [3]], pa.list_(pa.int32()))})
+    for f in range(1000):
+        pq.write_table(table, tmp_path / f"p-{f:04d}.parquet")
+    storage = gl.open_parquet(tmp_path, "input_ids")  # the time is a benchmark's; this checks the index
+    assert len(storage) == 2000 and storage.num_row_groups == 1000
+
+
+# -- tokenizing ------------------------------------------------------------------------------------
+def test_a_tokenizer_json_a_tokenizer_object_and_a_callable_encode_alike(
+    folder: Path, tokenizer_json: str, rows: Any
+) -> None:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer_json)
+    want = [np.asarray(tok.encode(t, add_special_tokens=False).ids) for t in rows[1][:50]]
+    eos, bos = tok.token_to_id("</s>"), tok.token_to_id("<s>")
+    idx = np.arange(50, dtype=np.int64)
+    by_path = gl.open_parquet(folder, "text", tokenizer=tokenizer_json, eos="</s>").read_many_sync(idx)
+    by_object = gl.open_parquet(folder, "text", tokenizer=tok, bos="<s>", eos=eos).read_many_sync(idx)
+    by_callable = gl.open_parquet(
+        folder, "text", tokenizer=lambda t: tok.encode(t, add_special_tokens=False).ids
+    ).read_many_sync(idx)
+    for w, p, o, c in zip(want, by_path, by_object, by_callable, strict=True):
+        assert p.tolist() == [*w.tolist(), eos]
+        assert o.tolist() == [bos, *w.tolist(), eos]
+        assert c.tolist() == w.tolist()
+
+
+def tokenized_loader(storage: Any, **kw: Any) -> gl.StatefulDataLoader[Any, Any]:
+    kw.setdefault("device", CPU)
+    kw.setdefault("local_batch_size", 8)
+    return gl.StatefulDataLoader.from_storage(storage, lengths, **kw)
+
+
+@pytest.mark.parametrize(("method", "workers"), [("thread", 0), ("thread", 2), ("process", 2)])
+def test_the_loader_tokenizes_where_it_collates_and_delivers_every_row_once(
+    folder: Path, tokenizer_json: str, method: str, workers: int
+) -> None:
+    storage = gl.open_parquet(folder, "text", tokenizer=tokenizer_json, eos="</s>")
+    want = sorted(tuple(t.tolist()) for t in all_rows(storage))
+    loader = tokenized_loader(
+        storage,
+        num_workers=workers,
+        parallel_method=method,
+        shuffle=True,
+        shuffle_block_size="auto",
+        drop_last=False,
+    )
+    with loader:
+        got = [row for batch in take(loader) for row in batch]
+        # the loader reads texts and runs the tokenizer in its collate step
+        assert type(loader.dataset.storage.read_many_sync(np.zeros(1, np.int64))[0]) is str
+    assert sorted(got) == want
+
+
+# -- the row-group-aware order ---------------------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 9), min_size=1, max_size=30),
+    window=st.integers(1, 5),
+    seed=st.integers(0, 2**31),
+    epoch=st.integers(0, 3),
+)
+def test_group_order_is_a_bijection_whose_windows_hold_whole_groups(
+    sizes: list[int], window: int, seed: int, epoch: int
+) -> None:
+    order = GroupPermutation(sizes, seed=seed, epoch=epoch, window=window)
+    got = order.range(0, len(order))
+    assert sorted(got.tolist()) == list(range(sum(sizes)))
+    assert [order[i] for i in range(len(order))] == got.tolist()
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    group_of = np.searchsorted(starts, got, side="right") - 1
+    # consecutive windows of the order never share a group: each group's rows are in one window
+    first_seen: dict[int, int] = {}
+    win = np.searchsorted(order._wstarts, np.arange(len(order)), side="right") - 1
+    for g, w in zip(group_of.tolist(), win.tolist(), strict=True):
+        assert first_seen.setdefault(g, w) == w
+
+
+def test_the_auto_order_decodes_each_row_group_once_per_epoch(folder: Path) -> None:
+    storage = gl.open_parquet(folder, "input_ids")
+    loader = gl.StatefulDataLoader.from_storage(
+        storage,
+        first_ids,
+        local_batch_size=16,
+        shuffle=True,
+        shuffle_block_size="auto",
+        device=CPU,
+        drop_last=False,
+    )
+    with loader:
+        got = [i for batch in take(loader) for i in batch]
+        stats = loader.stats()
+    assert sorted(got) == list(range(600))
+    assert stats["parquet_row_group_decodes"] == storage.num_row_groups == 12
+    assert got != sorted(got)
+
+
+def run_ranks(
+    storage: Any, world: int, state: Any = None, steps: int | None = None, **kw: Any
+) -> tuple[list[int], Any]:
+    per_rank, saved = [], None
+    for rank in range(world):
+        loader = gl.StatefulDataLoader.from_storage(
+            storage, first_ids, rank=rank, world_size=world, device=CPU, **kw
+        )
+        with loader:
+            if state is not None:
+                loader.load_state_dict(state)
+            per_rank.append(take(loader, steps))
+            saved = roundtrip(loader.state_dict())
+    return [i for step in zip(*per_rank, strict=True) for batch in step for i in batch], saved
+
+
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory: pytest.TempPathFactory) -> gl.ParquetStorage:
+    """Files of uneven row groups (a short last one in each)."""
+    ids, texts = make_rows(130, seed=3)
+    folder = write_files(tmp_path_factory.mktemp("uneven"), ids, texts, files=3, row_group_size=9)
+    return gl.open_parquet(folder, "input_ids")
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    first=st.tuples(st.integers(1, 4), st.integers(1, 3)),
+    second=st.tuples(st.integers(1, 4), st.integers(1, 3)),
+    stop=st.integers(0, 12),
+    window=st.integers(1, 4),
+)
+def test_resume_at_any_offset_on_another_world_and_batch_size_is_exact(
+    uneven: gl.ParquetStorage, first: tuple[int, int], second: tuple[int, int], stop: int, window: int
+) -> None:
+    kw = {
+        "shuffle": True,
+        "shuffle_seed": 7,
+        "drop_last": False,
+        "shuffle_block_size": "auto",
+        "shuffle_window": window,
+    }
+    (b1, w1), (b2, w2) = first, second
+    stop = min(stop, (len(uneven) - 1) // (b1 * w1))
+    expected, _ = run_ranks(uneven, 1, local_batch_size=1, **kw)
+    assert sorted(expected) == list(range(len(uneven)))
+    before, state = run_ranks(uneven, w1, steps=stop, local_batch_size=b1, **kw)
+    after, _ = run_ranks(uneven, w2, state=state, local_batch_size=b2, **kw)
+    assert before + after == expected
+
+
+def test_the_checkpoint_records_the_row_group_blocks_and_the_files(folder: Path) -> None:
+    storage = gl.open_parquet(folder, "input_ids")
+    loader = gl.StatefulDataLoader.from_storage(
+        storage, first_ids, local_batch_size=4, shuffle=True, shuffle_block_size="auto", device=CPU
+    )
+    with loader:
+        take(loader, 2)
+        state = roundtrip(loader.state_dict())
+    assert state["shuffle_block_size"] == 50 and state["dataset"]["digest"].startswith("parquet-")
+    assert state["dataset"]["digest"] == storage.content_digest()
+
+
+# -- packing and mixtures --------------------------------------------------------------------------
+def test_pack_over_a_tokenized_text_column_holds_every_token_once(
+    folder: Path, tokenizer_json: str, tmp_path: Path
+) -> None:
+    storage = gl.open_parquet(folder, "text", tokenizer=tokenizer_json, eos="</s>", cache_dir=tmp_path)
+    tokens = np.concatenate(all_rows(storage))
+    packed = gl.pack(storage, 32)
+    loader = gl.StatefulDataLoader(
+        packed, lambda rows: rows.block("tokens").copy(), local_batch_size=4, device=CPU, drop_last=False
+    )
+    with loader:
+        got = np.concatenate([b.reshape(-1) for b in take(loader)])
+    assert len(packed) == len(tokens) // 32
+    assert np.array_equal(got, tokens[: len(packed) * 32])
+    assert (tmp_path / f"lengths-{storage.content_digest()}" / "lengths.npy").exists()
+
+
+def test_the_length_index_resumes_from_the_row_groups_already_done(folder: Path, tmp_path: Path) -> None:
+    storage = gl.open_parquet(folder, "input_ids", cache_dir=tmp_path)
+    part = tmp_path / f"lengths-{storage.content_digest()}"
+    part.mkdir()
+    fake = np.full(50, 1, np.int32)  # a row group "already done": read back, not decoded again
+    np.save(part / "group-0.npy", fake)
+    offsets = storage.build_length_index()
+    assert storage.figures()["parquet_row_group_decodes"] == storage.num_row_groups - 1
+    assert np.array_equal(np.diff(offsets)[:50], fake)
+    again = gl.open_parquet(folder, "input_ids", cache_dir=tmp_path)
+    assert (
+        np.array_equal(again.build_length_index(), offsets)
+        and again.figures()["parquet_row_group_decodes"] == 0
+    )
+
+
+def test_a_packed_parquet_source_resumes_exactly(folder: Path) -> None:
+    storage = gl.open_parquet(folder, "input_ids")
+    packed = gl.pack(storage, 16, "best_fit")
+
+    def run(state: Any = None, steps: int | None = None, bs: int = 4) -> tuple[list[Any], Any]:
+        loader = gl.StatefulDataLoader(
+            packed, rows_of, local_batch_size=bs, shuffle=True, shuffle_seed=3, device=CPU, drop_last=False
+        )
+        with loader:
+            if state is not None:
+                loader.load_state_dict(state)
+            got = [r for b in take(loader, steps) for r in b]
+            return got, roundtrip(loader.state_dict())
+
+    whole, _ = run()
+    before, state = run(steps=5)
+    after, _ = run(state=state, bs=3)
+    assert before + after == whole
+
+
+def rows_of(rows: Any) -> list[tuple[int, ...]]:
+    return [tuple(r.tolist()) for r in rows.block("tokens")]
+
+
+def test_parquet_sources_mix_with_other_datasets(folder: Path) -> None:
+    parquet = gl.open_parquet(folder, "input_ids")
+    other = gl.MemoryDocumentStorage([np.asarray([10_000 + i], np.int32) for i in range(100)])
+    mixture = gl.mix({"parquet": parquet, "other": other}, weights={"parquet": 0.5, "other": 0.5})
+    loader = gl.StatefulDataLoader(mixture, first_ids, local_batch_size=10, device=CPU, shuffle=True)
+    with loader:
+        got = [i for batch in take(loader, 10) for i in batch]
+    assert any(i >= 10_000 for i in got) and any(i < 600 for i in got)
+
+
+# -- bad and changing input ------------------------------------------------------------------------
+def copy_of(folder: Path, tmp_path: Path) -> Path:
+    dest = tmp_path / "copy"
+    shutil.copytree(folder, dest)
+    return dest
+
+
+def test_a_missing_column_names_the_file_and_the_columns(folder: Path) -> None:
+    with pytest.raises(
+        gl.DatasetFormatError,
+        match=r"train-00000-of-00003\.parquet: no column 'tokens'; its columns are input_ids, text",
+    ):
+        gl.open_parquet(folder, "tokens")
+
+
+def test_a_column_of_another_kind_in_one_file_is_refused(folder: Path, tmp_path: Path) -> None:
+    dest = copy_of(folder, tmp_path)
+    pq.write_table(pa.table({"input_ids": ["not", "tokens"]}), dest / "train-00009-extra.parquet")
+    with pytest.raises(
+        gl.DatasetFormatError,
+        match=r"differs between files: lists of int32 in .*00000-of-00003.* strings in .*00009-extra",
+    ):
+        gl.open_parquet(dest, "input_ids")
+
+
+def test_a_damaged_footer_and_a_truncated_file_are_refused_by_name(folder: Path, tmp_path: Path) -> None:
+    dest = copy_of(folder, tmp_path)
+    victim = dest / "train-00001-of-00003.parquet"
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2])
+    with pytest.raises(
+        gl.DatasetFormatError, match=r"train-00001-of-00003\.parquet: damaged or not a Parquet file"
+    ):
+        gl.open_parquet(dest, "text")
+    victim.write_bytes(data[:-12] + b"\x00" * 8 + data[-4:])  # the footer's bytes overwritten
+    with pytest.raises(gl.DatasetFormatError, match=r"train-00001-of-00003\.parquet"):
+        gl.open_parquet(dest, "text")
+
+
+def test_a_file_changed_after_opening_is_refused_at_its_next_read(folder: Path, tmp_path: Path) -> None:
+    dest = copy_of(folder, tmp_path)
+    storage = gl.open_parquet(dest, "input_ids")
+    ids, texts = make_rows(10, seed=9)
+    write_files(dest, ids, texts, files=1)  # rewrites train-00000-of-00001: another file
+    pq.write_table(
+        pa.table({"input_ids": pa.array(ids, pa.list_(pa.int32())), "text": texts}),
+        dest / "train-00002-of-00003.parquet",
+    )
+    with pytest.raises(
+        gl.DatasetIntegrityError, match=r"train-00002-of-00003\.parquet: the file changed since"
+    ):
+        storage.read_many_sync(np.asarray([599], dtype=np.int64))
+    assert gl.open_parquet(dest, "input_ids").content_digest() != storage.content_digest()
+
+
+def test_a_checkpoint_over_changed_files_is_refused(folder: Path, tmp_path: Path) -> None:
+    dest = copy_of(folder, tmp_path)
+    loader = gl.StatefulDataLoader.from_storage(
+        gl.open_parquet(dest, "input_ids"), first_ids, local_batch_size=4, device=CPU
+    )
+    with loader:
+        take(loader, 1)
+        state = roundtrip(loader.state_dict())
+    os.utime(dest / "train-00000-of-00003.parquet", ns=(1, 1))
+    again = gl.StatefulDataLoader.from_storage(
+        gl.open_parquet(dest, "input_ids"), first_ids, local_batch_size=4, device=CPU
+    )
+    with again, pytest.raises(ValueError, match="this checkpoint was saved over another dataset: digest"):
+        again.load_state_dict(state)
+
+
+def test_null_rows_are_an_error_naming_the_row_group_or_empty_documents_counted(tmp_path: Path) -> None:
+    ids = [[1, 2], None, [], [3]] * 5
+    texts = ["a", None, "", "b"] * 5
+    pq.write_table(
+        pa.table({"input_ids": pa.array(ids, pa.list_(pa.int32())), "text": texts}),
+        tmp_path / "n.parquet",
+        row_group_size=4,
+    )
+    strict = gl.open_parquet(tmp_path, "input_ids")
+    assert strict.read_many_sync(np.asarray([0, 2], dtype=np.int64))[1].tolist() == []  # empty: a document
+    with pytest.raises(
+        gl.DatasetFormatError,
+        match=r"n\.parquet: row group 2, column 'input_ids': row 1 \(document 9\) is null; pass on_null=",
+    ):
+        strict.read_many_sync(np.asarray([9], dtype=np.int64))
+    lenient = gl.open_parquet(tmp_path, "text", on_null="empty")
+    loader = gl.StatefulDataLoader.from_storage(lenient, list, local_batch_size=20, device=CPU)
+    with loader:
+        (batch,) = take(loader)
+        assert batch == ["a", "", "", "b"] * 5 and loader.stats()["parquet_null_rows"] == 5
+
+
+def test_options_are_checked(folder: Path, tokenizer_json: str) -> None:
+    with pytest.raises(ValueError, match="on_null"):
+        gl.open_parquet(folder, "text", on_null="skip")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="holds token ids already"):
+        gl.open_parquet(folder, "input_ids", tokenizer=tokenizer_json)
+    with pytest.raises(ValueError, match="no such token"):
+        gl.open_parquet(folder, "text", tokenizer=tokenizer_json, eos="<eos>")
+    with pytest.raises(FileNotFoundError):
+        gl.open_parquet(folder / "nothing-*.parquet", "text")
+    with pytest.raises(TypeError, match="pass tokenizer="):
+        len(gl.pack(gl.open_parquet(folder, "text"), 8))
+
+
+def test_the_storage_pickles_without_what_it_decoded(folder: Path) -> None:
+    storage = gl.open_parquet(folder, "input_ids")
+    storage.read_many_sync(np.arange(10, dtype=np.int64))
+    copy = pickle.loads(pickle.dumps(storage))
+    assert copy.figures()["parquet_row_group_decodes"] == 0
+    assert [r.tolist() for r in copy.read_many_sync(np.arange(10, dtype=np.int64))] == [
+        r.tolist() for r in storage.read_many_sync(np.arange(10, dtype=np.int64))
+    ]
+
+
+def test_the_footer_index_in_cache_dir_is_reused_for_unchanged_files_only(
+    folder: Path, tmp_path: Path
+) -> None:
+    dest = copy_of(folder, tmp_path)
+    cache = tmp_path / "cache"
+    first = gl.open_parquet(dest, "input_ids", cache_dir=cache)
+    (index,) = cache.glob("parquet-index-*.json")
+    victim = dest / "train-00001-of-00003.parquet"
+    st = victim.stat()
+    data = victim.read_bytes()
+    victim.write_bytes(data[:-12] + b"\x00" * 8 + data[-4:])  # same size, a damaged footer
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))  # and the version the index holds
+    again = gl.open_parquet(dest, "input_ids", cache_dir=cache)  # not read again: the index says
+    assert len(again) == len(first) and index.exists()
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # another version: read again
+    with pytest.raises(gl.DatasetFormatError, match=r"train-00001-of-00003\.parquet"):
+        gl.open_parquet(dest, "input_ids", cache_dir=cache)

@@ -150,6 +150,7 @@ class DatasetAbstract(ABC, Generic[SourceT]):
         <guideloom.StatefulDataLoader.explain>`). O(1): a few lookups, never a sample's data.
         Empty by default (a dataset of your own may say what it knows)."""
         return {}
+
     def natural_blocks(self) -> npt.NDArray[np.int64] | None:
         """The sizes of the runs of consecutive observations its storage reads together (Parquet
         row groups), which ``shuffle_block_size="auto"`` keeps together; ``None`` (the default)

@@ -143,6 +143,7 @@ class StorageAbstract(ABC, Generic[InT, OutT]):
         end byte]`` for each file holding some of them, in order (what ``loader.explain()``
         reports). ``[]`` for a storage without files (in memory)."""
         return []
+
     def figures(self) -> dict[str, float]:
         """Counts of this storage's own that ``loader.stats()`` reports (none by default; a
         Parquet storage reports its files, row groups, decodes and null rows)."""

@@ -224,7 +224,15 @@ async def _collate(
                         submit()  # no credit now: start what we have before waiting
                         if not await flush(in_flight - 1):
                             return
-                        await channel.reserve()
+                        while not channel.try_reserve():
+                            if not pending:
+                                await channel.reserve()
+                                break
+                            # The consumer's credits may all be held by batches of groups not
+                            # yet emitted (more groups in flight than credits): the oldest goes
+                            # out before waiting for another.
+                            if not await flush(len(pending) - 1):
+                                return
                     group.append(d)
                     del d
                     if len(group) >= max_group:

@@ -961,3 +961,39 @@ def test_batches_for_a_device_keep_the_loop_thread_that_overlaps_the_copy(stream
         batch = next(it)
         assert batch.device.type == "meta" and batch.shape[0] == 4
         it.close()
+
+
+class ReadsOnTheLoop(gl.MemoryStreamStorage):
+    """A memory storage read as an object store is: on the loop, windows read by the main
+    process (picklable, at module level)."""
+
+    def reads_inline(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize("parallel_method", ["thread", "process"])
+def test_workers_over_a_storage_read_on_the_loop_deliver_at_any_prefetch(
+    prefetch: int, parallel_method: str
+) -> None:
+    """More groups may be in flight to the workers than the consumer has credits for (two per
+    process worker, ``prefetch=0``): the oldest group is handed out before the loop waits for a
+    credit, so the epoch is delivered, batch for batch as at ``num_workers=0``."""
+    tokens = np.arange(SEQ * 50, dtype=np.uint16)
+
+    def make(**kw: Any) -> gl.StatefulDataLoader[Any, Any]:
+        return gl.StatefulDataLoader.from_storage(
+            ReadsOnTheLoop(tokens),
+            ids,
+            sequence_length=SEQ,
+            local_batch_size=4,
+            shuffle=True,
+            shuffle_seed=5,
+            device=torch.device("cpu"),
+            **kw,
+        )
+
+    with make() as inline:
+        want = list(inline)
+    with make(num_workers=2, parallel_method=parallel_method, prefetch=prefetch) as loader:
+        assert list(loader) == want

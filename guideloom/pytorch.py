@@ -455,8 +455,9 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         its ``source`` and ``source_index``; packed and document datasets the ``documents``
         (``[document, first element, end]`` in the document); datasets over storage the
         ``elements`` (``[start, stop)`` in the storage, one per piece) and, for written datasets,
-        the ``files`` of each piece (``[path, first byte, end byte]`` per file it spans). O(1)
-        per sample: nothing is replayed or read but the few offsets that place its documents.
+        the ``files`` of each piece (``[path, first byte, end byte]`` per file it spans; over
+        Parquet ``[path, "row group G", "row R"]`` per row). O(1) per sample: nothing is replayed
+        or read but the few offsets that place its documents (over Parquet, the sample's row).
 
         Raises:
             IndexError: For a step outside the epoch or a rank outside that step's world.

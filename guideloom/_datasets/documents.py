@@ -57,15 +57,9 @@ class DocumentDataset(DatasetAbstract[SourceT]):
             self._storage.will_read(windows)
 
     def describe(self, index: int) -> dict[str, Any]:
-        """Document ``index``: its elements in the storage and the files holding them."""
-        start, stop = self._storage.document_offsets_sync(
-            np.asarray([index, index + 1], dtype=np.int64)
-        ).tolist()
-        return {
-            "documents": [[index, 0, stop - start]],
-            "elements": [[start, stop]],
-            "files": [self._storage.locate(start, stop)],
-        }
+        """Document ``index``: its elements in the storage and the files holding them (as the
+        storage describes them)."""
+        return self._storage.describe_document(index)
 
     def _fingerprint_kind(self) -> str:
         return "documents"

@@ -345,6 +345,24 @@ class _Decoded:
         return np.diff(self.offsets)
 
 
+def _refuse_null_elements(array: Any, kind: str) -> None:
+    """A list row with a null element has no token id there: refused, not read as a float NaN."""
+    if kind == "text":
+        return
+    pa = _pa()
+    lists = array.dictionary_decode() if pa.types.is_dictionary(array.type) else array
+    values = lists.values
+    if values.null_count == 0:
+        return
+    first = int(np.flatnonzero(np.asarray(values.is_null().to_numpy(zero_copy_only=False)))[0])
+    offsets = np.asarray(lists.offsets.to_numpy(zero_copy_only=False), dtype=np.int64)
+    row = int(np.searchsorted(offsets, first, side="right")) - 1
+    raise DatasetFormatError(
+        f"row {row} holds a null element (at {first - int(offsets[row])}): token ids cannot be "
+        "null; fill or drop them in the files"
+    )
+
+
 class ParquetStorage(DocumentStorageAbstract[Any, Any]):
     """The rows of Parquet files as documents (see :func:`open_parquet`)."""
 
@@ -539,6 +557,7 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         try:
             table = self._files.read_group(e.path, reader, g, [self.column], _chunk_range(md, g, leaves))
             array = table.column(self.column).combine_chunks()
+            _refuse_null_elements(array, e.kind)
             decoded = _Decoded(array, e.kind)
         except (DatasetIntegrityError, FileNotFoundError, StorageError):
             raise
@@ -681,6 +700,41 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
     def document_offsets_sync(self, positions: I64) -> I64:
         return self.build_length_index()[np.asarray(positions, dtype=np.int64)]
 
+    def _row_of(self, index: int) -> tuple[int, int]:
+        group = int(np.searchsorted(self._gstarts, index, side="right")) - 1
+        return group, index - int(self._gstarts[group])
+
+    def _row_place(self, index: int) -> list[Any]:
+        group, row = self._row_of(index)
+        e = self._entries[int(self._file_of[group])]
+        return [self._shown(e.path), f"row group {int(self._group_in_file[group])}", f"row {row}"]
+
+    def describe_document(self, index: int) -> dict[str, Any]:
+        """Row ``index``: its file, row group and row, and its length in tokens (decoding its row
+        group and, for a text, tokenizing that row: the whole length index is not built for it);
+        where the length index is built (packing), its elements too. A text column without a
+        tokenizer has no tokens: its length is ``None``."""
+        place = [self._row_place(index)]
+        if self._offsets is not None:
+            start, stop = self._offsets[index : index + 2].tolist()
+            return {"documents": [[index, 0, stop - start]], "elements": [[start, stop]], "files": [place]}
+        (row,) = self._rows(np.asarray([index], dtype=np.int64))
+        if self._kind == "text":
+            length = None if self._encoder is None else len(self._encoder.encode_many([row])[0])
+        else:
+            length = len(row)
+        return {"documents": [[index, 0, length]], "files": [place]}
+
+    def locate(self, start: int, stop: int) -> list[list[Any]]:
+        """The rows holding elements ``[start, stop)``: ``[file, "row group G", "row R"]`` each
+        (known once the length index is built, as for packing; ``[]`` before)."""
+        offsets = self._offsets
+        if offsets is None or stop <= start:
+            return []
+        first = int(np.searchsorted(offsets, start, side="right")) - 1
+        last = int(np.searchsorted(offsets, stop - 1, side="right")) - 1
+        return [self._row_place(i) for i in range(first, last + 1) if offsets[i + 1] > offsets[i]]
+
     def _all_offsets_sync(self) -> I64:
         return self.build_length_index()
 
@@ -822,8 +876,8 @@ def open_parquet(
     threads: int = 32,
     **options: Any,
 ) -> ParquetStorage:
-    """Open the rows of Parquet files as a document storage: row ``i`` of the files in sorted
-    path order is document ``i``.
+    """Open the rows of Parquet files as a document storage: row ``i`` of the files (a folder's
+    or a glob's in sorted path order, a list's in the order given) is document ``i``.
 
     ``source``: a folder (every ``*.parquet`` under it), a glob (``data/train-*.parquet``), one
     file, or a list of files; local or ``s3://``, ``gs://``, ``az://``, ``http(s)://`` (an
@@ -848,6 +902,9 @@ def open_parquet(
     cache = None if cache_dir is None else os.fspath(cache_dir)
     files, paths, known = _resolve(source, options)
     shown = files.name
+    if len(set(paths)) != len(paths):
+        twice = next(p for i, p in enumerate(paths) if p in paths[:i])
+        raise ValueError(f"{shown(twice)!r} is named twice: each file's rows would be read twice")
 
     encoder = None if tokenizer is None else TextEncoder(tokenizer, bos=bos, eos=eos, dtype=dtype)
     if tokenizer is None and (bos is not None or eos is not None):
@@ -896,6 +953,12 @@ def open_parquet(
         _write_index_cache(index_file, entries, shown)
     if entries[0].kind != "text" and encoder is not None:
         raise ValueError(f"column {column!r} holds token ids already; drop tokenizer=")
+    if entries[0].kind != "text" and dtype is not None:
+        raise ValueError(
+            f"dtype= is the type of the tokens a tokenizer makes; column {column!r} holds token ids "
+            f"already, read as the files store them ({_describe_kind(entries[0].kind)}): drop dtype= "
+            "(cast in collate_fn if you need another type)"
+        )
     return ParquetStorage(
         files,
         entries,

@@ -8,6 +8,7 @@ that is, so thread and process workers each tokenize with a copy of their own.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -74,9 +75,15 @@ class TextEncoder:
         self.__dict__.update(state)
 
     def describe(self) -> str:
-        """What names this encoding in a fingerprint (the tokenizer and the ids around documents)."""
-        src = self._source
-        name = src if isinstance(src, str) else getattr(src, "__qualname__", type(src).__name__)
+        """What names this encoding in a fingerprint: the tokenizer's contents (a
+        ``tokenizers.Tokenizer``, or a ``tokenizer.json``: a digest of its serialisation, so an
+        edited file or another tokenizer is another dataset), a callable's qualified name, and
+        the ids around documents."""
+        tok = self._built()
+        if hasattr(tok, "to_str"):
+            name = "sha256:" + hashlib.sha256(tok.to_str().encode()).hexdigest()[:32]
+        else:
+            name = f"{getattr(tok, '__module__', '')}.{getattr(tok, '__qualname__', type(tok).__qualname__)}"
         return f"{name}|bos={self.bos_id}|eos={self.eos_id}|{self.dtype}"
 
     def _built(self) -> Any:

@@ -265,6 +265,16 @@ class DocumentStorageAbstract(StorageAbstract[InT, OutT]):
         self._read_offsets_cache = offsets
         return offsets
 
+    def describe_document(self, index: int) -> dict[str, Any]:
+        """Document ``index`` as ``loader.explain()`` reports it: its elements in the
+        concatenation of all documents and the files holding them."""
+        start, stop = self.document_offsets_sync(np.asarray([index, index + 1], dtype=np.int64)).tolist()
+        return {
+            "documents": [[index, 0, stop - start]],
+            "elements": [[start, stop]],
+            "files": [self.locate(start, stop)],
+        }
+
     def document_offsets_sync(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """Where documents ``positions`` begin in the concatenation of all documents, blocking
         (position ``len(self)`` gives the total number of elements).

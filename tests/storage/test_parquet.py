@@ -552,3 +552,69 @@ def test_the_footer_index_in_cache_dir_is_reused_for_unchanged_files_only(
     os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # another version: read again
     with pytest.raises(gl.DatasetFormatError, match=r"train-00001-of-00003\.parquet"):
         gl.open_parquet(dest, "input_ids", cache_dir=cache)
+
+
+def test_the_fingerprint_follows_the_tokenizers_contents(
+    folder: Path, tokenizer_json: str, tmp_path: Path
+) -> None:
+    """Another tokenizer, or the same tokenizer.json edited, is another dataset: a checkpoint
+    over the old one is refused and the length index is not reused."""
+    from tokenizers import Tokenizer
+
+    def digest(tok: Any) -> str:
+        return gl.open_parquet(folder, "text", tokenizer=tok, eos="</s>").content_digest()
+
+    same = Tokenizer.from_file(tokenizer_json)
+    assert digest(tokenizer_json) == digest(same)  # a path and the tokenizer it holds
+    other = Tokenizer.from_file(tokenizer_json)
+    other.add_tokens(["zzz-added"])
+    assert digest(other) != digest(same)
+    edited = tmp_path / "tokenizer.json"
+    shutil.copy(tokenizer_json, edited)
+    before = digest(str(edited))
+    other.save(str(edited))  # edited in place, at the same path
+    assert digest(str(edited)) != before
+
+
+def test_a_null_element_inside_a_list_row_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "nulls.parquet"
+    pq.write_table(pa.table({"input_ids": pa.array([[1, 2], [3, None, 5]], pa.list_(pa.int64()))}), path)
+    storage = gl.open_parquet(path, "input_ids")
+    with pytest.raises(
+        gl.DatasetFormatError, match=r"nulls.parquet.*row group 0.*input_ids.*row 1 holds a null"
+    ):
+        storage.read_many_sync(np.arange(2, dtype=np.int64))
+
+
+def test_dtype_is_refused_for_a_list_column_and_a_file_named_twice(folder: Path) -> None:
+    with pytest.raises(ValueError, match=r"holds token ids already.*lists of int32.*drop dtype="):
+        gl.open_parquet(folder, "input_ids", dtype=np.uint16)
+    files = sorted(str(p) for p in folder.glob("*.parquet"))
+    with pytest.raises(ValueError, match="named twice"):
+        gl.open_parquet([files[0], files[1], files[0]], "input_ids")
+    given_order = gl.open_parquet([files[1], files[0]], "input_ids")
+    first = pq.read_table(files[1], columns=["input_ids"]).column(0)[0].as_py()
+    assert list(given_order.read_many_sync(np.array([0]))[0]) == first  # a list's own order
+
+
+def test_explain_names_each_rows_file_row_group_and_row_without_a_length_index(
+    folder: Path, tokenizer_json: str, rows: Any
+) -> None:
+    storage = gl.open_parquet(folder, "text", tokenizer=tokenizer_json)
+    loader = gl.StatefulDataLoader.from_storage(
+        storage, list, local_batch_size=4, shuffle=True, shuffle_seed=3, device=torch.device("cpu")
+    )
+    with loader:
+        got = next(iter(loader))
+        records = loader.explain(step=0, rank=0, epoch=0)
+    assert storage._offsets is None  # no pass over every row for it
+    files = sorted(folder.glob("*.parquet"))
+    per_file = [pq.ParquetFile(f).metadata for f in files]
+    for record, tokens in zip(records, got, strict=True):
+        ((path, group, row),) = record["files"][0]
+        f = [str(p) for p in files].index(path)
+        g, r = int(group.removeprefix("row group ")), int(row.removeprefix("row "))
+        before = sum(per_file[i].num_rows for i in range(f))
+        before += sum(per_file[f].row_group(j).num_rows for j in range(g))
+        assert before + r == record["index"]
+        assert record["documents"] == [[record["index"], 0, len(tokens)]]

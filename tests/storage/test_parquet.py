@@ -618,3 +618,47 @@ def test_explain_names_each_rows_file_row_group_and_row_without_a_length_index(
         before += sum(per_file[f].row_group(j).num_rows for j in range(g))
         assert before + r == record["index"]
         assert record["documents"] == [[record["index"], 0, len(tokens)]]
+
+
+_ZYGOTE_AFTER_ARROW = """
+import os, sys, torch
+import numpy as np
+import guideloom as gl
+
+def first(samples):
+    return [int(s[0]) for s in samples]
+
+if __name__ == "__main__":
+    storage = gl.open_parquet(sys.argv[1], "input_ids")
+    storage.read_many_sync(np.arange(0, len(storage), 7))  # row groups decoded here: Arrow's threads
+    def make(**kw):
+        return gl.StatefulDataLoader.from_storage(
+            storage, first, local_batch_size=8, shuffle=True, shuffle_seed=1,
+            shuffle_block_size="auto", device=torch.device("cpu"), **kw,
+        )
+    with make() as inline:
+        want = list(inline)
+    with make(num_workers=2, parallel_method="process", collate_mode="workers") as loader:
+        got = list(loader)
+        print(type(loader._life.pool.ctx).__name__, got == want)
+"""
+
+
+def test_process_workers_fork_from_a_zygote_after_arrow_started_its_threads(
+    folder: Path, tmp_path: Path
+) -> None:
+    """pyarrow's pools (its CPU threads, jemalloc's background thread) prepare for a fork
+    themselves: workers forked after the main process decoded row groups read and decode their
+    own, the same batches."""
+    script = tmp_path / "arrow_zygote.py"
+    script.write_text(_ZYGOTE_AFTER_ARROW)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run(
+        [sys.executable, str(script), str(folder)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+    )
+    assert r.stdout.split() == ["ZygoteContext", "True"]

@@ -11,7 +11,9 @@ are gone in the child, hangs.
 A zygote gets both. When a pool is made on the process's only Python thread, CUDA is not
 initialised, and every other thread of the process is an unnamed one of a native library's pool
 (``/proc/self/task``: OpenBLAS's, which shuts itself down around a fork; OpenMP's, which the
-workers do not use: they run torch on one thread, as torch's own workers do), the pool
+workers do not use: they run torch on one thread, as torch's own workers do; pyarrow's, which
+Arrow's fork handlers start again in the child; and jemalloc's named background thread, which
+its own fork handlers stop), the pool
 forks a process from it at once, and that process runs multiprocessing's own fork-server loop
 (:func:`multiprocessing.forkserver.main`). Workers are then forked from the zygote on request, from
 any thread, safely (the zygote has one thread), and share the main process's pages copy-on-write,
@@ -63,6 +65,10 @@ _SERVER_ATTRS = frozenset(
 )
 
 
+#: Named threads of pools that prepare for a fork themselves: jemalloc's background threads
+#: (pyarrow's allocator), which its own fork handlers stop and start again in the child.
+_FORK_SAFE_NAMES = ("jemalloc_bg_thd\n",)
+
 #: How long :func:`fork_is_safe` waits for threads that stand in the way to end.
 _ENDING_S = 0.05
 
@@ -87,7 +93,7 @@ def _threads_allow_fork() -> bool:
         return False
     me = str(threading.get_native_id())
     name = _comm(me)
-    return all(_comm(t) in (name, None) for t in tasks if t != me)
+    return all(_comm(t) in (name, None, *_FORK_SAFE_NAMES) for t in tasks if t != me)
 
 
 def fork_is_safe() -> bool:

@@ -26,8 +26,10 @@ from guideloom._cli._common import (
 )
 from guideloom._cli._inputs import FORMATS, InputFile, expand_inputs, inputs_fingerprint, iter_tasks, share_of
 from guideloom._cli._parts import (
+    PARTS,
     Root,
     TaskSlot,
+    clear_parts,
     merge_parts,
     open_root,
     part_folder,
@@ -340,7 +342,15 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError(f"--output {dest!r} exists and is not a folder")
         if (folder / MANIFEST_NAME).exists() and not args.overwrite:
             raise CLIError(f"a dataset already exists at {dest!r}; pass --overwrite to replace it")
+    root = open_root(dest)
+    if not args.overwrite and root.folders():
+        raise CLIError(
+            f"{dest!r} holds the parts of a run of tasks ({PARTS}/); finish it with --task I --tasks N "
+            "and --merge, or pass --overwrite to replace it"
+        )
     manifest, counter, elapsed = prepare_files(args, spec, files, dest, overwrite=args.overwrite)
+    if args.overwrite:
+        clear_parts(root)  # their data went with the dataset replaced; their manifests go too
     if not args.quiet:
         _report(manifest, dest, counter, files, elapsed)
     return 0
@@ -351,7 +361,12 @@ def _slot(args: argparse.Namespace) -> TaskSlot | None:
     if args.task is None and args.tasks is None:
         return task_from_environment(os.environ)
     if args.task is None or args.tasks is None:
-        raise UsageError("--task I and --tasks N go together (outside a Slurm array, name both)")
+        where = (
+            "inside a Slurm array, name neither (the array numbers the tasks) or both"
+            if "SLURM_ARRAY_TASK_ID" in os.environ
+            else "outside a Slurm array, name both"
+        )
+        raise UsageError(f"--task I and --tasks N go together ({where})")
     if args.task >= args.tasks:
         raise UsageError(f"--task {args.task} is not one of the {args.tasks} tasks (0 to {args.tasks - 1})")
     return TaskSlot(args.task, args.tasks)
@@ -417,6 +432,8 @@ def _run_task(
             is_merge = False
         if not is_merge:
             raise CLIError(f"a dataset already exists at {dest!r}; pass --overwrite to replace it")
+    if args.overwrite:  # parts of runs of another N (or of a Ray write): not this run's
+        clear_parts(root, keep_tasks=slot.tasks)
     existing = root.read(f"{name}/{MANIFEST_NAME}")
     if existing is not None and not args.overwrite:
         part = parse_manifest(existing, f"{dest}/{name}/{MANIFEST_NAME}").extra.get("part") or {}
@@ -448,7 +465,10 @@ def _run_task(
     if merge and _all_done(root, slot.tasks):  # the last task to finish merges (two at once write the same)
         try:
             merged = merge_parts(dest, tasks=slot.tasks)
-        except DatasetFormatError as exc:  # parts of another run, being prepared again: not yet
+        except DatasetFormatError as exc:
+            if not args.overwrite:  # no task of this command changes a finished part: it stays so
+                raise CLIError(f"the parts are not merged yet: {exc}") from None
+            # an --overwrite run: the other parts may be an earlier run's, being prepared again
             print(f"guideloom: the parts are not merged yet: {exc}", file=sys.stderr)
             return 0
         if not args.quiet:

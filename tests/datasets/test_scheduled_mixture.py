@@ -202,7 +202,7 @@ def test_schedules_of_the_same_knots_are_equal(
     bad=st.sampled_from([0.0, 0, -1.0, -1e-9, float("nan"), float("inf"), float("-inf")]),
     at=st.integers(0, 2),
 )
-def test_a_weight_that_is_not_finite_and_positive_is_refused_when_the_schedule_is_made(
+def test_a_weight_that_is_negative_or_not_finite_is_refused_when_the_schedule_is_made(
     bad: float, at: int
 ) -> None:
     knots: list[tuple[int, dict[str, float]]] = [(i * 10, {"web": 1.0, "code": 2.0}) for i in range(3)]

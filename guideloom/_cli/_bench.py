@@ -10,8 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from guideloom._cli._common import CLIError, add_count, format_count, require
+from guideloom._cli._common import CLIError, add_count, counted, format_count, require
 from guideloom._cli._inspect import open_dataset
+from guideloom._core.text import plural
 from guideloom.storage.base import DocumentStorageAbstract
 
 __all__ = ["MIN_TIMED_BATCHES", "add_parser", "collate_documents", "collate_stream"]
@@ -138,9 +139,11 @@ def run(args: argparse.Namespace) -> int:
                     f"dataset:              {args.dataset} ({kind}, {storage.dtype})",
                     f"loader:               batch size {args.batch_size}, "
                     + ("" if documents else f"sequence length {args.sequence_length}, ")
-                    + f"{args.num_workers} workers ({args.parallel_method}), shuffle {args.shuffle}, "
+                    + f"{plural(args.num_workers, 'worker')} ({args.parallel_method}), "
+                    f"shuffle {args.shuffle}, "
                     f"prefetch {args.prefetch}, device {device}",
-                    f"batches:              {batches:,} ({samples:,} samples, {tokens:,} tokens) "
+                    f"batches:              {batches:,} ({counted(samples, 'sample')}, "
+                    f"{counted(tokens, 'token')}) "
                     f"in {total:.3f} s",
                     f"time to first batch:  {first * 1e3:.1f} ms",
                     f"samples/s:            {samples_s}",
@@ -183,19 +186,22 @@ def _check_sizes(args: argparse.Namespace, storage: Any, documents: bool) -> Non
     if documents:
         if n < args.batch_size:
             raise CLIError(
-                f"{args.dataset}: {n:,} documents, fewer than one batch of --batch-size "
+                f"{args.dataset}: {counted(n, 'document')}, fewer than one batch of "
+                f"--batch-size "
                 f"{args.batch_size}; use --batch-size {max(1, n)} or less"
             )
         return
     samples = n // args.sequence_length
     if samples == 0:
         raise CLIError(
-            f"{args.dataset}: the stream holds {n:,} tokens, fewer than one sample of "
+            f"{args.dataset}: the stream holds {counted(n, 'token')}, fewer than one sample "
+            f"of "
             f"--sequence-length {args.sequence_length:,}; use a --sequence-length of at most {n:,}"
         )
     if samples < args.batch_size:
         raise CLIError(
-            f"{args.dataset}: {n:,} tokens make {samples:,} samples of --sequence-length "
+            f"{args.dataset}: {counted(n, 'token')} make "
+            f"{counted(samples, 'sample')} of --sequence-length "
             f"{args.sequence_length:,}, fewer than one batch of --batch-size {args.batch_size}; use "
             f"--batch-size {samples} or less, or a smaller --sequence-length"
         )

@@ -9,7 +9,10 @@ import time
 from types import ModuleType
 from typing import Any
 
+from guideloom._core.text import plural
+
 __all__ = [
+    "counted",
     "CLIError",
     "InputError",
     "Progress",
@@ -78,6 +81,12 @@ def require(module: str, purpose: str) -> Any:
         hint = _INSTALL_HINT.get(top, f"pip install {top}")
         raise CLIError(f"{purpose} needs the {top!r} package: install it with {hint}") from None
     return mod
+
+
+def counted(n: int, noun: str, *, short: bool = False) -> str:
+    """``n`` (with thousands separators, or as :func:`format_count` writes it where ``short``)
+    and ``noun`` in the right number: ``counted(1, "token")`` is ``"1 token"``."""
+    return plural(n, noun, shown=format_count(n) if short else f"{n:,}")
 
 
 def format_count(n: float) -> str:

@@ -16,6 +16,7 @@ from guideloom._cli._common import CLIError, UsageError, add_count, int_at_least
 from guideloom._cli._inspect import Storage, _preview, open_dataset
 from guideloom._cli._tokenizers import tokenizer_for_decoding
 from guideloom._core.provenance import parse_history
+from guideloom._core.text import plural
 from guideloom._datasets import DatasetAbstract, DocumentDataset, StreamDataset
 from guideloom._datasets.packing import pack
 from guideloom.storage.base import DocumentStorageAbstract, StreamStorageAbstract
@@ -200,7 +201,9 @@ def _lines(records: list[dict[str, Any]], texts: list[list[str]] | None) -> list
     if not records:
         return ["no samples: this rank's block lies past the end of the epoch's last, partial batch"]
     head = records[0]
-    lines = [f"epoch {head['epoch']} step {head['step']} rank {head['rank']}: {len(records)} samples"]
+    lines = [
+        f"epoch {head['epoch']} step {head['step']} rank {head['rank']}: {plural(len(records), 'sample')}"
+    ]
     for i, rec in enumerate(records):
         where = f"  [{i}] position {rec['position']:,}  index {rec['index']:,}"
         if "source" in rec:

@@ -22,11 +22,14 @@ from guideloom.storage._manifest import MANIFEST_NAME, Manifest
 from guideloom.storage._parts import (
     PARTS,
     Root,
+    check_present,
+    clear_parts,
     commit_merged,
     merged_manifest,
     open_root,
     parse_part_name,
     part_folder,
+    part_manifests_in,
     read_parts,
 )
 
@@ -34,6 +37,7 @@ __all__ = [
     "PARTS",
     "Root",
     "TaskSlot",
+    "clear_parts",
     "merge_parts",
     "open_root",
     "part_folder",
@@ -89,12 +93,16 @@ def part_options(options: Mapping[str, Any]) -> dict[str, Any]:
 def merge_parts(dest: str, *, tasks: int | None = None) -> Manifest:
     """Write ``dest``'s manifest over its ``tasks`` parts (found in ``parts/`` when None).
 
-    Refuses missing parts, parts prepared with other options or inputs, and fields whose dtypes
-    differ; reads the part manifests only.
+    Refuses missing parts, parts prepared with other options or inputs, fields whose dtypes
+    differ, and data files the part manifests name but ``parts/`` does not hold; reads the part
+    manifests and one listing of ``parts/`` only.
     """
     root = open_root(dest)
+    listing = root.files(PARTS)
     found = {
-        TaskSlot(*slot): name for name in root.part_manifests() if (slot := parse_part_name(name)) is not None
+        TaskSlot(*slot): name
+        for name in part_manifests_in(listing)
+        if (slot := parse_part_name(name)) is not None
     }
     if tasks is None:
         counts = sorted({s.tasks for s in found})
@@ -120,5 +128,6 @@ def merge_parts(dest: str, *, tasks: int | None = None) -> Manifest:
     names = [part_folder(i, tasks) for i in range(tasks)]
     parts = read_parts(root, names)
     manifest = merged_manifest(names, parts)
+    check_present(manifest, listing, dest)
     commit_merged(root, manifest)
     return manifest

@@ -20,14 +20,16 @@ from guideloom._cli._common import (
     Progress,
     UsageError,
     add_count,
+    counted,
     format_bytes,
-    format_count,
     int_at_least,
 )
 from guideloom._cli._inputs import FORMATS, InputFile, expand_inputs, inputs_fingerprint, iter_tasks, share_of
 from guideloom._cli._parts import (
+    PARTS,
     Root,
     TaskSlot,
+    clear_parts,
     merge_parts,
     open_root,
     part_folder,
@@ -36,6 +38,7 @@ from guideloom._cli._parts import (
 )
 from guideloom._cli._tokenizers import TokenizerSpec, resolve_tokenizer
 from guideloom._cli._work import Options, Result, ordered_results
+from guideloom._core.text import plural
 from guideloom._errors import DatasetFormatError
 from guideloom.storage._api import _sink, write_documents, write_stream
 from guideloom.storage._manifest import MANIFEST_NAME, Manifest, parse_manifest
@@ -340,7 +343,15 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError(f"--output {dest!r} exists and is not a folder")
         if (folder / MANIFEST_NAME).exists() and not args.overwrite:
             raise CLIError(f"a dataset already exists at {dest!r}; pass --overwrite to replace it")
+    root = open_root(dest)
+    if not args.overwrite and root.folders():
+        raise CLIError(
+            f"{dest!r} holds the parts of a run of tasks ({PARTS}/); finish it with --task I --tasks N "
+            "and --merge, or pass --overwrite to replace it"
+        )
     manifest, counter, elapsed = prepare_files(args, spec, files, dest, overwrite=args.overwrite)
+    if args.overwrite:
+        clear_parts(root)  # their data went with the dataset replaced; their manifests go too
     if not args.quiet:
         _report(manifest, dest, counter, files, elapsed)
     return 0
@@ -351,9 +362,16 @@ def _slot(args: argparse.Namespace) -> TaskSlot | None:
     if args.task is None and args.tasks is None:
         return task_from_environment(os.environ)
     if args.task is None or args.tasks is None:
-        raise UsageError("--task I and --tasks N go together (outside a Slurm array, name both)")
+        where = (
+            "inside a Slurm array, name neither (the array numbers the tasks) or both"
+            if "SLURM_ARRAY_TASK_ID" in os.environ
+            else "outside a Slurm array, name both"
+        )
+        raise UsageError(f"--task I and --tasks N go together ({where})")
     if args.task >= args.tasks:
-        raise UsageError(f"--task {args.task} is not one of the {args.tasks} tasks (0 to {args.tasks - 1})")
+        raise UsageError(
+            f"--task {args.task} is not one of the {plural(args.tasks, 'task')} (0 to {args.tasks - 1})"
+        )
     return TaskSlot(args.task, args.tasks)
 
 
@@ -364,8 +382,9 @@ def _merge(args: argparse.Namespace) -> int:
     manifest = merge_parts(args.merge, tasks=args.tasks)
     if not args.quiet:
         print(
-            f"merged {manifest.extra['parts']['tasks']:,} parts into {args.merge}: "
-            f"{format_count(manifest.num_elements)} tokens, {len(manifest.all_files()):,} data files, "
+            f"merged {counted(manifest.extra['parts']['tasks'], 'part')} into {args.merge}: "
+            f"{counted(manifest.num_elements, 'token', short=True)}, "
+            f"{counted(len(manifest.all_files()), 'data file')}, "
             f"in {time.perf_counter() - started:.2f} s"
         )
     return 0
@@ -417,6 +436,8 @@ def _run_task(
             is_merge = False
         if not is_merge:
             raise CLIError(f"a dataset already exists at {dest!r}; pass --overwrite to replace it")
+    if args.overwrite:  # parts of runs of another N (or of a Ray write): not this run's
+        clear_parts(root, keep_tasks=slot.tasks)
     existing = root.read(f"{name}/{MANIFEST_NAME}")
     if existing is not None and not args.overwrite:
         part = parse_manifest(existing, f"{dest}/{name}/{MANIFEST_NAME}").extra.get("part") or {}
@@ -448,13 +469,16 @@ def _run_task(
     if merge and _all_done(root, slot.tasks):  # the last task to finish merges (two at once write the same)
         try:
             merged = merge_parts(dest, tasks=slot.tasks)
-        except DatasetFormatError as exc:  # parts of another run, being prepared again: not yet
+        except DatasetFormatError as exc:
+            if not args.overwrite:  # no task of this command changes a finished part: it stays so
+                raise CLIError(f"the parts are not merged yet: {exc}") from None
+            # an --overwrite run: the other parts may be an earlier run's, being prepared again
             print(f"guideloom: the parts are not merged yet: {exc}", file=sys.stderr)
             return 0
         if not args.quiet:
             print(
-                f"all {slot.tasks} parts are prepared: wrote {dest}/{MANIFEST_NAME} "
-                f"({format_count(merged.num_elements)} tokens)"
+                f"{'the part is' if slot.tasks == 1 else f'all {slot.tasks} parts are'} prepared: wrote "
+                f"{dest}/{MANIFEST_NAME} ({counted(merged.num_elements, 'token', short=True)})"
             )
     return 0
 
@@ -505,7 +529,7 @@ def prepare_files(
             iter_tasks(files, field_name=args.field, task_bytes=args.task_size), options, args.workers
         )
 
-        def counted() -> Iterator[Result]:
+        def counting() -> Iterator[Result]:
             for r in results:
                 counter.documents += len(r.lengths)
                 counter.tokens += len(r.tokens)
@@ -538,14 +562,14 @@ def prepare_files(
                 )
                 manifest = write_stream(
                     dest,
-                    (r.tokens for r in counted()),
+                    (r.tokens for r in counting()),
                     metadata=metadata,
                     metadata_dtypes=_DocDtypes(counter) if args.document_ids else None,
                     **write_options,
                 )
             else:
                 manifest = _write_documents(
-                    dest, _split_documents(counted()), offsets_head=offsets_head, **write_options
+                    dest, _split_documents(counting()), offsets_head=offsets_head, **write_options
                 )
         finally:
             results.close()
@@ -569,9 +593,11 @@ def _report(manifest: Manifest, dest: str, counter: _Counter, files: list[InputF
     total_disk = sum(_disk(f) for f in files)
     nbytes = sum(f.nbytes for _, _, f in manifest.all_files())
     print(
-        f"wrote {manifest.kind} dataset {dest}: {format_count(manifest.num_elements)} tokens "
-        f"({manifest.dtype.name}), {counter.documents:,} documents from {len(files):,} files, "
-        f"{len(manifest.all_files())} data files ({format_bytes(nbytes)}) in {elapsed:.1f} s "
+        f"wrote {manifest.kind} dataset {dest}: {counted(manifest.num_elements, 'token', short=True)} "
+        f"({manifest.dtype.name}), {counted(counter.documents, 'document')} from "
+        f"{counted(len(files), 'file')}, "
+        f"{counted(len(manifest.all_files()), 'data file')} ({format_bytes(nbytes)}) "
+        f"in {elapsed:.1f} s "
         f"({total_disk / max(elapsed, 1e-9) / 1e6:.1f} MB/s of input)"
     )
     if counter.invalid:

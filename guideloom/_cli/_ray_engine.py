@@ -18,10 +18,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from guideloom._cli._common import CLIError, Progress, format_count, require
+from guideloom._cli._common import CLIError, Progress, counted, require
 from guideloom._cli._inputs import InputFile
 from guideloom._cli._parts import TaskSlot, merge_parts
 from guideloom._cli._tokenizers import TokenizerSpec
+from guideloom._core.text import plural
 
 __all__ = ["run_on_ray"]
 
@@ -125,9 +126,10 @@ def run_on_ray(
     if not args.quiet:
         elapsed = time.perf_counter() - started
         print(
-            f"wrote {manifest.kind} dataset {args.output} with {tasks} Ray tasks: "
-            f"{format_count(manifest.num_elements)} tokens, {manifest.extra.get('documents', 0):,} "
-            f"documents, {len(manifest.all_files()):,} data files in {elapsed:.1f} s "
+            f"wrote {manifest.kind} dataset {args.output} with {plural(tasks, 'Ray task')}: "
+            f"{counted(manifest.num_elements, 'token', short=True)}, "
+            f"{counted(int(manifest.extra.get('documents', 0)), 'document')}, "
+            f"{counted(len(manifest.all_files()), 'data file')} in {elapsed:.1f} s "
             f"({total / max(elapsed, 1e-9) / 1e6:.1f} MB/s of input)"
         )
     return 0

@@ -29,6 +29,7 @@ import numpy as np
 
 from guideloom._core.keys import hash64
 from guideloom._core.provenance import History
+from guideloom._core.text import plural
 
 __all__ = [
     "MODULUS",
@@ -251,7 +252,7 @@ def compare(
             offset,
             delivered,
             expected,
-            message=f"the ranks were handed {delivered} positions of epoch {epoch}, "
+            message=f"the ranks were handed {plural(delivered, 'position')} of epoch {epoch}, "
             f"the plan holds {expected}",
         )
     found = _first_wrong(tallies, start, hi, num_observations)

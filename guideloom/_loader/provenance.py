@@ -13,6 +13,7 @@ import numpy as np
 from guideloom._core.audit import MODULUS, AuditReport, RankTally, audit_base, compare, run_summary
 from guideloom._core.plan import num_batches
 from guideloom._core.provenance import History, Segment, block
+from guideloom._core.text import plural
 from guideloom._loader.host import Loader
 from guideloom._loader.state import epoch_order
 
@@ -60,12 +61,13 @@ def explain_step(
         seg = _segment(loader, int(epoch), int(step))
         if rank >= seg.world_size:
             raise IndexError(
-                f"rank {rank} outside [0, {seg.world_size}): step {step} ran on {seg.world_size} ranks"
+                f"rank {rank} outside [0, {seg.world_size}): step {step} ran on "
+                f"{plural(seg.world_size, 'rank')}"
             )
         n = len(loader.dataset)
         steps = seg.step + num_batches(n, seg.global_batch_size, loader.drop_last, seg.offset)
         if step >= steps:
-            raise IndexError(f"step {step} outside epoch {epoch}, which has {steps} steps")
+            raise IndexError(f"step {step} outside epoch {epoch}, which has {plural(steps, 'step')}")
         start, stop = block(seg, int(step), int(rank), n)
         order = epoch_order(loader, int(epoch))
         indices = order.take(np.arange(start, stop, dtype=np.int64)).tolist()
@@ -142,7 +144,7 @@ def audit_ranks(loader: Loader[Any]) -> AuditReport:
         return judge([mine])
     if dist.get_world_size() != loader.world_size:
         raise RuntimeError(
-            f"torch.distributed has {dist.get_world_size()} ranks, the loader's world_size is "
+            f"torch.distributed has {plural(dist.get_world_size(), 'rank')}, the loader's world_size is "
             f"{loader.world_size}: audit() sums the tallies of the loader's ranks"
         )
     import torch

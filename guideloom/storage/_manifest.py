@@ -24,6 +24,7 @@ from typing import Any, Final, Literal, TypeGuard
 import numpy as np
 import numpy.typing as npt
 
+from guideloom._core.text import plural
 from guideloom._errors import DatasetFormatError
 
 __all__ = [
@@ -305,7 +306,8 @@ def _parse_array(raw: Any, *, where: str, version: int | None = FORMAT_VERSION) 
             raise DatasetFormatError(f"{fw}: 'elements' and 'bytes' must be integers >= 0 (and < 2**63)")
         if nbytes != elements * dtype.itemsize:
             raise DatasetFormatError(
-                f"{fw}: {elements} elements of {dtype} need {elements * dtype.itemsize} bytes, "
+                f"{fw}: {plural(elements, 'element')} of {dtype} need "
+                f"{plural(elements * dtype.itemsize, 'byte')}, "
                 f"the manifest says {nbytes}"
             )
         if not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)):
@@ -412,7 +414,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     if type(num_elements) is not int or num_elements != length:
         raise DatasetFormatError(
             f"{where}: num_elements {_show(num_elements)} does not match the "
-            f"{length} elements its token files hold"
+            f"{plural(length, 'element')} its token files hold"
         )
     if doc.get("dtype") != fields["tokens"].dtype.name:
         raise DatasetFormatError(f"{where}: dtype {_show(doc.get('dtype'))} does not match fields.tokens")
@@ -422,7 +424,8 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
         for name, spec in fields.items():
             if spec.length != length:
                 raise DatasetFormatError(
-                    f"{where}: field {name!r} holds {spec.length} elements but the stream holds {length}"
+                    f"{where}: field {name!r} holds {plural(spec.length, 'element')} but the stream holds "
+                    f"{length}"
                 )
     else:
         if len(fields) != 1:

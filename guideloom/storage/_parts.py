@@ -11,6 +11,7 @@ is rewritten. See the "Datasets prepared in parts" section of docs/format.md.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import re
 import shutil
 from collections.abc import Iterable, Mapping
@@ -19,6 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from guideloom._core.text import plural
 from guideloom._errors import DatasetFormatError
 from guideloom.storage._api import local_folder
 from guideloom.storage._manifest import MANIFEST_NAME, ArraySpec, FileSpec, Manifest, parse_manifest
@@ -27,11 +29,14 @@ from guideloom.storage._sinks import LocalSink, Sink
 __all__ = [
     "PARTS",
     "Root",
+    "check_present",
+    "clear_parts",
     "commit_merged",
     "merged_manifest",
     "open_root",
     "parse_part_name",
     "part_folder",
+    "part_manifests_in",
     "read_parts",
 ]
 
@@ -63,6 +68,14 @@ class Root(Protocol):
         """The part folders (``parts/part-...``) that hold a manifest."""
         ...
 
+    def files(self, folder: str) -> set[str]:
+        """Every file under ``folder`` (recursively), relative to the destination: one listing."""
+        ...
+
+    def folders(self) -> set[str]:
+        """The folders directly under ``parts/`` (``parts/part-...``), with a manifest or not."""
+        ...
+
     def clear(self, folder: str) -> None:
         """Remove what an interrupted write left in ``folder``."""
         ...
@@ -91,6 +104,27 @@ class _LocalRoot:
         if not parts.is_dir():
             return set()
         return {f"{PARTS}/{p.name}" for p in parts.iterdir() if (p / MANIFEST_NAME).is_file()}
+
+    def files(self, folder: str) -> set[str]:
+        out: set[str] = set()
+        stack = [folder]
+        while stack:
+            rel = stack.pop()
+            try:
+                entries = os.scandir(self.folder / rel)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            with entries:
+                for e in entries:
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(f"{rel}/{e.name}")
+                    else:
+                        out.add(f"{rel}/{e.name}")
+        return out
+
+    def folders(self) -> set[str]:
+        parts = self.folder / PARTS
+        return {f"{PARTS}/{p.name}" for p in parts.iterdir() if p.is_dir()} if parts.is_dir() else set()
 
     def clear(self, folder: str) -> None:
         shutil.rmtree(self.folder / folder, ignore_errors=True)
@@ -131,10 +165,13 @@ class _ObjectRoot:
         raise error
 
     def part_manifests(self) -> set[str]:
-        suffix = "/" + MANIFEST_NAME
-        return {
-            p[: -len(suffix)] for p in self._list(PARTS + "/") if p.endswith(suffix) and p.count("/") == 2
-        }
+        return part_manifests_in(self.files(PARTS))
+
+    def files(self, folder: str) -> set[str]:
+        return set(self._list(folder + "/"))
+
+    def folders(self) -> set[str]:
+        return {"/".join(p.split("/")[:2]) for p in self._list(PARTS + "/") if p.count("/") >= 2}
 
     def clear(self, folder: str) -> None:
         self._sink._delete(self._list(folder + "/"))
@@ -144,6 +181,40 @@ class _ObjectRoot:
 
     def sink(self) -> Sink:
         return self._sink
+
+
+def part_manifests_in(files: Iterable[str]) -> set[str]:
+    """The part folders (``parts/part-...``) whose manifest is among ``files`` (a listing)."""
+    suffix = "/" + MANIFEST_NAME
+    return {p[: -len(suffix)] for p in files if p.endswith(suffix) and p.count("/") == 2}
+
+
+def clear_parts(root: Root, *, keep_tasks: int | None = None) -> list[str]:
+    """Remove the folders under ``parts/`` (the removed ones, sorted): all of them, or all but
+    the parts of a run of ``keep_tasks`` tasks (``part-*-of-N``), which the other tasks of that
+    run write. A destination replaced by ``--overwrite`` keeps no parts of an earlier run, whose
+    manifests would name data files the replacement removed."""
+    gone = sorted(
+        name
+        for name in root.folders()
+        if keep_tasks is None or (slot := parse_part_name(name)) is None or slot[1] != keep_tasks
+    )
+    for name in [PARTS] if keep_tasks is None else gone:
+        root.clear(name)
+    return gone
+
+
+def check_present(manifest: Manifest, files: set[str], dest: str) -> None:
+    """Refuse a merged ``manifest`` that names a data file missing from ``files`` (the listing of
+    ``parts/`` the merge made): its part manifest outlived its data (a replaced dataset)."""
+    missing = [f.path for _, _, f in manifest.all_files() if f.path not in files]
+    if missing:
+        shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise DatasetFormatError(
+            f"{dest}: {plural(len(missing), 'data file')} named by the part manifests "
+            f"{'is' if len(missing) == 1 else 'are'} missing ({shown}); the parts are stale (their "
+            "dataset was replaced): prepare them again with --overwrite"
+        )
 
 
 def open_root(dest: str) -> Root:

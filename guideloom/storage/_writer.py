@@ -15,6 +15,7 @@ from typing import IO, Any
 import numpy as np
 import numpy.typing as npt
 
+from guideloom._core.text import plural
 from guideloom.storage._manifest import ArraySpec, FileSpec, Manifest, check_field_name, storage_dtype
 from guideloom.storage._sinks import Sink
 
@@ -287,7 +288,7 @@ def write_stream_to(
             spec = _write_array(sink, name, data, (metadata_dtypes or {}).get(name), shard_bytes, written)
             if spec.length != fields["tokens"].length:
                 raise ValueError(
-                    f"metadata[{name!r}] has {spec.length} elements but the stream has "
+                    f"metadata[{name!r}] has {plural(spec.length, 'element')} but the stream has "
                     f"{fields['tokens'].length}; every metadata field must be as long as the stream"
                 )
             fields[name] = spec

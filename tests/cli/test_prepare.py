@@ -411,3 +411,14 @@ def test_python_dash_m_runs_the_same_command_line() -> None:
         [sys.executable, "-m", "guideloom", "--version"], capture_output=True, text=True, check=True
     )
     assert out.stdout.startswith("guideloom ")
+
+
+def test_counts_of_one_are_written_in_the_singular(cli, tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("a", encoding="utf-8")
+    r = cli("prepare", tmp_path / "a.txt", "--output", tmp_path / "ds", "--no-eos")
+    assert r.code == 0, r
+    assert ": 1 token (uint8), 1 document from 1 file, 1 data file (" in r.out
+    r = cli("bench", tmp_path / "ds", "--sequence-length", 4)
+    assert r.code == 1 and "the stream holds 1 token, fewer than one sample" in r.err
+    r = cli("prepare", tmp_path / "a.txt", "--output", tmp_path / "x", "--task", 1, "--tasks", 1)
+    assert r.code == 2 and "is not one of the 1 task (0 to 0)" in r.err

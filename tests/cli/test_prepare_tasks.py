@@ -233,8 +233,8 @@ def test_a_part_prepared_with_other_options_is_refused(cli: Cli, tmp_path: Path)
     assert cli("prepare", corpus, "--output", dest, "--task", 0, "--tasks", 2, "--quiet").code == 0
     other = ("--task", 1, "--tasks", 2, "--dtype", "uint32", "--quiet")
     r = cli("prepare", corpus, "--output", dest, *other)
-    assert r.code == 0, r  # the task writes its part, the merge it attempts says why it waits
-    assert "dtype: 'uint32' here, 'uint16' in part 0" in r.err
+    assert r.code == 1, r  # the task writes its part; the merge it attempts says why it cannot
+    assert "the parts are not merged yet" in r.err and "dtype: 'uint32' here, 'uint16' in part 0" in r.err
     r = cli("prepare", "--merge", dest)
     assert r.code == 1 and "prepared with other options or inputs than part 0" in r.err
     assert not (dest / "manifest.json").exists()
@@ -296,3 +296,87 @@ def test_a_bad_line_in_a_share_that_starts_inside_a_file_is_located(cli: Cli, tm
     first = next(k for k, s in enumerate(starts) if s >= after)
     assert f"line {310 - first + 1} of the lines starting after byte {after}" in r.err
     assert "invalid JSON" in r.err
+
+
+def test_a_task_whose_inputs_changed_under_the_run_fails(cli: Cli, tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c", [("jsonl", list(range(200)))])
+    dest = tmp_path / "ds"
+    options = ("--tasks", 2, "--task-size", 1024, "--quiet")
+    r = cli("prepare", corpus, "--output", dest, "--task", 0, *options)
+    assert r.code == 0 and "not merged" not in r.err  # part 1 not finished yet: waits, exits 0
+    write_corpus(corpus, [("jsonl", list(range(150)))])
+    r = cli("prepare", corpus, "--output", dest, "--task", 1, *options)
+    assert r.code == 1, r  # every part finished, and they disagree: a failed array element
+    assert "the parts are not merged yet" in r.err and "prepared with other options or inputs" in r.err
+    assert not (dest / "manifest.json").exists()
+    # an --overwrite run may find an earlier run's parts its other tasks are preparing again
+    r = cli("prepare", corpus, "--output", dest, "--task", 1, *options, "--overwrite")
+    assert r.code == 0 and "the parts are not merged yet" in r.err
+    r = cli("prepare", corpus, "--output", dest, "--task", 0, *options, "--overwrite")
+    assert r.code == 0 and (dest / "manifest.json").exists()
+    assert cli("verify", dest, "--quiet").code == 0
+
+
+def test_a_single_prepare_over_a_merged_dataset_removes_its_parts(cli: Cli, tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c", [("jsonl", list(range(300)))])
+    dest = tmp_path / "ds"
+    prepare_in_tasks(cli, corpus, dest, 3, "--task-size", 1024)
+    r = cli("prepare", corpus, "--output", dest, "--overwrite", "--quiet")
+    assert r.code == 0, r
+    assert not (dest / "parts").exists()
+    good = (dest / "manifest.json").read_bytes()
+    r = cli("prepare", "--merge", dest)
+    assert r.code == 1 and "holds no prepared parts" in r.err
+    assert (dest / "manifest.json").read_bytes() == good
+    assert cli("verify", dest, "--quiet").code == 0
+
+
+def test_a_single_prepare_does_not_write_over_parts_without_overwrite(cli: Cli, tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c", [("jsonl", list(range(100)))])
+    dest = tmp_path / "ds"
+    assert cli("prepare", corpus, "--output", dest, "--task", 0, "--tasks", 2, "--quiet").code == 0
+    r = cli("prepare", corpus, "--output", dest)
+    assert r.code == 1 and "holds the parts of a run of tasks" in r.err and "--overwrite" in r.err
+    assert not (dest / "manifest.json").exists()
+
+
+def test_the_merge_refuses_part_manifests_whose_data_is_gone(cli: Cli, tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c", [("jsonl", list(range(300)))])
+    dest = tmp_path / "ds"
+    prepare_in_tasks(cli, corpus, dest, 3, "--task-size", 1024, "--kind", "documents")
+    good = (dest / "manifest.json").read_bytes()
+    part = manifest_of(dest / "parts" / "part-00001-of-00003")
+    (dest / "parts" / "part-00001-of-00003" / part["fields"]["tokens"]["files"][0]["path"]).unlink()
+    r = cli("prepare", "--merge", dest)
+    assert r.code == 1, r
+    assert "1 data file named by the part manifests is missing (parts/part-00001-of-00003/tokens-" in r.err
+    assert (dest / "manifest.json").read_bytes() == good  # the dataset there is left as it was
+
+
+def test_an_overwrite_run_of_another_n_removes_the_old_runs_parts(cli: Cli, tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c", [("jsonl", list(range(300)))])
+    dest = tmp_path / "ds"
+    prepare_in_tasks(cli, corpus, dest, 3, "--task-size", 1024)
+    (dest / "parts" / "part-00007-of-00009").mkdir()  # an interrupted task of another run
+    run = ("prepare", corpus, "--output", dest, "--tasks", 2, "--task-size", 1024, "--overwrite")
+    r = cli(*run, "--task", 1)
+    assert r.code == 0, r
+    assert sorted(p.name for p in (dest / "parts").iterdir()) == ["part-00001-of-00002"]
+    r = cli(*run, "--task", 0)
+    assert r.code == 0, r  # task 0 of the same N keeps task 1's part, and merges
+    assert sorted(p.name for p in (dest / "parts").iterdir()) == [f"part-0000{i}-of-00002" for i in (0, 1)]
+    assert cli("verify", dest, "--quiet").code == 0
+    assert cli("prepare", corpus, "--output", tmp_path / "one", "--quiet").code == 0
+    assert samples(dest, "stream") == samples(tmp_path / "one", "stream")
+
+
+def test_half_a_task_inside_a_slurm_array_says_so(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    corpus = write_corpus(tmp_path / "c", [("jsonl", [3, 4])])
+    r = cli("prepare", corpus, "--output", tmp_path / "x", "--tasks", 2)
+    assert r.code == 2 and "outside a Slurm array, name both" in r.err
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "0")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "2")
+    r = cli("prepare", corpus, "--output", tmp_path / "x", "--tasks", 2)
+    assert r.code == 2 and "inside a Slurm array, name neither" in r.err and "outside" not in r.err

@@ -237,3 +237,11 @@ def test_async_iteration_and_process_workers_are_tallied_and_explained() -> None
         assert report.ok and report.delivered == 24, report
         it.close()
         assert [[x["index"] for x in workers.explain(s)] for s in range(6)] == got
+
+
+def test_explain_counts_one_rank_and_one_step_in_the_singular() -> None:
+    ld = loader(4, 4, 1, 0, drop_last=True)  # one rank, one step an epoch
+    with pytest.raises(IndexError, match=r"step 0 ran on 1 rank$"):
+        ld.explain(0, rank=1)
+    with pytest.raises(IndexError, match=r"which has 1 step$"):
+        ld.explain(1)

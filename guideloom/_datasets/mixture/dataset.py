@@ -128,7 +128,12 @@ class Mixture(DatasetAbstract[Any]):
         self._schedule: WeightSchedule | None = None
         if isinstance(weights, WeightSchedule):
             check_schedule_names(weights, self.names)
-            self._schedule, weights = weights, weights.weights[0]
+            self._schedule = weights
+            first = weights.weights[0]
+            # the base layout gives the epoch's length and each source's keys; the schedule draws
+            # (a source of weight 0 at position 0 takes the smallest positive weight there)
+            least = min(x for x in first.values() if x > 0)
+            weights = {name: x if x > 0 else least for name, x in first.items()}
         self._weights = _check_weights(self.names, weights)
         self._scheduled_cache: ScheduledLayout | None = None
         self._datasets, self._pending = _resolve_sources(self.names, sources, sequence_length)
@@ -242,7 +247,9 @@ class Mixture(DatasetAbstract[Any]):
     def weights(self) -> dict[str, float]:
         """Each source's share of the mixture (normalised to sum to 1); under a schedule, the
         shares at position 0 (``loader.stats()`` reports those in force)."""
-        return dict(zip(self.names, self._layout().weights.tolist(), strict=True))
+        scheduled = self._scheduled()
+        shares = self._layout().weights if scheduled is None else scheduled.knot_weights[0]
+        return dict(zip(self.names, shares.tolist(), strict=True))
 
     @property
     def samples_per_epoch(self) -> dict[str, int]:

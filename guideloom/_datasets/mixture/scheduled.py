@@ -29,6 +29,10 @@ is a multiple of its quota table's period); the next piece starts from there, so
 piece is its own plus the sum of the earlier pieces' end deviations, each source's computed when
 the layout is built (:attr:`ScheduledLayout.bounds`).
 
+A source whose weight is 0 in a piece (at both ends of a ramp) draws nothing there: each
+constant schedule is that of the sources of positive weight (:class:`_Subset`), and a source's
+bound in it is 0, so the bounds above hold as they are.
+
 Each source still reads its own samples in its own seeded order: a piece's (and a ramp's ``A``
 and ``B``'s) draws of a source take the next consecutive counts of the source's stream, so no
 sample repeats within one of the source's own epochs; within a ramp, ``B``'s draws of a source
@@ -42,7 +46,7 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -64,7 +68,8 @@ class WeightSchedule:
         knots: ``(position, weights)`` pairs: the mixture's global position (samples it served
             since the run began, across epochs) and the weights from there, each a dict of
             source name to weight (normalised, as :func:`~guideloom.mix`'s). The first knot is
-            at position 0; positions increase.
+            at position 0; positions increase. A weight may be 0 (the source draws nothing
+            where its weight is 0); every knot gives some source a weight above 0.
         interpolation: ``"constant"`` (each knot's weights hold until the next) or
             ``"linear"`` (the weights move linearly between knots); after the last knot its
             weights hold.
@@ -97,11 +102,17 @@ class WeightSchedule:
             if not isinstance(w, Mapping):
                 raise TypeError(f"a knot's weights must be a dict of source name to weight, got {w!r}")
             positions.append(int(p))
-            weights.append(dict(w))
+            weights.append({name: _weight(name, x, int(p)) for name, x in w.items()})
         if positions[0] != 0:
             raise ValueError(f"the first knot must be at position 0, got {positions[0]}")
         if any(b <= a for a, b in itertools.pairwise(positions)):
             raise ValueError(f"knot positions must increase, got {positions}")
+        for p, w in zip(positions, weights, strict=True):
+            if not any(x > 0 for x in w.values()):
+                raise ValueError(
+                    f"the knot at position {p} gives every source a weight of 0: at least one source "
+                    "must have a weight > 0 at every position"
+                )
         names = set(weights[0])
         for w in weights[1:]:
             if set(w) != names:
@@ -109,6 +120,19 @@ class WeightSchedule:
         self.positions: tuple[int, ...] = tuple(positions)
         self.weights: tuple[dict[str, float], ...] = tuple(weights)
         self.interpolation: Interpolation = interpolation
+
+    def _key(self) -> tuple[object, ...]:
+        return (self.interpolation, self.positions, tuple(tuple(w.items()) for w in self.weights))
+
+    def __eq__(self, other: object) -> bool:
+        """Two schedules of the same knots (positions, weights by name in the same order) and
+        interpolation are equal: they draw the same samples."""
+        if not isinstance(other, WeightSchedule):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
     def __repr__(self) -> str:
         knots = ", ".join(f"({p}, {w!r})" for p, w in zip(self.positions, self.weights, strict=True))
@@ -124,6 +148,21 @@ class WeightSchedule:
         return {k: (1 - t) * v + t * self.weights[i + 1][k] for k, v in self.weights[i].items()}
 
 
+def _weight(name: object, x: object, position: int) -> float:
+    """A knot's weight of source ``name``: a finite number >= 0 (0: the source draws nothing)."""
+    if isinstance(x, bool) or not isinstance(x, int | float | np.integer | np.floating):
+        raise TypeError(
+            f"the weight of {name!r} at position {position} must be a number, got {type(x).__name__}"
+        )
+    value = float(x)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"the weight of {name!r} at position {position} must be finite and >= 0 (0: the source "
+            f"draws nothing there), got {x!r}"
+        )
+    return value
+
+
 def _ramp_split(q: IndexArray, length: int) -> IndexArray:
     """``round(q^2 / (2 length))`` exactly: ``B``'s share of a ramp's first ``q`` positions."""
     if len(q) == 0 or int(q.max()) < (1 << 31):
@@ -131,12 +170,60 @@ def _ramp_split(q: IndexArray, length: int) -> IndexArray:
     return np.asarray([(int(x) * int(x) + length) // (2 * length) for x in q.tolist()], dtype=np.int64)
 
 
+class _Constant(Protocol):
+    """A constant schedule over a piece's positions (:class:`Layout`, or :class:`_Subset`)."""
+
+    @property
+    def bounds(self) -> npt.NDArray[np.float64]: ...
+
+    def counts(self, n: int) -> npt.NDArray[np.int64]: ...
+
+    def locate(self, positions: IndexArray) -> tuple[IndexArray, IndexArray]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Subset:
+    """The constant schedule of weights some of which are 0: the schedule of the sources of
+    positive weight, whose indices ``index`` maps back; a source of weight 0 draws nothing, so
+    its count is exactly its integral (0) and its bound 0."""
+
+    layout: Layout
+    index: IndexArray
+    n_src: int
+
+    @property
+    def bounds(self) -> npt.NDArray[np.float64]:
+        out = np.zeros(self.n_src, dtype=np.float64)
+        out[self.index] = self.layout.bounds
+        return out
+
+    def counts(self, n: int) -> npt.NDArray[np.int64]:
+        out = np.zeros(self.n_src, dtype=np.int64)
+        out[self.index] = self.layout.counts(n)
+        return out
+
+    def locate(self, positions: IndexArray) -> tuple[IndexArray, IndexArray]:
+        src, local = self.layout.locate(positions)
+        return self.index[src], local
+
+
+def _constant(lengths: Sequence[int], weights: Sequence[float], horizon: int) -> _Constant:
+    """The constant schedule of ``weights``: a :class:`Layout`, or where some are 0 the
+    :class:`Layout` of the others."""
+    if all(w > 0 for w in weights):
+        return Layout.build(lengths, weights, horizon)
+    index = np.flatnonzero(np.asarray(weights) > 0).astype(np.int64)
+    kept = index.tolist()
+    sub = Layout.build([lengths[i] for i in kept], [weights[i] for i in kept], horizon)
+    return _Subset(sub, index, len(weights))
+
+
 @dataclass(frozen=True, slots=True)
 class _Piece:
     start: int
     length: int  # MAX_SAMPLES for the last piece
-    a: Layout
-    b: Layout | None  # a ramp's target schedule
+    a: _Constant
+    b: _Constant | None  # a ramp's target schedule
     base: npt.NDArray[np.int64]  # each source's count before the piece
     a_total: npt.NDArray[np.int64]  # a ramp: each source's draws by ``a`` over the whole ramp
 
@@ -158,16 +245,16 @@ class ScheduledLayout:
         n_src = len(lengths)
         vectors = [np.asarray([w[n] for n in names], dtype=np.float64) for w in schedule.weights]
         vectors = [v / v.sum() for v in vectors]
-        layouts: dict[tuple[float, ...], Layout] = {}
+        layouts: dict[tuple[float, ...], _Constant] = {}
 
-        def layout(i: int, span: int) -> Layout:
+        def layout(i: int, span: int) -> _Constant:
             # a table of a whole piece (ragged weights, a piece of at most 2^15 positions) is
             # that piece's alone: repeated, its end deviation would add up
             horizon = span if span <= _PERIOD_MAX else MAX_SAMPLES - 1
             key = (*vectors[i].tolist(), float(horizon if span <= _PERIOD_MAX else 0))
             if key not in layouts:
                 raw = [schedule.weights[i][n] for n in names]
-                layouts[key] = Layout.build(lengths, raw, horizon)
+                layouts[key] = _constant(lengths, raw, horizon)
             return layouts[key]
 
         pieces: list[_Piece] = []
@@ -272,7 +359,8 @@ class ScheduledLayout:
 
 def check_schedule_names(schedule: WeightSchedule, names: Sequence[str]) -> None:
     """Refuse a schedule that does not weight exactly the mixture's sources, or a weight that is
-    not finite and positive."""
+    not finite and >= 0 (the schedule checks its weights when made; this holds for one whose
+    knots were changed since)."""
     for w in schedule.weights:
         if set(w) != set(names):
             missing, extra = set(names) - set(w), set(w) - set(names)
@@ -283,5 +371,7 @@ def check_schedule_names(schedule: WeightSchedule, names: Sequence[str]) -> None
         for name, x in w.items():
             if isinstance(x, bool) or not isinstance(x, int | float | np.integer | np.floating):
                 raise TypeError(f"weight of {name!r} must be a number, got {type(x).__name__}")
-            if not math.isfinite(float(x)) or float(x) <= 0:
-                raise ValueError(f"weight of {name!r} must be finite and > 0, got {x!r}")
+            if not math.isfinite(float(x)) or float(x) < 0:
+                raise ValueError(f"weight of {name!r} must be finite and >= 0, got {x!r}")
+        if not any(float(x) > 0 for x in w.values()):
+            raise ValueError("at least one source must have a weight > 0 at every knot")

@@ -46,3 +46,34 @@ def test_tasks_upload_their_parts_and_the_last_merges(
         s3.client().get_object(Bucket=BUCKET, Key=f"{url.split('/', 3)[3]}/manifest.json")["Body"].read()
     )
     assert all(f["path"].startswith("parts/part-") for f in manifest["fields"]["tokens"]["files"])
+
+
+def test_an_overwrite_removes_the_parts_it_replaces(
+    s3: MotoS3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    corpus = write_corpus(tmp_path / "c", [("jsonl", list(range(0, 300, 2)))])
+    url = f"s3://{BUCKET}/{unique('overwrite')}"
+    prefix = url.split("/", 3)[3]
+
+    def folders() -> set[str]:
+        listing = s3.client().get_paginator("list_objects_v2")
+        pages = listing.paginate(Bucket=BUCKET, Prefix=f"{prefix}/parts/")
+        return {o["Key"].split("/")[-2] for page in pages for o in page.get("Contents", [])}
+
+    run = ["prepare", str(corpus), "--output", url, "--task-size", "1024", "-q"]
+    for i in range(3):
+        assert main([*run, "--task", str(i), "--tasks", "3"]) == 0
+    assert folders() == {f"part-0000{i}-of-00003" for i in range(3)}
+    assert main([*run, "--task", "1", "--tasks", "2", "--overwrite"]) == 0
+    assert folders() == {"part-00001-of-00002"}  # another N's parts go; this run's stay
+    assert main([*run, "--task", "0", "--tasks", "2", "--overwrite"]) == 0
+    assert folders() == {"part-00000-of-00002", "part-00001-of-00002"}
+    assert main(["verify", url, "--quiet"]) == 0
+    assert main([*run, "--overwrite"]) == 0  # one machine replaces the merged dataset
+    assert folders() == set()
+    capsys.readouterr()
+    assert main(["prepare", "--merge", url]) == 1
+    assert "holds no prepared parts" in capsys.readouterr().err
+    assert main(["verify", url, "--quiet"]) == 0

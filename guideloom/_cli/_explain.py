@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from guideloom._cli._common import CLIError, UsageError, add_count, int_at_least, require
-from guideloom._cli._inspect import Storage, _preview, open_dataset
+from guideloom._cli._inspect import Storage, _preview, is_parquet, open_dataset
 from guideloom._cli._tokenizers import tokenizer_for_decoding
 from guideloom._core.provenance import parse_history
 from guideloom._core.text import plural
@@ -222,6 +222,13 @@ def _lines(records: list[dict[str, Any]], texts: list[list[str]] | None) -> list
 
 
 def run_explain(args: argparse.Namespace) -> int:
+    if is_parquet(args.dataset):
+        raise ValueError(
+            f"{args.dataset} holds Parquet files, which a run reads with gl.open_parquet: explain "
+            "that run's steps from Python, with loader.explain(step=..., rank=...) on a loader over "
+            "the same files (each row's file, row group and row); this command reads datasets "
+            "guideloom wrote"
+        )
     state = _load_state(args.checkpoint)
     manifest, storage = open_dataset(args.dataset)
     records = _explain(args, state, _dataset(args, storage))

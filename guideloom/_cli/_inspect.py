@@ -240,6 +240,13 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
+    if is_parquet(args.dataset):
+        raise ValueError(
+            f"{args.dataset} holds Parquet files, not a dataset guideloom wrote: verify checks a "
+            "dataset's files against the checksums of its manifest, which Parquet files have not. "
+            f"`guideloom inspect {args.dataset}` reads their footers and a few rows; gl.open_parquet "
+            "checks each file's size and version as it reads"
+        )
     folder = local_folder(args.dataset)
     total = None
     if folder is not None:

@@ -298,3 +298,10 @@ def test_inspect_a_parquet_folder_shows_rows_files_row_groups_columns_and_sample
     assert "rows:       100" in r.out and "  [0] 3 tokens: [100, 7, 8]" in r.out
     r = cli("inspect", folder, "--column", "missing")
     assert r.code != 0 and "no column 'missing'" in r.err
+    # verify and explain read datasets guideloom wrote: over Parquet they say where to go instead
+    r = cli("verify", folder)
+    assert r.code != 0 and "holds Parquet files" in r.err and "guideloom inspect" in r.err
+    ckpt = tmp_path / "ckpt.json"
+    ckpt.write_text(json.dumps({"epoch": 0, "observation_offset": 0}))
+    r = cli("explain", folder, "--checkpoint", ckpt, "--step", "0")
+    assert r.code != 0 and "holds Parquet files" in r.err and "loader.explain" in r.err

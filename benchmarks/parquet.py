@@ -169,9 +169,8 @@ def collate_docs(samples: Sequence[Any]) -> Any:
     """Documents to one flat int64 tensor and their lengths (what a packing collate starts from)."""
     import torch
 
-    arrays = [np.asarray(s) for s in samples]
-    lengths = torch.tensor([len(a) for a in arrays])
-    return torch.from_numpy(np.concatenate(arrays).astype(np.int64)), lengths
+    lengths = np.fromiter(map(len, samples), dtype=np.int64, count=len(samples))
+    return torch.from_numpy(np.concatenate(samples).astype(np.int64)), torch.from_numpy(lengths)
 
 
 def collate_hf(samples: Sequence[dict[str, Any]]) -> Any:

@@ -160,6 +160,38 @@ def test_rows_of_a_list_column_are_views_of_the_decoded_values(folder: Path) -> 
     assert a.base is not None and a.base is b.base  # one values buffer, no copy per row
 
 
+@given(st.lists(st.integers(0, 599), max_size=120), st.booleans())
+@settings(max_examples=40, deadline=None)
+def test_a_read_in_any_order_over_many_row_groups_returns_each_row_in_place(
+    folder: Path, rows: Any, picks: list[int], text: bool
+) -> None:
+    storage = gl.open_parquet(folder, "text" if text else "input_ids", max_decoded_bytes=2048)
+    got = storage.read_many_sync(np.asarray(picks, dtype=np.int64))
+    want = [rows[1][i] for i in picks] if text else [rows[0][i] for i in picks]
+    assert [g if text else g.tolist() for g in got] == want
+
+
+def test_a_read_over_many_row_groups_checks_each_for_nulls_and_the_range(tmp_path: Path) -> None:
+    ids = [[1, 2], [5], [], [3]] * 4 + [None]
+    pq.write_table(pa.table({"input_ids": pa.array(ids, pa.list_(pa.int32()))}), tmp_path / "n.parquet",
+                   row_group_size=3)  # fmt: skip
+    strict = gl.open_parquet(tmp_path, "input_ids")
+    assert [r.tolist() for r in strict.read_many_sync(np.asarray([15, 0, 5], dtype=np.int64))] == [
+        [3],
+        [1, 2],
+        [5],
+    ]
+    with pytest.raises(
+        gl.DatasetFormatError, match=r"row group 5, column 'input_ids': row 1 \(document 16\)"
+    ):
+        strict.read_many_sync(np.asarray([0, 16, 4], dtype=np.int64))
+    lenient = gl.open_parquet(tmp_path, "input_ids", on_null="empty")
+    assert [r.tolist() for r in lenient.read_many_sync(np.asarray([16, 1], dtype=np.int64))] == [[], [5]]
+    assert lenient.counts["parquet_null_rows"] == 1
+    with pytest.raises(IndexError, match="outside"):
+        strict.read_many_sync(np.asarray([0, 17], dtype=np.int64))
+
+
 def test_files_written_by_hugging_face_datasets(tmp_path: Path, rows: Any) -> None:
     import datasets
 

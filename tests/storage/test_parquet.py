@@ -303,6 +303,27 @@ def test_group_order_is_a_bijection_whose_windows_hold_whole_groups(
         assert first_seen.setdefault(g, w) == w
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 2000), min_size=1, max_size=200),
+    window=st.integers(1, 20),
+    seed=st.integers(0, 2**31),
+)
+def test_group_order_finds_a_window_in_constant_steps_from_its_bucket(
+    sizes: list[int], window: int, seed: int
+) -> None:
+    order = GroupPermutation(sizes, seed=seed, epoch=0, window=window)
+    positions = np.arange(len(order), dtype=np.int64)
+    truth = np.searchsorted(order._wstarts, positions, side="right") - 1
+    first = order._first[positions // order._bucket]
+    assert (first <= truth).all()
+    # a lookup steps over the windows that start inside its bucket, between the bucket's start
+    # and its position; with about as many buckets as windows that is at most 2 on average
+    assert len(order._first) <= -(-len(sizes) // window) + 2
+    if len(order):
+        assert float(np.mean(truth - first)) <= 2.0
+
+
 def test_the_auto_order_decodes_each_row_group_once_per_epoch(folder: Path) -> None:
     storage = gl.open_parquet(folder, "input_ids")
     loader = gl.StatefulDataLoader.from_storage(

@@ -45,7 +45,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -63,7 +62,7 @@ VOCAB = 8192
 #: Decoded row groups kept: a mixing window's (16 row groups of about 1 MB) but not the whole
 #: data set, so that every epoch decodes every row group again, as it would at scale.
 DECODED = 20 * 2**20
-TEXT_CONFIGS = ("gl-parquet-text", "hf-streaming", "gl-stream-prepared")
+TEXT_CONFIGS = ("gl-parquet-text", "hf-streaming", "gl-stream-prepared", "tokenize-ceiling")
 TOKEN_CONFIGS = ("gl-parquet-tokens", "gl-stream-tokens", "gl-stream-tokens-doclen")
 
 
@@ -134,35 +133,22 @@ def make_data(rows: int, files: int) -> Path:
 
 
 # -- one configuration, in a process of its own ---------------------------------------------------------
-class PeakPSS:
-    """Peak PSS of this process and its children, sampled every 50 ms on a thread."""
+def tree_pss(pid: int) -> int:
+    """PSS of process ``pid`` and its descendants, in bytes."""
+    import psutil
 
-    def __init__(self) -> None:
-        import psutil
-
-        self._me = psutil.Process()
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _sample(self) -> int:
-        total = 0
-        for p in [self._me, *self._me.children(recursive=True)]:
-            try:
-                total += p.memory_full_info().pss
-            except Exception:
-                pass
-        return total
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.05):
-            self.peak = max(self.peak, self._sample())
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.peak
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_full_info().pss
+        except psutil.Error:
+            pass
+    return total
 
 
 def collate_docs(samples: Sequence[Any]) -> Any:
@@ -195,7 +181,7 @@ def hf_tokenize(batch: dict[str, list[str]], path: str, eos: int) -> dict[str, l
     return {"input_ids": [[*e.ids, eos] for e in enc]}
 
 
-def make_loader(config: str, data: Path) -> Any:
+def make_loader(config: str, data: Path, decoded: int = DECODED) -> Any:
     import torch
 
     import guideloom as gl
@@ -203,7 +189,7 @@ def make_loader(config: str, data: Path) -> Any:
     cpu = torch.device("cpu")
     tok = str(data / "tokenizer.json")
     if config == "gl-parquet-text":
-        storage = gl.open_parquet(data / "data", "text", tokenizer=tok, eos="</s>", max_decoded_bytes=DECODED)
+        storage = gl.open_parquet(data / "data", "text", tokenizer=tok, eos="</s>", max_decoded_bytes=decoded)
         return gl.StatefulDataLoader.from_storage(
             storage, collate_docs, local_batch_size=BATCH, num_workers=2, parallel_method="process",
             shuffle=True, shuffle_block_size="auto", device=cpu,
@@ -214,7 +200,7 @@ def make_loader(config: str, data: Path) -> Any:
             num_workers=2, parallel_method="process", shuffle=True, device=cpu,
         )  # fmt: skip
     if config == "gl-parquet-tokens":
-        storage = gl.open_parquet(data / "data", "input_ids", max_decoded_bytes=DECODED)
+        storage = gl.open_parquet(data / "data", "input_ids", max_decoded_bytes=decoded)
         return gl.StatefulDataLoader.from_storage(
             storage, collate_docs, local_batch_size=BATCH, shuffle=True, shuffle_block_size="auto", device=cpu
         )
@@ -261,11 +247,12 @@ def batch_counts(config: str, batch: Any) -> tuple[int, int]:
     return len(lengths), int(flat.numel())
 
 
-def run_one(config: str, data: Path, seconds: float) -> dict[str, float]:
+def run_one(config: str, data: Path, seconds: float, decoded: int = DECODED) -> dict[str, float]:
     """Epochs until ``seconds`` have passed; the rate counts from the first batch on (that one's
     wait is reported on its own: it holds the workers' start)."""
-    meter = PeakPSS()
-    loader = make_loader(config, data)
+    if config == "tokenize-ceiling":
+        return tokenize_ceiling(data, seconds)
+    loader = make_loader(config, data, decoded)
     samples = tokens = 0
     t0 = time.perf_counter()
     first = start = None
@@ -289,23 +276,86 @@ def run_one(config: str, data: Path, seconds: float) -> dict[str, float]:
     finally:
         if ctx is not None:
             ctx.__exit__(None, None, None)
-    peak = meter.stop()
     return {
         "samples_s": samples / elapsed,
         "tokens_s": tokens / elapsed,
         "first_batch_s": first or 0.0,
-        "peak_pss_mb": peak / 2**20,
         "seconds": elapsed,
     }
 
 
-def in_child(config: str, data: Path, seconds: float) -> dict[str, float]:
-    out = subprocess.run(
+def _encode_for(
+    texts: list[str], path: str, seconds: float, start: Any, out: Any, k: int
+) -> None:  # pragma: no cover - runs in a forked process
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(path)
+    order = np.random.default_rng(k).permutation(len(texts)).tolist()
+    batches = [[texts[i] for i in order[a : a + BATCH]] for a in range(0, len(order), BATCH)]
+    start.wait()
+    rows = tokens = 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for batch in batches:
+            enc = tok.encode_batch_fast(batch, add_special_tokens=False)
+            rows += len(enc)
+            tokens += sum(len(e) for e in enc) + len(enc)  # and an end-of-document id each
+            if time.perf_counter() - t0 >= seconds:
+                break
+    out.put((rows, tokens, time.perf_counter() - t0))
+
+
+def tokenize_ceiling(data: Path, seconds: float, processes: int = 2) -> dict[str, float]:
+    """The tokenizer alone: ``encode_batch_fast`` of batches of 32 of the same texts on
+    ``processes`` processes (each its share of the rows, in a shuffled order, for ``seconds``),
+    no loader, no Parquet: what tokenizing on the fly can reach on this machine."""
+    import multiprocessing
+
+    import pyarrow.parquet as pq
+
+    files = sorted(glob.glob(str(data / "data" / "*.parquet")))
+    texts: list[str] = pq.read_table(files, columns=["text"]).column("text").to_pylist()
+    ctx = multiprocessing.get_context("fork")
+    start, out = ctx.Barrier(processes + 1), ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_encode_for,
+            args=(texts[k::processes], str(data / "tokenizer.json"), seconds, start, out, k),
+        )
+        for k in range(processes)
+    ]
+    for p in procs:
+        p.start()
+    start.wait()
+    got = [out.get() for _ in procs]
+    for p in procs:
+        p.join()
+    return {
+        "samples_s": sum(r / t for r, _, t in got),
+        "tokens_s": sum(n / t for _, n, t in got),
+        "first_batch_s": 0.0,
+        "seconds": max(t for _, _, t in got),
+    }
+
+
+def in_child(config: str, data: Path, seconds: float, decoded: int = DECODED) -> dict[str, float]:
+    """``run_one`` in a fresh process, its peak PSS (with its workers') sampled from here every
+    50 ms: a sampling thread inside it would keep its process workers from being forked from it
+    (guideloom forks them from the main process only while that has one Python thread)."""
+    proc = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.parquet", "--child", config, "--data", str(data),
-         "--seconds", str(seconds)],
-        check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+         "--seconds", str(seconds), "--decoded", str(decoded)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
-    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, tree_pss(proc.pid))
+        time.sleep(0.05)
+    out = proc.stdout.read() if proc.stdout else ""
+    if proc.returncode:
+        raise RuntimeError(f"{config} failed with exit code {proc.returncode}")
+    result: dict[str, float] = json.loads(out.strip().splitlines()[-1])
+    result["peak_pss_mb"] = peak / 2**20
     return result
 
 
@@ -419,9 +469,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seconds", type=float, default=20.0, help="at most this long per configuration")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--decoded", type=int, default=DECODED, help="max_decoded_bytes of the Parquet configurations"
+    )
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(run_one(args.child, Path(args.data), args.seconds)))
+        print(json.dumps(run_one(args.child, Path(args.data), args.seconds, args.decoded)))
         return
     rows, files = (4000, 4) if args.quick else (40_000, 8)
     rounds = 1 if args.quick else args.rounds
@@ -440,7 +493,7 @@ def main(argv: list[str] | None = None) -> None:
         if r % 2:
             order.reverse()
         for config in order:
-            got = in_child(config, data, seconds)
+            got = in_child(config, data, seconds, args.decoded)
             results[config].append(got)
             print(f"  round {r + 1} {config:<20} {got['samples_s']:>9,.0f} samples/s "
                   f"{got['tokens_s']:>12,.0f} tokens/s peak PSS {got['peak_pss_mb']:>7,.0f} MiB  "

@@ -31,6 +31,7 @@ import importlib
 import io
 import json
 import os
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -57,15 +58,25 @@ DEFAULT_DECODED_BYTES = 512 * 2**20
 _OPEN_FILES = 64  # local ParquetFile handles kept open per process
 
 
+def _import(name: str) -> Any:
+    """``name`` imported; pyarrow's first import without its bundled jemalloc's background
+    thread (``JE_ARROW_MALLOC_CONF``, unless set): pyarrow's default pool is another allocator
+    here, and that named thread would keep process workers from being forked from the main
+    process (sharing its pages) for as long as the process lives."""
+    if "pyarrow" not in sys.modules:
+        os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
+    return importlib.import_module(name)
+
+
 def _pq() -> Any:
     try:
-        return importlib.import_module("pyarrow.parquet")
+        return _import("pyarrow.parquet")
     except ImportError as exc:  # the extra is missing
         raise ImportError("open_parquet needs pyarrow: pip install 'guideloom[parquet]'") from exc
 
 
 def _pa() -> Any:
-    return importlib.import_module("pyarrow")
+    return _import("pyarrow")
 
 
 def _is_remote(location: str) -> bool:

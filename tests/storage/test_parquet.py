@@ -223,6 +223,23 @@ def test_import_guideloom_does_not_import_pyarrow() -> None:
     )
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="threads are listed in /proc (Linux)")
+def test_a_process_that_read_parquet_may_still_fork_its_workers_from_itself(folder: Path) -> None:
+    """pyarrow's jemalloc starts a named background thread at import unless told not to; with
+    it the loader could not fork process workers from the main process."""
+    code = (
+        "import os, sys, numpy as np, guideloom as gl\n"
+        "from guideloom._runtime.processes.zygote import fork_is_safe\n"
+        f"s = gl.open_parquet({str(folder)!r}, 'input_ids')\n"
+        "s.read_many_sync(np.arange(len(s)))\n"
+        "names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
+        "assert 'jemalloc_bg_thd' not in names, names\n"
+        "assert fork_is_safe()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "JE_ARROW_MALLOC_CONF"}
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)})
+
+
 def test_a_thousand_files_open_well_under_a_second(tmp_path: Path) -> None:
     table = pa.table({"input_ids": pa.array([[1, 2], [3]], pa.list_(pa.int32()))})
     for f in range(1000):

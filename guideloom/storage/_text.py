@@ -110,12 +110,22 @@ class TextEncoder:
         else:
             call: Callable[[str], Any] = tok
             ids = [call(t) for t in texts]
-        head = [] if self.bos_id is None else [self.bos_id]
-        tail = [] if self.eos_id is None else [self.eos_id]
-        dtype = self.dtype
-        if head or tail:
-            return [np.array(head + list(doc) + tail, dtype=dtype) for doc in ids]
-        return [np.array(doc, dtype=dtype) for doc in ids]
+        dtype, bos, eos = self.dtype, self.bos_id, self.eos_id
+        if bos is None and eos is None:
+            return [np.array(doc, dtype=dtype) for doc in ids]
+        # one array per document, the ids written into it (no list concatenated per document)
+        first = 0 if bos is None else 1
+        extra = first + (0 if eos is None else 1)
+        out = []
+        for doc in ids:
+            arr = np.empty(len(doc) + extra, dtype=dtype)
+            arr[first : first + len(doc)] = doc
+            if bos is not None:
+                arr[0] = bos
+            if eos is not None:
+                arr[-1] = eos
+            out.append(arr)
+        return out
 
 
 class TokenizeStep:

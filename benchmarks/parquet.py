@@ -529,6 +529,11 @@ def main(argv: list[str] | None = None) -> None:
         ("peak PSS gl-parquet-tokens / gl-stream-tokens",
          ratio_of("gl-parquet-tokens", "gl-stream-tokens", "peak_pss_mb"), 1.2),
     ]  # fmt: skip
+    ceiling = med("tokenize-ceiling", "samples_s")
+    print(f"  tokenizer ceiling (encode_batch_fast alone, 2 processes): {ceiling:,.0f} rows/s; "
+          f"gl-parquet-text reaches {med('gl-parquet-text', 'samples_s') / ceiling:.2f} of it, "
+          f"hf-streaming {med('hf-streaming', 'samples_s') / ceiling:.2f}; a ratio of 1.5 over "
+          f"hf-streaming needs {1.5 * med('hf-streaming', 'samples_s') / ceiling:.2f} of it")  # fmt: skip
     for name, ratio, target in lines:
         better = ratio <= target if "PSS" in name else ratio >= target
         print(

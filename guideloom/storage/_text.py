@@ -68,10 +68,17 @@ class TextEncoder:
 
     def __getstate__(self) -> dict[str, Any]:
         # a path is loaded again where it is used; a Tokenizer object pickles itself
-        return {**self.__dict__, "_tok": None}
+        return {**self.__dict__, "_tok": None, "_pickled_in": os.getpid()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        pickled_in = state.pop("_pickled_in", None)
         self.__dict__.update(state)
+        if pickled_in is not None and pickled_in != os.getpid():
+            # A copy in another process (a process worker): the loader runs workers side by
+            # side already, so each encodes its batch on its own thread, as the tokenizers
+            # library itself does after a fork; a thread pool of the tokenizer's own in each
+            # worker would put several threads on every core. A value the user set is kept.
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     def describe(self) -> str:
         """What names this encoding in a fingerprint (the tokenizer and the ids around documents)."""

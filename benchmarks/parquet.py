@@ -5,8 +5,9 @@ Workload: a folder of Parquet shards (``train-0000k-of-0000n.parquet``, zstd, ro
 and an ``input_ids`` column (``list<int32>``: the same texts tokenized), and a BPE
 ``tokenizer.json`` (``tokenizers``, 8,192 ids) trained on them. Every configuration runs in a
 fresh process of its own, one after the other, in alternating rounds; its peak PSS (its own and
-its worker processes', sampled every 50 ms) is reported beside its speed, and each figure as a
-ratio to its baseline of the same round (this machine is shared and noisy).
+its worker processes', sampled every 50 ms from the parent, so that no sampling thread runs in
+the measured process) is reported beside its speed, and each figure as a ratio to its baseline
+of the same round (this machine is shared and noisy).
 
 Text, tokenized with 2 process workers (local_batch_size 32, shuffled, one epoch):
 
@@ -19,13 +20,17 @@ Text, tokenized with 2 process workers (local_batch_size 32, shuffled, one epoch
 - ``gl-stream-prepared``: the same texts prepared with ``guideloom prepare`` (same tokenizer and
   end-of-document id) read by guideloom's stream loader (sequence_length 1024, 2 process
   workers): tokens/s against tokens/s.
+- ``tokenize-ceiling``: the tokenizer alone, ``encode_batch_fast`` of batches of 32 of the same
+  texts on 2 processes, no loader: both loaders are reported as fractions of it.
 
 Pre-tokenized ``list<int32>``, no workers (local_batch_size 32, shuffled): ``gl-parquet-tokens``
 against ``gl-stream-tokens``, the same tokens as a guideloom stream dataset (sequence_length
 1024), and ``gl-stream-tokens-doclen``, the same stream cut into samples as long as the mean
 document (so that a batch carries as many tokens as a batch of rows): tokens/s.
 
-Also: the time to the first batch after ``load_state_dict`` at a mid-epoch offset (a loader
+Also: pyarrow's decode of the ``input_ids`` row groups alone (one thread), as a fraction of the
+stream loaders' tokens/s (what reading rows decoded once an epoch can reach); the time to the
+first batch after ``load_state_dict`` at a mid-epoch offset (a loader
 already open, and a fresh one that opens the files first), the time to open 1,000 files, the
 length index's cost per GB of text (what ``pack`` needs over a text column), and the shuffle
 quality of the row-group order against a global shuffle (``benchmarks/shuffle_quality.py``'s

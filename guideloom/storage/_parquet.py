@@ -612,23 +612,27 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         order = np.argsort(which, kind="stable")
         cuts = np.searchsorted(which[order], np.arange(len(distinct) + 1)).tolist()
         ats = [order[cuts[k] : cuts[k + 1]] for k in range(len(distinct))]
-        parts = [self._decode(g) for g in distinct.tolist()]
-        for g, decoded, at in zip(distinct.tolist(), parts, ats, strict=True):
-            self._nulls(g, decoded, local[at])
+        # one row group at a time: a read over many (a global row shuffle) holds one decoded
+        # group beyond the cache, and for a list column the rows' own values
         if self._kind == "text":
             out: list[Any] = [None] * len(indices)
-            for decoded, at in zip(parts, ats, strict=True):
+            for g, at in zip(distinct.tolist(), ats, strict=True):
+                decoded = self._decode(g)
+                self._nulls(g, decoded, local[at])
                 for i, row in zip(at.tolist(), decoded.rows(local[at]), strict=True):
                     out[i] = row
             return out
         starts = np.empty(len(indices), dtype=np.int64)
         ends = np.empty(len(indices), dtype=np.int64)
-        for decoded, at in zip(parts, ats, strict=True):
+        values = []
+        for g, at in zip(distinct.tolist(), ats, strict=True):
+            decoded = self._decode(g)
+            self._nulls(g, decoded, local[at])
             off = decoded.offsets
             assert off is not None
             starts[at] = off[local[at]]
             ends[at] = off[local[at] + 1]
-        values = [d.values for d in parts]
+            values.append(decoded.values)
         return [
             values[k][a:b] for k, a, b in zip(which.tolist(), starts.tolist(), ends.tolist(), strict=True)
         ]

@@ -5,8 +5,9 @@ Workload: a folder of Parquet shards (``train-0000k-of-0000n.parquet``, zstd, ro
 and an ``input_ids`` column (``list<int32>``: the same texts tokenized), and a BPE
 ``tokenizer.json`` (``tokenizers``, 8,192 ids) trained on them. Every configuration runs in a
 fresh process of its own, one after the other, in alternating rounds; its peak PSS (its own and
-its worker processes', sampled every 50 ms) is reported beside its speed, and each figure as a
-ratio to its baseline of the same round (this machine is shared and noisy).
+its worker processes', sampled every 50 ms from the parent, so that no sampling thread runs in
+the measured process) is reported beside its speed, and each figure as a ratio to its baseline
+of the same round (this machine is shared and noisy).
 
 Text, tokenized with 2 process workers (local_batch_size 32, shuffled, one epoch):
 
@@ -19,13 +20,17 @@ Text, tokenized with 2 process workers (local_batch_size 32, shuffled, one epoch
 - ``gl-stream-prepared``: the same texts prepared with ``guideloom prepare`` (same tokenizer and
   end-of-document id) read by guideloom's stream loader (sequence_length 1024, 2 process
   workers): tokens/s against tokens/s.
+- ``tokenize-ceiling``: the tokenizer alone, ``encode_batch_fast`` of batches of 32 of the same
+  texts on 2 processes, no loader: both loaders are reported as fractions of it.
 
 Pre-tokenized ``list<int32>``, no workers (local_batch_size 32, shuffled): ``gl-parquet-tokens``
 against ``gl-stream-tokens``, the same tokens as a guideloom stream dataset (sequence_length
 1024), and ``gl-stream-tokens-doclen``, the same stream cut into samples as long as the mean
 document (so that a batch carries as many tokens as a batch of rows): tokens/s.
 
-Also: the time to the first batch after ``load_state_dict`` at a mid-epoch offset (a loader
+Also: pyarrow's decode of the ``input_ids`` row groups alone (one thread), as a fraction of the
+stream loaders' tokens/s (what reading rows decoded once an epoch can reach); the time to the
+first batch after ``load_state_dict`` at a mid-epoch offset (a loader
 already open, and a fresh one that opens the files first), the time to open 1,000 files, the
 length index's cost per GB of text (what ``pack`` needs over a text column), and the shuffle
 quality of the row-group order against a global shuffle (``benchmarks/shuffle_quality.py``'s
@@ -45,7 +50,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -63,7 +67,7 @@ VOCAB = 8192
 #: Decoded row groups kept: a mixing window's (16 row groups of about 1 MB) but not the whole
 #: data set, so that every epoch decodes every row group again, as it would at scale.
 DECODED = 20 * 2**20
-TEXT_CONFIGS = ("gl-parquet-text", "hf-streaming", "gl-stream-prepared")
+TEXT_CONFIGS = ("gl-parquet-text", "hf-streaming", "gl-stream-prepared", "tokenize-ceiling")
 TOKEN_CONFIGS = ("gl-parquet-tokens", "gl-stream-tokens", "gl-stream-tokens-doclen")
 
 
@@ -134,44 +138,30 @@ def make_data(rows: int, files: int) -> Path:
 
 
 # -- one configuration, in a process of its own ---------------------------------------------------------
-class PeakPSS:
-    """Peak PSS of this process and its children, sampled every 50 ms on a thread."""
+def tree_pss(pid: int) -> int:
+    """PSS of process ``pid`` and its descendants, in bytes."""
+    import psutil
 
-    def __init__(self) -> None:
-        import psutil
-
-        self._me = psutil.Process()
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _sample(self) -> int:
-        total = 0
-        for p in [self._me, *self._me.children(recursive=True)]:
-            try:
-                total += p.memory_full_info().pss
-            except Exception:
-                pass
-        return total
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.05):
-            self.peak = max(self.peak, self._sample())
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.peak
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_full_info().pss
+        except psutil.Error:
+            pass
+    return total
 
 
 def collate_docs(samples: Sequence[Any]) -> Any:
     """Documents to one flat int64 tensor and their lengths (what a packing collate starts from)."""
     import torch
 
-    arrays = [np.asarray(s) for s in samples]
-    lengths = torch.tensor([len(a) for a in arrays])
-    return torch.from_numpy(np.concatenate(arrays).astype(np.int64)), lengths
+    lengths = np.fromiter(map(len, samples), dtype=np.int64, count=len(samples))
+    return torch.from_numpy(np.concatenate(samples).astype(np.int64)), torch.from_numpy(lengths)
 
 
 def collate_hf(samples: Sequence[dict[str, Any]]) -> Any:
@@ -196,7 +186,7 @@ def hf_tokenize(batch: dict[str, list[str]], path: str, eos: int) -> dict[str, l
     return {"input_ids": [[*e.ids, eos] for e in enc]}
 
 
-def make_loader(config: str, data: Path) -> Any:
+def make_loader(config: str, data: Path, decoded: int = DECODED) -> Any:
     import torch
 
     import guideloom as gl
@@ -204,7 +194,7 @@ def make_loader(config: str, data: Path) -> Any:
     cpu = torch.device("cpu")
     tok = str(data / "tokenizer.json")
     if config == "gl-parquet-text":
-        storage = gl.open_parquet(data / "data", "text", tokenizer=tok, eos="</s>", max_decoded_bytes=DECODED)
+        storage = gl.open_parquet(data / "data", "text", tokenizer=tok, eos="</s>", max_decoded_bytes=decoded)
         return gl.StatefulDataLoader.from_storage(
             storage, collate_docs, local_batch_size=BATCH, num_workers=2, parallel_method="process",
             shuffle=True, shuffle_block_size="auto", device=cpu,
@@ -215,7 +205,7 @@ def make_loader(config: str, data: Path) -> Any:
             num_workers=2, parallel_method="process", shuffle=True, device=cpu,
         )  # fmt: skip
     if config == "gl-parquet-tokens":
-        storage = gl.open_parquet(data / "data", "input_ids", max_decoded_bytes=DECODED)
+        storage = gl.open_parquet(data / "data", "input_ids", max_decoded_bytes=decoded)
         return gl.StatefulDataLoader.from_storage(
             storage, collate_docs, local_batch_size=BATCH, shuffle=True, shuffle_block_size="auto", device=cpu
         )
@@ -262,11 +252,12 @@ def batch_counts(config: str, batch: Any) -> tuple[int, int]:
     return len(lengths), int(flat.numel())
 
 
-def run_one(config: str, data: Path, seconds: float) -> dict[str, float]:
+def run_one(config: str, data: Path, seconds: float, decoded: int = DECODED) -> dict[str, float]:
     """Epochs until ``seconds`` have passed; the rate counts from the first batch on (that one's
     wait is reported on its own: it holds the workers' start)."""
-    meter = PeakPSS()
-    loader = make_loader(config, data)
+    if config == "tokenize-ceiling":
+        return tokenize_ceiling(data, seconds)
+    loader = make_loader(config, data, decoded)
     samples = tokens = 0
     t0 = time.perf_counter()
     first = start = None
@@ -290,23 +281,86 @@ def run_one(config: str, data: Path, seconds: float) -> dict[str, float]:
     finally:
         if ctx is not None:
             ctx.__exit__(None, None, None)
-    peak = meter.stop()
     return {
         "samples_s": samples / elapsed,
         "tokens_s": tokens / elapsed,
         "first_batch_s": first or 0.0,
-        "peak_pss_mb": peak / 2**20,
         "seconds": elapsed,
     }
 
 
-def in_child(config: str, data: Path, seconds: float) -> dict[str, float]:
-    out = subprocess.run(
+def _encode_for(
+    texts: list[str], path: str, seconds: float, start: Any, out: Any, k: int
+) -> None:  # pragma: no cover - runs in a forked process
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(path)
+    order = np.random.default_rng(k).permutation(len(texts)).tolist()
+    batches = [[texts[i] for i in order[a : a + BATCH]] for a in range(0, len(order), BATCH)]
+    start.wait()
+    rows = tokens = 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for batch in batches:
+            enc = tok.encode_batch_fast(batch, add_special_tokens=False)
+            rows += len(enc)
+            tokens += sum(len(e) for e in enc) + len(enc)  # and an end-of-document id each
+            if time.perf_counter() - t0 >= seconds:
+                break
+    out.put((rows, tokens, time.perf_counter() - t0))
+
+
+def tokenize_ceiling(data: Path, seconds: float, processes: int = 2) -> dict[str, float]:
+    """The tokenizer alone: ``encode_batch_fast`` of batches of 32 of the same texts on
+    ``processes`` processes (each its share of the rows, in a shuffled order, for ``seconds``),
+    no loader, no Parquet: what tokenizing on the fly can reach on this machine."""
+    import multiprocessing
+
+    import pyarrow.parquet as pq
+
+    files = sorted(glob.glob(str(data / "data" / "*.parquet")))
+    texts: list[str] = pq.read_table(files, columns=["text"]).column("text").to_pylist()
+    ctx = multiprocessing.get_context("fork")
+    start, out = ctx.Barrier(processes + 1), ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_encode_for,
+            args=(texts[k::processes], str(data / "tokenizer.json"), seconds, start, out, k),
+        )
+        for k in range(processes)
+    ]
+    for p in procs:
+        p.start()
+    start.wait()
+    got = [out.get() for _ in procs]
+    for p in procs:
+        p.join()
+    return {
+        "samples_s": sum(r / t for r, _, t in got),
+        "tokens_s": sum(n / t for _, n, t in got),
+        "first_batch_s": 0.0,
+        "seconds": max(t for _, _, t in got),
+    }
+
+
+def in_child(config: str, data: Path, seconds: float, decoded: int = DECODED) -> dict[str, float]:
+    """``run_one`` in a fresh process, its peak PSS (with its workers') sampled from here every
+    50 ms: a sampling thread inside it would keep its process workers from being forked from it
+    (guideloom forks them from the main process only while that has one Python thread)."""
+    proc = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.parquet", "--child", config, "--data", str(data),
-         "--seconds", str(seconds)],
-        check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+         "--seconds", str(seconds), "--decoded", str(decoded)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
-    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, tree_pss(proc.pid))
+        time.sleep(0.05)
+    out = proc.stdout.read() if proc.stdout else ""
+    if proc.returncode:
+        raise RuntimeError(f"{config} failed with exit code {proc.returncode}")
+    result: dict[str, float] = json.loads(out.strip().splitlines()[-1])
+    result["peak_pss_mb"] = peak / 2**20
     return result
 
 
@@ -347,6 +401,26 @@ def resume_times(data: Path, repeats: int) -> dict[str, float]:
         "resume_open_ms": 1e3 * statistics.median(open_times),
         "resume_fresh_ms": 1e3 * statistics.median(fresh_times),
     }
+
+
+def decode_ceiling(data: Path) -> float:
+    """Tokens/s of pyarrow decoding the ``input_ids`` row groups alone (one thread, best of 3
+    passes over every row group): what reading a pre-tokenized column can reach where every
+    row group is decoded once per epoch, before any loader or per-row work."""
+    import pyarrow.parquet as pq
+
+    files = [pq.ParquetFile(f) for f in sorted(glob.glob(str(data / "data" / "*.parquet")))]
+    best = float("inf")
+    tokens = 0
+    for _ in range(3):
+        tokens = 0
+        t0 = time.perf_counter()
+        for f in files:
+            for g in range(f.num_row_groups):
+                col = f.read_row_group(g, columns=["input_ids"], use_threads=False).column(0)
+                tokens += len(col.combine_chunks().values)
+        best = min(best, time.perf_counter() - t0)
+    return tokens / best
 
 
 def open_thousand(tmp: Path) -> float:
@@ -420,9 +494,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seconds", type=float, default=20.0, help="at most this long per configuration")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--decoded", type=int, default=DECODED, help="max_decoded_bytes of the Parquet configurations"
+    )
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(run_one(args.child, Path(args.data), args.seconds)))
+        print(json.dumps(run_one(args.child, Path(args.data), args.seconds, args.decoded)))
         return
     rows, files = (4000, 4) if args.quick else (40_000, 8)
     rounds = 1 if args.quick else args.rounds
@@ -441,7 +518,7 @@ def main(argv: list[str] | None = None) -> None:
         if r % 2:
             order.reverse()
         for config in order:
-            got = in_child(config, data, seconds)
+            got = in_child(config, data, seconds, args.decoded)
             results[config].append(got)
             print(f"  round {r + 1} {config:<20} {got['samples_s']:>9,.0f} samples/s "
                   f"{got['tokens_s']:>12,.0f} tokens/s peak PSS {got['peak_pss_mb']:>7,.0f} MiB  "
@@ -477,12 +554,22 @@ def main(argv: list[str] | None = None) -> None:
         ("peak PSS gl-parquet-tokens / gl-stream-tokens",
          ratio_of("gl-parquet-tokens", "gl-stream-tokens", "peak_pss_mb"), 1.2),
     ]  # fmt: skip
+    ceiling = med("tokenize-ceiling", "samples_s")
+    print(f"  tokenizer ceiling (encode_batch_fast alone, 2 processes): {ceiling:,.0f} rows/s; "
+          f"gl-parquet-text reaches {med('gl-parquet-text', 'samples_s') / ceiling:.2f} of it, "
+          f"hf-streaming {med('hf-streaming', 'samples_s') / ceiling:.2f}; a ratio of 1.5 over "
+          f"hf-streaming needs {1.5 * med('hf-streaming', 'samples_s') / ceiling:.2f} of it")  # fmt: skip
     for name, ratio, target in lines:
         better = ratio <= target if "PSS" in name else ratio >= target
         print(
             f"  {name:<50} {ratio:6.2f}   target {'<=' if 'PSS' in name else '>='} {target}  "
             f"{'met' if better else 'NOT met'}"
         )
+    decode = decode_ceiling(data)
+    print(f"  pyarrow's decode of the input_ids row groups alone: {decode:,.0f} tokens/s = "
+          f"{decode / med('gl-stream-tokens', 'tokens_s'):.2f} of gl-stream-tokens, "
+          f"{decode / med('gl-stream-tokens-doclen', 'tokens_s'):.2f} of gl-stream-tokens-doclen "
+          "(the most gl-parquet-tokens can reach where each row group is decoded once an epoch)")  # fmt: skip
     resume = resume_times(data, 3 if args.quick else 7)
     print(f"\nfirst batch after load_state_dict at mid-epoch: {resume['resume_open_ms']:.1f} ms on an open "
           f"loader, {resume['resume_fresh_ms']:.1f} ms on a fresh one (opening {files} files' footers "

@@ -9,9 +9,10 @@ each group once per visit while it keeps a window's groups (``window`` of them) 
 
 The order is a bijection of ``[0, N)`` fixed by ``(sizes, seed, epoch, window)``: it never
 depends on batch size, world size or the position resumed at. Building it costs O(G) time and
-memory for G groups (one permutation of the groups and the windows' starts); a lookup costs
-O(log(G / window)) to find the window (a binary search over the windows' starts) and O(1) after
-it, at any position.
+memory for G groups (one permutation of the groups, the windows' starts and a bucket index over
+them); a lookup costs O(1) expected at any position: the bucket index maps ``position // b``
+(``b`` the mean window's samples) to the window that holds the bucket's first position, and
+the lookup steps forward from it over the windows that start inside the bucket (about one).
 """
 
 from __future__ import annotations
@@ -37,7 +38,19 @@ class GroupPermutation:
     ``[starts[g], starts[g] + sizes[g])`` (the groups are consecutive, in index order).
     """
 
-    __slots__ = ("_epoch", "_group_of_slot", "_perms", "_seed", "_sizes", "_starts", "_w", "_wstarts", "n")
+    __slots__ = (
+        "_bucket",
+        "_epoch",
+        "_first",
+        "_group_of_slot",
+        "_perms",
+        "_seed",
+        "_sizes",
+        "_starts",
+        "_w",
+        "_wstarts",
+        "n",
+    )
 
     def __init__(self, sizes: npt.ArrayLike, *, seed: int, epoch: int, window: int) -> None:
         sizes_a = np.asarray(sizes, dtype=np.int64)
@@ -59,6 +72,13 @@ class GroupPermutation:
         )
         self._wstarts = np.concatenate([[0], np.cumsum(per_window)]).astype(np.int64)
         assert len(self._wstarts) == nwin + 1
+        # The bucket index: _first[j] is the window holding position j * _bucket (the last window
+        # that starts at or before it), counted from how many windows start in each bucket.
+        self._bucket = max(1, -(-self.n // max(1, nwin)))
+        buckets = -(-self.n // self._bucket)
+        starts_in = -(-self._wstarts[:-1] // self._bucket)  # the first bucket at or after each start
+        counts = np.bincount(starts_in, minlength=buckets + 1)[: buckets + 1]
+        self._first = (np.cumsum(counts) - 1).astype(np.int64)
         self._perms: OrderedDict[int, tuple[Permutation, IndexArray, IndexArray]] = OrderedDict()
 
     def __len__(self) -> int:
@@ -100,7 +120,11 @@ class GroupPermutation:
         if given.min() < 0 or given.max() >= self.n:
             raise IndexError(f"positions outside [0, {self.n})")
         flat = given.ravel()
-        k = np.searchsorted(self._wstarts, flat, side="right") - 1
+        k = self._first[flat // self._bucket]
+        ahead = self._wstarts[k + 1] <= flat
+        while ahead.any():  # the windows that start inside a bucket: about one step, expected
+            k += ahead
+            ahead = self._wstarts[k + 1] <= flat
         out = np.empty(len(flat), dtype=np.int64)
         for win in np.unique(k).tolist():
             at = np.flatnonzero(k == win) if len(flat) > 1 else np.zeros(1, np.int64)

@@ -31,6 +31,7 @@ import importlib
 import io
 import json
 import os
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -57,15 +58,25 @@ DEFAULT_DECODED_BYTES = 512 * 2**20
 _OPEN_FILES = 64  # local ParquetFile handles kept open per process
 
 
+def _import(name: str) -> Any:
+    """``name`` imported; pyarrow's first import without its bundled jemalloc's background
+    thread (``JE_ARROW_MALLOC_CONF``, unless set): pyarrow's default pool is another allocator
+    here, and that named thread would keep process workers from being forked from the main
+    process (sharing its pages) for as long as the process lives."""
+    if "pyarrow" not in sys.modules:
+        os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
+    return importlib.import_module(name)
+
+
 def _pq() -> Any:
     try:
-        return importlib.import_module("pyarrow.parquet")
+        return _import("pyarrow.parquet")
     except ImportError as exc:  # the extra is missing
         raise ImportError("open_parquet needs pyarrow: pip install 'guideloom[parquet]'") from exc
 
 
 def _pa() -> Any:
-    return importlib.import_module("pyarrow")
+    return _import("pyarrow")
 
 
 def _is_remote(location: str) -> bool:
@@ -601,22 +612,49 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
             self.counts["parquet_null_rows"] += len(hit)
 
     def _rows(self, indices: I64) -> list[Any]:
+        """The rows at ``indices``: every row group they touch decoded once, then, for a list
+        column, one view per row cut from its group's values (the cuts computed with numpy per
+        row group; the only per-row Python work is the slice itself)."""
         indices = np.asarray(indices, dtype=np.int64)
-        out: list[Any] = [None] * len(indices)
         if not len(indices):
-            return out
+            return []
+        if indices.min() < 0 or indices.max() >= len(self):
+            raise IndexError(f"document index outside [0, {len(self)})")
         groups = np.searchsorted(self._gstarts, indices, side="right") - 1
-        order = np.argsort(groups, kind="stable")
-        sorted_groups = groups[order]
-        bounds = np.flatnonzero(np.diff(sorted_groups)) + 1
-        for at in np.split(order, bounds):
-            group = int(groups[at[0]])
-            decoded = self._decode(group)
-            local = indices[at] - self._gstarts[group]
-            self._nulls(group, decoded, local)
-            for i, row in zip(at.tolist(), decoded.rows(local), strict=True):
-                out[i] = row
-        return out
+        local = indices - self._gstarts[groups]
+        first = int(groups[0])
+        if (groups == first).all():  # the common case under a row-group shuffle's windows
+            decoded = self._decode(first)
+            self._nulls(first, decoded, local)
+            return decoded.rows(local)
+        distinct, which = np.unique(groups, return_inverse=True)
+        order = np.argsort(which, kind="stable")
+        cuts = np.searchsorted(which[order], np.arange(len(distinct) + 1)).tolist()
+        ats = [order[cuts[k] : cuts[k + 1]] for k in range(len(distinct))]
+        # one row group at a time: a read over many (a global row shuffle) holds one decoded
+        # group beyond the cache, and for a list column the rows' own values
+        if self._kind == "text":
+            out: list[Any] = [None] * len(indices)
+            for g, at in zip(distinct.tolist(), ats, strict=True):
+                decoded = self._decode(g)
+                self._nulls(g, decoded, local[at])
+                for i, row in zip(at.tolist(), decoded.rows(local[at]), strict=True):
+                    out[i] = row
+            return out
+        starts = np.empty(len(indices), dtype=np.int64)
+        ends = np.empty(len(indices), dtype=np.int64)
+        values = []
+        for g, at in zip(distinct.tolist(), ats, strict=True):
+            decoded = self._decode(g)
+            self._nulls(g, decoded, local[at])
+            off = decoded.offsets
+            assert off is not None
+            starts[at] = off[local[at]]
+            ends[at] = off[local[at] + 1]
+            values.append(decoded.values)
+        return [
+            values[k][a:b] for k, a, b in zip(which.tolist(), starts.tolist(), ends.tolist(), strict=True)
+        ]
 
     def read_many_sync(self, indices: I64) -> Sequence[Any]:
         rows = self._rows(indices)

@@ -69,10 +69,17 @@ class TextEncoder:
 
     def __getstate__(self) -> dict[str, Any]:
         # a path is loaded again where it is used; a Tokenizer object pickles itself
-        return {**self.__dict__, "_tok": None}
+        return {**self.__dict__, "_tok": None, "_pickled_in": os.getpid()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        pickled_in = state.pop("_pickled_in", None)
         self.__dict__.update(state)
+        if pickled_in is not None and pickled_in != os.getpid():
+            # A copy in another process (a process worker): the loader runs workers side by
+            # side already, so each encodes its batch on its own thread, as the tokenizers
+            # library itself does after a fork; a thread pool of the tokenizer's own in each
+            # worker would put several threads on every core. A value the user set is kept.
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     def describe(self) -> str:
         """What names this encoding in a fingerprint: the tokenizer's contents (a
@@ -117,12 +124,22 @@ class TextEncoder:
         else:
             call: Callable[[str], Any] = tok
             ids = [call(t) for t in texts]
-        head = [] if self.bos_id is None else [self.bos_id]
-        tail = [] if self.eos_id is None else [self.eos_id]
-        dtype = self.dtype
-        if head or tail:
-            return [np.array(head + list(doc) + tail, dtype=dtype) for doc in ids]
-        return [np.array(doc, dtype=dtype) for doc in ids]
+        dtype, bos, eos = self.dtype, self.bos_id, self.eos_id
+        if bos is None and eos is None:
+            return [np.array(doc, dtype=dtype) for doc in ids]
+        # one array per document, the ids written into it (no list concatenated per document)
+        first = 0 if bos is None else 1
+        extra = first + (0 if eos is None else 1)
+        out = []
+        for doc in ids:
+            arr = np.empty(len(doc) + extra, dtype=dtype)
+            arr[first : first + len(doc)] = doc
+            if bos is not None:
+                arr[0] = bos
+            if eos is not None:
+                arr[-1] = eos
+            out.append(arr)
+        return out
 
 
 class TokenizeStep:

@@ -160,6 +160,38 @@ def test_rows_of_a_list_column_are_views_of_the_decoded_values(folder: Path) -> 
     assert a.base is not None and a.base is b.base  # one values buffer, no copy per row
 
 
+@given(st.lists(st.integers(0, 599), max_size=120), st.booleans())
+@settings(max_examples=40, deadline=None)
+def test_a_read_in_any_order_over_many_row_groups_returns_each_row_in_place(
+    folder: Path, rows: Any, picks: list[int], text: bool
+) -> None:
+    storage = gl.open_parquet(folder, "text" if text else "input_ids", max_decoded_bytes=2048)
+    got = storage.read_many_sync(np.asarray(picks, dtype=np.int64))
+    want = [rows[1][i] for i in picks] if text else [rows[0][i] for i in picks]
+    assert [g if text else g.tolist() for g in got] == want
+
+
+def test_a_read_over_many_row_groups_checks_each_for_nulls_and_the_range(tmp_path: Path) -> None:
+    ids = [[1, 2], [5], [], [3]] * 4 + [None]
+    pq.write_table(pa.table({"input_ids": pa.array(ids, pa.list_(pa.int32()))}), tmp_path / "n.parquet",
+                   row_group_size=3)  # fmt: skip
+    strict = gl.open_parquet(tmp_path, "input_ids")
+    assert [r.tolist() for r in strict.read_many_sync(np.asarray([15, 0, 5], dtype=np.int64))] == [
+        [3],
+        [1, 2],
+        [5],
+    ]
+    with pytest.raises(
+        gl.DatasetFormatError, match=r"row group 5, column 'input_ids': row 1 \(document 16\)"
+    ):
+        strict.read_many_sync(np.asarray([0, 16, 4], dtype=np.int64))
+    lenient = gl.open_parquet(tmp_path, "input_ids", on_null="empty")
+    assert [r.tolist() for r in lenient.read_many_sync(np.asarray([16, 1], dtype=np.int64))] == [[], [5]]
+    assert lenient.counts["parquet_null_rows"] == 1
+    with pytest.raises(IndexError, match="outside"):
+        strict.read_many_sync(np.asarray([0, 17], dtype=np.int64))
+
+
 def test_files_written_by_hugging_face_datasets(tmp_path: Path, rows: Any) -> None:
     import datasets
 
@@ -191,6 +223,23 @@ def test_import_guideloom_does_not_import_pyarrow() -> None:
     )
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="threads are listed in /proc (Linux)")
+def test_a_process_that_read_parquet_may_still_fork_its_workers_from_itself(folder: Path) -> None:
+    """pyarrow's jemalloc starts a named background thread at import unless told not to; with
+    it the loader could not fork process workers from the main process."""
+    code = (
+        "import os, sys, numpy as np, guideloom as gl\n"
+        "from guideloom._runtime.processes.zygote import fork_is_safe\n"
+        f"s = gl.open_parquet({str(folder)!r}, 'input_ids')\n"
+        "s.read_many_sync(np.arange(len(s)))\n"
+        "names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
+        "assert 'jemalloc_bg_thd' not in names, names\n"
+        "assert fork_is_safe()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "JE_ARROW_MALLOC_CONF"}
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)})
+
+
 def test_a_thousand_files_open_well_under_a_second(tmp_path: Path) -> None:
     table = pa.table({"input_ids": pa.array([[1, 2], [3]], pa.list_(pa.int32()))})
     for f in range(1000):
@@ -218,6 +267,28 @@ def test_a_tokenizer_json_a_tokenizer_object_and_a_callable_encode_alike(
         assert p.tolist() == [*w.tolist(), eos]
         assert o.tolist() == [bos, *w.tolist(), eos]
         assert c.tolist() == w.tolist()
+
+
+def test_an_encoder_unpickled_in_another_process_encodes_on_one_thread(tokenizer_json: str) -> None:
+    from guideloom.storage._text import TextEncoder
+
+    encoder = TextEncoder(tokenizer_json, eos="</s>")
+    same = pickle.loads(pickle.dumps(encoder))  # a copy in this process changes nothing here
+    assert same.encode_many(["r1 r2"])[0].tolist() == encoder.encode_many(["r1 r2"])[0].tolist()
+    code = (
+        "import os, pickle, sys\n"
+        "enc = pickle.loads(sys.stdin.buffer.read())\n"
+        "print(os.environ.get('TOKENIZERS_PARALLELISM'), enc.encode_many(['r1 r2'])[0].tolist())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
+    want = encoder.encode_many(["r1 r2"])[0].tolist()
+    for set_to, seen in ((None, "false"), ("true", "true")):
+        run_env = {**env, "PYTHONPATH": str(ROOT), **({"TOKENIZERS_PARALLELISM": set_to} if set_to else {})}
+        out = subprocess.run(
+            [sys.executable, "-c", code], input=pickle.dumps(encoder), capture_output=True, check=True,
+            cwd=ROOT, env=run_env,
+        )  # fmt: skip
+        assert out.stdout.decode().split(" ", 1) == [seen, f"{want}\n"]
 
 
 def tokenized_loader(storage: Any, **kw: Any) -> gl.StatefulDataLoader[Any, Any]:
@@ -269,6 +340,27 @@ def test_group_order_is_a_bijection_whose_windows_hold_whole_groups(
     win = np.searchsorted(order._wstarts, np.arange(len(order)), side="right") - 1
     for g, w in zip(group_of.tolist(), win.tolist(), strict=True):
         assert first_seen.setdefault(g, w) == w
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 2000), min_size=1, max_size=200),
+    window=st.integers(1, 20),
+    seed=st.integers(0, 2**31),
+)
+def test_group_order_finds_a_window_in_constant_steps_from_its_bucket(
+    sizes: list[int], window: int, seed: int
+) -> None:
+    order = GroupPermutation(sizes, seed=seed, epoch=0, window=window)
+    positions = np.arange(len(order), dtype=np.int64)
+    truth = np.searchsorted(order._wstarts, positions, side="right") - 1
+    first = order._first[positions // order._bucket]
+    assert (first <= truth).all()
+    # a lookup steps over the windows that start inside its bucket, between the bucket's start
+    # and its position; with about as many buckets as windows that is at most 2 on average
+    assert len(order._first) <= -(-len(sizes) // window) + 2
+    if len(order):
+        assert float(np.mean(truth - first)) <= 2.0
 
 
 def test_the_auto_order_decodes_each_row_group_once_per_epoch(folder: Path) -> None:

@@ -9,6 +9,7 @@ runner :func:`~guideloom._runtime.runners.make_runner` picks for it once the loa
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 import weakref
 from collections.abc import AsyncIterator as AsyncIteratorABC
@@ -223,8 +224,10 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
     async def close_async(self) -> None:
         await asyncio.to_thread(self.close)
 
-    def __del__(self) -> None:
-        if not getattr(self, "_done", True):
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        # At interpreter exit the process's own exit ends the pipeline's daemon threads and the
+        # workers (their atexit handler): a close then would wait on modules already torn down.
+        if not getattr(self, "_done", True) and not _finalizing():
             self.close()
 
 
@@ -346,6 +349,6 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
         self._ckpt.tally.end(id(self))
         self._life.active.release(self)
 
-    def __del__(self) -> None:
-        if not getattr(self, "_done", True):
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        if not getattr(self, "_done", True) and not _finalizing():
             self.close_sync()

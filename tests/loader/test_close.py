@@ -4,9 +4,14 @@ running on its (daemon) thread, with a warning that names it, and the loader clo
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -79,3 +84,38 @@ def test_async_close_returns_while_a_collate_hangs() -> None:
             return time.monotonic() - t0
 
     assert asyncio.run(run()) < CLOSE_GRACE_S + 3
+
+
+@pytest.mark.parametrize("workers", ["none", "process"])
+def test_a_script_that_exits_mid_epoch_ends_at_once_and_quietly(tmp_path: Path, workers: str) -> None:
+    """An iterator left open at interpreter exit (the loader opened by it, not by ``with``) is not
+    closed from its finaliser while the interpreter tears its modules down: the exit takes no
+    close's grace period and prints nothing."""
+    kw = "num_workers=2, parallel_method='process'," if workers == "process" else ""
+    script = tmp_path / "leave.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import numpy as np, torch
+            import guideloom as gl
+
+            if __name__ == "__main__":
+                tokens = np.arange(64 * 400, dtype=np.uint16)
+                loader = gl.StatefulDataLoader.from_storage(
+                    gl.MemoryStreamStorage(tokens), list, sequence_length=64, local_batch_size=4,
+                    prefetch=2, {kw} device=torch.device("cpu"),
+                )
+                it = iter(loader)
+                kept = [next(it) for _ in range(10)]
+                print("leaving")
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, str(script)], check=True, capture_output=True, text=True, timeout=60, env=env
+    )
+    assert r.stdout.split() == ["leaving"]
+    assert r.stderr == ""
+    assert time.monotonic() - t0 < CLOSE_GRACE_S + 15  # no close waited out at exit

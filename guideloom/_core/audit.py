@@ -233,25 +233,17 @@ def compare(
     digest = sum(t.digest for t in tallies) % MODULUS
     if same and delivered == expected and digest == range_digest(x, inverse, start, hi):
         return AuditReport(True, epoch, start, offset, delivered, expected)
+
+    def failed(message: str, step: int | None = None, position: int | None = None) -> AuditReport:
+        return AuditReport(False, epoch, start, offset, delivered, expected, step, position, message=message)
+
     if any(t.epoch != epoch for t in tallies):
         epochs = sorted({t.epoch for t in tallies})
-        return AuditReport(
-            False,
-            epoch,
-            start,
-            offset,
-            delivered,
-            expected,
+        return failed(
             message=f"the ranks are in different epochs {epochs}: they did not all finish the same epochs",
         )
     if not all(t.runs or t.count == 0 for t in tallies):  # a summary alone: no place to name
-        return AuditReport(
-            False,
-            epoch,
-            start,
-            offset,
-            delivered,
-            expected,
+        return failed(
             message=f"the ranks were handed {plural(delivered, 'position')} of epoch {epoch}, "
             f"the plan holds {expected}",
         )
@@ -259,28 +251,16 @@ def compare(
     if found is None:
         starts = sorted({t.start for t in tallies})
         offsets = sorted({t.offset for t in tallies})
-        return AuditReport(
-            False,
-            epoch,
-            start,
-            offset,
-            delivered,
-            expected,
+        return failed(
             message=f"the ranks' tallies disagree (started at offsets {starts}, now at {offsets}) "
             "although every position was handed out once",
         )
     position, cover = found
     step = _step_of(history, epoch, position, geometry)
     what = "never" if cover == 0 else f"{cover} times"
-    return AuditReport(
-        False,
-        epoch,
-        start,
-        offset,
-        delivered,
-        expected,
-        step,
-        position,
+    return failed(
+        step=step,
+        position=position,
         message=f"epoch {epoch} step {step}: position {position} was handed out {what} "
         f"(ranks started at offsets {sorted({t.start for t in tallies})}, now at "
         f"{sorted({t.offset for t in tallies})}): a rank skipped or repeated a batch, or resumed "

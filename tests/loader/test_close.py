@@ -4,9 +4,6 @@ running on its (daemon) thread, with a warning that names it, and the loader clo
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -19,6 +16,7 @@ import torch
 
 import guideloom as gl
 from guideloom._runtime.threadpool import CLOSE_GRACE_S
+from tests.support.processes import run_script
 
 RELEASE = threading.Event()
 
@@ -111,11 +109,8 @@ def test_a_script_that_exits_mid_epoch_ends_at_once_and_quietly(tmp_path: Path, 
             """
         )
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     t0 = time.monotonic()
-    r = subprocess.run(
-        [sys.executable, str(script)], check=True, capture_output=True, text=True, timeout=60, env=env
-    )
+    r = run_script(script, timeout=60)
     assert r.stdout.split() == ["leaving"]
     assert r.stderr == ""
     assert time.monotonic() - t0 < CLOSE_GRACE_S + 15  # no close waited out at exit

@@ -17,8 +17,6 @@ import ctypes
 import multiprocessing
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -47,6 +45,7 @@ from tests.support.processes import (
     ids,
     loader_for,
     rich,
+    run_script,
     slow_ids,
     takes_the_lock,
     worker_pids,
@@ -153,15 +152,7 @@ def test_workers_come_from_a_zygote_of_the_main_process_while_it_has_one_thread(
     segments are gone once the loader is closed."""
     script = tmp_path / "zygote.py"
     script.write_text(_ZYGOTE_SCRIPT.replace("STREAM", repr(str(stream))))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    r = subprocess.run(
-        [sys.executable, str(script), threads],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=100,
-        env=env,
-    )
+    r = run_script(script, threads)
     *lines, last = r.stdout.splitlines()
     assert lines == expect
     token, server, *pids = last.split()
@@ -230,11 +221,7 @@ def test_a_zygote_starts_as_an_exec_would_leave_it(tmp_path: Path, stream: Path)
     torch); a thread started with ``_thread`` keeps the zygote away as any other does."""
     script = tmp_path / "hygiene.py"
     script.write_text(_FORK_HYGIENE_SCRIPT.replace("STREAM", repr(str(stream))))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    env.pop("PYTHONUNBUFFERED", None)  # stdout is a pipe here: block-buffered
-    r = subprocess.run(
-        [sys.executable, str(script)], check=True, capture_output=True, text=True, timeout=100, env=env
-    )
+    r = run_script(script, buffered=True)  # stdout is a pipe here: block-buffered
     assert r.stdout.split() == ["buffered", "ZygoteContext", "True", "0", "2", "True", "ForkServerContext"]
 
 
@@ -385,10 +372,7 @@ def test_loaders_without_process_workers_start_no_fork_server(tmp_path: Path, st
             """
         )
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    r = subprocess.run(
-        [sys.executable, str(script)], check=True, capture_output=True, text=True, timeout=100, env=env
-    )
+    r = run_script(script)
     assert r.stdout.splitlines() == ["import None 0", "loader None 0", "loader None 0", "process True"]
 
 
@@ -433,10 +417,7 @@ def test_the_workers_and_their_shared_memory_are_gone_after_interpreter_exit(
             """
         )
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    r = subprocess.run(
-        [sys.executable, str(script)], check=True, capture_output=True, text=True, timeout=100, env=env
-    )
+    r = run_script(script)
     token, *pids = r.stdout.split()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
@@ -621,10 +602,7 @@ def test_a_script_without_the_main_guard_is_told_so(stream: Path, tmp_path: Path
             """
         )
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    r = subprocess.run(
-        [sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=100, env=env
-    )
+    r = run_script(script, check=False)
     if threads == "none":
         assert r.returncode == 0, r.stderr
         assert r.stdout.split() == ["finished"]

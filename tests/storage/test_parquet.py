@@ -28,6 +28,7 @@ import guideloom as gl
 from guideloom._core.group_order import GroupPermutation
 from tests.support import ROOT
 from tests.support.loader import roundtrip, take
+from tests.support.processes import run_script
 
 CPU = torch.device("cpu")
 WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta", "iota", "kappa"]
@@ -744,13 +745,5 @@ def test_process_workers_fork_from_a_zygote_after_arrow_started_its_threads(
     own, the same batches."""
     script = tmp_path / "arrow_zygote.py"
     script.write_text(_ZYGOTE_AFTER_ARROW)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    r = subprocess.run(
-        [sys.executable, str(script), str(folder)],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=100,
-        env=env,
-    )
+    r = run_script(script, str(folder))
     assert r.stdout.split() == ["ZygoteContext", "True"]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -161,3 +163,22 @@ def takes_the_lock(samples: Sequence[np.ndarray]) -> dict[str, Any]:
 def collated_where(samples: Sequence[Any]) -> dict[str, Any]:
     """A collate that says which process ran it, beside the stacked samples."""
     return {"pid": os.getpid(), "tokens": torch.from_numpy(np.stack(samples).astype(np.int64))}
+
+
+def run_script(
+    script: Path, *args: str, check: bool = True, buffered: bool = False, timeout: float = 100
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in a fresh interpreter that imports this checkout's guideloom, its output
+    captured as text; ``buffered``: its stdout block-buffered (PYTHONUNBUFFERED unset), as a
+    script's is when it writes to a pipe."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    if buffered:
+        env.pop("PYTHONUNBUFFERED", None)
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        check=check,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )

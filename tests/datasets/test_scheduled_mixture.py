@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 import torch
 from hypothesis import given, settings
@@ -17,6 +18,42 @@ from guideloom._datasets.mixture.schedule import Layout
 from guideloom._datasets.mixture.scheduled import ScheduledLayout
 
 weights = st.lists(st.sampled_from([0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 0.3333, 1.7]), min_size=2, max_size=5)
+
+
+def _pairs(first: dict[str, float], knots: list[tuple[int, dict[str, float]]]) -> list[Any]:
+    """A schedule's knots: ``first`` at 0, then each weight set ``gap`` positions after the last."""
+    position, pairs = 0, [(0, first)]
+    for gap, w in knots:
+        position += gap
+        pairs.append((position, w))
+    return pairs
+
+
+def _drawn(
+    names: list[str], pairs: list[Any], interpolation: Any, lengths: list[int]
+) -> tuple[gl.WeightSchedule, ScheduledLayout, npt.NDArray[np.int64]]:
+    """The schedule of ``pairs``, its layout over sources of ``lengths``, and the source drawn at
+    each position up to 300 past the last knot; checked on the way: every prefix's counts are
+    within the layout's bounds of the integral of the weights (and equal ``layout.counts``), and
+    each source reads its own stream once, in order."""
+    schedule = gl.WeightSchedule(pairs, interpolation=interpolation)
+    layout = ScheduledLayout.build(lengths[: len(names)], schedule, names)
+    horizon = pairs[-1][0] + 300
+    src, cum = layout.locate(np.arange(horizon, dtype=np.int64))
+    counts = np.zeros((horizon + 1, len(names)), dtype=np.int64)
+    np.add.at(counts, (np.arange(1, horizon + 1), src), 1)
+    counts = np.cumsum(counts, axis=0)
+    for p in range(horizon + 1):
+        assert (np.abs(counts[p] - layout.integral(p)) <= layout.bounds + 1e-9).all(), (
+            p,
+            counts[p],
+            layout.integral(p),
+        )
+        if p % 37 == 0:
+            np.testing.assert_array_equal(layout.counts(p), counts[p])
+    for s in range(len(names)):  # the source's stream: counts 0, 1, 2, ... each once
+        assert sorted(cum[src == s].tolist()) == list(range(int(counts[-1][s])))
+    return schedule, layout, src
 
 
 @settings(max_examples=60, deadline=None)
@@ -39,28 +76,9 @@ def test_every_prefix_is_within_the_bound_of_the_integral_and_each_source_reads_
     def named(w: list[float]) -> dict[str, float]:
         return {n: w[i % len(w)] * (1 + 0.01 * i) for i, n in enumerate(names)}
 
-    position, pairs = 0, [(0, named(first))]
-    for gap, w in knots:
-        position += gap
-        pairs.append((position, named(w)))
-    schedule = gl.WeightSchedule(pairs, interpolation=interpolation)
-    layout = ScheduledLayout.build(lengths[:n_sources], schedule, names)
-    horizon = position + 300
-    src, cum = layout.locate(np.arange(horizon, dtype=np.int64))
-    counts = np.zeros((horizon + 1, n_sources), dtype=np.int64)
-    np.add.at(counts, (np.arange(1, horizon + 1), src), 1)
-    counts = np.cumsum(counts, axis=0)
+    pairs = _pairs(named(first), [(gap, named(w)) for gap, w in knots])
+    _, layout, _ = _drawn(names, pairs, interpolation, lengths)
     bounds = layout.bounds
-    for p in range(horizon + 1):
-        assert (np.abs(counts[p] - layout.integral(p)) <= bounds + 1e-9).all(), (
-            p,
-            counts[p],
-            layout.integral(p),
-        )
-        if p % 37 == 0:
-            np.testing.assert_array_equal(layout.counts(p), counts[p])
-    for s in range(n_sources):  # the source's stream: counts 0, 1, 2, ... each once
-        assert sorted(cum[src == s].tolist()) == list(range(int(counts[-1][s])))
     # a piece's bound is its own plus the earlier pieces' end deviations, each within their own
     owns = [
         p.a.bounds if p.b is None else p.a.bounds + p.b.bounds + np.abs(layout.knot_weights[i + 1] - w) / 2
@@ -253,30 +271,15 @@ def test_a_source_of_weight_0_draws_nothing_there_and_every_prefix_keeps_the_bou
             out[names[-1]] = 1.0  # some source must have weight at every position
         return out
 
-    position, pairs = 0, [(0, named(first))]
-    for gap, w in knots:
-        position += gap
-        pairs.append((position, named(w)))
-    schedule = gl.WeightSchedule(pairs, interpolation=interpolation)
-    layout = ScheduledLayout.build(lengths[:n_sources], schedule, names)
-    horizon = position + 300
-    src, cum = layout.locate(np.arange(horizon, dtype=np.int64))
-    counts = np.zeros((horizon + 1, n_sources), dtype=np.int64)
-    np.add.at(counts, (np.arange(1, horizon + 1), src), 1)
-    counts = np.cumsum(counts, axis=0)
-    for p in range(horizon + 1):
-        assert (np.abs(counts[p] - layout.integral(p)) <= layout.bounds + 1e-9).all(), (p, counts[p])
-        if p % 37 == 0:
-            np.testing.assert_array_equal(layout.counts(p), counts[p])
-    ends = [*schedule.positions[1:], horizon]
+    pairs = _pairs(named(first), [(gap, named(w)) for gap, w in knots])
+    schedule, _, src = _drawn(names, pairs, interpolation, lengths)
+    ends = [*schedule.positions[1:], len(src)]
     for i, (start, end) in enumerate(zip(schedule.positions, ends, strict=True)):
         w = pairs[i][1]
         after = pairs[i + 1][1] if interpolation == "linear" and i + 1 < len(pairs) else w
         for s, name in enumerate(names):  # weight 0 over the whole piece (a ramp: at both ends)
             if w[name] == 0 and after[name] == 0:
                 assert not (src[start:end] == s).any(), (name, start, end)
-    for s in range(n_sources):
-        assert sorted(cum[src == s].tolist()) == list(range(int(counts[-1][s])))
 
 
 def test_a_source_annealed_off_is_not_read_once_its_weight_is_0() -> None:

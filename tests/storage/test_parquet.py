@@ -292,6 +292,35 @@ def test_an_encoder_unpickled_in_another_process_encodes_on_one_thread(tokenizer
         assert out.stdout.decode().split(" ", 1) == [seen, f"{want}\n"]
 
 
+def test_a_process_forked_after_the_encoder_was_made_uses_its_tokenizer(tokenizer_json: str) -> None:
+    """A process worker forked from the main process shares the tokenizer the main process
+    built (its pages) instead of building its own from the pickled encoder."""
+    import multiprocessing
+
+    from guideloom.storage._text import TextEncoder
+
+    encoder = TextEncoder(tokenizer_json, eos="</s>")
+    assert pickle.loads(pickle.dumps(encoder))._tok is encoder._tok
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_tokenizer_address, args=(pickle.dumps(encoder), out))
+    child.start()
+    address, ids = out.get(timeout=30)
+    child.join(30)
+    assert address == id(encoder._tok)
+    assert ids == encoder.encode_many(["r1 r2"])[0].tolist()
+    other = TextEncoder(tokenizer_json, eos="</s>")
+    state = pickle.dumps(other)
+    del other  # gone before it is unpickled: the copy builds a tokenizer of its own
+    copy = pickle.loads(state)
+    assert copy._tok is None and copy.encode_many(["r1 r2"])[0].tolist() == ids
+
+
+def _tokenizer_address(state: bytes, out: Any) -> None:  # pragma: no cover - in a forked child
+    copy = pickle.loads(state)
+    out.put((id(copy._tok), copy.encode_many(["r1 r2"])[0].tolist()))
+
+
 def tokenized_loader(storage: Any, **kw: Any) -> gl.StatefulDataLoader[Any, Any]:
     kw.setdefault("device", CPU)
     kw.setdefault("local_batch_size", 8)
@@ -317,6 +346,32 @@ def test_the_loader_tokenizes_where_it_collates_and_delivers_every_row_once(
         # the loader reads texts and runs the tokenizer in its collate step
         assert type(loader.dataset.storage.read_many_sync(np.zeros(1, np.int64))[0]) is str
     assert sorted(got) == want
+
+
+def test_process_workers_tokenize_texts_the_main_process_read(folder: Path, tokenizer_json: str) -> None:
+    """Over texts the workers tokenize, the main process reads (one window of decoded row groups
+    in one process, not one per worker) and the workers only tokenize; token columns are read by
+    the workers themselves."""
+    storage = gl.open_parquet(folder, "text", tokenizer=tokenizer_json, eos="</s>")
+    assert not storage.deferred_step()[0].read_by_workers()  # type: ignore[index]
+    assert gl.open_parquet(folder, "input_ids").read_by_workers()
+    with tokenized_loader(storage, shuffle=True, shuffle_seed=2, shuffle_block_size="auto") as inline:
+        want = take(inline)
+    loader = tokenized_loader(
+        storage,
+        num_workers=2,
+        parallel_method="process",
+        collate_mode="workers",
+        shuffle=True,
+        shuffle_seed=2,
+        shuffle_block_size="auto",
+    )
+    with loader:
+        assert take(loader) == want
+        stats = loader.stats()
+    assert stats["collated_processes"] == len(want)
+    # counted where the reads ran: here, each row group once in its window
+    assert stats["parquet_row_group_decodes"] == storage.num_row_groups
 
 
 # -- the row-group-aware order ---------------------------------------------------------------------

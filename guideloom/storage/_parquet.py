@@ -55,7 +55,10 @@ _FOOTER_GUESS = 64 * 1024  # bytes read from an object's end first: most footers
 _INDEX_VERSION = 1
 #: Default bytes of decoded row groups kept (what the row-group shuffle's window should fit).
 DEFAULT_DECODED_BYTES = 512 * 2**20
-#: Bytes decoded between two calls that give arrow's free pages back to the system.
+#: Bytes of a token column decoded between two calls that give arrow's free pages back to the
+#: system (each call costs about as much as a decode: its pages are faulted in again). Arrow's
+#: allocator keeps some 20 MiB of a decode's freed pages otherwise. A text column's pages are
+#: given back after every decode: its rows are tokenized next, which costs a hundred times more.
 RELEASE_EVERY_BYTES = 16 * 2**20
 _OPEN_FILES = 64  # local ParquetFile handles kept open per process
 
@@ -113,7 +116,7 @@ class _LocalFiles:
         return _pq().read_metadata(path)
 
     def reader(self, path: str, metadata: Any) -> Any:
-        return _pq().ParquetFile(path, metadata=metadata)
+        return _pq().ParquetFile(path, metadata=metadata, pre_buffer=False)
 
     def read_group(self, path: str, reader: Any, group: int, columns: list[str], chunks: Any) -> Any:
         return reader.read_row_group(group, columns=columns, use_threads=False)
@@ -604,12 +607,11 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         decoded = self._decode_new(group)
         with self._lock:
             self._since_release += decoded.nbytes
-            release = self._since_release >= RELEASE_EVERY_BYTES
+            release = self._kind == "text" or self._since_release >= RELEASE_EVERY_BYTES
             if release:
                 self._since_release = 0
         if release:
-            # The decodes' own buffers are freed by now (what is kept was copied out); arrow's
-            # allocator keeps their pages for later decodes: given back every few decodes.
+            # The decodes' own buffers are freed by now (what is kept was copied out).
             _pa().default_memory_pool().release_unused()
         with self._lock:
             self.counts["parquet_row_group_decodes"] += 1

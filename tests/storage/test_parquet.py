@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -688,6 +689,29 @@ def test_dtype_is_refused_for_a_list_column_and_a_file_named_twice(folder: Path)
     given_order = gl.open_parquet([files[1], files[0]], "input_ids")
     first = pq.read_table(files[1], columns=["input_ids"]).column(0)[0].as_py()
     assert list(given_order.read_many_sync(np.array([0]))[0]) == first  # a list's own order
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "error", "message"),
+    [
+        ("threads", 0, ValueError, "threads must be >= 1, got 0"),
+        ("threads", -4, ValueError, "threads must be >= 1, got -4"),
+        ("threads", 2.5, TypeError, "threads must be an int, got float 2.5"),
+        ("threads", True, TypeError, "threads must be an int, got bool True"),
+        ("max_decoded_bytes", 0, ValueError, "max_decoded_bytes must be >= 1, got 0"),
+        ("max_decoded_bytes", -1, ValueError, "max_decoded_bytes must be >= 1, got -1"),
+        ("max_decoded_bytes", 1e9, TypeError, "max_decoded_bytes must be an int, got float"),
+        ("max_decoded_bytes", "512MiB", TypeError, "max_decoded_bytes must be an int, got str"),
+    ],
+)
+def test_threads_and_max_decoded_bytes_must_be_positive_ints(
+    folder: Path, option: str, value: Any, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        gl.open_parquet(folder, "input_ids", **{option: value})
+    assert len(gl.open_parquet(folder, "input_ids", **{option: np.int64(1)})) == len(
+        gl.open_parquet(folder, "input_ids")
+    )
 
 
 def test_explain_names_each_rows_file_row_group_and_row_without_a_length_index(

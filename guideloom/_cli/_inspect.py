@@ -103,7 +103,7 @@ def _describe(dest: str, manifest: Manifest | None, storage: Storage) -> list[st
     lines += [
         f"kind:       {manifest.kind}",
         f"dtype:      {manifest.dtype.name}",
-        f"elements:   {manifest.num_elements:,} tokens",
+        f"elements:   {counted(manifest.num_elements, 'token')}",
     ]
     documents = manifest.num_documents if manifest.kind == "documents" else manifest.extra.get("documents")
     if documents is not None:
@@ -117,8 +117,8 @@ def _describe(dest: str, manifest: Manifest | None, storage: Storage) -> list[st
     width = max(len(f.path) for _, _, f in files)
     for name, spec, f in files:
         lines.append(
-            f"  {f.path:<{width}}  {name:<8} {spec.dtype.name:<7} {f.elements:>14,} elements "
-            f"{f.nbytes:>15,} B"
+            f"  {f.path:<{width}}  {name:<8} {spec.dtype.name:<7} "
+            f"{plural(f.elements, 'element', shown=f'{f.elements:>14,}'):<23} {f.nbytes:>15,} B"
         )
     if manifest.extra:
         lines.append("info:")
@@ -256,9 +256,9 @@ def run_inspect(args: argparse.Namespace) -> int:
         name = args.tokenizer
         if name == "auto" and manifest is not None:
             name = f"{manifest.extra.get('tokenizer')} (auto)"
-        lines.append(f"samples (first {len(docs)} documents, decoded with {name}):")
+        lines.append(f"samples (first {plural(len(docs), 'document')}, decoded with {name}):")
         for i, doc in enumerate(docs):
-            lines.append(f"  [{i}] {len(doc):,} tokens: {_preview(tokenizer, doc, args.chars)}")
+            lines.append(f"  [{i}] {counted(len(doc), 'token')}: {_preview(tokenizer, doc, args.chars)}")
     print("\n".join(lines))
     return 0
 
@@ -286,7 +286,8 @@ def run_verify(args: argparse.Namespace) -> int:
         files = manifest.all_files()
         nbytes = sum(f.nbytes for _, _, f in files)
         print(
-            f"ok: {args.dataset}: {len(files)} files, {format_bytes(nbytes)}, sizes and sha256 checksums "
-            f"match the manifest ({manifest.kind}, {manifest.num_elements:,} {manifest.dtype.name} tokens)"
+            f"ok: {args.dataset}: {plural(len(files), 'file')}, {format_bytes(nbytes)}, sizes and sha256 "
+            f"checksums match the manifest ({manifest.kind}, "
+            f"{counted(manifest.num_elements, manifest.dtype.name + ' token')})"
         )
     return 0

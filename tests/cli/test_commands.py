@@ -331,3 +331,20 @@ def test_inspect_shows_null_rows_as_null_instead_of_failing(cli, tmp_path: Path)
     assert r.code == 0, r
     assert "\n  [0] 1 token: [5]\n  [1] null\n  [2] 3 tokens: [1, 2, 3]\n" in r.out
     assert "nulls:      1 of the 3 rows shown is null:" in r.out and "--skip-invalid" not in r.out
+
+
+def test_counts_of_one_are_in_the_singular(cli, stream_ds: Path, tmp_path: Path) -> None:
+    gl.write_stream(tmp_path / "one", np.arange(1, dtype=np.uint16))
+    r = cli("inspect", tmp_path / "one")
+    assert r.code == 0 and "elements:   1 token\n" in r.out and "uint16               1 element " in r.out, r
+    r = cli("verify", tmp_path / "one")
+    assert r.code == 0 and ": 1 file, 2 B," in r.out and "(stream, 1 uint16 token)" in r.out, r
+    r = cli("verify", stream_ds)
+    files = len(manifest_of(stream_ds)["fields"]["tokens"]["files"])
+    assert r.code == 0 and f": {files} files, " in r.out and " uint16 tokens)" in r.out, r
+    r = cli("bench", stream_ds, "--sequence-length", "64", "--batch-size", "2", "--batches", "1")
+    assert r.code == 0 and "not measured: 0 batches after the first" in r.out, r
+    assert "guideloom: warning: 1 batch in all, 0 after the first" in r.err, r
+    r = cli("bench", stream_ds, "--sequence-length", "64", "--batch-size", "2", "--batches", "2")
+    assert r.code == 0 and "not measured: 1 batch after the first" in r.out, r
+    assert "guideloom: warning: 2 batches in all, 1 after the first" in r.err, r

@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -444,6 +445,75 @@ def test_the_checkpoint_records_the_row_group_blocks_and_the_files(folder: Path)
         state = roundtrip(loader.state_dict())
     assert state["shuffle_block_size"] == 50 and state["dataset"]["digest"].startswith("parquet-")
     assert state["dataset"]["digest"] == storage.content_digest()
+
+
+def _resumed(storage: gl.ParquetStorage, state: Any, **kw: Any) -> tuple[list[list[int]], list[str]]:
+    """The next batches of a loader that loads ``state``, and the warnings its load gave."""
+    loader = gl.StatefulDataLoader.from_storage(
+        storage, first_ids, local_batch_size=4, shuffle=True, shuffle_seed=5, device=CPU, **kw
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader.load_state_dict(state)
+    with loader:
+        return take(loader, 3), [str(w.message) for w in caught]
+
+
+def test_a_resume_over_row_groups_tells_auto_from_the_size_it_records(folder: Path) -> None:
+    """Over row groups, "auto" keeps them: an order that no size cuts, not even the mean size
+    the checkpoint records (50). A resume with another setting warns, naming what each loader
+    was given, and its advice resumes the saved order."""
+    storage = gl.open_parquet(folder, "input_ids")
+    saved = gl.StatefulDataLoader.from_storage(
+        storage,
+        first_ids,
+        local_batch_size=4,
+        shuffle=True,
+        shuffle_seed=5,
+        device=CPU,
+        shuffle_block_size="auto",
+    )
+    with saved:
+        it = iter(saved)
+        next(it)
+        state = roundtrip(saved.state_dict())
+        rest = [next(it) for _ in range(3)]
+    assert state["shuffle_block_size"] == 50 and state["shuffle_block_auto"] is True
+    assert _resumed(storage, state, shuffle_block_size="auto") == (rest, [])
+    for option, shown in [(50, "50"), (None, "None (a global row shuffle)"), (8, "8")]:
+        got, (warning,) = _resumed(storage, state, shuffle_block_size=option)
+        assert got != rest
+        assert (
+            f"saved by a loader with shuffle_block_size='auto' (resolved to 50), this loader has "
+            f"shuffle_block_size={shown};" in warning
+        )
+        assert "Construct the loader with shuffle_block_size='auto' to resume it exactly" in warning
+    # the reverse: the mean size given, "auto" resuming
+    sized = gl.StatefulDataLoader.from_storage(
+        storage,
+        first_ids,
+        local_batch_size=4,
+        shuffle=True,
+        shuffle_seed=5,
+        device=CPU,
+        shuffle_block_size=50,
+    )
+    with sized:
+        it = iter(sized)
+        next(it)
+        state = roundtrip(sized.state_dict())
+        rest = [next(it) for _ in range(3)]
+    assert state["shuffle_block_auto"] is False
+    got, (warning,) = _resumed(storage, state, shuffle_block_size="auto")
+    assert got != rest
+    assert (
+        "with shuffle_block_size=50, this loader has shuffle_block_size='auto' (resolved to 50);" in warning
+    )
+    assert "Construct the loader with shuffle_block_size=50 to resume" in warning
+    assert _resumed(storage, state, shuffle_block_size=50) == (rest, [])
+    # a checkpoint from before "auto" was recorded: sizes compared only, as they were
+    del state["shuffle_block_auto"]
+    assert _resumed(storage, state, shuffle_block_size="auto")[1] == []
 
 
 # -- packing and mixtures --------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from guideloom._core.checks import check_int
 from guideloom._errors import DatasetFormatError, DatasetIntegrityError, StorageError
 from guideloom.storage._text import TextEncoder, TokenizerLike
 from guideloom.storage.base import DocumentStorageAbstract
@@ -970,6 +971,8 @@ def open_parquet(
         raise ValueError(f"on_null must be 'error' or 'empty', got {on_null!r}")
     if not isinstance(column, str) or not column:
         raise TypeError(f"column must be a column name, got {column!r}")
+    threads = check_int("threads", threads, 1)  # footers read at once
+    max_decoded_bytes = check_int("max_decoded_bytes", max_decoded_bytes, 1)
     _pq()
     cache = None if cache_dir is None else os.fspath(cache_dir)
     files, paths, known = _resolve(source, options)

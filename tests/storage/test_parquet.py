@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -500,6 +502,75 @@ def test_the_checkpoint_records_the_row_group_blocks_and_the_files(folder: Path)
     assert state["dataset"]["digest"] == storage.content_digest()
 
 
+def _resumed(storage: gl.ParquetStorage, state: Any, **kw: Any) -> tuple[list[list[int]], list[str]]:
+    """The next batches of a loader that loads ``state``, and the warnings its load gave."""
+    loader = gl.StatefulDataLoader.from_storage(
+        storage, first_ids, local_batch_size=4, shuffle=True, shuffle_seed=5, device=CPU, **kw
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader.load_state_dict(state)
+    with loader:
+        return take(loader, 3), [str(w.message) for w in caught]
+
+
+def test_a_resume_over_row_groups_tells_auto_from_the_size_it_records(folder: Path) -> None:
+    """Over row groups, "auto" keeps them: an order that no size cuts, not even the mean size
+    the checkpoint records (50). A resume with another setting warns, naming what each loader
+    was given, and its advice resumes the saved order."""
+    storage = gl.open_parquet(folder, "input_ids")
+    saved = gl.StatefulDataLoader.from_storage(
+        storage,
+        first_ids,
+        local_batch_size=4,
+        shuffle=True,
+        shuffle_seed=5,
+        device=CPU,
+        shuffle_block_size="auto",
+    )
+    with saved:
+        it = iter(saved)
+        next(it)
+        state = roundtrip(saved.state_dict())
+        rest = [next(it) for _ in range(3)]
+    assert state["shuffle_block_size"] == 50 and state["shuffle_block_auto"] is True
+    assert _resumed(storage, state, shuffle_block_size="auto") == (rest, [])
+    for option, shown in [(50, "50"), (None, "None (a global row shuffle)"), (8, "8")]:
+        got, (warning,) = _resumed(storage, state, shuffle_block_size=option)
+        assert got != rest
+        assert (
+            f"saved by a loader with shuffle_block_size='auto' (resolved to 50), this loader has "
+            f"shuffle_block_size={shown};" in warning
+        )
+        assert "Construct the loader with shuffle_block_size='auto' to resume it exactly" in warning
+    # the reverse: the mean size given, "auto" resuming
+    sized = gl.StatefulDataLoader.from_storage(
+        storage,
+        first_ids,
+        local_batch_size=4,
+        shuffle=True,
+        shuffle_seed=5,
+        device=CPU,
+        shuffle_block_size=50,
+    )
+    with sized:
+        it = iter(sized)
+        next(it)
+        state = roundtrip(sized.state_dict())
+        rest = [next(it) for _ in range(3)]
+    assert state["shuffle_block_auto"] is False
+    got, (warning,) = _resumed(storage, state, shuffle_block_size="auto")
+    assert got != rest
+    assert (
+        "with shuffle_block_size=50, this loader has shuffle_block_size='auto' (resolved to 50);" in warning
+    )
+    assert "Construct the loader with shuffle_block_size=50 to resume" in warning
+    assert _resumed(storage, state, shuffle_block_size=50) == (rest, [])
+    # a checkpoint from before "auto" was recorded: sizes compared only, as they were
+    del state["shuffle_block_auto"]
+    assert _resumed(storage, state, shuffle_block_size="auto")[1] == []
+
+
 # -- packing and mixtures --------------------------------------------------------------------------
 def test_pack_over_a_tokenized_text_column_holds_every_token_once(
     folder: Path, tokenizer_json: str, tmp_path: Path
@@ -743,6 +814,29 @@ def test_dtype_is_refused_for_a_list_column_and_a_file_named_twice(folder: Path)
     given_order = gl.open_parquet([files[1], files[0]], "input_ids")
     first = pq.read_table(files[1], columns=["input_ids"]).column(0)[0].as_py()
     assert list(given_order.read_many_sync(np.array([0]))[0]) == first  # a list's own order
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "error", "message"),
+    [
+        ("threads", 0, ValueError, "threads must be >= 1, got 0"),
+        ("threads", -4, ValueError, "threads must be >= 1, got -4"),
+        ("threads", 2.5, TypeError, "threads must be an int, got float 2.5"),
+        ("threads", True, TypeError, "threads must be an int, got bool True"),
+        ("max_decoded_bytes", 0, ValueError, "max_decoded_bytes must be >= 1, got 0"),
+        ("max_decoded_bytes", -1, ValueError, "max_decoded_bytes must be >= 1, got -1"),
+        ("max_decoded_bytes", 1e9, TypeError, "max_decoded_bytes must be an int, got float"),
+        ("max_decoded_bytes", "512MiB", TypeError, "max_decoded_bytes must be an int, got str"),
+    ],
+)
+def test_threads_and_max_decoded_bytes_must_be_positive_ints(
+    folder: Path, option: str, value: Any, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        gl.open_parquet(folder, "input_ids", **{option: value})
+    assert len(gl.open_parquet(folder, "input_ids", **{option: np.int64(1)})) == len(
+        gl.open_parquet(folder, "input_ids")
+    )
 
 
 def test_explain_names_each_rows_file_row_group_and_row_without_a_length_index(

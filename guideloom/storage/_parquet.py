@@ -43,6 +43,7 @@ import numpy as np
 import numpy.typing as npt
 
 from guideloom._core.checks import check_int
+from guideloom._core.text import plural
 from guideloom._errors import DatasetFormatError, DatasetIntegrityError, StorageError
 from guideloom.storage._text import TextEncoder, TokenizerLike
 from guideloom.storage.base import DocumentStorageAbstract
@@ -213,7 +214,9 @@ class _RemoteFiles:
 
     def footer(self, path: str, size: int) -> Any:
         if size < 12:
-            raise DatasetFormatError(f"{self.name(path)}: {size} bytes is too short to be a Parquet file")
+            raise DatasetFormatError(
+                f"{self.name(path)}: {plural(size, 'byte')} is too short to be a Parquet file"
+            )
         tail_start = max(0, size - _FOOTER_GUESS)
         tail = bytes(self.conn.fetch_range(path, tail_start, size))
         if tail[-4:] != b"PAR1":
@@ -289,7 +292,8 @@ def _entry(files: Any, path: str, stat: _Stat, column: str, shown: str) -> _File
     schema = md.schema.to_arrow_schema()
     if column not in schema.names:
         raise DatasetFormatError(
-            f"{shown}: no column {column!r}; its columns are {', '.join(schema.names)} (pass column=...)"
+            f"{shown}: no column {column!r}; its columns are {', '.join(schema.names)} "
+            "(name the column to read: open_parquet's column=, or guideloom inspect --column)"
         )
     kind = _column_kind(schema.field(column).type, shown, column)
     leaves = _leaves(md, column)
@@ -468,7 +472,7 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
     def __repr__(self) -> str:
         first = self._shown(self._entries[0].path) if self._entries else "-"
         return (
-            f"ParquetStorage({len(self._entries)} files from {first!r}, column={self.column!r}, "
+            f"ParquetStorage({plural(len(self._entries), 'file')} from {first!r}, column={self.column!r}, "
             f"rows={len(self)})"
         )
 
@@ -636,7 +640,7 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
             array = table.column(self.column).combine_chunks()
             _refuse_null_elements(array, e.kind)
             if len(array) != e.rows[g]:
-                raise DatasetFormatError(f"decoded {len(array)} rows, the footer says {e.rows[g]}")
+                raise DatasetFormatError(f"decoded {plural(len(array), 'row')}, the footer says {e.rows[g]}")
             return _Decoded(array, e.kind)
         except (DatasetIntegrityError, FileNotFoundError, StorageError):
             raise

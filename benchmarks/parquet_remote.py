@@ -183,7 +183,9 @@ def serve(data: Path, rtts: tuple[float, ...]) -> Iterator[dict[float, str]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks parquet-remote", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks parquet-remote", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=8.0, help="measured seconds per configuration")
     ap.add_argument("--rtts", default="0,20", help="added round trips in ms, comma separated")
@@ -220,27 +222,30 @@ def main(argv: list[str] | None = None) -> None:
         return statistics.median(x[key] for x in results[(rtt, config)])
 
     print("\nmedians over rounds:")
-    print("| round trip added | configuration | samples/s | tokens/s | open ms | first batch ms | peak PSS MiB |")
+    print(
+        "| round trip added | configuration | samples/s | tokens/s | open ms | first batch ms "
+        "| peak PSS MiB |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|")
     for rtt in rtts:
         for c in configs:
-            print(f"| {1e3 * rtt:.0f} ms | {c} | {med(rtt, c, 'samples_s'):,.0f} | {med(rtt, c, 'tokens_s'):,.0f} "
+            print(f"| {1e3 * rtt:.0f} ms | {c} | {med(rtt, c, 'samples_s'):,.0f} "
+                  f"| {med(rtt, c, 'tokens_s'):,.0f} "
                   f"| {1e3 * med(rtt, c, 'open_s'):.0f} | {1e3 * med(rtt, c, 'first_batch_s'):.0f} "
                   f"| {med(rtt, c, 'peak_pss_mb'):.0f} |")  # fmt: skip
     if "gl-parquet-text" in configs and "hf-streaming" in configs:
         print("\nratios and targets:")
         for rtt in rtts:
             ratio = med(rtt, "gl-parquet-text", "samples_s") / med(rtt, "hf-streaming", "samples_s")
-            per_round = [
-                a["samples_s"] / b["samples_s"]
-                for a, b in zip(results[(rtt, "gl-parquet-text")], results[(rtt, "hf-streaming")], strict=True)
-            ]
+            pairs = zip(results[(rtt, "gl-parquet-text")], results[(rtt, "hf-streaming")], strict=True)
+            per_round = [a["samples_s"] / b["samples_s"] for a, b in pairs]
             first = med(rtt, "gl-parquet-text", "first_batch_s")
             hf_first = med(rtt, "hf-streaming", "first_batch_s")
             print(f"  {1e3 * rtt:.0f} ms: gl-parquet-text / hf-streaming samples/s {ratio:.2f} (rounds "
                   f"{', '.join(f'{x:.2f}' for x in per_round)}; target >= 1.5: "
                   f"{'met' if ratio >= 1.5 else 'NOT met'}); first batch {1e3 * first:.0f} ms "
-                  f"(target < 1000 ms: {'met' if first < 1 else 'NOT met'}), HF {1e3 * hf_first:.0f} ms")  # fmt: skip
+                  f"(target < 1000 ms: {'met' if first < 1 else 'NOT met'}), "
+                  f"HF {1e3 * hf_first:.0f} ms")  # fmt: skip
         if 0.0 in rtts:
             for rtt in rtts:
                 if rtt:

@@ -172,6 +172,7 @@ class _RemoteFiles:
         self._reads()
 
     def _reads(self) -> None:
+        """The row groups being read, made afresh in each process (a lock does not pickle)."""
         #: Row groups being fetched and decoded, by (path, group, columns): a second reader of
         #: one waits for the first's table instead of fetching and decoding it again (the
         #: loader's concurrent reads of a window ask for the same row groups at once).
@@ -266,6 +267,8 @@ class _RemoteFiles:
                 del self._inflight[key]
 
     def _fetch_group(self, path: str, metadata: Any, group: int, columns: list[str], chunks: Any) -> Any:
+        """One ranged GET of the row group's column chunks (conditional on the object's
+        version), decoded beside the footer's bytes."""
         start, end = chunks
         data = self.conn.fetch_range(path, start, end)
         size = int(self.versions[path].size)

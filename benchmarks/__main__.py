@@ -22,6 +22,7 @@
     python -m benchmarks prepare-tasks [--mb 200]  # prepare as 8 task processes and on Ray vs --workers 2
     python -m benchmarks provenance [--sources N]  # explain() at 10^12 of 1,000 packed sources; audit cost
     python -m benchmarks parquet [--quick]         # open_parquet vs HF streaming and prepared streams
+    python -m benchmarks parquet-remote [--rounds 2] # open_parquet over http (0/20 ms) vs HF streaming
 
 `suite` runs in a venv of its own with the peers ($GUIDELOOM_BENCH_VENV, default
 $TMPDIR/guideloom-bench-venv): it creates it on first use and re-runs itself there. Nothing else
@@ -62,6 +63,7 @@ _PASSTHROUGH = {
     "prepare-tasks": "benchmarks.prepare_tasks",
     "provenance": "benchmarks.provenance",
     "parquet": "benchmarks.parquet",
+    "parquet-remote": "benchmarks.parquet_remote",
 }
 
 
@@ -155,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         "prepare-tasks",
         "provenance",
         "parquet",
+        "parquet-remote",
     ]
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__)

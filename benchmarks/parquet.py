@@ -610,7 +610,160 @@ def main(argv: list[str] | None = None) -> None:
           f"of text = {cost['length_index_s_per_gb']:.0f} s per GB")  # fmt: skip
     print("\nshuffle quality, 48,000 rows in row groups of 1,000 (batches of 32):")
     print("\n".join(shuffle_quality()))
+    print_resume_comparison(data, rows // BATCH // 2)
     print(f"\nload average after: {loadavg()}")
+
+
+# -- resuming mid-epoch, beside Hugging Face streaming ---------------------------------------------------
+#: The Hugging Face pipeline with 2 workers, and with 1 (``hf-streaming-1-worker``: the same
+#: dataset under ``StatefulDataLoader(num_workers=1)``).
+RESUME_CONFIGS = ("gl-parquet-text", "hf-streaming", "hf-streaming-1-worker")
+
+
+def resume_loader(config: str, data: Path) -> Any:
+    """``make_loader``'s loader with a fixed shuffle seed (as the Hugging Face pipeline's
+    ``shuffle(seed=0)``: a run that resumes must shuffle as the one it resumes did), or for
+    ``hf-streaming-1-worker`` the Hugging Face dataset under 1 worker."""
+    import torch
+
+    import guideloom as gl
+
+    if config == "gl-parquet-text":
+        tok = str(data / "tokenizer.json")
+        storage = gl.open_parquet(data / "data", "text", tokenizer=tok, eos="</s>", max_decoded_bytes=DECODED)
+        return gl.StatefulDataLoader.from_storage(
+            storage, collate_docs, local_batch_size=BATCH, num_workers=2, parallel_method="process",
+            shuffle=True, shuffle_block_size="auto", shuffle_seed=0, device=torch.device("cpu"),
+        )  # fmt: skip
+    if config != "hf-streaming-1-worker":
+        return make_loader(config, data)
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    dataset = make_loader("hf-streaming", data).dataset
+    return StatefulDataLoader(dataset, batch_size=BATCH, num_workers=1, collate_fn=collate_hf)
+
+
+def _row_keys(batch: Any) -> list[str]:
+    """A key per row of a (flat, lengths) batch: a digest of its token ids (the same text gives
+    the same ids under both loaders)."""
+    import hashlib
+
+    flat, lengths = batch
+    values = flat.numpy()
+    ends = np.cumsum(lengths.numpy()).tolist()
+    starts = [0, *ends[:-1]]
+    pairs = zip(starts, ends, strict=True)
+    return [hashlib.blake2b(values[a:b].tobytes(), digest_size=8).hexdigest() for a, b in pairs]
+
+
+def resume_child(config: str, data: str, stop: str, mode: str, out: str) -> None:  # pragma: no cover
+    """One leg of :func:`resume_comparison`, in a fresh process: ``full`` (one uninterrupted
+    epoch), ``stop`` (``stop`` batches, then ``state_dict()`` saved to ``out + '.state'``) or
+    ``resume`` (a fresh loader, ``load_state_dict`` of that state, the rest of the epoch). Writes
+    the rows' keys (and, resumed, the time from the loader's creation to its first batch)."""
+    import pickle
+
+    import datasets  # noqa: F401 - imports are not part of the first batch's time
+    import torchdata.stateful_dataloader  # noqa: F401
+
+    t0 = time.perf_counter()
+    loader = resume_loader(config, Path(data))
+    first = None
+    keys: list[str] = []
+    if mode == "resume":
+        loader.load_state_dict(pickle.loads(Path(out + ".state").read_bytes()))
+    ctx = loader if hasattr(loader, "__enter__") else None
+    if ctx is not None:
+        ctx.__enter__()
+    try:
+        for n, batch in enumerate(loader):
+            if first is None:
+                first = time.perf_counter() - t0
+            keys += _row_keys(batch)
+            if mode == "stop" and n + 1 == int(stop):
+                Path(out + ".state").write_bytes(pickle.dumps(loader.state_dict()))
+                break
+    finally:
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+    Path(out).write_text(json.dumps({"keys": keys, "first_batch_s": first}))
+
+
+def resume_comparison(data: Path, stop: int) -> dict[str, dict[str, Any]]:
+    """What each loader yields after ``state_dict()`` at batch ``stop`` of an epoch and
+    ``load_state_dict`` in a fresh process, against an uninterrupted run's batches after
+    ``stop``: rows repeated (yielded more often than there) and skipped (less often), as
+    multisets; over the whole epoch (the rows before the checkpoint and after the resume), rows
+    yielded twice and rows never yielded; and the time from a fresh loader's creation (opening
+    the files included) to its first batch after ``load_state_dict``."""
+    from collections import Counter
+
+    out: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="guideloom-resume-") as tmp:
+
+        def leg(config: str, mode: str) -> dict[str, Any]:
+            path = f"{tmp}/{config}-{mode}.json"
+            done = subprocess.run(
+                [sys.executable, "-c",
+                 "import sys; from benchmarks.parquet import resume_child; resume_child(*sys.argv[1:])",
+                 config, str(data), str(stop), mode, f"{tmp}/{config}.json" if mode != "full" else path],
+                check=False, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+            if done.returncode:
+                lines = [x for x in done.stderr.splitlines() if x and not x[0].isspace()]
+                raise RuntimeError(lines[-1] if lines else f"exit code {done.returncode}")
+            if mode != "full":
+                os.replace(f"{tmp}/{config}.json", path)  # its state stays beside, for the resumed leg
+            got: dict[str, Any] = json.loads(Path(path).read_text())
+            return got
+
+        for config in RESUME_CONFIGS:
+            full = leg(config, "full")["keys"]
+            before = leg(config, "stop")["keys"]
+            try:
+                resumed = leg(config, "resume")
+            except RuntimeError as exc:  # a loader whose resume raises: what it raised
+                out[config] = {"error": str(exc)}
+                continue
+            after = resumed["keys"]
+            reference = Counter(full[len(before) :])
+            got = Counter(after)
+            epoch = Counter(before + after)
+            rows = Counter(full)
+            out[config] = {
+                "rows_before": float(len(before)),
+                "rows_after_reference": float(sum(reference.values())),
+                "rows_after_resumed": float(len(after)),
+                "repeated": float(sum((got - reference).values())),
+                "skipped": float(sum((reference - got).values())),
+                "epoch_twice": float(sum((epoch - rows).values())),
+                "epoch_never": float(sum((rows - epoch).values())),
+                "same_prefix": float(before == full[: len(before)]),
+                "first_batch_after_resume_s": float(resumed["first_batch_s"] or 0.0),
+            }
+    return out
+
+
+def print_resume_comparison(data: Path, stop: int) -> None:
+    """The printed section of :func:`resume_comparison`."""
+    print(f"\nresuming mid-epoch (state_dict() after batch {stop} of 32 rows, load_state_dict in a "
+          "fresh process), against an uninterrupted epoch's rows after that batch (multisets):")  # fmt: skip
+    print(
+        "| loader | rows after (uninterrupted / resumed) | repeated | skipped | epoch: rows twice / never "
+        "| first batch after resume (fresh process, opening included) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for config, r in resume_comparison(data, stop).items():
+        if "error" in r:
+            print(f"| {config} | load_state_dict, then iterating, raised {r['error']} | | | | |")
+            continue
+        print(f"| {config} | {r['rows_after_reference']:,.0f} / {r['rows_after_resumed']:,.0f} | "
+              f"{r['repeated']:,.0f} | {r['skipped']:,.0f} | "
+              f"{r['epoch_twice']:,.0f} / {r['epoch_never']:,.0f} | "
+              f"{1e3 * r['first_batch_after_resume_s']:,.0f} ms |"
+              + ("" if r["same_prefix"] else " (the interrupted run's first batches differ from the "
+                 "uninterrupted run's)"))  # fmt: skip
 
 
 if __name__ == "__main__":

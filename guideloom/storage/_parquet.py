@@ -176,6 +176,15 @@ class _RemoteFiles:
         #: Each object's version as first seen: every read is conditional on it, in a process
         #: worker's copy too.
         self.versions: dict[str, Any] = {}
+        self._reads()
+
+    def _reads(self) -> None:
+        """The row groups being read, made afresh in each process (a lock does not pickle)."""
+        #: Row groups being fetched and decoded, by (path, group, columns): a second reader of
+        #: one waits for the first's table instead of fetching and decoding it again (the
+        #: loader's concurrent reads of a window ask for the same row groups at once).
+        self._inflight: dict[tuple[str, int, tuple[str, ...]], concurrent.futures.Future[Any]] = {}
+        self._inflight_lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -188,6 +197,7 @@ class _RemoteFiles:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._reads()
 
     @property
     def conn(self) -> Any:
@@ -217,6 +227,9 @@ class _RemoteFiles:
             raise DatasetFormatError(
                 f"{self.name(path)}: {plural(size, 'byte')} is too short to be a Parquet file"
             )
+        known = self._tails.get(path)
+        if known is not None:  # fetched when the files were opened: parsed again, not fetched
+            return _pq().read_metadata(_SparseFile(size, {known[0]: known[1]}))
         tail_start = max(0, size - _FOOTER_GUESS)
         tail = bytes(self.conn.fetch_range(path, tail_start, size))
         if tail[-4:] != b"PAR1":
@@ -240,6 +253,31 @@ class _RemoteFiles:
         return metadata
 
     def read_group(self, path: str, metadata: Any, group: int, columns: list[str], chunks: Any) -> Any:
+        """Row group ``group``'s ``columns`` as a table: one ranged GET of its column chunks,
+        shared with any reader that asks for the same row group while it is under way."""
+        key = (path, group, tuple(columns))
+        with self._inflight_lock:
+            pending = self._inflight.get(key)
+            if pending is None:
+                mine: concurrent.futures.Future[Any] = concurrent.futures.Future()
+                self._inflight[key] = mine
+        if pending is not None:
+            return pending.result()  # the first reader's table, or what it raised
+        try:
+            table = self._fetch_group(path, metadata, group, columns, chunks)
+        except BaseException as exc:
+            mine.set_exception(exc)
+            raise
+        else:
+            mine.set_result(table)
+            return table
+        finally:
+            with self._inflight_lock:
+                del self._inflight[key]
+
+    def _fetch_group(self, path: str, metadata: Any, group: int, columns: list[str], chunks: Any) -> Any:
+        """One ranged GET of the row group's column chunks (conditional on the object's
+        version), decoded beside the footer's bytes."""
         start, end = chunks
         data = self.conn.fetch_range(path, start, end)
         size = int(self.versions[path].size)

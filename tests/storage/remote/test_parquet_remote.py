@@ -4,7 +4,9 @@ replaced after opening is refused; a damaged object is named."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import shutil
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import torch
 import guideloom as gl
 from tests.support.loader import take
 from tests.support.remote import BUCKET, unique
-from tests.support.servers import MotoS3, Nginx
+from tests.support.servers import FaultProxy, MotoS3, Nginx
 
 
 def write(folder: Path, files: int = 3, rows: int = 300) -> list[list[int]]:
@@ -106,3 +108,53 @@ def test_a_truncated_object_is_named(tmp_path: Path, s3: MotoS3) -> None:
         gl.DatasetFormatError, match=r"train-00001\.parquet: the file does not end with Parquet's magic"
     ):
         gl.open_parquet(f"s3://{BUCKET}/{prefix}", "input_ids", **s3.options())
+
+
+def test_concurrent_reads_of_one_row_group_fetch_it_once(
+    tmp_path: Path, nginx: Nginx, www: Path, proxy_for: list[FaultProxy]
+) -> None:
+    """Reads that ask for the same row group at once (a loader's concurrent reads of a window)
+    share one ranged GET; the footers fetched when opening are not fetched again."""
+    ids = write(tmp_path / "pq")
+    prefix = unique("parquet-shared")
+    shutil.copytree(tmp_path / "pq", www / prefix)
+    proxy = FaultProxy(nginx.port, delay=0.05, lifetime=60).start()  # each GET takes 100 ms or more
+    proxy_for.append(proxy)
+    storage = gl.open_parquet([f"{proxy.url}/{prefix}/train-{f:05d}.parquet" for f in range(3)], "input_ids")
+    opened = proxy.stats.requests
+    start = threading.Barrier(4)
+    rows = [np.arange(k, 32, 4, dtype=np.int64) for k in range(4)]  # row group 0, in 4 parts
+
+    def read(idx: np.ndarray) -> list[list[int]]:
+        start.wait()
+        return [r.tolist() for r in storage.read_many_sync(idx)]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(read, rows))
+    assert got == [[ids[i] for i in idx.tolist()] for idx in rows]
+    assert proxy.stats.requests - opened == 1
+
+
+def test_a_failed_shared_read_fails_every_reader(tmp_path: Path, s3: MotoS3) -> None:
+    """A reader waiting on another's fetch of the same row group gets its error, not rows."""
+    write(tmp_path / "pq")
+    prefix = unique("parquet-shared-error")
+    s3.upload_folder(tmp_path / "pq", BUCKET, prefix)
+    storage = gl.open_parquet(f"s3://{BUCKET}/{prefix}", "input_ids", **s3.options())
+    write(tmp_path / "other", files=1, rows=100)
+    s3.client().upload_file(
+        str(tmp_path / "other" / "train-00000.parquet"), BUCKET, f"{prefix}/train-00002.parquet"
+    )
+    start = threading.Barrier(3)
+
+    def read(k: int) -> str:
+        start.wait()
+        try:
+            storage.read_many_sync(np.asarray([200 + k], np.int64))
+        except gl.DatasetIntegrityError as exc:
+            return str(exc)
+        return "read"
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(read, range(3)))
+    assert all("train-00002.parquet" in g for g in got), got

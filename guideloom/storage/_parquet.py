@@ -176,15 +176,6 @@ class _RemoteFiles:
         #: Each object's version as first seen: every read is conditional on it, in a process
         #: worker's copy too.
         self.versions: dict[str, Any] = {}
-        self._reads()
-
-    def _reads(self) -> None:
-        """The row groups being read, made afresh in each process (a lock does not pickle)."""
-        #: Row groups being fetched and decoded, by (path, group, columns): a second reader of
-        #: one waits for the first's table instead of fetching and decoding it again (the
-        #: loader's concurrent reads of a window ask for the same row groups at once).
-        self._inflight: dict[tuple[str, int, tuple[str, ...]], concurrent.futures.Future[Any]] = {}
-        self._inflight_lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -197,7 +188,6 @@ class _RemoteFiles:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._reads()
 
     @property
     def conn(self) -> Any:
@@ -253,29 +243,6 @@ class _RemoteFiles:
         return metadata
 
     def read_group(self, path: str, metadata: Any, group: int, columns: list[str], chunks: Any) -> Any:
-        """Row group ``group``'s ``columns`` as a table: one ranged GET of its column chunks,
-        shared with any reader that asks for the same row group while it is under way."""
-        key = (path, group, tuple(columns))
-        with self._inflight_lock:
-            pending = self._inflight.get(key)
-            if pending is None:
-                mine: concurrent.futures.Future[Any] = concurrent.futures.Future()
-                self._inflight[key] = mine
-        if pending is not None:
-            return pending.result()  # the first reader's table, or what it raised
-        try:
-            table = self._fetch_group(path, metadata, group, columns, chunks)
-        except BaseException as exc:
-            mine.set_exception(exc)
-            raise
-        else:
-            mine.set_result(table)
-            return table
-        finally:
-            with self._inflight_lock:
-                del self._inflight[key]
-
-    def _fetch_group(self, path: str, metadata: Any, group: int, columns: list[str], chunks: Any) -> Any:
         """One ranged GET of the row group's column chunks (conditional on the object's
         version), decoded beside the footer's bytes."""
         start, end = chunks
@@ -491,6 +458,8 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         self._lock = threading.Lock()
         self._decoded: OrderedDict[int, _Decoded] = OrderedDict()
         self._decoded_bytes = 0
+        #: Row groups being decoded, each by the first reader that asked for it.
+        self._decoding: dict[int, concurrent.futures.Future[_Decoded]] = {}
         self._since_release = 0  # bytes decoded since arrow's pool last gave back its free pages
         self._readers: OrderedDict[int, Any] = OrderedDict()
         self._offsets: I64 | None = None
@@ -498,7 +467,15 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without what it decoded or opened: a process worker decodes its own."""
-        keep = ("_lock", "_decoded", "_decoded_bytes", "_since_release", "_readers", "counts")
+        keep = (
+            "_lock",
+            "_decoded",
+            "_decoded_bytes",
+            "_decoding",
+            "_since_release",
+            "_readers",
+            "counts",
+        )
         return {k: v for k, v in self.__dict__.items() if k not in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -642,12 +619,26 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
             )
 
     def _decode(self, group: int) -> _Decoded:
+        """Row group ``group`` decoded: kept, or read and decoded once (a reader that asks for
+        it while another decodes it waits for that one's, as concurrent reads of a window do)."""
         with self._lock:
             got = self._decoded.get(group)
             if got is not None:
                 self._decoded.move_to_end(group)
                 return got
-        decoded = self._decode_new(group)
+            pending = self._decoding.get(group)
+            if pending is None:
+                mine: concurrent.futures.Future[_Decoded] = concurrent.futures.Future()
+                self._decoding[group] = mine
+        if pending is not None:
+            return pending.result()  # the first reader's, or what it raised
+        try:
+            decoded = self._decode_new(group)
+        except BaseException as exc:
+            with self._lock:
+                del self._decoding[group]
+            mine.set_exception(exc)
+            raise
         with self._lock:
             self._since_release += decoded.nbytes
             release = self._kind == "text" or self._since_release >= RELEASE_EVERY_BYTES
@@ -663,6 +654,8 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
             while self._decoded_bytes > self.max_decoded_bytes and len(self._decoded) > 1:
                 _, old = self._decoded.popitem(last=False)
                 self._decoded_bytes -= old.nbytes
+            del self._decoding[group]
+        mine.set_result(decoded)
         return decoded
 
     def _decode_new(self, group: int) -> _Decoded:

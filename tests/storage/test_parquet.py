@@ -174,6 +174,26 @@ def test_a_read_in_any_order_over_many_row_groups_returns_each_row_in_place(
     assert [g if text else g.tolist() for g in got] == want
 
 
+def test_readers_of_a_row_group_being_decoded_wait_for_that_decode(folder: Path) -> None:
+    """Concurrent reads of one row group (a loader's reads of a window) decode it once, and the
+    bytes kept count it once: the bound is not used up by copies that are not kept."""
+    import concurrent.futures
+    import threading
+
+    storage = gl.open_parquet(folder, "input_ids")
+    start = threading.Barrier(4)
+
+    def read(k: int) -> list[list[int]]:
+        start.wait()
+        return [r.tolist() for r in storage.read_many_sync(np.arange(k, 50, 4, dtype=np.int64))]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(read, range(4)))
+    assert got == [[r.tolist() for r in storage.read_many_sync(np.arange(k, 50, 4))] for k in range(4)]
+    assert storage.figures()["parquet_row_group_decodes"] == 1
+    assert storage._decoded_bytes == sum(d.nbytes for d in storage._decoded.values())
+
+
 def test_a_read_over_many_row_groups_checks_each_for_nulls_and_the_range(tmp_path: Path) -> None:
     ids = [[1, 2], [5], [], [3]] * 4 + [None]
     pq.write_table(pa.table({"input_ids": pa.array(ids, pa.list_(pa.int32()))}), tmp_path / "n.parquet",

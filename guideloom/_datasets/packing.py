@@ -697,12 +697,10 @@ def best_fit_layout(lengths: I64, starts: I64, length: int, bounds: I64 | None =
     Whole ``length`` pieces of long documents come first, one sequence each, in document order;
     then the sequences best-fit opened, in the order it opened them. With ``bounds`` (document
     indexes ``0 = b[0] < b[1] < ... = D``), the documents of each range ``[b[k], b[k+1])`` are
-    packed on their own, one range after the other, and the layout's ``groups`` holds each
+    packed so on their own, one range after the other, and the layout's ``groups`` holds each
     range's number of sequences; without, the whole dataset is one range.
     """
     n = len(lengths)
-    cuts = np.asarray([0, n] if bounds is None else bounds, dtype=np.int64)
-    group = np.repeat(np.arange(len(cuts) - 1, dtype=np.int64), np.diff(cuts))
     whole = lengths // length
     rest = lengths - whole * length
     docs = np.arange(n, dtype=np.int64)
@@ -710,28 +708,36 @@ def best_fit_layout(lengths: I64, starts: I64, length: int, bounds: I64 | None =
     whole_doc = np.repeat(docs, whole)
     whole_start = starts[whole_doc] + (_ranges(np.zeros(len(docs), np.int64), whole) * length)
     has_rest = np.flatnonzero(rest > 0)
-    order = has_rest[np.lexsort((has_rest, -rest[has_rest], group[has_rest]))]
-    first_of_group = np.flatnonzero(np.diff(group[order], prepend=-1))  # where each range begins
-    bins = _best_fit_decreasing(rest[order], length, first_of_group[1:])
+    if bounds is None:
+        order = has_rest[np.lexsort((has_rest, -rest[has_rest]))]
+        bins = _best_fit_decreasing(rest[order], length)
+    else:  # by range, then as above: each range's pieces are one run, packed on its own
+        group = np.repeat(np.arange(len(bounds) - 1, dtype=np.int64), np.diff(bounds))
+        order = has_rest[np.lexsort((has_rest, -rest[has_rest], group[has_rest]))]
+        first_of_range = np.flatnonzero(np.diff(group[order], prepend=-1))
+        bins = _best_fit_decreasing(rest[order], length, first_of_range[1:])
     by_bin = np.argsort(bins, kind="stable")
     nbins = int(bins.max()) + 1 if len(bins) else 0
     rest_doc = order[by_bin]
     nwhole = len(whole_doc)
-    # each sequence's range: a whole piece's document's, a bin's first document's (bins never
-    # cross a range); the sequences of a range: its whole pieces, then its bins
-    bin_group = np.empty(nbins, np.int64)
-    bin_group[bins] = group[order]
-    seq_group = np.concatenate([group[whole_doc], bin_group])
-    seq_order = np.argsort(seq_group, kind="stable")
-    counts = np.concatenate([np.ones(nwhole, np.int64), np.bincount(bins, minlength=nbins)])
-    old_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    at = _ranges(old_ptr[seq_order], counts[seq_order])
+    counts = np.ones(nwhole + nbins, dtype=np.int64)
+    counts[nwhole:] = np.bincount(bins, minlength=nbins)
     doc = np.concatenate([whole_doc, rest_doc])
     start = np.concatenate([whole_start, starts[rest_doc] + whole[rest_doc] * length])
     size = np.concatenate([np.full(nwhole, length, np.int32), rest[rest_doc].astype(np.int32)])
+    if bounds is None:
+        ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        return _BestFitLayout(length, ptr, doc, start, size, np.asarray([len(counts)], np.int64))
+    # each sequence's range (a whole piece's document's; a bin's documents', which share one):
+    # the sequences of each range, its whole pieces then its bins, one range after the other
+    bin_range = np.empty(nbins, np.int64)
+    bin_range[bins] = group[order]
+    seq_range = np.concatenate([group[whole_doc], bin_range])
+    seq_order = np.argsort(seq_range, kind="stable")
+    at = _ranges((np.cumsum(counts) - counts)[seq_order], counts[seq_order])
     ptr = np.concatenate([[0], np.cumsum(counts[seq_order])]).astype(np.int64)
-    per_group = np.bincount(seq_group, minlength=len(cuts) - 1).astype(np.int64)
-    return _BestFitLayout(length, ptr, doc[at], start[at], size[at], per_group)
+    per_range = np.bincount(seq_range, minlength=len(bounds) - 1).astype(np.int64)
+    return _BestFitLayout(length, ptr, doc[at], start[at], size[at], per_range)
 
 
 def _best_fit_decreasing(sizes: I64, capacity: int, cuts: I64 | None = None) -> I64:

@@ -23,11 +23,14 @@ round (this machine is shared and noisy).
   rounds: row groups decoded in the epoch (counted by the storage; the length index's one pass
   at open left out) and sequences/s. ``max_decoded_bytes`` holds 24 row groups, above the
   default ``shuffle_window`` of 16 row groups.
+- padding: the sequences best fit by ranges of row groups makes against one best fit over the
+  whole dataset (layouts only, over the documents' offsets).
 
     python -m benchmarks.packing            # the full run (~3 minutes once the data exists)
     python -m benchmarks.packing --quick    # a smoke run
     python -m benchmarks.packing --only window   # one read window + its collates, no loader
     python -m benchmarks.packing --only parquet  # the row-group order over packed Parquet
+    python -m benchmarks.packing --only padding  # best fit by ranges of row groups: padding
 """
 
 from __future__ import annotations
@@ -369,6 +372,58 @@ def parquet_epoch(folder: Path, mode: Literal["concat", "best_fit"], auto: bool)
     }
 
 
+def fit_padding(documents: int) -> dict[str, Any]:
+    """Sequences best fit makes by ranges of row groups, against one best fit over the whole
+    dataset (what the ranges cost in padding), for ``documents`` documents of lognormal
+    lengths (sigma 1; medians 300 and 1,000 tokens) in row groups of 100 and 1,000 rows,
+    ``sequence_length=2048``: each row group on its own, and ranges of ``fit_group`` 64 and 256."""
+    from guideloom._datasets.packing import best_fit_layout
+
+    rng = np.random.default_rng(0)
+    out: dict[str, Any] = {}
+    for median in (300, 1000):
+        lengths = np.maximum(1, rng.lognormal(np.log(median), 1.0, documents)).astype(np.int64)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        whole = len(best_fit_layout(lengths, starts, SEQ))
+        row: dict[str, Any] = {
+            "mean_length": float(lengths.mean()),
+            "global_padding": 1 - float(lengths.sum()) / (whole * SEQ),
+        }
+        for rows in (100, 1000):
+            blocks = MemoryBlocks(lengths, rows)
+            for fit_group in (1, 64, 256):
+                packed = gl.pack(blocks, SEQ, "best_fit", fit_group=fit_group)  # type: ignore[arg-type]
+                asyncio.run(packed.open())
+                row[f"rows{rows}_group{fit_group}_extra"] = len(packed) / whole - 1
+        out[f"median{median}"] = row
+    return out
+
+
+class MemoryBlocks(gl.DocumentStorageAbstract[Any, np.ndarray]):
+    """Documents' offsets only (all a layout reads), in blocks of ``rows`` documents."""
+
+    blocking_calls_are_cheap = True
+
+    def __init__(self, lengths: np.ndarray, rows: int) -> None:
+        self.offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return np.dtype(np.uint16)
+
+    def document_offsets_sync(self, positions: np.ndarray) -> np.ndarray:
+        return self.offsets[positions]
+
+    def natural_blocks(self) -> np.ndarray:
+        n = len(self)
+        sizes = np.full(n // self.rows, self.rows, np.int64)
+        return sizes if n % self.rows == 0 else np.append(sizes, n % self.rows)
+
+
 def parquet_order(documents: int, rounds: int) -> dict[str, Any]:
     """The row-group order against the plain shuffle over packed Parquet, in alternating rounds
     (decodes are the same each round; sequences/s are medians, with their ratio per round)."""
@@ -400,8 +455,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--documents", type=int, default=None, help="documents in the layout-build measurement")
     ap.add_argument(
         "--only",
-        default="throughput,resume,build,parquet",
-        help="parts to run (throughput,resume,build,window,parquet)",
+        default="throughput,resume,build,parquet,padding",
+        help="parts to run (throughput,resume,build,window,parquet,padding)",
     )
     ap.add_argument("--build-child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -423,6 +478,8 @@ def main(argv: list[str] | None = None) -> None:
         result["resume"] = resume_ttfb(docs_path, 5 if args.quick else 20)
     if "build" in parts:
         result["layout_build"] = layout_build(documents)
+    if "padding" in parts:
+        result["fit_padding"] = fit_padding(20_000 if args.quick else 200_000)
     if "parquet" in parts:
         result["parquet_order"] = parquet_order(20_000 if args.quick else 100_000, 1 if args.quick else 3)
     print(json.dumps(result, indent=2))

@@ -23,6 +23,11 @@ Text, tokenized with 2 process workers (local_batch_size 32, shuffled, one epoch
 - ``tokenize-ceiling``: the tokenizer alone, ``encode_batch_fast`` of batches of 32 of the same
   texts on 2 processes, no loader: both loaders are reported as fractions of it.
 
+``gl-stream-prepared+libs`` and ``gl-stream-tokens+libs``: the stream loaders in a process that
+has also imported pyarrow's Parquet reader and ``tokenizers`` and loaded the tokenizer, what any
+reader of Parquet that tokenizes loads: beside them, the memory that guideloom's Parquet reading
+adds (a window of decoded row groups, its own state) is told from the libraries' own.
+
 Pre-tokenized ``list<int32>``, no workers (local_batch_size 32, shuffled): ``gl-parquet-tokens``
 against ``gl-stream-tokens``, the same tokens as a guideloom stream dataset (sequence_length
 1024), and ``gl-stream-tokens-doclen``, the same stream cut into samples as long as the mean
@@ -67,8 +72,18 @@ VOCAB = 8192
 #: Decoded row groups kept: a mixing window's (16 row groups of about 1 MB) but not the whole
 #: data set, so that every epoch decodes every row group again, as it would at scale.
 DECODED = 20 * 2**20
-TEXT_CONFIGS = ("gl-parquet-text", "hf-streaming", "gl-stream-prepared", "tokenize-ceiling")
-TOKEN_CONFIGS = ("gl-parquet-tokens", "gl-stream-tokens", "gl-stream-tokens-doclen")
+TEXT_CONFIGS = (
+    "gl-parquet-text",
+    "hf-streaming",
+    "gl-stream-prepared",
+    "gl-stream-prepared+libs",
+    "tokenize-ceiling",
+)
+TOKEN_CONFIGS = ("gl-parquet-tokens", "gl-stream-tokens", "gl-stream-tokens+libs", "gl-stream-tokens-doclen")
+#: A configuration ending in this runs the stream loader in a process that has also imported
+#: pyarrow's Parquet reader and ``tokenizers`` and loaded the tokenizer: the libraries any reader
+#: of Parquet that tokenizes must load, so that the memory guideloom adds can be told from theirs.
+LIBS = "+libs"
 
 
 # -- data ----------------------------------------------------------------------------------------------
@@ -257,6 +272,12 @@ def run_one(config: str, data: Path, seconds: float, decoded: int = DECODED) -> 
     wait is reported on its own: it holds the workers' start)."""
     if config == "tokenize-ceiling":
         return tokenize_ceiling(data, seconds)
+    if config.endswith(LIBS):
+        import pyarrow.parquet
+        from tokenizers import Tokenizer
+
+        libs = [pyarrow.parquet, Tokenizer.from_file(str(data / "tokenizer.json"))]  # noqa: F841
+        config = config.removesuffix(LIBS)
     loader = make_loader(config, data, decoded)
     samples = tokens = 0
     t0 = time.perf_counter()
@@ -553,6 +574,10 @@ def main(argv: list[str] | None = None) -> None:
          ratio_of("gl-parquet-text", "gl-stream-prepared", "peak_pss_mb"), 1.2),
         ("peak PSS gl-parquet-tokens / gl-stream-tokens",
          ratio_of("gl-parquet-tokens", "gl-stream-tokens", "peak_pss_mb"), 1.2),
+        ("peak PSS gl-parquet-text / gl-stream-prepared+libs",
+         ratio_of("gl-parquet-text", "gl-stream-prepared+libs", "peak_pss_mb"), 1.2),
+        ("peak PSS gl-parquet-tokens / gl-stream-tokens+libs",
+         ratio_of("gl-parquet-tokens", "gl-stream-tokens+libs", "peak_pss_mb"), 1.2),
     ]  # fmt: skip
     ceiling = med("tokenize-ceiling", "samples_s")
     print(f"  tokenizer ceiling (encode_batch_fast alone, 2 processes): {ceiling:,.0f} rows/s; "

@@ -411,8 +411,9 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
 
         Prefetched batches that have not been yielded do not advance ``observation_offset``.
         Each yielded batch advances it by ``global_batch_size``, including padding in an
-        incomplete final batch. A block shuffle also records its ``shuffle_block_size`` and
-        ``shuffle_window`` (a global shuffle records none: it has blocks of one sample).
+        incomplete final batch. A block shuffle also records its ``shuffle_block_size``,
+        ``shuffle_window`` and ``shuffle_block_auto`` (whether it was given ``"auto"``); a global
+        shuffle records none of them: it has blocks of one sample.
         """
         return save_state(self)
 
@@ -422,8 +423,9 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         """Restore ``epoch`` and ``observation_offset`` from a checkpoint.
 
         Call this before starting an iterator. A warning is emitted when ``shuffle``,
-        ``shuffle_seed``, ``drop_last`` or the shuffle blocks (``shuffle_block_size``,
-        ``shuffle_window``) differ from this loader; those saved values are not
+        ``shuffle_seed``, ``drop_last`` or the shuffle blocks (``shuffle_block_size`` as each
+        loader was given it, ``"auto"`` or a size, and ``shuffle_window``) differ from this
+        loader; those saved values are not
         applied. The offset is global, so a job can resume with another batch size or world size.
         A checkpoint counted over another dataset (its fingerprint differs) is refused:
         ``allow_dataset_change=True`` resumes at its position anyway, for data changed on purpose.

@@ -71,6 +71,10 @@ class StatefulDataLoaderStateDict(TypedDict):
     block shuffle only: absent means blocks of 1, a global row shuffle (or no shuffle)."""
     shuffle_window: NotRequired[int]
     """Blocks per mixing window that loader's order used (present with ``shuffle_block_size``)."""
+    shuffle_block_auto: NotRequired[bool]
+    """Whether that loader was given ``shuffle_block_size="auto"`` (present with
+    ``shuffle_block_size``): over a storage's own blocks (a Parquet file's row groups),
+    ``"auto"`` keeps them, an order no size reproduces."""
     history: NotRequired[str]
     """Where the batch geometry (``local_batch_size``, ``world_size``) changed in the current
     epoch and the one before: ``epoch:offset:step:local_batch_size:world_size`` per change,

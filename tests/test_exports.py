@@ -107,4 +107,10 @@ def test_the_checkpoint_typeddict_requires_the_pages_five_keys() -> None:
     from guideloom.types import StatefulDataLoaderStateDict as State
 
     assert State.__required_keys__ == {"epoch", "observation_offset", "shuffle", "shuffle_seed", "drop_last"}
-    assert State.__optional_keys__ == {"dataset", "shuffle_block_size", "shuffle_window", "history"}
+    assert State.__optional_keys__ == {
+        "dataset",
+        "shuffle_block_size",
+        "shuffle_window",
+        "shuffle_block_auto",
+        "history",
+    }

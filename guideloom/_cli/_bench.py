@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         samples_s = format_count((samples - first_samples) / rate_time) + " (after the first batch)"
         tokens_s = format_count((tokens - first_tokens) / rate_time) + " (after the first batch)"
     else:
-        samples_s = tokens_s = f"not measured: {timed} batch{'es' * (timed != 1)} after the first"
+        samples_s = tokens_s = f"not measured: {plural(timed, 'batch', 'batches')} after the first"
     kind = "documents" if documents else "stream"
     if not args.quiet:
         print(
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
 def _too_few(args: argparse.Namespace, batches: int, samples: int, documents: bool) -> str:
     """The warning for a run too short to measure a rate: what to change."""
     head = (
-        f"guideloom: warning: {batches} batch{'es' * (batches != 1)} in all, {batches - 1} after the "
+        f"guideloom: warning: {plural(batches, 'batch', 'batches')} in all, {batches - 1} after the "
         f"first: too few to measure a rate (at least {MIN_TIMED_BATCHES} after the first are timed); "
     )
     if batches >= args.batches:  # stopped by --batches
@@ -170,7 +170,7 @@ def _too_few(args: argparse.Namespace, batches: int, samples: int, documents: bo
     if not documents:
         smaller += " or a smaller --sequence-length"
     return head + (
-        f"the dataset gives {batches} batch{'es' * (batches != 1)} of --batch-size {args.batch_size}: "
+        f"the dataset gives {plural(batches, 'batch', 'batches')} of --batch-size {args.batch_size}: "
         f"use {smaller}, "
         "or a larger dataset"
     )

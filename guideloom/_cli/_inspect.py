@@ -9,13 +9,14 @@ from typing import Any
 
 import numpy as np
 
-from guideloom._cli._common import Progress, UsageError, add_count, format_bytes
+from guideloom._cli._common import Progress, UsageError, add_count, counted, format_bytes
 from guideloom._cli._tokenizers import Tokenizer, tokenizer_for_decoding
+from guideloom._core.text import plural
 from guideloom._errors import DatasetFormatError
 from guideloom.storage._api import local_folder, open_documents, open_stream, verify_dataset
 from guideloom.storage._local import read_local_manifest
 from guideloom.storage._manifest import MANIFEST_NAME, Manifest
-from guideloom.storage._parquet import open_parquet, parquet_columns
+from guideloom.storage._parquet import ParquetStorage, open_parquet, parquet_columns
 from guideloom.storage.base import DocumentStorageAbstract, StreamStorageAbstract
 
 __all__ = ["add_parsers", "open_dataset"]
@@ -102,7 +103,7 @@ def _describe(dest: str, manifest: Manifest | None, storage: Storage) -> list[st
     lines += [
         f"kind:       {manifest.kind}",
         f"dtype:      {manifest.dtype.name}",
-        f"elements:   {manifest.num_elements:,} tokens",
+        f"elements:   {counted(manifest.num_elements, 'token')}",
     ]
     documents = manifest.num_documents if manifest.kind == "documents" else manifest.extra.get("documents")
     if documents is not None:
@@ -116,8 +117,8 @@ def _describe(dest: str, manifest: Manifest | None, storage: Storage) -> list[st
     width = max(len(f.path) for _, _, f in files)
     for name, spec, f in files:
         lines.append(
-            f"  {f.path:<{width}}  {name:<8} {spec.dtype.name:<7} {f.elements:>14,} elements "
-            f"{f.nbytes:>15,} B"
+            f"  {f.path:<{width}}  {name:<8} {spec.dtype.name:<7} "
+            f"{plural(f.elements, 'element', shown=f'{f.elements:>14,}'):<23} {f.nbytes:>15,} B"
         )
     if manifest.extra:
         lines.append("info:")
@@ -182,10 +183,22 @@ def _readable_column(columns: list[tuple[str, str]]) -> str:
     raise UsageError(f"no text or token-id column to show among {shown}; name one with --column")
 
 
+def _sample_rows(storage: ParquetStorage, k: int) -> list[Any]:
+    """The first ``k`` rows, each ``None`` where the row is null (the storage, opened with
+    ``on_null="empty"``, counts it as it reads it as an empty document)."""
+    rows = []
+    for i in range(k):
+        before = storage.figures()["parquet_null_rows"]
+        (row,) = storage.read_many_sync(np.array([i], dtype=np.int64))
+        rows.append(None if storage.figures()["parquet_null_rows"] > before else row)
+    return rows
+
+
 def _inspect_parquet(args: argparse.Namespace) -> list[str]:
     files, columns = parquet_columns(args.dataset)
     column = args.column or _readable_column(columns)
-    storage = open_parquet(args.dataset, column)
+    # inspect looks at the data as it is: a null row is shown as one, not refused
+    storage = open_parquet(args.dataset, column, on_null="empty")
     sizes = storage.row_group_sizes()
     lines = [
         f"dataset:    {args.dataset}",
@@ -200,21 +213,32 @@ def _inspect_parquet(args: argparse.Namespace) -> list[str]:
     summary = storage.file_summary()
     width = max(len(f) for f, *_ in summary)
     for f, nrows, groups, nbytes in summary:
-        lines.append(f"  {f:<{width}}  {nrows:>12,} rows {groups:>6,} row groups {nbytes:>15,} B")
+        rows_text = plural(nrows, "row", shown=f"{nrows:>12,}")
+        groups_text = plural(groups, "row group", shown=f"{groups:>6,}")
+        lines.append(f"  {f:<{width}}  {rows_text:<17} {groups_text:<17} {nbytes:>15,} B")
     k = min(args.samples, len(storage))
-    rows = storage.read_many_sync(np.arange(k, dtype=np.int64))
+    rows = _sample_rows(storage, k)
     tokenizer = tokenizer_for_decoding(args.tokenizer, {}) if args.tokenizer else None
-    lines.append(f"samples (first {k} rows of {column!r}):")
+    lines.append(f"samples (first {plural(k, 'row')} of {column!r}):")
     for i, row in enumerate(rows):
-        if isinstance(row, str):
+        if row is None:
+            lines.append(f"  [{i}] null")
+        elif isinstance(row, str):
             text = row
             more = "..." if len(text) > args.chars else ""
-            lines.append(f"  [{i}] {len(text):,} chars: {text[: args.chars]!r}{more}")
+            lines.append(f"  [{i}] {counted(len(text), 'char')}: {text[: args.chars]!r}{more}")
         elif tokenizer is not None:
-            lines.append(f"  [{i}] {len(row):,} tokens: {_preview(tokenizer, row, args.chars)}")
+            lines.append(f"  [{i}] {counted(len(row), 'token')}: {_preview(tokenizer, row, args.chars)}")
         else:
             head = ", ".join(str(t) for t in row[:16].tolist())
-            lines.append(f"  [{i}] {len(row):,} tokens: [{head}{', ...' if len(row) > 16 else ''}]")
+            lines.append(f"  [{i}] {counted(len(row), 'token')}: [{head}{', ...' if len(row) > 16 else ''}]")
+    nulls = sum(row is None for row in rows)
+    if nulls:
+        lines.append(
+            f"nulls:      {nulls} of the {plural(k, 'row')} shown {'is' if nulls == 1 else 'are'} null: "
+            "gl.open_parquet refuses a null row unless on_null='empty' (an empty document)"
+            + ("; guideloom prepare skips one with --skip-invalid" if storage.dtype == object else "")
+        )
     return lines
 
 
@@ -232,9 +256,9 @@ def run_inspect(args: argparse.Namespace) -> int:
         name = args.tokenizer
         if name == "auto" and manifest is not None:
             name = f"{manifest.extra.get('tokenizer')} (auto)"
-        lines.append(f"samples (first {len(docs)} documents, decoded with {name}):")
+        lines.append(f"samples (first {plural(len(docs), 'document')}, decoded with {name}):")
         for i, doc in enumerate(docs):
-            lines.append(f"  [{i}] {len(doc):,} tokens: {_preview(tokenizer, doc, args.chars)}")
+            lines.append(f"  [{i}] {counted(len(doc), 'token')}: {_preview(tokenizer, doc, args.chars)}")
     print("\n".join(lines))
     return 0
 
@@ -262,7 +286,8 @@ def run_verify(args: argparse.Namespace) -> int:
         files = manifest.all_files()
         nbytes = sum(f.nbytes for _, _, f in files)
         print(
-            f"ok: {args.dataset}: {len(files)} files, {format_bytes(nbytes)}, sizes and sha256 checksums "
-            f"match the manifest ({manifest.kind}, {manifest.num_elements:,} {manifest.dtype.name} tokens)"
+            f"ok: {args.dataset}: {plural(len(files), 'file')}, {format_bytes(nbytes)}, sizes and sha256 "
+            f"checksums match the manifest ({manifest.kind}, "
+            f"{counted(manifest.num_elements, manifest.dtype.name + ' token')})"
         )
     return 0

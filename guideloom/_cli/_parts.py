@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from guideloom._cli._common import CLIError, UsageError
+from guideloom._core.text import plural
 from guideloom.storage._manifest import MANIFEST_NAME, Manifest
 from guideloom.storage._parts import (
     PARTS,
@@ -121,7 +122,8 @@ def merge_parts(dest: str, *, tasks: int | None = None) -> Manifest:
     if missing:
         shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
         raise CLIError(
-            f"{dest}: {len(missing)} of {tasks} parts are missing or unfinished (tasks {shown}, "
+            f"{dest}: {len(missing)} of the {plural(tasks, 'part')} {'is' if len(missing) == 1 else 'are'} "
+            f"missing or unfinished ({'task' if len(missing) == 1 else 'tasks'} {shown}, "
             "counted from 0); run them again with --task I --tasks N (finished parts are skipped), "
             "then merge"
         )

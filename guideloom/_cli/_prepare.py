@@ -601,7 +601,9 @@ def _report(manifest: Manifest, dest: str, counter: _Counter, files: list[InputF
         f"({total_disk / max(elapsed, 1e-9) / 1e6:.1f} MB/s of input)"
     )
     if counter.invalid:
-        print(f"skipped {counter.invalid:,} invalid lines, rows or files (--skip-invalid)")
+        n = counter.invalid
+        skipped = plural(n, "invalid line, row or file", "invalid lines, rows or files", shown=f"{n:,}")
+        print(f"skipped {skipped} (--skip-invalid)")
 
 
 def _split_documents(results: Iterator[Result]) -> Iterator[npt.NDArray[Any]]:

@@ -19,7 +19,7 @@ import reprlib
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -47,6 +47,12 @@ class LoaderIdentity:
     """Samples per shuffle block, resolved (``"auto"`` is recorded as the size it chose)."""
     shuffle_window: int = 1
     """Blocks per mixing window (1 for a global shuffle)."""
+    shuffle_block_option: int | Literal["auto"] | None = None
+    """``shuffle_block_size`` as the loader was constructed with it: what messages name."""
+    storage_blocks: bool = False
+    """Whether the dataset has shuffle blocks of its own (a Parquet file's row groups), which
+    ``"auto"`` keeps and no size reproduces: ``"auto"`` and a size are then other orders, even
+    where the size is the one ``"auto"`` records."""
 
 
 def _show(value: Any) -> str:
@@ -78,6 +84,7 @@ _ORDER_KEYS: dict[str, tuple[str, Any]] = {
     "shuffle_seed": ("an int or None", lambda v: v is None or _is_int(v)),
     "shuffle_block_size": ("an int", _is_int),
     "shuffle_window": ("an int", _is_int),
+    "shuffle_block_auto": ("True or False", lambda v: isinstance(v, bool | np.bool_)),
 }
 _FINGERPRINT_KEYS: dict[str, tuple[str, Any]] = {
     "kind": ("a str", lambda v: isinstance(v, str)),
@@ -198,6 +205,35 @@ def _saved_order_value(state_dict: Mapping[str, Any], key: str, mine: Any) -> An
     return state_dict.get(key, mine)
 
 
+def _blocks(option: Any, size: Any) -> str:
+    """``shuffle_block_size`` as a loader was given it, and what it came to."""
+    if option == "auto":
+        return f"'auto' (resolved to {_show(size)}{': a global row shuffle' if size == 1 else ''})"
+    if size == 1:
+        return f"{_show(option)} (a global row shuffle)"
+    return _show(option)
+
+
+def _block_change(state_dict: Mapping[str, Any], current: LoaderIdentity) -> tuple[str, str, str] | None:
+    """Where the saved shuffle blocks differ from this loader's: each side as its loader was
+    given them (``'auto'``, a size, ``None``) and the value to construct this loader with."""
+    saved_size = state_dict.get("shuffle_block_size", 1)
+    saved_auto = state_dict.get("shuffle_block_auto")  # None: a checkpoint of before it was kept
+    mine_auto = current.shuffle_block_option == "auto"
+    # over blocks of the storage's own, "auto" keeps them and a size (even the one "auto"
+    # records) cuts others; elsewhere "auto" is the size it resolves to
+    other_kind = saved_auto is not None and current.storage_blocks and bool(saved_auto) != mine_auto
+    if saved_size == current.shuffle_block_size and not other_kind:
+        return None
+    saved_option = "auto" if saved_auto else (saved_size if saved_size != 1 else None)
+    advice = "auto" if saved_auto and not mine_auto else saved_option
+    return (
+        _blocks(saved_option, saved_size),
+        _blocks(current.shuffle_block_option, current.shuffle_block_size),
+        "'auto'" if advice == "auto" else _show(advice),
+    )
+
+
 def _warn_order_changes(state_dict: Mapping[str, Any], current: LoaderIdentity) -> None:
     either_shuffles = current.shuffle or bool(state_dict.get("shuffle", False))
     keys = ("shuffle", "shuffle_seed", "drop_last", "shuffle_block_size", "shuffle_window")
@@ -210,15 +246,23 @@ def _warn_order_changes(state_dict: Mapping[str, Any], current: LoaderIdentity) 
             current.shuffle_block_size == state_dict.get("shuffle_block_size", 1) > 1
         ):
             continue  # a window only means something between equal blocks of several samples
-        if saved != mine:
-            warnings.warn(
-                f"the checkpoint was saved by a loader with {key}={_show(saved)}, this loader has "
-                f"{key}={mine!r}; the saved value is not applied, so the order after resuming "
-                f"differs from the saved run. Construct the loader with {key}={_show(saved)} to resume "
-                "it exactly",
-                UserWarning,
-                stacklevel=4,
-            )
+        if key == "shuffle_block_size":
+            change = _block_change(state_dict, current)
+            if change is None:
+                continue
+            saved_text, mine_text, advice = change
+        elif saved == mine:
+            continue
+        else:
+            saved_text, mine_text, advice = _show(saved), repr(mine), _show(saved)
+        warnings.warn(
+            f"the checkpoint was saved by a loader with {key}={saved_text}, this loader has "
+            f"{key}={mine_text}; the saved value is not applied, so the order after resuming "
+            f"differs from the saved run. Construct the loader with {key}={advice} to resume "
+            "it exactly",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 @dataclass(slots=True)

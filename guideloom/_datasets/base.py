@@ -97,6 +97,14 @@ class DatasetAbstract(ABC, Generic[SourceT]):
         return False
 
     @property
+    def read_by_workers(self) -> bool:
+        """Whether process workers read their own batches where the dataset reads inline (its
+        storage's answer, :meth:`StorageAbstract.read_by_workers
+        <guideloom.DocumentStorageAbstract.read_by_workers>`); otherwise the main process reads
+        and sends them the samples."""
+        return self.storage is None or self.storage.read_by_workers()
+
+    @property
     def max_concurrent_reads(self) -> int:
         """How many read windows the loader keeps in flight at once: the storage's figure (1 for
         memory and local files, more for object stores, where a read is bound by round trips);

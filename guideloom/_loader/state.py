@@ -90,6 +90,9 @@ def save_state(loader: Loader[Any]) -> StatefulDataLoaderStateDict:
     if block > 1:  # a global shuffle's checkpoint stays as it was: no key means blocks of 1
         state["shuffle_block_size"] = block
         state["shuffle_window"] = window(loader)
+        # what the loader was given: over a storage's own blocks (row groups), "auto" is another
+        # order than any size, and a message names what the user passed
+        state["shuffle_block_auto"] = loader.shuffle_block_size == "auto"
     return state
 
 
@@ -109,7 +112,17 @@ def identity_to_restore(loader: Loader[Any]) -> LoaderIdentity:
         _loader_fingerprint(loader),
         shuffle_block_size=block_size(loader),
         shuffle_window=window(loader),
+        shuffle_block_option=loader.shuffle_block_size,
+        storage_blocks=_has_storage_blocks(loader),
     )
+
+
+def _has_storage_blocks(loader: Loader[Any]) -> bool:
+    """Whether the loader's dataset has shuffle blocks of its own, which ``"auto"`` keeps."""
+    if not loader.shuffle or loader.dataset.makes_own_order:
+        return False
+    natural = loader.dataset.natural_blocks()
+    return natural is not None and len(natural) > 0
 
 
 def begin_run(loader: Loader[Any]) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from guideloom._core.text import plural
 from guideloom._errors import DatasetIntegrityError
 from guideloom.storage._fetch import RangeFetcher, ReadCounters, gather_first_error, integrity_error
 from guideloom.storage._manifest import MANIFEST_NAME, Manifest
@@ -245,8 +246,8 @@ class Remote:
             size = version.size
             if size != f.nbytes:
                 raise DatasetIntegrityError(
-                    f"{self.loc.display}: object {f.path!r} of field {name!r} has {size} bytes, the "
-                    f"manifest says {f.nbytes}; the dataset is damaged or was not copied completely"
+                    f"{self.loc.display}: object {f.path!r} of field {name!r} has {plural(size, 'byte')}, "
+                    f"the manifest says {f.nbytes}; the dataset is damaged or was not copied completely"
                 )
             self.versions[f.path] = replace(version, sha256=f.sha256)
 

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from guideloom._core.text import plural
 from guideloom._errors import DatasetIntegrityError
 from guideloom.storage._manifest import MANIFEST_NAME, ArraySpec, Manifest, add_bases, read_manifest_file
 from guideloom.storage._manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
@@ -100,8 +101,8 @@ def check_local_files(folder: Path, manifest: Manifest) -> None:
             ) from None
         if st.st_size != f.nbytes:
             raise DatasetIntegrityError(
-                f"{folder}: file {f.path!r} of field {name!r} has {st.st_size} bytes, the manifest says "
-                f"{f.nbytes}; the dataset is damaged or was not copied completely"
+                f"{folder}: file {f.path!r} of field {name!r} has {plural(st.st_size, 'byte')}, the manifest "
+                f"says {f.nbytes}; the dataset is damaged or was not copied completely"
             )
         if verify:
             _check_sha256(folder, name, f.path, Path(inside), st, f.sha256)

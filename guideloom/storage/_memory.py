@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from guideloom._core.text import plural
 from guideloom.storage.base import DocumentStorageAbstract, Rows, StreamStorageAbstract
 
 __all__ = ["MemoryDocumentStorage", "MemoryStreamStorage", "gather_windows"]
@@ -61,7 +62,7 @@ class MemoryStreamStorage(StreamStorageAbstract[Array, Any]):
             arr = _as_1d(f"metadata[{name!r}]", values)
             if len(arr) != len(self._tokens):
                 raise ValueError(
-                    f"metadata[{name!r}] has {len(arr)} elements but the stream has "
+                    f"metadata[{name!r}] has {plural(len(arr), 'element')} but the stream has "
                     f"{len(self._tokens)}; every metadata array must be as long as the stream"
                 )
             self._metadata[name] = arr

@@ -45,6 +45,7 @@ from datetime import datetime, timedelta
 from typing import Any, Final, TypeVar
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
+from guideloom._core.text import plural
 from guideloom._errors import RemoteReadError, StorageError
 
 __all__ = [
@@ -568,7 +569,7 @@ class ObjectVersion:
         """Refuse an answer whose object is another one (a server may ignore the condition)."""
         size = meta.get("size")
         if size is not None and int(size) != self.size:
-            raise ObjectChangedError(f"it has {int(size)} bytes now, the manifest says {self.size}")
+            raise ObjectChangedError(f"it has {plural(int(size), 'byte')} now, the manifest says {self.size}")
         etag = meta.get("e_tag")
         if self.etag and etag and _weak(str(etag)) != _weak(self.etag):
             raise ObjectChangedError(f"its ETag is {etag} now, {self.etag} when the dataset was opened")

@@ -42,6 +42,8 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from guideloom._core.checks import check_int
+from guideloom._core.text import plural
 from guideloom._errors import DatasetFormatError, DatasetIntegrityError, StorageError
 from guideloom.storage._text import TextEncoder, TokenizerLike
 from guideloom.storage.base import DocumentStorageAbstract
@@ -55,6 +57,11 @@ _FOOTER_GUESS = 64 * 1024  # bytes read from an object's end first: most footers
 _INDEX_VERSION = 1
 #: Default bytes of decoded row groups kept (what the row-group shuffle's window should fit).
 DEFAULT_DECODED_BYTES = 512 * 2**20
+#: Bytes of a token column decoded between two calls that give arrow's free pages back to the
+#: system (each call costs about as much as a decode: its pages are faulted in again). Arrow's
+#: allocator keeps some 20 MiB of a decode's freed pages otherwise. A text column's pages are
+#: given back after every decode: its rows are tokenized next, which costs a hundred times more.
+RELEASE_EVERY_BYTES = 16 * 2**20
 _OPEN_FILES = 64  # local ParquetFile handles kept open per process
 
 
@@ -111,7 +118,7 @@ class _LocalFiles:
         return _pq().read_metadata(path)
 
     def reader(self, path: str, metadata: Any) -> Any:
-        return _pq().ParquetFile(path, metadata=metadata)
+        return _pq().ParquetFile(path, metadata=metadata, pre_buffer=False)
 
     def read_group(self, path: str, reader: Any, group: int, columns: list[str], chunks: Any) -> Any:
         return reader.read_row_group(group, columns=columns, use_threads=False)
@@ -207,7 +214,9 @@ class _RemoteFiles:
 
     def footer(self, path: str, size: int) -> Any:
         if size < 12:
-            raise DatasetFormatError(f"{self.name(path)}: {size} bytes is too short to be a Parquet file")
+            raise DatasetFormatError(
+                f"{self.name(path)}: {plural(size, 'byte')} is too short to be a Parquet file"
+            )
         tail_start = max(0, size - _FOOTER_GUESS)
         tail = bytes(self.conn.fetch_range(path, tail_start, size))
         if tail[-4:] != b"PAR1":
@@ -283,7 +292,8 @@ def _entry(files: Any, path: str, stat: _Stat, column: str, shown: str) -> _File
     schema = md.schema.to_arrow_schema()
     if column not in schema.names:
         raise DatasetFormatError(
-            f"{shown}: no column {column!r}; its columns are {', '.join(schema.names)} (pass column=...)"
+            f"{shown}: no column {column!r}; its columns are {', '.join(schema.names)} "
+            "(name the column to read: open_parquet's column=, or guideloom inspect --column)"
         )
     kind = _column_kind(schema.field(column).type, shown, column)
     leaves = _leaves(md, column)
@@ -320,40 +330,66 @@ def _chunk_range(md: Any, group: int, leaves: list[int]) -> tuple[int, int]:
 
 # -- decoded row groups ------------------------------------------------------------------------------
 class _Decoded:
-    """One row group's column, decoded: offsets and values (tokens) or the arrow array (texts)."""
+    """One row group's column, decoded and copied out of arrow into numpy arrays of its exact
+    size: the rows' offsets, and the values (token ids) or the UTF-8 bytes (texts). What is kept
+    is then exactly what ``nbytes`` counts (arrow's buffers grow in steps, and its allocator keeps
+    freed pages a while), and reading rows needs no arrow kernel."""
 
-    __slots__ = ("nbytes", "nulls", "offsets", "texts", "values")
+    __slots__ = ("nbytes", "nulls", "offsets", "text", "values")
 
     def __init__(self, array: Any, kind: str) -> None:
         pa = _pa()
         if pa.types.is_dictionary(array.type):
             array = array.dictionary_decode()
-        self.nulls: npt.NDArray[np.bool_] | None = (
-            None if array.null_count == 0 else np.asarray(array.is_null().to_numpy(zero_copy_only=False))
+        self.text = kind == "text"
+        self.nulls = _null_mask(array)
+        # read from the buffers themselves: arrow's to_numpy() would import pandas
+        large = pa.types.is_large_string(array.type) or pa.types.is_large_list(array.type)
+        offsets = _buffer(array.buffers()[1], np.int64 if large else np.int32)
+        offsets = offsets[array.offset : array.offset + len(array) + 1].astype(np.int64)
+        if not len(offsets):  # no rows: arrow may leave the offsets buffer out
+            offsets = np.zeros(1, np.int64)
+        start, stop = int(offsets[0]), int(offsets[-1])
+        if self.text:  # buffers: validity, offsets, UTF-8 bytes
+            whole = _buffer(array.buffers()[2], np.uint8)
+        else:  # the child array's buffers: validity, values
+            child = array.values
+            whole = _buffer(child.buffers()[1], np.dtype(kind.split(":", 1)[1]))[child.offset :]
+        self.values: npt.NDArray[Any] = whole[start:stop].copy()
+        self.offsets: I64 = offsets - start
+        self.nbytes = int(self.values.nbytes + self.offsets.nbytes) + (
+            0 if self.nulls is None else int(self.nulls.nbytes)
         )
-        self.nbytes = int(array.nbytes)
-        self.texts: Any = None
-        self.offsets: I64 | None = None
-        self.values: npt.NDArray[Any] | None = None
-        if kind == "text":
-            self.texts = array
-        else:
-            offsets = np.asarray(array.offsets.to_numpy(zero_copy_only=False), dtype=np.int64)
-            self.values = array.values.to_numpy(zero_copy_only=False)  # the whole buffer, null slots too
-            self.offsets = offsets
 
     def rows(self, local: I64) -> list[Any]:
-        if self.texts is not None:
-            got: list[Any] = self.texts.take(local).to_pylist()
-            return ["" if t is None else t for t in got]
         off, values = self.offsets, self.values
-        assert off is not None and values is not None
         starts, ends = off[local].tolist(), off[local + 1].tolist()
+        if self.nulls is not None:  # a null slot's extent is not defined: read as empty
+            blank = self.nulls[local]
+            starts = np.where(blank, 0, off[local]).tolist()
+            ends = np.where(blank, 0, off[local + 1]).tolist()
+        if self.text:
+            raw = values.data
+            return [str(raw[a:b], "utf-8") for a, b in zip(starts, ends, strict=True)]
         return [values[a:b] for a, b in zip(starts, ends, strict=True)]
 
     def lengths(self) -> I64:
-        assert self.offsets is not None
         return np.diff(self.offsets)
+
+
+def _buffer(buffer: Any, dtype: Any) -> npt.NDArray[Any]:
+    """An arrow buffer's bytes as a numpy array of ``dtype`` (no copy; empty for no buffer)."""
+    return np.zeros(0, dtype) if buffer is None else np.frombuffer(buffer, dtype=dtype)
+
+
+def _null_mask(array: Any) -> npt.NDArray[np.bool_] | None:
+    """Which of ``array``'s slots are null (from its validity bitmap; ``None`` where none is)."""
+    if array.null_count == 0:
+        return None
+    bitmap = array.buffers()[0]
+    bits = np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8), bitorder="little")
+    mask: npt.NDArray[np.bool_] = bits[array.offset : array.offset + len(array)] == 0
+    return mask
 
 
 def _refuse_null_elements(array: Any, kind: str) -> None:
@@ -365,8 +401,15 @@ def _refuse_null_elements(array: Any, kind: str) -> None:
     values = lists.values
     if values.null_count == 0:
         return
-    first = int(np.flatnonzero(np.asarray(values.is_null().to_numpy(zero_copy_only=False)))[0])
-    offsets = np.asarray(lists.offsets.to_numpy(zero_copy_only=False), dtype=np.int64)
+    large = pa.types.is_large_list(lists.type)
+    offsets = _buffer(lists.buffers()[1], np.int64 if large else np.int32)
+    offsets = offsets[lists.offset : lists.offset + len(lists) + 1].astype(np.int64)
+    nulls = _null_mask(values)
+    assert nulls is not None
+    inside = np.flatnonzero(nulls[int(offsets[0]) : int(offsets[-1])]) + int(offsets[0])
+    if not len(inside):
+        return  # null slots outside every row (a sliced array's)
+    first = int(inside[0])
     row = int(np.searchsorted(offsets, first, side="right")) - 1
     raise DatasetFormatError(
         f"row {row} holds a null element (at {first - int(offsets[row])}): token ids cannot be "
@@ -410,14 +453,14 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         self._lock = threading.Lock()
         self._decoded: OrderedDict[int, _Decoded] = OrderedDict()
         self._decoded_bytes = 0
-        self._evicted_bytes = 0  # evicted since arrow's pool last released its unused memory
+        self._since_release = 0  # bytes decoded since arrow's pool last gave back its free pages
         self._readers: OrderedDict[int, Any] = OrderedDict()
         self._offsets: I64 | None = None
         self.counts = {"parquet_row_group_decodes": 0, "parquet_null_rows": 0}
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without what it decoded or opened: a process worker decodes its own."""
-        keep = ("_lock", "_decoded", "_decoded_bytes", "_evicted_bytes", "_readers", "counts")
+        keep = ("_lock", "_decoded", "_decoded_bytes", "_since_release", "_readers", "counts")
         return {k: v for k, v in self.__dict__.items() if k not in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -429,7 +472,7 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
     def __repr__(self) -> str:
         first = self._shown(self._entries[0].path) if self._entries else "-"
         return (
-            f"ParquetStorage({len(self._entries)} files from {first!r}, column={self.column!r}, "
+            f"ParquetStorage({plural(len(self._entries), 'file')} from {first!r}, column={self.column!r}, "
             f"rows={len(self)})"
         )
 
@@ -501,6 +544,13 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
     def reads_inline(self) -> bool:
         return self._plain_reads and not getattr(self._files, "remote", False)
 
+    def read_by_workers(self) -> bool:
+        """Texts that are tokenized elsewhere (by the workers, or by ``collate_fn``) are read by
+        the main process and sent: the workers' work is the tokenizing, a batch of texts is small
+        next to a window of decoded row groups, and one process holds that window instead of
+        every worker. Token arrays are read by the workers, which decode in parallel."""
+        return not (self._kind == "text" and not self.tokenized)
+
     def deferred_step(self) -> tuple[ParquetStorage, Callable[[Sequence[Any]], Sequence[Any]]] | None:
         """Where a loader reads this storage document by document: the storage that reads the
         texts untokenized and the step that tokenizes a batch of them, which the loader runs
@@ -559,6 +609,26 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
             if got is not None:
                 self._decoded.move_to_end(group)
                 return got
+        decoded = self._decode_new(group)
+        with self._lock:
+            self._since_release += decoded.nbytes
+            release = self._kind == "text" or self._since_release >= RELEASE_EVERY_BYTES
+            if release:
+                self._since_release = 0
+        if release:
+            # The decodes' own buffers are freed by now (what is kept was copied out).
+            _pa().default_memory_pool().release_unused()
+        with self._lock:
+            self.counts["parquet_row_group_decodes"] += 1
+            self._decoded[group] = decoded
+            self._decoded_bytes += decoded.nbytes
+            while self._decoded_bytes > self.max_decoded_bytes and len(self._decoded) > 1:
+                _, old = self._decoded.popitem(last=False)
+                self._decoded_bytes -= old.nbytes
+        return decoded
+
+    def _decode_new(self, group: int) -> _Decoded:
+        """Row group ``group``'s column read and decoded (nothing of arrow's kept)."""
         f = int(self._file_of[group])
         e = self._entries[f]
         md, reader, leaves = self._reader(f)
@@ -569,31 +639,15 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
             table = self._files.read_group(e.path, reader, g, [self.column], _chunk_range(md, g, leaves))
             array = table.column(self.column).combine_chunks()
             _refuse_null_elements(array, e.kind)
-            decoded = _Decoded(array, e.kind)
+            if len(array) != e.rows[g]:
+                raise DatasetFormatError(f"decoded {plural(len(array), 'row')}, the footer says {e.rows[g]}")
+            return _Decoded(array, e.kind)
         except (DatasetIntegrityError, FileNotFoundError, StorageError):
             raise
         except DatasetFormatError as exc:
             raise DatasetFormatError(f"{self._where(group)}: {exc}") from None
         except (OSError, ValueError, IndexError) as exc:
             raise DatasetFormatError(f"{self._where(group)}: cannot be decoded ({exc})") from None
-        if len(array) != e.rows[g]:
-            raise DatasetFormatError(
-                f"{self._where(group)}: decoded {len(array)} rows, the footer says {e.rows[g]}"
-            )
-        with self._lock:
-            self.counts["parquet_row_group_decodes"] += 1
-            self._decoded[group] = decoded
-            self._decoded_bytes += decoded.nbytes
-            while self._decoded_bytes > self.max_decoded_bytes and len(self._decoded) > 1:
-                _, old = self._decoded.popitem(last=False)
-                self._decoded_bytes -= old.nbytes
-                self._evicted_bytes += old.nbytes
-            release = self._evicted_bytes > self.max_decoded_bytes
-            if release:
-                self._evicted_bytes = 0
-        if release:  # once per turnover of the decoded row groups: their memory back to the system
-            _pa().default_memory_pool().release_unused()
-        return decoded
 
     def _nulls(self, group: int, decoded: _Decoded, local: I64) -> None:
         if decoded.nulls is None:
@@ -633,28 +687,13 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         ats = [order[cuts[k] : cuts[k + 1]] for k in range(len(distinct))]
         # one row group at a time: a read over many (a global row shuffle) holds one decoded
         # group beyond the cache, and for a list column the rows' own values
-        if self._kind == "text":
-            out: list[Any] = [None] * len(indices)
-            for g, at in zip(distinct.tolist(), ats, strict=True):
-                decoded = self._decode(g)
-                self._nulls(g, decoded, local[at])
-                for i, row in zip(at.tolist(), decoded.rows(local[at]), strict=True):
-                    out[i] = row
-            return out
-        starts = np.empty(len(indices), dtype=np.int64)
-        ends = np.empty(len(indices), dtype=np.int64)
-        values = []
+        out: list[Any] = [None] * len(indices)
         for g, at in zip(distinct.tolist(), ats, strict=True):
             decoded = self._decode(g)
             self._nulls(g, decoded, local[at])
-            off = decoded.offsets
-            assert off is not None
-            starts[at] = off[local[at]]
-            ends[at] = off[local[at] + 1]
-            values.append(decoded.values)
-        return [
-            values[k][a:b] for k, a, b in zip(which.tolist(), starts.tolist(), ends.tolist(), strict=True)
-        ]
+            for i, row in zip(at.tolist(), decoded.rows(local[at]), strict=True):
+                out[i] = row
+        return out
 
     def read_many_sync(self, indices: I64) -> Sequence[Any]:
         rows = self._rows(indices)
@@ -665,7 +704,7 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
     # -- element access (packing): the length index ---------------------------------------------------
     def _lengths_of(self, group: int) -> I64:
         decoded = self._decode(group)
-        if decoded.offsets is not None:
+        if not decoded.text:
             lengths = decoded.lengths()
         else:
             texts = decoded.rows(np.arange(int(self._sizes[group]), dtype=np.int64))
@@ -936,6 +975,8 @@ def open_parquet(
         raise ValueError(f"on_null must be 'error' or 'empty', got {on_null!r}")
     if not isinstance(column, str) or not column:
         raise TypeError(f"column must be a column name, got {column!r}")
+    threads = check_int("threads", threads, 1)  # footers read at once
+    max_decoded_bytes = check_int("max_decoded_bytes", max_decoded_bytes, 1)
     _pq()
     cache = None if cache_dir is None else os.fspath(cache_dir)
     files, paths, known = _resolve(source, options)

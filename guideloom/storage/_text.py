@@ -3,13 +3,17 @@
 :class:`TextEncoder` is small and picklable: it holds what names the tokenizer (a
 ``tokenizers.Tokenizer``, the path of a ``tokenizer.json``, or a callable from a text to token
 ids) and builds the tokenizer itself the first time it encodes, in whichever process or thread
-that is, so thread and process workers each tokenize with a copy of their own.
+that is. A process worker forked from the process that made the encoder (guideloom's workers
+are, where that is safe) uses the tokenizer that process built, whose pages it shares, instead of
+building one of its own.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +25,11 @@ __all__ = ["TextEncoder", "TokenizerLike"]
 #: What ``tokenizer=`` takes: a ``tokenizers.Tokenizer``, a path to a ``tokenizer.json``, or a
 #: callable from one text to its token ids.
 TokenizerLike = Any
+
+#: Every encoder made in this process, by (process id, serial): a process forked from it finds
+#: the encoder its copy was pickled from, and the tokenizer that encoder built.
+_MADE: weakref.WeakValueDictionary[tuple[int, int], TextEncoder] = weakref.WeakValueDictionary()
+_SERIALS = itertools.count()
 
 
 def _load_json(path: str) -> Any:
@@ -59,6 +68,8 @@ class TextEncoder:
             )
         self._source = tokenizer
         self._tok: Any = None
+        self._origin = (os.getpid(), next(_SERIALS))
+        _MADE[self._origin] = self
         tok = self._built()
         self.bos_id = self._token_id("bos", bos, tok)
         self.eos_id = self._token_id("eos", eos, tok)
@@ -74,6 +85,9 @@ class TextEncoder:
     def __setstate__(self, state: dict[str, Any]) -> None:
         pickled_in = state.pop("_pickled_in", None)
         self.__dict__.update(state)
+        made = _MADE.get(self._origin)
+        if made is not None:  # this process is the one that made it, or was forked from it
+            self._tok = made._tok
         if pickled_in is not None and pickled_in != os.getpid():
             # A copy in another process (a process worker): the loader runs workers side by
             # side already, so each encodes its batch on its own thread, as the tokenizers

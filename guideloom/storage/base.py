@@ -149,6 +149,16 @@ class StorageAbstract(ABC, Generic[InT, OutT]):
         Parquet storage reports its files, row groups, decodes and null rows)."""
         return {}
 
+    def read_by_workers(self) -> bool:
+        """Whether process workers read this storage themselves, where it reads inline (the
+        default: each reads its own batches, and nothing crosses a pipe but the batch).
+
+        ``False`` asks the main process to read, and to send each group's samples to a worker
+        to collate: for a storage whose reads keep state in every process that reads (a window
+        of decoded Parquet row groups), when its samples are cheap to send (texts that the
+        workers tokenize)."""
+        return True
+
     def reads_inline(self) -> bool:
         """Whether ``read_many_sync`` can serve reads now, in the caller's thread (memory,
         memory-mapped local files, a remote dataset once its local copy is complete).

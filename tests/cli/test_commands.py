@@ -305,3 +305,46 @@ def test_inspect_a_parquet_folder_shows_rows_files_row_groups_columns_and_sample
     ckpt.write_text(json.dumps({"epoch": 0, "observation_offset": 0}))
     r = cli("explain", folder, "--checkpoint", ckpt, "--step", "0")
     assert r.code != 0 and "holds Parquet files" in r.err and "loader.explain" in r.err
+
+
+def test_inspect_shows_null_rows_as_null_instead_of_failing(cli, tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    pq.write_table(pa.table({"text": ["a", None, "", None, "tail"]}), folder / "texts.parquet")
+    r = cli("inspect", folder, "--samples", "4")
+    assert r.code == 0, r
+    assert "\n  [0] 1 char: 'a'\n  [1] null\n  [2] 0 chars: ''\n  [3] null\n" in r.out  # "" is not null
+    assert "samples (first 4 rows of 'text'):" in r.out
+    assert "texts.parquet             5 rows      1 row group " in r.out
+    (nulls,) = [line for line in r.out.splitlines() if line.startswith("nulls:")]
+    assert nulls.startswith("nulls:      2 of the 4 rows shown are null:")
+    assert "on_null='empty'" in nulls and "--skip-invalid" in nulls  # for Python, for prepare
+    r = cli("inspect", folder, "--samples", "1")
+    assert r.code == 0 and "samples (first 1 row of 'text'):" in r.out and "nulls:" not in r.out, r
+
+    ids = pa.array([[5], None, [1, 2, 3]], pa.list_(pa.int32()))
+    pq.write_table(pa.table({"input_ids": ids}), tmp_path / "ids.parquet")
+    r = cli("inspect", tmp_path / "ids.parquet", "--samples", "3")
+    assert r.code == 0, r
+    assert "\n  [0] 1 token: [5]\n  [1] null\n  [2] 3 tokens: [1, 2, 3]\n" in r.out
+    assert "nulls:      1 of the 3 rows shown is null:" in r.out and "--skip-invalid" not in r.out
+
+
+def test_counts_of_one_are_in_the_singular(cli, stream_ds: Path, tmp_path: Path) -> None:
+    gl.write_stream(tmp_path / "one", np.arange(1, dtype=np.uint16))
+    r = cli("inspect", tmp_path / "one")
+    assert r.code == 0 and "elements:   1 token\n" in r.out and "uint16               1 element " in r.out, r
+    r = cli("verify", tmp_path / "one")
+    assert r.code == 0 and ": 1 file, 2 B," in r.out and "(stream, 1 uint16 token)" in r.out, r
+    r = cli("verify", stream_ds)
+    files = len(manifest_of(stream_ds)["fields"]["tokens"]["files"])
+    assert r.code == 0 and f": {files} files, " in r.out and " uint16 tokens)" in r.out, r
+    r = cli("bench", stream_ds, "--sequence-length", "64", "--batch-size", "2", "--batches", "1")
+    assert r.code == 0 and "not measured: 0 batches after the first" in r.out, r
+    assert "guideloom: warning: 1 batch in all, 0 after the first" in r.err, r
+    r = cli("bench", stream_ds, "--sequence-length", "64", "--batch-size", "2", "--batches", "2")
+    assert r.code == 0 and "not measured: 1 batch after the first" in r.out, r
+    assert "guideloom: warning: 2 batches in all, 1 after the first" in r.err, r

@@ -58,7 +58,7 @@ def test_malformed_json_line_names_file_and_line(cli, tmp_path: Path, workers: s
         "--skip-invalid",
     )
     assert r.code == 0, r
-    assert "skipped 1 invalid" in r.out
+    assert "skipped 1 invalid line, row or file (--skip-invalid)" in r.out
     assert byte_texts(tmp_path / "ds") == good
     info = manifest_of(tmp_path / "ds")["info"]
     assert info["skipped_invalid"] == 1 and info["documents"] == len(good)

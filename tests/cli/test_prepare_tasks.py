@@ -213,7 +213,7 @@ def test_a_rerun_prepares_only_the_unfinished_parts(cli: Cli, tmp_path: Path) ->
     (interrupted / "manifest.json").unlink()
     (interrupted / "tokens-deadbeef-00000.bin").write_bytes(b"half")
     r = cli("prepare", "--merge", dest)
-    assert r.code == 1 and "2 of 4 parts are missing or unfinished (tasks 2, 3" in r.err
+    assert r.code == 1 and "2 of the 4 parts are missing or unfinished (tasks 2, 3" in r.err
     assert not (dest / "manifest.json").exists()
     before = {p: p.stat().st_mtime_ns for p in (dest / "parts" / "part-00000-of-00004").iterdir()}
     for i in range(4):

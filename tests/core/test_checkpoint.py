@@ -189,6 +189,7 @@ _FIELDS = [
     "drop_last",
     "shuffle_block_size",
     "shuffle_window",
+    "shuffle_block_auto",
     "dataset",
     "dataset.kind",
     "dataset.observations",

@@ -257,7 +257,9 @@ def test_a_resume_with_other_blocks_warns_like_another_seed() -> None:
     (other_window,) = _load_warnings(loader_over(stream(100), shuffle_block_size=8, shuffle_window=2), state)
     assert "shuffle_window=4" in other_window and "shuffle_window=2" in other_window
     (global_now,) = _load_warnings(loader_over(stream(100)), state)
-    assert "shuffle_block_size=8" in global_now and "shuffle_block_size=1" in global_now
+    assert "with shuffle_block_size=8, this loader has shuffle_block_size=None (a global row shuffle);" in (
+        global_now
+    )
 
 
 def test_old_checkpoints_were_global_shuffles() -> None:
@@ -265,7 +267,10 @@ def test_old_checkpoints_were_global_shuffles() -> None:
     assert "shuffle_block_size" not in state and "shuffle_window" not in state, "as before blocks"
     assert _load_warnings(loader_over(stream(100)), state) == []
     (warning,) = _load_warnings(loader_over(stream(100), shuffle_block_size=4), state)
-    assert "shuffle_block_size=1" in warning
+    assert "with shuffle_block_size=None (a global row shuffle), this loader has shuffle_block_size=4;" in (
+        warning
+    )
+    assert "Construct the loader with shuffle_block_size=None to resume" in warning
 
 
 def test_blocks_do_not_matter_without_shuffle() -> None:
@@ -281,6 +286,35 @@ def test_auto_is_recorded_as_the_size_it_chose() -> None:
     assert _load_warnings(loader_over(storage, shuffle_block_size=8), state) == []
     state_dict = loader_over(storage, shuffle_block_size="auto").state_dict()
     assert torch.load(_saved(state_dict), weights_only=True) == state_dict
+
+
+def test_a_warning_names_auto_as_the_user_passed_it() -> None:
+    """Over a storage without blocks of its own, "auto" is the size it resolves to (8 here): a
+    resume with that size is the same order, and a warning names "auto" as given."""
+    storage = BlockyStorage(np.arange(100, dtype=np.int64))
+    auto = dict(loader_over(storage, shuffle_block_size="auto").state_dict())
+    assert auto["shuffle_block_auto"] is True
+    (global_now,) = _load_warnings(loader_over(storage), auto)
+    assert (
+        "saved by a loader with shuffle_block_size='auto' (resolved to 8), this loader has "
+        "shuffle_block_size=None (a global row shuffle);" in global_now
+    )
+    assert "Construct the loader with shuffle_block_size='auto' to resume it exactly" in global_now
+    (other,) = _load_warnings(loader_over(storage, shuffle_block_size=16), auto)
+    assert "shuffle_block_size='auto' (resolved to 8), this loader has shuffle_block_size=16;" in other
+    # the reverse: a size saved, "auto" resuming
+    sized = dict(loader_over(storage, shuffle_block_size=4).state_dict())
+    assert sized["shuffle_block_auto"] is False
+    (auto_now,) = _load_warnings(loader_over(storage, shuffle_block_size="auto"), sized)
+    assert "with shuffle_block_size=4, this loader has shuffle_block_size='auto' (resolved to 8);" in auto_now
+    assert "Construct the loader with shuffle_block_size=4 to resume it exactly" in auto_now
+    assert _load_warnings(loader_over(storage, shuffle_block_size=8), auto) == []
+    same = dict(loader_over(storage, shuffle_block_size=8).state_dict())
+    assert _load_warnings(loader_over(storage, shuffle_block_size="auto"), same) == []
+    # "auto" resolving to a global shuffle (a storage in memory): nothing recorded, as for None
+    assert "shuffle_block_auto" not in loader_over(stream(100), shuffle_block_size="auto").state_dict()
+    (local_auto,) = _load_warnings(loader_over(stream(100), shuffle_block_size="auto"), sized)
+    assert "this loader has shuffle_block_size='auto' (resolved to 1: a global row shuffle);" in local_auto
 
 
 def _saved(state: Any) -> Any:

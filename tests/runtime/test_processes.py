@@ -975,3 +975,84 @@ def test_workers_over_a_storage_read_on_the_loop_deliver_at_any_prefetch(
         want = list(inline)
     with make(num_workers=2, parallel_method=parallel_method, prefetch=prefetch) as loader:
         assert list(loader) == want
+
+
+# -- a storage the main process reads for its workers ----------------------------------------------
+class ReadHere(gl.MemoryStreamStorage):
+    """A local storage the workers do not read (``read_by_workers()`` is False): the main
+    process reads each group and sends its samples; a read in a worker process fails."""
+
+    fail_at: int | None = None
+
+    def read_by_workers(self) -> bool:
+        return False
+
+    def read_many_sync(self, starts: Any, length: int) -> Sequence[Any]:
+        if multiprocessing.parent_process() is not None:
+            raise AssertionError("a worker read a storage the main process reads")
+        if self.fail_at is not None and (np.asarray(starts) == self.fail_at * length).any():
+            raise ValueError(f"sample {self.fail_at} is damaged")
+        return super().read_many_sync(starts, length)
+
+
+def read_here_loader(storage: ReadHere, **kw: Any) -> gl.StatefulDataLoader[Any, Any]:
+    kw.setdefault("local_batch_size", 3)
+    return gl.StatefulDataLoader.from_storage(
+        storage, ids, sequence_length=SEQ, shuffle=True, shuffle_seed=7, device=torch.device("cpu"), **kw
+    )
+
+
+@pytest.mark.parametrize(("workers", "prefetch", "group"), GROUPS)
+def test_a_storage_not_read_by_workers_is_read_here_and_collated_there(
+    workers: int, prefetch: int, group: int
+) -> None:
+    storage = ReadHere(np.arange(SEQ * 61, dtype=np.uint16))
+    with read_here_loader(storage) as inline:
+        want = list(inline)
+    loader = read_here_loader(
+        storage, num_workers=workers, prefetch=prefetch, parallel_method="process", collate_mode="workers"
+    )
+    with loader:
+        it = iter(loader)
+        assert isinstance(it._runner, ProcessRunner)
+        got = [next(it)]
+        assert it._runner._run.flow.read is not None and it._runner._run.flow.group == group
+        got.extend(it)
+        assert loader.stats()["collated_processes"] == len(want)
+    assert got == want
+
+
+@pytest.mark.parametrize("prefetch", [0, 8])
+def test_a_failed_read_here_comes_after_the_batches_before_it_and_ends_the_epoch(prefetch: int) -> None:
+    storage = ReadHere(np.arange(SEQ * 60, dtype=np.uint16))
+    with read_here_loader(storage, local_batch_size=4) as inline:
+        want = list(inline)
+    storage.fail_at = 30
+    at = next(i for i, batch in enumerate(want) if 30 in batch)
+    loader = read_here_loader(
+        storage,
+        local_batch_size=4,
+        num_workers=2,
+        prefetch=prefetch,
+        parallel_method="process",
+        collate_mode="workers",
+    )
+    with loader:
+        it = iter(loader)
+        got = [next(it) for _ in range(at)]
+        with pytest.raises(ValueError, match="sample 30 is damaged"):
+            next(it)
+        assert list(it) == []
+    assert got == want[:at]
+
+
+def test_async_for_reads_a_storage_not_read_by_workers_on_the_loop() -> None:
+    storage = ReadHere(np.arange(SEQ * 40, dtype=np.uint16))
+    with read_here_loader(storage) as inline:
+        want = list(inline)
+
+    async def run() -> list[Any]:
+        async with read_here_loader(storage, num_workers=2, parallel_method="process") as loader:
+            return [batch async for batch in loader]
+
+    assert asyncio.run(run()) == want

@@ -298,6 +298,10 @@ def test_truncated_data_file_is_refused(tmp_path: Path) -> None:
         fh.truncate(100)
     with pytest.raises(DatasetIntegrityError, match="has 100 bytes"):
         gl.open_stream(tmp_path / "ds")
+    with open(f, "r+b") as fh:
+        fh.truncate(1)
+    with pytest.raises(DatasetIntegrityError, match="has 1 byte, the manifest says 200;"):
+        gl.open_stream(tmp_path / "ds")
 
 
 def test_invalid_json_manifest(tmp_path: Path) -> None:

@@ -38,6 +38,8 @@ def test_metadata_must_match_length_and_not_shadow_tokens() -> None:
         MemoryStreamStorage(np.arange(10), metadata={"tokens": np.arange(10)})
     with pytest.raises(ValueError, match="1-D"):
         MemoryStreamStorage(np.zeros((2, 2)))
+    with pytest.raises(ValueError, match=r"metadata\['m'\] has 1 element but the stream has 2;"):
+        MemoryStreamStorage(np.arange(2), metadata={"m": np.arange(1)})
 
 
 def test_gather_windows_unaligned_and_aligned() -> None:

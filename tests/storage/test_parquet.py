@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -292,6 +294,35 @@ def test_an_encoder_unpickled_in_another_process_encodes_on_one_thread(tokenizer
         assert out.stdout.decode().split(" ", 1) == [seen, f"{want}\n"]
 
 
+def test_a_process_forked_after_the_encoder_was_made_uses_its_tokenizer(tokenizer_json: str) -> None:
+    """A process worker forked from the main process shares the tokenizer the main process
+    built (its pages) instead of building its own from the pickled encoder."""
+    import multiprocessing
+
+    from guideloom.storage._text import TextEncoder
+
+    encoder = TextEncoder(tokenizer_json, eos="</s>")
+    assert pickle.loads(pickle.dumps(encoder))._tok is encoder._tok
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_tokenizer_address, args=(pickle.dumps(encoder), out))
+    child.start()
+    address, ids = out.get(timeout=30)
+    child.join(30)
+    assert address == id(encoder._tok)
+    assert ids == encoder.encode_many(["r1 r2"])[0].tolist()
+    other = TextEncoder(tokenizer_json, eos="</s>")
+    state = pickle.dumps(other)
+    del other  # gone before it is unpickled: the copy builds a tokenizer of its own
+    copy = pickle.loads(state)
+    assert copy._tok is None and copy.encode_many(["r1 r2"])[0].tolist() == ids
+
+
+def _tokenizer_address(state: bytes, out: Any) -> None:  # pragma: no cover - in a forked child
+    copy = pickle.loads(state)
+    out.put((id(copy._tok), copy.encode_many(["r1 r2"])[0].tolist()))
+
+
 def tokenized_loader(storage: Any, **kw: Any) -> gl.StatefulDataLoader[Any, Any]:
     kw.setdefault("device", CPU)
     kw.setdefault("local_batch_size", 8)
@@ -317,6 +348,32 @@ def test_the_loader_tokenizes_where_it_collates_and_delivers_every_row_once(
         # the loader reads texts and runs the tokenizer in its collate step
         assert type(loader.dataset.storage.read_many_sync(np.zeros(1, np.int64))[0]) is str
     assert sorted(got) == want
+
+
+def test_process_workers_tokenize_texts_the_main_process_read(folder: Path, tokenizer_json: str) -> None:
+    """Over texts the workers tokenize, the main process reads (one window of decoded row groups
+    in one process, not one per worker) and the workers only tokenize; token columns are read by
+    the workers themselves."""
+    storage = gl.open_parquet(folder, "text", tokenizer=tokenizer_json, eos="</s>")
+    assert not storage.deferred_step()[0].read_by_workers()  # type: ignore[index]
+    assert gl.open_parquet(folder, "input_ids").read_by_workers()
+    with tokenized_loader(storage, shuffle=True, shuffle_seed=2, shuffle_block_size="auto") as inline:
+        want = take(inline)
+    loader = tokenized_loader(
+        storage,
+        num_workers=2,
+        parallel_method="process",
+        collate_mode="workers",
+        shuffle=True,
+        shuffle_seed=2,
+        shuffle_block_size="auto",
+    )
+    with loader:
+        assert take(loader) == want
+        stats = loader.stats()
+    assert stats["collated_processes"] == len(want)
+    # counted where the reads ran: here, each row group once in its window
+    assert stats["parquet_row_group_decodes"] == storage.num_row_groups
 
 
 # -- the row-group-aware order ---------------------------------------------------------------------
@@ -443,6 +500,75 @@ def test_the_checkpoint_records_the_row_group_blocks_and_the_files(folder: Path)
         state = roundtrip(loader.state_dict())
     assert state["shuffle_block_size"] == 50 and state["dataset"]["digest"].startswith("parquet-")
     assert state["dataset"]["digest"] == storage.content_digest()
+
+
+def _resumed(storage: gl.ParquetStorage, state: Any, **kw: Any) -> tuple[list[list[int]], list[str]]:
+    """The next batches of a loader that loads ``state``, and the warnings its load gave."""
+    loader = gl.StatefulDataLoader.from_storage(
+        storage, first_ids, local_batch_size=4, shuffle=True, shuffle_seed=5, device=CPU, **kw
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader.load_state_dict(state)
+    with loader:
+        return take(loader, 3), [str(w.message) for w in caught]
+
+
+def test_a_resume_over_row_groups_tells_auto_from_the_size_it_records(folder: Path) -> None:
+    """Over row groups, "auto" keeps them: an order that no size cuts, not even the mean size
+    the checkpoint records (50). A resume with another setting warns, naming what each loader
+    was given, and its advice resumes the saved order."""
+    storage = gl.open_parquet(folder, "input_ids")
+    saved = gl.StatefulDataLoader.from_storage(
+        storage,
+        first_ids,
+        local_batch_size=4,
+        shuffle=True,
+        shuffle_seed=5,
+        device=CPU,
+        shuffle_block_size="auto",
+    )
+    with saved:
+        it = iter(saved)
+        next(it)
+        state = roundtrip(saved.state_dict())
+        rest = [next(it) for _ in range(3)]
+    assert state["shuffle_block_size"] == 50 and state["shuffle_block_auto"] is True
+    assert _resumed(storage, state, shuffle_block_size="auto") == (rest, [])
+    for option, shown in [(50, "50"), (None, "None (a global row shuffle)"), (8, "8")]:
+        got, (warning,) = _resumed(storage, state, shuffle_block_size=option)
+        assert got != rest
+        assert (
+            f"saved by a loader with shuffle_block_size='auto' (resolved to 50), this loader has "
+            f"shuffle_block_size={shown};" in warning
+        )
+        assert "Construct the loader with shuffle_block_size='auto' to resume it exactly" in warning
+    # the reverse: the mean size given, "auto" resuming
+    sized = gl.StatefulDataLoader.from_storage(
+        storage,
+        first_ids,
+        local_batch_size=4,
+        shuffle=True,
+        shuffle_seed=5,
+        device=CPU,
+        shuffle_block_size=50,
+    )
+    with sized:
+        it = iter(sized)
+        next(it)
+        state = roundtrip(sized.state_dict())
+        rest = [next(it) for _ in range(3)]
+    assert state["shuffle_block_auto"] is False
+    got, (warning,) = _resumed(storage, state, shuffle_block_size="auto")
+    assert got != rest
+    assert (
+        "with shuffle_block_size=50, this loader has shuffle_block_size='auto' (resolved to 50);" in warning
+    )
+    assert "Construct the loader with shuffle_block_size=50 to resume" in warning
+    assert _resumed(storage, state, shuffle_block_size=50) == (rest, [])
+    # a checkpoint from before "auto" was recorded: sizes compared only, as they were
+    del state["shuffle_block_auto"]
+    assert _resumed(storage, state, shuffle_block_size="auto")[1] == []
 
 
 # -- packing and mixtures --------------------------------------------------------------------------
@@ -688,6 +814,29 @@ def test_dtype_is_refused_for_a_list_column_and_a_file_named_twice(folder: Path)
     given_order = gl.open_parquet([files[1], files[0]], "input_ids")
     first = pq.read_table(files[1], columns=["input_ids"]).column(0)[0].as_py()
     assert list(given_order.read_many_sync(np.array([0]))[0]) == first  # a list's own order
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "error", "message"),
+    [
+        ("threads", 0, ValueError, "threads must be >= 1, got 0"),
+        ("threads", -4, ValueError, "threads must be >= 1, got -4"),
+        ("threads", 2.5, TypeError, "threads must be an int, got float 2.5"),
+        ("threads", True, TypeError, "threads must be an int, got bool True"),
+        ("max_decoded_bytes", 0, ValueError, "max_decoded_bytes must be >= 1, got 0"),
+        ("max_decoded_bytes", -1, ValueError, "max_decoded_bytes must be >= 1, got -1"),
+        ("max_decoded_bytes", 1e9, TypeError, "max_decoded_bytes must be an int, got float"),
+        ("max_decoded_bytes", "512MiB", TypeError, "max_decoded_bytes must be an int, got str"),
+    ],
+)
+def test_threads_and_max_decoded_bytes_must_be_positive_ints(
+    folder: Path, option: str, value: Any, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        gl.open_parquet(folder, "input_ids", **{option: value})
+    assert len(gl.open_parquet(folder, "input_ids", **{option: np.int64(1)})) == len(
+        gl.open_parquet(folder, "input_ids")
+    )
 
 
 def test_explain_names_each_rows_file_row_group_and_row_without_a_length_index(

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from guideloom._core.delivery import Delivery, Results, apply
 from guideloom._core.order import Order
 from guideloom._core.plan import BatchSpec, EpochPlan
+from guideloom._core.schedule import Indexes, read_window, run_sync
 from guideloom._runtime.config import PipelineConfig, group_size, reading_name
 from guideloom._runtime.inline import InlinePipeline
 from guideloom._runtime.pipeline import read_and_collate
@@ -46,6 +47,7 @@ class GroupFlow:
         reading: str,
         first_step: int,
         group: int,
+        read: Callable[[list[BatchSpec]], list[Delivery]] | None = None,
     ) -> None:
         self.session = session
         self.plan, self.order, self.reading = plan, order, reading
@@ -56,6 +58,10 @@ class GroupFlow:
         self.pending: deque[Group] = deque()
         self.paused = False  # no new groups are sent (the collate runs inline meanwhile)
         self.closed = False
+        #: Where the main process reads (a dataset not read by workers): a group's samples, read
+        #: here before it is sent; None where each worker reads its own.
+        self.read = read
+        self.ended = False  # a read here failed: nothing is sent after its failure
 
     def start(self) -> list[Proc]:
         """Send the epoch to every live worker (the pool has started); the workers sent to."""
@@ -72,7 +78,7 @@ class GroupFlow:
         at a time does not shrink the groups to one batch.
         """
         left = self.total - self.step
-        if self.paused or self.closed or left <= 0 or len(self.pending) >= self.most:
+        if self.paused or self.closed or self.ended or left <= 0 or len(self.pending) >= self.most:
             return 0
         full = min(self.group, left)
         n = min(full, room)
@@ -81,9 +87,23 @@ class GroupFlow:
         return n
 
     def send(self, n: int) -> None:
-        """Send the next ``n`` steps as one group."""
-        self.pending.append(self.session.submit(self.plan.batches(self.step, self.step + n)))
+        """Send the next ``n`` steps as one group (with their samples, where they are read
+        here: the batches before a failed read are sent, the failure is handed out after them,
+        and nothing more is sent)."""
+        specs = self.plan.batches(self.step, self.step + n)
         self.step += n
+        if self.read is None:
+            self.pending.append(self.session.submit(specs))
+            return
+        got = self.read(specs)
+        ok = next((i for i, d in enumerate(got) if d.error is not None), len(got))
+        if ok:
+            self.pending.append(self.session.submit(specs[:ok], [d.value for d in got[:ok]]))
+        if ok < len(got):
+            failed = Group(0, [got[ok].spec], None)
+            failed.fail(got[ok].error or RuntimeError("a read failed"))
+            self.pending.append(failed)
+            self.ended = True
 
     def fail(self, exc: BaseException) -> None:
         """A failure outside any group (a bug): delivered at the next step not yet sent."""
@@ -325,9 +345,19 @@ class ProcessWorkers:
         self.session = pool.session()
 
     def flow(self, cfg: PipelineConfig, first_step: int) -> GroupFlow:
-        """The epoch of ``cfg`` from ``first_step`` on these workers."""
+        """The epoch of ``cfg`` from ``first_step`` on these workers (each group read by its
+        worker, or here where the dataset is not read by workers)."""
         group = group_size(cfg.capacity, cfg.num_workers)
-        return GroupFlow(self.session, cfg.plan, cfg.order, reading_name(cfg), first_step, group)
+        reading = reading_name(cfg)
+        read = None
+        if cfg.dataset.reads_inline and not cfg.dataset.read_by_workers:
+            indexes = Indexes(cfg.plan, cfg.order)
+            read_many = cfg.dataset.read_many_sync
+
+            def read(specs: list[BatchSpec]) -> list[Delivery]:
+                return run_sync(read_window(specs, indexes, reading), read_many)
+
+        return GroupFlow(self.session, cfg.plan, cfg.order, reading, first_step, group, read)
 
     async def produce(self, job: Production) -> None:
         """The workers read and collate their own batches over a storage that reads inline
@@ -336,7 +366,7 @@ class ProcessWorkers:
         windows' requests coalesce and stay in flight together, and each group's samples go to
         a worker, which collates them."""
         cfg = job.cfg
-        if cfg.dataset.reads_inline:
+        if cfg.dataset.reads_inline and cfg.dataset.read_by_workers:
             first = await self._while_starting(job)
             if first is not None:
                 await run_on_loop(self.flow(cfg, first), job.emit, job.channel)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import gc
 import io
 import os
 import socket
@@ -141,6 +142,9 @@ def fork_zygote(preload: list[str]) -> forkserver.ForkServer:
                 _close_fds_but(listener.fileno(), alive_r)
                 # A fork from a coroutine: no loop runs on this thread here.
                 asyncio.events._set_running_loop(None)
+                # What the zygote holds is the workers' to share: their collections skip it
+                # (a collection writes to every object it visits, copying each page it touches).
+                gc.freeze()
                 forkserver.main(listener.fileno(), alive_r, [])
             except SystemExit:  # every client gone: the loop's normal end
                 pass

@@ -33,7 +33,7 @@ def test_tasks_upload_their_parts_and_the_last_merges(
         )
     capsys.readouterr()
     assert main(["prepare", "--merge", url]) == 1
-    assert "1 of 3 parts are missing or unfinished (tasks 1" in capsys.readouterr().err
+    assert "1 of the 3 parts is missing or unfinished (task 1," in capsys.readouterr().err
     assert main(["prepare", str(corpus), "--output", url, "--task", "1", "--tasks", "3", "-q", *options]) == 0
     assert main(["verify", url, "--quiet"]) == 0
     assert samples(url, read_as) == samples(tmp_path / "one", read_as)

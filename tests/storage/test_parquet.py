@@ -658,6 +658,26 @@ def test_parquet_sources_mix_with_other_datasets(folder: Path) -> None:
     assert any(i >= 10_000 for i in got) and any(i < 600 for i in got)
 
 
+@pytest.mark.parametrize(("method", "workers"), [("thread", 0), ("process", 2)])
+def test_a_tokenized_text_source_of_a_mixture_gives_token_arrays(
+    folder: Path, tokenizer_json: str, method: str, workers: int
+) -> None:
+    """A mixture's samples are its sources' finished samples: a text column read with a
+    tokenizer is tokenized where the mixture reads it, given as storage or as a dataset."""
+    storage = gl.open_parquet(folder, "text", tokenizer=tokenizer_json, eos="</s>")
+    want = sorted(tuple(t.tolist()) for t in all_rows(storage))
+    for source in (storage, gl.DocumentDataset(storage)):
+        mixture = gl.mix({"text": source})
+        loader = gl.StatefulDataLoader(
+            mixture, list, local_batch_size=8, device=CPU, drop_last=False,
+            num_workers=workers, parallel_method=method,
+        )  # fmt: skip
+        with loader:
+            got = [row for batch in take(loader) for row in batch]
+        assert all(isinstance(row, np.ndarray) and row.dtype == storage.dtype for row in got)
+        assert sorted(tuple(row.tolist()) for row in got) == want
+
+
 # -- bad and changing input ------------------------------------------------------------------------
 def copy_of(folder: Path, tmp_path: Path) -> Path:
     dest = tmp_path / "copy"

@@ -507,6 +507,7 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         self._ahead_failed: set[int] = set()  # left to their reads (which raise the error)
         self._fetchers: list[threading.Thread] = []
         self._stopping = False
+        self._bytes_ratio = 1.0  # see _estimate
         self._since_release = 0  # bytes decoded since arrow's pool last gave back its free pages
         self._readers: OrderedDict[int, Any] = OrderedDict()
         self._offsets: I64 | None = None
@@ -532,6 +533,7 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
             "_ahead_failed",
             "_fetchers",
             "_stopping",
+            "_bytes_ratio",
         )
         return {k: v for k, v in self.__dict__.items() if k not in keep}
 
@@ -720,6 +722,7 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
             _pa().default_memory_pool().release_unused()
         with self._lock:
             self.counts["parquet_row_group_decodes"] += 1
+            self._bytes_ratio = max(self._bytes_ratio, decoded.nbytes / max(1, self._footer_bytes(group)))
             self._decoded[group] = decoded
             self._decoded_bytes += decoded.nbytes
             self._evict_locked(group, keep_new=not mine.ahead)
@@ -796,10 +799,16 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         held = sum(self._ahead.values())
         return held + sum(d.nbytes for g, d in self._decoded.items() if g in self._uses)
 
-    def _estimate(self, group: int) -> int:
+    def _footer_bytes(self, group: int) -> int:
+        """The bytes a decoded ``group`` holds by its footer: its column's uncompressed size
+        (which an encoding may make smaller: a dictionary's) and its rows' offsets."""
         e = self._entries[int(self._file_of[group])]
-        rows = int(self._sizes[group])
-        return int(e.nbytes[int(self._group_in_file[group])]) + 8 * (rows + 1)
+        return int(e.nbytes[int(self._group_in_file[group])]) + 8 * (int(self._sizes[group]) + 1)
+
+    def _estimate(self, group: int) -> int:
+        """The bytes ``group`` will hold decoded: its footer's figure times the largest ratio
+        of a decoded row group's bytes to its footer's figure seen so far."""
+        return int(self._footer_bytes(group) * self._bytes_ratio)
 
     def _walk_locked(self) -> None:
         """Walk the hint until a row group to fetch is queued (or the hint ends, or enough uses

@@ -4,8 +4,11 @@
 store, and reads the files' footers only (in parallel): how many rows each row group holds, where
 its column chunks lie. Row ``i`` of the files concatenated (in sorted path order) is document
 ``i``. A read decodes the row groups its rows lie in, each whole and once, and keeps decoded row
-groups up to ``max_decoded_bytes`` (least recently used first out), so a row-group-aware shuffle
-(the loader's ``shuffle_block_size="auto"``) decodes each row group once per visit.
+groups up to ``max_decoded_bytes`` (those the loader's upcoming reads use first, the others least
+recently used first out), so a row-group-aware shuffle (the loader's ``shuffle_block_size="auto"``)
+decodes each row group once per visit. Over an object store, the row groups of the loader's
+upcoming reads (:meth:`ParquetStorage.will_read`) are fetched and decoded ahead, ``fetch_ahead``
+ranged GETs at once, within the same bytes.
 
 A ``list<int>`` column (pre-tokenized) yields a 1-D array per row, a view of the decoded values
 (no Python object per element); a string column yields its text, or token arrays with

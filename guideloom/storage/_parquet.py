@@ -504,6 +504,8 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         #: with uses is kept before one without, and the nearer use before the farther.
         self._uses: dict[int, deque[int]] = {}
         self._use_count = 0
+        self._horizon: dict[int, int] = {}  # row group with uses -> its estimated bytes
+        self._horizon_bytes = 0
         self._queue: deque[int] = deque()  # row groups to fetch ahead, in order of first need
         self._queued: set[int] = set()
         self._ahead: dict[int, int] = {}  # row group -> its bytes, fetched ahead now
@@ -530,6 +532,8 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
             "_plan_seq",
             "_uses",
             "_use_count",
+            "_horizon",
+            "_horizon_bytes",
             "_queue",
             "_queued",
             "_ahead",
@@ -782,6 +786,8 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         self._plan, self._plan_seq = None, 0
         self._uses.clear()
         self._use_count = 0
+        self._horizon.clear()
+        self._horizon_bytes = 0
         self._queue.clear()
         self._queued.clear()
         self._ahead_failed.clear()
@@ -795,12 +801,15 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         self._use_count -= 1
         if not uses:
             del self._uses[group]
+            self._horizon_bytes -= self._horizon.pop(group)
         self._lock.notify_all()
 
-    def _held_locked(self) -> int:
-        """Bytes of row groups fetched ahead or decoded that an upcoming read of the hint uses."""
+    def _held_locked(self, before: int) -> int:
+        """Bytes of the row groups fetched ahead now, and of those decoded that a read of the
+        hint uses next at window ``before`` or earlier."""
         held = sum(self._ahead.values())
-        return held + sum(d.nbytes for g, d in self._decoded.items() if g in self._uses)
+        uses = self._uses
+        return held + sum(d.nbytes for g, d in self._decoded.items() if g in uses and uses[g][0] <= before)
 
     def _footer_bytes(self, group: int) -> int:
         """The bytes a decoded ``group`` holds by its footer: its column's uncompressed size
@@ -813,54 +822,68 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         of a decoded row group's bytes to its footer's figure seen so far."""
         return int(self._footer_bytes(group) * self._bytes_ratio)
 
-    def _walk_locked(self) -> None:
-        """Walk the hint until a row group to fetch is queued (or the hint ends, or enough uses
-        are recorded)."""
-        while not self._queue and self._plan is not None and self._use_count < _AHEAD_MAX_USES:
+    def _walk_locked(self, windows: int) -> bool:
+        """Walk up to ``windows`` more windows of the hint, recording which row groups they use
+        and queueing those to fetch, while the row groups with uses stay under twice
+        ``max_decoded_bytes`` (by estimate): how far the fetches and the eviction see ahead.
+        Whether it may walk further now."""
+        for _ in range(windows):
+            if (
+                self._plan is None
+                or self._horizon_bytes >= 2 * self.max_decoded_bytes
+                or self._use_count >= _AHEAD_MAX_USES
+            ):
+                return False
             try:
                 indices = next(self._plan, None)
             except Exception:  # a hint that cannot be computed: no fetching ahead on it
                 indices = None
             if indices is None:
                 self._plan = None
-                return
+                return False
             indices = np.asarray(indices, dtype=np.int64)
             if not len(indices) or indices.min() < 0 or indices.max() >= len(self):
                 continue  # not a read of this storage's rows: its read will say so
             seq, self._plan_seq = self._plan_seq, self._plan_seq + 1
             groups = np.unique(np.searchsorted(self._gstarts, indices, side="right") - 1).tolist()
             for g in groups:
-                self._uses.setdefault(g, deque()).append(seq)
+                uses = self._uses.get(g)
+                if uses is None:
+                    uses = self._uses[g] = deque()
+                    self._horizon[g] = self._estimate(g)
+                    self._horizon_bytes += self._horizon[g]
+                uses.append(seq)
                 self._use_count += 1
                 if g not in self._decoded and g not in self._decoding and g not in self._queued:
                     self._queue.append(g)
                     self._queued.add(g)
+        return True
 
     def _next_ahead_locked(self) -> int | None:
-        """The next row group to fetch ahead, claimed (waiting while the kept bytes are full of
-        row groups an upcoming read uses); ``None`` once the hint is done or the storage closes."""
+        """The next row group to fetch ahead, claimed: the one first needed soonest, once the
+        row groups fetched ahead and those decoded whose next use is no later than its first fit
+        ``max_decoded_bytes`` with it (the others would be dropped for it); ``None`` once the
+        hint is done or the storage closes."""
         while not self._stopping:
-            self._walk_locked()
+            more = self._walk_locked(64)
+            while self._queue:
+                g = self._queue[0]
+                done = g in self._decoded or g in self._decoding or g in self._ahead_failed
+                if not done and g in self._uses:
+                    break
+                self._queue.popleft()  # decoded meanwhile, or its reads are done
+                self._queued.discard(g)
             if self._queue:
                 g = self._queue[0]
-                if (
-                    g in self._decoded
-                    or g in self._decoding
-                    or g in self._ahead_failed
-                    or g not in self._uses
-                ):
-                    self._queue.popleft()  # decoded meanwhile, or its reads are done
-                    self._queued.discard(g)
-                    continue
                 size = self._estimate(g)
-                if self._held_locked() + size <= self.max_decoded_bytes:
+                if self._held_locked(self._uses[g][0]) + size <= self.max_decoded_bytes:
                     self._queue.popleft()
                     self._queued.discard(g)
                     self._ahead[g] = size
                     return g
             elif self._plan is None:
                 return None
-            self._lock.wait(1.0)
+            self._lock.wait(0 if more else 1.0)  # the lock is let go between steps of the walk
         return None
 
     def _fetch_ahead(self) -> None:

@@ -318,3 +318,27 @@ def test_a_storage_fetching_ahead_pickles_without_its_fetches(
         assert first_ids(copy.read_many_sync(np.asarray([5, 40], np.int64))) == [5, 40]
     finally:
         asyncio.run(storage.close())
+
+
+def test_room_for_a_row_group_fetched_ahead_is_made_by_dropping_the_one_used_farthest(
+    tmp_path: Path, nginx: Nginx, www: Path, proxy_for: list[FaultProxy]
+) -> None:
+    """Reads of row groups 7, 2, 11, 7, 0, 2 with room for 3 and a half: 0 is fetched once 2
+    is read (nothing read before 0 is dropped for it), and 2, used again last, makes room for
+    it, not 11 (the least recently used, read next)."""
+    proxy, urls = served(tmp_path, nginx, www, proxy_for, "parquet-ahead-farthest")
+    storage = gl.open_parquet(urls, "input_ids", max_decoded_bytes=GROUP_BYTES * 7 // 2)
+    opened = proxy.stats.requests
+    order = [7, 2, 11, 7, 0, 2]
+    windows = [np.arange(32 * g, 32 * g + 32, dtype=np.int64) for g in order]
+    storage.will_read(iter(windows))
+    try:
+        held = []
+        for window in windows:
+            held.append((settle(storage, proxy) - opened, sorted(storage._decoded)))
+            assert first_ids(storage.read_many_sync(window)) == window.tolist()
+        assert held[:3] == [(3, [2, 7, 11]), (3, [2, 7, 11]), (4, [0, 7, 11])]
+        assert proxy.stats.requests - opened == 5  # 2 again, at its last read
+    finally:
+        asyncio.run(storage.close())
+    assert ahead_threads() == []

@@ -17,9 +17,20 @@ round (this machine is shared and noisy).
   layout of 10M documents, in a child process per mode, over a storage that serves the offsets
   from a memory-mapped file (the layout reads only offsets, as it does from a written dataset).
 
+- Parquet order: ``pack(open_parquet(...))`` over files of 250-row row groups (the same
+  lognormal lengths, uint16 lists), one shuffled epoch with ``shuffle_block_size="auto"`` (the
+  packed sequences' row-group blocks) against the plain shuffle, each mode, alternating in
+  rounds: row groups decoded in the epoch (counted by the storage; the length index's one pass
+  at open left out) and sequences/s. ``max_decoded_bytes`` holds 24 row groups, above the
+  default ``shuffle_window`` of 16 row groups.
+- padding: the sequences best fit by ranges of row groups makes against one best fit over the
+  whole dataset (layouts only, over the documents' offsets).
+
     python -m benchmarks.packing            # the full run (~3 minutes once the data exists)
     python -m benchmarks.packing --quick    # a smoke run
     python -m benchmarks.packing --only window   # one read window + its collates, no loader
+    python -m benchmarks.packing --only parquet  # the row-group order over packed Parquet
+    python -m benchmarks.packing --only padding  # best fit by ranges of row groups: padding
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ import time
 import tracemalloc
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -302,6 +313,141 @@ def layout_build(documents: int) -> dict[str, Any]:
     return out
 
 
+PARQUET_ROWS_PER_GROUP = 250
+
+
+def ensure_parquet(documents: int) -> Path:
+    """Parquet files (4) of ``documents`` rows of uint16 token lists, lognormal lengths, in row
+    groups of 250 rows, written once."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = ROOT / f"pack-parquet-{documents}-{PARQUET_ROWS_PER_GROUP}"
+    if (folder / "done").exists():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    lengths = lognormal_lengths(documents, 11)
+    rng = np.random.default_rng(11)
+    tokens = rng.integers(0, 50_000, int(lengths.sum()), dtype=np.uint16)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    for f, rows in enumerate(np.array_split(np.arange(documents), 4)):
+        a, b = int(rows[0]), int(rows[-1]) + 1
+        values = pa.array(tokens[offsets[a] : offsets[b]], pa.uint16())
+        lists = pa.ListArray.from_arrays(pa.array(offsets[a : b + 1] - offsets[a], pa.int32()), values)
+        table = pa.table({"input_ids": lists})
+        pq.write_table(table, folder / f"part-{f}.parquet", row_group_size=PARQUET_ROWS_PER_GROUP)
+    (folder / "done").touch()
+    return folder
+
+
+def parquet_epoch(folder: Path, mode: Literal["concat", "best_fit"], auto: bool) -> dict[str, float]:
+    """One shuffled epoch of ``pack(open_parquet(folder), SEQ, mode)``: row groups decoded and
+    sequences/s (after open, which builds the length index and the layout)."""
+    storage = gl.open_parquet(folder, "input_ids")
+    group_bytes = int(storage.sample_nbytes_hint()) * PARQUET_ROWS_PER_GROUP
+    storage.max_decoded_bytes = 24 * group_bytes  # a window of 16 row groups fits, not the files
+    packed = gl.pack(storage, SEQ, mode)
+    loader = gl.StatefulDataLoader(
+        packed,
+        tokens_collate,
+        local_batch_size=BATCH,
+        shuffle=True,
+        shuffle_seed=5,
+        shuffle_block_size="auto" if auto else None,
+        device=torch.device("cpu"),
+        drop_last=False,
+    )
+    with loader:
+        before = loader.stats()["parquet_row_group_decodes"]
+        t0 = time.perf_counter()
+        sequences = sum(len(batch) for batch in loader)
+        elapsed = time.perf_counter() - t0
+        decodes = loader.stats()["parquet_row_group_decodes"] - before
+    return {
+        "sequences": sequences,
+        "row_groups": storage.num_row_groups,
+        "decodes": decodes,
+        "decodes_per_row_group": decodes / storage.num_row_groups,
+        "sequences_per_s": sequences / elapsed,
+    }
+
+
+def fit_padding(documents: int) -> dict[str, Any]:
+    """Sequences best fit makes by ranges of row groups, against one best fit over the whole
+    dataset (what the ranges cost in padding), for ``documents`` documents of lognormal
+    lengths (sigma 1; medians 300 and 1,000 tokens) in row groups of 100 and 1,000 rows,
+    ``sequence_length=2048``: each row group on its own, and ranges of ``fit_group`` 64 and 256."""
+    from guideloom._datasets.packing import best_fit_layout
+
+    rng = np.random.default_rng(0)
+    out: dict[str, Any] = {}
+    for median in (300, 1000):
+        lengths = np.maximum(1, rng.lognormal(np.log(median), 1.0, documents)).astype(np.int64)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        whole = len(best_fit_layout(lengths, starts, SEQ))
+        row: dict[str, Any] = {
+            "mean_length": float(lengths.mean()),
+            "global_padding": 1 - float(lengths.sum()) / (whole * SEQ),
+        }
+        for rows in (100, 1000):
+            blocks = MemoryBlocks(lengths, rows)
+            for fit_group in (1, 64, 256):
+                packed = gl.pack(blocks, SEQ, "best_fit", fit_group=fit_group)  # type: ignore[arg-type]
+                asyncio.run(packed.open())
+                row[f"rows{rows}_group{fit_group}_extra"] = len(packed) / whole - 1
+        out[f"median{median}"] = row
+    return out
+
+
+class MemoryBlocks(gl.DocumentStorageAbstract[Any, np.ndarray]):
+    """Documents' offsets only (all a layout reads), in blocks of ``rows`` documents."""
+
+    blocking_calls_are_cheap = True
+
+    def __init__(self, lengths: np.ndarray, rows: int) -> None:
+        self.offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return np.dtype(np.uint16)
+
+    def document_offsets_sync(self, positions: np.ndarray) -> np.ndarray:
+        return self.offsets[positions]
+
+    def natural_blocks(self) -> np.ndarray:
+        n = len(self)
+        sizes = np.full(n // self.rows, self.rows, np.int64)
+        return sizes if n % self.rows == 0 else np.append(sizes, n % self.rows)
+
+
+def parquet_order(documents: int, rounds: int) -> dict[str, Any]:
+    """The row-group order against the plain shuffle over packed Parquet, in alternating rounds
+    (decodes are the same each round; sequences/s are medians, with their ratio per round)."""
+    folder = ensure_parquet(documents)
+    out: dict[str, Any] = {"documents": documents, "load_before": os.getloadavg()[0]}
+    modes: tuple[Literal["concat", "best_fit"], ...] = ("concat", "best_fit")
+    for mode in modes:
+        runs: dict[str, list[dict[str, float]]] = {"auto": [], "plain": []}
+        for _ in range(rounds):
+            runs["auto"].append(parquet_epoch(folder, mode, True))
+            runs["plain"].append(parquet_epoch(folder, mode, False))
+        ratios = [a["sequences_per_s"] / p["sequences_per_s"] for a, p in zip(*runs.values(), strict=True)]
+        out[mode] = {
+            order: {
+                **{k: v for k, v in got[-1].items() if k != "sequences_per_s"},
+                "sequences_per_s": statistics.median(r["sequences_per_s"] for r in got),
+            }
+            for order, got in runs.items()
+        }
+        out[mode]["auto_speedup"] = statistics.median(ratios)
+    out["load_after"] = os.getloadavg()[0]
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.packing", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -309,8 +455,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--documents", type=int, default=None, help="documents in the layout-build measurement")
     ap.add_argument(
         "--only",
-        default="throughput,resume,build",
-        help="parts to run (throughput,resume,build,window)",
+        default="throughput,resume,build,parquet,padding",
+        help="parts to run (throughput,resume,build,window,parquet,padding)",
     )
     ap.add_argument("--build-child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -319,9 +465,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     tokens = args.tokens or (4_000_000 if args.quick else 40_000_000)
     documents = args.documents or (1_000_000 if args.quick else 10_000_000)
-    docs_path, stream_path = ensure_datasets(tokens)
     rounds, batches = (1, 200) if args.quick else (5, 1500)
     parts = set(args.only.split(","))
+    if parts & {"throughput", "window", "resume"}:
+        docs_path, stream_path = ensure_datasets(tokens)
     result: dict[str, Any] = {}
     if "throughput" in parts:
         result["throughput"] = throughput(docs_path, stream_path, rounds, batches)
@@ -331,6 +478,10 @@ def main(argv: list[str] | None = None) -> None:
         result["resume"] = resume_ttfb(docs_path, 5 if args.quick else 20)
     if "build" in parts:
         result["layout_build"] = layout_build(documents)
+    if "padding" in parts:
+        result["fit_padding"] = fit_padding(20_000 if args.quick else 200_000)
+    if "parquet" in parts:
+        result["parquet_order"] = parquet_order(20_000 if args.quick else 100_000, 1 if args.quick else 3)
     print(json.dumps(result, indent=2))
 
 

@@ -171,6 +171,30 @@ def tree_pss(pid: int) -> int:
     return total
 
 
+#: The file a configuration's process creates once its measurement is over (before it closes
+#: its loader): the parent stops sampling PSS there. While processes exit, a sample may count
+#: a page twice: in a worker read before it exits, and in the main process read after (a
+#: shared page's PSS moves to the processes left).
+MEASURED = "GUIDELOOM_BENCH_MEASURED"
+
+
+def measured() -> None:
+    """In a configuration's process: its measurement is over."""
+    path = os.environ.get(MEASURED)
+    if path:
+        Path(path).touch()
+
+
+def peak_pss(proc: subprocess.Popen[str], marker: Path) -> int:
+    """The peak PSS of ``proc`` and its descendants (bytes), sampled every 50 ms until it has
+    created ``marker`` (its measurement is over) or exited."""
+    peak = 0
+    while proc.poll() is None and not marker.exists():
+        peak = max(peak, tree_pss(proc.pid))
+        time.sleep(0.05)
+    return peak
+
+
 def collate_docs(samples: Sequence[Any]) -> Any:
     """Documents to one flat int64 tensor and their lengths (what a packing collate starts from)."""
     import torch
@@ -299,6 +323,7 @@ def run_one(config: str, data: Path, seconds: float, decoded: int = DECODED) -> 
                     break
         assert start is not None
         elapsed = time.perf_counter() - start
+        measured()
     finally:
         if ctx is not None:
             ctx.__exit__(None, None, None)
@@ -354,6 +379,7 @@ def tokenize_ceiling(data: Path, seconds: float, processes: int = 2) -> dict[str
         p.start()
     start.wait()
     got = [out.get() for _ in procs]
+    measured()
     for p in procs:
         p.join()
     return {
@@ -368,16 +394,17 @@ def in_child(config: str, data: Path, seconds: float, decoded: int = DECODED) ->
     """``run_one`` in a fresh process, its peak PSS (with its workers') sampled from here every
     50 ms: a sampling thread inside it would keep its process workers from being forked from it
     (guideloom forks them from the main process only while that has one Python thread)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.parquet", "--child", config, "--data", str(data),
-         "--seconds", str(seconds), "--decoded", str(decoded)],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    peak = 0
-    while proc.poll() is None:
-        peak = max(peak, tree_pss(proc.pid))
-        time.sleep(0.05)
-    out = proc.stdout.read() if proc.stdout else ""
+    with tempfile.TemporaryDirectory() as tmp:
+        marker = Path(tmp) / "measured"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.parquet", "--child", config, "--data", str(data),
+             "--seconds", str(seconds), "--decoded", str(decoded)],
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), MEASURED: str(marker)},
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        peak = peak_pss(proc, marker)
+        out = proc.stdout.read() if proc.stdout else ""
+        proc.wait()
     if proc.returncode:
         raise RuntimeError(f"{config} failed with exit code {proc.returncode}")
     result: dict[str, float] = json.loads(out.strip().splitlines()[-1])

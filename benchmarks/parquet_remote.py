@@ -54,13 +54,15 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.parquet import (  # noqa: E402
     BATCH,
+    MEASURED,
     batch_counts,
     collate_docs,
     collate_hf,
     hf_tokenize,
     loadavg,
     make_data,
-    tree_pss,
+    measured,
+    peak_pss,
 )
 
 CONFIGS = (
@@ -155,6 +157,7 @@ def run_one(config: str, urls: list[str], tokenizer: str, seconds: float) -> dic
                 break
         assert start is not None
         elapsed = time.perf_counter() - start
+        measured()
     return {
         "samples_s": samples / elapsed,
         "tokens_s": tokens / elapsed,
@@ -166,16 +169,17 @@ def run_one(config: str, urls: list[str], tokenizer: str, seconds: float) -> dic
 
 def in_child(config: str, urls: list[str], tokenizer: str, seconds: float) -> dict[str, float]:
     """``run_one`` in a fresh process; its peak PSS (with its workers') sampled from here."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.parquet_remote", "--child", config, "--urls", json.dumps(urls),
-         "--tokenizer", tokenizer, "--seconds", str(seconds)],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    peak = 0
-    while proc.poll() is None:
-        peak = max(peak, tree_pss(proc.pid))
-        time.sleep(0.05)
-    out = proc.stdout.read() if proc.stdout else ""
+    with tempfile.TemporaryDirectory() as tmp:
+        marker = Path(tmp) / "measured"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.parquet_remote", "--child", config, "--urls",
+             json.dumps(urls), "--tokenizer", tokenizer, "--seconds", str(seconds)],
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), MEASURED: str(marker)},
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        peak = peak_pss(proc, marker)
+        out = proc.stdout.read() if proc.stdout else ""
+        proc.wait()
     if proc.returncode:
         raise RuntimeError(f"{config} failed with exit code {proc.returncode}")
     result: dict[str, float] = json.loads(out.strip().splitlines()[-1])

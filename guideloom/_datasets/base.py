@@ -171,6 +171,12 @@ class DatasetAbstract(ABC, Generic[SourceT]):
         The same ``collate_fn`` gives the same object each time."""
         return collate_fn
 
+    def finish_step(self) -> Callable[[Sequence[Any]], Sequence[Any]] | None:
+        """The step that finishes this dataset's samples after a read (tokenizing texts) where
+        the loader runs it with ``collate_fn`` (:meth:`collate_with`); ``None`` where a read's
+        samples are finished. A dataset that reads another (a mixture) runs it after the read."""
+        return None
+
     def position_stats(self, *, epoch: int, offset: int) -> dict[str, float]:
         """Figures about position ``(epoch, offset)`` for ``loader.stats()`` (none by default; a
         mixture reports each source's own epoch)."""

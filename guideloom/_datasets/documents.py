@@ -67,6 +67,9 @@ class DocumentDataset(DatasetAbstract[SourceT]):
     def natural_blocks(self) -> npt.NDArray[np.int64] | None:
         return self._storage.natural_blocks()
 
+    def finish_step(self) -> Callable[[Sequence[Any]], Sequence[Any]] | None:
+        return self._finish
+
     def collate_with(self, collate_fn: Callable[[Sequence[Any]], Any]) -> Callable[[Sequence[Any]], Any]:
         """``collate_fn``, after the storage's deferred step where it has one (see
         :meth:`DocumentStorageAbstract.deferred_step`); the same object for the same

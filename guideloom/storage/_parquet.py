@@ -138,7 +138,8 @@ class _LocalFiles:
         return _pq().read_metadata(path)
 
     def reader(self, path: str, metadata: Any) -> Any:
-        return _pq().ParquetFile(path, metadata=metadata, pre_buffer=False)
+        # pages written with a checksum are checked against it: a damaged page is refused
+        return _pq().ParquetFile(path, metadata=metadata, pre_buffer=False, page_checksum_verification=True)
 
     def read_group(self, path: str, reader: Any, group: int, columns: list[str], chunks: Any) -> Any:
         return reader.read_row_group(group, columns=columns, use_threads=False)
@@ -272,7 +273,7 @@ class _RemoteFiles:
         pieces = {start: data, tail_start: tail}
         return (
             _pq()
-            .ParquetFile(_SparseFile(size, pieces), metadata=metadata)
+            .ParquetFile(_SparseFile(size, pieces), metadata=metadata, page_checksum_verification=True)
             .read_row_group(group, columns=columns, use_threads=False)
         )
 
@@ -966,6 +967,17 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         with self._lock:
             self.counts["parquet_null_rows"] += len(hit)
 
+    def _cut(self, group: int, decoded: _Decoded, local: I64) -> list[Any]:
+        """Rows ``local`` of row group ``group``; a text that is not UTF-8 (a damaged page that
+        decoded) is refused by its place."""
+        try:
+            return decoded.rows(local)
+        except UnicodeDecodeError as exc:
+            raise DatasetFormatError(
+                f"{self._where(group)}: a row is not valid UTF-8 text ({exc.reason}): the file is "
+                "damaged, or the column holds bytes that are not text"
+            ) from None
+
     def _rows(self, indices: I64) -> list[Any]:
         """The rows at ``indices``: every row group they touch decoded once, then, for a list
         column, one view per row cut from its group's values (the cuts computed with numpy per
@@ -981,7 +993,7 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         if (groups == first).all():  # the common case under a row-group shuffle's windows
             decoded = self._decode(first)
             self._nulls(first, decoded, local)
-            return decoded.rows(local)
+            return self._cut(first, decoded, local)
         distinct, which = np.unique(groups, return_inverse=True)
         order = np.argsort(which, kind="stable")
         cuts = np.searchsorted(which[order], np.arange(len(distinct) + 1)).tolist()
@@ -992,7 +1004,7 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         for g, at in zip(distinct.tolist(), ats, strict=True):
             decoded = self._decode(g)
             self._nulls(g, decoded, local[at])
-            for i, row in zip(at.tolist(), decoded.rows(local[at]), strict=True):
+            for i, row in zip(at.tolist(), self._cut(g, decoded, local[at]), strict=True):
                 out[i] = row
         return out
 
@@ -1008,7 +1020,7 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         if not decoded.text:
             lengths = decoded.lengths()
         else:
-            texts = decoded.rows(np.arange(int(self._sizes[group]), dtype=np.int64))
+            texts = self._cut(group, decoded, np.arange(int(self._sizes[group]), dtype=np.int64))
             if self._encoder is None:
                 raise TypeError(
                     f"column {self.column!r} holds texts: pass tokenizer= to open_parquet to pack or "
@@ -1335,6 +1347,11 @@ def open_parquet(
         )
     if cache is not None:
         _write_index_cache(index_file, entries, shown)
+    if entries[0].kind == "text" and encoder is None and dtype is not None:
+        raise ValueError(
+            f"dtype= is the type of the tokens a tokenizer makes; column {column!r} holds texts, "
+            "read as texts without one: pass tokenizer= too, or drop dtype="
+        )
     if entries[0].kind != "text" and encoder is not None:
         raise ValueError(f"column {column!r} holds token ids already; drop tokenizer=")
     if entries[0].kind != "text" and dtype is not None:

@@ -32,6 +32,18 @@ _MADE: weakref.WeakValueDictionary[tuple[int, int], TextEncoder] = weakref.WeakV
 _SERIALS = itertools.count()
 
 
+def _unpadded(tok: Any) -> Any:
+    """``tok`` without padding (a copy of a ``tokenizers.Tokenizer`` that pads: padding would
+    make a document's tokens depend on the other texts of its batch)."""
+    if getattr(tok, "padding", None) is None or not hasattr(tok, "to_str"):
+        return tok
+    import tokenizers
+
+    copy = tokenizers.Tokenizer.from_str(tok.to_str())
+    copy.no_padding()
+    return copy
+
+
 def _load_json(path: str) -> Any:
     try:
         import tokenizers
@@ -79,8 +91,12 @@ class TextEncoder:
         )
 
     def __getstate__(self) -> dict[str, Any]:
-        # a path is loaded again where it is used; a Tokenizer object pickles itself
-        return {**self.__dict__, "_tok": None, "_pickled_in": os.getpid()}
+        # A Tokenizer object pickles itself; a tokenizer.json travels as what was read from it,
+        # so that a copy encodes as this one does even if the file changes meanwhile.
+        state = {**self.__dict__, "_tok": None, "_pickled_in": os.getpid()}
+        if isinstance(self._source, str):
+            state["_json"] = self._built().to_str()
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         pickled_in = state.pop("_pickled_in", None)
@@ -88,6 +104,7 @@ class TextEncoder:
         made = _MADE.get(self._origin)
         if made is not None:  # this process is the one that made it, or was forked from it
             self._tok = made._tok
+            self.__dict__.pop("_json", None)
         if pickled_in is not None and pickled_in != os.getpid():
             # A copy in another process (a process worker): the loader runs workers side by
             # side already, so each encodes its batch on its own thread, as the tokenizers
@@ -109,8 +126,13 @@ class TextEncoder:
 
     def _built(self) -> Any:
         if self._tok is None:
-            src = self._source
-            self._tok = _load_json(src) if isinstance(src, str) else src
+            src, text = self._source, self.__dict__.pop("_json", None)
+            if text is not None:
+                import tokenizers
+
+                self._tok = tokenizers.Tokenizer.from_str(text)
+            else:
+                self._tok = _unpadded(_load_json(src) if isinstance(src, str) else src)
         return self._tok
 
     @staticmethod
@@ -129,6 +151,25 @@ class TextEncoder:
             )
         return int(found)
 
+    def _checked(self, doc: Any) -> npt.NDArray[Any]:
+        """A callable's token ids, refused unless they are integers that ``dtype`` holds (a
+        cast would wrap them silently)."""
+        ids = np.asarray(doc)
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+            raise TypeError(
+                f"the tokenizer callable must return a sequence of integer token ids, got {ids.dtype} "
+                f"of shape {ids.shape}"
+            )
+        if ids.size:
+            info, low, high = np.iinfo(self.dtype), int(ids.min()), int(ids.max())
+            if low < info.min or high > info.max:
+                raise ValueError(
+                    f"the tokenizer returned token id {low if low < info.min else high}, outside "
+                    f"{self.dtype}'s range [{info.min}, {info.max}]: pass dtype= wide enough to "
+                    "hold every id (e.g. dtype='int64')"
+                )
+        return ids
+
     def encode_many(self, texts: Sequence[str]) -> list[npt.NDArray[Any]]:
         """One token array per text (``bos`` first and ``eos`` last where given)."""
         tok = self._built()
@@ -137,7 +178,7 @@ class TextEncoder:
             ids: list[Any] = [e.ids for e in encode(list(texts), add_special_tokens=False)]
         else:
             call: Callable[[str], Any] = tok
-            ids = [call(t) for t in texts]
+            ids = [self._checked(call(t)) for t in texts]
         dtype, bos, eos = self.dtype, self.bos_id, self.eos_id
         if bos is None and eos is None:
             return [np.array(doc, dtype=dtype) for doc in ids]

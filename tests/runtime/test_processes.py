@@ -260,24 +260,33 @@ class OpensSlowly(gl.MemoryStreamStorage):
         super().open_sync()
 
 
+class OpensSlowlyReadOnTheLoop(OpensSlowly):
+    """:class:`OpensSlowly` read as an object store is: on the loop, by the main process."""
+
+    def reads_inline(self) -> bool:
+        return False
+
+
 def slowly_where(samples: Sequence[np.ndarray]) -> dict[str, Any]:
     time.sleep(0.002)
     return collated_where(samples)
 
 
+@pytest.mark.parametrize("storage", [OpensSlowly, OpensSlowlyReadOnTheLoop])
 @pytest.mark.parametrize("how", ["for", "async for"])
 def test_the_first_batches_are_made_here_while_the_workers_start_then_theirs_follow_in_order(
-    how: str,
+    how: str, storage: type[OpensSlowly]
 ) -> None:
     """An epoch resumed at an offset that is no multiple of anything, shuffled: its first batches
     come from this process, the workers go on from the batch after the last of them, and the
     whole is the epoch of ``num_workers=0`` (resumed again until the workers came up during
-    one: their start takes seconds on a busy machine)."""
+    one: their start takes seconds on a busy machine). Over a storage the main process reads
+    (an object store) as over one the workers read."""
     tokens = np.arange(300 * SEQ, dtype=np.int32)
 
     def make(**kw: Any) -> gl.StatefulDataLoader[Any, Any]:
         return gl.StatefulDataLoader.from_storage(
-            OpensSlowly(tokens), slowly_where, sequence_length=SEQ, local_batch_size=3, shuffle=True,
+            storage(tokens), slowly_where, sequence_length=SEQ, local_batch_size=3, shuffle=True,
             shuffle_seed=8, parallel_method="process", device=torch.device("cpu"), **kw,
         )  # fmt: skip
 

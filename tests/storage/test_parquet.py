@@ -292,6 +292,59 @@ def test_a_tokenizer_json_a_tokenizer_object_and_a_callable_encode_alike(
         assert c.tolist() == w.tolist()
 
 
+def test_a_tokenizer_that_pads_encodes_each_document_alone(tokenizer_json: str) -> None:
+    """Padding would make a document's tokens depend on the other texts of its batch: the
+    encoder encodes without it (on a copy: the caller's tokenizer still pads)."""
+    from tokenizers import Tokenizer
+
+    from guideloom.storage._text import TextEncoder
+
+    padded = Tokenizer.from_file(tokenizer_json)
+    padded.enable_padding(pad_id=0, pad_token="[UNK]")
+    encoder = TextEncoder(padded, eos="</s>")
+    texts = ["r1", "r1 r2 r3 r4 r5 r6"]
+    alone = [encoder.encode_many([t])[0].tolist() for t in texts]
+    assert [a.tolist() for a in encoder.encode_many(texts)] == alone
+    assert len(alone[0]) < len(alone[1])
+    assert padded.padding is not None
+
+
+def test_a_copy_of_an_encoder_encodes_with_the_tokenizer_json_as_it_was_read(
+    tokenizer_json: str, tmp_path: Path
+) -> None:
+    """A process worker that builds its own tokenizer (one started by the fork server) builds
+    the one the main process read, even where the file changed since: the fingerprint says
+    that one."""
+    from guideloom.storage._text import TextEncoder
+
+    path = tmp_path / "tokenizer.json"
+    shutil.copy(tokenizer_json, path)
+    encoder = TextEncoder(str(path), eos="</s>")
+    want = encoder.encode_many(["r1 r2 r3"])[0].tolist()
+    state = pickle.dumps(encoder)
+    path.write_text("{}")  # the file is replaced after the loader read it
+    code = (
+        "import pickle, sys\n"
+        "print(pickle.loads(sys.stdin.buffer.read()).encode_many(['r1 r2 r3'])[0].tolist())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], input=state, capture_output=True, check=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert out.stdout.decode().strip() == str(want)
+
+
+def test_a_tokenizer_callable_must_return_integer_ids_the_dtype_holds() -> None:
+    from guideloom.storage._text import TextEncoder
+
+    with pytest.raises(ValueError, match=r"token id -1, outside uint32's range.*dtype="):
+        TextEncoder(lambda t: np.asarray([1, -1], np.int64)).encode_many(["x"])
+    with pytest.raises(TypeError, match="integer token ids"):
+        TextEncoder(lambda t: [0.5]).encode_many(["x"])
+    wide = TextEncoder(lambda t: [1, -1], dtype="int64").encode_many(["x"])
+    assert wide[0].tolist() == [1, -1] and wide[0].dtype == np.int64
+
+
 def test_an_encoder_unpickled_in_another_process_encodes_on_one_thread(tokenizer_json: str) -> None:
     from guideloom.storage._text import TextEncoder
 
@@ -658,6 +711,26 @@ def test_parquet_sources_mix_with_other_datasets(folder: Path) -> None:
     assert any(i >= 10_000 for i in got) and any(i < 600 for i in got)
 
 
+@pytest.mark.parametrize(("method", "workers"), [("thread", 0), ("process", 2)])
+def test_a_tokenized_text_source_of_a_mixture_gives_token_arrays(
+    folder: Path, tokenizer_json: str, method: str, workers: int
+) -> None:
+    """A mixture's samples are its sources' finished samples: a text column read with a
+    tokenizer is tokenized where the mixture reads it, given as storage or as a dataset."""
+    storage = gl.open_parquet(folder, "text", tokenizer=tokenizer_json, eos="</s>")
+    want = sorted(tuple(t.tolist()) for t in all_rows(storage))
+    for source in (storage, gl.DocumentDataset(storage)):
+        mixture = gl.mix({"text": source})
+        loader = gl.StatefulDataLoader(
+            mixture, list, local_batch_size=8, device=CPU, drop_last=False,
+            num_workers=workers, parallel_method=method,
+        )  # fmt: skip
+        with loader:
+            got = [row for batch in take(loader) for row in batch]
+        assert all(isinstance(row, np.ndarray) and row.dtype == storage.dtype for row in got)
+        assert sorted(tuple(row.tolist()) for row in got) == want
+
+
 # -- bad and changing input ------------------------------------------------------------------------
 def copy_of(folder: Path, tmp_path: Path) -> Path:
     dest = tmp_path / "copy"
@@ -681,6 +754,39 @@ def test_a_column_of_another_kind_in_one_file_is_refused(folder: Path, tmp_path:
         match=r"differs between files: lists of int32 in .*00000-of-00003.* strings in .*00009-extra",
     ):
         gl.open_parquet(dest, "input_ids")
+
+
+def test_a_damaged_page_is_refused_by_its_row_group(tmp_path: Path) -> None:
+    """A page damaged in place (size and modification time kept): refused by its checksum where
+    the writer wrote one, and a text that is not UTF-8 is refused by its place, never read."""
+    table = pa.table(
+        {
+            "t": [f"text number {i} " * 3 for i in range(100)],
+            "ids": pa.array([[i] * 5 for i in range(100)], pa.list_(pa.int32())),
+        }
+    )
+    for checksums in (True, False):
+        path = tmp_path / f"damaged-{checksums}.parquet"
+        pq.write_table(
+            table, path, row_group_size=20, compression="none", use_dictionary=False,
+            write_page_checksum=checksums,
+        )  # fmt: skip
+        st = os.stat(path)
+        md = pq.ParquetFile(path).metadata
+        with open(path, "r+b") as f:
+            for col in (0, 1):
+                c = md.row_group(2).column(col)
+                f.seek(c.data_page_offset + c.total_compressed_size // 2)
+                f.write(b"\xff\x00\xfe\x13" * 4)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        columns = ("t", "ids") if checksums else ("t",)  # without a checksum a number is a number
+        for column in columns:
+            storage = gl.open_parquet(path, column)
+            assert len(storage.read_many_sync(np.arange(40))) == 40  # row groups 0 and 1 are whole
+            with pytest.raises(
+                gl.DatasetFormatError, match=rf"damaged-{checksums}\.parquet: row group 2, column '{column}'"
+            ):
+                storage.read_many_sync(np.arange(40, 60))
 
 
 def test_a_damaged_footer_and_a_truncated_file_are_refused_by_name(folder: Path, tmp_path: Path) -> None:
@@ -749,6 +855,11 @@ def test_null_rows_are_an_error_naming_the_row_group_or_empty_documents_counted(
     with loader:
         (batch,) = take(loader)
         assert batch == ["a", "", "", "b"] * 5 and loader.stats()["parquet_null_rows"] == 5
+
+
+def test_options_are_checked_dtype_without_a_tokenizer_too(folder: Path) -> None:
+    with pytest.raises(ValueError, match=r"holds texts, read as texts without one: pass tokenizer= too"):
+        gl.open_parquet(folder, "text", dtype="int16")
 
 
 def test_options_are_checked(folder: Path, tokenizer_json: str) -> None:

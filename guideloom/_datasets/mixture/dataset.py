@@ -381,6 +381,10 @@ class Mixture(DatasetAbstract[Any]):
             for s, _, idx in groups
         ]
         results = yield calls
+        # a source whose samples a step finishes where a loader collates (texts it tokenizes)
+        # is finished here: a mixture's samples are its sources' finished samples
+        finishes = [datasets[s].finish_step() for s, _, _ in groups]
+        results = [r if f is None else f(r) for f, r in zip(finishes, results, strict=True)]
         return _assemble(self.names, self.with_source, len(indices), groups, results)
 
     async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[Any]:

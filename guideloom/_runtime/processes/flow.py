@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from guideloom._core.delivery import Delivery, Results, apply
+from guideloom._core.delivery import Delivery, Results, apply, apply_group
 from guideloom._core.order import Order
 from guideloom._core.plan import BatchSpec, EpochPlan
 from guideloom._core.schedule import Indexes, read_window, run_sync
@@ -255,16 +255,35 @@ class SyncRun:
 async def _on_loop(session: Session, flow: GroupFlow) -> AsyncIterator[asyncio.AbstractEventLoop]:
     """The pool started (off the loop), the epoch sent to every worker and their pipes read by
     the running loop until the block ends, when ``flow`` closes."""
-    await asyncio.to_thread(session.pool.start)
+    async with _starting_on_loop(session, flow) as (loop, up):
+        await up
+        yield loop
+
+
+@contextlib.asynccontextmanager
+async def _starting_on_loop(
+    session: Session, flow: GroupFlow
+) -> AsyncIterator[tuple[asyncio.AbstractEventLoop, asyncio.Task[None]]]:
+    """:func:`_on_loop` that does not wait for the start: it yields at once with the task that
+    starts the pool (off the loop), then sends the epoch to every worker and reads their pipes;
+    the task fails with what made the start fail."""
     loop = asyncio.get_running_loop()
     registered: list[Proc] = []
-    try:
+
+    async def start() -> None:
+        await asyncio.to_thread(session.pool.start)
         for p in flow.start():
             loop.add_reader(p.fd, session._on_readable, p, loop)
             p.reader = session
             registered.append(p)
-        yield loop
+
+    up = loop.create_task(start(), name="guideloom-workers-up")
+    try:
+        yield loop, up
     finally:
+        if not up.done():
+            up.cancel()  # the start itself goes on in its thread; the pool's close ends it
+        await asyncio.gather(up, return_exceptions=True)  # its failure was handed out or is moot
         for p in registered:
             if p.reader is not session:  # a later session reads this pipe now: not ours to remove
                 continue
@@ -361,10 +380,10 @@ class ProcessWorkers:
 
     async def produce(self, job: Production) -> None:
         """The workers read and collate their own batches over a storage that reads inline
-        (local files, memory), once they are up (the batches before are made here). Over any
-        other (an object store) the main process reads, as it does for thread workers: its
-        windows' requests coalesce and stay in flight together, and each group's samples go to
-        a worker, which collates them."""
+        (local files, memory), once they are up. Over any other (an object store), or one they
+        do not read, the main process reads, as it does for thread workers: its windows'
+        requests coalesce and stay in flight together, and each group's samples go to a worker,
+        which collates them. Either way the batches before the workers are up are made here."""
         cfg = job.cfg
         if cfg.dataset.reads_inline and cfg.dataset.read_by_workers:
             first = await self._while_starting(job)
@@ -372,9 +391,26 @@ class ProcessWorkers:
                 await run_on_loop(self.flow(cfg, first), job.emit, job.channel)
             return
         flow = self.flow(cfg, job.first_step)
-        async with _on_loop(self.session, flow) as loop:
+        steps = (cfg.collate_fn,)
+        pool = self.pool
+        try:
+            pool.begin()
+        except Exception:
+            pass  # raised again by the pool's start, at the batches the workers owe
+        async with _starting_on_loop(self.session, flow) as (loop, up):
+            if not pool.starting():  # nothing to start (persistent workers): they take every group
+                await asyncio.wait([up])
 
             def run_group(specs: list[BatchSpec], batches: list[Any]) -> asyncio.Future[Results]:
+                if not up.done():
+                    # The workers are starting: this group is collated here, on a thread (as
+                    # the first batches over local files are), and the epoch does not wait.
+                    return loop.run_in_executor(None, apply_group, steps, batches)
+                failed = up.exception()
+                if failed is not None:  # at this group's first batch, and so the epoch's end
+                    lost: asyncio.Future[Results] = loop.create_future()
+                    lost.set_exception(failed)
+                    return lost
                 return loop.create_task(self._collate(specs, batches, loop))
 
             # Two groups per worker: one queued behind the one it makes, as a group's round trip

@@ -45,6 +45,8 @@ def test_process_workers_over_s3_read_as_threads_do(stream_copies: Copies, s3: M
 def test_process_workers_over_s3_collate_in_the_workers(
     plain_copies: Copies, s3: MotoS3, own_segments: Callable[[], list[str]]
 ) -> None:
+    """The batches read while the workers start are collated here (the first epoch need not wait
+    for them); once they are up, every batch is collated by a worker, in order."""
     expected = all_batches(guideloom.open_stream(plain_copies.local), sequence_length=200, local_batch_size=4)
     storage = guideloom.open_stream(plain_copies.s3_url, **s3.options())
     loader = loader_for(
@@ -57,12 +59,18 @@ def test_process_workers_over_s3_collate_in_the_workers(
         prefetch=4,
     )
     with loader:
+        start = loader.state_dict()
+        first = list(loader)
+        loader.load_state_dict(start)  # the same epoch again, its workers up (they persist)
         got = list(loader)
         it = iter(loader)  # an epoch left early: the samples sent for its groups are freed
         next(it)
         it.close()
-    assert len(got) == len(expected) > 0
-    assert all(torch.equal(b["tokens"], e) for b, e in zip(got, expected, strict=True))
+    for epoch in (first, got):
+        assert len(epoch) == len(expected) > 0
+        assert all(torch.equal(b["tokens"], e) for b, e in zip(epoch, expected, strict=True))
+    here = [b["pid"] == os.getpid() for b in first]
+    assert here == sorted(here, reverse=True)  # made here until the workers were up, then theirs
     pids = {b["pid"] for b in got}
     assert os.getpid() not in pids and len(pids) >= 1, pids
     assert own_segments() == []
@@ -92,6 +100,7 @@ def _on_s3(url: str, s3: MotoS3, collate: Any, **kw: Any) -> guideloom.StatefulD
     )
 
 
+@pytest.mark.usefixtures("workers_up_first")
 def test_a_collate_error_over_s3_reaches_the_consumer_at_its_batch(
     positions_on_s3: str, s3: MotoS3, own_segments: Callable[[], list[str]]
 ) -> None:
@@ -120,6 +129,7 @@ async def test_async_for_over_s3_with_process_workers_delivers_every_batch(
     assert got != sorted(got)
 
 
+@pytest.mark.usefixtures("workers_up_first")
 def test_a_worker_that_dies_over_s3_is_a_worker_error(
     positions_on_s3: str, s3: MotoS3, own_segments: Callable[[], list[str]]
 ) -> None:

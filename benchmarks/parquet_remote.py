@@ -17,6 +17,9 @@ Both loaders get the files' URLs as a list (an ``http://`` folder cannot be list
   worker process to start.
 - ``gl-parquet-tokens``: ``open_parquet([urls], "input_ids")``, ``shuffle_block_size="auto"``, no
   workers.
+- ``gl-parquet-text-noahead``, ``gl-parquet-tokens-noahead``: the same with ``fetch_ahead=0``
+  (each read fetches its row groups itself, one GET after another): the baseline of fetching the
+  loader's upcoming row groups ahead (``fetch_ahead=8``, the default, in the others).
 
 Every configuration runs in a fresh process, in alternating rounds; samples/s counts from the
 first batch on for up to ``--seconds`` or to the end of the first epoch (each row group is read
@@ -62,7 +65,14 @@ from benchmarks.parquet import (  # noqa: E402
     peak_pss,
 )
 
-CONFIGS = ("gl-parquet-text", "hf-streaming", "gl-parquet-text-threads", "gl-parquet-tokens")
+CONFIGS = (
+    "gl-parquet-text",
+    "hf-streaming",
+    "gl-parquet-text-threads",
+    "gl-parquet-tokens",
+    "gl-parquet-text-noahead",
+    "gl-parquet-tokens-noahead",
+)
 #: Decoded row groups kept by guideloom here: ``open_parquet``'s default. Over an object store
 #: the loader's process reads and decodes for all its workers, a window or two ahead; a run
 #: measures at most one epoch, so each row group is fetched and decoded once, as by HF.
@@ -81,9 +91,13 @@ def make_loader(config: str, urls: list[str], tokenizer: str) -> Any:
     import guideloom as gl
 
     cpu = torch.device("cpu")
+    from guideloom.storage._parquet import DEFAULT_FETCH_AHEAD
+
+    ahead = 0 if config.endswith("-noahead") else DEFAULT_FETCH_AHEAD
+    config = config.removesuffix("-noahead")
     if config in ("gl-parquet-text", "gl-parquet-text-threads"):
         storage = gl.open_parquet(
-            urls, "text", tokenizer=tokenizer, eos="</s>", max_decoded_bytes=DECODED_REMOTE
+            urls, "text", tokenizer=tokenizer, eos="</s>", max_decoded_bytes=DECODED_REMOTE, fetch_ahead=ahead
         )
         method = "thread" if config.endswith("threads") else "process"
         return gl.StatefulDataLoader.from_storage(
@@ -91,7 +105,7 @@ def make_loader(config: str, urls: list[str], tokenizer: str) -> Any:
             shuffle=True, shuffle_block_size="auto", device=cpu,
         )  # fmt: skip
     if config == "gl-parquet-tokens":
-        storage = gl.open_parquet(urls, "input_ids", max_decoded_bytes=DECODED_REMOTE)
+        storage = gl.open_parquet(urls, "input_ids", max_decoded_bytes=DECODED_REMOTE, fetch_ahead=ahead)
         return gl.StatefulDataLoader.from_storage(
             storage, collate_docs, local_batch_size=BATCH, shuffle=True, shuffle_block_size="auto", device=cpu
         )
@@ -263,6 +277,13 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"    {c} / hf-streaming samples/s {ratio:.2f} (rounds {per_round}): "
                       f"{'met' if ratio >= 1.5 else 'NOT met'}; first batch {1e3 * first:.0f} ms: "
                       f"{'met' if first < 1 else 'NOT met'}")  # fmt: skip
+        for c in ("gl-parquet-text", "gl-parquet-tokens"):
+            if c in configs and f"{c}-noahead" in configs:
+                for rtt in rtts:
+                    speed = med(rtt, c, "samples_s") / med(rtt, f"{c}-noahead", "samples_s")
+                    first = med(rtt, c, "first_batch_s") / med(rtt, f"{c}-noahead", "first_batch_s")
+                    print(f"  {c}: fetching ahead / not, {1e3 * rtt:.0f} ms: samples/s {speed:.2f}x, "
+                          f"first batch {first:.2f}x")  # fmt: skip
         if 0.0 in rtts:
             for rtt in rtts:
                 if rtt:

@@ -4,8 +4,11 @@
 store, and reads the files' footers only (in parallel): how many rows each row group holds, where
 its column chunks lie. Row ``i`` of the files concatenated (in sorted path order) is document
 ``i``. A read decodes the row groups its rows lie in, each whole and once, and keeps decoded row
-groups up to ``max_decoded_bytes`` (least recently used first out), so a row-group-aware shuffle
-(the loader's ``shuffle_block_size="auto"``) decodes each row group once per visit.
+groups up to ``max_decoded_bytes`` (those the loader's upcoming reads use first, the others least
+recently used first out), so a row-group-aware shuffle (the loader's ``shuffle_block_size="auto"``)
+decodes each row group once per visit. Over an object store, the row groups of the loader's
+upcoming reads (:meth:`ParquetStorage.will_read`) are fetched and decoded ahead, ``fetch_ahead``
+ranged GETs at once, within the same bytes.
 
 A ``list<int>`` column (pre-tokenized) yields a 1-D array per row, a view of the decoded values
 (no Python object per element); a string column yields its text, or token arrays with
@@ -33,8 +36,9 @@ import json
 import os
 import sys
 import threading
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+import weakref
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -63,6 +67,22 @@ DEFAULT_DECODED_BYTES = 512 * 2**20
 #: given back after every decode: its rows are tokenized next, which costs a hundred times more.
 RELEASE_EVERY_BYTES = 16 * 2**20
 _OPEN_FILES = 64  # local ParquetFile handles kept open per process
+#: Row groups fetched ahead at once over an object store (``open_parquet``'s ``fetch_ahead``):
+#: each is one ranged GET and a decode, on its own thread.
+DEFAULT_FETCH_AHEAD = 8
+#: Uses of row groups by the loader's upcoming reads recorded at most (how far the walk of its
+#: hint may run ahead of the reads where every row group it meets is decoded already).
+_AHEAD_MAX_USES = 1 << 16
+_LIVE: weakref.WeakSet[ParquetStorage] = weakref.WeakSet()
+
+
+def _stop_all() -> None:
+    for storage in list(_LIVE):
+        storage._stop_ahead(join=False)
+
+
+# Runs before the interpreter joins its threads: the fetches ahead start no new GET after it.
+threading._register_atexit(_stop_all)  # type: ignore[attr-defined]
 
 
 def _import(name: str) -> Any:
@@ -423,8 +443,22 @@ def _refuse_null_elements(array: Any, kind: str) -> None:
     )
 
 
+class _Decoding(concurrent.futures.Future[_Decoded]):
+    """A row group being decoded; ``ahead``: by a fetch ahead (whose failure is not the reads'
+    own: a read that waited for it reads the row group itself)."""
+
+    def __init__(self, ahead: bool) -> None:
+        super().__init__()
+        self.ahead = ahead
+
+
 class ParquetStorage(DocumentStorageAbstract[Any, Any]):
-    """The rows of Parquet files as documents (see :func:`open_parquet`)."""
+    """The rows of Parquet files as documents (see :func:`open_parquet`).
+
+    Over an object store, the loader's hint of its upcoming reads (:meth:`will_read`) is walked
+    by ``fetch_ahead`` threads that fetch and decode the row groups those reads need, in order
+    of first need, within ``max_decoded_bytes``.
+    """
 
     max_concurrent_reads = 1
 
@@ -439,7 +473,9 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         max_decoded_bytes: int,
         cache_dir: str | None,
         tokenize: bool = True,
+        fetch_ahead: int = DEFAULT_FETCH_AHEAD,
     ) -> None:
+        self.fetch_ahead = fetch_ahead
         self._files, self._entries, self.column = files, entries, column
         self._encoder, self.on_null, self.max_decoded_bytes = encoder, on_null, max_decoded_bytes
         self._cache_dir, self._tokenize = cache_dir, tokenize
@@ -456,11 +492,28 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         self._reset()
 
     def _reset(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._decoded: OrderedDict[int, _Decoded] = OrderedDict()
         self._decoded_bytes = 0
-        #: Row groups being decoded, each by the first reader that asked for it.
-        self._decoding: dict[int, concurrent.futures.Future[_Decoded]] = {}
+        #: Row groups being decoded, each by the first reader (or fetch ahead) that asked for it.
+        self._decoding: dict[int, _Decoding] = {}
+        # -- the fetches ahead (over an object store), all under _lock ---------------------------
+        #: The rest of the loader's hint: the indices of its upcoming reads, in order.
+        self._plan: Iterator[Any] | None = None
+        self._plan_seq = 0  # the number of the next window of the hint walked
+        #: Row group -> the numbers of the walked windows that read it, not yet read: a row group
+        #: with uses is kept before one without, and the nearer use before the farther.
+        self._uses: dict[int, deque[int]] = {}
+        self._use_count = 0
+        self._horizon: dict[int, int] = {}  # row group with uses -> its estimated bytes
+        self._horizon_bytes = 0
+        self._queue: deque[int] = deque()  # row groups to fetch ahead, in order of first need
+        self._queued: set[int] = set()
+        self._ahead: dict[int, int] = {}  # row group -> its bytes, fetched ahead now
+        self._ahead_failed: set[int] = set()  # left to their reads (which raise the error)
+        self._fetchers: list[threading.Thread] = []
+        self._stopping = False
+        self._bytes_ratio = 1.0  # see _estimate
         self._since_release = 0  # bytes decoded since arrow's pool last gave back its free pages
         self._readers: OrderedDict[int, Any] = OrderedDict()
         self._offsets: I64 | None = None
@@ -476,6 +529,19 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
             "_since_release",
             "_readers",
             "counts",
+            "_plan",
+            "_plan_seq",
+            "_uses",
+            "_use_count",
+            "_horizon",
+            "_horizon_bytes",
+            "_queue",
+            "_queued",
+            "_ahead",
+            "_ahead_failed",
+            "_fetchers",
+            "_stopping",
+            "_bytes_ratio",
         )
         return {k: v for k, v in self.__dict__.items() if k not in keep}
 
@@ -619,25 +685,39 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
                 "files is refused)"
             )
 
-    def _decode(self, group: int) -> _Decoded:
+    def _decode(self, group: int, *, read: bool = True) -> _Decoded:
         """Row group ``group`` decoded: kept, or read and decoded once (a reader that asks for
-        it while another decodes it waits for that one's, as concurrent reads of a window do)."""
+        it while another decodes it waits for that one's, as concurrent reads of a window do; a
+        fetch ahead that failed leaves the row group to the read, which raises its own error).
+        ``read``: a read's use of it (one of the hint's uses is done)."""
         with self._lock:
-            got = self._decoded.get(group)
-            if got is not None:
-                self._decoded.move_to_end(group)
-                return got
-            pending = self._decoding.get(group)
-            if pending is None:
-                mine: concurrent.futures.Future[_Decoded] = concurrent.futures.Future()
-                self._decoding[group] = mine
-        if pending is not None:
-            return pending.result()  # the first reader's, or what it raised
+            if read:
+                self._use_locked(group)
+        while True:
+            with self._lock:
+                got = self._decoded.get(group)
+                if got is not None:
+                    self._decoded.move_to_end(group)
+                    return got
+                pending = self._decoding.get(group)
+                if pending is None:
+                    mine = self._decoding[group] = _Decoding(ahead=False)
+                    break
+            try:
+                return pending.result()  # the first reader's, or what it raised
+            except BaseException:
+                if not pending.ahead:
+                    raise
+        return self._decode_as(group, mine)
+
+    def _decode_as(self, group: int, mine: _Decoding) -> _Decoded:
+        """Decode ``group`` for ``mine`` (registered in ``_decoding``), keep it and resolve it."""
         try:
             decoded = self._decode_new(group)
         except BaseException as exc:
             with self._lock:
                 del self._decoding[group]
+                self._lock.notify_all()
             mine.set_exception(exc)
             raise
         with self._lock:
@@ -650,14 +730,204 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
             _pa().default_memory_pool().release_unused()
         with self._lock:
             self.counts["parquet_row_group_decodes"] += 1
+            self._bytes_ratio = max(self._bytes_ratio, decoded.nbytes / max(1, self._footer_bytes(group)))
             self._decoded[group] = decoded
             self._decoded_bytes += decoded.nbytes
-            while self._decoded_bytes > self.max_decoded_bytes and len(self._decoded) > 1:
-                _, old = self._decoded.popitem(last=False)
-                self._decoded_bytes -= old.nbytes
+            self._evict_locked(group, keep_new=not mine.ahead)
             del self._decoding[group]
+            self._lock.notify_all()
         mine.set_result(decoded)
         return decoded
+
+    def _evict_locked(self, new: int, *, keep_new: bool) -> None:
+        """Drop decoded row groups until the kept bytes fit ``max_decoded_bytes``: first those no
+        upcoming read of the hint uses (least recently used first), then the one whose next use
+        is farthest (Belady's rule). A read's own row group is kept (``keep_new``): it is in use."""
+        while self._decoded_bytes > self.max_decoded_bytes and len(self._decoded) > 1:
+            victim, farthest = None, -1
+            for g in self._decoded:
+                if g == new and keep_new:
+                    continue
+                uses = self._uses.get(g)
+                if not uses:
+                    victim = g
+                    break
+                if uses[0] > farthest:
+                    victim, farthest = g, uses[0]
+            if victim is None:
+                return
+            self._decoded_bytes -= self._decoded.pop(victim).nbytes
+
+    # -- fetching ahead (object stores) ---------------------------------------------------------
+    def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
+        """The loader's upcoming reads, in order (a lazy iterable): over an object store,
+        ``fetch_ahead`` threads fetch and decode the row groups they need, in order of first
+        need, several ranged GETs at once, while the row groups not yet read fit
+        ``max_decoded_bytes``. Replaces the previous hint. Local files: nothing (a read decodes
+        its row groups as fast as it would wait for another thread's)."""
+        if not getattr(self._files, "remote", False) or self.fetch_ahead < 1:
+            return
+        with self._lock:
+            self._forget_plan_locked()
+            self._plan = iter(windows)
+            self._stopping = False
+            start = self.fetch_ahead - len(self._fetchers)
+            for _ in range(max(0, start)):
+                t = threading.Thread(
+                    target=self._fetch_ahead,
+                    name=f"guideloom-parquet-ahead-{len(self._fetchers)}",
+                    daemon=True,
+                )
+                self._fetchers.append(t)
+                t.start()
+            self._lock.notify_all()
+        _LIVE.add(self)
+
+    def _forget_plan_locked(self) -> None:
+        self._plan, self._plan_seq = None, 0
+        self._uses.clear()
+        self._use_count = 0
+        self._horizon.clear()
+        self._horizon_bytes = 0
+        self._queue.clear()
+        self._queued.clear()
+        self._ahead_failed.clear()
+
+    def _use_locked(self, group: int) -> None:
+        """A read of ``group``: its nearest use by the hint is done."""
+        uses = self._uses.get(group)
+        if uses is None:
+            return
+        uses.popleft()
+        self._use_count -= 1
+        if not uses:
+            del self._uses[group]
+            self._horizon_bytes -= self._horizon.pop(group)
+        self._lock.notify_all()
+
+    def _held_locked(self, before: int) -> int:
+        """Bytes of the row groups fetched ahead now, and of those decoded that a read of the
+        hint uses next at window ``before`` or earlier."""
+        held = sum(self._ahead.values())
+        uses = self._uses
+        return held + sum(d.nbytes for g, d in self._decoded.items() if g in uses and uses[g][0] <= before)
+
+    def _footer_bytes(self, group: int) -> int:
+        """The bytes a decoded ``group`` holds by its footer: its column's uncompressed size
+        (which an encoding may make smaller: a dictionary's) and its rows' offsets."""
+        e = self._entries[int(self._file_of[group])]
+        return int(e.nbytes[int(self._group_in_file[group])]) + 8 * (int(self._sizes[group]) + 1)
+
+    def _estimate(self, group: int) -> int:
+        """The bytes ``group`` will hold decoded: its footer's figure times the largest ratio
+        of a decoded row group's bytes to its footer's figure seen so far."""
+        return int(self._footer_bytes(group) * self._bytes_ratio)
+
+    def _walk_locked(self, windows: int) -> bool:
+        """Walk up to ``windows`` more windows of the hint, recording which row groups they use
+        and queueing those to fetch, while the row groups with uses stay under twice
+        ``max_decoded_bytes`` (by estimate): how far the fetches and the eviction see ahead.
+        Whether it may walk further now."""
+        for _ in range(windows):
+            if (
+                self._plan is None
+                or self._horizon_bytes >= 2 * self.max_decoded_bytes
+                or self._use_count >= _AHEAD_MAX_USES
+            ):
+                return False
+            try:
+                indices = next(self._plan, None)
+            except Exception:  # a hint that cannot be computed: no fetching ahead on it
+                indices = None
+            if indices is None:
+                self._plan = None
+                return False
+            indices = np.asarray(indices, dtype=np.int64)
+            if not len(indices) or indices.min() < 0 or indices.max() >= len(self):
+                continue  # not a read of this storage's rows: its read will say so
+            seq, self._plan_seq = self._plan_seq, self._plan_seq + 1
+            groups = np.unique(np.searchsorted(self._gstarts, indices, side="right") - 1).tolist()
+            for g in groups:
+                uses = self._uses.get(g)
+                if uses is None:
+                    uses = self._uses[g] = deque()
+                    self._horizon[g] = self._estimate(g)
+                    self._horizon_bytes += self._horizon[g]
+                uses.append(seq)
+                self._use_count += 1
+                if g not in self._decoded and g not in self._decoding and g not in self._queued:
+                    self._queue.append(g)
+                    self._queued.add(g)
+        return True
+
+    def _next_ahead_locked(self) -> int | None:
+        """The next row group to fetch ahead, claimed: the one first needed soonest, once the
+        row groups fetched ahead and those decoded whose next use is no later than its first fit
+        ``max_decoded_bytes`` with it (the others would be dropped for it); ``None`` once the
+        hint is done or the storage closes."""
+        while not self._stopping:
+            more = self._walk_locked(64)
+            while self._queue:
+                g = self._queue[0]
+                done = g in self._decoded or g in self._decoding or g in self._ahead_failed
+                if not done and g in self._uses:
+                    break
+                self._queue.popleft()  # decoded meanwhile, or its reads are done
+                self._queued.discard(g)
+            if self._queue:
+                g = self._queue[0]
+                size = self._estimate(g)
+                if self._held_locked(self._uses[g][0]) + size <= self.max_decoded_bytes:
+                    self._queue.popleft()
+                    self._queued.discard(g)
+                    self._ahead[g] = size
+                    return g
+            elif self._plan is None:
+                return None
+            self._lock.wait(0 if more else 1.0)  # the lock is let go between steps of the walk
+        return None
+
+    def _fetch_ahead(self) -> None:
+        """A fetching thread: row groups of the hint, one after another, through ``_decode``'s
+        path (a read that needs one waits for it), until the hint is done or the storage closes."""
+        me = threading.current_thread()
+        try:
+            while True:
+                with self._lock:
+                    g = self._next_ahead_locked()
+                    if g is None:
+                        return
+                    mine = self._decoding[g] = _Decoding(ahead=True)
+                try:
+                    self._decode_as(g, mine)
+                except BaseException:
+                    with self._lock:
+                        self._ahead_failed.add(g)  # left to its read, which raises its own error
+                finally:
+                    with self._lock:
+                        self._ahead.pop(g, None)
+                        self._lock.notify_all()
+        finally:
+            with self._lock:
+                if me in self._fetchers:
+                    self._fetchers.remove(me)
+
+    def _stop_ahead(self, *, join: bool = True) -> None:
+        """Stop fetching ahead (a fetch in progress completes) and, with ``join``, wait for it."""
+        with self._lock:
+            self._stopping = True
+            self._forget_plan_locked()
+            self._lock.notify_all()
+            threads = list(self._fetchers)
+        if join:
+            for t in threads:
+                if t is not threading.current_thread():
+                    t.join()
+
+    async def close(self) -> None:
+        """Stop fetching ahead (the loader closes its storage after its last read)."""
+        if self._fetchers:
+            await self._blocking(self._stop_ahead)
 
     def _decode_new(self, group: int) -> _Decoded:
         """Row group ``group``'s column read and decoded (nothing of arrow's kept)."""
@@ -994,6 +1264,7 @@ def open_parquet(
     max_decoded_bytes: int = DEFAULT_DECODED_BYTES,
     cache_dir: str | os.PathLike[str] | None = None,
     threads: int = 32,
+    fetch_ahead: int = DEFAULT_FETCH_AHEAD,
     **options: Any,
 ) -> ParquetStorage:
     """Open the rows of Parquet files as a document storage: row ``i`` of the files (a folder's
@@ -1007,7 +1278,9 @@ def open_parquet(
     token ids; ``bos``/``eos`` add those ids (or tokens, by name) around each document.
     ``on_null``: ``"error"`` (the default) or ``"empty"`` (a null row is an empty document,
     counted in ``stats()``). ``max_decoded_bytes``: decoded row groups kept in memory per
-    process. ``cache_dir``: where the footer index and a length index (for packing) are kept
+    process. ``fetch_ahead``: over an object store, the row groups a loader's upcoming reads
+    need are fetched and decoded ahead, this many ranged GETs at once (0: each read fetches its
+    own, one after another). ``cache_dir``: where the footer index and a length index (for packing) are kept
     between runs. ``options``: how to reach an object store (see ``open_stream``).
 
     Opening reads the footers only, ``threads`` at a time. Raises ``FileNotFoundError`` for no
@@ -1020,6 +1293,7 @@ def open_parquet(
         raise TypeError(f"column must be a column name, got {column!r}")
     threads = check_int("threads", threads, 1)  # footers read at once
     max_decoded_bytes = check_int("max_decoded_bytes", max_decoded_bytes, 1)
+    fetch_ahead = check_int("fetch_ahead", fetch_ahead, 0)
     _pq()
     cache = None if cache_dir is None else os.fspath(cache_dir)
     files, paths, known = _resolve(source, options)
@@ -1094,6 +1368,7 @@ def open_parquet(
         on_null=on_null,
         max_decoded_bytes=int(max_decoded_bytes),
         cache_dir=cache,
+        fetch_ahead=int(fetch_ahead),
     )
 
 

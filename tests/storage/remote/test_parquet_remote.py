@@ -4,9 +4,12 @@ replaced after opening is refused; a damaged object is named."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import pickle
 import shutil
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -158,3 +161,184 @@ def test_a_failed_shared_read_fails_every_reader(tmp_path: Path, s3: MotoS3) -> 
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         got = list(pool.map(read, range(3)))
     assert all("train-00002.parquet" in g for g in got), got
+
+
+# -- fetching ahead: the loader's hint of its upcoming reads -------------------------------------------
+ROW_TOKENS = 16  # every row of write_even() holds this many int32 token ids
+
+
+def write_even(folder: Path, files: int = 3, rows: int = 384) -> list[list[int]]:
+    """Rows of equal length, 32 to a row group: every decoded row group holds the same bytes."""
+    folder.mkdir(parents=True)
+    ids = [[i, *range(ROW_TOKENS - 1)] for i in range(rows)]
+    for f, part in enumerate(np.array_split(np.arange(rows), files)):
+        table = pa.table({"input_ids": pa.array([ids[i] for i in part], pa.list_(pa.int32()))})
+        pq.write_table(table, folder / f"train-{f:05d}.parquet", row_group_size=32, use_dictionary=False)
+    return ids
+
+
+GROUP_BYTES = 32 * ROW_TOKENS * 4 + 33 * 8  # one decoded row group: values and offsets
+
+
+def served(
+    tmp_path: Path, nginx: Nginx, www: Path, proxies: list[FaultProxy], name: str
+) -> tuple[FaultProxy, list[str]]:
+    write_even(tmp_path / "pq")
+    prefix = unique(name)
+    shutil.copytree(tmp_path / "pq", www / prefix)
+    proxy = FaultProxy(nginx.port, delay=0.01, lifetime=60).start()
+    proxies.append(proxy)
+    return proxy, [f"{proxy.url}/{prefix}/train-{f:05d}.parquet" for f in range(3)]
+
+
+def ahead_threads() -> list[str]:
+    """The threads fetching ahead (the shared I/O pool's threads, started by any read, stay)."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("guideloom-parquet-ahead")]
+
+
+def settle(storage: gl.ParquetStorage, proxy: FaultProxy) -> int:
+    """The requests made once the fetches ahead have stopped making more (for 0.5 s)."""
+    seen, since = proxy.stats.requests, time.monotonic()
+    while time.monotonic() - since < 0.5:
+        time.sleep(0.05)
+        if proxy.stats.requests != seen:
+            seen, since = proxy.stats.requests, time.monotonic()
+    return seen
+
+
+def test_a_loader_fetches_each_row_group_once_per_epoch_ahead_of_its_reads(
+    tmp_path: Path, nginx: Nginx, www: Path, proxy_for: list[FaultProxy]
+) -> None:
+    """Under the row-group order, with room for a shuffle window and a little more, every row
+    is delivered once per epoch and every row group is fetched once per epoch."""
+    proxy, urls = served(tmp_path, nginx, www, proxy_for, "parquet-ahead")
+    storage = gl.open_parquet(urls, "input_ids", max_decoded_bytes=5 * GROUP_BYTES)
+    opened = proxy.stats.requests
+    loader = gl.StatefulDataLoader.from_storage(
+        storage,
+        first_ids,
+        local_batch_size=8,
+        shuffle=True,
+        shuffle_block_size="auto",
+        shuffle_window=2,
+        device=torch.device("cpu"),
+    )
+    groups, fetched = storage.num_row_groups, []
+    with loader:
+        for _epoch in range(2):
+            got = [i for batch in take(loader) for i in batch]
+            assert sorted(got) == list(range(384))
+            fetched.append(proxy.stats.requests - opened - sum(fetched))
+    # the first epoch fetches each row group once; the second, those not kept since (5 at most)
+    assert fetched[0] == groups and groups - 5 <= fetched[1] <= groups, fetched
+    assert storage.figures()["parquet_row_group_decodes"] == sum(fetched)
+    assert ahead_threads() == []
+
+
+def test_fetching_ahead_follows_the_hint_within_max_decoded_bytes(
+    tmp_path: Path, nginx: Nginx, www: Path, proxy_for: list[FaultProxy]
+) -> None:
+    """The row groups of the upcoming reads are fetched in order of first need until those not
+    yet read fill ``max_decoded_bytes``; each read makes room for the next."""
+    proxy, urls = served(tmp_path, nginx, www, proxy_for, "parquet-ahead-budget")
+    storage = gl.open_parquet(urls, "input_ids", max_decoded_bytes=GROUP_BYTES * 7 // 2)
+    opened = proxy.stats.requests
+    order = [7, 2, 11, 0, 5]  # row groups, one read each
+    windows = [np.arange(32 * g, 32 * g + 32, dtype=np.int64) for g in order]
+    storage.will_read(iter(windows))
+    try:
+        assert settle(storage, proxy) - opened == 3
+        assert sorted(storage._decoded) == sorted(order[:3])
+        assert storage._decoded_bytes <= storage.max_decoded_bytes
+        for k, window in enumerate(windows):
+            got = storage.read_many_sync(window)
+            assert first_ids(got) == window.tolist()
+            assert settle(storage, proxy) - opened == min(len(order), k + 4)
+            assert storage._decoded_bytes <= storage.max_decoded_bytes
+        assert storage.figures()["parquet_row_group_decodes"] == len(order)
+    finally:
+        asyncio.run(storage.close())
+    assert ahead_threads() == []
+
+
+def test_a_failing_object_is_reported_at_the_batch_that_needs_it(tmp_path: Path, s3: MotoS3) -> None:
+    """The fetches ahead reach the replaced object long before the reads do: the batches before
+    it are delivered, and the first batch of its rows raises (naming it)."""
+    write(tmp_path / "pq")
+    prefix = unique("parquet-ahead-fails")
+    s3.upload_folder(tmp_path / "pq", BUCKET, prefix)
+    storage = gl.open_parquet(f"s3://{BUCKET}/{prefix}", "input_ids", **s3.options())
+    write(tmp_path / "other", files=1, rows=100)
+    s3.client().upload_file(
+        str(tmp_path / "other" / "train-00000.parquet"), BUCKET, f"{prefix}/train-00002.parquet"
+    )
+    loader = gl.StatefulDataLoader.from_storage(
+        storage, first_ids, local_batch_size=10, shuffle=False, device=torch.device("cpu")
+    )
+    got: list[list[int]] = []
+    with loader, pytest.raises(gl.DatasetIntegrityError, match=r"train-00002\.parquet"):
+        for batch in loader:
+            got.append(batch)
+    assert [i for batch in got for i in batch] == list(range(200))  # the object holds rows 200-299
+
+
+def test_closing_mid_epoch_stops_the_fetches_ahead(
+    tmp_path: Path, nginx: Nginx, www: Path, proxy_for: list[FaultProxy]
+) -> None:
+    proxy, urls = served(tmp_path, nginx, www, proxy_for, "parquet-ahead-close")
+    proxy.delay = 0.05
+    storage = gl.open_parquet(urls, "input_ids", max_decoded_bytes=4 * GROUP_BYTES)
+    loader = gl.StatefulDataLoader.from_storage(
+        storage,
+        first_ids,
+        local_batch_size=4,
+        shuffle=True,
+        shuffle_block_size="auto",
+        shuffle_window=2,
+        device=torch.device("cpu"),
+    )
+    with loader:
+        it = iter(loader)
+        next(it)
+        next(it)
+        # the fetches ahead wait for room (the epoch's other row groups are still to come)
+        assert ahead_threads()
+    assert ahead_threads() == []
+
+
+def test_a_storage_fetching_ahead_pickles_without_its_fetches(
+    tmp_path: Path, nginx: Nginx, www: Path, proxy_for: list[FaultProxy]
+) -> None:
+    _, urls = served(tmp_path, nginx, www, proxy_for, "parquet-ahead-pickle")
+    storage = gl.open_parquet(urls, "input_ids")
+    storage.will_read(iter([np.arange(0, 64, dtype=np.int64)]))
+    try:
+        copy = pickle.loads(pickle.dumps(storage))
+        assert copy._fetchers == [] and copy._uses == {} and copy._plan is None
+        assert first_ids(copy.read_many_sync(np.asarray([5, 40], np.int64))) == [5, 40]
+    finally:
+        asyncio.run(storage.close())
+
+
+def test_room_for_a_row_group_fetched_ahead_is_made_by_dropping_the_one_used_farthest(
+    tmp_path: Path, nginx: Nginx, www: Path, proxy_for: list[FaultProxy]
+) -> None:
+    """Reads of row groups 7, 2, 11, 7, 0, 2 with room for 3 and a half: 0 is fetched once 2
+    is read (nothing read before 0 is dropped for it), and 2, used again last, makes room for
+    it, not 11 (the least recently used, read next)."""
+    proxy, urls = served(tmp_path, nginx, www, proxy_for, "parquet-ahead-farthest")
+    storage = gl.open_parquet(urls, "input_ids", max_decoded_bytes=GROUP_BYTES * 7 // 2)
+    opened = proxy.stats.requests
+    order = [7, 2, 11, 7, 0, 2]
+    windows = [np.arange(32 * g, 32 * g + 32, dtype=np.int64) for g in order]
+    storage.will_read(iter(windows))
+    try:
+        held = []
+        for window in windows:
+            held.append((settle(storage, proxy) - opened, sorted(storage._decoded)))
+            assert first_ids(storage.read_many_sync(window)) == window.tolist()
+        assert held[:3] == [(3, [2, 7, 11]), (3, [2, 7, 11]), (4, [0, 7, 11])]
+        assert proxy.stats.requests - opened == 5  # 2 again, at its last read
+    finally:
+        asyncio.run(storage.close())
+    assert ahead_threads() == []

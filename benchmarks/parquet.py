@@ -390,15 +390,16 @@ def tokenize_ceiling(data: Path, seconds: float, processes: int = 2) -> dict[str
     }
 
 
-def in_child(config: str, data: Path, seconds: float, decoded: int = DECODED) -> dict[str, float]:
-    """``run_one`` in a fresh process, its peak PSS (with its workers') sampled from here every
-    50 ms: a sampling thread inside it would keep its process workers from being forked from it
-    (guideloom forks them from the main process only while that has one Python thread)."""
+def measured_child(module: str, config: str, args: list[str]) -> dict[str, float]:
+    """``python -m module --child config *args`` in a fresh process: the figures it prints (JSON,
+    its last line), and its peak PSS (with its workers') sampled from here every 50 ms until its
+    measurement is over. A sampling thread inside it would keep its process workers from being
+    forked from it (guideloom forks them from the main process only while that has one Python
+    thread)."""
     with tempfile.TemporaryDirectory() as tmp:
         marker = Path(tmp) / "measured"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.parquet", "--child", config, "--data", str(data),
-             "--seconds", str(seconds), "--decoded", str(decoded)],
+            [sys.executable, "-m", module, "--child", config, *args],
             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), MEASURED: str(marker)},
             stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
@@ -410,6 +411,12 @@ def in_child(config: str, data: Path, seconds: float, decoded: int = DECODED) ->
     result: dict[str, float] = json.loads(out.strip().splitlines()[-1])
     result["peak_pss_mb"] = peak / 2**20
     return result
+
+
+def in_child(config: str, data: Path, seconds: float, decoded: int = DECODED) -> dict[str, float]:
+    """``run_one`` in a fresh process (:func:`measured_child`)."""
+    args = ["--data", str(data), "--seconds", str(seconds), "--decoded", str(decoded)]
+    return measured_child("benchmarks.parquet", config, args)
 
 
 # -- the other figures ---------------------------------------------------------------------------------

@@ -41,7 +41,6 @@ import functools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,7 +53,6 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.parquet import (  # noqa: E402
     BATCH,
-    MEASURED,
     batch_counts,
     collate_docs,
     collate_hf,
@@ -62,7 +60,7 @@ from benchmarks.parquet import (  # noqa: E402
     loadavg,
     make_data,
     measured,
-    peak_pss,
+    measured_child,
 )
 
 CONFIGS = (
@@ -169,22 +167,8 @@ def run_one(config: str, urls: list[str], tokenizer: str, seconds: float) -> dic
 
 def in_child(config: str, urls: list[str], tokenizer: str, seconds: float) -> dict[str, float]:
     """``run_one`` in a fresh process; its peak PSS (with its workers') sampled from here."""
-    with tempfile.TemporaryDirectory() as tmp:
-        marker = Path(tmp) / "measured"
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.parquet_remote", "--child", config, "--urls",
-             json.dumps(urls), "--tokenizer", tokenizer, "--seconds", str(seconds)],
-            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), MEASURED: str(marker)},
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        peak = peak_pss(proc, marker)
-        out = proc.stdout.read() if proc.stdout else ""
-        proc.wait()
-    if proc.returncode:
-        raise RuntimeError(f"{config} failed with exit code {proc.returncode}")
-    result: dict[str, float] = json.loads(out.strip().splitlines()[-1])
-    result["peak_pss_mb"] = peak / 2**20
-    return result
+    args = ["--urls", json.dumps(urls), "--tokenizer", tokenizer, "--seconds", str(seconds)]
+    return measured_child("benchmarks.parquet_remote", config, args)
 
 
 @contextlib.contextmanager

@@ -48,6 +48,7 @@ figures).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -303,13 +304,19 @@ def run_one(config: str, data: Path, seconds: float, decoded: int = DECODED) -> 
         libs = [pyarrow.parquet, Tokenizer.from_file(str(data / "tokenizer.json"))]  # noqa: F841
         config = config.removesuffix(LIBS)
     loader = make_loader(config, data, decoded)
+    return timed_batches(loader, config, time.perf_counter(), seconds)
+
+
+def timed_batches(
+    loader: Any, config: str, t0: float, seconds: float, *, one_epoch: bool = False
+) -> dict[str, float]:
+    """Batches of ``loader`` (entered where it is a context manager) until ``seconds`` have
+    passed since its first, epoch after epoch or the first epoch at most: samples/s and
+    tokens/s from the first batch on, and the first batch's wait since ``t0``. The measurement
+    is marked over (:func:`measured`) before the loader closes."""
     samples = tokens = 0
-    t0 = time.perf_counter()
     first = start = None
-    ctx = loader if hasattr(loader, "__enter__") else None
-    if ctx is not None:
-        ctx.__enter__()
-    try:
+    with loader if hasattr(loader, "__enter__") else contextlib.nullcontext():
         while start is None or time.perf_counter() - start < seconds:
             for batch in loader:
                 if start is None:
@@ -321,12 +328,11 @@ def run_one(config: str, data: Path, seconds: float, decoded: int = DECODED) -> 
                 tokens += t
                 if time.perf_counter() - start > seconds:
                     break
+            if one_epoch:
+                break
         assert start is not None
         elapsed = time.perf_counter() - start
         measured()
-    finally:
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
     return {
         "samples_s": samples / elapsed,
         "tokens_s": tokens / elapsed,

@@ -53,14 +53,13 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.parquet import (  # noqa: E402
     BATCH,
-    batch_counts,
     collate_docs,
     collate_hf,
     hf_tokenize,
     loadavg,
     make_data,
-    measured,
     measured_child,
+    timed_batches,
 )
 
 CONFIGS = (
@@ -139,30 +138,7 @@ def run_one(config: str, urls: list[str], tokenizer: str, seconds: float) -> dic
     t0 = time.perf_counter()
     loader = make_loader(config, urls, tokenizer)
     opened = time.perf_counter() - t0
-    samples = tokens = 0
-    first = start = None
-    ctx = loader if hasattr(loader, "__enter__") else contextlib.nullcontext()
-    with ctx:
-        for batch in loader:
-            if start is None:
-                start = time.perf_counter()
-                first = start - t0
-                continue
-            s, t = batch_counts(config, batch)
-            samples += s
-            tokens += t
-            if time.perf_counter() - start > seconds:
-                break
-        assert start is not None
-        elapsed = time.perf_counter() - start
-        measured()
-    return {
-        "samples_s": samples / elapsed,
-        "tokens_s": tokens / elapsed,
-        "first_batch_s": first or 0.0,
-        "open_s": opened,
-        "seconds": elapsed,
-    }
+    return {**timed_batches(loader, config, t0, seconds, one_epoch=True), "open_s": opened}
 
 
 def in_child(config: str, urls: list[str], tokenizer: str, seconds: float) -> dict[str, float]:

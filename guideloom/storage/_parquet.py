@@ -380,6 +380,7 @@ class _Decoded:
             whole = _buffer(array.buffers()[2], np.uint8)
         else:  # the child array's buffers: validity, values
             child = array.values
+            _refuse_null_elements(child, offsets)
             whole = _buffer(child.buffers()[1], np.dtype(kind.split(":", 1)[1]))[child.offset :]
         self.values: npt.NDArray[Any] = whole[start:stop].copy()
         self.offsets: I64 = offsets - start
@@ -418,20 +419,12 @@ def _null_mask(array: Any) -> npt.NDArray[np.bool_] | None:
     return mask
 
 
-def _refuse_null_elements(array: Any, kind: str) -> None:
-    """A list row with a null element has no token id there: refused, not read as a float NaN."""
-    if kind == "text":
-        return
-    pa = _pa()
-    lists = array.dictionary_decode() if pa.types.is_dictionary(array.type) else array
-    values = lists.values
-    if values.null_count == 0:
-        return
-    large = pa.types.is_large_list(lists.type)
-    offsets = _buffer(lists.buffers()[1], np.int64 if large else np.int32)
-    offsets = offsets[lists.offset : lists.offset + len(lists) + 1].astype(np.int64)
+def _refuse_null_elements(values: Any, offsets: I64) -> None:
+    """A list row with a null element has no token id there: refused, not read as a float NaN.
+    ``values``: the lists' child array; ``offsets``: the rows' offsets into it."""
     nulls = _null_mask(values)
-    assert nulls is not None
+    if nulls is None:
+        return
     inside = np.flatnonzero(nulls[int(offsets[0]) : int(offsets[-1])]) + int(offsets[0])
     if not len(inside):
         return  # null slots outside every row (a sliced array's)
@@ -940,7 +933,6 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         try:
             table = self._files.read_group(e.path, reader, g, [self.column], _chunk_range(md, g, leaves))
             array = table.column(self.column).combine_chunks()
-            _refuse_null_elements(array, e.kind)
             if len(array) != e.rows[g]:
                 raise DatasetFormatError(f"decoded {plural(len(array), 'row')}, the footer says {e.rows[g]}")
             return _Decoded(array, e.kind)

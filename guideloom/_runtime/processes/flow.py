@@ -100,8 +100,10 @@ class GroupFlow:
         if ok:
             self.pending.append(self.session.submit(specs[:ok], [d.value for d in got[:ok]]))
         if ok < len(got):
+            error = got[ok].error
+            assert error is not None
             failed = Group(0, [got[ok].spec], None)
-            failed.fail(got[ok].error or RuntimeError("a read failed"))
+            failed.fail(error)
             self.pending.append(failed)
             self.ended = True
 

@@ -714,14 +714,6 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
             mine.set_exception(exc)
             raise
         with self._lock:
-            self._since_release += decoded.nbytes
-            release = self._kind == "text" or self._since_release >= RELEASE_EVERY_BYTES
-            if release:
-                self._since_release = 0
-        if release:
-            # The decodes' own buffers are freed by now (what is kept was copied out).
-            _pa().default_memory_pool().release_unused()
-        with self._lock:
             self.counts["parquet_row_group_decodes"] += 1
             self._bytes_ratio = max(self._bytes_ratio, decoded.nbytes / max(1, self._footer_bytes(group)))
             self._decoded[group] = decoded
@@ -729,7 +721,14 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
             self._evict_locked(group, keep_new=not mine.ahead)
             del self._decoding[group]
             self._lock.notify_all()
+            self._since_release += decoded.nbytes
+            release = self._kind == "text" or self._since_release >= RELEASE_EVERY_BYTES
+            if release:
+                self._since_release = 0
         mine.set_result(decoded)
+        if release:
+            # The decodes' own buffers are freed by now (what is kept was copied out).
+            _pa().default_memory_pool().release_unused()
         return decoded
 
     def _evict_locked(self, new: int, *, keep_new: bool) -> None:

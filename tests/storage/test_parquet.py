@@ -576,11 +576,24 @@ def test_the_checkpoint_records_the_row_group_blocks_and_the_files(folder: Path)
     assert state["dataset"]["digest"] == storage.content_digest()
 
 
-def _resumed(storage: gl.ParquetStorage, state: Any, **kw: Any) -> tuple[list[list[int]], list[str]]:
-    """The next batches of a loader that loads ``state``, and the warnings its load gave."""
-    loader = gl.StatefulDataLoader.from_storage(
+def _block_loader(storage: gl.ParquetStorage, **kw: Any) -> gl.StatefulDataLoader[Any, Any]:
+    return gl.StatefulDataLoader.from_storage(
         storage, first_ids, local_batch_size=4, shuffle=True, shuffle_seed=5, device=CPU, **kw
     )
+
+
+def _saved(storage: gl.ParquetStorage, **kw: Any) -> tuple[Any, list[list[int]]]:
+    """The state of a loader after its first batch, and the 3 batches it gives next."""
+    with _block_loader(storage, **kw) as loader:
+        it = iter(loader)
+        next(it)
+        state = roundtrip(loader.state_dict())
+        return state, [next(it) for _ in range(3)]
+
+
+def _resumed(storage: gl.ParquetStorage, state: Any, **kw: Any) -> tuple[list[list[int]], list[str]]:
+    """The next batches of a loader that loads ``state``, and the warnings its load gave."""
+    loader = _block_loader(storage, **kw)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loader.load_state_dict(state)
@@ -593,20 +606,7 @@ def test_a_resume_over_row_groups_tells_auto_from_the_size_it_records(folder: Pa
     the checkpoint records (50). A resume with another setting warns, naming what each loader
     was given, and its advice resumes the saved order."""
     storage = gl.open_parquet(folder, "input_ids")
-    saved = gl.StatefulDataLoader.from_storage(
-        storage,
-        first_ids,
-        local_batch_size=4,
-        shuffle=True,
-        shuffle_seed=5,
-        device=CPU,
-        shuffle_block_size="auto",
-    )
-    with saved:
-        it = iter(saved)
-        next(it)
-        state = roundtrip(saved.state_dict())
-        rest = [next(it) for _ in range(3)]
+    state, rest = _saved(storage, shuffle_block_size="auto")
     assert state["shuffle_block_size"] == 50 and state["shuffle_block_auto"] is True
     assert _resumed(storage, state, shuffle_block_size="auto") == (rest, [])
     for option, shown in [(50, "50"), (None, "None (a global row shuffle)"), (8, "8")]:
@@ -618,20 +618,7 @@ def test_a_resume_over_row_groups_tells_auto_from_the_size_it_records(folder: Pa
         )
         assert "Construct the loader with shuffle_block_size='auto' to resume it exactly" in warning
     # the reverse: the mean size given, "auto" resuming
-    sized = gl.StatefulDataLoader.from_storage(
-        storage,
-        first_ids,
-        local_batch_size=4,
-        shuffle=True,
-        shuffle_seed=5,
-        device=CPU,
-        shuffle_block_size=50,
-    )
-    with sized:
-        it = iter(sized)
-        next(it)
-        state = roundtrip(sized.state_dict())
-        rest = [next(it) for _ in range(3)]
+    state, rest = _saved(storage, shuffle_block_size=50)
     assert state["shuffle_block_auto"] is False
     got, (warning,) = _resumed(storage, state, shuffle_block_size="auto")
     assert got != rest

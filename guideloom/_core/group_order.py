@@ -90,6 +90,12 @@ class GroupPermutation:
         groups and no other)."""
         return int(np.diff(self._wstarts).max()) if len(self._wstarts) > 1 else 0
 
+    def window_end(self, position: int) -> int:
+        """The end of the window that holds order ``position`` (windows differ in size: a read
+        that stops at a window's end decodes its groups and no other's)."""
+        k = int(np.searchsorted(self._wstarts, position, side="right")) - 1
+        return int(self._wstarts[min(k + 1, len(self._wstarts) - 1)])
+
     def _window(self, k: int) -> tuple[Permutation, IndexArray, IndexArray]:
         """Window ``k``'s permutation of its samples, its groups' first samples and their
         cumulative sizes inside the window."""

@@ -182,6 +182,18 @@ class BlockPermutation:
         positions fetches whole blocks (only the window holding the short block is shorter)."""
         return self._window_samples
 
+    def window_end(self, position: int) -> int:
+        """The end of the mixing window that holds order ``position``: a read that stops there
+        fetches that window's blocks and no other's. Windows after the short block's start
+        ``block_size - len(short block)`` positions before a multiple of :attr:`span`."""
+        m, pad, t = self._m_full, self._pad, self._short_window
+        k = position // m
+        if t < 0 or k < t:
+            return min(self.n, (k + 1) * m)
+        if position >= (t + 1) * m - pad:  # past the short window: its successors start pad earlier
+            k = (position + pad) // m
+        return min(self.n, (k + 1) * m - pad)
+
     # -- scalar path -------------------------------------------------------------------------
     def _window_size(self, k: int) -> tuple[int, int]:
         """Samples in window ``k`` and the bits of its Feistel domain."""

@@ -38,6 +38,7 @@ __all__ = [
     "read_window",
     "run_async",
     "run_sync",
+    "every",
     "windows",
 ]
 
@@ -103,16 +104,21 @@ def max_window(
     return max(1, min(max_batches, window_bytes // nbytes))
 
 
-def windows(plan: EpochPlan, first_step: int, largest: int, span: int = 0) -> Iterator[list[BatchSpec]]:
+def windows(
+    plan: EpochPlan, first_step: int, largest: int, window_end: Callable[[int], int] | None = None
+) -> Iterator[list[BatchSpec]]:
     """The epoch's read windows from ``first_step``, at most ``largest`` batches each.
 
-    Without ``span``: 1, 2, 4, ... batches (a fast first batch), then ``largest`` each. With a
-    ``span`` (order positions per mixing window of a block shuffle): the first batch alone,
-    then windows that end where a span ends, so that one read holds all of a span's samples,
-    which are whole contiguous blocks: a few large range requests instead of scattered ones.
+    Without ``window_end``: 1, 2, 4, ... batches (a fast first batch), then ``largest`` each.
+    With ``window_end`` (order position -> the end of the mixing window holding it, for a block
+    shuffle): the first batch alone, then windows that end where a mixing window ends, so that
+    one read holds all of a window's samples, which are whole contiguous blocks: a few large
+    range requests, and no block fetched by two reads. A batch that straddles two mixing
+    windows is read alone: a few samples of each, small ranges, where a large read would
+    coalesce them into whole blocks of the next window, which its own read fetches again.
     """
     step, total = first_step, len(plan)
-    if span <= 0:
+    if window_end is None:
         size = 1
         while step < total:
             specs = plan.batches(step, step + size)
@@ -125,11 +131,15 @@ def windows(plan: EpochPlan, first_step: int, largest: int, span: int = 0) -> It
         yield plan.batches(step, step + 1)
         step += 1
     while step < total:
-        span_end = ((offset + step * g) // span + 1) * span
-        stop = -(-(span_end - offset) // g)  # the first batch that starts in the next span
-        stop = min(max(stop, step + 1), step + largest, total)
+        inside = (window_end(offset + step * g) - offset) // g  # the first batch that ends past it
+        stop = min(max(inside, step + 1), step + largest, total)
         yield plan.batches(step, stop)
         step = stop
+
+
+def every(span: int) -> Callable[[int], int]:
+    """Window ends at every multiple of ``span`` positions (an order without windows of its own)."""
+    return lambda position: (position // span + 1) * span
 
 
 def future_reads(plan: EpochPlan, order: Order, specs: Iterable[list[BatchSpec]]) -> Iterator[Indices]:

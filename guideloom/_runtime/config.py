@@ -6,11 +6,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from guideloom._core.order import Order
 from guideloom._core.plan import EpochPlan
-from guideloom._core.schedule import WINDOW_BATCHES, max_window
+from guideloom._core.schedule import WINDOW_BATCHES, every, max_window
 from guideloom._datasets import DatasetAbstract
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ __all__ = [
     "max_window_batches",
     "move_to_device",
     "reading_name",
-    "window_span",
+    "window_bounds",
 ]
 
 
@@ -95,18 +95,22 @@ def max_window_batches(cfg: PipelineConfig) -> int:
     return max_window(cfg.plan, cfg.dataset.sample_nbytes_hint(), cfg.dataset.read_window_bytes, most)
 
 
-def window_span(cfg: PipelineConfig) -> int:
-    """Order positions per aligned read window, where the storage asks for blocks (object
-    stores); 0 elsewhere (windows of 1, 2, 4, ... batches, as before).
+def window_bounds(cfg: PipelineConfig) -> Callable[[int], int] | None:
+    """Where aligned read windows end, where the storage asks for blocks (object stores); None
+    elsewhere (windows of 1, 2, 4, ... batches, as before).
 
-    A block shuffle's mixing window: one read is a few large requests. Any other order: the
-    largest window, with no ramp of small windows in between, since a small window of a
-    shuffled epoch is scattered samples, one request each, where the largest one coalesces.
+    A block shuffle's mixing windows, at their real ends (the window holding the short block is
+    shorter, and every window after it starts earlier): one read is a few large requests and no
+    block is fetched twice. Any other order: the largest window, with no ramp of small windows
+    in between, since a small window of a shuffled epoch is scattered samples, one request each,
+    where the largest one coalesces.
     """
     if getattr(cfg.dataset.storage, "shuffle_block_bytes", None) is None:
-        return 0
-    span = int(getattr(cfg.order, "span", 0))
-    return span if span > 0 else max_window_batches(cfg) * cfg.plan.global_batch_size
+        return None
+    window_end = getattr(cfg.order, "window_end", None)
+    if callable(window_end) and int(getattr(cfg.order, "span", 0)) > 0:
+        return cast("Callable[[int], int]", window_end)
+    return every(max_window_batches(cfg) * cfg.plan.global_batch_size)
 
 
 def reading_name(cfg: PipelineConfig) -> str:

@@ -9,7 +9,7 @@ from guideloom._runtime.config import (
     making_steps,
     max_window_batches,
     reading_name,
-    window_span,
+    window_bounds,
 )
 
 __all__ = ["InlinePipeline"]
@@ -28,7 +28,7 @@ class InlinePipeline:
     def __init__(self, cfg: PipelineConfig, first_step: int = 0) -> None:
         self._cfg = cfg
         self._indexes = Indexes(cfg.plan, cfg.order)
-        self._windows = windows(cfg.plan, first_step, max_window_batches(cfg), window_span(cfg))
+        self._windows = windows(cfg.plan, first_step, max_window_batches(cfg), window_bounds(cfg))
         self._read = cfg.dataset.read_many_sync
         self._reading = reading_name(cfg)
         self._steps = making_steps(cfg)

@@ -43,7 +43,7 @@ from guideloom._runtime.config import (
     max_window_batches,
     move_to_device,
     reading_name,
-    window_span,
+    window_bounds,
 )
 from guideloom._runtime.groups import CollateGroups
 from guideloom._runtime.threadpool import CollateThreads
@@ -82,7 +82,8 @@ async def _reader(
     indexes = Indexes(cfg.plan, cfg.order)
     reading = reading_name(cfg)
     # The plan is known: tell the storage what comes (a chunk cache downloads ahead by it).
-    ahead = windows(cfg.plan, first_step, max_window_batches(cfg), window_span(cfg))  # the windows read below
+    # the windows read below
+    ahead = windows(cfg.plan, first_step, max_window_batches(cfg), window_bounds(cfg))
     cfg.dataset.will_read(future_reads(cfg.plan, cfg.order, ahead))
     async with send, anyio.create_task_group() as tg:
         results: deque[tuple[anyio.Event, list[list[Delivery] | BaseException]]] = deque()
@@ -112,7 +113,7 @@ async def _reader(
             return True
 
         first = True
-        for specs in windows(cfg.plan, first_step, max_window_batches(cfg), window_span(cfg)):
+        for specs in windows(cfg.plan, first_step, max_window_batches(cfg), window_bounds(cfg)):
             await limit.acquire()
             event = anyio.Event()
             slot: list[Any] = []

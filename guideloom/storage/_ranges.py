@@ -93,7 +93,9 @@ def bridged_gap(k: I64, lo: I64, n: I64, limits: Limits) -> int:
     distinct = int(n[0]) + int(np.maximum(ends[1:] - np.maximum(lo[1:], before), 0).sum())
     budget = (limits.max_read_amplification - 1.0) * float(distinct)
     gaps = lo[1:] - reach[:-1]
-    gaps = gaps[same & (gaps > gap)]  # gaps the fixed rule does not bridge already
+    # gaps the fixed rule does not bridge already, and shorter than a request: a range is cut
+    # at max_request_bytes, so bridging a longer gap buys bytes without saving a request
+    gaps = gaps[same & (gaps > gap) & (gaps < limits.max_request_bytes)]
     if not len(gaps):
         return gap
     gaps.sort()

@@ -93,6 +93,36 @@ def test_each_window_is_exactly_the_union_of_its_blocks(
     _check_block_structure(_order(n, seed, epoch, block, window), n, block, window)
 
 
+@settings(max_examples=300, deadline=None)
+@given(n=sizes, block=block_sizes, window=windows, seed=seeds, epoch=epochs)
+def test_window_end_is_where_a_window_of_whole_blocks_ends(
+    n: int, block: int, window: int, seed: int, epoch: int
+) -> None:
+    perm = BlockPermutation(n, seed=seed, epoch=epoch, block_size=block, window=window)
+    out = perm.range(0, n)
+    start = 0
+    while start < n:
+        end = perm.window_end(start)
+        assert start < end <= n
+        assert all(perm.window_end(p) == end for p in range(start, end))
+        blocks = np.unique(out[start:end] // block)
+        assert int(np.minimum(block, n - blocks * block).sum()) == end - start, "whole blocks only"
+        start = end
+
+
+def test_window_ends_after_the_short_block_are_off_the_span_multiples() -> None:
+    n, block, window = 48_828, 1000, 16  # 48 full blocks and one of 828 samples
+    for epoch in range(8):
+        perm = BlockPermutation(n, seed=5, epoch=epoch, block_size=block, window=window)
+        ends, start = [], 0
+        while start < n:
+            start = perm.window_end(start)
+            ends.append(start)
+        short = next(i for i, e in enumerate(ends) if e % perm.span)
+        assert all(e % perm.span == perm.span - 172 for e in ends[short:-1])
+        assert ends[-1] == n
+
+
 def test_block_structure_at_the_benchmark_size_with_a_short_block() -> None:
     n, block, window = 48_828, 1000, 16  # 48 full blocks and one of 828 samples
     out = _order(n, 5, 0, block, window)

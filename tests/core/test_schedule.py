@@ -18,8 +18,18 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from guideloom._core.order import BlockPermutation
 from guideloom._core.plan import EpochPlan, Permutation
-from guideloom._core.schedule import Delivery, Indexes, max_window, read_window, run_async, run_sync, windows
+from guideloom._core.schedule import (
+    Delivery,
+    Indexes,
+    every,
+    max_window,
+    read_window,
+    run_async,
+    run_sync,
+    windows,
+)
 from guideloom._errors import RemoteReadError, StorageError
 from guideloom.storage.base import Rows
 
@@ -206,19 +216,29 @@ def test_span_windows_cover_the_plan_in_order_and_end_at_span_ends(
 ) -> None:
     offset = min(offset, n)
     plan = EpochPlan(n, batch, world, 0, drop_last=False, start_offset=offset)
-    got = list(windows(plan, first, largest, span))
+    got = list(windows(plan, first, largest, every(span)))
     steps = [spec.step for w in got for spec in w]
     assert steps == list(range(first, len(plan)))
     if not got:
         return
     assert len(got[0]) == 1, "the first batch is read alone (a fast first batch)"
-    g = plan.global_batch_size
-    for w, after in itertools.pairwise(got[1:]):
-        assert 1 <= len(w) <= largest
-        if len(w) < largest:  # not cut by the cap: the window ends where its span ends
-            start = offset + w[0].step * g
-            span_end = (start // span + 1) * span
-            assert offset + w[-1].step * g < span_end <= offset + after[0].step * g
+    _check_reads_follow_window_ends(plan, got[1:], largest, every(span))
+
+
+def _check_reads_follow_window_ends(
+    plan: EpochPlan, reads: list[list[Any]], largest: int, window_end: Any
+) -> None:
+    """Each read of several batches lies inside one mixing window and holds the window's whole
+    batches from its start on (unless cut at ``largest``); a straddling batch is read alone."""
+    g, offset = plan.global_batch_size, plan.start_offset
+    for read, after in itertools.pairwise([*reads, []]):
+        assert 1 <= len(read) <= largest
+        end = window_end(offset + read[0].step * g)
+        if len(read) > 1:
+            assert offset + (read[-1].step + 1) * g <= end, "inside one window"
+        if after and len(read) < largest:
+            # not cut by the cap: the next batch straddles the window's end, or starts at it
+            assert offset + (after[0].step + 1) * g > end
 
 
 def test_without_a_span_windows_double_up_to_the_largest() -> None:
@@ -229,5 +249,24 @@ def test_without_a_span_windows_double_up_to_the_largest() -> None:
 
 def test_one_window_per_span_when_batches_tile_it() -> None:
     plan = EpochPlan(4096, 16, 1, 0, drop_last=False)
-    sizes = [len(w) for w in windows(plan, 0, 4096, span=1024)]
+    sizes = [len(w) for w in windows(plan, 0, 4096, every(1024))]
     assert sizes == [1, 63, 64, 64, 64], "batch 0 alone, then the rest of span 0, then a span each"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(1, 3000),
+    block=st.integers(1, 40),
+    window=st.integers(1, 8),
+    batch=st.integers(1, 16),
+    world=st.integers(1, 3),
+    epoch=st.integers(0, 5),
+)
+def test_reads_end_on_the_real_mixing_window_ends_of_a_block_shuffle(
+    n: int, block: int, window: int, batch: int, world: int, epoch: int
+) -> None:
+    perm = BlockPermutation(n, seed=3, epoch=epoch, block_size=block, window=window)
+    plan = EpochPlan(n, batch, world, 0, drop_last=False)
+    reads = list(windows(plan, 0, 10**6, perm.window_end))
+    assert [s.step for r in reads for s in r] == list(range(len(plan)))
+    _check_reads_follow_window_ends(plan, reads[1:], 10**6, perm.window_end)

@@ -129,3 +129,28 @@ def test_a_checkpoint_of_auto_resumes_exactly_over_another_copy(big_copies: Copi
 def test_max_read_amplification_is_checked(bad: Any) -> None:
     with pytest.raises(ValueError, match="max_read_amplification must be a number >= 1"):
         guideloom.open_stream("http://127.0.0.1:9/nothing", max_read_amplification=bad)
+
+
+@pytest.fixture(scope="module")
+def short_block_copies(tmp_path_factory: pytest.TempPathFactory, s3: MotoS3) -> Iterator[Copies]:
+    """40,000 samples of 4 KiB: three mixing windows of "auto" blocks, and a short block that each
+    epoch puts in another window (the windows after it start earlier)."""
+    tokens = np.random.default_rng(6).integers(0, 65_000, 40_000 * SEQ, dtype=np.uint16)
+    folder = tmp_path_factory.mktemp("short") / "short"
+    guideloom.write_stream(folder, tokens, shard_bytes=64 * MiB)
+    s3.upload_folder(folder, BUCKET, "copies/short")
+    yield Copies(folder, f"s3://{BUCKET}/copies/short", "short", tokens)
+
+
+@pytest.mark.slow
+def test_auto_fetches_the_dataset_once_in_every_epoch(short_block_copies: Copies, s3: MotoS3) -> None:
+    storage = guideloom.open_stream(short_block_copies.s3_url, **s3.options())
+    nbytes = len(short_block_copies.tokens) * 2
+    it = loader(storage, shuffle_block_size="auto")
+    with it:
+        for _ in range(3):
+            batches = list(it)
+            stats = it.stats()
+            assert len(batches) == len(it)
+            assert nbytes <= stats["epoch_bytes_read"] <= 1.01 * nbytes, "no block fetched twice"
+            assert stats["epoch_requests"] <= nbytes / MiB, "at most one GET per MiB"

@@ -207,6 +207,6 @@ def test_code_blocks_wrap_their_long_lines(built_site: Path) -> None:
     css = (built_site / "assets" / "extra.css").read_text()
     rule = re.search(r"\.md-typeset pre > code\s*\{([^}]*)\}", css)
     assert rule and "white-space: pre-wrap" in rule.group(1), "code blocks do not wrap (extra.css)"
-    for page in ("parquet", "provenance", "index"):
-        path = built_site / ("index.html" if page == "index" else f"{page}/index.html")
-        assert re.search(r'<link[^>]+href="[./]*assets/extra\.css"', path.read_text()), f"{page}: no extra.css"
+    for page in ("parquet/index.html", "provenance/index.html", "index.html"):
+        html_text = (built_site / page).read_text()
+        assert re.search(r'<link[^>]+href="[./]*assets/extra\.css"', html_text), f"{page}: no extra.css"

@@ -127,8 +127,11 @@ def _write_report(out: dict[str, Any]) -> None:
         chart(out, RESULTS / "results.png")
         written.append(RESULTS / "results.png")
     docs = RESULTS.parents[1] / "docs" / "benchmarks.md"
-    notes = Path(__file__).parent / "suite" / "notes.md"  # the analysis, kept by hand
-    docs.write_text(docs_page(md) + ("\n" + notes.read_text() if notes.exists() else ""))
+    figures = Path(__file__).parent / "suite" / "figures.md"  # each benchmark's latest figures
+    try:
+        docs.write_text(docs_page(out, figures.read_text()))
+    except ValueError as exc:
+        raise SystemExit(f"docs/benchmarks.md not written: {exc}") from None
     written.append(docs)
     print("wrote " + ", ".join(str(p) for p in written))
 

@@ -54,7 +54,7 @@ __all__ = ["StatefulDataLoader"]
 _COLLATE_MODES = ("auto", "workers", "inline")
 
 BatchT = TypeVar("BatchT")
-cBatchT = TypeVar("cBatchT")  # noqa: N816 - the name the reference page uses
+cBatchT = TypeVar("cBatchT")  # noqa: N816 - the name from_storage's documented signature shows
 
 
 def _get_default_device() -> torch.device:

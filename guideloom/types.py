@@ -65,7 +65,8 @@ class StatefulDataLoaderStateDict(TypedDict):
     drop_last: bool
     """Whether that loader drops an incomplete global batch."""
     dataset: NotRequired[DatasetFingerprint]
-    """The dataset the position counts (absent in checkpoints of guideloom before 0.2)."""
+    """The dataset the position counts. A checkpoint without it (the five position and order keys
+    alone) loads without the dataset check: only its offset is checked."""
     shuffle_block_size: NotRequired[int]
     """Samples per shuffle block that loader's order used (``"auto"`` resolved), present for a
     block shuffle only: absent means blocks of 1, a global row shuffle (or no shuffle)."""

@@ -63,6 +63,19 @@ class TinyLM(nn.Module):
         return self.head(self.embed(tokens))
 
 
+def exactly_once(audits: Sequence[gl.AuditReport], world_size: int) -> str:
+    """The run's verdict in one line, from ``loader.audit()`` at each epoch's end and at the save:
+    whether the ranks were handed every position this run trained on exactly once (after a
+    resume, the positions before the checkpoint's offset are the checkpoint's)."""
+    wrong = [audit.message for audit in audits if not audit.ok]
+    if wrong:
+        return f"exactly once: NO: {wrong[0]}"
+    spans = ", ".join(
+        f"epoch {a.epoch} positions {a.start}-{a.start + a.delivered - 1}" for a in audits if a.delivered
+    )
+    return f"exactly once: yes ({spans}, across {world_size} rank{'s' * (world_size != 1)})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, required=True, help="the dataset folder (written if missing)")
@@ -101,6 +114,7 @@ def main() -> None:
         accelerator.load_state(args.checkpoint)  # calls loader.load_state_dict(...)
 
     seen: list[tuple[int, int]] = []  # (epoch, sample id), for --record
+    audits: list[gl.AuditReport] = []  # at each epoch's end and at the save
     step = 0
     loss = torch.tensor(float("nan"))  # the last step's, for the log line
     with loader:
@@ -118,6 +132,8 @@ def main() -> None:
                 accelerator.backward(loss)
                 optimizer.step()
                 step += 1
+                if step == args.stop_after or loader.remaining() == 0:
+                    audits.append(loader.audit())  # a collective: every rank, at the same step
                 if step == args.stop_after:
                     accelerator.save_state(args.checkpoint)  # calls loader.state_dict()
                     break
@@ -131,6 +147,9 @@ def main() -> None:
     # last holder is DDP's reducer is destroyed without releasing the GIL, which can deadlock.
     model, optimizer = accelerator.free_memory(model, optimizer)
     accelerator.end_training()
+    accelerator.print(exactly_once(audits, accelerator.num_processes))
+    if not all(audit.ok for audit in audits):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -104,6 +104,19 @@ def check_ranks_agree(loader: gl.StatefulDataLoader[Any, Any]) -> None:
         raise RuntimeError(f"the ranks' loader states differ, not saving: {states}")
 
 
+def exactly_once(audits: Sequence[gl.AuditReport], world_size: int) -> str:
+    """The run's verdict in one line, from ``loader.audit()`` at each epoch's end and at the save:
+    whether the ranks were handed every position this run trained on exactly once (after a
+    resume, the positions before the checkpoint's offset are the checkpoint's)."""
+    wrong = [audit.message for audit in audits if not audit.ok]
+    if wrong:
+        return f"exactly once: NO: {wrong[0]}"
+    spans = ", ".join(
+        f"epoch {a.epoch} positions {a.start}-{a.start + a.delivered - 1}" for a in audits if a.delivered
+    )
+    return f"exactly once: yes ({spans}, across {world_size} rank{'s' * (world_size != 1)})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, required=True, help="the dataset folder (written if missing)")
@@ -148,6 +161,7 @@ def main() -> None:
         dcp.load(states, checkpoint_id=newest)  # calls loader.load_state_dict(...) on every rank
 
     seen: list[tuple[int, int]] = []  # (epoch, sample id), for --record
+    audits: list[gl.AuditReport] = []  # at each epoch's end and at the save
     stopped = False
     loss = torch.tensor(float("nan"))  # the last step's, for the log line
     with loader:
@@ -165,6 +179,8 @@ def main() -> None:
                 loss.backward()
                 optimizer.step()
                 train_state.step += 1
+                if train_state.step == args.stop_after or loader.remaining() == 0:
+                    audits.append(loader.audit())  # a collective: every rank, at the same step
                 if train_state.step == args.stop_after:
                     check_ranks_agree(loader)
                     dcp.save(states, checkpoint_id=args.checkpoint / f"step-{train_state.step}")
@@ -180,6 +196,10 @@ def main() -> None:
     # the reducer is destroyed without releasing the GIL, which can deadlock with gloo's threads.
     del states, model
     dist.destroy_process_group()
+    if rank == 0:
+        print(exactly_once(audits, world_size))
+    if not all(audit.ok for audit in audits):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

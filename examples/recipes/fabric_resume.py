@@ -62,6 +62,19 @@ class TinyLM(nn.Module):
         return self.head(self.embed(tokens))
 
 
+def exactly_once(audits: Sequence[gl.AuditReport], world_size: int) -> str:
+    """The run's verdict in one line, from ``loader.audit()`` at each epoch's end and at the save:
+    whether the ranks were handed every position this run trained on exactly once (after a
+    resume, the positions before the checkpoint's offset are the checkpoint's)."""
+    wrong = [audit.message for audit in audits if not audit.ok]
+    if wrong:
+        return f"exactly once: NO: {wrong[0]}"
+    spans = ", ".join(
+        f"epoch {a.epoch} positions {a.start}-{a.start + a.delivered - 1}" for a in audits if a.delivered
+    )
+    return f"exactly once: yes ({spans}, across {world_size} rank{'s' * (world_size != 1)})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, required=True, help="the dataset folder (written if missing)")
@@ -103,6 +116,7 @@ def main() -> None:
         fabric.load(args.checkpoint, state)  # calls loader.load_state_dict(...)
 
     seen: list[tuple[int, int]] = []  # (epoch, sample id), for --record
+    audits: list[gl.AuditReport] = []  # at each epoch's end and at the save
     step = 0
     loss = torch.tensor(float("nan"))  # the last step's, for the log line
     with loader:
@@ -120,6 +134,8 @@ def main() -> None:
                 fabric.backward(loss)
                 optimizer.step()
                 step += 1
+                if step == args.stop_after or loader.remaining() == 0:
+                    audits.append(loader.audit())  # a collective: every rank, at the same step
                 if step == args.stop_after:
                     fabric.save(args.checkpoint, state)  # calls loader.state_dict(), rank 0 writes
                     break
@@ -129,6 +145,9 @@ def main() -> None:
     if args.record:
         record = {"seen": seen, "state": dict(loader.state_dict())}
         Path(f"{args.record}-rank{fabric.global_rank}.json").write_text(json.dumps(record))
+    fabric.print(exactly_once(audits, fabric.world_size))
+    if not all(audit.ok for audit in audits):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

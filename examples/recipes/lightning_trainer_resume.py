@@ -106,14 +106,37 @@ class TokenData(L.LightningDataModule):
 class FinishLoaderEpoch(L.Callback):
     """At the end of a whole epoch, close the iterator the Trainer stopped reading and start the
     loader's next epoch, so that the next ``iter(loader)`` starts it (and an epoch-end checkpoint
-    holds it)."""
+    holds it). Before that, and where training stops mid-epoch, ``loader.audit()`` checks that
+    the ranks were handed each position exactly once."""
+
+    def __init__(self) -> None:
+        self.audits: list[gl.AuditReport] = []
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         loader = trainer.datamodule.loader
         if loader is not None and loader.remaining() == 0:  # every batch of the epoch was delivered
+            self.audits.append(loader.audit())  # a collective: every rank calls it here
             loader.close()  # ends the open iterator; the position stays
             for _ in loader:  # an iterator at the epoch's end yields nothing and starts the next
                 pass
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        loader = trainer.datamodule.loader
+        if loader is not None and loader.state_dict()["observation_offset"] > 0:  # stopped mid-epoch
+            self.audits.append(loader.audit())
+
+
+def exactly_once(audits: Sequence[gl.AuditReport], world_size: int) -> str:
+    """The run's verdict in one line, from ``loader.audit()`` at each epoch's end and at the stop:
+    whether the ranks were handed every position this run trained on exactly once (after a
+    resume, the positions before the checkpoint's offset are the checkpoint's)."""
+    wrong = [audit.message for audit in audits if not audit.ok]
+    if wrong:
+        return f"exactly once: NO: {wrong[0]}"
+    spans = ", ".join(
+        f"epoch {a.epoch} positions {a.start}-{a.start + a.delivered - 1}" for a in audits if a.delivered
+    )
+    return f"exactly once: yes ({spans}, across {world_size} rank{'s' * (world_size != 1)})"
 
 
 class TinyLM(L.LightningModule):
@@ -152,6 +175,7 @@ def main() -> None:
     args = ap.parse_args()
 
     data, model = TokenData(args.data, args.batch_size), TinyLM(args.batch_size)
+    finish = FinishLoaderEpoch()
     trainer = L.Trainer(
         accelerator="cpu",
         strategy="ddp",  # gloo on CPU; torchrun starts the processes
@@ -159,7 +183,7 @@ def main() -> None:
         max_epochs=args.epochs,
         max_steps=args.stop_after or -1,
         callbacks=[
-            FinishLoaderEpoch(),
+            finish,
             ModelCheckpoint(dirpath=args.checkpoint, every_n_train_steps=args.save_every, save_last=True),
         ],
         logger=False,
@@ -174,6 +198,10 @@ def main() -> None:
     if args.record:
         record = {"seen": model.seen, "state": dict(state)}
         Path(f"{args.record}-rank{trainer.global_rank}.json").write_text(json.dumps(record))
+    if trainer.global_rank == 0:
+        print(exactly_once(finish.audits, trainer.world_size))
+    if not all(audit.ok for audit in finish.audits):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The loader's constructor arguments, checked as the reference page states them: a wrong type
+"""The loader's constructor arguments, checked as the API reference states them: a wrong type
 raises ``TypeError``, a value out of range ``ValueError``, each naming the fix."""
 
 from __future__ import annotations

@@ -140,8 +140,8 @@ def test_every_offset_a_run_can_save_is_accepted() -> None:
         restore_position(_state(empty, 2, 1), _identity(empty))
 
 
-def test_a_checkpoint_of_the_pages_five_keys_loads_without_a_warning() -> None:
-    """The reference page's checkpoint has no fingerprint (nor has guideloom's before 0.2): it
+def test_a_checkpoint_of_the_five_position_keys_loads_without_a_warning() -> None:
+    """A checkpoint of the five position and order keys alone has no fingerprint: it
     loads silently, its padding past the end of an epoch included."""
     ds = _stream(1000)  # 125 observations
     for offset in (16, 128):

@@ -1,4 +1,4 @@
-"""The built site: no broken internal link, and three pages that render in headless Chromium.
+"""The built site: no broken internal link, and four pages that render in headless Chromium.
 
 The screenshots are kept in ``site/screenshots/`` (CI's artifact, beside the site ``make docs``
 builds).
@@ -29,6 +29,8 @@ PAGES = {  # screenshot name -> (path, the page's <title>)
     "home": ("", "guideloom"),
     "loader-reference": ("reference/loader/", "StatefulDataLoader - guideloom"),
     "checkpointing": ("checkpointing/", "Checkpointing - guideloom"),
+    # long code lines: they wrap (docs/assets/extra.css) instead of hiding past the block's edge
+    "parquet": ("parquet/", "Training on Parquet - guideloom"),
 }
 _LINK = re.compile(r'\s(?:href|src)="([^"]+)"')
 _ID = re.compile(r'\sid="([^"]+)"')
@@ -133,7 +135,7 @@ def chromium(profile: Path, *args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.skipif(
     not CHROMIUM.exists(), reason="chromium is not installed (.ci/install-servers.sh installs it)"
 )
-def test_three_pages_render_in_headless_chromium(
+def test_pages_render_in_headless_chromium(
     served_site: tuple[str, list[tuple[int, str]]], tmp_path: Path
 ) -> None:
     base, statuses = served_site
@@ -198,3 +200,13 @@ def test_the_cli_page_shows_every_command_and_option(built_site: Path) -> None:
         for action in sub._actions:
             for option in action.option_strings:
                 assert option in text, f"the CLI page lacks guideloom {name} {option}"
+
+
+def test_code_blocks_wrap_their_long_lines(built_site: Path) -> None:
+    # Many browsers show a code block's scrollbar only on hover: a long line would look cut off.
+    css = (built_site / "assets" / "extra.css").read_text()
+    rule = re.search(r"\.md-typeset pre > code\s*\{([^}]*)\}", css)
+    assert rule and "white-space: pre-wrap" in rule.group(1), "code blocks do not wrap (extra.css)"
+    for page in ("parquet/index.html", "provenance/index.html", "index.html"):
+        html_text = (built_site / page).read_text()
+        assert re.search(r'<link[^>]+href="[./]*assets/extra\.css"', html_text), f"{page}: no extra.css"

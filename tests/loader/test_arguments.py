@@ -1,4 +1,4 @@
-"""Construction and arguments: the reference page's parameters, their checks and defaults."""
+"""Construction and arguments: the API reference's parameters, their checks and defaults."""
 
 from __future__ import annotations
 

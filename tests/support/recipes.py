@@ -27,9 +27,16 @@ def run_recipe(
     recipe: str, world_size: int, *args: str, cwd: Path, ignore: Sequence[str] = (), timeout: float = 150
 ) -> list[str]:
     """Run ``examples/recipes/<recipe>`` on ``world_size`` ranks with warnings as errors, less the
-    ``-W`` filters in ``ignore`` (``"ignore:message:Category"``); return each rank's output."""
+    ``-W`` filters in ``ignore`` (``"ignore:message:Category"``); return each rank's output.
+
+    Rank 0 must end with the recipe's verdict from ``loader.audit()``, ``exactly once: yes``; the
+    other ranks print none."""
     argv = [sys.executable, "-W", "error", *(f"-W{w}" for w in ignore), str(RECIPES / recipe), *args]
-    return run_ranks(world_size, argv, cwd=cwd, timeout=timeout)
+    outputs = run_ranks(world_size, argv, cwd=cwd, timeout=timeout)
+    verdicts = [[line for line in out.splitlines() if line.startswith("exactly once:")] for out in outputs]
+    assert len(verdicts[0]) == 1 and verdicts[0][0].startswith("exactly once: yes ("), outputs[0]
+    assert not any(verdicts[1:]), verdicts
+    return outputs
 
 
 def records(prefix: Path, world_size: int) -> list[dict[str, Any]]:

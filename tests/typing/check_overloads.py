@@ -1,4 +1,4 @@
-"""Checked by mypy in CI (tox -e types), never run: the overloads of the reference page."""
+"""Checked by mypy in CI (tox -e types), never run: the overloads of StatefulDataLoader.from_storage."""
 
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ import numpy.typing as npt
 
 from guideloom._core.checks import check_int
 from guideloom._core.text import plural
-from guideloom._errors import DatasetFormatError, DatasetIntegrityError, StorageError
+from guideloom._errors import DatasetFormatError, DatasetIntegrityError, RemoteReadError, StorageError
 from guideloom.storage._text import TextEncoder, TokenizerLike
 from guideloom.storage.base import DocumentStorageAbstract
 
@@ -197,6 +197,8 @@ class _RemoteFiles:
         #: Each object's version as first seen: every read is conditional on it, in a process
         #: worker's copy too.
         self.versions: dict[str, Any] = {}
+        #: Why reads are refused, once an object was found changed (every later read is).
+        self.refused: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -205,6 +207,7 @@ class _RemoteFiles:
             "_conn": None,
             "_tails": {},
             "versions": self.versions,
+            "refused": self.refused,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -218,6 +221,45 @@ class _RemoteFiles:
             self._conn = Remote(self.prefix_url, dict(self.options))
             self._conn.versions.update(self.versions)
         return self._conn
+
+    def fetch(self, path: str, start: int, end: int) -> Any:
+        """Bytes ``[start, end)`` of object ``path``, conditional on its version: a read that
+        fails after its retries (a short answer again and again) is a
+        :class:`~guideloom.RemoteReadError` naming the object and the range, not a damaged file;
+        an object changed or gone since it was opened is a :class:`DatasetIntegrityError` naming
+        it (and every later read is refused with it)."""
+        if self.refused is not None:
+            raise DatasetIntegrityError(self.refused)
+        error: Exception
+        try:
+            return self.conn.fetch_range(path, start, end)
+        except DatasetIntegrityError:
+            error = DatasetIntegrityError(self._changed(path))
+            self.refused = str(error)
+        except (FileNotFoundError, PermissionError, RemoteReadError):
+            raise
+        except StorageError as exc:
+            error = RemoteReadError(f"{exc} (after its retries)")
+        raise error  # outside the handler: the store's error is not its __context__
+
+    def _changed(self, path: str) -> str:
+        """What a refused read of ``path`` says: how the object differs from the one opened."""
+        was = self.versions.get(path)
+        opened = "" if was is None else f"; {_version_text(int(was.size), was.etag)} when opened"
+        try:
+            import obstore
+
+            meta = obstore.head(self.conn.store(), path)
+            now = f"{_version_text(int(meta['size']), meta.get('e_tag'))} now"
+        except FileNotFoundError:
+            now = "it is gone"
+        except Exception:  # the store cannot say: the refusal stands
+            now = "the store refused the read of that version"
+        return (
+            f"{self.name(path)}: the file changed on the object store since the Parquet files were "
+            f"opened ({now}{opened}): none of its bytes are read; open the files again "
+            "(a checkpoint made over the old files is refused)"
+        )
 
     def listing(self) -> dict[str, _Stat] | None:
         listed = self.conn.list_sizes()
@@ -242,7 +284,7 @@ class _RemoteFiles:
         if known is not None:  # fetched when the files were opened: parsed again, not fetched
             return _pq().read_metadata(_SparseFile(size, {known[0]: known[1]}))
         tail_start = max(0, size - _FOOTER_GUESS)
-        tail = bytes(self.conn.fetch_range(path, tail_start, size))
+        tail = bytes(self.fetch(path, tail_start, size))
         if tail[-4:] != b"PAR1":
             raise DatasetFormatError(
                 f"{self.name(path)}: the file does not end with Parquet's magic bytes (truncated, or "
@@ -253,7 +295,7 @@ class _RemoteFiles:
             raise DatasetFormatError(f"{self.name(path)}: its footer length {length} exceeds the file's size")
         if length + 8 > len(tail):
             tail_start = size - length - 8
-            tail = bytes(self.conn.fetch_range(path, tail_start, size))
+            tail = bytes(self.fetch(path, tail_start, size))
         self._tails[path] = (tail_start, tail)
         return _pq().read_metadata(_SparseFile(size, {tail_start: tail}))
 
@@ -267,7 +309,7 @@ class _RemoteFiles:
         """One ranged GET of the row group's column chunks (conditional on the object's
         version), decoded beside the footer's bytes."""
         start, end = chunks
-        data = self.conn.fetch_range(path, start, end)
+        data = self.fetch(path, start, end)
         size = int(self.versions[path].size)
         tail_start, tail = self._tails[path]
         pieces = {start: data, tail_start: tail}
@@ -276,6 +318,10 @@ class _RemoteFiles:
             .ParquetFile(_SparseFile(size, pieces), metadata=metadata, page_checksum_verification=True)
             .read_row_group(group, columns=columns, use_threads=False)
         )
+
+
+def _version_text(size: int, etag: Any) -> str:
+    return plural(size, "byte") + ("" if not etag else f", ETag {etag}")
 
 
 # -- the index: footers only -----------------------------------------------------------------------
@@ -307,11 +353,9 @@ def _column_kind(arrow_type: Any, where: str, column: str) -> str:
 def _entry(files: Any, path: str, stat: _Stat, column: str, shown: str) -> _FileEntry:
     try:
         md = files.footer(path, stat.size)
-    except DatasetFormatError:
-        raise
+    except (DatasetFormatError, StorageError, FileNotFoundError, PermissionError):
+        raise  # a damaged file says so itself; a failed read of the store is not a damaged file
     except (OSError, ValueError) as exc:
-        if isinstance(exc, FileNotFoundError):
-            raise
         raise DatasetFormatError(
             f"{shown}: damaged or not a Parquet file: its footer cannot be read ({exc})"
         ) from None
@@ -327,6 +371,14 @@ def _entry(files: Any, path: str, stat: _Stat, column: str, shown: str) -> _File
     for g in range(md.num_row_groups):
         rg = md.row_group(g)
         rows.append(int(rg.num_rows))
+        if kind == "text" and any(int(rg.column(j).num_values) != rg.num_rows for j in leaves):
+            chunk = next(int(rg.column(j).num_values) for j in leaves)
+            raise DatasetIntegrityError(
+                f"{shown}: row group {g}, column {column!r}: the footer says "
+                f"{plural(int(rg.num_rows), 'row')}, the column chunk holds {plural(chunk, 'value')}: "
+                "the file's footer does not match its pages (damaged, edited or written by a faulty "
+                "writer); write the file again"
+            )
         nbytes.append(sum(int(rg.column(j).total_uncompressed_size) for j in leaves))
     return _FileEntry(path, stat.size, stat.version, tuple(rows), tuple(nbytes), kind)
 
@@ -653,7 +705,7 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         try:
             md = self._files.footer(e.path, e.size)
             reader = self._files.reader(e.path, md)
-        except (DatasetFormatError, DatasetIntegrityError, FileNotFoundError):
+        except (DatasetFormatError, StorageError, FileNotFoundError, PermissionError):
             raise
         except (OSError, ValueError) as exc:
             raise DatasetFormatError(f"{self._shown(e.path)}: its footer cannot be read ({exc})") from None
@@ -934,13 +986,38 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
             array = table.column(self.column).combine_chunks()
             if len(array) != e.rows[g]:
                 raise DatasetFormatError(f"decoded {plural(len(array), 'row')}, the footer says {e.rows[g]}")
-            return _Decoded(array, e.kind)
-        except (DatasetIntegrityError, FileNotFoundError, StorageError):
+            decoded = _Decoded(array, e.kind)
+        except (DatasetIntegrityError, FileNotFoundError, PermissionError, StorageError):
             raise
         except DatasetFormatError as exc:
             raise DatasetFormatError(f"{self._where(group)}: {exc}") from None
         except (OSError, ValueError, IndexError) as exc:
             raise DatasetFormatError(f"{self._where(group)}: cannot be decoded ({exc})") from None
+        self._check_values(group, md, leaves, decoded)
+        return decoded
+
+    def _check_values(self, group: int, md: Any, leaves: list[int], decoded: _Decoded) -> None:
+        """Refuse a row group whose footer's row count is not what its column chunk holds: the
+        chunk's own count of values (``num_values``: one a row for a text column, one a list
+        element or empty list for a list column) against the rows decoded. A footer that says
+        fewer rows than the pages hold would otherwise drop the rest silently."""
+        g = int(self._group_in_file[group])
+        if decoded.text:
+            values = len(decoded.offsets) - 1
+        else:
+            lengths = np.maximum(decoded.lengths(), 1)
+            if decoded.nulls is not None:
+                lengths[decoded.nulls] = 1
+            values = int(lengths.sum())
+        for j in leaves:
+            chunk = int(md.row_group(g).column(j).num_values)
+            if chunk != values:
+                raise DatasetIntegrityError(
+                    f"{self._where(group)}: the footer says {plural(int(self._sizes[group]), 'row')}, "
+                    f"which hold {plural(values, 'value')}, but the column chunk holds "
+                    f"{plural(chunk, 'value')}: the file's footer does not match its pages (damaged, "
+                    "edited or written by a faulty writer); write the file again"
+                )
 
     def _nulls(self, group: int, decoded: _Decoded, local: I64) -> None:
         if decoded.nulls is None:
@@ -1121,22 +1198,56 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
 
 
 # -- opening ------------------------------------------------------------------------------------------
+def _hidden(parts: Sequence[str], patterns: Sequence[str] = ()) -> bool:
+    """Whether a file whose path under the folder (or glob) it was found in has ``parts`` is
+    skipped as pyarrow datasets, Spark and Hugging Face skip it: a file or folder whose name
+    starts with ``_`` or ``.`` (Spark's ``_temporary/`` attempts, ``_SUCCESS``, ``.hidden``
+    files). A name a pattern's own part asks for (``_*``, ``.cache``) is kept."""
+    for part in parts:
+        if part[:1] in ("_", ".") and not any(
+            p[:1] == part[:1] and fnmatch.fnmatchcase(part, p) for p in patterns
+        ):
+            return True
+    return False
+
+
+def _glob_root(pattern: str) -> str:
+    """The folder part of ``pattern`` before its first wildcard."""
+    cut = min(pattern.index(c) for c in "*?[" if c in pattern)
+    root = pattern[:cut].rpartition("/")[0]
+    return "/" if not root and pattern.startswith("/") else root
+
+
 def _local_paths(source: Any) -> list[str]:
-    path = os.fspath(source)
-    if _has_glob(path):
-        found = sorted(p for p in globlib.glob(os.path.expanduser(path), recursive=True) if os.path.isfile(p))
-        if not found:
-            raise FileNotFoundError(f"no file matches {path!r}")
-        return found
-    p = Path(path).expanduser()
+    path = os.path.expanduser(os.fspath(source))
+    if os.path.isfile(path):  # a file is that file, whatever its name holds ([x], *, ?)
+        return [path]
+    p = Path(path)
     if p.is_dir():
-        found = sorted(str(f) for f in p.rglob("*.parquet") if f.is_file())
+        found = sorted(
+            str(f) for f in p.rglob("*.parquet") if f.is_file() and not _hidden(f.relative_to(p).parts)
+        )
         if not found:
-            raise FileNotFoundError(f"{path!r} holds no *.parquet file (in it or its subfolders)")
+            raise FileNotFoundError(
+                f"{path!r} holds no *.parquet file (in it or its subfolders; names starting with "
+                "'_' or '.' are skipped)"
+            )
         return found
-    if not p.exists():
-        raise FileNotFoundError(f"no such file or folder: {path!r}")
-    return [str(p)]
+    if _has_glob(path):
+        root = _glob_root(path)
+        patterns = path[len(root) :].lstrip("/").split("/")
+        matched = [f for f in globlib.glob(path, recursive=True) if os.path.isfile(f)]
+        found = sorted(
+            f for f in matched if not _hidden(os.path.relpath(f, root or ".").split(os.sep), patterns)
+        )
+        if not found:
+            raise FileNotFoundError(
+                f"no file matches {path!r}, and no file or folder has that name: *, ? and [ are "
+                "wildcards there (names starting with '_' or '.' are skipped unless the pattern "
+                "names them); check the path"
+            )
+        return found
+    raise FileNotFoundError(f"no such file or folder: {path!r}")
 
 
 def _split_url(url: str) -> tuple[str, str]:
@@ -1148,16 +1259,26 @@ def _split_url(url: str) -> tuple[str, str]:
 def _remote_sources(source: str, options: dict[str, Any]) -> tuple[_RemoteFiles, list[str], dict[str, _Stat]]:
     """One store prefix and the objects under it that ``source`` names, with their sizes."""
     if _has_glob(source):
-        cut = min(source.index(c) for c in "*?[" if c in source)
-        prefix = source[:cut].rpartition("/")[0]
+        prefix = _glob_root(source)
         pattern = source[len(prefix) + 1 :]
         files = _RemoteFiles(prefix, options)
         listed = files.listing()
         if listed is None:
+            if source.rstrip("/").endswith(".parquet"):  # a URL whose name holds [x] or *
+                return files, [pattern], {}
             raise ValueError(f"{source!r}: this store cannot be listed; pass the files' URLs as a list")
-        names = sorted(p for p in listed if fnmatch.fnmatch(p, pattern))
+        if pattern in listed:  # an object of that very name is that object
+            return files, [pattern], {pattern: listed[pattern]}
+        parts = pattern.split("/")
+        names = sorted(
+            p for p in listed if fnmatch.fnmatchcase(p, pattern) and not _hidden(p.split("/"), parts)
+        )
         if not names:
-            raise FileNotFoundError(f"no object matches {source!r}")
+            raise FileNotFoundError(
+                f"no object matches {source!r}, and no object has that name: *, ? and [ are "
+                "wildcards there (names starting with '_' or '.' are skipped unless the pattern "
+                "names them)"
+            )
         return files, names, {p: listed[p] for p in names}
     if source.rstrip("/").endswith(".parquet"):
         prefix, name = _split_url(source)
@@ -1169,9 +1290,11 @@ def _remote_sources(source: str, options: dict[str, Any]) -> tuple[_RemoteFiles,
         raise ValueError(
             f"{source!r}: this store cannot be listed (http(s)://); pass the files' URLs as a list"
         )
-    names = sorted(p for p in listed if p.endswith(".parquet"))
+    names = sorted(p for p in listed if p.endswith(".parquet") and not _hidden(p.split("/")))
     if not names:
-        raise FileNotFoundError(f"{source!r} holds no *.parquet object")
+        raise FileNotFoundError(
+            f"{source!r} holds no *.parquet object (names starting with '_' or '.' are skipped)"
+        )
     return files, names, {p: listed[p] for p in names}
 
 
@@ -1237,7 +1360,7 @@ def parquet_columns(source: Any, **options: Any) -> tuple[list[str], list[tuple[
     try:
         schema = files.footer(first, stat.size).schema.to_arrow_schema()
     except (OSError, ValueError) as exc:
-        if isinstance(exc, DatasetFormatError | FileNotFoundError):
+        if isinstance(exc, DatasetFormatError | StorageError | FileNotFoundError | PermissionError):
             raise
         raise DatasetFormatError(f"{files.name(first)}: damaged or not a Parquet file ({exc})") from None
     return [files.name(p) for p in paths], [(f.name, str(f.type)) for f in schema]

@@ -1015,3 +1015,64 @@ def test_process_workers_fork_from_a_zygote_after_arrow_started_its_threads(
     script.write_text(_ZYGOTE_AFTER_ARROW)
     r = run_script(script, str(folder))
     assert r.stdout.split() == ["ZygoteContext", "True"]
+
+
+# -- footers that do not match their pages, names to skip, names with wildcards -----------------------
+@pytest.mark.parametrize("reported", [77, 7_777])
+@pytest.mark.parametrize("column", ["text", "input_ids"])
+def test_a_footer_that_under_reports_its_rows_is_refused_by_its_row_group(
+    tmp_path: Path, reported: int, column: str
+) -> None:
+    """A footer saying fewer rows than the column chunk's pages hold: the rest would be dropped
+    silently; the chunk's own count of values says otherwise, and the row group is refused."""
+    from tests.support.parquet_footer import set_num_rows
+
+    n = 77_777
+    ids = [[i] * (i % 3) for i in range(n)]  # empty rows too: each counts one value in its chunk
+    path = tmp_path / "rows.parquet"
+    table = pa.table({"input_ids": pa.array(ids, pa.list_(pa.int32())), "text": [f"t{i}" for i in range(n)]})
+    pq.write_table(table, path, row_group_size=n)
+    whole = gl.open_parquet(path, column)
+    assert len(all_rows(whole)) == n and whole.num_row_groups == 1
+    set_num_rows(path, 0, reported)
+    assert pq.ParquetFile(path).read_row_group(0).num_rows == reported  # pyarrow drops the rest
+    where = r"rows\.parquet: row group 0, column '" + column + r"'.*the column chunk holds"
+    with pytest.raises(gl.DatasetIntegrityError, match=where):
+        storage = gl.open_parquet(path, column)  # a text column: refused by its footer alone
+        storage.read_many_sync(np.arange(reported, dtype=np.int64))
+
+
+def test_names_starting_with_an_underscore_or_a_dot_are_skipped_at_any_level(
+    folder: Path, tmp_path: Path, rows: Any
+) -> None:
+    """Spark's ``_temporary/`` attempts, ``_SUCCESS``-like files and hidden files are not rows of
+    the data set, in a folder or under a glob (as pyarrow datasets, Spark and Hugging Face)."""
+    dest = copy_of(folder, tmp_path)
+    extra = pa.table({"input_ids": pa.array([[9_999]] * 10, pa.list_(pa.int32())), "text": ["x"] * 10})
+    for name in (
+        "_temporary/0/_temporary/attempt_0/part-00000.parquet",
+        "_partial.parquet",
+        ".hidden.parquet",
+        "sub/.staging/part.parquet",
+        "sub/_tmp/part.parquet",
+    ):
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(extra, dest / name)
+    for source in (dest, str(dest / "**" / "*.parquet"), str(dest / "*.parquet")):
+        storage = gl.open_parquet(source, "input_ids")
+        assert len(storage) == 600 and [r.tolist() for r in all_rows(storage)] == rows[0]
+    # a pattern or a list that names them reads them
+    assert len(gl.open_parquet(str(dest / "_*.parquet"), "input_ids")) == 10
+    assert len(gl.open_parquet([dest / ".hidden.parquet"], "input_ids")) == 10
+
+
+def test_a_file_whose_name_holds_wildcards_is_that_file(folder: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "odd"
+    dest.mkdir()
+    for name in ("part[x].parquet", "part*.parquet", "partx.parquet"):
+        shutil.copy(folder / "train-00000-of-00003.parquet", dest / name)
+    assert gl.open_parquet(dest / "part[x].parquet", "input_ids").files == [str(dest / "part[x].parquet")]
+    assert gl.open_parquet(str(dest / "part*.parquet"), "input_ids").files == [str(dest / "part*.parquet")]
+    assert len(gl.open_parquet(str(dest / "part?.parquet"), "input_ids").files) == 2  # a glob still
+    with pytest.raises(FileNotFoundError, match=r"no file matches .*part\[y\]\.parquet.*wildcards"):
+        gl.open_parquet(dest / "part[y].parquet", "input_ids")

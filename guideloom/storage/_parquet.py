@@ -197,8 +197,9 @@ class _RemoteFiles:
         #: Each object's version as first seen: every read is conditional on it, in a process
         #: worker's copy too.
         self.versions: dict[str, Any] = {}
-        #: Why reads are refused, once an object was found changed (every later read is).
-        self.refused: str | None = None
+        #: Objects found changed since they were opened, and what their reads say (every later
+        #: read of one is refused).
+        self.refused: dict[str, str] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -223,24 +224,48 @@ class _RemoteFiles:
         return self._conn
 
     def fetch(self, path: str, start: int, end: int) -> Any:
-        """Bytes ``[start, end)`` of object ``path``, conditional on its version: a read that
-        fails after its retries (a short answer again and again) is a
-        :class:`~guideloom.RemoteReadError` naming the object and the range, not a damaged file;
-        an object changed or gone since it was opened is a :class:`DatasetIntegrityError` naming
-        it (and every later read is refused with it)."""
-        if self.refused is not None:
-            raise DatasetIntegrityError(self.refused)
+        """Bytes ``[start, end)`` of object ``path``, a GET conditional on the version it was
+        opened with, with the connection's retries. A read that fails after them (a short answer
+        again and again) is a :class:`~guideloom.RemoteReadError` naming the object and the
+        range, not a damaged file; an object changed or gone since it was opened is a
+        :class:`DatasetIntegrityError` naming it (and every later read of it is refused)."""
+        from guideloom.storage._objstore import call_with_retries, get_checked
+
+        known = self.refused.get(path)
+        if known is not None:
+            raise DatasetIntegrityError(known)
+        conn = self.conn
+        store, version = conn.store(), self.versions.get(path)
+
+        def get() -> Any:
+            conn.counters.requests += 1
+            return get_checked(store, path, start, end, version)
+
         error: Exception
         try:
-            return self.conn.fetch_range(path, start, end)
-        except DatasetIntegrityError:
-            error = DatasetIntegrityError(self._changed(path))
-            self.refused = str(error)
-        except (FileNotFoundError, PermissionError, RemoteReadError):
-            raise
-        except StorageError as exc:
-            error = RemoteReadError(f"{exc} (after its retries)")
-        raise error  # outside the handler: the store's error is not its __context__
+            data = call_with_retries(get, conn.policy)
+        except Exception as exc:
+            error = self._failed(path, start, end, exc)
+        else:
+            conn.counters.bytes_read += end - start
+            return data
+        raise error  # outside the handler: the store's error (and what its text holds) is not kept
+
+    def _failed(self, path: str, start: int, end: int, exc: Exception) -> Exception:
+        """The error a read of ``path`` that failed with ``exc`` (after its retries) ends with."""
+        import obstore.exceptions as oe
+
+        from guideloom.storage._objstore import ObjectChangedError, map_error, obstore_message
+
+        if isinstance(exc, ObjectChangedError | oe.PreconditionError | FileNotFoundError | oe.NotFoundError):
+            message = self.refused[path] = self._changed(path)
+            return DatasetIntegrityError(message)
+        what = f"reading {self.name(path)} bytes {start}-{end - 1}"
+        mapped = map_error(exc, what, self.conn.secrets)
+        if isinstance(mapped, FileNotFoundError | PermissionError):
+            return mapped
+        why = obstore_message(exc, self.conn.secrets)
+        return RemoteReadError(f"{what} failed after its retries: {why}")
 
     def _changed(self, path: str) -> str:
         """What a refused read of ``path`` says: how the object differs from the one opened."""

@@ -7,6 +7,8 @@ message naming the file, the row group and the column."""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 import pickle
 import re
@@ -646,15 +648,24 @@ def test_pack_over_a_tokenized_text_column_holds_every_token_once(
         got = np.concatenate([b.reshape(-1) for b in take(loader)])
     assert len(packed) == len(tokens) // 32
     assert np.array_equal(got, tokens[: len(packed) * 32])
-    assert (tmp_path / f"lengths-{storage.content_digest()}" / "lengths.npy").exists()
+    assert (storage._length_folder() / "lengths.npy").exists()
+
+
+def saved_group(folder: Path, group: int, lengths: np.ndarray) -> Path:
+    """A row group's lengths as a build saves them: the digest of the file's bytes in its name."""
+    buf = io.BytesIO()
+    np.save(buf, lengths)
+    path = folder / f"group-{group}-{hashlib.sha256(buf.getvalue()).hexdigest()[:32]}.npy"
+    path.write_bytes(buf.getvalue())
+    return path
 
 
 def test_the_length_index_resumes_from_the_row_groups_already_done(folder: Path, tmp_path: Path) -> None:
     storage = gl.open_parquet(folder, "input_ids", cache_dir=tmp_path)
-    part = tmp_path / f"lengths-{storage.content_digest()}"
+    part = storage._length_folder()
     part.mkdir()
     fake = np.full(50, 1, np.int32)  # a row group "already done": read back, not decoded again
-    np.save(part / "group-0.npy", fake)
+    saved_group(part, 0, fake)
     offsets = storage.build_length_index()
     assert storage.figures()["parquet_row_group_decodes"] == storage.num_row_groups - 1
     assert np.array_equal(np.diff(offsets)[:50], fake)
@@ -1076,3 +1087,24 @@ def test_a_file_whose_name_holds_wildcards_is_that_file(folder: Path, tmp_path: 
     assert len(gl.open_parquet(str(dest / "part?.parquet"), "input_ids").files) == 2  # a glob still
     with pytest.raises(FileNotFoundError, match=r"no file matches .*part\[y\]\.parquet.*wildcards"):
         gl.open_parquet(dest / "part[y].parquet", "input_ids")
+
+
+def test_a_file_whose_footer_changed_under_the_same_size_and_time_is_refused(
+    folder: Path, tmp_path: Path
+) -> None:
+    """Size and modification time are kept by copies (``cp -p``, ``rsync -t``): the footer's
+    own bytes identify the file too, checked at its first read, from the footer index as well."""
+    dest = copy_of(folder, tmp_path)
+    victim = dest / "train-00002-of-00003.parquet"
+    opened = gl.open_parquet(dest, "input_ids")
+    cached = gl.open_parquet(dest, "input_ids", cache_dir=tmp_path / "cache")  # the footer index
+    st = os.stat(victim)
+    data = victim.read_bytes()
+    assert data.count(b"parquet-cpp-arrow") == 1
+    victim.write_bytes(data.replace(b"parquet-cpp-arrow", b"parquet-cpp-ARROW"))
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    for storage in (opened, gl.open_parquet(dest, "input_ids", cache_dir=tmp_path / "cache")):
+        assert first_ids(storage.read_many_sync(np.asarray([0], np.int64))) == [0]  # another file
+        with pytest.raises(gl.DatasetIntegrityError, match=r"00002-of-00003\.parquet: the file changed"):
+            storage.read_many_sync(np.asarray([599], np.int64))
+    assert gl.open_parquet(dest, "input_ids").content_digest() != cached.content_digest()

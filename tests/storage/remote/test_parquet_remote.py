@@ -170,7 +170,7 @@ def test_a_truncated_object_is_named(tmp_path: Path, s3: MotoS3) -> None:
     prefix = unique("parquet-truncated")
     s3.upload_folder(tmp_path / "pq", BUCKET, prefix)
     with pytest.raises(
-        gl.DatasetFormatError, match=r"train-00001\.parquet: the file does not end with Parquet's magic"
+        gl.DatasetFormatError, match=r"train-00001\.parquet: damaged or not a Parquet file: the file does"
     ):
         gl.open_parquet(f"s3://{BUCKET}/{prefix}", "input_ids", **s3.options())
 

@@ -1060,6 +1060,8 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
             raise DatasetFormatError(f"{self._where(group)}: {exc}") from None
         except (OSError, ValueError, IndexError) as exc:
             raise DatasetFormatError(f"{self._where(group)}: cannot be decoded ({exc})") from None
+        if not self._files.remote:
+            self._check_unchanged(e)  # a file written over while it was read: not delivered
         self._check_values(group, md, leaves, decoded)
         return decoded
 

@@ -36,6 +36,7 @@ import json
 import os
 import sys
 import threading
+import warnings
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -48,7 +49,7 @@ import numpy.typing as npt
 
 from guideloom._core.checks import check_int
 from guideloom._core.text import plural
-from guideloom._errors import DatasetFormatError, DatasetIntegrityError, StorageError
+from guideloom._errors import DatasetFormatError, DatasetIntegrityError, RemoteReadError, StorageError
 from guideloom.storage._text import TextEncoder, TokenizerLike
 from guideloom.storage.base import DocumentStorageAbstract
 
@@ -58,7 +59,8 @@ I64 = npt.NDArray[np.int64]
 OnNull = Literal["error", "empty"]
 _REMOTE_SCHEMES = ("s3", "gs", "gcs", "az", "azure", "abfs", "abfss", "http", "https")
 _FOOTER_GUESS = 64 * 1024  # bytes read from an object's end first: most footers fit
-_INDEX_VERSION = 1
+_INDEX_VERSION = 2
+_LENGTHS_VERSION = 2  # the length index's files and their key
 #: Default bytes of decoded row groups kept (what the row-group shuffle's window should fit).
 DEFAULT_DECODED_BYTES = 512 * 2**20
 #: Bytes of a token column decoded between two calls that give arrow's free pages back to the
@@ -134,8 +136,17 @@ class _LocalFiles:
     def stats(self, paths: Sequence[str]) -> dict[str, _Stat]:
         return {p: self.stat(p) for p in paths}
 
-    def footer(self, path: str, size: int) -> Any:
-        return _pq().read_metadata(path)
+    def footer(self, path: str, size: int) -> tuple[Any, str]:
+        """The file's footer, parsed, and the digest of its bytes (what identifies the file
+        beside its size and modification time)."""
+        with open(path, "rb") as f:
+            f.seek(max(0, size - 8))
+            end = f.read(8)
+            length = _footer_length(path, size, end)
+            start = max(0, size - max(length + 8, _FOOTER_GUESS))  # what pyarrow reads first
+            f.seek(start)
+            tail = f.read(size - start)
+        return _parsed_footer(size, start, tail)
 
     def reader(self, path: str, metadata: Any) -> Any:
         # pages written with a checksum are checked against it: a damaged page is refused
@@ -146,6 +157,35 @@ class _LocalFiles:
 
     def name(self, path: str) -> str:
         return path
+
+
+def _footer_length(shown: str, size: int, end: bytes) -> int:
+    """The footer's length from a file's last 8 bytes; a file too short, without Parquet's magic
+    bytes at its end or with a footer longer than itself is refused, named."""
+    if size < 12 or len(end) < 8:
+        raise DatasetFormatError(
+            f"{shown}: damaged or not a Parquet file: {plural(size, 'byte')} is too short to be one"
+        )
+    if end[-4:] != b"PAR1":
+        raise DatasetFormatError(
+            f"{shown}: damaged or not a Parquet file: the file does not end with Parquet's magic bytes "
+            "(truncated, or not a Parquet file)"
+        )
+    length = int.from_bytes(end[-8:-4], "little")
+    if length + 12 > size:
+        raise DatasetFormatError(
+            f"{shown}: damaged or not a Parquet file: its footer length {length} exceeds the file's size"
+        )
+    return length
+
+
+def _parsed_footer(size: int, start: int, tail: bytes) -> tuple[Any, str]:
+    """A footer's metadata, parsed from ``tail`` (the file's bytes from ``start`` to its end),
+    and the digest of its bytes (the footer and its length: what identifies the file's layout
+    and its row groups' places)."""
+    length = int.from_bytes(tail[-8:-4], "little")
+    digest = hashlib.sha256(memoryview(tail)[len(tail) - length - 8 :]).hexdigest()[:32]
+    return _pq().read_metadata(_SparseFile(size, {start: tail})), digest
 
 
 class _SparseFile(io.RawIOBase):
@@ -197,6 +237,9 @@ class _RemoteFiles:
         #: Each object's version as first seen: every read is conditional on it, in a process
         #: worker's copy too.
         self.versions: dict[str, Any] = {}
+        #: Objects found changed since they were opened, and what their reads say (every later
+        #: read of one is refused).
+        self.refused: dict[str, str] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -205,6 +248,7 @@ class _RemoteFiles:
             "_conn": None,
             "_tails": {},
             "versions": self.versions,
+            "refused": self.refused,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -218,6 +262,69 @@ class _RemoteFiles:
             self._conn = Remote(self.prefix_url, dict(self.options))
             self._conn.versions.update(self.versions)
         return self._conn
+
+    def fetch(self, path: str, start: int, end: int) -> Any:
+        """Bytes ``[start, end)`` of object ``path``, a GET conditional on the version it was
+        opened with, with the connection's retries. A read that fails after them (a short answer
+        again and again) is a :class:`~guideloom.RemoteReadError` naming the object and the
+        range, not a damaged file; an object changed or gone since it was opened is a
+        :class:`DatasetIntegrityError` naming it (and every later read of it is refused)."""
+        from guideloom.storage._objstore import call_with_retries, get_checked
+
+        known = self.refused.get(path)
+        if known is not None:
+            raise DatasetIntegrityError(known)
+        conn = self.conn
+        store, version = conn.store(), self.versions.get(path)
+
+        def get() -> Any:
+            conn.counters.requests += 1
+            return get_checked(store, path, start, end, version)
+
+        error: Exception
+        try:
+            data = call_with_retries(get, conn.policy)
+        except Exception as exc:
+            error = self._failed(path, start, end, exc)
+        else:
+            conn.counters.bytes_read += end - start
+            return data
+        raise error  # outside the handler: the store's error (and what its text holds) is not kept
+
+    def _failed(self, path: str, start: int, end: int, exc: Exception) -> Exception:
+        """The error a read of ``path`` that failed with ``exc`` (after its retries) ends with."""
+        import obstore.exceptions as oe
+
+        from guideloom.storage._objstore import ObjectChangedError, map_error, obstore_message
+
+        if isinstance(exc, ObjectChangedError | oe.PreconditionError | FileNotFoundError | oe.NotFoundError):
+            message = self.refused[path] = self._changed(path)
+            return DatasetIntegrityError(message)
+        what = f"reading {self.name(path)} bytes {start}-{end - 1}"
+        mapped = map_error(exc, what, self.conn.secrets)
+        if isinstance(mapped, FileNotFoundError | PermissionError):
+            return mapped
+        why = obstore_message(exc, self.conn.secrets)
+        return RemoteReadError(f"{what} failed after its retries: {why}")
+
+    def _changed(self, path: str) -> str:
+        """What a refused read of ``path`` says: how the object differs from the one opened."""
+        was = self.versions.get(path)
+        opened = "" if was is None else f"; {_version_text(int(was.size), was.etag)} when opened"
+        try:
+            import obstore
+
+            meta = obstore.head(self.conn.store(), path)
+            now = f"{_version_text(int(meta['size']), meta.get('e_tag'))} now"
+        except FileNotFoundError:
+            now = "it is gone"
+        except Exception:  # the store cannot say: the refusal stands
+            now = "the store refused the read of that version"
+        return (
+            f"{self.name(path)}: the file changed on the object store since the Parquet files were "
+            f"opened ({now}{opened}): none of its bytes are read; open the files again "
+            "(a checkpoint made over the old files is refused)"
+        )
 
     def listing(self) -> dict[str, _Stat] | None:
         listed = self.conn.list_sizes()
@@ -233,29 +340,21 @@ class _RemoteFiles:
         self.conn.versions.update(found)
         return {p: _Stat(v.size, v.etag or str(v.last_modified)) for p, v in found.items()}
 
-    def footer(self, path: str, size: int) -> Any:
-        if size < 12:
-            raise DatasetFormatError(
-                f"{self.name(path)}: {plural(size, 'byte')} is too short to be a Parquet file"
-            )
+    def footer(self, path: str, size: int) -> tuple[Any, str]:
+        """The object's footer, parsed, and the digest of its bytes."""
         known = self._tails.get(path)
         if known is not None:  # fetched when the files were opened: parsed again, not fetched
-            return _pq().read_metadata(_SparseFile(size, {known[0]: known[1]}))
+            return _parsed_footer(size, *known)
+        if size < 12:
+            _footer_length(self.name(path), size, b"")  # refused: too short to be a Parquet file
         tail_start = max(0, size - _FOOTER_GUESS)
-        tail = bytes(self.conn.fetch_range(path, tail_start, size))
-        if tail[-4:] != b"PAR1":
-            raise DatasetFormatError(
-                f"{self.name(path)}: the file does not end with Parquet's magic bytes (truncated, or "
-                "not a Parquet file)"
-            )
-        length = int.from_bytes(tail[-8:-4], "little")
-        if length + 8 > size:
-            raise DatasetFormatError(f"{self.name(path)}: its footer length {length} exceeds the file's size")
+        tail = bytes(self.fetch(path, tail_start, size))
+        length = _footer_length(self.name(path), size, tail[-8:])
         if length + 8 > len(tail):
             tail_start = size - length - 8
-            tail = bytes(self.conn.fetch_range(path, tail_start, size))
+            tail = bytes(self.fetch(path, tail_start, size))
         self._tails[path] = (tail_start, tail)
-        return _pq().read_metadata(_SparseFile(size, {tail_start: tail}))
+        return _parsed_footer(size, tail_start, tail)
 
     def name(self, path: str) -> str:
         return f"{self.prefix_url.rstrip('/')}/{path}"
@@ -267,15 +366,19 @@ class _RemoteFiles:
         """One ranged GET of the row group's column chunks (conditional on the object's
         version), decoded beside the footer's bytes."""
         start, end = chunks
-        data = self.conn.fetch_range(path, start, end)
+        data = self.fetch(path, start, end)
         size = int(self.versions[path].size)
         tail_start, tail = self._tails[path]
-        pieces = {start: data, tail_start: tail}
+        pieces = {start: data, tail_start: tail}  # the footer's bytes as they were when opened
         return (
             _pq()
             .ParquetFile(_SparseFile(size, pieces), metadata=metadata, page_checksum_verification=True)
             .read_row_group(group, columns=columns, use_threads=False)
         )
+
+
+def _version_text(size: int, etag: Any) -> str:
+    return plural(size, "byte") + ("" if not etag else f", ETag {etag}")
 
 
 # -- the index: footers only -----------------------------------------------------------------------
@@ -287,6 +390,7 @@ class _FileEntry:
     rows: tuple[int, ...]  # per row group
     nbytes: tuple[int, ...]  # uncompressed bytes of the column per row group
     kind: str  # "text" or "tokens:<dtype>"
+    footer: str  # the digest of the footer's bytes
 
 
 def _column_kind(arrow_type: Any, where: str, column: str) -> str:
@@ -306,12 +410,10 @@ def _column_kind(arrow_type: Any, where: str, column: str) -> str:
 
 def _entry(files: Any, path: str, stat: _Stat, column: str, shown: str) -> _FileEntry:
     try:
-        md = files.footer(path, stat.size)
-    except DatasetFormatError:
-        raise
+        md, footer = files.footer(path, stat.size)
+    except (DatasetFormatError, StorageError, FileNotFoundError, PermissionError):
+        raise  # a damaged file says so itself; a failed read of the store is not a damaged file
     except (OSError, ValueError) as exc:
-        if isinstance(exc, FileNotFoundError):
-            raise
         raise DatasetFormatError(
             f"{shown}: damaged or not a Parquet file: its footer cannot be read ({exc})"
         ) from None
@@ -327,8 +429,16 @@ def _entry(files: Any, path: str, stat: _Stat, column: str, shown: str) -> _File
     for g in range(md.num_row_groups):
         rg = md.row_group(g)
         rows.append(int(rg.num_rows))
+        if kind == "text" and any(int(rg.column(j).num_values) != rg.num_rows for j in leaves):
+            chunk = next(int(rg.column(j).num_values) for j in leaves)
+            raise DatasetIntegrityError(
+                f"{shown}: row group {g}, column {column!r}: the footer says "
+                f"{plural(int(rg.num_rows), 'row')}, the column chunk holds {plural(chunk, 'value')}: "
+                "the file's footer does not match its pages (damaged, edited or written by a faulty "
+                "writer); write the file again"
+            )
         nbytes.append(sum(int(rg.column(j).total_uncompressed_size) for j in leaves))
-    return _FileEntry(path, stat.size, stat.version, tuple(rows), tuple(nbytes), kind)
+    return _FileEntry(path, stat.size, stat.version, tuple(rows), tuple(nbytes), kind, footer)
 
 
 def _leaves(md: Any, column: str) -> list[int]:
@@ -467,8 +577,10 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         cache_dir: str | None,
         tokenize: bool = True,
         fetch_ahead: int = DEFAULT_FETCH_AHEAD,
+        tokenizer_key: str | None = None,
     ) -> None:
         self.fetch_ahead = fetch_ahead
+        self._tokenizer_key = tokenizer_key
         self._files, self._entries, self.column = files, entries, column
         self._encoder, self.on_null, self.max_decoded_bytes = encoder, on_null, max_decoded_bytes
         self._cache_dir, self._tokenize = cache_dir, tokenize
@@ -604,7 +716,9 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         parts: list[Any] = [self.column, self._kind, self.on_null]
         if self._encoder is not None:
             parts.append(self._encoder.describe())
-        parts += [[self._shown(e.path), e.size, e.version, list(e.rows)] for e in self._entries]
+            if self._tokenizer_key is not None:
+                parts.append(self._tokenizer_key)
+        parts += [[self._shown(e.path), e.size, e.version, e.footer, list(e.rows)] for e in self._entries]
         h.update(json.dumps(parts).encode())
         return "parquet-" + h.hexdigest()[:32]
 
@@ -651,9 +765,14 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         e = self._entries[f]
         self._check_unchanged(e)
         try:
-            md = self._files.footer(e.path, e.size)
+            md, footer = self._files.footer(e.path, e.size)
+            if footer != e.footer:
+                raise DatasetIntegrityError(
+                    f"{self._shown(e.path)}: the file changed since the dataset was opened (its footer "
+                    "differs); open it again (a checkpoint made over the old files is refused)"
+                )
             reader = self._files.reader(e.path, md)
-        except (DatasetFormatError, DatasetIntegrityError, FileNotFoundError):
+        except (DatasetFormatError, StorageError, FileNotFoundError, PermissionError):
             raise
         except (OSError, ValueError) as exc:
             raise DatasetFormatError(f"{self._shown(e.path)}: its footer cannot be read ({exc})") from None
@@ -934,13 +1053,40 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
             array = table.column(self.column).combine_chunks()
             if len(array) != e.rows[g]:
                 raise DatasetFormatError(f"decoded {plural(len(array), 'row')}, the footer says {e.rows[g]}")
-            return _Decoded(array, e.kind)
-        except (DatasetIntegrityError, FileNotFoundError, StorageError):
+            decoded = _Decoded(array, e.kind)
+        except (DatasetIntegrityError, FileNotFoundError, PermissionError, StorageError):
             raise
         except DatasetFormatError as exc:
             raise DatasetFormatError(f"{self._where(group)}: {exc}") from None
         except (OSError, ValueError, IndexError) as exc:
             raise DatasetFormatError(f"{self._where(group)}: cannot be decoded ({exc})") from None
+        if not self._files.remote:
+            self._check_unchanged(e)  # a file written over while it was read: not delivered
+        self._check_values(group, md, leaves, decoded)
+        return decoded
+
+    def _check_values(self, group: int, md: Any, leaves: list[int], decoded: _Decoded) -> None:
+        """Refuse a row group whose footer's row count is not what its column chunk holds: the
+        chunk's own count of values (``num_values``: one a row for a text column, one a list
+        element or empty list for a list column) against the rows decoded. A footer that says
+        fewer rows than the pages hold would otherwise drop the rest silently."""
+        g = int(self._group_in_file[group])
+        if decoded.text:
+            values = len(decoded.offsets) - 1
+        else:
+            lengths = np.maximum(decoded.lengths(), 1)
+            if decoded.nulls is not None:
+                lengths[decoded.nulls] = 1
+            values = int(lengths.sum())
+        for j in leaves:
+            chunk = int(md.row_group(g).column(j).num_values)
+            if chunk != values:
+                raise DatasetIntegrityError(
+                    f"{self._where(group)}: the footer says {plural(int(self._sizes[group]), 'row')}, "
+                    f"which hold {plural(values, 'value')}, but the column chunk holds "
+                    f"{plural(chunk, 'value')}: the file's footer does not match its pages (damaged, "
+                    "edited or written by a faulty writer); write the file again"
+                )
 
     def _nulls(self, group: int, decoded: _Decoded, local: I64) -> None:
         if decoded.nulls is None:
@@ -1000,9 +1146,12 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         return out
 
     def read_many_sync(self, indices: I64) -> Sequence[Any]:
+        indices = np.asarray(indices, dtype=np.int64)
         rows = self._rows(indices)
         if self._kind == "text" and self._encoder is not None and self._tokenize:
-            return self._encoder.encode_many(rows)
+            rows = self._encoder.encode_many(rows)
+        if self._offsets is not None and self.tokenized:
+            self._check_lengths(indices, rows)
         return rows
 
     # -- element access (packing): the length index ---------------------------------------------------
@@ -1010,56 +1159,132 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         decoded = self._decode(group)
         if not decoded.text:
             lengths = decoded.lengths()
-        else:
-            texts = self._cut(group, decoded, np.arange(int(self._sizes[group]), dtype=np.int64))
-            if self._encoder is None:
-                raise TypeError(
-                    f"column {self.column!r} holds texts: pass tokenizer= to open_parquet to pack or "
-                    "count tokens"
-                )
-            lengths = np.fromiter(
-                map(len, self._encoder.encode_many(texts)), dtype=np.int64, count=len(texts)
+            if decoded.nulls is not None:
+                self._nulls(group, decoded, np.flatnonzero(decoded.nulls).astype(np.int64))
+                lengths = np.where(decoded.nulls, 0, lengths)  # a null row: an empty document
+            return lengths.astype(np.int64)
+        if self._encoder is None:
+            raise TypeError(
+                f"column {self.column!r} holds texts: pass tokenizer= to open_parquet to pack or count tokens"
             )
-        if decoded.nulls is not None:
-            self._nulls(group, decoded, np.flatnonzero(decoded.nulls).astype(np.int64))
-            lengths = np.where(decoded.nulls, 0, lengths)
-        return lengths.astype(np.int64)
+        rows = np.arange(int(self._sizes[group]), dtype=np.int64)
+        self._nulls(group, decoded, rows)
+        texts = self._cut(group, decoded, rows)  # a null row (on_null="empty") is "": bos/eos only
+        return np.fromiter(map(len, self._encoder.encode_many(texts)), dtype=np.int64, count=len(texts))
+
+    def _tokenizer_identity(self) -> str | None:
+        """What names the tokenizing in the files derived from the rows (and in the
+        fingerprint): the tokenizer's contents (a digest of a ``tokenizers.Tokenizer``'s or a
+        ``tokenizer.json``'s serialisation), ``bos``/``eos`` and ``dtype``, and ``tokenizer_key``
+        where given; ``None`` for a tokenizer that cannot be identified by its contents (a
+        callable) and has no ``tokenizer_key``; ``""`` where nothing is tokenized."""
+        if self._encoder is None:
+            return ""
+        described = self._encoder.describe()
+        if self._tokenizer_key is not None:
+            return f"key={self._tokenizer_key}|{described}"
+        return described if described.startswith("sha256:") else None
+
+    def _length_key(self) -> dict[str, Any] | None:
+        """What the length index derives from, all of it: each file's name, size, version
+        (modification time; an object's ETag) and footer digest, the column, ``on_null`` and the
+        tokenizing; ``None`` where the tokenizer cannot be identified (nothing is cached then)."""
+        tokenizer = self._tokenizer_identity()
+        if tokenizer is None:
+            return None
+        files = [[self._shown(e.path), e.size, e.version, e.footer] for e in self._entries]
+        return {
+            "format": _LENGTHS_VERSION,
+            "column": self.column,
+            "kind": self._kind,
+            "on_null": self.on_null,
+            "tokenizer": tokenizer,
+            "files": files,
+        }
 
     def _length_folder(self) -> Path | None:
-        if self._cache_dir is None:
+        """Where ``cache_dir`` keeps the length index: a folder named by the digest of
+        :meth:`_length_key` (``None``: not cached)."""
+        key = self._length_key()
+        if self._cache_dir is None or key is None:
             return None
-        return Path(self._cache_dir) / f"lengths-{self._digest}"
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+        return Path(self._cache_dir) / f"lengths-{digest}"
+
+    def _cached_lengths(self, folder: Path, key: dict[str, Any]) -> I64 | None:
+        """The whole length index saved in ``folder``, checked: its record names the same key
+        and the digest of its bytes, and it holds one non-negative integer per row. A file that
+        fails a check is named in a warning, removed and built again (``None``)."""
+        whole, record = folder / "lengths.npy", folder / "lengths.json"
+        if not whole.exists() and not record.exists():
+            return None
+        try:
+            meta = json.loads(record.read_text())
+            if not isinstance(meta, dict) or meta.get("key") != key:
+                raise _Stale(f"{record} does not record what the index derives from")
+            return _load_checked(whole, str(meta.get("sha256")), len(self))
+        except _Stale as exc:
+            _rebuilt(str(exc), whole, record)
+        except (OSError, ValueError) as exc:
+            _rebuilt(f"{record}: cannot be read ({exc})", whole, record)
+        return None
+
+    def _cached_groups(self, folder: Path) -> dict[int, I64]:
+        """The row groups' lengths saved by a build that did not finish (``group-G-<digest>.npy``,
+        the digest of its bytes in its name), checked; one that fails a check is named in a
+        warning, removed and built again."""
+        done: dict[int, I64] = {}
+        for part in sorted(folder.glob("group-*.npy")):
+            try:
+                _, group, digest = part.stem.split("-")
+                g = int(group)
+                if not 0 <= g < len(self._sizes):
+                    raise _Stale(f"{part}: no row group {g} here")
+                done[g] = _load_checked(part, digest, int(self._sizes[g]))
+            except _Stale as exc:
+                _rebuilt(str(exc), part)
+            except (OSError, ValueError):
+                _rebuilt(f"{part}: not a row group's lengths of this index", part)
+        return done
 
     def build_length_index(
         self, *, threads: int | None = None, progress: Callable[[int], object] | None = None
     ) -> I64:
         """Every document's length in tokens (one pass over the files, decoding and, for texts,
         tokenizing every row group, on ``threads`` threads). With ``cache_dir`` each row group's
-        lengths are saved as they are done, under a folder named by the files' digest: a build
-        that was interrupted goes on where it stopped, and a later open reads them back."""
+        lengths are saved as they are done, in a folder named by the digest of what they derive
+        from (:meth:`_length_key`), each file with the digest of its bytes: a build that was
+        interrupted goes on where it stopped, a later open reads them back, and a file that does
+        not match its digest is built again. A tokenizer that cannot be identified by its
+        contents (a callable) is not cached without ``tokenizer_key``."""
         if self._offsets is not None:
             return self._offsets
-        folder = self._length_folder()
-        if folder is not None:
+        folder, key = self._length_folder(), self._length_key()
+        if self._cache_dir is not None and key is None:
+            warnings.warn(
+                "the length index is not cached in cache_dir: a tokenizer callable cannot be "
+                "identified by its contents; pass open_parquet(tokenizer_key=...) naming exactly "
+                "this tokenizer (and its version) to cache it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        done: dict[int, I64] = {}
+        if folder is not None and key is not None:
             folder.mkdir(parents=True, exist_ok=True)
-            whole = folder / "lengths.npy"
-            if whole.exists():
-                lengths = np.load(whole)
-                if len(lengths) == len(self):
-                    self._offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-                    return self._offsets
+            cached = self._cached_lengths(folder, key)
+            if cached is not None:
+                self._offsets = _offsets_of(cached)
+                return self._offsets
+            done = self._cached_groups(folder)
 
         def one(group: int) -> I64:
-            part = None if folder is None else folder / f"group-{group}.npy"
-            if part is not None and part.exists():
-                got = np.load(part)
-                if len(got) == int(self._sizes[group]):
-                    return np.asarray(got, dtype=np.int64)
+            got = done.get(group)
+            if got is not None:
+                return got
             lengths = self._lengths_of(group)
-            if part is not None:
-                tmp = part.with_suffix(f".tmp{os.getpid()}.npy")
-                np.save(tmp, lengths.astype(np.int32 if lengths.max(initial=0) < 2**31 else np.int64))
-                os.replace(tmp, part)
+            if folder is not None:
+                data = _npy_bytes(lengths.astype(np.int32 if lengths.max(initial=0) < 2**31 else np.int64))
+                _write_atomic(folder / f"group-{group}-{hashlib.sha256(data).hexdigest()[:32]}.npy", data)
             if progress is not None:
                 progress(1)
             return lengths
@@ -1070,13 +1295,44 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
             parts = list(pool.map(one, range(n)))
         lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
         if folder is not None:
-            tmp = folder / f"lengths.tmp{os.getpid()}.npy"
-            np.save(tmp, lengths)
-            os.replace(tmp, folder / "lengths.npy")
-            for g in range(n):
-                (folder / f"group-{g}.npy").unlink(missing_ok=True)
-        self._offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+            data = _npy_bytes(lengths)
+            _write_atomic(folder / "lengths.npy", data)
+            record = {"key": key, "sha256": hashlib.sha256(data).hexdigest(), "documents": len(lengths)}
+            _write_atomic(folder / "lengths.json", json.dumps(record).encode())
+            for part in folder.glob("group-*.npy"):
+                part.unlink(missing_ok=True)
+        self._offsets = _offsets_of(lengths)
         return self._offsets
+
+    def _check_lengths(self, indices: I64, docs: Sequence[Any]) -> None:
+        """Refuse documents whose length differs from the length index the packing is laid out
+        by (a tokenizer that changed under its ``tokenizer_key``, one that does not encode a
+        text alike twice, or an index that is wrong), naming the first one's file, row group
+        and row."""
+        offsets = self._offsets
+        if offsets is None or not len(docs):
+            return
+        got = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
+        want = offsets[indices + 1] - offsets[indices]
+        bad = np.flatnonzero(got != want)
+        if not len(bad):
+            return
+        i = int(bad[0])
+        index = int(indices[i])
+        file, group, row = self._row_place(index)
+        folder = self._length_folder()
+        fix = (
+            "open the files again"
+            if folder is None
+            else f"remove {folder} and open the files again (with a new tokenizer_key if the "
+            "tokenizer changed)"
+        )
+        raise DatasetIntegrityError(
+            f"{file}: {group}, {row} (document {index}) has {plural(int(got[i]), 'token')}, the length "
+            f"index says {int(want[i])}: the documents do not tokenize as when the index was built "
+            f"(a tokenizer changed under the same tokenizer_key, or one that encodes a text "
+            f"differently from one call to the next); {fix}"
+        )
 
     def document_offsets_sync(self, positions: I64) -> I64:
         return self.build_length_index()[np.asarray(positions, dtype=np.int64)]
@@ -1120,23 +1376,103 @@ class ParquetStorage(DocumentStorageAbstract[Any, Any]):
         return self.build_length_index()
 
 
+# -- the length index's files ----------------------------------------------------------------------
+class _Stale(Exception):
+    """A saved file of the length index that fails a check (the message names it and says why)."""
+
+
+def _rebuilt(why: str, *paths: Path) -> None:
+    """Say that a saved file of the length index is not used (and is built again), and remove it."""
+    warnings.warn(f"{why}; the length index is built again", RuntimeWarning, stacklevel=4)
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
+def _npy_bytes(array: npt.NDArray[Any]) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return buf.getvalue()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}-{threading.get_ident()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _load_checked(path: Path, digest: str, count: int) -> I64:
+    """The lengths saved in ``path``, if its bytes have ``digest`` (a prefix of their sha256)
+    and it holds ``count`` non-negative integers; :class:`_Stale` naming it otherwise."""
+    data = path.read_bytes()
+    if len(digest) < 16 or not hashlib.sha256(data).hexdigest().startswith(digest):
+        raise _Stale(f"{path}: its bytes do not match the digest recorded for them (damaged or edited)")
+    try:
+        lengths = np.load(io.BytesIO(data), allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        raise _Stale(f"{path}: not an array numpy reads ({exc})") from None
+    if lengths.ndim != 1 or lengths.dtype.kind not in "iu" or len(lengths) != count:
+        raise _Stale(f"{path}: holds {lengths.dtype} of shape {lengths.shape}, not {count} lengths")
+    if len(lengths) and int(lengths.min()) < 0:
+        raise _Stale(f"{path}: holds a negative length")
+    out: I64 = lengths.astype(np.int64)
+    return out
+
+
+def _offsets_of(lengths: I64) -> I64:
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
 # -- opening ------------------------------------------------------------------------------------------
+def _hidden(parts: Sequence[str], patterns: Sequence[str] = ()) -> bool:
+    """Whether a file whose path under the folder (or glob) it was found in has ``parts`` is
+    skipped as pyarrow datasets, Spark and Hugging Face skip it: a file or folder whose name
+    starts with ``_`` or ``.`` (Spark's ``_temporary/`` attempts, ``_SUCCESS``, ``.hidden``
+    files). A name a pattern's own part asks for (``_*``, ``.cache``) is kept."""
+    for part in parts:
+        if part[:1] in ("_", ".") and not any(
+            p[:1] == part[:1] and fnmatch.fnmatchcase(part, p) for p in patterns
+        ):
+            return True
+    return False
+
+
+def _glob_root(pattern: str) -> str:
+    """The folder part of ``pattern`` before its first wildcard."""
+    cut = min(pattern.index(c) for c in "*?[" if c in pattern)
+    root = pattern[:cut].rpartition("/")[0]
+    return "/" if not root and pattern.startswith("/") else root
+
+
 def _local_paths(source: Any) -> list[str]:
-    path = os.fspath(source)
-    if _has_glob(path):
-        found = sorted(p for p in globlib.glob(os.path.expanduser(path), recursive=True) if os.path.isfile(p))
-        if not found:
-            raise FileNotFoundError(f"no file matches {path!r}")
-        return found
-    p = Path(path).expanduser()
+    path = os.path.expanduser(os.fspath(source))
+    if os.path.isfile(path):  # a file is that file, whatever its name holds ([x], *, ?)
+        return [path]
+    p = Path(path)
     if p.is_dir():
-        found = sorted(str(f) for f in p.rglob("*.parquet") if f.is_file())
+        found = sorted(
+            str(f) for f in p.rglob("*.parquet") if f.is_file() and not _hidden(f.relative_to(p).parts)
+        )
         if not found:
-            raise FileNotFoundError(f"{path!r} holds no *.parquet file (in it or its subfolders)")
+            raise FileNotFoundError(
+                f"{path!r} holds no *.parquet file (in it or its subfolders; names starting with "
+                "'_' or '.' are skipped)"
+            )
         return found
-    if not p.exists():
-        raise FileNotFoundError(f"no such file or folder: {path!r}")
-    return [str(p)]
+    if _has_glob(path):
+        root = _glob_root(path)
+        patterns = path[len(root) :].lstrip("/").split("/")
+        matched = [f for f in globlib.glob(path, recursive=True) if os.path.isfile(f)]
+        found = sorted(
+            f for f in matched if not _hidden(os.path.relpath(f, root or ".").split(os.sep), patterns)
+        )
+        if not found:
+            raise FileNotFoundError(
+                f"no file matches {path!r}, and no file or folder has that name: *, ? and [ are "
+                "wildcards there (names starting with '_' or '.' are skipped unless the pattern "
+                "names them); check the path"
+            )
+        return found
+    raise FileNotFoundError(f"no such file or folder: {path!r}")
 
 
 def _split_url(url: str) -> tuple[str, str]:
@@ -1148,16 +1484,26 @@ def _split_url(url: str) -> tuple[str, str]:
 def _remote_sources(source: str, options: dict[str, Any]) -> tuple[_RemoteFiles, list[str], dict[str, _Stat]]:
     """One store prefix and the objects under it that ``source`` names, with their sizes."""
     if _has_glob(source):
-        cut = min(source.index(c) for c in "*?[" if c in source)
-        prefix = source[:cut].rpartition("/")[0]
+        prefix = _glob_root(source)
         pattern = source[len(prefix) + 1 :]
         files = _RemoteFiles(prefix, options)
         listed = files.listing()
         if listed is None:
+            if source.rstrip("/").endswith(".parquet"):  # a URL whose name holds [x] or *
+                return files, [pattern], {}
             raise ValueError(f"{source!r}: this store cannot be listed; pass the files' URLs as a list")
-        names = sorted(p for p in listed if fnmatch.fnmatch(p, pattern))
+        if pattern in listed:  # an object of that very name is that object
+            return files, [pattern], {pattern: listed[pattern]}
+        parts = pattern.split("/")
+        names = sorted(
+            p for p in listed if fnmatch.fnmatchcase(p, pattern) and not _hidden(p.split("/"), parts)
+        )
         if not names:
-            raise FileNotFoundError(f"no object matches {source!r}")
+            raise FileNotFoundError(
+                f"no object matches {source!r}, and no object has that name: *, ? and [ are "
+                "wildcards there (names starting with '_' or '.' are skipped unless the pattern "
+                "names them)"
+            )
         return files, names, {p: listed[p] for p in names}
     if source.rstrip("/").endswith(".parquet"):
         prefix, name = _split_url(source)
@@ -1169,9 +1515,11 @@ def _remote_sources(source: str, options: dict[str, Any]) -> tuple[_RemoteFiles,
         raise ValueError(
             f"{source!r}: this store cannot be listed (http(s)://); pass the files' URLs as a list"
         )
-    names = sorted(p for p in listed if p.endswith(".parquet"))
+    names = sorted(p for p in listed if p.endswith(".parquet") and not _hidden(p.split("/")))
     if not names:
-        raise FileNotFoundError(f"{source!r} holds no *.parquet object")
+        raise FileNotFoundError(
+            f"{source!r} holds no *.parquet object (names starting with '_' or '.' are skipped)"
+        )
     return files, names, {p: listed[p] for p in names}
 
 
@@ -1196,6 +1544,7 @@ def _write_index_cache(path: Path | None, entries: list[_FileEntry], key: Callab
             "rows": e.rows,
             "nbytes": e.nbytes,
             "kind": e.kind,
+            "footer": e.footer,
         }
         for e in entries
     }
@@ -1235,9 +1584,9 @@ def parquet_columns(source: Any, **options: Any) -> tuple[list[str], list[tuple[
     if stat is None:
         raise FileNotFoundError(f"no object {files.name(first)!r}")
     try:
-        schema = files.footer(first, stat.size).schema.to_arrow_schema()
+        schema = files.footer(first, stat.size)[0].schema.to_arrow_schema()
     except (OSError, ValueError) as exc:
-        if isinstance(exc, DatasetFormatError | FileNotFoundError):
+        if isinstance(exc, DatasetFormatError | StorageError | FileNotFoundError | PermissionError):
             raise
         raise DatasetFormatError(f"{files.name(first)}: damaged or not a Parquet file ({exc})") from None
     return [files.name(p) for p in paths], [(f.name, str(f.type)) for f in schema]
@@ -1256,6 +1605,7 @@ def open_parquet(
     cache_dir: str | os.PathLike[str] | None = None,
     threads: int = 32,
     fetch_ahead: int = DEFAULT_FETCH_AHEAD,
+    tokenizer_key: str | None = None,
     **options: Any,
 ) -> ParquetStorage:
     """Open the rows of Parquet files as a document storage: row ``i`` of the files (a folder's
@@ -1272,7 +1622,10 @@ def open_parquet(
     process. ``fetch_ahead``: over an object store, the row groups a loader's upcoming reads
     need are fetched and decoded ahead, this many ranged GETs at once (0: each read fetches its
     own, one after another). ``cache_dir``: where the footer index and a length index (for packing) are kept
-    between runs. ``options``: how to reach an object store (see ``open_stream``).
+    between runs, each keyed by what it derives from. ``tokenizer_key``: a name for exactly this
+    tokenizer (and its version), needed to cache the length index of a tokenizer callable (its
+    contents cannot be read); change it whenever the callable changes. ``options``: how to reach
+    an object store (see ``open_stream``).
 
     Opening reads the footers only, ``threads`` at a time. Raises ``FileNotFoundError`` for no
     files, :class:`~guideloom.DatasetFormatError` for a damaged footer, a missing column or a
@@ -1296,6 +1649,12 @@ def open_parquet(
     encoder = None if tokenizer is None else TextEncoder(tokenizer, bos=bos, eos=eos, dtype=dtype)
     if tokenizer is None and (bos is not None or eos is not None):
         raise ValueError("bos and eos apply to tokenizing a text column: pass tokenizer= too")
+    if tokenizer_key is not None and (not isinstance(tokenizer_key, str) or not tokenizer_key):
+        raise TypeError(
+            f"tokenizer_key must be a non-empty string naming the tokenizer, got {tokenizer_key!r}"
+        )
+    if tokenizer_key is not None and tokenizer is None:
+        raise ValueError("tokenizer_key names the tokenizer= a text column is read with: pass tokenizer= too")
     workers = max(1, min(threads, len(paths)))
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
     try:
@@ -1320,9 +1679,8 @@ def open_parquet(
             stat = known[path]
             hit = cached.get(shown(path))
             if hit and hit["size"] == stat.size and hit["version"] == stat.version:
-                return _FileEntry(
-                    path, stat.size, stat.version, tuple(hit["rows"]), tuple(hit["nbytes"]), hit["kind"]
-                )
+                rows, nbytes = tuple(hit["rows"]), tuple(hit["nbytes"])
+                return _FileEntry(path, stat.size, stat.version, rows, nbytes, hit["kind"], hit["footer"])
             return _entry(files, path, stat, column, shown(path))
 
         entries = list(pool.map(entry, paths))
@@ -1360,6 +1718,7 @@ def open_parquet(
         max_decoded_bytes=int(max_decoded_bytes),
         cache_dir=cache,
         fetch_ahead=int(fetch_ahead),
+        tokenizer_key=tokenizer_key,
     )
 
 

@@ -7,6 +7,8 @@ message naming the file, the row group and the column."""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 import pickle
 import re
@@ -646,15 +648,24 @@ def test_pack_over_a_tokenized_text_column_holds_every_token_once(
         got = np.concatenate([b.reshape(-1) for b in take(loader)])
     assert len(packed) == len(tokens) // 32
     assert np.array_equal(got, tokens[: len(packed) * 32])
-    assert (tmp_path / f"lengths-{storage.content_digest()}" / "lengths.npy").exists()
+    assert (storage._length_folder() / "lengths.npy").exists()
+
+
+def saved_group(folder: Path, group: int, lengths: np.ndarray) -> Path:
+    """A row group's lengths as a build saves them: the digest of the file's bytes in its name."""
+    buf = io.BytesIO()
+    np.save(buf, lengths)
+    path = folder / f"group-{group}-{hashlib.sha256(buf.getvalue()).hexdigest()[:32]}.npy"
+    path.write_bytes(buf.getvalue())
+    return path
 
 
 def test_the_length_index_resumes_from_the_row_groups_already_done(folder: Path, tmp_path: Path) -> None:
     storage = gl.open_parquet(folder, "input_ids", cache_dir=tmp_path)
-    part = tmp_path / f"lengths-{storage.content_digest()}"
+    part = storage._length_folder()
     part.mkdir()
     fake = np.full(50, 1, np.int32)  # a row group "already done": read back, not decoded again
-    np.save(part / "group-0.npy", fake)
+    saved_group(part, 0, fake)
     offsets = storage.build_length_index()
     assert storage.figures()["parquet_row_group_decodes"] == storage.num_row_groups - 1
     assert np.array_equal(np.diff(offsets)[:50], fake)
@@ -1015,3 +1026,85 @@ def test_process_workers_fork_from_a_zygote_after_arrow_started_its_threads(
     script.write_text(_ZYGOTE_AFTER_ARROW)
     r = run_script(script, str(folder))
     assert r.stdout.split() == ["ZygoteContext", "True"]
+
+
+# -- footers that do not match their pages, names to skip, names with wildcards -----------------------
+@pytest.mark.parametrize("reported", [77, 7_777])
+@pytest.mark.parametrize("column", ["text", "input_ids"])
+def test_a_footer_that_under_reports_its_rows_is_refused_by_its_row_group(
+    tmp_path: Path, reported: int, column: str
+) -> None:
+    """A footer saying fewer rows than the column chunk's pages hold: the rest would be dropped
+    silently; the chunk's own count of values says otherwise, and the row group is refused."""
+    from tests.support.parquet_footer import set_num_rows
+
+    n = 77_777
+    ids = [[i] * (i % 3) for i in range(n)]  # empty rows too: each counts one value in its chunk
+    path = tmp_path / "rows.parquet"
+    table = pa.table({"input_ids": pa.array(ids, pa.list_(pa.int32())), "text": [f"t{i}" for i in range(n)]})
+    pq.write_table(table, path, row_group_size=n)
+    whole = gl.open_parquet(path, column)
+    assert len(all_rows(whole)) == n and whole.num_row_groups == 1
+    set_num_rows(path, 0, reported)
+    assert pq.ParquetFile(path).read_row_group(0).num_rows == reported  # pyarrow drops the rest
+    where = r"rows\.parquet: row group 0, column '" + column + r"'.*the column chunk holds"
+    with pytest.raises(gl.DatasetIntegrityError, match=where):
+        storage = gl.open_parquet(path, column)  # a text column: refused by its footer alone
+        storage.read_many_sync(np.arange(reported, dtype=np.int64))
+
+
+def test_names_starting_with_an_underscore_or_a_dot_are_skipped_at_any_level(
+    folder: Path, tmp_path: Path, rows: Any
+) -> None:
+    """Spark's ``_temporary/`` attempts, ``_SUCCESS``-like files and hidden files are not rows of
+    the data set, in a folder or under a glob (as pyarrow datasets, Spark and Hugging Face)."""
+    dest = copy_of(folder, tmp_path)
+    extra = pa.table({"input_ids": pa.array([[9_999]] * 10, pa.list_(pa.int32())), "text": ["x"] * 10})
+    for name in (
+        "_temporary/0/_temporary/attempt_0/part-00000.parquet",
+        "_partial.parquet",
+        ".hidden.parquet",
+        "sub/.staging/part.parquet",
+        "sub/_tmp/part.parquet",
+    ):
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(extra, dest / name)
+    for source in (dest, str(dest / "**" / "*.parquet"), str(dest / "*.parquet")):
+        storage = gl.open_parquet(source, "input_ids")
+        assert len(storage) == 600 and [r.tolist() for r in all_rows(storage)] == rows[0]
+    # a pattern or a list that names them reads them
+    assert len(gl.open_parquet(str(dest / "_*.parquet"), "input_ids")) == 10
+    assert len(gl.open_parquet([dest / ".hidden.parquet"], "input_ids")) == 10
+
+
+def test_a_file_whose_name_holds_wildcards_is_that_file(folder: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "odd"
+    dest.mkdir()
+    for name in ("part[x].parquet", "part*.parquet", "partx.parquet"):
+        shutil.copy(folder / "train-00000-of-00003.parquet", dest / name)
+    assert gl.open_parquet(dest / "part[x].parquet", "input_ids").files == [str(dest / "part[x].parquet")]
+    assert gl.open_parquet(str(dest / "part*.parquet"), "input_ids").files == [str(dest / "part*.parquet")]
+    assert len(gl.open_parquet(str(dest / "part?.parquet"), "input_ids").files) == 2  # a glob still
+    with pytest.raises(FileNotFoundError, match=r"no file matches .*part\[y\]\.parquet.*wildcards"):
+        gl.open_parquet(dest / "part[y].parquet", "input_ids")
+
+
+def test_a_file_whose_footer_changed_under_the_same_size_and_time_is_refused(
+    folder: Path, tmp_path: Path
+) -> None:
+    """Size and modification time are kept by copies (``cp -p``, ``rsync -t``): the footer's
+    own bytes identify the file too, checked at its first read, from the footer index as well."""
+    dest = copy_of(folder, tmp_path)
+    victim = dest / "train-00002-of-00003.parquet"
+    opened = gl.open_parquet(dest, "input_ids")
+    cached = gl.open_parquet(dest, "input_ids", cache_dir=tmp_path / "cache")  # the footer index
+    st = os.stat(victim)
+    data = victim.read_bytes()
+    assert data.count(b"parquet-cpp-arrow") == 1
+    victim.write_bytes(data.replace(b"parquet-cpp-arrow", b"parquet-cpp-ARROW"))
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    for storage in (opened, gl.open_parquet(dest, "input_ids", cache_dir=tmp_path / "cache")):
+        assert first_ids(storage.read_many_sync(np.asarray([0], np.int64))) == [0]  # another file
+        with pytest.raises(gl.DatasetIntegrityError, match=r"00002-of-00003\.parquet: the file changed"):
+            storage.read_many_sync(np.asarray([599], np.int64))
+    assert gl.open_parquet(dest, "input_ids").content_digest() != cached.content_digest()

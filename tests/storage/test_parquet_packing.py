@@ -5,6 +5,9 @@ size equals the uninterrupted run."""
 
 from __future__ import annotations
 
+import hashlib
+import io
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +19,7 @@ from hypothesis import strategies as st
 
 import guideloom as gl
 from guideloom._datasets.packing import PackMode
-from tests.storage.test_parquet import make_rows, write_files
+from tests.storage.test_parquet import WORDS, make_rows, write_files
 from tests.support.loader import roundtrip, take
 
 CPU = torch.device("cpu")
@@ -157,3 +160,98 @@ def test_a_mixture_of_packed_parquet_sources_repeats_no_sequence(uneven: gl.Parq
         got = [k for batch in take(loader) for k in batch]
         assert "shuffle_block_size" not in loader.state_dict()
     assert len(got) == len(set(got)) == len(a) and {name for name, _ in got} == {"a", "b"}
+
+
+# -- the length index saved in cache_dir: keyed by what it derives from, checked when read ------------
+def sequences(storage: gl.ParquetStorage, length: int = 16) -> list[tuple[int, ...]]:
+    """Every packed sequence's tokens, in order."""
+    packed = gl.pack(storage, length, "concat")
+    with gl.StatefulDataLoader(
+        packed, lambda rows: rows.block("tokens").tolist(), local_batch_size=8, device=CPU, drop_last=False
+    ) as loader:
+        return [tuple(r) for batch in take(loader) for r in batch]
+
+
+def test_an_edited_or_damaged_length_index_is_named_and_built_again(
+    many_groups: Path, tmp_path: Path
+) -> None:
+    """The whole index and a row group's saved lengths are checked against the digests of their
+    bytes: an edit (one length changed) or damage is named in a warning and built again, and the
+    packed sequences are those of the files."""
+    expected = sequences(gl.open_parquet(many_groups, "input_ids"))
+    cache = tmp_path / "cache"
+    storage = gl.open_parquet(many_groups, "input_ids", cache_dir=cache)
+    assert sequences(storage) == expected
+    whole = storage._length_folder() / "lengths.npy"
+    lengths = np.load(whole)
+    lengths[3] += 1  # an edit numpy reads without complaint
+    np.save(whole, lengths)
+    again = gl.open_parquet(many_groups, "input_ids", cache_dir=cache)
+    with pytest.warns(RuntimeWarning, match=re.escape(f"{whole}: its bytes do not match the digest")):
+        assert sequences(again) == expected
+    assert again.figures()["parquet_row_group_decodes"] >= again.num_row_groups  # built again
+    whole.write_bytes(b"\x93NUMPY garbage")  # damaged: no numpy error, the file is named
+    with pytest.warns(RuntimeWarning, match=re.escape(str(whole))):
+        assert sequences(gl.open_parquet(many_groups, "input_ids", cache_dir=cache)) == expected
+    reread = gl.open_parquet(many_groups, "input_ids", cache_dir=cache)  # whole again: read back
+    assert np.array_equal(reread.build_length_index(), storage.build_length_index())
+    assert reread.figures()["parquet_row_group_decodes"] == 0
+    # a row group's lengths left by an interrupted build, edited after it was saved
+    folder = reread._length_folder()
+    for name in ("lengths.npy", "lengths.json"):
+        (folder / name).unlink()
+    true = np.diff(reread.build_length_index())[:25].astype(np.int32)
+    buf = io.BytesIO()
+    np.save(buf, true)
+    part = folder / f"group-0-{hashlib.sha256(buf.getvalue()).hexdigest()[:32]}.npy"
+    np.save(part, true + 1)  # the bytes no longer have the digest in its name
+    with pytest.warns(RuntimeWarning, match=re.escape(f"{part}: its bytes do not match")):
+        assert sequences(gl.open_parquet(many_groups, "input_ids", cache_dir=cache)) == expected
+
+
+def test_the_length_index_follows_the_tokenizers_contents_not_its_name(tmp_path: Path) -> None:
+    """A tokenizer.json edited under the same path is another index; a callable, whose contents
+    cannot be read, is not cached without tokenizer_key, and documents that do not tokenize as
+    the index says (a callable changed under the same key) are refused by file, row group and row."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    ids, texts = make_rows(200, seed=4)
+    folder = write_files(tmp_path / "data", ids, texts, files=2, row_group_size=20)
+    cache = tmp_path / "cache"
+
+    def save(digits: bool) -> str:
+        """A word-level tokenizer.json; with ``digits``, each digit a token of its own."""
+        tok = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}, "[UNK]"))
+        split = [pre_tokenizers.Whitespace()] + ([pre_tokenizers.Digits(True)] if digits else [])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(split)
+        tok.save(str(tmp_path / "tokenizer.json"))
+        return str(tmp_path / "tokenizer.json")
+
+    for digits in (False, True):  # the same path, other contents: other lengths
+        path = save(digits)
+        fresh = sequences(gl.open_parquet(folder, "text", tokenizer=path))
+        assert sequences(gl.open_parquet(folder, "text", tokenizer=path, cache_dir=cache)) == fresh
+    assert len(list(cache.glob("lengths-*"))) == 2
+
+    def encoder(per_word: int) -> Any:
+        def encode(text: str) -> list[int]:
+            return [len(w) for w in text.split() for _ in range(per_word)]
+
+        return encode
+
+    one, two = encoder(1), encoder(2)  # the same name, other tokens
+    assert one.__qualname__ == two.__qualname__
+    for tok in (one, two):
+        fresh = sequences(gl.open_parquet(folder, "text", tokenizer=tok))
+        with pytest.warns(RuntimeWarning, match="not cached in cache_dir: a tokenizer callable"):
+            assert sequences(gl.open_parquet(folder, "text", tokenizer=tok, cache_dir=cache)) == fresh
+    keyed = gl.open_parquet(folder, "text", tokenizer=one, tokenizer_key="words-v1", cache_dir=cache)
+    assert sequences(keyed) == sequences(gl.open_parquet(folder, "text", tokenizer=one))
+    changed = gl.open_parquet(folder, "text", tokenizer=two, tokenizer_key="words-v1", cache_dir=cache)
+    with pytest.raises(
+        gl.DatasetIntegrityError,
+        match=r"00000-of-00002\.parquet: row group 0, row \d+ \(document \d+\) has \d+ tokens, the length",
+    ):
+        sequences(changed)
+    renamed = gl.open_parquet(folder, "text", tokenizer=two, tokenizer_key="words-v2", cache_dir=cache)
+    assert sequences(renamed) == sequences(gl.open_parquet(folder, "text", tokenizer=two))

@@ -97,8 +97,70 @@ def test_an_object_replaced_after_opening_is_refused(tmp_path: Path, s3: MotoS3)
     s3.client().upload_file(
         str(tmp_path / "other" / "train-00000.parquet"), BUCKET, f"{prefix}/train-00002.parquet"
     )
-    with pytest.raises(gl.DatasetIntegrityError, match=r"train-00002\.parquet"):
+    with pytest.raises(gl.DatasetIntegrityError, match=r"train-00002\.parquet: the file changed") as err:
         storage.read_many_sync(np.asarray([299], np.int64))
+    assert "manifest" not in str(err.value) and "ETag" in str(err.value)
+    with pytest.raises(gl.DatasetIntegrityError, match=r"train-00002\.parquet: the file changed"):
+        storage.read_many_sync(np.asarray([250], np.int64))  # every later read of it is refused
+    assert first_ids(storage.read_many_sync(np.asarray([150], np.int64))) == [150]  # another file
+
+
+def test_an_object_replaced_between_epochs_is_refused_not_mixed(tmp_path: Path, s3: MotoS3) -> None:
+    """An epoch reads every row group; the object is replaced by another of the same size before
+    the next epoch, whose reads (no row group kept decoded) are refused, not mixed."""
+    write(tmp_path / "pq")
+    prefix = unique("parquet-epochs")
+    s3.upload_folder(tmp_path / "pq", BUCKET, prefix)
+    storage = gl.open_parquet(f"s3://{BUCKET}/{prefix}", "input_ids", max_decoded_bytes=1, **s3.options())
+    loader = gl.StatefulDataLoader.from_storage(
+        storage, first_ids, local_batch_size=10, device=torch.device("cpu")
+    )
+    with loader:
+        assert sorted(i for batch in take(loader) for i in batch) == list(range(300))
+        victim = tmp_path / "pq" / "train-00001.parquet"
+        data = bytearray(victim.read_bytes())
+        data[100] ^= 0xFF  # other bytes, the same size
+        s3.client().put_object(Bucket=BUCKET, Key=f"{prefix}/train-00001.parquet", Body=bytes(data))
+        with pytest.raises(gl.DatasetIntegrityError, match=r"train-00001\.parquet: the file changed"):
+            take(loader)
+
+
+def test_persistent_short_answers_are_a_remote_read_error_not_a_damaged_file(tmp_path: Path) -> None:
+    """A server that answers every range with fewer bytes than asked for, when opening and when
+    reading: refused as a RemoteReadError naming the object and the range, after its retries."""
+    from tests.storage.remote.test_short_answers import FAST, ShortServer
+
+    write(tmp_path / "pq")
+    server = ShortServer(tmp_path)
+    try:
+        urls = [f"{server.url}/pq/train-{f:05d}.parquet" for f in range(3)]
+        for mode in ("body", "range"):
+            server.mode = mode
+            with pytest.raises(gl.RemoteReadError, match=r"pq/train-00000\.parquet bytes \d+-\d+ failed"):
+                gl.open_parquet(urls, "input_ids", **FAST)
+        server.mode = "none"
+        storage = gl.open_parquet(urls, "input_ids", fetch_ahead=0, **FAST)
+        server.mode = "body"
+        with pytest.raises(
+            gl.RemoteReadError, match=r"pq/train-00001\.parquet bytes \d+-\d+ failed after its retries"
+        ):
+            storage.read_many_sync(np.asarray([150], np.int64))
+    finally:
+        server.stop()
+
+
+def test_objects_whose_names_start_with_an_underscore_or_a_dot_are_skipped(
+    tmp_path: Path, s3: MotoS3
+) -> None:
+    write(tmp_path / "pq")
+    extra = tmp_path / "pq" / "_temporary" / "0" / "part-00000.parquet"
+    extra.parent.mkdir(parents=True)
+    shutil.copy(tmp_path / "pq" / "train-00000.parquet", extra)
+    shutil.copy(tmp_path / "pq" / "train-00000.parquet", tmp_path / "pq" / ".hidden.parquet")
+    prefix = unique("parquet-hidden")
+    s3.upload_folder(tmp_path / "pq", BUCKET, prefix)
+    for source in (f"s3://{BUCKET}/{prefix}", f"s3://{BUCKET}/{prefix}/**.parquet"):
+        assert len(gl.open_parquet(source, "input_ids", **s3.options())) == 300
 
 
 def test_a_truncated_object_is_named(tmp_path: Path, s3: MotoS3) -> None:
@@ -108,7 +170,7 @@ def test_a_truncated_object_is_named(tmp_path: Path, s3: MotoS3) -> None:
     prefix = unique("parquet-truncated")
     s3.upload_folder(tmp_path / "pq", BUCKET, prefix)
     with pytest.raises(
-        gl.DatasetFormatError, match=r"train-00001\.parquet: the file does not end with Parquet's magic"
+        gl.DatasetFormatError, match=r"train-00001\.parquet: damaged or not a Parquet file: the file does"
     ):
         gl.open_parquet(f"s3://{BUCKET}/{prefix}", "input_ids", **s3.options())
 

@@ -92,6 +92,10 @@ POLL_SECONDS = 1.0
 #: not share the link and the CPUs with 64 MiB of copy in flight.
 FIRST_READ_GRACE_SECONDS = 1.0
 
+#: A complete copy of at most this many bytes is checked (every block) on the reading thread when
+#: first used (a few milliseconds); a larger one in the background, read remotely meanwhile.
+CHECK_INLINE_BYTES = 64 * 2**20
+
 _LIVE: weakref.WeakSet[DatasetCache] = weakref.WeakSet()
 
 
@@ -296,6 +300,9 @@ class DatasetCache:
         copy is not read locally until then, nor ever where a block does not match
         (:attr:`copy_damaged`)."""
         if self._checked is not None or self.copy_damaged is not None or not self.complete():
+            return self._checked
+        if sum(f.nbytes for _, _, f in self.manifest.all_files()) <= CHECK_INLINE_BYTES:
+            self._check_copy()  # a few milliseconds: the copy is read at once
             return self._checked
         with self._mutex:
             if self._checking is None:

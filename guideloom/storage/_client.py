@@ -19,7 +19,7 @@ import gc
 import hashlib
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -293,6 +293,32 @@ class Remote:
             error = map_error(exc, f"reading {self.loc.object_url(path)}", self.secrets)
         else:
             return digest.hexdigest()
+        raise error
+
+    def stream(self, path: str) -> Iterator[Any]:
+        """Object ``path``'s bytes in chunks of 8 MiB or more, in order (a blocking iterator)."""
+        import obstore
+
+        error: Exception
+        try:
+            result = obstore.get(self.store(), path)
+            for chunk in result.stream(min_chunk_size=8 * 2**20):
+                yield memoryview(chunk)
+            return
+        except Exception as exc:
+            error = map_error(exc, f"reading {self.loc.object_url(path)}", self.secrets)
+        raise error
+
+    def put(self, path: str, data: bytes) -> None:
+        """Write object ``path`` (one PUT: it appears whole or not at all), with retries."""
+        import obstore
+
+        store = self.store()
+        try:
+            call_with_retries(lambda: obstore.put(store, path, data), self.policy)
+            return
+        except Exception as exc:
+            error = map_error(exc, f"writing {self.loc.object_url(path)}", self.secrets)
         raise error
 
     async def reopen(self, manifest: Manifest) -> None:

@@ -52,7 +52,7 @@ from guideloom.storage._cache import DatasetCache, copy_footprint
 from guideloom.storage._chunks import ChunkCache
 from guideloom.storage._client import Remote, open_remote
 from guideloom.storage._local import LocalDocumentStorage, LocalStreamStorage
-from guideloom.storage._manifest import Manifest, add_bases
+from guideloom.storage._manifest import MANIFEST_NAME, Manifest, add_bases
 from guideloom.storage._manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
 from guideloom.storage._objstore import ReadOptions
 from guideloom.storage._ranges import Layout, plan_spans, plan_windows
@@ -198,7 +198,8 @@ class _ObjectStorageMixin:
         self._local = None
         warnings.warn(
             f"guideloom's copy of {self._remote.loc.display} in {cache.folder} is damaged ({why}); "
-            "none of it is read: it is copied again, and read from the object store meanwhile",
+            "none of it is read: it is copied again, and read from the object store meanwhile; "
+            "nothing is lost",
             RuntimeWarning,
             stacklevel=4,
         )
@@ -519,16 +520,33 @@ def open_documents(url: str, **options: Any) -> ObjectDocumentStorage:
     return ObjectDocumentStorage(remote, manifest)
 
 
-def verify_dataset(url: str, *, progress: Callable[[int], object] | None = None, **options: Any) -> Manifest:
-    """Download every data object once and check its checksum against the manifest."""
+def verify_dataset(
+    url: str,
+    *,
+    progress: Callable[[int], object] | None = None,
+    add_block_digests: bool = False,
+    sha256: bool = True,
+    **options: Any,
+) -> Manifest:
+    """Download every data object once and check its checksum and block digests against the
+    manifest (with ``sha256=False``, the sha256 only of objects without block digests); with
+    ``add_block_digests``, give a dataset without them block digests (their objects first, then
+    ``manifest.json``, in one PUT)."""
+    from guideloom.storage._verify import verify_files, with_blocks
+
     remote, manifest = open_remote(url, options)
     try:
-        for name, _spec, f in manifest.all_files():
-            if remote.sha256(f.path, progress) != f.sha256:
-                raise DatasetIntegrityError(
-                    f"{remote.loc.display}: object {f.path!r} of field {name!r} does not match its "
-                    "checksum; the dataset is damaged: write or copy it again"
-                )
+        computed = verify_files(
+            manifest,
+            remote.loc.display,
+            remote.stream,
+            remote.read_object,
+            sha256=sha256,
+            progress=progress,
+        )
+        if add_block_digests and not manifest.has_blocks:
+            manifest = with_blocks(manifest, computed, remote.put)
+            remote.put(MANIFEST_NAME, manifest.to_json_bytes())
     finally:
         remote.drop_store()
     return manifest

@@ -48,6 +48,9 @@ __all__ = [
 BLOCK_BYTES: Final = 64 * 2**10
 #: Files of at most this many blocks carry their digests inline in the manifest (<= 1 KiB of hex).
 INLINE_BLOCKS: Final = 64
+#: A local read that touches an unchecked block checks the aligned group of this many blocks it
+#: lies in (1 MiB): a shuffled first epoch then leaves the per-read path after fewer misses.
+CHECK_GROUP: Final = 16
 ALGORITHM: Final = "xxh3_64"
 SIDECAR_SUFFIX: Final = ".xxh3"
 _MIN_BLOCK, _MAX_BLOCK = 4096, 2**30
@@ -255,8 +258,11 @@ class FileBlocks:
         span = hi - lo + 1
         blocks = np.repeat(lo, span) + (np.arange(int(span.sum())) - np.repeat(np.cumsum(span) - span, span))
         todo = np.unique(blocks[~checked[blocks]])
-        if len(todo):
-            self._check(todo.tolist(), read)
+        if len(todo):  # with the rest of their group: fewer, larger first touches
+            group = np.unique(todo // CHECK_GROUP)
+            todo = (group[:, None] * CHECK_GROUP + np.arange(CHECK_GROUP)).reshape(-1)
+            todo = todo[todo < len(checked)]
+            self._check(todo[~checked[todo]].tolist(), read)
 
     def _check(self, blocks: list[int], read: Callable[[int, int], Any]) -> None:
         size, digest = self.size, xxhash.xxh3_64_intdigest

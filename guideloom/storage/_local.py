@@ -214,6 +214,7 @@ class ShardedArray:
                 fds.append(os.open(path, os.O_RDONLY))
                 self._checks.append(self._blocks_of(folder, f, path, os.fstat(fds[-1])))
             self._checked = all(c is None or c.complete for c in self._checks)
+            self._setup_mirror()
             return
         for f, path in zip(files, self._paths, strict=True):
             if f.nbytes <= SMALL_FILE_BYTES:  # read whole: a map would hold a descriptor open
@@ -237,6 +238,41 @@ class ShardedArray:
         # byte views of the maps, for copies of many small spans (``_copy_spans``)
         self._bytes = [part.view(np.uint8).data for part in self._parts]
         self._checked = all(c is None or c.complete for c in self._checks)
+        self._setup_mirror()
+
+    def _setup_mirror(self) -> None:
+        """Where every file has blocks of one size and every file but the last whole blocks (as
+        written): one bitmap over the array's blocks (``_mirror``), so that the check of a read
+        whose blocks were all checked is two lookups (``_seen``), with no per-file work."""
+        self._mirror: npt.NDArray[np.bool_] | None = None
+        self._shift = 0
+        checks = self._checks
+        if self._checked or not checks or any(c is None for c in checks):
+            return
+        size = checks[0].size  # type: ignore[union-attr]
+        if any(c.size != size or (c is not checks[-1] and c.nbytes % size) for c in checks):  # type: ignore[union-attr]
+            return
+        self._shift = size.bit_length() - 1
+        self._mirror_at = np.cumsum([0, *(len(c.checked) for c in checks)]).tolist()  # type: ignore[union-attr]
+        self._mirror = np.concatenate([c.checked for c in checks])  # type: ignore[union-attr]
+
+    def _refresh_mirror(self, shards: Sequence[int]) -> None:
+        """Copy the bitmaps of ``shards`` (just checked) into the array's."""
+        if self._mirror is not None:
+            at = self._mirror_at
+            for k in shards:
+                self._mirror[at[k] : at[k + 1]] = self._checks[k].checked  # type: ignore[union-attr]
+
+    def _seen(self, starts: npt.NDArray[np.int64], length: int) -> bool:
+        """Whether the blocks of windows ``[s, s + length)`` were all checked already (False:
+        look per file)."""
+        mirror = self._mirror
+        if mirror is None or length <= 0 or (length * self.dtype.itemsize) >> self._shift:
+            return False
+        item, shift = self.dtype.itemsize, self._shift
+        lo = (starts * item) >> shift
+        hi = ((starts + length) * item - 1) >> shift
+        return bool(mirror[lo].all()) and bool(mirror[hi].all())
 
     @staticmethod
     def _blocks_of(folder: Path, f: Any, path: Path, st: os.stat_result) -> FileBlocks | None:
@@ -272,6 +308,7 @@ class ShardedArray:
         first = self._locate(starts)
         last = self._locate(stops - 1)
         bounds = self._bounds
+        touched = np.unique(np.concatenate([first, last])).tolist()
         for k in np.unique(first).tolist():
             check = self._checks[k]
             sel = first == k
@@ -287,6 +324,7 @@ class ShardedArray:
                     hi = (min(int(stops[row]), int(bounds[k + 1])) - int(bounds[k])) * item
                     check.ensure(0, hi, self._reader(k))
         self._checked = all(c is None or c.complete for c in self._checks)
+        self._refresh_mirror(touched)
 
     def account(self, pieces: int, nbytes: int) -> None:
         """Count a read of ``nbytes`` in ``pieces`` scattered pieces; drop the mapped pages once
@@ -307,7 +345,7 @@ class ShardedArray:
 
     def gather(self, starts: npt.NDArray[np.int64], length: int) -> Array:
         """Windows ``[s, s+length)`` for each start, as one ``(n, length)`` array (a copy)."""
-        if not self._checked:
+        if not self._checked and not self._seen(starts, length):
             self.ensure(starts, starts + length)
         out = self._gather(starts, length)
         self.account(len(out), out.nbytes)

@@ -23,6 +23,7 @@
     python -m benchmarks provenance [--sources N]  # explain() at 10^12 of 1,000 packed sources; audit cost
     python -m benchmarks parquet [--quick]         # open_parquet vs HF streaming and prepared streams
     python -m benchmarks parquet-remote [--rounds 2] # open_parquet over http (0/20 ms) vs HF streaming
+    python -m benchmarks integrity [--block-sizes 16,64,256] # block verification's cost, local and S3
 
 `suite` runs in a venv of its own with the peers ($GUIDELOOM_BENCH_VENV, default
 $TMPDIR/guideloom-bench-venv): it creates it on first use and re-runs itself there. Nothing else
@@ -64,6 +65,7 @@ _PASSTHROUGH = {
     "provenance": "benchmarks.provenance",
     "parquet": "benchmarks.parquet",
     "parquet-remote": "benchmarks.parquet_remote",
+    "integrity": "benchmarks.integrity",
 }
 
 
@@ -161,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         "provenance",
         "parquet",
         "parquet-remote",
+        "integrity",
     ]
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__)

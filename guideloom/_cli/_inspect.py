@@ -77,6 +77,12 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     v.add_argument("dataset", metavar="DEST", help="a dataset folder or URL")
+    v.add_argument(
+        "--add-block-digests",
+        action="store_true",
+        help="a dataset written without block digests gets them once every file matched its "
+        "checksum (reads then check every block before using it); the manifest is replaced atomically",
+    )
     v.set_defaults(func=run_verify)
 
 
@@ -279,15 +285,23 @@ def run_verify(args: argparse.Namespace) -> int:
         enabled=Progress.wanted(progress=args.progress, quiet=args.quiet), total=total, desc="verify"
     )
     try:
-        manifest = verify_dataset(args.dataset, progress=progress.update)
+        had_blocks = args.add_block_digests and (
+            folder is None or read_local_manifest(Path(folder)).has_blocks
+        )
+        manifest = verify_dataset(
+            args.dataset, progress=progress.update, add_block_digests=args.add_block_digests
+        )
     finally:
         progress.close()
     if not args.quiet:
         files = manifest.all_files()
         nbytes = sum(f.nbytes for _, _, f in files)
+        blocks = " and block digests" if manifest.has_blocks else ""
         print(
-            f"ok: {args.dataset}: {plural(len(files), 'file')}, {format_bytes(nbytes)}, sizes and sha256 "
-            f"checksums match the manifest ({manifest.kind}, "
+            f"ok: {args.dataset}: {plural(len(files), 'file')}, {format_bytes(nbytes)}, sizes, sha256 "
+            f"checksums{blocks} match the manifest ({manifest.kind}, "
             f"{counted(manifest.num_elements, manifest.dtype.name + ' token')})"
         )
+        if args.add_block_digests and not had_blocks:
+            print(f"added block digests to {args.dataset}'s manifest")
     return 0

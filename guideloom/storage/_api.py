@@ -10,11 +10,9 @@ from urllib.parse import unquote, urlparse
 
 import numpy.typing as npt
 
-from guideloom._errors import DatasetIntegrityError
 from guideloom.storage._local import (
     LocalDocumentStorage,
     LocalStreamStorage,
-    file_sha256,
     read_local_manifest,
 )
 from guideloom.storage._manifest import Manifest
@@ -160,22 +158,28 @@ def open_documents(source: Location, **options: Unpack[OpenOptions]) -> Document
 
 
 def verify_dataset(
-    source: Location, *, progress: Callable[[int], object] | None = None, **options: Unpack[OpenOptions]
+    source: Location,
+    *,
+    progress: Callable[[int], object] | None = None,
+    add_block_digests: bool = False,
+    **options: Unpack[OpenOptions],
 ) -> Manifest:
-    """Re-read every data file of a dataset and check its checksum against the manifest.
+    """Re-read every data file of a dataset and check its checksum (and block digests) against
+    the manifest.
 
-    ``progress`` is called with the bytes of each block read; ``options`` configure an object
-    store as for :func:`open_stream`.
+    ``progress`` is called with the bytes of each block read; ``add_block_digests``: a dataset
+    written without block digests gets them once every file matched its checksum (their files,
+    then the manifest, replaced atomically); the manifest returned is the one on disk after.
+    ``options`` configure an object store as for :func:`open_stream`.
     """
     folder = _folder_or_remote(source, options)
     if folder is None:
-        verified: Manifest = _remote().verify_dataset(str(source), progress=progress, **options)
+        verified: Manifest = _remote().verify_dataset(
+            str(source), progress=progress, add_block_digests=add_block_digests, **options
+        )
         return verified
-    manifest = read_local_manifest(folder)
-    for name, _spec, f in manifest.all_files():
-        if file_sha256(folder / f.path, progress) != f.sha256:
-            raise DatasetIntegrityError(
-                f"{folder}: file {f.path!r} of field {name!r} does not match its checksum; the "
-                "dataset is damaged: write or copy it again"
-            )
-    return manifest
+    from guideloom.storage._verify import verify_local
+
+    return verify_local(
+        folder, read_local_manifest(folder), progress=progress, add_block_digests=add_block_digests
+    )

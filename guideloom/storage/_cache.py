@@ -52,11 +52,19 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from guideloom._errors import DatasetIntegrityError
+from guideloom._errors import DatasetFormatError, DatasetIntegrityError
+from guideloom.storage._blocks import (
+    BLOCK_BYTES,
+    INLINE_BLOCKS,
+    BlockHasher,
+    file_blocks,
+    make_blocks,
+    sidecar_name,
+)
 from guideloom.storage._chunk_table import ChunkTable
 from guideloom.storage._chunks import blocks_of
-from guideloom.storage._local import file_sha256
-from guideloom.storage._manifest import MANIFEST_NAME, Manifest
+from guideloom.storage._local import file_sha256, read_local_manifest
+from guideloom.storage._manifest import MANIFEST_NAME, ArraySpec, FileSpec, Manifest
 from guideloom.storage._ranges import U8, Piece
 from guideloom.storage._sinks import fsync_dir, write_synced
 
@@ -83,6 +91,10 @@ POLL_SECONDS = 1.0
 #: The download waits for the first read to complete, at most this long: the first batch does
 #: not share the link and the CPUs with 64 MiB of copy in flight.
 FIRST_READ_GRACE_SECONDS = 1.0
+
+#: A complete copy of at most this many bytes is checked (every block) on the reading thread when
+#: first used (a few milliseconds); a larger one in the background, read remotely meanwhile.
+CHECK_INLINE_BYTES = 64 * 2**20
 
 _LIVE: weakref.WeakSet[DatasetCache] = weakref.WeakSet()
 
@@ -112,10 +124,46 @@ def _runs(pieces: Sequence[Piece]) -> Iterator[Piece]:
         yield run
 
 
+def _preader(fd: int) -> Callable[[int, int], bytes]:
+    """Bytes ``[a, b)`` of ``fd``, as a block check reads them."""
+    return lambda a, b: os.pread(fd, b - a, a)
+
+
+def _with_blocks(manifest: Manifest, folder: Path) -> Manifest:
+    """``manifest`` with block digests of the files in ``folder`` (checked against their sha256
+    already), their sidecars written there: the copy's own, whatever the dataset carries."""
+
+    def redo(spec: ArraySpec) -> ArraySpec:
+        files = []
+        for f in spec.files:
+            hasher = BlockHasher(f.blocks.size if f.blocks is not None else BLOCK_BYTES)
+            with open(folder / f.path, "rb") as fh:
+                while block := fh.read(8 * 2**20):
+                    hasher.update(block)
+            blocks, sidecar = make_blocks(hasher.digests(), hasher.size, sidecar_name(f.path))
+            if sidecar is not None:
+                write_synced(folder / sidecar_name(f.path), sidecar)
+            files.append(FileSpec(f.path, f.elements, f.nbytes, f.sha256, f.base, blocks))
+        return ArraySpec(spec.dtype, tuple(files))
+
+    return Manifest(
+        kind=manifest.kind,
+        fields={name: redo(spec) for name, spec in manifest.fields.items()},
+        offsets=None if manifest.offsets is None else redo(manifest.offsets),
+        num_documents=manifest.num_documents,
+        extra=manifest.extra,
+    )
+
+
 def copy_footprint(manifest: Manifest) -> int:
     """The bytes a whole copy of ``manifest``'s dataset takes in the cache folder, counted as
     the chunk cache counts its limit (4 KiB blocks a file): its files and its manifest."""
-    files = [f.nbytes for _, _, f in manifest.all_files()] + [len(manifest.to_json_bytes())]
+    specs = [f for _, _, f in manifest.all_files()]
+    counts = [-(-f.nbytes // (f.blocks.size if f.blocks else BLOCK_BYTES)) for f in specs]
+    # the copy's manifest carries block digests (up to 17 bytes a block inline), large files a sidecar
+    files = [f.nbytes for f in specs] + [len(manifest.to_json_bytes()) + 200 * len(specs)]
+    files += [17 * n if n <= INLINE_BLOCKS else 0 for n in counts]
+    files += [8 * n for n in counts if n > INLINE_BLOCKS]
     return sum(blocks_of(n) for n in files)
 
 
@@ -161,7 +209,9 @@ class DatasetCache:
         fetch: Callable[[str, int, int], Any],
     ) -> None:
         self.root = Path(root).expanduser()
-        digest = hashlib.sha256(location.encode() + b"\0" + manifest.to_json_bytes()).hexdigest()[:16]
+        # a copy holds block digests of its own (``copy-blocks``): copies made without are not used
+        key = location.encode() + b"\0" + manifest.to_json_bytes() + b"\0copy-blocks"
+        digest = hashlib.sha256(key).hexdigest()[:16]
         name = "".join(c if c.isalnum() or c in "-_." else "_" for c in location.rstrip("/").split("/")[-1])
         self.folder = self.root / f"{name or 'dataset'}-{digest}"
         self.location = location
@@ -191,6 +241,13 @@ class DatasetCache:
         self.remote_reads = 0  # ranges it did not hold (read from the store)
         self.parts_fetched = 0
         self.bytes_fetched = 0
+        #: The complete copy's manifest once every block of it was checked in this process.
+        self._checked: Manifest | None = None
+        self._checking: threading.Thread | None = None
+        #: Why the complete copy is damaged (a block, a file, its manifest): it is not read, and
+        #: the storage has it copied again (:meth:`rebuild`).
+        self.copy_damaged: str | None = None
+        self._copied: Manifest | None = None
         _LIVE.add(self)
 
     # -- state -------------------------------------------------------------------------------------
@@ -235,6 +292,63 @@ class DatasetCache:
             "cache_downloads": self.parts_fetched,
             "cache_download_bytes": self.bytes_fetched,
         }
+
+    # -- the complete copy ---------------------------------------------------------------------------
+    def checked_copy(self) -> Manifest | None:
+        """The complete copy's manifest once every block of every file was checked against its
+        digest in this process (a background pass, started here the first time), else None: the
+        copy is not read locally until then, nor ever where a block does not match
+        (:attr:`copy_damaged`)."""
+        if self._checked is not None or self.copy_damaged is not None or not self.complete():
+            return self._checked
+        if sum(f.nbytes for _, _, f in self.manifest.all_files()) <= CHECK_INLINE_BYTES:
+            self._check_copy()  # a few milliseconds: the copy is read at once
+            return self._checked
+        with self._mutex:
+            if self._checking is None:
+                self._checking = threading.Thread(target=self._check_copy, name="guideloom-cache-check")
+                self._checking.daemon = True
+                self._checking.start()
+        return None
+
+    def _check_copy(self) -> None:
+        try:
+            copied = read_local_manifest(self.folder)
+            if copied.digest() != self.manifest.digest() or not copied.has_blocks:
+                raise DatasetIntegrityError(
+                    f"{self.folder}: its {MANIFEST_NAME} is not the dataset's with block digests"
+                )
+            for _name, _spec, f in copied.all_files():
+                assert f.blocks is not None
+                path = self.folder / f.path
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    blocks = file_blocks(
+                        str(path), os.fstat(fd), f.blocks, self.folder, f"{self.folder}: file {f.path!r}"
+                    )
+                    blocks.ensure(0, f.nbytes, _preader(fd))
+                finally:
+                    os.close(fd)
+        except (OSError, DatasetFormatError, DatasetIntegrityError) as exc:
+            self.copy_damaged = str(exc)
+            return
+        self._checked = copied
+
+    def rebuild(self) -> None:
+        """Remove the damaged complete copy and copy the dataset again (reads go to the store
+        meanwhile)."""
+        self.abort()
+        checking = self._checking
+        if checking is not None and checking is not threading.current_thread():
+            checking.join()
+        with self._mutex:
+            self._ready, self._checked, self._checking, self.copy_damaged = False, None, None, None
+            self._next_poll = 0.0
+        gone = self.folder.with_name(f"{self.folder.name}.damaged-{os.getpid()}-{time.monotonic_ns()}")
+        with contextlib.suppress(OSError):
+            os.replace(self.folder, gone)
+        shutil.rmtree(gone, ignore_errors=True)
+        self.start()
 
     # -- the reads it serves while in progress -----------------------------------------------------
     def plan(self, windows: Iterable[I64]) -> None:
@@ -333,12 +447,36 @@ class DatasetCache:
             if not ready:
                 for g in gids:  # it fetches them last (before the download starts too)
                     self._claimed[g] = 1
-        if not ready:
+        if not ready or self.copy_damaged is not None:
             return None
         try:  # complete: a read planned before the storage switched to the copy
-            return os.open(self.folder / path, os.O_RDONLY)
+            fd = os.open(self.folder / path, os.O_RDONLY)
         except OSError:
             return None
+        try:  # each block checked before it is read (once per process)
+            spec = self._copied_spec(path)
+            blocks = file_blocks(
+                str(self.folder / path), os.fstat(fd), spec, self.folder, f"{self.folder}: file {path!r}"
+            )
+            blocks.ensure(start, end, _preader(fd))
+        except (OSError, DatasetFormatError, DatasetIntegrityError) as exc:
+            os.close(fd)
+            self.copy_damaged = str(exc)
+            return None
+        return fd
+
+    def _copied_spec(self, path: str) -> Any:
+        """The block digests of ``path`` in the complete copy's manifest (read once)."""
+        copied = self._checked or self._copied
+        if copied is None:
+            copied = read_local_manifest(self.folder)
+            if copied.digest() != self.manifest.digest():
+                raise DatasetIntegrityError(f"{self.folder}: its {MANIFEST_NAME} is not the dataset's")
+            self._copied = copied
+        for _name, _spec, f in copied.all_files():
+            if f.path == path and f.blocks is not None:
+                return f.blocks
+        raise DatasetIntegrityError(f"{self.folder}: file {path!r} has no block digests in the copy")
 
     # -- the download ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -430,7 +568,8 @@ class DatasetCache:
                     digest = copy.hashers[f.path].hexdigest() if whole else file_sha256(partial / f.path)
                     if digest != f.sha256:
                         raise self._mismatch(f.path)
-                write_synced(partial / MANIFEST_NAME, self.manifest.to_json_bytes())
+                copied = _with_blocks(self.manifest, partial)
+                write_synced(partial / MANIFEST_NAME, copied.to_json_bytes())
                 for folder in {(partial / f.path).parent for f in files} | {partial}:
                     fsync_dir(folder)
                 if self._abort.is_set():

@@ -127,6 +127,13 @@ def route(
             parts = [(s, e, p)] if len(gids) == 1 else _cut(table, gids, s, e, p)
             run: tuple[int, int, list[tuple[int, int, int]]] | None = None
             for g, (ps, pe, pp) in zip(gids, parts, strict=True):
+                if not pp:  # a chunk the range only spans (widened to whole blocks): not read
+                    if run is not None:
+                        rest.starts.append(run[0])
+                        rest.ends.append(run[1])
+                        rest.pieces.append(run[2])
+                        run = None
+                    continue
                 if here(g):
                     local.append(Job(job.path, job.dest, [ps], [pe], [pp]))
                     pins.append(g)

@@ -19,13 +19,20 @@ import gc
 import hashlib
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
 from guideloom._core.text import plural
 from guideloom._errors import DatasetIntegrityError
-from guideloom.storage._fetch import RangeFetcher, ReadCounters, gather_first_error, integrity_error
+from guideloom.storage._fetch import (
+    RangeFetcher,
+    ReadCounters,
+    RemoteBlocks,
+    gather_first_error,
+    get_verified,
+    integrity_error,
+)
 from guideloom.storage._manifest import MANIFEST_NAME, Manifest
 from guideloom.storage._objstore import (
     RANGES_PER_CALL,
@@ -34,7 +41,6 @@ from guideloom.storage._objstore import (
     ReadOptions,
     RetryPolicy,
     call_with_retries,
-    get_checked,
     io_executor,
     make_store,
     map_error,
@@ -90,7 +96,12 @@ class Remote:
         self.versions: dict[str, ObjectVersion] = {}
         #: Why the dataset is refused, once a read found an object changed: every later read is.
         self.damaged: str | None = None
-        self.fetcher = RangeFetcher(self.loc, self.opts, self.secrets, self.counters, self.versions)
+        #: Each object's block digests (set by ``check_objects``): every fetched range is checked.
+        self.blocks = RemoteBlocks()
+        self.blocks.read = self.read_object
+        self.fetcher = RangeFetcher(
+            self.loc, self.opts, self.secrets, self.counters, self.versions, self.blocks
+        )
         _OPEN.add(self)
 
     def _new_store(self) -> Any:
@@ -153,7 +164,7 @@ class Remote:
 
         def get() -> Any:
             self.counters.requests += 1
-            return get_checked(store, path, start, end, version)
+            return get_verified(store, path, start, end, version, self.blocks)
 
         error: Exception
         try:
@@ -250,6 +261,22 @@ class Remote:
                     f"the manifest says {f.nbytes}; the dataset is damaged or was not copied completely"
                 )
             self.versions[f.path] = replace(version, sha256=f.sha256)
+        self.blocks.set(manifest, self.loc.display)
+
+    def read_object(self, path: str) -> bytes:
+        """The whole of object ``path`` (a small one: a block digests file), with retries."""
+        import obstore
+
+        store = self.store()
+        try:
+            return call_with_retries(lambda: bytes(obstore.get(store, path).bytes()), self.policy)
+        except Exception as exc:
+            error = map_error(exc, f"reading {self.loc.object_url(path)}", self.secrets)
+        if isinstance(error, FileNotFoundError):
+            error = DatasetIntegrityError(
+                f"{self.loc.display}: the block digests file {path!r} named by the manifest is missing"
+            )
+        raise error
 
     def sha256(self, path: str, progress: Callable[[int], object] | None = None) -> str:
         """The hex sha256 of object ``path``, streamed once (``progress`` gets each chunk's size)."""
@@ -266,6 +293,32 @@ class Remote:
             error = map_error(exc, f"reading {self.loc.object_url(path)}", self.secrets)
         else:
             return digest.hexdigest()
+        raise error
+
+    def stream(self, path: str) -> Iterator[Any]:
+        """Object ``path``'s bytes in chunks of 8 MiB or more, in order (a blocking iterator)."""
+        import obstore
+
+        error: Exception
+        try:
+            result = obstore.get(self.store(), path)
+            for chunk in result.stream(min_chunk_size=8 * 2**20):
+                yield memoryview(chunk)
+            return
+        except Exception as exc:
+            error = map_error(exc, f"reading {self.loc.object_url(path)}", self.secrets)
+        raise error
+
+    def put(self, path: str, data: bytes) -> None:
+        """Write object ``path`` (one PUT: it appears whole or not at all), with retries."""
+        import obstore
+
+        store = self.store()
+        try:
+            call_with_retries(lambda: obstore.put(store, path, data), self.policy)
+            return
+        except Exception as exc:
+            error = map_error(exc, f"writing {self.loc.object_url(path)}", self.secrets)
         raise error
 
     async def reopen(self, manifest: Manifest) -> None:

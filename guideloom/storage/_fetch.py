@@ -18,12 +18,15 @@ obstore's error, so no link of their ``__context__`` chain holds a credential.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeVar
 
 from guideloom._errors import DatasetIntegrityError
+from guideloom.storage._blocks import U64, BlockDigests, BlockMismatch, check_range, widen
+from guideloom.storage._manifest import Manifest
 from guideloom.storage._objstore import (
     Location,
     ObjectChangedError,
@@ -38,7 +41,16 @@ from guideloom.storage._objstore import (
 )
 from guideloom.storage._ranges import U8, Job, Piece, fill
 
-__all__ = ["LocalRanges", "RangeFetcher", "ReadCounters", "gather_first_error", "integrity_error"]
+__all__ = [
+    "BlockCheckError",
+    "LocalRanges",
+    "RangeFetcher",
+    "ReadCounters",
+    "RemoteBlocks",
+    "gather_first_error",
+    "get_verified",
+    "integrity_error",
+]
 
 T = TypeVar("T")
 
@@ -53,6 +65,75 @@ class ReadCounters:
 
     requests: int = 0  # range GETs sent, retries included (each is billed)
     bytes_read: int = 0  # bytes those GETs returned
+
+
+class BlockCheckError(ObjectChangedError):
+    """Fetched bytes that do not match their block digests (never retried, never delivered)."""
+
+
+class RemoteBlocks:
+    """The block digests of a remote dataset's objects, each sidecar fetched (and checked
+    against its sha256) the first time its object is read; one lock guards the loading."""
+
+    def __init__(self) -> None:
+        self.specs: dict[str, tuple[BlockDigests, int]] = {}
+        self._loaded: dict[str, U64] = {}
+        self._lock = threading.Lock()
+        #: ``read(path)``: a whole object's bytes (a blocking call with retries), for sidecars.
+        self.read: Callable[[str], bytes] | None = None
+        self.where = ""
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"specs": self.specs, "where": self.where}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+        self.specs, self.where = state["specs"], state["where"]
+
+    def set(self, manifest: Manifest, where: str) -> None:
+        self.specs = {
+            f.path: (f.blocks, f.nbytes) for _, _, f in manifest.all_files() if f.blocks is not None
+        }
+        self.where = where
+
+    def size(self, path: str) -> int:
+        """The block size of object ``path`` (0: no block digests)."""
+        spec = self.specs.get(path)
+        return 0 if spec is None else spec[0].size
+
+    def digests(self, path: str) -> U64:
+        blocks, nbytes = self.specs[path]
+        with self._lock:
+            found = self._loaded.get(path)
+            if found is None:
+                read = self.read
+                if blocks.inline is None and read is None:
+                    raise RuntimeError(f"{self.where}: no reader for the block digests of {path!r}")
+                found = blocks.load(read or (lambda _p: b""), nbytes, self.where)
+                self._loaded[path] = found
+        return found
+
+
+def get_verified(
+    store: Any, path: str, start: int, end: int, version: ObjectVersion | None, blocks: RemoteBlocks | None
+) -> Any:
+    """:func:`~._objstore.get_checked`, and every block of the answer checked against its
+    digest before it is returned (:class:`BlockCheckError`); a range not aligned to the blocks is
+    fetched widened to them and cut back."""
+    size = 0 if blocks is None else blocks.size(path)
+    if not size:
+        return get_checked(store, path, start, end, version)
+    assert blocks is not None
+    nbytes = blocks.specs[path][1]
+    lo, hi = widen(start, end, size, nbytes)
+    data = get_checked(store, path, lo, hi, version)
+    try:
+        check_range(blocks.digests(path), size, lo, data)
+    except BlockMismatch as exc:
+        raise BlockCheckError(str(exc)) from None
+    if (lo, hi) == (start, end):
+        return data
+    return memoryview(data)[start - lo : end - lo]
 
 
 class LocalRanges(Protocol):
@@ -80,6 +161,7 @@ class RangeFetcher:
         secrets: Sequence[str],
         counters: ReadCounters,
         versions: Mapping[str, ObjectVersion] | None = None,
+        blocks: RemoteBlocks | None = None,
     ) -> None:
         self.loc = loc
         self.policy = opts.policy
@@ -87,6 +169,8 @@ class RangeFetcher:
         self.counters = counters
         #: Each data object as the dataset was opened with it (filled by the connection's open).
         self.versions: Mapping[str, ObjectVersion] = {} if versions is None else versions
+        #: Each data object's block digests: every range fetched is checked against them.
+        self.blocks = blocks
         #: Where ranges may be read locally before a GET is sent (set by the storage).
         self.local: LocalRanges | None = None
         self._inflight = PerLoop(opts.max_inflight_requests, opts.max_inflight_bytes)
@@ -102,7 +186,7 @@ class RangeFetcher:
         local = self.local
         if local is not None and local.read_into(path, start, end, job.pieces[i], job.dest):
             return _FILLED
-        return get_checked(store, path, start, end, self.versions.get(path))
+        return get_verified(store, path, start, end, self.versions.get(path), self.blocks)
 
     def peak_inflight_bytes(self) -> int:
         return self._inflight.peak_bytes()
@@ -272,6 +356,11 @@ def integrity_error(loc: Location, path: str, exc: BaseException) -> DatasetInte
     import obstore.exceptions as oe
 
     url = loc.object_url(path)
+    if isinstance(exc, BlockCheckError):
+        return DatasetIntegrityError(
+            f"{url}, named by the manifest, does not match it: {exc}; none of its bytes are "
+            "delivered: the object was replaced or damaged, write or copy the dataset again"
+        )
     if isinstance(exc, FileNotFoundError | oe.NotFoundError):
         return DatasetIntegrityError(
             f"{url}, named by the manifest, is missing: the dataset changed or was deleted after it "

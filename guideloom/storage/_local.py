@@ -25,6 +25,7 @@ import numpy.typing as npt
 
 from guideloom._core.text import plural
 from guideloom._errors import DatasetIntegrityError
+from guideloom.storage._blocks import FileBlocks, file_blocks
 from guideloom.storage._manifest import MANIFEST_NAME, ArraySpec, Manifest, add_bases, read_manifest_file
 from guideloom.storage._manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
 from guideloom.storage._memory import gather_windows
@@ -164,6 +165,11 @@ SMALL_FILE_BYTES = 64 * 2**10
 FAULT_AROUND = 64 * 2**10
 
 
+def _slicer(data: memoryview) -> Callable[[int, int], memoryview]:
+    """``data[a:b]`` as a function of ``a`` and ``b`` (a block check's reader)."""
+    return lambda a, b: data[a:b]
+
+
 def _close_all(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
@@ -198,26 +204,127 @@ class ShardedArray:
         self._bounds = np.cumsum([0, *(f.elements for f in files)], dtype=np.int64)
         self.length = int(self._bounds[-1])
         self._map_nbytes = sum(f.nbytes for f in files)
+        #: each file's blocks checked in this process (None: a file without block digests)
+        self._checks: list[FileBlocks | None] = []
+        self._checked = True  # every block of every file checked: nothing left to look at
         if preads and self._map_nbytes > MAPPED_BUDGET and hasattr(os, "preadv"):
             fds = self._fds
             weakref.finalize(self, _close_all, fds)  # before the first open: none can leak
-            for path in self._paths:
+            for f, path in zip(files, self._paths, strict=True):
                 fds.append(os.open(path, os.O_RDONLY))
+                self._checks.append(self._blocks_of(folder, f, path, os.fstat(fds[-1])))
+            self._checked = all(c is None or c.complete for c in self._checks)
+            self._setup_mirror()
             return
         for f, path in zip(files, self._paths, strict=True):
             if f.nbytes <= SMALL_FILE_BYTES:  # read whole: a map would hold a descriptor open
-                small = np.fromfile(path, dtype=spec.dtype, count=f.elements)
+                with open(path, "rb") as fh:
+                    st = os.fstat(fh.fileno())
+                    small = np.fromfile(fh, dtype=spec.dtype, count=f.elements)
                 if len(small) != f.elements:
                     self._short(len(self._parts))
                 small.flags.writeable = False
+                check = self._blocks_of(folder, f, path, st)
+                if check is not None:  # checked whole now: the bytes held are the ones read
+                    check.ensure(0, f.nbytes, _slicer(small.view(np.uint8).data))
+                self._checks.append(check)
                 self._parts.append(small)
                 continue
             with open(path, "rb") as fh:
                 mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+                self._checks.append(self._blocks_of(folder, f, path, os.fstat(fh.fileno())))
             self._maps.append(mm)
             self._parts.append(np.frombuffer(mm, dtype=spec.dtype, count=f.elements))
         # byte views of the maps, for copies of many small spans (``_copy_spans``)
         self._bytes = [part.view(np.uint8).data for part in self._parts]
+        self._checked = all(c is None or c.complete for c in self._checks)
+        self._setup_mirror()
+
+    def _setup_mirror(self) -> None:
+        """Where every file has blocks of one size and every file but the last whole blocks (as
+        written): one bitmap over the array's blocks (``_mirror``), so that the check of a read
+        whose blocks were all checked is two lookups (``_seen``), with no per-file work."""
+        self._mirror: npt.NDArray[np.bool_] | None = None
+        self._shift = 0
+        checks = self._checks
+        if self._checked or not checks or any(c is None for c in checks):
+            return
+        size = checks[0].size  # type: ignore[union-attr]
+        if any(c.size != size or (c is not checks[-1] and c.nbytes % size) for c in checks):  # type: ignore[union-attr]
+            return
+        self._shift = size.bit_length() - 1
+        self._mirror_at = np.cumsum([0, *(len(c.checked) for c in checks)]).tolist()  # type: ignore[union-attr]
+        self._mirror = np.concatenate([c.checked for c in checks])  # type: ignore[union-attr]
+
+    def _refresh_mirror(self, shards: Sequence[int]) -> None:
+        """Copy the bitmaps of ``shards`` (just checked) into the array's."""
+        if self._mirror is not None:
+            at = self._mirror_at
+            for k in shards:
+                self._mirror[at[k] : at[k + 1]] = self._checks[k].checked  # type: ignore[union-attr]
+
+    def _seen(self, starts: npt.NDArray[np.int64], length: int) -> bool:
+        """Whether the blocks of windows ``[s, s + length)`` were all checked already (False:
+        look per file)."""
+        mirror = self._mirror
+        if mirror is None or length <= 0 or (length * self.dtype.itemsize) >> self._shift:
+            return False
+        item, shift = self.dtype.itemsize, self._shift
+        lo = (starts * item) >> shift
+        hi = ((starts + length) * item - 1) >> shift
+        return bool(mirror[lo].all()) and bool(mirror[hi].all())
+
+    @staticmethod
+    def _blocks_of(folder: Path, f: Any, path: Path, st: os.stat_result) -> FileBlocks | None:
+        """File ``f``'s bitmap of checked blocks as the file is now (None without block digests)."""
+        if f.blocks is None:
+            return None
+        if st.st_size != f.nbytes:
+            raise DatasetIntegrityError(
+                f"{path}: the file has {plural(st.st_size, 'byte')}, the manifest says {f.nbytes}; "
+                "it was truncated or replaced: open the dataset again"
+            )
+        return file_blocks(str(path), st, f.blocks, folder, f"{folder}: file {f.path!r}")
+
+    def _reader(self, k: int) -> Callable[[int, int], Any]:
+        """Bytes ``[a, b)`` of shard ``k`` as a buffer, for a block check."""
+        if self._fds:
+            fd = self._fds[k]
+            return lambda a, b: os.pread(fd, b - a, a)
+        return _slicer(self._bytes[k])
+
+    def ensure(self, starts: npt.NDArray[np.int64], stops: npt.NDArray[np.int64]) -> None:
+        """Check the blocks that elements ``[starts[i], stops[i])`` lie in (each block once per
+        process, on first touch): :class:`DatasetIntegrityError` before any byte of a block
+        that does not match its digest is read into a sample."""
+        if self._checked or not len(starts):
+            return
+        item = self.dtype.itemsize
+        stops = np.maximum(stops, starts)
+        keep = stops > starts
+        starts, stops = starts[keep], stops[keep]
+        if not len(starts):
+            return
+        first = self._locate(starts)
+        last = self._locate(stops - 1)
+        bounds = self._bounds
+        touched = np.unique(np.concatenate([first, last])).tolist()
+        for k in np.unique(first).tolist():
+            check = self._checks[k]
+            sel = first == k
+            if check is None:
+                continue
+            lo = (starts[sel] - bounds[k]) * item
+            hi = (np.minimum(stops[sel], bounds[k + 1]) - bounds[k]) * item
+            check.ensure_many(lo, hi, self._reader(k))
+        for row in np.flatnonzero(first != last).tolist():  # across shards: the later ones
+            for k in range(int(first[row]) + 1, int(last[row]) + 1):
+                check = self._checks[k]
+                if check is not None:
+                    hi = (min(int(stops[row]), int(bounds[k + 1])) - int(bounds[k])) * item
+                    check.ensure(0, hi, self._reader(k))
+        self._checked = all(c is None or c.complete for c in self._checks)
+        self._refresh_mirror(touched)
 
     def account(self, pieces: int, nbytes: int) -> None:
         """Count a read of ``nbytes`` in ``pieces`` scattered pieces; drop the mapped pages once
@@ -238,6 +345,8 @@ class ShardedArray:
 
     def gather(self, starts: npt.NDArray[np.int64], length: int) -> Array:
         """Windows ``[s, s+length)`` for each start, as one ``(n, length)`` array (a copy)."""
+        if not self._checked and not self._seen(starts, length):
+            self.ensure(starts, starts + length)
         out = self._gather(starts, length)
         self.account(len(out), out.nbytes)
         if self._bases is not None:
@@ -308,6 +417,8 @@ class ShardedArray:
     ) -> None:
         """Elements ``[starts[i], stops[i])`` copied into the flat array ``out`` (of this dtype)
         at ``at[i]``, for each ``i`` (``at`` may hold one more entry, unused)."""
+        if not self._checked:
+            self.ensure(starts, stops)
         if not self._fds:
             self._copy_spans(starts, stops, out, at)
             self.account(len(starts), int((stops - starts).sum()) * self.dtype.itemsize)
@@ -345,6 +456,8 @@ class ShardedArray:
 
     def slice(self, start: int, stop: int) -> Array:
         """Elements ``[start, stop)``: a view when they lie in one mapped shard, else a copy."""
+        if not self._checked:
+            self.ensure(np.asarray([start], np.int64), np.asarray([stop], np.int64))
         if self._bases is not None:
             positions = np.arange(start, max(start, stop), dtype=np.int64)
             return add_bases(self._slice(start, stop).copy(), positions, self._bases)
@@ -372,6 +485,8 @@ class ShardedArray:
 
     def take(self, positions: npt.NDArray[np.int64]) -> Array:
         """Elements at ``positions``."""
+        if not self._checked:
+            self.ensure(positions, positions + 1)
         out = self._take(positions)
         if self._bases is not None:
             out = add_bases(out.copy(), positions, self._bases)

@@ -26,6 +26,7 @@ import numpy.typing as npt
 
 from guideloom._core.text import plural
 from guideloom._errors import DatasetFormatError
+from guideloom.storage._blocks import BlockDigests, parse_blocks
 
 __all__ = [
     "CHECKSUM",
@@ -150,6 +151,9 @@ class FileSpec:
     """Added to every stored value when it is read (integer arrays only): a merge of prepared
     parts references each part's document offsets and ``doc_id`` files as they are, their values
     counted from the part's start, and says here where the part starts."""
+    blocks: BlockDigests | None = None
+    """The digest of each block of the file (see :mod:`guideloom.storage._blocks`); None for a
+    dataset written without them."""
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -160,11 +164,16 @@ class FileSpec:
         }
         if self.base:
             out["base"] = self.base
+        if self.blocks is not None:
+            out["blocks"] = self.blocks.to_json()
         return out
 
     def moved(self, prefix: str, base: int = 0) -> FileSpec:
         """This file as a dataset that holds it under ``prefix`` names it, its values shifted by ``base``."""
-        return FileSpec(f"{prefix}/{self.path}", self.elements, self.nbytes, self.sha256, self.base + base)
+        blocks = None if self.blocks is None else self.blocks.moved(prefix)
+        return FileSpec(
+            f"{prefix}/{self.path}", self.elements, self.nbytes, self.sha256, self.base + base, blocks
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +253,19 @@ class Manifest:
             out += [("offsets", self.offsets, f) for f in self.offsets.files]
         return out
 
+    def sidecars(self) -> list[str]:
+        """The block digests files its data files name (beside them)."""
+        return [f.blocks.sidecar for _, _, f in self.all_files() if f.blocks and f.blocks.sidecar]
+
+    def stored_paths(self) -> set[str]:
+        """Every file the manifest names: data files and their block digests files."""
+        return {f.path for _, _, f in self.all_files()} | set(self.sidecars())
+
+    @property
+    def has_blocks(self) -> bool:
+        """Whether every data file carries block digests."""
+        return all(f.blocks is not None for _, _, f in self.all_files())
+
     def digest(self) -> str:
         """A short digest of the dataset's content: its kind, dtype, fields, and every data
         file's length and checksum in order (not its name, which each write draws afresh), so the
@@ -319,7 +341,10 @@ def _parse_array(raw: Any, *, where: str, version: int | None = FORMAT_VERSION) 
             raise DatasetFormatError(
                 f"{fw}: 'base' needs format_version {FORMAT_VERSION_BASES}; the manifest says {version}"
             )
-        files.append(FileSpec(path=path, elements=elements, nbytes=nbytes, sha256=digest, base=base))
+        blocks = parse_blocks(f.get("blocks"), nbytes, where=fw, path=path)
+        files.append(
+            FileSpec(path=path, elements=elements, nbytes=nbytes, sha256=digest, base=base, blocks=blocks)
+        )
     return ArraySpec(dtype=dtype, files=tuple(files))
 
 
@@ -442,9 +467,11 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     seen: set[str] = set()
     for spec in [*fields.values(), *([offsets] if offsets else [])]:
         for f in spec.files:
-            if f.path == MANIFEST_NAME or f.path in seen:
-                raise DatasetFormatError(f"{where}: file {f.path!r} is named twice")
-            seen.add(f.path)
+            names = [f.path] + ([f.blocks.sidecar] if f.blocks and f.blocks.sidecar else [])
+            for name in names:
+                if name == MANIFEST_NAME or name in seen:
+                    raise DatasetFormatError(f"{where}: file {name!r} is named twice")
+                seen.add(name)
     extra = doc.get("info") or {}
     if not isinstance(extra, dict):
         raise DatasetFormatError(f"{where}: 'info' must be an object")

@@ -42,15 +42,23 @@ class Layout:
     dtype: np.dtype[Any]
     paths: tuple[str, ...]
     bounds: I64  # len(paths) + 1 cumulative byte offsets, bounds[0] == 0
+    #: Each object's block size (0: no block digests): its ranges are widened to whole blocks,
+    #: which are checked as they are fetched. Empty: none has block digests.
+    blocks: tuple[int, ...] = ()
 
     @staticmethod
     def of(spec: ArraySpec) -> Layout:
-        return Layout.of_sizes(spec.dtype, [f.path for f in spec.files], [f.nbytes for f in spec.files])
+        blocks = [f.blocks.size if f.blocks is not None else 0 for f in spec.files]
+        return Layout.of_sizes(
+            spec.dtype, [f.path for f in spec.files], [f.nbytes for f in spec.files], blocks
+        )
 
     @staticmethod
-    def of_sizes(dtype: Any, paths: Sequence[str], sizes: Sequence[int]) -> Layout:
+    def of_sizes(
+        dtype: Any, paths: Sequence[str], sizes: Sequence[int], blocks: Sequence[int] = ()
+    ) -> Layout:
         bounds = np.cumsum([0, *sizes], dtype=np.int64)
-        return Layout(np.dtype(dtype), tuple(paths), bounds)
+        return Layout(np.dtype(dtype), tuple(paths), bounds, tuple(blocks) if any(blocks) else ())
 
     @property
     def nbytes(self) -> int:
@@ -203,6 +211,7 @@ def plan(
     order = np.lexsort((lo, k))
     gap = bridged_gap(k[order], lo[order], n[order], limits)
     ks, los, ns, ds = (a[order].tolist() for a in (k, lo, n, d))
+    wlo, whi = _widened(layout, k[order], lo[order], (lo + n)[order])
     job: Job | None = None
     cur_k = cur_s = cur_e = -1
     cur_pieces: list[tuple[int, int, int]] = []
@@ -224,16 +233,29 @@ def plan(
         job.ends.append(cur_e)
         job.pieces.append(list(cur_pieces))
 
-    for kk, s, ln, off in zip(ks, los, ns, ds, strict=True):
-        e = s + ln
-        if kk == cur_k and s <= cur_e + gap and max(cur_e, e) - cur_s <= cap:
-            cur_e = max(cur_e, e)
+    for kk, s, ln, off, ws, we in zip(ks, los, ns, ds, wlo, whi, strict=True):
+        if kk == cur_k and ws <= cur_e + gap and max(cur_e, we) - cur_s <= cap:
+            cur_e = max(cur_e, we)
             cur_pieces.append((s, ln, off))
             continue
         flush()
-        cur_k, cur_s, cur_e = kk, s, e
+        cur_k, cur_s, cur_e = kk, ws, we
         cur_pieces = [(s, ln, off)]
     flush()
+
+
+def _widened(layout: Layout, k: I64, lo: I64, hi: I64) -> tuple[list[int], list[int]]:
+    """Pieces' byte ranges ``[lo, hi)`` of their objects ``k``, widened to whole blocks where the
+    object has block digests (each block fetched is checked whole)."""
+    if not layout.blocks:
+        return lo.tolist(), hi.tolist()
+    size = np.asarray(layout.blocks, dtype=np.int64)[k]
+    has = size > 0
+    size = np.where(has, size, 1)
+    nbytes = np.diff(layout.bounds)[k]
+    wlo = np.where(has, lo // size * size, lo)
+    whi = np.where(has, np.minimum(nbytes, -(-hi // size) * size), hi)
+    return wlo.tolist(), whi.tolist()
 
 
 def plan_windows(

@@ -52,7 +52,7 @@ from guideloom.storage._cache import DatasetCache, copy_footprint
 from guideloom.storage._chunks import ChunkCache
 from guideloom.storage._client import Remote, open_remote
 from guideloom.storage._local import LocalDocumentStorage, LocalStreamStorage
-from guideloom.storage._manifest import Manifest, add_bases
+from guideloom.storage._manifest import MANIFEST_NAME, Manifest, add_bases
 from guideloom.storage._manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
 from guideloom.storage._objstore import ReadOptions
 from guideloom.storage._ranges import Layout, plan_spans, plan_windows
@@ -89,7 +89,6 @@ class _ObjectStorageMixin:
     _plain_reads: ClassVar[bool]
     _cache: DatasetCache | None = None
     _chunks: ChunkCache | None = None
-    _cache_broken = False
     _local: LocalStreamStorage | LocalDocumentStorage | None = None
 
     def _setup_cache(self) -> None:
@@ -164,33 +163,47 @@ class _ObjectStorageMixin:
         self._setup_cache()
 
     def _local_copy(self) -> LocalStreamStorage | LocalDocumentStorage | None:
-        """The complete local copy (``cache_dir``), opened on first use; None until then, and
-        None for good once the copy proves damaged (reads stay remote; nothing is lost)."""
+        """The complete local copy (``cache_dir``), opened once every block of it was checked
+        in this process; None until then. A copy found damaged is never read: it is removed and
+        copied again, with a warning naming what did not match (reads stay remote meanwhile)."""
         cache = self._cache
-        if self._local is None and cache is not None and self._opened and not self._cache_broken:
-            if cache.complete():
+        if cache is None:
+            return None
+        if cache.copy_damaged is not None:
+            self._rebuild_copy(cache.copy_damaged)
+            return None
+        if self._local is None and self._opened:
+            copied = cache.checked_copy()
+            if copied is not None:
                 local: LocalStreamStorage | LocalDocumentStorage
-                folder = cache.folder
                 try:
                     if self.manifest.kind == "stream":
-                        local = LocalStreamStorage(folder, self.manifest)
+                        local = LocalStreamStorage(cache.folder, copied)
                     else:
-                        local = LocalDocumentStorage(folder, self.manifest)
+                        local = LocalDocumentStorage(cache.folder, copied)
                     local.open_sync()  # checks the copy's manifest and every file's size
                 except (OSError, DatasetFormatError, DatasetIntegrityError) as exc:
-                    self._cache_broken = True
-                    warnings.warn(
-                        f"guideloom's copy of {self._remote.loc.display} in {folder} is damaged "
-                        f"({exc}); reading from the object store instead, nothing is lost. Delete "
-                        "the folder to have it copied again.",
-                        RuntimeWarning,
-                        stacklevel=3,
-                    )
+                    self._rebuild_copy(str(exc))
                     return None
                 self._local = local
+            elif cache.copy_damaged is not None:
+                self._rebuild_copy(cache.copy_damaged)
             else:
                 cache.warn_if_failed()
         return self._local
+
+    def _rebuild_copy(self, why: str) -> None:
+        cache = self._cache
+        assert cache is not None
+        self._local = None
+        warnings.warn(
+            f"guideloom's copy of {self._remote.loc.display} in {cache.folder} is damaged ({why}); "
+            "none of it is read: it is copied again, and read from the object store meanwhile; "
+            "nothing is lost",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        cache.rebuild()
 
     def _close_cache(self) -> None:
         """Let go of the local copy. A copy in progress goes on (a loader opens and closes its
@@ -507,16 +520,33 @@ def open_documents(url: str, **options: Any) -> ObjectDocumentStorage:
     return ObjectDocumentStorage(remote, manifest)
 
 
-def verify_dataset(url: str, *, progress: Callable[[int], object] | None = None, **options: Any) -> Manifest:
-    """Download every data object once and check its checksum against the manifest."""
+def verify_dataset(
+    url: str,
+    *,
+    progress: Callable[[int], object] | None = None,
+    add_block_digests: bool = False,
+    sha256: bool = True,
+    **options: Any,
+) -> Manifest:
+    """Download every data object once and check its checksum and block digests against the
+    manifest (with ``sha256=False``, the sha256 only of objects without block digests); with
+    ``add_block_digests``, give a dataset without them block digests (their objects first, then
+    ``manifest.json``, in one PUT)."""
+    from guideloom.storage._verify import verify_files, with_blocks
+
     remote, manifest = open_remote(url, options)
     try:
-        for name, _spec, f in manifest.all_files():
-            if remote.sha256(f.path, progress) != f.sha256:
-                raise DatasetIntegrityError(
-                    f"{remote.loc.display}: object {f.path!r} of field {name!r} does not match its "
-                    "checksum; the dataset is damaged: write or copy it again"
-                )
+        computed = verify_files(
+            manifest,
+            remote.loc.display,
+            remote.stream,
+            remote.read_object,
+            sha256=sha256,
+            progress=progress,
+        )
+        if add_block_digests and not manifest.has_blocks:
+            manifest = with_blocks(manifest, computed, remote.put)
+            remote.put(MANIFEST_NAME, manifest.to_json_bytes())
     finally:
         remote.drop_store()
     return manifest

@@ -86,10 +86,9 @@ class LocalSink:
         os.replace(tmp, self.folder / MANIFEST_NAME)
         fsync_dir(self.folder)
         if replaced is not None:
-            keep = {spec.path for _, _, spec in manifest.all_files()}
-            for _, _, old in replaced.all_files():
-                if old.path not in keep:
-                    (self.folder / old.path).unlink(missing_ok=True)
+            keep = manifest.stored_paths()
+            for old in replaced.stored_paths() - keep:
+                (self.folder / old).unlink(missing_ok=True)
 
     def abort(self, written: list[str]) -> None:
         """Remove the data files of a write that failed (the previous dataset stays intact)."""
@@ -213,8 +212,7 @@ class ObjectSink:
             error = self.error(exc, f"writing {self.loc.object_url(MANIFEST_NAME)}")
         else:
             if replaced is not None:
-                keep = {f.path for _, _, f in manifest.all_files()}
-                self._delete([f.path for _, _, f in replaced.all_files() if f.path not in keep])
+                self._delete(sorted(replaced.stored_paths() - manifest.stored_paths()))
             return
         raise error
 

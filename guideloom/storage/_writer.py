@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from guideloom._core.text import plural
+from guideloom.storage._blocks import BLOCK_BYTES, BlockHasher, make_blocks, sidecar_name
 from guideloom.storage._manifest import ArraySpec, FileSpec, Manifest, check_field_name, storage_dtype
 from guideloom.storage._sinks import Sink
 
@@ -169,6 +170,7 @@ class _ArrayWriter:
         self._written = written
         self._fh: IO[bytes] | None = None
         self._hash = hashlib.sha256()
+        self._blocks = BlockHasher(BLOCK_BYTES)
         self._count = 0
         self._path = ""
 
@@ -178,16 +180,21 @@ class _ArrayWriter:
         self._written.append(self._path)
         self._fh = self.sink.open_file(self._path)
         self._hash = hashlib.sha256()
+        self._blocks = BlockHasher(BLOCK_BYTES)
         self._count = 0
 
     def _finish_file(self) -> None:
         if self._fh is None:
             return
         self._fh.close()
-        self.files.append(
-            FileSpec(self._path, self._count, self._count * self.dtype.itemsize, self._hash.hexdigest())
-        )
         self._fh = None
+        blocks, sidecar = make_blocks(self._blocks.digests(), BLOCK_BYTES, sidecar_name(self._path))
+        if sidecar is not None:
+            self._written.append(sidecar_name(self._path))
+            with self.sink.open_file(sidecar_name(self._path)) as fh:
+                fh.write(sidecar)
+        nbytes = self._count * self.dtype.itemsize
+        self.files.append(FileSpec(self._path, self._count, nbytes, self._hash.hexdigest(), blocks=blocks))
 
     def append(self, chunk: Array) -> None:
         data = np.ascontiguousarray(chunk, dtype=self.dtype)
@@ -202,6 +209,7 @@ class _ArrayWriter:
             view = data[pos : pos + take].data.cast("B")
             self._fh.write(view)
             self._hash.update(view)
+            self._blocks.update(view)
             self._count += take
             pos += take
 

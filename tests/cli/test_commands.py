@@ -89,6 +89,31 @@ def test_verify_ok_then_detects_corruption(cli, stream_ds: Path) -> None:
     assert r.code == 1 and shard.name in r.err and "bytes" in r.err
 
 
+def test_verify_adds_block_digests_after_a_full_check(cli, stream_ds: Path) -> None:
+    """A dataset written without block digests gets them from ``verify --add-block-digests``,
+    only once every file matched its checksum; reads then check each block."""
+    doc = manifest_of(stream_ds)
+    for spec in doc["fields"].values():
+        for f in spec["files"]:
+            del f["blocks"]
+    (stream_ds / "manifest.json").write_text(json.dumps(doc))
+    shard = stream_ds / doc["fields"]["tokens"]["files"][0]["path"]
+    good = shard.read_bytes()
+    shard.write_bytes(bytes([good[0] ^ 1]) + good[1:])
+    r = cli("verify", stream_ds, "--add-block-digests")
+    assert r.code == 1 and shard.name in r.err and "checksum" in r.err
+    assert "blocks" not in (stream_ds / "manifest.json").read_text()  # nothing added to a damaged one
+    shard.write_bytes(good)
+    r = cli("verify", stream_ds, "--add-block-digests")
+    assert r.code == 0 and "added block digests" in r.out, r
+    assert gl.open_stream(stream_ds).manifest.has_blocks
+    r = cli("verify", stream_ds)
+    assert r.code == 0 and "block digests match" in r.out, r
+    shard.write_bytes(bytes([good[0] ^ 1]) + good[1:])
+    with pytest.raises(gl.DatasetIntegrityError, match=f"{shard.name}"):
+        gl.open_stream(stream_ds).read_many_sync(np.zeros(1, dtype=np.int64), 4)
+
+
 def test_verify_and_inspect_missing_dataset(cli, tmp_path: Path) -> None:
     for command in ("verify", "inspect", "bench"):
         r = cli(command, tmp_path / "nothing")

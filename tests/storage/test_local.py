@@ -327,7 +327,8 @@ def test_a_file_damaged_in_place_is_refused_at_open(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     """A byte changed, the size the same: a dataset up to VERIFY_ON_OPEN_BYTES is refused when
-    opened (checksums), never read as garbage; a larger one is checked by its sizes only."""
+    opened (checksums), never read as garbage; a larger one opens (its sizes checked) and the
+    read of the damaged block is refused (block digests)."""
     import guideloom.storage._local as local
 
     if kind == "stream":
@@ -346,7 +347,10 @@ def test_a_file_damaged_in_place_is_refused_at_open(
         with pytest.raises(DatasetIntegrityError, match=f"{f.path}.*does not match its checksum"):
             opener(tmp_path / "ds")
         monkeypatch.setattr(local, "VERIFY_ON_OPEN_BYTES", 0)
-        opener(tmp_path / "ds")  # over the limit: sizes only (guideloom verify checks the rest)
+        storage = opener(tmp_path / "ds")  # over the limit: sizes only, blocks when read
+        with pytest.raises(DatasetIntegrityError, match=f"{f.path}.*block 0 .*does not match its digest"):
+            storage.open_sync()  # files this small are read whole, and checked, when opened
+            storage.read_many_sync(np.arange(1, dtype=np.int64), *([1] if kind == "stream" else []))
         monkeypatch.undo()
         path.write_bytes(original)
     opener(tmp_path / "ds")

@@ -1,0 +1,321 @@
+"""Block digests: every data file cut into blocks, each with an xxh3-64 digest, checked before
+any byte of the block reaches a sample.
+
+A file's manifest entry carries ``"blocks"``: the block size and either the digests inline (hex,
+for a file of at most :data:`INLINE_BLOCKS` blocks) or the name and sha256 of a *sidecar* file
+beside it holding them (raw little-endian uint64, one per block), so a manifest stays small for
+a TiB dataset and a sidecar is read only when its file is first read. The last block of a file
+may be short; an empty file has no block.
+
+Readers check what they read block by block: a local dataset each block once per process on
+first touch (:class:`FileBlocks`, a bitmap kept per file identity), a remote read each block it
+fetches (:func:`check_range`; ranges are widened to block boundaries). The fuzzer and
+``guideloom verify`` use :func:`check_dataset_blocks`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from guideloom._errors import DatasetFormatError, DatasetIntegrityError
+
+__all__ = [
+    "BLOCK_BYTES",
+    "INLINE_BLOCKS",
+    "BlockDigests",
+    "BlockHasher",
+    "BlockMismatch",
+    "FileBlocks",
+    "block_digests",
+    "check_range",
+    "parse_blocks",
+    "sidecar_name",
+    "widen",
+]
+
+#: Default block size: 64 KiB (a block costs ~3 us to hash; see ``python -m benchmarks integrity``).
+BLOCK_BYTES: Final = 64 * 2**10
+#: Files of at most this many blocks carry their digests inline in the manifest (<= 1 KiB of hex).
+INLINE_BLOCKS: Final = 64
+#: A local read that touches an unchecked block checks the aligned group of this many blocks it
+#: lies in (1 MiB): a shuffled first epoch then leaves the per-read path after fewer misses.
+CHECK_GROUP: Final = 16
+ALGORITHM: Final = "xxh3_64"
+SIDECAR_SUFFIX: Final = ".xxh3"
+_MIN_BLOCK, _MAX_BLOCK = 4096, 2**30
+
+U64 = npt.NDArray[np.uint64]
+
+
+class BlockMismatch(Exception):
+    """A block's bytes do not match its digest (the reader names the file)."""
+
+
+def sidecar_name(path: str) -> str:
+    """The sidecar file of data file ``path``."""
+    return path + SIDECAR_SUFFIX
+
+
+def block_count(nbytes: int, size: int) -> int:
+    return -(-nbytes // size)
+
+
+def block_digests(data: Any, size: int) -> U64:
+    """The digest of each ``size``-byte block of ``data`` (bytes-like)."""
+    view = memoryview(data).cast("B")
+    out = np.empty(block_count(view.nbytes, size), dtype=np.uint64)
+    digest = xxhash.xxh3_64_intdigest
+    for i in range(len(out)):
+        out[i] = digest(view[i * size : (i + 1) * size])
+    return out
+
+
+@dataclass(frozen=True, slots=True, eq=True)
+class BlockDigests:
+    """A file's block digests as its manifest entry gives them: inline, or in a sidecar."""
+
+    size: int
+    inline: str | None = None  # hex, 16 digits a block
+    sidecar: str | None = None  # relative path of the sidecar file
+    sidecar_sha256: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"size": self.size, "algorithm": ALGORITHM}
+        if self.inline is not None:
+            out["digests"] = self.inline
+        else:
+            out["file"] = self.sidecar
+            out["sha256"] = self.sidecar_sha256
+        return out
+
+    def moved(self, prefix: str) -> BlockDigests:
+        if self.sidecar is None:
+            return self
+        return BlockDigests(self.size, None, f"{prefix}/{self.sidecar}", self.sidecar_sha256)
+
+    def inline_digests(self) -> U64 | None:
+        if self.inline is None:
+            return None
+        return np.frombuffer(bytes.fromhex(self.inline), dtype=">u8").astype(np.uint64)
+
+    def load(self, read: Callable[[str], bytes], nbytes: int, where: str) -> U64:
+        """The digests: inline, or read with ``read(sidecar path)`` and checked against the
+        sidecar's sha256 (:class:`DatasetIntegrityError` naming it when it does not match)."""
+        count = block_count(nbytes, self.size)
+        inline = self.inline_digests()
+        if inline is not None:
+            return inline
+        assert self.sidecar is not None
+        data = read(self.sidecar)
+        if len(data) != 8 * count or hashlib.sha256(data).hexdigest() != self.sidecar_sha256:
+            raise DatasetIntegrityError(
+                f"{where}: the block digests file {self.sidecar!r} does not match its checksum in the "
+                "manifest; the dataset is damaged: write or copy it again (or run `guideloom verify "
+                "--add-block-digests` after checking it)"
+            )
+        return np.frombuffer(data, dtype="<u8").astype(np.uint64)
+
+
+def make_blocks(digests: U64, size: int, sidecar_path: str) -> tuple[BlockDigests, bytes | None]:
+    """The manifest entry for ``digests``, and the sidecar's bytes where they do not go inline."""
+    if len(digests) <= INLINE_BLOCKS:
+        return BlockDigests(size, inline=digests.astype(">u8").tobytes().hex()), None
+    data = digests.astype("<u8").tobytes()
+    return BlockDigests(size, sidecar=sidecar_path, sidecar_sha256=hashlib.sha256(data).hexdigest()), data
+
+
+def parse_blocks(raw: Any, nbytes: int, *, where: str, path: str) -> BlockDigests | None:
+    """A file entry's ``"blocks"``, checked (None when absent: a dataset written without them)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or raw.get("algorithm") != ALGORITHM:
+        raise DatasetFormatError(f"{where}: 'blocks' must be an object with 'algorithm': {ALGORITHM!r}")
+    size = raw.get("size")
+    if type(size) is not int or not _MIN_BLOCK <= size <= _MAX_BLOCK or size & (size - 1):
+        raise DatasetFormatError(f"{where}: 'blocks.size' must be a power of two in [4096, 2**30]")
+    count = block_count(nbytes, size)
+    if "digests" in raw:
+        hexes = raw["digests"]
+        if not (isinstance(hexes, str) and len(hexes) == 16 * count and re.fullmatch(r"[0-9a-f]*", hexes)):
+            raise DatasetFormatError(
+                f"{where}: 'blocks.digests' must be {16 * count} lowercase hex digits ({count} blocks)"
+            )
+        return BlockDigests(size, inline=hexes)
+    side, sha = raw.get("file"), raw.get("sha256")
+    if side != sidecar_name(path):
+        raise DatasetFormatError(f"{where}: 'blocks.file' must be {sidecar_name(path)!r}")
+    if not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
+        raise DatasetFormatError(f"{where}: 'blocks.sha256' must be 64 lowercase hex digits")
+    return BlockDigests(size, sidecar=side, sidecar_sha256=sha)
+
+
+class BlockHasher:
+    """Digests of a file's blocks as its bytes stream by (the writer's)."""
+
+    def __init__(self, size: int = BLOCK_BYTES) -> None:
+        self.size = size
+        self._digests: list[int] = []
+        self._hasher = xxhash.xxh3_64()
+        self._filled = 0
+
+    def update(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        pos, size = 0, self.size
+        while pos < view.nbytes:
+            take = min(size - self._filled, view.nbytes - pos)
+            if self._filled == 0 and take == size:
+                self._digests.append(xxhash.xxh3_64_intdigest(view[pos : pos + take]))
+            else:
+                self._hasher.update(view[pos : pos + take])
+                self._filled += take
+                if self._filled == size:
+                    self._digests.append(self._hasher.intdigest())
+                    self._hasher.reset()
+                    self._filled = 0
+            pos += take
+
+    def digests(self) -> U64:
+        """Every block's digest, the last (short) block's included."""
+        out = list(self._digests)
+        if self._filled:
+            out.append(self._hasher.intdigest())
+        return np.asarray(out, dtype=np.uint64)
+
+
+def widen(start: int, end: int, size: int, nbytes: int) -> tuple[int, int]:
+    """``[start, end)`` widened to the blocks it touches (the last one may end at ``nbytes``)."""
+    if end <= start:
+        return start, end
+    return start // size * size, min(nbytes, -(-end // size) * size)
+
+
+def check_range(digests: U64, size: int, start: int, data: Any) -> None:
+    """Check bytes at ``start`` (block-aligned) of a file, whole blocks (or up to its end):
+    :class:`BlockMismatch` naming the first block that does not match."""
+    view = memoryview(data).cast("B")
+    if start % size:
+        raise BlockMismatch(f"a read at byte {start} is not aligned to the {size}-byte blocks")
+    first = start // size
+    digest = xxhash.xxh3_64_intdigest
+    for i in range(block_count(view.nbytes, size)):
+        if digest(view[i * size : (i + 1) * size]) != int(digests[first + i]):
+            lo = (first + i) * size
+            raise BlockMismatch(
+                f"block {first + i} (bytes {lo}-{lo + min(size, view.nbytes - i * size) - 1}) does not "
+                "match its digest in the manifest"
+            )
+
+
+class FileBlocks:
+    """One local file's blocks checked so far in this process (a bitmap), for one identity of
+    the file (path, size, mtime, inode): a file changed or replaced gets a new bitmap.
+
+    :meth:`ensure` checks the blocks of a byte range not checked yet, reading them with
+    ``read(start, end)``; a block once checked is not hashed again while the file is unchanged.
+    """
+
+    def __init__(self, digests: U64, size: int, nbytes: int, label: str) -> None:
+        self.digests = digests
+        self.size = size
+        self.nbytes = nbytes
+        self.label = label
+        self.checked = np.zeros(len(digests), dtype=np.bool_)
+        self.complete = len(digests) == 0
+        self._lock = threading.Lock()
+
+    def ensure(self, start: int, end: int, read: Callable[[int, int], Any]) -> None:
+        """Check the blocks of bytes ``[start, end)`` not checked yet (raises
+        :class:`DatasetIntegrityError` naming the file)."""
+        if self.complete or end <= start:
+            return
+        size = self.size
+        lo, hi = start // size, (end - 1) // size + 1
+        todo = np.flatnonzero(~self.checked[lo:hi])
+        if len(todo):
+            self._check((todo + lo).tolist(), read)
+
+    def ensure_many(self, starts: npt.NDArray[np.int64], ends: npt.NDArray[np.int64], read: Any) -> None:
+        """:meth:`ensure` for many byte ranges at once (vectorised; ranges of any length)."""
+        if self.complete or not len(starts):
+            return
+        size = self.size
+        lo = starts // size
+        hi = (np.maximum(ends, starts + 1) - 1) // size
+        checked = self.checked
+        if bool(checked[lo].all()) and bool(checked[hi].all()) and int((hi - lo).max()) <= 1:
+            return
+        span = hi - lo + 1
+        blocks = np.repeat(lo, span) + (np.arange(int(span.sum())) - np.repeat(np.cumsum(span) - span, span))
+        todo = np.unique(blocks[~checked[blocks]])
+        if len(todo):  # with the rest of their group: fewer, larger first touches
+            group = np.unique(todo // CHECK_GROUP)
+            todo = (group[:, None] * CHECK_GROUP + np.arange(CHECK_GROUP)).reshape(-1)
+            todo = todo[todo < len(checked)]
+            self._check(todo[~checked[todo]].tolist(), read)
+
+    def _check(self, blocks: list[int], read: Callable[[int, int], Any]) -> None:
+        size, digest = self.size, xxhash.xxh3_64_intdigest
+        for b in blocks:
+            lo, hi = b * size, min(self.nbytes, (b + 1) * size)
+            data = read(lo, hi)
+            if memoryview(data).nbytes != hi - lo:
+                raise DatasetIntegrityError(
+                    f"{self.label}: the file is shorter than when it was opened (it was truncated or "
+                    "replaced); open the dataset again"
+                )
+            if digest(data) != int(self.digests[b]):
+                raise DatasetIntegrityError(
+                    f"{self.label}: block {b} (bytes {lo}-{hi - 1}) does not match its digest in the "
+                    "manifest: the file was damaged or changed after the dataset was written; write or "
+                    "copy the dataset again"
+                )
+            self.checked[b] = True
+        with self._lock:
+            if not self.complete and bool(self.checked.all()):
+                self.complete = True
+
+
+#: Per-process bitmaps, by file identity and digests: shared by every open of a file.
+_FILES: dict[tuple[str, int, int, int, int, str], FileBlocks] = {}
+_FILES_LOCK = threading.Lock()
+
+
+def file_blocks(path: str, st: os.stat_result, blocks: BlockDigests, folder: Path, label: str) -> FileBlocks:
+    """The bitmap of local file ``path`` as it is now (``st``), its digests loaded (a sidecar
+    read from ``folder`` and checked) the first time."""
+    key = (
+        path,
+        st.st_size,
+        st.st_mtime_ns,
+        st.st_ino,
+        blocks.size,
+        blocks.inline or blocks.sidecar_sha256 or "",
+    )
+    with _FILES_LOCK:
+        found = _FILES.get(key)
+    if found is not None:
+        return found
+
+    def read(rel: str) -> bytes:
+        try:
+            return (folder / rel).read_bytes()
+        except FileNotFoundError:
+            raise DatasetIntegrityError(
+                f"{folder}: the block digests file {rel!r} named by the manifest is missing"
+            ) from None
+
+    digests = blocks.load(read, st.st_size, str(folder))
+    made = FileBlocks(digests, blocks.size, st.st_size, label)
+    with _FILES_LOCK:
+        return _FILES.setdefault(key, made)

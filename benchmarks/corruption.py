@@ -565,7 +565,8 @@ class Worker:
         try:
             if mode.cache and moment == "before-open":  # a cache a previous run left
                 self._epochs(data, location, options, expected, 1, None)
-                self._settle(cache, mode.cache)
+                if target == "cache":
+                    self._settle(cache, mode.cache)
             if moment in ("before-open", "before-merge"):
                 damage()
             if moment == "before-merge":
@@ -596,7 +597,7 @@ class Worker:
 
     def _settle(self, cache: Path, how: str) -> None:
         """Wait (a little) until a whole copy is complete, or a chunk cache holds a chunk."""
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 2
         while time.monotonic() < deadline:
             names = LocalPlace(cache).names()
             if how == "copy" and any(_is_manifest(n) and ".partial" not in n for n in names):

@@ -325,6 +325,7 @@ python -m benchmarks revisions --base REV  # the local workloads on two revision
 python -m benchmarks process-remote   # process workers over object storage against threads
 python -m benchmarks async-file-io    # async file reads: one thread hop a window against aiofiles
 python -m benchmarks faults           # the fault and bad-input trial's cases, as a group
+python -m benchmarks faults --trials 2000 --seed 1  # corruption fuzzing: no wrong sample delivered
 ```
 
 How it measures: every configuration runs in a fresh interpreter (torch imported before the clock

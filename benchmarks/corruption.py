@@ -105,8 +105,11 @@ TARGETS = ("data", "manifest", "part-manifest", "cache")
 def combinations(remote: set[str]) -> list[str]:
     """Every ``mode/target/kind/moment`` key a trial can be, over the places reachable here.
 
-    Left out: replacing a Parquet file before opening with no cache of it (another valid
-    Parquet file with nothing that recorded the first: a new dataset, not a damaged one), and
+    Left out, as a new dataset rather than a damaged one: replacing a Parquet file before
+    opening (another valid Parquet file, and nothing recorded the first but caches keyed by its
+    identity), and deleting one from a local folder before opening it (the folder's files are
+    the dataset: one fewer is a smaller dataset; a list of URLs names each file, so there a
+    deletion is damage); and
     ``before-merge`` outside prepared parts (and for the merged manifest, which the merge writes).
     """
     keys = []
@@ -121,8 +124,8 @@ def combinations(remote: set[str]) -> list[str]:
                     if (
                         mode.data in ("parquet", "pack")
                         and target == "data"
-                        and kind == "replace"
                         and moment == "before-open"
+                        and (kind == "replace" or (kind == "delete" and mode.place == "local"))
                     ):
                         continue
                     keys.append(f"{mode.name}/{target}/{kind}/{moment}")
@@ -154,7 +157,7 @@ def trial(seed: int, index: int, keys: list[str]) -> Trial:
 
 
 # -- the pristine data --------------------------------------------------------------------------------
-STREAM_TOKENS = 20_000
+STREAM_TOKENS = 160_000  # shards of 96 KiB: mapped (a local file above 64 KiB is not read whole at open)
 DOCUMENTS = 300
 PARQUET_ROWS = 400
 
@@ -169,7 +172,7 @@ def build_data(root: Path) -> None:
         gl.write_stream(
             root / f"stream{suffix}",
             rng.integers(0, 60_000, STREAM_TOKENS, dtype=np.uint16),
-            shard_bytes=8192,
+            shard_bytes=96 * 1024,
         )
         mine = lengths if not suffix else rng.permutation(lengths)  # the same total, other offsets
         docs = [rng.integers(0, 60_000, int(n), dtype=np.uint16) for n in mine]
@@ -437,6 +440,7 @@ class Worker:
     def __init__(self, data: Path, env: dict[str, Any]) -> None:
         self.data, self.env = data, env
         self.count = 0
+        self.told: Callable[[str], object] = lambda damage: None
         self.client: Any = None
         self.s3: dict[str, Any] = env.get("s3") or {}
         if self.s3:
@@ -482,8 +486,9 @@ class Worker:
         if data == "pack":
             return gl.StatefulDataLoader(gl.pack(storage, 32), _rows, local_batch_size=4, **common)
         if data in ("stream", "prepared"):
+            length, batch = (256, 16) if data == "stream" else (64, 8)
             return gl.StatefulDataLoader.from_storage(
-                storage, _samples, sequence_length=64, local_batch_size=8, **common
+                storage, _samples, sequence_length=length, local_batch_size=batch, **common
             )
         return gl.StatefulDataLoader.from_storage(storage, _samples, local_batch_size=8, **common)
 
@@ -543,7 +548,8 @@ class Worker:
         if mode.cache == "copy":
             options["cache_dir"] = cache
         elif mode.cache == "chunks":
-            options.update(cache_dir=cache, cache_max_bytes=16_384, cache_chunk_bytes=4096)
+            limit = 65_536 if data == "stream" else 16_384  # a part of the dataset, in 4 chunks
+            options.update(cache_dir=cache, cache_max_bytes=limit, cache_chunk_bytes=limit // 4)
         elif mode.cache == "index":
             options["cache_dir"] = cache
         expected = self.expected[data]
@@ -555,12 +561,14 @@ class Worker:
                 raise _NoTarget
             victim = files[int(rng.integers(len(files)))]
             if kind == "delete":
-                damaged.delete(victim)
                 out.damage = f"{victim}: deleted"
+                self.told(out.damage)
+                damaged.delete(victim)
                 return
             new, what = mutate(kind, damaged.read(victim), rng, twins.of(victim))
-            damaged.write(victim, new)
             out.damage = f"{victim}: {what}"
+            self.told(out.damage)  # before the write: a crash after it still says what was done
+            damaged.write(victim, new)
 
         try:
             if mode.cache and moment == "before-open":  # a cache a previous run left
@@ -652,6 +660,12 @@ def child_main(data: Path) -> None:
 
     warnings.simplefilter("ignore")
     worker = Worker(data, json.loads(os.environ["GUIDELOOM_FAULTS_ENV"]))
+
+    def told(damage: str) -> None:
+        answers.write("damage " + damage + "\n")
+        answers.flush()
+
+    worker.told = told
     answers.write("ready\n")
     answers.flush()
     for line in sys.stdin:
@@ -690,14 +704,13 @@ class Child:
 
     @staticmethod
     def _line(proc: subprocess.Popen[str], timeout: float) -> str | None:
-        """The next line the process answers, or None after ``timeout`` seconds or at its end."""
+        """The next line the process answers, ``""`` at its end, or None after ``timeout`` seconds."""
         assert proc.stdout is not None
         with selectors.DefaultSelector() as sel:
             sel.register(proc.stdout, selectors.EVENT_READ)
             if not sel.select(timeout):
                 return None
-        line = proc.stdout.readline()
-        return line.strip() if line else None
+        return proc.stdout.readline().strip()
 
     @staticmethod
     def _stop(proc: subprocess.Popen[str]) -> None:
@@ -719,19 +732,23 @@ class Child:
             self.proc.stdin.flush()
         except BrokenPipeError:
             pass
+        damage = ""
         line = self._line(self.proc, timeout)
+        while line and line.startswith("damage "):
+            damage = line[len("damage ") :]
+            line = self._line(self.proc, max(1.0, timeout - (time.perf_counter() - t0)))
         if line:
             return Outcome(**json.loads(line))
-        alive = self.proc.poll() is None
+        alive = line is None  # no answer in time; "": the process ended
         self._stop(self.proc)
         code = self.proc.returncode
         self.proc = None
         seconds = round(time.perf_counter() - t0, 3)
         if alive:
             return Outcome(
-                t.index, t.key, t.seed, "hang", detail=f"no answer after {timeout:.0f} s", seconds=seconds
+                t.index, t.key, t.seed, "hang", damage, f"no answer after {timeout:.0f} s", seconds
             )
-        return Outcome(t.index, t.key, t.seed, "crash", detail=f"the process exited {code}", seconds=seconds)
+        return Outcome(t.index, t.key, t.seed, "crash", damage, f"the process exited {code}", seconds)
 
     def close(self) -> None:
         if self.proc is not None:

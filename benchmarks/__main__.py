@@ -15,6 +15,7 @@
     python -m benchmarks process-remote            # process workers over object storage vs threads
     python -m benchmarks async-file-io             # async file reads: one thread hop a window vs aiofiles
     python -m benchmarks faults [--only WORD]      # the fault and bad-input trial's cases, as a group
+    python -m benchmarks faults --trials N --seed S # the corruption fuzzer: no wrong sample is delivered
     python -m benchmarks worker-start [--rounds 3] # process workers' start and memory vs torch's DataLoader
     python -m benchmarks worker-control [--hogs N] # collate_mode auto vs pinned, beside busy-loop processes
     python -m benchmarks gpu [--quick]             # the device copy: GB/s, overlap with compute, correctness

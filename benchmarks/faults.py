@@ -2,6 +2,12 @@
 
     python -m benchmarks faults                  # every category (a few minutes)
     python -m benchmarks faults --only close     # the categories whose name contains a word
+    python -m benchmarks faults --trials 2000 --seed 1   # the corruption fuzzer instead
+
+With any of the corruption fuzzer's options (``--trials``, ``--seed``, ``--trial``, ``--jobs``,
+``--timeout``, ``--json``, ``--list``, ``--no-s3``, ``--no-http``) the command runs that fuzzer
+(``benchmarks/corruption.py``: datasets, caches and parts damaged in every storage mode, every
+delivered batch checked against the pristine data), and ``--only`` selects its combinations.
 
 Each category is a set of the test suite's cases (real servers on 127.0.0.1, real worker
 processes), run in a pytest process of its own: replaced objects on every object-store server
@@ -79,7 +85,26 @@ def _run(cases: list[str]) -> tuple[int, int, float]:
     return passed, failed, seconds
 
 
+FUZZER_OPTIONS = (
+    "--trials",
+    "--seed",
+    "--trial",
+    "--jobs",
+    "--timeout",
+    "--json",
+    "--list",
+    "--no-s3",
+    "--no-http",
+)
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a.split("=")[0] in FUZZER_OPTIONS for a in argv):
+        from benchmarks.corruption import main as fuzz
+
+        fuzz(argv)
+        return
     ap = argparse.ArgumentParser(prog="python -m benchmarks faults", description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="run the categories whose name contains this word")
     args = ap.parse_args(argv)

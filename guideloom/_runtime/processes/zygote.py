@@ -28,9 +28,9 @@ sees the end, a port can be bound again). The number stays taken, so that an obj
 process's that a worker's collector finalises cannot close a descriptor the worker opened since.
 
 A Python whose fork server differs from the one this module knows (3.14's authenticates its
-clients) gets multiprocessing's fork server. The zygote lives as long as its pool and the workers
-it forked: closing the pool closes its end of the zygote's "alive" pipe, and the zygote exits once
-every worker has.
+clients) gets multiprocessing's fork server. The zygote lives as long as its pool: closing the pool
+(once it has stopped the workers) closes its end of the zygote's "alive" pipe, and the zygote
+exits; one that does not within a second (stopped with SIGSTOP, stuck) is killed.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import atexit
 import gc
 import io
 import os
+import signal
 import socket
 import sys
 import threading
@@ -195,10 +196,16 @@ def _close_fds_but(*keep: int) -> None:
     os.close(null)
 
 
-def close_zygote(server: forkserver.ForkServer) -> None:
+#: How long :func:`close_zygote` waits for the zygote to end before it kills it (a zygote stopped
+#: with SIGSTOP, or busy, never reads the end of its alive pipe).
+ZYGOTE_END_S = 1.0
+
+
+def close_zygote(server: forkserver.ForkServer, *, at_once: bool = False) -> None:
     """Close this process's end of the zygote's alive pipe and remove its socket: the zygote
-    exits once the workers it forked have (they hold the other ends; the pool has joined them),
-    and is reaped here, or by the next zygote's fork or at exit if it takes longer."""
+    exits at once (the pool has stopped the workers it forked). One that has not within
+    :data:`ZYGOTE_END_S` (none with ``at_once``) is killed; it is reaped here, or by the next
+    zygote's fork or at exit if that takes longer. Returns within about twice that."""
     fd = getattr(server, "_forkserver_alive_fd", None)
     if fd is not None:
         server._forkserver_alive_fd = None  # type: ignore[attr-defined]
@@ -210,15 +217,34 @@ def close_zygote(server: forkserver.ForkServer) -> None:
         except OSError:
             pass
     pid = getattr(server, "_forkserver_pid", None)
-    if pid is not None:
-        server._forkserver_pid = None  # type: ignore[attr-defined]
-        _CLOSED.append(pid)
-        deadline = time.monotonic() + 0.2  # its workers are gone: it ends at once
-        while _CLOSED and time.monotonic() < deadline:
-            _reap_closed()
-            if pid not in _CLOSED:
-                break
-            time.sleep(0.005)
+    if pid is None:
+        return
+    server._forkserver_pid = None  # type: ignore[attr-defined]
+    _CLOSED.append(pid)
+    if not at_once:
+        try:
+            os.kill(pid, signal.SIGCONT)  # a stopped zygote reads the end of its pipe, and exits
+        except OSError:
+            pass
+    if not at_once and _reaped(pid, ZYGOTE_END_S):
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    _reaped(pid, ZYGOTE_END_S)
+
+
+def _reaped(pid: int, seconds: float) -> bool:
+    """Reap closed zygotes until ``pid`` is reaped, ``seconds`` at most; whether it was."""
+    deadline = time.monotonic() + seconds
+    while True:
+        _reap_closed()
+        if pid not in _CLOSED:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
 
 
 atexit.register(_reap_closed)
@@ -277,3 +303,7 @@ class ZygoteContext(ForkServerContext):
 
     def close(self) -> None:
         close_zygote(self.server)
+
+    def kill(self) -> None:
+        """End the zygote now (it does not answer: stopped, or stuck); its workers go on."""
+        close_zygote(self.server, at_once=True)

@@ -1171,3 +1171,52 @@ def test_sigkill_of_the_main_process_during_start_up_leaves_no_segment_or_proces
     trials = [json.loads(line) for line in r.stdout.splitlines()]
     assert len(trials) == 20
     assert [t for t in trials if t["segments"] or t["processes"]] == []
+
+
+_WORKER_OUTPUT_SCRIPT = """
+import logging, os, sys
+import torch
+import guideloom as gl
+from tests.support.processes import SEQ, loader_for
+
+log = logging.getLogger("collate")  # a module-level handler, set up before the loader starts
+log.addHandler(logging.FileHandler(sys.argv[2]))
+log.propagate = False
+appended = open(sys.argv[3], "a")  # a log of the script's own
+
+def collate(samples):
+    first = int(samples[0][0]) // SEQ
+    log.warning("logged %d by %d", first, os.getpid())
+    print("printed", first, "by", os.getpid())
+    print("warned", first, "by", os.getpid(), file=sys.stderr)
+    print("appended", first, "by", os.getpid(), file=appended, flush=True)
+    return first
+
+if __name__ == "__main__":
+    with loader_for(sys.argv[1], collate, collate_mode="workers") as loader:
+        got = list(loader)
+        kind = type(loader._life.pool.ctx).__name__
+    print("main", os.getpid(), kind, len(got), flush=True)
+"""
+
+
+@ZYGOTE
+def test_what_a_collate_logs_or_prints_in_a_worker_reaches_its_file(tmp_path: Path, stream: Path) -> None:
+    """A zygote's workers keep the descriptors the main process writes its output through, as
+    torch's forked workers do: a module-level ``logging.FileHandler``'s file, a file open for
+    appending, stdout and stderr (block-buffered pipes here, flushed as the workers stop)."""
+    script = tmp_path / "output.py"
+    script.write_text(_WORKER_OUTPUT_SCRIPT)
+    logged, appended = tmp_path / "collate.log", tmp_path / "appended.log"
+    r = run_script(script, str(stream), str(logged), str(appended), buffered=True)
+    main = r.stdout.splitlines()[-1].split()
+    assert main[2:] == ["ZygoteContext", "50"]
+    for text, word in [
+        (logged.read_text(), "logged"),
+        (appended.read_text(), "appended"),
+        (r.stdout, "printed"),
+        (r.stderr, "warned"),
+    ]:
+        lines = [line.split() for line in text.splitlines() if line.startswith(word)]
+        assert sorted(int(line[1]) for line in lines) == list(range(0, 200, 4)), (word, text)
+        assert {line[3] for line in lines} - {main[1]} and main[1] not in {line[3] for line in lines}

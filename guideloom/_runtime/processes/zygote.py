@@ -20,11 +20,14 @@ any thread, safely (the zygote has one thread), and share the main process's pag
 modules included: they do not import the main script again. Where the main process has other
 threads, the pool uses multiprocessing's fork server instead (:func:`worker_context`).
 
-The zygote starts as an ``exec`` would leave it: the main process's buffered output is flushed
-before the fork (else each worker would write it again), and every descriptor the main process
-did not mark inheritable (its files, sockets, pipes, other zygotes' pipes) is pointed at
-``/dev/null`` in the zygote, so that closing one in the main process closes it (a socket's peer
-sees the end, a port can be bound again). The number stays taken, so that an object of the main
+The zygote starts much as an ``exec`` would leave it: the main process's buffered output is
+flushed before the fork (else each worker would write it again), and every descriptor the main
+process did not mark inheritable (its sockets, pipes, other zygotes' pipes, files it reads) is
+pointed at ``/dev/null`` in the zygote, so that closing one in the main process closes it (a
+socket's peer sees the end, a port can be bound again). What the main process writes its output
+through is kept, as torch's forked workers keep it: ``sys.stdout``, ``sys.stderr``, the streams
+of its logging handlers (a ``FileHandler``'s file) and the regular files it appends to, so that
+what a collate logs or prints reaches the same file. The number stays taken, so that an object of the main
 process's that a worker's collector finalises cannot close a descriptor the worker opened since.
 
 A Python whose fork server differs from the one this module knows (3.14's authenticates its
@@ -37,11 +40,13 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import fcntl
 import gc
 import io
 import os
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -130,6 +135,7 @@ def fork_zygote(preload: list[str]) -> forkserver.ForkServer:
             os.chmod(address, 0o600)
         listener.listen()
         alive_r, alive_w = os.pipe()
+        output = _output_fds()
         _reap_closed()
         util._flush_std_streams()  # type: ignore[attr-defined]  # else each worker writes it again
         with warnings.catch_warnings():
@@ -140,7 +146,7 @@ def fork_zygote(preload: list[str]) -> forkserver.ForkServer:
             code = 0
             try:
                 os.close(alive_w)
-                _close_fds_but(listener.fileno(), alive_r)
+                _close_fds_but(listener.fileno(), alive_r, *output)
                 # A fork from a coroutine: no loop runs on this thread here.
                 asyncio.events._set_running_loop(None)
                 # What the zygote holds is the workers' to share: their collections skip it
@@ -175,9 +181,38 @@ def _reap_closed() -> None:
             _CLOSED.remove(pid)
 
 
+def _output_fds() -> set[int]:
+    """The descriptors this process writes its output through, which the workers keep, as
+    torch's forked workers do: ``sys.stdout`` and ``sys.stderr`` (wherever they point) and the
+    streams of its logging handlers (a ``FileHandler``'s file)."""
+    streams: list[Any] = [sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__]
+    logging = sys.modules.get("logging")
+    if logging is not None:
+        loggers = [logging.getLogger(), *list(logging.Logger.manager.loggerDict.values())]
+        for logger in loggers:
+            for handler in getattr(logger, "handlers", ()):
+                streams.append(getattr(handler, "stream", None))
+    fds = set()
+    for stream in streams:
+        try:
+            fds.add(stream.fileno())
+        except (AttributeError, OSError, ValueError):  # None, closed, or no descriptor (StringIO)
+            pass
+    return fds
+
+
+def _appends_to_a_file(fd: int) -> bool:
+    """Whether ``fd`` is a regular file open for appending (a log a collate may write to)."""
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_APPEND)
+    except OSError:
+        return False
+
+
 def _close_fds_but(*keep: int) -> None:
     """In the zygote: close what an exec would have closed (every non-inheritable fd: the main
-    process's files, sockets, pipes, other zygotes' alive pipes), keeping 0-2 and ``keep``."""
+    process's sockets, pipes, other zygotes' alive pipes, files it reads), keeping 0-2, ``keep``
+    and the files it appends to (logs)."""
     try:
         fds = [int(x) for x in os.listdir("/proc/self/fd")]
     except OSError:
@@ -186,7 +221,7 @@ def _close_fds_but(*keep: int) -> None:
     for fd in fds:
         if fd > 2 and fd != null and fd not in keep:
             try:
-                if not os.get_inheritable(fd):
+                if not os.get_inheritable(fd) and not _appends_to_a_file(fd):
                     # dup2, not close: the file/pipe/socket is released, but the number stays
                     # taken, so a stale object of the main process's that closes it later (a
                     # cycle the GC collects in a worker) cannot close a worker's own fd

@@ -238,7 +238,11 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         """Close the dataset reader; an active iterator ends and its threads/processes stop.
 
         Persistent process workers stop too: each finishes its batch within 5 seconds or is
-        terminated.
+        terminated, then killed. Returns within 10 seconds whatever ``collate_fn``, a worker or
+        its fork server does (a collate that never returns is left running on its daemon
+        thread, with a warning). A ``next()`` (or ``async for``) blocked in another thread or
+        task ends with ``StopIteration`` (``StopAsyncIteration``); the position stays at the last
+        batch it handed out.
         """
         self._life.close(self.dataset, keep_workers=False)
 

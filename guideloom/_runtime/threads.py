@@ -67,9 +67,12 @@ class ThreadWorkerPipeline:
         self._quiet = 0  # calls left before the clock is looked at again (inline, held)
         #: Where the last delivery was collated: ``"threads"`` or ``"inline"`` (``stats()``).
         self.place = "threads"
+        #: Done once :meth:`close` ran: a ``next()`` waiting for a group in another thread ends.
+        self._closing: concurrent.futures.Future[None] = concurrent.futures.Future()
 
     def next(self) -> Delivery | None:
-        """The next batch in plan order (or the error in its place); ``None`` at the end."""
+        """The next batch in plan order (or the error in its place); ``None`` at the end, or
+        once :meth:`close` ran in another thread."""
         # Timed from one request to the next: the consumer's whole cycle, its own work included,
         # as threads that hold the GIL slow that down too (time inside next() alone misses it).
         # The reads are not counted: both modes read the same windows in this thread, and a
@@ -135,11 +138,18 @@ class ThreadWorkerPipeline:
     def _submit(self, specs: list[BatchSpec], batches: list[Any]) -> concurrent.futures.Future[Results]:
         return self._executor.submit(apply_group, self._steps, batches)
 
-    def _take(self) -> Delivery:
+    def _take(self) -> Delivery | None:
+        """The next delivery of the groups handed out; None once :meth:`close` ran in another
+        thread while this one waited (for a collate that may never return)."""
         self.place = "threads"
         groups = self._groups
         fut = groups.head_future()
         if fut is not None:
+            if not fut.done():
+                either: list[concurrent.futures.Future[Any]] = [fut, self._closing]
+                concurrent.futures.wait(either, return_when=concurrent.futures.FIRST_COMPLETED)
+            if self._closing.done():
+                return None
             groups.resolve_head(fut.result())
         d = groups.take()
         if d.error is not None:
@@ -152,7 +162,10 @@ class ThreadWorkerPipeline:
         self._source.close()
 
     def close(self) -> None:
-        """Produce nothing more; queued groups are cancelled (the owner joins the workers)."""
+        """Produce nothing more; queued groups are cancelled (the owner joins the workers), and
+        a ``next()`` waiting in another thread returns None at once."""
+        if not self._closing.done():
+            self._closing.set_result(None)
         self._end()
         for fut in self._groups.futures():
             fut.cancel()

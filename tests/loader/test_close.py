@@ -62,6 +62,72 @@ def test_close_returns_while_a_collate_hangs_and_says_which(kw: dict[str, object
     assert [b[0] for b in got] == list(range(0, 40, 8))  # the batches before the stuck one
 
 
+#: What every close must end within, whatever the collate does: the bound the loader promises.
+CLOSE_BOUND_S = 10.0
+
+
+@pytest.mark.parametrize(
+    "kw", [{"num_workers": 2}, {"num_workers": 1}, {"num_workers": 2, "prefetch": 2}, {"prefetch": 4}]
+)
+def test_a_next_blocked_on_a_hung_collate_ends_when_another_thread_closes(kw: dict[str, object]) -> None:
+    """A consumer blocked in ``next()`` on a batch whose collate never returns is released by
+    ``close()`` in another thread, with ``StopIteration`` (the iteration ends, as at the end of
+    an epoch), long before the collate returns; the position stays at the last batch it got."""
+    loader = _loader(**kw)
+    loader.open()
+    got: list[list[int]] = []
+    ended: list[float] = []
+
+    def consume() -> None:
+        got.extend(iter(loader))  # ends with StopIteration; any other exception fails the join
+        ended.append(time.monotonic())
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    time.sleep(0.5)
+    assert consumer.is_alive()  # blocked on the stuck batch
+    t0 = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="left running"):
+        loader.close()
+    consumer.join(CLOSE_BOUND_S)
+    assert ended and ended[0] - t0 < CLOSE_BOUND_S, "next() was not released by close()"
+    assert not RELEASE.is_set()
+    assert [b[0] for b in got] == list(range(0, 40, 8))
+    assert loader.state_dict()["observation_offset"] == 2 * len(got)  # batches of 2 samples
+
+
+@pytest.mark.parametrize("closer", ["aclose from another task", "close from another thread"])
+def test_an_async_for_blocked_on_a_hung_collate_ends_when_the_loader_closes(closer: str) -> None:
+    """The same for ``async for``: its ``__anext__`` ends with ``StopAsyncIteration``."""
+    loader = _loader(num_workers=2)
+    got: list[list[int]] = []
+    ended: list[float] = []
+
+    async def consume() -> None:
+        async for batch in loader:
+            got.append(batch)
+        ended.append(time.monotonic())
+
+    async def run() -> float:
+        await loader.aopen()
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.5)
+        assert not task.done()  # blocked on the stuck batch
+        t0 = time.monotonic()
+        with pytest.warns(RuntimeWarning, match="left running"):
+            if closer == "aclose from another task":
+                await loader.aclose()
+            else:
+                await asyncio.to_thread(loader.close)
+        await asyncio.wait_for(task, CLOSE_BOUND_S)
+        return t0
+
+    t0 = asyncio.run(run())
+    assert ended and ended[0] - t0 < CLOSE_BOUND_S
+    assert not RELEASE.is_set()
+    assert [b[0] for b in got] == list(range(0, 40, 8))
+
+
 def test_async_close_returns_while_a_collate_hangs() -> None:
     loader = _loader(num_workers=2)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import multiprocessing
 import os
 import signal
@@ -1065,3 +1066,157 @@ def test_async_for_reads_a_storage_not_read_by_workers_on_the_loop() -> None:
             return [batch async for batch in loader]
 
     assert asyncio.run(run()) == want
+
+
+CLOSE_WHILE_STOPPED = """
+import os, signal, sys, threading, time
+import numpy as np, torch
+import guideloom as gl
+from guideloom._runtime.processes import WorkerPool
+from tests.support.processes import ids, loader_for, stuck_forever, worker_pids
+
+def state(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return "gone"
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3].decode()
+
+def stop(pids):
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+
+def case(what, stream):
+    collate = stuck_forever if what == "hung collate" else ids
+    loader = loader_for(stream, collate, prefetch=2, collate_mode="workers")
+    begin = WorkerPool.begin
+    zygote = []
+    def begin_stopped(pool):  # the zygote stopped before it forks a single worker
+        zygote.append(pool.ctx.server._forkserver_pid)
+        stop(zygote)
+        begin(pool)
+    if what == "zygote, at the start":
+        WorkerPool.begin = begin_stopped
+    loader.open()
+    it = iter(loader)
+    got, ended = [], []
+    def consume():
+        try:
+            got.extend(it)
+            ended.append("StopIteration")
+        except Exception as exc:
+            ended.append(repr(exc))
+    consumer = threading.Thread(target=consume, daemon=True)
+    pool = loader._life.pool
+    zygote = zygote or [pool.ctx.server._forkserver_pid]
+    if what != "zygote, at the start":
+        pool.start()
+        workers = [p.proc.pid for p in pool.procs]
+        which = {"zygote": zygote, "a worker": workers[:1], "zygote and workers": zygote + workers}
+        stop(which.get(what, []))
+    else:
+        workers = []
+    consumer.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    loader.close()
+    took = time.monotonic() - t0
+    consumer.join(10)
+    released = time.monotonic() - t0
+    WorkerPool.begin = begin
+    deadline = time.monotonic() + 5
+    while any(state(pid) not in ("gone", "Z") for pid in zygote + workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [pid for pid in zygote + workers if state(pid) not in ("gone", "Z")]
+    for pid in zygote + workers:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except OSError:
+            pass
+    print(f"{what}|{took:.2f}|{released:.2f}|{consumer.is_alive()}|{ended}|{left}", flush=True)
+
+if __name__ == "__main__":
+    case(sys.argv[2], sys.argv[1])
+"""
+
+
+@ZYGOTE
+@pytest.mark.parametrize(
+    "what", ["zygote", "a worker", "zygote and workers", "zygote, at the start", "hung collate"]
+)
+def test_close_returns_within_10_s_whatever_a_worker_or_the_zygote_does(
+    tmp_path: Path, stream: Path, what: str
+) -> None:
+    """A zygote or worker stopped with SIGSTOP (from the start, or once up), or a collate that
+    never returns: ``close()`` still returns within 10 s, escalating from asking the workers to
+    stop to SIGTERM and SIGKILL, with every wait bounded; a consumer blocked in ``next()`` in
+    another thread ends; no process is left running."""
+    script = tmp_path / "stopped.py"
+    script.write_text(textwrap.dedent(CLOSE_WHILE_STOPPED))
+    out = run_script(script, str(stream), what, timeout=90).stdout.strip().splitlines()[-1]
+    name, took, released, alive, ended, left = out.split("|")
+    assert name == what
+    assert float(took) < 10.0, out
+    assert float(released) < 10.0 and alive == "False", out
+    assert ended == "['StopIteration']", out
+    assert left == "[]", out
+
+
+def test_sigkill_of_the_main_process_during_start_up_leaves_no_segment_or_process(stream: Path) -> None:
+    """20 trials: the main process killed with SIGKILL at a random moment of its workers'
+    start-up (and first batches) leaves no segment in ``/dev/shm`` and no process running."""
+    script = Path(__file__).parents[1] / "support" / "kill_at_start.py"
+    r = run_script(script, str(stream), "20", "0.6", str(os.getpid()), timeout=110)
+    trials = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(trials) == 20
+    assert [t for t in trials if t["segments"] or t["processes"]] == []
+
+
+_WORKER_OUTPUT_SCRIPT = """
+import logging, os, sys
+import torch
+import guideloom as gl
+from tests.support.processes import SEQ, loader_for
+
+log = logging.getLogger("collate")  # a module-level handler, set up before the loader starts
+log.addHandler(logging.FileHandler(sys.argv[2]))
+log.propagate = False
+appended = open(sys.argv[3], "a")  # a log of the script's own
+
+def collate(samples):
+    first = int(samples[0][0]) // SEQ
+    log.warning("logged %d by %d", first, os.getpid())
+    print("printed", first, "by", os.getpid())
+    print("warned", first, "by", os.getpid(), file=sys.stderr)
+    print("appended", first, "by", os.getpid(), file=appended, flush=True)
+    return first
+
+if __name__ == "__main__":
+    with loader_for(sys.argv[1], collate, collate_mode="workers") as loader:
+        got = list(loader)
+        kind = type(loader._life.pool.ctx).__name__
+    print("main", os.getpid(), kind, len(got), flush=True)
+"""
+
+
+@ZYGOTE
+def test_what_a_collate_logs_or_prints_in_a_worker_reaches_its_file(tmp_path: Path, stream: Path) -> None:
+    """A zygote's workers keep the descriptors the main process writes its output through, as
+    torch's forked workers do: a module-level ``logging.FileHandler``'s file, a file open for
+    appending, stdout and stderr (block-buffered pipes here, flushed as the workers stop)."""
+    script = tmp_path / "output.py"
+    script.write_text(_WORKER_OUTPUT_SCRIPT)
+    logged, appended = tmp_path / "collate.log", tmp_path / "appended.log"
+    r = run_script(script, str(stream), str(logged), str(appended), buffered=True)
+    main = r.stdout.splitlines()[-1].split()
+    assert main[2:] == ["ZygoteContext", "50"]
+    for text, word in [
+        (logged.read_text(), "logged"),
+        (appended.read_text(), "appended"),
+        (r.stdout, "printed"),
+        (r.stderr, "warned"),
+    ]:
+        lines = [line.split() for line in text.splitlines() if line.startswith(word)]
+        assert sorted(int(line[1]) for line in lines) == list(range(0, 200, 4)), (word, text)
+        assert {line[3] for line in lines} - {main[1]} and main[1] not in {line[3] for line in lines}

@@ -51,6 +51,7 @@ from guideloom._runtime.processes.shm import (
     MAX_SLOTS,
     SHM_PREFIX,
     Inputs,
+    StateSegment,
     map_segment,
     posix_shm_available,
     release,
@@ -88,6 +89,12 @@ __all__ = [
 
 #: How long ``close()`` waits for a worker to finish its batch before terminating it.
 SHUTDOWN_GRACE_S = 5.0
+#: How long ``close()`` waits for a worker to end after SIGTERM, then after SIGKILL: every wait of
+#: a close is bounded, whatever a worker or the fork server does (a stopped process, a deadlock).
+TERMINATE_S = 1.0
+#: How long ``close()`` waits for a start under way to end before it kills the workers' fork
+#: server (a stopped zygote never answers the start's fork request), then for the start again.
+START_END_S = 1.0
 #: How workers start: ``"zygote"`` (a fork server forked from this process where that is safe,
 #: multiprocessing's fork server elsewhere); ``"spawn"`` where the platform has no fork server.
 #: (The benchmark of worker start sets it to compare the methods: also ``"forkserver"``, ``"fork"``.)
@@ -154,24 +161,30 @@ class Proc:
         """Start the worker (blocking while the fork server starts, once a process)."""
         self.index = index
         self.prefix = f"{pool.token}-{index}.{gen}-"
-        state_name = f"{self.prefix}state"
-        self.state_mm = map_segment(state_name, MAX_SLOTS, create=True)
-        self.state = np.frombuffer(self.state_mm, np.uint8)
+        self.state_segment = StateSegment(f"{self.prefix}state", MAX_SLOTS)
+        self.state = np.frombuffer(self.state_segment.mm, np.uint8)
         ctx = pool.ctx
         tasks_r, self.tasks = ctx.Pipe(duplex=False)
         self.results, results_w = ctx.Pipe(duplex=False)
         self.proc: BaseProcess = ctx.Process(
             target=worker_main,
-            args=(tasks_r, results_w, pool.spec, self.prefix, state_name, pool.worker_seed(index, gen)),
+            args=(
+                tasks_r,
+                results_w,
+                pool.spec,
+                self.prefix,
+                self.state_segment,
+                pool.worker_seed(index, gen),
+            ),
             name=f"guideloom-worker-{index}",
             daemon=True,
         )
-        self.state_name = state_name
         try:
             self.proc.start()
         finally:
             tasks_r.close()
             results_w.close()
+            self.state_segment.started()
         self.fd = self.results.fileno()
         #: The session whose loop reader is on this pipe now: a session that ends removes the
         #: reader only while it is still its own (a dropped ``async for``'s pipeline may finish
@@ -188,6 +201,42 @@ class Proc:
     def send(self, msg: Task | Epoch | End | Stop) -> None:
         with self.send_lock:
             self.tasks.send(msg)
+
+    def post(self, msg: End | Stop) -> bool:
+        """Send a short message without ever blocking (a close must not wait on the pipe of a
+        stopped worker, full, or held by a send that waits on it); False if it could not go.
+        A message shorter than ``PIPE_BUF`` is written whole or not at all."""
+        if not self.send_lock.acquire(timeout=0.1):
+            return False
+        try:
+            fd = self.tasks.fileno()
+            os.set_blocking(fd, False)
+            try:
+                self.tasks.send(msg)
+            finally:
+                os.set_blocking(fd, True)
+            return True
+        except (OSError, ValueError):  # full (BlockingIOError), the worker gone, or closed
+            return False
+        finally:
+            self.send_lock.release()
+
+    def gone(self) -> bool:
+        """Whether the worker has ended: its exit status is known, or it is a zombie or no
+        process at all (a stopped fork server neither reaps its workers nor reports them)."""
+        if self.proc.exitcode is not None:
+            return True
+        pid = self.proc.pid
+        if pid is None:
+            return True
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except FileNotFoundError:
+            return os.path.isdir("/proc/self")  # no such process (where /proc tells)
+        except OSError:
+            return False
+        return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X")
 
     def describe_exit(self) -> str:
         code = self.proc.exitcode
@@ -420,7 +469,7 @@ class WorkerPool:
         except (EOFError, OSError):
             msg = None
         finally:
-            unlink(p.state_name)  # mapped by the worker by now, or it is gone
+            p.state_segment.unlink()  # mapped by the worker by now, or it is gone
         if isinstance(msg, Ready):
             p.ready = True
             os.set_blocking(p.fd, False)
@@ -433,11 +482,11 @@ class WorkerPool:
             raise WorkerError(
                 f"guideloom worker process {p.index} could not start: {type(exc).__name__}: {exc}"
             ) from exc
-        p.proc.join(5.0)
         if self._closed:
             raise WorkerError(
                 f"guideloom worker process {p.index} was stopped while starting (the loader closed)"
             )
+        _wait_gone([p], 5.0)  # its exit status, for the message
         raise WorkerError(
             f"guideloom worker process {p.index} exited while starting ({p.describe_exit()}); "
             "see its error above. Each worker process imports your main script (as "
@@ -456,38 +505,41 @@ class WorkerPool:
     def mark_dead(self, p: Proc) -> None:
         """A worker's pipe closed: reap it and remove its segments (it may have died mid-write)."""
         p.alive = False
-        p.proc.join(1.0)
+        _wait_gone([p], 1.0)
         p.inputs.close()
         sweep(p.prefix)
 
     def _discard(self, p: Proc) -> None:
         p.alive = False
-        p.proc.join(0.1)
-        if p.proc.is_alive():
+        _wait_gone([p], 0.1)
+        if not p.gone():
             p.proc.kill()
-            p.proc.join()
+            _wait_gone([p], TERMINATE_S)
         for c in (p.tasks, p.results):
             c.close()
         p.inputs.close()
         sweep(p.prefix)
 
     def _stop(self, procs: list[Proc], grace: float) -> None:
+        """Ask ``procs`` to stop after their batch, terminate those not gone within ``grace``
+        seconds, kill those not gone :data:`TERMINATE_S` later; remove their segments. Returns
+        within ``grace + 2 * TERMINATE_S`` seconds whatever the workers do (one stopped with
+        SIGSTOP, or unkillable, is left: the kernel ends it)."""
         for p in procs:
-            try:
-                p.send(Stop())
-            except (OSError, ValueError):
-                pass
-        deadline = time.monotonic() + grace
-        for p in procs:
-            p.proc.join(max(0.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.proc.is_alive():
-                p.proc.terminate()  # a collate that does not return within the grace period
-        for p in procs:
-            p.proc.join(1.0)
-            if p.proc.is_alive():
-                p.proc.kill()
-                p.proc.join()
+            p.post(Stop())
+        _wait_gone(procs, grace)
+        for signal_them in (BaseProcess.terminate, BaseProcess.kill):
+            left = [p for p in procs if not p.gone()]
+            if not left:
+                break
+            for p in left:  # a collate that has not returned within the grace period
+                try:
+                    signal_them(p.proc)
+                    if p.proc.pid is not None:
+                        os.kill(p.proc.pid, signal.SIGCONT)  # a stopped worker takes its SIGTERM
+                except OSError:
+                    pass
+            _wait_gone(left, TERMINATE_S)
         for p in procs:
             p.alive = False
             for c in (p.tasks, p.results):
@@ -510,7 +562,11 @@ class WorkerPool:
                         p.proc.kill()  # its pipe closes: the starter stops waiting for it
         try:
             if starter is not None and starter is not threading.current_thread():
-                starter.join()  # (a loader collected on the starter thread itself: not waited for)
+                # (a loader collected on the starter thread itself: not waited for)
+                starter.join(START_END_S)
+                if starter.is_alive() and isinstance(self.ctx, ZygoteContext):
+                    self.ctx.kill()  # a stopped zygote: its end ends the start's fork request
+                    starter.join(START_END_S)
             with self._lock:
                 procs = [p for p in self.procs if p is not None]
                 self.procs = [None] * self.num_workers
@@ -521,6 +577,13 @@ class WorkerPool:
             _POOLS.discard(self)
             if isinstance(self.ctx, ZygoteContext):
                 self.ctx.close()
+
+
+def _wait_gone(procs: list[Proc], seconds: float) -> None:
+    """Wait until every worker of ``procs`` has ended, ``seconds`` at most."""
+    deadline = time.monotonic() + seconds
+    while not all(p.gone() for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _running(p: Proc | None) -> bool:
@@ -562,10 +625,7 @@ class Session:
             return
         self._ended = True
         for p in self.pool.live():
-            try:
-                p.send(End(self.token))
-            except (OSError, ValueError):
-                pass
+            p.post(End(self.token))  # never blocks: a stopped worker is stopped by the close
         for gid in list(self.inputs):
             self._free_input(gid)
 

@@ -27,6 +27,7 @@ __all__ = [
     "SHM_PREFIX",
     "SharedArray",
     "SharedArrayFull",
+    "StateSegment",
     "Rebuilder",
     "Slots",
     "live_segments",
@@ -78,6 +79,67 @@ def map_segment(name: str, size: int, create: bool) -> mmap.mmap:
         return mmap.mmap(fd, size)
     finally:
         os.close(fd)
+
+
+class StateSegment:
+    """A worker's state bytes (one per slot: the main process frees a slot by clearing its
+    byte), made by the main process before the worker starts.
+
+    Where the platform has ``memfd_create`` (Linux) the segment has no name: the worker gets its
+    descriptor as it starts (pickled as multiprocessing passes a pipe), so nothing in
+    ``/dev/shm`` can outlive the main process, whatever kills it and whenever. Elsewhere it is a
+    named segment, unlinked once the worker has mapped it (:meth:`unlink`).
+    """
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name, self.size = name, size
+        memfd = getattr(os, "memfd_create", None)
+        self.fd: int | None = None
+        if memfd is None:  # pragma: no cover - Linux has memfd_create
+            self.mm = map_segment(name, size, create=True)
+            return
+        fd = memfd(name, getattr(os, "MFD_CLOEXEC", 1))
+        try:
+            os.ftruncate(fd, size)
+            self.mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        if self.fd is None:  # pragma: no cover - no memfd_create
+            return _attach_state, (self.name, self.size, None)
+        from multiprocessing.reduction import DupFd
+
+        return _attach_state, (self.name, self.size, DupFd(self.fd))
+
+    def started(self) -> None:
+        """The worker has its descriptor (it was sent as it started): close this process's."""
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def unlink(self) -> None:
+        """The worker has mapped the segment (or is gone): remove its name, if it has one."""
+        if self.fd is None and not hasattr(os, "memfd_create"):  # pragma: no cover - no memfd
+            unlink(self.name)
+
+
+def _attach_state(name: str, size: int, dup: Any) -> mmap.mmap:
+    """In the worker: map the state bytes it was sent (:class:`StateSegment`)."""
+    if dup is None:  # pragma: no cover - no memfd_create
+        return map_segment(name, size, create=False)
+    fd = dup.detach()
+    try:
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def attach_state(state: StateSegment | mmap.mmap) -> mmap.mmap:
+    """In the worker: the mapped state bytes (a fork that pickled nothing has the segment)."""
+    return state.mm if isinstance(state, StateSegment) else state
 
 
 def segment_size(nbytes: int) -> int:

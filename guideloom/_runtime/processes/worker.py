@@ -26,7 +26,7 @@ from guideloom._core.delivery import Delivery, apply
 from guideloom._core.plan import EpochPlan
 from guideloom._core.schedule import Indexes, read_window, run_async, run_sync
 from guideloom._runtime.processes.pack import GroupPack, unpack_samples
-from guideloom._runtime.processes.shm import MAX_SLOTS, Slots, map_segment
+from guideloom._runtime.processes.shm import Slots, StateSegment, attach_state, map_segment, sweep
 from guideloom._runtime.processes.wire import (
     End,
     Entry,
@@ -203,7 +203,7 @@ def worker_main(
     results: multiprocessing.connection.Connection,
     spec: bytes,
     prefix: str,
-    state_name: str,
+    state: StateSegment | mmap.mmap,
     seed: int,
 ) -> None:
     """A worker process's entry point. ``seed`` seeds its ``random``, numpy and torch generators,
@@ -215,7 +215,7 @@ def worker_main(
     worker: _Worker | None = None
     try:
         try:
-            state_mm = map_segment(state_name, MAX_SLOTS, create=False)
+            state_mm = attach_state(state)
             slots = Slots(prefix, np.frombuffer(state_mm, np.uint8))
             dataset, collate_fn = pickle.loads(spec)
             random.seed(seed)
@@ -244,6 +244,11 @@ def worker_main(
             except Exception:
                 pass
             worker.loop.close()
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the main process went away while this worker started
     finally:
         if slots is not None:
             slots.close()
+        # What the main process had not removed of this worker's segments yet (it removes each
+        # once it has mapped it, or at close()): none is left however the main process ended.
+        sweep(prefix)

@@ -20,27 +20,33 @@ any thread, safely (the zygote has one thread), and share the main process's pag
 modules included: they do not import the main script again. Where the main process has other
 threads, the pool uses multiprocessing's fork server instead (:func:`worker_context`).
 
-The zygote starts as an ``exec`` would leave it: the main process's buffered output is flushed
-before the fork (else each worker would write it again), and every descriptor the main process
-did not mark inheritable (its files, sockets, pipes, other zygotes' pipes) is pointed at
-``/dev/null`` in the zygote, so that closing one in the main process closes it (a socket's peer
-sees the end, a port can be bound again). The number stays taken, so that an object of the main
+The zygote starts much as an ``exec`` would leave it: the main process's buffered output is
+flushed before the fork (else each worker would write it again), and every descriptor the main
+process did not mark inheritable (its sockets, pipes, other zygotes' pipes, files it reads) is
+pointed at ``/dev/null`` in the zygote, so that closing one in the main process closes it (a
+socket's peer sees the end, a port can be bound again). What the main process writes its output
+through is kept, as torch's forked workers keep it: ``sys.stdout``, ``sys.stderr``, the streams
+of its logging handlers (a ``FileHandler``'s file) and the regular files it appends to, so that
+what a collate logs or prints reaches the same file. The number stays taken, so that an object of the main
 process's that a worker's collector finalises cannot close a descriptor the worker opened since.
 
 A Python whose fork server differs from the one this module knows (3.14's authenticates its
-clients) gets multiprocessing's fork server. The zygote lives as long as its pool and the workers
-it forked: closing the pool closes its end of the zygote's "alive" pipe, and the zygote exits once
-every worker has.
+clients) gets multiprocessing's fork server. The zygote lives as long as its pool: closing the pool
+(once it has stopped the workers) closes its end of the zygote's "alive" pipe, and the zygote
+exits; one that does not within a second (stopped with SIGSTOP, stuck) is killed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import fcntl
 import gc
 import io
 import os
+import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -129,6 +135,7 @@ def fork_zygote(preload: list[str]) -> forkserver.ForkServer:
             os.chmod(address, 0o600)
         listener.listen()
         alive_r, alive_w = os.pipe()
+        output = _output_fds()
         _reap_closed()
         util._flush_std_streams()  # type: ignore[attr-defined]  # else each worker writes it again
         with warnings.catch_warnings():
@@ -139,7 +146,7 @@ def fork_zygote(preload: list[str]) -> forkserver.ForkServer:
             code = 0
             try:
                 os.close(alive_w)
-                _close_fds_but(listener.fileno(), alive_r)
+                _close_fds_but(listener.fileno(), alive_r, *output)
                 # A fork from a coroutine: no loop runs on this thread here.
                 asyncio.events._set_running_loop(None)
                 # What the zygote holds is the workers' to share: their collections skip it
@@ -174,9 +181,38 @@ def _reap_closed() -> None:
             _CLOSED.remove(pid)
 
 
+def _output_fds() -> set[int]:
+    """The descriptors this process writes its output through, which the workers keep, as
+    torch's forked workers do: ``sys.stdout`` and ``sys.stderr`` (wherever they point) and the
+    streams of its logging handlers (a ``FileHandler``'s file)."""
+    streams: list[Any] = [sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__]
+    logging = sys.modules.get("logging")
+    if logging is not None:
+        loggers = [logging.getLogger(), *list(logging.Logger.manager.loggerDict.values())]
+        for logger in loggers:
+            for handler in getattr(logger, "handlers", ()):
+                streams.append(getattr(handler, "stream", None))
+    fds = set()
+    for stream in streams:
+        try:
+            fds.add(stream.fileno())
+        except (AttributeError, OSError, ValueError):  # None, closed, or no descriptor (StringIO)
+            pass
+    return fds
+
+
+def _appends_to_a_file(fd: int) -> bool:
+    """Whether ``fd`` is a regular file open for appending (a log a collate may write to)."""
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_APPEND)
+    except OSError:
+        return False
+
+
 def _close_fds_but(*keep: int) -> None:
     """In the zygote: close what an exec would have closed (every non-inheritable fd: the main
-    process's files, sockets, pipes, other zygotes' alive pipes), keeping 0-2 and ``keep``."""
+    process's sockets, pipes, other zygotes' alive pipes, files it reads), keeping 0-2, ``keep``
+    and the files it appends to (logs)."""
     try:
         fds = [int(x) for x in os.listdir("/proc/self/fd")]
     except OSError:
@@ -185,7 +221,7 @@ def _close_fds_but(*keep: int) -> None:
     for fd in fds:
         if fd > 2 and fd != null and fd not in keep:
             try:
-                if not os.get_inheritable(fd):
+                if not os.get_inheritable(fd) and not _appends_to_a_file(fd):
                     # dup2, not close: the file/pipe/socket is released, but the number stays
                     # taken, so a stale object of the main process's that closes it later (a
                     # cycle the GC collects in a worker) cannot close a worker's own fd
@@ -195,10 +231,16 @@ def _close_fds_but(*keep: int) -> None:
     os.close(null)
 
 
-def close_zygote(server: forkserver.ForkServer) -> None:
+#: How long :func:`close_zygote` waits for the zygote to end before it kills it (a zygote stopped
+#: with SIGSTOP, or busy, never reads the end of its alive pipe).
+ZYGOTE_END_S = 1.0
+
+
+def close_zygote(server: forkserver.ForkServer, *, at_once: bool = False) -> None:
     """Close this process's end of the zygote's alive pipe and remove its socket: the zygote
-    exits once the workers it forked have (they hold the other ends; the pool has joined them),
-    and is reaped here, or by the next zygote's fork or at exit if it takes longer."""
+    exits at once (the pool has stopped the workers it forked). One that has not within
+    :data:`ZYGOTE_END_S` (none with ``at_once``) is killed; it is reaped here, or by the next
+    zygote's fork or at exit if that takes longer. Returns within about twice that."""
     fd = getattr(server, "_forkserver_alive_fd", None)
     if fd is not None:
         server._forkserver_alive_fd = None  # type: ignore[attr-defined]
@@ -210,15 +252,34 @@ def close_zygote(server: forkserver.ForkServer) -> None:
         except OSError:
             pass
     pid = getattr(server, "_forkserver_pid", None)
-    if pid is not None:
-        server._forkserver_pid = None  # type: ignore[attr-defined]
-        _CLOSED.append(pid)
-        deadline = time.monotonic() + 0.2  # its workers are gone: it ends at once
-        while _CLOSED and time.monotonic() < deadline:
-            _reap_closed()
-            if pid not in _CLOSED:
-                break
-            time.sleep(0.005)
+    if pid is None:
+        return
+    server._forkserver_pid = None  # type: ignore[attr-defined]
+    _CLOSED.append(pid)
+    if not at_once:
+        try:
+            os.kill(pid, signal.SIGCONT)  # a stopped zygote reads the end of its pipe, and exits
+        except OSError:
+            pass
+    if not at_once and _reaped(pid, ZYGOTE_END_S):
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    _reaped(pid, ZYGOTE_END_S)
+
+
+def _reaped(pid: int, seconds: float) -> bool:
+    """Reap closed zygotes until ``pid`` is reaped, ``seconds`` at most; whether it was."""
+    deadline = time.monotonic() + seconds
+    while True:
+        _reap_closed()
+        if pid not in _CLOSED:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
 
 
 atexit.register(_reap_closed)
@@ -277,3 +338,7 @@ class ZygoteContext(ForkServerContext):
 
     def close(self) -> None:
         close_zygote(self.server)
+
+    def kill(self) -> None:
+        """End the zygote now (it does not answer: stopped, or stuck); its workers go on."""
+        close_zygote(self.server, at_once=True)

@@ -39,7 +39,7 @@ from guideloom.storage._objstore import (
     remote_read_error,
     retryable,
 )
-from guideloom.storage._ranges import U8, Job, Piece, fill
+from guideloom.storage._ranges import U8, Job, Piece, fill_range
 
 __all__ = [
     "BlockCheckError",
@@ -180,13 +180,16 @@ class RangeFetcher:
 
     def _read(self, store: Any, job: Job, i: int) -> Any:
         """On an I/O thread: ``job``'s range ``i``, its pieces copied out by :attr:`local` where
-        it holds them (:data:`_FILLED`), else its bytes from one checked GET (raises what it
-        raises)."""
+        it holds them (:data:`_FILLED`), else fetched by one checked GET and copied out here
+        (:data:`_FETCHED`; raises what the GET raises). Copying on this thread keeps the
+        megabytes of a job's copy off the event loop."""
         path, start, end = job.path, job.starts[i], job.ends[i]
         local = self.local
         if local is not None and local.read_into(path, start, end, job.pieces[i], job.dest):
             return _FILLED
-        return get_verified(store, path, start, end, self.versions.get(path), self.blocks)
+        data = get_verified(store, path, start, end, self.versions.get(path), self.blocks)
+        fill_range(job, i, data)
+        return _FETCHED
 
     def peak_inflight_bytes(self) -> int:
         return self._inflight.peak_bytes()
@@ -213,12 +216,11 @@ class RangeFetcher:
         while True:
             attempt += 1
             try:
-                data = await loop.run_in_executor(io_executor(), self._read, store, job, i)
-                if data is _FILLED:
-                    return data
-                self.counters.requests += 1
-                self.counters.bytes_read += end - start
-                return data
+                got = await loop.run_in_executor(io_executor(), self._read, store, job, i)
+                if got is _FETCHED:
+                    self.counters.requests += 1
+                    self.counters.bytes_read += end - start
+                return got
             except Exception as exc:
                 self.counters.requests += 1
                 delay = self.policy.delay(attempt)
@@ -245,7 +247,7 @@ class RangeFetcher:
         t0 = time.monotonic()
         path, n = job.path, len(job.starts)
         if n == 1:
-            _fill_fetched(job, [await self._get(store, job, 0, t0)])
+            await self._get(store, job, 0, t0)
             return
         loop = asyncio.get_running_loop()
         bufs = await loop.run_in_executor(io_executor(), self._run_job_sync, store, job)
@@ -255,7 +257,7 @@ class RangeFetcher:
             if got is _FILLED:
                 continue
             self.counters.requests += 1
-            if not isinstance(got, Exception):
+            if got is _FETCHED:
                 self.counters.bytes_read += job.ends[i] - job.starts[i]
                 continue
             delay = self.policy.delay(1)
@@ -267,10 +269,7 @@ class RangeFetcher:
             raise error  # outside any handler: obstore's error is not its __context__
         if retry:
             await asyncio.sleep(self.policy.delay(1))
-            again = await gather_first_error([self._get(store, job, i, t0, attempt=1) for i in retry])
-            for i, buf in zip(retry, again, strict=True):
-                bufs[i] = buf
-        _fill_fetched(job, bufs)
+            await gather_first_error([self._get(store, job, i, t0, attempt=1) for i in retry])
 
     async def run(self, store: Any, jobs: list[Job]) -> None:
         """Run ``jobs`` on ``store`` concurrently under the request and byte limits; the first
@@ -311,21 +310,10 @@ class RangeFetcher:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
 
-#: A range whose pieces were copied out locally (no GET was sent: nothing to count or fill).
+#: A range whose pieces were copied out locally (no GET was sent: nothing to count).
 _FILLED: Final = object()
-
-
-def _fill_fetched(job: Job, bufs: list[Any]) -> None:
-    """:func:`~._ranges.fill` for the ranges of ``job`` that were fetched (not :data:`_FILLED`)."""
-    fetched = [i for i, b in enumerate(bufs) if b is not _FILLED]
-    if len(fetched) == len(bufs):
-        fill(job, bufs)
-    elif fetched:
-        starts, ends = [job.starts[i] for i in fetched], [job.ends[i] for i in fetched]
-        fill(
-            Job(job.path, job.dest, starts, ends, [job.pieces[i] for i in fetched]),
-            [bufs[i] for i in fetched],
-        )
+#: A range fetched by one GET, its pieces copied out on the I/O thread.
+_FETCHED: Final = object()
 
 
 def _attempt(read: Callable[[Any, Job, int], Any], store: Any, job: Job, i: int) -> Any:

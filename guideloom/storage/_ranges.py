@@ -26,7 +26,18 @@ import numpy.typing as npt
 
 from guideloom.storage._manifest import ArraySpec
 
-__all__ = ["Job", "Layout", "Limits", "Piece", "bridged_gap", "fill", "plan", "plan_spans", "plan_windows"]
+__all__ = [
+    "Job",
+    "Layout",
+    "Limits",
+    "Piece",
+    "bridged_gap",
+    "fill",
+    "fill_range",
+    "plan",
+    "plan_spans",
+    "plan_windows",
+]
 
 Array = npt.NDArray[Any]
 I64 = npt.NDArray[np.int64]
@@ -310,10 +321,16 @@ def fill(job: Job, buffers: Sequence[Any]) -> None:
     """Copy the pieces of each fetched range (``buffers[i]`` holds ``[starts[i], ends[i])``)."""
     if len(buffers) != len(job.starts):
         raise ValueError(f"{len(buffers)} buffers for {len(job.starts)} ranges")
+    for i, buf in enumerate(buffers):
+        fill_range(job, i, buf)
+
+
+def fill_range(job: Job, i: int, buf: Any) -> None:
+    """Copy the pieces of ``job``'s range ``i`` out of its fetched bytes ``buf``."""
+    base, end = job.starts[i], job.ends[i]
+    src = np.frombuffer(memoryview(buf), dtype=np.uint8)
+    if src.nbytes != end - base:
+        raise ValueError(f"a buffer of {src.nbytes} bytes for a range of {end - base}")
     dest = job.dest
-    for buf, base, end, pieces in zip(buffers, job.starts, job.ends, job.pieces, strict=True):
-        src = np.frombuffer(memoryview(buf), dtype=np.uint8)
-        if src.nbytes != end - base:
-            raise ValueError(f"a buffer of {src.nbytes} bytes for a range of {end - base}")
-        for s, ln, off in pieces:
-            dest[off : off + ln] = src[s - base : s - base + ln]
+    for s, ln, off in job.pieces[i]:
+        dest[off : off + ln] = src[s - base : s - base + ln]

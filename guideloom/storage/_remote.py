@@ -39,6 +39,7 @@ without user information or query string, and every credential value is masked.
 from __future__ import annotations
 
 import asyncio
+import functools
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, TypeVar
@@ -54,7 +55,7 @@ from guideloom.storage._client import Remote, open_remote
 from guideloom.storage._local import LocalDocumentStorage, LocalStreamStorage
 from guideloom.storage._manifest import MANIFEST_NAME, Manifest, add_bases
 from guideloom.storage._manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
-from guideloom.storage._objstore import ReadOptions
+from guideloom.storage._objstore import ReadOptions, io_executor
 from guideloom.storage._ranges import Layout, plan_spans, plan_windows
 from guideloom.storage._sinks import ObjectSink
 from guideloom.storage.base import Rows
@@ -74,6 +75,7 @@ I64 = npt.NDArray[np.int64]
 
 # -- storages --------------------------------------------------------------------------------------
 _L = TypeVar("_L", LocalStreamStorage, LocalDocumentStorage)
+R = TypeVar("R")
 
 
 class _ObjectStorageMixin:
@@ -332,7 +334,7 @@ class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):
         n = len(starts)
         if n and (int(starts.min()) < 0 or int(starts.max()) + length > len(self)):
             raise IndexError(f"{self!r}: read_many windows must lie inside [0, {len(self)})")
-        jobs, outs = plan_windows(self._arrays, starts, length, self._remote.limits)
+        jobs, outs = await _planned(n, plan_windows, self._arrays, starts, length, self._remote.limits)
         await self._run(jobs, _key(starts) if n else None)
         for name, bases in self._bases.items():
             add_bases(outs[name], starts[:, None] + np.arange(length, dtype=np.int64), bases)
@@ -454,7 +456,7 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         )
         if bad:
             raise DatasetIntegrityError(f"{self.url}: document offsets are out of order or out of range")
-        jobs, flat, bounds = plan_spans(self._tokens, starts, stops, self._remote.limits)
+        jobs, flat, bounds = await _planned(n, plan_spans, self._tokens, starts, stops, self._remote.limits)
         await self._run(jobs, _key(indices) if n else None)
         return [flat[bounds[i] : bounds[i + 1]] for i in range(n)]
 
@@ -495,9 +497,23 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
         if len(starts) and (int(starts.min()) < 0 or int(stops.max()) > self.manifest.num_elements):
             raise IndexError(f"{self!r}: spans must lie in [0, {self.manifest.num_elements})")
-        jobs, flat, bounds = plan_spans(self._tokens, starts, stops, self._remote.limits)
+        jobs, flat, bounds = await _planned(
+            len(starts), plan_spans, self._tokens, starts, stops, self._remote.limits
+        )
         await self._run(jobs)  # through the chunk cache, when there is one
         return [flat[bounds[i] : bounds[i + 1]] for i in range(len(starts))]
+
+
+#: Reads of more samples than this are planned on an I/O thread: planning costs a few
+#: microseconds a sample, so a large window planned on the event loop would stall it.
+PLAN_INLINE_SAMPLES = 256
+
+
+async def _planned(n: int, plan: Callable[..., R], *args: Any) -> R:
+    """``plan(*args)``: inline for a small read, on an I/O thread for a large one."""
+    if n <= PLAN_INLINE_SAMPLES:
+        return plan(*args)
+    return await asyncio.get_running_loop().run_in_executor(io_executor(), functools.partial(plan, *args))
 
 
 def _key(starts: npt.NDArray[np.int64]) -> tuple[int, int, int]:

@@ -339,6 +339,38 @@ async def test_async_for_over_s3_leaves_the_event_loop_responsive(
     assert max(gaps) < 0.25, f"the loop stalled for {max(gaps):.3f}s"
 
 
+@pytest.mark.asyncio
+async def test_a_large_read_is_planned_and_copied_off_the_event_loop(
+    plain_copies: Copies, s3: MotoS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import guideloom.storage._fetch as fetch
+    import guideloom.storage._remote as remote
+
+    where: dict[str, set[int]] = {"plan": set(), "copy": set()}
+
+    def spy(name: str, fn: Any) -> Any:
+        def call(*args: Any) -> Any:
+            where[name].add(threading.get_ident())
+            return fn(*args)
+
+        return call
+
+    monkeypatch.setattr(remote, "plan_windows", spy("plan", remote.plan_windows))
+    monkeypatch.setattr(fetch, "fill_range", spy("copy", fetch.fill_range))
+    storage = guideloom.open_stream(plain_copies.s3_url, **s3.options())
+    await storage.open()
+    try:
+        n = len(plain_copies.tokens) // 100
+        starts = np.arange(0, n * 100, 100, dtype=np.int64)[: remote.PLAN_INLINE_SAMPLES * 2]
+        got = await storage.read_many(starts, 100)
+    finally:
+        await storage.close()
+    assert np.array_equal(np.asarray(got), plain_copies.tokens[starts[:, None] + np.arange(100)])
+    loop_thread = threading.get_ident()
+    assert where["plan"] and loop_thread not in where["plan"], "planned on the event loop"
+    assert where["copy"] and loop_thread not in where["copy"], "fetched bytes copied on the event loop"
+
+
 def test_state_dict_counts_only_delivered_batches(plain_copies: Copies, nginx: Nginx) -> None:
     url = f"{nginx.url}/{plain_copies.http_path}"
     full = all_batches(guideloom.open_stream(url), sequence_length=64)

@@ -430,12 +430,7 @@ def _run_task(
     record = _options_record(args, spec, files, slot.tasks)
     top = root.read(MANIFEST_NAME)
     if top is not None and not args.overwrite:
-        try:
-            is_merge = "parts" in parse_manifest(top, f"{dest}/{MANIFEST_NAME}").extra
-        except DatasetFormatError:
-            is_merge = False
-        if not is_merge:
-            raise CLIError(f"a dataset already exists at {dest!r}; pass --overwrite to replace it")
+        _refuse_another_dataset(root, dest, top, slot, record)
     if args.overwrite:  # parts of runs of another N (or of a Ray write): not this run's
         clear_parts(root, keep_tasks=slot.tasks)
     existing = root.read(f"{name}/{MANIFEST_NAME}")
@@ -481,6 +476,40 @@ def _run_task(
                 f"{dest}/{MANIFEST_NAME} ({counted(merged.num_elements, 'token', short=True)})"
             )
     return 0
+
+
+def _refuse_another_dataset(
+    root: Root, dest: str, top: bytes, slot: TaskSlot, record: Mapping[str, Any]
+) -> None:
+    """Refuse, without ``--overwrite``, a dataset at ``dest`` that this run of tasks did not make:
+    one prepared on one machine, or one merged from the parts of another run (another ``N``,
+    other options or inputs), which this task's merge would replace. A merge of this very run
+    (a rerun of its tasks) is this run's to finish."""
+    try:
+        merged = parse_manifest(top, f"{dest}/{MANIFEST_NAME}").extra.get("parts")
+    except DatasetFormatError:
+        merged = None
+    if not isinstance(merged, Mapping):
+        raise CLIError(f"a dataset already exists at {dest!r}; pass --overwrite to replace it")
+    fingerprint = merged.get("fingerprint")
+    if fingerprint is None and merged.get("tasks") == slot.tasks:  # merged before it was recorded
+        first = root.read(f"{part_folder(0, slot.tasks)}/{MANIFEST_NAME}")
+        try:
+            part = parse_manifest(first, dest).extra.get("part") if first is not None else None
+        except DatasetFormatError:
+            part = None
+        fingerprint = part.get("fingerprint") if isinstance(part, Mapping) else None
+    if merged.get("tasks") != slot.tasks or fingerprint != record["fingerprint"]:
+        parts = plural(_count(merged.get("tasks")), "part")
+        raise CLIError(
+            f"a dataset already exists at {dest!r} (merged from {parts} "
+            f"of another run: other inputs, options or number of tasks than task {slot.task} of "
+            f"{slot.tasks}); pass --overwrite to replace it"
+        )
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _all_done(root: Root, tasks: int) -> bool:

@@ -317,6 +317,9 @@ def merged_manifest(names: list[str], parts: list[Manifest], *, numbered: bool =
     if "source_files" in options:
         extra["source_files"] = options["source_files"]
     extra["parts"] = {"tasks": len(parts), "folder": PARTS}
+    record = first.extra.get("part") or {}
+    if "fingerprint" in record:  # what a task of another run is told apart by
+        extra["parts"]["fingerprint"] = record["fingerprint"]
     specs = {name: ArraySpec(first.fields[name].dtype, tuple(files)) for name, files in fields.items()}
     offsets_spec = ArraySpec(np.dtype("<i8"), tuple(offsets)) if first.offsets is not None else None
     num_documents = sum(m.num_documents for m in parts)

@@ -116,7 +116,8 @@ def test_any_number_of_tasks_writes_the_one_machine_dataset(
     assert many.get("num_documents") == one.get("num_documents")
     for key in ("documents", "tokens", "source_files"):
         assert many["info"][key] == one["info"][key]
-    assert many["info"]["parts"] == {"tasks": tasks, "folder": "parts"}
+    part0 = manifest_of(tmp / "many" / "parts" / f"part-00000-of-{tasks:05d}")["info"]["part"]
+    assert many["info"]["parts"] == {"tasks": tasks, "folder": "parts", "fingerprint": part0["fingerprint"]}
     # the merge names the parts' files where they are: no data file outside parts/
     assert sorted(p.name for p in (tmp / "many").iterdir()) == ["manifest.json", "parts"]
     assert cli("verify", tmp / "many", "--quiet").code == 0
@@ -380,3 +381,63 @@ def test_half_a_task_inside_a_slurm_array_says_so(
     monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "2")
     r = cli("prepare", corpus, "--output", tmp_path / "x", "--tasks", 2)
     assert r.code == 2 and "inside a Slurm array, name neither" in r.err and "outside" not in r.err
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        ("--task", 0, "--tasks", 1),  # another number of tasks
+        ("--task", 1, "--tasks", 3),
+        ("--task", 0, "--tasks", 2, "--dtype", "uint32"),  # the same N, other options
+        ("--task", 1, "--tasks", 2, "--kind", "documents"),
+    ],
+)
+def test_a_task_of_another_run_does_not_replace_a_merged_dataset(
+    cli: Cli, tmp_path: Path, other: tuple[Any, ...]
+) -> None:
+    corpus = write_corpus(tmp_path / "c", [("jsonl", list(range(300)))])
+    dest = tmp_path / "ds"
+    prepare_in_tasks(cli, corpus, dest, 2, "--task-size", 1024)
+    before = {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()}
+    others = write_corpus(tmp_path / "o", [("jsonl", [3, 4, 5])])
+    for inputs in (corpus, others):
+        r = cli("prepare", inputs, "--output", dest, "--task-size", 1024, *other)
+        assert r.code == 1, r
+        assert f"a dataset already exists at {str(dest)!r} (merged from 2 parts of another run" in r.err
+        assert "pass --overwrite to replace it" in r.err
+        assert {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()} == before  # nothing altered
+    # the inputs changed, the same command: another run too
+    r = cli("prepare", others, "--output", dest, "--task-size", 1024, "--task", 0, "--tasks", 2)
+    assert r.code == 1 and "of another run" in r.err
+    # a rerun of the run that made it: its parts are finished, it merges them again
+    r = cli("prepare", corpus, "--output", dest, "--task-size", 1024, "--task", 1, "--tasks", 2)
+    assert r.code == 0 and "already prepared; skipped" in r.out, r
+    assert {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()} == before
+    r = cli("prepare", others, "--output", dest, "--task-size", 1024, *other, "--overwrite", "--quiet")
+    assert r.code == 0, r
+
+
+def test_a_task_tells_its_run_by_part_0_where_the_merge_did_not_record_it(cli: Cli, tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c", [("jsonl", list(range(100)))])
+    dest = tmp_path / "ds"
+    prepare_in_tasks(cli, corpus, dest, 2, "--task-size", 1024)
+    manifest = manifest_of(dest)
+    del manifest["info"]["parts"]["fingerprint"]  # as a merge that did not record it wrote it
+    (dest / "manifest.json").write_text(json.dumps(manifest))
+    r = cli("prepare", corpus, "--output", dest, "--task-size", 1024, "--task", 0, "--tasks", 2)
+    assert r.code == 0, r
+    r = cli(
+        "prepare",
+        corpus,
+        "--output",
+        dest,
+        "--task-size",
+        1024,
+        "--task",
+        0,
+        "--tasks",
+        2,
+        "--dtype",
+        "uint32",
+    )
+    assert r.code == 1 and "of another run" in r.err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import secrets
 import sys
 import tempfile
 import time
@@ -42,6 +43,7 @@ from guideloom._core.text import plural
 from guideloom._errors import DatasetFormatError
 from guideloom.storage._api import _sink, write_documents, write_stream
 from guideloom.storage._manifest import MANIFEST_NAME, Manifest, parse_manifest
+from guideloom.storage._parts import relocated
 from guideloom.storage._writer import write_documents_to
 
 __all__ = ["add_parser", "run"]
@@ -444,18 +446,18 @@ def _run_task(
         if not args.quiet:
             print(f"{dest}/{name} is already prepared; skipped")
     else:
-        if existing is None:
-            root.clear(name)  # what an interrupted write of this part left
+        if existing is not None:  # --overwrite: the part goes now, its files once this run's is in
+            root.remove(f"{name}/{MANIFEST_NAME}")
         share = share_of(files, task_bytes=args.task_size, task=slot.task, tasks=slot.tasks)
         part = {"task": slot.task, "tasks": slot.tasks, **record}
-        manifest, counter, elapsed = prepare_files(
+        manifest, counter, elapsed = _prepare_part(
             args,
             spec,
             share,
-            root.location(name),
-            overwrite=args.overwrite,
+            root,
+            name,
+            slot,
             extra={"part": part},
-            offsets_head=True,
             desc=f"task {slot.task}/{slot.tasks}",
             on_result=on_result,
         )
@@ -476,6 +478,48 @@ def _run_task(
                 f"{dest}/{MANIFEST_NAME} ({counted(merged.num_elements, 'token', short=True)})"
             )
     return 0
+
+
+def _prepare_part(
+    args: argparse.Namespace,
+    spec: TokenizerSpec,
+    share: list[InputFile],
+    root: Root,
+    name: str,
+    slot: TaskSlot,
+    **options: Any,
+) -> tuple[Manifest, _Counter, float]:
+    """Prepare the part ``name`` so that two runs of one task at once (a requeued array element)
+    leave one whole part: each writes into a folder of its own (``name/run-<id>/``), then
+    creates the part's manifest in one atomic step that only the first to finish wins (a hard
+    link locally, a conditional PUT on an object store). The winner then removes whatever else
+    the part folder holds (what interrupted runs left); a run that loses removes its own folder
+    and fails, saying that the part is whole."""
+    run = f"run-{secrets.token_hex(6)}"
+    where = f"{name}/{MANIFEST_NAME}"
+    try:
+        manifest, counter, elapsed = prepare_files(
+            args, spec, share, root.location(f"{name}/{run}"), overwrite=False, offsets_head=True, **options
+        )
+        missing = {f.path for _, _, f in manifest.all_files()} - {
+            p.removeprefix(f"{name}/{run}/") for p in root.files(f"{name}/{run}")
+        }
+        if missing:  # removed under this run by the winner of a race it lost
+            raise DatasetFormatError(f"{len(missing)} of this run's files are gone")
+        won = root.publish(where, relocated(manifest, run).to_json_bytes())
+    except Exception:
+        if root.read(where) is None:
+            raise
+        won = False
+    if not won:
+        root.clear(f"{name}/{run}")
+        raise CLIError(
+            f"{args.output}/{name}: another run of task {slot.task} of {slot.tasks} prepared this part "
+            "at the same time and finished first; its part is whole and stays (this run's copy was "
+            "removed): nothing to do"
+        )
+    root.prune(name, run)
+    return relocated(manifest, run), counter, elapsed
 
 
 def _refuse_another_dataset(

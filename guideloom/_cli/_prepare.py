@@ -509,6 +509,8 @@ def _prepare_part(
         won = root.publish(where, relocated(manifest, run).to_json_bytes())
     except Exception:
         if root.read(where) is None:
+            with contextlib.suppress(Exception):  # this run's copy, not to be left behind
+                root.clear(f"{name}/{run}")
             raise
         won = False
     if not won:

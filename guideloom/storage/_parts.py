@@ -158,6 +158,15 @@ class _LocalRoot:
             os.link(tmp, final)  # a hard link fails where the name exists: create-only, whole
         except FileExistsError:
             return False
+        except OSError:  # a file system without hard links: an exclusive create, then the bytes
+            try:
+                fd = os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
         finally:
             tmp.unlink(missing_ok=True)
         fsync_dir(final.parent)

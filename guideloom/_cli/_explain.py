@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,6 +16,7 @@ import numpy as np
 from guideloom._cli._common import CLIError, UsageError, add_count, int_at_least, require
 from guideloom._cli._inspect import Storage, _preview, is_parquet, open_dataset
 from guideloom._cli._tokenizers import tokenizer_for_decoding
+from guideloom._core.checkpoint import _ORDER_KEYS, _check_position, _check_values
 from guideloom._core.provenance import parse_history
 from guideloom._core.text import plural
 from guideloom._datasets import DatasetAbstract, DocumentDataset, StreamDataset
@@ -99,21 +101,73 @@ def _find_state(value: Any, depth: int = 0) -> Mapping[str, Any] | None:
     return None
 
 
+_HOW = (
+    "pass the file the run saved with torch.save({..., 'loader': loader.state_dict()}) or "
+    "json.dump(loader.state_dict())"
+)
+
+
+def _load_reason(exc: Exception) -> str:
+    """What ``torch.load`` or ``json`` found wrong with a file, in a few words."""
+    text = str(exc)
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+    if found:
+        return f"it holds a Python object of {found.group(1)}, which is not unpickled: only plain values are"
+    found = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\n\n|$)", text, re.S)
+    if found:
+        text = found.group(1)
+    text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", text).split())
+    return text[:120] or type(exc).__name__
+
+
+def _read_checkpoint(file: Path) -> Any:
+    """The file's contents: JSON by its suffix, otherwise ``torch.load`` with ``weights_only``
+    (plain values only: nothing in the file is run). Anything else, a random file, a pickle of
+    other objects, a structure nested too deep to read, is a :class:`CLIError`."""
+    try:
+        if file.suffix == ".json":
+            return json.loads(file.read_text(encoding="utf-8"))
+        torch = require("torch", "reading a torch.save checkpoint")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # its warnings of a file it then refuses: the error says it
+            return torch.load(file, weights_only=True, map_location="cpu")
+    except CLIError:
+        raise
+    except RecursionError:
+        reason = "it is nested too deep to be a checkpoint"
+    except OSError as exc:
+        raise CLIError(f"--checkpoint {file}: cannot be read ({exc.strerror or exc})") from None
+    except Exception as exc:  # torch.load and json raise many kinds for a file that is neither
+        reason = _load_reason(exc)
+    kind = "a JSON file" if file.suffix == ".json" else "a torch.save file of plain values"
+    raise CLIError(f"--checkpoint {file} is not {kind} ({reason}); {_HOW}")
+
+
+def _plain(value: Any) -> Any:
+    """A one-element tensor or numpy value as its Python value; anything else as it is."""
+    numel = getattr(value, "numel", None)
+    count = numel() if callable(numel) else getattr(value, "size", None)
+    return value.item() if count == 1 and hasattr(value, "item") else value
+
+
 def _load_state(path: str) -> dict[str, Any]:
     file = Path(path)
     if not file.is_file():
         raise CLIError(f"--checkpoint {path}: no such file")
-    if file.suffix == ".json":
-        raw = json.loads(file.read_text())
-    else:
-        torch = require("torch", "reading a torch.save checkpoint")
-        raw = torch.load(file, weights_only=True, map_location="cpu")
+    raw = _read_checkpoint(file)
     state = _find_state(raw)
     if state is None:
         raise CLIError(
-            f"--checkpoint {path} holds no loader state (a dict with 'epoch' and 'observation_offset')"
+            f"--checkpoint {path} holds no loader state (a dict with 'epoch' and 'observation_offset', "
+            f"at most 6 dicts deep); {_HOW}"
         )
-    return {k: (v.item() if hasattr(v, "item") else v) for k, v in state.items()}
+    out = {str(k): _plain(v) for k, v in state.items()}
+    try:  # checked before a loader is made of them: a damaged value is named, not run into
+        _check_position(out["epoch"], out["observation_offset"])
+        _check_values(out, _ORDER_KEYS, "")
+    except ValueError as exc:
+        raise CLIError(f"--checkpoint {path}: {exc}") from None
+    return out
 
 
 def _dataset(args: argparse.Namespace, storage: Storage) -> DatasetAbstract[Any]:

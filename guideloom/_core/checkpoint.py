@@ -24,7 +24,7 @@ from typing import Any, Literal
 import numpy as np
 
 from guideloom._core.audit import Tally
-from guideloom._core.provenance import History, parse_history
+from guideloom._core.provenance import History, check_history, parse_history
 from guideloom.types import DatasetFingerprint
 
 __all__ = [
@@ -296,11 +296,7 @@ class CheckpointState:
 
 
 def restore_history(state_dict: Any, epoch: int, offset: int) -> History:
-    """The history of a checkpoint already checked by :func:`restore_position`, less what lies
-    past its position (an empty one for a checkpoint that has none)."""
-    text = state_dict.get("history", "")
-    history = parse_history(text)
-    history.segments = [
-        s for s in history.segments if s.epoch < epoch or (s.epoch == epoch and s.offset <= offset)
-    ]
-    return history
+    """The history of a checkpoint already checked by :func:`restore_position`, checked as
+    arithmetic against its position (:func:`check_history`); an empty one for a checkpoint that
+    has none. ``ValueError`` names the entry that does not add up."""
+    return check_history(parse_history(state_dict.get("history", "")), epoch, offset)

@@ -19,15 +19,29 @@ Pure: no I/O, no torch. The loader's side is :mod:`guideloom._loader.state`.
 from __future__ import annotations
 
 import bisect
+import re
 from collections.abc import Sequence
 from typing import NamedTuple
 
-__all__ = ["History", "Segment", "block", "parse_history"]
+__all__ = ["History", "Segment", "block", "check_history", "parse_history"]
 
 #: Segments a history keeps: the current epoch's and the one before it. Each is a few ints; a job
 #: changes its geometry a handful of times an epoch, so this never binds in practice, and the
 #: oldest epoch is dropped first when it does.
 MAX_SEGMENTS = 256
+#: Bounds on what one entry may hold: no run has more ranks or larger batches, and an offset of
+#: 2**62 observations is past any dataset (ints stay exact and cheap to compute with).
+MAX_WORLD_SIZE = 1 << 24
+MAX_LOCAL_BATCH_SIZE = 1 << 40
+MAX_POSITION = 1 << 62
+#: Characters a saved history can take (five fields of at most 19 digits per entry, with their
+#: separators): a longer string is refused before it is split.
+MAX_HISTORY_CHARS = MAX_SEGMENTS * 5 * 20
+_ENTRY = re.compile(r"[0-9]{1,19}(?::[0-9]{1,19}){4}", re.ASCII)
+_FIX = (
+    "pass a dict returned by StatefulDataLoader.state_dict(), or remove its 'history' key to resume "
+    "at its position without one"
+)
 
 
 class Segment(NamedTuple):
@@ -104,29 +118,116 @@ class History:
 
 
 def parse_history(text: object) -> History:
-    """A history from :meth:`History.encode`'s string; ``ValueError`` naming what is wrong."""
+    """A history from :meth:`History.encode`'s string; ``ValueError`` naming what is wrong.
+
+    Checks each entry on its own (ints, in bounds) and their order; :func:`check_history`
+    checks that they add up. A string longer than any saved history is refused before it is
+    split, so that a damaged one costs no more than a saved one.
+    """
     if not isinstance(text, str):
         raise ValueError(
             f"checkpoint 'history' must be a str, got {type(text).__name__}; pass a dict returned by "
             "StatefulDataLoader.state_dict()"
         )
+    if len(text) > MAX_HISTORY_CHARS:
+        raise ValueError(
+            f"checkpoint 'history' is {len(text):,} characters long, more than the {MAX_SEGMENTS} "
+            f"entries a loader saves can take ({MAX_HISTORY_CHARS:,}): it is damaged; {_FIX}"
+        )
+    parts = text.split(";") if text else []
+    if len(parts) > MAX_SEGMENTS:
+        raise ValueError(
+            f"checkpoint 'history' holds {len(parts):,} entries, a loader saves at most {MAX_SEGMENTS}: "
+            f"it is damaged; {_FIX}"
+        )
     segments: list[Segment] = []
-    for part in filter(None, text.split(";")):
-        fields = part.split(":")
-        try:
-            values = [int(v) for v in fields]
-        except ValueError:
-            values = []
-        if len(values) != 5 or min(values) < 0 or values[3] < 1 or values[4] < 1:
+    for i, part in enumerate(parts):
+        if not _ENTRY.fullmatch(part):
             raise ValueError(
-                f"checkpoint 'history' holds {part[:40]!r}, not 'epoch:offset:step:batch:world' "
-                "ints; pass a dict returned by StatefulDataLoader.state_dict()"
+                f"checkpoint history[{i}] is {part[:40]!r}, not 'epoch:offset:step:batch:world' "
+                f"(five ints >= 0); {_FIX}"
             )
-        segments.append(Segment(*values))
-    keys = [(s.epoch, s.offset) for s in segments]
-    if keys != sorted(keys) or len(set(keys)) != len(keys):
-        raise ValueError("checkpoint 'history' is not in order of (epoch, offset): it is damaged")
+        seg = Segment(*(int(v) for v in part.split(":")))
+        for name, lo, hi in (
+            ("epoch", 0, MAX_POSITION),
+            ("offset", 0, MAX_POSITION),
+            ("step", 0, MAX_POSITION),
+            ("local_batch_size", 1, MAX_LOCAL_BATCH_SIZE),
+            ("world_size", 1, MAX_WORLD_SIZE),
+        ):
+            value = getattr(seg, name)
+            if not lo <= value <= hi:
+                raise ValueError(
+                    f"checkpoint history[{i}].{name} is {value}, expected an int in [{lo}, {hi}]; {_FIX}"
+                )
+        if segments and (seg.epoch, seg.offset) <= (segments[-1].epoch, segments[-1].offset):
+            raise ValueError(
+                f"checkpoint history[{i}] (epoch {seg.epoch}, offset {seg.offset}) does not come after "
+                f"history[{i - 1}] (epoch {segments[-1].epoch}, offset {segments[-1].offset}): the "
+                f"entries must be in increasing order of (epoch, offset); {_FIX}"
+            )
+        segments.append(seg)
     return History(segments)
+
+
+def check_history(history: History, epoch: int, offset: int) -> History:
+    """``history`` checked as arithmetic against the position ``(epoch, offset)`` it was saved
+    at, less the epochs before ``epoch - 1`` (which no step of this position maps through).
+
+    Within an epoch, each entry's ``step`` follows from the entry before it (its step plus the
+    global batches between their offsets, which must be a whole number); the epoch's first
+    entry counts the batches of its own geometry before its offset (a resume from a checkpoint
+    without a history), except the very first entry of a full history, whose earlier entries
+    were dropped for size; and the position lies on a batch boundary of its epoch's last entry.
+    No entry lies past the position. ``ValueError`` names the entry and field, and what was
+    expected.
+    """
+    segs = history.segments
+    for i, s in enumerate(segs):
+        where = f"checkpoint history[{i}]"
+        if s.epoch > epoch or (s.epoch == epoch and s.offset > offset):
+            field = "epoch" if s.epoch > epoch else "offset"
+            raise ValueError(
+                f"{where}.{field} is {getattr(s, field)}: the entry (epoch {s.epoch}, offset {s.offset}) "
+                f"lies past the checkpoint's position (epoch {epoch}, observation_offset {offset}), "
+                f"where no run has been; {_FIX}"
+            )
+        g = s.global_batch_size
+        if i and segs[i - 1].epoch == s.epoch:
+            prev = segs[i - 1]
+            gap, pg = s.offset - prev.offset, prev.global_batch_size
+            if gap % pg:
+                raise ValueError(
+                    f"{where}.offset is {s.offset}, not on a batch boundary of history[{i - 1}]: "
+                    f"expected {prev.offset} plus a multiple of its global batch size {pg}; {_FIX}"
+                )
+            expected = prev.step + gap // pg
+            if s.step != expected:
+                raise ValueError(
+                    f"{where}.step is {s.step}, expected {expected} (history[{i - 1}].step {prev.step} plus "
+                    f"{gap // pg} global batches of {pg} from offset {prev.offset} to {s.offset}); {_FIX}"
+                )
+        elif i == 0 and len(segs) == MAX_SEGMENTS:  # earlier entries dropped: a step per observation at most
+            if s.step > s.offset or (s.step == 0) != (s.offset == 0):
+                raise ValueError(
+                    f"{where}.step is {s.step}, expected {'0' if s.offset == 0 else f'1 to {s.offset}'} "
+                    f"(a step reads at least one observation, offset {s.offset}); {_FIX}"
+                )
+        elif s.step != -(-s.offset // g):
+            raise ValueError(
+                f"{where}.step is {s.step}, expected {-(-s.offset // g)}: the first entry of epoch "
+                f"{s.epoch} counts the batches of {g} before its offset {s.offset}; {_FIX}"
+            )
+    mine = [i for i, s in enumerate(segs) if s.epoch == epoch]
+    if mine:
+        last = segs[mine[-1]]
+        if (offset - last.offset) % last.global_batch_size:
+            raise ValueError(
+                f"checkpoint observation_offset {offset} is not on a batch boundary of history[{mine[-1]}]: "
+                f"expected {last.offset} plus a multiple of its global batch size "
+                f"{last.global_batch_size}; {_FIX}"
+            )
+    return History([s for s in segs if s.epoch >= epoch - 1])
 
 
 def block(segment: Segment, step: int, rank: int, num_observations: int) -> tuple[int, int]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import re
+import secrets
 import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -24,7 +25,7 @@ from guideloom._core.text import plural
 from guideloom._errors import DatasetFormatError
 from guideloom.storage._api import local_folder
 from guideloom.storage._manifest import MANIFEST_NAME, ArraySpec, FileSpec, Manifest, parse_manifest
-from guideloom.storage._sinks import LocalSink, Sink
+from guideloom.storage._sinks import LocalSink, Sink, fsync_dir, write_synced
 
 __all__ = [
     "PARTS",
@@ -38,6 +39,7 @@ __all__ = [
     "part_folder",
     "part_manifests_in",
     "read_parts",
+    "relocated",
 ]
 
 PARTS = "parts"
@@ -88,6 +90,19 @@ class Root(Protocol):
         """A sink for the destination itself (the merged manifest)."""
         ...
 
+    def publish(self, relpath: str, data: bytes) -> bool:
+        """Create ``relpath`` holding ``data``, whole, unless it exists: one atomic step that at
+        most one of several writers at once wins. False where it existed (nothing written)."""
+        ...
+
+    def remove(self, relpath: str) -> None:
+        """Remove one file (none there: nothing to do)."""
+        ...
+
+    def prune(self, folder: str, keep: str) -> None:
+        """Remove everything in ``folder`` but its manifest and its subfolder ``keep``."""
+        ...
+
 
 class _LocalRoot:
     def __init__(self, folder: Path) -> None:
@@ -135,6 +150,44 @@ class _LocalRoot:
     def sink(self) -> Sink:
         return LocalSink(self.folder)
 
+    def publish(self, relpath: str, data: bytes) -> bool:
+        final = self.folder / relpath
+        tmp = final.with_name(f".{final.name}.{secrets.token_hex(6)}.tmp")
+        write_synced(tmp, data)
+        try:
+            os.link(tmp, final)  # a hard link fails where the name exists: create-only, whole
+        except FileExistsError:
+            return False
+        except OSError:  # a file system without hard links: an exclusive create, then the bytes
+            try:
+                fd = os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            tmp.unlink(missing_ok=True)
+        fsync_dir(final.parent)
+        return True
+
+    def remove(self, relpath: str) -> None:
+        (self.folder / relpath).unlink(missing_ok=True)
+
+    def prune(self, folder: str, keep: str) -> None:
+        try:
+            entries = list(os.scandir(self.folder / folder))
+        except FileNotFoundError:
+            return
+        for e in entries:
+            if e.name in (MANIFEST_NAME, keep):
+                continue
+            if e.is_dir(follow_symlinks=False):
+                shutil.rmtree(e.path, ignore_errors=True)
+            else:
+                Path(e.path).unlink(missing_ok=True)
+
 
 class _ObjectRoot:
     def __init__(self, url: str) -> None:
@@ -181,6 +234,29 @@ class _ObjectRoot:
 
     def sink(self) -> Sink:
         return self._sink
+
+    def publish(self, relpath: str, data: bytes) -> bool:
+        import obstore
+        from obstore.exceptions import AlreadyExistsError
+
+        try:  # a conditional PUT (If-None-Match: *): the store refuses a second one
+            obstore.put(self.store, relpath, data, mode="create", use_multipart=False)
+        except AlreadyExistsError:
+            return False
+        except Exception as exc:
+            error = self._sink.error(exc, f"cannot write {self.url}/{relpath}")
+        else:
+            return True
+        raise error
+
+    def remove(self, relpath: str) -> None:
+        self._sink._delete([relpath])
+
+    def prune(self, folder: str, keep: str) -> None:
+        mine = (f"{folder}/{MANIFEST_NAME}", f"{folder}/{keep}/")
+        self._sink._delete(
+            [p for p in self._list(folder + "/") if p != mine[0] and not p.startswith(mine[1])]
+        )
 
 
 def part_manifests_in(files: Iterable[str]) -> set[str]:
@@ -317,12 +393,24 @@ def merged_manifest(names: list[str], parts: list[Manifest], *, numbered: bool =
     if "source_files" in options:
         extra["source_files"] = options["source_files"]
     extra["parts"] = {"tasks": len(parts), "folder": PARTS}
+    record = first.extra.get("part") or {}
+    if "fingerprint" in record:  # what a task of another run is told apart by
+        extra["parts"]["fingerprint"] = record["fingerprint"]
     specs = {name: ArraySpec(first.fields[name].dtype, tuple(files)) for name, files in fields.items()}
     offsets_spec = ArraySpec(np.dtype("<i8"), tuple(offsets)) if first.offsets is not None else None
     num_documents = sum(m.num_documents for m in parts)
     return Manifest(
         kind=first.kind, fields=specs, offsets=offsets_spec, num_documents=num_documents, extra=extra
     )
+
+
+def relocated(manifest: Manifest, prefix: str) -> Manifest:
+    """``manifest`` as the folder above ``prefix`` names it: each file as ``prefix/path``."""
+    fields = {n: ArraySpec(a.dtype, tuple(_moved(a.files, prefix))) for n, a in manifest.fields.items()}
+    offsets = manifest.offsets
+    if offsets is not None:
+        offsets = ArraySpec(offsets.dtype, tuple(_moved(offsets.files, prefix)))
+    return Manifest(manifest.kind, fields, offsets, manifest.num_documents, dict(manifest.extra))
 
 
 def _check_ids_fit(first: Manifest, documents: int) -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
+import pickle
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -86,3 +89,72 @@ def test_explain_refuses_what_it_cannot_answer(tmp_path: Path, cli: Callable[...
     assert run.code == 1 and "outside epoch 0" in run.err
     run = cli("explain", tmp_path / "s", "--checkpoint", tmp_path / "none.pt", "--step", 0)
     assert run.code == 1 and "no such file" in run.err
+
+
+class _Runs:
+    """An object whose unpickling would create a file: what a checkpoint must never do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[Path]]:
+        return (Path.touch, (self.marker,))
+
+
+def _nested_pickle(depth: int) -> bytes:
+    """A torch.save file whose pickle is a list nested ``depth`` deep, written by hand (pickling
+    one would recurse as deep)."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("archive/data.pkl", b"\x80\x02" + b"]" * depth + b"a" * (depth - 1) + b".")
+        z.writestr("archive/version", "3\n")
+        z.writestr("archive/byteorder", "little")
+    return buf.getvalue()
+
+
+def test_explain_refuses_a_file_that_is_no_checkpoint_in_one_line(
+    tmp_path: Path, cli: Callable[..., Run]
+) -> None:
+    gl.write_stream(tmp_path / "s", np.arange(400, dtype=np.uint16))
+    state = {"epoch": 0, "observation_offset": 8, "shuffle": False, "shuffle_seed": None, "drop_last": True}
+    marker = tmp_path / "ran"
+    files: dict[str, tuple[bytes | str | object, str]] = {
+        "random.pt": (np.random.default_rng(0).bytes(4096), "is not a torch.save file of plain values"),
+        "objects.pt": ({"loader": state, "x": _Runs(marker)}, "holds a Python object of"),
+        "pickled.pt": (pickle.dumps({"loader": state}), "is not a torch.save file of plain values"),
+        "deep.pt": (_nested_pickle(100_000), "holds no loader state"),
+        "deep.json": ("[" * 100_000 + "]" * 100_000, "nested too deep"),
+        "deep-dict.json": ('{"a":' * 100_000 + "1" + "}" * 100_000, "nested too deep"),
+        "text.json": ("not json", "is not a JSON file"),
+        "empty.json": ("{}", "holds no loader state"),
+        "list-epoch.pt": ({"loader": {**state, "epoch": [[[[1]]]]}}, "epoch must be an int >= 0"),
+        "tensor-epoch.pt": ({"loader": {**state, "epoch": torch.arange(3)}}, "epoch must be an int >= 0"),
+        "seed.json": (
+            json.dumps({**state, "shuffle_seed": [1] * 5}),
+            "'shuffle_seed' must be an int or None",
+        ),
+        "history.json": (
+            json.dumps({**state, "history": "0:0:0:2:1;0:4:1:2:1"}),
+            r"history[1].step is 1, expected 2",
+        ),
+        "huge-history.json": (
+            json.dumps({**state, "history": ";".join(["0:0:0:1:1"] * 10**6)}),
+            "characters long, more than the 256 entries",
+        ),
+    }
+    for name, (content, message) in files.items():
+        path = tmp_path / name
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        elif isinstance(content, str):
+            path.write_text(content)
+        else:
+            torch.save(content, path)
+        run = cli("explain", tmp_path / "s", "--checkpoint", path, "--step", 0, "--sequence-length", 10)
+        assert run.code == 1, (name, run)
+        assert message in run.err and "Traceback" not in run.err, (name, run)
+        assert len(run.err.strip().splitlines()) == 1 and run.err.startswith("guideloom: error: "), (
+            name,
+            run,
+        )
+    assert not marker.exists()  # nothing in a checkpoint file is run

@@ -7,6 +7,8 @@ import gzip
 import itertools
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,9 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
+from guideloom._cli import _prepare
 from guideloom._cli._inputs import InputFile, share_of
 from guideloom._cli._parts import task_from_environment
-from tests.support.cli import Run, manifest_of
+from tests.support.cli import Run, field_of, manifest_of
 
 Cli = Callable[..., Run]
 
@@ -116,7 +119,8 @@ def test_any_number_of_tasks_writes_the_one_machine_dataset(
     assert many.get("num_documents") == one.get("num_documents")
     for key in ("documents", "tokens", "source_files"):
         assert many["info"][key] == one["info"][key]
-    assert many["info"]["parts"] == {"tasks": tasks, "folder": "parts"}
+    part0 = manifest_of(tmp / "many" / "parts" / f"part-00000-of-{tasks:05d}")["info"]["part"]
+    assert many["info"]["parts"] == {"tasks": tasks, "folder": "parts", "fingerprint": part0["fingerprint"]}
     # the merge names the parts' files where they are: no data file outside parts/
     assert sorted(p.name for p in (tmp / "many").iterdir()) == ["manifest.json", "parts"]
     assert cli("verify", tmp / "many", "--quiet").code == 0
@@ -349,7 +353,7 @@ def test_the_merge_refuses_part_manifests_whose_data_is_gone(cli: Cli, tmp_path:
     (dest / "parts" / "part-00001-of-00003" / part["fields"]["tokens"]["files"][0]["path"]).unlink()
     r = cli("prepare", "--merge", dest)
     assert r.code == 1, r
-    assert "1 data file named by the part manifests is missing (parts/part-00001-of-00003/tokens-" in r.err
+    assert "1 data file named by the part manifests is missing (parts/part-00001-of-00003/run-" in r.err
     assert (dest / "manifest.json").read_bytes() == good  # the dataset there is left as it was
 
 
@@ -380,3 +384,150 @@ def test_half_a_task_inside_a_slurm_array_says_so(
     monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "2")
     r = cli("prepare", corpus, "--output", tmp_path / "x", "--tasks", 2)
     assert r.code == 2 and "inside a Slurm array, name neither" in r.err and "outside" not in r.err
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        ("--task", 0, "--tasks", 1),  # another number of tasks
+        ("--task", 1, "--tasks", 3),
+        ("--task", 0, "--tasks", 2, "--dtype", "uint32"),  # the same N, other options
+        ("--task", 1, "--tasks", 2, "--kind", "documents"),
+    ],
+)
+def test_a_task_of_another_run_does_not_replace_a_merged_dataset(
+    cli: Cli, tmp_path: Path, other: tuple[Any, ...]
+) -> None:
+    corpus = write_corpus(tmp_path / "c", [("jsonl", list(range(300)))])
+    dest = tmp_path / "ds"
+    prepare_in_tasks(cli, corpus, dest, 2, "--task-size", 1024)
+    before = {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()}
+    others = write_corpus(tmp_path / "o", [("jsonl", [3, 4, 5])])
+    for inputs in (corpus, others):
+        r = cli("prepare", inputs, "--output", dest, "--task-size", 1024, *other)
+        assert r.code == 1, r
+        assert f"a dataset already exists at {str(dest)!r} (merged from 2 parts of another run" in r.err
+        assert "pass --overwrite to replace it" in r.err
+        assert {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()} == before  # nothing altered
+    # the inputs changed, the same command: another run too
+    r = cli("prepare", others, "--output", dest, "--task-size", 1024, "--task", 0, "--tasks", 2)
+    assert r.code == 1 and "of another run" in r.err
+    # a rerun of the run that made it: its parts are finished, it merges them again
+    r = cli("prepare", corpus, "--output", dest, "--task-size", 1024, "--task", 1, "--tasks", 2)
+    assert r.code == 0 and "already prepared; skipped" in r.out, r
+    assert {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()} == before
+    r = cli("prepare", others, "--output", dest, "--task-size", 1024, *other, "--overwrite", "--quiet")
+    assert r.code == 0, r
+
+
+def test_a_task_tells_its_run_by_part_0_where_the_merge_did_not_record_it(cli: Cli, tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c", [("jsonl", list(range(100)))])
+    dest = tmp_path / "ds"
+    prepare_in_tasks(cli, corpus, dest, 2, "--task-size", 1024)
+    manifest = manifest_of(dest)
+    del manifest["info"]["parts"]["fingerprint"]  # as a merge that did not record it wrote it
+    (dest / "manifest.json").write_text(json.dumps(manifest))
+    r = cli("prepare", corpus, "--output", dest, "--task-size", 1024, "--task", 0, "--tasks", 2)
+    assert r.code == 0, r
+    r = cli(
+        "prepare",
+        corpus,
+        "--output",
+        dest,
+        "--task-size",
+        1024,
+        "--task",
+        0,
+        "--tasks",
+        2,
+        "--dtype",
+        "uint32",
+    )
+    assert r.code == 1 and "of another run" in r.err
+
+
+def race(corpus: Path, dest: Path | str, runs: int, env: dict[str, str] | None = None) -> list[Any]:
+    """``runs`` processes of the same task (task 0 of 2) started at once, as a requeued array
+    element runs beside the one still running: their exit codes and output."""
+    cmd = [sys.executable, "-m", "guideloom", "prepare", str(corpus), "--output", str(dest)]
+    cmd += ["--task", "0", "--tasks", "2", "--task-size", "64KiB"]
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(Path(__file__).parents[2])}
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for _ in range(runs)
+    ]
+    return [(p.wait(timeout=100), *p.communicate()) for p in procs]
+
+
+def check_race(results: list[Any], dest: Path | str) -> None:
+    """At most one run prepared the part; each other one either failed saying another run
+    finished it first, or started after it was finished and skipped it."""
+    prepared = [r for r in results if r[0] == 0 and "already prepared; skipped" not in r[1]]
+    assert len(prepared) <= 1, results
+    for code, _out, err in results:
+        if code != 0:
+            assert code == 1 and "another run of task 0 of 2 prepared this part at the same time" in err, (
+                results
+            )
+            assert err.count("\n") == 1 and "Traceback" not in err, results
+    assert any(code == 0 for code, _, _ in results), results  # someone prepared the part
+
+
+@pytest.mark.slow
+def test_runs_of_one_task_at_once_leave_one_whole_part(cli: Cli, tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c", [("jsonl", [n % 4000 for n in range(0, 6_000_000, 3001)])] * 3)
+    assert cli("prepare", corpus, "--output", tmp_path / "one", "--quiet", "--task-size", "64KiB").code == 0
+    raced = 0
+    for round in range(8):  # until runs met in the act at least once (most rounds they do)
+        dest = tmp_path / f"ds{round}"
+        results = race(corpus, dest, 3)
+        check_race(results, dest)
+        raced += any(code != 0 for code, _, _ in results)
+        part = dest / "parts" / "part-00000-of-00002"
+        winner = manifest_of(part)["fields"]["tokens"]["files"][0]["path"].split("/")[0]
+        assert sorted(p.name for p in part.iterdir()) == ["manifest.json", winner]  # losers' copies gone
+        r = cli("prepare", corpus, "--output", dest, "--task", 1, "--tasks", 2, "--task-size", "64KiB", "-q")
+        assert r.code == 0, r
+        assert cli("verify", dest, "--quiet").code == 0
+        assert np.array_equal(field_of(dest), field_of(tmp_path / "one"))
+        if raced and round >= 1:
+            break
+    assert raced
+
+
+def test_a_run_that_finishes_second_removes_its_copy_and_fails(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    corpus = write_corpus(tmp_path / "c", [("jsonl", list(range(300)))])
+    dest = tmp_path / "ds"
+    command = ("prepare", corpus, "--output", dest, "--task", 0, "--tasks", 2, "--task-size", 1024)
+    original = _prepare.prepare_files
+    other: list[Run] = []
+    racing: list[bool] = []
+
+    def first_another_run(*args: Any, **kwargs: Any) -> Any:
+        made = original(*args, **kwargs)
+        if not racing:  # while this run writes, another run of the task does the whole task
+            racing.append(True)
+            other.append(cli(*command, "--quiet"))
+        return made
+
+    monkeypatch.setattr(_prepare, "prepare_files", first_another_run)
+    r = cli(*command)
+    assert other[0].code == 0, other
+    assert r.code == 1 and "another run of task 0 of 2 prepared this part at the same time" in r.err, r
+    part = dest / "parts" / "part-00000-of-00002"
+    winner = manifest_of(part)["fields"]["tokens"]["files"][0]["path"].split("/")[0]
+    assert sorted(p.name for p in part.iterdir()) == ["manifest.json", winner]
+    # also with --overwrite: the part the other run left stays whole
+    other.clear()
+    racing.clear()
+    r = cli(*command, "--overwrite")
+    assert r.code == 1 and "finished first" in r.err, r
+    assert other[0].code == 0, other
+    again = manifest_of(part)["fields"]["tokens"]["files"][0]["path"].split("/")[0]
+    assert again != winner and sorted(p.name for p in part.iterdir()) == ["manifest.json", again]
+    assert cli(*command[:-4], "--task", 1, "--tasks", 2, "--task-size", 1024, "-q").code == 0
+    assert cli("verify", dest, "--quiet").code == 0
+    assert cli("prepare", corpus, "--output", tmp_path / "one", "--task-size", 1024, "-q").code == 0
+    assert samples(dest, "stream") == samples(tmp_path / "one", "stream")

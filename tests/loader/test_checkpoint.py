@@ -287,3 +287,25 @@ def test_checkpoint_round_trips_through_torch_save_weights_only(tmp_path: Any) -
     with make(identity_stream(400), local_batch_size=10) as b:
         b.load_state_dict(state)
         assert next(iter(b)) == list(range(10, 20))
+
+
+def test_a_history_that_does_not_add_up_is_refused_by_load_state_dict() -> None:
+    with make(identity_stream(50), local_batch_size=2) as first:
+        take(first, 5)
+        saved = first.state_dict()
+    with make(identity_stream(50), local_batch_size=4) as second:
+        second.load_state_dict(saved)
+        take(second, 1)
+        state = second.state_dict()
+    assert state["history"] == "0:0:0:2:1;0:10:5:4:1"
+    for history, match in (
+        ("0:0:0:2:1;0:10:3:4:1", r"history\[1\]\.step is 3, expected 5"),  # a step going 5 -> 3
+        ("0:0:0:2:1;0:9:5:4:1", r"history\[1\]\.offset is 9, not on a batch boundary"),
+        ("0:0:0:2:1000000000000000000;0:10:5:4:1", r"history\[0\]\.world_size is 10+, expected an int"),
+    ):
+        with make(identity_stream(50), local_batch_size=4) as loader, pytest.raises(ValueError, match=match):
+            loader.load_state_dict({**state, "history": history})
+    with make(identity_stream(50), local_batch_size=4) as resumed:
+        resumed.load_state_dict(state)
+        assert resumed.state_dict() == state
+        assert [x["index"] for x in resumed.explain(4)] == [8, 9]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from guideloom._cli import main
-from tests.cli.test_prepare_tasks import samples, write_corpus
+from tests.cli.test_prepare_tasks import check_race, race, samples, write_corpus
 from tests.support.remote import BUCKET, unique
 from tests.support.servers import MotoS3
 
@@ -60,7 +60,11 @@ def test_an_overwrite_removes_the_parts_it_replaces(
     def folders() -> set[str]:
         listing = s3.client().get_paginator("list_objects_v2")
         pages = listing.paginate(Bucket=BUCKET, Prefix=f"{prefix}/parts/")
-        return {o["Key"].split("/")[-2] for page in pages for o in page.get("Contents", [])}
+        return {
+            o["Key"].split("/")[-3 if "/run-" in o["Key"] else -2]
+            for page in pages
+            for o in page.get("Contents", [])
+        }
 
     run = ["prepare", str(corpus), "--output", url, "--task-size", "1024", "-q"]
     for i in range(3):
@@ -77,3 +81,52 @@ def test_an_overwrite_removes_the_parts_it_replaces(
     assert main(["prepare", "--merge", url]) == 1
     assert "holds no prepared parts" in capsys.readouterr().err
     assert main(["verify", url, "--quiet"]) == 0
+
+
+def test_runs_of_one_task_at_once_leave_one_whole_part_in_a_bucket(s3: MotoS3, tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c", [("jsonl", [n % 4000 for n in range(0, 3_000_000, 3001)])] * 2)
+    assert (
+        main(["prepare", str(corpus), "--output", str(tmp_path / "one"), "-q", "--task-size", "64KiB"]) == 0
+    )
+    raced = 0
+    for round in range(8):  # until runs met in the act at least once
+        url = f"s3://{BUCKET}/{unique('race')}"
+        results = race(corpus, url, 3, env=s3.env())
+        check_race(results, url)
+        raced += any(code != 0 for code, _, _ in results)
+        prefix = url.split("/", 3)[3]
+        listing = s3.client().list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/parts/")
+        keys = {o["Key"][len(prefix) + 1 :] for o in listing.get("Contents", [])}
+        part = json.loads(
+            s3.client()
+            .get_object(Bucket=BUCKET, Key=f"{prefix}/parts/part-00000-of-00002/manifest.json")["Body"]
+            .read()
+        )
+        named = {f"parts/part-00000-of-00002/{f['path']}" for f in part["fields"]["tokens"]["files"]}
+        winner = next(iter(named)).split("/")[2]
+        # the winner's files, its manifest and its run's own: the losers' copies are gone
+        assert keys - named == {
+            "parts/part-00000-of-00002/manifest.json",
+            f"parts/part-00000-of-00002/{winner}/manifest.json",
+        }
+        task1 = [
+            "prepare",
+            str(corpus),
+            "--output",
+            url,
+            "--task",
+            "1",
+            "--tasks",
+            "2",
+            "--task-size",
+            "64KiB",
+        ]
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in s3.env().items():
+                mp.setenv(k, v)
+            assert main([*task1, "-q"]) == 0
+            assert main(["verify", url, "--quiet"]) == 0
+            assert samples(url, "stream", window=10**9) == samples(tmp_path / "one", "stream", window=10**9)
+        if raced and round >= 1:
+            break
+    assert raced

@@ -89,7 +89,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _find_state(value: Any, depth: int = 0) -> Mapping[str, Any] | None:
-    """The first dict holding ``observation_offset`` and ``epoch``, breadth first."""
+    """The first dict holding ``observation_offset`` and ``epoch``, depth first, at most 6 levels down."""
     if not isinstance(value, Mapping) or depth > 6:
         return None
     if "observation_offset" in value and "epoch" in value:

@@ -158,7 +158,7 @@ def restore_position(
     fp = current.fingerprint
     saved_fp = state_dict.get("dataset")
     matches = False
-    # No fingerprint (the reference page's five keys, or a checkpoint of guideloom before 0.2):
+    # No fingerprint (a checkpoint of the five position and order keys alone):
     # it loads as it is, without a warning; only the offset can be checked.
     if saved_fp is not None:
         if not isinstance(saved_fp, Mapping):

@@ -540,7 +540,10 @@ class WorkerPool:
                 except OSError:
                     pass
             _wait_gone(left, TERMINATE_S)
+        reap_by = time.monotonic() + TERMINATE_S
         for p in procs:
+            if p.gone():  # collect its exit status (a child of this process is then no zombie)
+                p.proc.join(max(0.0, reap_by - time.monotonic()))
             p.alive = False
             for c in (p.tasks, p.results):
                 c.close()

@@ -10,7 +10,7 @@ may be short; an empty file has no block.
 Readers check what they read block by block: a local dataset each block once per process on
 first touch (:class:`FileBlocks`, a bitmap kept per file identity), a remote read each block it
 fetches (:func:`check_range`; ranges are widened to block boundaries). The fuzzer and
-``guideloom verify`` use :func:`check_dataset_blocks`.
+``guideloom verify`` use :func:`guideloom.storage._api.check_dataset_blocks`.
 """
 
 from __future__ import annotations

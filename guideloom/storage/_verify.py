@@ -2,8 +2,9 @@
 digests to a dataset written without them.
 
 One pass over each file computes both its sha256 and its block digests. :func:`verify_files`
-is the core of ``verify_dataset`` (``guideloom verify``); :func:`check_dataset_blocks` is the
-small internal API that tools (a corruption fuzzer) call to check a dataset's block digests.
+is the core of ``verify_dataset`` (``guideloom verify``) and of
+:func:`guideloom.storage._api.check_dataset_blocks`, the small internal API that tools (a
+corruption fuzzer) call to check a dataset's block digests.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from guideloom._errors import DatasetIntegrityError
 from guideloom.storage._blocks import BLOCK_BYTES, BlockHasher, make_blocks, sidecar_name
 from guideloom.storage._manifest import MANIFEST_NAME, ArraySpec, FileSpec, Manifest
 
-__all__ = ["check_dataset_blocks", "verify_files"]
+__all__ = ["verify_files", "verify_local"]
 
 #: ``chunks(path)``: a data file's bytes in order; ``read(path)``: a small file whole.
 Chunks = Callable[[str], Iterator[Any]]
@@ -140,22 +141,3 @@ def verify_local(
     os.replace(tmp, folder / MANIFEST_NAME)
     fsync_dir(folder)
     return added
-
-
-def check_dataset_blocks(source: str | os.PathLike[str], **options: Any) -> int:
-    """Check every block of every data file of a dataset (a folder or URL) against its digest,
-    sidecars included; returns the number of blocks checked. :class:`DatasetIntegrityError`
-    names the first file and block that does not match; a file without block digests is
-    checked by its sha256 instead. The internal API a corruption fuzzer relies on."""
-    from guideloom.storage._api import _folder_or_remote, _remote
-
-    folder = _folder_or_remote(source, options)
-    if folder is None:
-        manifest = _remote().verify_dataset(str(source), sha256=False, **options)
-    else:
-        from guideloom.storage._local import read_local_manifest
-
-        manifest = verify_local(folder, read_local_manifest(folder), sha256=False)
-    return sum(
-        -(-f.nbytes // f.blocks.size) if f.blocks is not None else 0 for _, _, f in manifest.all_files()
-    )

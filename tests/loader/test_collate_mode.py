@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from guideloom._runtime.runners import ProcessRunner, ThreadRunner
+from guideloom._runtime.executors import Threads
 from tests.support.data import identity_stream
 from tests.support.loader import guideloom_threads, make, take
 from tests.support.processes import worker_pids
@@ -66,7 +66,7 @@ def test_pinned_workers_collate_every_batch_on_the_threads() -> None:
     loader = make(identity_stream(200), num_workers=2, prefetch=2, collate_mode="workers", **kw)
     with loader:
         it = iter(loader)
-        assert isinstance(it._runner, ThreadRunner)
+        assert isinstance(it._driver.flow.workers, Threads)
         got = list(it)
     assert ids_of(got) == expected
     assert all(b["thread"].startswith("guideloom-collate") for b in got)
@@ -139,7 +139,7 @@ def test_process_workers_pinned_or_measured(mode: str, request: pytest.FixtureRe
     with loader:
         it = iter(loader)
         if mode == "inline":
-            assert not isinstance(it._runner, ProcessRunner)
+            assert it._driver.procs is None
         got = list(it)
         if mode == "inline":
             assert worker_pids() == set()  # none was started

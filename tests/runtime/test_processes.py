@@ -33,7 +33,6 @@ from hypothesis import strategies as st
 import guideloom as gl
 from guideloom._runtime.processes import SHUTDOWN_GRACE_S, RemoteTraceback, live_segments
 from guideloom._runtime.processes.zygote import _SERVER_ATTRS
-from guideloom._runtime.runners import ProcessRunner
 from tests.support.loader import take
 from tests.support.processes import (
     HELD,
@@ -79,8 +78,8 @@ def test_workers_are_forked_from_a_fork_server_that_preloads_torch(
     monkeypatch.setattr(pool_module, "fork_is_safe", lambda: False)
     with loader_for(stream, collated_where) as loader:
         it = iter(loader)
-        assert isinstance(it._runner, ProcessRunner)
-        pool = it._runner._workers.pool
+        assert it._driver.procs is not None
+        pool = it._driver.procs.pool
         assert pool.ctx.get_start_method() == "forkserver"
         batch = next(it)
         pids = worker_pids()
@@ -417,7 +416,7 @@ def test_the_workers_and_their_shared_memory_are_gone_after_interpreter_exit(
                 loader.open()
                 it = iter(loader)
                 next(it)
-                pool = it._runner._workers.pool
+                pool = it._driver.procs.pool
                 pool.start()  # the workers are up
                 kept = [next(it) for _ in range(5)]
                 pids = [p.proc.pid for p in pool.procs]
@@ -814,16 +813,16 @@ def test_batches_equal_num_workers_0_for_each_group_size(
     )
     with loader:
         it = iter(loader)
-        assert isinstance(it._runner, ProcessRunner)
-        run = it._runner._run
+        assert it._driver.procs is not None
+        run = it._driver
         got = [next(it)]
         assert run.flow.group == group
-        token = run.session.pool.token  # this pool's segments (other tests may run meanwhile)
+        token = run.procs.pool.token  # this pool's segments (other tests may run meanwhile)
         owner = got[0]["array"]
         while isinstance(owner, np.ndarray):
             owner = owner.base
         assert isinstance(owner, ctypes.Array)  # a view of a shared-memory slot, not a copy
-        assert run.ahead <= prefetch + workers + 1  # the channel's credits, as on the loop
+        assert run.flow.ahead <= prefetch + workers + 1  # the consumer's credits
         assert loop_threads() == []  # no event loop between the workers and the consumer
         got.extend(it)
         assert len(got) == len(expected)
@@ -870,8 +869,8 @@ def test_close_from_another_thread_ends_a_blocked_next(stream: Path) -> None:
     with loader:
         it = iter(loader)
         next(it)
-        assert isinstance(it._runner, ProcessRunner)
-        token = it._runner._run.session.pool.token
+        assert it._driver.procs is not None
+        token = it._driver.procs.pool.token
         timer = threading.Timer(0.05, it.close)
         timer.start()
         t0 = time.monotonic()
@@ -909,10 +908,10 @@ def test_a_batch_that_is_one_array_travels_unpickled_and_a_group_shares_one_slot
         expected = take(inline)
     with loader_for(stream, collate, prefetch=14, shuffle=True, shuffle_seed=2) as loader:
         it = iter(loader)
-        assert isinstance(it._runner, ProcessRunner)
+        assert it._driver.procs is not None
         got = list(it)
-        assert it._runner._run.flow.group == 4
-        token = it._runner._run.session.pool.token
+        assert it._driver.flow.group == 4
+        token = it._driver.procs.pool.token
     assert len(got) == len(expected)
     for a, b in zip(got, expected, strict=True):
         assert_same(a, b)
@@ -933,10 +932,8 @@ def test_a_batch_that_is_one_array_travels_unpickled_and_a_group_shares_one_slot
     assert live_segments(token) == []
 
 
-def test_batches_for_a_device_keep_the_loop_thread_that_overlaps_the_copy(stream: Path) -> None:
-    """To a device, the copy runs on the loop thread's mover, overlapped with the next batch
-    (``meta`` stands in for an accelerator here), not in the consumer's thread after each batch."""
-    from guideloom._runtime.runners import LoopThreadRunner
+def test_batches_for_a_device_are_copied_there(stream: Path) -> None:
+    """Batches for a device are copied there (``meta`` stands in for an accelerator here)."""
 
     loader = gl.StatefulDataLoader.from_storage(
         gl.open_stream(stream), as_int64, sequence_length=SEQ, local_batch_size=4, num_workers=2,
@@ -944,7 +941,6 @@ def test_batches_for_a_device_keep_the_loop_thread_that_overlaps_the_copy(stream
     )  # fmt: skip
     with loader:
         it = iter(loader)
-        assert isinstance(it._runner, LoopThreadRunner)
         batch = next(it)
         assert batch.device.type == "meta" and batch.shape[0] == 4
         it.close()
@@ -1023,9 +1019,9 @@ def test_a_storage_not_read_by_workers_is_read_here_and_collated_there(
     )
     with loader:
         it = iter(loader)
-        assert isinstance(it._runner, ProcessRunner)
+        assert it._driver.procs is not None
         got = [next(it)]
-        assert it._runner._run.flow.read is not None and it._runner._run.flow.group == group
+        assert not it._driver.procs.reads_itself and it._driver.flow.group == group
         got.extend(it)
         assert loader.stats()["collated_processes"] == len(want)
     assert got == want

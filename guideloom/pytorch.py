@@ -2,8 +2,8 @@
 
 The loader is a thin, stateful facade. It validates its parameters, owns the checkpoint state
 ``(epoch, observation_offset)``, and starts an iterator of :mod:`guideloom._loader.iterators`, which
-runs the pipeline of :mod:`guideloom._runtime.pipeline` in the caller's thread, on a loop thread
-(``for batch in loader``) or on the caller's loop (``async for``). The
+drives the epoch's flow (:mod:`guideloom._runtime.flow`) from the caller's thread (``for batch in
+loader``) or on the caller's loop (``async for``). The
 position advances only when a batch is handed to the consumer, so ``state_dict()`` never counts
 prefetched batches.
 

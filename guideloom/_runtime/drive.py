@@ -24,12 +24,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from guideloom._core.delivery import Delivery
+from guideloom._core.plan import EpochPlan
 from guideloom._core.schedule import future_reads, run_async, run_sync
 from guideloom._loop import LoopThread
 from guideloom._runtime import chooser as choosing
 from guideloom._runtime.config import PipelineConfig, making_steps
-from guideloom._runtime.executors import Here, Processes, Threads
-from guideloom._runtime.flow import EpochFlow, Executor, FutureJob, GroupJob, Read
+from guideloom._runtime.executors import FutureJob, GroupJob, Here, Processes, Threads
+from guideloom._runtime.flow import EpochFlow, Executor, Read
 from guideloom._runtime.processes.pool import WorkerPool
 
 if TYPE_CHECKING:
@@ -296,6 +297,14 @@ class SyncDriver:
             flow.fill()
         flow.fill()
 
+    def replan(self, plan: EpochPlan) -> None:
+        """Go on from ``plan`` (its order, a global offset, a geometry: another rank, world size
+        or batch size) from the next batch on: what was read ahead or is being made for the old
+        plan is dropped, and batches handed out but not committed are made again where the new
+        plan's offset comes before them. The executors stay up: process workers are sent the new
+        epoch, none restarts."""
+        _replan(self, plan)
+
     def _loop_thread(self) -> LoopThread:
         lt = self._lt
         if lt is None:
@@ -397,6 +406,10 @@ class AsyncDriver:
             return None
         finally:
             flow.limit = self.cfg.capacity
+
+    def replan(self, plan: EpochPlan) -> None:
+        """As :meth:`SyncDriver.replan`, on the loop between two batches."""
+        _replan(self, plan)
 
     async def _decide(self) -> None:
         flow, procs = self.flow, self.procs
@@ -507,6 +520,16 @@ class AsyncDriver:
             loop.call_soon_threadsafe(self.stop)
         except RuntimeError:  # the loop closed meanwhile
             self.flow.closed = True
+
+
+def _replan(driver: SyncDriver | AsyncDriver, plan: EpochPlan) -> None:
+    """Start ``driver``'s flow again from ``plan`` on the same executors."""
+    flow = driver.flow
+    flow.start(plan, 0)
+    if driver.procs is not None:
+        driver.procs.renew()
+    if isinstance(driver, SyncDriver):
+        driver._hinted = False  # the storage is told the new plan's reads
 
 
 class _Auto:

@@ -1,7 +1,7 @@
 """What makes an epoch's groups of batches, for :class:`~guideloom._runtime.flow.EpochFlow`:
 inline (:class:`Here`), on threads (:class:`Threads`) or on process workers (:class:`Processes`).
 
-An executor starts a group and returns a :class:`~guideloom._runtime.flow.Job` whose batches the
+An executor starts a group and returns a :class:`Job` whose batches the
 flow takes in order; how a driver waits for a job is the executor's too (a future's result, a
 selector over the workers' pipes, a loop reader). Nothing else differs between them: the flow
 decides what is made where and when.
@@ -10,19 +10,168 @@ decides what is made where and when.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import selectors
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from guideloom._core.delivery import Delivery, apply_group
+from guideloom._core.delivery import Delivery, Results, apply_group
 from guideloom._core.plan import BatchSpec
-from guideloom._runtime.flow import FutureJob, GroupJob, Job, Made
-from guideloom._runtime.processes.pool import Proc, WorkerPool
+from guideloom._runtime.processes.pool import Group, Proc, WorkerPool
 from guideloom._runtime.processes.wire import Epoch
 from guideloom._runtime.threadpool import CollateThreads
 
-__all__ = ["Here", "Processes", "Threads"]
+__all__ = ["FutureJob", "GroupJob", "Here", "Job", "Made", "Processes", "Threads"]
+
+
+class Job:
+    """Consecutive batches one executor makes as one group; their deliveries, oldest first,
+    are taken as their results arrive. ``place``: where they are collated (``stats()``)."""
+
+    __slots__ = ("place", "transfer")
+
+    def __init__(self, place: str, transfer: bool) -> None:
+        self.place = place
+        #: Whether the copy to the device is still to be made when a batch is taken.
+        self.transfer = transfer
+
+    def ready(self) -> bool:
+        """Whether a batch can be taken now."""
+        raise NotImplementedError
+
+    def take(self) -> Delivery:
+        """The next batch (:meth:`ready` holds)."""
+        raise NotImplementedError
+
+    def empty(self) -> bool:
+        """Whether nothing more will be taken from this job."""
+        raise NotImplementedError
+
+    def left(self) -> int:
+        """Batches still to take (or to arrive)."""
+        raise NotImplementedError
+
+    def cancel(self) -> None:
+        """Nobody will take what is left."""
+
+
+class Made(Job):
+    """Batches already made (collated inline, or a read's failure)."""
+
+    __slots__ = ("_ds",)
+
+    def __init__(self, ds: list[Delivery], place: str, transfer: bool = False) -> None:
+        super().__init__(place, transfer)
+        self._ds = deque(ds)
+
+    def ready(self) -> bool:
+        return bool(self._ds)
+
+    def take(self) -> Delivery:
+        return self._ds.popleft()
+
+    def empty(self) -> bool:
+        return not self._ds
+
+    def left(self) -> int:
+        return len(self._ds)
+
+    def cancel(self) -> None:
+        self._ds.clear()
+
+
+class FutureJob(Job):
+    """A group collated by a call that a ``concurrent.futures.Future`` stands for (threads)."""
+
+    __slots__ = ("_ds", "future")
+
+    def __init__(
+        self, ds: list[Delivery], future: concurrent.futures.Future[Results], place: str, transfer: bool
+    ) -> None:
+        super().__init__(place, transfer)
+        self._ds = deque(ds)
+        self.future: concurrent.futures.Future[Results] | None = future
+
+    def _resolve(self) -> None:
+        fut = self.future
+        assert fut is not None
+        try:
+            results = fut.result()
+        except Exception as exc:  # the call's own failure (a collate's comes per batch)
+            results = [(None, exc)]
+        self.future = None
+        ds = self._ds
+        while len(ds) > len(results):  # a group that stopped at a failure: nothing after it
+            ds.pop()
+        for d, (value, error) in zip(ds, results, strict=False):
+            d.value, d.error = value, error
+
+    def ready(self) -> bool:
+        if self.future is not None:
+            if not self.future.done():
+                return False
+            self._resolve()
+        return bool(self._ds)
+
+    def take(self) -> Delivery:
+        return self._ds.popleft()
+
+    def empty(self) -> bool:
+        return self.future is None and not self._ds
+
+    def left(self) -> int:
+        return len(self._ds)
+
+    def cancel(self) -> None:
+        fut, self.future = self.future, None
+        if fut is not None:
+            fut.cancel()
+            fut.add_done_callback(_retrieve)
+        self._ds.clear()
+
+
+def _retrieve(fut: concurrent.futures.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # retrieved: no "exception was never retrieved"
+
+
+class GroupJob(Job):
+    """A group sent to a process worker (:class:`~guideloom._runtime.processes.pool.Group`):
+    its batches arrive one message per group, through the worker's pipe."""
+
+    __slots__ = ("group", "session")
+
+    def __init__(self, group: Group, session: Any, place: str) -> None:
+        super().__init__(place, True)
+        self.group = group
+        self.session = session
+
+    def ready(self) -> bool:
+        return bool(self.group.results)
+
+    def take(self) -> Delivery:
+        g = self.group
+        d = g.results.popleft()
+        if g.done and not g.results:
+            self.session.groups.pop(g.gid, None)
+        return d
+
+    def empty(self) -> bool:
+        return self.group.done and not self.group.results
+
+    def left(self) -> int:
+        g = self.group
+        return len(g.specs) - g.received + len(g.results)
+
+    def cancel(self) -> None:
+        g = self.group
+        self.session.groups.pop(g.gid, None)
+        if not g.done and g.proc is not None:  # its worker's result is dropped
+            g.proc.inflight -= 1
+            g.done = True
+        g.results.clear()
 
 
 class Here:
@@ -130,6 +279,24 @@ class Processes:
             p.reader = self.session
             self._registered.append(p)
         self.is_up = True
+
+    def renew(self) -> None:
+        """A new session on the same workers, for a flow started again from another plan: the
+        workers drop what is left of the old session's groups and are sent the new epoch; none
+        restarts."""
+        old, self.session = self.session, self.pool.session()
+        old.end()
+        if not self.is_up:
+            return
+        procs = self._send_epoch()
+        loop = self._loop
+        if loop is not None:  # read by the loop: the readers now serve the new session
+            for p in procs:
+                if p.reader is old:
+                    loop.remove_reader(p.fd)
+                loop.add_reader(p.fd, self.session._on_readable, p, loop)
+                p.reader = self.session
+            self._registered = procs
 
     def _send_epoch(self) -> list[Proc]:
         live = self.pool.live()

@@ -18,13 +18,12 @@ offset re-plans the epoch on the same executors, workers included.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
-from guideloom._core.delivery import Delivery, Results, apply
+from guideloom._core.delivery import Delivery, apply
 from guideloom._core.plan import BatchSpec, EpochPlan
 from guideloom._core.schedule import Indexes, ReadWindow, read_window, windows
 from guideloom._runtime.config import (
@@ -35,159 +34,12 @@ from guideloom._runtime.config import (
     reading_name,
     window_bounds,
 )
+from guideloom._runtime.executors import Made
 
 if TYPE_CHECKING:
-    from guideloom._runtime.processes.pool import Group
+    from guideloom._runtime.executors import Job
 
-__all__ = ["EpochFlow", "Executor", "FutureJob", "GroupJob", "Job", "Made", "Read"]
-
-
-class Job:
-    """Consecutive batches one executor makes as one group; their deliveries, oldest first,
-    are taken as their results arrive. ``place``: where they are collated (``stats()``)."""
-
-    __slots__ = ("place", "transfer")
-
-    def __init__(self, place: str, transfer: bool) -> None:
-        self.place = place
-        #: Whether the copy to the device is still to be made when a batch is taken.
-        self.transfer = transfer
-
-    def ready(self) -> bool:
-        """Whether a batch can be taken now."""
-        raise NotImplementedError
-
-    def take(self) -> Delivery:
-        """The next batch (:meth:`ready` holds)."""
-        raise NotImplementedError
-
-    def empty(self) -> bool:
-        """Whether nothing more will be taken from this job."""
-        raise NotImplementedError
-
-    def left(self) -> int:
-        """Batches still to take (or to arrive)."""
-        raise NotImplementedError
-
-    def cancel(self) -> None:
-        """Nobody will take what is left."""
-
-
-class Made(Job):
-    """Batches already made (collated inline, or a read's failure)."""
-
-    __slots__ = ("_ds",)
-
-    def __init__(self, ds: list[Delivery], place: str, transfer: bool = False) -> None:
-        super().__init__(place, transfer)
-        self._ds = deque(ds)
-
-    def ready(self) -> bool:
-        return bool(self._ds)
-
-    def take(self) -> Delivery:
-        return self._ds.popleft()
-
-    def empty(self) -> bool:
-        return not self._ds
-
-    def left(self) -> int:
-        return len(self._ds)
-
-    def cancel(self) -> None:
-        self._ds.clear()
-
-
-class FutureJob(Job):
-    """A group collated by a call that a ``concurrent.futures.Future`` stands for (threads)."""
-
-    __slots__ = ("_ds", "future")
-
-    def __init__(
-        self, ds: list[Delivery], future: concurrent.futures.Future[Results], place: str, transfer: bool
-    ) -> None:
-        super().__init__(place, transfer)
-        self._ds = deque(ds)
-        self.future: concurrent.futures.Future[Results] | None = future
-
-    def _resolve(self) -> None:
-        fut = self.future
-        assert fut is not None
-        try:
-            results = fut.result()
-        except Exception as exc:  # the call's own failure (a collate's comes per batch)
-            results = [(None, exc)]
-        self.future = None
-        ds = self._ds
-        while len(ds) > len(results):  # a group that stopped at a failure: nothing after it
-            ds.pop()
-        for d, (value, error) in zip(ds, results, strict=False):
-            d.value, d.error = value, error
-
-    def ready(self) -> bool:
-        if self.future is not None:
-            if not self.future.done():
-                return False
-            self._resolve()
-        return bool(self._ds)
-
-    def take(self) -> Delivery:
-        return self._ds.popleft()
-
-    def empty(self) -> bool:
-        return self.future is None and not self._ds
-
-    def left(self) -> int:
-        return len(self._ds)
-
-    def cancel(self) -> None:
-        fut, self.future = self.future, None
-        if fut is not None:
-            fut.cancel()
-            fut.add_done_callback(_retrieve)
-        self._ds.clear()
-
-
-def _retrieve(fut: concurrent.futures.Future[Any]) -> None:
-    if not fut.cancelled():
-        fut.exception()  # retrieved: no "exception was never retrieved"
-
-
-class GroupJob(Job):
-    """A group sent to a process worker (:class:`~guideloom._runtime.processes.pool.Group`):
-    its batches arrive one message per group, through the worker's pipe."""
-
-    __slots__ = ("group", "session")
-
-    def __init__(self, group: Group, session: Any, place: str) -> None:
-        super().__init__(place, True)
-        self.group = group
-        self.session = session
-
-    def ready(self) -> bool:
-        return bool(self.group.results)
-
-    def take(self) -> Delivery:
-        g = self.group
-        d = g.results.popleft()
-        if g.done and not g.results:
-            self.session.groups.pop(g.gid, None)
-        return d
-
-    def empty(self) -> bool:
-        return self.group.done and not self.group.results
-
-    def left(self) -> int:
-        g = self.group
-        return len(g.specs) - g.received + len(g.results)
-
-    def cancel(self) -> None:
-        g = self.group
-        self.session.groups.pop(g.gid, None)
-        if not g.done and g.proc is not None:  # its worker's result is dropped
-            g.proc.inflight -= 1
-            g.done = True
-        g.results.clear()
+__all__ = ["EpochFlow", "Executor", "Read"]
 
 
 class Executor(Protocol):
@@ -256,8 +108,10 @@ class EpochFlow:
         """(Re)start the epoch at ``plan``'s step ``first_step``: the plan carries the order,
         the global offset and the geometry. What was read ahead or is being made is dropped
         (the executors stay up): nothing of an earlier plan is handed out after this."""
-        for job in getattr(self, "jobs", ()):
-            job.cancel()
+        if hasattr(self, "jobs"):
+            self._cancel_reads()
+            for job in self.jobs:
+                job.cancel()
         self.plan, self.total = plan, len(plan)
         self.indexes = Indexes(plan, self.cfg.order)
         self.largest = max_window_batches(self.cfg)

@@ -62,6 +62,8 @@ def test_process_workers_over_s3_collate_in_the_workers(
         start = loader.state_dict()
         first = list(loader)
         loader.load_state_dict(start)  # the same epoch again, its workers up (they persist)
+        assert loader._life.pool is not None
+        loader._life.pool.start()  # an epoch may end before they are: they are waited for here
         got = list(loader)
         it = iter(loader)  # an epoch left early: the samples sent for its groups are freed
         next(it)

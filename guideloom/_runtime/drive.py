@@ -121,6 +121,10 @@ class SyncDriver:
         )
         if self.procs is not None:
             self.procs.flow = flow
+        #: No worker: every batch is made here when asked for.
+        self._lean = ex.workers is None and isinstance(ex.here, Here)
+        #: Batches read here are made here even with the workers chosen (they read their own).
+        self._here_first = self.procs is not None and self.procs.reads_itself
         self._lt: LoopThread | None = None
         #: Whether the storage, read on a loop thread at first, reads inline now.
         self.reads_inline = False
@@ -223,9 +227,13 @@ class SyncDriver:
     # -- driving the flow -------------------------------------------------------------------------
     def _pull(self) -> Delivery | None:
         flow = self.flow
+        lean = self._lean
         try:
             while not flow.closed:
-                self._decide()
+                if not lean:
+                    self._decide()
+                if flow.raw and not flow.jobs and (lean or not flow.on_workers or self._here_first):
+                    return flow.make_here()  # read already, nothing in flight before it: made now
                 self._pump()
                 d = flow.take()
                 if d is not None:
@@ -380,6 +388,7 @@ class AsyncDriver:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._moved: asyncio.Event | None = None
         self._reading: set[asyncio.Task[Any]] = set()  # the reads in flight
+        self._waiting: asyncio.Future[Any] | None = None  # a collate's result next() waits for
 
     @property
     def place(self) -> str:
@@ -486,7 +495,11 @@ class AsyncDriver:
         if isinstance(job, GroupJob):
             await Processes.wait_async(job)
         elif isinstance(job, FutureJob) and job.future is not None:
-            await asyncio.wait([asyncio.wrap_future(job.future)])
+            self._waiting = waiting = asyncio.wrap_future(job.future)
+            try:
+                await asyncio.wait([waiting])
+            finally:
+                self._waiting = None
         elif job is None and (flow.reads or self._up is not None):
             await moved.wait()
         elif job is None:
@@ -496,6 +509,10 @@ class AsyncDriver:
         """Produce nothing more (on the loop): reads cancelled, the workers' groups dropped;
         the tasks cancelled, to wait for."""
         self.flow.close()
+        self._poke()  # a next() waiting in another task looks again, and ends
+        waiting = self._waiting
+        if waiting is not None:
+            waiting.cancel()
         tasks = [t for t in self._reading if not t.done()]
         for t in tasks:
             t.cancel()

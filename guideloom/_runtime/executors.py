@@ -172,6 +172,7 @@ class GroupJob(Job):
             g.proc.inflight -= 1
             g.done = True
         g.results.clear()
+        g.wake()  # a driver waiting for it looks again (and finds the flow closed)
 
 
 class Here:
@@ -228,6 +229,7 @@ class Processes:
 
     place = "processes"
     runs_ahead = True
+    steps: tuple[Callable[[Any], Any], ...] = ()  # the collate runs in the worker
 
     #: How often a blocked sync wait looks whether the flow was closed in another thread.
     POLL_S = 0.1

@@ -54,6 +54,9 @@ class Executor(Protocol):
     runs_ahead: bool
     #: Groups in flight at most.
     most_jobs: int
+    #: What makes a read batch a delivered one (the collate, and the copy to a device where it
+    #: runs there).
+    steps: tuple[Callable[[Any], Any], ...]
 
     def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
         """Start one group: ``values`` the batches read (None: it reads them itself)."""
@@ -269,6 +272,15 @@ class EpochFlow:
         if self.reads:
             return self.reads[0].specs[0].step
         return self.read_step
+
+    def make_here(self) -> Delivery:
+        """The next batch read, made at once by ``here`` (nothing is in flight before it): the
+        inline path, with no job between the read and the consumer."""
+        d = self.raw.popleft()
+        if d.error is not None or apply(d, *self.here.steps):
+            self.end()
+        self.place = self.here.place
+        return d
 
     # -- handing out ----------------------------------------------------------------------------
     def head(self) -> Job | None:

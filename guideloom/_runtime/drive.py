@@ -266,6 +266,9 @@ class SyncDriver:
         flow, procs = self.flow, self.procs
         workers = True if self.chooser is None else self.chooser.workers
         if procs is not None and not procs.is_up and not self._failed:
+            if flow.read_step >= flow.total and flow.reads_here():
+                flow.on_workers = False  # every batch is read here already: they owe none
+                return
             if procs.starting() and not self.ex.wait_for_workers:
                 flow.on_workers = False
                 return
@@ -439,6 +442,9 @@ class AsyncDriver:
                 return
             await asyncio.wait([up])
         error = up.exception() if not up.cancelled() else None
+        if (error is not None or up.cancelled()) and flow.read_step >= flow.total and not flow.on_workers:
+            return  # every batch is read here already: the workers owe none (a failed start
+            # comes at the first batch they owe, in a later epoch)
         if error is not None or up.cancelled():
             self._failed = True
             flow.on_workers = True

@@ -325,6 +325,33 @@ def test_the_first_batches_are_made_here_while_the_workers_start_then_theirs_fol
     assert worker_pids() == set()
 
 
+@pytest.mark.parametrize("storage", [OpensSlowly, OpensSlowlyReadOnTheLoop])
+@pytest.mark.parametrize("how", ["for", "async for"])
+def test_pinned_workers_collate_every_batch_the_first_too(how: str, storage: type[OpensSlowly]) -> None:
+    """``collate_mode="workers"``: ``collate_fn`` runs only in the worker processes, also while
+    they start (the first batch waits for them), over a storage the main process reads as over
+    one the workers read, in ``for`` and ``async for``."""
+    loader = gl.StatefulDataLoader.from_storage(
+        storage(np.arange(60 * SEQ, dtype=np.int32)), collated_where, sequence_length=SEQ,
+        local_batch_size=3, num_workers=2, prefetch=2, parallel_method="process",
+        collate_mode="workers", device=torch.device("cpu"),
+    )  # fmt: skip
+
+    async def async_epoch() -> list[Any]:
+        async with loader:
+            return [b async for b in loader]
+
+    if how == "for":
+        with loader:
+            got = take(loader)
+    else:
+        got = asyncio.run(async_epoch())
+    assert len(got) == 20
+    assert all(b["pid"] != os.getpid() for b in got)
+    assert loader.stats()["collated_processes"] == len(got)
+    assert worker_pids() == set()
+
+
 def test_loaders_without_process_workers_start_no_fork_server(tmp_path: Path, stream: Path) -> None:
     """Importing guideloom starts nothing, nor do loaders with num_workers=0 or thread workers
     (``for`` and ``async for``); the first loader with process workers does."""

@@ -228,6 +228,11 @@ class SyncDriver:
     def _pull(self) -> Delivery | None:
         flow = self.flow
         lean = self._lean
+        if self._lt is not None and not self.reads_inline and self.cfg.dataset.reads_inline:
+            # The storage reads inline from now on (a remote dataset's local copy is complete):
+            # its reads go on here, the read-ahead from the loop thread dropped.
+            self.reads_inline = True
+            flow.rewind()
         try:
             while not flow.closed:
                 if not lean:
@@ -237,11 +242,6 @@ class SyncDriver:
                 self._pump()
                 d = flow.take()
                 if d is not None:
-                    if self._lt is not None and not self.reads_inline and self.cfg.dataset.reads_inline:
-                        # The storage reads inline from now on (a remote dataset's local copy is
-                        # complete): its reads go on here, the read-ahead from the loop dropped.
-                        self.reads_inline = True
-                        flow.rewind()
                     if d.error is None and flow.on_workers:
                         # The workers need not wait for the next call: the credits of the batches
                         # taken are back (the one asked for next is not asked for yet).

@@ -45,7 +45,7 @@ def places(stats: dict[str, float]) -> tuple[float, ...]:
     ("kw", "match"),
     [
         ({"collate_mode": "threads"}, "collate_mode must be 'auto', 'workers' or 'inline'"),
-        ({"collate_mode": None}, "collate_mode must be"),
+        ({"collate_mode": "process"}, "collate_mode must be"),
         ({"collate_mode": "workers"}, r"collate_mode='workers' needs num_workers > 0"),
     ],
 )
@@ -56,7 +56,16 @@ def test_a_bad_collate_mode_is_a_value_error(kw: dict[str, Any], match: str) -> 
 
 def test_the_default_is_auto_and_inline_needs_no_workers() -> None:
     assert make(identity_stream(10)).collate_mode == "auto"
+    assert make(identity_stream(10), num_workers=2).collate_mode == "auto"
     assert make(identity_stream(10), collate_mode="inline").collate_mode == "inline"
+
+
+def test_the_default_with_process_workers_is_the_workers_only() -> None:
+    """``collate_fn`` runs in the worker processes only, unless asked otherwise."""
+    assert make(identity_stream(10), num_workers=2, parallel_method="process").collate_mode == "workers"
+    assert make(identity_stream(10), parallel_method="process").collate_mode == "auto"  # no workers
+    asked = make(identity_stream(10), num_workers=2, parallel_method="process", collate_mode="auto")
+    assert asked.collate_mode == "auto"
 
 
 def test_pinned_workers_collate_every_batch_on_the_threads() -> None:

@@ -24,10 +24,18 @@ from tests.support.processes import (
     assert_same,
     fails_at_40,
     ids,
-    loader_for,
     rich,
     worker_pids,
 )
+from tests.support.processes import loader_for as _loader_for
+
+
+def loader_for(path: Path, collate: Any, **kw: Any) -> gl.StatefulDataLoader[Any, Any]:
+    """A process-workers loader that measures (``collate_mode="auto"``, asked for: by default
+    process workers collate in the worker processes only)."""
+    kw.setdefault("collate_mode", "auto" if kw.get("num_workers", 2) else None)
+    return _loader_for(path, collate, **kw)
+
 
 # The chooser decides from an epoch's first batch on: the workers are up before it.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_thread_leak", "workers_up_first")]

@@ -286,7 +286,8 @@ def test_the_first_batches_are_made_here_while_the_workers_start_then_theirs_fol
     def make(**kw: Any) -> gl.StatefulDataLoader[Any, Any]:
         return gl.StatefulDataLoader.from_storage(
             storage(tokens), slowly_where, sequence_length=SEQ, local_batch_size=3, shuffle=True,
-            shuffle_seed=8, parallel_method="process", device=torch.device("cpu"), **kw,
+            shuffle_seed=8, parallel_method="process", device=torch.device("cpu"),
+            collate_mode="auto" if kw.get("num_workers") else None, **kw,
         )  # fmt: skip
 
     def firsts(batches: list[Any]) -> list[int]:
@@ -758,6 +759,7 @@ def test_a_storage_that_fails_to_open_in_a_worker_raises_its_own_error(
     loader = gl.StatefulDataLoader.from_storage(
         OpensOnlyHere(np.arange(64 * SEQ, dtype=np.int32)), ids, sequence_length=SEQ,
         local_batch_size=4, num_workers=2, parallel_method="process", device=torch.device("cpu"),
+        collate_mode="auto",  # the batches made in the main process while the workers start
     )  # fmt: skip
     got: list[list[int]] = []
     with loader:

@@ -57,6 +57,7 @@ def test_process_workers_over_s3_collate_in_the_workers(
         num_workers=2,
         parallel_method="process",
         prefetch=4,
+        collate_mode="auto",  # asked for: the batches read while the workers start are made here
     )
     with loader:
         start = loader.state_dict()

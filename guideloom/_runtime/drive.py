@@ -116,9 +116,14 @@ class SyncDriver:
         self.cfg = cfg
         self.ex = ex = executors_for(cfg, choosers, on_loop=False)
         self.procs = ex.workers if isinstance(ex.workers, Processes) else None
-        self.flow = flow = EpochFlow(
-            cfg, ex.here, ex.workers, limit=cfg.capacity + 1, concurrency=cfg.dataset.max_concurrent_reads
-        )
+        try:
+            self.flow = flow = EpochFlow(
+                cfg, ex.here, ex.workers, limit=cfg.capacity + 1, concurrency=cfg.dataset.max_concurrent_reads
+            )
+        except BaseException:
+            for executor in ex.all():
+                executor.shutdown(wait=True)
+            raise
         if self.procs is not None:
             self.procs.flow = flow
         #: No worker: every batch is made here when asked for.

@@ -49,10 +49,6 @@ class Job:
         """Whether nothing more will be taken from this job."""
         raise NotImplementedError
 
-    def left(self) -> int:
-        """Batches still to take (or to arrive)."""
-        raise NotImplementedError
-
     def cancel(self) -> None:
         """Nobody will take what is left."""
 
@@ -74,9 +70,6 @@ class Made(Job):
 
     def empty(self) -> bool:
         return not self._ds
-
-    def left(self) -> int:
-        return len(self._ds)
 
     def cancel(self) -> None:
         self._ds.clear()
@@ -121,9 +114,6 @@ class FutureJob(Job):
     def empty(self) -> bool:
         return self.future is None and not self._ds
 
-    def left(self) -> int:
-        return len(self._ds)
-
     def cancel(self) -> None:
         fut, self.future = self.future, None
         if fut is not None:
@@ -160,10 +150,6 @@ class GroupJob(Job):
 
     def empty(self) -> bool:
         return self.group.done and not self.group.results
-
-    def left(self) -> int:
-        g = self.group
-        return len(g.specs) - g.received + len(g.results)
 
     def cancel(self) -> None:
         g = self.group

@@ -18,6 +18,7 @@ offset re-plans the epoch on the same executors, workers included.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -115,6 +116,8 @@ class EpochFlow:
             self._cancel_reads()
             for job in self.jobs:
                 job.cancel()
+        if plan is not self.cfg.plan:  # window sizes follow the new geometry's batches
+            self.cfg = dataclasses.replace(self.cfg, plan=plan)
         self.plan, self.total = plan, len(plan)
         self.indexes = Indexes(plan, self.cfg.order)
         self.largest = max_window_batches(self.cfg)

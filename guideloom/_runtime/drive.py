@@ -248,13 +248,16 @@ class SyncDriver:
                 d = flow.take()
                 if d is not None:
                     if d.error is None and flow.on_workers:
-                        # The workers need not wait for the next call: the credits of the batches
-                        # taken are back (the one asked for next is not asked for yet).
-                        flow.limit -= 1
+                        # The workers need not wait for the next call: the credit of the batch
+                        # taken is back. Process workers keep the next request's credit too (a
+                        # group's round trip through the pipes would leave a worker idle);
+                        # threads are handed nothing beyond the prefetch bound.
+                        spare = 0 if self.procs is not None else 1
+                        flow.limit -= spare
                         try:
                             flow.fill()
                         finally:
-                            flow.limit += 1
+                            flow.limit += spare
                     return d
                 if flow.finished():
                     return None

@@ -249,9 +249,11 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
             raise StopAsyncIteration
         try:
             driver = self._driver or await self._start()
-            # The loop's turn, once per batch (a checkpoint, anyio's word): a consumer whose
-            # batches are always ready would otherwise starve every other task on the loop.
-            await asyncio.sleep(0)
+            if driver.ready():
+                # A batch in hand: taking it would not suspend, so give the loop its turn here
+                # (a checkpoint, anyio's word), once per batch, or a consumer that never waits
+                # for a batch would starve every other task on the loop.
+                await asyncio.sleep(0)
             t0 = time.perf_counter()
             d = await driver.next()
             waited = time.perf_counter() - t0

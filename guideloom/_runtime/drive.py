@@ -405,6 +405,11 @@ class AsyncDriver:
     def place(self) -> str:
         return self.flow.place
 
+    def ready(self) -> bool:
+        """Whether the next batch is in hand (:meth:`next` would not suspend)."""
+        job = self.flow.head()
+        return job is not None and job.ready()
+
     async def next(self) -> Delivery | None:
         """The next batch in plan order (or the error in its place); ``None`` at the end."""
         flow = self.flow

@@ -2,8 +2,8 @@
 
 The loader is a thin, stateful facade. It validates its parameters, owns the checkpoint state
 ``(epoch, observation_offset)``, and starts an iterator of :mod:`guideloom._loader.iterators`, which
-runs the pipeline of :mod:`guideloom._runtime.pipeline` in the caller's thread, on a loop thread
-(``for batch in loader``) or on the caller's loop (``async for``). The
+drives the epoch's flow (:mod:`guideloom._runtime.flow`) from the caller's thread (``for batch in
+loader``) or on the caller's loop (``async for``). The
 position advances only when a batch is handed to the consumer, so ``state_dict()`` never counts
 prefetched batches.
 
@@ -95,7 +95,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
     shuffle_block_size: int | Literal["auto"] | None = None
     shuffle_window: int = DEFAULT_WINDOW
     persistent_workers: bool = True
-    collate_mode: Literal["auto", "workers", "inline"] = "auto"
+    collate_mode: Literal["auto", "workers", "inline"] | None = None
     track_deliveries: bool = True
 
     _ckpt: CheckpointState = field(default_factory=CheckpointState, init=False, repr=False)
@@ -296,6 +296,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
             raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
         if self.parallel_method not in ("thread", "process"):
             raise ValueError(f"parallel_method must be 'thread' or 'process', got {self.parallel_method!r}")
+        self._resolve_collate_mode()
         if self.collate_mode not in _COLLATE_MODES:
             raise ValueError(f"collate_mode must be 'auto', 'workers' or 'inline', got {self.collate_mode!r}")
         if self.collate_mode == "workers" and self.num_workers == 0:
@@ -309,9 +310,18 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         self.shuffle_block_size = check_block_size(self.shuffle_block_size)
         self.shuffle_window = check_int("shuffle_window", self.shuffle_window, 1)
 
+    def _resolve_collate_mode(self) -> None:
+        """``collate_mode=None`` (the default): ``"workers"`` for process workers, which then
+        collate in the worker processes only, unless asked otherwise (a collate may need another
+        process, or a worker's own state, as torch's does); ``"auto"`` otherwise."""
+        if self.collate_mode is None:
+            process = self.parallel_method == "process" and self.num_workers > 0
+            self.collate_mode = "workers" if process else "auto"
+
     def _epoch(self) -> PipelineConfig:
         """The pipeline of the next epoch, from the parameters and the position: what an
         iterator runs."""
+        self._resolve_collate_mode()  # set to None between iterators: the default again
         # Pinned inline: batches made on request by the loader itself, as at num_workers=0 and
         # prefetch=0; no worker is started.
         inline = self.collate_mode == "inline"

@@ -130,12 +130,15 @@ class LoaderOptions(TypedDict, total=False):
     persistent_workers: bool
     """Keep process workers running between iterators (epochs), until ``close()``. Default
     ``True``."""
-    collate_mode: Literal["auto", "workers", "inline"]
-    """Where a sync ``for`` over memory or local files runs ``collate_fn`` when ``num_workers > 0``.
-    ``"auto"``: measured, the workers kept only while they make your loop's cycle shorter (see
-    the docs' Workers page). ``"workers"``: always on the workers, as ``torch.utils.data.DataLoader``
-    does (needs ``num_workers > 0``). ``"inline"``: each batch read and collated when you ask for it,
-    as at ``num_workers=0`` and ``prefetch=0``; no worker is started. Default ``"auto"``."""
+    collate_mode: Literal["auto", "workers", "inline"] | None
+    """Where ``collate_fn`` runs when ``num_workers > 0``. ``"auto"``: measured in a sync ``for``
+    over memory or local files, the workers kept only while they make your loop's cycle shorter
+    (see the docs' Workers page); with process workers, the batches read while they start are
+    collated in the main process. ``"workers"``: only on the workers, as
+    ``torch.utils.data.DataLoader`` does (needs ``num_workers > 0``). ``"inline"``: each batch read
+    and collated when you ask for it, as at ``num_workers=0`` and ``prefetch=0``; no worker is
+    started. Default ``None``: ``"workers"`` with ``parallel_method="process"`` and
+    ``num_workers > 0`` (``collate_fn`` then runs only in the worker processes), else ``"auto"``."""
 
 
 class StoreOptions(TypedDict, total=False):

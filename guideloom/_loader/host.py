@@ -35,7 +35,7 @@ class Loader(Protocol[BatchT_co]):
     shuffle_block_size: int | Literal["auto"] | None
     shuffle_window: int
     #: Where a sync ``for`` with workers collates: measured (``"auto"``) or pinned.
-    collate_mode: Literal["auto", "workers", "inline"]
+    collate_mode: Literal["auto", "workers", "inline"] | None
     #: Whether each delivered batch is tallied for :meth:`audit`.
     track_deliveries: bool
     rank: int

@@ -1,9 +1,10 @@
 """The loader's two iterators: ``for batch in loader`` and ``async for batch in loader``.
 
 Both claim the loader, plan its epoch from its position, and advance its checkpoint one handed-
-out batch at a time; how the epoch runs is the runtime's. :class:`SyncIterator` drives the
-runner :func:`~guideloom._runtime.runners.make_runner` picks for it once the loader is open;
-:class:`AsyncIterator` runs the pipeline's stages on the caller's loop.
+out batch at a time; how the epoch runs is the runtime's: :class:`SyncIterator` takes its
+batches from a :class:`~guideloom._runtime.drive.SyncDriver`, :class:`AsyncIterator` from an
+:class:`~guideloom._runtime.drive.AsyncDriver` on the caller's loop, both driving the one
+:class:`~guideloom._runtime.flow.EpochFlow`.
 """
 
 from __future__ import annotations
@@ -18,12 +19,8 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 from guideloom._core.delivery import Delivery, for_the_consumer
 from guideloom._loader.lifecycle import wait_through_cancellation
-from guideloom._runtime.channel import Channel, EndOfStream
-from guideloom._runtime.chooser import Chooser, PinnedChooser
 from guideloom._runtime.config import PipelineConfig
-from guideloom._runtime.pipeline import Workers, run_pipeline
-from guideloom._runtime.runners import Choosers, Runner, make_runner, workers_place
-from guideloom._runtime.workers import make_workers
+from guideloom._runtime.drive import AsyncDriver, SyncDriver
 
 if TYPE_CHECKING:
     from guideloom._loader.host import Loader
@@ -105,16 +102,6 @@ class _IteratorBase(Generic[BatchT]):
         raise NotImplementedError
 
 
-class _PinnedChoosers:
-    """The choosers of a loader whose ``collate_mode`` pins the workers: nothing is measured."""
-
-    def chooser(self, kind: str, make: Callable[[], Chooser], *, fresh: bool = False) -> Chooser:
-        return PinnedChooser(workers=True)
-
-
-_PINNED = _PinnedChoosers()
-
-
 def _note_empty_batch(error: BaseException, cfg: PipelineConfig) -> None:
     """Say on ``error`` (raised making an empty batch) why the batch was empty and what to do:
     a collate that cannot take ``[]`` otherwise fails with a message about reductions or
@@ -151,9 +138,9 @@ def sync_iterator(loader: Loader[BatchT]) -> SyncIterator[BatchT]:
 
 
 class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
-    """The iterator ``for batch in loader`` uses: ``next()``'s bookkeeping over a runner."""
+    """The iterator ``for batch in loader`` uses: ``next()``'s bookkeeping over a driver."""
 
-    _runner: Runner | None = None
+    _driver: SyncDriver | None = None
 
     def __init__(self, loader: Loader[BatchT], cfg: PipelineConfig, owns_open: bool) -> None:
         super().__init__(loader)
@@ -161,13 +148,13 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
         self._configure(cfg)
         self._done = False
         try:
-            choosers: Choosers = loader._life if loader.collate_mode == "auto" else _PINNED
-            self._runner = runner = make_runner(cfg, choosers)
+            # collate_mode="workers": nothing is measured, the workers are waited for
+            self._driver = driver = SyncDriver(cfg, loader._life if loader.collate_mode == "auto" else None)
         except BaseException:
             self.close()
             raise
-        self._next = runner.next  # the hot path: no extra frame
-        self._running: Runner = runner
+        self._next = driver.next  # the hot path: no extra frame
+        self._running: SyncDriver = driver
 
     def __iter__(self) -> SyncIterator[BatchT]:
         return self
@@ -211,8 +198,8 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
             return
         self._done = True
         try:
-            if self._runner is not None:
-                self._runner.close()
+            if self._driver is not None:
+                self._driver.close()
         finally:
             self._ckpt.tally.end(id(self))
             self._life.active.release(self)
@@ -237,62 +224,53 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
     def __init__(self, loader: Loader[BatchT]) -> None:
         loader._life.active.end_spent()
         super().__init__(loader)
-        self._task: asyncio.Task[None] | None = None
-        self._channel: Channel[Delivery] | None = None
-        self._workers: Workers | None = None
-        self._where = "threads"  # where the collate runs (stats()): known once the epoch is planned
+        self._driver: AsyncDriver | None = None
         self._done = False
 
     def __aiter__(self) -> AsyncIterator[BatchT]:
         return self
 
-    async def _start(self) -> Channel[Delivery]:
+    async def _start(self) -> AsyncDriver:
         loader = self._loader
-        # What an earlier iterator, dropped without being closed, left running (its pipeline
-        # task and workers) finishes first: it must not touch the workers this one will use.
+        # What an earlier iterator, dropped without being closed, left running (its reads and
+        # workers) finishes first: it must not touch the workers this one will use.
         await loader._life.active.ajoin_left()
         if loader._life.state == "closed":
             await loader.aopen()
             self._owns_open = True
         self._configure(loader._epoch())
-        self._where = workers_place(self._cfg, off_loop=True)
-        loop = asyncio.get_running_loop()
-        channel: Channel[Delivery] = Channel(loop, self._cfg.capacity)
         # The caller's loop serves other tasks: collate_fn never runs on it (one thread at
         # num_workers=0), however long it takes.
-        self._workers = workers = make_workers(self._cfg, off_loop=True)
-        self._task = loop.create_task(run_pipeline(self._cfg, channel, 0, workers), name="guideloom-pipeline")
-        self._channel = channel
-        return channel
+        self._driver = driver = AsyncDriver(self._cfg, pinned=loader.collate_mode == "workers")
+        return driver
 
     async def __anext__(self) -> BatchT:
         if self._done:
             raise StopAsyncIteration
         try:
-            channel = self._channel or await self._start()
-            t0 = time.perf_counter()
-            fut = channel.get_future()
-            if fut.done():
-                # A buffered batch: awaiting a done future does not suspend, so give the loop
-                # its turn here (a checkpoint, anyio's word), once per batch, or a consumer that
-                # never waits for a batch would starve every other task on the loop.
+            driver = self._driver or await self._start()
+            if driver.ready():
+                # A batch in hand: taking it would not suspend, so give the loop its turn here
+                # (a checkpoint, anyio's word), once per batch, or a consumer that never waits
+                # for a batch would starve every other task on the loop.
                 await asyncio.sleep(0)
-            d = await fut
+            t0 = time.perf_counter()
+            d = await driver.next()
             waited = time.perf_counter() - t0
-        except EndOfStream:
-            if self._done:  # aclose() in another task ended the pipeline while this one waited
-                raise StopAsyncIteration from None
+        except BaseException:
+            await self._aclose_after_error()
+            raise
+        if d is None:
+            if self._done:  # aclose() in another task ended the epoch while this one waited
+                raise StopAsyncIteration
             try:
                 self._finish_epoch()
             finally:
                 await self.aclose()
-            raise StopAsyncIteration from None
-        except BaseException:
-            await self._aclose_after_error()
-            raise
+            raise StopAsyncIteration
         if d.error is not None:
             await self._aclose_after_error()
-        return self._accept(d, waited, self._where)
+        return self._accept(d, waited, driver.place)
 
     async def _aclose_after_error(self) -> None:
         """As ``SyncIterator._close_after_error``: the process workers are shut down too."""
@@ -315,15 +293,14 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
             # closes is cancelled meanwhile (a cancelled ``async for``): its cancellation is
             # raised once the workers are joined, not before, so nothing outlives the loop.
             cancelled = False
-            task = self._task
-            if task is not None and not task.done():
-                task.cancel()
-                cancelled = await wait_through_cancellation(task)
-            if task is not None and task.done() and not task.cancelled():
-                task.exception()  # retrieved: its failures reached the consumer as deliveries
-            workers, self._workers = self._workers, None
-            if workers is not None:
-                joined = asyncio.get_running_loop().run_in_executor(None, workers.shutdown)
+            driver, self._driver = self._driver, None
+            if driver is not None:
+                reading = driver.stop()
+                if reading:
+                    cancelled = await wait_through_cancellation(
+                        asyncio.gather(*reading, return_exceptions=True)
+                    )
+                joined = asyncio.get_running_loop().run_in_executor(None, driver.shutdown)
                 cancelled = await wait_through_cancellation(joined) or cancelled
                 joined.result()
             if cancelled:
@@ -339,13 +316,12 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
     def close_sync(self) -> None:
         if self._done:
             return
-        task = self._task
         self._done = True
-        if task is not None and not task.done():
-            task.get_loop().call_soon_threadsafe(task.cancel)
+        driver, self._driver = self._driver, None
+        if driver is not None:
+            driver.stop_threadsafe()
         # Nothing is awaited here (collected, or closed from sync code): closing the loader joins it.
-        self._life.active.leave(task, self._workers)
-        self._workers = None
+        self._life.active.leave(None, driver)
         self._ckpt.tally.end(id(self))
         self._life.active.release(self)
 

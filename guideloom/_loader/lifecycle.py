@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from guideloom._loop import LoopThread
 from guideloom._runtime.chooser import Chooser, Verdict
-from guideloom._runtime.pipeline import Workers
 from guideloom._runtime.processes import WorkerPool
 
 if TYPE_CHECKING:
@@ -38,6 +37,12 @@ class _Closable(Protocol):
     def spent(self) -> bool: ...
 
     def finish(self) -> None: ...
+
+
+class _Workers(Protocol):
+    """What an iterator closed without waiting leaves to stop: its executors."""
+
+    def shutdown(self, wait: bool = True) -> None: ...
 
 
 class ActiveIterator:
@@ -80,7 +85,7 @@ class ActiveIterator:
             if self._ref is not None and self._ref() in (it, None):
                 self._ref = None
 
-    def leave(self, task: asyncio.Task[None] | None, workers: Workers | None) -> None:
+    def leave(self, task: asyncio.Task[None] | None, workers: _Workers | None) -> None:
         """Stop what a closed iterator could not wait for (its pipeline ``task`` is cancelled
         already): ``workers`` shut down on a thread of their own, and :meth:`join_left` /
         :meth:`ajoin_left` wait for both."""

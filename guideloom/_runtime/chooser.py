@@ -34,9 +34,13 @@ __all__ = [
     "REPROBE_SECONDS",
     "STRETCH",
     "WARMUP_CALLS",
+    "CPU_SAMPLE",
+    "PROCESS_DECISIVE",
     "Chooser",
     "PinnedChooser",
     "Verdict",
+    "process_chooser",
+    "thread_chooser",
 ]
 
 #: The longest a choice between workers and inline collation stands before the other is probed again.
@@ -76,6 +80,15 @@ QUIET_CALLS = 32
 #: A chunk one of whose cycles took more than this share of its time is dropped, not compared
 #: (one in a row at most): the consumer paused, and one long cycle would decide for either mode.
 PAUSE_SHARE = 0.5
+#: The share of the process workers' batches whose taking is timed in CPU time: reading a
+#: thread's CPU clock is a system call, at which a loaded machine may switch to another thread
+#: (measured: a 13% slower loop when every batch was timed), where the wall clock is read without one.
+CPU_SAMPLE = 1 / 16
+#: A probe of process workers ends after one chunk of each mode once one costs this many times the
+#: other. Lower than the threads' :data:`DECISIVE`: process workers either clearly pay (a GIL-bound
+#: collate: ~1.7x) or clearly cost (a cheap one: ~3x), and each chunk of the worse mode is dear (a
+#: refill of the workers' pipeline, or milliseconds of collate inline).
+PROCESS_DECISIVE = 1.4
 #: A choice whose other mode costs this many times the chosen one's stands eight times longer:
 #: a busy machine does not turn a 25% gap round, and each probe of the worse mode costs.
 CLEAR = 1.25
@@ -279,3 +292,21 @@ class PinnedChooser(Chooser):
 
     def settle(self, workers: bool, costs: tuple[float, float] = (math.nan, math.nan)) -> None:
         """The pinned mode stands."""
+
+
+def thread_chooser(capacity: int) -> Chooser:
+    """A new chooser between worker threads and inline collation for an epoch of ``capacity``
+    batches ahead (the loader keeps one from epoch to epoch)."""
+    limit = capacity + 1
+    return Chooser(skip=limit, chunk=max(8, 2 * limit))
+
+
+def process_chooser(capacity: int) -> Chooser:
+    """A new chooser between process workers and inline collation for an epoch of ``capacity``
+    batches ahead. The loader's lifecycle keeps it with its persistent workers: what one epoch
+    learnt holds for the next, which starts in the mode the last one ended in. Inline has no
+    queue to refill: its chunks are shorter and it skips no call."""
+    limit = capacity + 1
+    return Chooser(
+        skip=limit, chunk=max(8, 2 * limit), inline_chunk=8, inline_skip=0, decisive=PROCESS_DECISIVE
+    )

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from guideloom._runtime.runners import ProcessRunner, ThreadRunner
+from guideloom._runtime.executors import Threads
 from tests.support.data import identity_stream
 from tests.support.loader import guideloom_threads, make, take
 from tests.support.processes import worker_pids
@@ -45,7 +45,7 @@ def places(stats: dict[str, float]) -> tuple[float, ...]:
     ("kw", "match"),
     [
         ({"collate_mode": "threads"}, "collate_mode must be 'auto', 'workers' or 'inline'"),
-        ({"collate_mode": None}, "collate_mode must be"),
+        ({"collate_mode": "process"}, "collate_mode must be"),
         ({"collate_mode": "workers"}, r"collate_mode='workers' needs num_workers > 0"),
     ],
 )
@@ -56,7 +56,16 @@ def test_a_bad_collate_mode_is_a_value_error(kw: dict[str, Any], match: str) -> 
 
 def test_the_default_is_auto_and_inline_needs_no_workers() -> None:
     assert make(identity_stream(10)).collate_mode == "auto"
+    assert make(identity_stream(10), num_workers=2).collate_mode == "auto"
     assert make(identity_stream(10), collate_mode="inline").collate_mode == "inline"
+
+
+def test_the_default_with_process_workers_is_the_workers_only() -> None:
+    """``collate_fn`` runs in the worker processes only, unless asked otherwise."""
+    assert make(identity_stream(10), num_workers=2, parallel_method="process").collate_mode == "workers"
+    assert make(identity_stream(10), parallel_method="process").collate_mode == "auto"  # no workers
+    asked = make(identity_stream(10), num_workers=2, parallel_method="process", collate_mode="auto")
+    assert asked.collate_mode == "auto"
 
 
 def test_pinned_workers_collate_every_batch_on_the_threads() -> None:
@@ -66,7 +75,7 @@ def test_pinned_workers_collate_every_batch_on_the_threads() -> None:
     loader = make(identity_stream(200), num_workers=2, prefetch=2, collate_mode="workers", **kw)
     with loader:
         it = iter(loader)
-        assert isinstance(it._runner, ThreadRunner)
+        assert isinstance(it._driver.flow.workers, Threads)
         got = list(it)
     assert ids_of(got) == expected
     assert all(b["thread"].startswith("guideloom-collate") for b in got)
@@ -139,7 +148,7 @@ def test_process_workers_pinned_or_measured(mode: str, request: pytest.FixtureRe
     with loader:
         it = iter(loader)
         if mode == "inline":
-            assert not isinstance(it._runner, ProcessRunner)
+            assert it._driver.procs is None
         got = list(it)
         if mode == "inline":
             assert worker_pids() == set()  # none was started

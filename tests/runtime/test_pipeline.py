@@ -16,7 +16,7 @@ import guideloom as gl
 from guideloom._core.plan import EpochPlan, Permutation
 from guideloom._core.schedule import Indexes, _positions
 from guideloom._runtime.config import PipelineConfig, group_size, move_to_device
-from guideloom._runtime.inline import InlinePipeline
+from guideloom._runtime.executors import Here
 
 
 def _cfg(n: int, batch: int, world: int, rank: int, offset: int) -> PipelineConfig:
@@ -151,7 +151,8 @@ def test_inline_iteration_runs_no_event_loop_and_works_inside_one() -> None:
     async def inside_a_loop() -> list[Any]:
         with loader:
             it = iter(loader)
-            assert isinstance(it._runner, InlinePipeline)  # no event loop, no loop thread
+            assert isinstance(it._driver.flow.here, Here)  # no event loop, no loop thread
+            assert it._driver.flow.workers is None
             out = list(it)
             assert set(threading.enumerate()) <= threads  # no loop thread was started
             return out

@@ -15,9 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
-import guideloom._runtime.process_choice as choice
+import guideloom._runtime.chooser as choice
 import guideloom._runtime.processes.pool as pool_module
-from guideloom._runtime.runners import ProcessRunner
 from tests.support.loader import take
 from tests.support.processes import (
     SEQ,
@@ -25,10 +24,18 @@ from tests.support.processes import (
     assert_same,
     fails_at_40,
     ids,
-    loader_for,
     rich,
     worker_pids,
 )
+from tests.support.processes import loader_for as _loader_for
+
+
+def loader_for(path: Path, collate: Any, **kw: Any) -> gl.StatefulDataLoader[Any, Any]:
+    """A process-workers loader that measures (``collate_mode="auto"``, asked for: by default
+    process workers collate in the worker processes only)."""
+    kw.setdefault("collate_mode", "auto" if kw.get("num_workers", 2) else None)
+    return _loader_for(path, collate, **kw)
+
 
 # The chooser decides from an epoch's first batch on: the workers are up before it.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_thread_leak", "workers_up_first")]
@@ -91,7 +98,7 @@ def test_switching_at_any_batch_gives_the_batches_of_num_workers_0(
         for expected in epochs:  # three epochs: flipping every 1, 2 and 3 calls
             loader._life._choosers.clear()  # a chooser of its own for each epoch
             it = iter(loader)
-            assert isinstance(it._runner, ProcessRunner) and it._runner._choice is not None
+            assert it._driver.procs is not None and it._driver.chooser is not None
             got = list(it)
             assert len(got) == len(expected)
             for a, b in zip(got, expected, strict=True):
@@ -215,12 +222,11 @@ def test_a_collate_cheaper_than_the_transport_runs_inline(tmp_path: Path) -> Non
     modes: list[bool] = []
     with loader_for(folder, ids, shuffle=True, shuffle_seed=1, prefetch=4) as loader:
         it = iter(loader)
-        assert isinstance(it._runner, ProcessRunner) and it._runner._choice is not None
+        assert it._driver.procs is not None and it._driver.chooser is not None
         got = []
         for batch in it:
             got.append(batch)
-            if it._runner._choice is not None:
-                modes.append(it._runner._choice.workers)
+            modes.append(it._driver.chooser.workers)
         del it
     assert got == expected
     assert modes[0] is True  # the workers first, as asked for
@@ -248,7 +254,7 @@ def test_a_collate_cheaper_than_its_transport_is_settled_inline_without_a_probe(
     gl.write_stream(folder, np.arange(4000 * SEQ, dtype=np.int32), shard_bytes=200_000)
     with loader_for(folder, ids, shuffle=True, shuffle_seed=1, prefetch=4) as loader:
         it = iter(loader)
-        assert isinstance(it._runner, ProcessRunner) and it._runner._choice is not None
+        assert it._driver.procs is not None and it._driver.chooser is not None
         n = sum(1 for _ in it)
         del it
         stats = loader.stats()

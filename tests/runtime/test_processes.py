@@ -34,7 +34,6 @@ from hypothesis import strategies as st
 import guideloom as gl
 from guideloom._runtime.processes import SHUTDOWN_GRACE_S, RemoteTraceback, live_segments
 from guideloom._runtime.processes.zygote import _SERVER_ATTRS
-from guideloom._runtime.runners import ProcessRunner
 from tests.support.loader import take
 from tests.support.processes import (
     HELD,
@@ -80,8 +79,8 @@ def test_workers_are_forked_from_a_fork_server_that_preloads_torch(
     monkeypatch.setattr(pool_module, "fork_is_safe", lambda: False)
     with loader_for(stream, collated_where) as loader:
         it = iter(loader)
-        assert isinstance(it._runner, ProcessRunner)
-        pool = it._runner._workers.pool
+        assert it._driver.procs is not None
+        pool = it._driver.procs.pool
         assert pool.ctx.get_start_method() == "forkserver"
         batch = next(it)
         pids = worker_pids()
@@ -288,7 +287,8 @@ def test_the_first_batches_are_made_here_while_the_workers_start_then_theirs_fol
     def make(**kw: Any) -> gl.StatefulDataLoader[Any, Any]:
         return gl.StatefulDataLoader.from_storage(
             storage(tokens), slowly_where, sequence_length=SEQ, local_batch_size=3, shuffle=True,
-            shuffle_seed=8, parallel_method="process", device=torch.device("cpu"), **kw,
+            shuffle_seed=8, parallel_method="process", device=torch.device("cpu"),
+            collate_mode="auto" if kw.get("num_workers") else None, **kw,
         )  # fmt: skip
 
     def firsts(batches: list[Any]) -> list[int]:
@@ -324,6 +324,33 @@ def test_the_first_batches_are_made_here_while_the_workers_start_then_theirs_fol
     if len(epochs) == 1:
         switch = where.index(False)  # the workers' first batch
         assert all(where[:switch])
+    assert worker_pids() == set()
+
+
+@pytest.mark.parametrize("storage", [OpensSlowly, OpensSlowlyReadOnTheLoop])
+@pytest.mark.parametrize("how", ["for", "async for"])
+def test_pinned_workers_collate_every_batch_the_first_too(how: str, storage: type[OpensSlowly]) -> None:
+    """``collate_mode="workers"``: ``collate_fn`` runs only in the worker processes, also while
+    they start (the first batch waits for them), over a storage the main process reads as over
+    one the workers read, in ``for`` and ``async for``."""
+    loader = gl.StatefulDataLoader.from_storage(
+        storage(np.arange(60 * SEQ, dtype=np.int32)), collated_where, sequence_length=SEQ,
+        local_batch_size=3, num_workers=2, prefetch=2, parallel_method="process",
+        collate_mode="workers", device=torch.device("cpu"),
+    )  # fmt: skip
+
+    async def async_epoch() -> list[Any]:
+        async with loader:
+            return [b async for b in loader]
+
+    if how == "for":
+        with loader:
+            got = take(loader)
+    else:
+        got = asyncio.run(async_epoch())
+    assert len(got) == 20
+    assert all(b["pid"] != os.getpid() for b in got)
+    assert loader.stats()["collated_processes"] == len(got)
     assert worker_pids() == set()
 
 
@@ -418,7 +445,7 @@ def test_the_workers_and_their_shared_memory_are_gone_after_interpreter_exit(
                 loader.open()
                 it = iter(loader)
                 next(it)
-                pool = it._runner._workers.pool
+                pool = it._driver.procs.pool
                 pool.start()  # the workers are up
                 kept = [next(it) for _ in range(5)]
                 pids = [p.proc.pid for p in pool.procs]
@@ -733,6 +760,7 @@ def test_a_storage_that_fails_to_open_in_a_worker_raises_its_own_error(
     loader = gl.StatefulDataLoader.from_storage(
         OpensOnlyHere(np.arange(64 * SEQ, dtype=np.int32)), ids, sequence_length=SEQ,
         local_batch_size=4, num_workers=2, parallel_method="process", device=torch.device("cpu"),
+        collate_mode="auto",  # the batches made in the main process while the workers start
     )  # fmt: skip
     got: list[list[int]] = []
     with loader:
@@ -815,16 +843,16 @@ def test_batches_equal_num_workers_0_for_each_group_size(
     )
     with loader:
         it = iter(loader)
-        assert isinstance(it._runner, ProcessRunner)
-        run = it._runner._run
+        assert it._driver.procs is not None
+        run = it._driver
         got = [next(it)]
         assert run.flow.group == group
-        token = run.session.pool.token  # this pool's segments (other tests may run meanwhile)
+        token = run.procs.pool.token  # this pool's segments (other tests may run meanwhile)
         owner = got[0]["array"]
         while isinstance(owner, np.ndarray):
             owner = owner.base
         assert isinstance(owner, ctypes.Array)  # a view of a shared-memory slot, not a copy
-        assert run.ahead <= prefetch + workers + 1  # the channel's credits, as on the loop
+        assert run.flow.ahead <= prefetch + workers + 1  # the consumer's credits
         assert loop_threads() == []  # no event loop between the workers and the consumer
         got.extend(it)
         assert len(got) == len(expected)
@@ -871,8 +899,8 @@ def test_close_from_another_thread_ends_a_blocked_next(stream: Path) -> None:
     with loader:
         it = iter(loader)
         next(it)
-        assert isinstance(it._runner, ProcessRunner)
-        token = it._runner._run.session.pool.token
+        assert it._driver.procs is not None
+        token = it._driver.procs.pool.token
         timer = threading.Timer(0.05, it.close)
         timer.start()
         t0 = time.monotonic()
@@ -910,10 +938,10 @@ def test_a_batch_that_is_one_array_travels_unpickled_and_a_group_shares_one_slot
         expected = take(inline)
     with loader_for(stream, collate, prefetch=14, shuffle=True, shuffle_seed=2) as loader:
         it = iter(loader)
-        assert isinstance(it._runner, ProcessRunner)
+        assert it._driver.procs is not None
         got = list(it)
-        assert it._runner._run.flow.group == 4
-        token = it._runner._run.session.pool.token
+        assert it._driver.flow.group == 4
+        token = it._driver.procs.pool.token
     assert len(got) == len(expected)
     for a, b in zip(got, expected, strict=True):
         assert_same(a, b)
@@ -934,10 +962,8 @@ def test_a_batch_that_is_one_array_travels_unpickled_and_a_group_shares_one_slot
     assert live_segments(token) == []
 
 
-def test_batches_for_a_device_keep_the_loop_thread_that_overlaps_the_copy(stream: Path) -> None:
-    """To a device, the copy runs on the loop thread's mover, overlapped with the next batch
-    (``meta`` stands in for an accelerator here), not in the consumer's thread after each batch."""
-    from guideloom._runtime.runners import LoopThreadRunner
+def test_batches_for_a_device_are_copied_there(stream: Path) -> None:
+    """Batches for a device are copied there (``meta`` stands in for an accelerator here)."""
 
     loader = gl.StatefulDataLoader.from_storage(
         gl.open_stream(stream), as_int64, sequence_length=SEQ, local_batch_size=4, num_workers=2,
@@ -945,7 +971,6 @@ def test_batches_for_a_device_keep_the_loop_thread_that_overlaps_the_copy(stream
     )  # fmt: skip
     with loader:
         it = iter(loader)
-        assert isinstance(it._runner, LoopThreadRunner)
         batch = next(it)
         assert batch.device.type == "meta" and batch.shape[0] == 4
         it.close()
@@ -1024,9 +1049,9 @@ def test_a_storage_not_read_by_workers_is_read_here_and_collated_there(
     )
     with loader:
         it = iter(loader)
-        assert isinstance(it._runner, ProcessRunner)
+        assert it._driver.procs is not None
         got = [next(it)]
-        assert it._runner._run.flow.read is not None and it._runner._run.flow.group == group
+        assert not it._driver.procs.reads_itself and it._driver.flow.group == group
         got.extend(it)
         assert loader.stats()["collated_processes"] == len(want)
     assert got == want

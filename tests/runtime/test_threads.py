@@ -4,7 +4,7 @@ prefetch bound, whichever mode (workers or inline) each ``next()`` runs in."""
 
 from __future__ import annotations
 
-import concurrent.futures
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -21,9 +21,8 @@ from guideloom._core.plan import EpochPlan, Permutation
 from guideloom._runtime import chooser as _thread_workers
 from guideloom._runtime.chooser import Chooser as _Chooser
 from guideloom._runtime.config import PipelineConfig
-from guideloom._runtime.inline import InlinePipeline
-from guideloom._runtime.runners import ThreadRunner
-from guideloom._runtime.threads import ThreadWorkerPipeline
+from guideloom._runtime.drive import SyncDriver
+from guideloom._runtime.executors import Threads
 from tests.support.data import identity_stream
 
 
@@ -94,6 +93,21 @@ def config(
     )
 
 
+class Given:
+    """The loader's choosers, as a driver finds them: this one chooser for every kind."""
+
+    def __init__(self, chooser: _Chooser) -> None:
+        self._chooser = chooser
+
+    def chooser(self, kind: str, make: Any, *, fresh: bool = False) -> _Chooser:
+        return self._chooser
+
+
+def inline(cfg: PipelineConfig) -> SyncDriver:
+    """The epoch of ``cfg`` made inline (no worker, nothing ahead)."""
+    return SyncDriver(dataclasses.replace(cfg, num_workers=0, prefetch=0), None)
+
+
 def drain(next_: Any) -> list[tuple[Any, str | None]]:
     out = []
     while (d := next_()) is not None:
@@ -133,20 +147,19 @@ def test_same_batches_order_and_errors_as_inline_in_either_mode(
     def storage() -> gl.MemoryStreamStorage:
         return FailingReads(np.arange(n), bad_read)
 
-    expected = drain(InlinePipeline(config(storage(), Counting(bad_collate), n, batch, nw, prefetch)).next)
+    expected = drain(inline(config(storage(), Counting(bad_collate), n, batch, nw, prefetch)).next)
     collate = Counting(bad_collate)
     cfg = config(storage(), collate, n, batch, nw, prefetch)
-    with concurrent.futures.ThreadPoolExecutor(nw) as ex:
-        pipe = ThreadWorkerPipeline(cfg, ex, Flipping(every, start_workers, held))
-        got = []
-        while (d := pipe.next()) is not None:
-            got.append((d.value, None if d.error is None else f"{type(d.error).__name__}{d.error.args}"))
-            time.sleep(0)  # let the workers run ahead as far as they may
-            with collate.lock:
-                assert collate.calls <= len(got) + cfg.capacity
-            if d.error is not None:
-                break
-        pipe.close()
+    pipe = SyncDriver(cfg, Given(Flipping(every, start_workers, held)))
+    got = []
+    while (d := pipe.next()) is not None:
+        got.append((d.value, None if d.error is None else f"{type(d.error).__name__}{d.error.args}"))
+        time.sleep(0)  # let the workers run ahead as far as they may
+        with collate.lock:
+            assert collate.calls <= len(got) + cfg.capacity
+        if d.error is not None:
+            break
+    pipe.close()
     assert got == expected
 
 
@@ -251,7 +264,7 @@ def test_a_collate_that_releases_the_gil_runs_on_the_workers() -> None:
     )  # fmt: skip
     with loader:
         it = iter(loader)
-        assert isinstance(it._runner, ThreadRunner)
+        assert isinstance(it._driver.flow.workers, Threads)
         got = [i for b in it for i in b]
     assert got == list(range(2000))
     on_workers = sum(n.startswith("guideloom-collate") for n in names)
@@ -335,11 +348,10 @@ def test_the_chooser_is_not_charged_for_reads() -> None:
     leave the reads out, so a slow window read does not decide against the chunk it falls in."""
     chooser = Recording()
     cfg = config(SlowReads(np.arange(64)), Counting(None), 64, 2, 2, 2)
-    with concurrent.futures.ThreadPoolExecutor(2) as ex:
-        pipe = ThreadWorkerPipeline(cfg, ex, chooser)
-        while pipe.next() is not None:
-            pass
-        pipe.close()
+    pipe = SyncDriver(cfg, Given(chooser))
+    while pipe.next() is not None:
+        pass
+    pipe.close()
     assert len(chooser.seen) >= 30
     assert max(chooser.seen) < 0.015, chooser.seen  # each read alone takes 20 ms
 
@@ -388,9 +400,9 @@ def test_a_loaders_chooser_lasts_from_one_epoch_to_the_next() -> None:
     with loader:
         for epoch in expected:
             it = iter(loader)
-            assert isinstance(it._runner, ThreadRunner)
+            assert isinstance(it._driver.flow.workers, Threads)
             got = [next(it)]
-            choosers.append(it._runner._pipe._chooser)
+            choosers.append(it._driver.chooser)
             starts.append(choosers[-1].workers)
             got.extend(it)
             assert got == epoch

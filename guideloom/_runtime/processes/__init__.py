@@ -6,13 +6,12 @@ stores), and returns them through shared memory.
 - :mod:`.pack`: arrays laid into a segment and the pickle that names them, both ways;
 - :mod:`.wire`: the typed messages between the main process and a worker;
 - :mod:`.worker`: what runs in a worker process;
-- :mod:`.pool`: the pool of processes and a session of it, the main process's side;
-- :mod:`.flow`: one epoch's groups as a state machine, driven from a sync ``for`` or a loop.
+- :mod:`.pool`: the pool of processes and a session of it, the main process's side (what
+  :class:`~guideloom._runtime.executors.Processes` drives for the epoch's flow).
 """
 
 from __future__ import annotations
 
-from guideloom._runtime.processes.flow import GroupFlow, ProcessWorkers, SyncRun, run_on_loop
 from guideloom._runtime.processes.pool import SHUTDOWN_GRACE_S, Session, WorkerPool, check_not_bootstrapping
 from guideloom._runtime.processes.shm import SHM_PREFIX, live_segments
 from guideloom._runtime.processes.wire import RemoteTraceback
@@ -20,13 +19,9 @@ from guideloom._runtime.processes.wire import RemoteTraceback
 __all__ = [
     "SHM_PREFIX",
     "SHUTDOWN_GRACE_S",
-    "GroupFlow",
-    "ProcessWorkers",
     "RemoteTraceback",
     "Session",
-    "SyncRun",
     "WorkerPool",
     "check_not_bootstrapping",
     "live_segments",
-    "run_on_loop",
 ]

@@ -78,7 +78,7 @@ def test_the_loader_switches_to_the_copy_mid_epoch_without_changing_the_batches(
         it = iter(loader)
         for b in it:
             got.append(b)
-            modes.append(it._runner._inline is not None)  # type: ignore[union-attr]
+            modes.append(it._driver.reads_inline)  # type: ignore[union-attr]
             if len(got) == 3:
                 go.set()
                 wait_for_copy(storage)

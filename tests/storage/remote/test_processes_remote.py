@@ -57,11 +57,14 @@ def test_process_workers_over_s3_collate_in_the_workers(
         num_workers=2,
         parallel_method="process",
         prefetch=4,
+        collate_mode="auto",  # asked for: the batches read while the workers start are made here
     )
     with loader:
         start = loader.state_dict()
         first = list(loader)
         loader.load_state_dict(start)  # the same epoch again, its workers up (they persist)
+        assert loader._life.pool is not None
+        loader._life.pool.start()  # an epoch may end before they are: they are waited for here
         got = list(loader)
         it = iter(loader)  # an epoch left early: the samples sent for its groups are freed
         next(it)

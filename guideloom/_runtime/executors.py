@@ -1,0 +1,362 @@
+"""What makes an epoch's groups of batches, for :class:`~guideloom._runtime.flow.EpochFlow`:
+inline (:class:`Here`), on threads (:class:`Threads`) or on process workers (:class:`Processes`).
+
+An executor starts a group and returns a :class:`Job` whose batches the
+flow takes in order; how a driver waits for a job is the executor's too (a future's result, a
+selector over the workers' pipes, a loop reader). Nothing else differs between them: the flow
+decides what is made where and when.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import selectors
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from guideloom._core.delivery import Delivery, Results, apply_group
+from guideloom._core.plan import BatchSpec
+from guideloom._runtime.processes.pool import Group, Proc, WorkerPool
+from guideloom._runtime.processes.wire import Epoch
+from guideloom._runtime.threadpool import CollateThreads
+
+__all__ = ["FutureJob", "GroupJob", "Here", "Job", "Made", "Processes", "Threads"]
+
+
+class Job:
+    """Consecutive batches one executor makes as one group; their deliveries, oldest first,
+    are taken as their results arrive. ``place``: where they are collated (``stats()``)."""
+
+    __slots__ = ("place", "transfer")
+
+    def __init__(self, place: str, transfer: bool) -> None:
+        self.place = place
+        #: Whether the copy to the device is still to be made when a batch is taken.
+        self.transfer = transfer
+
+    def ready(self) -> bool:
+        """Whether a batch can be taken now."""
+        raise NotImplementedError
+
+    def take(self) -> Delivery:
+        """The next batch (:meth:`ready` holds)."""
+        raise NotImplementedError
+
+    def empty(self) -> bool:
+        """Whether nothing more will be taken from this job."""
+        raise NotImplementedError
+
+    def cancel(self) -> None:
+        """Nobody will take what is left."""
+
+
+class Made(Job):
+    """Batches already made (collated inline, or a read's failure)."""
+
+    __slots__ = ("_ds",)
+
+    def __init__(self, ds: list[Delivery], place: str, transfer: bool = False) -> None:
+        super().__init__(place, transfer)
+        self._ds = deque(ds)
+
+    def ready(self) -> bool:
+        return bool(self._ds)
+
+    def take(self) -> Delivery:
+        return self._ds.popleft()
+
+    def empty(self) -> bool:
+        return not self._ds
+
+    def cancel(self) -> None:
+        self._ds.clear()
+
+
+class FutureJob(Job):
+    """A group collated by a call that a ``concurrent.futures.Future`` stands for (threads)."""
+
+    __slots__ = ("_ds", "future")
+
+    def __init__(
+        self, ds: list[Delivery], future: concurrent.futures.Future[Results], place: str, transfer: bool
+    ) -> None:
+        super().__init__(place, transfer)
+        self._ds = deque(ds)
+        self.future: concurrent.futures.Future[Results] | None = future
+
+    def _resolve(self) -> None:
+        fut = self.future
+        assert fut is not None
+        try:
+            results = fut.result()
+        except Exception as exc:  # the call's own failure (a collate's comes per batch)
+            results = [(None, exc)]
+        self.future = None
+        ds = self._ds
+        while len(ds) > len(results):  # a group that stopped at a failure: nothing after it
+            ds.pop()
+        for d, (value, error) in zip(ds, results, strict=False):
+            d.value, d.error = value, error
+
+    def ready(self) -> bool:
+        if self.future is not None:
+            if not self.future.done():
+                return False
+            self._resolve()
+        return bool(self._ds)
+
+    def take(self) -> Delivery:
+        return self._ds.popleft()
+
+    def empty(self) -> bool:
+        return self.future is None and not self._ds
+
+    def cancel(self) -> None:
+        fut, self.future = self.future, None
+        if fut is not None:
+            fut.cancel()
+            fut.add_done_callback(_retrieve)
+        self._ds.clear()
+
+
+def _retrieve(fut: concurrent.futures.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # retrieved: no "exception was never retrieved"
+
+
+class GroupJob(Job):
+    """A group sent to a process worker (:class:`~guideloom._runtime.processes.pool.Group`):
+    its batches arrive one message per group, through the worker's pipe."""
+
+    __slots__ = ("group", "session")
+
+    def __init__(self, group: Group, session: Any, place: str) -> None:
+        super().__init__(place, True)
+        self.group = group
+        self.session = session
+
+    def ready(self) -> bool:
+        return bool(self.group.results)
+
+    def take(self) -> Delivery:
+        g = self.group
+        d = g.results.popleft()
+        if g.done and not g.results:
+            self.session.groups.pop(g.gid, None)
+        return d
+
+    def empty(self) -> bool:
+        return self.group.done and not self.group.results
+
+    def cancel(self) -> None:
+        g = self.group
+        self.session.groups.pop(g.gid, None)
+        if not g.done and g.proc is not None:  # its worker's result is dropped
+            g.proc.inflight -= 1
+            g.done = True
+        g.results.clear()
+        g.wake()  # a driver waiting for it looks again (and finds the flow closed)
+
+
+class Here:
+    """Batches made in the driver's thread, one when it is asked for (no event loop, nothing
+    ahead: as PyTorch loads at ``num_workers=0``)."""
+
+    reads_itself = False
+    runs_ahead = False
+    most_jobs = 1
+
+    def __init__(self, steps: Sequence[Callable[[Any], Any]], place: str = "inline") -> None:
+        self.steps = tuple(steps)
+        self.place = place
+
+    def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
+        assert values is not None
+        results = apply_group(self.steps, values)
+        return Made([Delivery(s, v, e) for s, (v, e) in zip(specs, results, strict=False)], self.place)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Nothing runs."""
+
+
+class Threads:
+    """Groups collated on ``n`` daemon threads (:class:`~guideloom._runtime.threadpool.CollateThreads`);
+    ``steps`` include the copy to the device where there is one."""
+
+    reads_itself = False
+    runs_ahead = True
+
+    def __init__(
+        self, n: int, steps: Sequence[Callable[[Any], Any]], place: str, most_jobs: int | None = None
+    ) -> None:
+        self.pool = CollateThreads(n)
+        self.steps = tuple(steps)
+        self.place = place
+        self.transfer = False
+        self.most_jobs = most_jobs or 1 << 30
+
+    def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
+        assert values is not None
+        ds = [Delivery(s) for s in specs]
+        return FutureJob(ds, self.pool.submit(apply_group, self.steps, values), self.place, False)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the threads, waiting for a call in progress at most
+        :data:`~guideloom._runtime.threadpool.CLOSE_GRACE_S` (then it is left running)."""
+        self.pool.shutdown(wait=wait, cancel_futures=True)
+
+
+class Processes:
+    """Process workers (a session of ``pool``): each group read by its worker (``reads_itself``:
+    a storage read inline and by workers), or sent with the samples read here."""
+
+    place = "processes"
+    runs_ahead = True
+    steps: tuple[Callable[[Any], Any], ...] = ()  # the collate runs in the worker
+
+    #: How often a blocked sync wait looks whether the flow was closed in another thread.
+    POLL_S = 0.1
+
+    def __init__(self, pool: WorkerPool, owned: bool, reads_itself: bool) -> None:
+        self.pool = pool
+        self.owned = owned
+        self.reads_itself = reads_itself
+        self.session = pool.session()
+        self.most_jobs = 2 * pool.num_workers  # one queued behind the one each worker makes
+        self.is_up = False
+        self.error: BaseException | None = None
+        self._selector: selectors.BaseSelector | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._registered: list[Proc] = []
+        try:
+            pool.begin()  # the workers start while the first batches are made here
+        except Exception as exc:
+            self.error = exc
+
+    def starting(self) -> bool:
+        """Whether the workers are still starting (the batches are then made here)."""
+        return self.error is None and self.pool.starting()
+
+    def start_sync(self) -> None:
+        """Wait until the workers are up and send them the epoch (raises what made the start
+        fail); their pipes are then watched by :meth:`wait_sync`."""
+        if self.is_up:
+            return
+        if self.error is not None:
+            raise self.error
+        self.pool.start()
+        self._selector = selectors.DefaultSelector()
+        for p in self._send_epoch():
+            self._selector.register(p.fd, selectors.EVENT_READ, p)
+        self.is_up = True
+
+    async def start_async(self) -> None:
+        """:meth:`start_sync` from the running loop: the start waited for off the loop, the
+        pipes read by the loop."""
+        if self.is_up:
+            return
+        if self.error is not None:
+            raise self.error
+        await asyncio.to_thread(self.pool.start)
+        loop = self._loop = asyncio.get_running_loop()
+        for p in self._send_epoch():
+            loop.add_reader(p.fd, self.session._on_readable, p, loop)
+            p.reader = self.session
+            self._registered.append(p)
+        self.is_up = True
+
+    def renew(self) -> None:
+        """A new session on the same workers, for a flow started again from another plan: the
+        workers drop what is left of the old session's groups and are sent the new epoch; none
+        restarts."""
+        old, self.session = self.session, self.pool.session()
+        old.end()
+        if not self.is_up:
+            return
+        procs = self._send_epoch()
+        loop = self._loop
+        if loop is not None:  # read by the loop: the readers now serve the new session
+            for p in procs:
+                if p.reader is old:
+                    loop.remove_reader(p.fd)
+                loop.add_reader(p.fd, self.session._on_readable, p, loop)
+                p.reader = self.session
+            self._registered = procs
+
+    def _send_epoch(self) -> list[Proc]:
+        live = self.pool.live()
+        flow = self.flow
+        for p in live:
+            p.send(Epoch(self.session.token, flow.plan, flow.cfg.order, flow.reading))
+        return live
+
+    #: The flow whose epoch the workers are sent (set by the driver).
+    flow: Any = None
+
+    def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
+        return GroupJob(self.session.submit(specs, values), self.session, self.place)
+
+    def wait_sync(self) -> None:
+        """Block until a worker's pipe has something (or :data:`POLL_S`), and take it in."""
+        selector = self._selector
+        if selector is None:
+            return
+        try:
+            events = selector.select(self.POLL_S)
+        except (OSError, ValueError):  # closed by a close in another thread
+            return
+        for key, _ in events:
+            p: Proc = key.data
+            if not self.session.receive(p):
+                selector.unregister(p.fd)
+
+    @staticmethod
+    async def wait_async(job: GroupJob) -> None:
+        """Wait until something of ``job`` has arrived (or it failed)."""
+        g = job.group
+        g.waiter = asyncio.get_running_loop().create_future()
+        try:
+            await g.waiter
+        finally:
+            g.waiter = None
+
+    def shutdown(self, wait: bool = True) -> None:
+        """End the session (the workers drop its groups); a pool of the iterator's own closes
+        too (on a thread of its own unless ``wait``)."""
+        self.session.end()
+        selector, self._selector = self._selector, None
+        if selector is not None:
+            selector.close()
+        loop, registered, self._registered = self._loop, self._registered, []
+        if loop is not None and registered and not loop.is_closed():
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is loop:
+                _detach(loop, registered, self.session)
+            else:
+                try:
+                    loop.call_soon_threadsafe(_detach, loop, registered, self.session)
+                except RuntimeError:  # the loop closed meanwhile
+                    pass
+        if self.owned:
+            if wait:
+                self.pool.close()
+            else:
+                threading.Thread(target=self.pool.close, name="guideloom-workers-close", daemon=True).start()
+
+
+def _detach(loop: asyncio.AbstractEventLoop, procs: list[Proc], session: object) -> None:
+    """Stop reading the pipes of ``procs`` on ``loop``, those ``session`` still reads."""
+    for p in procs:
+        if p.reader is not session:  # a later session reads this pipe now: not ours to remove
+            continue
+        p.reader = None
+        try:
+            loop.remove_reader(p.fd)
+        except (OSError, ValueError):
+            pass

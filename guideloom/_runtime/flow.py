@@ -1,0 +1,344 @@
+"""One epoch, written once: windows -> reads -> groups -> deliveries, free of I/O.
+
+:class:`EpochFlow` is the whole of an epoch's logic: which window to read next, which
+consecutive read batches go to an executor as one group and when (within the consumer's
+credits), where each group is collated (here, or on the workers: the decision is the flow's,
+:attr:`EpochFlow.on_workers`), and the batches handed out in plan order, a failure at its batch
+and nothing after it. It performs no read and waits for nothing: a driver
+(:mod:`guideloom._runtime.drive`) reads the windows it asks for, waits for the job it is blocked
+on, and asks it again, as httpx drives its auth flow and torchdata's mapper drives its queue.
+The executor is a parameter (:mod:`guideloom._runtime.executors`): inline, threads or
+processes differ only in how a group is started and how its results are waited for.
+
+The flow starts from a plan (:meth:`EpochFlow.start`): the epoch's order, a global offset and a
+geometry (rank, world size, batch size). It holds nothing that assumes that geometry beyond its
+read-ahead, which :meth:`EpochFlow.start` drops: starting it again from another plan at another
+offset re-plans the epoch on the same executors, workers included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+from guideloom._core.delivery import Delivery, apply
+from guideloom._core.plan import BatchSpec, EpochPlan
+from guideloom._core.schedule import Indexes, ReadWindow, read_window, windows
+from guideloom._runtime.config import (
+    PipelineConfig,
+    group_size,
+    max_window_batches,
+    move_to_device,
+    reading_name,
+    window_bounds,
+)
+from guideloom._runtime.executors import Made
+
+if TYPE_CHECKING:
+    from guideloom._runtime.executors import Job
+
+__all__ = ["EpochFlow", "Executor", "Read"]
+
+
+class Executor(Protocol):
+    """What makes groups of batches: inline, threads or process workers."""
+
+    #: Where it collates (``stats()``): ``"inline"``, ``"threads"`` or ``"processes"``.
+    place: str
+    #: Whether it reads its own batches (process workers over local files): sent specs only.
+    reads_itself: bool
+    #: Whether its groups are made ahead of the consumer's requests (inline in the caller's
+    #: thread: no, each batch is made when asked for).
+    runs_ahead: bool
+    #: Groups in flight at most.
+    most_jobs: int
+    #: What makes a read batch a delivered one (the collate, and the copy to a device where it
+    #: runs there).
+    steps: tuple[Callable[[Any], Any], ...]
+
+    def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
+        """Start one group: ``values`` the batches read (None: it reads them itself)."""
+        ...
+
+
+class Read:
+    """One window being read: its batches, and their deliveries once read."""
+
+    __slots__ = ("handle", "result", "specs")
+
+    def __init__(self, specs: list[BatchSpec]) -> None:
+        self.specs = specs
+        self.result: list[Delivery] | None = None
+        #: The driver's handle on the read in flight (a future, a task).
+        self.handle: Any = None
+
+
+class EpochFlow:
+    """One epoch's state machine; see the module docstring. ``here`` makes batches in the
+    driver's own process (inline, or a collate thread where the driver's thread must not run
+    ``collate_fn``); ``workers`` (None: none) is what the user asked for."""
+
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        here: Executor,
+        workers: Executor | None,
+        *,
+        limit: int,
+        concurrency: int = 1,
+    ) -> None:
+        self.cfg = cfg
+        self.here, self.workers = here, workers
+        #: The decision: collate on the workers (else here). A driver's chooser changes it.
+        self.on_workers = workers is not None
+        #: Batches made (or being made) and not yet taken, at most: the consumer's credits.
+        self.limit = max(1, limit)
+        self.concurrency = max(1, concurrency)
+        self.group = group_size(cfg.capacity, cfg.num_workers)
+        self.reading = reading_name(cfg)
+        self.move: Callable[[Any], Any] | None = None
+        if cfg.device.type != "cpu":
+            self.move = functools.partial(move_to_device, device=cfg.device, pin_memory=cfg.pin_memory)
+        #: Where the last batch taken was collated.
+        self.place = workers.place if workers is not None else here.place
+        self.closed = False
+        self.start(cfg.plan, 0)
+
+    # -- planning -------------------------------------------------------------------------------
+    def start(self, plan: EpochPlan, first_step: int = 0) -> None:
+        """(Re)start the epoch at ``plan``'s step ``first_step``: the plan carries the order,
+        the global offset and the geometry. What was read ahead or is being made is dropped
+        (the executors stay up): nothing of an earlier plan is handed out after this."""
+        if hasattr(self, "jobs"):
+            self._cancel_reads()
+            for job in self.jobs:
+                job.cancel()
+        if plan is not self.cfg.plan:  # window sizes follow the new geometry's batches
+            self.cfg = dataclasses.replace(self.cfg, plan=plan)
+        self.plan, self.total = plan, len(plan)
+        self.indexes = Indexes(plan, self.cfg.order)
+        self.largest = max_window_batches(self.cfg)
+        self._bounds = window_bounds(self.cfg)
+        self._windows: Iterator[list[BatchSpec]] = windows(plan, first_step, self.largest, self._bounds)
+        self.read_step = first_step  # the next step to read (or to send where workers read)
+        self.reads: deque[Read] = deque()  # oldest first
+        self.raw: deque[Delivery] = deque()  # read, not yet handed to an executor
+        self.jobs: deque[Job] = deque()  # oldest first
+        self.ahead = 0  # batches in the jobs not yet taken
+        self.ended = False  # a failure is queued: nothing after it is read or made
+        self.first_read = True
+
+    def future_windows(self) -> Iterator[list[BatchSpec]]:
+        """The windows :meth:`next_read` will ask for from here (the hint a storage reads ahead by)."""
+        return windows(self.plan, self.read_step, self.largest, self._bounds)
+
+    def reads_here(self) -> bool:
+        """Whether the windows are read by the driver (not by workers that read their own)."""
+        w = self.workers
+        return not (self.on_workers and w is not None and w.reads_itself)
+
+    def next_read(self, *, ahead: bool) -> Read | None:
+        """The next window to read now, or None. ``ahead``: reads may run ahead of the groups
+        (an async read, several in flight); else a window is read once its batches are needed."""
+        if self.closed or self.ended or not self.reads_here():
+            return None
+        if self.workers is not None and self.workers.reads_itself:
+            ahead = False  # read here only until the workers, which read their own, take over
+        if ahead:
+            if len(self.reads) >= self.concurrency or len(self.raw) > self.largest:
+                return None
+            if self.reads and self.first_read and self.concurrency > 1:
+                return None  # a fast first batch: no read-ahead competes with its read
+        elif self.reads or self.raw or not self._room_here():
+            return None
+        specs = next(self._windows, None)
+        if specs is None:
+            return None
+        self.read_step = specs[-1].step + 1
+        r = Read(specs)
+        self.reads.append(r)
+        return r
+
+    def _room_here(self) -> bool:
+        """Whether a batch would be made now if one were read."""
+        ex = self._maker()
+        if not ex.runs_ahead:
+            return not self.jobs
+        return self.ahead < self.limit and len(self.jobs) < ex.most_jobs
+
+    def schedule(self, r: Read) -> ReadWindow:
+        """The sans-IO read of window ``r`` (:func:`~guideloom._core.schedule.read_window`)."""
+        return read_window(r.specs, self.indexes, self.reading)
+
+    def read_done(self, r: Read, deliveries: list[Delivery]) -> None:
+        """Window ``r`` has been read."""
+        r.result = deliveries
+        self.first_read = False
+        while self.reads and self.reads[0].result is not None:
+            done = self.reads.popleft()
+            assert done.result is not None
+            self.raw.extend(done.result)
+            done.result = None
+
+    def rewind(self) -> None:
+        """Drop the read-ahead (windows read or being read, not yet handed to an executor) and
+        plan the reads again from the first batch not handed to one: what a storage that now
+        reads otherwise (a local copy complete), or a plan changed between steps, starts from.
+        The batches already handed to an executor are still handed out, in order."""
+        step = self._first_unmade()
+        self.raw.clear()
+        self._cancel_reads()
+        self.read_step = step
+        self._windows = windows(self.plan, step, self.largest, self._bounds)
+        self.first_read = True
+
+    # -- making ---------------------------------------------------------------------------------
+    def _maker(self) -> Executor:
+        w = self.workers
+        return w if self.on_workers and w is not None else self.here
+
+    def fill(self) -> None:
+        """Start groups while the credits allow, in plan order, on the executor chosen."""
+        while not self.closed:
+            if not self._fill_one():
+                return
+
+    def _fill_one(self) -> bool:
+        ex = self._maker()
+        if not self.reads_here() and self.raw:
+            ex = self.here  # batches read here before the workers took over are made here first
+        room = self.limit - self.ahead
+        if not ex.runs_ahead:
+            if self.jobs or not self.raw:
+                return False
+            room = 1
+        if room <= 0 or len(self.jobs) >= ex.most_jobs:
+            return False
+        if ex.reads_itself and not self.raw:
+            left = self.total - self.read_step
+            if self.ended or left <= 0 or self.reads:  # windows still being read here come first
+                return False
+            full = min(self.group, left)
+            n = min(full, room)
+            if n < full and self.jobs:  # wait for a whole group's room while others are in flight
+                return False
+            specs = self.plan.batches(self.read_step, self.read_step + n)
+            self.read_step += n
+            self._windows = windows(self.plan, self.read_step, self.largest, self._bounds)
+            self._queue(ex.submit(specs, None), n)
+            return True
+        raw = self.raw
+        if not raw:
+            return False
+        group = self.group if ex.runs_ahead else 1
+        n = min(group, room, len(raw))
+        if n < group and n < len(raw) and self.jobs:
+            return False  # a whole group's room, unless nothing else is in flight
+        ds: list[Delivery] = []
+        while len(ds) < n and raw:
+            d = raw[0]
+            if d.error is not None:  # a failed read: after the batches before it, then nothing
+                break
+            ds.append(raw.popleft())
+        if ds:
+            values = [d.value for d in ds]
+            for d in ds:
+                d.value = None
+            self._queue(ex.submit([d.spec for d in ds], values), len(ds))
+        if raw and raw[0].error is not None and len(ds) < n:
+            failed = raw.popleft()
+            self._queue(Made([failed], ex.place), 1)
+            self.ended = True
+            raw.clear()
+        return bool(ds)
+
+    def _queue(self, job: Job, n: int) -> None:
+        self.jobs.append(job)
+        self.ahead += n
+
+    def fail(self, exc: BaseException) -> None:
+        """A failure outside any batch (an executor that could not start, a bug): handed out
+        at the next step not yet made, after the batches before it; nothing after it."""
+        step = self.read_step if not self.reads_here() else self._first_unmade()
+        spec = self.plan.batch(step) if step < self.total else BatchSpec(step, 0, 0, 0)
+        self.raw.clear()
+        self._cancel_reads()
+        self._queue(Made([Delivery(spec, error=exc)], self.place), 1)
+        self.ended = True
+
+    def _first_unmade(self) -> int:
+        if self.raw:
+            return self.raw[0].spec.step
+        if self.reads:
+            return self.reads[0].specs[0].step
+        return self.read_step
+
+    def make_here(self) -> Delivery:
+        """The next batch read, made at once by ``here`` (nothing is in flight before it): the
+        inline path, with no job between the read and the consumer."""
+        d = self.raw.popleft()
+        if d.error is not None or apply(d, *self.here.steps):
+            self.end()
+        self.place = self.here.place
+        return d
+
+    # -- handing out ----------------------------------------------------------------------------
+    def head(self) -> Job | None:
+        """The job whose batch comes next (None: none is in flight)."""
+        return self.jobs[0] if self.jobs else None
+
+    def take(self) -> Delivery | None:
+        """The next batch in plan order if it is ready; None if not."""
+        jobs = self.jobs
+        while jobs:
+            job = jobs[0]
+            if job.ready():
+                break
+            if not job.empty():
+                return None
+            jobs.popleft()  # a group that stopped at a failure: its rest is dropped
+        else:
+            return None
+        d = job.take()
+        self.ahead = max(0, self.ahead - 1)
+        if job.empty():
+            jobs.popleft()
+        self.place = job.place
+        if job.transfer and self.move is not None:
+            apply(d, self.move)
+        if d.error is not None:
+            self.end()
+        return d
+
+    def finished(self) -> bool:
+        """Whether every batch has been handed out (or a failure ended the epoch)."""
+        if self.jobs or self.raw or self.reads:
+            return False
+        return self.closed or self.ended or self.read_step >= self.total
+
+    # -- ending ---------------------------------------------------------------------------------
+    def _cancel_reads(self) -> None:
+        reads, self.reads = self.reads, deque()
+        for r in reads:
+            cancel = getattr(r.handle, "cancel", None)
+            if cancel is not None:
+                cancel()
+
+    def end(self) -> None:
+        """Nothing after the batch handed out last: drop what is read and made behind it."""
+        self.ended = True
+        self.raw.clear()
+        self._cancel_reads()
+        jobs, self.jobs = self.jobs, deque()
+        for job in jobs:
+            job.cancel()
+        self.ahead = 0
+        self._windows = iter(())
+
+    def close(self) -> None:
+        """Produce nothing more. Idempotent."""
+        self.closed = True
+        self.end()

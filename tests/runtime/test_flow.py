@@ -1,0 +1,139 @@
+"""The epoch's flow started again between two batches from another plan (another offset, rank,
+world size, batch size): it goes on exactly as a fresh epoch from that plan would, the batches
+handed out after the new offset made again, and its executors (process workers included) stay
+up."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import guideloom as gl
+from guideloom._core.plan import EpochPlan, Permutation
+from guideloom._runtime.config import PipelineConfig
+from guideloom._runtime.drive import AsyncDriver, SyncDriver
+
+N = 240
+
+
+def ids(samples: Any) -> tuple[list[int], int]:
+    """The batch's samples, and the process that collated it (picklable: process workers)."""
+    return [int(s[0]) for s in samples], os.getpid()
+
+
+def plan(batch: int, world: int, rank: int, offset: int) -> EpochPlan:
+    return EpochPlan(N, batch, world, rank, drop_last=False, start_offset=offset, order=ORDER)
+
+
+ORDER = Permutation(N, shuffle=True, seed=9, epoch=0)
+
+
+def config(p: EpochPlan, nw: int = 0, prefetch: int = 0, method: str = "thread") -> PipelineConfig:
+    return PipelineConfig(
+        dataset=gl.StreamDataset(gl.MemoryStreamStorage(np.arange(N)), 1),
+        plan=p,
+        order=ORDER,
+        collate_fn=ids,
+        device=torch.device("cpu"),
+        pin_memory=False,
+        num_workers=nw,
+        parallel_method=method,  # type: ignore[arg-type]
+        prefetch=prefetch,
+    )
+
+
+def drain(driver: SyncDriver) -> list[list[int]]:
+    out = []
+    while (d := driver.next()) is not None:
+        assert d.error is None
+        out.append(d.value[0])
+    driver.close()
+    return out
+
+
+def fresh(p: EpochPlan) -> list[list[int]]:
+    return drain(SyncDriver(config(p), None))
+
+
+geometry = st.tuples(st.integers(1, 5), st.integers(1, 3)).flatmap(
+    lambda bw: st.tuples(st.just(bw[0]), st.just(bw[1]), st.integers(0, bw[1] - 1))
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    before=geometry,
+    after=geometry,
+    taken=st.integers(0, 12),
+    back=st.integers(0, 4),
+    how=st.sampled_from([(0, 0), (0, 3), (2, 0), (2, 5)]),
+)
+def test_a_replanned_flow_goes_on_as_a_fresh_epoch_from_the_new_plan(
+    before: tuple[int, int, int], after: tuple[int, int, int], taken: int, back: int, how: tuple[int, int]
+) -> None:
+    """``taken`` batches handed out, the last ``back`` of them not committed (taken back); the
+    flow, with its read-ahead and groups in flight for the old geometry, goes on from the
+    committed global offset in the new one."""
+    nw, prefetch = how
+    first = plan(*before, offset=0)
+    driver = SyncDriver(config(first, nw, prefetch), None)
+    got = []
+    for _ in range(min(taken, len(first))):
+        d = driver.next()
+        assert d is not None
+        got.append(d.value[0])
+    committed = max(0, len(got) - back)
+    offset = committed * first.global_batch_size
+    new = plan(*after, offset=offset)
+    assert got[:committed] == fresh(first)[:committed]
+    driver.replan(new)
+    assert drain(driver) == fresh(new)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_thread_leak")
+@pytest.mark.parametrize("how", ["for", "async for"])
+def test_process_workers_are_not_restarted_by_a_new_plan(how: str) -> None:
+    first = plan(3, 2, 0, 0)
+    new = plan(2, 3, 2, 4 * first.global_batch_size)
+    driver: SyncDriver | AsyncDriver
+    if how == "for":
+        driver = SyncDriver(config(first, 2, 2, "process"), None)
+        before = [driver.next() for _ in range(6)]
+        pids = [p.proc.pid for p in driver.procs.pool.procs if p is not None]  # type: ignore[union-attr]
+        driver.replan(new)
+        after = []
+        while (d := driver.next()) is not None:
+            after.append(d)
+        still = [p.proc.pid for p in driver.procs.pool.procs if p is not None]  # type: ignore[union-attr]
+        driver.close()
+    else:
+        adriver = driver = AsyncDriver(config(first, 2, 2, "process"), pinned=True)
+
+        async def run() -> tuple[list[Any], list[Any], list[int], list[int]]:
+            try:
+                before = [await adriver.next() for _ in range(6)]
+                pids = [p.proc.pid for p in adriver.procs.pool.procs if p is not None]  # type: ignore[union-attr]
+                adriver.replan(new)
+                after = []
+                while (d := await adriver.next()) is not None:
+                    after.append(d)
+                still = [p.proc.pid for p in adriver.procs.pool.procs if p is not None]  # type: ignore[union-attr]
+                return before, after, pids, still
+            finally:
+                for t in adriver.stop():
+                    await asyncio.gather(t, return_exceptions=True)
+                await asyncio.to_thread(adriver.shutdown)
+
+        before, after, pids, still = asyncio.run(run())
+    assert all(d is not None and d.error is None for d in before)
+    assert [d.value[0] for d in after] == fresh(new)
+    assert {d.value[1] for d in before + after} <= set(pids) and len(pids) == 2  # all made by the workers
+    assert still == pids  # the same processes: none restarted

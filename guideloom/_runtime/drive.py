@@ -283,6 +283,8 @@ class SyncDriver:
             try:
                 procs.start_sync()
             except Exception as exc:  # at the first batch the workers owe, and so the epoch's end
+                if flow.closed:  # closed in another thread: the start was cut short, not failed
+                    return
                 self._failed = True
                 flow.on_workers = True
                 flow.fail(exc)

@@ -162,6 +162,11 @@ MAPPED_BUDGET = 256 * 2**20
 #: map keeps a file descriptor open (Python's mmap holds a duplicate), and a dataset of many
 #: parts has many small files (each part's document offsets), which would use up the limit.
 SMALL_FILE_BYTES = 64 * 2**10
+#: An array of at most this many mapped files keeps a descriptor of each besides its map, to
+#: compare the file with what was last seen by ``fstat`` (a third of a ``stat``'s cost) at every
+#: read; one of more files (a merge's many parts) looks by path, to keep within the limit of
+#: descriptors a process may hold.
+WATCHED_FDS = 64
 #: A page fault maps the page-cached pages around the one it needs too (Linux maps 64 KiB), so
 #: a read of scattered rows maps about this much more per row than it reads.
 FAULT_AROUND = 64 * 2**10
@@ -174,7 +179,8 @@ def _slicer(data: memoryview) -> Callable[[int, int], memoryview]:
 
 def _close_all(fds: list[int]) -> None:
     for fd in fds:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
 
 
 class ShardedArray:
@@ -208,6 +214,7 @@ class ShardedArray:
         #: each file's identity as last seen (None: read whole into memory, nothing to watch)
         self._ids: list[tuple[int, int, int, int, int] | None] = []
         self._every = list(range(len(files)))
+        self._watch: list[int] = []  # a descriptor of each mapped file, see WATCHED_FDS
         self._bounds = np.cumsum([0, *(f.elements for f in files)], dtype=np.int64)
         self.length = int(self._bounds[-1])
         self._map_nbytes = sum(f.nbytes for f in files)
@@ -225,7 +232,12 @@ class ShardedArray:
             self._checked = all(c is None or c.complete for c in self._checks)
             self._setup_mirror()
             return
+        watch = len(files) <= WATCHED_FDS
+        if watch:
+            weakref.finalize(self, _close_all, self._watch)  # before the first open: none can leak
         for f, path in zip(files, self._paths, strict=True):
+            if watch:
+                self._watch.append(-1)
             if f.nbytes <= SMALL_FILE_BYTES:  # read whole: a map would hold a descriptor open
                 with open(path, "rb") as fh:
                     st = self._sized(f, path, os.fstat(fh.fileno()))
@@ -243,6 +255,8 @@ class ShardedArray:
             with open(path, "rb") as fh:
                 st = self._sized(f, path, os.fstat(fh.fileno()))  # before the map: no map past the end
                 mm = mmap.mmap(fh.fileno(), f.nbytes, access=mmap.ACCESS_READ)
+                if watch:
+                    self._watch[-1] = os.dup(fh.fileno())
                 self._ids.append(identity(st))
                 self._checks.append(self._blocks_of(folder, f, path, st))
             self._maps.append(mm)
@@ -327,7 +341,8 @@ class ShardedArray:
             if seen is None:
                 continue
             try:
-                st = os.fstat(self._fds[k]) if self._fds else os.stat(self._paths[k])
+                fds = self._fds or self._watch
+                st = os.fstat(fds[k]) if fds else os.stat(self._paths[k])
             except FileNotFoundError:
                 raise DatasetIntegrityError(
                     f"{self._paths[k]}: the file was deleted or moved after the dataset was opened; "

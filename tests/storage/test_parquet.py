@@ -903,6 +903,26 @@ def test_the_footer_index_in_cache_dir_is_reused_for_unchanged_files_only(
         gl.open_parquet(dest, "input_ids", cache_dir=cache)
 
 
+@pytest.mark.parametrize("edit", ["key", "count"])
+def test_a_damaged_footer_index_in_cache_dir_is_rebuilt_not_read(
+    folder: Path, tmp_path: Path, edit: str
+) -> None:
+    cache = tmp_path / "cache"
+    first = gl.open_parquet(folder, "input_ids", cache_dir=cache)
+    want = [r.tolist() for r in first.read_many_sync(np.arange(len(first), dtype=np.int64))]
+    (index,) = cache.glob("parquet-index-*.json")
+    text = index.read_text()
+    if edit == "key":  # a flipped bit in a key: a raw KeyError before
+        text = text.replace('"footer"', '"fooler"', 1)
+    else:  # a row count one smaller: rows dropped before
+        text = text.replace('"rows": [', '"rows": [1', 1)
+    index.write_text(text)
+    again = gl.open_parquet(folder, "input_ids", cache_dir=cache)
+    assert len(again) == len(first)
+    assert [r.tolist() for r in again.read_many_sync(np.arange(len(again), dtype=np.int64))] == want
+    assert gl.open_parquet(folder, "input_ids", cache_dir=cache).content_digest() == first.content_digest()
+
+
 def test_the_fingerprint_follows_the_tokenizers_contents(
     folder: Path, tokenizer_json: str, tmp_path: Path
 ) -> None:

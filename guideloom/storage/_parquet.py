@@ -129,9 +129,16 @@ class _LocalFiles:
 
     remote = False
 
+    def __init__(self) -> None:
+        self._ctimes: dict[str, int] = {}  # each file's status change time when first seen
+
     def stat(self, path: str) -> _Stat:
+        """A write since the file was first seen is another version, its modification time kept or not."""
         st = os.stat(path)
-        return _Stat(st.st_size, str(st.st_mtime_ns))
+        first = self._ctimes.setdefault(path, st.st_ctime_ns)
+        return _Stat(
+            st.st_size, str(st.st_mtime_ns) + ("" if st.st_ctime_ns == first else f"+{st.st_ctime_ns}")
+        )
 
     def stats(self, paths: Sequence[str]) -> dict[str, _Stat]:
         return {p: self.stat(p) for p in paths}

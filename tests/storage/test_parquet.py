@@ -1128,3 +1128,21 @@ def test_a_file_whose_footer_changed_under_the_same_size_and_time_is_refused(
         with pytest.raises(gl.DatasetIntegrityError, match=r"00002-of-00003\.parquet: the file changed"):
             storage.read_many_sync(np.asarray([599], np.int64))
     assert gl.open_parquet(dest, "input_ids").content_digest() != cached.content_digest()
+
+
+def test_a_file_written_over_in_place_while_open_is_refused_whatever_its_times(
+    folder: Path, tmp_path: Path
+) -> None:
+    """A write keeps neither the status change time nor, always, the bytes: one over a file the
+    storage reads from (its size and modification time kept, as bit rot or a copy tool would) is
+    refused before a row of it is read after the write."""
+    dest = copy_of(folder, tmp_path)
+    storage = gl.open_parquet(dest, "input_ids")
+    assert first_ids(storage.read_many_sync(np.asarray([0], np.int64))) == [0]
+    victim = dest / "train-00000-of-00003.parquet"
+    st = os.stat(victim)
+    with open(victim, "r+b") as fh:
+        fh.write(victim.read_bytes())
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(gl.DatasetIntegrityError, match=r"00000-of-00003\.parquet: the file changed"):
+        storage.read_many_sync(np.arange(len(storage), dtype=np.int64))

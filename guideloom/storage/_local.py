@@ -335,33 +335,42 @@ class ShardedArray:
         of a mapped one): a file that changed has its blocks checked again as they are touched
         (True); one of another size, or without block digests and of other bytes (its sha256),
         is refused before any of it is read: :class:`DatasetIntegrityError` naming it."""
-        ids, changed = self._ids, False
+        ids, fds, changed = self._ids, self._fds or self._watch, False
         for k in shards:
             seen = ids[k]
             if seen is None:
                 continue
-            try:
-                fds = self._fds or self._watch
-                st = os.fstat(fds[k]) if fds else os.stat(self._paths[k])
-            except FileNotFoundError:
-                raise DatasetIntegrityError(
-                    f"{self._paths[k]}: the file was deleted or moved after the dataset was opened; "
-                    "write or copy the dataset again"
-                ) from None
-            if identity(st) == seen:
-                continue
-            f, path = self._files[k], self._paths[k]
-            self._sized(f, path, st)
-            check = self._checks[k]
-            if check is not None:
-                check.observe(st)
-                self._checked = False
-                self._refresh_mirror([k])
+            if fds:  # the open file itself: a write, a truncation or new times move its ctime
+                st = os.fstat(fds[k])
+                if st.st_ctime_ns == seen[4]:
+                    continue
             else:
-                _check_sha256(self._folder, "", f.path, path, st, f.sha256)
-            ids[k] = identity(st)
+                try:
+                    st = os.stat(self._paths[k])
+                except FileNotFoundError:
+                    raise DatasetIntegrityError(
+                        f"{self._paths[k]}: the file was deleted or moved after the dataset was opened; "
+                        "write or copy the dataset again"
+                    ) from None
+                if identity(st) == seen:
+                    continue
+            self._changed(k, st)
             changed = True
         return changed
+
+    def _changed(self, k: int, st: os.stat_result) -> None:
+        """Shard ``k``'s file is not as last seen (``st``): refused where its size is not the
+        manifest's, or (without block digests) its sha256; its blocks checked again on touch."""
+        f, path = self._files[k], self._paths[k]
+        self._sized(f, path, st)
+        check = self._checks[k]
+        if check is not None:
+            check.observe(st)
+            self._checked = False
+            self._refresh_mirror([k])
+        else:
+            _check_sha256(self._folder, "", f.path, path, st, f.sha256)
+        self._ids[k] = identity(st)
 
     def _read(self, shards: Sequence[int], check: Callable[[], None], copy: Callable[[], Array]) -> Array:
         """``copy()`` of shards ``shards``, each file compared with what was last seen before

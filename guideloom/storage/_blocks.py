@@ -304,8 +304,9 @@ class FileBlocks:
 
     def _check(self, blocks: list[int], read: Callable[[int, int], Any]) -> None:
         size, digest = self.size, xxhash.xxh3_64_intdigest
-        if self._racy and self.identity is not None:
-            self._racy = time.time_ns() - self.identity[4] < RACY_NS
+        seen = self.identity  # a check of the file as it was: not remembered once it changed
+        if self._racy and seen is not None:
+            self._racy = time.time_ns() - seen[4] < RACY_NS
         remember = not self._racy
         for b in blocks:
             lo, hi = b * size, min(self.nbytes, (b + 1) * size)
@@ -321,9 +322,11 @@ class FileBlocks:
                     "file was damaged or changed after it was written; write or copy the dataset again"
                 )
             if remember:
-                self.checked[b] = True
+                with self._lock:
+                    if self.identity == seen:
+                        self.checked[b] = True
         with self._lock:
-            if remember and not self.complete and bool(self.checked.all()):
+            if remember and self.identity == seen and not self.complete and bool(self.checked.all()):
                 self.complete = True
 
 

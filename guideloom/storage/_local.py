@@ -567,15 +567,20 @@ class ShardedArray:
         )
 
     def slice(self, start: int, stop: int) -> Array:
-        """Elements ``[start, stop)`` (a copy)."""
+        """Elements ``[start, stop)``: a copy where they lie in a mapped file (a view of a file
+        that may change would escape every check), a view of a file read whole at open."""
         a, b = np.asarray([start], np.int64), np.asarray([stop], np.int64)
         out = self._read(
-            self._touched(a, b), lambda: self.ensure(a, b), lambda: self._slice(start, stop).copy()
+            self._touched(a, b), lambda: self.ensure(a, b), lambda: self._own(self._slice(start, stop))
         )
         if self._bases is not None:
             positions = np.arange(start, max(start, stop), dtype=np.int64)
             return add_bases(out, positions, self._bases)
         return out
+
+    def _own(self, out: Array) -> Array:
+        """``out``, copied where it may be a view of a map."""
+        return out.copy() if self._maps and not out.flags.owndata else out
 
     def _slice(self, start: int, stop: int) -> Array:
         if self._fds:

@@ -681,6 +681,7 @@ class Child:
     def __init__(self, data: Path, env: dict[str, Any], log: Path) -> None:
         self.data, self.env, self.log = data, env, log
         self.proc: subprocess.Popen[str] | None = None
+        self._pending: dict[int, bytes] = {}  # what each process answered past its last line
 
     def _start(self) -> subprocess.Popen[str]:
         environ = dict(os.environ)
@@ -702,15 +703,31 @@ class Child:
             raise RuntimeError(f"the trial process did not start:\n{tail}")
         return proc
 
-    @staticmethod
-    def _line(proc: subprocess.Popen[str], timeout: float) -> str | None:
-        """The next line the process answers, ``""`` at its end, or None after ``timeout`` seconds."""
+    def _line(self, proc: subprocess.Popen[str], timeout: float) -> str | None:
+        """The next line the process answers, ``""`` at its end, or None after ``timeout`` seconds.
+
+        Read from the descriptor into a buffer of this runner's own: two answers that arrive in
+        one read (a damage line and a fast refusal) are two lines, where a buffered ``readline``
+        would keep the second in its buffer while ``select`` waits on the empty pipe."""
         assert proc.stdout is not None
+        fd = proc.stdout.fileno()
+        pending = self._pending.setdefault(proc.pid, b"")
+        deadline = time.monotonic() + timeout
         with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            if not sel.select(timeout):
-                return None
-        return proc.stdout.readline().strip()
+            sel.register(fd, selectors.EVENT_READ)
+            while b"\n" not in pending:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    self._pending[proc.pid] = pending
+                    return None
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    self._pending.pop(proc.pid, None)
+                    return pending.decode().strip()
+                pending += chunk
+        line, _, rest = pending.partition(b"\n")
+        self._pending[proc.pid] = rest
+        return line.decode().strip()
 
     @staticmethod
     def _stop(proc: subprocess.Popen[str]) -> None:

@@ -19,6 +19,7 @@ import hashlib
 import os
 import re
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ __all__ = [
     "BlockHasher",
     "BlockMismatch",
     "FileBlocks",
+    "identity",
     "block_digests",
     "check_range",
     "parse_blocks",
@@ -217,9 +219,22 @@ def check_range(digests: U64, size: int, start: int, data: Any) -> None:
             )
 
 
+#: A file changed this recently (its ``st_ctime``) may change again within the same tick of the
+#: kernel's coarse clock with no new ``st_ctime``: blocks checked then are checked again on every
+#: read until the change is this old (as git treats a "racily clean" file).
+RACY_NS: Final = 50_000_000
+
+
+def identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    """What tells a local file's bytes changed: device, inode, size, modification time and status
+    change time (any write changes ``st_ctime``, whatever a tool does to ``st_mtime``)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 class FileBlocks:
-    """One local file's blocks checked so far in this process (a bitmap), for one identity of
-    the file (path, size, mtime, inode): a file changed or replaced gets a new bitmap.
+    """One local file's blocks checked so far in this process (a bitmap), for the file as it was
+    last seen (:meth:`observe`): a file changed or replaced has its bitmap cleared, so its blocks
+    are checked again as they are touched.
 
     :meth:`ensure` checks the blocks of a byte range not checked yet, reading them with
     ``read(start, end)``; a block once checked is not hashed again while the file is unchanged.
@@ -232,7 +247,30 @@ class FileBlocks:
         self.label = label
         self.checked = np.zeros(len(digests), dtype=np.bool_)
         self.complete = len(digests) == 0
+        self.identity: tuple[int, int, int, int, int] | None = None
+        self._racy = False  # changed within ``RACY_NS``: nothing checked is remembered
         self._lock = threading.Lock()
+
+    def observe(self, st: os.stat_result) -> bool:
+        """Compare the file as it is now (``st``, from ``fstat``) with the one whose blocks were
+        checked: where it changed, forget every check (True). A file shorter than its digests
+        cover is refused (:class:`DatasetIntegrityError` naming it) before any of it is read: a
+        map past a file's end would kill the process."""
+        now = identity(st)
+        if now == self.identity:
+            return False
+        if st.st_size < self.nbytes:
+            raise DatasetIntegrityError(
+                f"{self.label}: the file has {st.st_size} bytes, {self.nbytes} expected: it was "
+                "truncated or replaced after it was written; write or copy the dataset again"
+            )
+        with self._lock:
+            if now != self.identity:
+                self.checked[:] = False
+                self.complete = len(self.digests) == 0
+                self.identity = now
+                self._racy = time.time_ns() - st.st_ctime_ns < RACY_NS
+        return True
 
     def ensure(self, start: int, end: int, read: Callable[[int, int], Any]) -> None:
         """Check the blocks of bytes ``[start, end)`` not checked yet (raises
@@ -266,6 +304,10 @@ class FileBlocks:
 
     def _check(self, blocks: list[int], read: Callable[[int, int], Any]) -> None:
         size, digest = self.size, xxhash.xxh3_64_intdigest
+        seen = self.identity  # a check of the file as it was: not remembered once it changed
+        if self._racy and seen is not None:
+            self._racy = time.time_ns() - seen[4] < RACY_NS
+        remember = not self._racy
         for b in blocks:
             lo, hi = b * size, min(self.nbytes, (b + 1) * size)
             data = read(lo, hi)
@@ -276,46 +318,43 @@ class FileBlocks:
                 )
             if digest(data) != int(self.digests[b]):
                 raise DatasetIntegrityError(
-                    f"{self.label}: block {b} (bytes {lo}-{hi - 1}) does not match its digest in the "
-                    "manifest: the file was damaged or changed after the dataset was written; write or "
-                    "copy the dataset again"
+                    f"{self.label}: block {b} (bytes {lo}-{hi - 1}) does not match its digest: the "
+                    "file was damaged or changed after it was written; write or copy the dataset again"
                 )
-            self.checked[b] = True
+            if remember:
+                with self._lock:
+                    if self.identity == seen:
+                        self.checked[b] = True
         with self._lock:
-            if not self.complete and bool(self.checked.all()):
+            if remember and self.identity == seen and not self.complete and bool(self.checked.all()):
                 self.complete = True
 
 
-#: Per-process bitmaps, by file identity and digests: shared by every open of a file.
-_FILES: dict[tuple[str, int, int, int, int, str], FileBlocks] = {}
+#: Per-process bitmaps, by path and digests: shared by every open of a file.
+_FILES: dict[tuple[str, int, str], FileBlocks] = {}
 _FILES_LOCK = threading.Lock()
 
 
 def file_blocks(path: str, st: os.stat_result, blocks: BlockDigests, folder: Path, label: str) -> FileBlocks:
-    """The bitmap of local file ``path`` as it is now (``st``), its digests loaded (a sidecar
-    read from ``folder`` and checked) the first time."""
-    key = (
-        path,
-        st.st_size,
-        st.st_mtime_ns,
-        st.st_ino,
-        blocks.size,
-        blocks.inline or blocks.sidecar_sha256 or "",
-    )
+    """The bitmap of local file ``path``, its digests loaded (a sidecar read from ``folder`` and
+    checked) the first time, compared with the file as it is now (``st``: see
+    :meth:`FileBlocks.observe`)."""
+    key = (path, blocks.size, blocks.inline or blocks.sidecar_sha256 or "")
     with _FILES_LOCK:
         found = _FILES.get(key)
-    if found is not None:
-        return found
+    if found is None:
 
-    def read(rel: str) -> bytes:
-        try:
-            return (folder / rel).read_bytes()
-        except FileNotFoundError:
-            raise DatasetIntegrityError(
-                f"{folder}: the block digests file {rel!r} named by the manifest is missing"
-            ) from None
+        def read(rel: str) -> bytes:
+            try:
+                return (folder / rel).read_bytes()
+            except FileNotFoundError:
+                raise DatasetIntegrityError(
+                    f"{folder}: the block digests file {rel!r} named by the manifest is missing"
+                ) from None
 
-    digests = blocks.load(read, st.st_size, str(folder))
-    made = FileBlocks(digests, blocks.size, st.st_size, label)
-    with _FILES_LOCK:
-        return _FILES.setdefault(key, made)
+        # the digests cover the size the manifest gives (the caller checked it at open)
+        made = FileBlocks(blocks.load(read, st.st_size, str(folder)), blocks.size, st.st_size, label)
+        with _FILES_LOCK:
+            found = _FILES.setdefault(key, made)
+    found.observe(st)
+    return found

@@ -57,13 +57,19 @@ from guideloom.storage._blocks import (
     BLOCK_BYTES,
     INLINE_BLOCKS,
     BlockHasher,
+    BlockMismatch,
+    FileBlocks,
+    block_count,
+    block_digests,
+    check_range,
     file_blocks,
     make_blocks,
     sidecar_name,
+    widen,
 )
 from guideloom.storage._chunk_table import ChunkTable
 from guideloom.storage._chunks import blocks_of
-from guideloom.storage._local import file_sha256, read_local_manifest
+from guideloom.storage._local import read_local_manifest
 from guideloom.storage._manifest import MANIFEST_NAME, ArraySpec, FileSpec, Manifest
 from guideloom.storage._ranges import U8, Piece
 from guideloom.storage._sinks import fsync_dir, write_synced
@@ -129,18 +135,15 @@ def _preader(fd: int) -> Callable[[int, int], bytes]:
     return lambda a, b: os.pread(fd, b - a, a)
 
 
-def _with_blocks(manifest: Manifest, folder: Path) -> Manifest:
-    """``manifest`` with block digests of the files in ``folder`` (checked against their sha256
-    already), their sidecars written there: the copy's own, whatever the dataset carries."""
+def _with_blocks(manifest: Manifest, folder: Path, digests: dict[str, Any]) -> Manifest:
+    """``manifest`` with the block digests (``BLOCK_BYTES``) of the bytes downloaded, whose
+    sha256 matched, their sidecars written to ``folder``: the copy's own, whatever the dataset
+    carries, and never read back from the copy (which may have changed on disk since)."""
 
     def redo(spec: ArraySpec) -> ArraySpec:
         files = []
         for f in spec.files:
-            hasher = BlockHasher(f.blocks.size if f.blocks is not None else BLOCK_BYTES)
-            with open(folder / f.path, "rb") as fh:
-                while block := fh.read(8 * 2**20):
-                    hasher.update(block)
-            blocks, sidecar = make_blocks(hasher.digests(), hasher.size, sidecar_name(f.path))
+            blocks, sidecar = make_blocks(digests[f.path], BLOCK_BYTES, sidecar_name(f.path))
             if sidecar is not None:
                 write_synced(folder / sidecar_name(f.path), sidecar)
             files.append(FileSpec(f.path, f.elements, f.nbytes, f.sha256, f.base, blocks))
@@ -183,6 +186,17 @@ class _Partial:
         #: as it is written, in order, so an object is checked as soon as its last part is down.
         self.hashers = {path: hashlib.sha256() for path in table.paths}
         self.hashed = dict.fromkeys(table.paths, 0)
+        #: Each object's digests of the bytes downloaded, a digest per ``block`` bytes (a part is
+        #: whole blocks), filled as parts are: a read from the copy in progress checks the blocks
+        #: it reads against them.
+        self.block = BLOCK_BYTES if table.chunk % BLOCK_BYTES == 0 else table.chunk
+        self.digests = {
+            path: np.zeros(block_count(int(n), self.block), dtype=np.uint64)
+            for path, n in zip(table.paths, table.sizes, strict=True)
+        }
+        #: The copy's own block digests (``BLOCK_BYTES``), of each object's bytes in order as its
+        #: sha256 is computed: they hold once that matches the manifest.
+        self.blocks = {path: BlockHasher(BLOCK_BYTES) for path in table.paths}
         self.hash_locks = {path: threading.Lock() for path in table.paths}
         self.state = bytearray(table.count)  # _WAITING, _FETCHING or _WRITTEN, per part
         self.queue: deque[int] = deque()  # parts of the planned windows walked so far, to take
@@ -191,6 +205,26 @@ class _Partial:
         self.untaken = table.count  # parts still waiting
         self.barren = 0  # planned windows in a row that had no part left to take
         self.cursor = [0, 0]  # how far the two passes in part order have looked
+
+
+def _hash_file(path: Path) -> tuple[Any, BlockHasher]:
+    """A file's sha256 and block digests (``BLOCK_BYTES``), in one pass."""
+    digest, blocks = hashlib.sha256(), BlockHasher(BLOCK_BYTES)
+    with open(path, "rb") as fh:
+        while chunk := fh.read(8 * 2**20):
+            digest.update(chunk)
+            blocks.update(chunk)
+    return digest, blocks
+
+
+def _pread_into(fd: int, view: memoryview, at: int, path: str) -> None:
+    """Fill ``view`` with the bytes of ``fd`` from ``at`` (:class:`OSError` where it ends early)."""
+    done, n = 0, view.nbytes
+    while done < n:
+        got = os.preadv(fd, [view[done:]], at + done)
+        if got <= 0:
+            raise OSError(errno.EIO, f"{path}: the copy ends early")
+        done += got
 
 
 class DatasetCache:
@@ -390,21 +424,27 @@ class DatasetCache:
         on the cache is damaged and the storage refuses every read, as it does when no byte was
         served locally.
         """
-        fd = self._descriptor(path, start, end)
-        if fd is None:
+        got = self._descriptor(path, start, end)
+        if got is None:
             with self._mutex:
                 self.remote_reads += 1
             return False
+        fd, trust = got
         try:
-            for at, n, off in _runs(pieces):  # straight into place: no buffer, no second copy
-                view = dest[off : off + n].data
-                done = 0
-                while done < n:
-                    got = os.preadv(fd, [view[done:]], at + done)
-                    if got <= 0:
-                        raise OSError(errno.EIO, f"{path}: the copy ends early")
-                    done += got
-        except OSError:
+            if isinstance(trust, FileBlocks):  # the complete copy: its blocks checked, the file unchanged
+                for at, n, off in _runs(pieces):  # straight into place: no buffer, no second copy
+                    _pread_into(fd, dest[off : off + n].data, at, path)
+                if trust.observe(os.fstat(fd)):
+                    raise OSError(errno.EAGAIN, f"{path}: the copy changed while read")
+            else:  # in progress: the blocks read checked against the bytes downloaded
+                digests, block = trust
+                lo, hi = widen(start, end, block, self.table.sizes[self.table.index[path]])
+                buf = np.empty(hi - lo, dtype=np.uint8)
+                _pread_into(fd, buf.data, lo, path)
+                check_range(digests, block, lo, buf)
+                for at, n, off in pieces:
+                    dest[off : off + n] = buf[at - lo : at - lo + n]
+        except (OSError, BlockMismatch, DatasetIntegrityError):
             with self._mutex:
                 self.remote_reads += 1
             return False  # the store has it: a local fault costs a GET, never a read
@@ -414,9 +454,11 @@ class DatasetCache:
             self.local_reads += 1
         return True
 
-    def _descriptor(self, path: str, start: int, end: int) -> int | None:
+    def _descriptor(self, path: str, start: int, end: int) -> tuple[int, FileBlocks | Any] | None:
         """A descriptor of ``path``'s local file that holds bytes ``[start, end)`` (the caller
-        closes it), or None: read them from the store (the parts they lie in are claimed)."""
+        closes it) and what its reads are checked with: the complete copy's checked blocks, or
+        the block digests of the bytes downloaded; or None: read them from the store (the parts
+        they lie in are claimed)."""
         if path not in self.table.index:
             return None
         gids = self.table.gids(path, start, end)
@@ -431,7 +473,7 @@ class DatasetCache:
                 state = partial.state
                 missing = [g for g in gids if state[g] != _WRITTEN]
                 if not missing:
-                    return os.dup(partial.fds[path])
+                    return os.dup(partial.fds[path]), (partial.digests[path], partial.block)
                 left = deadline - time.monotonic()
                 waiting = [g for g in missing if state[g] == _WAITING]
                 if left <= 0 or (waiting and not dense):
@@ -463,7 +505,7 @@ class DatasetCache:
             os.close(fd)
             self.copy_damaged = str(exc)
             return None
-        return fd
+        return fd, blocks
 
     def _copied_spec(self, path: str) -> Any:
         """The block digests of ``path`` in the complete copy's manifest (read once)."""
@@ -564,11 +606,12 @@ class DatasetCache:
                 for f in files:  # every byte is checked before the copy is used
                     if self._abort.is_set():
                         return
-                    whole = copy.hashed[f.path] == f.nbytes  # hashed as its parts were written
-                    digest = copy.hashers[f.path].hexdigest() if whole else file_sha256(partial / f.path)
-                    if digest != f.sha256:
+                    if copy.hashed[f.path] != f.nbytes:  # not hashed as its parts were written: now
+                        copy.hashers[f.path], copy.blocks[f.path] = _hash_file(partial / f.path)
+                    if copy.hashers[f.path].hexdigest() != f.sha256:
                         raise self._mismatch(f.path)
-                copied = _with_blocks(self.manifest, partial)
+                digests = {f.path: copy.blocks[f.path].digests() for f in files}
+                copied = _with_blocks(self.manifest, partial, digests)
                 write_synced(partial / MANIFEST_NAME, copied.to_json_bytes())
                 for folder in {(partial / f.path).parent for f in files} | {partial}:
                     fsync_dir(folder)
@@ -606,6 +649,7 @@ class DatasetCache:
                 return  # an earlier part is not written yet: the thread that writes it goes on here
             digest = copy.hashers[path]
             digest.update(data)
+            copy.blocks[path].update(data)
             pos, size, fd = start + data.nbytes, table.sizes[f], copy.fds[path]
             while pos < size:
                 g = table.gids(path, pos, pos + 1)[0]
@@ -613,12 +657,15 @@ class DatasetCache:
                     if copy.state[g] != _WRITTEN:
                         break
                 _f, _s, end = table.span(g)
-                while pos < end:
-                    block = os.pread(fd, end - pos, pos)
-                    if not block:
-                        raise OSError(errno.EIO, f"{path}: the copy ends early")
-                    digest.update(block)
-                    pos += len(block)
+                back = np.empty(end - pos, dtype=np.uint8)
+                _pread_into(fd, back.data, pos, path)
+                try:  # read back: what was written, unless the file changed on disk since
+                    check_range(copy.digests[path], copy.block, pos, back)
+                except BlockMismatch as exc:
+                    raise OSError(errno.EIO, f"{path}: the copy in progress changed on disk: {exc}") from None
+                digest.update(back.data)
+                copy.blocks[path].update(back.data)
+                pos = end
             copy.hashed[path] = pos
             if pos == size and digest.hexdigest() != table.sha256[f]:
                 raise self._mismatch(path)
@@ -726,6 +773,9 @@ class DatasetCache:
                     data = memoryview(self._fetch(path, start, end)).cast("B")
                     if data.nbytes != end - start:
                         raise ValueError(f"short read of {path!r}: {data.nbytes} of {end - start} bytes")
+                    first = start // copy.block  # parts are whole blocks (but an object's last)
+                    digests = block_digests(data, copy.block)
+                    copy.digests[path][first : first + len(digests)] = digests
                     done = 0
                     while done < data.nbytes:  # a part counts as written once all of it is
                         done += os.pwrite(copy.fds[path], data[done:], start + done)

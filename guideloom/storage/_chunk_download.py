@@ -186,6 +186,7 @@ class Downloader:
                     return None
                 name = local.pop(victim)
                 self._disk.verified.discard(victim)
+                self._disk.blocks.pop(victim, None)
             self._disk.remove(name)
             self.evictions += 1
             used -= blocks_of(self._table.nbytes(victim))

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from guideloom._errors import DatasetIntegrityError
+from guideloom.storage._blocks import BLOCK_BYTES, FileBlocks, block_digests, identity
 from guideloom.storage._chunk_table import ChunkTable, blocks_of
 from guideloom.storage._ranges import Job, fill
 
@@ -53,6 +55,11 @@ def _write(path: Path, data: memoryview) -> None:
         os.close(fd)
 
 
+def _preader(fd: int) -> Callable[[int, int], bytes]:
+    """Bytes ``[a, b)`` of ``fd``, as a block check reads them."""
+    return lambda a, b: os.pread(fd, b - a, a)
+
+
 class ChunkFolder:
     """The folder shared by the node's processes, and this process's index of its chunks.
 
@@ -77,6 +84,9 @@ class ChunkFolder:
         self._fault = fault
         self.local: dict[int, str] = {}  # chunk -> file name: complete on disk, as last seen
         self.verified: set[int] = set()
+        #: chunk -> (file name, the digests of its blocks as downloaded or checked whole, and the
+        #: blocks checked for the file as last seen): every read checks its blocks against them
+        self.blocks: dict[int, tuple[str, FileBlocks]] = {}
 
     # -- locks -------------------------------------------------------------------------------------
     def try_lock(self, gid: int, stopped: Callable[[], bool], *, wait: bool = False) -> int | None:
@@ -163,10 +173,12 @@ class ChunkFolder:
                 if g not in found and self.local.get(g) == name:
                     del self.local[g]
                     self.verified.discard(g)
+                    self.blocks.pop(g, None)
             for g, name in found.items():
                 if self.local.get(g) != name:
                     self.local[g] = name
                     self.verified.discard(g)
+                    self.blocks.pop(g, None)
         return used
 
     def reserve(self, gid: int) -> Path:
@@ -180,9 +192,14 @@ class ChunkFolder:
 
     def complete(self, gid: int, tmp: Path, data: memoryview, digest: str) -> str:
         """Write chunk ``gid``'s bytes into its reserved ``tmp``, fsync it and rename it into
-        place (complete, or not there at all); returns its file name."""
-        _write(tmp, data)
+        place (complete, or not there at all); returns its file name. Its blocks' digests are
+        those of ``data``: whatever happens to the file on disk, a read checks what it reads."""
         final = f"c{gid:09d}.{digest[:32]}"
+        self.blocks[gid] = (
+            final,
+            FileBlocks(block_digests(data, BLOCK_BYTES), BLOCK_BYTES, data.nbytes, final),
+        )
+        _write(tmp, data)
         os.rename(tmp, self.path / final)
         return final
 
@@ -198,10 +215,12 @@ class ChunkFolder:
             for g in self.table.gids(job.path, s, e):
                 with self._cond:
                     name = self.local.get(g)
-                    checked = g in self.verified
+                    checked = g in self.verified and self.blocks.get(g, ("",))[0] == name
                 if name is None or (not checked and not self._verify(g, name)):
                     ok = False
                     break
+                with self._cond:
+                    blocks = self.blocks[g][1]
                 _f, cs, ce = self.table.span(g)
                 lo, hi = max(s, cs), min(e, ce)
                 try:
@@ -218,8 +237,15 @@ class ChunkFolder:
                     )
                     ok = False
                     break
-                try:
+                try:  # the file as last seen, its blocks read checked; unchanged after the copy
+                    blocks.observe(os.fstat(fd))
+                    blocks.ensure(lo - cs, hi - cs, _preader(fd))
                     got = os.preadv(fd, [memoryview(buf)[lo - s : hi - s]], lo - cs)
+                    if blocks.observe(os.fstat(fd)):
+                        got = -1  # changed while read: read remotely, checked again next time
+                except DatasetIntegrityError:
+                    self._damaged(g, name)
+                    got = -1
                 finally:
                     os.close(fd)
                 if got != hi - lo:
@@ -232,28 +258,48 @@ class ChunkFolder:
         return missed
 
     def _verify(self, gid: int, name: str) -> bool:
-        """Check a chunk found on disk against the digest in its name (once per process)."""
+        """Check a chunk found on disk against the digest in its name (once per process while
+        the file is unchanged): its blocks' digests, from then on, are those of the bytes checked."""
         try:
-            data = (self.path / name).read_bytes()
+            fd = os.open(self.path / name, os.O_RDONLY)
         except FileNotFoundError:
             return False
         except OSError as exc:
             self._fault(f"guideloom cannot read its chunk cache {self.path} ({exc}); reading remotely")
             return False
+        try:
+            before = os.fstat(fd)
+            data = os.pread(fd, self.table.nbytes(gid) + 1, 0)
+            changed = identity(os.fstat(fd)) != identity(before)
+        finally:
+            os.close(fd)
+        if changed:
+            return False  # written while read: read remotely, checked again next time
         digest = hashlib.sha256(data).hexdigest()[:32]
-        good = len(data) == self.table.nbytes(gid) and digest == name.split(".")[1]
-        with self._cond:
-            if good:
+        if len(data) == self.table.nbytes(gid) and digest == name.split(".")[1]:
+            blocks = FileBlocks(block_digests(data, BLOCK_BYTES), BLOCK_BYTES, len(data), name)
+            blocks.observe(before)
+            blocks.ensure(0, len(data), lambda a, b: memoryview(data)[a:b])
+            with self._cond:
+                self.blocks[gid] = (name, blocks)
                 self.verified.add(gid)
-                return True
+            return True
+        self._damaged(gid, name)
+        return False
+
+    def _damaged(self, gid: int, name: str) -> None:
+        """Delete chunk ``gid``'s damaged file ``name`` and say so (its range is read remotely)."""
+        with self._cond:
             if self.local.get(gid) == name:
                 del self.local[gid]
+            self.verified.discard(gid)
+            if self.blocks.get(gid, ("",))[0] == name:
+                del self.blocks[gid]
         (self.path / name).unlink(missing_ok=True)
         self._fault(
             f"guideloom's chunk cache {self.path} held a damaged chunk ({name}); it was deleted "
             f"and {self.location} is read from the object store instead, nothing is lost"
         )
-        return False
 
 
 class FileLock:

@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from guideloom._core.text import plural
 from guideloom._errors import DatasetIntegrityError
-from guideloom.storage._blocks import FileBlocks, file_blocks
+from guideloom.storage._blocks import FileBlocks, file_blocks, identity
 from guideloom.storage._manifest import MANIFEST_NAME, ArraySpec, Manifest, add_bases, read_manifest_file
 from guideloom.storage._manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
 from guideloom.storage._memory import gather_windows
@@ -76,8 +76,9 @@ def read_local_manifest(folder: Path) -> Manifest:
 #: place, its size unchanged, is refused rather than read as garbage. A larger dataset is checked
 #: by its files' sizes, and in full by ``guideloom verify`` (``verify_dataset``).
 VERIFY_ON_OPEN_BYTES = 64 * 2**20
-#: Files whose checksum matched, by (path, size, mtime, inode): each is hashed once per process.
-_VERIFIED: dict[tuple[str, int, int, int], str] = {}
+#: Files whose checksum matched, by path and identity (:func:`identity`): each is hashed once
+#: per process while it is unchanged.
+_VERIFIED: dict[tuple[str, tuple[int, int, int, int, int]], str] = {}
 
 
 def check_local_files(folder: Path, manifest: Manifest) -> None:
@@ -140,13 +141,14 @@ def _inside(root: str, relpath: str, dirs: dict[str, str | None]) -> str | None:
 
 
 def _check_sha256(folder: Path, field: str, rel: str, path: Path, st: os.stat_result, want: str) -> None:
-    key = (str(path), st.st_size, st.st_mtime_ns, st.st_ino)
+    key = (str(path), identity(st))
     if _VERIFIED.get(key) == want:
         return
     got = file_sha256(path)
     if got != want:
         raise DatasetIntegrityError(
-            f"{folder}: file {rel!r} of field {field!r} does not match its checksum in the manifest "
+            f"{folder}: file {rel!r}{f' of field {field!r}' if field else ''} does not match its checksum "
+            "in the manifest "
             f"(sha256 {got[:16]}..., expected {want[:16]}...): the file was damaged or changed "
             "after the dataset was written; write or copy the dataset again"
         )
@@ -160,6 +162,11 @@ MAPPED_BUDGET = 256 * 2**20
 #: map keeps a file descriptor open (Python's mmap holds a duplicate), and a dataset of many
 #: parts has many small files (each part's document offsets), which would use up the limit.
 SMALL_FILE_BYTES = 64 * 2**10
+#: An array of at most this many mapped files keeps a descriptor of each besides its map, to
+#: compare the file with what was last seen by ``fstat`` (a third of a ``stat``'s cost) at every
+#: read; one of more files (a merge's many parts) looks by path, to keep within the limit of
+#: descriptors a process may hold.
+WATCHED_FDS = 64
 #: A page fault maps the page-cached pages around the one it needs too (Linux maps 64 KiB), so
 #: a read of scattered rows maps about this much more per row than it reads.
 FAULT_AROUND = 64 * 2**10
@@ -172,7 +179,8 @@ def _slicer(data: memoryview) -> Callable[[int, int], memoryview]:
 
 def _close_all(fds: list[int]) -> None:
     for fd in fds:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
 
 
 class ShardedArray:
@@ -200,7 +208,13 @@ class ShardedArray:
         self._bytes: list[memoryview] = []
         self._mapped_estimate = 0
         files = [f for f in spec.files if f.elements]
+        self._folder = folder
+        self._files = files
         self._paths = [folder / f.path for f in files]
+        #: each file's identity as last seen (None: read whole into memory, nothing to watch)
+        self._ids: list[tuple[int, int, int, int, int] | None] = []
+        self._every = list(range(len(files)))
+        self._watch: list[int] = []  # a descriptor of each mapped file, see WATCHED_FDS
         self._bounds = np.cumsum([0, *(f.elements for f in files)], dtype=np.int64)
         self.length = int(self._bounds[-1])
         self._map_nbytes = sum(f.nbytes for f in files)
@@ -212,14 +226,21 @@ class ShardedArray:
             weakref.finalize(self, _close_all, fds)  # before the first open: none can leak
             for f, path in zip(files, self._paths, strict=True):
                 fds.append(os.open(path, os.O_RDONLY))
-                self._checks.append(self._blocks_of(folder, f, path, os.fstat(fds[-1])))
+                st = self._sized(f, path, os.fstat(fds[-1]))
+                self._ids.append(identity(st))
+                self._checks.append(self._blocks_of(folder, f, path, st))
             self._checked = all(c is None or c.complete for c in self._checks)
             self._setup_mirror()
             return
+        watch = len(files) <= WATCHED_FDS
+        if watch:
+            weakref.finalize(self, _close_all, self._watch)  # before the first open: none can leak
         for f, path in zip(files, self._paths, strict=True):
+            if watch:
+                self._watch.append(-1)
             if f.nbytes <= SMALL_FILE_BYTES:  # read whole: a map would hold a descriptor open
                 with open(path, "rb") as fh:
-                    st = os.fstat(fh.fileno())
+                    st = self._sized(f, path, os.fstat(fh.fileno()))
                     small = np.fromfile(fh, dtype=spec.dtype, count=f.elements)
                 if len(small) != f.elements:
                     self._short(len(self._parts))
@@ -228,11 +249,16 @@ class ShardedArray:
                 if check is not None:  # checked whole now: the bytes held are the ones read
                     check.ensure(0, f.nbytes, _slicer(small.view(np.uint8).data))
                 self._checks.append(check)
+                self._ids.append(None)
                 self._parts.append(small)
                 continue
             with open(path, "rb") as fh:
-                mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-                self._checks.append(self._blocks_of(folder, f, path, os.fstat(fh.fileno())))
+                st = self._sized(f, path, os.fstat(fh.fileno()))  # before the map: no map past the end
+                mm = mmap.mmap(fh.fileno(), f.nbytes, access=mmap.ACCESS_READ)
+                if watch:
+                    self._watch[-1] = os.dup(fh.fileno())
+                self._ids.append(identity(st))
+                self._checks.append(self._blocks_of(folder, f, path, st))
             self._maps.append(mm)
             self._parts.append(np.frombuffer(mm, dtype=spec.dtype, count=f.elements))
         # byte views of the maps, for copies of many small spans (``_copy_spans``)
@@ -275,16 +301,91 @@ class ShardedArray:
         return bool(mirror[lo].all()) and bool(mirror[hi].all())
 
     @staticmethod
+    def _sized(f: Any, path: Path, st: os.stat_result) -> os.stat_result:
+        """``st``, where file ``f`` has the size the manifest gives; else
+        :class:`DatasetIntegrityError` naming it (a map past a file's end would kill the process)."""
+        if st.st_size != f.nbytes:
+            raise DatasetIntegrityError(
+                f"{path}: the file has {plural(st.st_size, 'byte')}, the manifest says {f.nbytes}; "
+                "it was truncated or changed after the dataset was written: write or copy it again"
+            )
+        return st
+
+    @staticmethod
     def _blocks_of(folder: Path, f: Any, path: Path, st: os.stat_result) -> FileBlocks | None:
         """File ``f``'s bitmap of checked blocks as the file is now (None without block digests)."""
         if f.blocks is None:
             return None
-        if st.st_size != f.nbytes:
-            raise DatasetIntegrityError(
-                f"{path}: the file has {plural(st.st_size, 'byte')}, the manifest says {f.nbytes}; "
-                "it was truncated or replaced: open the dataset again"
-            )
         return file_blocks(str(path), st, f.blocks, folder, f"{folder}: file {f.path!r}")
+
+    # -- files that change while open ---------------------------------------------------------------
+    def _touched(self, starts: npt.NDArray[np.int64], stops: npt.NDArray[np.int64]) -> list[int]:
+        """The shards elements ``[starts[i], stops[i])`` lie in."""
+        if len(self._every) <= 1 or not len(starts):
+            return self._every
+        top = len(self._every) - 1  # an empty span at the very end locates past the last shard
+        first = np.minimum(self._locate(starts), top)
+        last = np.minimum(self._locate(np.maximum(stops - 1, starts)), top)
+        if bool((first == last).all()):
+            return np.unique(first).tolist()  # type: ignore[no-any-return]
+        return list(range(int(first.min()), int(last.max()) + 1))
+
+    def _fresh(self, shards: Sequence[int]) -> bool:
+        """Compare ``shards``' files with what was last seen (one ``fstat`` each; a ``stat``
+        of a mapped one): a file that changed has its blocks checked again as they are touched
+        (True); one of another size, or without block digests and of other bytes (its sha256),
+        is refused before any of it is read: :class:`DatasetIntegrityError` naming it."""
+        ids, fds, changed = self._ids, self._fds or self._watch, False
+        for k in shards:
+            seen = ids[k]
+            if seen is None:
+                continue
+            if fds:  # the open file itself: a write, a truncation or new times move its ctime
+                st = os.fstat(fds[k])
+                if st.st_ctime_ns == seen[4]:
+                    continue
+            else:
+                try:
+                    st = os.stat(self._paths[k])
+                except FileNotFoundError:
+                    raise DatasetIntegrityError(
+                        f"{self._paths[k]}: the file was deleted or moved after the dataset was opened; "
+                        "write or copy the dataset again"
+                    ) from None
+                if identity(st) == seen:
+                    continue
+            self._changed(k, st)
+            changed = True
+        return changed
+
+    def _changed(self, k: int, st: os.stat_result) -> None:
+        """Shard ``k``'s file is not as last seen (``st``): refused where its size is not the
+        manifest's, or (without block digests) its sha256; its blocks checked again on touch."""
+        f, path = self._files[k], self._paths[k]
+        self._sized(f, path, st)
+        check = self._checks[k]
+        if check is not None:
+            check.observe(st)
+            self._checked = False
+            self._refresh_mirror([k])
+        else:
+            _check_sha256(self._folder, "", f.path, path, st, f.sha256)
+        self._ids[k] = identity(st)
+
+    def _read(self, shards: Sequence[int], check: Callable[[], None], copy: Callable[[], Array]) -> Array:
+        """``copy()`` of shards ``shards``, each file compared with what was last seen before
+        (``check()`` then checks the blocks touched that are not checked yet) and after: a file
+        that changed meanwhile is checked again and read again."""
+        for _ in range(3):
+            self._fresh(shards)
+            if not self._checked:
+                check()
+            out = copy()
+            if not self._fresh(shards):
+                return out
+        raise DatasetIntegrityError(
+            f"{self._folder}: a data file keeps changing while it is read; open the dataset again"
+        )
 
     def _reader(self, k: int) -> Callable[[int, int], Any]:
         """Bytes ``[a, b)`` of shard ``k`` as a buffer, for a block check."""
@@ -345,9 +446,11 @@ class ShardedArray:
 
     def gather(self, starts: npt.NDArray[np.int64], length: int) -> Array:
         """Windows ``[s, s+length)`` for each start, as one ``(n, length)`` array (a copy)."""
-        if not self._checked and not self._seen(starts, length):
-            self.ensure(starts, starts + length)
-        out = self._gather(starts, length)
+        out = self._read(
+            self._touched(starts, starts + length),
+            lambda: None if self._seen(starts, length) else self.ensure(starts, starts + length),
+            lambda: self._gather(starts, length),
+        )
         self.account(len(out), out.nbytes)
         if self._bases is not None:
             add_bases(out, starts[:, None] + np.arange(length, dtype=np.int64), self._bases)
@@ -417,15 +520,24 @@ class ShardedArray:
     ) -> None:
         """Elements ``[starts[i], stops[i])`` copied into the flat array ``out`` (of this dtype)
         at ``at[i]``, for each ``i`` (``at`` may hold one more entry, unused)."""
-        if not self._checked:
-            self.ensure(starts, stops)
+        self._read(
+            self._touched(starts, stops),
+            lambda: self.ensure(starts, stops),
+            lambda: self._spans(starts, stops, out, at),
+        )
+        if not self._fds:
+            self.account(len(starts), int((stops - starts).sum()) * self.dtype.itemsize)
+
+    def _spans(
+        self, starts: npt.NDArray[np.int64], stops: npt.NDArray[np.int64], out: Array, at: Sequence[int]
+    ) -> Array:
         if not self._fds:
             self._copy_spans(starts, stops, out, at)
-            self.account(len(starts), int((stops - starts).sum()) * self.dtype.itemsize)
-            return
+            return out
         flat, item = out.view(np.uint8).data, self.dtype.itemsize
         for dest, pos, end in zip(at, starts.tolist(), stops.tolist(), strict=False):
             self._pread_span(flat, dest * item, pos, end)
+        return out
 
     def _copy_spans(
         self, starts: npt.NDArray[np.int64], stops: npt.NDArray[np.int64], out: Array, at: Sequence[int]
@@ -455,13 +567,20 @@ class ShardedArray:
         )
 
     def slice(self, start: int, stop: int) -> Array:
-        """Elements ``[start, stop)``: a view when they lie in one mapped shard, else a copy."""
-        if not self._checked:
-            self.ensure(np.asarray([start], np.int64), np.asarray([stop], np.int64))
+        """Elements ``[start, stop)``: a copy where they lie in a mapped file (a view of a file
+        that may change would escape every check), a view of a file read whole at open."""
+        a, b = np.asarray([start], np.int64), np.asarray([stop], np.int64)
+        out = self._read(
+            self._touched(a, b), lambda: self.ensure(a, b), lambda: self._own(self._slice(start, stop))
+        )
         if self._bases is not None:
             positions = np.arange(start, max(start, stop), dtype=np.int64)
-            return add_bases(self._slice(start, stop).copy(), positions, self._bases)
-        return self._slice(start, stop)
+            return add_bases(out, positions, self._bases)
+        return out
+
+    def _own(self, out: Array) -> Array:
+        """``out``, copied where it may be a view of a map."""
+        return out.copy() if self._maps and not out.flags.owndata else out
 
     def _slice(self, start: int, stop: int) -> Array:
         if self._fds:
@@ -485,9 +604,11 @@ class ShardedArray:
 
     def take(self, positions: npt.NDArray[np.int64]) -> Array:
         """Elements at ``positions``."""
-        if not self._checked:
-            self.ensure(positions, positions + 1)
-        out = self._take(positions)
+        out = self._read(
+            self._touched(positions, positions + 1),
+            lambda: self.ensure(positions, positions + 1),
+            lambda: self._take(positions),
+        )
         if self._bases is not None:
             out = add_bases(out.copy(), positions, self._bases)
         return out

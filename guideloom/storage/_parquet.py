@@ -129,9 +129,16 @@ class _LocalFiles:
 
     remote = False
 
+    def __init__(self) -> None:
+        self._ctimes: dict[str, int] = {}  # each file's status change time when first seen
+
     def stat(self, path: str) -> _Stat:
+        """A write since the file was first seen is another version, its modification time kept or not."""
         st = os.stat(path)
-        return _Stat(st.st_size, str(st.st_mtime_ns))
+        first = self._ctimes.setdefault(path, st.st_ctime_ns)
+        return _Stat(
+            st.st_size, str(st.st_mtime_ns) + ("" if st.st_ctime_ns == first else f"+{st.st_ctime_ns}")
+        )
 
     def stats(self, paths: Sequence[str]) -> dict[str, _Stat]:
         return {p: self.stat(p) for p in paths}
@@ -1526,8 +1533,9 @@ def _remote_sources(source: str, options: dict[str, Any]) -> tuple[_RemoteFiles,
 def _read_index_cache(path: Path | None) -> dict[str, Any]:
     if path is None or not path.exists():
         return {}
-    try:
-        data = json.loads(path.read_text())
+    try:  # the text, then its sha256: a damaged index is rebuilt, never read
+        text, _, digest = path.read_text().rpartition("\n")
+        data = json.loads(text) if hashlib.sha256(text.encode()).hexdigest() == digest else {}
     except (OSError, ValueError):
         return {}
     return data.get("files", {}) if data.get("version") == _INDEX_VERSION else {}
@@ -1549,7 +1557,8 @@ def _write_index_cache(path: Path | None, entries: list[_FileEntry], key: Callab
         for e in entries
     }
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"version": _INDEX_VERSION, "files": files}))
+    text = json.dumps({"version": _INDEX_VERSION, "files": files})
+    tmp.write_text(text + "\n" + hashlib.sha256(text.encode()).hexdigest())
     os.replace(tmp, path)
 
 

@@ -180,3 +180,66 @@ def test_an_object_is_checked_as_soon_as_its_last_part_is_written(
     )
     assert set(fetched) == {first}, "the other objects were not fetched"
     assert cache.read(first, 4096, 8192) is None and not (cache.folder / "manifest.json").exists()
+
+
+def _damage(path: Path, at: int) -> None:
+    """Flip a byte of ``path`` in place, its modification time kept (bit rot)."""
+    st = path.stat()
+    with open(path, "r+b") as fh:
+        fh.seek(at)
+        byte = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_a_part_of_the_copy_in_progress_damaged_on_disk_is_read_from_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_cache, "PART_BYTES", 4096)
+    monkeypatch.setattr(_cache, "PARTS_IN_FLIGHT", 1)
+    gate = threading.Event()
+    written = threading.Event()
+
+    def fetch(path: str, start: int, end: int) -> bytes:
+        if (path, start) != (first, 0):
+            written.set()
+            assert gate.wait(30)
+        return data[path][start:end]
+
+    cache, data = _cache_over(tmp_path, fetch)
+    first = cache.table.paths[0]
+    download = threading.Thread(target=cache._download)
+    download.start()
+    try:
+        assert written.wait(30)  # part 0 is written: the download waits on part 1
+        got = cache.read(first, 100, 4000)
+        assert got is not None and got.tobytes() == data[first][100:4000]
+        _damage(Path(str(cache.folder) + ".partial") / first, 200)
+        assert cache.read(first, 100, 4000) is None, "the damaged part is read from the store"
+    finally:
+        gate.set()
+        download.join(30)
+
+
+def test_the_copys_block_digests_are_those_of_the_bytes_downloaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy damaged on disk after its checksums matched, before its manifest is written, is
+    found damaged when checked, never used (as a copy too large to hash whole on open is)."""
+    from guideloom.storage import _local
+
+    monkeypatch.setattr(_local, "VERIFY_ON_OPEN_BYTES", 0)
+    monkeypatch.setattr(_cache, "PART_BYTES", 4096)
+    cache, data = _cache_over(tmp_path, lambda p, s, e: data[p][s:e])
+    real = _cache._with_blocks
+
+    def damaged_first(manifest: Any, folder: Path, *rest: Any) -> Any:
+        _damage(folder / cache.table.paths[1], 5000)
+        return real(manifest, folder, *rest)
+
+    monkeypatch.setattr(_cache, "_with_blocks", damaged_first)
+    cache._download()
+    assert (cache.folder / "manifest.json").is_file()
+    assert cache.checked_copy() is None
+    assert cache.copy_damaged is not None and cache.table.paths[1] in cache.copy_damaged

@@ -170,6 +170,32 @@ def test_a_damaged_chunk_warns_is_deleted_and_read_remotely(
     assert store.remote_ranges == 1 and not victim.exists()
 
 
+@pytest.mark.parametrize("read_first", [False, True])
+def test_a_chunk_damaged_in_place_after_it_was_downloaded_or_read_is_never_delivered(
+    store: Store, tmp_path: Path, stopped: list[ChunkCache], read_first: bool
+) -> None:
+    """The same process downloaded the chunk (and with ``read_first`` read it from disk): a
+    write over it in place, its modification time kept, is caught by the block check of the next
+    read; the chunk is deleted and the range read remotely."""
+    cache = store.cache(tmp_path / "c", max_bytes=4 * CHUNK, chunk_bytes=CHUNK)
+    stopped.append(cache)
+    cache.plan(store.window(cache, [i]) for i in [0, 1, 1])
+    settle(cache)
+    if read_first:
+        assert np.array_equal(store.read(cache, [1]), store.expected([1]))
+    victim = next(p for p in cache.folder.iterdir() if p.name.startswith("c000000001."))
+    st = victim.stat()
+    data = bytearray(victim.read_bytes())
+    data[10] ^= 0xFF
+    with open(victim, "r+b") as fh:
+        fh.write(bytes(data))
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    remote = store.remote_ranges
+    with pytest.warns(RuntimeWarning, match="damaged chunk.*nothing is lost"):
+        assert np.array_equal(store.read(cache, [1], planned=False), store.expected([1]))
+    assert store.remote_ranges == remote + 1 and not victim.exists()
+
+
 def test_an_object_that_does_not_match_its_manifest_checksum_is_not_cached_and_refused(
     tmp_path: Path, stopped: list[ChunkCache]
 ) -> None:

@@ -573,7 +573,7 @@ def test_a_file_truncated_after_open_is_an_integrity_error_with_preadv(
     asyncio.run(s.open())
     (shard,) = [p for p in (tmp_path / "ds").iterdir() if p.suffix == ".bin"]
     os.truncate(shard, 1_000)
-    with pytest.raises(DatasetIntegrityError, match="shorter than when it was opened"):
+    with pytest.raises(DatasetIntegrityError, match="truncated"):
         asyncio.run(s.read_many(np.asarray([3_000], dtype=np.int64), 100))
 
 
@@ -593,3 +593,79 @@ def test_preadv_arrays_hold_no_maps_and_offsets_never_use_preadv(
     assert [g.tolist() for g in got] == [list(range(50)), list(range(7))]
     assert docs._tokens.slice(2, 5).tolist() == [2, 0, 1]  # type: ignore[attr-defined]
     assert docs._tokens.take(np.asarray([0, 3])).tolist() == [0, 0]  # type: ignore[attr-defined]
+
+
+def _damage_in_place(path: Path, data: bytes) -> None:
+    """Write ``data`` over ``path`` in place (same inode), its modification time kept (bit rot)."""
+    st = path.stat()
+    with open(path, "r+b") as fh:
+        fh.write(data)
+        fh.truncate(len(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize("preads", [False, True])
+def test_a_block_changed_in_place_after_it_was_read_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, preads: bool
+) -> None:
+    import guideloom.storage._local as local
+
+    if preads:
+        monkeypatch.setattr(local, "MAPPED_BUDGET", 1024)
+    tokens = np.arange(200_000, dtype=np.uint16)
+    gl.write_stream(tmp_path / "ds", tokens, shard_bytes=160 * 1024)
+    s = gl.open_stream(tmp_path / "ds")
+    asyncio.run(s.open())
+    starts = np.asarray([0, 70_000], dtype=np.int64)
+    for _ in range(2):  # every block read checked, then read again as checked
+        assert np.array_equal(
+            np.asarray(s.read_many_sync(starts, 64)), tokens[starts[:, None] + np.arange(64)]
+        )
+    (shard, *_) = sorted((tmp_path / "ds").glob("*.bin"))
+    old = bytearray(shard.read_bytes())
+    old[10] ^= 1
+    _damage_in_place(shard, bytes(old))
+    with pytest.raises(DatasetIntegrityError, match=f"{shard.name}.*block 0"):
+        s.read_many_sync(starts, 64)
+
+
+def test_a_mapped_file_truncated_after_open_is_refused_not_a_crash(tmp_path: Path) -> None:
+    tokens = np.arange(100_000, dtype=np.uint16)
+    gl.write_stream(tmp_path / "ds", tokens)
+    s = gl.open_stream(tmp_path / "ds")
+    asyncio.run(s.open())
+    (shard,) = (tmp_path / "ds").glob("*.bin")
+    s.read_many_sync(np.asarray([90_000], dtype=np.int64), 100)
+    _damage_in_place(shard, shard.read_bytes()[:1000])
+    with pytest.raises(DatasetIntegrityError, match=f"{shard.name}.*truncated"):
+        s.read_many_sync(np.asarray([90_000], dtype=np.int64), 100)
+
+
+def test_a_file_touched_but_unchanged_reads_on(tmp_path: Path) -> None:
+    """A new status change time (``chmod``, a copy tool's ``utime``) only has the blocks checked again."""
+    tokens = np.arange(100_000, dtype=np.uint16)
+    gl.write_stream(tmp_path / "ds", tokens)
+    s = gl.open_stream(tmp_path / "ds")
+    asyncio.run(s.open())
+    starts = np.asarray([5, 90_000], dtype=np.int64)
+    want = tokens[starts[:, None] + np.arange(100)]
+    assert np.array_equal(np.asarray(s.read_many_sync(starts, 100)), want)
+    (shard,) = (tmp_path / "ds").glob("*.bin")
+    _damage_in_place(shard, shard.read_bytes())
+    os.chmod(shard, 0o600)
+    assert np.array_equal(np.asarray(s.read_many_sync(starts, 100)), want)
+
+
+def test_document_tokens_changed_after_they_were_read_are_refused(tmp_path: Path) -> None:
+    docs = [np.full(n, n, dtype=np.uint16) for n in range(1, 40_000, 97)]
+    gl.write_documents(tmp_path / "ds", docs)
+    s = gl.open_documents(tmp_path / "ds")
+    asyncio.run(s.open())
+    every = np.arange(len(docs), dtype=np.int64)
+    assert [len(d) for d in s.read_many_sync(every)] == [len(d) for d in docs]  # every block checked
+    tokens = max((tmp_path / "ds").glob("*.bin"), key=lambda p: p.stat().st_size)
+    data = bytearray(tokens.read_bytes())
+    data[-1] ^= 0xFF
+    _damage_in_place(tokens, bytes(data))
+    with pytest.raises(DatasetIntegrityError, match=f"{tokens.name}.*does not match"):
+        s.read_many_sync(every)

@@ -903,6 +903,26 @@ def test_the_footer_index_in_cache_dir_is_reused_for_unchanged_files_only(
         gl.open_parquet(dest, "input_ids", cache_dir=cache)
 
 
+@pytest.mark.parametrize("edit", ["key", "count"])
+def test_a_damaged_footer_index_in_cache_dir_is_rebuilt_not_read(
+    folder: Path, tmp_path: Path, edit: str
+) -> None:
+    cache = tmp_path / "cache"
+    first = gl.open_parquet(folder, "input_ids", cache_dir=cache)
+    want = [r.tolist() for r in first.read_many_sync(np.arange(len(first), dtype=np.int64))]
+    (index,) = cache.glob("parquet-index-*.json")
+    text = index.read_text()
+    if edit == "key":  # a flipped bit in a key: a raw KeyError before
+        text = text.replace('"footer"', '"fooler"', 1)
+    else:  # a row count one smaller: rows dropped before
+        text = text.replace('"rows": [', '"rows": [1', 1)
+    index.write_text(text)
+    again = gl.open_parquet(folder, "input_ids", cache_dir=cache)
+    assert len(again) == len(first)
+    assert [r.tolist() for r in again.read_many_sync(np.arange(len(again), dtype=np.int64))] == want
+    assert gl.open_parquet(folder, "input_ids", cache_dir=cache).content_digest() == first.content_digest()
+
+
 def test_the_fingerprint_follows_the_tokenizers_contents(
     folder: Path, tokenizer_json: str, tmp_path: Path
 ) -> None:
@@ -1108,3 +1128,21 @@ def test_a_file_whose_footer_changed_under_the_same_size_and_time_is_refused(
         with pytest.raises(gl.DatasetIntegrityError, match=r"00002-of-00003\.parquet: the file changed"):
             storage.read_many_sync(np.asarray([599], np.int64))
     assert gl.open_parquet(dest, "input_ids").content_digest() != cached.content_digest()
+
+
+def test_a_file_written_over_in_place_while_open_is_refused_whatever_its_times(
+    folder: Path, tmp_path: Path
+) -> None:
+    """A write keeps neither the status change time nor, always, the bytes: one over a file the
+    storage reads from (its size and modification time kept, as bit rot or a copy tool would) is
+    refused before a row of it is read after the write."""
+    dest = copy_of(folder, tmp_path)
+    storage = gl.open_parquet(dest, "input_ids")
+    assert first_ids(storage.read_many_sync(np.asarray([0], np.int64))) == [0]
+    victim = dest / "train-00000-of-00003.parquet"
+    st = os.stat(victim)
+    with open(victim, "r+b") as fh:
+        fh.write(victim.read_bytes())
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(gl.DatasetIntegrityError, match=r"00000-of-00003\.parquet: the file changed"):
+        storage.read_many_sync(np.arange(len(storage), dtype=np.int64))

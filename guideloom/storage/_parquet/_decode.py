@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -12,6 +13,8 @@ from guideloom.storage._parquet._files import _pa
 
 I64 = npt.NDArray[np.int64]
 OnNull = Literal["error", "empty"]
+#: Bytes a kept token array costs beside its elements (the numpy object and its slot).
+_ROW_OVERHEAD = 120
 
 
 # -- decoded row groups ------------------------------------------------------------------------------
@@ -21,7 +24,7 @@ class _Decoded:
     is then exactly what ``nbytes`` counts (arrow's buffers grow in steps, and its allocator keeps
     freed pages a while), and reading rows needs no arrow kernel."""
 
-    __slots__ = ("nbytes", "nulls", "offsets", "text", "values")
+    __slots__ = ("nbytes", "nulls", "offsets", "text", "tokens", "values")
 
     def __init__(self, array: Any, kind: str) -> None:
         pa = _pa()
@@ -44,6 +47,10 @@ class _Decoded:
             whole = _buffer(child.buffers()[1], np.dtype(kind.split(":", 1)[1]))[child.offset :]
         self.values: npt.NDArray[Any] = whole[start:stop].copy()
         self.offsets: I64 = offsets - start
+        #: A text column's rows tokenized so far (``None`` where not yet): kept with the row
+        #: group, so that a row read again (a document that several sequences hold, or read
+        #: again while its row group is kept) is tokenized once.
+        self.tokens: list[npt.NDArray[Any] | None] | None = None
         self.nbytes = int(self.values.nbytes + self.offsets.nbytes) + (
             0 if self.nulls is None else int(self.nulls.nbytes)
         )
@@ -59,6 +66,31 @@ class _Decoded:
             raw = values.data
             return [str(raw[a:b], "utf-8") for a, b in zip(starts, ends, strict=True)]
         return [values[a:b] for a, b in zip(starts, ends, strict=True)]
+
+    def token_rows(
+        self,
+        local: I64,
+        cut: Callable[[I64], list[Any]],
+        encode: Callable[[Sequence[str]], list[npt.NDArray[Any]]],
+    ) -> tuple[list[npt.NDArray[Any]], int, int]:
+        """Rows ``local`` as token arrays: each row tokenized (``encode`` of its text, ``cut``
+        from this row group) the first time it is asked for, and kept. The arrays, the bytes
+        added to the row group, and the tokens made. Two threads may tokenize a row at once:
+        one array is kept, and both count what they made."""
+        tokens = self.tokens
+        if tokens is None:
+            tokens = self.tokens = [None] * (len(self.offsets) - 1)
+        wanted = local.tolist()
+        missing = sorted({i for i in wanted if tokens[i] is None})
+        added = made = 0
+        if missing:
+            arrays = encode(cut(np.asarray(missing, dtype=np.int64)))
+            for i, array in zip(missing, arrays, strict=True):
+                made += len(array)
+                if tokens[i] is None:
+                    tokens[i] = array
+                    added += int(array.nbytes) + _ROW_OVERHEAD
+        return [t for t in (tokens[i] for i in wanted) if t is not None], added, made
 
     def lengths(self) -> I64:
         return np.diff(self.offsets)

@@ -44,8 +44,8 @@ class _LengthIndex(_RowGroups):
             )
         rows = np.arange(int(self._sizes[group]), dtype=np.int64)
         self._nulls(group, decoded, rows)
-        texts = self._cut(group, decoded, rows)  # a null row (on_null="empty") is "": bos/eos only
-        return np.fromiter(map(len, self._encoder.encode_many(texts)), dtype=np.int64, count=len(texts))
+        tokens = self._token_rows(group, decoded, rows)  # a null row (on_null="empty"): bos/eos only
+        return np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
 
     def _tokenizer_identity(self) -> str | None:
         """What names the tokenizing in the files derived from the rows (and in the

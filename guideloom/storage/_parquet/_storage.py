@@ -98,10 +98,12 @@ class ParquetStorage(_LengthIndex):
         texts.__setstate__({**self.__getstate__(), "_tokenize": False})
         return texts, self._encoder.encode_many
 
-    def _rows(self, indices: I64) -> list[Any]:
+    def _rows(self, indices: I64, tokens: bool = False) -> list[Any]:
         """The rows at ``indices``: every row group they touch decoded once, then, for a list
         column, one view per row cut from its group's values (the cuts computed with numpy per
-        row group; the only per-row Python work is the slice itself)."""
+        row group; the only per-row Python work is the slice itself). ``tokens``: a text
+        column's rows as token arrays, each row tokenized once while its row group is kept."""
+        cut = self._token_rows if tokens else self._cut
         indices = np.asarray(indices, dtype=np.int64)
         if not len(indices):
             return []
@@ -113,7 +115,7 @@ class ParquetStorage(_LengthIndex):
         if (groups == first).all():  # the common case under a row-group shuffle's windows
             decoded = self._decode(first)
             self._nulls(first, decoded, local)
-            return self._cut(first, decoded, local)
+            return cut(first, decoded, local)
         distinct, which = np.unique(groups, return_inverse=True)
         order = np.argsort(which, kind="stable")
         cuts = np.searchsorted(which[order], np.arange(len(distinct) + 1)).tolist()
@@ -124,15 +126,15 @@ class ParquetStorage(_LengthIndex):
         for g, at in zip(distinct.tolist(), ats, strict=True):
             decoded = self._decode(g)
             self._nulls(g, decoded, local[at])
-            for i, row in zip(at.tolist(), self._cut(g, decoded, local[at]), strict=True):
+            for i, row in zip(at.tolist(), cut(g, decoded, local[at]), strict=True):
                 out[i] = row
         return out
 
     def read_many_sync(self, indices: I64) -> Sequence[Any]:
         indices = np.asarray(indices, dtype=np.int64)
-        rows = self._rows(indices)
-        if self._kind == "text" and self._encoder is not None and self._tokenize:
-            rows = self._encoder.encode_many(rows)
+        rows = self._rows(
+            indices, tokens=self._kind == "text" and self._encoder is not None and self._tokenize
+        )
         if self._offsets is not None and self.tokenized:
             self._check_lengths(indices, rows)
         return rows

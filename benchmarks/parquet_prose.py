@@ -55,7 +55,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,7 @@ SHARDS = 12
 MANY_ROWS = 100  # rows per row group in the second layout
 VOCAB = 32768
 LAYOUTS = ("one", "many")
-PACKED = ("gl-packed", "gl-packed-thread", "hf-packed", "litdata-packed")
+PACKED = ("gl-packed", "gl-packed-thread", "gl-packed-nw0", "hf-packed", "litdata-packed")
 DOCS = ("gl-docs", "hf-docs", "litdata-docs")
 BASELINE = {"packed": "hf-packed", "docs": "hf-docs"}
 
@@ -191,7 +191,9 @@ class LitCollate:
         self.path = path
 
     def __call__(self, rows: Sequence[dict[str, Any]]) -> Any:
-        return collate_docs([np.asarray(x, dtype=np.int64) for x in encode([r["text"] for r in rows], self.path)])
+        return collate_docs(
+            [np.asarray(x, dtype=np.int64) for x in encode([r["text"] for r in rows], self.path)]
+        )
 
 
 def collate_lit_packed(rows: Sequence[Any]) -> Any:
@@ -210,10 +212,12 @@ def make_loader(config: str, data: Path, layout: str) -> Any:
     tok = str(data / "tokenizer.json")
     folder = data / layout
     if config.startswith("gl-packed"):
-        storage = gl.open_parquet(folder, "text", tokenizer=tok, eos="</s>", cache_dir=data / f"cache-{layout}")
+        storage = gl.open_parquet(
+            folder, "text", tokenizer=tok, eos="</s>", cache_dir=data / f"cache-{layout}"
+        )
         return gl.StatefulDataLoader(
             gl.pack(storage, SEQ), collate_packed, local_batch_size=PACKED_BATCH,
-            num_workers=0 if config == "gl-packed-cold" else WORKERS,
+            num_workers=0 if config in ("gl-packed-cold", "gl-packed-nw0", "gl-packed-epoch") else WORKERS,
             parallel_method="thread" if config == "gl-packed-thread" else "process",
             shuffle=True, shuffle_block_size="auto", device=cpu,
         )  # fmt: skip
@@ -229,10 +233,14 @@ def make_loader(config: str, data: Path, layout: str) -> Any:
 
         ds = datasets.load_dataset("parquet", data_files=shards(data, layout), split="train", streaming=True)
         ds = ds.shuffle(seed=0, buffer_size=1000)
-        ds = ds.map(functools.partial(hf_tokenize, path=tok), batched=True, batch_size=64, remove_columns=["text"])
+        ds = ds.map(
+            functools.partial(hf_tokenize, path=tok), batched=True, batch_size=64, remove_columns=["text"]
+        )
         if config == "hf-packed":
             ds = ds.map(hf_group, batched=True, batch_size=64)
-            return StatefulDataLoader(ds, batch_size=PACKED_BATCH, num_workers=WORKERS, collate_fn=collate_hf_packed)
+            return StatefulDataLoader(
+                ds, batch_size=PACKED_BATCH, num_workers=WORKERS, collate_fn=collate_hf_packed
+            )
         return StatefulDataLoader(ds, batch_size=DOC_BATCH, num_workers=WORKERS, collate_fn=collate_hf_docs)
     if config.startswith("litdata-"):
         import litdata as ld
@@ -296,7 +304,8 @@ def run_child(config: str, layout: str, seconds: float) -> dict[str, float]:
     first = start = None
     out: dict[str, float] = {}
     with loader if hasattr(loader, "__enter__") else _Null():
-        while start is None or time.perf_counter() - start < seconds:
+        epoch = config == "gl-packed-epoch"  # one whole epoch, however long
+        while start is None or (not epoch and time.perf_counter() - start < seconds):
             for batch in loader:
                 if start is None:
                     start = time.perf_counter()
@@ -304,15 +313,22 @@ def run_child(config: str, layout: str, seconds: float) -> dict[str, float]:
                     continue
                 s, t = batch_tokens(batch)
                 samples, tokens = samples + s, tokens + t
-                if time.perf_counter() - start > seconds:
+                if not epoch and time.perf_counter() - start > seconds:
                     break
+            if epoch:
+                break
         assert start is not None
         elapsed = time.perf_counter() - start
-        if config == "gl-packed-thread":
+        if config in ("gl-packed-thread", "gl-packed-nw0", "gl-packed-epoch"):
             made = loader.stats().get("parquet_tokens_tokenized", 0.0)
             out["tokenized_per_delivered"] = made / max(1, tokens + PACKED_BATCH * SEQ)
         measured()
-    return {"samples_s": samples / elapsed, "tokens_s": tokens / elapsed, "first_batch_s": first or 0.0, **out}
+    return {
+        "samples_s": samples / elapsed,
+        "tokens_s": tokens / elapsed,
+        "first_batch_s": first or 0.0,
+        **out,
+    }
 
 
 class _Null:
@@ -345,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     corpus = json.loads((data / "corpus.json").read_text())
     load = os.getloadavg()[0]
     print(f"corpus: {corpus}; load average {load:.1f}", flush=True)
-    configs = [*PACKED, *DOCS, "gl-packed-cold"]
+    configs = [*PACKED, *DOCS, "gl-packed-epoch", "gl-packed-cold"]
     if args.only:
         configs = [c for c in configs if c in args.only.split(",")]
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
@@ -356,12 +372,21 @@ def main(argv: list[str] | None = None) -> None:
                     "benchmarks.parquet_prose", config, ["--layout", layout, "--seconds", str(seconds)]
                 )
                 results.setdefault((layout, config), []).append(got)
-                print(f"{layout:5} {config:18} {json.dumps({k: round(v, 3) for k, v in got.items()})}", flush=True)
-    print(f"\nload average {load:.1f} before, {os.getloadavg()[0]:.1f} after; medians over {args.rounds} round(s)")
-    print("| layout | configuration | tokens/s | / Hugging Face | first batch s | peak PSS MiB | tokenized / delivered |")
+                print(
+                    f"{layout:5} {config:18} {json.dumps({k: round(v, 3) for k, v in got.items()})}",
+                    flush=True,
+                )
+    print(
+        f"\nload average {load:.1f} before, {os.getloadavg()[0]:.1f} after; "
+        f"medians over {args.rounds} round(s)"
+    )
+    print(
+        "| layout | configuration | tokens/s | / Hugging Face | first batch s | peak PSS MiB "
+        "| tokenized / delivered |"
+    )
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for (layout, config), runs in results.items():
-        kind = "packed" if config in PACKED else "docs"
+        kind = "packed" if "packed" in config else "docs"
         base = results.get((layout, BASELINE[kind]))
 
         def med(key: str, rs: list[dict[str, float]] = runs) -> float:

@@ -26,9 +26,21 @@ import numpy as np
 
 MAX_DOC = 100_000
 _ROFF_ESCAPES = re.compile(r"\\f[BIRPC]|\\f\(..|\\f\[[^]]*\]|\\s[+-]?\d|\\&|\\\^|\\\||\\c|\\e")
-_ROFF_CHARS = {r"\-": "-", r"\(em": "--", r"\(en": "-", r"\(bu": "*", r"\(aq": "'", r"\(dq": '"',
-               r"\(lq": '"', r"\(rq": '"', r"\(co": "(c)", r"\ ": " ", r"\~": " ", r"\(oq": "'",
-               r"\(cq": "'"}
+_ROFF_CHARS = {
+    r"\-": "-",
+    r"\(em": "--",
+    r"\(en": "-",
+    r"\(bu": "*",
+    r"\(aq": "'",
+    r"\(dq": '"',
+    r"\(lq": '"',
+    r"\(rq": '"',
+    r"\(co": "(c)",
+    r"\ ": " ",
+    r"\~": " ",
+    r"\(oq": "'",
+    r"\(cq": "'",
+}
 
 
 def _cut(text: str) -> str:
@@ -143,5 +155,7 @@ def documents(target: int, seed: int = 0) -> list[str]:
 if __name__ == "__main__":
     docs = documents(int(float(sys.argv[1])) if len(sys.argv) > 1 else 75_000_000)
     sizes = np.asarray([len(d.encode()) for d in docs])
-    print(f"{len(docs)} documents, {sizes.sum() / 1e6:.1f} MB, median {int(np.median(sizes))} B, "
-          f"max {sizes.max()} B")
+    print(
+        f"{len(docs)} documents, {sizes.sum() / 1e6:.1f} MB, median {int(np.median(sizes))} B, "
+        f"max {sizes.max()} B"
+    )

@@ -294,3 +294,18 @@ def test_packed_text_tokenizes_each_document_once_an_epoch(
         made = loader.stats()["parquet_tokens_tokenized"]
     assert delivered > 0
     assert made <= 1.05 * delivered, (made, delivered)
+
+
+def test_packed_text_is_read_by_the_main_process_and_tokens_by_the_workers(
+    many_groups: Path, tmp_path: Path
+) -> None:
+    """Packed texts are tokenized where they are read, and each row's tokens are kept with its
+    row group in that process: the main process reads them (once), not each worker again; a
+    token-id column is read by the workers."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", *WORDS])}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    texts = gl.pack(gl.open_parquet(many_groups, "text", tokenizer=tok), 16)
+    assert not texts.read_by_workers
+    assert gl.pack(gl.open_parquet(many_groups, "input_ids"), 16).read_by_workers

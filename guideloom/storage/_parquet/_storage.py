@@ -84,8 +84,12 @@ class ParquetStorage(_LengthIndex):
         """Texts that are tokenized elsewhere (by the workers, or by ``collate_fn``) are read by
         the main process and sent: the workers' work is the tokenizing, a batch of texts is small
         next to a window of decoded row groups, and one process holds that window instead of
-        every worker. Token arrays are read by the workers, which decode in parallel."""
-        return not (self._kind == "text" and not self.tokenized)
+        every worker. Texts tokenized at read (packing, a mixture) are read by the main process
+        too: each row's tokens are kept with its row group there, so a document that sequences
+        of several workers' batches hold is tokenized once, not once in each worker, and the
+        tokenizer runs on every core. Token arrays are read by the workers, which decode in
+        parallel."""
+        return self._kind != "text"
 
     def deferred_step(self) -> tuple[ParquetStorage, Callable[[Sequence[Any]], Sequence[Any]]] | None:
         """Where a loader reads this storage document by document: the storage that reads the

@@ -21,8 +21,8 @@
     python -m benchmarks merge [--parts 1000,10000] # prepare --merge of 10,000 parts: time, size, open
     python -m benchmarks prepare-tasks [--mb 200]  # prepare as 8 task processes and on Ray vs --workers 2
     python -m benchmarks provenance [--sources N]  # explain() at 10^12 of 1,000 packed sources; audit cost
-    python -m benchmarks parquet [--quick]         # packed and unpacked Parquet text (real prose) vs HF, LitData
-    python -m benchmarks parquet-synthetic [--quick] # open_parquet vs HF streaming and prepared streams (pseudo-words)
+    python -m benchmarks parquet [--quick]         # Parquet text, packed and not (real prose) vs HF, LitData
+    python -m benchmarks parquet-synthetic [--quick] # open_parquet vs HF streaming, prepared streams
     python -m benchmarks parquet-remote [--rounds 2] # open_parquet over http (0/20 ms) vs HF streaming
 
 `suite` runs in a venv of its own with the peers ($GUIDELOOM_BENCH_VENV, default

@@ -549,7 +549,9 @@ def loadavg() -> str:
 
 # -- the run -------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks parquet-synthetic", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks parquet-synthetic", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--quick", action="store_true", help="a smoke run: small data, one round")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=20.0, help="at most this long per configuration")

@@ -37,8 +37,10 @@ collate), ``hf-docs`` (streaming, shuffle buffer, batched ``.map`` tokenize), ``
 the length index is built first, tokenizing every document), no workers.
 
 Each configuration runs in a fresh process; its tokens/s is reported as a ratio to Hugging
-Face's of the same kind, layout and round, beside its peak PSS (with its workers', sampled
-every 50 ms from the parent). The machine's load average is printed before and after.
+Face's of the same kind, layout and round, beside the CPU seconds it spent per million tokens
+(the process and its workers, from its first batch on: a figure the machine's load moves less
+than the rate) and its peak PSS (with its workers', sampled every 50 ms from the parent). The
+machine's load average is printed before and after.
 
     python -m benchmarks parquet            # both layouts, every configuration (~8 minutes)
     python -m benchmarks parquet --quick    # a smoke run
@@ -299,6 +301,8 @@ def run_child(config: str, layout: str, seconds: float) -> dict[str, float]:
         return {"first_batch_s": first}
     t0 = time.perf_counter()
     loader = make_loader(config, data, layout)
+    cpu0 = cpu1 = 0.0
+    batches = counted = 0
     samples = tokens = 0
     first = start = None
     out: dict[str, float] = {}
@@ -309,15 +313,21 @@ def run_child(config: str, layout: str, seconds: float) -> dict[str, float]:
                 if start is None:
                     start = time.perf_counter()
                     first = start - t0
+                    cpu0 = tree_cpu()
                     continue
                 s, t = batch_tokens(batch)
                 samples, tokens = samples + s, tokens + t
+                batches += 1
+                if batches % 16 == 0:  # workers that end with the epoch take their CPU time along
+                    cpu1, counted = tree_cpu(), tokens
                 if not epoch and time.perf_counter() - start > seconds:
                     break
             if epoch:
                 break
         assert start is not None
         elapsed = time.perf_counter() - start
+        now = tree_cpu()
+        cpu, cpu_tokens = (now - cpu0, tokens) if now >= cpu1 else (cpu1 - cpu0, counted)
         if config == "gl-packed":
             made = loader.stats().get("parquet_tokens_tokenized", 0.0)
             out["tokenized_per_delivered"] = made / max(1, tokens + PACKED_BATCH * SEQ)
@@ -326,8 +336,25 @@ def run_child(config: str, layout: str, seconds: float) -> dict[str, float]:
         "samples_s": samples / elapsed,
         "tokens_s": tokens / elapsed,
         "first_batch_s": first or 0.0,
+        "cpu_s_per_mtok": cpu / max(1, cpu_tokens) * 1e6,
         **out,
     }
+
+
+def tree_cpu() -> float:
+    """CPU seconds (user and system) of this process and its live descendants: what a loader
+    spends per token, a figure the machine's load moves less than its rate."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
 
 
 class _Null:
@@ -380,10 +407,10 @@ def main(argv: list[str] | None = None) -> None:
         f"medians over {args.rounds} round(s)"
     )
     print(
-        "| layout | configuration | tokens/s | / Hugging Face | first batch s | peak PSS MiB "
-        "| tokenized / delivered |"
+        "| layout | configuration | tokens/s | / Hugging Face | CPU s per M tokens | first batch s "
+        "| peak PSS MiB | tokenized / delivered |"
     )
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for (layout, config), runs in results.items():
         kind = "packed" if "packed" in config else "docs"
         base = results.get((layout, BASELINE[kind]))
@@ -397,7 +424,8 @@ def main(argv: list[str] | None = None) -> None:
             else float("nan")
         )
         print(
-            f"| {layout} | {config} | {med('tokens_s'):,.0f} | {ratio:.2f} | {med('first_batch_s'):.2f} | "
+            f"| {layout} | {config} | {med('tokens_s'):,.0f} | {ratio:.2f} | {med('cpu_s_per_mtok'):.2f} | "
+            f"{med('first_batch_s'):.2f} | "
             f"{med('peak_pss_mb'):,.0f} | {med('tokenized_per_delivered'):.3f} |"
         )
 

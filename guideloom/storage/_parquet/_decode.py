@@ -50,7 +50,7 @@ class _Decoded:
         #: A text column's rows tokenized so far (``None`` where not yet): kept with the row
         #: group, so that a row read again (a document that several sequences hold, or read
         #: again while its row group is kept) is tokenized once.
-        self.tokens: list[npt.NDArray[Any] | None] | None = None
+        self.tokens: list[npt.NDArray[Any] | None] | None = [None] * len(array) if self.text else None
         self.nbytes = int(self.values.nbytes + self.offsets.nbytes) + (
             0 if self.nulls is None else int(self.nulls.nbytes)
         )
@@ -79,7 +79,7 @@ class _Decoded:
         one array is kept, and both count what they made."""
         tokens = self.tokens
         if tokens is None:
-            tokens = self.tokens = [None] * (len(self.offsets) - 1)
+            raise TypeError("token_rows reads a text column's rows")
         wanted = local.tolist()
         missing = sorted({i for i in wanted if tokens[i] is None})
         added = made = 0

@@ -22,7 +22,8 @@
     python -m benchmarks merge [--parts 1000,10000] # prepare --merge of 10,000 parts: time, size, open
     python -m benchmarks prepare-tasks [--mb 200]  # prepare as 8 task processes and on Ray vs --workers 2
     python -m benchmarks provenance [--sources N]  # explain() at 10^12 of 1,000 packed sources; audit cost
-    python -m benchmarks parquet [--quick]         # open_parquet vs HF streaming and prepared streams
+    python -m benchmarks parquet [--quick]         # Parquet text, packed and not (real prose) vs HF, LitData
+    python -m benchmarks parquet-synthetic [--quick] # open_parquet vs HF streaming, prepared streams
     python -m benchmarks parquet-remote [--rounds 2] # open_parquet over http (0/20 ms) vs HF streaming
     python -m benchmarks integrity [--block-sizes 16,64,256] # block verification's cost, local and S3
 
@@ -64,7 +65,8 @@ _PASSTHROUGH = {
     "merge": "benchmarks.merge",
     "prepare-tasks": "benchmarks.prepare_tasks",
     "provenance": "benchmarks.provenance",
-    "parquet": "benchmarks.parquet",
+    "parquet": "benchmarks.parquet_prose",
+    "parquet-synthetic": "benchmarks.parquet",
     "parquet-remote": "benchmarks.parquet_remote",
     "integrity": "benchmarks.integrity",
 }

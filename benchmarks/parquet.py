@@ -41,8 +41,8 @@ length index's cost per GB of text (what ``pack`` needs over a text column), and
 quality of the row-group order against a global shuffle (``benchmarks/shuffle_quality.py``'s
 figures).
 
-    python -m benchmarks parquet            # the full run (~6 minutes once the data exists)
-    python -m benchmarks parquet --quick    # a smoke run
+    python -m benchmarks parquet-synthetic            # the full run (~6 minutes once the data exists)
+    python -m benchmarks parquet-synthetic --quick    # a smoke run
 """
 
 from __future__ import annotations
@@ -549,7 +549,9 @@ def loadavg() -> str:
 
 # -- the run -------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks parquet", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks parquet-synthetic", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--quick", action="store_true", help="a smoke run: small data, one round")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=20.0, help="at most this long per configuration")

@@ -19,6 +19,7 @@ PEERS = [
     "torchdata==0.11.0",
     "mosaicml-streaming==0.13.0",
     "litdata==0.2.76",
+    "polars>1.0",  # LitData's ParquetLoader
     "grain==0.2.18",
     "array-record==0.8.6",
 ]

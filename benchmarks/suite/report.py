@@ -343,7 +343,8 @@ python -m benchmarks gpu              # the device copy: GB/s, overlap with comp
 python -m benchmarks merge            # prepare --merge of 1,000 and 10,000 parts: time, size, open
 python -m benchmarks prepare-tasks    # prepare as 8 task processes and on Ray against --workers 2
 python -m benchmarks provenance       # explain() at position 10^12 of 1,000 packed sources; the audit's cost
-python -m benchmarks parquet          # open_parquet against Hugging Face streaming and prepared streams
+python -m benchmarks parquet          # Parquet text, packed and not, on real prose: vs Hugging Face, LitData
+python -m benchmarks parquet-synthetic  # open_parquet vs Hugging Face streaming and prepared streams
 python -m benchmarks parquet-remote   # open_parquet over HTTP (0 and 20 ms) against Hugging Face streaming
 python -m benchmarks faults --trials 2000 --seed 1  # corruption fuzzing: no wrong sample delivered
 ```

@@ -255,3 +255,57 @@ def test_the_length_index_follows_the_tokenizers_contents_not_its_name(tmp_path:
         sequences(changed)
     renamed = gl.open_parquet(folder, "text", tokenizer=two, tokenizer_key="words-v2", cache_dir=cache)
     assert sequences(renamed) == sequences(gl.open_parquet(folder, "text", tokenizer=two))
+
+
+@pytest.mark.parametrize("mode", ["concat", "best_fit"])
+def test_packed_text_tokenizes_each_document_once_an_epoch(
+    many_groups: Path, tmp_path: Path, mode: PackMode
+) -> None:
+    """Over a text column, a shuffled epoch of packed sequences tokenizes about one token per
+    token delivered: each row is tokenized once while its row group is kept, however many
+    sequences (and reads) hold it. The length index is built (and cached) by a first open."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(
+        [" ".join(WORDS)] * 20, trainers.BpeTrainer(vocab_size=120, special_tokens=["[UNK]"])
+    )
+    path = str(tmp_path / "tokenizer.json")
+    tok.save(path)
+
+    def storage() -> gl.ParquetStorage:
+        return gl.open_parquet(many_groups, "text", tokenizer=path, cache_dir=tmp_path / "cache")
+
+    storage().build_length_index()
+    packed = gl.pack(storage(), 16, mode, fit_group=4)
+    loader = gl.StatefulDataLoader(
+        packed,
+        lambda rows: torch.from_numpy(rows.block("segment_ids") != 0),  # the real tokens
+        local_batch_size=4,
+        shuffle=True,
+        shuffle_block_size="auto",
+        shuffle_window=2,
+        device=CPU,
+        drop_last=False,
+    )
+    with loader:
+        delivered = sum(int(batch.sum()) for batch in loader)
+        made = loader.stats()["parquet_tokens_tokenized"]
+    assert delivered > 0
+    assert made <= 1.05 * delivered, (made, delivered)
+
+
+def test_packed_text_is_read_by_the_main_process_and_tokens_by_the_workers(
+    many_groups: Path, tmp_path: Path
+) -> None:
+    """Packed texts are tokenized where they are read, and each row's tokens are kept with its
+    row group in that process: the main process reads them (once), not each worker again; a
+    token-id column is read by the workers."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", *WORDS])}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    texts = gl.pack(gl.open_parquet(many_groups, "text", tokenizer=tok), 16)
+    assert not texts.read_by_workers
+    assert gl.pack(gl.open_parquet(many_groups, "input_ids"), 16).read_by_workers

@@ -1,0 +1,434 @@
+"""Packed and unpacked text from Parquet, on real prose: ``gl.open_parquet`` against Hugging Face
+streaming and LitData's Parquet reader, in one run.
+
+Workload: about 75 MB of real English prose and documentation (``benchmarks/prose.py``: the
+Python standard library's docstrings, ``pydoc`` topics, installed packages' descriptions,
+Debian change logs and copyright notices, manual pages; one file or module a document, at most
+100 KB), written by Hugging Face ``datasets`` with its defaults (``Dataset.shard(12, i)
+.to_parquet(...)``: 12 shards, one row group per shard) and, as a second layout, the same
+files rewritten with row groups of 100 rows. A 32,768-id byte-level BPE ``tokenizer.json``
+trained on it with ``tokenizers`` (made once, cached with the data), ``</s>`` after each
+document.
+
+Packed (sequences of 2,048 tokens, batch 8, 2 workers, shuffled), each over one whole epoch
+(a packing loader that tokenizes each document once does most of that work early in an epoch,
+when it first meets each document, so a shorter window would not compare like with like):
+
+- ``gl-packed``: ``gl.pack(open_parquet(folder, "text", tokenizer=..., eos=..., cache_dir=...),
+  2048)`` under ``StatefulDataLoader(num_workers=2, parallel_method="process")``,
+  ``shuffle_block_size="auto"``; the length index is built before the run (``cache_dir``; its
+  cold cost is ``gl-packed-cold``). It also reports the tokens tokenized per token delivered
+  over the epoch (``stats()``'s ``parquet_tokens_tokenized``).
+- ``hf-packed``: ``load_dataset("parquet", data_files=..., streaming=True)``,
+  ``.shuffle(buffer_size=1000)``, a batched ``.map`` that tokenizes, a batched ``.map`` that
+  concatenates and cuts into 2,048-token sequences (``run_clm``'s ``group_texts``), under
+  torchdata's ``StatefulDataLoader(num_workers=2)``.
+- ``litdata-packed``: LitData's ``StreamingDataset(folder, item_loader=ParquetLoader(),
+  shuffle=True)`` whose rows are tokenized (64 at a time) and cut into 2,048-token sequences in
+  the workers of a ``DataLoader(num_workers=2, multiprocessing_context="spawn")`` (LitData
+  refuses ``fork`` with its Parquet reader).
+
+Unpacked (documents, tokenized, batch 32, 2 workers, shuffled, ``--seconds`` after the first
+batch): ``gl-docs`` (``from_storage(open_parquet(...))``, process workers tokenizing where they
+collate), ``hf-docs`` (streaming, shuffle buffer, batched ``.map`` tokenize), ``litdata-docs``
+(its Parquet reader, the collate tokenizes, ``StreamingDataLoader``).
+
+``gl-packed-cold``: the time to the first packed batch from a cold start (a new ``cache_dir``:
+the length index is built first, tokenizing every document), no workers.
+
+Each configuration runs in a fresh process; its tokens/s is reported as a ratio to Hugging
+Face's of the same kind, layout and round, beside the CPU seconds it spent per million tokens
+(the process and its workers, from its first batch on: a figure the machine's load moves less
+than the rate) and its peak PSS (with its workers', sampled every 50 ms from the parent). The
+machine's load average is printed before and after.
+
+    python -m benchmarks parquet            # both layouts, every configuration (~8 minutes)
+    python -m benchmarks parquet --quick    # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import glob
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SEQ = 2048
+PACKED_BATCH = 8
+DOC_BATCH = 32
+WORKERS = 2
+SHARDS = 12
+MANY_ROWS = 100  # rows per row group in the second layout
+VOCAB = 32768
+LAYOUTS = ("one", "many")
+PACKED = ("gl-packed", "hf-packed", "litdata-packed")
+DOCS = ("gl-docs", "hf-docs", "litdata-docs")
+BASELINE = {"packed": "hf-packed", "docs": "hf-docs"}
+
+
+# -- data ------------------------------------------------------------------------------------------------
+def data_dir() -> Path:
+    base = Path(os.environ.get("GUIDELOOM_BENCH_DIR", Path(tempfile.gettempdir()) / "guideloom-bench"))
+    return base / "parquet-prose"
+
+
+def make_data(target: int) -> Path:
+    """The two layouts and the tokenizer (made once): see the module's docstring."""
+    import datasets
+    import pyarrow.parquet as pq
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from benchmarks.prose import documents
+
+    out = data_dir()
+    if (out / "corpus.json").exists():
+        return out
+    docs = documents(target)
+    ds = datasets.Dataset.from_dict({"text": docs})
+    for layout in LAYOUTS:
+        (out / layout).mkdir(parents=True, exist_ok=True)
+    for i in range(SHARDS):
+        name = f"train-{i:05d}-of-{SHARDS:05d}.parquet"
+        ds.shard(SHARDS, i, contiguous=True).to_parquet(str(out / "one" / name))
+        pq.write_table(pq.read_table(out / "one" / name), out / "many" / name, row_group_size=MANY_ROWS)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(docs, trainer)
+    tok.save(str(out / "tokenizer.json"))
+    sizes = np.asarray([len(d.encode()) for d in docs])
+    groups = {
+        layout: pq.ParquetFile(out / layout / f"train-00000-of-{SHARDS:05d}.parquet").metadata.num_row_groups
+        for layout in LAYOUTS
+    }
+    corpus = {
+        "documents": len(docs),
+        "mb": round(float(sizes.sum()) / 1e6, 1),
+        "median_bytes": int(np.median(sizes)),
+        "max_bytes": int(sizes.max()),
+        "row_groups_per_shard": groups,
+    }
+    (out / "corpus.json").write_text(json.dumps(corpus))
+    return out
+
+
+def shards(data: Path, layout: str) -> list[str]:
+    return sorted(glob.glob(str(data / layout / "*.parquet")))
+
+
+# -- collates and peers' steps (module level: picklable for spawned workers) ------------------------------
+def collate_packed(rows: Any) -> Any:
+    import torch
+
+    return torch.from_numpy(rows.block("tokens").astype(np.int64))
+
+
+def collate_docs(samples: Sequence[Any]) -> Any:
+    """Documents to one flat int64 tensor and their lengths."""
+    import torch
+
+    lengths = np.fromiter(map(len, samples), dtype=np.int64, count=len(samples))
+    return torch.from_numpy(np.concatenate(samples).astype(np.int64)), torch.from_numpy(lengths)
+
+
+def collate_hf_packed(samples: Sequence[dict[str, Any]]) -> Any:
+    import torch
+
+    return torch.tensor([s["input_ids"] for s in samples], dtype=torch.int64)
+
+
+def collate_hf_docs(samples: Sequence[dict[str, Any]]) -> Any:
+    return collate_docs([np.asarray(s["input_ids"], dtype=np.int64) for s in samples])
+
+
+_TOKENIZERS: dict[str, Any] = {}  # one per process, loaded on first use
+
+
+def _tokenizer(path: str) -> Any:
+    if path not in _TOKENIZERS:
+        from tokenizers import Tokenizer
+
+        _TOKENIZERS[path] = Tokenizer.from_file(path)
+    return _TOKENIZERS[path]
+
+
+def encode(texts: list[str], path: str) -> list[list[int]]:
+    tok = _tokenizer(path)
+    eos = tok.token_to_id("</s>")
+    return [[*e.ids, eos] for e in tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+
+def hf_tokenize(batch: dict[str, list[str]], path: str) -> dict[str, list[list[int]]]:
+    return {"input_ids": encode(batch["text"], path)}
+
+
+def hf_group(batch: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
+    """``run_clm``'s ``group_texts``: the batch's documents concatenated and cut every ``SEQ``
+    tokens, the rest dropped."""
+    flat = np.concatenate([np.asarray(x, dtype=np.int32) for x in batch["input_ids"]])
+    whole = len(flat) // SEQ * SEQ
+    return {"input_ids": flat[:whole].reshape(-1, SEQ).tolist()}
+
+
+class LitCollate:
+    """LitData's rows (dicts) to tokens, in its workers: one tokenizer call per batch."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, rows: Sequence[dict[str, Any]]) -> Any:
+        return collate_docs(
+            [np.asarray(x, dtype=np.int64) for x in encode([r["text"] for r in rows], self.path)]
+        )
+
+
+def collate_lit_packed(rows: Sequence[Any]) -> Any:
+    import torch
+
+    return torch.from_numpy(np.stack(rows))
+
+
+# -- one configuration, in a process of its own ------------------------------------------------------------
+def make_loader(config: str, data: Path, layout: str) -> Any:
+    import torch
+
+    import guideloom as gl
+
+    cpu = torch.device("cpu")
+    tok = str(data / "tokenizer.json")
+    folder = data / layout
+    if config.startswith("gl-packed"):
+        storage = gl.open_parquet(
+            folder, "text", tokenizer=tok, eos="</s>", cache_dir=data / f"cache-{layout}"
+        )
+        return gl.StatefulDataLoader(
+            gl.pack(storage, SEQ), collate_packed, local_batch_size=PACKED_BATCH,
+            num_workers=WORKERS, parallel_method="process",
+            shuffle=True, shuffle_block_size="auto", device=cpu,
+        )  # fmt: skip
+    if config == "gl-docs":
+        storage = gl.open_parquet(folder, "text", tokenizer=tok, eos="</s>")
+        return gl.StatefulDataLoader.from_storage(
+            storage, collate_docs, local_batch_size=DOC_BATCH, num_workers=WORKERS,
+            parallel_method="process", shuffle=True, shuffle_block_size="auto", device=cpu,
+        )  # fmt: skip
+    if config.startswith("hf-"):
+        import datasets
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        ds = datasets.load_dataset("parquet", data_files=shards(data, layout), split="train", streaming=True)
+        ds = ds.shuffle(seed=0, buffer_size=1000)
+        ds = ds.map(
+            functools.partial(hf_tokenize, path=tok), batched=True, batch_size=64, remove_columns=["text"]
+        )
+        if config == "hf-packed":
+            ds = ds.map(hf_group, batched=True, batch_size=64)
+            return StatefulDataLoader(
+                ds, batch_size=PACKED_BATCH, num_workers=WORKERS, collate_fn=collate_hf_packed
+            )
+        return StatefulDataLoader(ds, batch_size=DOC_BATCH, num_workers=WORKERS, collate_fn=collate_hf_docs)
+    if config.startswith("litdata-"):
+        import litdata as ld
+        from litdata.streaming.item_loader import ParquetLoader
+
+        if not (folder / "index.json").exists():
+            ld.index_parquet_dataset(str(folder))
+        if config == "litdata-packed":
+            from benchmarks._lit_packed import LitPacked
+
+            return torch.utils.data.DataLoader(
+                LitPacked(str(folder), tok), batch_size=PACKED_BATCH, num_workers=WORKERS,
+                multiprocessing_context="spawn", collate_fn=collate_lit_packed,
+            )  # fmt: skip
+        ds = ld.StreamingDataset(str(folder), item_loader=ParquetLoader(), shuffle=True)
+        return ld.StreamingDataLoader(
+            ds, batch_size=DOC_BATCH, num_workers=WORKERS, multiprocessing_context="spawn",
+            collate_fn=LitCollate(tok),
+        )  # fmt: skip
+    raise ValueError(config)
+
+
+def batch_tokens(batch: Any) -> tuple[int, int]:
+    """Samples and tokens in a batch."""
+    if isinstance(batch, tuple):
+        flat, lengths = batch
+        return len(lengths), int(flat.numel())
+    return int(batch.shape[0]), int(batch.numel())
+
+
+def run_child(config: str, layout: str, seconds: float) -> dict[str, float]:
+    from benchmarks.parquet import measured
+
+    data = data_dir()
+    if config.startswith("gl-packed") and config != "gl-packed-cold":
+        import guideloom as gl
+
+        tok = str(data / "tokenizer.json")
+        gl.open_parquet(
+            data / layout, "text", tokenizer=tok, eos="</s>", cache_dir=data / f"cache-{layout}"
+        ).build_length_index()
+    if config == "gl-packed-cold":
+        with tempfile.TemporaryDirectory() as tmp:
+            import guideloom as gl
+
+            tok = str(data / "tokenizer.json")
+            t0 = time.perf_counter()
+            storage = gl.open_parquet(data / layout, "text", tokenizer=tok, eos="</s>", cache_dir=tmp)
+            loader = gl.StatefulDataLoader(
+                gl.pack(storage, SEQ), collate_packed, local_batch_size=PACKED_BATCH, shuffle=True,
+                shuffle_block_size="auto", device=__import__("torch").device("cpu"),
+            )  # fmt: skip
+            with loader:
+                next(iter(loader))
+                first = time.perf_counter() - t0
+                measured()
+        return {"first_batch_s": first}
+    t0 = time.perf_counter()
+    loader = make_loader(config, data, layout)
+    cpu0 = cpu1 = 0.0
+    batches = counted = 0
+    samples = tokens = 0
+    first = start = None
+    out: dict[str, float] = {}
+    with loader if hasattr(loader, "__enter__") else _Null():
+        epoch = config in PACKED  # one whole epoch, however long
+        while start is None or (not epoch and time.perf_counter() - start < seconds):
+            for batch in loader:
+                if start is None:
+                    start = time.perf_counter()
+                    first = start - t0
+                    cpu0 = tree_cpu()
+                    continue
+                s, t = batch_tokens(batch)
+                samples, tokens = samples + s, tokens + t
+                batches += 1
+                if batches % 16 == 0:  # workers that end with the epoch take their CPU time along
+                    cpu1, counted = tree_cpu(), tokens
+                if not epoch and time.perf_counter() - start > seconds:
+                    break
+            if epoch:
+                break
+        assert start is not None
+        elapsed = time.perf_counter() - start
+        now = tree_cpu()
+        cpu, cpu_tokens = (now - cpu0, tokens) if now >= cpu1 else (cpu1 - cpu0, counted)
+        if config == "gl-packed":
+            made = loader.stats().get("parquet_tokens_tokenized", 0.0)
+            out["tokenized_per_delivered"] = made / max(1, tokens + PACKED_BATCH * SEQ)
+        measured()
+    return {
+        "samples_s": samples / elapsed,
+        "tokens_s": tokens / elapsed,
+        "first_batch_s": first or 0.0,
+        "cpu_s_per_mtok": cpu / max(1, cpu_tokens) * 1e6,
+        **out,
+    }
+
+
+def tree_cpu() -> float:
+    """CPU seconds (user and system) of this process and its live descendants: what a loader
+    spends per token, a figure the machine's load moves less than its rate."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+# -- the run ---------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks parquet", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 3 s a configuration")
+    parser.add_argument("--seconds", type=float, default=12.0, help="measured seconds per configuration")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--bytes", type=float, default=75e6, help="bytes of prose to assemble")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--only", default="", help="comma-separated configurations")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--layout", default="one", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(run_child(args.child, args.layout, args.seconds)))
+        return
+    from benchmarks.parquet import measured_child
+
+    seconds = 3.0 if args.quick else args.seconds
+    data = make_data(int(args.bytes))
+    corpus = json.loads((data / "corpus.json").read_text())
+    load = os.getloadavg()[0]
+    print(f"corpus: {corpus}; load average {load:.1f}", flush=True)
+    configs = [*PACKED, *DOCS, "gl-packed-cold"]
+    if args.only:
+        configs = [c for c in configs if c in args.only.split(",")]
+    results: dict[tuple[str, str], list[dict[str, float]]] = {}
+    for _ in range(args.rounds):
+        for layout in args.layouts.split(","):
+            for config in configs:
+                got = measured_child(
+                    "benchmarks.parquet_prose", config, ["--layout", layout, "--seconds", str(seconds)]
+                )
+                results.setdefault((layout, config), []).append(got)
+                print(
+                    f"{layout:5} {config:18} {json.dumps({k: round(v, 3) for k, v in got.items()})}",
+                    flush=True,
+                )
+    print(
+        f"\nload average {load:.1f} before, {os.getloadavg()[0]:.1f} after; "
+        f"medians over {args.rounds} round(s)"
+    )
+    print(
+        "| layout | configuration | tokens/s | / Hugging Face | CPU s per M tokens | first batch s "
+        "| peak PSS MiB | tokenized / delivered |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for (layout, config), runs in results.items():
+        kind = "packed" if "packed" in config else "docs"
+        base = results.get((layout, BASELINE[kind]))
+
+        def med(key: str, rs: list[dict[str, float]] = runs) -> float:
+            return statistics.median(r.get(key, float("nan")) for r in rs)
+
+        ratio = (
+            statistics.median(r["tokens_s"] / b["tokens_s"] for r, b in zip(runs, base, strict=False))
+            if base and "tokens_s" in runs[0]
+            else float("nan")
+        )
+        print(
+            f"| {layout} | {config} | {med('tokens_s'):,.0f} | {ratio:.2f} | {med('cpu_s_per_mtok'):.2f} | "
+            f"{med('first_batch_s'):.2f} | "
+            f"{med('peak_pss_mb'):,.0f} | {med('tokenized_per_delivered'):.3f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

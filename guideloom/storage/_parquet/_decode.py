@@ -1,0 +1,128 @@
+"""A row group's column decoded out of arrow into numpy, and the null policy's checks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from guideloom._errors import DatasetFormatError
+from guideloom.storage._parquet._files import _pa
+
+I64 = npt.NDArray[np.int64]
+OnNull = Literal["error", "empty"]
+#: Bytes a kept token array costs beside its elements (the numpy object and its slot).
+_ROW_OVERHEAD = 120
+
+
+# -- decoded row groups ------------------------------------------------------------------------------
+class _Decoded:
+    """One row group's column, decoded and copied out of arrow into numpy arrays of its exact
+    size: the rows' offsets, and the values (token ids) or the UTF-8 bytes (texts). What is kept
+    is then exactly what ``nbytes`` counts (arrow's buffers grow in steps, and its allocator keeps
+    freed pages a while), and reading rows needs no arrow kernel."""
+
+    __slots__ = ("nbytes", "nulls", "offsets", "text", "tokens", "values")
+
+    def __init__(self, array: Any, kind: str) -> None:
+        pa = _pa()
+        if pa.types.is_dictionary(array.type):
+            array = array.dictionary_decode()
+        self.text = kind == "text"
+        self.nulls = _null_mask(array)
+        # read from the buffers themselves: arrow's to_numpy() would import pandas
+        large = pa.types.is_large_string(array.type) or pa.types.is_large_list(array.type)
+        offsets = _buffer(array.buffers()[1], np.int64 if large else np.int32)
+        offsets = offsets[array.offset : array.offset + len(array) + 1].astype(np.int64)
+        if not len(offsets):  # no rows: arrow may leave the offsets buffer out
+            offsets = np.zeros(1, np.int64)
+        start, stop = int(offsets[0]), int(offsets[-1])
+        if self.text:  # buffers: validity, offsets, UTF-8 bytes
+            whole = _buffer(array.buffers()[2], np.uint8)
+        else:  # the child array's buffers: validity, values
+            child = array.values
+            _refuse_null_elements(child, offsets)
+            whole = _buffer(child.buffers()[1], np.dtype(kind.split(":", 1)[1]))[child.offset :]
+        self.values: npt.NDArray[Any] = whole[start:stop].copy()
+        self.offsets: I64 = offsets - start
+        #: A text column's rows tokenized so far (``None`` where not yet): kept with the row
+        #: group, so that a row read again (a document that several sequences hold, or read
+        #: again while its row group is kept) is tokenized once.
+        self.tokens: list[npt.NDArray[Any] | None] | None = [None] * len(array) if self.text else None
+        self.nbytes = int(self.values.nbytes + self.offsets.nbytes) + (
+            0 if self.nulls is None else int(self.nulls.nbytes)
+        )
+
+    def rows(self, local: I64) -> list[Any]:
+        off, values = self.offsets, self.values
+        starts, ends = off[local].tolist(), off[local + 1].tolist()
+        if self.nulls is not None:  # a null slot's extent is not defined: read as empty
+            blank = self.nulls[local]
+            starts = np.where(blank, 0, off[local]).tolist()
+            ends = np.where(blank, 0, off[local + 1]).tolist()
+        if self.text:
+            raw = values.data
+            return [str(raw[a:b], "utf-8") for a, b in zip(starts, ends, strict=True)]
+        return [values[a:b] for a, b in zip(starts, ends, strict=True)]
+
+    def token_rows(
+        self,
+        local: I64,
+        cut: Callable[[I64], list[Any]],
+        encode: Callable[[Sequence[str]], list[npt.NDArray[Any]]],
+    ) -> tuple[list[npt.NDArray[Any]], int, int]:
+        """Rows ``local`` as token arrays: each row tokenized (``encode`` of its text, ``cut``
+        from this row group) the first time it is asked for, and kept. The arrays, the bytes
+        added to the row group, and the tokens made. Two threads may tokenize a row at once:
+        one array is kept, and both count what they made."""
+        tokens = self.tokens
+        if tokens is None:
+            raise TypeError("token_rows reads a text column's rows")
+        wanted = local.tolist()
+        missing = sorted({i for i in wanted if tokens[i] is None})
+        added = made = 0
+        if missing:
+            arrays = encode(cut(np.asarray(missing, dtype=np.int64)))
+            for i, array in zip(missing, arrays, strict=True):
+                made += len(array)
+                if tokens[i] is None:
+                    tokens[i] = array
+                    added += int(array.nbytes) + _ROW_OVERHEAD
+        return [t for t in (tokens[i] for i in wanted) if t is not None], added, made
+
+    def lengths(self) -> I64:
+        return np.diff(self.offsets)
+
+
+def _buffer(buffer: Any, dtype: Any) -> npt.NDArray[Any]:
+    """An arrow buffer's bytes as a numpy array of ``dtype`` (no copy; empty for no buffer)."""
+    return np.zeros(0, dtype) if buffer is None else np.frombuffer(buffer, dtype=dtype)
+
+
+def _null_mask(array: Any) -> npt.NDArray[np.bool_] | None:
+    """Which of ``array``'s slots are null (from its validity bitmap; ``None`` where none is)."""
+    if array.null_count == 0:
+        return None
+    bitmap = array.buffers()[0]
+    bits = np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8), bitorder="little")
+    mask: npt.NDArray[np.bool_] = bits[array.offset : array.offset + len(array)] == 0
+    return mask
+
+
+def _refuse_null_elements(values: Any, offsets: I64) -> None:
+    """A list row with a null element has no token id there: refused, not read as a float NaN.
+    ``values``: the lists' child array; ``offsets``: the rows' offsets into it."""
+    nulls = _null_mask(values)
+    if nulls is None:
+        return
+    inside = np.flatnonzero(nulls[int(offsets[0]) : int(offsets[-1])]) + int(offsets[0])
+    if not len(inside):
+        return  # null slots outside every row (a sliced array's)
+    first = int(inside[0])
+    row = int(np.searchsorted(offsets, first, side="right")) - 1
+    raise DatasetFormatError(
+        f"row {row} holds a null element (at {first - int(offsets[row])}): token ids cannot be "
+        "null; fill or drop them in the files"
+    )

@@ -1,0 +1,281 @@
+"""The length index: every document's length in tokens, what packing lays sequences out by.
+Built by one pass over the row groups (tokenizing a text column), kept in ``cache_dir`` in a
+folder named by the digest of all it derives from, each file checked against the digest of its
+bytes when read back; documents read later are checked against it."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import io
+import json
+import os
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from guideloom._core.text import plural
+from guideloom._errors import DatasetIntegrityError
+from guideloom.storage._parquet._decode import I64
+from guideloom.storage._parquet._rowgroups import _RowGroups
+
+_LENGTHS_VERSION = 2  # the length index's files and their key
+
+
+class _LengthIndex(_RowGroups):
+    """Row groups with the length index over them (element access for packing)."""
+
+    def _lengths_of(self, group: int) -> I64:
+        decoded = self._decode(group)
+        if not decoded.text:
+            lengths = decoded.lengths()
+            if decoded.nulls is not None:
+                self._nulls(group, decoded, np.flatnonzero(decoded.nulls).astype(np.int64))
+                lengths = np.where(decoded.nulls, 0, lengths)  # a null row: an empty document
+            return lengths.astype(np.int64)
+        if self._encoder is None:
+            raise TypeError(
+                f"column {self.column!r} holds texts: pass tokenizer= to open_parquet to pack or count tokens"
+            )
+        rows = np.arange(int(self._sizes[group]), dtype=np.int64)
+        self._nulls(group, decoded, rows)
+        tokens = self._token_rows(group, decoded, rows)  # a null row (on_null="empty"): bos/eos only
+        return np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
+
+    def _tokenizer_identity(self) -> str | None:
+        """What names the tokenizing in the files derived from the rows (and in the
+        fingerprint): the tokenizer's contents (a digest of a ``tokenizers.Tokenizer``'s or a
+        ``tokenizer.json``'s serialisation), ``bos``/``eos`` and ``dtype``, and ``tokenizer_key``
+        where given; ``None`` for a tokenizer that cannot be identified by its contents (a
+        callable) and has no ``tokenizer_key``; ``""`` where nothing is tokenized."""
+        if self._encoder is None:
+            return ""
+        described = self._encoder.describe()
+        if self._tokenizer_key is not None:
+            return f"key={self._tokenizer_key}|{described}"
+        return described if described.startswith("sha256:") else None
+
+    def _length_key(self) -> dict[str, Any] | None:
+        """What the length index derives from, all of it: each file's name, size, version
+        (modification time; an object's ETag) and footer digest, the column, ``on_null`` and the
+        tokenizing; ``None`` where the tokenizer cannot be identified (nothing is cached then)."""
+        tokenizer = self._tokenizer_identity()
+        if tokenizer is None:
+            return None
+        files = [[self._shown(e.path), e.size, e.version, e.footer] for e in self._entries]
+        return {
+            "format": _LENGTHS_VERSION,
+            "column": self.column,
+            "kind": self._kind,
+            "on_null": self.on_null,
+            "tokenizer": tokenizer,
+            "files": files,
+        }
+
+    def _length_folder(self) -> Path | None:
+        """Where ``cache_dir`` keeps the length index: a folder named by the digest of
+        :meth:`_length_key` (``None``: not cached)."""
+        key = self._length_key()
+        if self._cache_dir is None or key is None:
+            return None
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+        return Path(self._cache_dir) / f"lengths-{digest}"
+
+    def _cached_lengths(self, folder: Path, key: dict[str, Any]) -> I64 | None:
+        """The whole length index saved in ``folder``, checked: its record names the same key
+        and the digest of its bytes, and it holds one non-negative integer per row. A file that
+        fails a check is named in a warning, removed and built again (``None``)."""
+        whole, record = folder / "lengths.npy", folder / "lengths.json"
+        if not whole.exists() and not record.exists():
+            return None
+        try:
+            meta = json.loads(record.read_text())
+            if not isinstance(meta, dict) or meta.get("key") != key:
+                raise _Stale(f"{record} does not record what the index derives from")
+            return _load_checked(whole, str(meta.get("sha256")), len(self))
+        except _Stale as exc:
+            _rebuilt(str(exc), whole, record)
+        except (OSError, ValueError) as exc:
+            _rebuilt(f"{record}: cannot be read ({exc})", whole, record)
+        return None
+
+    def _cached_groups(self, folder: Path) -> dict[int, I64]:
+        """The row groups' lengths saved by a build that did not finish (``group-G-<digest>.npy``,
+        the digest of its bytes in its name), checked; one that fails a check is named in a
+        warning, removed and built again."""
+        done: dict[int, I64] = {}
+        for part in sorted(folder.glob("group-*.npy")):
+            try:
+                _, group, digest = part.stem.split("-")
+                g = int(group)
+                if not 0 <= g < len(self._sizes):
+                    raise _Stale(f"{part}: no row group {g} here")
+                done[g] = _load_checked(part, digest, int(self._sizes[g]))
+            except _Stale as exc:
+                _rebuilt(str(exc), part)
+            except (OSError, ValueError):
+                _rebuilt(f"{part}: not a row group's lengths of this index", part)
+        return done
+
+    def build_length_index(
+        self, *, threads: int | None = None, progress: Callable[[int], object] | None = None
+    ) -> I64:
+        """Every document's length in tokens (one pass over the files, decoding and, for texts,
+        tokenizing every row group, on ``threads`` threads). With ``cache_dir`` each row group's
+        lengths are saved as they are done, in a folder named by the digest of what they derive
+        from (:meth:`_length_key`), each file with the digest of its bytes: a build that was
+        interrupted goes on where it stopped, a later open reads them back, and a file that does
+        not match its digest is built again. A tokenizer that cannot be identified by its
+        contents (a callable) is not cached without ``tokenizer_key``."""
+        if self._offsets is not None:
+            return self._offsets
+        folder, key = self._length_folder(), self._length_key()
+        if self._cache_dir is not None and key is None:
+            warnings.warn(
+                "the length index is not cached in cache_dir: a tokenizer callable cannot be "
+                "identified by its contents; pass open_parquet(tokenizer_key=...) naming exactly "
+                "this tokenizer (and its version) to cache it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        done: dict[int, I64] = {}
+        if folder is not None and key is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            cached = self._cached_lengths(folder, key)
+            if cached is not None:
+                self._offsets = _offsets_of(cached)
+                return self._offsets
+            done = self._cached_groups(folder)
+
+        def one(group: int) -> I64:
+            got = done.get(group)
+            if got is not None:
+                return got
+            lengths = self._lengths_of(group)
+            if folder is not None:
+                data = _npy_bytes(lengths.astype(np.int32 if lengths.max(initial=0) < 2**31 else np.int64))
+                _write_atomic(folder / f"group-{group}-{hashlib.sha256(data).hexdigest()[:32]}.npy", data)
+            if progress is not None:
+                progress(1)
+            return lengths
+
+        n = len(self._sizes)
+        workers = threads or min(8, os.cpu_count() or 1)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            parts = list(pool.map(one, range(n)))
+        lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        if folder is not None:
+            data = _npy_bytes(lengths)
+            _write_atomic(folder / "lengths.npy", data)
+            record = {"key": key, "sha256": hashlib.sha256(data).hexdigest(), "documents": len(lengths)}
+            _write_atomic(folder / "lengths.json", json.dumps(record).encode())
+            for part in folder.glob("group-*.npy"):
+                part.unlink(missing_ok=True)
+        self._offsets = _offsets_of(lengths)
+        return self._offsets
+
+    def _check_lengths(self, indices: I64, docs: Sequence[Any]) -> None:
+        """Refuse documents whose length differs from the length index the packing is laid out
+        by (a tokenizer that changed under its ``tokenizer_key``, one that does not encode a
+        text alike twice, or an index that is wrong), naming the first one's file, row group
+        and row."""
+        offsets = self._offsets
+        if offsets is None or not len(docs):
+            return
+        got = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
+        want = offsets[indices + 1] - offsets[indices]
+        bad = np.flatnonzero(got != want)
+        if not len(bad):
+            return
+        i = int(bad[0])
+        index = int(indices[i])
+        file, group, row = self._row_place(index)
+        folder = self._length_folder()
+        fix = (
+            "open the files again"
+            if folder is None
+            else f"remove {folder} and open the files again (with a new tokenizer_key if the "
+            "tokenizer changed)"
+        )
+        raise DatasetIntegrityError(
+            f"{file}: {group}, {row} (document {index}) has {plural(int(got[i]), 'token')}, the length "
+            f"index says {int(want[i])}: the documents do not tokenize as when the index was built "
+            f"(a tokenizer changed under the same tokenizer_key, or one that encodes a text "
+            f"differently from one call to the next); {fix}"
+        )
+
+    def document_offsets_sync(self, positions: I64) -> I64:
+        return self.build_length_index()[np.asarray(positions, dtype=np.int64)]
+
+    def _row_of(self, index: int) -> tuple[int, int]:
+        group = int(np.searchsorted(self._gstarts, index, side="right")) - 1
+        return group, index - int(self._gstarts[group])
+
+    def _row_place(self, index: int) -> list[Any]:
+        group, row = self._row_of(index)
+        e = self._entries[int(self._file_of[group])]
+        return [self._shown(e.path), f"row group {int(self._group_in_file[group])}", f"row {row}"]
+
+    def locate(self, start: int, stop: int) -> list[list[Any]]:
+        """The rows holding elements ``[start, stop)``: ``[file, "row group G", "row R"]`` each
+        (known once the length index is built, as for packing; ``[]`` before)."""
+        offsets = self._offsets
+        if offsets is None or stop <= start:
+            return []
+        first = int(np.searchsorted(offsets, start, side="right")) - 1
+        last = int(np.searchsorted(offsets, stop - 1, side="right")) - 1
+        return [self._row_place(i) for i in range(first, last + 1) if offsets[i + 1] > offsets[i]]
+
+    def _all_offsets_sync(self) -> I64:
+        return self.build_length_index()
+
+
+# -- the length index's files ----------------------------------------------------------------------
+class _Stale(Exception):
+    """A saved file of the length index that fails a check (the message names it and says why)."""
+
+
+def _rebuilt(why: str, *paths: Path) -> None:
+    """Say that a saved file of the length index is not used (and is built again), and remove it."""
+    warnings.warn(f"{why}; the length index is built again", RuntimeWarning, stacklevel=4)
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
+def _npy_bytes(array: npt.NDArray[Any]) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return buf.getvalue()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}-{threading.get_ident()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _load_checked(path: Path, digest: str, count: int) -> I64:
+    """The lengths saved in ``path``, if its bytes have ``digest`` (a prefix of their sha256)
+    and it holds ``count`` non-negative integers; :class:`_Stale` naming it otherwise."""
+    data = path.read_bytes()
+    if len(digest) < 16 or not hashlib.sha256(data).hexdigest().startswith(digest):
+        raise _Stale(f"{path}: its bytes do not match the digest recorded for them (damaged or edited)")
+    try:
+        lengths = np.load(io.BytesIO(data), allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        raise _Stale(f"{path}: not an array numpy reads ({exc})") from None
+    if lengths.ndim != 1 or lengths.dtype.kind not in "iu" or len(lengths) != count:
+        raise _Stale(f"{path}: holds {lengths.dtype} of shape {lengths.shape}, not {count} lengths")
+    if len(lengths) and int(lengths.min()) < 0:
+        raise _Stale(f"{path}: holds a negative length")
+    out: I64 = lengths.astype(np.int64)
+    return out
+
+
+def _offsets_of(lengths: I64) -> I64:
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)

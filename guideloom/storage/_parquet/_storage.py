@@ -1,0 +1,160 @@
+"""The storage class: the rows of Parquet files as documents, read by index."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from guideloom._core.text import plural
+from guideloom.storage._parquet._decode import I64
+from guideloom.storage._parquet._lengths import _LengthIndex
+
+
+class ParquetStorage(_LengthIndex):
+    """The rows of Parquet files as documents (see :func:`open_parquet`).
+
+    Over an object store, the loader's hint of its upcoming reads (:meth:`will_read`) is walked
+    by ``fetch_ahead`` threads that fetch and decode the row groups those reads need, in order
+    of first need, within ``max_decoded_bytes``.
+    """
+
+    max_concurrent_reads = 1
+
+    def __repr__(self) -> str:
+        first = self._shown(self._entries[0].path) if self._entries else "-"
+        return (
+            f"ParquetStorage({plural(len(self._entries), 'file')} from {first!r}, column={self.column!r}, "
+            f"rows={len(self)})"
+        )
+
+    # -- what it holds ---------------------------------------------------------------------------
+    @property
+    def tokenized(self) -> bool:
+        """Whether samples are token arrays (a list column, or a text column with a tokenizer)."""
+        return self._kind != "text" or (self._encoder is not None and self._tokenize)
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        if self._kind != "text":
+            return np.dtype(self._kind.split(":", 1)[1])
+        if self._encoder is not None and self._tokenize:
+            return self._encoder.dtype
+        return np.dtype(object)
+
+    @property
+    def files(self) -> list[str]:
+        """The files, in the order their rows are numbered."""
+        return [self._shown(e.path) for e in self._entries]
+
+    def file_summary(self) -> list[tuple[str, int, int, int]]:
+        """Each file's name, rows, row groups and size in bytes, in row order."""
+        return [(self._shown(e.path), sum(e.rows), len(e.rows), e.size) for e in self._entries]
+
+    @property
+    def num_row_groups(self) -> int:
+        """Row groups over all files."""
+        return len(self._sizes)
+
+    def row_group_sizes(self) -> I64:
+        """Rows in each row group, over all files in order."""
+        return self._sizes.copy()
+
+    def natural_blocks(self) -> I64:
+        """The row groups' sizes: the blocks a row-group-aware shuffle keeps together."""
+        return self._sizes
+
+    def sample_nbytes_hint(self) -> int:
+        total = sum(sum(e.nbytes) for e in self._entries)
+        return max(1, total // max(1, len(self)))
+
+    def figures(self) -> dict[str, float]:
+        """What ``loader.stats()`` reports of this storage (counted in the process that reads)."""
+        return {
+            "parquet_files": float(len(self._entries)),
+            "parquet_row_groups": float(len(self._sizes)),
+            **{k: float(v) for k, v in self.counts.items()},
+        }
+
+    def reads_inline(self) -> bool:
+        return self._plain_reads and not getattr(self._files, "remote", False)
+
+    def read_by_workers(self) -> bool:
+        """Texts that are tokenized elsewhere (by the workers, or by ``collate_fn``) are read by
+        the main process and sent: the workers' work is the tokenizing, a batch of texts is small
+        next to a window of decoded row groups, and one process holds that window instead of
+        every worker. Texts tokenized at read (packing, a mixture) are read by the main process
+        too: each row's tokens are kept with its row group there, so a document that sequences
+        of several workers' batches hold is tokenized once, not once in each worker, and the
+        tokenizer runs on every core. Token arrays are read by the workers, which decode in
+        parallel."""
+        return self._kind != "text"
+
+    def deferred_step(self) -> tuple[ParquetStorage, Callable[[Sequence[Any]], Sequence[Any]]] | None:
+        """Where a loader reads this storage document by document: the storage that reads the
+        texts untokenized and the step that tokenizes a batch of them, which the loader runs
+        where it collates (in thread or process workers, in parallel). ``None`` for a list
+        column or a text column without a tokenizer."""
+        if self._kind != "text" or self._encoder is None or not self._tokenize:
+            return None
+        texts = ParquetStorage.__new__(ParquetStorage)
+        texts.__setstate__({**self.__getstate__(), "_tokenize": False})
+        return texts, self._encoder.encode_many
+
+    def _rows(self, indices: I64, tokens: bool = False) -> list[Any]:
+        """The rows at ``indices``: every row group they touch decoded once, then, for a list
+        column, one view per row cut from its group's values (the cuts computed with numpy per
+        row group; the only per-row Python work is the slice itself). ``tokens``: a text
+        column's rows as token arrays, each row tokenized once while its row group is kept."""
+        cut = self._token_rows if tokens else self._cut
+        indices = np.asarray(indices, dtype=np.int64)
+        if not len(indices):
+            return []
+        if indices.min() < 0 or indices.max() >= len(self):
+            raise IndexError(f"document index outside [0, {len(self)})")
+        groups = np.searchsorted(self._gstarts, indices, side="right") - 1
+        local = indices - self._gstarts[groups]
+        first = int(groups[0])
+        if (groups == first).all():  # the common case under a row-group shuffle's windows
+            decoded = self._decode(first)
+            self._nulls(first, decoded, local)
+            return cut(first, decoded, local)
+        distinct, which = np.unique(groups, return_inverse=True)
+        order = np.argsort(which, kind="stable")
+        cuts = np.searchsorted(which[order], np.arange(len(distinct) + 1)).tolist()
+        ats = [order[cuts[k] : cuts[k + 1]] for k in range(len(distinct))]
+        # one row group at a time: a read over many (a global row shuffle) holds one decoded
+        # group beyond the cache, and for a list column the rows' own values
+        out: list[Any] = [None] * len(indices)
+        for g, at in zip(distinct.tolist(), ats, strict=True):
+            decoded = self._decode(g)
+            self._nulls(g, decoded, local[at])
+            for i, row in zip(at.tolist(), cut(g, decoded, local[at]), strict=True):
+                out[i] = row
+        return out
+
+    def read_many_sync(self, indices: I64) -> Sequence[Any]:
+        indices = np.asarray(indices, dtype=np.int64)
+        rows = self._rows(
+            indices, tokens=self._kind == "text" and self._encoder is not None and self._tokenize
+        )
+        if self._offsets is not None and self.tokenized:
+            self._check_lengths(indices, rows)
+        return rows
+
+    def describe_document(self, index: int) -> dict[str, Any]:
+        """Row ``index``: its file, row group and row, and its length in tokens (decoding its row
+        group and, for a text, tokenizing that row: the whole length index is not built for it);
+        where the length index is built (packing), its elements too. A text column without a
+        tokenizer has no tokens: its length is ``None``."""
+        place = [self._row_place(index)]
+        if self._offsets is not None:
+            start, stop = self._offsets[index : index + 2].tolist()
+            return {"documents": [[index, 0, stop - start]], "elements": [[start, stop]], "files": [place]}
+        (row,) = self._rows(np.asarray([index], dtype=np.int64))
+        if self._kind == "text":
+            length = None if self._encoder is None else len(self._encoder.encode_many([row])[0])
+        else:
+            length = len(row)
+        return {"documents": [[index, 0, length]], "files": [place]}

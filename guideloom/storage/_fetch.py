@@ -28,6 +28,7 @@ from guideloom._errors import DatasetIntegrityError
 from guideloom.storage._blocks import U64, BlockDigests, BlockMismatch, check_range, widen
 from guideloom.storage._manifest import Manifest
 from guideloom.storage._objstore import (
+    ContentMismatchError,
     Location,
     ObjectChangedError,
     ObjectVersion,
@@ -67,7 +68,7 @@ class ReadCounters:
     bytes_read: int = 0  # bytes those GETs returned
 
 
-class BlockCheckError(ObjectChangedError):
+class BlockCheckError(ContentMismatchError):
     """Fetched bytes that do not match their block digests (never retried, never delivered)."""
 
 
@@ -344,7 +345,7 @@ def integrity_error(loc: Location, path: str, exc: BaseException) -> DatasetInte
     import obstore.exceptions as oe
 
     url = loc.object_url(path)
-    if isinstance(exc, BlockCheckError):
+    if isinstance(exc, ContentMismatchError):
         return DatasetIntegrityError(
             f"{url}, named by the manifest, does not match it: {exc}; none of its bytes are "
             "delivered: the object was replaced or damaged, write or copy the dataset again"

@@ -53,6 +53,7 @@ __all__ = [
     "ClientFaultError",
     "InflightLimit",
     "Location",
+    "ContentMismatchError",
     "ObjectChangedError",
     "ObjectVersion",
     "ReadOptions",
@@ -520,6 +521,11 @@ class ObjectChangedError(StorageError):
     """An object is not the one the dataset was opened with (never retried, never read)."""
 
 
+class ContentMismatchError(ObjectChangedError):
+    """An object's bytes do not match what the manifest records for them (its checksum or its
+    block digests), whenever it was changed: never retried, never delivered."""
+
+
 def _is_panic(exc: BaseException) -> bool:
     """Whether ``exc`` is a Rust panic surfaced by pyo3 (``pyo3_runtime.PanicException``, a
     BaseException, so that ``except Exception`` does not see it)."""
@@ -605,7 +611,7 @@ def get_checked(store: Any, path: str, start: int, end: int, version: ObjectVers
             )
         whole = version is not None and version.sha256 and start == 0 and end == version.size
         if whole and hashlib.sha256(data).hexdigest() != version.sha256:  # type: ignore[union-attr]
-            raise ObjectChangedError("it does not match its checksum in the manifest")
+            raise ContentMismatchError("it does not match its checksum in the manifest")
         return data
     raise error  # outside the handler: the panic is not this error's __context__
 

@@ -87,6 +87,23 @@ def test_an_object_replaced_before_open_by_same_size_bytes_is_refused_before_any
     asyncio.run(storage.close())
 
 
+def test_an_object_replaced_before_open_and_read_whole_is_named_as_not_matching(
+    tmp_path: Path, s3: MotoS3
+) -> None:
+    """Read whole (its sha256 checked) or by blocks, a replacement made before the open is
+    said to be what it is: bytes that do not match the manifest, not a change since the open."""
+    local, url, shard = _upload(tmp_path, s3)
+    _replace_same_size(local, s3, url, shard)
+    storage = guideloom.open_stream(url, **s3.options())
+    storage.read_window_bytes = 1 << 30  # every object read whole
+    with (
+        pytest.raises(DatasetIntegrityError, match=rf"{shard}.*does not match") as caught,
+        StatefulDataLoader.from_storage(storage, collate, device=CPU, **KW) as loader,
+    ):
+        list(loader)
+    assert "after the dataset was opened" not in str(caught.value)
+
+
 def test_remote_ranges_are_widened_to_whole_blocks(tmp_path: Path, s3: MotoS3) -> None:
     local, _url, _shard = _upload(tmp_path, s3)
     spec = guideloom.open_stream(local).manifest.tokens

@@ -339,14 +339,22 @@ class Twins:
         self.by_base = {a.rsplit("/", 1)[-1]: b for a, b in zip(mine, theirs, strict=True)}
         # the twin's manifests name the twin's files: renamed to the original's, same length
         self.renames = {b.rsplit("/", 1)[-1]: a.rsplit("/", 1)[-1] for a, b in zip(mine, theirs, strict=True)}
+        # folders named per run (a prepared part's run-<id>/): the original's name for the twin's
+        self.folders: dict[str, str] = {}
+        for a, b in zip(mine, theirs, strict=True):
+            for x, y in zip(a.split("/")[:-1], b.split("/")[:-1], strict=False):
+                if x != y:
+                    self.folders[x] = y
+                    self.renames[y] = x
 
     def of(self, name: str) -> bytes | None:
         """The twin of file ``name`` (a dataset's path, or a cache file named like a data file)."""
         base = name.rsplit("/", 1)[-1]
         if base in self.by_base:
             return (self.twin / self.by_base[base]).read_bytes()
-        if base == "manifest.json" and (self.twin / name).exists():
-            text = (self.twin / name).read_text()
+        theirs = "/".join(self.folders.get(part, part) for part in name.split("/"))
+        if base == "manifest.json" and (self.twin / theirs).exists():
+            text = (self.twin / theirs).read_text()
             for theirs, mine in self.renames.items():
                 text = text.replace(theirs, mine)
             return text.encode()

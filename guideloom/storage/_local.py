@@ -342,7 +342,7 @@ class ShardedArray:
                 continue
             if fds:  # the open file itself: a write, a truncation or new times move its ctime
                 st = os.fstat(fds[k])
-                if st.st_ctime_ns == seen[4]:
+                if st.st_ctime_ns == seen[4] and st.st_size == seen[2]:  # (a coarse tick: both)
                     continue
             else:
                 try:

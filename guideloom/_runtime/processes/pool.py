@@ -240,6 +240,9 @@ class Proc:
 
     def describe_exit(self) -> str:
         code = self.proc.exitcode
+        if code is None and self.gone():
+            self.proc.join(TERMINATE_S)  # ended, its status not collected yet: collect it
+            code = self.proc.exitcode
         if code is None:
             return "its pipe closed"
         if code < 0:

@@ -328,6 +328,10 @@ class DatasetCache:
         }
 
     # -- the complete copy ---------------------------------------------------------------------------
+    def damage(self) -> str | None:
+        """What a check found damaged in the complete copy (it is then never read), or None."""
+        return self.copy_damaged
+
     def checked_copy(self) -> Manifest | None:
         """The complete copy's manifest once every block of every file was checked against its
         digest in this process (a background pass, started here the first time), else None: the

@@ -188,8 +188,8 @@ class _ObjectStorageMixin:
                     self._rebuild_copy(str(exc))
                     return None
                 self._local = local
-            elif cache.copy_damaged is not None:
-                self._rebuild_copy(cache.copy_damaged)
+            elif (damaged := cache.damage()) is not None:  # found by the check just made
+                self._rebuild_copy(damaged)
             else:
                 cache.warn_if_failed()
         return self._local

@@ -328,7 +328,7 @@ class DatasetCache:
         }
 
     # -- the complete copy ---------------------------------------------------------------------------
-    def damage(self) -> str | None:
+    def copy_damage(self) -> str | None:
         """What a check found damaged in the complete copy (it is then never read), or None."""
         return self.copy_damaged
 

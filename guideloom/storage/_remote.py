@@ -188,7 +188,7 @@ class _ObjectStorageMixin:
                     self._rebuild_copy(str(exc))
                     return None
                 self._local = local
-            elif (damaged := cache.damage()) is not None:  # found by the check just made
+            elif (damaged := cache.copy_damage()) is not None:  # found by the check just made
                 self._rebuild_copy(damaged)
             else:
                 cache.warn_if_failed()

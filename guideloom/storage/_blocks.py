@@ -41,6 +41,7 @@ __all__ = [
     "identity",
     "block_digests",
     "check_range",
+    "local_reader",
     "parse_blocks",
     "sidecar_name",
     "widen",
@@ -335,6 +336,21 @@ _FILES: dict[tuple[str, int, str], FileBlocks] = {}
 _FILES_LOCK = threading.Lock()
 
 
+def local_reader(folder: Path) -> Callable[[str], bytes]:
+    """``read(path)``: a block digests file of a local dataset, whole (a missing one is a
+    :class:`DatasetIntegrityError` naming it)."""
+
+    def read(rel: str) -> bytes:
+        try:
+            return (folder / rel).read_bytes()
+        except FileNotFoundError:
+            raise DatasetIntegrityError(
+                f"{folder}: the block digests file {rel!r} named by the manifest is missing"
+            ) from None
+
+    return read
+
+
 def file_blocks(path: str, st: os.stat_result, blocks: BlockDigests, folder: Path, label: str) -> FileBlocks:
     """The bitmap of local file ``path``, its digests loaded (a sidecar read from ``folder`` and
     checked) the first time, compared with the file as it is now (``st``: see
@@ -343,17 +359,10 @@ def file_blocks(path: str, st: os.stat_result, blocks: BlockDigests, folder: Pat
     with _FILES_LOCK:
         found = _FILES.get(key)
     if found is None:
-
-        def read(rel: str) -> bytes:
-            try:
-                return (folder / rel).read_bytes()
-            except FileNotFoundError:
-                raise DatasetIntegrityError(
-                    f"{folder}: the block digests file {rel!r} named by the manifest is missing"
-                ) from None
-
         # the digests cover the size the manifest gives (the caller checked it at open)
-        made = FileBlocks(blocks.load(read, st.st_size, str(folder)), blocks.size, st.st_size, label)
+        made = FileBlocks(
+            blocks.load(local_reader(folder), st.st_size, str(folder)), blocks.size, st.st_size, label
+        )
         with _FILES_LOCK:
             found = _FILES.setdefault(key, made)
     found.observe(st)

@@ -63,16 +63,15 @@ from guideloom.storage._blocks import (
     block_digests,
     check_range,
     file_blocks,
-    make_blocks,
-    sidecar_name,
     widen,
 )
 from guideloom.storage._chunk_table import ChunkTable
 from guideloom.storage._chunks import blocks_of
 from guideloom.storage._local import read_local_manifest
-from guideloom.storage._manifest import MANIFEST_NAME, ArraySpec, FileSpec, Manifest
+from guideloom.storage._manifest import MANIFEST_NAME, Manifest
 from guideloom.storage._ranges import U8, Piece
 from guideloom.storage._sinks import fsync_dir, write_synced
+from guideloom.storage._verify import with_blocks
 
 __all__ = ["DatasetCache", "copy_footprint"]
 
@@ -139,23 +138,7 @@ def _with_blocks(manifest: Manifest, folder: Path, digests: dict[str, Any]) -> M
     """``manifest`` with the block digests (``BLOCK_BYTES``) of the bytes downloaded, whose
     sha256 matched, their sidecars written to ``folder``: the copy's own, whatever the dataset
     carries, and never read back from the copy (which may have changed on disk since)."""
-
-    def redo(spec: ArraySpec) -> ArraySpec:
-        files = []
-        for f in spec.files:
-            blocks, sidecar = make_blocks(digests[f.path], BLOCK_BYTES, sidecar_name(f.path))
-            if sidecar is not None:
-                write_synced(folder / sidecar_name(f.path), sidecar)
-            files.append(FileSpec(f.path, f.elements, f.nbytes, f.sha256, f.base, blocks))
-        return ArraySpec(spec.dtype, tuple(files))
-
-    return Manifest(
-        kind=manifest.kind,
-        fields={name: redo(spec) for name, spec in manifest.fields.items()},
-        offsets=None if manifest.offsets is None else redo(manifest.offsets),
-        num_documents=manifest.num_documents,
-        extra=manifest.extra,
-    )
+    return with_blocks(manifest, digests, lambda rel, data: write_synced(folder / rel, data), replace=True)
 
 
 def copy_footprint(manifest: Manifest) -> int:

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 
 from guideloom._errors import DatasetIntegrityError
-from guideloom.storage._blocks import BLOCK_BYTES, BlockHasher, make_blocks, sidecar_name
+from guideloom.storage._blocks import BLOCK_BYTES, BlockHasher, local_reader, make_blocks, sidecar_name
 from guideloom.storage._manifest import MANIFEST_NAME, ArraySpec, FileSpec, Manifest
 
-__all__ = ["verify_files", "verify_local"]
+__all__ = ["verify_files", "verify_local", "with_blocks"]
 
 #: ``chunks(path)``: a data file's bytes in order; ``read(path)``: a small file whole.
 Chunks = Callable[[str], Iterator[Any]]
@@ -72,16 +72,20 @@ def verify_files(
 
 
 def with_blocks(
-    manifest: Manifest, computed: dict[str, Any], write: Callable[[str, bytes], None]
+    manifest: Manifest,
+    computed: dict[str, Any],
+    write: Callable[[str, bytes], None],
+    *,
+    replace: bool = False,
 ) -> Manifest:
-    """``manifest`` with block digests for its files that have none (from ``computed``), their
-    sidecars written with ``write(path, bytes)``."""
+    """``manifest`` with block digests for its files that have none (every file with
+    ``replace``), from ``computed``, their sidecars written with ``write(path, bytes)``."""
 
     def redo(spec: ArraySpec) -> ArraySpec:
         files = []
         for f in spec.files:
             blocks = f.blocks
-            if blocks is None:
+            if blocks is None or replace:
                 blocks, sidecar = make_blocks(computed[f.path], BLOCK_BYTES, sidecar_name(f.path))
                 if sidecar is not None:
                     write(sidecar_name(f.path), sidecar)
@@ -106,18 +110,6 @@ def local_chunks(folder: Path) -> Chunks:
     return chunks
 
 
-def local_read(folder: Path) -> Callable[[str], bytes]:
-    def read(path: str) -> bytes:
-        try:
-            return (folder / path).read_bytes()
-        except FileNotFoundError:
-            raise DatasetIntegrityError(
-                f"{folder}: the block digests file {path!r} named by the manifest is missing"
-            ) from None
-
-    return read
-
-
 def verify_local(
     folder: Path,
     manifest: Manifest,
@@ -131,7 +123,7 @@ def verify_local(
     from guideloom.storage._sinks import fsync_dir, write_synced
 
     computed = verify_files(
-        manifest, str(folder), local_chunks(folder), local_read(folder), sha256=sha256, progress=progress
+        manifest, str(folder), local_chunks(folder), local_reader(folder), sha256=sha256, progress=progress
     )
     if not add_block_digests or manifest.has_blocks:
         return manifest

@@ -1,5 +1,5 @@
 """The HTTP part: nginx on 127.0.0.1 (``tests/support/servers.py``), optionally behind the loopback
-latency proxy of the object-storage issue (10 ms each way, 20 ms round trip).
+latency proxy (10 ms each way, 20 ms round trip), as an object store across a region has.
 
 guideloom reads ``http://127.0.0.1:PORT/bucket/gl`` (its stream dataset). MosaicML Streaming and
 LitData have no plain-HTTP source, so they read the same nginx as an S3 endpoint with path-style

@@ -721,11 +721,13 @@ class InflightLimit:
     so an oversized request waits its turn instead of deadlocking.
     """
 
-    def __init__(self, max_requests: int, max_bytes: int) -> None:
+    def __init__(self, max_requests: int, max_bytes: int, peak: list[int] | None = None) -> None:
         self.max_requests, self.max_bytes = max_requests, max_bytes
         self.requests = 0
         self.nbytes = 0
         self.peak_bytes = 0
+        #: Where the peak is also kept, beyond this loop's life (:class:`PerLoop`).
+        self._peak = [0] if peak is None else peak
         self._waiters: deque[tuple[int, int, asyncio.Future[None]]] = deque()
 
     def _fits(self, n: int, b: int) -> bool:
@@ -737,6 +739,7 @@ class InflightLimit:
         self.requests += n
         self.nbytes += b
         self.peak_bytes = max(self.peak_bytes, self.nbytes)
+        self._peak[0] = max(self._peak[0], self.nbytes)
 
     async def acquire(self, n: int, b: int) -> None:
         if not self._waiters and self._fits(n, b):
@@ -781,6 +784,7 @@ class PerLoop:
 
     def __init__(self, max_requests: int, max_bytes: int) -> None:
         self._args = (max_requests, max_bytes)
+        self._peak = [0]  # the peak over every loop, those closed since included
         self._limits: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, InflightLimit] = (
             weakref.WeakKeyDictionary()
         )
@@ -795,11 +799,11 @@ class PerLoop:
         loop = asyncio.get_running_loop()
         limit = self._limits.get(loop)
         if limit is None:
-            limit = self._limits[loop] = InflightLimit(*self._args)
+            limit = self._limits[loop] = InflightLimit(*self._args, peak=self._peak)
         return limit
 
     def peak_bytes(self) -> int:
-        return max((lim.peak_bytes for lim in list(self._limits.values())), default=0)
+        return self._peak[0]
 
 
 def remote_read_error(

@@ -183,17 +183,37 @@ def pieces_of(layout: Layout, starts: I64, lengths: I64, dest_offsets: I64) -> t
     return k, lo, n, d
 
 
-def _cut(k: I64, lo: I64, n: I64, d: I64, cap: int) -> tuple[I64, I64, I64, I64]:
-    """Pieces longer than ``cap`` as parts of at most ``cap`` bytes (fetched in parallel)."""
-    if not len(n) or int(n.max()) <= cap:
+def _units(blocks: Sequence[int], k: I64, cap: int) -> list[int]:
+    """For each piece of object ``k``: the largest whole number of its blocks within ``cap`` (one
+    block at least), or 0 where the object has no block digests."""
+    blk = np.asarray(blocks, dtype=np.int64)[k]
+    units: list[int] = np.where(blk > 0, np.maximum(blk, cap // np.maximum(blk, 1) * blk), 0).tolist()
+    return units
+
+
+def _cut(k: I64, lo: I64, n: I64, d: I64, cap: int, blocks: Sequence[int]) -> tuple[I64, I64, I64, I64]:
+    """Pieces longer than ``cap`` as parts of at most ``cap`` bytes (fetched in parallel). In an
+    object with block digests, the parts are cut at multiples of the largest whole number of
+    blocks within ``cap`` (one block at least): widened to whole blocks, a part stays that long."""
+    units = np.asarray(_units(blocks, k, cap) if blocks else np.zeros(len(k)), dtype=np.int64)
+    aligned = units > 0
+    unit = np.where(aligned, units, cap)
+    first_end = np.where(aligned, (lo // np.maximum(unit, 1) + 1) * unit, lo + cap)
+    cross = lo + n > first_end
+    if not cross.any():
         return k, lo, n, d
     parts: list[tuple[int, int, int, int]] = []
-    for i in np.flatnonzero(n > cap).tolist():
-        for j in range(0, int(n[i]), cap):
-            parts.append((int(k[i]), int(lo[i]) + j, min(cap, int(n[i]) - j), int(d[i]) + j))
-    small = n <= cap
+    for i in np.flatnonzero(cross).tolist():
+        kk, u, al = int(k[i]), int(unit[i]), bool(aligned[i])
+        s, e, off = int(lo[i]), int(lo[i] + n[i]), int(d[i])
+        while s < e:
+            stop = min(e, (s // u + 1) * u if al else s + u)
+            parts.append((kk, s, stop - s, off))
+            off += stop - s
+            s = stop
+    keep = ~cross
     ex = np.asarray(parts, dtype=np.int64)
-    k, lo, n, d = (np.concatenate([a[small], ex[:, j]]) for j, a in enumerate((k, lo, n, d)))
+    k, lo, n, d = (np.concatenate([a[keep], ex[:, j]]) for j, a in enumerate((k, lo, n, d)))
     return k, lo, n, d
 
 
@@ -218,11 +238,14 @@ def plan(
     if not len(k):
         return
     cap = limits.max_request_bytes
-    k, lo, n, d = _cut(k, lo, n, d, cap)
+    k, lo, n, d = _cut(k, lo, n, d, cap, layout.blocks)
     order = np.lexsort((lo, k))
     gap = bridged_gap(k[order], lo[order], n[order], limits)
     ks, los, ns, ds = (a[order].tolist() for a in (k, lo, n, d))
     wlo, whi = _widened(layout, k[order], lo[order], (lo + n)[order])
+    # Where the object has block digests, a range stays within one of _cut's aligned units: the
+    # parts that share a block then always share its one request.
+    units = _units(layout.blocks, k[order], cap) if layout.blocks else None
     job: Job | None = None
     cur_k = cur_s = cur_e = -1
     cur_pieces: list[tuple[int, int, int]] = []
@@ -244,8 +267,13 @@ def plan(
         job.ends.append(cur_e)
         job.pieces.append(list(cur_pieces))
 
-    for kk, s, ln, off, ws, we in zip(ks, los, ns, ds, wlo, whi, strict=True):
-        if kk == cur_k and ws <= cur_e + gap and max(cur_e, we) - cur_s <= cap:
+    for i, (kk, s, ln, off, ws, we) in enumerate(zip(ks, los, ns, ds, wlo, whi, strict=True)):
+        unit = units[i] if units is not None else 0
+        if (
+            kk == cur_k
+            and ws <= cur_e + gap
+            and (ws // unit == cur_s // unit if unit else max(cur_e, we) - cur_s <= cap)
+        ):
             cur_e = max(cur_e, we)
             cur_pieces.append((s, ln, off))
             continue

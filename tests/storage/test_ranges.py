@@ -94,6 +94,37 @@ def test_planned_ranges_deliver_every_requested_byte_exactly_once(
 
 
 @SETTINGS
+@given(byte_reads(), limits_st, st.integers(1, 96), st.integers(0, 2**16))
+def test_with_block_digests_every_range_is_whole_blocks_and_each_block_is_requested_once(
+    case: tuple[list[int], list[tuple[int, int]]], limits: Limits, block: int, seed: int
+) -> None:
+    """Every fetched byte is checked against its block's digest: ranges are widened to whole
+    blocks, and pieces that share a block share one request, whatever ``max_request_bytes``."""
+    sizes, reads = case
+    objects = objects_of(sizes, seed)
+    reference = np.frombuffer(b"".join(objects.values()), dtype=np.uint8)
+    layout = Layout.of_sizes(np.uint8, list(objects), sizes, [block] * len(sizes))
+    starts = np.asarray([s for s, _ in reads], dtype=np.int64)
+    lengths = np.asarray([n for _, n in reads], dtype=np.int64)
+    dest_offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if reads else starts
+    dest = np.zeros(int(lengths.sum()), dtype=np.uint8)
+    jobs: list[Job] = []
+    plan(layout, starts, lengths, dest_offsets, dest=dest, limits=limits, jobs=jobs)
+    sizes_of = dict(zip(layout.paths, sizes, strict=True))
+    requested: dict[tuple[str, int], int] = {}
+    for job in jobs:
+        for s, e in zip(job.starts, job.ends, strict=True):
+            assert s % block == 0 and (e % block == 0 or e == sizes_of[job.path])
+            assert e - s <= max(limits.max_request_bytes, block)
+            for b in range(s // block, -(-e // block)):
+                requested[job.path, b] = requested.get((job.path, b), 0) + 1
+    assert all(n == 1 for n in requested.values()), requested
+    fetch(jobs, objects)
+    expected = [reference[s : s + n] for s, n in reads]
+    assert np.array_equal(dest, np.concatenate(expected) if expected else dest)
+
+
+@SETTINGS
 @given(byte_reads(), limits_st)
 def test_coalescing_is_as_wide_as_the_gap_and_the_request_size_allow(
     case: tuple[list[int], list[tuple[int, int]]], limits: Limits

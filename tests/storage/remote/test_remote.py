@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shutil
@@ -19,6 +20,7 @@ import pytest
 import guideloom
 from guideloom import StatefulDataLoader
 from guideloom._errors import DatasetFormatError, DatasetIntegrityError, RemoteReadError
+from guideloom.storage._manifest import MANIFEST_NAME
 from tests.support import ROOT
 from tests.support.remote import (
     BUCKET,
@@ -224,12 +226,12 @@ def test_object_truncated_after_open_is_refused_not_a_short_sample(
 
 # -- faults ----------------------------------------------------------------------------------------
 def test_one_request_in_five_failing_still_delivers_every_batch_in_order(
-    plain_copies: Copies, nginx: Nginx, proxy_for: list[FaultProxy]
+    plain_copies: Copies, legacy_copies: Copies, nginx: Nginx, proxy_for: list[FaultProxy]
 ) -> None:
     proxy = start_proxy(proxy_for, nginx.port)
     local = all_batches(guideloom.open_stream(plain_copies.local), sequence_length=64, local_batch_size=8)
     storage = guideloom.open_stream(
-        f"{proxy.url}/{plain_copies.http_path}",
+        f"{proxy.url}/{legacy_copies.http_path}",
         coalesce_gap=0,
         max_request_bytes=128,  # one request per 128-byte sample, as windows are now 64 MiB
         retries=10,
@@ -245,11 +247,13 @@ def test_one_request_in_five_failing_still_delivers_every_batch_in_order(
 
 
 @pytest.mark.asyncio
-async def test_faults_on_s3_async(plain_copies: Copies, s3: MotoS3, proxy_for: list[FaultProxy]) -> None:
+async def test_faults_on_s3_async(
+    plain_copies: Copies, legacy_copies: Copies, s3: MotoS3, proxy_for: list[FaultProxy]
+) -> None:
     proxy = start_proxy(proxy_for, s3.port)
     local = all_batches(guideloom.open_stream(plain_copies.local), sequence_length=400)
     storage = guideloom.open_stream(
-        plain_copies.s3_url,
+        legacy_copies.s3_url,
         retries=10,
         coalesce_gap=0,
         max_request_bytes=800,  # one request per 800-byte sample, as windows are now 64 MiB
@@ -394,23 +398,66 @@ def all_batches_resumed(loader: StatefulDataLoader[Any, Any]) -> list[Any]:
 
 
 # -- read-ahead mechanics ----------------------------------------------------------------------------
-def test_ranges_are_coalesced_and_inflight_bytes_bounded(plain_copies: Copies, nginx: Nginx) -> None:
-    url = f"{nginx.url}/{plain_copies.http_path}"
-    starts = np.arange(0, 30_000, 100, dtype=np.int64)  # 300 adjacent samples of 200 bytes
+@pytest.fixture(scope="module")
+def legacy_copies(plain_copies: Copies, s3: MotoS3, www: Path) -> Copies:
+    """``plain_copies`` as a dataset written without block digests: its reads are cut at
+    ``max_request_bytes`` exactly, not widened to whole blocks (many small requests)."""
+    name = f"{plain_copies.http_path}-no-blocks"
+    shutil.copytree(plain_copies.local, www / name)
+    doc = json.loads((www / name / MANIFEST_NAME).read_text())
+    for f in doc["fields"]["tokens"]["files"]:
+        del f["blocks"]
+    (www / name / MANIFEST_NAME).write_text(json.dumps(doc))
+    s3.upload_folder(www / name, BUCKET, f"copies/{name}")
+    return Copies(www / name, f"s3://{BUCKET}/copies/{name}", name, plain_copies.tokens)
 
-    async def read(storage: Any) -> Sequence[np.ndarray]:
+
+def _read_all(storage: Any, starts: np.ndarray, length: int) -> Sequence[np.ndarray]:
+    async def read() -> Sequence[np.ndarray]:
         async with storage:
-            return await storage.read_many(starts, 100)
+            return await storage.read_many(starts, length)
 
-    merged = guideloom.open_stream(url)
-    got = asyncio.run(read(merged))
+    return asyncio.run(read())
+
+
+def test_ranges_are_coalesced_and_inflight_bytes_bounded(
+    plain_copies: Copies, legacy_copies: Copies, nginx: Nginx
+) -> None:
+    starts = np.arange(0, 30_000, 100, dtype=np.int64)  # 300 adjacent samples of 200 bytes
+    merged = guideloom.open_stream(f"{nginx.url}/{plain_copies.http_path}")
+    got = _read_all(merged, starts, 100)
     assert merged.stats()["requests"] <= 3, "adjacent samples in a shard are one request"
-    apart = guideloom.open_stream(url, coalesce_gap=0, max_request_bytes=1000, max_inflight_bytes=4000)
-    got2 = asyncio.run(read(apart))
+    # A dataset written without block digests: requests are cut at max_request_bytes exactly.
+    apart = guideloom.open_stream(
+        f"{nginx.url}/{legacy_copies.http_path}",
+        coalesce_gap=0,
+        max_request_bytes=1000,
+        max_inflight_bytes=4000,
+    )
+    got2 = _read_all(apart, starts, 100)
     stats = apart.stats()
-    assert stats["requests"] >= 60 and stats["peak_inflight_bytes"] <= 4000 + 1000
+    assert stats["requests"] >= 60 and 1000 <= stats["peak_inflight_bytes"] <= 4000 + 1000
     for s, a, b in zip(starts.tolist(), got, got2, strict=True):
         assert np.array_equal(a, plain_copies.tokens[s : s + 100]) and np.array_equal(a, b)
+
+
+def test_each_block_is_fetched_once_whatever_the_request_cap(plain_copies: Copies, nginx: Nginx) -> None:
+    """Every fetched byte is checked against its block's digest, so a range is widened to whole
+    blocks: pieces that share a block share its one request, even when the block is larger than
+    ``max_request_bytes``."""
+    starts = np.arange(0, 30_000, 100, dtype=np.int64)  # 200-byte samples in two 32,000-byte shards
+    storage = guideloom.open_stream(
+        f"{nginx.url}/{plain_copies.http_path}",
+        coalesce_gap=0,
+        max_request_bytes=1000,
+        max_inflight_bytes=4000,
+    )
+    got = _read_all(storage, starts, 100)
+    stats = storage.stats()
+    assert (stats["requests"], stats["bytes_read"]) == (2, 64_000), stats
+    assert stats["peak_inflight_bytes"] <= 32_000, "a block is admitted alone when it passes the budget"
+    for s, a in zip(starts.tolist(), got, strict=True):
+        assert np.array_equal(a, plain_copies.tokens[s : s + 100])
 
 
 def test_options_are_checked(plain_copies: Copies, s3: MotoS3, nginx: Nginx) -> None:

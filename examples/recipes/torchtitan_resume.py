@@ -15,13 +15,13 @@ offset in samples of the whole job, the same on every rank, so the ``dataloader`
 once and loads on any data-parallel degree. (torchtitan's own ``ParallelAwareDataloader`` saves
 one state per ``dp_rank_<r>`` and refuses a checkpoint made with another degree.)
 
-torchtitan's ``Trainer`` does not run on a CPU-only PyTorch (its device falls back to CUDA), so
-this script drives the step itself, as ``Trainer.train_step`` does, with torchtitan's own
-components: its ``OptimizersContainer``, ``LRSchedulersContainer`` and ``CheckpointManager``
-(``<checkpoint>/step-<N>`` DCP folders, the newest loaded on a resume). The first command trains
-a tiny next-token model on 2 CPU ranks (gloo, DDP) and saves after 5 steps, as a preempted job
-would; the second resumes on 1 rank with another ``local_batch_size`` and finishes the epochs:
-every sample of each epoch is trained on exactly once.
+torchtitan's ``Trainer`` does not run on a CPU-only PyTorch (it imports triton, and its device
+falls back to CUDA: docs/frameworks.md), so this script drives the step itself, as
+``Trainer.train_step`` does, with torchtitan's own components: its ``OptimizersContainer``,
+``LRSchedulersContainer`` and ``CheckpointManager`` (``<checkpoint>/step-<N>`` DCP folders, the
+newest loaded on a resume). The first command trains a tiny next-token model on 2 CPU ranks
+(gloo, DDP) and saves after 5 steps, as a preempted job would; the second resumes on 1 rank with
+another ``local_batch_size`` and finishes the epochs: every sample of each epoch is trained on exactly once.
 
 ``--record PREFIX`` writes what each rank trained on to ``PREFIX-rank<r>.json`` (the test reads it).
 """

@@ -11,6 +11,7 @@ The in-process tests check what the recipes' page says about each framework's ow
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,15 @@ import torch
 
 import guideloom as gl
 from tests.support import ROOT
-from tests.support.recipes import RECIPES, check_save_then_resume, records, run_recipe
+from tests.support.recipes import (
+    NUM_SAMPLES,
+    RECIPES,
+    check_save_then_resume,
+    position,
+    records,
+    run_recipe,
+    seen_by_epoch,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -147,6 +156,50 @@ def test_dcp_train_state_saves_on_2_ranks_and_resumes_on_3(tmp_path: Path) -> No
     assert "train_state.step" in entries
 
 
+# torchtitan's LRSchedulersContainer.load_state_dict calls the scheduler's get_lr() outside step(),
+# which torch warns about: a UserWarning from inside torchtitan, not from the recipe.
+TORCHTITAN_GET_LR = "ignore:To get the last learning rate computed by the scheduler:UserWarning"
+
+
+@needs("torchtitan")
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.usefixtures("ranks_env")
+def test_torchtitan_saves_on_2_ranks_and_resumes_on_1(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    args = ["--data", "corpus", "--checkpoint", "ckpts"]
+    run_recipe("torchtitan_resume.py", 2, *args, "--stop-after", "5", "--record", "save", cwd=tmp_path)
+    resume = [*args, "--resume", "--batch-size", "5", "--record", "resume"]
+    run_recipe("torchtitan_resume.py", 1, *resume, cwd=tmp_path, ignore=[TORCHTITAN_GET_LR])
+    saved = check_save_then_resume(
+        records(tmp_path / "save", 2), records(tmp_path / "resume", 1), saved_offset=SAVED_OFFSET
+    )
+    # CheckpointManager wrote the loader's global state once, as its "dataloader" entry (no
+    # dp_rank_<r> keys), beside the model, the optimizer, the LR schedule and the step
+    entries = FileSystemReader(str(tmp_path / "ckpts" / "step-5")).read_metadata().state_dict_metadata
+    assert sorted(k for k in entries if k.startswith("dataloader.")) == sorted(flat_keys(saved, "dataloader"))
+    assert {"train_state.step", "lr_scheduler.last_epoch", "module.head.weight"} <= set(entries)
+    assert any(k.startswith("optimizer.state.") for k in entries)
+
+
+@needs("torchtitan")
+@pytest.mark.distributed
+@pytest.mark.usefixtures("ranks_env")
+def test_torchtitan_saves_on_1_rank_and_resumes_on_2(tmp_path: Path) -> None:
+    """The short way round: one epoch, saved after 3 steps of 4 on 1 rank, finished on 2 ranks."""
+    args = ["--data", "corpus", "--checkpoint", "ckpts", "--epochs", "1"]
+    run_recipe("torchtitan_resume.py", 1, *args, "--stop-after", "3", "--record", "save", cwd=tmp_path)
+    resume = [*args, "--resume", "--batch-size", "8", "--record", "resume"]
+    run_recipe("torchtitan_resume.py", 2, *resume, cwd=tmp_path, ignore=[TORCHTITAN_GET_LR])
+    save, resumed = records(tmp_path / "save", 1), records(tmp_path / "resume", 2)
+    assert position(save[0]["state"]) == (0, 12)
+    assert all(position(rank["state"]) == (1, 0) for rank in resumed)
+    assert seen_by_epoch(save) == {0: sorted(sample for _, sample in save[0]["seen"])}
+    assert len(save[0]["seen"]) == 12
+    assert seen_by_epoch(save, resumed) == {0: list(range(NUM_SAMPLES))}
+
+
 # -- what the frameworks' own data helpers do with the loader ----------------------------------------
 
 
@@ -260,3 +313,66 @@ def test_the_trainer_iterates_the_loader_as_is_and_needs_its_epochs_finished(tmp
     first = torch.load(tmp_path / "ckpts" / "epoch=0.ckpt", weights_only=True)
     (state,) = first["loops"]["fit_loop"]["state_dict"]["combined_loader"]
     assert (state["epoch"], state["observation_offset"]) == (1, 0)
+
+
+def torchtitan_recipe(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The recipe as a module; registered while the test runs, as its dataclasses need."""
+    spec = importlib.util.spec_from_file_location("torchtitan_recipe", RECIPES / "torchtitan_resume.py")
+    assert spec is not None and spec.loader is not None
+    recipe = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, recipe)
+    spec.loader.exec_module(recipe)
+    return recipe
+
+
+@needs("torchtitan")
+# torchdata's StatefulDataLoader, which torchtitan's loader is, calls torch.set_vital, which torch
+# 2.13 deprecates: a UserWarning from inside torchdata.
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_torchtitan_parallel_aware_dataloader_refuses_another_dp_degree() -> None:
+    """What the page says of torchtitan's own loader: one state per dp rank, and a checkpoint made
+    with another data-parallel degree refused."""
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+
+    data = torch.utils.data.TensorDataset(torch.arange(8))
+    saved = ParallelAwareDataloader(data, dp_rank=0, dp_world_size=2, batch_size=2).state_dict()
+    assert set(saved) == {"dp_rank_0", "world_size"}
+    resumed = ParallelAwareDataloader(data, dp_rank=0, dp_world_size=1, batch_size=2)
+    with pytest.raises(AssertionError, match="dp_degree is inconsistent"):
+        resumed.load_state_dict(saved)
+
+
+@needs("torchtitan")
+def test_torchtitan_builds_the_guideloom_loader_from_its_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The recipe's loader is built as the Trainer builds config.dataloader, yields the Trainer's
+    ``({"input": ...}, labels)`` batches of seq_len tokens, and resumes from its own state."""
+    from torchtitan.components.dataloader import BaseDataLoader
+
+    recipe = torchtitan_recipe(monkeypatch)
+    gl.write_stream(tmp_path / "corpus", np.arange(24 * recipe.SEQ, dtype=np.uint32))
+    config = recipe.GuideloomDataLoader.Config(dataset_path=str(tmp_path / "corpus"), epochs=1)
+    assert isinstance(config, BaseDataLoader.Config)
+
+    def build() -> Any:
+        kwargs = {"dp_world_size": 1, "dp_rank": 0, "tokenizer": None, "local_batch_size": 4}
+        return config.build(seq_len=recipe.SEQ - 1, snapshot_every_n_steps=None, **kwargs)
+
+    loader = build()
+    batches = iter(loader)
+    first = [next(batches) for _ in range(2)]
+    batches.close()
+    for inputs, labels in first:
+        assert set(inputs) == {"input"} and inputs["input"].shape == labels.shape == (4, recipe.SEQ - 1)
+        assert torch.equal(inputs["input"][:, 1:], labels[:, :-1])
+    state = loader.state_dict()
+    assert (state["epoch"], state["observation_offset"]) == (0, 8)
+
+    resumed = build()
+    resumed.load_state_dict(state)
+    rest = [int(i) // recipe.SEQ for inputs, _ in resumed for i in inputs["input"][:, 0]]
+    done = [int(i) // recipe.SEQ for inputs, _ in first for i in inputs["input"][:, 0]]
+    assert sorted(done + rest) == list(range(24))
+    assert [audit.ok for audit in resumed.audits] == [True]
+    assert resumed.state_dict()["epoch"] == 1

@@ -30,7 +30,7 @@ from guideloom._core.plan import EpochPlan, num_batches
 from guideloom._datasets import DatasetAbstract, SourceT, StreamDataset, dataset_for
 from guideloom._loader.arguments import check_device
 from guideloom._loader.figures import LoaderFigures, verdict_figures
-from guideloom._loader.iterators import AsyncIterator, SyncIterator, sync_iterator
+from guideloom._loader.iterators import AsyncIterator, SyncIterator, _IteratorBase, sync_iterator
 from guideloom._loader.lifecycle import Lifecycle
 from guideloom._loader.provenance import audit_ranks, explain_step
 from guideloom._loader.state import (
@@ -419,8 +419,85 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         out.update(verdict_figures(self._life.verdict(kind)))
         return out
 
+    # -- geometry between steps, commits ------------------------------------------------------------
+    def set_geometry(self, *, rank: int, world_size: int) -> None:
+        """Cut the batches from the next one on for ``rank`` of ``world_size``: an elastic job
+        (a quorum of replicas that changes from step to step) follows its data-parallel group.
+
+        The global position stays where it is; the next global batch is cut for the new number
+        of ranks, so the ranks of the new geometry together go on with exactly the samples the
+        old one had not handed out. An active iterator drops what it read ahead or is making for
+        the old geometry and re-plans from the position on the executors it has (workers are not
+        restarted); without one, the next iterator starts with it. The change joins the
+        checkpoint's geometry history (``explain()`` names each step's samples through it). The
+        same geometry again costs nothing. Call it between two batches, from the code that
+        iterates.
+
+        Raises:
+            ValueError: For a rank outside ``[0, world_size)``, or a global batch (``world_size
+                * local_batch_size``) larger than the open dataset.
+        """
+        rank = check_int("rank", rank, 0)
+        world_size = check_int("world_size", world_size, 1)
+        if rank >= world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        if rank == self.rank and world_size == self.world_size:
+            return
+        with self._life.lock:
+            if self._life.state != "closed" and world_size * self.local_batch_size > len(self.dataset):
+                raise ValueError(
+                    f"world_size={world_size} with local_batch_size={self.local_batch_size} makes a global "
+                    f"batch of {world_size * self.local_batch_size}, more than the dataset's "
+                    f"{len(self.dataset)} observations; use fewer ranks or a smaller local_batch_size"
+                )
+            changed = world_size != self.world_size
+            self.rank, self.world_size = rank, world_size
+            it = self._life.active.get()
+            if isinstance(it, _IteratorBase) and it.planned():
+                ckpt = self._ckpt
+                if changed:
+                    ckpt.history.begin(ckpt.epoch, ckpt.offset, self.local_batch_size, world_size)
+                it.replan(ckpt.offset)
+
+    def commit(self) -> None:
+        """Commit the batches handed out so far: :meth:`rollback` no longer takes them back.
+
+        With a training step that may fail after its batch was handed out (a replica group lost
+        during the step), commit once the step is known to count (the optimizer stepped).
+        The end of an epoch commits it.
+        """
+        with self._life.lock:
+            self._ckpt.commit()
+
+    def rollback(self) -> None:
+        """Take back the batches handed out since the last :meth:`commit` (or since the epoch's
+        start, or the position a checkpoint resumed it at): they are handed out again, cut for
+        the geometry then in force (:meth:`set_geometry` may change it first or after), so
+        no sample is lost or repeated.
+
+        The position, the geometry history and the audit's tally return to the committed
+        offset; an active iterator drops its read-ahead and re-plans from there without
+        restarting its workers. Nothing to take back costs nothing. Call it between two
+        batches, from the code that iterates.
+        """
+        with self._life.lock:
+            ckpt = self._ckpt
+            if ckpt.offset == ckpt.committed:
+                return
+            ckpt.rollback()
+            ckpt.history.begin(ckpt.epoch, ckpt.offset, self.local_batch_size, self.world_size)
+            it = self._life.active.get()
+            if isinstance(it, _IteratorBase) and it.planned():
+                it.replan(ckpt.offset)
+
+    @property
+    def committed_offset(self) -> int:
+        """The epoch's global offset at the last :meth:`commit`: what :meth:`rollback` returns to
+        and ``state_dict(committed=True)`` records."""
+        return self._ckpt.committed
+
     # -- checkpoints ------------------------------------------------------------------------------
-    def state_dict(self) -> StatefulDataLoaderStateDict:
+    def state_dict(self, *, committed: bool = False) -> StatefulDataLoaderStateDict:
         """Return the checkpoint for batches already delivered to the consumer.
 
         Prefetched batches that have not been yielded do not advance ``observation_offset``.
@@ -428,7 +505,14 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         incomplete final batch. A block shuffle also records its ``shuffle_block_size``,
         ``shuffle_window`` and ``shuffle_block_auto`` (whether it was given ``"auto"``); a global
         shuffle records none of them: it has blocks of one sample.
+
+        ``committed=True``: the checkpoint at the last :meth:`commit` instead (the batches
+        handed out since are left out, as a rollback would), what a replica that joins a
+        fault-tolerant job receives from a live peer; safe to call from another thread.
         """
+        if committed:
+            with self._life.lock:
+                return save_state(self, committed=True)
         return save_state(self)
 
     def load_state_dict(

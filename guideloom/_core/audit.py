@@ -130,6 +130,19 @@ class Tally:
                 prev[1] += last[1]
                 self.runs.pop()
 
+    def truncate(self, offset: int) -> None:
+        """Take back every batch that starts at ``offset`` or after it (a rollback to a committed
+        position): runs are cut in closed form, the running one included, which goes on
+        counting from the batches it keeps (its iterator starts a new run after this)."""
+        self.end(self.owner)
+        kept: list[Run] = []
+        for run in self.runs:
+            g = run[2] * run[3]
+            run[1] = min(run[1], max(0, -(-(offset - run[0]) // g)))
+            if run[1] > 0:
+                kept.append(run)
+        self.runs = kept
+
     def current(self) -> list[Run]:
         """The runs so far, the running iterator's included."""
         runs = [list(r) for r in self.runs]

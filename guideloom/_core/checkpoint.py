@@ -274,6 +274,9 @@ class CheckpointState:
     epoch: int = 0
     offset: int = 0
     """``observation_offset``: observations of the epoch delivered, across all ranks."""
+    committed: int = 0
+    """The offset of the last :meth:`commit` (or of the epoch's start, or where a checkpoint
+    resumed it): what :meth:`rollback` returns to. Never past ``offset``."""
     order_seed: int = 0
     fingerprint: DatasetFingerprint | None = None
     history: History = field(default_factory=History)
@@ -286,13 +289,26 @@ class CheckpointState:
         """The epoch's last batch was handed over: the next one starts at its offset 0."""
         self.tally.end(self.tally.owner)
         self.epoch += 1
-        self.offset = 0
+        self.offset = self.committed = 0
         self.tally.reset(self.epoch, 0)
 
     def restore(self, epoch: int, offset: int, history: History) -> None:
         """Resume at ``(epoch, offset)`` with a checkpoint's history; the audit counts from here."""
         self.epoch, self.offset, self.history = epoch, offset, history
+        self.committed = offset
         self.tally.reset(epoch, offset)
+
+    def commit(self) -> None:
+        """The batches handed out so far are committed: a rollback no longer takes them back."""
+        self.committed = self.offset
+
+    def rollback(self) -> int:
+        """Take back the batches handed out since the last commit: the position, the geometry
+        history and the audit's tally return to the committed offset, which is returned."""
+        self.offset = self.committed
+        self.history.truncate(self.epoch, self.committed)
+        self.tally.truncate(self.committed)
+        return self.committed
 
 
 def restore_history(state_dict: Any, epoch: int, offset: int) -> History:

@@ -102,6 +102,11 @@ class History:
         while len(self.segments) > MAX_SEGMENTS:
             self.segments.pop(0)
 
+    def truncate(self, epoch: int, offset: int) -> None:
+        """Forget the segments of ``epoch`` that begin past ``offset`` (a rollback to it: no
+        batch of theirs was committed)."""
+        self.segments = [s for s in self.segments if s.epoch != epoch or s.offset <= offset]
+
     def segment(self, epoch: int, step: int) -> Segment | None:
         """The segment that ``step`` of ``epoch`` falls in; ``None`` where the history has
         none for the epoch or the step lies before its first."""

@@ -10,6 +10,7 @@ batches from a :class:`~guideloom._runtime.drive.SyncDriver`, :class:`AsyncItera
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 import time
 import weakref
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from guideloom._core.delivery import Delivery, for_the_consumer
+from guideloom._core.plan import EpochPlan
 from guideloom._loader.lifecycle import wait_through_cancellation
 from guideloom._runtime.config import PipelineConfig
 from guideloom._runtime.drive import AsyncDriver, SyncDriver
@@ -53,9 +55,14 @@ class _IteratorBase(Generic[BatchT]):
         """This iterator's epoch; planned once the loader is open (a storage may know its length
         only then)."""
         self._cfg = cfg
-        self._expected = len(cfg.plan)
+        self._begin_run(cfg.plan)
+
+    def _begin_run(self, plan: EpochPlan) -> None:
+        """Count the batches of ``plan`` from none: the whole epoch's, or what is left of it
+        after a change of geometry or a rollback (a run of the audit's tally each)."""
+        self._expected, self._delivered = len(plan), 0
         if self._loader.track_deliveries:  # the audit's run: this iterator's batches, counted
-            plan, ref = cfg.plan, weakref.ref(self)
+            ref = weakref.ref(self)
             delivered = self._delivered
 
             def count() -> int:
@@ -78,6 +85,34 @@ class _IteratorBase(Generic[BatchT]):
         value: BatchT = d.value
         return value
 
+    def planned(self) -> bool:
+        """Whether this iterator runs a plan of its epoch (an async one plans at its first batch)."""
+        return not self._done and hasattr(self, "_cfg") and self._running_driver() is not None
+
+    def replan(self, offset: int) -> None:
+        """Go on from global ``offset`` of the epoch with the loader's geometry (rank, world
+        size) from the next batch on: what was read ahead or is being made is dropped and the
+        epoch re-planned on the same executors (no worker restarts). Called between two batches,
+        by the thread (or on the loop) that iterates; an async iterator not started yet plans
+        its epoch from the loader when it starts, and needs none."""
+        driver = self._running_driver()
+        if self._done or driver is None or not hasattr(self, "_cfg"):
+            return
+        loader, old = self._loader, self._cfg.plan
+        plan = EpochPlan(
+            num_observations=old.num_observations,
+            local_batch_size=loader.local_batch_size,
+            world_size=loader.world_size,
+            rank=loader.rank,
+            drop_last=old.drop_last,
+            start_offset=offset,
+            order=old.order,
+        )
+        self._ckpt.tally.end(id(self))
+        driver.replan(plan)
+        self._cfg = dataclasses.replace(self._cfg, plan=plan)
+        self._begin_run(plan)
+
     def _finish_epoch(self) -> None:
         if self._delivered != self._expected:
             raise RuntimeError(
@@ -94,6 +129,9 @@ class _IteratorBase(Generic[BatchT]):
         """End a spent iterator as its ``StopIteration`` would: the next epoch begins."""
         self._finish_epoch()
         self.close_sync()
+
+    def _running_driver(self) -> SyncDriver | AsyncDriver | None:
+        raise NotImplementedError
 
     def close_sync(self) -> None:
         raise NotImplementedError
@@ -158,6 +196,9 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
 
     def __iter__(self) -> SyncIterator[BatchT]:
         return self
+
+    def _running_driver(self) -> SyncDriver | None:
+        return self._driver
 
     def __next__(self) -> BatchT:
         if self._done:
@@ -229,6 +270,9 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
 
     def __aiter__(self) -> AsyncIterator[BatchT]:
         return self
+
+    def _running_driver(self) -> AsyncDriver | None:
+        return self._driver
 
     async def _start(self) -> AsyncDriver:
         loader = self._loader

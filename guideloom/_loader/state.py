@@ -10,6 +10,7 @@ from typing import Any
 from guideloom._core.checkpoint import LoaderIdentity
 from guideloom._core.group_order import GroupPermutation
 from guideloom._core.order import Order, make_order, resolve_block_size
+from guideloom._core.provenance import History
 from guideloom._loader.host import Loader
 from guideloom.types import DatasetFingerprint, StatefulDataLoaderStateDict
 
@@ -73,11 +74,17 @@ def _loader_fingerprint(loader: Loader[Any]) -> DatasetFingerprint:
     return fp
 
 
-def save_state(loader: Loader[Any]) -> StatefulDataLoaderStateDict:
-    """``loader.state_dict()``: its position and what the position means."""
+def save_state(loader: Loader[Any], *, committed: bool = False) -> StatefulDataLoaderStateDict:
+    """``loader.state_dict()``: its position and what the position means; ``committed``: the
+    position of the last commit, the history cut there."""
+    ckpt = loader._ckpt
+    offset, history = ckpt.offset, ckpt.history
+    if committed:
+        offset, history = ckpt.committed, History(history.segments)
+        history.truncate(ckpt.epoch, offset)
     state = StatefulDataLoaderStateDict(
-        epoch=loader._ckpt.epoch,
-        observation_offset=loader._ckpt.offset,
+        epoch=ckpt.epoch,
+        observation_offset=offset,
         shuffle=loader.shuffle,
         shuffle_seed=loader.shuffle_seed,
         drop_last=loader.drop_last,
@@ -85,7 +92,7 @@ def save_state(loader: Loader[Any]) -> StatefulDataLoaderStateDict:
     )
     # always there, "" before the first iterator: torch.distributed.checkpoint loads the keys of
     # the loading side's state_dict() only, so a fresh loader's must have it too
-    state["history"] = loader._ckpt.history.encode()
+    state["history"] = history.encode()
     block = block_size(loader)
     if block > 1:  # a global shuffle's checkpoint stays as it was: no key means blocks of 1
         state["shuffle_block_size"] = block

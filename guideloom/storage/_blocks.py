@@ -65,6 +65,12 @@ class BlockMismatch(Exception):
     """A block's bytes do not match its digest (the reader names the file)."""
 
 
+def _digest_nogil(data: Any) -> int:
+    """xxh3_64 of ``data``, hashed with the GIL released (the hasher object's constructor releases
+    it; the one-shot function does not): a first touch's check overlaps the consumer's work."""
+    return int(xxhash.xxh3_64(data).intdigest())
+
+
 def sidecar_name(path: str) -> str:
     """The sidecar file of data file ``path``."""
     return path + SIDECAR_SUFFIX
@@ -78,7 +84,7 @@ def block_digests(data: Any, size: int) -> U64:
     """The digest of each ``size``-byte block of ``data`` (bytes-like)."""
     view = memoryview(data).cast("B")
     out = np.empty(block_count(view.nbytes, size), dtype=np.uint64)
-    digest = xxhash.xxh3_64_intdigest
+    digest = _digest_nogil
     for i in range(len(out)):
         out[i] = digest(view[i * size : (i + 1) * size])
     return out
@@ -210,7 +216,7 @@ def check_range(digests: U64, size: int, start: int, data: Any) -> None:
     if start % size:
         raise BlockMismatch(f"a read at byte {start} is not aligned to the {size}-byte blocks")
     first = start // size
-    digest = xxhash.xxh3_64_intdigest
+    digest = _digest_nogil  # on an I/O thread: the event loop and the other reads go on
     for i in range(block_count(view.nbytes, size)):
         if digest(view[i * size : (i + 1) * size]) != int(digests[first + i]):
             lo = (first + i) * size
@@ -304,7 +310,7 @@ class FileBlocks:
             self._check(todo[~checked[todo]].tolist(), read)
 
     def _check(self, blocks: list[int], read: Callable[[int, int], Any]) -> None:
-        size, digest = self.size, xxhash.xxh3_64_intdigest
+        size, digest = self.size, _digest_nogil
         seen = self.identity  # a check of the file as it was: not remembered once it changed
         if self._racy and seen is not None:
             self._racy = time.time_ns() - seen[4] < RACY_NS

@@ -27,6 +27,7 @@
     python -m benchmarks parquet-remote [--rounds 2] # open_parquet over http (0/20 ms) vs HF streaming
     python -m benchmarks integrity [--block-sizes 16,64,256] # block verification's cost, local and S3
     python -m benchmarks torchft [--kills 24]      # a quorum's failures: lost/repeated vs torchft's sampler
+    python -m benchmarks async-loop [--rounds 2]   # async for over S3: event-loop stalls, vs the sync loop
 
 `suite` runs in a venv of its own with the peers ($GUIDELOOM_BENCH_VENV, default
 $TMPDIR/guideloom-bench-venv): it creates it on first use and re-runs itself there. Nothing else
@@ -71,6 +72,7 @@ _PASSTHROUGH = {
     "parquet-remote": "benchmarks.parquet_remote",
     "integrity": "benchmarks.integrity",
     "torchft": "benchmarks.torchft",
+    "async-loop": "benchmarks.async_loop",
 }
 
 
@@ -170,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         "parquet-remote",
         "integrity",
         "torchft",
+        "async-loop",
     ]
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__)

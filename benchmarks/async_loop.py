@@ -1,0 +1,146 @@
+"""``async for`` over S3 and the caller's event loop: how long the loader keeps the loop from
+other tasks, and its throughput against the sync loop, in one run.
+
+    python -m benchmarks async-loop [--mib 64] [--rounds 2] [--latency-ms 0,20]
+
+Workload: a uint16 stream (``--mib`` MiB, 4 MiB objects) on a moto S3 server on 127.0.0.1,
+directly and behind a proxy that adds ``--latency-ms`` to every request; ``sequence_length=2048``,
+``local_batch_size=16``, shuffled with ``shuffle_block_size="auto"``, ``prefetch=4``, the
+README's collate; ``num_workers`` 0 and 2 (threads). A fresh loader per measurement; the epoch
+is timed from ``open_stream`` (called on a thread from the coroutine, as docs/async.md says) to
+its last batch.
+
+Beside each ``async for`` epoch, a heartbeat task on the same loop sleeps 1 ms at a time and
+records how late each wake-up was: the loop's stalls. Printed per case: the worst and the 99th
+percentile stall, the heartbeat's worst alone on an idle loop in the same run (what the machine
+itself adds), and tokens per second of ``async for`` against the sync ``for`` over the same data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import guideloom as gl
+from benchmarks.remote_stream import collate, ensure_dataset, moto_bucket
+
+MiB = 2**20
+KW: dict[str, Any] = dict(
+    sequence_length=2048,
+    local_batch_size=16,
+    shuffle=True,
+    shuffle_seed=0,
+    shuffle_block_size="auto",
+    prefetch=4,
+    device=torch.device("cpu"),
+)
+
+
+def _loader(storage: Any, workers: int) -> Any:
+    return gl.StatefulDataLoader.from_storage(
+        storage, collate, num_workers=workers, parallel_method="thread", **KW
+    )
+
+
+async def _heartbeat(stop: asyncio.Event, late: list[float]) -> None:
+    """Sleep 1 ms at a time until ``stop``; record how late each wake-up was (seconds)."""
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        t0 = loop.time()
+        await asyncio.sleep(0.001)
+        late.append(max(0.0, loop.time() - t0 - 0.001))
+
+
+async def _idle(seconds: float) -> list[float]:
+    stop, late = asyncio.Event(), []
+    task = asyncio.create_task(_heartbeat(stop, late))
+    await asyncio.sleep(seconds)
+    stop.set()
+    await task
+    return late
+
+
+async def _async_epoch(url: str, options: dict[str, Any], workers: int) -> tuple[float, int, list[float]]:
+    stop, late = asyncio.Event(), []
+    beat = asyncio.create_task(_heartbeat(stop, late))
+    await asyncio.sleep(0.01)  # the heartbeat runs before the loader does
+    t0 = time.perf_counter()
+    # open_stream reads the manifest before it returns: a coroutine calls it on a thread
+    loader = _loader(await asyncio.to_thread(gl.open_stream, url, **options), workers)
+    n = 0
+    async with loader:
+        async for batch in loader:
+            n += batch.numel()
+    seconds = time.perf_counter() - t0
+    stop.set()
+    await beat
+    return seconds, n, late
+
+
+def _sync_epoch(url: str, options: dict[str, Any], workers: int) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    loader = _loader(gl.open_stream(url, **options), workers)
+    n = 0
+    with loader:
+        for batch in loader:
+            n += batch.numel()
+    return time.perf_counter() - t0, n
+
+
+def _ms(values: list[float], q: float | None = None) -> float:
+    if not values:
+        return 0.0
+    return 1e3 * (max(values) if q is None else float(np.quantile(values, q)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks async-loop", description=__doc__.split("\n")[0])
+    ap.add_argument("--mib", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--latency-ms", default="0,20", help="added to every request, comma-separated")
+    args = ap.parse_args(argv)
+    from tests.support.servers import proxy_process
+
+    root = Path(tempfile.gettempdir()) / "guideloom-bench"
+    folder = ensure_dataset(root, args.mib * MiB)
+    head = ("case", "worst stall", "p99", "idle worst", "async", "sync", "async/sync")
+    print(f"{head[0]:<22} {head[1]:>12} {head[2]:>8} {head[3]:>11} {head[4]:>10} {head[5]:>10} {head[6]:>10}")
+    with moto_bucket(folder) as options:
+        port = int(options["endpoint"].rsplit(":", 1)[1])
+        for latency in [int(x) for x in args.latency_ms.split(",")]:
+            with contextlib.ExitStack() as stack:
+                opts = dict(options)
+                if latency:
+                    proxy = stack.enter_context(proxy_process(port, delay=latency / 1000, lifetime=3600))
+                    opts["endpoint"] = f"http://127.0.0.1:{proxy}"
+                for workers in (0, 2):
+                    idle: list[float] = []
+                    late: list[float] = []
+                    rate_async: list[float] = []
+                    rate_sync: list[float] = []
+                    for _ in range(args.rounds):
+                        idle += asyncio.run(_idle(1.0))
+                        seconds, n, lates = asyncio.run(_async_epoch("s3://bench/gl", opts, workers))
+                        late += lates
+                        rate_async.append(n / seconds)
+                        seconds, n = _sync_epoch("s3://bench/gl", opts, workers)
+                        rate_sync.append(n / seconds)
+                    a, s = statistics.median(rate_async), statistics.median(rate_sync)
+                    print(
+                        f"{f'{latency} ms, nw={workers}':<22} {_ms(late):>10.1f}ms {_ms(late, 0.99):>6.1f}ms "
+                        f"{_ms(idle):>9.1f}ms {a / 1e6:>7.1f}M/s {s / 1e6:>7.1f}M/s {a / s:>10.2f}",
+                        flush=True,
+                    )
+
+
+if __name__ == "__main__":
+    main()

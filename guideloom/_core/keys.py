@@ -10,7 +10,8 @@ from here.
 from __future__ import annotations
 
 import hashlib
-from typing import Final
+from collections.abc import Iterable
+from typing import Final, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -21,7 +22,9 @@ __all__ = [
     "MIX1",
     "MIX2",
     "ROUNDS",
+    "feistel",
     "feistel_round",
+    "feistel_scalar",
     "hash64",
     "hash_words",
     "splitmix",
@@ -40,6 +43,10 @@ MIX2: Final = 0x94D049BB133111EB
 _MIX1_U: Final = np.uint64(MIX1)
 _MIX2_U: Final = np.uint64(MIX2)
 _S27, _S29, _S30, _S31 = np.uint64(27), np.uint64(29), np.uint64(30), np.uint64(31)
+
+U64: TypeAlias = npt.NDArray[np.uint64]
+#: A width, mask or key: one for every element, or one per element.
+U64s: TypeAlias = "np.uint64 | npt.NDArray[np.uint64]"
 
 
 def hash_words(text: str, count: int) -> tuple[int, ...]:
@@ -84,3 +91,42 @@ def feistel_round(right: int, key: int) -> int:
     z ^= z >> 31
     z = (z * MIX2) & MASK64
     return z ^ (z >> 29)
+
+
+def feistel_scalar(
+    x: int, right_bits: int, masks: tuple[int, int], keys: Iterable[int], wkey: int = 0
+) -> int:
+    """The Feistel network of every keyed order here, on one value: ``x``'s low ``right_bits``
+    bits are the right half; round ``i`` keys :func:`feistel_round` with ``key ^ wkey`` and masks
+    its output to ``masks[i & 1]`` (the width of the half it lands in: halves of unequal width
+    alternate)."""
+    left, right = x >> right_bits, x & masks[1]
+    for i, key in enumerate(keys):
+        left, right = right, left ^ (feistel_round(right, wkey ^ key) & masks[i & 1])
+    return (left << right_bits) | right
+
+
+def feistel(
+    x: U64, right_bits: U64s, masks: tuple[U64s, U64s], keys: Iterable[U64s], wkey: U64s | None = None
+) -> U64:
+    """:func:`feistel_scalar` over an array, in place in two scratch buffers (no temporary per
+    operation); each width, mask and key is a scalar or one per element of ``x``."""
+    left = x >> right_bits
+    right = x & masks[1]
+    z, t = np.empty_like(left), np.empty_like(left)
+    for i, key in enumerate(keys):
+        np.bitwise_xor(right, key, out=z)
+        if wkey is not None:
+            np.bitwise_xor(z, wkey, out=z)
+        np.multiply(z, _MIX1_U, out=z)
+        np.right_shift(z, _S31, out=t)
+        np.bitwise_xor(z, t, out=z)
+        np.multiply(z, _MIX2_U, out=z)
+        np.right_shift(z, _S29, out=t)
+        np.bitwise_xor(z, t, out=z)
+        np.bitwise_and(z, masks[i & 1], out=z)
+        np.bitwise_xor(z, left, out=z)
+        left, right, z = right, z, left  # the old left's buffer is the next round's scratch
+    np.left_shift(left, right_bits, out=left)
+    np.bitwise_or(left, right, out=left)
+    return left

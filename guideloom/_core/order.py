@@ -32,7 +32,8 @@ from guideloom._core.keys import (
     MIX1,
     MIX2,
     ROUNDS,
-    feistel_round,
+    feistel,
+    feistel_scalar,
     hash_words,
     splitmix,
     splitmix_scalar,
@@ -206,10 +207,7 @@ class BlockPermutation:
     def _feistel_scalar(self, x: int, bits: int, wkey: int) -> int:
         right_bits = bits // 2
         masks = ((1 << (bits - right_bits)) - 1, (1 << right_bits) - 1)
-        left, right = x >> right_bits, x & masks[1]
-        for i, key in enumerate(self._keys):
-            left, right = right, left ^ (feistel_round(right, wkey ^ key) & masks[i & 1])
-        return (left << right_bits) | right
+        return feistel_scalar(x, right_bits, masks, self._keys, wkey)
 
     def __getitem__(self, position: int) -> int:
         if not 0 <= position < self.n:
@@ -229,28 +227,10 @@ class BlockPermutation:
 
     # -- vectorised path ---------------------------------------------------------------------
     def _feistel(self, x: _U64, bits: _Width, wkey: _U64) -> _U64:
-        """The scalar rounds over an array, in place; ``bits`` per element or one for all."""
+        """The scalar rounds over an array; ``bits`` per element or one for all."""
         right_bits = bits >> _ONE
-        one = _ONE
-        masks = ((one << (bits - right_bits)) - one, (one << right_bits) - one)
-        left = x >> right_bits
-        right = x & masks[1]
-        z, t = np.empty_like(left), np.empty_like(left)
-        for i, key in enumerate(self._keys_np):
-            np.bitwise_xor(right, wkey, out=z)
-            np.bitwise_xor(z, key, out=z)
-            np.multiply(z, _MIX1, out=z)
-            np.right_shift(z, _S31, out=t)
-            np.bitwise_xor(z, t, out=z)
-            np.multiply(z, _MIX2, out=z)
-            np.right_shift(z, _S29, out=t)
-            np.bitwise_xor(z, t, out=z)
-            np.bitwise_and(z, masks[i & 1], out=z)
-            np.bitwise_xor(z, left, out=z)
-            left, right, z = right, z, left  # the old left's buffer is the next round's scratch
-        np.left_shift(left, right_bits, out=left)
-        np.bitwise_or(left, right, out=left)
-        return left
+        masks = ((_ONE << (bits - right_bits)) - _ONE, (_ONE << right_bits) - _ONE)
+        return feistel(x, right_bits, masks, self._keys_np, wkey)
 
     def _windows(self, k: IndexArray) -> tuple[_Width, _Width, _U64]:
         """Size, Feistel bits and key of the window of each position (``k``: window indexes).

@@ -8,17 +8,13 @@ read-ahead window with a handful of numpy operations.
 
 from __future__ import annotations
 
-from typing import Final
-
 import numpy as np
 import numpy.typing as npt
 
-from guideloom._core.keys import MIX1, MIX2, ROUNDS, feistel_round, hash_words
+from guideloom._core.keys import ROUNDS, feistel, feistel_scalar, hash_words
 
 __all__ = ["IndexArray", "Permutation"]
 
-_MIX1: Final = np.uint64(MIX1)
-_MIX2: Final = np.uint64(MIX2)
 
 IndexArray = npt.NDArray[np.int64]
 
@@ -54,11 +50,8 @@ class Permutation:
 
     # -- scalar path -------------------------------------------------------------------------
     def _feistel_scalar(self, x: int) -> int:
-        h, mask = self._half_bits, self._half_mask
-        left, right = x >> h, x & mask
-        for key in self._keys:
-            left, right = right, left ^ (feistel_round(right, key) & mask)
-        return (left << h) | right
+        mask = self._half_mask
+        return feistel_scalar(x, self._half_bits, (mask, mask), self._keys)
 
     def __getitem__(self, position: int) -> int:
         if not 0 <= position < self.n:
@@ -72,26 +65,8 @@ class Permutation:
 
     # -- vectorised path ---------------------------------------------------------------------
     def _feistel(self, x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-        h = np.uint64(self._half_bits)
         mask = np.uint64(self._half_mask)
-        left = x >> h
-        right = x & mask
-        s31, s29 = np.uint64(31), np.uint64(29)
-        z, t = np.empty_like(left), np.empty_like(left)
-        for key in self._keys_np:  # the scalar rounds, in place: no temporary array per operation
-            np.bitwise_xor(right, key, out=z)
-            np.multiply(z, _MIX1, out=z)
-            np.right_shift(z, s31, out=t)
-            np.bitwise_xor(z, t, out=z)
-            np.multiply(z, _MIX2, out=z)
-            np.right_shift(z, s29, out=t)
-            np.bitwise_xor(z, t, out=z)
-            np.bitwise_and(z, mask, out=z)
-            np.bitwise_xor(z, left, out=z)
-            left, right, z = right, z, left  # the old left's buffer is the next round's scratch
-        np.left_shift(left, h, out=left)
-        np.bitwise_or(left, right, out=left)
-        return left
+        return feistel(x, np.uint64(self._half_bits), (mask, mask), self._keys_np)
 
     def take(self, positions: npt.ArrayLike) -> IndexArray:
         """Map an array of order positions to observation indexes (vectorised)."""

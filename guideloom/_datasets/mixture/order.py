@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from guideloom._core.keys import GOLDEN, MIX1, MIX2, ROUNDS, hash64, splitmix
+from guideloom._core.keys import GOLDEN, MIX1, MIX2, ROUNDS, feistel, hash64, splitmix
 from guideloom._core.permutation import IndexArray, Permutation
 from guideloom._datasets.base import DatasetAbstract
 from guideloom._datasets.mixture.schedule import Layout
@@ -48,24 +48,6 @@ class KeyedPermutation(Permutation):
         super().__init__(n, shuffle=True, seed=0, epoch=0)
         self._keys = tuple(int(k) for k in keys)
         self._keys_np = tuple(np.uint64(k) for k in self._keys)
-
-
-def _feistel(
-    x: npt.NDArray[np.uint64],
-    h: npt.NDArray[np.uint64],
-    mask: npt.NDArray[np.uint64],
-    keys: npt.NDArray[np.uint64],
-) -> npt.NDArray[np.uint64]:
-    """:class:`~guideloom._core.plan.Permutation`'s Feistel rounds with per-element widths and keys,
-    so positions of many (source, epoch) permutations go through one vectorised pass."""
-    left, right = x >> h, x & mask
-    for k in keys:
-        z = (right ^ k) * _MIX1
-        z ^= z >> _S31
-        z *= _MIX2
-        z ^= z >> _S29
-        left, right = right, left ^ (z & mask)
-    return (left << h) | right
 
 
 class SourceKeys:
@@ -207,10 +189,10 @@ class MixtureOrder:
         keys = _epoch_keys(self._source_keys[src], source_epoch.astype(np.uint64))
         n = self._layout.lengths[src].astype(np.uint64)
         h, mask = self._half[src], self._mask[src]
-        x = _feistel(within.astype(np.uint64), h, mask, keys)
+        x = feistel(within.astype(np.uint64), h, (mask, mask), keys)
         out = np.flatnonzero(x >= n)
         while out.size:  # cycle-walking, as Permutation does
-            walked = _feistel(x[out], h[out], mask[out], keys[:, out])
+            walked = feistel(x[out], h[out], (mask[out], mask[out]), keys[:, out])
             x[out] = walked
             out = out[walked >= n[out]]
         return x.astype(np.int64)

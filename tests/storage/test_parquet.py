@@ -261,6 +261,7 @@ def test_a_process_that_read_parquet_may_still_fork_its_workers_from_itself(fold
         "names = [(_comm(t) or '').strip() for t in os.listdir('/proc/self/task')]  # a thread may end\n"
         "assert 'jemalloc_bg_thd' not in names, names\n"
         "assert fork_is_safe()\n"
+        "assert 'JE_ARROW_MALLOC_CONF' not in os.environ, 'the environment is left as it was'\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "JE_ARROW_MALLOC_CONF"}
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)})

@@ -19,14 +19,22 @@ _REMOTE_SCHEMES = ("s3", "gs", "gcs", "az", "azure", "abfs", "abfss", "http", "h
 _FOOTER_GUESS = 64 * 1024  # bytes read from an object's end first: most footers fit
 
 
+_JEMALLOC_CONF = "JE_ARROW_MALLOC_CONF"
+
+
 def _import(name: str) -> Any:
     """``name`` imported; pyarrow's first import without its bundled jemalloc's background
-    thread (``JE_ARROW_MALLOC_CONF``, unless set): pyarrow's default pool is another allocator
-    here, and that named thread would keep process workers from being forked from the main
-    process (sharing its pages) for as long as the process lives."""
-    if "pyarrow" not in sys.modules:
-        os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
-    return importlib.import_module(name)
+    thread: pyarrow's default pool is another allocator here, and that named thread would keep
+    process workers from being forked from the main process (sharing its pages) for as long as
+    the process lives. ``JE_ARROW_MALLOC_CONF`` says so for the import only (jemalloc reads it
+    then), unless the user set it: the process's environment is left as it was."""
+    if "pyarrow" in sys.modules or _JEMALLOC_CONF in os.environ:
+        return importlib.import_module(name)
+    os.environ[_JEMALLOC_CONF] = "background_thread:false"
+    try:
+        return importlib.import_module(name)
+    finally:
+        os.environ.pop(_JEMALLOC_CONF, None)
 
 
 def _pq() -> Any:

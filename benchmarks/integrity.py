@@ -59,10 +59,10 @@ def _epoch(storage: Any, fresh: bool = True, **kw: Any) -> float:
     import torch
 
     import guideloom as gl
-    from guideloom.storage import _blocks
+    from guideloom import _process
 
     if fresh:
-        _blocks._FILES.clear()  # a fresh process: every block checked on first touch
+        _process.reset()  # as a fresh process: every block checked on first touch
     loader = gl.StatefulDataLoader.from_storage(
         storage,
         _collate,

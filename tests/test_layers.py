@@ -3,7 +3,8 @@
 Every import counts: at module level, inside functions and under ``TYPE_CHECKING`` alike, since
 each is a dependency a reader has to follow. The layers, from the bottom:
 
-0. ``_errors``, ``types``, ``_loop``: exceptions, public types, the event-loop thread
+0. ``_errors``, ``types``, ``_loop``, ``_compat``, ``_process``: exceptions, public types, the
+   event-loop thread, the private CPython APIs used, what is kept per process
 1. ``_core``: pure planning (no I/O)
 2. ``storage``: where samples come from, how datasets are written
 3. ``_datasets``: observation to sample
@@ -24,7 +25,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "guideloom"
 
 LAYERS: list[tuple[str, ...]] = [
-    ("guideloom._errors", "guideloom.types", "guideloom._loop"),
+    ("guideloom._errors", "guideloom.types", "guideloom._loop", "guideloom._compat", "guideloom._process"),
     ("guideloom._core",),
     ("guideloom.storage",),
     ("guideloom._datasets",),

@@ -20,7 +20,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -30,6 +30,7 @@ import numpy.typing as npt
 import xxhash
 
 from guideloom._errors import DatasetFormatError, DatasetIntegrityError
+from guideloom._process import remembered
 
 __all__ = [
     "BLOCK_BYTES",
@@ -338,7 +339,7 @@ class FileBlocks:
 
 
 #: Per-process bitmaps, by path and digests: shared by every open of a file.
-_FILES: dict[tuple[str, int, str], FileBlocks] = {}
+_FILES: MutableMapping[tuple[str, int, str], FileBlocks] = remembered(1 << 16)
 _FILES_LOCK = threading.Lock()
 
 

@@ -43,7 +43,6 @@ import shutil
 import threading
 import time
 import warnings
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -53,6 +52,7 @@ import numpy as np
 import numpy.typing as npt
 
 from guideloom._errors import DatasetFormatError, DatasetIntegrityError
+from guideloom._process import Live
 from guideloom.storage._blocks import (
     BLOCK_BYTES,
     INLINE_BLOCKS,
@@ -101,17 +101,9 @@ FIRST_READ_GRACE_SECONDS = 1.0
 #: first used (a few milliseconds); a larger one in the background, read remotely meanwhile.
 CHECK_INLINE_BYTES = 64 * 2**20
 
-_LIVE: weakref.WeakSet[DatasetCache] = weakref.WeakSet()
-
-
-def _abort_all() -> None:
-    for cache in list(_LIVE):
-        cache.abort()
-
-
-# Runs before the interpreter joins its threads (as concurrent.futures' pools do), so a download
-# in progress stops after its current parts instead of holding the process open.
-threading._register_atexit(_abort_all)  # type: ignore[attr-defined]
+#: Aborted before the interpreter joins its threads (as concurrent.futures' pools stop), so a
+#: download in progress stops after its current parts instead of holding the process open.
+_LIVE: Live[DatasetCache] = Live(lambda cache: cache.abort())
 
 
 def _runs(pieces: Sequence[Piece]) -> Iterator[Piece]:

@@ -41,7 +41,6 @@ import hashlib
 import os
 import threading
 import warnings
-import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Final
@@ -50,6 +49,7 @@ import numpy as np
 import numpy.typing as npt
 
 from guideloom._errors import DatasetIntegrityError
+from guideloom._process import Live
 from guideloom.storage._chunk_download import Downloader
 from guideloom.storage._chunk_folder import ChunkFolder
 from guideloom.storage._chunk_schedule import ChunkSchedule
@@ -66,16 +66,8 @@ I64 = npt.NDArray[np.int64]
 CHUNK_BYTES: Final = 16 * 2**20
 #: How long a read waits for a chunk this process is downloading before reading remotely.
 CHUNK_WAIT_SECONDS = 0.25
-_LIVE: weakref.WeakSet[ChunkCache] = weakref.WeakSet()
-
-
-def _stop_all() -> None:
-    for cache in list(_LIVE):
-        cache.stop()
-
-
-# As for the whole copy (_cache.py): stop downloads before the interpreter joins its threads.
-threading._register_atexit(_stop_all)  # type: ignore[attr-defined]
+#: As for the whole copy (_cache.py): downloads stop before the interpreter joins its threads.
+_LIVE: Live[ChunkCache] = Live(lambda cache: cache.stop())
 
 
 class ChunkCache:

@@ -16,7 +16,7 @@ import itertools
 import mmap
 import os
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ import numpy.typing as npt
 
 from guideloom._core.text import plural
 from guideloom._errors import DatasetIntegrityError
+from guideloom._process import remembered
 from guideloom.storage._blocks import FileBlocks, file_blocks, identity
 from guideloom.storage._manifest import MANIFEST_NAME, ArraySpec, Manifest, add_bases, read_manifest_file
 from guideloom.storage._manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
@@ -78,7 +79,7 @@ def read_local_manifest(folder: Path) -> Manifest:
 VERIFY_ON_OPEN_BYTES = 64 * 2**20
 #: Files whose checksum matched, by path and identity (:func:`identity`): each is hashed once
 #: per process while it is unchanged.
-_VERIFIED: dict[tuple[str, tuple[int, int, int, int, int]], str] = {}
+_VERIFIED: MutableMapping[tuple[str, tuple[int, int, int, int, int]], str] = remembered(1 << 16)
 
 
 def check_local_files(folder: Path, manifest: Manifest) -> None:

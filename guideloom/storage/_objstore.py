@@ -35,7 +35,6 @@ import hashlib
 import os
 import random
 import re
-import threading
 import time
 import weakref
 from collections import deque
@@ -47,6 +46,7 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from guideloom._core.text import plural
 from guideloom._errors import RemoteReadError, StorageError
+from guideloom._process import pool
 
 __all__ = [
     "RANGES_PER_CALL",
@@ -678,9 +678,8 @@ def call_with_retries(fn: Callable[[], T], policy: RetryPolicy) -> T:
 
 
 # -- the I/O pool ----------------------------------------------------------------------------------
-_IO_LOCK = threading.Lock()
-_IO: list[concurrent.futures.ThreadPoolExecutor] = []
 _IO_THREADS: Final = 128
+_RANGE_THREADS: Final = 512
 
 
 def io_executor() -> concurrent.futures.ThreadPoolExecutor:
@@ -689,14 +688,7 @@ def io_executor() -> concurrent.futures.ThreadPoolExecutor:
     Its threads are joined before the interpreter finalises (``concurrent.futures`` registers
     that), so no thread is inside obstore when Python shuts down.
     """
-    with _IO_LOCK:
-        if not _IO:
-            _IO.append(concurrent.futures.ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="guideloom-io"))
-        return _IO[0]
-
-
-_RANGES: list[concurrent.futures.ThreadPoolExecutor] = []
-_RANGE_THREADS: Final = 512
+    return pool("io", _IO_THREADS)
 
 
 def range_executor() -> concurrent.futures.ThreadPoolExecutor:
@@ -705,12 +697,7 @@ def range_executor() -> concurrent.futures.ThreadPoolExecutor:
     from :func:`io_executor`, whose threads wait on it: its own tasks never wait on anything,
     so neither pool can starve the other. Its size bounds the ranges in flight at once, beside
     one per I/O thread."""
-    with _IO_LOCK:
-        if not _RANGES:
-            _RANGES.append(
-                concurrent.futures.ThreadPoolExecutor(_RANGE_THREADS, thread_name_prefix="guideloom-range")
-            )
-        return _RANGES[0]
+    return pool("range", _RANGE_THREADS)
 
 
 # -- bounded in-flight requests and bytes ----------------------------------------------------------

@@ -14,7 +14,6 @@ import functools
 import hashlib
 import json
 import threading
-import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -24,6 +23,7 @@ import numpy.typing as npt
 
 from guideloom._core.text import plural
 from guideloom._errors import DatasetFormatError, DatasetIntegrityError, StorageError
+from guideloom._process import Live
 from guideloom.storage._parquet._decode import I64, OnNull, _Decoded
 from guideloom.storage._parquet._files import _pa, _Stat
 from guideloom.storage._parquet._footers import _chunk_range, _FileEntry, _leaves
@@ -40,16 +40,8 @@ _OPEN_FILES = 64  # local ParquetFile handles kept open per process
 #: Uses of row groups by the loader's upcoming reads recorded at most (how far the walk of its
 #: hint may run ahead of the reads where every row group it meets is decoded already).
 _AHEAD_MAX_USES = 1 << 16
-_LIVE: weakref.WeakSet[_RowGroups] = weakref.WeakSet()
-
-
-def _stop_all() -> None:
-    for storage in list(_LIVE):
-        storage._stop_ahead(join=False)
-
-
-# Runs before the interpreter joins its threads: the fetches ahead start no new GET after it.
-threading._register_atexit(_stop_all)  # type: ignore[attr-defined]
+#: Stopped before the interpreter joins its threads: the fetches ahead start no new GET after it.
+_LIVE: Live[_RowGroups] = Live(lambda storage: storage._stop_ahead(join=False))
 
 
 class _Decoding(concurrent.futures.Future[_Decoded]):

@@ -1,0 +1,132 @@
+"""What guideloom keeps for the whole process, in one place.
+
+- **Live objects** with background work (downloads, fetches ahead, stores): each kind in a
+  :class:`Live` registry, stopped before the interpreter joins its threads at exit.
+- **Thread pools** shared by every storage (:func:`pool`): created on first use, named, their
+  threads started on demand and joined at exit by ``concurrent.futures``.
+- **Checks already made** (:func:`remembered`): bounded maps from a file's identity to what a
+  check found, so that an unchanged file is hashed once per process.
+
+:func:`reset` forgets the checks made (a test that rewrites a file in place within one clock tick,
+or a benchmark that measures a first epoch again); live objects and pools are left to their owners.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, MutableMapping
+from typing import Generic, TypeVar
+
+from guideloom._compat import at_threads_exit
+
+__all__ = ["Live", "pool", "remembered", "reset"]
+
+T = TypeVar("T")
+K = TypeVar("K")
+V = TypeVar("V")
+
+_LOCK = threading.Lock()
+_LIVE: list[Live[object]] = []
+_POOLS: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+_REMEMBERED: list[_Bounded[object, object]] = []
+
+
+class Live(Generic[T]):
+    """The live objects of one kind, each stopped with ``stop`` before the interpreter joins its
+    threads (held weakly: an object dropped is forgotten)."""
+
+    def __init__(self, stop: Callable[[T], object]) -> None:
+        self._objects: weakref.WeakSet[T] = weakref.WeakSet()
+        self._stop = stop
+        with _LOCK:
+            _LIVE.append(self)  # type: ignore[arg-type]
+
+    def add(self, obj: T) -> None:
+        self._objects.add(obj)
+
+    def discard(self, obj: T) -> None:
+        self._objects.discard(obj)
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(list(self._objects))
+
+    def stop_all(self) -> None:
+        for obj in self:
+            self._stop(obj)
+
+
+def _stop_everything() -> None:
+    for live in list(_LIVE):
+        live.stop_all()
+
+
+at_threads_exit(_stop_everything)
+
+
+def pool(name: str, threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The process's pool ``name`` (threads named ``guideloom-<name>``, at most ``threads``)."""
+    with _LOCK:
+        found = _POOLS.get(name)
+        if found is None:
+            found = _POOLS[name] = concurrent.futures.ThreadPoolExecutor(
+                threads, thread_name_prefix=f"guideloom-{name}"
+            )
+        return found
+
+
+class _Bounded(MutableMapping[K, V]):
+    """A dict that forgets its oldest entries beyond ``limit`` (thread-safe)."""
+
+    def __init__(self, limit: int) -> None:
+        self._data: OrderedDict[K, V] = OrderedDict()
+        self._limit = limit
+        self._lock = threading.Lock()
+
+    def __getitem__(self, key: K) -> V:
+        with self._lock:
+            return self._data[key]
+
+    def __setitem__(self, key: K, value: V) -> None:
+        with self._lock:
+            self._data[key] = value
+            self._data.move_to_end(key)
+            while len(self._data) > self._limit:
+                self._data.popitem(last=False)
+
+    def __delitem__(self, key: K) -> None:
+        with self._lock:
+            del self._data[key]
+
+    def __iter__(self) -> Iterator[K]:
+        with self._lock:
+            return iter(list(self._data))
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def setdefault(self, key: K, default: V) -> V:
+        with self._lock:
+            found = self._data.setdefault(key, default)
+            while len(self._data) > self._limit:
+                self._data.popitem(last=False)
+            return found
+
+
+def remembered(limit: int) -> MutableMapping[K, V]:
+    """A map of checks made, of at most ``limit`` entries (the oldest forgotten first), which
+    :func:`reset` clears."""
+    found: _Bounded[K, V] = _Bounded(limit)
+    with _LOCK:
+        _REMEMBERED.append(found)  # type: ignore[arg-type]
+    return found
+
+
+def reset() -> None:
+    """Forget every check made in this process: each file is checked again at its next read."""
+    with _LOCK:
+        maps = list(_REMEMBERED)
+    for m in maps:
+        m.clear()

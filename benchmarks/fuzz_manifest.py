@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from guideloom import DatasetFormatError
-from guideloom.storage._manifest import (
+from guideloom.storage._format._manifest import (
     MANIFEST_NAME,
     SUPPORTED_DTYPES,
     ArraySpec,

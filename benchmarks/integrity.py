@@ -32,7 +32,8 @@ def _collate(samples: Any) -> Any:
 
 def _write(folder: Path, mb: int, block: int) -> None:
     import guideloom as gl
-    from guideloom.storage import _blocks, _writer
+    from guideloom.storage._format import _blocks
+    from guideloom.storage._write import _writer
 
     _writer.BLOCK_BYTES = block  # type: ignore[attr-defined]
     try:

@@ -37,7 +37,7 @@ from guideloom.storage import (
     write_documents,
     write_stream,
 )
-from guideloom.storage._ray_write import ray_datasink, write_ray_dataset
+from guideloom.storage._write._ray_write import ray_datasink, write_ray_dataset
 from guideloom.types import StatefulDataLoaderStateDict
 
 __version__ = "0.1.0"

@@ -96,7 +96,7 @@ def test_import_without_torch_works_and_the_loader_says_what_to_install() -> Non
 
 
 def test_modules_import_cleanly() -> None:
-    for mod in ("guideloom._core.plan", "guideloom.storage._manifest"):
+    for mod in ("guideloom._core.plan", "guideloom.storage._format._manifest"):
         m = importlib.import_module(mod)
         assert "torch" not in getattr(m, "__dict__", {})
 

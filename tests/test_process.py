@@ -11,7 +11,7 @@ import numpy as np
 
 import guideloom as gl
 from guideloom import _process
-from guideloom.storage import _blocks
+from guideloom.storage._format import _blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,8 +14,8 @@ from guideloom._cli._tokenizers import Tokenizer, tokenizer_for_decoding
 from guideloom._core.text import plural
 from guideloom._errors import DatasetFormatError
 from guideloom.storage._api import local_folder, open_documents, open_stream, verify_dataset
-from guideloom.storage._local import read_local_manifest
-from guideloom.storage._manifest import MANIFEST_NAME, Manifest
+from guideloom.storage._format._manifest import MANIFEST_NAME, Manifest
+from guideloom.storage._local._storage import read_local_manifest
 from guideloom.storage._parquet import ParquetStorage, open_parquet, parquet_columns
 from guideloom.storage.base import DocumentStorageAbstract, StreamStorageAbstract
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from guideloom._cli._common import CLIError, UsageError
 from guideloom._core.text import plural
-from guideloom.storage._manifest import MANIFEST_NAME, Manifest
-from guideloom.storage._parts import (
+from guideloom.storage._format._manifest import MANIFEST_NAME, Manifest
+from guideloom.storage._write._parts import (
     PARTS,
     Root,
     check_present,

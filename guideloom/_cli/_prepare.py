@@ -42,9 +42,9 @@ from guideloom._cli._work import Options, Result, ordered_results
 from guideloom._core.text import plural
 from guideloom._errors import DatasetFormatError
 from guideloom.storage._api import _sink, write_documents, write_stream
-from guideloom.storage._manifest import MANIFEST_NAME, Manifest, parse_manifest
-from guideloom.storage._parts import relocated
-from guideloom.storage._writer import write_documents_to
+from guideloom.storage._format._manifest import MANIFEST_NAME, Manifest, parse_manifest
+from guideloom.storage._write._parts import relocated
+from guideloom.storage._write._writer import write_documents_to
 
 __all__ = ["add_parser", "run"]
 

@@ -10,14 +10,14 @@ from urllib.parse import unquote, urlparse
 
 import numpy.typing as npt
 
-from guideloom.storage._local import (
+from guideloom.storage._format._manifest import Manifest
+from guideloom.storage._local._storage import (
     LocalDocumentStorage,
     LocalStreamStorage,
     read_local_manifest,
 )
-from guideloom.storage._manifest import Manifest
-from guideloom.storage._sinks import LocalSink, Sink
-from guideloom.storage._writer import DEFAULT_SHARD_BYTES, write_documents_to, write_stream_to
+from guideloom.storage._write._sinks import LocalSink, Sink
+from guideloom.storage._write._writer import DEFAULT_SHARD_BYTES, write_documents_to, write_stream_to
 from guideloom.storage.base import DocumentStorageAbstract, StreamStorageAbstract
 from guideloom.types import OpenOptions, WriteOptions
 
@@ -46,7 +46,9 @@ def local_folder(location: Location) -> Path | None:
 
 
 def _remote() -> Any:
-    from guideloom.storage import _remote as remote  # imported lazily: object-store support is optional
+    from guideloom.storage._remote import (
+        _storage as remote,  # imported lazily: object-store support is optional
+    )
 
     return remote
 
@@ -178,7 +180,7 @@ def verify_dataset(
             str(source), progress=progress, add_block_digests=add_block_digests, **options
         )
         return verified
-    from guideloom.storage._verify import verify_local
+    from guideloom.storage._format._verify import verify_local
 
     return verify_local(
         folder, read_local_manifest(folder), progress=progress, add_block_digests=add_block_digests
@@ -190,13 +192,13 @@ def check_dataset_blocks(source: str | os.PathLike[str], **options: Any) -> int:
     sidecars included; returns the number of blocks checked. :class:`DatasetIntegrityError`
     names the first file and block that does not match; a file without block digests is
     checked by its sha256 instead. The internal API a corruption fuzzer relies on."""
-    from guideloom.storage._verify import verify_local
+    from guideloom.storage._format._verify import verify_local
 
     folder = _folder_or_remote(source, options)
     if folder is None:
         manifest = _remote().verify_dataset(str(source), sha256=False, **options)
     else:
-        from guideloom.storage._local import read_local_manifest
+        from guideloom.storage._local._storage import read_local_manifest
 
         manifest = verify_local(folder, read_local_manifest(folder), sha256=False)
     return sum(

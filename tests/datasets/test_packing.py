@@ -31,7 +31,7 @@ from guideloom._datasets.packing import (
     _Pieces,
     best_fit_layout,
 )
-from guideloom.storage import _local as local
+from guideloom.storage._local import _storage as local
 from guideloom.storage.base import Spans
 from tests.support import ROOT
 from tests.support.loader import roundtrip, take

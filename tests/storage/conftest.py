@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from guideloom.storage._chunks import ChunkCache
+from guideloom.storage._cache._chunks import ChunkCache
 
 
 @pytest.fixture

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 import guideloom as gl
 from guideloom import DatasetFormatError, DatasetIntegrityError
-from guideloom.storage import _local
-from guideloom.storage._blocks import BLOCK_BYTES, INLINE_BLOCKS, BlockHasher, block_digests, widen
-from guideloom.storage._manifest import MANIFEST_NAME
+from guideloom.storage._format._blocks import BLOCK_BYTES, INLINE_BLOCKS, BlockHasher, block_digests, widen
+from guideloom.storage._format._manifest import MANIFEST_NAME
+from guideloom.storage._local import _storage as _local
 
 
 def _flip(path: Path, at: int) -> None:

@@ -1,4 +1,4 @@
-"""The whole copy (``guideloom.storage._cache``): what it puts on disk, in what order, and the
+"""The whole copy (``guideloom.storage._cache._copy``): what it puts on disk, in what order, and the
 reads it serves while in progress.
 
 ``cache_dir`` over a real object store, through the loader, is in
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import guideloom
-from guideloom.storage import _cache
-from guideloom.storage._cache import DatasetCache, copy_footprint
+from guideloom.storage._cache import _copy as _cache
+from guideloom.storage._cache._copy import DatasetCache, copy_footprint
 
 
 def test_the_copy_is_on_disk_before_the_folder_that_says_complete_appears(
@@ -227,7 +227,7 @@ def test_the_copys_block_digests_are_those_of_the_bytes_downloaded(
 ) -> None:
     """A copy damaged on disk after its checksums matched, before its manifest is written, is
     found damaged when checked, never used (as a copy too large to hash whole on open is)."""
-    from guideloom.storage import _local
+    from guideloom.storage._local import _storage as _local
 
     monkeypatch.setattr(_local, "VERIFY_ON_OPEN_BYTES", 0)
     monkeypatch.setattr(_cache, "PART_BYTES", 4096)

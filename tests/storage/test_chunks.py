@@ -1,4 +1,4 @@
-"""The chunk cache on its own (``guideloom.storage._chunks``): plan-order downloads, Belady
+"""The chunk cache on its own (``guideloom.storage._cache._chunks``): plan-order downloads, Belady
 eviction, the byte limit, checksums, crashed and concurrent holders, folder faults.
 
 The "object store" here is a local dataset's bytes behind a ``fetch`` function
@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 
 from guideloom._errors import DatasetIntegrityError
-from guideloom.storage import _chunk_download, _chunk_folder, _chunks
-from guideloom.storage._chunks import ChunkCache
-from guideloom.storage._ranges import Limits, plan_windows
+from guideloom.storage._cache import _chunk_download, _chunk_folder, _chunks
+from guideloom.storage._cache._chunks import ChunkCache
+from guideloom.storage._remote._ranges import Limits, plan_windows
 from tests.support.chunks import CHUNK, SEQ, Sampler, Store, folder_bytes, settle
 
 
@@ -265,8 +265,8 @@ _HOLDER = """
 import os, sys, time
 import numpy as np
 import guideloom
-from guideloom.storage._chunks import ChunkCache
-from guideloom.storage._manifest import Manifest
+from guideloom.storage._cache._chunks import ChunkCache
+from guideloom.storage._format._manifest import Manifest
 folder = sys.argv[1]
 manifest = guideloom.open_stream(folder).manifest
 data = {f.path: open(os.path.join(folder, f.path), "rb").read() for f in manifest.tokens.files}
@@ -318,8 +318,8 @@ _RANK = """
 import os, sys, json
 import numpy as np
 import guideloom
-from guideloom.storage._chunks import ChunkCache
-from guideloom.storage._ranges import Layout, Limits, fill, plan_windows
+from guideloom.storage._cache._chunks import ChunkCache
+from guideloom.storage._remote._ranges import Layout, Limits, fill, plan_windows
 import asyncio
 folder, root, limit, order = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
 manifest = guideloom.open_stream(folder).manifest

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from guideloom.storage._chunks import ChunkCache
+from guideloom.storage._cache._chunks import ChunkCache
 from tests.support.chunks import CHUNK, SEQ, Store, settle
 
 

@@ -11,8 +11,8 @@ import pytest
 
 import guideloom as gl
 from guideloom import DatasetFormatError
-from guideloom.storage import _manifest as manifest_module
-from guideloom.storage._manifest import (
+from guideloom.storage._format import _manifest as manifest_module
+from guideloom.storage._format._manifest import (
     MANIFEST_NAME,
     MAX_INFO_DEPTH,
     MAX_MANIFEST_BYTES,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 
 from benchmarks.fuzz_manifest import any_case, check, check_valid, manifests, mutated_bytes, valid_bytes
-from guideloom.storage._manifest import Manifest
+from guideloom.storage._format._manifest import Manifest
 
 _FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from guideloom.storage._parts import open_root
+from guideloom.storage._write._parts import open_root
 
 WHERE = "parts/part-00000-of-00001/manifest.json"
 

@@ -1,4 +1,4 @@
-"""Range planning (``guideloom.storage._ranges``) against direct slices of in-memory bytes."""
+"""Range planning (``guideloom.storage._remote._ranges``) against direct slices of in-memory bytes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from guideloom.storage._ranges import Job, Layout, Limits, fill, plan, plan_spans, plan_windows
+from guideloom.storage._remote._ranges import Job, Layout, Limits, fill, plan, plan_spans, plan_windows
 
 SETTINGS = settings(max_examples=150, deadline=None)
 

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from guideloom.storage._ranges import Job, Layout, Limits, bridged_gap, fill, plan_windows
+from guideloom.storage._remote._ranges import Job, Layout, Limits, bridged_gap, fill, plan_windows
 
 
 def fetch(jobs: list[Job], objects: dict[str, bytes]) -> None:

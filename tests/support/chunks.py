@@ -1,5 +1,5 @@
 """A local dataset served by a ``fetch`` function as an object store would, for the chunk cache
-(``guideloom.storage._chunks``): every test can count what was fetched and inject faults."""
+(``guideloom.storage._cache._chunks``): every test can count what was fetched and inject faults."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 import guideloom
-from guideloom.storage._chunks import ChunkCache
-from guideloom.storage._ranges import Job, Layout, Limits, fill, plan_windows
+from guideloom.storage._cache._chunks import ChunkCache
+from guideloom.storage._remote._ranges import Job, Layout, Limits, fill, plan_windows
 
 CHUNK = 4096
 SEQ = CHUNK // 2  # uint16 elements: one sample is one chunk

@@ -204,7 +204,7 @@ class _RemoteFiles:
     @property
     def conn(self) -> Any:
         if self._conn is None:
-            from guideloom.storage._client import Remote
+            from guideloom.storage._remote._client import Remote
 
             self._conn = Remote(self.prefix_url, dict(self.options))
             self._conn.versions.update(self.versions)
@@ -216,7 +216,7 @@ class _RemoteFiles:
         again and again) is a :class:`~guideloom.RemoteReadError` naming the object and the
         range, not a damaged file; an object changed or gone since it was opened is a
         :class:`DatasetIntegrityError` naming it (and every later read of it is refused)."""
-        from guideloom.storage._objstore import call_with_retries, get_checked
+        from guideloom.storage._remote._objstore import call_with_retries, get_checked
 
         known = self.refused.get(path)
         if known is not None:
@@ -242,7 +242,7 @@ class _RemoteFiles:
         """The error a read of ``path`` that failed with ``exc`` (after its retries) ends with."""
         import obstore.exceptions as oe
 
-        from guideloom.storage._objstore import ObjectChangedError, map_error, obstore_message
+        from guideloom.storage._remote._objstore import ObjectChangedError, map_error, obstore_message
 
         if isinstance(exc, ObjectChangedError | oe.PreconditionError | FileNotFoundError | oe.NotFoundError):
             message = self.refused[path] = self._changed(path)

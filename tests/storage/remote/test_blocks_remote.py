@@ -17,11 +17,11 @@ import torch
 import guideloom
 from guideloom import StatefulDataLoader
 from guideloom._errors import DatasetIntegrityError
-from guideloom.storage._blocks import BLOCK_BYTES
-from guideloom.storage._cache import copy_footprint
-from guideloom.storage._manifest import MANIFEST_NAME
-from guideloom.storage._ranges import Layout, plan_windows
-from guideloom.storage._remote import ObjectStreamStorage
+from guideloom.storage._cache._copy import copy_footprint
+from guideloom.storage._format._blocks import BLOCK_BYTES
+from guideloom.storage._format._manifest import MANIFEST_NAME
+from guideloom.storage._remote._ranges import Layout, plan_windows
+from guideloom.storage._remote._storage import ObjectStreamStorage
 from tests.support.remote import BUCKET, collate, unique
 from tests.support.servers import MotoS3
 
@@ -109,7 +109,7 @@ def test_remote_ranges_are_widened_to_whole_blocks(tmp_path: Path, s3: MotoS3) -
     spec = guideloom.open_stream(local).manifest.tokens
     layout = Layout.of(spec)
     starts = np.asarray([10, 3 * BLOCK_BYTES // 2 + 7, 9 * BLOCK_BYTES // 2 - 3], dtype=np.int64)
-    jobs, _ = plan_windows({"tokens": layout}, starts, 50, guideloom.storage._ranges.Limits())
+    jobs, _ = plan_windows({"tokens": layout}, starts, 50, guideloom.storage._remote._ranges.Limits())
     sizes = dict(zip(layout.paths, np.diff(layout.bounds).tolist(), strict=True))
     for job in jobs:
         for s, e in zip(job.starts, job.ends, strict=True):

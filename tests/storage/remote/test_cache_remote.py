@@ -18,8 +18,8 @@ import torch
 import guideloom
 from guideloom import StatefulDataLoader
 from guideloom._errors import DatasetIntegrityError
-from guideloom.storage import _cache
-from guideloom.storage._remote import ObjectStreamStorage
+from guideloom.storage._cache import _copy as _cache
+from guideloom.storage._remote._storage import ObjectStreamStorage
 from tests.support.remote import BUCKET, Copies, all_batches, assert_same, collate, loader_for, unique
 from tests.support.servers import MotoS3, Nginx
 
@@ -234,7 +234,7 @@ def test_interpreter_exit_stops_a_copy_and_leaves_no_partial_folder(
     script = f"""
 import asyncio, time
 import guideloom
-from guideloom.storage import _cache
+from guideloom.storage._cache import _copy as _cache
 _cache.PART_BYTES = 1024
 s = guideloom.open_stream({f"{nginx.url}/{plain_copies.http_path}"!r}, cache_dir={str(tmp_path)!r})
 slow = s._cache._fetch

@@ -15,9 +15,9 @@ import torch
 
 import guideloom
 from guideloom import StatefulDataLoader
-from guideloom.storage._cache import DatasetCache, copy_footprint
-from guideloom.storage._chunks import ChunkCache
-from guideloom.storage._remote import ObjectStreamStorage
+from guideloom.storage._cache._chunks import ChunkCache
+from guideloom.storage._cache._copy import DatasetCache, copy_footprint
+from guideloom.storage._remote._storage import ObjectStreamStorage
 from tests.support.chunks import Sampler
 from tests.support.remote import Copies, assert_same, collate, start_proxy
 from tests.support.servers import FaultProxy, MotoS3, Nginx

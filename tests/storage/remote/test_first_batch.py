@@ -11,7 +11,7 @@ import pytest
 
 import guideloom
 from guideloom._errors import DatasetIntegrityError
-from guideloom.storage import _client
+from guideloom.storage._remote import _client
 from tests.support.remote import BUCKET, Copies, unique
 from tests.support.servers import MotoS3
 

@@ -24,9 +24,9 @@ import torch
 import guideloom
 from guideloom import StatefulDataLoader
 from guideloom._errors import DatasetIntegrityError
-from guideloom.storage import _cache
-from guideloom.storage._cache import copy_footprint
-from guideloom.storage._remote import ObjectStreamStorage
+from guideloom.storage._cache import _copy as _cache
+from guideloom.storage._cache._copy import copy_footprint
+from guideloom.storage._remote._storage import ObjectStreamStorage
 from tests.support.remote import BUCKET, collate, unique
 from tests.support.servers import MotoS3, Nginx
 

@@ -20,7 +20,7 @@ import pytest
 import guideloom
 from guideloom import StatefulDataLoader
 from guideloom._errors import DatasetFormatError, DatasetIntegrityError, RemoteReadError
-from guideloom.storage._manifest import MANIFEST_NAME
+from guideloom.storage._format._manifest import MANIFEST_NAME
 from tests.support import ROOT
 from tests.support.remote import (
     BUCKET,
@@ -347,8 +347,8 @@ async def test_async_for_over_s3_leaves_the_event_loop_responsive(
 async def test_a_large_read_is_planned_and_copied_off_the_event_loop(
     plain_copies: Copies, s3: MotoS3, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import guideloom.storage._fetch as fetch
-    import guideloom.storage._remote as remote
+    import guideloom.storage._remote._fetch as fetch
+    import guideloom.storage._remote._storage as remote
 
     where: dict[str, set[int]] = {"plan": set(), "copy": set()}
 
@@ -474,7 +474,7 @@ def test_options_are_checked(plain_copies: Copies, s3: MotoS3, nginx: Nginx) -> 
 
 
 def test_azure_urls_are_understood_without_a_server() -> None:
-    from guideloom.storage._objstore import RetryPolicy, make_store, parse_location
+    from guideloom.storage._remote._objstore import RetryPolicy, make_store, parse_location
 
     loc = parse_location("az://container/some/prefix?sig=SECRETSAS")
     assert (loc.kind, loc.bucket, loc.prefix) == ("azure", "container", "some/prefix")

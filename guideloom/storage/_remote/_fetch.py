@@ -1,12 +1,12 @@
 """The batched range-read engine of an object-store dataset: planned jobs, fetched with retries.
 
-:mod:`guideloom.storage._ranges` plans the jobs (pure); :class:`RangeFetcher` runs them:
+:mod:`guideloom.storage._remote._ranges` plans the jobs (pure); :class:`RangeFetcher` runs them:
 concurrently, under a limit of requests and bytes in flight (per event loop), each with bounded
 retries and backoff, every range a conditional GET of the object the dataset was opened with, or
 a local read where a copy in progress already holds it (:class:`LocalRanges`: ``cache_dir``'s
 whole copy, asked as each range starts, so a range planned before its bytes came down is still
 read locally).
-It is apart from the connection (:class:`guideloom.storage._client.Remote`), which owns the
+It is apart from the connection (:class:`guideloom.storage._remote._client.Remote`), which owns the
 store client and the dataset-level calls (manifest, sizes, checksums), so that the hot path's
 limits and retry decisions read on their own; it holds no store, the connection hands it one per
 :meth:`run`.
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeVar
 
 from guideloom._errors import DatasetIntegrityError
-from guideloom.storage._blocks import U64, BlockDigests, BlockMismatch, check_range, widen
-from guideloom.storage._manifest import Manifest
-from guideloom.storage._objstore import (
+from guideloom.storage._format._blocks import U64, BlockDigests, BlockMismatch, check_range, widen
+from guideloom.storage._format._manifest import Manifest
+from guideloom.storage._remote._objstore import (
     ContentMismatchError,
     Location,
     ObjectChangedError,
@@ -40,7 +40,7 @@ from guideloom.storage._objstore import (
     remote_read_error,
     retryable,
 )
-from guideloom.storage._ranges import U8, Job, Piece, fill_range
+from guideloom.storage._remote._ranges import U8, Job, Piece, fill_range
 
 __all__ = [
     "BlockCheckError",

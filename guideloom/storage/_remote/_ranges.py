@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from guideloom.storage._manifest import ArraySpec
+from guideloom.storage._format._manifest import ArraySpec
 
 __all__ = [
     "Job",

@@ -17,10 +17,10 @@ import numpy as np
 import numpy.typing as npt
 
 from guideloom._errors import DatasetIntegrityError
-from guideloom.storage._chunk_folder import LOCK_WAIT_SECONDS, ChunkFolder
-from guideloom.storage._chunk_schedule import ChunkSchedule
-from guideloom.storage._chunk_table import blocks_of
-from guideloom.storage._objstore import io_executor
+from guideloom.storage._cache._chunk_folder import LOCK_WAIT_SECONDS, ChunkFolder
+from guideloom.storage._cache._chunk_schedule import ChunkSchedule
+from guideloom.storage._cache._chunk_table import blocks_of
+from guideloom.storage._remote._objstore import io_executor
 
 __all__ = ["Downloader", "FETCHES_IN_FLIGHT", "RemoteDamaged"]
 

@@ -24,9 +24,9 @@ from ray.data import Datasink
 from ray.data.block import BlockAccessor
 
 from guideloom.storage._api import _sink
-from guideloom.storage._manifest import MANIFEST_NAME, Manifest, parse_manifest, storage_dtype
-from guideloom.storage._parts import PARTS, commit_merged, merged_manifest, open_root, read_parts
-from guideloom.storage._writer import DEFAULT_SHARD_BYTES, write_documents_to, write_stream_to
+from guideloom.storage._format._manifest import MANIFEST_NAME, Manifest, parse_manifest, storage_dtype
+from guideloom.storage._write._parts import PARTS, commit_merged, merged_manifest, open_root, read_parts
+from guideloom.storage._write._writer import DEFAULT_SHARD_BYTES, write_documents_to, write_stream_to
 
 __all__ = ["GuideloomDatasink"]
 

@@ -24,8 +24,8 @@ import numpy as np
 from guideloom._core.text import plural
 from guideloom._errors import DatasetFormatError
 from guideloom.storage._api import local_folder
-from guideloom.storage._manifest import MANIFEST_NAME, ArraySpec, FileSpec, Manifest, parse_manifest
-from guideloom.storage._sinks import LocalSink, Sink, fsync_dir, write_synced
+from guideloom.storage._format._manifest import MANIFEST_NAME, ArraySpec, FileSpec, Manifest, parse_manifest
+from guideloom.storage._write._sinks import LocalSink, Sink, fsync_dir, write_synced
 
 __all__ = [
     "PARTS",
@@ -191,7 +191,7 @@ class _LocalRoot:
 
 class _ObjectRoot:
     def __init__(self, url: str) -> None:
-        from guideloom.storage._sinks import ObjectSink
+        from guideloom.storage._write._sinks import ObjectSink
 
         self.url = url.rstrip("/")
         self._sink = ObjectSink(self.url, {})

@@ -8,7 +8,7 @@ import numpy as np
 import numpy.typing as npt
 
 from guideloom._errors import DatasetFormatError
-from guideloom.storage._manifest import Kind, Manifest
+from guideloom.storage._format._manifest import Kind, Manifest
 from guideloom.storage.base import DocumentStorageAbstract, StreamStorageAbstract
 
 __all__ = ["ManifestDocumentStorage", "ManifestStreamStorage", "check_kind"]

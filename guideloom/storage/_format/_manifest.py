@@ -26,7 +26,7 @@ import numpy.typing as npt
 
 from guideloom._core.text import plural
 from guideloom._errors import DatasetFormatError
-from guideloom.storage._blocks import BlockDigests, parse_blocks
+from guideloom.storage._format._blocks import BlockDigests, parse_blocks
 
 __all__ = [
     "CHECKSUM",
@@ -152,7 +152,7 @@ class FileSpec:
     parts references each part's document offsets and ``doc_id`` files as they are, their values
     counted from the part's start, and says here where the part starts."""
     blocks: BlockDigests | None = None
-    """The digest of each block of the file (see :mod:`guideloom.storage._blocks`); None for a
+    """The digest of each block of the file (see :mod:`guideloom.storage._format._blocks`); None for a
     dataset written without them."""
 
     def to_json(self) -> dict[str, Any]:

@@ -50,13 +50,13 @@ import numpy.typing as npt
 
 from guideloom._errors import DatasetIntegrityError
 from guideloom._process import Live
-from guideloom.storage._chunk_download import Downloader
-from guideloom.storage._chunk_folder import ChunkFolder
-from guideloom.storage._chunk_schedule import ChunkSchedule
-from guideloom.storage._chunk_table import BLOCK, ChunkTable, blocks_of, route
-from guideloom.storage._manifest import Manifest
-from guideloom.storage._objstore import io_executor
-from guideloom.storage._ranges import Job
+from guideloom.storage._cache._chunk_download import Downloader
+from guideloom.storage._cache._chunk_folder import ChunkFolder
+from guideloom.storage._cache._chunk_schedule import ChunkSchedule
+from guideloom.storage._cache._chunk_table import BLOCK, ChunkTable, blocks_of, route
+from guideloom.storage._format._manifest import Manifest
+from guideloom.storage._remote._objstore import io_executor
+from guideloom.storage._remote._ranges import Job
 
 __all__ = ["CHUNK_BYTES", "ChunkCache", "blocks_of"]
 
@@ -228,7 +228,7 @@ class ChunkCache:
                     if missed:
                         await remote_run(missed)
 
-            from guideloom.storage._client import gather_first_error
+            from guideloom.storage._remote._client import gather_first_error
 
             await gather_first_error([nearby(), remote_run(far)] if far else [nearby()])
             done = True

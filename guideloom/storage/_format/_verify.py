@@ -18,8 +18,14 @@ from typing import Any
 import numpy as np
 
 from guideloom._errors import DatasetIntegrityError
-from guideloom.storage._blocks import BLOCK_BYTES, BlockHasher, local_reader, make_blocks, sidecar_name
-from guideloom.storage._manifest import MANIFEST_NAME, ArraySpec, FileSpec, Manifest
+from guideloom.storage._format._blocks import (
+    BLOCK_BYTES,
+    BlockHasher,
+    local_reader,
+    make_blocks,
+    sidecar_name,
+)
+from guideloom.storage._format._manifest import MANIFEST_NAME, ArraySpec, FileSpec, Manifest
 
 __all__ = ["verify_files", "verify_local", "with_blocks"]
 
@@ -120,7 +126,7 @@ def verify_local(
 ) -> Manifest:
     """:func:`verify_files` over a local folder; with ``add_block_digests`` a dataset without
     them gets them (sidecars first, then the manifest, atomically)."""
-    from guideloom.storage._sinks import fsync_dir, write_synced
+    from guideloom.storage._write._sinks import fsync_dir, write_synced
 
     computed = verify_files(
         manifest, str(folder), local_chunks(folder), local_reader(folder), sha256=sha256, progress=progress

@@ -16,9 +16,9 @@ import numpy as np
 import numpy.typing as npt
 
 from guideloom._core.text import plural
-from guideloom.storage._blocks import BLOCK_BYTES, BlockHasher, make_blocks, sidecar_name
-from guideloom.storage._manifest import ArraySpec, FileSpec, Manifest, check_field_name, storage_dtype
-from guideloom.storage._sinks import Sink
+from guideloom.storage._format._blocks import BLOCK_BYTES, BlockHasher, make_blocks, sidecar_name
+from guideloom.storage._format._manifest import ArraySpec, FileSpec, Manifest, check_field_name, storage_dtype
+from guideloom.storage._write._sinks import Sink
 
 __all__ = ["DEFAULT_SHARD_BYTES", "write_documents_to", "write_stream_to"]
 

@@ -53,7 +53,9 @@ import numpy.typing as npt
 
 from guideloom._errors import DatasetFormatError, DatasetIntegrityError
 from guideloom._process import Live
-from guideloom.storage._blocks import (
+from guideloom.storage._cache._chunk_table import ChunkTable
+from guideloom.storage._cache._chunks import blocks_of
+from guideloom.storage._format._blocks import (
     BLOCK_BYTES,
     INLINE_BLOCKS,
     BlockHasher,
@@ -65,13 +67,11 @@ from guideloom.storage._blocks import (
     file_blocks,
     widen,
 )
-from guideloom.storage._chunk_table import ChunkTable
-from guideloom.storage._chunks import blocks_of
-from guideloom.storage._local import read_local_manifest
-from guideloom.storage._manifest import MANIFEST_NAME, Manifest
-from guideloom.storage._ranges import U8, Piece
-from guideloom.storage._sinks import fsync_dir, write_synced
-from guideloom.storage._verify import with_blocks
+from guideloom.storage._format._manifest import MANIFEST_NAME, Manifest
+from guideloom.storage._format._verify import with_blocks
+from guideloom.storage._local._storage import read_local_manifest
+from guideloom.storage._remote._ranges import U8, Piece
+from guideloom.storage._write._sinks import fsync_dir, write_synced
 
 __all__ = ["DatasetCache", "copy_footprint"]
 

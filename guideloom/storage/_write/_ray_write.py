@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from guideloom.storage._manifest import Manifest
-from guideloom.storage._writer import DEFAULT_SHARD_BYTES
+from guideloom.storage._format._manifest import Manifest
+from guideloom.storage._write._writer import DEFAULT_SHARD_BYTES
 
 __all__ = ["ray_datasink", "write_ray_dataset"]
 
@@ -29,7 +29,7 @@ def ray_datasink(
     each row's token ids; ``kind="stream"`` concatenates the rows, ``"documents"`` keeps one
     sample per row. After ``dataset.write_datasink(sink)``, ``sink.manifest`` is the manifest.
     """
-    from guideloom.storage._raysink import GuideloomDatasink
+    from guideloom.storage._write._raysink import GuideloomDatasink
 
     return GuideloomDatasink(
         destination,

@@ -26,9 +26,15 @@ import numpy.typing as npt
 from guideloom._core.text import plural
 from guideloom._errors import DatasetIntegrityError
 from guideloom._process import remembered
-from guideloom.storage._blocks import FileBlocks, file_blocks, identity
-from guideloom.storage._manifest import MANIFEST_NAME, ArraySpec, Manifest, add_bases, read_manifest_file
-from guideloom.storage._manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
+from guideloom.storage._format._blocks import FileBlocks, file_blocks, identity
+from guideloom.storage._format._manifest import (
+    MANIFEST_NAME,
+    ArraySpec,
+    Manifest,
+    add_bases,
+    read_manifest_file,
+)
+from guideloom.storage._format._manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
 from guideloom.storage._memory import gather_windows
 from guideloom.storage.base import Rows, Spans
 

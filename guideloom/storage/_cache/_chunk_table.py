@@ -9,8 +9,8 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from guideloom.storage._manifest import Manifest
-from guideloom.storage._ranges import Job, Layout, pieces_of
+from guideloom.storage._format._manifest import Manifest
+from guideloom.storage._remote._ranges import Job, Layout, pieces_of
 
 __all__ = ["BLOCK", "ChunkTable", "blocks_of", "route"]
 

@@ -8,7 +8,7 @@ batch that tells nothing new); reading turns every batched read into byte ranges
 coalescing ranges that are adjacent or closer than ``coalesce_gap`` (:mod:`._ranges`), and fetches
 them concurrently under a limit of requests and of bytes in flight, with bounded retries
 (:mod:`._client`; see :mod:`._objstore` for why every obstore call is a synchronous one on a
-Python thread). Writing goes through :class:`guideloom.storage._sinks.ObjectSink`.
+Python thread). Writing goes through :class:`guideloom.storage._write._sinks.ObjectSink`.
 
 Options (``open_stream(url, **options)``, ``open_documents``, ``write_stream(url, ...)``):
 
@@ -23,10 +23,10 @@ Options (``open_stream(url, **options)``, ``open_documents``, ``write_stream(url
   loader keeps in flight, 4), ``offsets_cache_bytes`` (documents: offsets up to this size are
   loaded at ``open()``, larger ones are read per batch; 64 MiB), ``cache_dir`` (a local folder:
   the dataset is copied there in the background, read from the copy as its parts come down and
-  locally once complete, see :mod:`guideloom.storage._cache`; none by default),
+  locally once complete, see :mod:`guideloom.storage._cache._copy`; none by default),
   ``cache_max_bytes`` (a limit on the folder: a dataset larger than it is cached in chunks of
   ``cache_chunk_bytes`` (16 MiB), downloaded ahead in the loader's order and evicted by next
-  use, see :mod:`guideloom.storage._chunks`; none: the whole copy);
+  use, see :mod:`guideloom.storage._cache._chunks`; none: the whole copy);
 - faults: ``timeout`` (seconds per request, 30), ``connect_timeout`` (5), ``retries`` (5),
   ``retry_timeout`` (no retry starts after this many seconds, 120), ``backoff`` (0.1),
   ``max_backoff`` (5);
@@ -49,15 +49,15 @@ import numpy.typing as npt
 
 from guideloom._core.order import DEFAULT_WINDOW, REMOTE_BLOCK_BYTES
 from guideloom._errors import DatasetFormatError, DatasetIntegrityError
-from guideloom.storage._cache import DatasetCache, copy_footprint
-from guideloom.storage._chunks import ChunkCache
-from guideloom.storage._client import Remote, open_remote
-from guideloom.storage._local import LocalDocumentStorage, LocalStreamStorage
-from guideloom.storage._manifest import MANIFEST_NAME, Manifest, add_bases
-from guideloom.storage._manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
-from guideloom.storage._objstore import ReadOptions, io_executor
-from guideloom.storage._ranges import Layout, plan_spans, plan_windows
-from guideloom.storage._sinks import ObjectSink
+from guideloom.storage._cache._chunks import ChunkCache
+from guideloom.storage._cache._copy import DatasetCache, copy_footprint
+from guideloom.storage._format._manifest import MANIFEST_NAME, Manifest, add_bases
+from guideloom.storage._format._manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
+from guideloom.storage._local._storage import LocalDocumentStorage, LocalStreamStorage
+from guideloom.storage._remote._client import Remote, open_remote
+from guideloom.storage._remote._objstore import ReadOptions, io_executor
+from guideloom.storage._remote._ranges import Layout, plan_spans, plan_windows
+from guideloom.storage._write._sinks import ObjectSink
 from guideloom.storage.base import Rows
 
 __all__ = [
@@ -548,7 +548,7 @@ def verify_dataset(
     manifest (with ``sha256=False``, the sha256 only of objects without block digests); with
     ``add_block_digests``, give a dataset without them block digests (their objects first, then
     ``manifest.json``, in one PUT)."""
-    from guideloom.storage._verify import verify_files, with_blocks
+    from guideloom.storage._format._verify import verify_files, with_blocks
 
     remote, manifest = open_remote(url, options)
     try:

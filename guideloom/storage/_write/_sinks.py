@@ -14,8 +14,14 @@ from pathlib import Path
 from typing import IO, Any, Protocol, cast
 
 from guideloom._errors import DatasetFormatError
-from guideloom.storage._manifest import MANIFEST_NAME, Manifest, read_manifest_file
-from guideloom.storage._objstore import make_store, map_error, parse_location, secret_values, split_options
+from guideloom.storage._format._manifest import MANIFEST_NAME, Manifest, read_manifest_file
+from guideloom.storage._remote._objstore import (
+    make_store,
+    map_error,
+    parse_location,
+    secret_values,
+    split_options,
+)
 
 __all__ = ["LocalSink", "ObjectSink", "Sink", "fsync_dir", "write_synced"]
 

@@ -2,10 +2,10 @@
 
 :class:`Remote` reads the manifest and checks the objects' sizes when a dataset is opened (and
 records each object's version: every later read is conditional on it), and
-runs the jobs that :mod:`guideloom.storage._ranges` plans through its
-:class:`~guideloom.storage._fetch.RangeFetcher`: concurrently, under a limit of requests and
+runs the jobs that :mod:`guideloom.storage._remote._ranges` plans through its
+:class:`~guideloom.storage._remote._fetch.RangeFetcher`: concurrently, under a limit of requests and
 bytes in flight (per event loop), each with bounded retries and backoff. Every obstore call is a
-synchronous one on an I/O thread (see :mod:`guideloom.storage._objstore`).
+synchronous one on an I/O thread (see :mod:`guideloom.storage._remote._objstore`).
 
 Errors carry scrubbed messages only, and are raised outside the ``except`` block that caught
 obstore's error, so no link of their ``__context__`` chain holds a credential.
@@ -25,7 +25,8 @@ from typing import Any
 
 from guideloom._core.text import plural
 from guideloom._errors import DatasetIntegrityError
-from guideloom.storage._fetch import (
+from guideloom.storage._format._manifest import MANIFEST_NAME, Manifest
+from guideloom.storage._remote._fetch import (
     RangeFetcher,
     ReadCounters,
     RemoteBlocks,
@@ -33,8 +34,7 @@ from guideloom.storage._fetch import (
     get_verified,
     integrity_error,
 )
-from guideloom.storage._manifest import MANIFEST_NAME, Manifest
-from guideloom.storage._objstore import (
+from guideloom.storage._remote._objstore import (
     RANGES_PER_CALL,
     Location,
     ObjectVersion,
@@ -48,7 +48,7 @@ from guideloom.storage._objstore import (
     secret_values,
     split_options,
 )
-from guideloom.storage._ranges import Job, Limits
+from guideloom.storage._remote._ranges import Job, Limits
 
 __all__ = ["Remote", "gather_first_error", "open_remote"]
 

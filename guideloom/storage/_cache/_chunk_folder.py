@@ -17,9 +17,9 @@ import numpy as np
 import numpy.typing as npt
 
 from guideloom._errors import DatasetIntegrityError
-from guideloom.storage._blocks import BLOCK_BYTES, FileBlocks, block_digests, identity
-from guideloom.storage._chunk_table import ChunkTable, blocks_of
-from guideloom.storage._ranges import Job, fill
+from guideloom.storage._cache._chunk_table import ChunkTable, blocks_of
+from guideloom.storage._format._blocks import BLOCK_BYTES, FileBlocks, block_digests, identity
+from guideloom.storage._remote._ranges import Job, fill
 
 __all__ = ["ChunkFolder", "FileLock", "LOCK_WAIT_SECONDS"]
 

@@ -1,0 +1,1 @@
+"""Local caches of object-store datasets: the whole copy and the bounded chunk cache."""

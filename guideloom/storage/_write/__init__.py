@@ -1,0 +1,1 @@
+"""Writing datasets: the writers, where they write (sinks), datasets in parts and Ray's datasink."""

@@ -226,7 +226,7 @@ class Downloader:
                     )
                 if self.stopped:
                     raise InterruptedError("the cache was stopped")
-                final = self._disk.complete(gid, tmp, data, digest)
+                final = self._disk.complete(gid, tmp, data)
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise

@@ -190,11 +190,19 @@ class ChunkFolder:
     def remove(self, name: str) -> None:
         (self.path / name).unlink(missing_ok=True)
 
-    def complete(self, gid: int, tmp: Path, data: memoryview, digest: str) -> str:
+    def _named(self, gid: int, data: Any) -> str:
+        """Chunk ``gid``'s file name for bytes ``data``: its digest covers the range the chunk
+        stands for (object, first byte) with the bytes, so a file renamed within the folder or
+        copied from another range is no chunk of this one."""
+        f, start, _end = self.table.span(gid)
+        where = f"{self.table.paths[f]}\0{start}\0".encode()
+        return f"c{gid:09d}.{hashlib.sha256(where + bytes(memoryview(data))).hexdigest()[:32]}"
+
+    def complete(self, gid: int, tmp: Path, data: memoryview) -> str:
         """Write chunk ``gid``'s bytes into its reserved ``tmp``, fsync it and rename it into
         place (complete, or not there at all); returns its file name. Its blocks' digests are
         those of ``data``: whatever happens to the file on disk, a read checks what it reads."""
-        final = f"c{gid:09d}.{digest[:32]}"
+        final = self._named(gid, data)
         self.blocks[gid] = (
             final,
             FileBlocks(block_digests(data, BLOCK_BYTES), BLOCK_BYTES, data.nbytes, final),
@@ -258,8 +266,9 @@ class ChunkFolder:
         return missed
 
     def _verify(self, gid: int, name: str) -> bool:
-        """Check a chunk found on disk against the digest in its name (once per process while
-        the file is unchanged): its blocks' digests, from then on, are those of the bytes checked."""
+        """Check a chunk found on disk against the digest in its name, of its range and bytes (once
+        per process while the file is unchanged): its blocks' digests, from then on, are those of
+        the bytes checked."""
         try:
             fd = os.open(self.path / name, os.O_RDONLY)
         except FileNotFoundError:
@@ -275,8 +284,7 @@ class ChunkFolder:
             os.close(fd)
         if changed:
             return False  # written while read: read remotely, checked again next time
-        digest = hashlib.sha256(data).hexdigest()[:32]
-        if len(data) == self.table.nbytes(gid) and digest == name.split(".")[1]:
+        if len(data) == self.table.nbytes(gid) and self._named(gid, data) == name:
             blocks = FileBlocks(block_digests(data, BLOCK_BYTES), BLOCK_BYTES, len(data), name)
             blocks.observe(before)
             blocks.ensure(0, len(data), lambda a, b: memoryview(data)[a:b])

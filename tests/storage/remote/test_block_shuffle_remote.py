@@ -16,8 +16,8 @@ import torch
 import guideloom
 from guideloom import StatefulDataLoader
 from guideloom._core.order import DEFAULT_WINDOW
+from guideloom_dev.servers import MotoS3, Nginx
 from tests.support.remote import BUCKET, Copies
-from tests.support.servers import MotoS3, Nginx
 
 CPU = torch.device("cpu")
 SEQ = 2048  # 4 KiB samples of uint16: "auto" blocks of 1,024 samples

@@ -18,9 +18,10 @@ from guideloom import StatefulDataLoader
 from guideloom.storage._cache import DatasetCache, copy_footprint
 from guideloom.storage._chunks import ChunkCache
 from guideloom.storage._remote import ObjectStreamStorage
+from guideloom_dev.servers import FaultProxy, MotoS3, Nginx
 from tests.support.chunks import Sampler
-from tests.support.remote import Copies, assert_same, collate, start_proxy
-from tests.support.servers import FaultProxy, MotoS3, Nginx
+from tests.support.loader import assert_same
+from tests.support.remote import Copies, collate, start_proxy
 
 CPU = torch.device("cpu")
 DATASET = 80_000  # plain_copies: 40,000 uint16 in three objects

@@ -32,8 +32,8 @@ from benchmarks.corruption import (
     select,
     trial,
 )
+from guideloom_dev.servers import MotoS3, nginx_binary
 from tests.support.remote import BUCKET
-from tests.support.servers import MotoS3, nginx_binary
 
 
 @pytest.fixture(scope="module")

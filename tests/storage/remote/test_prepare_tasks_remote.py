@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from guideloom._cli import main
+from guideloom_dev.servers import MotoS3
 from tests.cli.test_prepare_tasks import check_race, race, samples, write_corpus
 from tests.support.remote import BUCKET, unique
-from tests.support.servers import MotoS3
 
 
 @pytest.mark.parametrize("kind", ["ids", "documents"])

@@ -13,9 +13,9 @@ ray = pytest.importorskip("ray")
 
 import guideloom as gl  # noqa: E402
 from guideloom._cli import main  # noqa: E402
+from guideloom_dev.servers import MotoS3  # noqa: E402
 from tests.cli.test_prepare_tasks import samples, write_corpus  # noqa: E402
 from tests.support.remote import BUCKET, unique  # noqa: E402
-from tests.support.servers import MotoS3  # noqa: E402
 
 pytestmark = [
     pytest.mark.ray,

@@ -103,6 +103,7 @@ shapes = st.lists(
     kind=st.sampled_from(sorted(KINDS)),
     task_size=st.sampled_from([512, 4096]),
 )
+@pytest.mark.slow
 def test_any_number_of_tasks_writes_the_one_machine_dataset(
     cli: Cli, tmp_path_factory: pytest.TempPathFactory, shape: Any, tasks: int, kind: str, task_size: int
 ) -> None:

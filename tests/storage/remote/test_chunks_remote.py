@@ -135,6 +135,7 @@ with open(out, "w") as f:  # a file, not stdout: a large write to a pipe can be 
 """
 
 
+@pytest.mark.slow
 def test_a_file_size_limit_on_the_cache_warns_and_reads_stay_exact(
     plain_copies: Copies, s3: MotoS3, tmp_path: Path
 ) -> None:
@@ -208,6 +209,7 @@ def test_a_limit_at_least_the_dataset_is_the_whole_copy(
         asyncio.run(s.close())
 
 
+@pytest.mark.slow
 def test_process_workers_read_through_a_bounded_cache(
     plain_copies: Copies, s3: MotoS3, tmp_path: Path
 ) -> None:
@@ -273,6 +275,7 @@ with open(out, "w") as f:  # a file, not stdout: a large write to a pipe can be 
 """
 
 
+@pytest.mark.slow
 def test_two_ranks_of_a_node_share_one_bounded_folder(
     plain_copies: Copies, s3: MotoS3, tmp_path: Path
 ) -> None:

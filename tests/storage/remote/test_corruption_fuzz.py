@@ -62,6 +62,7 @@ def _fuzz(data: Path, env: dict[str, Any], seed: int, trials: int, only: str = "
     return outcomes
 
 
+@pytest.mark.slow
 def test_no_damage_delivers_a_wrong_sample(data: Path, env: dict[str, Any]) -> None:
     outcomes = _fuzz(data, env, seed=0, trials=300)
     # the trials did damage something: some were refused, and the whole run is not vacuous

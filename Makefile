@@ -39,10 +39,10 @@ unit: setup
 
 test: lint types unit
 
-# The inner loop: every test but those marked slow (more than a few seconds each: processes,
-# ranks, servers under faults, the docs pages run as scripts) or distributed.
+# The inner loop: every test but those marked slow (more than a second or two each: processes,
+# ranks, servers under faults, the docs pages run as scripts), distributed or ray (a Ray cluster).
 quick: setup
-	$(VENV)/bin/pytest $(PYTEST_PARALLEL) -q -m "not slow and not distributed"
+	$(VENV)/bin/pytest $(PYTEST_PARALLEL) -q -m "not slow and not distributed and not ray"
 
 # The documentation site, into site/ (mkdocs.yml). --strict: a warning (a broken link, a page
 # missing from the nav, a docstring that does not render) fails the build.

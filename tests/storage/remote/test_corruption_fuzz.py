@@ -75,6 +75,7 @@ def test_no_damage_delivers_a_wrong_sample_in_more_trials(data: Path, env: dict[
     _fuzz(data, env, seed=1, trials=1000)
 
 
+@pytest.mark.slow
 def test_the_oracle_sees_a_wrong_sample(data: Path) -> None:
     """Batches of another dataset of the same shape (the twin) are caught as wrong, and the
     pristine dataset passes, over both epochs."""

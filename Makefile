@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test lint types unit docs bench bench-suite clean
+.PHONY: setup demo test quick lint types unit docs bench bench-suite clean
 
 setup: $(VENV)/.installed
 
@@ -28,10 +28,21 @@ types: setup
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy --strict --warn-unreachable tests/typing/check_overloads.py
 
+# The suite mostly waits (on the processes, ranks and servers it starts), so it runs on one
+# pytest-xdist worker per core (`-n auto`; PYTEST_WORKERS=0 runs it in this process), each test
+# sent to whichever worker is free (worksteal: a few tests take far longer than the rest).
+PYTEST_WORKERS ?= auto
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist worksteal
+
 unit: setup
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest $(PYTEST_PARALLEL)
 
 test: lint types unit
+
+# The inner loop: every test but those marked slow (more than a second or two each: processes,
+# ranks, servers under faults, the docs pages run as scripts), distributed or ray (a Ray cluster).
+quick: setup
+	$(VENV)/bin/pytest $(PYTEST_PARALLEL) -q -m "not slow and not distributed and not ray"
 
 # The documentation site, into site/ (mkdocs.yml). --strict: a warning (a broken link, a page
 # missing from the nav, a docstring that does not render) fails the build.

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--latency-ms", default="0,20", help="added to every request, comma-separated")
     args = ap.parse_args(argv)
-    from tests.support.servers import proxy_process
+    from guideloom_dev.servers import proxy_process
 
     root = Path(tempfile.gettempdir()) / "guideloom-bench"
     folder = ensure_dataset(root, args.mib * MiB)

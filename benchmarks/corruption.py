@@ -839,7 +839,7 @@ class Servers:
 @contextlib.contextmanager
 def servers(root: Path, *, s3: bool = True, http: bool = True) -> Iterator[Servers]:
     """Start moto (and nginx over ``root/www``) on 127.0.0.1 for one run."""
-    from tests.support.servers import MotoS3, Nginx, nginx_binary
+    from guideloom_dev.servers import MotoS3, Nginx, nginx_binary
 
     out = Servers()
     try:

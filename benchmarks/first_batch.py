@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         _child_main(args.child)
         return
-    from tests.support.servers import Nginx, proxy_process
+    from guideloom_dev.servers import Nginx, proxy_process
 
     data_root = Path(os.environ.get("GUIDELOOM_BENCH_DIR", Path(tempfile.gettempdir()) / "guideloom-bench"))
     data_root.mkdir(parents=True, exist_ok=True)

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import guideloom as gl
-    from tests.support.servers import MotoS3
+    from guideloom_dev.servers import MotoS3
 
     s3 = MotoS3()
     try:

@@ -3,7 +3,7 @@ streaming over the same URLs, at 0 ms and 20 ms of added round trip.
 
 Data: ``benchmarks/parquet.py``'s (40,000 rows in 8 files, zstd, row groups of 1,000 rows, a
 ``text`` column and an ``input_ids`` ``list<int32>`` column, its BPE tokenizer), served by nginx
-on 127.0.0.1 (``tests/support/servers.py``), directly (0 ms) and behind the loopback latency
+on 127.0.0.1 (``guideloom_dev/servers.py``), directly (0 ms) and behind the loopback latency
 proxy in a process of its own (10 ms each way: 20 ms round trip), as the suite's remote part does.
 Both loaders get the files' URLs as a list (an ``http://`` folder cannot be listed).
 
@@ -150,7 +150,7 @@ def in_child(config: str, urls: list[str], tokenizer: str, seconds: float) -> di
 @contextlib.contextmanager
 def serve(data: Path, rtts: tuple[float, ...]) -> Iterator[dict[float, str]]:
     """nginx over the Parquet folder (as ``/parquet/``); yields {added round trip in s: base url}."""
-    from tests.support.servers import Nginx, nginx_binary, proxy_process
+    from guideloom_dev.servers import Nginx, nginx_binary, proxy_process
 
     if nginx_binary() is None:
         raise SystemExit("nginx is not installed (.ci/install-servers.sh)")

@@ -261,7 +261,7 @@ def serve(
         with remote_stream.moto_bucket(local) as s3:
             yield "s3://bench/gl", s3, "moto S3 on 127.0.0.1 (its own process)"
         return
-    from tests.support.servers import Nginx, nginx_binary, proxy_process
+    from guideloom_dev.servers import Nginx, nginx_binary, proxy_process
 
     if nginx_binary() is None:
         raise SystemExit("nginx is needed: run .ci/install-servers.sh")

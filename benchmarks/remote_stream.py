@@ -281,7 +281,7 @@ def moto_bucket(folder: Path) -> Iterator[dict[str, Any]]:
     the storage options to read it with, and stops the server on leaving."""
     import boto3
 
-    from tests.support.servers import free_port, wait_for_port
+    from guideloom_dev.servers import free_port, wait_for_port
 
     port = free_port()
     moto = subprocess.Popen(
@@ -330,7 +330,7 @@ def run_economy(args: argparse.Namespace) -> None:
     """guideloom over moto S3 (its own process) and nginx behind the 20 ms proxy, global row
     shuffle (the default) and ``shuffle_block_size="auto"``, with GETs, bytes and cost."""
 
-    from tests.support.servers import Nginx, nginx_binary, proxy_process
+    from guideloom_dev.servers import Nginx, nginx_binary, proxy_process
 
     tokens = 20_000_000 if args.quick else 100_000_000
     batches = 200 if args.quick else 1600
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
         run_economy(args)
         return
 
-    from tests.support.servers import Nginx, nginx_binary, proxy_process
+    from guideloom_dev.servers import Nginx, nginx_binary, proxy_process
 
     if nginx_binary() is None:
         raise SystemExit("nginx is needed: run .ci/install-servers.sh")

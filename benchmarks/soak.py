@@ -5,7 +5,7 @@
 
 A stream dataset whose tokens are their own positions (so each delivered sample names itself)
 is served on 127.0.0.1 by nginx, or by moto's S3 server where nginx is not installed, behind the
-test suite's fault proxy (``tests/support/servers.py``): 1 request in ``--fail-every`` (5) is
+test suite's fault proxy (``guideloom_dev/servers.py``): 1 request in ``--fail-every`` (5) is
 reset, cut short or answered 503, and every ``--stall-every`` seconds (20) the proxy stops
 answering for ``--stall-for`` seconds (3), longer than a request's ``--timeout`` (2). A thread
 SIGKILLs a random collate worker process every 5-15 s. ``StatefulDataLoader`` runs with
@@ -124,7 +124,7 @@ def write_dataset(folder: Path) -> None:
 def serve(root: Path) -> Iterator[tuple[str, dict[str, Any], Any]]:
     """(dataset URL through the fault proxy, open_stream options, the proxy)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.support.servers import FaultProxy, MotoS3, Nginx, nginx_binary
+    from guideloom_dev.servers import FaultProxy, MotoS3, Nginx, nginx_binary
 
     write_dataset(root / "soak")
     with contextlib.ExitStack() as stack:

@@ -1,4 +1,4 @@
-"""The HTTP part: nginx on 127.0.0.1 (``tests/support/servers.py``), optionally behind the loopback
+"""The HTTP part: nginx on 127.0.0.1 (``guideloom_dev/servers.py``), optionally behind the loopback
 latency proxy (10 ms each way, 20 ms round trip), as an object store across a region has.
 
 guideloom reads ``http://127.0.0.1:PORT/bucket/gl`` (its stream dataset). MosaicML Streaming and
@@ -62,7 +62,7 @@ def moto_server(d: Data, peers: list[str]) -> Iterator[str | None]:
         yield None
         return
     sys.path.insert(0, str(ROOT))
-    from tests.support.servers import free_port, wait_for_port
+    from guideloom_dev.servers import free_port, wait_for_port
 
     binary = os.environ.get("GUIDELOOM_MOTO_SERVER") or shutil.which("moto_server")
     if binary is None:
@@ -100,7 +100,7 @@ def moto_server(d: Data, peers: list[str]) -> Iterator[str | None]:
 def servers(d: Data, rtts: tuple[float, ...]) -> Iterator[dict[float, str]]:
     """nginx over ``d.suite``; yields {round trip added: base url} (0.0 is nginx itself)."""
     sys.path.insert(0, str(ROOT))
-    from tests.support.servers import Nginx, nginx_binary, proxy_process
+    from guideloom_dev.servers import Nginx, nginx_binary, proxy_process
 
     if nginx_binary() is None:
         raise RuntimeError("nginx is not installed (.ci/install-servers.sh)")

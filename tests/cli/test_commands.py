@@ -257,6 +257,7 @@ def _console_script() -> list[str]:
     return [str(script)]
 
 
+@pytest.mark.slow
 def test_installed_console_script_end_to_end(tmp_path: Path) -> None:
     """prepare -> inspect -> verify -> bench through the installed script, then the loader."""
     cmd = _console_script()

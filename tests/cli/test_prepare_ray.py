@@ -38,6 +38,7 @@ def cluster() -> Iterator[None]:
 @pytest.mark.parametrize(
     ("read_as", "options"), [("stream", ["--document-ids"]), ("documents", ["--kind", "documents"])]
 )
+@pytest.mark.slow
 def test_ray_tasks_write_the_one_machine_dataset(
     cli: Cli, tmp_path: Path, read_as: str, options: list[str]
 ) -> None:
@@ -91,6 +92,7 @@ def _rows(lengths: list[int]) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("kind", ["stream", "documents"])
+@pytest.mark.slow
 def test_the_datasink_writes_one_manifest_over_its_parts(tmp_path: Path, kind: str) -> None:
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True

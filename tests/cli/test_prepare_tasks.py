@@ -103,6 +103,7 @@ shapes = st.lists(
     kind=st.sampled_from(sorted(KINDS)),
     task_size=st.sampled_from([512, 4096]),
 )
+@pytest.mark.slow
 def test_any_number_of_tasks_writes_the_one_machine_dataset(
     cli: Cli, tmp_path_factory: pytest.TempPathFactory, shape: Any, tasks: int, kind: str, task_size: int
 ) -> None:
@@ -127,6 +128,7 @@ def test_any_number_of_tasks_writes_the_one_machine_dataset(
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.slow
 def test_the_same_dataset_for_1_2_7_and_64_tasks(cli: Cli, tmp_path: Path, kind: str) -> None:
     shape = [("jsonl", [i * 7 % 250 for i in range(120)]), ("gz", [5, 0, 40]), ("txt", [3]), ("jsonl", [])]
     corpus = write_corpus(tmp_path / "corpus", shape)
@@ -357,6 +359,7 @@ def test_the_merge_refuses_part_manifests_whose_data_is_gone(cli: Cli, tmp_path:
     assert (dest / "manifest.json").read_bytes() == good  # the dataset there is left as it was
 
 
+@pytest.mark.slow
 def test_an_overwrite_run_of_another_n_removes_the_old_runs_parts(cli: Cli, tmp_path: Path) -> None:
     corpus = write_corpus(tmp_path / "c", [("jsonl", list(range(300)))])
     dest = tmp_path / "ds"

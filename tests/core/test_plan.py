@@ -21,6 +21,7 @@ def test_permutation_is_a_bijection(n: int) -> None:
 
 
 @pytest.mark.parametrize("n", [2**16, 2**18, 2**20])
+@pytest.mark.slow
 def test_even_powers_of_two_are_bijective_for_many_keys(n: int) -> None:
     for seed in range(3):
         for epoch in range(2):
@@ -114,6 +115,7 @@ def _rank_positions(plan: EpochPlan) -> list[list[int]]:
     seed=st.integers(0, 2**32),
     data=st.data(),
 )
+@pytest.mark.slow
 def test_every_observation_once_across_ranks_and_resume(
     n: int, batch: int, world: int, drop_last: bool, seed: int, data: st.DataObject
 ) -> None:

@@ -165,6 +165,7 @@ def test_map_dataset_reads_through_getitems_in_batched_calls() -> None:
 
 
 @pytest.mark.parametrize("method", ["thread", "process"])
+@pytest.mark.slow
 def test_map_dataset_with_workers_matches_the_inline_run(method: str) -> None:
     kw: dict[str, Any] = {"local_batch_size": 4, "shuffle": True, "shuffle_seed": 9, "device": CPU}
     with gl.StatefulDataLoader(gl.MapDataset(range(50)), as_list, **kw) as ld:

@@ -428,6 +428,7 @@ def test_a_checkpoint_of_another_mixture_is_refused() -> None:
 
 
 @pytest.mark.parametrize("method", ["thread", "process"])
+@pytest.mark.slow
 def test_workers_deliver_the_inline_run(method: str) -> None:
     m = gl.mix(int_sources([17, 9, 30]), {"s0": 3, "s1": 1, "s2": 2}, with_source=True)
     with loader(m, local_batch_size=4, shuffle=True, shuffle_seed=5) as ld:
@@ -514,6 +515,7 @@ def test_bad_input_is_refused_with_a_clear_error() -> None:
 
 # -- the example --------------------------------------------------------------------------------
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_the_example_runs_and_checks_itself(tmp_path: Path) -> None:
     example = ROOT / "examples" / "mixture.py"
     env = dict(os.environ, PYTHONPATH=str(example.parent.parent))

@@ -386,6 +386,7 @@ def test_process_workers_collate_packed_samples() -> None:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["best_fit", "concat"])
+@pytest.mark.slow
 def test_the_packing_example_runs(mode: str, tmp_path: Path) -> None:
     root = ROOT
     proc = subprocess.run(

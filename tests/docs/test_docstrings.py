@@ -105,6 +105,7 @@ def rendered_ids(site: Path) -> dict[str, str]:
     return ids
 
 
+@pytest.mark.slow
 def test_the_api_pages_render_every_public_name(built_site: Path) -> None:
     ids = rendered_ids(built_site)
     for name, obj in public_objects().items():

@@ -39,6 +39,7 @@ def test_the_pages_with_examples_are_found() -> None:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("page", RUNNABLE)
+@pytest.mark.slow
 def test_page_runs_as_is_twice(page: str, tmp_path: Path) -> None:
     for attempt in (1, 2):  # the second run finds the first one's files (no FileExistsError)
         proc = run_page(page, tmp_path)

@@ -21,6 +21,7 @@ def test_the_readme_has_one_runnable_example_and_marks_the_others() -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_the_readme_example_runs_twice(tmp_path: Path) -> None:
     code = "\n\n".join(python_blocks(README)[0])
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -86,6 +86,7 @@ class SlowBlockingStream(gl.MemoryStreamStorage):
 
 
 @pytest.mark.asyncio
+@pytest.mark.slow
 async def test_async_iteration_keeps_the_event_loop_responsive() -> None:
     from tests.support.loader import loop_gaps
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import guideloom as gl
+from guideloom._runtime import threadpool
 from guideloom._runtime.threadpool import CLOSE_GRACE_S
 from tests.support.processes import run_script
 
@@ -42,9 +43,17 @@ def _release_at_the_end() -> object:
     RELEASE.set()
 
 
+@pytest.fixture(autouse=True)
+def _short_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A close here waits out the whole grace for the hung collate: 1 s of it, not the default
+    (the bounds checked below stay those of the default). A script run here keeps the default."""
+    monkeypatch.setattr(threadpool, "CLOSE_GRACE_S", 1.0)
+
+
 @pytest.mark.parametrize(
     "kw", [{"num_workers": 2}, {"prefetch": 4}, {"num_workers": 2, "prefetch": 2}, {"num_workers": 1}]
 )
+@pytest.mark.slow
 def test_close_returns_while_a_collate_hangs_and_says_which(kw: dict[str, object]) -> None:
     loader = _loader(**kw)
     loader.open()
@@ -69,6 +78,7 @@ CLOSE_BOUND_S = 10.0
 @pytest.mark.parametrize(
     "kw", [{"num_workers": 2}, {"num_workers": 1}, {"num_workers": 2, "prefetch": 2}, {"prefetch": 4}]
 )
+@pytest.mark.slow
 def test_a_next_blocked_on_a_hung_collate_ends_when_another_thread_closes(kw: dict[str, object]) -> None:
     """A consumer blocked in ``next()`` on a batch whose collate never returns is released by
     ``close()`` in another thread, with ``StopIteration`` (the iteration ends, as at the end of
@@ -97,6 +107,7 @@ def test_a_next_blocked_on_a_hung_collate_ends_when_another_thread_closes(kw: di
 
 
 @pytest.mark.parametrize("closer", ["aclose from another task", "close from another thread"])
+@pytest.mark.slow
 def test_an_async_for_blocked_on_a_hung_collate_ends_when_the_loader_closes(closer: str) -> None:
     """The same for ``async for``: its ``__anext__`` ends with ``StopAsyncIteration``."""
     loader = _loader(num_workers=2)
@@ -128,6 +139,7 @@ def test_an_async_for_blocked_on_a_hung_collate_ends_when_the_loader_closes(clos
     assert [b[0] for b in got] == list(range(0, 40, 8))
 
 
+@pytest.mark.slow
 def test_async_close_returns_while_a_collate_hangs() -> None:
     loader = _loader(num_workers=2)
 
@@ -151,6 +163,7 @@ def test_async_close_returns_while_a_collate_hangs() -> None:
 
 
 @pytest.mark.parametrize("workers", ["none", "process"])
+@pytest.mark.slow
 def test_a_script_that_exits_mid_epoch_ends_at_once_and_quietly(tmp_path: Path, workers: str) -> None:
     """An iterator left open at interpreter exit (the loader opened by it, not by ``with``) is not
     closed from its finaliser while the interpreter tears its modules down: the exit takes no

@@ -60,7 +60,7 @@ _ALL_MODES = [
     {"prefetch": 4},
     {"num_workers": 2},
     {"num_workers": 2, "prefetch": 3},
-    {"num_workers": 2, "parallel_method": "process"},
+    pytest.param({"num_workers": 2, "parallel_method": "process"}, marks=pytest.mark.slow),
 ]
 
 
@@ -130,7 +130,9 @@ _EMPTY_BATCH_MODES = [
     {"prefetch": 4},
     {"num_workers": 2, "collate_mode": "workers"},
     {"num_workers": 2, "collate_mode": "inline"},
-    {"num_workers": 2, "parallel_method": "process", "collate_mode": "workers"},
+    pytest.param(
+        {"num_workers": 2, "parallel_method": "process", "collate_mode": "workers"}, marks=pytest.mark.slow
+    ),
 ]
 
 
@@ -156,7 +158,12 @@ def test_a_collate_failing_on_an_empty_batch_says_why_the_batch_was_empty(worker
 
 
 @pytest.mark.parametrize(
-    "workers", [{}, {"num_workers": 2}, {"num_workers": 2, "parallel_method": "process"}]
+    "workers",
+    [
+        {},
+        {"num_workers": 2},
+        pytest.param({"num_workers": 2, "parallel_method": "process"}, marks=pytest.mark.slow),
+    ],
 )
 def test_the_empty_batch_note_under_async_for(workers: dict[str, object]) -> None:
     loader = _trailing_rank(workers)

@@ -68,6 +68,7 @@ geometries = st.tuples(st.integers(1, 5), st.integers(1, 4))
     steps=st.tuples(st.integers(1, 4), st.integers(1, 4)),
     drop_last=st.booleans(),
 )
+@pytest.mark.slow
 def test_explain_of_every_step_after_two_elastic_resumes_is_what_the_ranks_received(
     n: int,
     first: tuple[int, int],

@@ -112,6 +112,7 @@ def stream(n_batches: int, batch: int = 16, length: int = 512) -> gl.MemoryStrea
 
 
 @pytest.mark.asyncio
+@pytest.mark.slow
 async def test_heartbeat_on_time_with_prefetch_and_an_inline_step() -> None:
     """500 batches, prefetch=8, and a consumer that does 3 ms of blocking work after each batch:
     the batches are always buffered, yet the ticker gets its turn."""
@@ -136,6 +137,7 @@ def slow_collate(samples: Sequence[np.ndarray]) -> list[int]:
 
 
 @pytest.mark.asyncio
+@pytest.mark.slow
 async def test_heartbeat_on_time_with_a_slow_collate_and_no_workers() -> None:
     loader = gl.StatefulDataLoader.from_storage(
         identity_stream(12), slow_collate, sequence_length=4, local_batch_size=1, device=torch.device("cpu")

@@ -17,11 +17,10 @@ from hypothesis import strategies as st
 import guideloom as gl
 import guideloom._runtime.chooser as choice
 import guideloom._runtime.processes.pool as pool_module
-from tests.support.loader import take
+from tests.support.data import Boom
+from tests.support.loader import assert_same, take
 from tests.support.processes import (
     SEQ,
-    Boom,
-    assert_same,
     fails_at_40,
     ids,
     rich,

@@ -105,6 +105,7 @@ def test_the_folder_never_exceeds_the_limit_over_random_plans(
     assert cache.stats()["cache_evictions"] > 0 and cache.stats()["cache_local_ranges"] > 0
 
 
+@pytest.mark.slow
 def test_reads_outside_the_plan_are_served_and_a_read_waits_for_its_chunk_in_flight(
     store: Store, tmp_path: Path, stopped: list[ChunkCache]
 ) -> None:
@@ -281,6 +282,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.slow
 def test_a_holder_killed_mid_download_leaves_nothing_complete_and_does_not_wedge_others(
     store: Store, tmp_path: Path, stopped: list[ChunkCache]
 ) -> None:

@@ -22,6 +22,7 @@ def _planned(store: Store, cache: ChunkCache, rows: list[int]) -> tuple[object, 
     return (key, *cache.table.use_of_rows(store.layouts, starts, SEQ))
 
 
+@pytest.mark.slow
 def test_a_full_cache_does_not_download_a_chunk_per_row(tmp_path: Path, stopped: list[ChunkCache]) -> None:
     """512 rows in 32 chunks of 16 rows, room for 8 chunks, a shuffled epoch read 4 rows at a
     time: every window touches 4 chunks, each used by one row. Evicting by next use alone
@@ -44,6 +45,7 @@ def test_a_full_cache_does_not_download_a_chunk_per_row(tmp_path: Path, stopped:
     assert stats["cache_local_ranges"] >= 0.15 * 512, "the chunks it holds still serve their rows"
 
 
+@pytest.mark.slow
 def test_a_full_cache_still_evicts_for_chunks_the_plan_reads_whole(
     tmp_path: Path, stopped: list[ChunkCache]
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -94,6 +95,7 @@ def test_a_dense_sorted_window_becomes_a_few_large_requests() -> None:
     assert range_bytes(jobs) <= 4 * len(chosen) * sample
 
 
+@pytest.mark.slow
 def test_a_sparse_read_stays_one_request_per_sample() -> None:
     sample, n = 4096, 100_000
     layout, _, _ = layout_of([sample * n])

@@ -7,8 +7,9 @@
 - ``chunks``: a local dataset served as an object store would, for the chunk cache
 - ``ranks``: real ``torch.distributed`` ranks as processes; ``stream_rank`` and ``mixture_rank``
   are the programs those ranks run (``python -m tests.support.stream_rank``)
-- ``servers``: moto, nginx and a fault proxy on 127.0.0.1 (also run as a script by the
-  benchmarks); ``remote``: the datasets and loaders the object-store tests share;
+- ``remote``: the datasets and loaders the object-store tests share (the servers they start,
+  moto, nginx and a fault proxy on 127.0.0.1, are in ``guideloom_dev.servers``, which the
+  benchmarks import too);
   ``exit_script``: a program run by file path to check that processes reading S3 exit cleanly
 - ``recipes``: the training-framework recipes of ``examples/recipes/`` run as ranks, and what
   each rank trained on

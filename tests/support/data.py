@@ -22,12 +22,6 @@ def identity_stream(n_samples: int, sequence_length: int = 4, extra: int = 0) ->
     return gl.MemoryStreamStorage(np.arange(n_samples * sequence_length + extra, dtype=np.int64))
 
 
-def ids(samples: Sequence[np.ndarray]) -> list[int]:
-    """Collate for identity streams: element ``i`` of the stream is ``i``, so a sample's first
-    element divided by the sequence length is its observation index."""
-    return [int(s[0]) for s in samples]
-
-
 class IdsOf:
     """Picklable collate that maps samples of an identity stream to their indexes."""
 
@@ -39,9 +33,11 @@ class IdsOf:
 
 
 def slow_ids(samples: Sequence[np.ndarray]) -> list[int]:
-    """The indexes of samples of length 4, 10 ms a batch."""
-    time.sleep(0.01)
-    return [int(s[0]) // 4 for s in samples]
+    """The indexes of the samples of a stream whose elements are their own positions (an identity
+    stream, or the process tests' positions): sample ``k`` of length ``n`` starts with element
+    ``k * n``. 20 ms a batch, so that an epoch is still running when a test acts on it."""
+    time.sleep(0.02)
+    return [int(s[0]) // len(s) for s in samples]
 
 
 def die(samples: Sequence[np.ndarray]) -> list[int]:
@@ -73,7 +69,7 @@ class Tracked(gl.MemoryStreamStorage):
 
 
 class Boom(Exception):
-    pass
+    """The error a test's collate or storage raises on purpose."""
 
 
 class FailingStorage(gl.MemoryStreamStorage):

@@ -1,5 +1,5 @@
 """Running a loader in a test: build one over an identity stream, take batches, check a resume,
-and watch the threads and the event loop it uses."""
+compare two runs' batches, and watch the threads and the event loop it uses."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,6 +72,33 @@ def check_resume_equals_uninterrupted(n_samples: int, stop_after: int, **kw: Any
         second.load_state_dict(state)
         after = take(second)
     assert before + after == expected, (kw, stop_after)
+
+
+def assert_same(a: Any, b: Any) -> None:
+    """``a`` and ``b`` are the same batches (or the same batch): the same types, and tensors and
+    arrays of the same dtype, shape and values, through dicts, lists and tuples. A list or tuple
+    of them must not be empty: two empty runs would agree while proving nothing."""
+    if isinstance(a, list | tuple):
+        assert len(a) > 0, "nothing to compare"
+    _assert_same(a, b)
+
+
+def _assert_same(a: Any, b: Any) -> None:
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _assert_same(a[k], b[k])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _assert_same(x, y)
+    else:
+        assert a == b
 
 
 def slow_thread_worker_loader() -> StatefulDataLoader[Any, Any]:

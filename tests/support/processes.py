@@ -23,6 +23,8 @@ import torch
 import guideloom as gl
 from guideloom._runtime.processes import WorkerPool, live_segments
 
+from .data import Boom
+
 SEQ = 64
 
 
@@ -89,15 +91,6 @@ def ids(samples: Sequence[np.ndarray]) -> list[int]:
     return [int(s[0]) // SEQ for s in samples]
 
 
-def slow_ids(samples: Sequence[np.ndarray]) -> list[int]:
-    time.sleep(0.02)
-    return ids(samples)
-
-
-class Boom(Exception):
-    pass
-
-
 def fails_at_40(samples: Sequence[np.ndarray]) -> torch.Tensor:
     if any(int(s[0]) // SEQ == 40 for s in samples):
         raise Boom("sample 40")
@@ -126,24 +119,6 @@ def loader_for(path: Path, collate: Any, **kw: Any) -> gl.StatefulDataLoader[Any
 
 def worker_pids() -> set[int]:
     return {p.pid for p in multiprocessing.active_children() if p.name.startswith("guideloom-worker")}
-
-
-def assert_same(a: Any, b: Any) -> None:
-    assert type(a) is type(b)
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and np.array_equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            assert_same(a[k], b[k])
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert_same(x, y)
-    else:
-        assert a == b
 
 
 #: Held by a thread of the main process in a test: a worker that inherited it held would wait.

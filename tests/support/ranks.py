@@ -4,16 +4,11 @@ MASTER_ADDR, MASTER_PORT on 127.0.0.1, gloo over loopback), and wait for all of 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from guideloom_dev.servers import free_port
 
 
 def run_ranks(

@@ -1,9 +1,9 @@
 """What the object-store tests share: one dataset in several places, a loader over it, proxies
-started for a test, and checks that two runs gave the same batches.
+started for a test (two runs' batches are compared with ``loader.assert_same``).
 
-The servers themselves are in ``servers``; the session-wide fixtures that start them are in
-``tests/storage/remote/conftest.py``. ``collate`` is module-level: process workers unpickle it by
-its module path."""
+The servers themselves are in ``guideloom_dev.servers``; the session-wide fixtures that start them
+are in ``tests/storage/remote/conftest.py``. ``collate`` is module-level: process workers unpickle
+it by its module path."""
 
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ import numpy as np
 import torch
 
 from guideloom import StatefulDataLoader
-
-from .servers import FaultProxy
+from guideloom_dev.servers import FaultProxy
 
 BUCKET = "guideloom-test"
 _names = itertools.count()
@@ -54,7 +53,7 @@ def collate(samples: Sequence[Any]) -> Any:
     return torch.from_numpy(np.stack(samples).astype(np.int64))
 
 
-def loader_for(storage: Any, **kwargs: Any) -> StatefulDataLoader[Any, Any]:
+def loader_over(storage: Any, **kwargs: Any) -> StatefulDataLoader[Any, Any]:
     kwargs.setdefault("sequence_length", 100)
     kwargs.setdefault("local_batch_size", 4)
     kwargs.setdefault("shuffle", True)
@@ -63,24 +62,13 @@ def loader_for(storage: Any, **kwargs: Any) -> StatefulDataLoader[Any, Any]:
 
 
 def all_batches(storage: Any, **kwargs: Any) -> list[Any]:
-    with loader_for(storage, **kwargs) as loader:
+    with loader_over(storage, **kwargs) as loader:
         return list(loader)
 
 
 async def all_batches_async(storage: Any, **kwargs: Any) -> list[Any]:
     out = []
-    async with loader_for(storage, **kwargs) as loader:
+    async with loader_over(storage, **kwargs) as loader:
         async for b in loader:
             out.append(b)
     return out
-
-
-def assert_same(a: list[Any], b: list[Any]) -> None:
-    assert len(a) == len(b) and len(a) > 0
-    for x, y in zip(a, b, strict=True):
-        if isinstance(x, dict):
-            assert x.keys() == y.keys()
-            for k in x:
-                assert torch.equal(x[k], y[k])
-        else:
-            assert torch.equal(x, y)

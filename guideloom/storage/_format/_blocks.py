@@ -338,8 +338,8 @@ class FileBlocks:
                 self.complete = True
 
 
-#: Per-process bitmaps, by path and digests: shared by every open of a file.
-_FILES: MutableMapping[tuple[str, int, str], FileBlocks] = remembered(1 << 16)
+#: Per-process bitmaps, by path, inode and digests: shared by every open of a file.
+_FILES: MutableMapping[tuple[str, int, int, int, str], FileBlocks] = remembered(1 << 16)
 _FILES_LOCK = threading.Lock()
 
 
@@ -362,7 +362,9 @@ def file_blocks(path: str, st: os.stat_result, blocks: BlockDigests, folder: Pat
     """The bitmap of local file ``path``, its digests loaded (a sidecar read from ``folder`` and
     checked) the first time, compared with the file as it is now (``st``: see
     :meth:`FileBlocks.observe`)."""
-    key = (path, blocks.size, blocks.inline or blocks.sidecar_sha256 or "")
+    # One bitmap per inode: an open that still reads a file replaced since (its map or its
+    # descriptor) checks the old inode's bytes, which must not count for the new file's.
+    key = (path, st.st_dev, st.st_ino, blocks.size, blocks.inline or blocks.sidecar_sha256 or "")
     with _FILES_LOCK:
         found = _FILES.get(key)
     if found is None:

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import guideloom
+from guideloom_dev.servers import FaultProxy, MotoS3, Nginx, nginx_binary
 from tests.support.remote import BUCKET, Copies
-from tests.support.servers import FaultProxy, MotoS3, Nginx, nginx_binary
 
 
 @pytest.fixture(scope="session")

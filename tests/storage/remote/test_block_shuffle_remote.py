@@ -16,8 +16,8 @@ import torch
 import guideloom
 from guideloom import StatefulDataLoader
 from guideloom._core.order import DEFAULT_WINDOW
+from guideloom_dev.servers import MotoS3, Nginx
 from tests.support.remote import BUCKET, Copies
-from tests.support.servers import MotoS3, Nginx
 
 CPU = torch.device("cpu")
 SEQ = 2048  # 4 KiB samples of uint16: "auto" blocks of 1,024 samples
@@ -58,6 +58,7 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) > 0 and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.slow
 def test_auto_reads_whole_blocks_with_few_gets(big_copies: Copies, s3: MotoS3) -> None:
     remote = guideloom.open_stream(big_copies.s3_url, **s3.options())
     got, stats = epoch(remote, shuffle_block_size="auto")
@@ -104,6 +105,7 @@ def test_epoch_figures_restart_with_each_epoch(big_copies: Copies, nginx: Nginx)
     assert not any(torch.equal(a, b) for a, b in zip(first, second, strict=True)), "another epoch's order"
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_auto_resumes_exactly_over_another_copy(big_copies: Copies, s3: MotoS3) -> None:
     full, _ = epoch(guideloom.open_stream(big_copies.s3_url, **s3.options()), shuffle_block_size="auto")
     first = loader(guideloom.open_stream(big_copies.s3_url, **s3.options()), shuffle_block_size="auto")

@@ -22,8 +22,8 @@ from guideloom.storage._format._blocks import BLOCK_BYTES
 from guideloom.storage._format._manifest import MANIFEST_NAME
 from guideloom.storage._remote._ranges import Layout, plan_windows
 from guideloom.storage._remote._storage import ObjectStreamStorage
+from guideloom_dev.servers import MotoS3
 from tests.support.remote import BUCKET, collate, unique
-from tests.support.servers import MotoS3
 
 CPU = torch.device("cpu")
 KW: dict[str, Any] = dict(sequence_length=100, local_batch_size=16, shuffle=True, shuffle_seed=5, prefetch=2)

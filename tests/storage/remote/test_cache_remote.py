@@ -20,8 +20,9 @@ from guideloom import StatefulDataLoader
 from guideloom._errors import DatasetIntegrityError
 from guideloom.storage._cache import _copy as _cache
 from guideloom.storage._remote._storage import ObjectStreamStorage
-from tests.support.remote import BUCKET, Copies, all_batches, assert_same, collate, loader_for, unique
-from tests.support.servers import MotoS3, Nginx
+from guideloom_dev.servers import MotoS3, Nginx
+from tests.support.loader import assert_same
+from tests.support.remote import BUCKET, Copies, all_batches, collate, loader_over, unique
 
 CPU = torch.device("cpu")
 
@@ -138,7 +139,7 @@ def test_the_first_epoch_reads_the_parts_the_copy_has_written_from_it_not_from_t
     storage._cache._fetch = counted
     written, go = hold_before_complete(monkeypatch)
     got: list[Any] = []
-    with loader_for(storage, **kw) as loader:
+    with loader_over(storage, **kw) as loader:
         for batch in loader:
             got.append(batch)
             if len(got) == 1:

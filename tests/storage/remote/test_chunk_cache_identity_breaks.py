@@ -12,8 +12,8 @@ import torch
 
 import guideloom
 from guideloom import DatasetIntegrityError, StatefulDataLoader
+from guideloom_dev.servers import MotoS3
 from tests.support.remote import BUCKET
-from tests.support.servers import MotoS3
 
 CHUNK = 65536
 

@@ -18,9 +18,10 @@ from guideloom import StatefulDataLoader
 from guideloom.storage._cache._chunks import ChunkCache
 from guideloom.storage._cache._copy import DatasetCache, copy_footprint
 from guideloom.storage._remote._storage import ObjectStreamStorage
+from guideloom_dev.servers import FaultProxy, MotoS3, Nginx
 from tests.support.chunks import Sampler
-from tests.support.remote import Copies, assert_same, collate, start_proxy
-from tests.support.servers import FaultProxy, MotoS3, Nginx
+from tests.support.loader import assert_same
+from tests.support.remote import Copies, collate, start_proxy
 
 CPU = torch.device("cpu")
 DATASET = 80_000  # plain_copies: 40,000 uint16 in three objects
@@ -134,6 +135,7 @@ with open(out, "w") as f:  # a file, not stdout: a large write to a pipe can be 
 """
 
 
+@pytest.mark.slow
 def test_a_file_size_limit_on_the_cache_warns_and_reads_stay_exact(
     plain_copies: Copies, s3: MotoS3, tmp_path: Path
 ) -> None:
@@ -207,6 +209,7 @@ def test_a_limit_at_least_the_dataset_is_the_whole_copy(
         asyncio.run(s.close())
 
 
+@pytest.mark.slow
 def test_process_workers_read_through_a_bounded_cache(
     plain_copies: Copies, s3: MotoS3, tmp_path: Path
 ) -> None:
@@ -272,6 +275,7 @@ with open(out, "w") as f:  # a file, not stdout: a large write to a pipe can be 
 """
 
 
+@pytest.mark.slow
 def test_two_ranks_of_a_node_share_one_bounded_folder(
     plain_copies: Copies, s3: MotoS3, tmp_path: Path
 ) -> None:

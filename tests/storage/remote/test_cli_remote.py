@@ -11,8 +11,8 @@ import torch
 
 import guideloom
 from guideloom._cli import main
+from guideloom_dev.servers import MotoS3
 from tests.support.remote import BUCKET, unique
-from tests.support.servers import MotoS3
 
 
 def test_prepare_to_s3_then_inspect_verify_and_load(

@@ -32,8 +32,8 @@ from benchmarks.corruption import (
     select,
     trial,
 )
+from guideloom_dev.servers import MotoS3, nginx_binary
 from tests.support.remote import BUCKET
-from tests.support.servers import MotoS3, nginx_binary
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +62,7 @@ def _fuzz(data: Path, env: dict[str, Any], seed: int, trials: int, only: str = "
     return outcomes
 
 
+@pytest.mark.slow
 def test_no_damage_delivers_a_wrong_sample(data: Path, env: dict[str, Any]) -> None:
     outcomes = _fuzz(data, env, seed=0, trials=300)
     # the trials did damage something: some were refused, and the whole run is not vacuous
@@ -74,6 +75,7 @@ def test_no_damage_delivers_a_wrong_sample_in_more_trials(data: Path, env: dict[
     _fuzz(data, env, seed=1, trials=1000)
 
 
+@pytest.mark.slow
 def test_the_oracle_sees_a_wrong_sample(data: Path) -> None:
     """Batches of another dataset of the same shape (the twin) are caught as wrong, and the
     pristine dataset passes, over both epochs."""

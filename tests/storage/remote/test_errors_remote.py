@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import guideloom
+from guideloom_dev.servers import SECRET_KEY, FaultProxy, MotoS3, free_port
 from tests.support.remote import BUCKET, Copies, start_proxy
-from tests.support.servers import SECRET_KEY, FaultProxy, MotoS3, free_port
 
 URL_SECRET = "url-secret-9d41c7e2"
 ENV_SECRET = "env-secret-3a8f61b0"

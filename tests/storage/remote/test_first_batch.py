@@ -12,8 +12,8 @@ import pytest
 import guideloom
 from guideloom._errors import DatasetIntegrityError
 from guideloom.storage._remote import _client
+from guideloom_dev.servers import MotoS3
 from tests.support.remote import BUCKET, Copies, unique
-from tests.support.servers import MotoS3
 
 
 def _count_manifest_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:

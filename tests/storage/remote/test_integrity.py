@@ -27,8 +27,8 @@ from guideloom._errors import DatasetIntegrityError
 from guideloom.storage._cache import _copy as _cache
 from guideloom.storage._cache._copy import copy_footprint
 from guideloom.storage._remote._storage import ObjectStreamStorage
+from guideloom_dev.servers import MotoS3, Nginx
 from tests.support.remote import BUCKET, collate, unique
-from tests.support.servers import MotoS3, Nginx
 
 CPU = torch.device("cpu")
 KW: dict[str, Any] = dict(sequence_length=100, local_batch_size=4, shuffle=True, shuffle_seed=5, prefetch=2)

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 import guideloom as gl
+from guideloom_dev.servers import MotoS3, Nginx
 from tests.support.loader import roundtrip, take
 from tests.support.remote import Copies
-from tests.support.servers import MotoS3, Nginx
 
 CPU = torch.device("cpu")
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import guideloom as gl
+from guideloom_dev.servers import MotoS3, Nginx
 from tests.support.remote import BUCKET, unique
-from tests.support.servers import MotoS3, Nginx
 
 
 async def read_all(dataset: gl.PackedDataset, order: np.ndarray) -> list[Any]:

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import guideloom as gl
+from guideloom_dev.servers import FaultProxy, MotoS3, Nginx
 from tests.support.loader import take
 from tests.support.remote import BUCKET, unique
-from tests.support.servers import FaultProxy, MotoS3, Nginx
 
 
 def write(folder: Path, files: int = 3, rows: int = 300) -> list[list[int]]:

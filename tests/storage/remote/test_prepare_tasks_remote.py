@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 
 from guideloom._cli import main
+from guideloom_dev.servers import MotoS3
 from tests.cli.test_prepare_tasks import check_race, race, samples, write_corpus
 from tests.support.remote import BUCKET, unique
-from tests.support.servers import MotoS3
 
 
 @pytest.mark.parametrize("kind", ["ids", "documents"])
+@pytest.mark.slow
 def test_tasks_upload_their_parts_and_the_last_merges(
     s3: MotoS3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
 ) -> None:
@@ -83,6 +84,7 @@ def test_an_overwrite_removes_the_parts_it_replaces(
     assert main(["verify", url, "--quiet"]) == 0
 
 
+@pytest.mark.slow
 def test_runs_of_one_task_at_once_leave_one_whole_part_in_a_bucket(s3: MotoS3, tmp_path: Path) -> None:
     corpus = write_corpus(tmp_path / "c", [("jsonl", [n % 4000 for n in range(0, 3_000_000, 3001)])] * 2)
     assert (

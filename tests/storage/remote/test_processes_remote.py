@@ -13,23 +13,25 @@ import torch
 
 import guideloom
 from guideloom._runtime.processes import RemoteTraceback
-from tests.support.processes import SEQ, Boom, collated_where, exits_at_40, fails_at_40, ids, write_positions
-from tests.support.remote import BUCKET, Copies, all_batches, assert_same, loader_for, unique
-from tests.support.servers import MotoS3
+from guideloom_dev.servers import MotoS3
+from tests.support.data import Boom
+from tests.support.loader import assert_same
+from tests.support.processes import SEQ, collated_where, exits_at_40, fails_at_40, ids, write_positions
+from tests.support.remote import BUCKET, Copies, all_batches, loader_over, unique
 
 pytestmark = pytest.mark.slow
 
 
 def test_process_workers_over_s3_read_as_threads_do(stream_copies: Copies, s3: MotoS3) -> None:
-    with loader_for(guideloom.open_stream(stream_copies.local)) as local:
+    with loader_over(guideloom.open_stream(stream_copies.local)) as local:
         expected = [list(local), list(local)]  # two epochs
     threads = guideloom.open_stream(stream_copies.s3_url, **s3.options())
-    with loader_for(threads, num_workers=2, prefetch=4) as loader:
+    with loader_over(threads, num_workers=2, prefetch=4) as loader:
         before = loader.stats()["requests"]
         [list(loader), list(loader)]
         thread_requests = loader.stats()["requests"] - before
     storage = guideloom.open_stream(stream_copies.s3_url, **s3.options())
-    loader = loader_for(storage, num_workers=2, parallel_method="process", prefetch=4)
+    loader = loader_over(storage, num_workers=2, parallel_method="process", prefetch=4)
     with loader:
         before = loader.stats()["requests"]
         got = [list(loader), list(loader)]  # epoch 2 on the same workers and their connections
@@ -49,7 +51,7 @@ def test_process_workers_over_s3_collate_in_the_workers(
     for them); once they are up, every batch is collated by a worker, in order."""
     expected = all_batches(guideloom.open_stream(plain_copies.local), sequence_length=200, local_batch_size=4)
     storage = guideloom.open_stream(plain_copies.s3_url, **s3.options())
-    loader = loader_for(
+    loader = loader_over(
         storage,
         collate_fn=collated_where,
         sequence_length=200,

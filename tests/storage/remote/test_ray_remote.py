@@ -13,9 +13,9 @@ ray = pytest.importorskip("ray")
 
 import guideloom as gl  # noqa: E402
 from guideloom._cli import main  # noqa: E402
+from guideloom_dev.servers import MotoS3  # noqa: E402
 from tests.cli.test_prepare_tasks import samples, write_corpus  # noqa: E402
 from tests.support.remote import BUCKET, unique  # noqa: E402
-from tests.support.servers import MotoS3  # noqa: E402
 
 pytestmark = [
     pytest.mark.ray,
@@ -34,6 +34,7 @@ def s3_ray(s3: MotoS3) -> Iterator[MotoS3]:
         ray.shutdown()
 
 
+@pytest.mark.slow
 def test_ray_tasks_write_parts_to_s3(s3_ray: MotoS3, tmp_path: Path) -> None:
     corpus = write_corpus(tmp_path / "c", [("jsonl", list(range(0, 600, 3))), ("txt", [4])])
     options = ["--task-size", "1024", "--document-ids", "--quiet"]
@@ -44,6 +45,7 @@ def test_ray_tasks_write_parts_to_s3(s3_ray: MotoS3, tmp_path: Path) -> None:
     assert samples(url, "stream") == samples(tmp_path / "one", "stream")
 
 
+@pytest.mark.slow
 def test_the_datasink_writes_to_s3(s3_ray: MotoS3, tmp_path: Path) -> None:
     ray.data.DataContext.get_current().execution_options.preserve_order = True
     rng = np.random.default_rng(5)

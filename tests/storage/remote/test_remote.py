@@ -21,18 +21,18 @@ import guideloom
 from guideloom import StatefulDataLoader
 from guideloom._errors import DatasetFormatError, DatasetIntegrityError, RemoteReadError
 from guideloom.storage._format._manifest import MANIFEST_NAME
+from guideloom_dev.servers import SECRET_KEY, FaultProxy, MotoS3, Nginx
 from tests.support import ROOT
+from tests.support.loader import assert_same
 from tests.support.remote import (
     BUCKET,
     Copies,
     all_batches,
     all_batches_async,
-    assert_same,
-    loader_for,
+    loader_over,
     start_proxy,
     unique,
 )
-from tests.support.servers import SECRET_KEY, FaultProxy, MotoS3, Nginx
 
 FAST = {"timeout": 5.0, "backoff": 0.01, "max_backoff": 0.05}
 
@@ -273,7 +273,7 @@ def test_a_server_that_stops_answering_fails_within_the_timeout(
     storage = guideloom.open_stream(
         f"{proxy.url}/{plain_copies.http_path}", timeout=0.5, retries=1, retry_timeout=3.0, backoff=0.05
     )
-    loader = loader_for(storage, sequence_length=64)
+    loader = loader_over(storage, sequence_length=64)
     loader.open()
     proxy.stall = True
     proxy.reset_all()  # pooled connections go; new ones get no answer
@@ -304,8 +304,8 @@ def test_credentials_never_appear_in_errors_logs_or_repr(
     monkeypatch.setenv("AWS_SESSION_TOKEN", env_secret)
     proxy = start_proxy(proxy_for, s3.port)
     storage = guideloom.open_stream(plain_copies.s3_url, retries=1, **FAST, **s3.options(proxy.url))
-    texts = [repr(storage), str(storage), repr(loader_for(storage))]
-    loader = loader_for(storage, sequence_length=64)
+    texts = [repr(storage), str(storage), repr(loader_over(storage))]
+    loader = loader_over(storage, sequence_length=64)
     loader.open()
     proxy.fail_every = 1
     proxy.fault_kinds = ("503",)
@@ -378,7 +378,7 @@ async def test_a_large_read_is_planned_and_copied_off_the_event_loop(
 def test_state_dict_counts_only_delivered_batches(plain_copies: Copies, nginx: Nginx) -> None:
     url = f"{nginx.url}/{plain_copies.http_path}"
     full = all_batches(guideloom.open_stream(url), sequence_length=64)
-    loader = loader_for(guideloom.open_stream(url), sequence_length=64, prefetch=4)
+    loader = loader_over(guideloom.open_stream(url), sequence_length=64, prefetch=4)
     it = iter(loader)
     first = [next(it) for _ in range(3)]
     time.sleep(0.2)  # let read-ahead run far ahead of the consumer
@@ -386,7 +386,7 @@ def test_state_dict_counts_only_delivered_batches(plain_copies: Copies, nginx: N
     it.close()
     loader.close()
     assert state["observation_offset"] == 3 * 4
-    resumed = loader_for(guideloom.open_stream(url), sequence_length=64)
+    resumed = loader_over(guideloom.open_stream(url), sequence_length=64)
     resumed.load_state_dict(state)
     rest = all_batches_resumed(resumed)
     assert_same(full, first + rest)

@@ -25,7 +25,8 @@ import torch
 import guideloom
 from guideloom import StatefulDataLoader
 from guideloom._errors import RemoteReadError
-from tests.support.remote import assert_same, collate
+from tests.support.loader import assert_same
+from tests.support.remote import collate
 
 CPU = torch.device("cpu")
 SAMPLE = 384 * 1024  # tokens: a 768 KiB sample, cut into requests of max_request_bytes

@@ -5,7 +5,7 @@ hard lifetime, nginx and moto when their fixture ends (and both are killed with 
 groups if the test process dies). Run as a script, this module starts a proxy in its own process (the
 benchmark does that, so the proxy does not compete with the loader for the GIL)::
 
-    python tests/support/servers.py proxy --upstream 127.0.0.1:8080 --delay 0.01 --lifetime 600
+    python -m guideloom_dev.servers proxy --upstream 127.0.0.1:8080 --delay 0.01 --lifetime 600
 """
 
 from __future__ import annotations

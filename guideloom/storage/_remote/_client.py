@@ -104,6 +104,11 @@ class Remote:
         )
         _OPEN.add(self)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A copy in a process worker: its block digests' sidecars are read through this copy.
+        self.__dict__.update(state)
+        self.blocks.read = self.read_object
+
     def _new_store(self) -> Any:
         return make_store(self.loc, self._config, self._client, self.opts.policy, obstore_retries=False)
 

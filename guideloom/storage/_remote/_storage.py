@@ -39,9 +39,10 @@ without user information or query string, and every credential value is masked.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -324,12 +325,22 @@ class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):
         chunks.plan(planned())
 
     def read_many_sync(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
-        return self._complete_copy(LocalStreamStorage).read_many_sync(starts, length)
+        try:
+            return self._complete_copy(LocalStreamStorage).read_many_sync(starts, length)
+        except DatasetIntegrityError as exc:
+            self._rebuild_copy(str(exc))
+        return _run_aside(self._read_store(starts, length))
 
     async def read_many(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
         local = self._open_copy()
         if isinstance(local, LocalStreamStorage):
-            return await local.read_many(starts, length)
+            try:
+                return await local.read_many(starts, length)
+            except DatasetIntegrityError as exc:
+                self._rebuild_copy(str(exc))
+        return await self._read_store(starts, length)
+
+    async def _read_store(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
         starts = np.asarray(starts, dtype=np.int64)
         n = len(starts)
         if n and (int(starts.min()) < 0 or int(starts.max()) + length > len(self)):
@@ -435,12 +446,22 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         chunks.plan(planned())
 
     def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:
-        return self._complete_copy(LocalDocumentStorage).read_many_sync(indices)
+        try:
+            return self._complete_copy(LocalDocumentStorage).read_many_sync(indices)
+        except DatasetIntegrityError as exc:
+            self._rebuild_copy(str(exc))
+        return _run_aside(self._read_store(indices))
 
     async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:
         local = self._open_copy()
         if isinstance(local, LocalDocumentStorage):
-            return await local.read_many(indices)
+            try:
+                return await local.read_many(indices)
+            except DatasetIntegrityError as exc:
+                self._rebuild_copy(str(exc))
+        return await self._read_store(indices)
+
+    async def _read_store(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:
         indices = np.asarray(indices, dtype=np.int64)
         n = len(indices)
         if n and (int(indices.min()) < 0 or int(indices.max()) >= len(self)):
@@ -461,12 +482,22 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         return [flat[bounds[i] : bounds[i + 1]] for i in range(n)]
 
     def document_offsets_sync(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        return self._complete_copy(LocalDocumentStorage).document_offsets_sync(positions)
+        try:
+            return self._complete_copy(LocalDocumentStorage).document_offsets_sync(positions)
+        except DatasetIntegrityError as exc:
+            self._rebuild_copy(str(exc))
+        return _run_aside(self._offsets_from_store(positions))
 
     async def document_offsets(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         local = self._open_copy()
         if isinstance(local, LocalDocumentStorage):
-            return await local.document_offsets(positions)
+            try:
+                return await local.document_offsets(positions)
+            except DatasetIntegrityError as exc:
+                self._rebuild_copy(str(exc))
+        return await self._offsets_from_store(positions)
+
+    async def _offsets_from_store(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         positions = np.asarray(positions, dtype=np.int64)
         if self._offsets is not None:
             return self._offsets[positions]
@@ -514,6 +545,14 @@ async def _planned(n: int, plan: Callable[..., R], *args: Any) -> R:
     if n <= PLAN_INLINE_SAMPLES:
         return plan(*args)
     return await asyncio.get_running_loop().run_in_executor(io_executor(), functools.partial(plan, *args))
+
+
+def _run_aside(read: Coroutine[Any, Any, R]) -> R:
+    """``read`` run to its end on an event loop of its own, on a thread of its own: a blocking
+    read that falls back to the store (its local copy found damaged) from any thread, one that
+    runs an event loop included."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="guideloom-fallback") as pool:
+        return pool.submit(asyncio.run, read).result()
 
 
 def _key(starts: npt.NDArray[np.int64]) -> tuple[int, int, int]:

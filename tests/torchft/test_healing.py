@@ -96,3 +96,31 @@ def test_a_replica_that_just_healed_hands_the_state_it_received_to_the_next_one(
     repeated = sorted(i for i, n in committed.items() if n > 1)
     lost = sorted(set(range(N)) - set(committed))
     assert not repeated and not lost, f"repeated {repeated}, lost {lost}"
+
+
+def test_a_state_refused_for_its_step_is_not_applied() -> None:
+    """A peer's state too far behind the Manager is refused; the replica's own position stays."""
+    one = Replica()
+    try:
+        one.manager.rank, one.manager.participants = 0, 1
+        for _ in range(2):
+            one.batches.next()
+            one.manager.step += 1
+        other = Replica()
+        try:
+            it = iter(other.loader)
+            for _ in range(7):
+                next(it)
+                other.loader.commit()
+            it.close()
+            stale = {"loader": other.loader.state_dict(committed=True), "step": one.manager.step - 3}
+        finally:
+            other.close()
+        one.batches.load_state_dict(stale)
+        with pytest.raises(RuntimeError, match="3 steps behind"):
+            one.batches.next()
+        assert one.loader.state_dict()["observation_offset"] == 2  # the two committed steps
+        batch = one.batches.next()
+        assert one.loader.state_dict()["observation_offset"] == 3, f"went on from the refused state: {batch}"
+    finally:
+        one.close()

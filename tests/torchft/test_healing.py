@@ -124,3 +124,21 @@ def test_a_state_refused_for_its_step_is_not_applied() -> None:
         assert one.loader.state_dict()["observation_offset"] == 3, f"went on from the refused state: {batch}"
     finally:
         one.close()
+
+
+def test_a_batch_asked_for_before_the_first_quorum_is_refused() -> None:
+    """Before its first quorum a Manager has no participants (torchft answers ``None`` and 0): a
+    batch asked for then (``for batch in batches`` before ``zero_grad()``, as torchft's own loop
+    is written) would be cut for one replica while the job has several. It is refused with a
+    message that says to start the quorum first."""
+    a, b = Replica(), Replica()
+    try:
+        for r in (a, b):
+            r.manager.rank, r.manager.participants = None, 0
+        with pytest.raises((RuntimeError, ValueError), match="quorum"):
+            next(iter(a.batches))
+        with pytest.raises((RuntimeError, ValueError), match="quorum"):
+            b.batches.next()
+    finally:
+        a.close()
+        b.close()

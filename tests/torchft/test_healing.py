@@ -142,3 +142,23 @@ def test_a_batch_asked_for_before_the_first_quorum_is_refused() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_a_replica_that_heals_twice_in_a_row_goes_on_from_the_second_state() -> None:
+    """A replica heals, misses the next quorum (it was slow), and heals again at the one after:
+    the first state it received is superseded by the second, not an error."""
+    a, b = Replica(), Replica()
+    committed: Counter[int] = Counter()
+    try:
+        step([a], committed)
+        step([a, b], committed, heal_from={1: 0})  # b heals from a
+        step([a], committed)  # b misses this quorum
+        step([a, b], committed, heal_from={1: 0})  # and heals again
+        while all(r.batches.epoch == 0 for r in (a, b)):
+            step([a, b], committed)
+    finally:
+        a.close()
+        b.close()
+    repeated = sorted(i for i, n in committed.items() if n > 1)
+    lost = sorted(set(range(N)) - set(committed))
+    assert not repeated and not lost, f"repeated {repeated}, lost {lost}"

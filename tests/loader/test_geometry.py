@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import guideloom as gl
 from tests.support.data import identity_stream
-from tests.support.loader import make
+from tests.support.loader import make, take
 
 pytestmark = pytest.mark.usefixtures("no_thread_leak")
 
@@ -212,3 +212,34 @@ def test_audit_after_the_quorum_shrank_reports_no_skip_that_did_not_happen() -> 
             report = None
         ia.close()
     assert report is None or report.ok, report.message
+
+
+@pytest.mark.parametrize("taken_back", [False, True], ids=["committed-state", "after-rollback"])
+def test_the_committed_state_after_more_changes_than_the_history_keeps_loads_in_a_joining_replica(
+    taken_back: bool,
+) -> None:
+    """An epoch with more changes of quorum than the history keeps, then steps not committed
+    under other quorums: the committed state (what a joining replica receives) loads, and the
+    joining replica goes on with the samples the live one would."""
+    with make(identity_stream(3000), local_batch_size=1, shuffle=True, shuffle_seed=1) as one:
+        it = iter(one)
+        for step in range(300):
+            one.set_geometry(rank=0, world_size=1 + step % 2)
+            next(it)
+            one.commit()
+        for step in range(3):
+            one.set_geometry(rank=0, world_size=3 + step % 2)
+            next(it)
+        if taken_back:
+            one.rollback()
+            state = one.state_dict()
+        else:
+            state = one.state_dict(committed=True)
+        one.rollback()
+        one.set_geometry(rank=0, world_size=2)
+        expected = next(it)
+        it.close()
+        with make(identity_stream(3000), local_batch_size=1, shuffle=True, shuffle_seed=1) as joining:
+            joining.load_state_dict(state)
+            joining.set_geometry(rank=0, world_size=2)
+            assert take(joining, 1) == [expected]

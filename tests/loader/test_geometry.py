@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import guideloom as gl
 from tests.support.data import identity_stream
-from tests.support.loader import make
+from tests.support.loader import make, take
 
 pytestmark = pytest.mark.usefixtures("no_thread_leak")
 
@@ -169,3 +169,77 @@ def test_set_geometry_refuses_a_bad_geometry_and_the_same_one_changes_nothing() 
         one.set_geometry(rank=0, world_size=1)
         one.rollback()  # nothing handed out: nothing to take back
         assert one.state_dict()["history"] == ""
+
+
+def test_explain_past_the_kept_history_says_why_it_has_none() -> None:
+    """More changes of geometry in an epoch than the history keeps: an early step cannot be
+    explained, and the error says so (no checkpoint was resumed)."""
+    with make(identity_stream(2000), local_batch_size=1, shuffle=False) as one:
+        it = iter(one)
+        for step in range(300):
+            one.set_geometry(rank=0, world_size=1 + step % 2)
+            next(it)
+            one.commit()
+        it.close()
+        assert len(one.state_dict()["history"].split(";")) <= 256  # bounded
+        with pytest.raises(ValueError) as error:
+            one.explain(0, rank=0)
+        message = str(error.value)
+        assert "resumed" not in message, message
+        assert "256" in message, message
+
+
+def test_audit_after_the_quorum_shrank_reports_no_skip_that_did_not_happen() -> None:
+    """Two replicas take three committed steps, one is lost, the other goes on alone: every
+    position was handed out once. The survivor's audit either says so or refuses plainly (it
+    cannot count the lost rank's batches), never that a batch was skipped."""
+    a, b = loader(prefetch=2), loader(prefetch=2)
+    with a, b:
+        ia, ib = iter(a), iter(b)
+        for _ in range(3):
+            a.set_geometry(rank=0, world_size=2)
+            b.set_geometry(rank=1, world_size=2)
+            next(ia), next(ib)
+            a.commit(), b.commit()
+        ib.close()
+        a.set_geometry(rank=0, world_size=1)
+        for _ in range(3):
+            next(ia)
+            a.commit()
+        try:
+            report = a.audit()
+        except RuntimeError:
+            report = None
+        ia.close()
+    assert report is None or report.ok, report.message
+
+
+@pytest.mark.parametrize("taken_back", [False, True], ids=["committed-state", "after-rollback"])
+def test_the_committed_state_after_more_changes_than_the_history_keeps_loads_in_a_joining_replica(
+    taken_back: bool,
+) -> None:
+    """An epoch with more changes of quorum than the history keeps, then steps not committed
+    under other quorums: the committed state (what a joining replica receives) loads, and the
+    joining replica goes on with the samples the live one would."""
+    with make(identity_stream(3000), local_batch_size=1, shuffle=True, shuffle_seed=1) as one:
+        it = iter(one)
+        for step in range(300):
+            one.set_geometry(rank=0, world_size=1 + step % 2)
+            next(it)
+            one.commit()
+        for step in range(3):
+            one.set_geometry(rank=0, world_size=3 + step % 2)
+            next(it)
+        if taken_back:
+            one.rollback()
+            state = one.state_dict()
+        else:
+            state = one.state_dict(committed=True)
+        one.rollback()
+        one.set_geometry(rank=0, world_size=2)
+        expected = next(it)
+        it.close()
+        with make(identity_stream(3000), local_batch_size=1, shuffle=True, shuffle_seed=1) as joining:
+            joining.load_state_dict(state)
+            joining.set_geometry(rank=0, world_size=2)
+            assert take(joining, 1) == [expected]

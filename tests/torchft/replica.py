@@ -9,6 +9,8 @@ writes ``--ctl/arm-R`` (``steps point``), the replica SIGKILLs itself that many 
 at the point drawn: right after the batch was handed out (the peers' step then fails and is
 taken back), or once the step's record is written. Never between ``should_commit()`` and the
 record: a kill there would lose the record of a sample the job trained on, not the sample.
+With ``--hold FILE`` it creates ``--ctl/held-R`` and waits for FILE before its first step; while
+``--ctl/pause`` exists, it waits before each step.
 
 Ranks of a group (``--group-size``) run as threads, each with its own Manager, as torchft's own
 tests run them; ``--shards`` of them are data-parallel shards (``dp_shard``), the others
@@ -89,10 +91,16 @@ def rank_main(args: argparse.Namespace, rank: int, store_port: int, out: Any) ->
     tp = args.group_size // args.shards
     ft = FaultTolerantLoader(loader, manager, shard_rank=rank // tp, num_shards=args.shards)
     taken, kill_at, point = 0, -1, ""
+    if args.hold:  # the test starts this replica's first step
+        open(os.path.join(args.ctl, f"held-{args.replica}"), "w").close()
+    while args.hold and not os.path.exists(args.hold):
+        time.sleep(0.005)
     arm, up = os.path.join(args.ctl, f"arm-{args.replica}"), os.path.join(args.ctl, f"up-{args.replica}")
     try:
         with loader:
             while True:
+                while os.path.exists(os.path.join(args.ctl, "pause")):  # the test holds the step
+                    time.sleep(0.005)
                 opt.zero_grad()
                 manager.start_quorum()
                 batch = ft.next()
@@ -149,6 +157,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--ctl", required=True)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--hold", default="", help="wait for this file before the first quorum")
     args = p.parse_args(argv)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     with open(args.out, "a") as out, ThreadPoolExecutor(args.group_size) as pool:

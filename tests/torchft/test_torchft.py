@@ -165,3 +165,61 @@ def test_dp_shards_within_groups_read_disjoint_data(tmp_path: Path) -> None:
 def test_the_module_names_bad_shards() -> None:
     with pytest.raises(ValueError, match=r"shard_rank must be an int in \[0, num_shards=2\)"):
         FaultTolerantLoader(None, None, shard_rank=2, num_shards=2)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(110)
+def test_a_replica_heals_from_one_that_healed_the_step_before(tmp_path: Path) -> None:
+    """Replica 0 is killed and heals from replica 1; replica 2 joins as soon after as it can and
+    heals from a live peer, which may be replica 0 (torchft picks the first up-to-date replica):
+    each sample is still committed once, and no replica fails."""
+    lighthouse = coordination.LighthouseServer(
+        bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=300, quorum_tick_ms=20, heartbeat_timeout_ms=1000
+    )
+    out, samples = tmp_path / "records.jsonl", 48
+    procs: dict[int, subprocess.Popen[bytes]] = {}
+    logs: list[Any] = []
+
+    def start(r: int, *extra: str) -> None:
+        args = [sys.executable, "-m", "tests.torchft.replica", "--replica", str(r), "--ctl", str(tmp_path)]
+        args += ["--lighthouse", lighthouse.address(), "--out", str(out), "--samples", str(samples)]
+        args += ["--step-sleep", "1", *extra]  # time to hold the others after a step
+        log = open(tmp_path / f"replica{r}.log", "ab")  # noqa: SIM115 - closed below
+        logs.append(log)
+        procs[r] = subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_for(what: Any, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while not what():
+            assert time.monotonic() < end, "the job did not get there in time"
+            for r, p in procs.items():
+                if p.poll() not in (None, 0):
+                    pytest.fail(f"replica {r} failed: {(tmp_path / f'replica{r}.log').read_text()[-1500:]}")
+            time.sleep(0.005)
+
+    try:
+        start(0)
+        start(1)
+        wait_for(lambda: out.exists() and len(out.read_text().splitlines()) >= 6, 60)
+        procs[0].kill()
+        procs.pop(0).wait()
+        log0 = tmp_path / "replica0.log"
+        mark = log0.stat().st_size
+        start(2, "--hold", str(tmp_path / "go-2"))
+        wait_for((tmp_path / "held-2").exists, 60)  # replica 2 is ready to ask for a quorum
+        start(0)
+        wait_for(lambda: b"participating False" in log0.read_bytes()[mark:], 60)  # replica 0 healed
+        (tmp_path / "pause").touch()  # replicas 0 and 1 wait before the next step
+        (tmp_path / "go-2").touch()
+        time.sleep(3)  # replica 2 asks for a quorum, which waits for the others
+        (tmp_path / "pause").unlink()
+        wait_for(lambda: sum(p.poll() == 0 for p in procs.values()) >= 2, 90)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for log in logs:
+            log.close()
+        lighthouse.shutdown()
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    check_exactly_once(records, samples)

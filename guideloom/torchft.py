@@ -113,11 +113,21 @@ class FaultTolerantLoader(Generic[BatchT]):
         outcome of the last step is settled first (committed, or taken back to be handed out
         again), a peer's state received while healing applied."""
         replica = self.manager.participating_rank()  # waits for the quorum: outside the lock,
-        groups = max(1, self.manager.num_participants())  # which the peers' state fn takes
+        participants = self.manager.num_participants()  # which the peers' state fn takes
+        if participants < 1:
+            raise RuntimeError(
+                "guideloom: no quorum yet (the Manager has no participants): start the step's "
+                "quorum (optimizer.zero_grad() of torchft's OptimizerWrapper, or "
+                "manager.start_quorum()) before asking for its batch"
+            )
         with self._lock:
+            if replica is None and self._received is not None:
+                # healing again: the state received at an earlier heal, never applied, is
+                # superseded by the one this step's heal brings
+                self._received = None
             self._settle()
             self.participating = replica is not None
-            world = groups * self.num_shards
+            world = participants * self.num_shards
             rank = (replica if replica is not None else 0) * self.num_shards + self.shard_rank
             self.loader.set_geometry(rank=rank, world_size=world)
             batch = self._take()
@@ -154,18 +164,19 @@ class FaultTolerantLoader(Generic[BatchT]):
     def _restart(self, received: dict[str, Any]) -> None:
         """Go on from a live peer's committed state; the step the peers committed while this
         group healed (its state was taken before it) is taken and committed here too."""
+        behind = self.manager.current_step() - int(received["step"])
+        if behind not in (0, 1):
+            raise RuntimeError(
+                f"guideloom: the state received from a peer is {behind} steps behind this replica's "
+                "Manager; expected 0 or 1 (the state of the step this replica healed in); it was "
+                "not applied"
+            )
         if self._it is not None:
             close = getattr(self._it, "close", None)
             if close is not None:
                 close()
             self._it = None
         self.loader.load_state_dict(received["loader"])
-        behind = self.manager.current_step() - int(received["step"])
-        if behind not in (0, 1):
-            raise RuntimeError(
-                f"guideloom: the state received from a peer is {behind} steps behind this replica's "
-                "Manager; expected 0 or 1 (the state of the step this replica healed in)"
-            )
         if behind:
             self.loader.set_geometry(rank=self.shard_rank, world_size=self._pending_world or self.num_shards)
             self._take()
@@ -178,6 +189,9 @@ class FaultTolerantLoader(Generic[BatchT]):
         checkpoint): the loader's position after the last committed step, and the Manager's
         step it belongs to. Safe from the Manager's quorum thread."""
         with self._lock:
+            received, self._received = self._received, None
+            if received is not None:  # healed, not applied yet: what this replica goes on from
+                self._restart(received)
             step = self.manager.current_step()
             done = self._pending is not None and step > self._pending
             loader: StatefulDataLoaderStateDict = self.loader.state_dict(committed=not done)

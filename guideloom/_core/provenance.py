@@ -63,13 +63,15 @@ class Segment(NamedTuple):
 class History:
     """The segments of the current epoch (and the last finished one), in order."""
 
-    __slots__ = ("segments",)
+    __slots__ = ("dropped", "segments")
 
-    def __init__(self, segments: Sequence[Segment] = ()) -> None:
+    def __init__(self, segments: Sequence[Segment] = (), *, dropped: bool = False) -> None:
         self.segments: list[Segment] = list(segments)
+        #: Whether entries before the first were dropped to keep it within ``MAX_SEGMENTS``.
+        self.dropped = dropped
 
     def __repr__(self) -> str:
-        return f"History({self.segments!r})"
+        return f"History({self.segments!r}, dropped={self.dropped})"
 
     def of_epoch(self, epoch: int) -> list[Segment]:
         return [s for s in self.segments if s.epoch == epoch]
@@ -101,6 +103,7 @@ class History:
         self.segments.append(Segment(epoch, offset, step, local_batch_size, world_size))
         while len(self.segments) > MAX_SEGMENTS:
             self.segments.pop(0)
+            self.dropped = True
 
     def truncate(self, epoch: int, offset: int) -> None:
         """Forget the segments of ``epoch`` that begin past ``offset`` (a rollback to it: no
@@ -118,8 +121,10 @@ class History:
     def encode(self) -> str:
         """The history as one string for the checkpoint: ``epoch:offset:step:B:W`` per segment,
         ``;`` between them (a string is one value to ``torch.distributed.checkpoint``, whatever
-        its length, where a list would take the shape of the loading side's)."""
-        return ";".join(":".join(str(v) for v in s) for s in self.segments)
+        its length, where a list would take the shape of the loading side's); it starts with
+        ``+`` where earlier entries were dropped (:attr:`dropped`)."""
+        body = ";".join(":".join(str(v) for v in s) for s in self.segments)
+        return f"+{body}" if self.dropped and body else body
 
 
 def parse_history(text: object) -> History:
@@ -139,7 +144,9 @@ def parse_history(text: object) -> History:
             f"checkpoint 'history' is {len(text):,} characters long, more than the {MAX_SEGMENTS} "
             f"entries a loader saves can take ({MAX_HISTORY_CHARS:,}): it is damaged; {_FIX}"
         )
-    parts = text.split(";") if text else []
+    dropped = text.startswith("+")
+    body = text[1:] if dropped else text
+    parts = body.split(";") if body else []
     if len(parts) > MAX_SEGMENTS:
         raise ValueError(
             f"checkpoint 'history' holds {len(parts):,} entries, a loader saves at most {MAX_SEGMENTS}: "
@@ -172,7 +179,8 @@ def parse_history(text: object) -> History:
                 f"entries must be in increasing order of (epoch, offset); {_FIX}"
             )
         segments.append(seg)
-    return History(segments)
+    # a full history saved before the mark was written had dropped entries too
+    return History(segments, dropped=dropped or len(segments) == MAX_SEGMENTS)
 
 
 def check_history(history: History, epoch: int, offset: int) -> History:
@@ -212,7 +220,7 @@ def check_history(history: History, epoch: int, offset: int) -> History:
                     f"{where}.step is {s.step}, expected {expected} (history[{i - 1}].step {prev.step} plus "
                     f"{gap // pg} global batches of {pg} from offset {prev.offset} to {s.offset}); {_FIX}"
                 )
-        elif i == 0 and len(segs) == MAX_SEGMENTS:  # earlier entries dropped: a step per observation at most
+        elif i == 0 and history.dropped:  # earlier entries dropped: a step per observation at most
             if s.step > s.offset or (s.step == 0) != (s.offset == 0):
                 raise ValueError(
                     f"{where}.step is {s.step}, expected {'0' if s.offset == 0 else f'1 to {s.offset}'} "
@@ -232,7 +240,8 @@ def check_history(history: History, epoch: int, offset: int) -> History:
                 f"expected {last.offset} plus a multiple of its global batch size "
                 f"{last.global_batch_size}; {_FIX}"
             )
-    return History([s for s in segs if s.epoch >= epoch - 1])
+    kept = [s for s in segs if s.epoch >= epoch - 1]
+    return History(kept, dropped=history.dropped and len(kept) == len(segs))
 
 
 def block(segment: Segment, step: int, rank: int, num_observations: int) -> tuple[int, int]:

@@ -12,7 +12,7 @@ import numpy as np
 
 from guideloom._core.audit import MODULUS, AuditReport, RankTally, audit_base, compare, run_summary
 from guideloom._core.plan import num_batches
-from guideloom._core.provenance import History, Segment, block
+from guideloom._core.provenance import MAX_SEGMENTS, History, Segment, block
 from guideloom._core.text import plural
 from guideloom._loader.host import Loader
 from guideloom._loader.state import epoch_order
@@ -27,7 +27,7 @@ def _segment(loader: Loader[Any], epoch: int, step: int) -> Segment:
     b, w = loader.local_batch_size, loader.world_size
     if epoch > ckpt.epoch:
         return Segment(epoch, 0, 0, b, w)
-    history = History(ckpt.history.segments)
+    history = History(ckpt.history.segments, dropped=ckpt.history.dropped)
     if epoch == ckpt.epoch:
         history.begin(epoch, ckpt.offset, b, w)
     seg = history.segment(epoch, step)
@@ -37,6 +37,11 @@ def _segment(loader: Loader[Any], epoch: int, step: int) -> Segment:
             raise ValueError(
                 f"the loader keeps the history of epochs {ckpt.epoch - 1} and {ckpt.epoch} only: "
                 f"epoch {epoch} is before them"
+            )
+        if history.dropped:
+            raise ValueError(
+                f"epoch {epoch} has no history before step {mine[0].step}: the loader keeps the last "
+                f"{MAX_SEGMENTS} changes of batch size or world size, and this epoch had more"
             )
         raise ValueError(
             f"epoch {epoch} has no history before step {mine[0].step} (the checkpoint it resumed "
@@ -136,6 +141,17 @@ def audit_ranks(loader: Loader[Any]) -> AuditReport:
 
     dist = _distributed()
     if dist is None:
+        wider = [
+            s.world_size
+            for s in loader._ckpt.history.of_epoch(mine.epoch)
+            if s.world_size > 1 and s.offset >= mine.start
+        ]
+        if wider and loader.world_size == 1:
+            raise RuntimeError(
+                f"audit() of one process: this epoch was read with world_size={max(wider)} since the "
+                "tally began, and the other ranks' batches are theirs to count: initialise "
+                "torch.distributed over those ranks, or audit from a checkpoint taken after the change"
+            )
         if loader.world_size != 1:
             raise RuntimeError(
                 f"audit() of a loader with world_size={loader.world_size} needs every rank's tally: "

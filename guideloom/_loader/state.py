@@ -80,7 +80,7 @@ def save_state(loader: Loader[Any], *, committed: bool = False) -> StatefulDataL
     ckpt = loader._ckpt
     offset, history = ckpt.offset, ckpt.history
     if committed:
-        offset, history = ckpt.committed, History(history.segments)
+        offset, history = ckpt.committed, History(history.segments, dropped=history.dropped)
         history.truncate(ckpt.epoch, offset)
     state = StatefulDataLoaderStateDict(
         epoch=ckpt.epoch,

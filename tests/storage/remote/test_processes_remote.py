@@ -3,9 +3,11 @@ workers collate."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +15,16 @@ import torch
 
 import guideloom
 from guideloom._runtime.processes import RemoteTraceback
-from tests.support.processes import SEQ, Boom, collated_where, exits_at_40, fails_at_40, ids, write_positions
+from tests.support.processes import (
+    SEQ,
+    Boom,
+    collated_where,
+    exits_at_40,
+    fails_at_40,
+    ids,
+    run_script,
+    write_positions,
+)
 from tests.support.remote import BUCKET, Copies, all_batches, assert_same, loader_for, unique
 from tests.support.servers import MotoS3
 
@@ -78,6 +89,66 @@ def test_process_workers_over_s3_collate_in_the_workers(
     assert os.getpid() not in pids and len(pids) >= 1, pids
     assert own_segments() == []
     assert multiprocessing.active_children() == []
+
+
+_STANDBY_SCRIPT = """
+import json, os, sys
+from multiprocessing import forkserver
+import torch
+import guideloom as gl
+from guideloom._runtime.processes.zygote import fork_is_safe
+
+def parent(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+def before(samples):
+    return [os.getpid(), *(int(s[0]) for s in samples)]
+
+if __name__ == "__main__":
+    storage = gl.open_stream(sys.argv[1], **json.loads(sys.argv[2]))  # the standby forks here
+    print(fork_is_safe())  # obstore's runtime runs now: no fork from this process
+
+def later(samples):  # defined after the standby was forked: not in its __main__
+    return [os.getpid(), *(int(s[0]) for s in samples)]
+
+if __name__ == "__main__":
+    for collate in (before, later):
+        kw = dict(sequence_length=200, local_batch_size=4, device=torch.device("cpu"))
+        with gl.StatefulDataLoader.from_storage(storage, collate, **kw) as inline:
+            want = [b[1:] for b in inline]
+        with gl.StatefulDataLoader.from_storage(
+            storage, collate, num_workers=2, parallel_method="process", **kw
+        ) as ld:
+            got = list(ld)
+            pool = ld._life.pool
+            ctx = pool.ctx
+            server = getattr(ctx, "server", None) or forkserver._forkserver
+            spid = server._forkserver_pid
+            workers = {p.proc.pid for p in pool.procs}
+            parents = {parent(w) for w in workers}
+        print(type(ctx).__name__, getattr(ctx, "shared", None), parent(spid) == os.getpid(),
+              parents == {spid}, {b[0] for b in got} <= workers,
+              [b[1:] for b in got] == want)
+"""
+
+
+def test_process_workers_over_s3_fork_from_a_standby_zygote(
+    tmp_path: Path, plain_copies: Copies, s3: MotoS3
+) -> None:
+    """The first object store of a process forks a standby zygote before obstore's runtime
+    starts its threads: a pool made later forks its workers from it (children of this process's
+    zygote, no fresh interpreter), unless its collate is a ``__main__`` function defined after
+    that fork, which the workers would not find there: the fork server then serves. The same
+    batches either way, every one made by a worker."""
+    script = tmp_path / "standby.py"
+    script.write_text(_STANDBY_SCRIPT)
+    r = run_script(script, plain_copies.s3_url, json.dumps(s3.options()), check=False)
+    assert r.stdout.splitlines() == [
+        "False",
+        "ZygoteContext True True True True True",
+        "ForkServerContext None True True True True",
+    ], r.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")

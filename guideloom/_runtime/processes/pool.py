@@ -142,9 +142,10 @@ def worker_context(spec: bytes = b"") -> ForkServerContext | SpawnContext | Fork
         return multiprocessing.get_context("spawn")
     wanted = _preload()
     if START_METHOD == "zygote":
-        if fork_is_safe():
-            return ZygoteContext(fork_zygote(wanted))
         standby = standby_for(spec)
+        # With a standby to fall back on, threads that may be ending are not waited for.
+        if fork_is_safe() if standby is None else fork_is_safe(0.0):
+            return ZygoteContext(fork_zygote(wanted))
         if standby is not None:
             return ZygoteContext(standby, shared=True)
     ctx = multiprocessing.get_context("forkserver")

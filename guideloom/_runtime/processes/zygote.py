@@ -114,10 +114,10 @@ def _threads_allow_fork() -> bool:
     return all(_comm(t) in (name, None, *_FORK_SAFE_NAMES) for t in tasks if t != me)
 
 
-def fork_is_safe() -> bool:
+def fork_is_safe(ending_s: float = _ENDING_S) -> bool:
     """Whether this process may fork now: see the module's docstring. A thread that is ending
-    (an idle AnyIO worker thread whose loop has just stopped) is given a moment to end."""
-    deadline = time.monotonic() + _ENDING_S
+    (an idle AnyIO worker thread whose loop has just stopped) is given ``ending_s`` to end."""
+    deadline = time.monotonic() + ending_s
     while not _threads_allow_fork():
         if time.monotonic() > deadline:
             return False
@@ -358,6 +358,8 @@ def main_names(data: bytes) -> set[str] | None:
     """The names of the ``__main__`` globals a pickle refers to (functions, classes); None for
     data this cannot read as a pickle (it may name anything)."""
     names: set[str] = set()
+    if b"__main__" not in data and b"__mp_main__" not in data:  # (the common case, at once)
+        return names
     recent: list[Any] = []  # what the last opcodes pushed (strings, else None)
     memo: dict[int, Any] = {}
     try:

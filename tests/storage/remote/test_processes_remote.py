@@ -3,6 +3,7 @@ workers collate."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
 import os
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import guideloom
+from guideloom._runtime.executors import GROUP_WORK_S
 from guideloom._runtime.processes import RemoteTraceback
 from tests.support.processes import (
     SEQ,
@@ -56,8 +58,58 @@ def test_process_workers_over_s3_read_as_threads_do(stream_copies: Copies, s3: M
 def test_process_workers_over_s3_collate_in_the_workers(
     plain_copies: Copies, s3: MotoS3, own_segments: Callable[[], list[str]]
 ) -> None:
-    """The batches read while the workers start are collated here (the first epoch need not wait
-    for them); once they are up, every batch is collated by a worker, in order."""
+    """With ``collate_mode="auto"``, asked for, the batches read while the workers start are
+    collated here (the first epoch need not wait for them), and the loader measures from then on
+    where the collate is cheaper, as over local files; ``stats()`` counts each batch where it
+    was really collated."""
+    expected = all_batches(guideloom.open_stream(plain_copies.local), sequence_length=40, local_batch_size=4)
+    storage = guideloom.open_stream(plain_copies.s3_url, **s3.options())
+    loader = loader_for(
+        storage,
+        collate_fn=collated_where,
+        sequence_length=40,
+        local_batch_size=4,
+        num_workers=2,
+        parallel_method="process",
+        prefetch=4,
+        collate_mode="auto",  # asked for: the batches read while the workers start are made here
+    )
+    epochs = []
+    with loader:
+        start = loader.state_dict()
+        for _ in range(10):  # until the loader has measured (a few epochs of 250 batches)
+            if "chooser_verdicts" in loader.stats():
+                break
+            before = loader.stats()
+            batches = list(loader)
+            after = loader.stats()
+            epochs.append(
+                (batches, {k: after[k] - before[k] for k in ("collated_inline", "collated_processes")})
+            )
+            loader.load_state_dict(start)  # the same epoch again, its workers up (they persist)
+            assert loader._life.pool is not None
+            loader._life.pool.start()  # an epoch may end before they are: they are waited for here
+        it = iter(loader)  # an epoch left early: the samples sent for its groups are freed
+        next(it)
+        it.close()
+        stats = loader.stats()
+    for batches, counted in epochs:
+        assert len(batches) == len(expected) > 0
+        assert all(torch.equal(b["tokens"], e) for b, e in zip(batches, expected, strict=True))
+        here = sum(b["pid"] == os.getpid() for b in batches)
+        assert counted == {"collated_inline": here, "collated_processes": len(batches) - here}
+    # Measured: a choice was made (a collate this cheap is made inline once that is measured).
+    assert stats["chooser_verdicts"] >= 1, stats
+    assert own_segments() == []
+    assert multiprocessing.active_children() == []
+
+
+def test_process_workers_over_s3_take_several_batches_a_group_when_the_collate_is_cheap(
+    plain_copies: Copies, s3: MotoS3
+) -> None:
+    """Once the workers have reported what a batch costs them, a cheap collate's batches go in
+    groups of several (as many as the credits give each worker), one round trip through the pipes
+    per group; the batches are the same."""
     expected = all_batches(guideloom.open_stream(plain_copies.local), sequence_length=200, local_batch_size=4)
     storage = guideloom.open_stream(plain_copies.s3_url, **s3.options())
     loader = loader_for(
@@ -68,27 +120,22 @@ def test_process_workers_over_s3_collate_in_the_workers(
         num_workers=2,
         parallel_method="process",
         prefetch=4,
-        collate_mode="auto",  # asked for: the batches read while the workers start are made here
     )
     with loader:
         start = loader.state_dict()
-        first = list(loader)
-        loader.load_state_dict(start)  # the same epoch again, its workers up (they persist)
-        assert loader._life.pool is not None
-        loader._life.pool.start()  # an epoch may end before they are: they are waited for here
-        got = list(loader)
-        it = iter(loader)  # an epoch left early: the samples sent for its groups are freed
-        next(it)
-        it.close()
-    for epoch in (first, got):
-        assert len(epoch) == len(expected) > 0
-        assert all(torch.equal(b["tokens"], e) for b, e in zip(epoch, expected, strict=True))
-    here = [b["pid"] == os.getpid() for b in first]
-    assert here == sorted(here, reverse=True)  # made here until the workers were up, then theirs
-    pids = {b["pid"] for b in got}
-    assert os.getpid() not in pids and len(pids) >= 1, pids
-    assert own_segments() == []
-    assert multiprocessing.active_children() == []
+        list(loader)  # the workers report what a batch costs them
+        loader.load_state_dict(start)  # the same epoch again
+        it = iter(loader)
+        got = list(it)
+        assert it._driver.procs is not None
+        procs = it._driver.procs
+        work = procs.session.work_per_batch
+        assert work is not None and work < GROUP_WORK_S / 3, work  # a cheap collate
+        assert procs.group_for(1, 7) == 3  # (prefetch + num_workers + 1) // num_workers
+    assert all(torch.equal(b["tokens"], e) for b, e in zip(got, expected, strict=True))
+    runs = [len(list(run)) for _, run in itertools.groupby(b["pid"] for b in got)]
+    assert os.getpid() not in {b["pid"] for b in got}
+    assert sum(n for n in runs if n >= 2) >= len(got) // 2, runs  # most batches in groups
 
 
 _STANDBY_SCRIPT = """

@@ -117,8 +117,13 @@ def _preload() -> list[str]:
 
 def _standby() -> None:
     """Before this process's first object store: fork the standby zygote, if workers may start
-    from one (:func:`~guideloom._runtime.processes.zygote.fork_standby`)."""
-    if START_METHOD == "zygote" and "forkserver" in multiprocessing.get_all_start_methods():
+    from one (:func:`~guideloom._runtime.processes.zygote.fork_standby`); not in a process
+    multiprocessing started (a worker that opens its storage starts no workers)."""
+    if (
+        START_METHOD == "zygote"
+        and multiprocessing.parent_process() is None
+        and "forkserver" in multiprocessing.get_all_start_methods()
+    ):
         fork_standby(_preload())
 
 

@@ -81,10 +81,12 @@ def executors_for(cfg: PipelineConfig, choosers: Choosers | None, *, on_loop: bo
 
     - ``num_workers=0``: inline, one batch when it is asked for; with ``prefetch`` a thread
       makes them ahead. ``on_loop`` (``async for``): one collate thread, never the loop.
-    - Worker threads, or process workers: what the user asked for. A sync ``for`` over a
-      storage that reads inline measures (``choosers``: ``collate_mode="auto"``; None: pinned to
-      the workers) whether they cost more than the collate inline, and collates where it is
-      cheaper. The batches while process workers start are made here, unless they are pinned.
+    - Worker threads, or process workers: what the user asked for. A sync ``for`` measures
+      (``choosers``: ``collate_mode="auto"``; None: pinned to the workers) whether they cost
+      more than the collate inline, and collates where it is cheaper: over a storage that reads
+      inline, or with process workers over any storage (thread workers over a storage read on
+      a loop thread are not measured). The batches while process workers start are made here,
+      unless they are pinned (their first windows are read meanwhile).
     """
     steps = making_steps(cfg)
     here: Executor = Threads(1, steps, "threads") if on_loop else Here(steps)
@@ -101,6 +103,9 @@ def executors_for(cfg: PipelineConfig, choosers: Choosers | None, *, on_loop: bo
         return _Executors(threads if on_loop else here, threads, chooser, False)
     procs = _process_workers(cfg)
     chooser = None
+    # Process workers over a storage read on a loop thread (object storage) measure too: the
+    # reads go on there in either mode, and what differs is the collate's hand-off.
+    measured = choosers is not None and not on_loop
     if measured and choosers is not None and cfg.device.type == "cpu":
         # The loader's persistent workers keep their chooser from epoch to epoch; a pool of this
         # iterator's own starts afresh, as its workers do.
@@ -184,8 +189,10 @@ class SyncDriver:
         procs = self.procs
         reads_itself = procs is not None and procs.reads_itself
         # Settled: the batch comes from the mode it is timed in (not from groups sent before a
-        # switch, nor from a window read here before the workers took over again).
-        self._settled = (workers and not (reads_itself and flow.raw)) or (not workers and not flow.jobs)
+        # switch, nor from a window read here before the workers took over again, nor made here
+        # while the workers start).
+        from_workers = workers and (procs is None or procs.is_up) and not (reads_itself and flow.raw)
+        self._settled = from_workers or (not workers and not flow.jobs)
         if not workers:
             self._in_calls, self._in_sampled, self._in_total = 0, 0, 0.0
             if reads_itself and not flow.jobs:
@@ -280,6 +287,7 @@ class SyncDriver:
             if procs.starting() and not self.ex.wait_for_workers:
                 flow.on_workers = False
                 return
+            self._read_ahead()  # the first windows are read while the workers start
             try:
                 procs.start_sync()
             except Exception as exc:  # at the first batch the workers owe, and so the epoch's end
@@ -292,15 +300,29 @@ class SyncDriver:
         if not self._failed:
             flow.on_workers = workers and flow.workers is not None
 
+    def _hint(self) -> None:
+        flow = self.flow
+        if not self._hinted and flow.reads_here():
+            # The plan is known: tell the storage what comes (a chunk cache downloads ahead by it).
+            self._hinted = True
+            self.cfg.dataset.will_read(future_reads(flow.plan, self.cfg.order, flow.future_windows()))
+
+    def _read_ahead(self) -> None:
+        """Start the reads the flow asks for on the loop thread, and nothing else (the workers
+        the groups are for are not up yet); nothing where the storage reads inline."""
+        flow, dataset = self.flow, self.cfg.dataset
+        if dataset.reads_inline or not flow.reads_here():
+            return
+        self._hint()
+        while (r := flow.next_read(ahead=True)) is not None:
+            r.handle = self._loop_thread().submit(run_async(flow.schedule(r), dataset.read_many))
+
     def _pump(self) -> None:
         """Start the reads the flow asks for (or make them, where the storage reads inline) and
         the groups its credits allow."""
         flow, dataset = self.flow, self.cfg.dataset
         self._harvest()
-        if not self._hinted and flow.reads_here():
-            # The plan is known: tell the storage what comes (a chunk cache downloads ahead by it).
-            self._hinted = True
-            dataset.will_read(future_reads(flow.plan, self.cfg.order, flow.future_windows()))
+        self._hint()
         while True:
             inline = dataset.reads_inline
             r = flow.next_read(ahead=not inline)

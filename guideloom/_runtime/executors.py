@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import selectors
 import threading
 from collections import deque
@@ -23,7 +24,7 @@ from guideloom._runtime.processes.pool import Group, Proc, WorkerPool
 from guideloom._runtime.processes.wire import Epoch
 from guideloom._runtime.threadpool import CollateThreads
 
-__all__ = ["FutureJob", "GroupJob", "Here", "Job", "Made", "Processes", "Threads"]
+__all__ = ["GROUP_WORK_S", "FutureJob", "GroupJob", "Here", "Job", "Made", "Processes", "Threads"]
 
 
 class Job:
@@ -173,6 +174,9 @@ class Here:
         self.steps = tuple(steps)
         self.place = place
 
+    def group_for(self, base: int, limit: int) -> int:
+        return 1
+
     def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
         assert values is not None
         results = apply_group(self.steps, values)
@@ -198,6 +202,9 @@ class Threads:
         self.transfer = False
         self.most_jobs = most_jobs or 1 << 30
 
+    def group_for(self, base: int, limit: int) -> int:
+        return base
+
     def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
         assert values is not None
         ds = [Delivery(s) for s in specs]
@@ -207,6 +214,12 @@ class Threads:
         """Stop the threads, waiting for a call in progress at most
         :data:`~guideloom._runtime.threadpool.CLOSE_GRACE_S` (then it is left running)."""
         self.pool.shutdown(wait=wait, cancel_futures=True)
+
+
+#: The workers' work (a batch's collate, as they measure it) a group sent with its samples holds
+#: at least, where the credits allow: a round trip through the pipes, two wake-ups, costs about
+#: a millisecond on a busy machine.
+GROUP_WORK_S = 0.002
 
 
 class Processes:
@@ -295,6 +308,18 @@ class Processes:
 
     #: The flow whose epoch the workers are sent (set by the driver).
     flow: Any = None
+
+    def group_for(self, base: int, limit: int) -> int:
+        """Batches per group sent with its samples: ``base`` until the workers have reported
+        what a batch costs them, then enough that a group holds :data:`GROUP_WORK_S` of their
+        work (a cheap collate: several batches per round trip through the pipes, whose
+        hand-off, a wake-up of each process, costs more than the collate), up to the credits
+        shared among the workers."""
+        work = self.session.work_per_batch
+        if work is None:
+            return base
+        most = max(base, limit // max(1, self.pool.num_workers))
+        return max(base, min(most, math.ceil(GROUP_WORK_S / max(work, 1e-6))))
 
     def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
         return GroupJob(self.session.submit(specs, values), self.session, self.place)

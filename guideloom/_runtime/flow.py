@@ -63,6 +63,12 @@ class Executor(Protocol):
         """Start one group: ``values`` the batches read (None: it reads them itself)."""
         ...
 
+    def group_for(self, base: int, limit: int) -> int:
+        """Batches per group of batches read here: ``base`` (:func:`group_size`), or more where
+        the executor has measured that a group's hand-off costs more than its batches' work;
+        ``limit``: the credits, which every worker's group must fit in."""
+        ...
+
 
 class Read:
     """One window being read: its batches, and their deliveries once read."""
@@ -233,7 +239,7 @@ class EpochFlow:
         raw = self.raw
         if not raw:
             return False
-        group = self.group if ex.runs_ahead else 1
+        group = ex.group_for(self.group, self.limit) if ex.runs_ahead else 1
         n = min(group, room, len(raw))
         if n < group and n < len(raw) and self.jobs:
             return False  # a whole group's room, unless nothing else is in flight

@@ -68,13 +68,14 @@ def _parent(pid: int) -> int:
 def test_workers_are_forked_from_a_fork_server_that_preloads_torch(
     stream: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where a zygote is not safe (a thread of the process's own: here the one forced), the
-    workers come from multiprocessing's fork server."""
+    """Where a zygote is not safe (a thread of the process's own: here the one forced) and no
+    standby zygote serves, the workers come from multiprocessing's fork server."""
     from multiprocessing import forkserver
 
     import guideloom._runtime.processes.pool as pool_module
 
-    monkeypatch.setattr(pool_module, "fork_is_safe", lambda: False)
+    monkeypatch.setattr(pool_module, "fork_is_safe", lambda *_: False)
+    monkeypatch.setattr(pool_module, "standby_for", lambda _: None)  # nor a standby zygote
     with loader_for(stream, collated_where) as loader:
         it = iter(loader)
         assert it._driver.procs is not None

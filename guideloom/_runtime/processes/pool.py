@@ -70,7 +70,14 @@ from guideloom._runtime.processes.wire import (
     load_exception,
 )
 from guideloom._runtime.processes.worker import worker_main
-from guideloom._runtime.processes.zygote import ZygoteContext, fork_is_safe, fork_zygote
+from guideloom._runtime.processes.zygote import (
+    ZygoteContext,
+    fork_is_safe,
+    fork_standby,
+    fork_zygote,
+    standby_for,
+)
+from guideloom.storage._remote import _objstore
 
 if TYPE_CHECKING:
     from guideloom._datasets import DatasetAbstract
@@ -104,9 +111,30 @@ START_METHOD = "zygote"
 PRELOAD = ("guideloom._runtime.processes.worker", "numpy")
 
 
-def worker_context() -> ForkServerContext | SpawnContext | ForkContext:
+def _preload() -> list[str]:
+    return [*PRELOAD, *(["torch"] if "torch" in sys.modules else [])]
+
+
+def _standby() -> None:
+    """Before this process's first object store: fork the standby zygote, if workers may start
+    from one (:func:`~guideloom._runtime.processes.zygote.fork_standby`); not in a process
+    multiprocessing started (a worker that opens its storage starts no workers)."""
+    if (
+        START_METHOD == "zygote"
+        and multiprocessing.parent_process() is None
+        and "forkserver" in multiprocessing.get_all_start_methods()
+    ):
+        fork_standby(_preload())
+
+
+_objstore.BEFORE_FIRST_STORE.append(_standby)
+
+
+def worker_context(spec: bytes = b"") -> ForkServerContext | SpawnContext | ForkContext:
     """The multiprocessing context a new pool's workers start in: a zygote forked from this
-    process now, if this thread is its only one; else the fork server, told what to preload.
+    process now, if this thread is its only one; else the standby zygote, where the workers'
+    ``spec`` (their pickled dataset and collate) finds in it what it names of ``__main__``; else
+    the fork server, told what to preload.
 
     The fork server is one per process, shared with any other user of ``forkserver``: the
     modules are added to its preload list, and take effect when it starts (with the first
@@ -117,9 +145,14 @@ def worker_context() -> ForkServerContext | SpawnContext | ForkContext:
         return multiprocessing.get_context("fork")
     if START_METHOD == "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
-    wanted = [*PRELOAD, *(["torch"] if "torch" in sys.modules else [])]
-    if START_METHOD == "zygote" and fork_is_safe():
-        return ZygoteContext(fork_zygote(wanted))
+    wanted = _preload()
+    if START_METHOD == "zygote":
+        standby = standby_for(spec)
+        # With a standby to fall back on, threads that may be ending are not waited for.
+        if fork_is_safe() if standby is None else fork_is_safe(0.0):
+            return ZygoteContext(fork_zygote(wanted))
+        if standby is not None:
+            return ZygoteContext(standby, shared=True)
     ctx = multiprocessing.get_context("forkserver")
     from multiprocessing import forkserver
 
@@ -359,7 +392,7 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._closed = False
         self._tokens = 0
-        self.ctx = worker_context()
+        self.ctx = worker_context(self.spec)
         #: The thread of a start :meth:`begin` made, until :meth:`start` has waited for it.
         self._starter: threading.Thread | None = None
         self._start_error: BaseException | None = None

@@ -30,6 +30,16 @@ of its logging handlers (a ``FileHandler``'s file) and the regular files it appe
 what a collate logs or prints reaches the same file. The number stays taken, so that an object of the main
 process's that a worker's collector finalises cannot close a descriptor the worker opened since.
 
+Object stores start obstore's runtime, whose named threads make every later fork unsafe, and a
+storage is opened before its loader exists. So the first time this process makes an object
+store (:data:`guideloom.storage._remote._objstore.BEFORE_FIRST_STORE`), if a fork is safe then, a
+*standby* zygote is forked (:func:`fork_standby`) and kept for the process's life: a pool made
+later, when a fork is no longer safe, forks its workers from it instead of starting
+multiprocessing's fork server (a fresh interpreter that imports torch again: seconds of CPU).
+It is used only where everything the pool's workers unpickle from ``__main__`` was there, the same
+object, when it was forked (:func:`standby_for`): a function the main script defined afterwards
+would not be found in a worker. Elsewhere the fork server stands in, as before.
+
 A Python whose fork server differs from the one this module knows (3.14's authenticates its
 clients) gets multiprocessing's fork server. The zygote lives as long as its pool: closing the pool
 (once it has stopped the workers) closes its end of the zygote's "alive" pipe, and the zygote
@@ -44,6 +54,7 @@ import fcntl
 import gc
 import io
 import os
+import pickletools
 import signal
 import socket
 import stat
@@ -55,7 +66,7 @@ from multiprocessing import connection, forkserver, popen_forkserver, reduction,
 from multiprocessing.context import ForkServerContext, ForkServerProcess, set_spawning_popen
 from typing import Any
 
-__all__ = ["ZygoteContext", "fork_zygote", "fork_is_safe"]
+__all__ = ["ZygoteContext", "fork_is_safe", "fork_standby", "fork_zygote", "standby_for"]
 
 #: The private attributes of :class:`multiprocessing.forkserver.ForkServer` a zygote sets, as
 #: ``ensure_running`` does: a Python whose fork server has others (an authentication key) gets
@@ -103,10 +114,10 @@ def _threads_allow_fork() -> bool:
     return all(_comm(t) in (name, None, *_FORK_SAFE_NAMES) for t in tasks if t != me)
 
 
-def fork_is_safe() -> bool:
+def fork_is_safe(ending_s: float = _ENDING_S) -> bool:
     """Whether this process may fork now: see the module's docstring. A thread that is ending
-    (an idle AnyIO worker thread whose loop has just stopped) is given a moment to end."""
-    deadline = time.monotonic() + _ENDING_S
+    (an idle AnyIO worker thread whose loop has just stopped) is given ``ending_s`` to end."""
+    deadline = time.monotonic() + ending_s
     while not _threads_allow_fork():
         if time.monotonic() > deadline:
             return False
@@ -285,6 +296,101 @@ def _reaped(pid: int, seconds: float) -> bool:
 atexit.register(_reap_closed)
 
 
+class _Standby:
+    """The standby zygote: its server and what ``__main__`` held when it was forked."""
+
+    __slots__ = ("main", "server")
+
+    def __init__(self, server: forkserver.ForkServer, main: dict[str, Any]) -> None:
+        self.server, self.main = server, main
+
+
+#: The standby zygote, if one was forked (and is not known to be gone).
+_STANDBY: list[_Standby] = []
+
+
+def fork_standby(preload: list[str]) -> None:
+    """Fork the standby zygote now if a fork is safe and there is none (see the module's
+    docstring); nothing otherwise."""
+    if _STANDBY or not fork_is_safe():
+        return
+    main = sys.modules.get("__main__")
+    snapshot = dict(vars(main)) if main is not None else {}
+    _STANDBY.append(_Standby(fork_zygote(preload), snapshot))
+
+
+def standby_for(spec: bytes) -> forkserver.ForkServer | None:
+    """The standby zygote's server, if there is one alive and the workers of a pool whose
+    pickled dataset and collate are ``spec`` would find in its ``__main__`` every object they
+    name there (the same objects); else None."""
+    if not _STANDBY:
+        return None
+    standby = _STANDBY[0]
+    pid: int | None = getattr(standby.server, "_forkserver_pid", None)
+    alive = pid is not None
+    if pid is not None:
+        try:
+            alive = os.waitpid(pid, os.WNOHANG)[0] == 0
+        except ChildProcessError:
+            alive = False
+    if not alive:  # killed, or ended: dropped (a pool that still uses it sees its end)
+        _STANDBY.clear()
+        return None
+    main = sys.modules.get("__main__")
+    missing = object()
+    names = main_names(spec)
+    if names is None:
+        return None
+    for name in names:
+        head = name.split(".", 1)[0]
+        if standby.main.get(head, missing) is not getattr(main, head, missing):
+            return None
+    return standby.server
+
+
+def drop_standby(server: forkserver.ForkServer) -> None:
+    """Forget the standby zygote if ``server`` is its (it was killed: stopped, or stuck)."""
+    if _STANDBY and _STANDBY[0].server is server:
+        _STANDBY.clear()
+
+
+def main_names(data: bytes) -> set[str] | None:
+    """The names of the ``__main__`` globals a pickle refers to (functions, classes); None for
+    data this cannot read as a pickle (it may name anything)."""
+    names: set[str] = set()
+    if b"__main__" not in data and b"__mp_main__" not in data:  # (the common case, at once)
+        return names
+    recent: list[Any] = []  # what the last opcodes pushed (strings, else None)
+    memo: dict[int, Any] = {}
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            name = op.name
+            if name == "GLOBAL":
+                module, _, qual = str(arg).partition(" ")
+                if module in ("__main__", "__mp_main__"):
+                    names.add(qual)
+                recent.append(None)
+            elif name == "STACK_GLOBAL":
+                pushed = recent[-2:] if len(recent) >= 2 else [None, None]
+                if pushed[0] in ("__main__", "__mp_main__") and isinstance(pushed[1], str):
+                    names.add(pushed[1])
+                recent.append(None)
+            elif name == "MEMOIZE":
+                memo[len(memo)] = recent[-1] if recent else None
+            elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                memo[int(str(arg))] = recent[-1] if recent else None
+            elif name in ("GET", "BINGET", "LONG_BINGET"):
+                recent.append(memo.get(int(str(arg))))
+            elif "UNICODE" in name or "STRING" in name:
+                recent.append(arg)
+            elif name not in ("FRAME", "PROTO", "STOP"):
+                recent.append(None)
+            del recent[:-2]
+    except Exception:  # not a pickle this can read
+        return None
+    return names
+
+
 class _ZygotePopen(popen_forkserver.Popen):
     """multiprocessing's fork-server ``Popen``, asking the process's zygote for the fork."""
 
@@ -327,9 +433,11 @@ class _ZygoteProcess(ForkServerProcess):
 class ZygoteContext(ForkServerContext):
     """A multiprocessing context whose processes a zygote forks (pipes as any context's)."""
 
-    def __init__(self, server: forkserver.ForkServer) -> None:
+    def __init__(self, server: forkserver.ForkServer, *, shared: bool = False) -> None:
         super().__init__()
         self.server = server
+        #: The standby zygote, which outlives the pool: closing the pool leaves it up.
+        self.shared = shared
 
     def Process(self, *args: Any, **kwargs: Any) -> _ZygoteProcess:  # type: ignore[override]  # noqa: N802
         proc = _ZygoteProcess(*args, **kwargs)
@@ -337,8 +445,10 @@ class ZygoteContext(ForkServerContext):
         return proc
 
     def close(self) -> None:
-        close_zygote(self.server)
+        if not self.shared:
+            close_zygote(self.server)
 
     def kill(self) -> None:
         """End the zygote now (it does not answer: stopped, or stuck); its workers go on."""
+        drop_standby(self.server)
         close_zygote(self.server, at_once=True)

@@ -403,6 +403,19 @@ def require_obstore() -> Any:
     return store
 
 
+#: Called once, before this process's first object store is made: obstore's runtime, whose
+#: threads a fork cannot copy, starts with the stores. Process workers fork a standby zygote here.
+BEFORE_FIRST_STORE: list[Callable[[], None]] = []
+_FIRST_STORE = threading.Event()  # set once the hooks have run
+
+
+def _before_first_store() -> None:
+    if not _FIRST_STORE.is_set():
+        _FIRST_STORE.set()
+        for hook in BEFORE_FIRST_STORE:
+            hook()
+
+
 _ENV_CLIENT_KEYS: Final = {
     "allow_http": bool,
     "allow_invalid_certificates": bool,
@@ -470,6 +483,7 @@ def make_store(
     if loc.kind == "http" and config:
         raise TypeError(f"unexpected options for an http(s) location: {sorted(config)}")
     error: Exception
+    _before_first_store()
     try:
         return _new_store(store_mod, loc, dict(config), client_options, retry)
     except obstore.exceptions.UnknownConfigurationKeyError as exc:

@@ -3,20 +3,32 @@ workers collate."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import multiprocessing
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 import guideloom
+from guideloom._runtime.executors import GROUP_WORK_S
 from guideloom._runtime.processes import RemoteTraceback
 from guideloom_dev.servers import MotoS3
 from tests.support.data import Boom
 from tests.support.loader import assert_same
-from tests.support.processes import SEQ, collated_where, exits_at_40, fails_at_40, ids, write_positions
+from tests.support.processes import (
+    SEQ,
+    collated_where,
+    exits_at_40,
+    fails_at_40,
+    ids,
+    run_script,
+    write_positions,
+)
 from tests.support.remote import BUCKET, Copies, all_batches, loader_over, unique
 
 pytestmark = pytest.mark.slow
@@ -47,8 +59,58 @@ def test_process_workers_over_s3_read_as_threads_do(stream_copies: Copies, s3: M
 def test_process_workers_over_s3_collate_in_the_workers(
     plain_copies: Copies, s3: MotoS3, own_segments: Callable[[], list[str]]
 ) -> None:
-    """The batches read while the workers start are collated here (the first epoch need not wait
-    for them); once they are up, every batch is collated by a worker, in order."""
+    """With ``collate_mode="auto"``, asked for, the batches read while the workers start are
+    collated here (the first epoch need not wait for them), and the loader measures from then on
+    where the collate is cheaper, as over local files; ``stats()`` counts each batch where it
+    was really collated."""
+    expected = all_batches(guideloom.open_stream(plain_copies.local), sequence_length=40, local_batch_size=4)
+    storage = guideloom.open_stream(plain_copies.s3_url, **s3.options())
+    loader = loader_over(
+        storage,
+        collate_fn=collated_where,
+        sequence_length=40,
+        local_batch_size=4,
+        num_workers=2,
+        parallel_method="process",
+        prefetch=4,
+        collate_mode="auto",  # asked for: the batches read while the workers start are made here
+    )
+    epochs = []
+    with loader:
+        start = loader.state_dict()
+        for _ in range(10):  # until the loader has measured (a few epochs of 250 batches)
+            if "chooser_verdicts" in loader.stats():
+                break
+            before = loader.stats()
+            batches = list(loader)
+            after = loader.stats()
+            epochs.append(
+                (batches, {k: after[k] - before[k] for k in ("collated_inline", "collated_processes")})
+            )
+            loader.load_state_dict(start)  # the same epoch again, its workers up (they persist)
+            assert loader._life.pool is not None
+            loader._life.pool.start()  # an epoch may end before they are: they are waited for here
+        it = iter(loader)  # an epoch left early: the samples sent for its groups are freed
+        next(it)
+        it.close()
+        stats = loader.stats()
+    for batches, counted in epochs:
+        assert len(batches) == len(expected) > 0
+        assert all(torch.equal(b["tokens"], e) for b, e in zip(batches, expected, strict=True))
+        here = sum(b["pid"] == os.getpid() for b in batches)
+        assert counted == {"collated_inline": here, "collated_processes": len(batches) - here}
+    # Measured: a choice was made (a collate this cheap is made inline once that is measured).
+    assert stats["chooser_verdicts"] >= 1, stats
+    assert own_segments() == []
+    assert multiprocessing.active_children() == []
+
+
+def test_process_workers_over_s3_take_several_batches_a_group_when_the_collate_is_cheap(
+    plain_copies: Copies, s3: MotoS3
+) -> None:
+    """Once the workers have reported what a batch costs them, a cheap collate's batches go in
+    groups of several (as many as the credits give each worker), one round trip through the pipes
+    per group; the batches are the same."""
     expected = all_batches(guideloom.open_stream(plain_copies.local), sequence_length=200, local_batch_size=4)
     storage = guideloom.open_stream(plain_copies.s3_url, **s3.options())
     loader = loader_over(
@@ -59,27 +121,82 @@ def test_process_workers_over_s3_collate_in_the_workers(
         num_workers=2,
         parallel_method="process",
         prefetch=4,
-        collate_mode="auto",  # asked for: the batches read while the workers start are made here
     )
     with loader:
         start = loader.state_dict()
-        first = list(loader)
-        loader.load_state_dict(start)  # the same epoch again, its workers up (they persist)
-        assert loader._life.pool is not None
-        loader._life.pool.start()  # an epoch may end before they are: they are waited for here
-        got = list(loader)
-        it = iter(loader)  # an epoch left early: the samples sent for its groups are freed
-        next(it)
-        it.close()
-    for epoch in (first, got):
-        assert len(epoch) == len(expected) > 0
-        assert all(torch.equal(b["tokens"], e) for b, e in zip(epoch, expected, strict=True))
-    here = [b["pid"] == os.getpid() for b in first]
-    assert here == sorted(here, reverse=True)  # made here until the workers were up, then theirs
-    pids = {b["pid"] for b in got}
-    assert os.getpid() not in pids and len(pids) >= 1, pids
-    assert own_segments() == []
-    assert multiprocessing.active_children() == []
+        list(loader)  # the workers report what a batch costs them
+        loader.load_state_dict(start)  # the same epoch again
+        it = iter(loader)
+        got = list(it)
+        assert it._driver.procs is not None
+        procs = it._driver.procs
+        work = procs.session.work_per_batch
+        assert work is not None and work < GROUP_WORK_S / 3, work  # a cheap collate
+        assert procs.group_for(1, 7) == 3  # (prefetch + num_workers + 1) // num_workers
+    assert all(torch.equal(b["tokens"], e) for b, e in zip(got, expected, strict=True))
+    runs = [len(list(run)) for _, run in itertools.groupby(b["pid"] for b in got)]
+    assert os.getpid() not in {b["pid"] for b in got}
+    assert sum(n for n in runs if n >= 2) >= len(got) // 2, runs  # most batches in groups
+
+
+_STANDBY_SCRIPT = """
+import json, os, sys
+from multiprocessing import forkserver
+import torch
+import guideloom as gl
+from guideloom._runtime.processes.zygote import fork_is_safe
+
+def parent(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+def before(samples):
+    return [os.getpid(), *(int(s[0]) for s in samples)]
+
+if __name__ == "__main__":
+    storage = gl.open_stream(sys.argv[1], **json.loads(sys.argv[2]))  # the standby forks here
+    print(fork_is_safe())  # obstore's runtime runs now: no fork from this process
+
+def later(samples):  # defined after the standby was forked: not in its __main__
+    return [os.getpid(), *(int(s[0]) for s in samples)]
+
+if __name__ == "__main__":
+    for collate in (before, later):
+        kw = dict(sequence_length=200, local_batch_size=4, device=torch.device("cpu"))
+        with gl.StatefulDataLoader.from_storage(storage, collate, **kw) as inline:
+            want = [b[1:] for b in inline]
+        with gl.StatefulDataLoader.from_storage(
+            storage, collate, num_workers=2, parallel_method="process", **kw
+        ) as ld:
+            got = list(ld)
+            pool = ld._life.pool
+            ctx = pool.ctx
+            server = getattr(ctx, "server", None) or forkserver._forkserver
+            spid = server._forkserver_pid
+            workers = {p.proc.pid for p in pool.procs}
+            parents = {parent(w) for w in workers}
+        print(type(ctx).__name__, getattr(ctx, "shared", None), parent(spid) == os.getpid(),
+              parents == {spid}, {b[0] for b in got} <= workers,
+              [b[1:] for b in got] == want)
+"""
+
+
+def test_process_workers_over_s3_fork_from_a_standby_zygote(
+    tmp_path: Path, plain_copies: Copies, s3: MotoS3
+) -> None:
+    """The first object store of a process forks a standby zygote before obstore's runtime
+    starts its threads: a pool made later forks its workers from it (children of this process's
+    zygote, no fresh interpreter), unless its collate is a ``__main__`` function defined after
+    that fork, which the workers would not find there: the fork server then serves. The same
+    batches either way, every one made by a worker."""
+    script = tmp_path / "standby.py"
+    script.write_text(_STANDBY_SCRIPT)
+    r = run_script(script, plain_copies.s3_url, json.dumps(s3.options()), check=False)
+    assert r.stdout.splitlines() == [
+        "False",
+        "ZygoteContext True True True True True",
+        "ForkServerContext None True True True True",
+    ], r.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,7 @@ import hashlib
 import os
 import random
 import re
+import threading
 import time
 import weakref
 from collections import deque

@@ -122,8 +122,18 @@ def without_the_process_module(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(concurrent.futures, "process", raising=False)
 
 
+#: The process-wide pools' threads (guideloom._process.pool): shared by every storage of the
+#: process and kept for its life, not a loader's.
+PROCESS_POOLS = ("guideloom-io_", "guideloom-range_")
+
+
 def guideloom_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("guideloom")]
+    """guideloom's threads alive now, those of the process-wide pools left out."""
+    return [
+        t
+        for t in threading.enumerate()
+        if t.name.startswith("guideloom") and not t.name.startswith(PROCESS_POOLS)
+    ]
 
 
 @contextlib.asynccontextmanager

@@ -118,9 +118,11 @@ def _preload() -> list[str]:
 def _standby() -> None:
     """Before this process's first object store: fork the standby zygote, if workers may start
     from one (:func:`~guideloom._runtime.processes.zygote.fork_standby`); not in a process
-    multiprocessing started (a worker that opens its storage starts no workers)."""
+    multiprocessing started (a worker that opens its storage starts no workers), nor where
+    ``GUIDELOOM_STANDBY_ZYGOTE=0`` says the process will not use process workers."""
     if (
-        START_METHOD == "zygote"
+        os.environ.get("GUIDELOOM_STANDBY_ZYGOTE", "1") != "0"
+        and START_METHOD == "zygote"
         and multiprocessing.parent_process() is None
         and "forkserver" in multiprocessing.get_all_start_methods()
     ):

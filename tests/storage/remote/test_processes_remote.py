@@ -199,6 +199,29 @@ def test_process_workers_over_s3_fork_from_a_standby_zygote(
     ], r.stderr[-3000:]
 
 
+_CHILDREN_SCRIPT = """
+import json, os, sys
+import guideloom as gl
+storage = gl.open_stream(sys.argv[1], **json.loads(sys.argv[2]))
+pid = os.getpid()
+print(len(open(f"/proc/{pid}/task/{pid}/children").read().split()))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="children are listed in /proc (Linux)")
+def test_a_process_that_will_not_use_process_workers_can_go_without_the_standby(
+    tmp_path: Path, plain_copies: Copies, s3: MotoS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``GUIDELOOM_STANDBY_ZYGOTE=0``: opening an object store forks no standby zygote."""
+    script = tmp_path / "children.py"
+    script.write_text(_CHILDREN_SCRIPT)
+    args = (plain_copies.s3_url, json.dumps(s3.options()))
+    with_standby = int(run_script(script, *args).stdout)
+    monkeypatch.setenv("GUIDELOOM_STANDBY_ZYGOTE", "0")
+    without = int(run_script(script, *args).stdout)
+    assert without < with_standby, (without, with_standby)
+
+
 @pytest.fixture(scope="module")
 def positions_on_s3(tmp_path_factory: pytest.TempPathFactory, s3: MotoS3) -> str:
     """A stream whose sample ``i`` starts with ``i * SEQ``, on S3."""

@@ -7,9 +7,9 @@ shard, world size, [sample, ...]]`` (JSON), written before anything else happens
 ``should_commit()``. Once it has committed a step it creates ``--ctl/up-R``; when the test
 writes ``--ctl/arm-R`` (``steps point``), the replica SIGKILLs itself that many steps later,
 at the point drawn: right after the batch was handed out (the peers' step then fails and is
-taken back), or once the step's record is written. Never between ``should_commit()`` and the
-record: a kill there would lose the record of a sample the job trained on, not the sample.
-With ``--hold FILE`` it creates ``--ctl/held-R`` and waits for FILE before its first step; while
+taken back), or once every rank of the group has written the step's record. Never between
+``should_commit()`` and the record: a kill there would lose the record of a sample the job
+trained on, not the sample. With ``--hold FILE`` it creates ``--ctl/held-R`` and waits for FILE before its first step; while
 ``--ctl/pause`` exists, it waits before each step.
 
 Ranks of a group (``--group-size``) run as threads, each with its own Manager, as torchft's own
@@ -40,6 +40,16 @@ import guideloom as gl
 from guideloom.torchft import FaultTolerantLoader
 
 _write = threading.Lock()
+#: Ranks of the group done with each step (its record written, where it committed): a kill at
+#: "recorded" waits for every rank of the group, whose threads the kill ends too.
+_recorded: dict[int, int] = {}
+_recorded_cond = threading.Condition()
+
+
+def _wait_recorded(step: int, ranks: int) -> None:
+    """Until every rank of the group is done with its ``step``-th step (10 s at most)."""
+    with _recorded_cond:
+        _recorded_cond.wait_for(lambda: _recorded.get(step, 0) >= ranks, timeout=10)
 
 
 def collate(samples: Any) -> list[int]:
@@ -135,7 +145,11 @@ def rank_main(args: argparse.Namespace, rank: int, store_port: int, out: Any) ->
                         return
                     if rank == 0 and ft.participating and not os.path.exists(up):
                         open(up, "w").close()
+                with _recorded_cond:
+                    _recorded[taken] = _recorded.get(taken, 0) + 1
+                    _recorded_cond.notify_all()
                 if rank == 0 and taken == kill_at and point == "recorded":
+                    _wait_recorded(taken, args.group_size)
                     os.kill(os.getpid(), signal.SIGKILL)
                 if args.step_sleep:
                     time.sleep(args.step_sleep)

@@ -9,8 +9,8 @@ writes ``--ctl/arm-R`` (``steps point``), the replica SIGKILLs itself that many 
 at the point drawn: right after the batch was handed out (the peers' step then fails and is
 taken back), or once every rank of the group has written the step's record. Never between
 ``should_commit()`` and the record: a kill there would lose the record of a sample the job
-trained on, not the sample. With ``--hold FILE`` it creates ``--ctl/held-R`` and waits for FILE before its first step; while
-``--ctl/pause`` exists, it waits before each step.
+trained on, not the sample. With ``--hold FILE`` it creates ``--ctl/held-R`` and waits for
+FILE before its first step; while ``--ctl/pause`` exists, it waits before each step.
 
 Ranks of a group (``--group-size``) run as threads, each with its own Manager, as torchft's own
 tests run them; ``--shards`` of them are data-parallel shards (``dp_shard``), the others

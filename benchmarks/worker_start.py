@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 import guideloom as gl
-import guideloom._runtime.processes.pool as pool_module
+import guideloom._runtime.processes.start as start_module
 from benchmarks.local_stream import BATCH, SEQ, _MemmapRows, collate, ensure_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,7 +198,7 @@ def _first_and_up(
 
 
 def child_guideloom(path: Path, method: str, prefetch: int) -> dict[str, Any]:
-    pool_module.START_METHOD = method
+    start_module.START_METHOD = method
     peak = PeakPss()
     loader, it, first, up = _first_and_up(path, prefetch)
     try:

@@ -47,16 +47,16 @@ row groups together for the documents themselves.
 from __future__ import annotations
 
 import functools
-import itertools
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, TypeVar, get_args, overload
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any, ClassVar, Literal, get_args
 
 import numpy as np
 import numpy.typing as npt
 
 from guideloom._core.checks import check_int
+from guideloom._core.pack_layout import CHUNK, BestFitLayout, ConcatLayout, best_fit_layout, flat_ranges
 from guideloom._datasets.base import Call, DatasetAbstract, ReadPlan, read_async, read_sync
+from guideloom._datasets.packed_rows import PackedRows, Pieces, Window
 from guideloom._loop import LoopThread
 from guideloom.storage.base import DocumentStorageAbstract, Rows, Spans, StreamStorageAbstract
 
@@ -65,9 +65,6 @@ __all__ = ["PackMode", "PackedDataset", "PackedRows", "pack"]
 PackMode = Literal["concat", "best_fit"]
 I64 = npt.NDArray[np.int64]
 Sample = Mapping[str, npt.NDArray[Any]]
-_KEYS = ("tokens", "doc_ids", "segment_ids", "position_ids")
-A = TypeVar("A")
-B = TypeVar("B")
 
 _MODES: tuple[str, ...] = get_args(PackMode)
 #: ``fit_group``'s default: best fit over a storage with natural blocks packs ranges of blocks
@@ -75,68 +72,6 @@ _MODES: tuple[str, ...] = get_args(PackMode)
 #: of padding is lost per range (+0.3% sequences for row groups of 1,000 documents of ~500
 #: tokens at length 2048, +0.9% for row groups of 100: see docs/packing.md).
 DEFAULT_FIT_GROUP = 64
-#: Document offsets read per call while building a layout: bounds the build's memory beyond
-#: the layout itself.
-_CHUNK = 1 << 20
-
-
-def _ranges(starts: I64, counts: I64) -> I64:
-    """``concatenate([arange(s, s + c) for s, c in zip(starts, counts)])``, vectorised."""
-    total = int(counts.sum())
-    if total == 0:
-        return np.empty(0, dtype=np.int64)
-    ends = np.cumsum(counts)
-    return np.repeat(starts - ends + counts, counts) + np.arange(total, dtype=np.int64)
-
-
-@dataclass(frozen=True, slots=True)
-class _Pieces:
-    """The pieces of a window of sequences, in the window's element order (padding is a piece of
-    its own, and a piece may be empty): length, document (``-1``: padding), segment id (``0``:
-    padding) and where the piece's first element lies in the window's flat ``(n * L)`` block.
-    ``doc_ids`` and ``segment_ids`` are one ``np.repeat`` of these by ``length``, and
-    ``position_ids`` each element's index less its piece's ``start``."""
-
-    length: I64
-    doc: I64
-    segment: npt.NDArray[np.int32]
-    start: I64
-
-
-@dataclass(frozen=True, slots=True)
-class _ConcatLayout:
-    """``first[k]``: the document holding element ``min(k * L, total - 1)``, ``k`` in ``[0, S]``."""
-
-    length: int
-    total: int
-    first: I64
-
-    def __len__(self) -> int:
-        return len(self.first) - 1
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.first.nbytes)
-
-
-@dataclass(frozen=True, slots=True)
-class _BestFitLayout:
-    """Sequence ``i`` holds pieces ``ptr[i]:ptr[i + 1]``, back to back from column 0."""
-
-    length: int
-    ptr: I64
-    doc: I64
-    start: I64  # absolute element position of the piece's first element
-    size: npt.NDArray[np.int32]
-    groups: I64  # sequences of each range of documents packed on its own, in order
-
-    def __len__(self) -> int:
-        return len(self.ptr) - 1
-
-    @property
-    def nbytes(self) -> int:
-        arrays = (self.ptr, self.doc, self.start, self.size, self.groups)
-        return int(sum(a.nbytes for a in arrays))
 
 
 def _check_storage(storage: Any) -> DocumentStorageAbstract[Any, Any]:
@@ -208,7 +143,7 @@ class PackedDataset(DatasetAbstract[Sample]):
         if len(storage) == 0:
             raise ValueError(f"{storage!r} holds no documents: there is nothing to pack")
         self.fit_group = None if fit_group is None else check_int("fit_group", fit_group, 1)
-        self._layout: _ConcatLayout | _BestFitLayout | None = None
+        self._layout: ConcatLayout | BestFitLayout | None = None
         self._blocks: I64 | None = None
         self._arange: dict[type[np.signedinteger[Any]], npt.NDArray[Any]] = {}
 
@@ -240,7 +175,7 @@ class PackedDataset(DatasetAbstract[Sample]):
         """Memory the pack layout holds, in bytes (what :meth:`open` keeps)."""
         return self._built_layout().nbytes
 
-    def _built_layout(self) -> _ConcatLayout | _BestFitLayout:
+    def _built_layout(self) -> ConcatLayout | BestFitLayout:
         if self._layout is None:
             loop = LoopThread(name=f"guideloom-pack-{id(self):x}")  # works inside a running loop too
             try:
@@ -253,7 +188,7 @@ class PackedDataset(DatasetAbstract[Sample]):
         await self.open()
         await self.close()
 
-    def _require_layout(self) -> _ConcatLayout | _BestFitLayout:
+    def _require_layout(self) -> ConcatLayout | BestFitLayout:
         if self._layout is None:
             raise RuntimeError(
                 f"{self!r} has no layout yet: open it first (the loader does, on open() or in "
@@ -264,11 +199,11 @@ class PackedDataset(DatasetAbstract[Sample]):
     # -- layout ---------------------------------------------------------------------------------
     async def _offsets_in_chunks(self) -> AsyncIterator[tuple[int, I64]]:
         n = len(self._storage)
-        for p0 in range(0, n, _CHUNK):
-            p1 = min(n, p0 + _CHUNK)
+        for p0 in range(0, n, CHUNK):
+            p1 = min(n, p0 + CHUNK)
             yield p0, await self._storage.document_offsets(np.arange(p0, p1 + 1, dtype=np.int64))
 
-    async def _build(self) -> _ConcatLayout | _BestFitLayout:
+    async def _build(self) -> ConcatLayout | BestFitLayout:
         n, length = len(self._storage), self.sequence_length
         total = int((await self._storage.document_offsets(np.asarray([n], dtype=np.int64)))[0])
         if total == 0:
@@ -285,7 +220,7 @@ class PackedDataset(DatasetAbstract[Sample]):
             async for p0, off in self._offsets_in_chunks():
                 lo, hi = np.searchsorted(targets, [off[0], off[-1]], side="left").tolist()
                 first[lo:hi] = p0 + np.searchsorted(off, targets[lo:hi], side="right") - 1
-            return _ConcatLayout(length, total, first)
+            return ConcatLayout(length, total, first)
         lengths = np.empty(n, dtype=np.int64)
         starts = np.empty(n, dtype=np.int64)
         async for p0, off in self._offsets_in_chunks():
@@ -337,13 +272,13 @@ class PackedDataset(DatasetAbstract[Sample]):
         documents from the one holding the row's first element to the one after its last
         (repeating the last where a row has fewer: those pieces come out empty)."""
         layout = self._layout
-        assert isinstance(layout, _ConcatLayout)
+        assert isinstance(layout, ConcatLayout)
         a, c = layout.first[indices], layout.first[indices + 1]
         width = int((c - a).max()) + 2 if len(indices) else 2
         grid: I64 = np.minimum(a[:, None] + self._flat_range(width, np.int64), (c + 1)[:, None])
         return grid
 
-    def _concat_pieces(self, indices: I64, positions: I64, offsets: I64) -> _Pieces:
+    def _concat_pieces(self, indices: I64, positions: I64, offsets: I64) -> Pieces:
         """The pieces of full rows ``indices`` from the grid of document ``positions`` and their
         ``offsets``: a few whole-grid operations, O(rows x documents a row) whatever the row's
         length (the elements are never looked at)."""
@@ -353,17 +288,17 @@ class PackedDataset(DatasetAbstract[Sample]):
         sizes = rel[:, 1:] - rel[:, :-1]
         starts = rel[:, :-1] + (self._flat_range(n, np.int64) * length)[:, None]
         segments = np.cumsum(sizes > 0, axis=1, dtype=np.int32)  # empty documents get no id
-        return _Pieces(sizes.ravel(), positions[:, :-1].ravel(), segments.ravel(), starts.ravel())
+        return Pieces(sizes.ravel(), positions[:, :-1].ravel(), segments.ravel(), starts.ravel())
 
-    def _best_fit_pieces(self, indices: I64) -> tuple[_Pieces, I64, I64, I64]:
+    def _best_fit_pieces(self, indices: I64) -> tuple[Pieces, I64, I64, I64]:
         """The pieces of rows ``indices``, each row's padding a piece after its last (empty in
         a full row); where each real piece's elements start in the storage, their position in
         the pieces, and how many elements each row holds."""
         layout = self._layout
-        assert isinstance(layout, _BestFitLayout)
+        assert isinstance(layout, BestFitLayout)
         n, length = len(indices), self.sequence_length
         counts = layout.ptr[indices + 1] - layout.ptr[indices]
-        at = _ranges(layout.ptr[indices], counts)
+        at = flat_ranges(layout.ptr[indices], counts)
         size = layout.size[at].astype(np.int64)
         ends = np.cumsum(size)
         last = np.cumsum(counts) - 1  # each row's last piece
@@ -382,7 +317,7 @@ class PackedDataset(DatasetAbstract[Sample]):
         starts = np.empty(total, np.int64)
         starts[real] = rows * length + (ends - size - row_first)
         starts[pad] = self._flat_range(n, np.int64) * length + used
-        return _Pieces(sizes, docs, segments, starts), layout.start[at], size, used
+        return Pieces(sizes, docs, segments, starts), layout.start[at], size, used
 
     def _flat_range(self, size: int, dtype: type[np.signedinteger[Any]]) -> npt.NDArray[Any]:
         """``arange(size)``, cut from a cached one per dtype (windows repeat their sizes)."""
@@ -392,14 +327,14 @@ class PackedDataset(DatasetAbstract[Sample]):
         return cached[:size]
 
     def _assemble(
-        self, tokens: npt.NDArray[Any], pieces: _Pieces | Callable[[], _Pieces], used: I64 | None = None
+        self, tokens: npt.NDArray[Any], pieces: Pieces | Callable[[], Pieces], used: I64 | None = None
     ) -> PackedRows:
         """The samples of a window: rows of ``tokens`` (``(n, L)``), the index arrays from its
         ``pieces`` (or what computes them, on first use), and ``used``, the elements each row
         holds before its padding (``None``: every row is full)."""
         padded = np.flatnonzero(used < self.sequence_length) if used is not None else None
         pad_from = used[padded] if used is not None and padded is not None else None
-        return PackedRows(_Window(tokens, pieces, padded, pad_from, self._flat_range), 0, len(tokens))
+        return PackedRows(Window(tokens, pieces, padded, pad_from, self._flat_range), 0, len(tokens))
 
     def _concat_tokens(self, spans: Sequence[Any], n: int) -> npt.NDArray[Any]:
         if isinstance(spans, Rows):
@@ -440,7 +375,7 @@ class PackedDataset(DatasetAbstract[Sample]):
         ]
         return self._assemble(rows, pieces, used)
 
-    def _fit_rows_sync(self, pieces: _Pieces, starts: I64, sizes: I64, n: int) -> npt.NDArray[Any]:
+    def _fit_rows_sync(self, pieces: Pieces, starts: I64, sizes: I64, n: int) -> npt.NDArray[Any]:
         """Best-fit rows in the caller's thread: each piece read straight into its place in its
         row (one copy, no buffer of pieces)."""
         rows = np.full((n, self.sequence_length), self.pad_id, dtype=self._storage.dtype)
@@ -464,7 +399,7 @@ class PackedDataset(DatasetAbstract[Sample]):
         in the layout and one of the documents' offsets."""
         layout = self._require_layout()
         length, storage = self.sequence_length, self._storage
-        if isinstance(layout, _ConcatLayout):
+        if isinstance(layout, ConcatLayout):
             a, c = int(layout.first[index]), int(layout.first[index + 1])
             docs = np.arange(a, c + 1, dtype=np.int64)
             offsets = storage.document_offsets_sync(np.arange(a, c + 2, dtype=np.int64))
@@ -497,7 +432,7 @@ class PackedDataset(DatasetAbstract[Sample]):
         """
         if self._blocks is None:
             layout = self._built_layout()
-            if isinstance(layout, _BestFitLayout):
+            if isinstance(layout, BestFitLayout):
                 if self._storage_blocks() is None or self.fit_group is None:
                     return None
                 sizes = layout.groups
@@ -531,260 +466,6 @@ class PackedDataset(DatasetAbstract[Sample]):
     def sample_nbytes_hint(self) -> int:
         """A sequence's bytes: its elements and its three index arrays."""
         return self.sequence_length * (self._storage.dtype.itemsize + 16)
-
-
-class _Window:
-    """The samples of one read: the tokens, and each index array computed for all its rows the
-    first time a sample is asked for it (a collate that takes no ``doc_ids`` never pays for
-    them).
-
-    Each index array is one or two passes over the window's elements built from per-piece values
-    (padding is a piece of its own), whatever the number of pieces. Threads that collate
-    batches of one window at once may compute an array twice, never differently.
-    """
-
-    __slots__ = ("_arange", "_blocks", "_pad_from", "_padded", "_pieces", "tokens")
-
-    def __init__(
-        self,
-        tokens: npt.NDArray[Any],
-        pieces: _Pieces | Callable[[], _Pieces],
-        padded: I64 | None,
-        pad_from: I64 | None,
-        arange: Callable[[int, type[np.signedinteger[Any]]], npt.NDArray[Any]],
-    ) -> None:
-        self.tokens, self._pieces, self._padded, self._pad_from = tokens, pieces, padded, pad_from
-        self._arange = arange
-        self._blocks: dict[str, npt.NDArray[Any]] = {"tokens": tokens}
-
-    @property
-    def pieces(self) -> _Pieces:
-        """The window's pieces, computed the first time an index array needs them (a collate of
-        tokens alone never does)."""
-        pieces = self._pieces
-        if not isinstance(pieces, _Pieces):
-            pieces = self._pieces = pieces()
-        return pieces
-
-    def preset(self, blocks: dict[str, npt.NDArray[Any]]) -> None:
-        self._blocks.update(blocks)
-
-    def block(self, key: str) -> npt.NDArray[Any]:
-        got = self._blocks.get(key)
-        if got is None:
-            if key not in _KEYS:
-                raise KeyError(key)
-            got = self._blocks[key] = getattr(self, "_" + key)().reshape(self.tokens.shape)
-        return got
-
-    def _doc_ids(self) -> npt.NDArray[np.int64]:
-        return np.repeat(self.pieces.doc, self.pieces.length)
-
-    def _segment_ids(self) -> npt.NDArray[np.int32]:
-        return np.repeat(self.pieces.segment, self.pieces.length)
-
-    def _position_ids(self) -> npt.NDArray[np.int32]:
-        """Each element's index in the window less its piece's first index: one ``np.repeat``
-        of the pieces' starts, subtracted in place from a cached ``arange`` (one window-sized
-        array allocated, two passes; a running sum over reset steps costs twice as much),
-        then zero on padding."""
-        p, (n, length) = self.pieces, self.tokens.shape
-        size = n * length
-        wide = size >= 1 << 31  # int32 indexes would wrap: compute in int64, hand out int32
-        dtype: type[np.signedinteger[Any]] = np.int64 if wide else np.int32
-        positions: npt.NDArray[Any] = np.repeat(p.start.astype(dtype), p.length)
-        np.subtract(self._arange(size, dtype), positions, out=positions)
-        if self._padded is not None and self._pad_from is not None:
-            for r, start in zip(self._padded.tolist(), self._pad_from.tolist(), strict=True):
-                positions[r * length + start : (r + 1) * length] = 0
-        return positions.astype(np.int32) if wide else positions
-
-
-class PackedRows(Sequence[Mapping[str, npt.NDArray[Any]]]):
-    """Packed sequences as a read-only ``Sequence``: what a :class:`PackedDataset` read returns,
-    and so what ``collate_fn`` receives (the rows of one read window).
-
-    ``rows[i]`` is sequence ``i``, a read-only mapping of its four arrays; ``rows[a:b]`` is
-    ``PackedRows`` again; ``rows.block(key)`` is the ``(len(rows), sequence_length)`` array of
-    one key for all of them, a view without a copy, where ``np.stack([s[key] for s in rows])``
-    makes a Python call per sample and copies (a collate for short batches spends most of its
-    time there). Pickled (for process workers) it carries its own rows only.
-    """
-
-    __slots__ = ("_start", "_stop", "_window")
-
-    def __init__(self, window: _Window, start: int, stop: int) -> None:
-        self._window, self._start, self._stop = window, start, stop
-
-    def __len__(self) -> int:
-        return self._stop - self._start
-
-    @overload
-    def __getitem__(self, index: int) -> Mapping[str, npt.NDArray[Any]]: ...
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[Mapping[str, npt.NDArray[Any]]]: ...
-    def __getitem__(
-        self, index: int | slice
-    ) -> Mapping[str, npt.NDArray[Any]] | Sequence[Mapping[str, npt.NDArray[Any]]]:
-        n = self._stop - self._start
-        if isinstance(index, slice):
-            start, stop, step = index.indices(n)
-            if step != 1:
-                return [self[i] for i in range(start, stop, step)]
-            return PackedRows(self._window, self._start + start, self._start + max(start, stop))
-        if index < 0:
-            index += n
-        if not 0 <= index < n:
-            raise IndexError(f"row {index} of {n} packed sequences")
-        return _PackedSample(self._window, self._start + index)
-
-    def block(self, key: str) -> npt.NDArray[Any]:
-        """The 2-D array of ``key`` (``"tokens"``, ``"doc_ids"``, ``"segment_ids"`` or
-        ``"position_ids"``) for these rows: a view of the window's array, no copy."""
-        view: npt.NDArray[Any] = self._window.block(key)[self._start : self._stop]
-        return view
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        blocks = {k: np.ascontiguousarray(self.block(k)) for k in _KEYS}
-        return (_rows_of_blocks, (blocks,))
-
-    def __repr__(self) -> str:
-        return f"PackedRows({len(self)} sequences of {self._window.tokens.shape[1]})"
-
-
-def _rows_of_blocks(blocks: dict[str, npt.NDArray[Any]]) -> PackedRows:
-    """``PackedRows`` over arrays already made (what a pickled ``PackedRows`` becomes)."""
-    tokens = blocks["tokens"]
-    none = np.empty(0, dtype=np.int64)
-    window = _Window(tokens, _Pieces(none, none, np.empty(0, np.int32), none), None, None, _no_range)
-    window.preset(blocks)
-    return PackedRows(window, 0, len(tokens))
-
-
-def _no_range(size: int, dtype: type[np.signedinteger[Any]]) -> npt.NDArray[Any]:
-    raise AssertionError("a window made of blocks computes nothing")
-
-
-class _PackedSample(Mapping[str, npt.NDArray[Any]]):
-    """One packed sequence: a read-only mapping of its four arrays, rows of its window's
-    (pickled, as for process workers, it is a plain dict)."""
-
-    __slots__ = ("_row", "_window")
-
-    def __init__(self, window: _Window, row: int) -> None:
-        self._window, self._row = window, row
-
-    def __getitem__(self, key: str) -> npt.NDArray[Any]:
-        row: npt.NDArray[Any] = self._window.block(key)[self._row]
-        return row
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(_KEYS)
-
-    def __len__(self) -> int:
-        return len(_KEYS)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (dict, (dict(self),))
-
-    def __repr__(self) -> str:
-        return "{" + ", ".join(f"{k!r}: {self[k]!r}" for k in _KEYS) + "}"
-
-
-def best_fit_layout(lengths: I64, starts: I64, length: int, bounds: I64 | None = None) -> _BestFitLayout:
-    """The best-fit-decreasing layout of documents of ``lengths`` starting at ``starts``.
-
-    Whole ``length`` pieces of long documents come first, one sequence each, in document order;
-    then the sequences best-fit opened, in the order it opened them. With ``bounds`` (document
-    indexes ``0 = b[0] < b[1] < ... = D``), the documents of each range ``[b[k], b[k+1])`` are
-    packed so on their own, one range after the other, and the layout's ``groups`` holds each
-    range's number of sequences; without, the whole dataset is one range.
-    """
-    n = len(lengths)
-    whole = lengths // length
-    rest = lengths - whole * length
-    docs = np.arange(n, dtype=np.int64)
-    # whole pieces: document d's k-th piece starts at starts[d] + k * length
-    whole_doc = np.repeat(docs, whole)
-    whole_start = starts[whole_doc] + (_ranges(np.zeros(len(docs), np.int64), whole) * length)
-    has_rest = np.flatnonzero(rest > 0)
-    if bounds is None:
-        order = has_rest[np.lexsort((has_rest, -rest[has_rest]))]
-        bins = _best_fit_decreasing(rest[order], length)
-    else:  # by range, then as above: each range's pieces are one run, packed on its own
-        group = np.repeat(np.arange(len(bounds) - 1, dtype=np.int64), np.diff(bounds))
-        order = has_rest[np.lexsort((has_rest, -rest[has_rest], group[has_rest]))]
-        first_of_range = np.flatnonzero(np.diff(group[order], prepend=-1))
-        bins = _best_fit_decreasing(rest[order], length, first_of_range[1:])
-    by_bin = np.argsort(bins, kind="stable")
-    nbins = int(bins.max()) + 1 if len(bins) else 0
-    rest_doc = order[by_bin]
-    nwhole = len(whole_doc)
-    counts = np.ones(nwhole + nbins, dtype=np.int64)
-    counts[nwhole:] = np.bincount(bins, minlength=nbins)
-    doc = np.concatenate([whole_doc, rest_doc])
-    start = np.concatenate([whole_start, starts[rest_doc] + whole[rest_doc] * length])
-    size = np.concatenate([np.full(nwhole, length, np.int32), rest[rest_doc].astype(np.int32)])
-    if bounds is None:
-        ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        return _BestFitLayout(length, ptr, doc, start, size, np.asarray([len(counts)], np.int64))
-    # each sequence's range (a whole piece's document's; a bin's documents', which share one):
-    # the sequences of each range, its whole pieces then its bins, one range after the other
-    bin_range = np.empty(nbins, np.int64)
-    bin_range[bins] = group[order]
-    seq_range = np.concatenate([group[whole_doc], bin_range])
-    seq_order = np.argsort(seq_range, kind="stable")
-    at = _ranges((np.cumsum(counts) - counts)[seq_order], counts[seq_order])
-    ptr = np.concatenate([[0], np.cumsum(counts[seq_order])]).astype(np.int64)
-    per_range = np.bincount(seq_range, minlength=len(bounds) - 1).astype(np.int64)
-    return _BestFitLayout(length, ptr, doc[at], start[at], size[at], per_range)
-
-
-def _best_fit_decreasing(sizes: I64, capacity: int, cuts: I64 | None = None) -> I64:
-    """The bin of each item (sizes in ``[1, capacity]``, non-increasing): each goes into the open
-    bin with the least room that still holds it (the most recently filled to that room when
-    several do), or into a new bin. At each item index in ``cuts`` every open bin is closed:
-    the items between two cuts (each range non-increasing) are packed on their own.
-
-    Open bins are kept by their room in ``capacity + 1`` stacks, and a bit mask of the rooms that
-    have a bin finds the least room ``>= size`` in a few big-integer operations (O(1) per item
-    for practical capacities): one pass, O(D) time.
-    """
-    out = np.empty(len(sizes), dtype=np.int64)
-    stacks: list[list[int]] = [[] for _ in range(capacity + 1)]
-    mask = 0
-    nbins = 0
-    closes = [] if cuts is None else np.asarray(cuts, dtype=np.int64).tolist()
-    for k, (lo, hi) in enumerate(itertools.pairwise([0, *closes, len(sizes)])):
-        if k:  # close the bins of the range before: clear the stacks that hold any
-            while mask:
-                room = (mask & -mask).bit_length() - 1
-                stacks[room].clear()
-                mask ^= 1 << room
-        for chunk_start in range(lo, hi, _CHUNK):
-            chunk = sizes[chunk_start : min(hi, chunk_start + _CHUNK)].tolist()
-            placed: list[int] = []
-            append = placed.append
-            for s in chunk:
-                m = mask >> s
-                if m:
-                    room = s + (m & -m).bit_length() - 1
-                    stack = stacks[room]
-                    b = stack.pop()
-                    if not stack:
-                        mask ^= 1 << room
-                else:
-                    b, room = nbins, capacity
-                    nbins += 1
-                append(b)
-                left = room - s
-                if left:
-                    stack = stacks[left]
-                    if not stack:
-                        mask |= 1 << left
-                    stack.append(b)
-            out[chunk_start : chunk_start + len(placed)] = placed
-    return out
 
 
 def pack(

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import guideloom as gl
-from guideloom._cli import _prepare
+from guideloom._cli import _prepare_write
 from tests.support.cli import BYTE_EOS, byte_texts, checksums, data_files, field_of, manifest_of, write_jsonl
 
 TEXTS = [
@@ -225,8 +225,8 @@ def test_explicit_dtype(cli, tmp_path: Path) -> None:
 @pytest.mark.parametrize("small_blocks", [False, True])
 def test_document_ids(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_blocks: bool) -> None:
     if small_blocks:  # exercise the metadata generators' block and chunk boundaries
-        monkeypatch.setattr(_prepare, "_META_CHUNK", 7)
-        monkeypatch.setattr(_prepare, "_LENGTHS_BLOCK", 3)
+        monkeypatch.setattr(_prepare_write, "_META_CHUNK", 7)
+        monkeypatch.setattr(_prepare_write, "_LENGTHS_BLOCK", 3)
     texts = ["a" * n for n in [5, 0, 12, 1, 30, 2, 9, 0, 0, 17]]
     write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in texts])
     r = cli("prepare", tmp_path / "d.jsonl", "--document-ids", "-o", tmp_path / "ds", "--task-size", "40")

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
-from guideloom._cli import _prepare
+from guideloom._cli import _prepare_task
 from guideloom._cli._inputs import InputFile, share_of
 from guideloom._cli._parts import task_from_environment
 from tests.support.cli import Run, field_of, manifest_of
@@ -504,7 +504,7 @@ def test_a_run_that_finishes_second_removes_its_copy_and_fails(
     corpus = write_corpus(tmp_path / "c", [("jsonl", list(range(300)))])
     dest = tmp_path / "ds"
     command = ("prepare", corpus, "--output", dest, "--task", 0, "--tasks", 2, "--task-size", 1024)
-    original = _prepare.prepare_files
+    original = _prepare_task.prepare_files
     other: list[Run] = []
     racing: list[bool] = []
 
@@ -515,7 +515,7 @@ def test_a_run_that_finishes_second_removes_its_copy_and_fails(
             other.append(cli(*command, "--quiet"))
         return made
 
-    monkeypatch.setattr(_prepare, "prepare_files", first_another_run)
+    monkeypatch.setattr(_prepare_task, "prepare_files", first_another_run)
     r = cli(*command)
     assert other[0].code == 0, other
     assert r.code == 1 and "another run of task 0 of 2 prepared this part at the same time" in r.err, r

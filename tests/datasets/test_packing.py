@@ -24,13 +24,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
-from guideloom._datasets.packing import (
-    PackMode,
-    _best_fit_decreasing,
-    _BestFitLayout,
-    _Pieces,
-    best_fit_layout,
-)
+from guideloom._core.pack_layout import BestFitLayout, best_fit_decreasing, best_fit_layout
+from guideloom._datasets.packed_rows import Pieces
+from guideloom._datasets.packing import PackMode
 from guideloom.storage._local import _storage as local
 from guideloom.storage.base import Spans
 from tests.support import ROOT
@@ -147,7 +143,7 @@ def reference_best_fit(sizes: list[int], capacity: int) -> list[int]:
 @given(data=st.data(), capacity=st.integers(1, 70))
 def test_best_fit_decreasing_matches_the_reference(data: st.DataObject, capacity: int) -> None:
     sizes = sorted(data.draw(st.lists(st.integers(1, capacity), max_size=60)), reverse=True)
-    got = _best_fit_decreasing(np.asarray(sizes, dtype=np.int64), capacity).tolist()
+    got = best_fit_decreasing(np.asarray(sizes, dtype=np.int64), capacity).tolist()
     assert got == reference_best_fit(sizes, capacity)
 
 
@@ -501,7 +497,7 @@ def reference_concat(data: np.ndarray, offsets: np.ndarray, row: int, length: in
 
 
 def reference_best_fit_row(
-    data: np.ndarray, layout: _BestFitLayout, row: int, pad: int
+    data: np.ndarray, layout: BestFitLayout, row: int, pad: int
 ) -> dict[str, np.ndarray]:
     """Row ``row`` of best-fit mode from its layout, one piece at a time, then the padding."""
     out: dict[str, list[int]] = {k: [] for k in KEYS}
@@ -525,7 +521,7 @@ def check_window(dataset: gl.PackedDataset, data: np.ndarray, offsets: np.ndarra
         block = got.block(key)
         assert block.shape == (len(rows), dataset.sequence_length)
         for i, row in enumerate(rows.tolist()):
-            if isinstance(layout, _BestFitLayout):
+            if isinstance(layout, BestFitLayout):
                 expect = reference_best_fit_row(data, layout, row, dataset.pad_id)
             else:
                 expect = reference_concat(data, offsets, row, dataset.sequence_length)
@@ -622,10 +618,10 @@ def test_concat_pieces_wait_for_the_first_index_array() -> None:
     assert isinstance(rows, gl.PackedRows)
     window = rows._window
     assert np.array_equal(rows.block("tokens").reshape(-1), data[: len(dataset) * 8])
-    assert not isinstance(window._pieces, _Pieces), "tokens alone computed the pieces"
+    assert not isinstance(window._pieces, Pieces), "tokens alone computed the pieces"
     rows.block("segment_ids")
     pieces = window._pieces
-    assert isinstance(pieces, _Pieces)
+    assert isinstance(pieces, Pieces)
     rows.block("position_ids")
     assert window._pieces is pieces
     check_window(dataset, data, offsets, np.arange(len(dataset), dtype=np.int64))

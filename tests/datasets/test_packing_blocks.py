@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
-from guideloom._datasets.packing import PackMode, _best_fit_decreasing, best_fit_layout
+from guideloom._core.pack_layout import best_fit_decreasing, best_fit_layout
+from guideloom._datasets.packing import PackMode
 from tests.datasets.test_packing import numbered, reference_best_fit, run_ranks, sample_keys
 from tests.support.loader import roundtrip, take
 
@@ -116,7 +117,7 @@ def test_best_fit_decreasing_closes_every_bin_at_a_cut(data: st.DataObject, capa
     ranges = data.draw(st.lists(st.lists(st.integers(1, capacity), max_size=20), min_size=1, max_size=5))
     sizes = [s for r in ranges for s in sorted(r, reverse=True)]
     cuts = np.cumsum([len(r) for r in ranges])[:-1]
-    got = _best_fit_decreasing(np.asarray(sizes, dtype=np.int64), capacity, cuts).tolist()
+    got = best_fit_decreasing(np.asarray(sizes, dtype=np.int64), capacity, cuts).tolist()
     expected, opened_before = [], 0
     for r in ranges:
         own = reference_best_fit(sorted(r, reverse=True), capacity)

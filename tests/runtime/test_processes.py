@@ -72,10 +72,10 @@ def test_workers_are_forked_from_a_fork_server_that_preloads_torch(
     standby zygote serves, the workers come from multiprocessing's fork server."""
     from multiprocessing import forkserver
 
-    import guideloom._runtime.processes.pool as pool_module
+    import guideloom._runtime.processes.start as start_module
 
-    monkeypatch.setattr(pool_module, "fork_is_safe", lambda *_: False)
-    monkeypatch.setattr(pool_module, "standby_for", lambda _: None)  # nor a standby zygote
+    monkeypatch.setattr(start_module, "fork_is_safe", lambda *_: False)
+    monkeypatch.setattr(start_module, "standby_for", lambda _: None)  # nor a standby zygote
     with loader_for(stream, collated_where) as loader:
         it = iter(loader)
         assert it._driver.procs is not None

@@ -13,6 +13,9 @@ multiprocessing's fork server, a process that imports the worker's modules, nump
 starts its workers on a thread of its own (:meth:`WorkerPool.begin`) so that the first batches
 can be made meanwhile.
 
+How the workers start is :mod:`~guideloom._runtime.processes.start`'s choice; each worker as the
+main process sees it is a :class:`~guideloom._runtime.processes.proc.Proc`.
+
 A dead worker is seen at once (end of file on its pipe) and becomes a
 :class:`~guideloom.WorkerError` at the first batch it owed; every segment of a pool (its names
 carry the pool's token) is swept from ``/dev/shm`` when a worker dies and when the pool closes.
@@ -23,44 +26,26 @@ from __future__ import annotations
 import asyncio
 import atexit
 import ctypes
-import mmap
-import multiprocessing
-import multiprocessing.connection
 import os
 import pickle
 import secrets
 import signal
-import struct
-import sys
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Sequence
-from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from guideloom._core.delivery import Delivery
 from guideloom._core.plan import BatchSpec
 from guideloom._errors import WorkerError
 from guideloom._runtime.processes.pack import Segment, pack_samples
-from guideloom._runtime.processes.shm import (
-    MAX_SLOTS,
-    SHM_PREFIX,
-    Inputs,
-    StateSegment,
-    map_segment,
-    posix_shm_available,
-    release,
-    sweep,
-    unlink,
-)
+from guideloom._runtime.processes.proc import TERMINATE_S, Group, Proc
+from guideloom._runtime.processes.shm import SHM_PREFIX, posix_shm_available, release, sweep
+from guideloom._runtime.processes.start import check_not_bootstrapping, worker_context
 from guideloom._runtime.processes.wire import (
     End,
-    Epoch,
     Failed,
     GroupDone,
     Ready,
@@ -69,301 +54,23 @@ from guideloom._runtime.processes.wire import (
     Task,
     load_exception,
 )
-from guideloom._runtime.processes.worker import worker_main
-from guideloom._runtime.processes.zygote import (
-    ZygoteContext,
-    fork_is_safe,
-    fork_standby,
-    fork_zygote,
-    standby_for,
-)
-from guideloom.storage._remote import _objstore
+from guideloom._runtime.processes.zygote import ZygoteContext
 
 if TYPE_CHECKING:
     from guideloom._datasets import DatasetAbstract
 
-__all__ = [
-    "PRELOAD",
-    "SHUTDOWN_GRACE_S",
-    "START_METHOD",
-    "Group",
-    "Proc",
-    "Session",
-    "WorkerPool",
-    "check_not_bootstrapping",
-    "worker_context",
-]
+__all__ = ["SHUTDOWN_GRACE_S", "Group", "Proc", "Session", "WorkerPool"]
 
 #: How long ``close()`` waits for a worker to finish its batch before terminating it.
 SHUTDOWN_GRACE_S = 5.0
-#: How long ``close()`` waits for a worker to end after SIGTERM, then after SIGKILL: every wait of
-#: a close is bounded, whatever a worker or the fork server does (a stopped process, a deadlock).
-TERMINATE_S = 1.0
 #: How long ``close()`` waits for a start under way to end before it kills the workers' fork
 #: server (a stopped zygote never answers the start's fork request), then for the start again.
 START_END_S = 1.0
-#: How workers start: ``"zygote"`` (a fork server forked from this process where that is safe,
-#: multiprocessing's fork server elsewhere); ``"spawn"`` where the platform has no fork server.
-#: (The benchmark of worker start sets it to compare the methods: also ``"forkserver"``, ``"fork"``.)
-START_METHOD = "zygote"
-#: What the fork server imports before it forks a worker (torch too, when the main process has
-#: imported it): each worker shares them instead of importing them anew.
-PRELOAD = ("guideloom._runtime.processes.worker", "numpy")
-
-
-def _preload() -> list[str]:
-    return [*PRELOAD, *(["torch"] if "torch" in sys.modules else [])]
-
-
-def _standby() -> None:
-    """Before this process's first object store: fork the standby zygote, if workers may start
-    from one (:func:`~guideloom._runtime.processes.zygote.fork_standby`); not in a process
-    multiprocessing started (a worker that opens its storage starts no workers), nor where
-    ``GUIDELOOM_STANDBY_ZYGOTE=0`` says the process will not use process workers."""
-    if (
-        os.environ.get("GUIDELOOM_STANDBY_ZYGOTE", "1") != "0"
-        and START_METHOD == "zygote"
-        and multiprocessing.parent_process() is None
-        and "forkserver" in multiprocessing.get_all_start_methods()
-    ):
-        fork_standby(_preload())
-
-
-_objstore.BEFORE_FIRST_STORE.append(_standby)
-
-
-def worker_context(spec: bytes = b"") -> ForkServerContext | SpawnContext | ForkContext:
-    """The multiprocessing context a new pool's workers start in: a zygote forked from this
-    process now, if this thread is its only one; else the standby zygote, where the workers'
-    ``spec`` (their pickled dataset and collate) finds in it what it names of ``__main__``; else
-    the fork server, told what to preload.
-
-    The fork server is one per process, shared with any other user of ``forkserver``: the
-    modules are added to its preload list, and take effect when it starts (with the first
-    pool's first worker: never here). The list's default, ``["__main__"]``, is replaced: the
-    server does not import the main script (each worker does, when it starts).
-    """
-    if START_METHOD == "fork":
-        return multiprocessing.get_context("fork")
-    if START_METHOD == "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    wanted = _preload()
-    if START_METHOD == "zygote":
-        standby = standby_for(spec)
-        # With a standby to fall back on, threads that may be ending are not waited for.
-        if fork_is_safe() if standby is None else fork_is_safe(0.0):
-            return ZygoteContext(fork_zygote(wanted))
-        if standby is not None:
-            return ZygoteContext(standby, shared=True)
-    ctx = multiprocessing.get_context("forkserver")
-    from multiprocessing import forkserver
-
-    current = list(getattr(forkserver._forkserver, "_preload_modules", ()))
-    if current == ["__main__"]:
-        current = []
-    missing = [m for m in wanted if m not in current]
-    if missing:
-        ctx.set_forkserver_preload(current + missing)
-    return ctx
-
-
-def check_not_bootstrapping() -> None:
-    """Refuse to start workers from a worker that is still importing the main module.
-
-    Each worker imports the main script, as multiprocessing's ``spawn`` and ``forkserver`` do;
-    one without the ``if __name__ == "__main__":`` guard would start the loader again in every
-    worker.
-    """
-    if getattr(multiprocessing.current_process(), "_inheriting", False):
-        raise RuntimeError(
-            "guideloom: a loader with parallel_method='process' was started while a worker process "
-            "was still importing the main module. Each worker process imports your main script "
-            "(as multiprocessing's 'spawn' and 'forkserver' start methods do): put the code that "
-            'creates and iterates the loader under `if __name__ == "__main__":` (or in a function '
-            "called from there)."
-        )
 
 
 def _moving(average: float | None, value: float) -> float:
     """An exponential moving average of what the workers report, group by group."""
     return value if average is None else 0.8 * average + 0.2 * value
-
-
-class Proc:
-    """One worker process, as the main process sees it."""
-
-    def __init__(self, pool: WorkerPool, index: int, gen: int) -> None:
-        """Start the worker (blocking while the fork server starts, once a process)."""
-        self.index = index
-        self.prefix = f"{pool.token}-{index}.{gen}-"
-        self.state_segment = StateSegment(f"{self.prefix}state", MAX_SLOTS)
-        self.state = np.frombuffer(self.state_segment.mm, np.uint8)
-        ctx = pool.ctx
-        tasks_r, self.tasks = ctx.Pipe(duplex=False)
-        self.results, results_w = ctx.Pipe(duplex=False)
-        self.proc: BaseProcess = ctx.Process(
-            target=worker_main,
-            args=(
-                tasks_r,
-                results_w,
-                pool.spec,
-                self.prefix,
-                self.state_segment,
-                pool.worker_seed(index, gen),
-            ),
-            name=f"guideloom-worker-{index}",
-            daemon=True,
-        )
-        try:
-            self.proc.start()
-        finally:
-            tasks_r.close()
-            results_w.close()
-            self.state_segment.started()
-        self.fd = self.results.fileno()
-        #: The session whose loop reader is on this pipe now: a session that ends removes the
-        #: reader only while it is still its own (a dropped ``async for``'s pipeline may finish
-        #: after the next iterator's session has put its reader on the same pipe).
-        self.reader: object | None = None
-        self.send_lock = threading.Lock()
-        self.cache: dict[int, tuple[str, mmap.mmap]] = {}
-        self.inputs = Inputs(self.prefix)  # the segments its samples are sent in
-        self.buffer = bytearray()
-        self.alive = True
-        self.ready = False
-        self.inflight = 0
-
-    def send(self, msg: Task | Epoch | End | Stop) -> None:
-        with self.send_lock:
-            self.tasks.send(msg)
-
-    def post(self, msg: End | Stop) -> bool:
-        """Send a short message without ever blocking (a close must not wait on the pipe of a
-        stopped worker, full, or held by a send that waits on it); False if it could not go.
-        A message shorter than ``PIPE_BUF`` is written whole or not at all."""
-        if not self.send_lock.acquire(timeout=0.1):
-            return False
-        try:
-            fd = self.tasks.fileno()
-            os.set_blocking(fd, False)
-            try:
-                self.tasks.send(msg)
-            finally:
-                os.set_blocking(fd, True)
-            return True
-        except (OSError, ValueError):  # full (BlockingIOError), the worker gone, or closed
-            return False
-        finally:
-            self.send_lock.release()
-
-    def gone(self) -> bool:
-        """Whether the worker has ended: its exit status is known, or it is a zombie or no
-        process at all (a stopped fork server neither reaps its workers nor reports them)."""
-        if self.proc.exitcode is not None:
-            return True
-        pid = self.proc.pid
-        if pid is None:
-            return True
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-        except FileNotFoundError:
-            return os.path.isdir("/proc/self")  # no such process (where /proc tells)
-        except OSError:
-            return False
-        return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X")
-
-    def describe_exit(self) -> str:
-        code = self.proc.exitcode
-        if code is None and self.gone():
-            self.proc.join(TERMINATE_S)  # ended, its status not collected yet: collect it
-            code = self.proc.exitcode
-        if code is None:
-            return "its pipe closed"
-        if code < 0:
-            try:
-                return f"killed by {signal.Signals(-code).name}"
-            except ValueError:
-                return f"killed by signal {-code}"
-        return f"exit code {code}"
-
-    def map_slot(self, i: int, name: str, size: int) -> mmap.mmap:
-        cached = self.cache.get(i)
-        if cached is not None and cached[0] == name:
-            return cached[1]
-        mm = map_segment(name, size, create=False)
-        unlink(name)  # mapped on both sides: nothing in /dev/shm from here on
-        self.cache[i] = (name, mm)
-        return mm
-
-    def read_frames(self) -> list[bytes] | None:
-        """The complete messages available now; None at end of file (the worker is gone)."""
-        chunks: list[bytes] = []
-        while True:
-            try:
-                data = os.read(self.fd, 1 << 20)
-            except BlockingIOError:
-                break
-            except OSError:
-                data = b""
-            if not data:
-                if not chunks:
-                    return None
-                break
-            chunks.append(data)
-            if len(data) < 1 << 20:
-                break
-        buf = self.buffer
-        for c in chunks:
-            buf += c
-        frames = []
-        pos = 0
-        while len(buf) - pos >= 4:
-            (n,) = struct.unpack_from("!i", buf, pos)
-            head = 4
-            if n == -1:
-                if len(buf) - pos < 12:
-                    break
-                (n,) = struct.unpack_from("!Q", buf, pos + 4)
-                head = 12
-            if len(buf) - pos - head < n:
-                break
-            frames.append(bytes(buf[pos + head : pos + head + n]))
-            pos += head + n
-        del buf[:pos]
-        return frames
-
-
-class Group:
-    """Consecutive batches one worker reads and collates; their deliveries arrive in order."""
-
-    __slots__ = ("done", "gid", "proc", "received", "results", "specs", "waiter")
-
-    def __init__(self, gid: int, specs: list[BatchSpec], proc: Proc | None) -> None:
-        self.gid = gid
-        self.specs = specs
-        self.proc = proc
-        self.results: deque[Delivery] = deque()  # received, not yet emitted
-        self.received = 0
-        self.waiter: asyncio.Future[None] | None = None
-        self.done = False  # nothing more will arrive
-
-    def add(self, d: Delivery) -> None:
-        self.received += 1
-        self.results.append(d)
-        if d.error is not None or d.spec.step == self.specs[-1].step:
-            self.done = True
-        self.wake()
-
-    def fail(self, exc: BaseException) -> None:
-        if self.done:
-            return
-        self.add(Delivery(self.specs[self.received], error=exc))
-
-    def wake(self) -> None:
-        w = self.waiter
-        if w is not None and not w.done():
-            w.set_result(None)
 
 
 class WorkerPool:

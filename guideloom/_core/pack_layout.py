@@ -1,0 +1,164 @@
+"""The pack layout arithmetic: which document pieces make each packed sequence.
+
+Pure functions of the documents' lengths and offsets (no I/O): the concat layout (the document
+holding each sequence's first element) and best fit decreasing, over the whole dataset or over
+ranges of documents each packed on its own. ``guideloom._datasets.packing`` builds them from a
+storage's offsets and reads by them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["CHUNK", "BestFitLayout", "ConcatLayout", "best_fit_decreasing", "best_fit_layout", "flat_ranges"]
+
+I64 = npt.NDArray[np.int64]
+
+#: Document offsets read per call while building a layout: bounds the build's memory beyond
+#: the layout itself.
+CHUNK = 1 << 20
+
+
+def flat_ranges(starts: I64, counts: I64) -> I64:
+    """``concatenate([arange(s, s + c) for s, c in zip(starts, counts)])``, vectorised."""
+    total = int(counts.sum())
+    if total == 0:
+        return np.empty(0, dtype=np.int64)
+    ends = np.cumsum(counts)
+    return np.repeat(starts - ends + counts, counts) + np.arange(total, dtype=np.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class ConcatLayout:
+    """``first[k]``: the document holding element ``min(k * L, total - 1)``, ``k`` in ``[0, S]``."""
+
+    length: int
+    total: int
+    first: I64
+
+    def __len__(self) -> int:
+        return len(self.first) - 1
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.first.nbytes)
+
+
+@dataclass(frozen=True, slots=True)
+class BestFitLayout:
+    """Sequence ``i`` holds pieces ``ptr[i]:ptr[i + 1]``, back to back from column 0."""
+
+    length: int
+    ptr: I64
+    doc: I64
+    start: I64  # absolute element position of the piece's first element
+    size: npt.NDArray[np.int32]
+    groups: I64  # sequences of each range of documents packed on its own, in order
+
+    def __len__(self) -> int:
+        return len(self.ptr) - 1
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.ptr, self.doc, self.start, self.size, self.groups)
+        return int(sum(a.nbytes for a in arrays))
+
+
+def best_fit_layout(lengths: I64, starts: I64, length: int, bounds: I64 | None = None) -> BestFitLayout:
+    """The best-fit-decreasing layout of documents of ``lengths`` starting at ``starts``.
+
+    Whole ``length`` pieces of long documents come first, one sequence each, in document order;
+    then the sequences best-fit opened, in the order it opened them. With ``bounds`` (document
+    indexes ``0 = b[0] < b[1] < ... = D``), the documents of each range ``[b[k], b[k+1])`` are
+    packed so on their own, one range after the other, and the layout's ``groups`` holds each
+    range's number of sequences; without, the whole dataset is one range.
+    """
+    n = len(lengths)
+    whole = lengths // length
+    rest = lengths - whole * length
+    docs = np.arange(n, dtype=np.int64)
+    # whole pieces: document d's k-th piece starts at starts[d] + k * length
+    whole_doc = np.repeat(docs, whole)
+    whole_start = starts[whole_doc] + (flat_ranges(np.zeros(len(docs), np.int64), whole) * length)
+    has_rest = np.flatnonzero(rest > 0)
+    if bounds is None:
+        order = has_rest[np.lexsort((has_rest, -rest[has_rest]))]
+        bins = best_fit_decreasing(rest[order], length)
+    else:  # by range, then as above: each range's pieces are one run, packed on its own
+        group = np.repeat(np.arange(len(bounds) - 1, dtype=np.int64), np.diff(bounds))
+        order = has_rest[np.lexsort((has_rest, -rest[has_rest], group[has_rest]))]
+        first_of_range = np.flatnonzero(np.diff(group[order], prepend=-1))
+        bins = best_fit_decreasing(rest[order], length, first_of_range[1:])
+    by_bin = np.argsort(bins, kind="stable")
+    nbins = int(bins.max()) + 1 if len(bins) else 0
+    rest_doc = order[by_bin]
+    nwhole = len(whole_doc)
+    counts = np.ones(nwhole + nbins, dtype=np.int64)
+    counts[nwhole:] = np.bincount(bins, minlength=nbins)
+    doc = np.concatenate([whole_doc, rest_doc])
+    start = np.concatenate([whole_start, starts[rest_doc] + whole[rest_doc] * length])
+    size = np.concatenate([np.full(nwhole, length, np.int32), rest[rest_doc].astype(np.int32)])
+    if bounds is None:
+        ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        return BestFitLayout(length, ptr, doc, start, size, np.asarray([len(counts)], np.int64))
+    # each sequence's range (a whole piece's document's; a bin's documents', which share one):
+    # the sequences of each range, its whole pieces then its bins, one range after the other
+    bin_range = np.empty(nbins, np.int64)
+    bin_range[bins] = group[order]
+    seq_range = np.concatenate([group[whole_doc], bin_range])
+    seq_order = np.argsort(seq_range, kind="stable")
+    at = flat_ranges((np.cumsum(counts) - counts)[seq_order], counts[seq_order])
+    ptr = np.concatenate([[0], np.cumsum(counts[seq_order])]).astype(np.int64)
+    per_range = np.bincount(seq_range, minlength=len(bounds) - 1).astype(np.int64)
+    return BestFitLayout(length, ptr, doc[at], start[at], size[at], per_range)
+
+
+def best_fit_decreasing(sizes: I64, capacity: int, cuts: I64 | None = None) -> I64:
+    """The bin of each item (sizes in ``[1, capacity]``, non-increasing): each goes into the open
+    bin with the least room that still holds it (the most recently filled to that room when
+    several do), or into a new bin. At each item index in ``cuts`` every open bin is closed:
+    the items between two cuts (each range non-increasing) are packed on their own.
+
+    Open bins are kept by their room in ``capacity + 1`` stacks, and a bit mask of the rooms that
+    have a bin finds the least room ``>= size`` in a few big-integer operations (O(1) per item
+    for practical capacities): one pass, O(D) time.
+    """
+    out = np.empty(len(sizes), dtype=np.int64)
+    stacks: list[list[int]] = [[] for _ in range(capacity + 1)]
+    mask = 0
+    nbins = 0
+    closes = [] if cuts is None else np.asarray(cuts, dtype=np.int64).tolist()
+    for k, (lo, hi) in enumerate(itertools.pairwise([0, *closes, len(sizes)])):
+        if k:  # close the bins of the range before: clear the stacks that hold any
+            while mask:
+                room = (mask & -mask).bit_length() - 1
+                stacks[room].clear()
+                mask ^= 1 << room
+        for chunk_start in range(lo, hi, CHUNK):
+            chunk = sizes[chunk_start : min(hi, chunk_start + CHUNK)].tolist()
+            placed: list[int] = []
+            append = placed.append
+            for s in chunk:
+                m = mask >> s
+                if m:
+                    room = s + (m & -m).bit_length() - 1
+                    stack = stacks[room]
+                    b = stack.pop()
+                    if not stack:
+                        mask ^= 1 << room
+                else:
+                    b, room = nbins, capacity
+                    nbins += 1
+                append(b)
+                left = room - s
+                if left:
+                    stack = stacks[left]
+                    if not stack:
+                        mask |= 1 << left
+                    stack.append(b)
+            out[chunk_start : chunk_start + len(placed)] = placed
+    return out

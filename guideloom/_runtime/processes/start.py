@@ -1,0 +1,109 @@
+"""How process workers start: the start method, and the fork server a new pool's workers are
+forked from.
+
+Where the pool is made on the process's only thread, the server is a zygote forked from the main
+process then (:mod:`~guideloom._runtime.processes.zygote`): the workers share the main process's
+pages, torch's included. Elsewhere it is the standby zygote forked before the process's first
+object store, or multiprocessing's fork server told what to preload. :data:`START_METHOD` is
+read here at each choice (the benchmark of worker start rewrites it to compare the methods).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
+
+from guideloom._runtime.processes.zygote import (
+    ZygoteContext,
+    fork_is_safe,
+    fork_standby,
+    fork_zygote,
+    standby_for,
+)
+from guideloom.storage._remote import _objstore
+
+__all__ = ["PRELOAD", "START_METHOD", "check_not_bootstrapping", "preload", "worker_context"]
+
+#: How workers start: ``"zygote"`` (a fork server forked from this process where that is safe,
+#: multiprocessing's fork server elsewhere); ``"spawn"`` where the platform has no fork server.
+#: (The benchmark of worker start sets it to compare the methods: also ``"forkserver"``, ``"fork"``.)
+START_METHOD = "zygote"
+#: What the fork server imports before it forks a worker (torch too, when the main process has
+#: imported it): each worker shares them instead of importing them anew.
+PRELOAD = ("guideloom._runtime.processes.worker", "numpy")
+
+
+def preload() -> list[str]:
+    """The modules the fork server preloads: :data:`PRELOAD`, and torch once this process has it."""
+    return [*PRELOAD, *(["torch"] if "torch" in sys.modules else [])]
+
+
+def _standby() -> None:
+    """Before this process's first object store: fork the standby zygote, if workers may start
+    from one (:func:`~guideloom._runtime.processes.zygote.fork_standby`); not in a process
+    multiprocessing started (a worker that opens its storage starts no workers), nor where
+    ``GUIDELOOM_STANDBY_ZYGOTE=0`` says the process will not use process workers."""
+    if (
+        os.environ.get("GUIDELOOM_STANDBY_ZYGOTE", "1") != "0"
+        and START_METHOD == "zygote"
+        and multiprocessing.parent_process() is None
+        and "forkserver" in multiprocessing.get_all_start_methods()
+    ):
+        fork_standby(preload())
+
+
+_objstore.BEFORE_FIRST_STORE.append(_standby)
+
+
+def worker_context(spec: bytes = b"") -> ForkServerContext | SpawnContext | ForkContext:
+    """The multiprocessing context a new pool's workers start in: a zygote forked from this
+    process now, if this thread is its only one; else the standby zygote, where the workers'
+    ``spec`` (their pickled dataset and collate) finds in it what it names of ``__main__``; else
+    the fork server, told what to preload.
+
+    The fork server is one per process, shared with any other user of ``forkserver``: the
+    modules are added to its preload list, and take effect when it starts (with the first
+    pool's first worker: never here). The list's default, ``["__main__"]``, is replaced: the
+    server does not import the main script (each worker does, when it starts).
+    """
+    if START_METHOD == "fork":
+        return multiprocessing.get_context("fork")
+    if START_METHOD == "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    wanted = preload()
+    if START_METHOD == "zygote":
+        standby = standby_for(spec)
+        # With a standby to fall back on, threads that may be ending are not waited for.
+        if fork_is_safe() if standby is None else fork_is_safe(0.0):
+            return ZygoteContext(fork_zygote(wanted))
+        if standby is not None:
+            return ZygoteContext(standby, shared=True)
+    ctx = multiprocessing.get_context("forkserver")
+    from multiprocessing import forkserver
+
+    current = list(getattr(forkserver._forkserver, "_preload_modules", ()))
+    if current == ["__main__"]:
+        current = []
+    missing = [m for m in wanted if m not in current]
+    if missing:
+        ctx.set_forkserver_preload(current + missing)
+    return ctx
+
+
+def check_not_bootstrapping() -> None:
+    """Refuse to start workers from a worker that is still importing the main module.
+
+    Each worker imports the main script, as multiprocessing's ``spawn`` and ``forkserver`` do;
+    one without the ``if __name__ == "__main__":`` guard would start the loader again in every
+    worker.
+    """
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError(
+            "guideloom: a loader with parallel_method='process' was started while a worker process "
+            "was still importing the main module. Each worker process imports your main script "
+            "(as multiprocessing's 'spawn' and 'forkserver' start methods do): put the code that "
+            'creates and iterates the loader under `if __name__ == "__main__":` (or in a function '
+            "called from there)."
+        )

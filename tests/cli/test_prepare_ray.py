@@ -118,9 +118,24 @@ def test_the_datasink_names_a_missing_column(tmp_path: Path) -> None:
         gl.write_ray_dataset(ds, str(tmp_path / "ds"), dtype="uint16")
 
 
+def _descends_from(pid: int, ancestor: int) -> bool:
+    """Whether process ``pid`` is ``ancestor``'s descendant (Linux: the parents in /proc)."""
+    while pid > 1:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+        if pid == ancestor:
+            return True
+    return False
+
+
 def _kill_a_running_task(stop: threading.Event) -> int | None:
-    """SIGKILL the first Ray worker seen running a prepare task (its process title is
-    ``ray::_task`` while it runs one); its pid, or None if none was seen before ``stop``."""
+    """SIGKILL the first Ray worker of this process's Ray seen running a prepare task (its
+    process title is ``ray::_task`` while it runs one; another test process's Ray is left
+    alone); its pid, or None if none was seen before ``stop``."""
+    me = os.getpid()
     while not stop.is_set():
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
@@ -129,7 +144,7 @@ def _kill_a_running_task(stop: threading.Event) -> int | None:
                 title = (entry / "cmdline").read_bytes()
             except OSError:
                 continue
-            if title.startswith(b"ray::_task"):
+            if title.startswith(b"ray::_task") and _descends_from(int(entry.name), me):
                 os.kill(int(entry.name), signal.SIGKILL)
                 return int(entry.name)
         time.sleep(0.02)

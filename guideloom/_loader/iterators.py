@@ -1,10 +1,20 @@
 """The loader's two iterators: ``for batch in loader`` and ``async for batch in loader``.
 
-Both claim the loader, plan its epoch from its position, and advance its checkpoint one handed-
-out batch at a time; how the epoch runs is the runtime's: :class:`SyncIterator` takes its
-batches from a :class:`~guideloom._runtime.drive.SyncDriver`, :class:`AsyncIterator` from an
-:class:`~guideloom._runtime.drive.AsyncDriver` on the caller's loop, both driving the one
-:class:`~guideloom._runtime.flow.EpochFlow`.
+Both claim the loader, run an epoch planned by the loader's state
+(:meth:`~guideloom._loader.state.LoaderState.plan_epoch`), and advance its checkpoint one
+handed-out batch at a time; how the epoch runs is the runtime's.
+
+The path from ``__iter__`` to a delivered batch: ``pytorch.py`` (opens the loader, plans the
+epoch) -> :class:`SyncIterator` here, handed the plan -> ``_runtime/drive.py``
+(:class:`~guideloom._runtime.drive.SyncDriver`: reads the windows the flow asks for) ->
+``_runtime/flow.py`` (:class:`~guideloom._runtime.flow.EpochFlow`: groups, the next batch in plan
+order) -> ``_runtime/executors.py`` (the group made inline, on ``threadpool.py``'s threads or
+through the ``processes/`` pool's session). ``async for``: :class:`AsyncIterator`, which opens the
+loader and plans at its first batch, then the same three runtime modules with
+:class:`~guideloom._runtime.drive.AsyncDriver`, whose reads are tasks on the caller's loop handed
+to the flow as they end. Each runtime module is entered once: a driver calls its flow, the flow
+its executor, nothing calls back up (``config.py`` gives the epoch's sizes and ``chooser.py`` the
+choice a measuring sync driver consults, both leaves).
 """
 
 from __future__ import annotations

@@ -175,7 +175,7 @@ def _loader(path: Path, prefetch: int) -> gl.StatefulDataLoader[Any, torch.Tenso
 
 
 def _worker_pids(loader: gl.StatefulDataLoader[Any, Any]) -> list[int]:
-    pool = loader._life.pool
+    pool = loader._state.life.pool
     return [] if pool is None else [p.proc.pid for p in pool.procs if p is not None and p.proc.pid]
 
 
@@ -190,7 +190,7 @@ def _first_and_up(
     it = Endless(loader)
     next(it)
     first = time.perf_counter() - t0
-    pool = loader._life.pool
+    pool = loader._state.life.pool
     assert pool is not None
     while pool.starting():
         next(it)

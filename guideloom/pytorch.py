@@ -1,21 +1,21 @@
 """The PyTorch-facing loader: :class:`StatefulDataLoader`.
 
-The loader is a thin, stateful facade. It validates its parameters, owns the checkpoint state
-``(epoch, observation_offset)``, and starts an iterator of :mod:`guideloom._loader.iterators`, which
-drives the epoch's flow (:mod:`guideloom._runtime.flow`) from the caller's thread (``for batch in
-loader``) or on the caller's loop (``async for``). The
-position advances only when a batch is handed to the consumer, so ``state_dict()`` never counts
-prefetched batches.
+The loader is a thin, stateful facade. It validates its parameters, owns what changes as it
+runs (the checkpoint state ``(epoch, observation_offset)``, the lifecycle, the figures) as one
+object, :class:`~guideloom._loader.state.LoaderState`, that it hands to its parts, and starts an
+iterator of :mod:`guideloom._loader.iterators`, which drives the epoch's flow
+(:mod:`guideloom._runtime.flow`) from the caller's thread (``for batch in loader``) or on the
+caller's loop (``async for``). The position advances only when a batch is handed to the
+consumer, so ``state_dict()`` never counts prefetched batches.
 
 What the facade delegates lives in :mod:`guideloom._loader`: argument checks (``arguments``), the
-epoch order and the checkpoint (``state``, over the pure checks of :mod:`guideloom._core.checkpoint`),
-opening, closing and the worker pool (``lifecycle``), and ``stats()`` (``figures``).
+state object, the epoch's plan and order, and the checkpoint (``state``, over the pure checks of
+:mod:`guideloom._core.checkpoint`), opening, closing and the worker pool (``lifecycle``), and
+``stats()`` (``figures``).
 """
 
 from __future__ import annotations
 
-import functools
-import pickle
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,24 +23,16 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypeVar, Unpack, cast, overload
 
 from guideloom._core.audit import AuditReport
-from guideloom._core.checkpoint import CheckpointState, restore_history, restore_position
+from guideloom._core.checkpoint import restore_history, restore_position
 from guideloom._core.checks import check_block_size, check_bool, check_int, check_optional_int
 from guideloom._core.order import DEFAULT_WINDOW
-from guideloom._core.plan import EpochPlan, num_batches
+from guideloom._core.plan import num_batches
 from guideloom._datasets import DatasetAbstract, SourceT, StreamDataset, dataset_for
-from guideloom._loader.arguments import check_device
-from guideloom._loader.figures import LoaderFigures, verdict_figures
-from guideloom._loader.iterators import AsyncIterator, SyncIterator, _IteratorBase, sync_iterator
-from guideloom._loader.lifecycle import Lifecycle
+from guideloom._loader.arguments import check_device, resolve_collate_mode
+from guideloom._loader.figures import verdict_figures
+from guideloom._loader.iterators import AsyncIterator, SyncIterator, _IteratorBase, open_for_iteration
 from guideloom._loader.provenance import audit_ranks, explain_step
-from guideloom._loader.state import (
-    begin_run,
-    block_size,
-    epoch_order,
-    identity_to_restore,
-    save_state,
-    window,
-)
+from guideloom._loader.state import LoaderState, block_size, identity_to_restore, save_state, window
 from guideloom._runtime.config import PipelineConfig
 from guideloom.storage.base import DocumentStorageAbstract, InT, OutT, StreamStorageAbstract
 from guideloom.types import LoaderOptions, StatefulDataLoaderStateDict
@@ -98,15 +90,16 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
     collate_mode: Literal["auto", "workers", "inline"] | None = None
     track_deliveries: bool = True
 
-    _ckpt: CheckpointState = field(default_factory=CheckpointState, init=False, repr=False)
-    _life: Lifecycle = field(default_factory=Lifecycle, init=False, repr=False)
-    _figures: LoaderFigures = field(default_factory=LoaderFigures, init=False, repr=False)
+    #: What the loader changes as it runs (position, lifecycle, figures): the one object its
+    #: parts are handed.
+    _state: LoaderState = field(default_factory=LoaderState, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._check_arguments()
+        ckpt = self._state.ckpt
         # shuffle_seed=None: one random seed for this loader's lifetime (not reproducible).
-        self._ckpt.order_seed = self.shuffle_seed if self.shuffle_seed is not None else secrets.randbits(63)
-        self._ckpt.tally.reset(0, 0)
+        ckpt.order_seed = self.shuffle_seed if self.shuffle_seed is not None else secrets.randbits(63)
+        ckpt.tally.reset(0, 0)
 
     # -- construction from storage (NoReturn: the storage kind and sequence_length do not pair) ---
     @overload
@@ -222,7 +215,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
     def remaining(self) -> int:
         """Batches left in the current epoch from the current position (``state_dict()``'s
         offset): what a progress bar wants after a resume, e.g. ``tqdm(loader, total=loader.remaining())``."""
-        return num_batches(len(self.dataset), self.global_batch_size, self.drop_last, self._ckpt.offset)
+        return num_batches(len(self.dataset), self.global_batch_size, self.drop_last, self._state.ckpt.offset)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def open(self) -> None:
@@ -232,7 +225,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
             ValueError: If the dataset contains fewer observations than ``world_size *
                 local_batch_size``.
         """
-        self._life.open(self.dataset, self._check_size)
+        self._state.life.open(self.dataset, self._check_size)
 
     def close(self) -> None:
         """Close the dataset reader; an active iterator ends and its threads/processes stop.
@@ -244,16 +237,16 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         task ends with ``StopIteration`` (``StopAsyncIteration``); the position stays at the last
         batch it handed out.
         """
-        self._life.close(self.dataset, keep_workers=False)
+        self._state.life.close(self.dataset, keep_workers=False)
 
     async def aopen(self) -> None:
         """Open the dataset reader on the running event loop (what ``async with`` calls)."""
-        await self._life.aopen(self.dataset, self._check_size)
+        await self._state.life.aopen(self.dataset, self._check_size)
 
     async def aclose(self) -> None:
         """Close from async code: ends an active iterator, closes the dataset reader, stops
         persistent process workers (see :meth:`close`)."""
-        await self._life.aclose(self.dataset, keep_workers=False)
+        await self._state.life.aclose(self.dataset, keep_workers=False)
 
     def _check_size(self) -> None:
         n, g = len(self.dataset), self.global_batch_size
@@ -296,7 +289,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
             raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
         if self.parallel_method not in ("thread", "process"):
             raise ValueError(f"parallel_method must be 'thread' or 'process', got {self.parallel_method!r}")
-        self._resolve_collate_mode()
+        self.collate_mode = resolve_collate_mode(self.collate_mode, self.parallel_method, self.num_workers)
         if self.collate_mode not in _COLLATE_MODES:
             raise ValueError(f"collate_mode must be 'auto', 'workers' or 'inline', got {self.collate_mode!r}")
         if self.collate_mode == "workers" and self.num_workers == 0:
@@ -310,60 +303,10 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         self.shuffle_block_size = check_block_size(self.shuffle_block_size)
         self.shuffle_window = check_int("shuffle_window", self.shuffle_window, 1)
 
-    def _resolve_collate_mode(self) -> None:
-        """``collate_mode=None`` (the default): ``"workers"`` for process workers, which then
-        collate in the worker processes only, unless asked otherwise (a collate may need another
-        process, or a worker's own state, as torch's does); ``"auto"`` otherwise."""
-        if self.collate_mode is None:
-            process = self.parallel_method == "process" and self.num_workers > 0
-            self.collate_mode = "workers" if process else "auto"
-
     def _epoch(self) -> PipelineConfig:
-        """The pipeline of the next epoch, from the parameters and the position: what an
-        iterator runs."""
-        self._resolve_collate_mode()  # set to None between iterators: the default again
-        # Pinned inline: batches made on request by the loader itself, as at num_workers=0 and
-        # prefetch=0; no worker is started.
-        inline = self.collate_mode == "inline"
-        num_workers, prefetch = (0, 0) if inline else (self.num_workers, self.prefetch)
-        if self.parallel_method == "process" and num_workers > 0:
-            try:
-                pickle.dumps(self.collate_fn)
-            except Exception as exc:
-                raise TypeError(
-                    "parallel_method='process' needs a picklable collate_fn (a module-level "
-                    f"function or a picklable object), got {self.collate_fn!r}: {exc}. Use "
-                    "parallel_method='thread' for closures and lambdas"
-                ) from exc
-        n = len(self.dataset)
-        self._figures.mark_epoch_reads(self.dataset, self._ckpt.epoch)
-        begin_run(self)
-        order = epoch_order(self, self._ckpt.epoch)
-        collate = self.dataset.collate_with(self.collate_fn)  # a dataset's step (tokenizing) first
-        return PipelineConfig(
-            dataset=self.dataset,
-            plan=EpochPlan(
-                num_observations=n,
-                local_batch_size=self.local_batch_size,
-                world_size=self.world_size,
-                rank=self.rank,
-                drop_last=self.drop_last,
-                start_offset=self._ckpt.offset,
-                order=order,
-            ),
-            order=order,
-            collate_fn=collate,
-            device=self.device,
-            pin_memory=self.pin_memory,
-            num_workers=num_workers,
-            parallel_method=self.parallel_method,
-            prefetch=prefetch,
-            worker_pool=functools.partial(
-                self._life.worker_pool, self, self.dataset, collate, self.num_workers
-            )
-            if self.persistent_workers and not inline
-            else None,
-        )
+        """The pipeline of the next epoch, from the parameters and the position: what a sync
+        ``for``'s iterator is handed (the loader's state plans it)."""
+        return self._state.plan_epoch(self)
 
     def __enter__(self) -> StatefulDataLoader[SourceT, BatchT]:
         self.open()
@@ -385,10 +328,18 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
 
     # -- iteration --------------------------------------------------------------------------------
     def __iter__(self) -> SyncIterator[BatchT]:
-        return sync_iterator(self)
+        state = self._state
+        owns_open = open_for_iteration(self, state.life)
+        try:
+            return SyncIterator(self, state, self._epoch(), owns_open)
+        except BaseException:
+            if owns_open:
+                self.close()  # idempotent: a started iterator that failed has closed it already
+            raise
 
     def __aiter__(self) -> AsyncIterator[BatchT]:
-        return AsyncIterator(self)
+        # planned at its first batch, once open (an async open), by the state it is handed
+        return AsyncIterator(self, self._state)
 
     # -- figures --------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
@@ -412,11 +363,12 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         them (``chooser_workers_seconds``, ``chooser_inline_seconds``: your loop's cycle, reads
         left out; NaN where not measured) and ``chooser_verdicts``, the choices made so far.
         """
-        out = self._figures.report(self.dataset, epoch=self._ckpt.epoch, offset=self._ckpt.offset)
+        state = self._state
+        out = state.figures.report(self.dataset, epoch=state.ckpt.epoch, offset=state.ckpt.offset)
         out["shuffle_block_size"] = block_size(self)
         out["shuffle_window"] = window(self)
         kind = "threads" if self.parallel_method == "thread" else "processes"
-        out.update(verdict_figures(self._life.verdict(kind)))
+        out.update(verdict_figures(state.life.verdict(kind)))
         return out
 
     # -- geometry between steps, commits ------------------------------------------------------------
@@ -443,8 +395,9 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         if rank == self.rank and world_size == self.world_size:
             return
-        with self._life.lock:
-            if self._life.state != "closed" and world_size * self.local_batch_size > len(self.dataset):
+        life = self._state.life
+        with life.lock:
+            if life.state != "closed" and world_size * self.local_batch_size > len(self.dataset):
                 raise ValueError(
                     f"world_size={world_size} with local_batch_size={self.local_batch_size} makes a global "
                     f"batch of {world_size * self.local_batch_size}, more than the dataset's "
@@ -452,9 +405,9 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
                 )
             changed = world_size != self.world_size
             self.rank, self.world_size = rank, world_size
-            it = self._life.active.get()
+            it = life.active.get()
             if isinstance(it, _IteratorBase) and it.planned():
-                ckpt = self._ckpt
+                ckpt = self._state.ckpt
                 if changed:
                     ckpt.history.begin(ckpt.epoch, ckpt.offset, self.local_batch_size, world_size)
                 it.replan(ckpt.offset)
@@ -466,8 +419,8 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         during the step), commit once the step is known to count (the optimizer stepped).
         The end of an epoch commits it.
         """
-        with self._life.lock:
-            self._ckpt.commit()
+        with self._state.life.lock:
+            self._state.ckpt.commit()
 
     def rollback(self) -> None:
         """Take back the batches handed out since the last :meth:`commit` (or since the epoch's
@@ -480,13 +433,14 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         restarting its workers. Nothing to take back costs nothing. Call it between two
         batches, from the code that iterates.
         """
-        with self._life.lock:
-            ckpt = self._ckpt
+        state = self._state
+        with state.life.lock:
+            ckpt = state.ckpt
             if ckpt.offset == ckpt.committed:
                 return
             ckpt.rollback()
             ckpt.history.begin(ckpt.epoch, ckpt.offset, self.local_batch_size, self.world_size)
-            it = self._life.active.get()
+            it = state.life.active.get()
             if isinstance(it, _IteratorBase) and it.planned():
                 it.replan(ckpt.offset)
 
@@ -494,7 +448,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
     def committed_offset(self) -> int:
         """The epoch's global offset at the last :meth:`commit`: what :meth:`rollback` returns to
         and ``state_dict(committed=True)`` records."""
-        return self._ckpt.committed
+        return self._state.ckpt.committed
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self, *, committed: bool = False) -> StatefulDataLoaderStateDict:
@@ -511,9 +465,9 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         fault-tolerant job receives from a live peer; safe to call from another thread.
         """
         if committed:
-            with self._life.lock:
-                return save_state(self, committed=True)
-        return save_state(self)
+            with self._state.life.lock:
+                return save_state(self, self._state, committed=True)
+        return save_state(self, self._state)
 
     def load_state_dict(
         self, state_dict: StatefulDataLoaderStateDict, *, allow_dataset_change: bool = False
@@ -534,11 +488,12 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
                 offset lies past the end of this dataset (further than the padding of a final
                 partial batch can reach; with ``allow_dataset_change``, past it at all).
         """
-        with self._life.lock:
+        state = self._state
+        with state.life.lock:
             epoch, offset = restore_position(
-                state_dict, identity_to_restore(self), allow_dataset_change=allow_dataset_change
+                state_dict, identity_to_restore(self, state), allow_dataset_change=allow_dataset_change
             )
-            self._ckpt.restore(epoch, offset, restore_history(state_dict, epoch, offset))
+            state.ckpt.restore(epoch, offset, restore_history(state_dict, epoch, offset))
 
     # -- provenance -------------------------------------------------------------------------------
     def explain(
@@ -564,7 +519,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
             ValueError: For an epoch whose history the loader no longer keeps (before the
                 last one).
         """
-        return explain_step(self, step, rank=rank, epoch=epoch)
+        return explain_step(self, self._state, step, rank=rank, epoch=epoch)
 
     def audit(self) -> AuditReport:
         """Check that the ranks together were handed each position of the epoch so far exactly
@@ -582,4 +537,4 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
             An :class:`~guideloom.AuditReport`: ``ok``, and where not, the first disagreeing
             ``step`` and a ``message``.
         """
-        return audit_ranks(self)
+        return audit_ranks(self, self._state)

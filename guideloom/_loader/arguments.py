@@ -3,12 +3,26 @@ raises ``TypeError``, a value out of range ``ValueError``, each naming the fix."
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["check_device"]
+__all__ = ["check_device", "resolve_collate_mode"]
+
+CollateMode = Literal["auto", "workers", "inline"]
+
+
+def resolve_collate_mode(
+    collate_mode: CollateMode | None, parallel_method: str, num_workers: int
+) -> CollateMode | None:
+    """``collate_mode=None`` (the default): ``"workers"`` for process workers, which then
+    collate in the worker processes only, unless asked otherwise (a collate may need another
+    process, or a worker's own state, as torch's does); ``"auto"`` otherwise. Any other value
+    is returned as it is (checked by the caller)."""
+    if collate_mode is None:
+        return "workers" if parallel_method == "process" and num_workers > 0 else "auto"
+    return collate_mode
 
 
 def check_device(device: Any) -> torch.device:

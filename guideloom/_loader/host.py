@@ -1,6 +1,7 @@
-"""What the loader's parts see of the loader: the parameters that fix an epoch's order, the
-next epoch's pipeline, and the three objects that hold its changing state (position, lifecycle,
-figures).
+"""What the loader's parts see of the loader: its public parameters (those that fix an
+epoch's order and how it runs) and its public methods. Its changing state (position,
+lifecycle, figures) is not reached through it: the facade hands its parts that state as one
+object, :class:`~guideloom._loader.state.LoaderState`.
 
 A protocol, so that the parts depend on this shape and not on the facade above them;
 :class:`~guideloom.pytorch.StatefulDataLoader` is the one implementation.
@@ -11,13 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
-from guideloom._core.checkpoint import CheckpointState
 from guideloom._datasets import DatasetAbstract
-from guideloom._runtime.config import PipelineConfig
 
 if TYPE_CHECKING:
-    from guideloom._loader.figures import LoaderFigures
-    from guideloom._loader.lifecycle import Lifecycle
+    import torch
 
 __all__ = ["Loader"]
 
@@ -25,7 +23,7 @@ BatchT_co = TypeVar("BatchT_co", covariant=True)
 
 
 class Loader(Protocol[BatchT_co]):
-    """A loader's parameters and state, as its iterators, lifecycle and checkpoint see them."""
+    """A loader's public parameters and methods, as its iterators, planner and checkpoint see them."""
 
     dataset: DatasetAbstract[Any]
     #: What fixes the order of an epoch (and what a checkpoint records of it).
@@ -41,13 +39,13 @@ class Loader(Protocol[BatchT_co]):
     rank: int
     world_size: int
     local_batch_size: int
-    _ckpt: CheckpointState
-    _life: Lifecycle
-    _figures: LoaderFigures
-
-    def _epoch(self) -> PipelineConfig:
-        """The pipeline of the next epoch (from every other parameter and the position)."""
-        ...
+    #: How an epoch runs (what the planner makes a pipeline of).
+    device: torch.device
+    pin_memory: bool
+    num_workers: int
+    parallel_method: Literal["thread", "process"]
+    prefetch: int
+    persistent_workers: bool
 
     @property
     def collate_fn(self) -> Callable[[Sequence[Any]], BatchT_co]: ...

@@ -1,10 +1,20 @@
 """The loader's two iterators: ``for batch in loader`` and ``async for batch in loader``.
 
-Both claim the loader, plan its epoch from its position, and advance its checkpoint one handed-
-out batch at a time; how the epoch runs is the runtime's: :class:`SyncIterator` takes its
-batches from a :class:`~guideloom._runtime.drive.SyncDriver`, :class:`AsyncIterator` from an
-:class:`~guideloom._runtime.drive.AsyncDriver` on the caller's loop, both driving the one
-:class:`~guideloom._runtime.flow.EpochFlow`.
+Both claim the loader, run an epoch planned by the loader's state
+(:meth:`~guideloom._loader.state.LoaderState.plan_epoch`), and advance its checkpoint one
+handed-out batch at a time; how the epoch runs is the runtime's.
+
+The path from ``__iter__`` to a delivered batch: ``pytorch.py`` (opens the loader, plans the
+epoch) -> :class:`SyncIterator` here, handed the plan -> ``_runtime/drive.py``
+(:class:`~guideloom._runtime.drive.SyncDriver`: reads the windows the flow asks for) ->
+``_runtime/flow.py`` (:class:`~guideloom._runtime.flow.EpochFlow`: groups, the next batch in plan
+order) -> ``_runtime/executors.py`` (the group made inline, on ``threadpool.py``'s threads or
+through the ``processes/`` pool's session). ``async for``: :class:`AsyncIterator`, which opens the
+loader and plans at its first batch, then the same three runtime modules with
+:class:`~guideloom._runtime.drive.AsyncDriver`, whose reads are tasks on the caller's loop handed
+to the flow as they end. Each runtime module is entered once: a driver calls its flow, the flow
+its executor, nothing calls back up (``config.py`` gives the epoch's sizes and ``chooser.py`` the
+choice a measuring sync driver consults, both leaves).
 """
 
 from __future__ import annotations
@@ -16,7 +26,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator as AsyncIteratorABC
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from guideloom._core.delivery import Delivery, for_the_consumer
 from guideloom._core.plan import EpochPlan
@@ -26,8 +36,10 @@ from guideloom._runtime.drive import AsyncDriver, SyncDriver
 
 if TYPE_CHECKING:
     from guideloom._loader.host import Loader
+    from guideloom._loader.lifecycle import Lifecycle
+    from guideloom._loader.state import LoaderState
 
-__all__ = ["AsyncIterator", "SyncIterator", "sync_iterator"]
+__all__ = ["AsyncIterator", "SyncIterator", "open_for_iteration"]
 
 BatchT = TypeVar("BatchT")
 
@@ -35,10 +47,11 @@ BatchT = TypeVar("BatchT")
 class _IteratorBase(Generic[BatchT]):
     """What every iterator shares: claiming the loader and advancing its state."""
 
-    def __init__(self, loader: Loader[BatchT]) -> None:
-        self._loader = loader
+    def __init__(self, loader: Loader[BatchT], state: LoaderState) -> None:
+        self._loader = loader  # its public parameters (the geometry a replan takes)
         # The loader's state this iterator changes: its position, its figures, its lifecycle.
-        self._ckpt, self._figures, self._life = loader._ckpt, loader._figures, loader._life
+        self._state = state
+        self._ckpt, self._figures, self._life = state.ckpt, state.figures, state.life
         self._done = True  # until a subclass has started: __del__ and close() then do nothing
         self._owns_open = False
         self._expected = self._delivered = 0
@@ -156,23 +169,16 @@ def _note_empty_batch(error: BaseException, cfg: PipelineConfig) -> None:
         error.add_note(note)
 
 
-def sync_iterator(loader: Loader[BatchT]) -> SyncIterator[BatchT]:
-    """The iterator ``for batch in loader`` uses.
-
-    An unopened loader is opened for the iterator's duration first: how the epoch runs depends
-    on whether the storage reads inline, which may be known only once it is open (a remote
-    dataset's local copy).
-    """
-    loader._life.active.end_spent()
-    owns_open = loader._life.state == "closed"
+def open_for_iteration(loader: Loader[Any], life: Lifecycle) -> bool:
+    """Before ``for batch in loader`` plans its epoch: a spent iterator ends (its epoch is
+    over), and an unopened loader is opened for the new iterator's duration, since how the
+    epoch runs depends on whether the storage reads inline, which may be known only once it is
+    open (a remote dataset's local copy). Returns whether the iterator owns that opening."""
+    life.active.end_spent()
+    owns_open = life.state == "closed"
     if owns_open:
         loader.open()
-    try:
-        return SyncIterator(loader, loader._epoch(), owns_open)
-    except BaseException:
-        if owns_open:
-            loader.close()  # idempotent: a started iterator that failed has closed it already
-        raise
+    return owns_open
 
 
 class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
@@ -180,14 +186,16 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
 
     _driver: SyncDriver | None = None
 
-    def __init__(self, loader: Loader[BatchT], cfg: PipelineConfig, owns_open: bool) -> None:
-        super().__init__(loader)
+    def __init__(
+        self, loader: Loader[BatchT], state: LoaderState, cfg: PipelineConfig, owns_open: bool
+    ) -> None:
+        super().__init__(loader, state)
         self._owns_open = owns_open
         self._configure(cfg)
         self._done = False
         try:
             # collate_mode="workers": nothing is measured, the workers are waited for
-            self._driver = driver = SyncDriver(cfg, loader._life if loader.collate_mode == "auto" else None)
+            self._driver = driver = SyncDriver(cfg, self._life if loader.collate_mode == "auto" else None)
         except BaseException:
             self.close()
             raise
@@ -260,11 +268,13 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
 
 
 class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
-    """The iterator ``async for batch in loader`` uses: the pipeline runs on the caller's loop."""
+    """The iterator ``async for batch in loader`` uses: the pipeline runs on the caller's loop.
+    Its epoch is planned at its first batch, once the loader is open, by the loader's state
+    (:meth:`~guideloom._loader.state.LoaderState.plan_epoch`)."""
 
-    def __init__(self, loader: Loader[BatchT]) -> None:
-        loader._life.active.end_spent()
-        super().__init__(loader)
+    def __init__(self, loader: Loader[BatchT], state: LoaderState) -> None:
+        state.life.active.end_spent()
+        super().__init__(loader, state)
         self._driver: AsyncDriver | None = None
         self._done = False
 
@@ -278,11 +288,11 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
         loader = self._loader
         # What an earlier iterator, dropped without being closed, left running (its reads and
         # workers) finishes first: it must not touch the workers this one will use.
-        await loader._life.active.ajoin_left()
-        if loader._life.state == "closed":
+        await self._life.active.ajoin_left()
+        if self._life.state == "closed":
             await loader.aopen()
             self._owns_open = True
-        self._configure(loader._epoch())
+        self._configure(self._state.plan_epoch(loader))
         # The caller's loop serves other tasks: collate_fn never runs on it (one thread at
         # num_workers=0), however long it takes.
         self._driver = driver = AsyncDriver(self._cfg, pinned=loader.collate_mode == "workers")

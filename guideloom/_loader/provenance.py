@@ -11,19 +11,19 @@ from typing import Any
 import numpy as np
 
 from guideloom._core.audit import MODULUS, AuditReport, RankTally, audit_base, compare, run_summary
+from guideloom._core.checkpoint import CheckpointState
 from guideloom._core.plan import num_batches
 from guideloom._core.provenance import MAX_SEGMENTS, History, Segment, block
 from guideloom._core.text import plural
 from guideloom._loader.host import Loader
-from guideloom._loader.state import epoch_order
+from guideloom._loader.state import LoaderState, epoch_order
 
 __all__ = ["audit_ranks", "explain_step"]
 
 
-def _segment(loader: Loader[Any], epoch: int, step: int) -> Segment:
+def _segment(loader: Loader[Any], ckpt: CheckpointState, epoch: int, step: int) -> Segment:
     """The segment of the history that ``step`` of ``epoch`` lies in (the current epoch's steps
     not taken yet: those the loader's geometry will take from its position)."""
-    ckpt = loader._ckpt
     b, w = loader.local_batch_size, loader.world_size
     if epoch > ckpt.epoch:
         return Segment(epoch, 0, 0, b, w)
@@ -51,19 +51,20 @@ def _segment(loader: Loader[Any], epoch: int, step: int) -> Segment:
 
 
 def explain_step(
-    loader: Loader[Any], step: int, *, rank: int | None, epoch: int | None
+    loader: Loader[Any], state: LoaderState, step: int, *, rank: int | None, epoch: int | None
 ) -> list[dict[str, Any]]:
     """``loader.explain()``: see :meth:`StatefulDataLoader.explain`."""
-    epoch = loader._ckpt.epoch if epoch is None else epoch
+    ckpt = state.ckpt
+    epoch = ckpt.epoch if epoch is None else epoch
     rank = loader.rank if rank is None else rank
     for name, value in (("step", step), ("rank", rank), ("epoch", epoch)):
         if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    owns_open = loader._life.state == "closed"
+    owns_open = state.life.state == "closed"
     if owns_open:
         loader.open()
     try:
-        seg = _segment(loader, int(epoch), int(step))
+        seg = _segment(loader, ckpt, int(epoch), int(step))
         if rank >= seg.world_size:
             raise IndexError(
                 f"rank {rank} outside [0, {seg.world_size}): step {step} ran on "
@@ -74,7 +75,7 @@ def explain_step(
         if step >= steps:
             raise IndexError(f"step {step} outside epoch {epoch}, which has {plural(steps, 'step')}")
         start, stop = block(seg, int(step), int(rank), n)
-        order = epoch_order(loader, int(epoch))
+        order = epoch_order(loader, ckpt, int(epoch))
         indices = order.take(np.arange(start, stop, dtype=np.int64)).tolist()
         dataset = loader.dataset
         out: list[dict[str, Any]] = []
@@ -105,9 +106,8 @@ def _distributed() -> Any:
     return None
 
 
-def _mine(loader: Loader[Any]) -> RankTally:
+def _mine(loader: Loader[Any], ckpt: CheckpointState) -> RankTally:
     """This rank's tally: its runs, and their count and digest."""
-    ckpt = loader._ckpt
     t = ckpt.tally
     runs = t.current()
     x = audit_base(t.epoch)
@@ -120,13 +120,14 @@ def _mine(loader: Loader[Any]) -> RankTally:
     return RankTally(t.epoch, t.start, ckpt.offset, count, digest, tuple(tuple(r) for r in runs))
 
 
-def audit_ranks(loader: Loader[Any]) -> AuditReport:
+def audit_ranks(loader: Loader[Any], state: LoaderState) -> AuditReport:
     """``loader.audit()``: see :meth:`StatefulDataLoader.audit`."""
     if not loader.track_deliveries:
         raise RuntimeError(
             "audit() needs the deliveries tallied: construct the loader with track_deliveries=True"
         )
-    mine = _mine(loader)
+    ckpt = state.ckpt
+    mine = _mine(loader, ckpt)
     n = len(loader.dataset)
     x = audit_base(mine.epoch)
 
@@ -135,7 +136,7 @@ def audit_ranks(loader: Loader[Any]) -> AuditReport:
             tallies,
             num_observations=n,
             x=x,
-            history=loader._ckpt.history,
+            history=ckpt.history,
             geometry=(loader.local_batch_size, loader.world_size),
         )
 
@@ -143,7 +144,7 @@ def audit_ranks(loader: Loader[Any]) -> AuditReport:
     if dist is None:
         wider = [
             s.world_size
-            for s in loader._ckpt.history.of_epoch(mine.epoch)
+            for s in ckpt.history.of_epoch(mine.epoch)
             if s.world_size > 1 and s.offset >= mine.start
         ]
         if wider and loader.world_size == 1:

@@ -1,20 +1,103 @@
-"""The loader's side of its checkpoint: what ``state_dict()`` saves, what a checkpoint is
-checked against on load, and the order of an epoch, which is built from the same resolved
-shuffle blocks that a checkpoint records. The checks themselves are pure
-(:mod:`guideloom._core.checkpoint`)."""
+"""The loader's state and its side of the checkpoint.
+
+:class:`LoaderState` is everything a loader changes apart from its parameters: the checkpoint
+position, the lifecycle, the figures. The facade makes one and hands it to each of its parts,
+which see nothing else of the facade but its public parameters (:class:`~guideloom._loader.host.Loader`);
+:meth:`LoaderState.plan_epoch` plans an epoch from both.
+
+The rest: what ``state_dict()`` saves, what a checkpoint is checked against on load, and the
+order of an epoch, which is built from the same resolved shuffle blocks that a checkpoint
+records. The checks themselves are pure (:mod:`guideloom._core.checkpoint`)."""
 
 from __future__ import annotations
 
+import functools
+import pickle
+from dataclasses import dataclass, field
 from typing import Any
 
-from guideloom._core.checkpoint import LoaderIdentity
+from guideloom._core.checkpoint import CheckpointState, LoaderIdentity
 from guideloom._core.group_order import GroupPermutation
 from guideloom._core.order import Order, make_order, resolve_block_size
+from guideloom._core.plan import EpochPlan
 from guideloom._core.provenance import History
+from guideloom._loader.arguments import resolve_collate_mode
+from guideloom._loader.figures import LoaderFigures
 from guideloom._loader.host import Loader
+from guideloom._loader.lifecycle import Lifecycle
+from guideloom._runtime.config import PipelineConfig
 from guideloom.types import DatasetFingerprint, StatefulDataLoaderStateDict
 
-__all__ = ["begin_run", "block_size", "epoch_order", "identity_to_restore", "save_state", "window"]
+__all__ = [
+    "LoaderState",
+    "begin_run",
+    "block_size",
+    "epoch_order",
+    "identity_to_restore",
+    "save_state",
+    "window",
+]
+
+
+@dataclass(eq=False, slots=True)
+class LoaderState:
+    """What a loader changes as it runs, in one object its parts are handed: the checkpoint
+    position (``ckpt``), whether it is open, its active iterator and workers (``life``), and what
+    ``stats()`` reports (``figures``). Holds no reference to its loader (a loader collected
+    without ``close()`` is collected at once, and its finalizer stops its workers)."""
+
+    ckpt: CheckpointState = field(default_factory=CheckpointState)
+    life: Lifecycle = field(default_factory=Lifecycle)
+    figures: LoaderFigures = field(default_factory=LoaderFigures)
+
+    def plan_epoch(self, loader: Loader[Any]) -> PipelineConfig:
+        """The pipeline of the next epoch, from ``loader``'s parameters and this position: what
+        an iterator runs. The facade plans a sync ``for`` with it before its iterator starts;
+        an ``async for`` plans with it at its first batch, once the loader is open."""
+        # set to None between iterators: the default again
+        mode = resolve_collate_mode(loader.collate_mode, loader.parallel_method, loader.num_workers)
+        loader.collate_mode = mode
+        # Pinned inline: batches made on request by the loader itself, as at num_workers=0 and
+        # prefetch=0; no worker is started.
+        inline = loader.collate_mode == "inline"
+        num_workers, prefetch = (0, 0) if inline else (loader.num_workers, loader.prefetch)
+        if loader.parallel_method == "process" and num_workers > 0:
+            try:
+                pickle.dumps(loader.collate_fn)
+            except Exception as exc:
+                raise TypeError(
+                    "parallel_method='process' needs a picklable collate_fn (a module-level "
+                    f"function or a picklable object), got {loader.collate_fn!r}: {exc}. Use "
+                    "parallel_method='thread' for closures and lambdas"
+                ) from exc
+        dataset, ckpt = loader.dataset, self.ckpt
+        n = len(dataset)
+        self.figures.mark_epoch_reads(dataset, ckpt.epoch)
+        begin_run(loader, ckpt)
+        order = epoch_order(loader, ckpt, ckpt.epoch)
+        collate = dataset.collate_with(loader.collate_fn)  # a dataset's step (tokenizing) first
+        return PipelineConfig(
+            dataset=dataset,
+            plan=EpochPlan(
+                num_observations=n,
+                local_batch_size=loader.local_batch_size,
+                world_size=loader.world_size,
+                rank=loader.rank,
+                drop_last=loader.drop_last,
+                start_offset=ckpt.offset,
+                order=order,
+            ),
+            order=order,
+            collate_fn=collate,
+            device=loader.device,
+            pin_memory=loader.pin_memory,
+            num_workers=num_workers,
+            parallel_method=loader.parallel_method,
+            prefetch=prefetch,
+            worker_pool=functools.partial(self.life.worker_pool, loader, dataset, collate, loader.num_workers)
+            if loader.persistent_workers and not inline
+            else None,
+        )
 
 
 def block_size(loader: Loader[Any]) -> int:
@@ -42,72 +125,75 @@ def window(loader: Loader[Any]) -> int:
     return loader.shuffle_window if block_size(loader) > 1 else 1
 
 
-def epoch_order(loader: Loader[Any], epoch: int) -> Order:
+def epoch_order(loader: Loader[Any], ckpt: CheckpointState, epoch: int) -> Order:
     """The order of ``epoch``: the dataset's own where it makes one (a mixture), otherwise
     identity, global row shuffle or block shuffle."""
-    own = loader.dataset.order(shuffle=loader.shuffle, seed=loader._ckpt.order_seed, epoch=epoch)
+    own = loader.dataset.order(shuffle=loader.shuffle, seed=ckpt.order_seed, epoch=epoch)
     if own is not None:
         return own
     natural = (
         loader.dataset.natural_blocks() if loader.shuffle and loader.shuffle_block_size == "auto" else None
     )
     if natural is not None and len(natural):  # blocks of the storage's own (row groups)
-        return GroupPermutation(natural, seed=loader._ckpt.order_seed, epoch=epoch, window=window(loader))
+        return GroupPermutation(natural, seed=ckpt.order_seed, epoch=epoch, window=window(loader))
     return make_order(
         len(loader.dataset),
         shuffle=loader.shuffle,
-        seed=loader._ckpt.order_seed,
+        seed=ckpt.order_seed,
         epoch=epoch,
         block_size=block_size(loader),
         window=window(loader),
     )
 
 
-def _loader_fingerprint(loader: Loader[Any]) -> DatasetFingerprint:
+def _loader_fingerprint(loader: Loader[Any], state: LoaderState) -> DatasetFingerprint:
     """The dataset's fingerprint, computed once while open (a manifest digest walks every
     file entry; a storage may know its length only once open)."""
-    if loader._ckpt.fingerprint is not None:
-        return loader._ckpt.fingerprint
+    ckpt = state.ckpt
+    if ckpt.fingerprint is not None:
+        return ckpt.fingerprint
     fp = loader.dataset.fingerprint()
-    if loader._life.state != "closed":
-        loader._ckpt.fingerprint = fp
+    if state.life.state != "closed":
+        ckpt.fingerprint = fp
     return fp
 
 
-def save_state(loader: Loader[Any], *, committed: bool = False) -> StatefulDataLoaderStateDict:
+def save_state(
+    loader: Loader[Any], state: LoaderState, *, committed: bool = False
+) -> StatefulDataLoaderStateDict:
     """``loader.state_dict()``: its position and what the position means; ``committed``: the
     position of the last commit, the history cut there."""
-    ckpt = loader._ckpt
+    ckpt = state.ckpt
     offset, history = ckpt.offset, ckpt.history
     if committed:
         offset, history = ckpt.committed, History(history.segments, dropped=history.dropped)
         history.truncate(ckpt.epoch, offset)
-    state = StatefulDataLoaderStateDict(
+    saved = StatefulDataLoaderStateDict(
         epoch=ckpt.epoch,
         observation_offset=offset,
         shuffle=loader.shuffle,
         shuffle_seed=loader.shuffle_seed,
         drop_last=loader.drop_last,
-        dataset=_loader_fingerprint(loader),
+        dataset=_loader_fingerprint(loader, state),
     )
     # always there, "" before the first iterator: torch.distributed.checkpoint loads the keys of
     # the loading side's state_dict() only, so a fresh loader's must have it too
-    state["history"] = history.encode()
+    saved["history"] = history.encode()
     block = block_size(loader)
     if block > 1:  # a global shuffle's checkpoint stays as it was: no key means blocks of 1
-        state["shuffle_block_size"] = block
-        state["shuffle_window"] = window(loader)
+        saved["shuffle_block_size"] = block
+        saved["shuffle_window"] = window(loader)
         # what the loader was given: over a storage's own blocks (row groups), "auto" is another
         # order than any size, and a message names what the user passed
-        state["shuffle_block_auto"] = loader.shuffle_block_size == "auto"
-    return state
+        saved["shuffle_block_auto"] = loader.shuffle_block_size == "auto"
+    return saved
 
 
-def identity_to_restore(loader: Loader[Any]) -> LoaderIdentity:
+def identity_to_restore(loader: Loader[Any], state: LoaderState) -> LoaderIdentity:
     """What ``loader.load_state_dict()`` checks a checkpoint against (under the loader's lock;
     refused while an iterator is active). The method calls :func:`restore_position` itself, so
     that its warnings point at the caller's line."""
-    if loader._life.active.get() is not None:
+    if state.life.active.get() is not None:
         raise RuntimeError(
             "load_state_dict() was called while an iterator on this loader is active; "
             "exhaust or close the iterator first, then load the checkpoint"
@@ -116,7 +202,7 @@ def identity_to_restore(loader: Loader[Any]) -> LoaderIdentity:
         loader.shuffle,
         loader.shuffle_seed,
         loader.drop_last,
-        _loader_fingerprint(loader),
+        _loader_fingerprint(loader, state),
         shuffle_block_size=block_size(loader),
         shuffle_window=window(loader),
         shuffle_block_option=loader.shuffle_block_size,
@@ -132,10 +218,9 @@ def _has_storage_blocks(loader: Loader[Any]) -> bool:
     return natural is not None and len(natural) > 0
 
 
-def begin_run(loader: Loader[Any]) -> None:
+def begin_run(loader: Loader[Any], ckpt: CheckpointState) -> None:
     """An iterator starts at the loader's position: its batch geometry joins the history (a new
     segment where it differs from the last), and a tally of another epoch starts afresh."""
-    ckpt = loader._ckpt
     ckpt.history.begin(ckpt.epoch, ckpt.offset, loader.local_batch_size, loader.world_size)
     if ckpt.tally.epoch != ckpt.epoch:
         ckpt.tally.reset(ckpt.epoch, ckpt.offset)

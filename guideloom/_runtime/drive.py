@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import random
 import time
 from collections.abc import Callable
@@ -99,7 +100,9 @@ def executors_for(cfg: PipelineConfig, choosers: Choosers | None, *, on_loop: bo
         threads = Threads(cfg.num_workers, steps, "threads", most_jobs=cfg.num_workers if on_loop else None)
         chooser = None
         if measured and choosers is not None:
-            chooser = choosers.chooser("threads", lambda: choosing.thread_chooser(cfg.capacity))
+            # the chooser's own factory (a partial, not a lambda of this module): the lifecycle that
+            # keeps the choosers calls nothing of the driver's
+            chooser = choosers.chooser("threads", functools.partial(choosing.thread_chooser, cfg.capacity))
         return _Executors(threads if on_loop else here, threads, chooser, False)
     procs = _process_workers(cfg)
     chooser = None
@@ -109,7 +112,7 @@ def executors_for(cfg: PipelineConfig, choosers: Choosers | None, *, on_loop: bo
     if measured and choosers is not None and cfg.device.type == "cpu":
         # The loader's persistent workers keep their chooser from epoch to epoch; a pool of this
         # iterator's own starts afresh, as its workers do.
-        make = lambda: choosing.process_chooser(cfg.capacity)  # noqa: E731
+        make = functools.partial(choosing.process_chooser, cfg.capacity)
         chooser = choosers.chooser("processes", make, fresh=cfg.worker_pool is None)
     return _Executors(here, procs, chooser, choosers is None)
 

@@ -132,7 +132,7 @@ def test_explain_refuses_what_no_run_read() -> None:
 
 
 def tallies(loaders: list[gl.StatefulDataLoader[Any, Any]]) -> list[RankTally]:
-    return [_mine(ld) for ld in loaders]
+    return [_mine(ld, ld._state.ckpt) for ld in loaders]
 
 
 def judge(loaders: list[gl.StatefulDataLoader[Any, Any]], n: int) -> Any:
@@ -140,8 +140,8 @@ def judge(loaders: list[gl.StatefulDataLoader[Any, Any]], n: int) -> Any:
     return compare(
         tallies(loaders),
         num_observations=n,
-        x=audit_base(ld._ckpt.epoch),
-        history=ld._ckpt.history,
+        x=audit_base(ld._state.ckpt.epoch),
+        history=ld._state.ckpt.history,
         geometry=(ld.local_batch_size, ld.world_size),
     )
 

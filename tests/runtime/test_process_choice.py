@@ -95,7 +95,7 @@ def test_switching_at_any_batch_gives_the_batches_of_num_workers_0(
     loader = loader_for(stream, rich, shuffle=True, shuffle_seed=3, local_batch_size=3, prefetch=prefetch)
     with loader:
         for expected in epochs:  # three epochs: flipping every 1, 2 and 3 calls
-            loader._life._choosers.clear()  # a chooser of its own for each epoch
+            loader._state.life._choosers.clear()  # a chooser of its own for each epoch
             it = iter(loader)
             assert it._driver.procs is not None and it._driver.chooser is not None
             got = list(it)

@@ -121,7 +121,7 @@ if __name__ == "__main__":
         want = [b[1:] for b in inline]
     with loader(num_workers=2, parallel_method="process", collate_mode="workers") as ld:
         got = list(ld)
-        pool = ld._life.pool
+        pool = ld._state.life.pool
         server = getattr(getattr(pool.ctx, "server", None), "_forkserver_pid", None)
         workers = [p.proc.pid for p in pool.procs]
         print(type(pool.ctx).__name__, forkserver._forkserver._forkserver_pid is not None)
@@ -194,7 +194,7 @@ if __name__ == "__main__":
     r, w = os.pipe()
     with make() as loader:
         batches = list(loader)
-        kind = type(loader._life.pool.ctx).__name__
+        kind = type(loader._state.life.pool.ctx).__name__
         os.close(w)  # nobody else holds it: the reader sees the end at once
         ended = bool(select.select([r], [], [], 5)[0]) and os.read(r, 1) == b""
     for _ in range(3):
@@ -208,7 +208,7 @@ if __name__ == "__main__":
         pass
     with make() as loader:  # a thread threading does not count: no zygote
         list(loader)
-        print(type(loader._life.pool.ctx).__name__)
+        print(type(loader._state.life.pool.ctx).__name__)
 """
 
 
@@ -401,7 +401,7 @@ def test_loaders_without_process_workers_start_no_fork_server(tmp_path: Path, st
                 with make(num_workers=1, parallel_method="process") as loader:
                     for batch in loader:
                         pass
-                    pool = loader._life.pool
+                    pool = loader._state.life.pool
                     pool.start()
                     # a zygote of this process (one thread here), else the fork server
                     print("process", getattr(pool.ctx, "server", None) is not None or state()[0] is not None)
@@ -1133,7 +1133,7 @@ def case(what, stream):
         except Exception as exc:
             ended.append(repr(exc))
     consumer = threading.Thread(target=consume, daemon=True)
-    pool = loader._life.pool
+    pool = loader._state.life.pool
     zygote = zygote or [pool.ctx.server._forkserver_pid]
     if what != "zygote, at the start":
         pool.start()
@@ -1220,7 +1220,7 @@ def collate(samples):
 if __name__ == "__main__":
     with loader_for(sys.argv[1], collate, collate_mode="workers") as loader:
         got = list(loader)
-        kind = type(loader._life.pool.ctx).__name__
+        kind = type(loader._state.life.pool.ctx).__name__
     print("main", os.getpid(), kind, len(got), flush=True)
 """
 

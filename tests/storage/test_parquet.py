@@ -1033,7 +1033,7 @@ if __name__ == "__main__":
         want = list(inline)
     with make(num_workers=2, parallel_method="process", collate_mode="workers") as loader:
         got = list(loader)
-        print(type(loader._life.pool.ctx).__name__, got == want)
+        print(type(loader._state.life.pool.ctx).__name__, got == want)
 """
 
 

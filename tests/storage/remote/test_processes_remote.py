@@ -88,8 +88,8 @@ def test_process_workers_over_s3_collate_in_the_workers(
                 (batches, {k: after[k] - before[k] for k in ("collated_inline", "collated_processes")})
             )
             loader.load_state_dict(start)  # the same epoch again, its workers up (they persist)
-            assert loader._life.pool is not None
-            loader._life.pool.start()  # an epoch may end before they are: they are waited for here
+            assert loader._state.life.pool is not None
+            loader._state.life.pool.start()  # an epoch may end before they are: they are waited for here
         it = iter(loader)  # an epoch left early: the samples sent for its groups are freed
         next(it)
         it.close()
@@ -169,7 +169,7 @@ if __name__ == "__main__":
             storage, collate, num_workers=2, parallel_method="process", **kw
         ) as ld:
             got = list(ld)
-            pool = ld._life.pool
+            pool = ld._state.life.pool
             ctx = pool.ctx
             server = getattr(ctx, "server", None) or forkserver._forkserver
             spid = server._forkserver_pid

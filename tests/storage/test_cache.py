@@ -228,9 +228,9 @@ def test_the_copys_block_digests_are_those_of_the_bytes_downloaded(
 ) -> None:
     """A copy damaged on disk after its checksums matched, before its manifest is written, is
     found damaged when checked, never used (as a copy too large to hash whole on open is)."""
-    from guideloom.storage._local import _storage as _local
+    from guideloom.storage._local import _check
 
-    monkeypatch.setattr(_local, "VERIFY_ON_OPEN_BYTES", 0)
+    monkeypatch.setattr(_check, "VERIFY_ON_OPEN_BYTES", 0)
     monkeypatch.setattr(_cache, "PART_BYTES", 4096)
     cache, data = _cache_over(tmp_path, lambda p, s, e: data[p][s:e])
     real = _copy_download._with_blocks

@@ -72,7 +72,7 @@ from guideloom.storage._format._blocks import (
     widen,
 )
 from guideloom.storage._format._manifest import MANIFEST_NAME, Manifest
-from guideloom.storage._local._storage import read_local_manifest
+from guideloom.storage._local._check import read_local_manifest
 from guideloom.storage._remote._ranges import U8, Piece
 
 __all__ = ["DatasetCache", "copy_footprint"]

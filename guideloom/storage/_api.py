@@ -11,11 +11,8 @@ from urllib.parse import unquote, urlparse
 import numpy.typing as npt
 
 from guideloom.storage._format._manifest import Manifest
-from guideloom.storage._local._storage import (
-    LocalDocumentStorage,
-    LocalStreamStorage,
-    read_local_manifest,
-)
+from guideloom.storage._local._check import read_local_manifest
+from guideloom.storage._local._storage import LocalDocumentStorage, LocalStreamStorage
 from guideloom.storage._write._sinks import LocalSink, Sink
 from guideloom.storage._write._writer import DEFAULT_SHARD_BYTES, write_documents_to, write_stream_to
 from guideloom.storage.base import DocumentStorageAbstract, StreamStorageAbstract
@@ -198,7 +195,7 @@ def check_dataset_blocks(source: str | os.PathLike[str], **options: Any) -> int:
     if folder is None:
         manifest = _remote().verify_dataset(str(source), sha256=False, **options)
     else:
-        from guideloom.storage._local._storage import read_local_manifest
+        from guideloom.storage._local._check import read_local_manifest
 
         manifest = verify_local(folder, read_local_manifest(folder), sha256=False)
     return sum(

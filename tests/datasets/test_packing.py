@@ -27,7 +27,7 @@ import guideloom as gl
 from guideloom._core.pack_layout import BestFitLayout, best_fit_decreasing, best_fit_layout
 from guideloom._datasets.packed_rows import Pieces
 from guideloom._datasets.packing import PackMode
-from guideloom.storage._local import _storage as local
+from guideloom.storage._local import _sharded
 from guideloom.storage.base import Spans
 from tests.support import ROOT
 from tests.support.loader import roundtrip, take
@@ -633,7 +633,7 @@ def test_spans_read_into_place_equal_the_spans(monkeypatch: pytest.MonkeyPatch, 
     ``preadv`` (a dataset over the mapping budget) and through the default (memory storage),
     and touches nothing else of the output."""
     if preads:
-        monkeypatch.setattr(local, "MAPPED_BUDGET", 0)
+        monkeypatch.setattr(_sharded, "MAPPED_BUDGET", 0)
     docs, data, _ = documents([5, 0, 9, 3, 12, 40], 2)
     starts, stops = np.array([20, 0, 7, 7, 29], np.int64), np.array([29, 4, 7, 12, 69], np.int64)
     at = np.array([3, 60, 0, 12, 18], np.int64)

@@ -12,7 +12,7 @@ import pytest
 
 import guideloom as gl
 from guideloom import DatasetIntegrityError
-from guideloom.storage._local import _storage as _local
+from guideloom.storage._local import _check, _sharded
 
 
 def _replace_same_size(path: Path) -> None:
@@ -33,9 +33,9 @@ def test_an_open_reading_the_old_file_does_not_vouch_for_its_replacement(
     """Open A holds the original file; the file is replaced by rename; open B maps the new one.
     A's reads check A's bytes (the old inode's), which must not mark the new file's blocks as
     checked: B must refuse, never deliver the replacement's bytes."""
-    monkeypatch.setattr(_local, "VERIFY_ON_OPEN_BYTES", 0)  # a dataset too large to hash on open
+    monkeypatch.setattr(_check, "VERIFY_ON_OPEN_BYTES", 0)  # a dataset too large to hash on open
     if preads:
-        monkeypatch.setattr(_local, "MAPPED_BUDGET", 2**20)
+        monkeypatch.setattr(_sharded, "MAPPED_BUDGET", 2**20)
     data = (np.arange(3 * 2**20) % 50_000).astype(np.uint16)
     gl.write_stream(tmp_path / "ds", data, shard_bytes=8 * 2**20)
     (first,) = [p for p in (tmp_path / "ds").iterdir() if p.name.endswith("00000.bin")]
@@ -58,8 +58,8 @@ def test_a_file_renamed_over_while_open_by_path_watch_is_refused_on_the_next_ope
     """More mapped files than are watched by descriptor (watched by path): a file renamed over
     while open is seen changed and checked again -- against the old map's bytes. A later open of
     the dataset maps the new file and must check it, not trust that check."""
-    monkeypatch.setattr(_local, "VERIFY_ON_OPEN_BYTES", 0)
-    monkeypatch.setattr(_local, "WATCHED_FDS", 1)  # as a merge of more than WATCHED_FDS files
+    monkeypatch.setattr(_check, "VERIFY_ON_OPEN_BYTES", 0)
+    monkeypatch.setattr(_sharded, "WATCHED_FDS", 1)  # as a merge of more than WATCHED_FDS files
     data = (np.arange(2**20) % 50_000).astype(np.uint16)
     gl.write_stream(tmp_path / "ds", data, shard_bytes=2**19)
     files = sorted(p for p in (tmp_path / "ds").iterdir() if p.suffix == ".bin")

@@ -15,7 +15,7 @@ import guideloom as gl
 from guideloom import DatasetFormatError, DatasetIntegrityError
 from guideloom.storage._format._blocks import BLOCK_BYTES, INLINE_BLOCKS, BlockHasher, block_digests, widen
 from guideloom.storage._format._manifest import MANIFEST_NAME
-from guideloom.storage._local import _storage as _local
+from guideloom.storage._local import _check, _sharded
 
 
 def _flip(path: Path, at: int) -> None:
@@ -76,9 +76,9 @@ def test_a_damaged_block_is_refused_before_any_of_its_bytes_is_read(
 ) -> None:
     """A byte flipped in place, the size the same, in a dataset too large to be hashed on open:
     the rows in other blocks read, any row in the damaged block is refused (maps and preadv)."""
-    monkeypatch.setattr(_local, "VERIFY_ON_OPEN_BYTES", 0)
+    monkeypatch.setattr(_check, "VERIFY_ON_OPEN_BYTES", 0)
     if preads:
-        monkeypatch.setattr(_local, "MAPPED_BUDGET", 2**20)
+        monkeypatch.setattr(_sharded, "MAPPED_BUDGET", 2**20)
     folder, data = _big(tmp_path)
     (first,) = [p for p in folder.iterdir() if p.name.endswith("00000.bin")]
     _flip(first, 5 * BLOCK_BYTES + 100)
@@ -96,7 +96,7 @@ def test_a_file_replaced_by_other_bytes_of_its_size_is_refused(
 ) -> None:
     """A file replaced after a read checked its blocks: the next open sees a new file (inode,
     mtime) and checks its blocks again."""
-    monkeypatch.setattr(_local, "VERIFY_ON_OPEN_BYTES", 0)
+    monkeypatch.setattr(_check, "VERIFY_ON_OPEN_BYTES", 0)
     folder, data = _big(tmp_path)
     storage = gl.open_stream(folder)
     storage.open_sync()
@@ -114,7 +114,7 @@ def test_a_file_replaced_by_other_bytes_of_its_size_is_refused(
 
 
 def test_a_damaged_sidecar_is_refused_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_local, "VERIFY_ON_OPEN_BYTES", 0)
+    monkeypatch.setattr(_check, "VERIFY_ON_OPEN_BYTES", 0)
     folder, _ = _big(tmp_path)
     (side,) = [p for p in folder.iterdir() if p.name.endswith("00000.bin.xxh3")]
     _flip(side, 10)
@@ -123,7 +123,7 @@ def test_a_damaged_sidecar_is_refused_naming_it(tmp_path: Path, monkeypatch: pyt
 
 
 def test_documents_check_their_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_local, "VERIFY_ON_OPEN_BYTES", 0)
+    monkeypatch.setattr(_check, "VERIFY_ON_OPEN_BYTES", 0)
     docs = [np.full(n, n % 60_000, dtype=np.uint16) for n in range(1, 2500)]
     gl.write_documents(tmp_path / "d", docs)
     (tokens,) = [p for p in (tmp_path / "d").iterdir() if p.name.startswith("tokens") and p.suffix == ".bin"]

@@ -19,6 +19,7 @@ import pytest
 
 import guideloom
 from guideloom.storage._cache import _copy as _cache
+from guideloom.storage._cache import _copy_download
 from guideloom.storage._cache._copy import DatasetCache, copy_footprint
 
 
@@ -74,7 +75,7 @@ def test_the_copy_serves_the_ranges_of_the_parts_it_has_written_and_waits_for_th
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_cache, "PART_BYTES", 4096)
-    monkeypatch.setattr(_cache, "PARTS_IN_FLIGHT", 1)
+    monkeypatch.setattr(_copy_download, "PARTS_IN_FLIGHT", 1)
     gates: dict[tuple[str, int], threading.Event] = {}
     fetching: queue.Queue[tuple[str, int]] = queue.Queue()
 
@@ -133,7 +134,7 @@ def test_the_copy_fetches_the_planned_parts_first_and_those_read_remotely_last(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_cache, "PART_BYTES", 4096)
-    monkeypatch.setattr(_cache, "PARTS_IN_FLIGHT", 1)
+    monkeypatch.setattr(_copy_download, "PARTS_IN_FLIGHT", 1)
     order: list[int] = []
 
     def fetch(path: str, start: int, end: int) -> bytes:
@@ -159,7 +160,7 @@ def test_an_object_is_checked_as_soon_as_its_last_part_is_written(
     """A damaged object stops the copy (and is refused) when its parts are down, not after the
     whole dataset."""
     monkeypatch.setattr(_cache, "PART_BYTES", 4096)
-    monkeypatch.setattr(_cache, "PARTS_IN_FLIGHT", 1)
+    monkeypatch.setattr(_copy_download, "PARTS_IN_FLIGHT", 1)
     fetched: list[str] = []
 
     def fetch(path: str, start: int, end: int) -> bytes:
@@ -197,7 +198,7 @@ def test_a_part_of_the_copy_in_progress_damaged_on_disk_is_read_from_the_store(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_cache, "PART_BYTES", 4096)
-    monkeypatch.setattr(_cache, "PARTS_IN_FLIGHT", 1)
+    monkeypatch.setattr(_copy_download, "PARTS_IN_FLIGHT", 1)
     gate = threading.Event()
     written = threading.Event()
 
@@ -227,18 +228,18 @@ def test_the_copys_block_digests_are_those_of_the_bytes_downloaded(
 ) -> None:
     """A copy damaged on disk after its checksums matched, before its manifest is written, is
     found damaged when checked, never used (as a copy too large to hash whole on open is)."""
-    from guideloom.storage._local import _storage as _local
+    from guideloom.storage._local import _check
 
-    monkeypatch.setattr(_local, "VERIFY_ON_OPEN_BYTES", 0)
+    monkeypatch.setattr(_check, "VERIFY_ON_OPEN_BYTES", 0)
     monkeypatch.setattr(_cache, "PART_BYTES", 4096)
     cache, data = _cache_over(tmp_path, lambda p, s, e: data[p][s:e])
-    real = _cache._with_blocks
+    real = _copy_download._with_blocks
 
     def damaged_first(manifest: Any, folder: Path, *rest: Any) -> Any:
         _damage(folder / cache.table.paths[1], 5000)
         return real(manifest, folder, *rest)
 
-    monkeypatch.setattr(_cache, "_with_blocks", damaged_first)
+    monkeypatch.setattr(_copy_download, "_with_blocks", damaged_first)
     cache._download()
     assert (cache.folder / "manifest.json").is_file()
     assert cache.checked_copy() is None

@@ -329,7 +329,7 @@ def test_a_file_damaged_in_place_is_refused_at_open(
     """A byte changed, the size the same: a dataset up to VERIFY_ON_OPEN_BYTES is refused when
     opened (checksums), never read as garbage; a larger one opens (its sizes checked) and the
     read of the damaged block is refused (block digests)."""
-    import guideloom.storage._local._storage as local
+    import guideloom.storage._local._check as local
 
     if kind == "stream":
         m = gl.write_stream(tmp_path / "ds", np.arange(1000, dtype=np.uint16), metadata={"m": np.ones(1000)})
@@ -470,7 +470,7 @@ def _rss_file_kib() -> int:
 
 @pytest.mark.asyncio
 async def test_mapped_pages_do_not_accumulate_in_rss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import guideloom.storage._local._storage as local
+    import guideloom.storage._local._sharded as local
 
     monkeypatch.setattr(local, "MAPPED_BUDGET", 8 * 2**20)
     gl.write_stream(tmp_path / "ds", np.zeros(48 * 2**20, dtype=np.uint8))  # 48 MiB
@@ -487,7 +487,7 @@ async def test_mapped_pages_do_not_accumulate_in_rss(tmp_path: Path, monkeypatch
 
 def _open_both(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write: Any, opener: Any) -> tuple[Any, Any]:
     """The same dataset opened twice: gathered from the maps, and (over a tiny budget) read with preadv."""
-    import guideloom.storage._local._storage as local
+    import guideloom.storage._local._sharded as local
 
     write(tmp_path / "ds")
     mapped = opener(tmp_path / "ds")
@@ -542,7 +542,7 @@ def test_empty_documents_at_the_end_read_as_empty(
 ) -> None:
     """An empty last document (its span starts where the last shard ends) reads as empty, mapped
     and through ``preadv``, alone, among others and through the loader (it raised IndexError)."""
-    import guideloom.storage._local._storage as local
+    import guideloom.storage._local._sharded as local
 
     if preads:
         monkeypatch.setattr(local, "MAPPED_BUDGET", 0)
@@ -565,7 +565,7 @@ def test_empty_documents_at_the_end_read_as_empty(
 def test_a_file_truncated_after_open_is_an_integrity_error_with_preadv(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import guideloom.storage._local._storage as local
+    import guideloom.storage._local._sharded as local
 
     monkeypatch.setattr(local, "MAPPED_BUDGET", 1024)
     gl.write_stream(tmp_path / "ds", np.arange(4_000, dtype=np.uint16))
@@ -580,7 +580,7 @@ def test_a_file_truncated_after_open_is_an_integrity_error_with_preadv(
 def test_preadv_arrays_hold_no_maps_and_offsets_never_use_preadv(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import guideloom.storage._local._storage as local
+    import guideloom.storage._local._sharded as local
 
     monkeypatch.setattr(local, "MAPPED_BUDGET", 16)
     monkeypatch.setattr(local, "SMALL_FILE_BYTES", 0)  # map even the small offsets file
@@ -608,7 +608,7 @@ def _damage_in_place(path: Path, data: bytes) -> None:
 def test_a_block_changed_in_place_after_it_was_read_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, preads: bool
 ) -> None:
-    import guideloom.storage._local._storage as local
+    import guideloom.storage._local._sharded as local
 
     if preads:
         monkeypatch.setattr(local, "MAPPED_BUDGET", 1024)

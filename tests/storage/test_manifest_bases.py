@@ -13,7 +13,7 @@ import pytest
 import guideloom as gl
 from guideloom._errors import DatasetFormatError, DatasetIntegrityError
 from guideloom.storage._format._manifest import Manifest, parse_manifest
-from guideloom.storage._local._storage import ShardedArray
+from guideloom.storage._local._sharded import ShardedArray
 
 
 def _stream_with_bases(folder: Path, bases: list[int]) -> tuple[dict[str, Any], np.ndarray]:

@@ -242,7 +242,8 @@ class _RemoteFiles:
         """The error a read of ``path`` that failed with ``exc`` (after its retries) ends with."""
         import obstore.exceptions as oe
 
-        from guideloom.storage._remote._objstore import ObjectChangedError, map_error, obstore_message
+        from guideloom.storage._remote._objstore import ObjectChangedError
+        from guideloom.storage._remote._options import map_error, obstore_message
 
         if isinstance(exc, ObjectChangedError | oe.PreconditionError | FileNotFoundError | oe.NotFoundError):
             message = self.refused[path] = self._changed(path)

@@ -34,17 +34,18 @@ from guideloom.storage._remote._fetch import (
     get_verified,
     integrity_error,
 )
+from guideloom.storage._remote._locations import Location, parse_location
 from guideloom.storage._remote._objstore import (
     RANGES_PER_CALL,
-    Location,
     ObjectVersion,
-    ReadOptions,
-    RetryPolicy,
     call_with_retries,
     io_executor,
     make_store,
+)
+from guideloom.storage._remote._options import (
+    ReadOptions,
+    RetryPolicy,
     map_error,
-    parse_location,
     secret_values,
     split_options,
 )

@@ -27,19 +27,19 @@ from typing import Any, Final, Protocol, TypeVar
 from guideloom._errors import DatasetIntegrityError
 from guideloom.storage._format._blocks import U64, BlockDigests, BlockMismatch, check_range, widen
 from guideloom.storage._format._manifest import Manifest
+from guideloom.storage._remote._inflight import PerLoop
+from guideloom.storage._remote._locations import Location
 from guideloom.storage._remote._objstore import (
     ContentMismatchError,
-    Location,
     ObjectChangedError,
     ObjectVersion,
-    PerLoop,
-    ReadOptions,
     get_checked,
     io_executor,
     range_executor,
     remote_read_error,
     retryable,
 )
+from guideloom.storage._remote._options import ReadOptions
 from guideloom.storage._remote._ranges import U8, Job, Piece, fill_range
 
 __all__ = [

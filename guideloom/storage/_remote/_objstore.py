@@ -1,4 +1,4 @@
-"""Object-store plumbing on obstore: locations, options, secrets, bounded concurrent range reads.
+"""Object stores on obstore: making a store, checked range reads, retries, the I/O pools.
 
 Every obstore call guideloom makes is one of obstore's *synchronous* functions, run on a Python
 thread (the caller's, or the shared ``guideloom-io`` pool for batched reads) and awaited from the
@@ -29,361 +29,48 @@ against the manifest's sha256.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import hashlib
 import os
-import random
 import re
 import threading
 import time
-import weakref
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Final, TypeVar
-from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from guideloom._core.text import plural
 from guideloom._errors import RemoteReadError, StorageError
 from guideloom._process import pool
+from guideloom.storage._remote._locations import Location
+from guideloom.storage._remote._options import RetryPolicy, obstore_message, scrub, secret_values
 
 __all__ = [
-    "RANGES_PER_CALL",
+    "BEFORE_FIRST_STORE",
     "ClientFaultError",
-    "InflightLimit",
-    "Location",
     "ContentMismatchError",
     "ObjectChangedError",
     "ObjectVersion",
-    "ReadOptions",
-    "RetryPolicy",
-    "WriteOptions",
+    "RANGES_PER_CALL",
+    "ShortReadError",
+    "call_with_retries",
     "get_checked",
     "io_executor",
     "make_store",
-    "map_error",
-    "obstore_message",
-    "parse_location",
+    "range_executor",
+    "remote_read_error",
     "require_obstore",
-    "split_options",
+    "retryable",
 ]
 
 T = TypeVar("T")
 
 #: Ranges per I/O-thread call (fetched concurrently, one GET each).
 RANGES_PER_CALL: Final = 10
-_MiB: Final = 2**20
-
-_SCHEMES: Final = {
-    "s3": "s3",
-    "s3a": "s3",
-    "gs": "gcs",
-    "gcs": "gcs",
-    "az": "azure",
-    "azure": "azure",
-    "abfs": "azure",
-    "abfss": "azure",
-    "adl": "azure",
-    "http": "http",
-    "https": "http",
-}
 
 
-# -- locations -------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Location:
-    """A parsed object-store URL: which backend, which bucket and prefix, and how to show it."""
-
-    url: str = field(repr=False)  # as given: it may hold credentials
-    kind: str  # "s3" | "gcs" | "azure" | "http"
-    bucket: str
-    prefix: str
-    display: str  # the URL without credentials or query string: safe for messages and repr
-
-    def object_url(self, relpath: str) -> str:
-        return f"{self.display.rstrip('/')}/{relpath}"
-
-
-def display_url(url: str) -> str:
-    """``url`` without user information, query string or fragment (they may hold secrets)."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable URL>"
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, host, parts.path, "", ""))
-
-
-def parse_location(url: str) -> Location:
-    try:
-        parts = urlsplit(url)
-    except ValueError as exc:
-        problem = str(exc)
-    else:
-        problem = ""
-    if problem:  # raised here, not in the handler: the chain keeps no trace of the raw URL
-        raise ValueError(f"invalid object-store URL {display_url(url)!r}: {problem}")
-    kind = _SCHEMES.get(parts.scheme.lower())
-    if kind is None:
-        raise ValueError(f"unsupported location {display_url(url)!r}: use s3://, gs://, az:// or http(s)://")
-    shown = display_url(url)
-    if kind == "http":
-        if not parts.hostname:
-            raise ValueError(f"URL {shown!r} names no host")
-        return Location(url, kind, "", parts.path.strip("/"), shown)
-    # abfss://container@account.dfs.core.windows.net/... names its container before the "@"
-    bucket = parts.netloc.split("@", 1)[0] if kind == "azure" and "@" in parts.netloc else parts.netloc
-    if not bucket:
-        raise ValueError(f"URL {shown!r} names no bucket: use {parts.scheme}://bucket/prefix")
-    return Location(url, kind, bucket, parts.path.strip("/"), shown)
-
-
-# -- options ---------------------------------------------------------------------------------------
-def _seconds(name: str, value: Any, *, minimum: float = 0.0) -> float:
-    if isinstance(value, timedelta):
-        value = value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
-        raise ValueError(f"{name} must be a number of seconds >= {minimum}, got {value!r}")
-    return float(value)
-
-
-def _count(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-@dataclass(frozen=True, slots=True)
-class RetryPolicy:
-    """Bounded retries: at most ``retries`` more attempts, none started after ``retry_timeout``."""
-
-    timeout: float = 30.0
-    connect_timeout: float = 5.0
-    retries: int = 5
-    retry_timeout: float = 120.0
-    backoff: float = 0.1
-    max_backoff: float = 5.0
-
-    def delay(self, attempt: int) -> float:
-        """Full-jitter exponential backoff before retry number ``attempt`` (1-based)."""
-        return random.uniform(0.0, min(self.max_backoff, self.backoff * 2 ** (attempt - 1)))
-
-
-@dataclass(frozen=True, slots=True)
-class ReadOptions:
-    """Read-ahead tuning of an object-store dataset (``open_stream(url, **options)``)."""
-
-    max_inflight_requests: int = 256
-    max_inflight_bytes: int = 64 * _MiB
-    coalesce_gap: int = 8 * 1024
-    max_request_bytes: int = 4 * _MiB
-    max_concurrent_reads: int = 4
-    offsets_cache_bytes: int = 64 * _MiB
-    max_read_amplification: float = 4.0
-    policy: RetryPolicy = field(default_factory=RetryPolicy)
-    cache_dir: str | None = None
-    cache_max_bytes: int | None = None
-    cache_chunk_bytes: int = 16 * _MiB
-
-
-@dataclass(frozen=True, slots=True)
-class WriteOptions:
-    part_size: int = 16 * _MiB
-    max_upload_concurrency: int = 4
-    policy: RetryPolicy = field(default_factory=RetryPolicy)
-
-
-_POLICY_KEYS: Final = ("timeout", "connect_timeout", "retries", "retry_timeout", "backoff", "max_backoff")
-_READ_KEYS: Final = (
-    "max_inflight_requests",
-    "max_inflight_bytes",
-    "coalesce_gap",
-    "max_request_bytes",
-    "max_concurrent_reads",
-    "offsets_cache_bytes",
-    "max_read_amplification",
-    "cache_dir",
-    "cache_max_bytes",
-    "cache_chunk_bytes",
-)
-_WRITE_KEYS: Final = ("part_size", "max_upload_concurrency")
-_CLIENT_KEYS: Final = (
-    "allow_http",
-    "allow_invalid_certificates",
-    "proxy_url",
-    "user_agent",
-    "root_certificate",
-)
-_ALIASES: Final = {"endpoint_url": "endpoint", "aws_endpoint_url": "endpoint"}
-
-
-def _policy(opts: dict[str, Any]) -> RetryPolicy:
-    p = RetryPolicy()
-    return RetryPolicy(
-        timeout=_seconds("timeout", opts.pop("timeout", p.timeout), minimum=0.001),
-        connect_timeout=_seconds(
-            "connect_timeout", opts.pop("connect_timeout", p.connect_timeout), minimum=0.001
-        ),
-        retries=_count("retries", opts.pop("retries", p.retries), 0),
-        retry_timeout=_seconds("retry_timeout", opts.pop("retry_timeout", p.retry_timeout)),
-        backoff=_seconds("backoff", opts.pop("backoff", p.backoff)),
-        max_backoff=_seconds("max_backoff", opts.pop("max_backoff", p.max_backoff)),
-    )
-
-
-def _amplification(value: Any) -> float:
-    """``max_read_amplification``: a number >= 1 (bytes read per byte asked for, at most)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 1.0:
-        raise ValueError(
-            f"max_read_amplification must be a number >= 1 (1 reads only the bytes asked for; "
-            f"4 may read up to 4x the bytes to save requests), got {value!r}"
-        )
-    return float(value)
-
-
-def _cache_dir(value: Any) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str | os.PathLike):
-        raise TypeError(f"cache_dir must be a path (str or os.PathLike), got {type(value).__name__}")
-    return os.fspath(value)
-
-
-def _cache_limits(opts: dict[str, Any]) -> dict[str, Any]:
-    """``cache_max_bytes`` and ``cache_chunk_bytes``, checked (they need ``cache_dir``)."""
-    out: dict[str, Any] = {}
-    if "cache_max_bytes" in opts:
-        limit = opts.pop("cache_max_bytes")
-        if limit is not None:
-            out["cache_max_bytes"] = _count("cache_max_bytes", limit, 0)
-    if "cache_chunk_bytes" in opts:
-        out["cache_chunk_bytes"] = _count("cache_chunk_bytes", opts.pop("cache_chunk_bytes"), 4096)
-    if out and opts.get("cache_dir") is None:
-        raise ValueError(
-            f"{' and '.join(sorted(out))} only apply with cache_dir: pass cache_dir=<a local folder> "
-            "as well, or drop them"
-        )
-    return out
-
-
-def split_options(
-    options: Mapping[str, Any], *, write: bool
-) -> tuple[ReadOptions, WriteOptions, dict[str, Any], dict[str, Any]]:
-    """Split ``options`` into read tuning, write tuning, store config and client options."""
-    opts = dict(options)
-    wrong: tuple[str, ...] = _READ_KEYS if write else _WRITE_KEYS
-    bad = [k for k in wrong if k in opts]
-    if bad:
-        raise TypeError(f"options {bad} only apply to {'reading' if write else 'writing'} a dataset")
-    policy = _policy(opts)
-    limits = _cache_limits(opts)  # before cache_dir is taken from opts
-    d = ReadOptions()
-    read = ReadOptions(
-        max_inflight_requests=_count(
-            "max_inflight_requests", opts.pop("max_inflight_requests", d.max_inflight_requests), 1
-        ),
-        max_inflight_bytes=_count(
-            "max_inflight_bytes", opts.pop("max_inflight_bytes", d.max_inflight_bytes), 1
-        ),
-        coalesce_gap=_count("coalesce_gap", opts.pop("coalesce_gap", d.coalesce_gap), 0),
-        max_request_bytes=_count("max_request_bytes", opts.pop("max_request_bytes", d.max_request_bytes), 1),
-        max_concurrent_reads=_count(
-            "max_concurrent_reads", opts.pop("max_concurrent_reads", d.max_concurrent_reads), 1
-        ),
-        offsets_cache_bytes=_count(
-            "offsets_cache_bytes", opts.pop("offsets_cache_bytes", d.offsets_cache_bytes), 0
-        ),
-        max_read_amplification=_amplification(opts.pop("max_read_amplification", d.max_read_amplification)),
-        policy=policy,
-        cache_dir=_cache_dir(opts.pop("cache_dir", None)),
-        **limits,
-    )
-    w = WriteOptions()
-    part_size = _count("part_size", opts.pop("part_size", w.part_size), 5 * _MiB)
-    writeopts = WriteOptions(
-        part_size=part_size,
-        max_upload_concurrency=_count(
-            "max_upload_concurrency", opts.pop("max_upload_concurrency", w.max_upload_concurrency), 1
-        ),
-        policy=policy,
-    )
-    client = dict(opts.pop("client_options", None) or {})
-    for key in _CLIENT_KEYS:
-        if key in opts:
-            client[key] = opts.pop(key)
-    config = {_ALIASES.get(k, k): v for k, v in opts.items()}
-    return read, writeopts, config, client
-
-
-# -- secrets ---------------------------------------------------------------------------------------
-_SECRET_NAME: Final = re.compile(r"(secret|token|password|passwd|sas|credential|private|key)", re.IGNORECASE)
-_ENV_PREFIX: Final = re.compile(r"^(AWS|AZURE|GOOGLE|GCS|GCP|OBJECT_STORE)_", re.IGNORECASE)
-_SCRUB_PATTERNS: Final = (
-    (re.compile(r"(?i)(https?|s3|gs|az|abfss?)://[^/\s@]*@"), r"\1://***@"),  # user:password@
-    (re.compile(r"(?i)(https?://[^\s?#\"']*)\?[^\s\"'<>,)]*"), r"\1?***"),  # query strings (SAS)
-    (
-        re.compile(
-            r"(?i)(authorization|x-amz-security-token|x-amz-signature|signature)([\"':= ]+)[^\s\"',]+"
-        ),
-        r"\1\2***",
-    ),
-)
-
-
-def secret_values(config: Mapping[str, Any], url: str = "") -> tuple[str, ...]:
-    """Strings that must never appear in a message: credential options, credential env vars,
-    and the password and query values of ``url``."""
-    found = {str(v) for k, v in config.items() if _SECRET_NAME.search(k) and isinstance(v, str)}
-    try:
-        parts = urlsplit(url)
-        found.update(v for v in (parts.password, parts.username) if v)
-        found.update(v for _k, v in parse_qsl(parts.query) if v)
-    except ValueError:
-        pass
-    for name, value in os.environ.items():
-        if _ENV_PREFIX.match(name) and _SECRET_NAME.search(name.split("_", 1)[1]):
-            found.add(value)
-    return tuple(sorted((s for s in found if len(s) >= 4), key=len, reverse=True))
-
-
-def scrub(text: str, secrets: Sequence[str]) -> str:
-    for s in secrets:
-        text = text.replace(s, "***")
-    for pattern, repl in _SCRUB_PATTERNS:
-        text = pattern.sub(repl, text)
-    return text
-
-
-def obstore_message(exc: BaseException, secrets: Sequence[str]) -> str:
-    """The first paragraph of an obstore error (without its Rust debug dump), scrubbed."""
-    text = str(exc).split("\n\nDebug source:", 1)[0].strip()
-    text = " ".join(text.split())
-    if len(text) > 600:
-        text = text[:600] + "..."
-    return scrub(f"{type(exc).__name__}: {text}" if text else type(exc).__name__, secrets)
-
-
-def map_error(exc: BaseException, what: str, secrets: Sequence[str]) -> Exception:
-    """An obstore failure as the Python error a user expects, with a scrubbed message.
-
-    Raise the result outside the ``except`` block that caught ``exc`` (``raise ... from None``
-    would still keep ``exc``, and the credentials its text may hold, as ``__context__``).
-    """
-    import obstore.exceptions as oe
-
-    msg = f"{what}: {obstore_message(exc, secrets)}"
-    if isinstance(exc, FileNotFoundError | oe.NotFoundError):
-        return FileNotFoundError(msg)
-    if isinstance(exc, PermissionError | oe.PermissionDeniedError | oe.UnauthenticatedError):
-        return PermissionError(msg)
-    return StorageError(msg)
-
-
-# -- stores ----------------------------------------------------------------------------------------
+# -- stores ---------------------------------------------------------------------------------------
 INSTALL_HINT: Final = 'pip install "guideloom[remote]"'
 
 
@@ -631,9 +318,7 @@ def get_checked(store: Any, path: str, start: int, end: int, version: ObjectVers
     raise error  # outside the handler: the panic is not this error's __context__
 
 
-# -- retries ---------------------------------------------------------------------------------------
-
-
+# -- retries --------------------------------------------------------------------------------------
 _STATUS: Final = re.compile(r"status(?: code)?:? (\d{3})")
 
 
@@ -692,6 +377,13 @@ def call_with_retries(fn: Callable[[], T], policy: RetryPolicy) -> T:
             time.sleep(delay)
 
 
+def remote_read_error(
+    what: str, exc: BaseException, attempts: int, elapsed: float, secrets: Sequence[str]
+) -> RemoteReadError:
+    tried = f"after {attempts} attempt{'s' if attempts != 1 else ''} in {elapsed:.1f}s"
+    return RemoteReadError(f"reading {what} failed {tried}: {obstore_message(exc, secrets)}")
+
+
 # -- the I/O pool ----------------------------------------------------------------------------------
 _IO_THREADS: Final = 128
 _RANGE_THREADS: Final = 512
@@ -713,103 +405,3 @@ def range_executor() -> concurrent.futures.ThreadPoolExecutor:
     so neither pool can starve the other. Its size bounds the ranges in flight at once, beside
     one per I/O thread."""
     return pool("range", _RANGE_THREADS)
-
-
-# -- bounded in-flight requests and bytes ----------------------------------------------------------
-class InflightLimit:
-    """A FIFO-fair limit on requests and bytes in flight, for one event loop.
-
-    A single acquisition larger than the byte budget is admitted when nothing else is in flight,
-    so an oversized request waits its turn instead of deadlocking.
-    """
-
-    def __init__(self, max_requests: int, max_bytes: int, peak: list[int] | None = None) -> None:
-        self.max_requests, self.max_bytes = max_requests, max_bytes
-        self.requests = 0
-        self.nbytes = 0
-        self.peak_bytes = 0
-        #: Where the peak is also kept, beyond this loop's life (:class:`PerLoop`).
-        self._peak = [0] if peak is None else peak
-        self._waiters: deque[tuple[int, int, asyncio.Future[None]]] = deque()
-
-    def _fits(self, n: int, b: int) -> bool:
-        if self.requests == 0:
-            return True
-        return self.requests + n <= self.max_requests and self.nbytes + b <= self.max_bytes
-
-    def _take(self, n: int, b: int) -> None:
-        self.requests += n
-        self.nbytes += b
-        self.peak_bytes = max(self.peak_bytes, self.nbytes)
-        self._peak[0] = max(self._peak[0], self.nbytes)
-
-    async def acquire(self, n: int, b: int) -> None:
-        if not self._waiters and self._fits(n, b):
-            self._take(n, b)
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (n, b, fut)
-        self._waiters.append(entry)
-        try:
-            await fut
-        except BaseException:
-            if fut.done() and not fut.cancelled():
-                self.release(n, b)  # granted, then cancelled before we could use it
-            else:
-                try:
-                    self._waiters.remove(entry)
-                except ValueError:
-                    pass
-                self._wake()
-            raise
-
-    def release(self, n: int, b: int) -> None:
-        self.requests -= n
-        self.nbytes -= b
-        self._wake()
-
-    def _wake(self) -> None:
-        while self._waiters:
-            n, b, fut = self._waiters[0]
-            if fut.done():
-                self._waiters.popleft()
-                continue
-            if not self._fits(n, b):
-                return
-            self._waiters.popleft()
-            self._take(n, b)
-            fut.set_result(None)
-
-
-class PerLoop:
-    """One :class:`InflightLimit` per event loop (a storage may be read from several loops)."""
-
-    def __init__(self, max_requests: int, max_bytes: int) -> None:
-        self._args = (max_requests, max_bytes)
-        self._peak = [0]  # the peak over every loop, those closed since included
-        self._limits: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, InflightLimit] = (
-            weakref.WeakKeyDictionary()
-        )
-
-    def __getstate__(self) -> tuple[int, int]:
-        return self._args  # the limits of each loop stay with that loop's process
-
-    def __setstate__(self, args: tuple[int, int]) -> None:
-        self.__init__(*args)  # type: ignore[misc]
-
-    def get(self) -> InflightLimit:
-        loop = asyncio.get_running_loop()
-        limit = self._limits.get(loop)
-        if limit is None:
-            limit = self._limits[loop] = InflightLimit(*self._args, peak=self._peak)
-        return limit
-
-    def peak_bytes(self) -> int:
-        return self._peak[0]
-
-
-def remote_read_error(
-    what: str, exc: BaseException, attempts: int, elapsed: float, secrets: Sequence[str]
-) -> RemoteReadError:
-    tried = f"after {attempts} attempt{'s' if attempts != 1 else ''} in {elapsed:.1f}s"
-    return RemoteReadError(f"reading {what} failed {tried}: {obstore_message(exc, secrets)}")

@@ -56,7 +56,8 @@ from guideloom.storage._format._manifest import MANIFEST_NAME, Manifest, add_bas
 from guideloom.storage._format._manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
 from guideloom.storage._local._storage import LocalDocumentStorage, LocalStreamStorage
 from guideloom.storage._remote._client import Remote, open_remote
-from guideloom.storage._remote._objstore import ReadOptions, io_executor
+from guideloom.storage._remote._objstore import io_executor
+from guideloom.storage._remote._options import ReadOptions
 from guideloom.storage._remote._ranges import Layout, plan_spans, plan_windows
 from guideloom.storage._write._sinks import ObjectSink
 from guideloom.storage.base import Rows

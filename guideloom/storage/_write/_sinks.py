@@ -15,13 +15,9 @@ from typing import IO, Any, Protocol, cast
 
 from guideloom._errors import DatasetFormatError
 from guideloom.storage._format._manifest import MANIFEST_NAME, Manifest, read_manifest_file
-from guideloom.storage._remote._objstore import (
-    make_store,
-    map_error,
-    parse_location,
-    secret_values,
-    split_options,
-)
+from guideloom.storage._remote._locations import parse_location
+from guideloom.storage._remote._objstore import make_store
+from guideloom.storage._remote._options import map_error, secret_values, split_options
 
 __all__ = ["LocalSink", "ObjectSink", "Sink", "fsync_dir", "write_synced"]
 

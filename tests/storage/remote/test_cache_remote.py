@@ -19,6 +19,7 @@ import guideloom
 from guideloom import StatefulDataLoader
 from guideloom._errors import DatasetIntegrityError
 from guideloom.storage._cache import _copy as _cache
+from guideloom.storage._cache import _copy_download
 from guideloom.storage._remote._storage import ObjectStreamStorage
 from guideloom_dev.servers import MotoS3, Nginx
 from tests.support.loader import assert_same
@@ -92,14 +93,14 @@ def hold_before_complete(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Eve
     """Hold the whole copy once every part is written and checked, before its manifest is (the
     folder would appear, and reads switch to it): returns (every part written, go on)."""
     written, go = threading.Event(), threading.Event()
-    real = _cache.write_synced
+    real = _copy_download.write_synced
 
     def held(path: Any, data: bytes) -> None:
         written.set()
         assert go.wait(30)
         real(path, data)
 
-    monkeypatch.setattr(_cache, "write_synced", held)
+    monkeypatch.setattr(_copy_download, "write_synced", held)
     return written, go
 
 

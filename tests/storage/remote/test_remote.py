@@ -474,7 +474,9 @@ def test_options_are_checked(plain_copies: Copies, s3: MotoS3, nginx: Nginx) -> 
 
 
 def test_azure_urls_are_understood_without_a_server() -> None:
-    from guideloom.storage._remote._objstore import RetryPolicy, make_store, parse_location
+    from guideloom.storage._remote._locations import parse_location
+    from guideloom.storage._remote._objstore import make_store
+    from guideloom.storage._remote._options import RetryPolicy
 
     loc = parse_location("az://container/some/prefix?sig=SECRETSAS")
     assert (loc.kind, loc.bucket, loc.prefix) == ("azure", "container", "some/prefix")

@@ -32,7 +32,6 @@ from guideloom._runtime import chooser as choosing
 from guideloom._runtime.config import PipelineConfig, making_steps
 from guideloom._runtime.executors import FutureJob, GroupJob, Here, Processes, Threads
 from guideloom._runtime.flow import EpochFlow, Executor, Read
-from guideloom._runtime.processes.pool import WorkerPool
 
 if TYPE_CHECKING:
     from guideloom._runtime.chooser import Chooser
@@ -67,16 +66,6 @@ class _Executors:
         return seen
 
 
-def _process_workers(cfg: PipelineConfig) -> Processes:
-    """The loader's persistent pool where it keeps one, else a pool of the iterator's own."""
-    reads_itself = cfg.dataset.reads_inline and cfg.dataset.read_by_workers
-    if cfg.worker_pool is not None:
-        return Processes(cfg.worker_pool(), owned=False, reads_itself=reads_itself)
-    return Processes(
-        WorkerPool(cfg.dataset, cfg.collate_fn, cfg.num_workers), owned=True, reads_itself=reads_itself
-    )
-
-
 def executors_for(cfg: PipelineConfig, choosers: Choosers | None, *, on_loop: bool) -> _Executors:
     """What ``cfg``'s epoch runs on, decided in one place.
 
@@ -104,7 +93,7 @@ def executors_for(cfg: PipelineConfig, choosers: Choosers | None, *, on_loop: bo
             # keeps the choosers calls nothing of the driver's
             chooser = choosers.chooser("threads", functools.partial(choosing.thread_chooser, cfg.capacity))
         return _Executors(threads if on_loop else here, threads, chooser, False)
-    procs = _process_workers(cfg)
+    procs = Processes.of(cfg)
     chooser = None
     # Process workers over a storage read on a loop thread (object storage) measure too: the
     # reads go on there in either mode, and what differs is the collate's hand-off.

@@ -20,6 +20,7 @@ from typing import Any
 
 from guideloom._core.delivery import Delivery, Results, apply_group
 from guideloom._core.plan import BatchSpec
+from guideloom._runtime.config import PipelineConfig
 from guideloom._runtime.processes.pool import Group, Proc, WorkerPool
 from guideloom._runtime.processes.wire import Epoch
 from guideloom._runtime.threadpool import CollateThreads
@@ -232,6 +233,15 @@ class Processes:
 
     #: How often a blocked sync wait looks whether the flow was closed in another thread.
     POLL_S = 0.1
+
+    @classmethod
+    def of(cls, cfg: PipelineConfig) -> Processes:
+        """The loader's persistent pool where it keeps one, else a pool of the iterator's own."""
+        reads_itself = cfg.dataset.reads_inline and cfg.dataset.read_by_workers
+        if cfg.worker_pool is not None:
+            return cls(cfg.worker_pool(), owned=False, reads_itself=reads_itself)
+        pool = WorkerPool(cfg.dataset, cfg.collate_fn, cfg.num_workers)
+        return cls(pool, owned=True, reads_itself=reads_itself)
 
     def __init__(self, pool: WorkerPool, owned: bool, reads_itself: bool) -> None:
         self.pool = pool

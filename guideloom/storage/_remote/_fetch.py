@@ -18,6 +18,7 @@ obstore's error, so no link of their ``__context__`` chain holds a credential.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -46,6 +47,7 @@ __all__ = [
     "BlockCheckError",
     "LocalRanges",
     "RangeFetcher",
+    "run_aside",
     "ReadCounters",
     "RemoteBlocks",
     "gather_first_error",
@@ -366,3 +368,11 @@ def integrity_error(loc: Location, path: str, exc: BaseException) -> DatasetInte
         f"({why}); none of its bytes are read: open the dataset again once it is whole, or write "
         "or copy it again"
     )
+
+
+def run_aside(read: Coroutine[Any, Any, T]) -> T:
+    """``read`` run to its end on an event loop of its own, on a thread of its own: a blocking
+    read that falls back to the store (its local copy found damaged) from any thread, one that
+    runs an event loop included."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="guideloom-fallback") as pool:
+        return pool.submit(asyncio.run, read).result()

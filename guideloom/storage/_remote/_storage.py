@@ -39,10 +39,9 @@ without user information or query string, and every credential value is masked.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import warnings
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -56,6 +55,7 @@ from guideloom.storage._format._manifest import MANIFEST_NAME, Manifest, add_bas
 from guideloom.storage._format._manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
 from guideloom.storage._local._storage import LocalDocumentStorage, LocalStreamStorage
 from guideloom.storage._remote._client import Remote, open_remote
+from guideloom.storage._remote._fetch import run_aside
 from guideloom.storage._remote._objstore import io_executor
 from guideloom.storage._remote._options import ReadOptions
 from guideloom.storage._remote._ranges import Layout, plan_spans, plan_windows
@@ -330,7 +330,7 @@ class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):
             return self._complete_copy(LocalStreamStorage).read_many_sync(starts, length)
         except DatasetIntegrityError as exc:
             self._rebuild_copy(str(exc))
-        return _run_aside(self._read_store(starts, length))
+        return run_aside(self._read_store(starts, length))
 
     async def read_many(self, starts: npt.NDArray[np.int64], length: int) -> Sequence[Any]:
         local = self._open_copy()
@@ -451,7 +451,7 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
             return self._complete_copy(LocalDocumentStorage).read_many_sync(indices)
         except DatasetIntegrityError as exc:
             self._rebuild_copy(str(exc))
-        return _run_aside(self._read_store(indices))
+        return run_aside(self._read_store(indices))
 
     async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[Array]:
         local = self._open_copy()
@@ -487,7 +487,7 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
             return self._complete_copy(LocalDocumentStorage).document_offsets_sync(positions)
         except DatasetIntegrityError as exc:
             self._rebuild_copy(str(exc))
-        return _run_aside(self._offsets_from_store(positions))
+        return run_aside(self._offsets_from_store(positions))
 
     async def document_offsets(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         local = self._open_copy()
@@ -546,14 +546,6 @@ async def _planned(n: int, plan: Callable[..., R], *args: Any) -> R:
     if n <= PLAN_INLINE_SAMPLES:
         return plan(*args)
     return await asyncio.get_running_loop().run_in_executor(io_executor(), functools.partial(plan, *args))
-
-
-def _run_aside(read: Coroutine[Any, Any, R]) -> R:
-    """``read`` run to its end on an event loop of its own, on a thread of its own: a blocking
-    read that falls back to the store (its local copy found damaged) from any thread, one that
-    runs an event loop included."""
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="guideloom-fallback") as pool:
-        return pool.submit(asyncio.run, read).result()
 
 
 def _key(starts: npt.NDArray[np.int64]) -> tuple[int, int, int]:

@@ -14,6 +14,8 @@ Beside each ``async for`` epoch, a heartbeat task on the same loop sleeps 1 ms a
 records how late each wake-up was: the loop's stalls. Printed per case: the worst and the 99th
 percentile stall, the heartbeat's worst alone on an idle loop in the same run (what the machine
 itself adds), and tokens per second of ``async for`` against the sync ``for`` over the same data.
+With ``--gc-freeze`` the objects of the imports are frozen first (``gc.freeze()``): a full garbage
+collection, which holds the GIL whoever triggers it, then skips them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import statistics
 import tempfile
 import time
@@ -107,7 +110,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--latency-ms", default="0,20", help="added to every request, comma-separated")
+    ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() once the imports are done")
     args = ap.parse_args(argv)
+    if args.gc_freeze:
+        gc.freeze()  # what docs/async.md advises a latency-bound program
     from guideloom_dev.servers import proxy_process
 
     root = Path(tempfile.gettempdir()) / "guideloom-bench"

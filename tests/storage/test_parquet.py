@@ -301,7 +301,7 @@ def test_a_tokenizer_that_pads_encodes_each_document_alone(tokenizer_json: str) 
     encoder encodes without it (on a copy: the caller's tokenizer still pads)."""
     from tokenizers import Tokenizer
 
-    from guideloom.storage._parquet._text import TextEncoder
+    from guideloom.storage._text import TextEncoder
 
     padded = Tokenizer.from_file(tokenizer_json)
     padded.enable_padding(pad_id=0, pad_token="[UNK]")
@@ -319,7 +319,7 @@ def test_a_copy_of_an_encoder_encodes_with_the_tokenizer_json_as_it_was_read(
     """A process worker that builds its own tokenizer (one started by the fork server) builds
     the one the main process read, even where the file changed since: the fingerprint says
     that one."""
-    from guideloom.storage._parquet._text import TextEncoder
+    from guideloom.storage._text import TextEncoder
 
     path = tmp_path / "tokenizer.json"
     shutil.copy(tokenizer_json, path)
@@ -339,7 +339,7 @@ def test_a_copy_of_an_encoder_encodes_with_the_tokenizer_json_as_it_was_read(
 
 
 def test_a_tokenizer_callable_must_return_integer_ids_the_dtype_holds() -> None:
-    from guideloom.storage._parquet._text import TextEncoder
+    from guideloom.storage._text import TextEncoder
 
     with pytest.raises(ValueError, match=r"token id -1, outside uint32's range.*dtype="):
         TextEncoder(lambda t: np.asarray([1, -1], np.int64)).encode_many(["x"])
@@ -350,7 +350,7 @@ def test_a_tokenizer_callable_must_return_integer_ids_the_dtype_holds() -> None:
 
 
 def test_an_encoder_unpickled_in_another_process_encodes_on_one_thread(tokenizer_json: str) -> None:
-    from guideloom.storage._parquet._text import TextEncoder
+    from guideloom.storage._text import TextEncoder
 
     encoder = TextEncoder(tokenizer_json, eos="</s>")
     same = pickle.loads(pickle.dumps(encoder))  # a copy in this process changes nothing here
@@ -376,7 +376,7 @@ def test_a_process_forked_after_the_encoder_was_made_uses_its_tokenizer(tokenize
     built (its pages) instead of building its own from the pickled encoder."""
     import multiprocessing
 
-    from guideloom.storage._parquet._text import TextEncoder
+    from guideloom.storage._text import TextEncoder
 
     encoder = TextEncoder(tokenizer_json, eos="</s>")
     assert pickle.loads(pickle.dumps(encoder))._tok is encoder._tok

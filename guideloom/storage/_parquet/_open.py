@@ -18,7 +18,7 @@ from guideloom.storage._parquet._footers import _entry, _FileEntry, _read_index_
 from guideloom.storage._parquet._options import ParquetOptions, ParquetSettings
 from guideloom.storage._parquet._sources import _resolve
 from guideloom.storage._parquet._storage import ParquetStorage
-from guideloom.storage._parquet._text import TextEncoder
+from guideloom.storage._text import TextEncoder
 
 
 def parquet_columns(source: Any, **options: Any) -> tuple[list[str], list[tuple[str, str]]]:

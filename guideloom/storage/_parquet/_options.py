@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from guideloom.storage._parquet._decode import OnNull
-from guideloom.storage._parquet._text import TokenizerLike
+from guideloom.storage._text import TokenizerLike
 from guideloom.types import StoreOptions
 
 #: Default bytes of decoded row groups kept (what the row-group shuffle's window should fit).

@@ -28,7 +28,7 @@ from guideloom.storage._parquet._decode import I64, OnNull, _Decoded
 from guideloom.storage._parquet._files import _pa, _Stat
 from guideloom.storage._parquet._footers import _chunk_range, _FileEntry, _leaves
 from guideloom.storage._parquet._options import DEFAULT_FETCH_AHEAD
-from guideloom.storage._parquet._text import TextEncoder
+from guideloom.storage._text import TextEncoder
 from guideloom.storage.base import DocumentStorageAbstract
 
 #: Bytes of a token column decoded between two calls that give arrow's free pages back to the

@@ -66,6 +66,9 @@ class Indexes:
     """
 
     BLOCK_POSITIONS = 16384
+    #: The first block's positions: a plan started again between steps (a new geometry) may be
+    #: replaced before it reads far, so the blocks grow from this (x4 a fill) to the full size.
+    FIRST_BLOCK_POSITIONS = 1024
 
     def __init__(self, plan: EpochPlan, order: Order) -> None:
         self._plan = plan
@@ -73,10 +76,13 @@ class Indexes:
         self._first = self._stop = 0  # steps held: [first, stop)
         self._offsets = np.zeros(1, dtype=np.int64)
         self._values = np.zeros(0, dtype=np.int64)
+        self._block = self.FIRST_BLOCK_POSITIONS
 
     def _fill(self, step: int) -> None:
         plan = self._plan
-        block = getattr(self._order, "lookup_block", self.BLOCK_POSITIONS)  # a mixture's is smaller
+        most = getattr(self._order, "lookup_block", self.BLOCK_POSITIONS)  # a mixture's is smaller
+        block = min(self._block, most)
+        self._block = min(4 * self._block, self.BLOCK_POSITIONS)
         stop = min(len(plan), step + max(1, block // plan.local_batch_size))
         positions, sizes = plan.positions(step, stop)
         self._values = self._order.take(positions)

@@ -348,6 +348,7 @@ async def test_a_large_read_is_planned_and_copied_off_the_event_loop(
     plain_copies: Copies, s3: MotoS3, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import guideloom.storage._remote._fetch as fetch
+    import guideloom.storage._remote._shared as shared
     import guideloom.storage._remote._storage as remote
 
     where: dict[str, set[int]] = {"plan": set(), "copy": set()}
@@ -365,7 +366,7 @@ async def test_a_large_read_is_planned_and_copied_off_the_event_loop(
     await storage.open()
     try:
         n = len(plain_copies.tokens) // 100
-        starts = np.arange(0, n * 100, 100, dtype=np.int64)[: remote.PLAN_INLINE_SAMPLES * 2]
+        starts = np.arange(0, n * 100, 100, dtype=np.int64)[: shared.PLAN_INLINE_SAMPLES * 2]
         got = await storage.read_many(starts, 100)
     finally:
         await storage.close()

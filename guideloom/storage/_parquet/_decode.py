@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -24,7 +23,7 @@ class _Decoded:
     is then exactly what ``nbytes`` counts (arrow's buffers grow in steps, and its allocator keeps
     freed pages a while), and reading rows needs no arrow kernel."""
 
-    __slots__ = ("nbytes", "nulls", "offsets", "text", "tokens", "values")
+    __slots__ = ("ahead_done", "claimed", "nbytes", "nulls", "offsets", "scan", "text", "tokens", "values")
 
     def __init__(self, array: Any, kind: str) -> None:
         pa = _pa()
@@ -51,6 +50,11 @@ class _Decoded:
         #: group, so that a row read again (a document that several sequences hold, or read
         #: again while its row group is kept) is tokenized once.
         self.tokens: list[npt.NDArray[Any] | None] | None = [None] * len(array) if self.text else None
+        #: Rows a thread is tokenizing now; where tokenizing ahead has looked up to; whether
+        #: every row is tokenized (all under the storage's lock).
+        self.claimed: set[int] = set()
+        self.scan = 0
+        self.ahead_done = False
         self.nbytes = int(self.values.nbytes + self.offsets.nbytes) + (
             0 if self.nulls is None else int(self.nulls.nbytes)
         )
@@ -66,31 +70,6 @@ class _Decoded:
             raw = values.data
             return [str(raw[a:b], "utf-8") for a, b in zip(starts, ends, strict=True)]
         return [values[a:b] for a, b in zip(starts, ends, strict=True)]
-
-    def token_rows(
-        self,
-        local: I64,
-        cut: Callable[[I64], list[Any]],
-        encode: Callable[[Sequence[str]], list[npt.NDArray[Any]]],
-    ) -> tuple[list[npt.NDArray[Any]], int, int]:
-        """Rows ``local`` as token arrays: each row tokenized (``encode`` of its text, ``cut``
-        from this row group) the first time it is asked for, and kept. The arrays, the bytes
-        added to the row group, and the tokens made. Two threads may tokenize a row at once:
-        one array is kept, and both count what they made."""
-        tokens = self.tokens
-        if tokens is None:
-            raise TypeError("token_rows reads a text column's rows")
-        wanted = local.tolist()
-        missing = sorted({i for i in wanted if tokens[i] is None})
-        added = made = 0
-        if missing:
-            arrays = encode(cut(np.asarray(missing, dtype=np.int64)))
-            for i, array in zip(missing, arrays, strict=True):
-                made += len(array)
-                if tokens[i] is None:
-                    tokens[i] = array
-                    added += int(array.nbytes) + _ROW_OVERHEAD
-        return [t for t in (tokens[i] for i in wanted) if t is not None], added, made
 
     def lengths(self) -> I64:
         return np.diff(self.offsets)

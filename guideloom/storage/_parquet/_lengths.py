@@ -22,12 +22,12 @@ import numpy.typing as npt
 from guideloom._core.text import plural
 from guideloom._errors import DatasetIntegrityError
 from guideloom.storage._parquet._decode import I64
-from guideloom.storage._parquet._rowgroups import _RowGroups
+from guideloom.storage._parquet._tokens import _TokenRows
 
 _LENGTHS_VERSION = 2  # the length index's files and their key
 
 
-class _LengthIndex(_RowGroups):
+class _LengthIndex(_TokenRows):
     """Row groups with the length index over them (element access for packing)."""
 
     def _lengths_of(self, group: int) -> I64:

@@ -10,7 +10,6 @@ reads are built on it.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import hashlib
 import json
 import threading
@@ -272,21 +271,6 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
             # The decodes' own buffers are freed by now (what is kept was copied out).
             _pa().default_memory_pool().release_unused()
         return decoded
-
-    def _token_rows(self, group: int, decoded: _Decoded, local: I64) -> list[Any]:
-        """Rows ``local`` of a text row group as token arrays, each tokenized once while its row
-        group is kept (the arrays count in ``max_decoded_bytes``)."""
-        assert self._encoder is not None
-        cut = functools.partial(self._cut, group, decoded)
-        rows, added, made = decoded.token_rows(local, cut, self._encoder.encode_many)
-        with self._lock:
-            self.counts["parquet_tokens_tokenized"] += made
-            if added:
-                decoded.nbytes += added
-                if self._decoded.get(group) is decoded:
-                    self._decoded_bytes += added
-                    self._evict_locked(group, keep_new=True)
-        return rows
 
     def _evict_locked(self, new: int, *, keep_new: bool) -> None:
         """Drop decoded row groups until the kept bytes fit ``max_decoded_bytes``: first those no

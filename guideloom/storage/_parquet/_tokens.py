@@ -1,0 +1,177 @@
+"""A text row group's rows tokenized once each: by the read that needs them, or ahead of it.
+
+A read of a text column's rows as tokens (packing, a mixture) tokenizes the rows it needs that
+are not tokenized yet, and the row group keeps their tokens. Once a read has touched a row
+group, a thread of the storage's own tokenizes the group's other rows, a chunk at a time, while
+the reads go on: the tokenizer's calls are larger (the ``tokenizers`` library spreads a batch over
+every core) and overlap the reads' own Python work instead of waiting for it. Each row is claimed
+by whichever thread gets to it first, and a read that needs a row another thread is tokenizing
+waits for it, so no row is tokenized twice; a chunk that fails is left to the read that needs it,
+which raises its own error. Only row groups that are kept are tokenized ahead, and only while
+the kept row groups fill less than half of ``max_decoded_bytes`` (beyond, what it made might be
+dropped before a read used it).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from guideloom.storage._parquet._decode import _ROW_OVERHEAD, I64, _Decoded
+from guideloom.storage._parquet._rowgroups import _LIVE, _RowGroups
+
+__all__ = ["AHEAD_CHUNK"]
+
+#: Rows a thread tokenizing ahead claims and tokenizes at a time: large enough for the tokenizer
+#: to spread over the cores, small enough that a read needing one of them waits briefly.
+AHEAD_CHUNK = 64
+
+
+class _TokenRows(_RowGroups):
+    """Row groups whose text rows are tokenized once, by a read or ahead of it."""
+
+    #: Whether rows of a touched text row group are tokenized ahead on a thread (a class
+    #: attribute a subclass or test may turn off).
+    tokenize_ahead = True
+
+    def _reset(self) -> None:
+        super()._reset()
+        self._to_tokenize: deque[tuple[int, _Decoded]] = deque()
+        self._tokenizing: set[int] = set()  # row groups queued or being tokenized ahead
+        self._tokenizer_thread: threading.Thread | None = None
+        self._tokens_stop = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        for key in ("_to_tokenize", "_tokenizing", "_tokenizer_thread", "_tokens_stop"):
+            state.pop(key, None)
+        return state
+
+    def _token_rows(self, group: int, decoded: _Decoded, local: I64) -> list[Any]:
+        """Rows ``local`` of a text row group as token arrays, each tokenized once while its row
+        group is kept (the arrays count in ``max_decoded_bytes``)."""
+        tokens = decoded.tokens
+        if tokens is None:
+            raise TypeError("token_rows reads a text column's rows")
+        wanted = local.tolist()
+        need = sorted(set(wanted))
+        while True:
+            with self._lock:
+                missing = [i for i in need if tokens[i] is None]
+                if not missing:
+                    break
+                mine = [i for i in missing if i not in decoded.claimed]
+                if not mine:  # all being tokenized by another thread: wait for it
+                    self._lock.wait()
+                    continue
+                decoded.claimed.update(mine)
+            self._tokenize_claimed(group, decoded, mine)
+        if self.tokenize_ahead:
+            self._tokenize_rest(group, decoded)
+        return [tokens[i] for i in wanted]
+
+    def _tokenize_claimed(self, group: int, decoded: _Decoded, rows: list[int]) -> None:
+        """Tokenize ``rows`` (claimed by this thread) and keep their tokens; the claims are let
+        go however it ends (rows left untokenized are then claimed by the next that needs them)."""
+        assert self._encoder is not None and decoded.tokens is not None
+        arrays = None
+        try:
+            arrays = self._encoder.encode_many(self._cut(group, decoded, np.asarray(rows, dtype=np.int64)))
+        finally:
+            with self._lock:
+                decoded.claimed.difference_update(rows)
+                if arrays is not None:
+                    tokens, added, made = decoded.tokens, 0, 0
+                    for i, array in zip(rows, arrays, strict=True):
+                        tokens[i] = array
+                        made += len(array)
+                        added += int(array.nbytes) + _ROW_OVERHEAD
+                    self.counts["parquet_tokens_tokenized"] += made
+                    decoded.nbytes += added
+                    if self._decoded.get(group) is decoded:
+                        self._decoded_bytes += added
+                        self._evict_locked(group, keep_new=True)
+                self._lock.notify_all()
+
+    def _tokenize_rest(self, group: int, decoded: _Decoded) -> None:
+        """Queue the rest of ``group``'s rows to be tokenized ahead (once), starting the thread
+        that does it if none runs."""
+        with self._lock:
+            if group in self._tokenizing or decoded.ahead_done:
+                return
+            if 2 * self._decoded_bytes > self.max_decoded_bytes:
+                return  # what it made might be dropped before a read used it
+            self._tokenizing.add(group)
+            self._to_tokenize.append((group, decoded))
+            thread = self._tokenizer_thread
+            if thread is not None and thread.is_alive():
+                return
+            self._tokens_stop = False
+            thread = self._tokenizer_thread = threading.Thread(
+                target=self._tokenize_ahead, name="guideloom-parquet-tokens", daemon=True
+            )
+        _LIVE.add(self)
+        thread.start()
+
+    def _next_chunk_locked(self) -> tuple[int, _Decoded, list[int]] | None:
+        """The next rows to tokenize ahead, claimed: from the oldest queued row group that is
+        still kept; ``None`` once there are none (or the storage stops)."""
+        while self._to_tokenize and not self._tokens_stop:
+            group, decoded = self._to_tokenize[0]
+            tokens = decoded.tokens
+            assert tokens is not None
+            if self._decoded.get(group) is decoded:
+                rows: list[int] = []
+                for i in range(decoded.scan, len(tokens)):
+                    if tokens[i] is None and i not in decoded.claimed:
+                        rows.append(i)
+                        if len(rows) == AHEAD_CHUNK:
+                            break
+                    decoded.scan = i + 1
+                if rows:
+                    decoded.claimed.update(rows)
+                    return group, decoded, rows
+                if decoded.scan >= len(tokens):
+                    decoded.ahead_done = True
+            self._to_tokenize.popleft()  # done, or dropped from the kept row groups
+            self._tokenizing.discard(group)
+        return None
+
+    def _tokenize_ahead(self) -> None:
+        """The thread tokenizing ahead: chunks of queued row groups until none is left."""
+        while True:
+            with self._lock:
+                got = self._next_chunk_locked()
+                if got is None:
+                    self._to_tokenize.clear()
+                    self._tokenizing.clear()
+                    if self._tokenizer_thread is threading.current_thread():
+                        self._tokenizer_thread = None
+                    return
+            group, decoded, rows = got
+            try:
+                self._tokenize_claimed(group, decoded, rows)
+            except Exception:  # left to the read that needs these rows: it raises its own error
+                with self._lock:
+                    self._tokenizing.discard(group)
+                    if self._to_tokenize and self._to_tokenize[0][0] == group:
+                        self._to_tokenize.popleft()
+
+    def _stop_ahead(self, *, join: bool = True) -> None:
+        """Stop fetching and tokenizing ahead (a chunk in progress completes) and, with
+        ``join``, wait for both."""
+        super()._stop_ahead(join=join)
+        with self._lock:
+            self._tokens_stop = True
+            thread = self._tokenizer_thread
+            self._lock.notify_all()
+        if join and thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    async def close(self) -> None:
+        """Stop fetching and tokenizing ahead (the loader closes its storage after its last read)."""
+        if self._fetchers or self._tokenizer_thread is not None:
+            await self._blocking(self._stop_ahead)

@@ -1,0 +1,95 @@
+"""A text row group's rows tokenized once each, by the read that needs them or by the thread
+that tokenizes the rest of a touched row group ahead (``guideloom/storage/_parquet/_tokens.py``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import guideloom as gl
+
+ROWS = 300
+
+
+def slow_words(text: str) -> list[int]:
+    """A tokenizer callable slow enough (about 0.2 ms a text) for reads to meet the thread
+    that tokenizes ahead: one id per word, its length."""
+    time.sleep(0.0002)
+    return [len(w) for w in text.split()]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tokens")
+    texts = [" ".join(["w" * (1 + (i + k) % 7) for k in range(1 + i % 11)]) for i in range(ROWS)]
+    pq.write_table(pa.table({"text": texts}), out / "a.parquet", row_group_size=100)
+    return out
+
+
+def expected(folder: Path, rows: Sequence[int]) -> list[list[int]]:
+    texts = pq.read_table(folder / "a.parquet").column("text").to_pylist()
+    return [slow_words(texts[i]) for i in rows]
+
+
+def test_reads_beside_the_thread_tokenizing_ahead_get_each_row_tokenized_once(folder: Path) -> None:
+    storage = gl.open_parquet(folder, "text", tokenizer=slow_words)
+    rng = np.random.default_rng(0)
+    order = rng.permutation(ROWS)
+    got: dict[int, list[int]] = {}
+    for chunk in np.array_split(order, 60):  # reads of a few rows each, every row group touched
+        for i, row in zip(chunk.tolist(), storage.read_many_sync(chunk), strict=True):
+            got[i] = row.tolist()
+    assert [got[i] for i in range(ROWS)] == expected(folder, range(ROWS))
+    storage._stop_ahead()
+    total = sum(len(t) for t in expected(folder, range(ROWS)))
+    assert storage.counts["parquet_tokens_tokenized"] == total  # none twice, none left out
+
+
+def test_a_read_waits_for_rows_the_thread_is_tokenizing_and_does_not_tokenize_them_again(
+    folder: Path,
+) -> None:
+    calls: list[str] = []
+    lock = threading.Lock()
+
+    def counted(text: str) -> list[int]:
+        with lock:
+            calls.append(text)
+        return slow_words(text)
+
+    storage = gl.open_parquet(folder, "text", tokenizer=counted)
+    storage.read_many_sync(np.asarray([0]))  # touches row group 0: the rest goes to the thread
+    rows = np.arange(100)
+    assert [r.tolist() for r in storage.read_many_sync(rows)] == expected(folder, rows.tolist())
+    storage._stop_ahead()
+    assert len(calls) == 100  # each of the row group's rows once, whoever tokenized it
+
+
+def test_a_row_that_fails_to_tokenize_ahead_fails_the_read_that_needs_it(folder: Path) -> None:
+    texts = pq.read_table(folder / "a.parquet").column("text").to_pylist()
+    bad = texts[57]
+
+    def fails_on_one(text: str) -> list[int]:
+        if text == bad:
+            raise RuntimeError("this tokenizer cannot encode that text")
+        return slow_words(text)
+
+    storage = gl.open_parquet(folder, "text", tokenizer=fails_on_one)
+    good = [i for i in range(100) if texts[i] != bad]
+    assert [r.tolist() for r in storage.read_many_sync(np.asarray(good))] == expected(folder, good)
+    with pytest.raises(RuntimeError, match="cannot encode that text"):
+        storage.read_many_sync(np.asarray([57]))
+    storage._stop_ahead()
+
+
+def test_closing_the_storage_stops_the_thread_tokenizing_ahead(folder: Path) -> None:
+    storage = gl.open_parquet(folder, "text", tokenizer=slow_words)
+    storage.read_many_sync(np.asarray([0, 100, 200]))
+    storage._stop_ahead()
+    assert storage._tokenizer_thread is None or not storage._tokenizer_thread.is_alive()

@@ -41,7 +41,8 @@ __all__ = [
 
 #: Every shared-memory segment guideloom makes starts with this (``/dev/shm/guideloom-...``).
 SHM_PREFIX = "guideloom-"
-#: Arrays smaller than this travel inside the pickle: a slot costs more than copying them.
+#: Numpy arrays smaller than this travel inside the pickle: a slot costs more than copying them
+#: (a tensor's own pickling costs more than a slot whatever its size: tensors always use one).
 MIN_SHARED_BYTES = 4096
 #: Slots per worker at most (one state byte each); past that, batches travel pickled.
 MAX_SLOTS = 4096

@@ -1,7 +1,8 @@
 """What guideloom keeps for the whole process, in one place.
 
 - **Live objects** with background work (downloads, fetches ahead, stores): each kind in a
-  :class:`Live` registry, stopped before the interpreter joins its threads at exit.
+  :class:`Live` registry, stopped before the interpreter joins its threads at exit (the stores'
+  clients after: a thread may read through one until it ends).
 - **Thread pools** shared by every storage (:func:`pool`): created on first use, named, their
   threads started on demand and joined at exit by ``concurrent.futures``.
 - **Checks already made** (:func:`remembered`): bounded maps from a file's identity to what a
@@ -13,7 +14,9 @@ or a benchmark that measures a first epoch again); live objects and pools are le
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
+import gc
 import threading
 import weakref
 from collections import OrderedDict
@@ -30,19 +33,22 @@ V = TypeVar("V")
 
 _LOCK = threading.Lock()
 _LIVE: list[Live[object]] = []
+_LAST: list[Live[object]] = []
 _POOLS: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 _REMEMBERED: list[_Bounded[object, object]] = []
 
 
 class Live(Generic[T]):
-    """The live objects of one kind, each stopped with ``stop`` before the interpreter joins its
-    threads (held weakly: an object dropped is forgotten)."""
+    """The live objects of one kind, each stopped with ``stop`` at interpreter exit (held weakly:
+    an object dropped is forgotten): before the interpreter joins its threads (what stops a
+    thread), or with ``after_threads`` once they are joined (what a thread may still use until
+    it ends: a store's client), followed by a garbage collection."""
 
-    def __init__(self, stop: Callable[[T], object]) -> None:
+    def __init__(self, stop: Callable[[T], object], *, after_threads: bool = False) -> None:
         self._objects: weakref.WeakSet[T] = weakref.WeakSet()
         self._stop = stop
         with _LOCK:
-            _LIVE.append(self)  # type: ignore[arg-type]
+            (_LAST if after_threads else _LIVE).append(self)  # type: ignore[arg-type]
 
     def add(self, obj: T) -> None:
         self._objects.add(obj)
@@ -63,7 +69,14 @@ def _stop_everything() -> None:
         live.stop_all()
 
 
+def _stop_the_last() -> None:
+    for live in list(_LAST):
+        live.stop_all()
+    gc.collect()
+
+
 at_threads_exit(_stop_everything)
+atexit.register(_stop_the_last)
 
 
 def pool(name: str, threads: int) -> concurrent.futures.ThreadPoolExecutor:

@@ -14,17 +14,15 @@ obstore's error, so no link of their ``__context__`` chain holds a credential.
 from __future__ import annotations
 
 import asyncio
-import atexit
-import gc
 import hashlib
 import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
 from guideloom._core.text import plural
 from guideloom._errors import DatasetIntegrityError
+from guideloom._process import Live
 from guideloom.storage._format._manifest import MANIFEST_NAME, Manifest
 from guideloom.storage._remote._fetch import (
     RangeFetcher,
@@ -53,20 +51,14 @@ from guideloom.storage._remote._ranges import Job, Limits
 
 __all__ = ["Remote", "gather_first_error", "open_remote"]
 
-_OPEN: weakref.WeakSet[Remote] = weakref.WeakSet()
+#: Every store guideloom still holds, dropped at exit once the threads are joined (a thread may
+#: read through one until it ends), so nothing of obstore outlives the interpreter.
+_OPEN: Live[Remote] = Live(lambda remote: remote.drop_store(), after_threads=True)
 
 #: A manifest checked this recently (``open_stream`` checks it and every object's size) is not
 #: read again by ``open()``: the round trip would sit in front of the first batch, and a
 #: dataset rewritten within these seconds is a race no check closes. Later opens read it again.
 MANIFEST_FRESH_SECONDS = 5.0
-
-
-@atexit.register
-def _close_all_at_exit() -> None:
-    """Drop every store guideloom still holds, so nothing of obstore outlives the interpreter."""
-    for remote in list(_OPEN):
-        remote.drop_store()
-    gc.collect()
 
 
 class Remote:

@@ -9,6 +9,7 @@ reported as ratios to the bare loop of the same round (this machine is shared an
     python -m benchmarks local --quick    # a smaller smoke run
     python -m benchmarks local --process-workers   # only the process-worker table
     python -m benchmarks local --steady   # only the steady-state worker ratios
+    python -m benchmarks local --nw0      # only num_workers=0 against the bare loop
 """
 
 from __future__ import annotations
@@ -447,6 +448,34 @@ def steady_state_table(path: Path, rounds: int, window: int = 1000, warm_s: floa
             feed.close()
 
 
+def nw0_table(path: Path, batches: int, warmup: int, rounds: int, prefetch: int) -> None:
+    """``num_workers=0`` (the README's collate, a fresh loader each, ``warmup`` untimed batches) against
+    the bare loop over the same rows: each round times the bare loop, both loaders, and the bare
+    loop again; a ratio is a loader's rate over the mean of its round's two bare loops. Medians
+    over the rounds; the load average is the machine's while they ran."""
+    names = ("prefetch=0", f"prefetch={prefetch}")
+    ratios: dict[str, list[float]] = {k: [] for k in names}
+    bare: list[float] = []
+    load0 = os.getloadavg()[0]
+    for _ in range(rounds):
+        a = run_bare(path, batches)
+        got = [run_sync(path, batches, warmup), run_sync(path, batches, warmup, prefetch=prefetch)]
+        b = run_bare(path, batches)
+        bare += [a, b]
+        for name, rate in zip(names, got, strict=True):
+            ratios[name].append(2 * rate / (a + b))
+    load = (load0 + os.getloadavg()[0]) / 2
+    print(
+        f"\nnum_workers=0, README collate, {batches} batches after {warmup} warm-up, {rounds} rounds "
+        f"(medians); bare loop {statistics.median(bare):,.0f} samples/s; load average {load:.2f} "
+        f"on {os.cpu_count()} CPUs"
+    )
+    print(f"{'configuration':44s} {'x bare':>8s} {'range':>12s}")
+    for name in names:
+        r = ratios[name]
+        print(f"{'guideloom sync nw=0 ' + name:44s} {statistics.median(r):8.2f} {min(r):6.2f}-{max(r):.2f}")
+
+
 def thread_worker_targets(path: Path, batches: int, warmup: int, rounds: int) -> None:
     """Thread workers against no workers, for the README's collate and a
     GIL-bound collate of ~1 ms; each ratio against ``nw=0`` of the same round (sync ``for``)."""
@@ -505,11 +534,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--steady", action="store_true", help="only the steady-state worker ratios (long-lived loaders)"
     )
+    ap.add_argument("--nw0", action="store_true", help="only num_workers=0 against the bare loop")
     ap.add_argument("--steady-rounds", type=int, default=15, help="rounds of the steady-state table")
     args = ap.parse_args(argv)
     if args.quick:
         args.tokens, args.batches, args.warmup, args.rounds = 10_000_000, 200, 50, 1
     path = ensure_dataset(args.tokens)
+    if args.nw0:
+        nw0_table(path, args.batches, args.warmup, args.rounds, args.prefetch)
+        return
     if args.steady:
         steady_state_table(path, args.steady_rounds)
         return

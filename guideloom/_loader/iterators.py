@@ -199,8 +199,9 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
         except BaseException:
             self.close()
             raise
-        self._next = driver.next  # the hot path: no extra frame
+        self._next = driver.hot  # the hot path: no extra frame
         self._running: SyncDriver = driver
+        self._counts = self._figures.counts
 
     def __iter__(self) -> SyncIterator[BatchT]:
         return self
@@ -229,7 +230,20 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
             raise StopIteration
         if d.error is not None:
             self._close_after_error()
-        return self._accept(d, waited, self._running.place)
+            return self._accept(d, waited, self._running.place)
+        # _accept's bookkeeping written out (the path of every batch): the position, the
+        # audit's count, the figures of stats()
+        spec = d.spec
+        self._ckpt.offset = spec.offset_after
+        self._delivered += 1
+        counts = self._counts
+        counts["wait_seconds"] += waited
+        counts["last_wait_seconds"] = waited
+        counts["batches"] += 1
+        counts["samples"] += spec.stop - spec.start
+        counts["collated_" + self._running.flow.place] += 1
+        value: BatchT = d.value
+        return value
 
     def _close_after_error(self) -> None:
         """Close, and shut the loader's process workers down too (a failed epoch leaves nothing

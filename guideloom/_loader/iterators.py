@@ -201,6 +201,7 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
             raise
         self._next = driver.hot  # the hot path: no extra frame
         self._running: SyncDriver = driver
+        self._flow = driver.flow  # the same flow from plan to plan (a replan restarts it)
         self._counts = self._figures.counts
 
     def __iter__(self) -> SyncIterator[BatchT]:
@@ -209,13 +210,13 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
     def _running_driver(self) -> SyncDriver | None:
         return self._driver
 
-    def __next__(self) -> BatchT:
+    def __next__(self, _clock: Callable[[], float] = time.perf_counter) -> BatchT:
         if self._done:
             raise StopIteration
         try:
-            t0 = time.perf_counter()
+            t0 = _clock()
             d = self._next()
-            waited = time.perf_counter() - t0
+            waited = _clock() - t0
         except BaseException as exc:
             if isinstance(exc, Exception) and self._done:
                 raise StopIteration from None  # close() in another thread ended this next()
@@ -241,7 +242,7 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
         counts["last_wait_seconds"] = waited
         counts["batches"] += 1
         counts["samples"] += spec.stop - spec.start
-        counts["collated_" + self._running.flow.place] += 1
+        counts["collated_" + self._flow.place] += 1
         value: BatchT = d.value
         return value
 

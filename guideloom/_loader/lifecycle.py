@@ -167,12 +167,20 @@ class Lifecycle:
         chooser = self._choosers.get(kind)
         return None if chooser is None else chooser.verdict
 
-    def open(self, dataset: DatasetAbstract[Any], check: Callable[[], None]) -> None:
+    def open(
+        self,
+        dataset: DatasetAbstract[Any],
+        check: Callable[[], None],
+        before: Callable[[], None] | None = None,
+    ) -> None:
         """``loader.open()``: open the dataset reader, then ``check`` it (there is a global
-        batch: a storage may know its length only once open)."""
+        batch: a storage may know its length only once open). ``before`` runs first, on this
+        process's only thread still (the process workers' start begins there: it forks)."""
         with self.lock:
             if self.state != "closed":
                 return
+            if before is not None:
+                before()
             _run_blocking(dataset.open())
             try:
                 check()

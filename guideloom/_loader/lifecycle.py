@@ -181,11 +181,17 @@ class Lifecycle:
                 return
             if before is not None:
                 before()
-            _run_blocking(dataset.open())
             try:
-                check()
+                _run_blocking(dataset.open())
+                try:
+                    check()
+                except BaseException:
+                    _run_blocking(dataset.close())
+                    raise
             except BaseException:
-                _run_blocking(dataset.close())
+                pool, self.pool = self.pool, None  # an open that fails leaves no worker running
+                if pool is not None:
+                    pool.close()
                 raise
             self.state = "open"
 

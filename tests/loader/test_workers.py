@@ -162,3 +162,12 @@ def test_open_begins_the_persistent_workers_the_first_iterator_uses() -> None:
     with inline:
         assert inline._state.life.pool is None
         assert flat(take(inline)) == list(range(40))
+
+
+def test_an_open_that_fails_leaves_no_worker_running() -> None:
+    """The workers begun by ``open()`` stop when the open fails (here the size check)."""
+    loader = make(identity_stream(3), local_batch_size=4, num_workers=2, parallel_method="process")
+    with pytest.raises(ValueError, match="observations"):
+        loader.open()
+    assert loader._state.life.pool is None
+    loader.close()

@@ -9,6 +9,7 @@ reported as ratios to the bare loop of the same round (this machine is shared an
     python -m benchmarks local --quick    # a smaller smoke run
     python -m benchmarks local --process-workers   # only the process-worker table
     python -m benchmarks local --steady   # only the steady-state worker ratios
+    python -m benchmarks local --nw0      # only num_workers=0 against the bare loop
 """
 
 from __future__ import annotations
@@ -447,6 +448,77 @@ def steady_state_table(path: Path, rounds: int, window: int = 1000, warm_s: floa
             feed.close()
 
 
+def _burst_p10(step: Callable[[], Any], bursts: int, size: int = 64) -> float:
+    """Seconds a batch of ``step`` (one batch each call) in its 10th-percentile burst of ``size``
+    batches: the cost of a batch while nothing else ran, which a loaded machine still shows
+    in some of its bursts (a mean over a whole run counts every other process's time slices)."""
+    times = []
+    for _ in range(bursts):
+        t0 = time.perf_counter()
+        for _ in range(size):
+            step()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 10] / size
+
+
+def _bare_steps(path: Path, batches: int) -> Callable[[], Any]:
+    view = _rows_view(path)
+    order = order_for(len(view), batches)
+    b = 0
+
+    def step() -> Any:
+        nonlocal b
+        i, b = b, (b + 1) % batches
+        return collate(view[order[i * BATCH : (i + 1) * BATCH]])
+
+    return step
+
+
+def nw0_table(path: Path, batches: int, warmup: int, rounds: int, prefetch: int) -> None:
+    """``num_workers=0`` (the README's collate, a fresh loader each, ``warmup`` untimed batches) against
+    the bare loop over the same rows: each round times the bare loop, both loaders, and the bare
+    loop again; a ratio is a loader's rate over the mean of its round's two bare loops. Medians
+    over the rounds; the load average is the machine's while they ran. Then the same ratio from
+    the 10th-percentile bursts of 64 batches (:func:`_burst_p10`), bare loop and ``prefetch=0``
+    alternating: the figure an idle machine gives."""
+    names = ("prefetch=0", f"prefetch={prefetch}")
+    ratios: dict[str, list[float]] = {k: [] for k in names}
+    bare: list[float] = []
+    load0 = os.getloadavg()[0]
+    for _ in range(rounds):
+        a = run_bare(path, batches)
+        got = [run_sync(path, batches, warmup), run_sync(path, batches, warmup, prefetch=prefetch)]
+        b = run_bare(path, batches)
+        bare += [a, b]
+        for name, rate in zip(names, got, strict=True):
+            ratios[name].append(2 * rate / (a + b))
+    bursts = max(20, batches // 64)
+    best: list[float] = []
+    for _ in range(rounds):
+        loader = make_loader(path)
+        with loader:
+            it = iter(loader)
+            for _ in range(warmup):
+                next(it)
+            mine = _burst_p10(it.__next__, min(bursts, (len(it) - 1) // 64))
+            it.close()
+        best.append(_burst_p10(_bare_steps(path, batches), bursts) / mine)
+    load = (load0 + os.getloadavg()[0]) / 2
+    print(
+        f"\nnum_workers=0, README collate, {batches} batches after {warmup} warm-up, {rounds} rounds "
+        f"(medians); bare loop {statistics.median(bare):,.0f} samples/s; load average {load:.2f} "
+        f"on {os.cpu_count()} CPUs"
+    )
+    print(f"{'configuration':44s} {'x bare':>8s} {'range':>12s}")
+    for name in names:
+        r = ratios[name]
+        print(f"{'guideloom sync nw=0 ' + name:44s} {statistics.median(r):8.2f} {min(r):6.2f}-{max(r):.2f}")
+    print(
+        f"{'guideloom sync nw=0 prefetch=0, p10 bursts':44s} {statistics.median(best):8.2f} "
+        f"{min(best):6.2f}-{max(best):.2f}"
+    )
+
+
 def thread_worker_targets(path: Path, batches: int, warmup: int, rounds: int) -> None:
     """Thread workers against no workers, for the README's collate and a
     GIL-bound collate of ~1 ms; each ratio against ``nw=0`` of the same round (sync ``for``)."""
@@ -505,11 +577,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--steady", action="store_true", help="only the steady-state worker ratios (long-lived loaders)"
     )
+    ap.add_argument("--nw0", action="store_true", help="only num_workers=0 against the bare loop")
     ap.add_argument("--steady-rounds", type=int, default=15, help="rounds of the steady-state table")
     args = ap.parse_args(argv)
     if args.quick:
         args.tokens, args.batches, args.warmup, args.rounds = 10_000_000, 200, 50, 1
     path = ensure_dataset(args.tokens)
+    if args.nw0:
+        nw0_table(path, args.batches, args.warmup, args.rounds, args.prefetch)
+        return
     if args.steady:
         steady_state_table(path, args.steady_rounds)
         return

@@ -19,6 +19,12 @@ script), and torch's and guideloom's alternate round by round. Printed, medians 
 
     python -m benchmarks worker-start [--rounds 5]
     python -m benchmarks worker-start --methods forkserver,spawn,fork   # the start methods compared
+    python -m benchmarks worker-start --pinned --rounds 7   # first batch, collate_mode="workers"
+
+``--pinned``: only the first batch of a fresh loader (each a fresh process), guideloom with
+``collate_mode="workers"`` (the first batch waits for the workers: none is made inline) against
+torch's ``DataLoader(num_workers=2)`` over a dataset with ``__getitems__`` (one batched gather
+a batch, as guideloom's workers read).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 import guideloom as gl
@@ -166,11 +173,50 @@ def child_torch(path: Path) -> dict[str, Any]:
     return {"first_ms": first * 1e3, "pss_mib": peak.mib, "processes": peak.processes, "parts": peak.parts}
 
 
-def _loader(path: Path, prefetch: int) -> gl.StatefulDataLoader[Any, torch.Tensor]:
+class _MemmapBatches(_MemmapRows):
+    """:class:`_MemmapRows` with ``__getitems__``: torch's fetcher reads a batch's rows in one gather."""
+
+    def __getitems__(self, indexes: list[int]) -> Any:
+        if self.mm is None:
+            self.mm = np.memmap(self.path, dtype=np.uint16, mode="r")
+        return self.mm[: self.rows * SEQ].reshape(self.rows, SEQ)[indexes]
+
+
+def child_torch_first(path: Path) -> dict[str, Any]:
+    """Seconds to the first batch of torch's ``DataLoader`` with 2 workers over ``__getitems__``."""
+    ds = _MemmapBatches(path)
+    t0 = time.perf_counter()
+    dl = torch.utils.data.DataLoader(
+        ds, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(0),
+        collate_fn=collate, num_workers=2, persistent_workers=True,
+    )  # fmt: skip
+    it = iter(dl)
+    next(it)
+    first = time.perf_counter() - t0
+    del it, dl
+    return {"first_ms": first * 1e3}
+
+
+def child_guideloom_pinned(path: Path, method: str, prefetch: int) -> dict[str, Any]:
+    """Seconds to the first batch with ``collate_mode="workers"``: the loader made and opened,
+    the workers started, the batch made by one of them."""
+    start_module.START_METHOD = method
+    t0 = time.perf_counter()
+    loader = _loader(path, prefetch, collate_mode="workers")
+    loader.open()
+    it = iter(loader)
+    next(it)
+    first = time.perf_counter() - t0
+    it.close()
+    loader.close()
+    return {"first_ms": first * 1e3}
+
+
+def _loader(path: Path, prefetch: int, **kw: Any) -> gl.StatefulDataLoader[Any, torch.Tensor]:
     return gl.StatefulDataLoader.from_storage(
         gl.open_stream(path), collate, sequence_length=SEQ, local_batch_size=BATCH, shuffle=True,
         shuffle_seed=0, num_workers=2, parallel_method="process", persistent_workers=True,
-        prefetch=prefetch, device=torch.device("cpu"),
+        prefetch=prefetch, device=torch.device("cpu"), **kw,
     )  # fmt: skip
 
 
@@ -240,6 +286,30 @@ def _run_child(kind: str, path: Path, method: str, prefetch: int) -> dict[str, A
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+def pinned_table(path: Path, methods: list[str], rounds: int, prefetch: int) -> None:
+    """First batch with ``collate_mode="workers"`` against torch's over ``__getitems__``, a fresh
+    process each, alternating round by round; medians, and the ratio within each round."""
+    runs: dict[str, list[float]] = {"torch": [], **{m: [] for m in methods}}
+    load0 = os.getloadavg()[0]
+    for r in range(rounds):
+        runs["torch"].append(_run_child("torch-first", path, "", prefetch)["first_ms"])
+        for m in methods:
+            runs[m].append(_run_child("pinned", path, m, prefetch)["first_ms"])
+        print(f"round {r + 1}/{rounds} done", flush=True)
+    load = (load0 + os.getloadavg()[0]) / 2
+    print(
+        f'\nfirst batch, collate_mode="workers", 2 workers, prefetch={prefetch}; '
+        f"torch DataLoader(num_workers=2) "
+        f"over __getitems__; a fresh process each, medians of {rounds} rounds; load average {load:.2f} "
+        f"on {os.cpu_count()} CPUs"
+    )
+    torch_ms = runs["torch"]
+    print(f"  torch DataLoader             {statistics.median(torch_ms):8.1f} ms")
+    for m in methods:
+        x = statistics.median(g / t for g, t in zip(runs[m], torch_ms, strict=True))
+        print(f"  guideloom, started by {m!r:12s} {statistics.median(runs[m]):8.1f} ms  {x:5.2f}x torch")
+
+
 # -- the table -----------------------------------------------------------------------------------
 def _median(rows: list[dict[str, Any]], key: str) -> float:
     return statistics.median(float(r[key]) for r in rows)
@@ -261,19 +331,28 @@ def main(argv: list[str] | None = None) -> None:
         default="zygote,forkserver",
         help="guideloom's start methods to measure (zygote,forkserver,spawn,fork)",
     )
-    ap.add_argument("--child", choices=["torch", "guideloom"], help=argparse.SUPPRESS)
+    ap.add_argument("--pinned", action="store_true", help='only the first batch, collate_mode="workers"')
+    ap.add_argument(
+        "--child", choices=["torch", "guideloom", "torch-first", "pinned"], help=argparse.SUPPRESS
+    )
     ap.add_argument("--path", help=argparse.SUPPRESS)
     ap.add_argument("--method", default="zygote,forkserver", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child is not None:
         path = Path(args.path)
-        got = (
-            child_torch(path) if args.child == "torch" else child_guideloom(path, args.method, args.prefetch)
-        )
-        print(json.dumps(got))
+        children = {
+            "torch": lambda: child_torch(path),
+            "guideloom": lambda: child_guideloom(path, args.method, args.prefetch),
+            "torch-first": lambda: child_torch_first(path),
+            "pinned": lambda: child_guideloom_pinned(path, args.method, args.prefetch),
+        }
+        print(json.dumps(children[args.child]()))
         return
     path = ensure_dataset(args.tokens)
     methods = args.methods.split(",")
+    if args.pinned:
+        pinned_table(path, methods, args.rounds, args.prefetch)
+        return
     runs: dict[str, list[dict[str, Any]]] = {"torch": [], **{m: [] for m in methods}}
     for r in range(args.rounds):
         runs["torch"].append(_run_child("torch", path, "", args.prefetch))

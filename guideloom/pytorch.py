@@ -16,6 +16,7 @@ state object, the epoch's plan and order, and the checkpoint (``state``, over th
 
 from __future__ import annotations
 
+import functools
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -219,13 +220,15 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
 
     # -- lifecycle --------------------------------------------------------------------------------
     def open(self) -> None:
-        """Open the dataset reader.
+        """Open the dataset reader. Persistent process workers (``parallel_method="process"``)
+        begin to start here, while the dataset opens, rather than at the first iterator.
 
         Raises:
             ValueError: If the dataset contains fewer observations than ``world_size *
                 local_batch_size``.
         """
-        self._state.life.open(self.dataset, self._check_size)
+        state = self._state
+        state.life.open(self.dataset, self._check_size, functools.partial(state.begin_workers, self))
 
     def close(self) -> None:
         """Close the dataset reader; an active iterator ends and its threads/processes stop.

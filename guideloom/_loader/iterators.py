@@ -199,8 +199,10 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
         except BaseException:
             self.close()
             raise
-        self._next = driver.next  # the hot path: no extra frame
+        self._next = driver.hot  # the hot path: no extra frame
         self._running: SyncDriver = driver
+        self._flow = driver.flow  # the same flow from plan to plan (a replan restarts it)
+        self._counts = self._figures.counts
 
     def __iter__(self) -> SyncIterator[BatchT]:
         return self
@@ -208,13 +210,13 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
     def _running_driver(self) -> SyncDriver | None:
         return self._driver
 
-    def __next__(self) -> BatchT:
+    def __next__(self, _clock: Callable[[], float] = time.perf_counter) -> BatchT:
         if self._done:
             raise StopIteration
         try:
-            t0 = time.perf_counter()
+            t0 = _clock()
             d = self._next()
-            waited = time.perf_counter() - t0
+            waited = _clock() - t0
         except BaseException as exc:
             if isinstance(exc, Exception) and self._done:
                 raise StopIteration from None  # close() in another thread ended this next()
@@ -229,7 +231,20 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
             raise StopIteration
         if d.error is not None:
             self._close_after_error()
-        return self._accept(d, waited, self._running.place)
+            return self._accept(d, waited, self._running.place)
+        # _accept's bookkeeping written out (the path of every batch): the position, the
+        # audit's count, the figures of stats()
+        spec = d.spec
+        self._ckpt.offset = spec.offset_after
+        self._delivered += 1
+        counts = self._counts
+        counts["wait_seconds"] += waited
+        counts["last_wait_seconds"] = waited
+        counts["batches"] += 1
+        counts["samples"] += spec.stop - spec.start
+        counts["collated_" + self._flow.place] += 1
+        value: BatchT = d.value
+        return value
 
     def _close_after_error(self) -> None:
         """Close, and shut the loader's process workers down too (a failed epoch leaves nothing

@@ -167,17 +167,31 @@ class Lifecycle:
         chooser = self._choosers.get(kind)
         return None if chooser is None else chooser.verdict
 
-    def open(self, dataset: DatasetAbstract[Any], check: Callable[[], None]) -> None:
+    def open(
+        self,
+        dataset: DatasetAbstract[Any],
+        check: Callable[[], None],
+        before: Callable[[], None] | None = None,
+    ) -> None:
         """``loader.open()``: open the dataset reader, then ``check`` it (there is a global
-        batch: a storage may know its length only once open)."""
+        batch: a storage may know its length only once open). ``before`` runs first, on this
+        process's only thread still (the process workers' start begins there: it forks)."""
         with self.lock:
             if self.state != "closed":
                 return
-            _run_blocking(dataset.open())
+            if before is not None:
+                before()
             try:
-                check()
+                _run_blocking(dataset.open())
+                try:
+                    check()
+                except BaseException:
+                    _run_blocking(dataset.close())
+                    raise
             except BaseException:
-                _run_blocking(dataset.close())
+                pool, self.pool = self.pool, None  # an open that fails leaves no worker running
+                if pool is not None:
+                    pool.close()
                 raise
             self.state = "open"
 

@@ -50,6 +50,23 @@ class LoaderState:
     life: Lifecycle = field(default_factory=Lifecycle)
     figures: LoaderFigures = field(default_factory=LoaderFigures)
 
+    def begin_workers(self, loader: Loader[Any]) -> None:
+        """At ``open()``: begin starting ``loader``'s persistent process workers (the zygote
+        forked from this process, then each worker from it, on the pool's starter thread), so
+        that they start while the dataset opens here and the first iterator plans its epoch,
+        instead of after. Nothing where the loader runs none; a pool that cannot be made here is
+        left to the first iterator, which raises what stops it."""
+        if loader.parallel_method != "process" or loader.num_workers == 0 or not loader.persistent_workers:
+            return
+        if resolve_collate_mode(loader.collate_mode, loader.parallel_method, loader.num_workers) == "inline":
+            return
+        dataset = loader.dataset
+        try:
+            collate = dataset.collate_with(loader.collate_fn)
+            self.life.worker_pool(loader, dataset, collate, loader.num_workers).begin()
+        except Exception:
+            return
+
     def plan_epoch(self, loader: Loader[Any]) -> PipelineConfig:
         """The pipeline of the next epoch, from ``loader``'s parameters and this position: what
         an iterator runs. The facade plans a sync ``for`` with it before its iterator starts;

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from guideloom._core.delivery import Delivery
+from guideloom._core.delivery import DELIVERED_ERRORS, Delivery
 from guideloom._core.plan import EpochPlan
 from guideloom._core.schedule import future_reads, run_async, run_sync
 from guideloom._loop import LoopThread
@@ -144,11 +144,40 @@ class SyncDriver:
             limit = cfg.capacity + 1
             self._skip, self._chunk = limit, max(8, 2 * limit)
         self._in_calls, self._in_sampled, self._in_total = 0, 0, 0.0
+        #: What the iterator calls for each batch: :meth:`next`, or where no worker, no chooser and
+        #: one collate step leave nothing to decide, :meth:`_next_lean`, which makes a batch read
+        #: already without a call in between.
+        self.hot: Callable[[], Delivery | None] = self.next
+        steps = ex.here.steps if self._lean else ()
+        if self._lean and self.chooser is None and len(steps) == 1:
+            self._collate = steps[0]
+            self.hot = self._next_lean
 
     @property
     def place(self) -> str:
         """Where the last batch handed out was collated: ``"inline"``, ``"threads"``, ``"processes"``."""
         return self.flow.place
+
+    def _next_lean(self) -> Delivery | None:
+        """:meth:`next` with no worker and no chooser: a batch read already, with nothing in
+        flight before it, is collated here at once (:meth:`EpochFlow.make_here`, written out);
+        anything else takes :meth:`_pull`."""
+        flow = self.flow
+        raw = flow.raw
+        if raw and self._lt is None and not flow.jobs and not flow.closed:
+            try:
+                d = raw.popleft()
+            except IndexError:  # closed in another thread meanwhile
+                return self._pull()
+            if d.error is None:
+                try:
+                    d.value = self._collate(d.value)
+                    return d
+                except DELIVERED_ERRORS as exc:
+                    d.value, d.error = None, exc
+            flow.end()
+            return d
+        return self._pull()
 
     @property
     def workers(self) -> bool:

@@ -135,3 +135,39 @@ def test_a_worker_killed_between_batches_is_a_worker_error(caplog: pytest.LogCap
     assert [i for b in got for i in b] == list(range(2 * len(got)))  # in order, none lost before
     assert multiprocessing.active_children() == []
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
+@pytest.mark.slow
+def test_open_begins_the_persistent_workers_the_first_iterator_uses() -> None:
+    """``open()`` starts the persistent process workers while the dataset opens: the first
+    iterator is served by that pool, its workers the same processes; ``inline`` starts none."""
+    loader = make(
+        identity_stream(40),
+        local_batch_size=2,
+        num_workers=2,
+        parallel_method="process",
+        collate_mode="workers",
+    )
+    with loader:
+        pool = loader._state.life.pool
+        assert pool is not None and (pool.starting() or any(p is not None for p in pool.procs))
+        assert flat(take(loader)) == list(range(40))
+        assert loader._state.life.pool is pool
+        pids = [p.proc.pid for p in pool.procs if p is not None]
+        assert len(pids) == 2
+        assert flat(take(loader)) == list(range(40))
+        assert [p.proc.pid for p in pool.procs if p is not None] == pids
+    inline = make(identity_stream(40), local_batch_size=2, num_workers=2, parallel_method="process",
+                  collate_mode="inline")  # fmt: skip
+    with inline:
+        assert inline._state.life.pool is None
+        assert flat(take(inline)) == list(range(40))
+
+
+def test_an_open_that_fails_leaves_no_worker_running() -> None:
+    """The workers begun by ``open()`` stop when the open fails (here the size check)."""
+    loader = make(identity_stream(3), local_batch_size=4, num_workers=2, parallel_method="process")
+    with pytest.raises(ValueError, match="observations"):
+        loader.open()
+    assert loader._state.life.pool is None
+    loader.close()

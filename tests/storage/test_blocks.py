@@ -13,7 +13,14 @@ from hypothesis import strategies as st
 
 import guideloom as gl
 from guideloom import DatasetFormatError, DatasetIntegrityError
-from guideloom.storage._format._blocks import BLOCK_BYTES, INLINE_BLOCKS, BlockHasher, block_digests, widen
+from guideloom.storage._format._blocks import (
+    BLOCK_BYTES,
+    INLINE_BLOCKS,
+    BlockHasher,
+    block_digests,
+    distinct,
+    widen,
+)
 from guideloom.storage._format._manifest import MANIFEST_NAME
 from guideloom.storage._local import _check, _sharded
 
@@ -171,3 +178,30 @@ def test_overwrite_removes_the_replaced_sidecars(tmp_path: Path) -> None:
     assert old
     gl.write_stream(folder, np.arange(10, dtype=np.uint16), overwrite=True)
     assert not old & {p.name for p in folder.iterdir()}
+
+
+@given(st.lists(st.integers(-(2**40), 2**40), max_size=200))
+@settings(max_examples=200, deadline=None)
+def test_distinct_is_np_unique(values: list[int]) -> None:
+    a = np.asarray(values, dtype=np.int64)
+    got = distinct(a)
+    assert got.dtype == np.int64 and got.tolist() == np.unique(a).tolist()
+
+
+def test_a_first_read_imports_no_masked_arrays(tmp_path: Path) -> None:
+    """A new process's first checked read: ``np.unique`` would import ``numpy.ma`` (tens of ms
+    on each process worker's first batch); the read path uses :func:`distinct`."""
+    import subprocess
+    import sys
+
+    gl.write_stream(tmp_path / "s", [np.arange(4096, dtype=np.uint16)], dtype=np.uint16)
+    code = (
+        "import sys, numpy as np, torch, guideloom as gl\n"
+        f"loader = gl.StatefulDataLoader.from_storage(gl.open_stream({str(tmp_path / 's')!r}), list, "
+        "sequence_length=16, local_batch_size=4, shuffle=True, device=torch.device('cpu'))\n"
+        "with loader:\n"
+        "    next(iter(loader))\n"
+        "print('numpy.ma' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False"

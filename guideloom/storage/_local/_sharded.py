@@ -15,7 +15,7 @@ import numpy.typing as npt
 
 from guideloom._core.text import plural
 from guideloom._errors import DatasetIntegrityError
-from guideloom.storage._format._blocks import FileBlocks, file_blocks, identity
+from guideloom.storage._format._blocks import FileBlocks, distinct, file_blocks, identity
 from guideloom.storage._format._manifest import ArraySpec, add_bases
 from guideloom.storage._local._check import check_sha256
 from guideloom.storage._memory import gather_windows
@@ -197,7 +197,7 @@ class ShardedArray:
         first = np.minimum(self._locate(starts), top)
         last = np.minimum(self._locate(np.maximum(stops - 1, starts)), top)
         if bool((first == last).all()):
-            return np.unique(first).tolist()  # type: ignore[no-any-return]
+            return distinct(first).tolist()  # type: ignore[no-any-return]
         return list(range(int(first.min()), int(last.max()) + 1))
 
     def _fresh(self, shards: Sequence[int]) -> bool:
@@ -279,8 +279,8 @@ class ShardedArray:
         first = self._locate(starts)
         last = self._locate(stops - 1)
         bounds = self._bounds
-        touched = np.unique(np.concatenate([first, last])).tolist()
-        for k in np.unique(first).tolist():
+        touched = distinct(np.concatenate([first, last])).tolist()
+        for k in distinct(first).tolist():
             check = self._checks[k]
             sel = first == k
             if check is None:
@@ -335,7 +335,7 @@ class ShardedArray:
         first = self._locate(starts)
         last = self._locate(starts + (length - 1))
         inside = first == last
-        for shard in np.unique(first[inside]).tolist():
+        for shard in distinct(first[inside]).tolist():
             rows = np.flatnonzero(inside & (first == shard))
             out[rows] = gather_windows(self._parts[shard], starts[rows] - self._bounds[shard], length)
         for row in np.flatnonzero(~inside).tolist():
@@ -490,7 +490,7 @@ class ShardedArray:
             return self._parts[0][positions]
         shard = self._locate(positions)
         out = np.empty(len(positions), dtype=self.dtype)
-        for k in np.unique(shard).tolist():
+        for k in distinct(shard).tolist():
             sel = shard == k
             out[sel] = self._parts[k][positions[sel] - self._bounds[k]]
         return out

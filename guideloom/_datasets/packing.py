@@ -47,7 +47,7 @@ row groups together for the documents themselves.
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Literal, get_args
 
 import numpy as np
@@ -419,6 +419,24 @@ class PackedDataset(DatasetAbstract[Sample]):
             "elements": [[x, y] for _, x, y, _ in pieces],
             "files": [storage.locate(x, y) for _, x, y, _ in pieces],
         }
+
+    def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
+        """The loader's upcoming reads, as the storage's: the documents each window's sequences
+        hold, in order (over Parquet, the row groups they need are then decoded, and a text
+        column's rows tokenized, ahead of the reads)."""
+        if self._layout is None:
+            return
+        self._storage.will_read(self._documents_of(np.asarray(w, dtype=np.int64)) for w in windows)
+
+    def _documents_of(self, indices: I64) -> I64:
+        """The documents sequences ``indices`` hold (concat: from the one holding a sequence's
+        first element to the one holding the next sequence's)."""
+        layout = self._require_layout()
+        if isinstance(layout, ConcatLayout):
+            first = layout.first[indices]
+            return flat_ranges(first, layout.first[indices + 1] - first + 1)
+        counts = layout.ptr[indices + 1] - layout.ptr[indices]
+        return layout.doc[flat_ranges(layout.ptr[indices], counts)]
 
     def natural_blocks(self) -> I64 | None:
         """The runs of consecutive sequences read from the same storage blocks (Parquet row

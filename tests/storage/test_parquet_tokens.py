@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import guideloom as gl
+from guideloom._datasets.packing import PackMode
 
 ROWS = 300
 
@@ -93,3 +94,27 @@ def test_closing_the_storage_stops_the_thread_tokenizing_ahead(folder: Path) -> 
     storage.read_many_sync(np.asarray([0, 100, 200]))
     storage._stop_ahead()
     assert storage._tokenizer_thread is None or not storage._tokenizer_thread.is_alive()
+
+
+def test_the_loaders_hint_decodes_and_tokenizes_local_row_groups_ahead_of_the_reads(folder: Path) -> None:
+    storage = gl.open_parquet(folder, "text", tokenizer=slow_words)
+    storage.will_read(iter([np.arange(100, 110), np.arange(250, 260)]))  # row groups 1 and 2
+    for thread in list(storage._fetchers):
+        thread.join(timeout=60)
+    texts = expected(folder, range(100, 300))
+    assert storage.counts["parquet_tokens_tokenized"] == sum(len(t) for t in texts)
+    rows = np.arange(100, 300)
+    assert [r.tolist() for r in storage.read_many_sync(rows)] == texts
+    assert storage.counts["parquet_tokens_tokenized"] == sum(len(t) for t in texts)  # none again
+    storage._stop_ahead()
+
+
+@pytest.mark.parametrize("mode", ["concat", "best_fit"])
+def test_a_packed_hint_names_every_document_its_sequences_hold(folder: Path, mode: PackMode) -> None:
+    packed = gl.pack(gl.open_parquet(folder, "text", tokenizer=slow_words), 8, mode)
+    len(packed)  # the layout
+    seqs = np.asarray([0, 3, 7, len(packed) - 1])
+    named = set(packed._documents_of(seqs).tolist())
+    for s in seqs.tolist():
+        held = {doc for doc, _, size in packed.describe(s)["documents"] if size > 0}
+        assert held <= named

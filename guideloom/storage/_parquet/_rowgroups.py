@@ -297,14 +297,16 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
         ``fetch_ahead`` threads fetch and decode the row groups they need, in order of first
         need, several ranged GETs at once, while the row groups not yet read fit
         ``max_decoded_bytes``. Replaces the previous hint. Local files: nothing (a read decodes
-        its row groups as fast as it would wait for another thread's)."""
-        if not getattr(self._files, "remote", False) or self.fetch_ahead < 1:
+        its row groups as fast as it would wait for another thread's), but where a text column
+        is tokenized as it is read (see :meth:`_ahead_threads`)."""
+        threads = self._ahead_threads()
+        if threads < 1:
             return
         with self._lock:
             self._forget_plan_locked()
             self._plan = iter(windows)
             self._stopping = False
-            start = self.fetch_ahead - len(self._fetchers)
+            start = threads - len(self._fetchers)
             for _ in range(max(0, start)):
                 t = threading.Thread(
                     target=self._fetch_ahead,
@@ -315,6 +317,14 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
                 t.start()
             self._lock.notify_all()
         _LIVE.add(self)
+
+    def _ahead_threads(self) -> int:
+        """Threads that work on the loader's hint ahead of its reads: ``fetch_ahead`` over an
+        object store, none over local files."""
+        return self.fetch_ahead if getattr(self._files, "remote", False) else 0
+
+    def _after_ahead(self, group: int, decoded: _Decoded) -> None:
+        """What a thread working ahead does with a row group it decoded (nothing more here)."""
 
     def _forget_plan_locked(self) -> None:
         self._plan, self._plan_seq = None, 0
@@ -431,8 +441,9 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
                     if g is None:
                         return
                     mine = self._decoding[g] = _Decoding(ahead=True)
+                decoded = None
                 try:
-                    self._decode_as(g, mine)
+                    decoded = self._decode_as(g, mine)
                 except BaseException:
                     with self._lock:
                         self._ahead_failed.add(g)  # left to its read, which raises its own error
@@ -440,6 +451,8 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
                     with self._lock:
                         self._ahead.pop(g, None)
                         self._lock.notify_all()
+                if decoded is not None:
+                    self._after_ahead(g, decoded)
         finally:
             with self._lock:
                 if me in self._fetchers:

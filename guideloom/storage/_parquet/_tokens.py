@@ -50,6 +50,38 @@ class _TokenRows(_RowGroups):
             state.pop(key, None)
         return state
 
+    def _tokenizes_ahead(self) -> bool:
+        return self.tokenize_ahead and self._kind == "text" and self._encoder is not None and self._tokenize
+
+    def _ahead_threads(self) -> int:
+        """Over local files too where a text column is tokenized as it is read: one thread
+        (the tokenizer spreads each call over the cores) decodes the row groups of the loader's
+        upcoming reads and tokenizes them, in order of first need."""
+        return max(super()._ahead_threads(), 1 if self._tokenizes_ahead() else 0)
+
+    def _after_ahead(self, group: int, decoded: _Decoded) -> None:
+        """A row group decoded ahead of its reads: its rows tokenized too, a chunk at a time
+        (a read that needs rows of it meanwhile claims those itself)."""
+        if not self._tokenizes_ahead() or decoded.tokens is None:
+            return
+        tokens, at = decoded.tokens, 0
+        while not self._stopping:
+            with self._lock:
+                if self._decoded.get(group) is not decoded:
+                    return  # dropped before it was read: what it would make would go with it
+                rows: list[int] = []
+                while at < len(tokens) and len(rows) < AHEAD_CHUNK:
+                    if tokens[at] is None and at not in decoded.claimed:
+                        rows.append(at)
+                    at += 1
+                if not rows:
+                    return
+                decoded.claimed.update(rows)
+            try:
+                self._tokenize_claimed(group, decoded, rows)
+            except Exception:  # left to the read that needs these rows: it raises its own error
+                return
+
     def _token_rows(self, group: int, decoded: _Decoded, local: I64) -> list[Any]:
         """Rows ``local`` of a text row group as token arrays, each tokenized once while its row
         group is kept (the arrays count in ``max_decoded_bytes``)."""

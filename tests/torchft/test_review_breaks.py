@@ -1,0 +1,175 @@
+"""A :class:`FaultTolerantLoader` driven through random failure schedules in one process, in the
+order torchft's Manager runs a step (the quorum, the peers' state taken at it, ``next()``,
+``should_commit()`` applying a received state, the step advancing only where it committed):
+replica groups of ``num_shards`` ranks die during a step and come back as fresh processes that
+heal from a live peer. Every sample of the first epoch is committed exactly once, the ranks of a
+step read disjoint data, and misuse is refused plainly."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from guideloom.torchft import FaultTolerantLoader
+from tests.support.data import identity_stream
+from tests.support.loader import make
+
+pytestmark = pytest.mark.usefixtures("no_thread_leak")
+
+N = 37  # prime: no global batch divides the epoch
+GROUPS = 3
+
+
+class ScriptedManager:
+    """The part of a ``torchft.Manager`` a :class:`FaultTolerantLoader` uses, driven by the test."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.rank: int | None = None
+        self.participants = 0
+        self.fns: dict[str, tuple[Any, Any]] = {}
+        self.pending: dict[str, Any] | None = None
+
+    def participating_rank(self) -> int | None:
+        return self.rank
+
+    def num_participants(self) -> int:
+        return self.participants
+
+    def current_step(self) -> int:
+        return self.step
+
+    def register_state_dict_fn(self, key: str, load_state_dict: Any, state_dict: Any) -> None:
+        self.fns[key] = (load_state_dict, state_dict)
+
+
+class Rank:
+    """One rank of a replica group (a process): its loader, Manager and fault-tolerant loader."""
+
+    def __init__(self, shard: int, shards: int, **kw: Any) -> None:
+        kw = {"local_batch_size": 2, "shuffle": True, "shuffle_seed": 7, "drop_last": False, **kw}
+        self.loader = make(identity_stream(N), **kw)
+        self.loader.open()
+        self.manager = ScriptedManager()
+        self.batches = FaultTolerantLoader(self.loader, self.manager, shard_rank=shard, num_shards=shards)
+
+    def close(self) -> None:
+        self.batches.close()
+        self.loader.close()
+
+
+#: Per step: the groups that die during it, the dead groups that come back at its start, and
+#: whether it fails for another reason (a slow peer, a timeout).
+Event = tuple[frozenset[int], frozenset[int], bool]
+
+
+def simulate(events: list[Event], shards: int, **kw: Any) -> tuple[Counter[int], list[str]]:
+    """Run ``events`` then steps without failures until every live rank is in epoch 1; the
+    samples of epoch 0 that participating ranks committed, and what went wrong on the way."""
+    groups: dict[int, list[Rank]] = {g: [Rank(s, shards, **kw) for s in range(shards)] for g in range(GROUPS)}
+    committed: Counter[int] = Counter()
+    problems: list[str] = []
+    events = list(events)
+    try:
+        for step in range(10_000):
+            dies, back, fails = events.pop(0) if events else (frozenset(), frozenset(), False)
+            for g in sorted(back):
+                if g not in groups:
+                    groups[g] = [Rank(s, shards, **kw) for s in range(shards)]
+            top = max(r[0].manager.step for r in groups.values())
+            members = sorted(g for g, ranks in groups.items() if ranks[0].manager.step == top)
+            for g, ranks in groups.items():  # the quorum: behind ones heal from a member
+                if g not in members:
+                    source = groups[members[0]]
+                    for s, r in enumerate(ranks):
+                        r.manager.pending = source[s].manager.fns["guideloom"][1]()
+                        r.manager.step = top
+            dies = frozenset(g for g in dies if g in groups) - {members[0]}
+            for g, ranks in groups.items():
+                for r in ranks:
+                    r.manager.rank = members.index(g) if g in members else None
+                    r.manager.participants = len(members)
+            got: dict[tuple[int, int], tuple[list[int], bool, int]] = {}
+            for g, ranks in groups.items():
+                for s, r in enumerate(ranks):
+                    batch = r.batches.next()
+                    got[g, s] = (batch, r.batches.participating, r.batches.epoch)
+            seen: Counter[int] = Counter()
+            for (_, _), (batch, participating, _) in got.items():
+                if participating:
+                    seen.update(batch)
+            if any(c > 1 for c in seen.values()):
+                problems.append(f"step {step}: ranks of the step read the same samples {seen}")
+            commits = not dies and not fails
+            for g in sorted(dies):  # SIGKILLed during the step: gone
+                for r in groups.pop(g):
+                    r.close()
+            for ranks in groups.values():
+                for r in ranks:
+                    if r.manager.pending is not None:  # should_commit() applies a received state
+                        r.manager.fns["guideloom"][0](r.manager.pending)
+                        r.manager.pending = None
+                    if commits:
+                        r.manager.step += 1
+            if commits:
+                for (_, _), (batch, participating, epoch) in got.items():
+                    if participating and epoch == 0:
+                        committed.update(batch)
+            if not events and all(r.batches.epoch >= 1 for ranks in groups.values() for r in ranks):
+                return committed, problems
+        raise AssertionError("the epoch never ended")
+    finally:
+        for ranks in groups.values():
+            for r in ranks:
+                r.close()
+
+
+group = st.integers(0, GROUPS - 1)
+events = st.lists(
+    st.tuples(st.frozensets(group, max_size=2), st.frozensets(group, max_size=2), st.booleans()),
+    max_size=25,
+)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events=events, shards=st.sampled_from([1, 2]), prefetch=st.sampled_from([0, 2]))
+def test_every_sample_is_committed_once_whatever_groups_die_and_heal(
+    events: list[Event], shards: int, prefetch: int
+) -> None:
+    committed, problems = simulate(events, shards, prefetch=prefetch)
+    assert not problems, problems
+    repeated = sorted(i for i, n in committed.items() if n > 1)
+    lost = sorted(set(range(N)) - set(committed))
+    assert not repeated and not lost, f"repeated {repeated}, lost {lost}"
+
+
+def test_a_group_that_heals_at_the_epochs_last_step_goes_on_in_the_next_epoch() -> None:
+    """The heal step is the epoch's last: the healed group takes it (committed by its peers) and
+    goes on with its peers into the next epoch."""
+    steps_in_epoch = -(-N // 2)  # one group, local batch 2
+    # group 1 dies at step 3 and comes back at the epoch's last step
+    schedule: list[Event] = [(frozenset(), frozenset(), False)] * steps_in_epoch
+    schedule[3] = (frozenset({1}), frozenset(), False)
+    schedule[-1] = (frozenset(), frozenset({1}), False)
+    committed, problems = simulate(schedule, 1)
+    assert not problems, problems
+    assert sorted(committed) == list(range(N))
+
+
+def test_misuse_is_refused_with_a_message() -> None:
+    r = Rank(0, 1)
+    try:
+        with pytest.raises(ValueError, match="num_shards"):
+            FaultTolerantLoader(r.loader, ScriptedManager(), num_shards=0)
+        with pytest.raises(ValueError, match="shard_rank"):
+            FaultTolerantLoader(r.loader, ScriptedManager(), shard_rank=2, num_shards=2)
+        with pytest.raises(ValueError, match="'loader' and 'step'"):
+            r.batches.load_state_dict({"observation_offset": 3})  # type: ignore[dict-item]
+        with pytest.raises(RuntimeError, match="quorum"):
+            r.batches.next()
+    finally:
+        r.close()

@@ -69,10 +69,13 @@ Event = tuple[frozenset[int], frozenset[int], bool]
 
 def simulate(events: list[Event], shards: int, **kw: Any) -> tuple[Counter[int], list[str]]:
     """Run ``events`` then steps without failures until every live rank is in epoch 1; the
-    samples of epoch 0 that participating ranks committed, and what went wrong on the way."""
+    samples of epoch 0 that participating ranks committed, and what went wrong on the way
+    (among it, a committed step of epoch 0 that ``explain()`` names otherwise)."""
     groups: dict[int, list[Rank]] = {g: [Rank(s, shards, **kw) for s in range(shards)] for g in range(GROUPS)}
     committed: Counter[int] = Counter()
     problems: list[str] = []
+    records: list[tuple[int, int, list[int]]] = []  # (step of epoch 0, rank, batch) committed
+    epoch0_steps = 0
     events = list(events)
     try:
         for step in range(10_000):
@@ -116,10 +119,19 @@ def simulate(events: list[Event], shards: int, **kw: Any) -> tuple[Counter[int],
                     if commits:
                         r.manager.step += 1
             if commits:
-                for (_, _), (batch, participating, epoch) in got.items():
+                taken = 0
+                for (g, s), (batch, participating, epoch) in got.items():
                     if participating and epoch == 0:
                         committed.update(batch)
+                        records.append((epoch0_steps, members.index(g) * shards + s, batch))
+                        taken = 1
+                epoch0_steps += taken
             if not events and all(r.batches.epoch >= 1 for ranks in groups.values() for r in ranks):
+                witness = next(iter(groups.values()))[0].loader
+                for step_no, rank, batch in records:
+                    named = [d["index"] for d in witness.explain(step_no, rank=rank, epoch=0)]
+                    if named != batch:
+                        problems.append(f"explain({step_no}, rank={rank}) names {named}, rank took {batch}")
                 return committed, problems
         raise AssertionError("the epoch never ended")
     finally:

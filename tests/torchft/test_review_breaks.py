@@ -193,3 +193,22 @@ def test_misuse_is_refused_with_a_message() -> None:
             r.batches.next()
     finally:
         r.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a second next() in the same Manager step (one batch per micro-step of gradient "
+    "accumulation) silently hands the same batch again instead of the next one or an error",
+)
+def test_a_second_batch_asked_for_in_one_step_is_not_the_same_batch_again() -> None:
+    r = Rank(0, 1)
+    try:
+        r.manager.rank, r.manager.participants = 0, 1
+        first = r.batches.next()
+        try:
+            second = r.batches.next()  # the same step: the Manager has not moved on
+        except RuntimeError:
+            return  # refused plainly: what misuse should get
+        assert second != first, f"the step's batch {first} was handed out twice"
+    finally:
+        r.close()

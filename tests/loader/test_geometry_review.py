@@ -333,3 +333,67 @@ def test_steps_taken_back_under_another_geometry_leave_no_segment_in_the_history
         for step in (0, 1, 150, 299):
             assert [d["index"] for d in ld.explain(step, rank=0)] == committed[step]
         assert len(ld.state_dict(committed=True)["history"].split(";")) < 10
+
+
+Op = tuple[str, int, int]
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("geometry"), st.integers(0, 4), st.integers(1, 5)).map(
+            lambda t: (t[0], t[1] % t[2], t[2])
+        ),
+        st.sampled_from(
+            [("next", 0, 0), ("commit", 0, 0), ("rollback", 0, 0), ("reopen", 0, 0), ("reload", 0, 0)]
+        ),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=ops,
+    drop_last=st.booleans(),
+    how=st.sampled_from([{}, {"prefetch": 3}, {"num_workers": 2, "prefetch": 2}]),
+)
+def test_any_sequence_of_geometry_batches_commits_and_rollbacks_follows_the_model(
+    ops: list[Op], drop_last: bool, how: dict[str, int]
+) -> None:
+    """One loader through any sequence of ``set_geometry``, batches, ``commit``, ``rollback``,
+    iterators closed and started again, and reloads of its own committed state, against a model
+    of the global position: each batch is the rank's block of the next global batch, a rollback
+    returns to the last commit, the end of an epoch starts the next at 0."""
+    n, b = 23, 2
+    rank, world, epoch, offset, committed = 0, 1, 0, 0, 0
+    with make(identity_stream(n), local_batch_size=b, shuffle=False, drop_last=drop_last, **how) as ld:
+        it = iter(ld)
+        for op, r, w in ops:
+            if op == "geometry":
+                ld.set_geometry(rank=r, world_size=w)
+                rank, world = r, w
+            elif op == "next":
+                got = next(it, None)
+                more = offset + world * b <= n if drop_last else offset < n
+                if more:
+                    assert got == list(range(offset + rank * b, min(offset + (rank + 1) * b, n)))
+                    offset += world * b
+                else:
+                    assert got is None, (epoch, offset, rank, world)
+                    epoch, offset, committed = epoch + 1, 0, 0
+                    it = iter(ld)
+            elif op == "commit":
+                ld.commit()
+                committed = offset
+            elif op == "rollback":
+                ld.rollback()
+                offset = committed
+            else:
+                it.close()
+                if op == "reload":
+                    ld.load_state_dict(ld.state_dict(committed=True))
+                    offset = committed
+                it = iter(ld)
+            state, kept = ld.state_dict(), ld.state_dict(committed=True)
+            assert (state["epoch"], state["observation_offset"]) == (epoch, offset)
+            assert (kept["epoch"], kept["observation_offset"]) == (epoch, committed)
+            assert ld.committed_offset == committed
+        it.close()

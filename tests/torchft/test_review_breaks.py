@@ -212,3 +212,47 @@ def test_a_second_batch_asked_for_in_one_step_is_not_the_same_batch_again() -> N
         assert second != first, f"the step's batch {first} was handed out twice"
     finally:
         r.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a group that healed and is a spare at its next quorum (participating_rank() None while "
+    "up to date, torchft's FIXED_WITH_SPARES) drops the peer state it received: it goes on one "
+    "step behind and, once it takes part, reads samples its peers committed",
+)
+def test_a_group_that_heals_into_a_spare_keeps_the_state_it_received() -> None:
+    """torchft's ``WorldSizeMode.FIXED_WITH_SPARES`` with two participants: a third group is a
+    spare (``participating_rank()`` None) whenever the other two are up. It heals, is a spare at
+    the next step, and takes part once a participant is lost."""
+    a, b, c = Rank(0, 1), Rank(0, 1), Rank(0, 1)
+    committed: list[int] = []
+
+    def step(ranks: dict[Rank, int | None], heal: Rank | None = None) -> None:
+        if heal is not None:  # the quorum: the healing group gets a live peer's state
+            heal.manager.pending = a.manager.fns["guideloom"][1]()
+            heal.manager.step = a.manager.step
+        for r, rank in ranks.items():
+            r.manager.rank, r.manager.participants = rank, 2
+        got = {r: r.batches.next() for r in ranks}
+        for r, rank in ranks.items():
+            if r.manager.pending is not None:  # should_commit() applies it
+                r.manager.fns["guideloom"][0](r.manager.pending)
+                r.manager.pending = None
+            r.manager.step += 1
+            if rank is not None:
+                committed.extend(got[r])
+
+    try:
+        step({a: 0, b: 1})
+        step({a: 0, b: 1, c: None}, heal=c)  # c joins and heals
+        step({a: 0, b: 1, c: None})  # c is up to date: a spare
+        where = [
+            (r.loader.state_dict()["epoch"], r.loader.state_dict()["observation_offset"]) for r in (a, c)
+        ]
+        assert where[0] == where[1], f"the spare is at {where[1]}, its peers at {where[0]}"
+        step({a: 0, c: 1})  # b is lost: the spare takes part
+        repeated = sorted(i for i in set(committed) if committed.count(i) > 1)
+        assert not repeated, f"samples committed twice: {repeated}"
+    finally:
+        for r in (a, b, c):
+            r.close()

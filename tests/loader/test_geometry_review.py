@@ -233,7 +233,6 @@ def test_every_sample_is_committed_once_through_async_for(schedule: Schedule, ki
     assert asyncio.run(run_async(factory, schedule)) == one_epoch(factory)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("make_factory", [identity, mixture], ids=["stream", "mixture"])
 def test_process_workers_with_prefetch_follow_a_changing_quorum(make_factory: Any) -> None:
     factory = make_factory(num_workers=2, parallel_method="process", prefetch=2)

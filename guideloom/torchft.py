@@ -65,6 +65,11 @@ class FaultTolerantLoader(Generic[BatchT]):
             same batch.
         num_shards: the data-parallel shards of a replica group (``dp_shard``).
         key: the name of the loader's state among the Manager's state dicts.
+        batches_per_step: the batches each step takes (the micro-batches of gradient
+            accumulation): the first :meth:`next` of each run of this many settles the last
+            step and cuts for the quorum, the others go on with the same step. torchft's step
+            count moves only when a step commits, so a second call within one step cannot be
+            told from the first call after a step that failed: with accumulation, say how many.
     """
 
     def __init__(
@@ -75,7 +80,14 @@ class FaultTolerantLoader(Generic[BatchT]):
         shard_rank: int = 0,
         num_shards: int = 1,
         key: str = "guideloom",
+        batches_per_step: int = 1,
     ) -> None:
+        if (
+            isinstance(batches_per_step, bool)
+            or not isinstance(batches_per_step, int)
+            or batches_per_step < 1
+        ):
+            raise ValueError(f"batches_per_step must be an int >= 1, got {batches_per_step!r}")
         if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
             raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
         if (
@@ -86,6 +98,9 @@ class FaultTolerantLoader(Generic[BatchT]):
             raise ValueError(f"shard_rank must be an int in [0, num_shards={num_shards}), got {shard_rank!r}")
         self.loader, self.manager = loader, manager
         self.shard_rank, self.num_shards = shard_rank, num_shards
+        self.batches_per_step = batches_per_step
+        #: Batches handed out in the current step so far (``batches_per_step`` make a step).
+        self._in_step = 0
         self._lock = threading.Lock()
         self._it: Iterator[BatchT] | None = None
         #: The Manager's step when the batch not yet known to be committed was handed out.
@@ -121,9 +136,14 @@ class FaultTolerantLoader(Generic[BatchT]):
                 "manager.start_quorum()) before asking for its batch"
             )
         with self._lock:
-            if replica is None and self._received is not None:
-                # healing again: the state received at an earlier heal, never applied, is
-                # superseded by the one this step's heal brings
+            if 0 < self._in_step < self.batches_per_step and self._received is None:
+                self._in_step += 1  # the same step's next micro-batch
+                return self._take()
+            received = self._received
+            if replica is None and received is not None and not self._current(received):
+                # healing again: the state received at an earlier heal, never applied and now
+                # too old, is superseded by the one this step's heal brings (a group that has
+                # just healed and is a spare now keeps it: it is this step's state)
                 self._received = None
             self._settle()
             self.participating = replica is not None
@@ -132,7 +152,13 @@ class FaultTolerantLoader(Generic[BatchT]):
             self.loader.set_geometry(rank=rank, world_size=world)
             batch = self._take()
             self._pending, self._pending_world = self.manager.current_step(), world
+            self._in_step = 1
             return batch
+
+    def _current(self, received: dict[str, Any]) -> bool:
+        """Whether a peer's state received while healing is of this step or the one before (the
+        step the replica healed in), as :meth:`_restart` applies it."""
+        return self.manager.current_step() - int(received["step"]) in (0, 1)
 
     def _take(self) -> BatchT:
         """The loader's next batch, the next epoch's first at the end of one."""
@@ -177,11 +203,13 @@ class FaultTolerantLoader(Generic[BatchT]):
                 close()
             self._it = None
         self.loader.load_state_dict(received["loader"])
-        if behind:
+        if behind:  # the step the peers committed while this group healed, its batches
             self.loader.set_geometry(rank=self.shard_rank, world_size=self._pending_world or self.num_shards)
-            self._take()
+            for _ in range(self.batches_per_step):
+                self._take()
             self.loader.commit()
         self._pending = None
+        self._in_step = 0
 
     # -- state ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -91,14 +91,21 @@ class History:
         """A run of ``(local_batch_size, world_size)`` starts at ``(epoch, offset)``: a new
         segment unless it continues the last one. Drops epochs before ``epoch - 1``."""
         self.segments = [s for s in self.segments if s.epoch >= epoch - 1]
-        mine = self.of_epoch(epoch)
-        if mine and (mine[-1].local_batch_size, mine[-1].world_size) == (local_batch_size, world_size):
+
+        def goes_on(mine: list[Segment]) -> bool:
+            if not mine or (mine[-1].local_batch_size, mine[-1].world_size) != (local_batch_size, world_size):
+                return False
             last = mine[-1]
-            if (offset - last.offset) % last.global_batch_size == 0 and offset >= last.offset:
-                return
+            return offset >= last.offset and (offset - last.offset) % last.global_batch_size == 0
+
+        if goes_on(self.of_epoch(epoch)):
+            return
         # a segment that begins where a later one began replaces the ones from there on (a
-        # checkpoint loaded again, a rollback)
+        # checkpoint loaded again, a rollback); where the run before them had this geometry,
+        # it goes on (steps taken back under another geometry leave no segment)
         self.segments = [s for s in self.segments if s.epoch != epoch or s.offset < offset]
+        if goes_on(self.of_epoch(epoch)):
+            return
         step = self.steps_at(epoch, offset, (local_batch_size, world_size))
         self.segments.append(Segment(epoch, offset, step, local_batch_size, world_size))
         while len(self.segments) > MAX_SEGMENTS:

@@ -50,12 +50,14 @@ class ScriptedManager:
 class Rank:
     """One rank of a replica group (a process): its loader, Manager and fault-tolerant loader."""
 
-    def __init__(self, shard: int, shards: int, **kw: Any) -> None:
+    def __init__(self, shard: int, shards: int, per_step: int = 1, **kw: Any) -> None:
         kw = {"local_batch_size": 2, "shuffle": True, "shuffle_seed": 7, "drop_last": False, **kw}
         self.loader = make(identity_stream(N), **kw)
         self.loader.open()
         self.manager = ScriptedManager()
-        self.batches = FaultTolerantLoader(self.loader, self.manager, shard_rank=shard, num_shards=shards)
+        self.batches = FaultTolerantLoader(
+            self.loader, self.manager, shard_rank=shard, num_shards=shards, batches_per_step=per_step
+        )
 
     def close(self) -> None:
         self.batches.close()
@@ -195,31 +197,36 @@ def test_misuse_is_refused_with_a_message() -> None:
         r.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a second next() in the same Manager step (one batch per micro-step of gradient "
-    "accumulation) silently hands the same batch again instead of the next one or an error",
-)
-def test_a_second_batch_asked_for_in_one_step_is_not_the_same_batch_again() -> None:
-    r = Rank(0, 1)
+def test_the_micro_batches_of_a_step_are_distinct_and_settled_together() -> None:
+    """With gradient accumulation (``batches_per_step=2``), a step's second ``next()`` is the
+    step's next batch; the step's outcome settles both (taken back together when the step
+    failed, handed out again under the next quorum)."""
+    r = Rank(0, 1, per_step=2)
     try:
         r.manager.rank, r.manager.participants = 0, 1
-        first = r.batches.next()
-        try:
-            second = r.batches.next()  # the same step: the Manager has not moved on
-        except RuntimeError:
-            return  # refused plainly: what misuse should get
-        assert second != first, f"the step's batch {first} was handed out twice"
+        first, second = r.batches.next(), r.batches.next()
+        assert first != second
+        again = r.batches.next(), r.batches.next()  # the step failed: current_step() did not move
+        assert list(again) == [first, second]
+        r.manager.step += 1  # committed
+        third = r.batches.next()
+        assert third not in (first, second)
     finally:
         r.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a group that healed and is a spare at its next quorum (participating_rank() None while "
-    "up to date, torchft's FIXED_WITH_SPARES) drops the peer state it received: it goes on one "
-    "step behind and, once it takes part, reads samples its peers committed",
-)
+def test_a_second_batch_in_one_step_without_batches_per_step_is_the_step_after_a_failure() -> None:
+    """Without ``batches_per_step``, a call whose Manager step did not move on follows a step
+    that failed: its batch is handed out again (torchft's step count moves only on a commit)."""
+    r = Rank(0, 1)
+    try:
+        r.manager.rank, r.manager.participants = 0, 1
+        first = r.batches.next()
+        assert r.batches.next() == first
+    finally:
+        r.close()
+
+
 def test_a_group_that_heals_into_a_spare_keeps_the_state_it_received() -> None:
     """torchft's ``WorldSizeMode.FIXED_WITH_SPARES`` with two participants: a third group is a
     spare (``participating_rank()`` None) whenever the other two are up. It heals, is a spare at

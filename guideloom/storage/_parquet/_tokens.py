@@ -43,10 +43,12 @@ class _TokenRows(_RowGroups):
         self._tokenizing: set[int] = set()  # row groups queued or being tokenized ahead
         self._tokenizer_thread: threading.Thread | None = None
         self._tokens_stop = False
+        #: Held by the thread working ahead that tokenizes (over an object store several fetch).
+        self._one_tokenizing = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for key in ("_to_tokenize", "_tokenizing", "_tokenizer_thread", "_tokens_stop"):
+        for key in ("_to_tokenize", "_tokenizing", "_tokenizer_thread", "_tokens_stop", "_one_tokenizing"):
             state.pop(key, None)
         return state
 
@@ -64,6 +66,11 @@ class _TokenRows(_RowGroups):
         (a read that needs rows of it meanwhile claims those itself)."""
         if not self._tokenizes_ahead() or decoded.tokens is None:
             return
+        with self._one_tokenizing:  # the others go on fetching: the tokenizer has the cores
+            self._tokenize_group(group, decoded)
+
+    def _tokenize_group(self, group: int, decoded: _Decoded) -> None:
+        assert decoded.tokens is not None
         tokens, at = decoded.tokens, 0
         while not self._stopping:
             with self._lock:

@@ -44,11 +44,14 @@ machine's load average is printed before and after.
 
     python -m benchmarks parquet            # both layouts, every configuration (~8 minutes)
     python -m benchmarks parquet --quick    # a smoke run
+    python -m benchmarks parquet --rtt 20 --layouts one --only gl-packed,hf-packed
+                                            # over HTTP at 20 ms (nginx on 127.0.0.1)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import glob
 import json
@@ -57,7 +60,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +133,35 @@ def make_data(target: int) -> Path:
 
 def shards(data: Path, layout: str) -> list[str]:
     return sorted(glob.glob(str(data / layout / "*.parquet")))
+
+
+def source(data: Path, layout: str, base: str | None) -> Any:
+    """What the loaders read: the layout's folder, or its shards' URLs under ``base`` (served by
+    nginx, see :func:`serve`)."""
+    if base is None:
+        return data / layout
+    return [f"{base}/prose/{layout}/{Path(f).name}" for f in shards(data, layout)]
+
+
+@contextlib.contextmanager
+def serve(data: Path, rtt: float) -> Iterator[str]:
+    """nginx over the data folder (as ``/prose/``), behind the loopback latency proxy adding
+    ``rtt`` seconds to every request's round trip where it is not 0; yields the base URL."""
+    from guideloom_dev.servers import Nginx, nginx_binary, proxy_process
+
+    if nginx_binary() is None:
+        raise SystemExit("nginx is not installed (.ci/install-servers.sh)")
+    with tempfile.TemporaryDirectory(prefix="guideloom-prose-www-") as www:
+        os.symlink(data, Path(www) / "prose")
+        nginx = Nginx(Path(www))
+        try:
+            if rtt == 0:
+                yield nginx.url
+            else:
+                with proxy_process(nginx.port, delay=rtt / 2, lifetime=3600) as port:
+                    yield f"http://127.0.0.1:{port}"
+        finally:
+            nginx.stop()
 
 
 # -- collates and peers' steps (module level: picklable for spawned workers) ------------------------------
@@ -205,7 +237,7 @@ def collate_lit_packed(rows: Sequence[Any]) -> Any:
 
 
 # -- one configuration, in a process of its own ------------------------------------------------------------
-def make_loader(config: str, data: Path, layout: str) -> Any:
+def make_loader(config: str, data: Path, layout: str, base: str | None = None) -> Any:
     import torch
 
     import guideloom as gl
@@ -213,9 +245,10 @@ def make_loader(config: str, data: Path, layout: str) -> Any:
     cpu = torch.device("cpu")
     tok = str(data / "tokenizer.json")
     folder = data / layout
+    where = source(data, layout, base)
     if config.startswith("gl-packed"):
         storage = gl.open_parquet(
-            folder, "text", tokenizer=tok, eos="</s>", cache_dir=data / f"cache-{layout}"
+            where, "text", tokenizer=tok, eos="</s>", cache_dir=data / f"cache-{layout}"
         )
         return gl.StatefulDataLoader(
             gl.pack(storage, SEQ), collate_packed, local_batch_size=PACKED_BATCH,
@@ -223,7 +256,7 @@ def make_loader(config: str, data: Path, layout: str) -> Any:
             shuffle=True, shuffle_block_size="auto", device=cpu,
         )  # fmt: skip
     if config == "gl-docs":
-        storage = gl.open_parquet(folder, "text", tokenizer=tok, eos="</s>")
+        storage = gl.open_parquet(where, "text", tokenizer=tok, eos="</s>")
         return gl.StatefulDataLoader.from_storage(
             storage, collate_docs, local_batch_size=DOC_BATCH, num_workers=WORKERS,
             parallel_method="process", shuffle=True, shuffle_block_size="auto", device=cpu,
@@ -232,7 +265,8 @@ def make_loader(config: str, data: Path, layout: str) -> Any:
         import datasets
         from torchdata.stateful_dataloader import StatefulDataLoader
 
-        ds = datasets.load_dataset("parquet", data_files=shards(data, layout), split="train", streaming=True)
+        files = shards(data, layout) if base is None else where
+        ds = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
         ds = ds.shuffle(seed=0, buffer_size=1000)
         ds = ds.map(
             functools.partial(hf_tokenize, path=tok), batched=True, batch_size=64, remove_columns=["text"]
@@ -272,7 +306,7 @@ def batch_tokens(batch: Any) -> tuple[int, int]:
     return int(batch.shape[0]), int(batch.numel())
 
 
-def run_child(config: str, layout: str, seconds: float) -> dict[str, float]:
+def run_child(config: str, layout: str, seconds: float, base: str | None = None) -> dict[str, float]:
     from benchmarks.parquet import measured
 
     data = data_dir()
@@ -281,7 +315,7 @@ def run_child(config: str, layout: str, seconds: float) -> dict[str, float]:
 
         tok = str(data / "tokenizer.json")
         gl.open_parquet(
-            data / layout, "text", tokenizer=tok, eos="</s>", cache_dir=data / f"cache-{layout}"
+            source(data, layout, base), "text", tokenizer=tok, eos="</s>", cache_dir=data / f"cache-{layout}"
         ).build_length_index()
     if config == "gl-packed-cold":
         with tempfile.TemporaryDirectory() as tmp:
@@ -289,7 +323,8 @@ def run_child(config: str, layout: str, seconds: float) -> dict[str, float]:
 
             tok = str(data / "tokenizer.json")
             t0 = time.perf_counter()
-            storage = gl.open_parquet(data / layout, "text", tokenizer=tok, eos="</s>", cache_dir=tmp)
+            where = source(data, layout, base)
+            storage = gl.open_parquet(where, "text", tokenizer=tok, eos="</s>", cache_dir=tmp)
             loader = gl.StatefulDataLoader(
                 gl.pack(storage, SEQ), collate_packed, local_batch_size=PACKED_BATCH, shuffle=True,
                 shuffle_block_size="auto", device=__import__("torch").device("cpu"),
@@ -300,7 +335,7 @@ def run_child(config: str, layout: str, seconds: float) -> dict[str, float]:
                 measured()
         return {"first_batch_s": first}
     t0 = time.perf_counter()
-    loader = make_loader(config, data, layout)
+    loader = make_loader(config, data, layout, base)
     cpu0 = cpu1 = 0.0
     batches = counted = 0
     samples = tokens = 0
@@ -374,14 +409,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bytes", type=float, default=75e6, help="bytes of prose to assemble")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--only", default="", help="comma-separated configurations")
+    parser.add_argument(
+        "--rtt",
+        type=float,
+        default=None,
+        help="read the shards over HTTP (nginx on 127.0.0.1) with this many ms added to each round "
+        "trip (LitData, which reads local folders, is left out)",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--layout", default="one", help=argparse.SUPPRESS)
+    parser.add_argument("--base", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(run_child(args.child, args.layout, args.seconds)))
+        print(json.dumps(run_child(args.child, args.layout, args.seconds, args.base)))
         return
-    from benchmarks.parquet import measured_child
-
     seconds = 3.0 if args.quick else args.seconds
     data = make_data(int(args.bytes))
     corpus = json.loads((data / "corpus.json").read_text())
@@ -390,22 +431,42 @@ def main(argv: list[str] | None = None) -> None:
     configs = [*PACKED, *DOCS, "gl-packed-cold"]
     if args.only:
         configs = [c for c in configs if c in args.only.split(",")]
+    served = contextlib.nullcontext(None) if args.rtt is None else serve(data, args.rtt / 1e3)
+    with served as base:
+        if base is not None:
+            configs = [c for c in configs if not c.startswith("litdata")]
+            print(f"over HTTP: nginx on 127.0.0.1, {args.rtt:g} ms added to each round trip", flush=True)
+        results = run_all(configs, args, seconds, base)
+        report(results, load, args.rounds)
+
+
+def run_all(
+    configs: list[str], args: argparse.Namespace, seconds: float, base: str | None
+) -> dict[tuple[str, str], list[dict[str, float]]]:
+    """Every configuration of every layout, in a fresh process each, ``args.rounds`` times."""
+    from benchmarks.parquet import measured_child
+
+    extra = [] if base is None else ["--base", base]
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
     for _ in range(args.rounds):
         for layout in args.layouts.split(","):
             for config in configs:
                 got = measured_child(
-                    "benchmarks.parquet_prose", config, ["--layout", layout, "--seconds", str(seconds)]
+                    "benchmarks.parquet_prose",
+                    config,
+                    ["--layout", layout, "--seconds", str(seconds), *extra],
                 )
                 results.setdefault((layout, config), []).append(got)
                 print(
                     f"{layout:5} {config:18} {json.dumps({k: round(v, 3) for k, v in got.items()})}",
                     flush=True,
                 )
-    print(
-        f"\nload average {load:.1f} before, {os.getloadavg()[0]:.1f} after; "
-        f"medians over {args.rounds} round(s)"
-    )
+    return results
+
+
+def report(results: dict[tuple[str, str], list[dict[str, float]]], load: float, rounds: int) -> None:
+    """The table of medians, each rate as a ratio to Hugging Face's of the same kind and round."""
+    print(f"\nload average {load:.1f} before, {os.getloadavg()[0]:.1f} after; medians over {rounds} round(s)")
     print(
         "| layout | configuration | tokens/s | / Hugging Face | CPU s per M tokens | first batch s "
         "| peak PSS MiB | tokenized / delivered |"

@@ -66,9 +66,12 @@ class Indexes:
     """
 
     BLOCK_POSITIONS = 16384
-    #: The first block's positions: a plan started again between steps (a new geometry) may be
-    #: replaced before it reads far, so the blocks grow from this (x4 a fill) to the full size.
-    FIRST_BLOCK_POSITIONS = 1024
+    #: The first block's positions: the consumer waits for the first batch of a plan started
+    #: again between steps (a new geometry), which may be replaced before it reads far. A few
+    #: positions are looked up one by one (tens of microseconds, where a vectorised lookup's
+    #: cycle-walking costs hundreds whatever the count); the blocks grow from this (x4 a fill)
+    #: to the full size.
+    FIRST_BLOCK_POSITIONS = 16
 
     def __init__(self, plan: EpochPlan, order: Order) -> None:
         self._plan = plan

@@ -248,7 +248,9 @@ class Processes:
         self.owned = owned
         self.reads_itself = reads_itself
         self.session = pool.session()
-        self.most_jobs = 2 * pool.num_workers  # one queued behind the one each worker makes
+        #: After a re-plan: the new plan's first group (None once it is back, or before it is sent).
+        self._lead: Group | None = None
+        self._leading = False  # the next group sent is a re-plan's first
         self.is_up = False
         self.error: BaseException | None = None
         self._selector: selectors.BaseSelector | None = None
@@ -291,12 +293,27 @@ class Processes:
             self._registered.append(p)
         self.is_up = True
 
+    @property
+    def most_jobs(self) -> int:
+        """Groups in flight at most: one queued behind the one each worker makes. After a
+        re-plan the new plan's first group goes alone until it is back: the consumer waits for
+        it (the read-ahead was dropped), and the groups after it would take the cores from its
+        worker and from the consumer's wake-up (a re-plan's first batch took twice as long on
+        two busy cores); they start when the consumer takes it, while it trains."""
+        lead = self._lead
+        if lead is not None:
+            if not lead.done:
+                return 1
+            self._lead = None
+        return 2 * self.pool.num_workers
+
     def renew(self) -> None:
         """A new session on the same workers, for a flow started again from another plan: the
         workers drop what is left of the old session's groups and are sent the new epoch; none
         restarts."""
         old, self.session = self.session, self.pool.session()
         old.end()
+        self._lead, self._leading = None, True
         if not self.is_up:
             return
         procs = self._send_epoch()
@@ -332,7 +349,10 @@ class Processes:
         return max(base, min(most, math.ceil(GROUP_WORK_S / max(work, 1e-6))))
 
     def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
-        return GroupJob(self.session.submit(specs, values), self.session, self.place)
+        group = self.session.submit(specs, values)
+        if self._leading:
+            self._lead, self._leading = group, False
+        return GroupJob(group, self.session, self.place)
 
     def wait_sync(self) -> None:
         """Block until a worker's pipe has something (or :data:`POLL_S`), and take it in."""

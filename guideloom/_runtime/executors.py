@@ -16,13 +16,14 @@ import selectors
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from guideloom._core.delivery import Delivery, Results, apply_group
 from guideloom._core.plan import BatchSpec
 from guideloom._runtime.config import PipelineConfig
 from guideloom._runtime.processes.pool import Group, Proc, WorkerPool
-from guideloom._runtime.processes.wire import Epoch
+from guideloom._runtime.processes.wire import Epoch, Replan
 from guideloom._runtime.threadpool import CollateThreads
 
 __all__ = ["GROUP_WORK_S", "FutureJob", "GroupJob", "Here", "Job", "Made", "Processes", "Threads"]
@@ -312,7 +313,7 @@ class Processes:
         workers drop what is left of the old session's groups and are sent the new epoch; none
         restarts."""
         old, self.session = self.session, self.pool.session()
-        old.end()
+        old.end(tell=not self.is_up)  # the new epoch, sent to every live worker, drops the old one
         self._lead, self._leading = None, True
         if not self.is_up:
             return
@@ -327,10 +328,35 @@ class Processes:
             self._registered = procs
 
     def _send_epoch(self) -> list[Proc]:
+        """Send the flow's epoch to every live worker: a :class:`Replan` (a few ints) to one whose
+        last epoch had the same order and reading, else the whole :class:`Epoch`; each kind
+        pickled once."""
         live = self.pool.live()
         flow = self.flow
+        plan = flow.plan
+        epoch = Epoch(self.session.token, plan, flow.cfg.order, flow.reading)
+        done: dict[bool, bytes] = {}
+
+        def pickled(replan: bool) -> bytes:
+            data = done.get(replan)
+            if data is None:
+                msg = (
+                    Replan(
+                        epoch.token,
+                        plan.local_batch_size,
+                        plan.world_size,
+                        plan.rank,
+                        plan.drop_last,
+                        plan.start_offset,
+                    )
+                    if replan
+                    else epoch
+                )
+                data = done[replan] = bytes(ForkingPickler.dumps(msg))
+            return data
+
         for p in live:
-            p.send(Epoch(self.session.token, flow.plan, flow.cfg.order, flow.reading))
+            p.send_epoch(epoch, pickled)
         return live
 
     #: The flow whose epoch the workers are sent (set by the driver).

@@ -367,12 +367,13 @@ class Session:
         #: before a group came back: about what making the batch inline would cost.
         self.work_per_batch: float | None = None
 
-    def end(self) -> None:
-        """Tell the workers to drop what is left of this iterator's groups. Idempotent."""
+    def end(self, tell: bool = True) -> None:
+        """Tell the workers to drop what is left of this iterator's groups (``tell``: false where
+        the next session's epoch, sent to every live worker, drops them). Idempotent."""
         if self._ended:
             return
         self._ended = True
-        for p in self.pool.live():
+        for p in self.pool.live() if tell else ():
             p.post(End(self.token))  # never blocks: a stopped worker is stopped by the close
         for gid in list(self.inputs):
             self._free_input(gid)

@@ -12,6 +12,7 @@ import signal
 import struct
 import threading
 from collections import deque
+from collections.abc import Callable
 from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Protocol
@@ -21,7 +22,7 @@ import numpy as np
 from guideloom._core.delivery import Delivery
 from guideloom._core.plan import BatchSpec
 from guideloom._runtime.processes.shm import MAX_SLOTS, Inputs, StateSegment, map_segment, unlink
-from guideloom._runtime.processes.wire import End, Epoch, Stop, Task
+from guideloom._runtime.processes.wire import End, Epoch, Replan, Stop, Task
 from guideloom._runtime.processes.worker import worker_main
 
 __all__ = ["TERMINATE_S", "Group", "PoolSide", "Proc"]
@@ -87,10 +88,26 @@ class Proc:
         self.alive = True
         self.ready = False
         self.inflight = 0
+        #: The last :class:`Epoch` sent to the worker (a :class:`Replan` starts again from it).
+        self.epoch: Epoch | None = None
 
-    def send(self, msg: Task | Epoch | End | Stop) -> None:
+    def send(self, msg: Task | Epoch | Replan | End | Stop) -> None:
         with self.send_lock:
             self.tasks.send(msg)
+
+    def send_epoch(self, epoch: Epoch, pickled: Callable[[bool], bytes]) -> None:
+        """Send ``epoch``, as a :class:`Replan` where the worker's last epoch had its order and
+        reading (``pickled(replan)``: the message's bytes, pickled once for all workers)."""
+        with self.send_lock:  # what the worker was sent last is known, in the pipe's order
+            last = self.epoch
+            replan = (
+                last is not None
+                and last.order is epoch.order
+                and last.plan.order is epoch.plan.order
+                and last.reading == epoch.reading
+            )
+            self.tasks.send_bytes(pickled(replan))
+            self.epoch = epoch
 
     def post(self, msg: End | Stop) -> bool:
         """Send a short message without ever blocking (a close must not wait on the pipe of a

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import math
+import pickle
 import selectors
 import threading
 from collections import deque
@@ -352,7 +353,12 @@ class Processes:
                     if replan
                     else epoch
                 )
-                data = done[replan] = bytes(ForkingPickler.dumps(msg))
+                # the epoch's order may be anything a dataset gives: pickled as Connection.send does
+                data = done[replan] = (
+                    pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+                    if replan
+                    else bytes(ForkingPickler.dumps(msg))
+                )
             return data
 
         for p in live:

@@ -115,12 +115,13 @@ def feistel_walk(
     vectorised walk has left, costs a few microseconds where a numpy call costs about one."""
     rounds = [(wkey ^ key, masks[i & 1]) for i, key in enumerate(keys)]
     mask_r = masks[1]
+    mix1, mix2, mask64 = MIX1, MIX2, MASK64  # locals: read in every round
     while True:
         left, right = x >> right_bits, x & mask_r
         for key, mask in rounds:
-            z = ((right ^ key) * MIX1) & MASK64
+            z = ((right ^ key) * mix1) & mask64
             z ^= z >> 31
-            z = (z * MIX2) & MASK64
+            z = (z * mix2) & mask64
             left, right = right, left ^ ((z ^ (z >> 29)) & mask)
         x = (left << right_bits) | right
         if x < n:

@@ -446,7 +446,7 @@ class Session:
         """Send consecutive batches to the least busy live worker as one group: to read and
         collate, or to collate from ``samples`` (each batch's, read by the main process)."""
         self._gid += 1
-        live = [p for p in self.pool.live() if p.proc.is_alive()]
+        live = [p for p in self.pool.live() if p.running()]
         if not live:
             g = Group(self._gid, specs, None)
             g.fail(WorkerError("every guideloom worker process has died"))

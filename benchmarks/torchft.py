@@ -25,10 +25,11 @@ included), mean and worst, and mean over the steps where the quorum changed.
 
 ``--replan`` measures the consumer's wait at a change of quorum alone, for each kind of worker:
 one loader over a stream of 10M tokens on local disk (``sequence_length=2048``,
-``local_batch_size=8``, shuffle on, ``prefetch=4``, 2 thread or 2 process workers) takes a few
-steps of a simulated training step (the read-ahead full), then changes its geometry (rank and
-world size drawn from ``--seed``), ``--changes`` times. Prints ``set_geometry`` and the first
-``next()`` after it, median and p90, for thread and process workers.
+``local_batch_size=8``, shuffle on, ``prefetch=4``, 2 thread or 2 process workers), each step
+holding the consumer 5 ms (its training step: the read-ahead is full when the geometry changes),
+changes its geometry (rank and world size 1 to 4, drawn from ``--seed``) ``--changes`` times,
+two steps between changes. Prints ``set_geometry``, the first ``next()`` after it, both, and
+``next()`` on the steps between, median and p90 (ms), for thread and process workers.
 """
 
 from __future__ import annotations
@@ -308,13 +309,13 @@ def replan_main(changes: int, seed: int) -> None:
         f"{REPLAN_TOKENS:,} tokens, sequence_length={REPLAN_SEQ}, local_batch_size={REPLAN_BATCH}, "
         f"prefetch=4, 2 workers, {changes} changes of geometry (ms, median / p90)"
     )
-    print(f"{'workers':<10} {'set_geometry':>14} {'next() after':>14} {'both':>14} {'steady next()':>14}")
+    print(f"{'workers':<10} {'set_geometry':>14} {'next() after':>14} {'both':>14} {'next() between':>15}")
     for method in ("thread", "process"):
         sets, firsts, steadies = replan_waits(path, method, changes, seed)
         both = [a + b for a, b in zip(sets, firsts, strict=True)]
         print(
             f"{method:<10} {_median_p90(sets):>14} {_median_p90(firsts):>14} {_median_p90(both):>14} "
-            f"{_median_p90(steadies):>14}",
+            f"{_median_p90(steadies):>15}",
             flush=True,
         )
 

@@ -300,8 +300,8 @@ class Processes:
         """Groups in flight at most: one queued behind the one each worker makes. After a
         re-plan the new plan's first group goes alone until it is back: the consumer waits for
         it (the read-ahead was dropped), and the groups after it would take the cores from its
-        worker and from the consumer's wake-up (a re-plan's first batch took twice as long on
-        two busy cores); they start when the consumer takes it, while it trains."""
+        worker and from the consumer's wake-up where cores are few and busy; they start when
+        the consumer takes it, while it trains."""
         lead = self._lead
         if lead is not None:
             if not lead.done:

@@ -1,6 +1,7 @@
 """Following a fault-tolerant quorum: samples lost and repeated, and the consumer's cost per step.
 
     python -m benchmarks torchft [--samples 6000] [--kills 24] [--seed 0]
+    python -m benchmarks torchft --replan [--changes 200]   # next() after set_geometry, per worker kind
 
 Three replica groups train one epoch step by step, as torchft runs them. One failure schedule
 (drawn from ``--seed``) is run by both loaders: at random steps a live replica dies during the
@@ -21,6 +22,14 @@ Prints samples lost (never committed in the epoch) and repeated (committed more 
 each, and guideloom's cost on the consumer's side of following the quorum: the time in
 ``set_geometry``, ``commit`` and ``rollback`` a step (the re-plan at a change of quorum
 included), mean and worst, and mean over the steps where the quorum changed.
+
+``--replan`` measures the consumer's wait at a change of quorum alone, for each kind of worker:
+one loader over a stream of 10M tokens on local disk (``sequence_length=2048``,
+``local_batch_size=8``, shuffle on, ``prefetch=4``, 2 thread or 2 process workers), each step
+holding the consumer 5 ms (its training step: the read-ahead is full when the geometry changes),
+changes its geometry (rank and world size 1 to 4, drawn from ``--seed``) ``--changes`` times,
+two steps between changes. Prints ``set_geometry``, the first ``next()`` after it, both, and
+``next()`` on the steps between, median and p90 (ms), for thread and process workers.
 """
 
 from __future__ import annotations
@@ -212,12 +221,116 @@ def lost_repeated(committed: Counter[int], n: int) -> tuple[int, int]:
     return n - len(set(committed) & set(range(n))), sum(c - 1 for c in committed.values() if c > 1)
 
 
+REPLAN_SEQ = 2048
+REPLAN_BATCH = 8
+REPLAN_TOKENS = 10_000_000
+
+
+def _rows(samples: Any) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(samples).astype(np.int64))
+
+
+def replan_waits(
+    path: Any, method: str, changes: int, seed: int, step_s: float = 0.005, steady: int = 2
+) -> tuple[list[float], list[float], list[float]]:
+    """``changes`` changes of geometry of one loader with 2 ``method`` workers; the seconds of
+    each ``set_geometry``, of the first ``next()`` after it, and of ``next()`` on steady steps.
+    Each step holds the consumer ``step_s`` (its training step: the read-ahead fills meanwhile)."""
+    loader = gl.StatefulDataLoader.from_storage(
+        gl.open_stream(path),
+        _rows,
+        sequence_length=REPLAN_SEQ,
+        local_batch_size=REPLAN_BATCH,
+        shuffle=True,
+        shuffle_seed=0,
+        prefetch=4,
+        num_workers=2,
+        parallel_method=method,  # type: ignore[arg-type]
+        device=torch.device("cpu"),
+    )
+    rng = random.Random(seed)
+    sets: list[float] = []
+    firsts: list[float] = []
+    steadies: list[float] = []
+    loader.open()
+    it = iter(loader)
+
+    def step() -> float | None:
+        """One training step: its ``next()``'s seconds (None at an epoch's end: the next epoch's
+        first batch, not counted)."""
+        nonlocal it
+        t0 = time.perf_counter()
+        batch = next(it, None)
+        dt: float | None = time.perf_counter() - t0
+        if batch is None:
+            it.close()
+            it = iter(loader)
+            next(it)
+            dt = None
+        loader.commit()
+        time.sleep(step_s)
+        return dt
+
+    try:
+        for _ in range(8):  # the workers up, warm
+            step()
+        geometry = (loader.rank, loader.world_size)
+        while len(firsts) < changes:
+            for _ in range(steady):
+                if (dt := step()) is not None:
+                    steadies.append(dt)
+            world = rng.randint(1, 4)
+            new = (rng.randrange(world), world)
+            if new == geometry:
+                continue
+            geometry = new
+            t0 = time.perf_counter()
+            loader.set_geometry(rank=new[0], world_size=new[1])
+            spent = time.perf_counter() - t0
+            if (dt := step()) is not None:
+                sets.append(spent)
+                firsts.append(dt)
+    finally:
+        it.close()
+        loader.close()
+    return sets, firsts, steadies
+
+
+def _median_p90(xs: list[float]) -> str:
+    ms = sorted(x * 1e3 for x in xs)
+    return f"{statistics.median(ms):.3f} / {ms[int(0.9 * (len(ms) - 1))]:.3f}"
+
+
+def replan_main(changes: int, seed: int) -> None:
+    from benchmarks.local_stream import ensure_dataset
+
+    path = ensure_dataset(REPLAN_TOKENS)
+    print(
+        f"{REPLAN_TOKENS:,} tokens, sequence_length={REPLAN_SEQ}, local_batch_size={REPLAN_BATCH}, "
+        f"prefetch=4, 2 workers, {changes} changes of geometry (ms, median / p90)"
+    )
+    print(f"{'workers':<10} {'set_geometry':>14} {'next() after':>14} {'both':>14} {'next() between':>15}")
+    for method in ("thread", "process"):
+        sets, firsts, steadies = replan_waits(path, method, changes, seed)
+        both = [a + b for a, b in zip(sets, firsts, strict=True)]
+        print(
+            f"{method:<10} {_median_p90(sets):>14} {_median_p90(firsts):>14} {_median_p90(both):>14} "
+            f"{_median_p90(steadies):>15}",
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks torchft", description=__doc__.split("\n")[0])
     ap.add_argument("--samples", type=int, default=6000)
     ap.add_argument("--kills", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--replan", action="store_true", help="only next() after set_geometry, per worker kind")
+    ap.add_argument("--changes", type=int, default=200, help="changes of geometry with --replan")
     args = ap.parse_args(argv)
+    if args.replan:
+        replan_main(args.changes, args.seed)
+        return
     n = args.samples
     schedule = draw(args.kills, args.seed, steps=n // (BATCH * REPLICAS))
     kills = sum(1 for _, _, c in schedule.steps if not c)

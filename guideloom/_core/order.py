@@ -33,7 +33,7 @@ from guideloom._core.keys import (
     MIX2,
     ROUNDS,
     feistel,
-    feistel_scalar,
+    feistel_walk,
     hash_words,
     splitmix,
     splitmix_scalar,
@@ -62,6 +62,10 @@ there cost the same wherever they land, so nothing is gained by giving up mixing
 DEFAULT_WINDOW: Final = 16
 """Default blocks per mixing window (see ``benchmarks/shuffle_quality.py`` for the measurement
 it was chosen from)."""
+
+#: Positions a lookup takes one by one (a scalar lookup is two cycle-walks, some ten microseconds;
+#: a vectorised one is over a hundred numpy calls whatever the count).
+SCALAR_LOOKUPS: Final = 8
 
 _ROUNDS: Final = ROUNDS
 _GOLDEN: Final = GOLDEN
@@ -204,10 +208,12 @@ class BlockPermutation:
             return self._m_short, self._bits_short
         return self._m_full, self._bits_full
 
-    def _feistel_scalar(self, x: int, bits: int, wkey: int) -> int:
+    def _walk(self, x: int, size: int, bits: int, wkey: int) -> int:
+        """The window's network applied to ``x`` until it lands in ``[0, size)`` (cycle-walking:
+        the domain is < 2 * size)."""
         right_bits = bits // 2
         masks = ((1 << (bits - right_bits)) - 1, (1 << right_bits) - 1)
-        return feistel_scalar(x, right_bits, masks, self._keys, wkey)
+        return feistel_walk(x, size, right_bits, masks, self._keys, wkey)
 
     def __getitem__(self, position: int) -> int:
         if not 0 <= position < self.n:
@@ -217,10 +223,7 @@ class BlockPermutation:
         start = k * self._window_samples - (pad if k * self._w > t else 0)
         size, bits = self._window_size(k)
         wkey = splitmix_scalar(k * _GOLDEN + self._salt)
-        u = self._feistel_scalar(position - start, bits, wkey)
-        while u >= size:  # cycle-walking: the domain is < 2 * size
-            u = self._feistel_scalar(u, bits, wkey)
-        q = start + u
+        q = start + self._walk(position - start, size, bits, wkey)
         slot, offset = divmod(q + pad if q >= split else q, b)
         block = self._nb - 1 if slot == t else self._blocks[slot - 1 if slot > t else slot]
         return block * b + offset
@@ -270,6 +273,8 @@ class BlockPermutation:
             return np.zeros(given.shape, dtype=np.int64)
         if given.min() < 0 or given.max() >= self.n:
             raise IndexError(f"positions outside [0, {self.n})")
+        if given.size <= SCALAR_LOOKUPS:  # a few positions: cheaper one by one than by numpy calls
+            return np.array([self[p] for p in given.ravel().tolist()], dtype=np.int64).reshape(given.shape)
         return self._take(given.ravel()).reshape(given.shape)
 
     def _take(self, pos: IndexArray) -> IndexArray:

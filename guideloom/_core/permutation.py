@@ -11,12 +11,19 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from guideloom._core.keys import ROUNDS, feistel, feistel_scalar, hash_words
+from guideloom._core.keys import ROUNDS, feistel, feistel_walk, hash_words
 
-__all__ = ["IndexArray", "Permutation"]
+__all__ = ["SCALAR_WALK", "IndexArray", "Permutation"]
 
 
 IndexArray = npt.NDArray[np.int64]
+
+#: Values a vectorised lookup walks one by one in Python (:func:`~guideloom._core.keys.feistel_walk`):
+#: a Feistel pass over an array is some sixty numpy calls, about as long as walking this many
+#: values whatever the array's length, and a walk's last passes hold only a few stragglers (where
+#: n is a quarter of the domain, 1,024 positions take about twenty passes, the last eight on
+#: fewer than 16 values).
+SCALAR_WALK = 16
 
 
 def _round_keys(seed: int, epoch: int) -> tuple[int, ...]:
@@ -31,7 +38,7 @@ class Permutation:
     identity is used when ``shuffle`` is false.
     """
 
-    __slots__ = ("_half_bits", "_half_mask", "_keys", "_keys_np", "_shuffle", "n")
+    __slots__ = ("_half_bits", "_half_mask", "_keys", "_keys_np", "_masks", "_shuffle", "n")
 
     def __init__(self, n: int, *, shuffle: bool, seed: int, epoch: int) -> None:
         if n < 0:
@@ -42,6 +49,7 @@ class Permutation:
         bits += bits & 1  # balanced halves: an even number of bits
         self._half_bits = bits // 2
         self._half_mask = (1 << self._half_bits) - 1
+        self._masks = (self._half_mask, self._half_mask)
         self._keys = _round_keys(seed, epoch)
         self._keys_np = tuple(np.uint64(k) for k in self._keys)
 
@@ -49,19 +57,17 @@ class Permutation:
         return self.n
 
     # -- scalar path -------------------------------------------------------------------------
-    def _feistel_scalar(self, x: int) -> int:
-        mask = self._half_mask
-        return feistel_scalar(x, self._half_bits, (mask, mask), self._keys)
+    def _walk(self, x: int) -> int:
+        """The network applied to ``x`` until it lands in ``[0, n)`` (cycle-walking: a few steps
+        on average, the domain is < 4n)."""
+        return feistel_walk(x, self.n, self._half_bits, self._masks, self._keys)
 
     def __getitem__(self, position: int) -> int:
         if not 0 <= position < self.n:
             raise IndexError(f"position {position} outside [0, {self.n})")
         if not self._shuffle:
             return position
-        x = self._feistel_scalar(position)
-        while x >= self.n:  # cycle-walking: at most a few steps, the domain is < 4n
-            x = self._feistel_scalar(x)
-        return x
+        return self._walk(position)
 
     # -- vectorised path ---------------------------------------------------------------------
     def _feistel(self, x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
@@ -75,14 +81,20 @@ class Permutation:
             raise IndexError(f"positions outside [0, {self.n})")
         if not self._shuffle:
             return pos.copy()
-        x = self._feistel(pos.astype(np.uint64))
+        if pos.size <= SCALAR_WALK:  # a few positions: cheaper one by one than by numpy calls
+            walk = self._walk
+            return np.array([walk(p) for p in pos.ravel().tolist()], dtype=np.int64).reshape(pos.shape)
+        x = self._feistel(pos.ravel().astype(np.uint64))
         n = np.uint64(self.n)
         out_of_range = np.flatnonzero(x >= n)
-        while out_of_range.size:
+        while out_of_range.size > SCALAR_WALK:
             walked = self._feistel(x[out_of_range])
             x[out_of_range] = walked
             out_of_range = out_of_range[walked >= n]
-        return x.astype(np.int64)
+        if out_of_range.size:  # the walk's stragglers, one by one
+            walk = self._walk
+            x[out_of_range] = [walk(v) for v in x[out_of_range].tolist()]
+        return x.astype(np.int64).reshape(pos.shape)
 
     def range(self, start: int, stop: int) -> IndexArray:
         """Observation indexes at order positions ``[start, stop)``."""

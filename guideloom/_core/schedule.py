@@ -66,9 +66,13 @@ class Indexes:
     """
 
     BLOCK_POSITIONS = 16384
-    #: The first block's positions: a plan started again between steps (a new geometry) may be
-    #: replaced before it reads far, so the blocks grow from this (x4 a fill) to the full size.
-    FIRST_BLOCK_POSITIONS = 1024
+    #: The first block's positions: the consumer waits for the first batch of a plan started
+    #: again between steps (a new geometry), which may be replaced before it reads far. A few
+    #: positions are looked up one by one (tens of microseconds, where a vectorised lookup's
+    #: cycle-walking costs hundreds whatever the count); the blocks grow from this, x8 a fill
+    #: (the second covers the first read-ahead of a loader that reads in the consumer's thread),
+    #: to the full size.
+    FIRST_BLOCK_POSITIONS = 8
 
     def __init__(self, plan: EpochPlan, order: Order) -> None:
         self._plan = plan
@@ -82,7 +86,7 @@ class Indexes:
         plan = self._plan
         most = getattr(self._order, "lookup_block", self.BLOCK_POSITIONS)  # a mixture's is smaller
         block = min(self._block, most)
-        self._block = min(4 * self._block, self.BLOCK_POSITIONS)
+        self._block = min(8 * self._block, self.BLOCK_POSITIONS)
         stop = min(len(plan), step + max(1, block // plan.local_batch_size))
         positions, sizes = plan.positions(step, stop)
         self._values = self._order.take(positions)

@@ -12,17 +12,19 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import math
+import pickle
 import selectors
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from guideloom._core.delivery import Delivery, Results, apply_group
 from guideloom._core.plan import BatchSpec
 from guideloom._runtime.config import PipelineConfig
 from guideloom._runtime.processes.pool import Group, Proc, WorkerPool
-from guideloom._runtime.processes.wire import Epoch
+from guideloom._runtime.processes.wire import Epoch, Replan
 from guideloom._runtime.threadpool import CollateThreads
 
 __all__ = ["GROUP_WORK_S", "FutureJob", "GroupJob", "Here", "Job", "Made", "Processes", "Threads"]
@@ -248,7 +250,9 @@ class Processes:
         self.owned = owned
         self.reads_itself = reads_itself
         self.session = pool.session()
-        self.most_jobs = 2 * pool.num_workers  # one queued behind the one each worker makes
+        #: After a re-plan: the new plan's first group (None once it is back, or before it is sent).
+        self._lead: Group | None = None
+        self._leading = False  # the next group sent is a re-plan's first
         self.is_up = False
         self.error: BaseException | None = None
         self._selector: selectors.BaseSelector | None = None
@@ -291,12 +295,27 @@ class Processes:
             self._registered.append(p)
         self.is_up = True
 
+    @property
+    def most_jobs(self) -> int:
+        """Groups in flight at most: one queued behind the one each worker makes. After a
+        re-plan the new plan's first group goes alone until it is back: the consumer waits for
+        it (the read-ahead was dropped), and the groups after it would take the cores from its
+        worker and from the consumer's wake-up where cores are few and busy; they start when
+        the consumer takes it, while it trains."""
+        lead = self._lead
+        if lead is not None:
+            if not lead.done:
+                return 1
+            self._lead = None
+        return 2 * self.pool.num_workers
+
     def renew(self) -> None:
         """A new session on the same workers, for a flow started again from another plan: the
         workers drop what is left of the old session's groups and are sent the new epoch; none
         restarts."""
         old, self.session = self.session, self.pool.session()
-        old.end()
+        old.end(tell=not self.is_up)  # the new epoch, sent to every live worker, drops the old one
+        self._lead, self._leading = None, True
         if not self.is_up:
             return
         procs = self._send_epoch()
@@ -310,10 +329,40 @@ class Processes:
             self._registered = procs
 
     def _send_epoch(self) -> list[Proc]:
+        """Send the flow's epoch to every live worker: a :class:`Replan` (a few ints) to one whose
+        last epoch had the same order and reading, else the whole :class:`Epoch`; each kind
+        pickled once."""
         live = self.pool.live()
         flow = self.flow
+        plan = flow.plan
+        epoch = Epoch(self.session.token, plan, flow.cfg.order, flow.reading)
+        done: dict[bool, bytes] = {}
+
+        def pickled(replan: bool) -> bytes:
+            data = done.get(replan)
+            if data is None:
+                msg = (
+                    Replan(
+                        epoch.token,
+                        plan.local_batch_size,
+                        plan.world_size,
+                        plan.rank,
+                        plan.drop_last,
+                        plan.start_offset,
+                    )
+                    if replan
+                    else epoch
+                )
+                # the epoch's order may be anything a dataset gives: pickled as Connection.send does
+                data = done[replan] = (
+                    pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+                    if replan
+                    else bytes(ForkingPickler.dumps(msg))
+                )
+            return data
+
         for p in live:
-            p.send(Epoch(self.session.token, flow.plan, flow.cfg.order, flow.reading))
+            p.send_epoch(epoch, pickled)
         return live
 
     #: The flow whose epoch the workers are sent (set by the driver).
@@ -332,7 +381,10 @@ class Processes:
         return max(base, min(most, math.ceil(GROUP_WORK_S / max(work, 1e-6))))
 
     def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
-        return GroupJob(self.session.submit(specs, values), self.session, self.place)
+        group = self.session.submit(specs, values)
+        if self._leading:
+            self._lead, self._leading = group, False
+        return GroupJob(group, self.session, self.place)
 
     def wait_sync(self) -> None:
         """Block until a worker's pipe has something (or :data:`POLL_S`), and take it in."""

@@ -53,11 +53,14 @@ class Executor(Protocol):
     #: Whether its groups are made ahead of the consumer's requests (inline in the caller's
     #: thread: no, each batch is made when asked for).
     runs_ahead: bool
-    #: Groups in flight at most.
-    most_jobs: int
     #: What makes a read batch a delivered one (the collate, and the copy to a device where it
     #: runs there).
     steps: tuple[Callable[[Any], Any], ...]
+
+    @property
+    def most_jobs(self) -> int:
+        """Groups in flight at most."""
+        ...
 
     def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
         """Start one group: ``values`` the batches read (None: it reads them itself)."""

@@ -35,6 +35,20 @@ def test_scalar_lookup_matches_vectorised() -> None:
     assert perm.take(positions).tolist() == [perm[int(p)] for p in positions]
 
 
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 200_000), seed=st.integers(0, 2**32), data=st.data())
+def test_take_of_a_few_positions_matches_scalar_lookups(n: int, seed: int, data: st.DataObject) -> None:
+    """Up to a few dozen positions (walked one by one, or their walk's stragglers so), in any
+    shape: the same indexes as one lookup each."""
+    perm = Permutation(n, shuffle=True, seed=seed, epoch=2)
+    positions = data.draw(st.lists(st.integers(0, n - 1), min_size=0, max_size=80))
+    got = perm.take(positions)
+    assert got.dtype == np.int64 and got.tolist() == [perm[p] for p in positions]
+    if len(positions) % 2 == 0 and positions:
+        grid = np.array(positions).reshape(2, -1)
+        assert perm.take(grid).tolist() == [[perm[int(p)] for p in row] for row in grid]
+
+
 def test_order_changes_with_epoch_and_seed_but_not_otherwise() -> None:
     n = 5000
     a = Permutation(n, shuffle=True, seed=1, epoch=0).range(0, n)

@@ -8,6 +8,8 @@ Every sample of the epoch is committed exactly once, whatever the schedule."""
 
 from __future__ import annotations
 
+import asyncio
+import random
 from collections import Counter
 from typing import Any
 
@@ -243,3 +245,60 @@ def test_the_committed_state_after_more_changes_than_the_history_keeps_loads_in_
             joining.load_state_dict(state)
             joining.set_geometry(rank=0, world_size=2)
             assert take(joining, 1) == [expected]
+
+
+def _follow(seed: int, asynchronous: bool = False, **kw: Any) -> tuple[list[list[int]], dict[str, Any]]:
+    """Two epochs of one loader whose geometry changes at random steps (a drawn rank and world
+    size, the step committed or taken back), by ``for`` or ``async for``: the batches handed
+    out, and its stats."""
+    out: list[list[int]] = []
+    rng = random.Random(seed)
+
+    def step(one: gl.StatefulDataLoader[Any, list[int]]) -> None:
+        if rng.random() < 0.6:
+            world = rng.randint(1, 3)
+            one.set_geometry(rank=rng.randrange(world), world_size=world)
+
+    def settle(one: gl.StatefulDataLoader[Any, list[int]]) -> None:
+        one.commit() if rng.random() < 0.8 else one.rollback()
+
+    async def epochs_async(one: gl.StatefulDataLoader[Any, list[int]]) -> None:
+        for _ in range(2):
+            it = aiter(one)
+            while True:
+                step(one)
+                batch = await anext(it, None)
+                if batch is None:
+                    break
+                out.append(batch)
+                settle(one)
+            await it.aclose()  # type: ignore[attr-defined]
+
+    with loader(**kw) as one:
+        if asynchronous:
+            asyncio.run(epochs_async(one))
+            return out, dict(one.stats())
+        for _ in range(2):
+            it = iter(one)
+            while True:
+                step(one)
+                batch = next(it, None)
+                if batch is None:
+                    break
+                out.append(batch)
+                settle(one)
+            it.close()
+        return out, dict(one.stats())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("asynchronous", [False, True])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_process_workers_hand_out_what_no_worker_does_through_changes_of_geometry(
+    seed: int, asynchronous: bool
+) -> None:
+    """Process workers re-planned at each change (a few ints sent, not the order; the first
+    group alone), and sent the next epoch's order whole: the same batches as without workers."""
+    made, stats = _follow(seed, asynchronous, parallel_method="process", num_workers=2, prefetch=2)
+    assert made == _follow(seed)[0]
+    assert len(made) > 30 and stats["collated_processes"] == stats["batches"]

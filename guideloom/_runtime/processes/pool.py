@@ -367,12 +367,13 @@ class Session:
         #: before a group came back: about what making the batch inline would cost.
         self.work_per_batch: float | None = None
 
-    def end(self) -> None:
-        """Tell the workers to drop what is left of this iterator's groups. Idempotent."""
+    def end(self, tell: bool = True) -> None:
+        """Tell the workers to drop what is left of this iterator's groups (``tell``: false where
+        the next session's epoch, sent to every live worker, drops them). Idempotent."""
         if self._ended:
             return
         self._ended = True
-        for p in self.pool.live():
+        for p in self.pool.live() if tell else ():
             p.post(End(self.token))  # never blocks: a stopped worker is stopped by the close
         for gid in list(self.inputs):
             self._free_input(gid)
@@ -445,7 +446,7 @@ class Session:
         """Send consecutive batches to the least busy live worker as one group: to read and
         collate, or to collate from ``samples`` (each batch's, read by the main process)."""
         self._gid += 1
-        live = [p for p in self.pool.live() if p.proc.is_alive()]
+        live = [p for p in self.pool.live() if p.running()]
         if not live:
             g = Group(self._gid, specs, None)
             g.fail(WorkerError("every guideloom worker process has died"))

@@ -1,6 +1,7 @@
 """The messages between the main process and its workers, each a typed tuple.
 
-To a worker: :class:`Epoch` (an iterator's plan and order, once), :class:`Task` (a group of
+To a worker: :class:`Epoch` (an iterator's plan and order, once), :class:`Replan` (the last
+epoch's order again, from another offset and geometry: a re-plan), :class:`Task` (a group of
 consecutive steps to read and collate, or to collate from the samples sent with it),
 :class:`End` (drop what is left of an iterator's groups) and :class:`Stop`. From a worker:
 :class:`Ready` or :class:`Failed` once, at its start, then a :class:`GroupDone` per task, whose
@@ -34,6 +35,7 @@ __all__ = [
     "PickleEntry",
     "Ready",
     "RemoteTraceback",
+    "Replan",
     "Samples",
     "Stop",
     "Task",
@@ -62,6 +64,19 @@ class Epoch(NamedTuple):
     plan: EpochPlan
     order: Order
     reading: str
+
+
+class Replan(NamedTuple):
+    """The worker's last :class:`Epoch` started again as the epoch of ``token``, from another
+    offset and geometry: the plan's fields but its order, which has not changed (a re-plan at a
+    change of quorum sends a few ints, not the order)."""
+
+    token: int
+    local_batch_size: int
+    world_size: int
+    rank: int
+    drop_last: bool
+    start_offset: int
 
 
 class FlatLayout(NamedTuple):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import mmap
 import multiprocessing.connection
 import os
@@ -36,6 +37,7 @@ from guideloom._runtime.processes.wire import (
     GroupDone,
     PickleEntry,
     Ready,
+    Replan,
     Samples,
     Stop,
     Task,
@@ -67,6 +69,7 @@ class _Worker:
         self.dataset, self.collate_fn, self.slots = dataset, collate_fn, slots
         self.loop = asyncio.new_event_loop()
         self.epochs: dict[int, tuple[EpochPlan, Indexes, str]] = {}
+        self.last: Epoch | None = None  # the last epoch sent: a re-plan starts again from it
         self.queue: deque[Task] = deque()
         self.stopping = False
         self.counted = _read_counts(dataset)
@@ -74,12 +77,26 @@ class _Worker:
             str, mmap.mmap
         ] = {}  # the main process's input segments, mapped  # the storage's reads when last reported
 
-    def handle(self, msg: Task | Epoch | End | Stop) -> None:
+    def handle(self, msg: Task | Epoch | Replan | End | Stop) -> None:
         match msg:
             case Task():
                 self.queue.append(msg)
             case Epoch(token, plan, order, reading):
+                self.last = msg
                 self.epochs = {token: (plan, Indexes(plan, order), reading)}  # earlier ones are over
+            case Replan(token, batch, world, rank, drop_last, offset):
+                last = self.last
+                if last is None:
+                    raise RuntimeError("guideloom bug: a re-plan reached a worker sent no epoch")
+                plan = dataclasses.replace(
+                    last.plan,
+                    local_batch_size=batch,
+                    world_size=world,
+                    rank=rank,
+                    drop_last=drop_last,
+                    start_offset=offset,
+                )
+                self.epochs = {token: (plan, Indexes(plan, last.order), last.reading)}
             case End(token):
                 self.epochs.pop(token, None)
             case Stop():

@@ -73,7 +73,8 @@ def draw(kills: int, seed: int, steps: int) -> Schedule:
         heal = back[0] if back else None
         live = frozenset(r for r in range(REPLICAS) if r not in down)
         commits = True
-        if at and at[0] == step and len(live) - (heal is not None) >= 2:
+        # a death drawn for a step with too few live replicas happens at the next step that has them
+        if at and at[0] <= step and len(live) - (heal is not None) >= 2:
             at.pop(0)
             victim = rng.choice(sorted(r for r in live if r != heal))
             down[victim] = step + rng.randint(1, 5)

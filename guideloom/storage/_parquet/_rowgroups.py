@@ -92,7 +92,7 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
         self._group_in_file = np.arange(len(self._sizes), dtype=np.int64) - firsts[self._file_of]
         self._kind = entries[0].kind if entries else "text"
         self._digest = self._make_digest()
-        self.max_concurrent_reads = 4 if getattr(files, "remote", False) else 1
+        self.max_concurrent_reads = 4 if files.remote else 1
         self._reset()
 
     def _reset(self) -> None:
@@ -314,7 +314,7 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
         need, several ranged GETs at once, while the row groups not yet read fit
         ``max_decoded_bytes``. Replaces the previous hint. Local files: nothing (a read decodes
         its row groups as fast as it would wait for another thread's)."""
-        if not getattr(self._files, "remote", False) or self.fetch_ahead < 1:
+        if not self._files.remote or self.fetch_ahead < 1:
             return
         with self._lock:
             self._forget_plan_locked()

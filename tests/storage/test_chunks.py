@@ -28,6 +28,8 @@ from guideloom.storage._cache._chunks import ChunkCache
 from guideloom.storage._remote._ranges import Limits, plan_windows
 from tests.support.chunks import CHUNK, SEQ, Sampler, Store, folder_bytes, settle
 
+pytestmark = pytest.mark.usefixtures("short_first_read_grace")
+
 
 @pytest.fixture
 def store(tmp_path: Path) -> Store:

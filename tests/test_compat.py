@@ -3,10 +3,15 @@ shape it uses: a Python release that changes one fails here, by name."""
 
 from __future__ import annotations
 
+import asyncio
+import importlib
+import io
 import subprocess
 import sys
+import textwrap
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,10 +20,23 @@ from guideloom import _compat
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _resolve(dotted: str) -> Any:
+    """The object a dotted name names: the longest importable module, then attributes."""
+    parts = dotted.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            obj = getattr(obj, name, None)
+        return obj
+    return None
+
+
 @pytest.mark.parametrize("dotted", sorted(_compat.PRIVATE_APIS))
 def test_each_private_api_used_still_exists(dotted: str) -> None:
-    module, _, name = dotted.partition(".")
-    assert callable(getattr(sys.modules[module], name, None)), (
+    assert callable(_resolve(dotted)), (
         f"{dotted} is gone in Python {sys.version.split()[0]}: guideloom uses it to "
         f"{_compat.PRIVATE_APIS[dotted]}; see guideloom/_compat.py"
     )
@@ -52,3 +70,114 @@ def test_current_frames_names_every_live_thread() -> None:
     finally:
         stop.set()
         t.join()
+
+
+def test_clear_running_loop_forgets_the_loop_of_this_thread() -> None:
+    async def inside() -> None:
+        loop = asyncio.get_running_loop()
+        _compat.clear_running_loop()
+        try:
+            with pytest.raises(RuntimeError, match="no running event loop"):
+                asyncio.get_running_loop()
+        finally:
+            asyncio.events._set_running_loop(loop)
+
+    asyncio.run(inside())
+
+
+def test_flush_std_streams_flushes_stdout_and_stderr(monkeypatch: pytest.MonkeyPatch) -> None:
+    flushed: list[str] = []
+
+    class Stream(io.StringIO):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name = name
+
+        def flush(self) -> None:
+            flushed.append(self.name)
+
+    monkeypatch.setattr(sys, "stdout", Stream("stdout"))
+    monkeypatch.setattr(sys, "stderr", Stream("stderr"))
+    _compat.flush_std_streams()
+    assert sorted(flushed) == ["stderr", "stdout"]
+
+
+def test_the_fork_server_has_the_private_attributes_a_zygote_sets() -> None:
+    """A Python whose fork server has other attributes (3.14's authentication key) gets no
+    zygote (guideloom falls back to multiprocessing's fork server); this names the change."""
+    got = set(vars(_compat.ForkServer()))
+    assert _compat.fork_server_is_known(), (
+        f"multiprocessing.forkserver.ForkServer's attributes changed in Python "
+        f"{sys.version.split()[0]}: {sorted(got ^ _compat.FORK_SERVER_ATTRS)}; see guideloom/_compat.py"
+    )
+
+
+def test_a_socket_address_is_abstract_only_in_the_abstract_namespace() -> None:
+    assert _compat.is_abstract_address("\0guideloom-test")
+    assert not _compat.is_abstract_address("/tmp/guideloom-test.sock")
+    address = _compat.new_unix_address()
+    assert isinstance(address, str) and address != _compat.new_unix_address()
+
+
+#: A fork server run with the helpers, in a process forked from a script (as a zygote is): a
+#: process it forks reports its parent, its own ``__main__`` function is found without importing
+#: the script again, and the server ends once its alive pipe is closed.
+FORK_SERVER = """
+import os, socket
+from multiprocessing import Pipe
+from guideloom import _compat as c
+
+def report(conn, value):
+    conn.send((os.getppid(), value))
+    conn.close()
+
+server = c.new_fork_server([])
+with socket.socket(socket.AF_UNIX) as listener:
+    address = c.new_unix_address()
+    listener.bind(address)
+    listener.listen()
+    alive_r, alive_w = os.pipe()
+    c.flush_std_streams()
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            os.close(alive_w)
+            c.serve_forks(listener.fileno(), alive_r)
+        except SystemExit:
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(alive_r)
+c.attach_fork_server(server, address, alive_w, pid)
+assert c.fork_server_pid(server) == pid
+ours, theirs = Pipe()
+proc = c.OwnServerProcess(target=report, args=(theirs, "from the zygote"))
+proc.fork_server = server
+proc.start()
+theirs.close()
+assert ours.recv() == (pid, "from the zygote"), "forked by the zygote"
+proc.join(30)
+assert proc.exitcode == 0, proc.exitcode
+fd, got_address, got_pid = c.detach_fork_server(server)
+assert (fd, got_address, got_pid) == (alive_w, address, pid)
+assert c.fork_server_pid(server) is None and c.detach_fork_server(server)[::2] == (None, None)
+os.close(fd)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, "the loop ends at the end of its alive pipe"
+if not c.is_abstract_address(address):
+    os.unlink(address)
+print("ok")
+"""
+
+
+def test_a_fork_server_run_and_asked_with_the_helpers_forks_processes() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(FORK_SERVER)],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

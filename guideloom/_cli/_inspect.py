@@ -97,7 +97,7 @@ def open_dataset(dest: str) -> tuple[Manifest | None, Storage]:
         storage = open_stream(dest)
     except DatasetFormatError:
         storage = open_documents(dest)
-    return getattr(storage, "manifest", None), storage
+    return storage._written_manifest(), storage
 
 
 def _describe(dest: str, manifest: Manifest | None, storage: Storage) -> list[str]:

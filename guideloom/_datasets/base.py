@@ -19,6 +19,7 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
+from guideloom._core.schedule import WINDOW_BATCHES
 from guideloom.storage.base import StorageAbstract, mark_own_reads
 from guideloom.types import DatasetFingerprint
 
@@ -46,6 +47,9 @@ class DatasetAbstract(ABC, Generic[SourceT]):
     #: Whether :meth:`order` makes the epoch order (a class that defines ``order`` does, unless it
     #: declares otherwise); shuffle blocks are then neither used nor recorded.
     makes_own_order: ClassVar[bool] = False
+    #: Elements per sample where every sample has that many (a stream's windows, packed rows);
+    #: 0 (the default) where samples have no fixed length. A checkpoint's fingerprint records it.
+    sequence_length: int = 0
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -119,6 +123,21 @@ class DatasetAbstract(ABC, Generic[SourceT]):
             return _DEFAULT_READ_WINDOW_BYTES
         return max(1, int(self.storage.read_window_bytes))
 
+    @property
+    def read_window_batches(self) -> int:
+        """Batches the loader asks for in one ``read_many`` call at most (the storage's figure,
+        64 without one)."""
+        if self.storage is None:
+            return WINDOW_BATCHES
+        return self.storage.read_window_batches
+
+    @property
+    def shuffle_block_bytes(self) -> int | None:
+        """Bytes per shuffle block that ``shuffle_block_size="auto"`` aims at (the storage's
+        figure); ``None`` (without a storage, or for memory and local files) asks for the global
+        row shuffle, and read windows that are not cut at block ends."""
+        return None if self.storage is None else self.storage.shuffle_block_bytes
+
     def sample_nbytes_hint(self) -> int:
         """A typical sample's size in bytes (0 if unknown), for sizing read-ahead windows."""
         return 0
@@ -143,7 +162,7 @@ class DatasetAbstract(ABC, Generic[SourceT]):
         return DatasetFingerprint(
             kind=self._fingerprint_kind(),
             observations=len(self),
-            sequence_length=int(getattr(self, "sequence_length", 0) or 0),
+            sequence_length=int(self.sequence_length or 0),
             digest="" if storage is None else storage.content_digest(),
         )
 

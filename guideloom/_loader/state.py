@@ -132,7 +132,7 @@ def block_size(loader: Loader[Any]) -> int:
         return max(2, round(int(natural.sum()) / len(natural)))
     return resolve_block_size(
         "auto",
-        block_bytes=getattr(loader.dataset.storage, "shuffle_block_bytes", None),
+        block_bytes=loader.dataset.shuffle_block_bytes,
         sample_nbytes=loader.dataset.sample_nbytes_hint(),
     )
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 from guideloom._core.order import Order
 from guideloom._core.plan import EpochPlan
-from guideloom._core.schedule import WINDOW_BATCHES, every, max_window
+from guideloom._core.schedule import every, max_window
 from guideloom._datasets import DatasetAbstract
 
 if TYPE_CHECKING:
@@ -90,8 +90,7 @@ def making_steps(cfg: PipelineConfig) -> tuple[Callable[[Any], Any], ...]:
 
 
 def max_window_batches(cfg: PipelineConfig) -> int:
-    storage = cfg.dataset.storage
-    most = max(1, int(getattr(storage, "read_window_batches", WINDOW_BATCHES)))
+    most = max(1, int(cfg.dataset.read_window_batches))
     return max_window(cfg.plan, cfg.dataset.sample_nbytes_hint(), cfg.dataset.read_window_bytes, most)
 
 
@@ -105,7 +104,7 @@ def window_bounds(cfg: PipelineConfig) -> Callable[[int], int] | None:
     in between, since a small window of a shuffled epoch is scattered samples, one request each,
     where the largest one coalesces.
     """
-    if getattr(cfg.dataset.storage, "shuffle_block_bytes", None) is None:
+    if cfg.dataset.shuffle_block_bytes is None:
         return None
     window_end = getattr(cfg.order, "window_end", None)
     if callable(window_end) and int(getattr(cfg.order, "span", 0)) > 0:

@@ -20,13 +20,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
 
 from guideloom._core.rows import Rows, Spans
+
+if TYPE_CHECKING:
+    from guideloom.storage._format._manifest import Manifest
 
 __all__ = [
     "DocumentStorageAbstract",
@@ -143,6 +146,11 @@ class StorageAbstract(ABC, Generic[InT, OutT]):
         end byte]`` for each file holding some of them, in order (what ``loader.explain()``
         reports). ``[]`` for a storage without files (in memory)."""
         return []
+
+    def _written_manifest(self) -> Manifest | None:
+        """The manifest of a dataset guideloom wrote, which its storages hold (``guideloom
+        inspect`` shows it); ``None`` for any other storage (memory, Parquet, one of your own)."""
+        return None
 
     def figures(self) -> dict[str, float]:
         """Counts of this storage's own that ``loader.stats()`` reports (none by default; a

@@ -100,6 +100,8 @@ def test_the_defaults_of_a_dataset_without_storage() -> None:
     asyncio.run(ds.open())  # nothing to open or close: no error
     asyncio.run(ds.close())
     assert ds.max_concurrent_reads == 1 and ds.read_window_bytes == 4 * 2**20
+    assert ds.read_window_batches == 64 and ds.shuffle_block_bytes is None
+    assert ds.sequence_length == 0 and ds.fingerprint()["sequence_length"] == 0
     assert ds.order(shuffle=True, seed=0, epoch=0) is None and ds.position_stats(epoch=0, offset=0) == {}
     assert not ds.reads_inline
     with pytest.raises(NotImplementedError, match="no blocking reads"):
@@ -114,6 +116,18 @@ def test_the_built_in_datasets_keep_their_storage() -> None:
     s = gl.MemoryStreamStorage(np.arange(10))
     d = gl.MemoryDocumentStorage([np.arange(3)])
     assert gl.StreamDataset(s, 2).storage is s and gl.DocumentDataset(d).storage is d
+
+
+def test_a_dataset_answers_its_storage_s_read_figures_and_its_own_sequence_length() -> None:
+    class Remote(gl.MemoryStreamStorage):
+        read_window_batches = 256
+        shuffle_block_bytes = 8 * 2**20
+
+    ds = gl.StreamDataset(Remote(np.arange(10)), 2)
+    assert ds.read_window_batches == 256 and ds.shuffle_block_bytes == 8 * 2**20
+    assert ds.sequence_length == 2 and ds.fingerprint()["sequence_length"] == 2
+    assert gl.DocumentDataset(gl.MemoryDocumentStorage([np.arange(3)])).sequence_length == 0
+    assert Remote(np.arange(10))._written_manifest() is None  # not a dataset guideloom wrote
 
 
 def test_a_subclass_with_workers_and_resume() -> None:

@@ -45,9 +45,9 @@ def _release_at_the_end() -> object:
 
 @pytest.fixture(autouse=True)
 def _short_grace(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A close here waits out the whole grace for the hung collate: 1 s of it, not the default
+    """A close here waits out the whole grace for the hung collate: 0.25 s of it, not the default
     (the bounds checked below stay those of the default). A script run here keeps the default."""
-    monkeypatch.setattr(threadpool, "CLOSE_GRACE_S", 1.0)
+    monkeypatch.setattr(threadpool, "CLOSE_GRACE_S", 0.25)
 
 
 @pytest.mark.parametrize(

@@ -32,8 +32,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
+from guideloom._compat import fork_server_is_known
 from guideloom._runtime.processes import SHUTDOWN_GRACE_S, RemoteTraceback, live_segments
-from guideloom._runtime.processes.zygote import _SERVER_ATTRS
 from tests.support.data import Boom, slow_ids
 from tests.support.loader import assert_same, take
 from tests.support.processes import (
@@ -54,7 +54,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_thread_leak")]
 
 #: Whether this Python's fork server is the one a zygote runs (3.14's authenticates: no zygote).
 ZYGOTE = pytest.mark.skipif(
-    set(vars(__import__("multiprocessing.forkserver").forkserver.ForkServer())) != _SERVER_ATTRS,
+    not fork_server_is_known(),
     reason="this Python's fork server is not the one a zygote runs",
 )
 

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from guideloom.storage._cache import _chunk_schedule
 from guideloom.storage._cache._chunks import ChunkCache
 
 
@@ -16,3 +17,15 @@ def stopped() -> Iterator[list[ChunkCache]]:
     yield caches
     for c in caches:
         c.stop()
+
+
+@pytest.fixture(scope="module")
+def short_first_read_grace() -> Iterator[None]:
+    """A chunk cache here starts downloading 50 ms after its plan where no read came first, not
+    1 s after (the grace that spares a cold cache's first batch the downloads' competition): the
+    tests that use it wait for the planner to settle before they read, and check what it
+    downloads, not when it starts."""
+    old = _chunk_schedule.FIRST_READ_GRACE_SECONDS
+    _chunk_schedule.FIRST_READ_GRACE_SECONDS = 0.05
+    yield
+    _chunk_schedule.FIRST_READ_GRACE_SECONDS = old

@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from guideloom.storage._cache._chunks import ChunkCache
 from tests.support.chunks import CHUNK, SEQ, Store, settle
 
+pytestmark = pytest.mark.usefixtures("short_first_read_grace")
+
 
 def _planned(store: Store, cache: ChunkCache, rows: list[int]) -> tuple[object, ...]:
     starts = np.asarray(rows, dtype=np.int64) * SEQ

@@ -32,10 +32,12 @@ class Store:
         self.fetched: list[tuple[str, int, int]] = []
         self.remote_ranges = 0
         self.delay = 0.0
+        #: Ends a delayed fetch at once (a test done with a slow download need not wait it out).
+        self.hurry = threading.Event()
 
     def fetch(self, path: str, start: int, end: int) -> bytes:
         if self.delay:
-            time.sleep(self.delay)
+            self.hurry.wait(self.delay)
         self.fetched.append((path, start, end))
         return self.data[path][start:end]
 
@@ -63,21 +65,23 @@ class Store:
 
 
 def settle(cache: ChunkCache, timeout: float = 10.0) -> None:
-    """Wait until the planner has nothing more to do at the reader's current position."""
+    """Wait until the planner has nothing more to do at the reader's current position: nothing
+    in flight and nothing it would start. The planner picks a chunk and marks it in flight under
+    the cache's lock, so what is seen here under that lock holds until the reader moves on; each
+    download's end wakes this wait (and a short timeout covers a planner waiting out a grace)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with cache._cond:
+    with cache._cond:
+        while True:
             cache._refill_locked()
             idle = not cache._inflight and (
                 cache._disabled or cache._stalled_at == cache._now or cache._candidate_locked() is None
             )
-        if idle:
-            time.sleep(0.05)  # and stays so
-            with cache._cond:
-                if not cache._inflight:
-                    return
-        time.sleep(0.01)
-    raise AssertionError("the planner did not settle")
+            if idle:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError("the planner did not settle")
+            cache._cond.wait(min(left, 0.01))
 
 
 def folder_bytes(folder: Path) -> int:

@@ -40,7 +40,7 @@ It is used only where everything the pool's workers unpickle from ``__main__`` w
 object, when it was forked (:func:`standby_for`): a function the main script defined afterwards
 would not be found in a worker. Elsewhere the fork server stands in, as before.
 
-A Python whose fork server differs from the one this module knows (3.14's authenticates its
+A Python whose fork server differs from the one :mod:`guideloom._compat` knows (3.14's authenticates its
 clients) gets multiprocessing's fork server. The zygote lives as long as its pool: closing the pool
 (once it has stopped the workers) closes its end of the zygote's "alive" pipe, and the zygote
 exits; one that does not within a second (stopped with SIGSTOP, stuck) is killed.
@@ -48,11 +48,9 @@ exits; one that does not within a second (stopped with SIGSTOP, stuck) is killed
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import fcntl
 import gc
-import io
 import os
 import pickletools
 import signal
@@ -62,26 +60,26 @@ import sys
 import threading
 import time
 import warnings
-from multiprocessing import connection, forkserver, popen_forkserver, reduction, resource_tracker, spawn, util
-from multiprocessing.context import ForkServerContext, ForkServerProcess, set_spawning_popen
 from typing import Any
 
-__all__ = ["ZygoteContext", "fork_is_safe", "fork_standby", "fork_zygote", "standby_for"]
-
-#: The private attributes of :class:`multiprocessing.forkserver.ForkServer` a zygote sets, as
-#: ``ensure_running`` does: a Python whose fork server has others (an authentication key) gets
-#: multiprocessing's own fork server instead.
-_SERVER_ATTRS = frozenset(
-    {
-        "_forkserver_address",
-        "_forkserver_alive_fd",
-        "_forkserver_pid",
-        "_inherited_fds",
-        "_lock",
-        "_preload_modules",
-    }
+from guideloom._compat import (
+    ForkServer,
+    ForkServerContext,
+    OwnServerProcess,
+    attach_fork_server,
+    clear_running_loop,
+    current_frames,
+    detach_fork_server,
+    flush_std_streams,
+    fork_server_is_known,
+    fork_server_pid,
+    is_abstract_address,
+    new_fork_server,
+    new_unix_address,
+    serve_forks,
 )
 
+__all__ = ["ZygoteContext", "fork_is_safe", "fork_standby", "fork_zygote", "standby_for"]
 
 #: Named threads of pools that prepare for a fork themselves: jemalloc's background threads
 #: (pyarrow's allocator), which its own fork handlers stop and start again in the child.
@@ -103,7 +101,7 @@ def _threads_allow_fork() -> bool:
     """Whether this is the process's only Python thread and every other thread is an unnamed
     one of a native library's pool (a named one, such as obstore's runtime's, is not)."""
     # threading's count misses threads started with _thread.start_new_thread; the frames do not
-    if threading.active_count() != 1 or len(sys._current_frames()) != 1:
+    if threading.active_count() != 1 or len(current_frames()) != 1:
         return False
     try:
         tasks = os.listdir("/proc/self/task")
@@ -129,26 +127,25 @@ def fork_is_safe(ending_s: float = _ENDING_S) -> bool:
                 return False
         except Exception:  # pragma: no cover - a torch without a cuda module
             return False
-    return set(vars(forkserver.ForkServer())) == _SERVER_ATTRS
+    # a Python whose fork server differs (3.14's authenticates) gets multiprocessing's own
+    return fork_server_is_known()
 
 
-def fork_zygote(preload: list[str]) -> forkserver.ForkServer:
+def fork_zygote(preload: list[str]) -> ForkServer:
     """Fork a zygote from this process (:func:`fork_is_safe` must hold) and return the
     :class:`~multiprocessing.forkserver.ForkServer` that talks to it. Should the zygote die, the
     server starts multiprocessing's usual fork server in its place, with ``preload``."""
-    server = forkserver.ForkServer()
-    server._preload_modules = list(preload)  # type: ignore[attr-defined]  # for that restart only
-    resource_tracker.ensure_running()  # started before the fork: the zygote's children share it
+    server = new_fork_server(preload)
     with socket.socket(socket.AF_UNIX) as listener:
-        address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+        address = new_unix_address()
         listener.bind(address)
-        if not util.is_abstract_socket_namespace(address):
+        if not is_abstract_address(address):
             os.chmod(address, 0o600)
         listener.listen()
         alive_r, alive_w = os.pipe()
         output = _output_fds()
         _reap_closed()
-        util._flush_std_streams()  # type: ignore[attr-defined]  # else each worker writes it again
+        flush_std_streams()  # else each worker writes it again
         with warnings.catch_warnings():
             # Python 3.12+ warns of any fork with threads; those left are fork-safe (above).
             warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
@@ -159,11 +156,11 @@ def fork_zygote(preload: list[str]) -> forkserver.ForkServer:
                 os.close(alive_w)
                 _close_fds_but(listener.fileno(), alive_r, *output)
                 # A fork from a coroutine: no loop runs on this thread here.
-                asyncio.events._set_running_loop(None)
+                clear_running_loop()
                 # What the zygote holds is the workers' to share: their collections skip it
                 # (a collection writes to every object it visits, copying each page it touches).
                 gc.freeze()
-                forkserver.main(listener.fileno(), alive_r, [])
+                serve_forks(listener.fileno(), alive_r)
             except SystemExit:  # every client gone: the loop's normal end
                 pass
             except BaseException:
@@ -171,9 +168,7 @@ def fork_zygote(preload: list[str]) -> forkserver.ForkServer:
             finally:
                 os._exit(code)
         os.close(alive_r)
-    server._forkserver_address = address  # type: ignore[attr-defined]
-    server._forkserver_alive_fd = alive_w  # type: ignore[attr-defined]
-    server._forkserver_pid = pid  # type: ignore[attr-defined]
+    attach_fork_server(server, address, alive_w, pid)
     return server
 
 
@@ -247,25 +242,21 @@ def _close_fds_but(*keep: int) -> None:
 ZYGOTE_END_S = 1.0
 
 
-def close_zygote(server: forkserver.ForkServer, *, at_once: bool = False) -> None:
+def close_zygote(server: ForkServer, *, at_once: bool = False) -> None:
     """Close this process's end of the zygote's alive pipe and remove its socket: the zygote
     exits at once (the pool has stopped the workers it forked). One that has not within
     :data:`ZYGOTE_END_S` (none with ``at_once``) is killed; it is reaped here, or by the next
     zygote's fork or at exit if that takes longer. Returns within about twice that."""
-    fd = getattr(server, "_forkserver_alive_fd", None)
+    fd, address, pid = detach_fork_server(server)
     if fd is not None:
-        server._forkserver_alive_fd = None  # type: ignore[attr-defined]
         os.close(fd)
-    address = getattr(server, "_forkserver_address", None)
-    if address is not None and not util.is_abstract_socket_namespace(address):
+    if address is not None and not is_abstract_address(address):
         try:
             os.unlink(address)
         except OSError:
             pass
-    pid = getattr(server, "_forkserver_pid", None)
     if pid is None:
         return
-    server._forkserver_pid = None  # type: ignore[attr-defined]
     _CLOSED.append(pid)
     if not at_once:
         try:
@@ -301,7 +292,7 @@ class _Standby:
 
     __slots__ = ("main", "server")
 
-    def __init__(self, server: forkserver.ForkServer, main: dict[str, Any]) -> None:
+    def __init__(self, server: ForkServer, main: dict[str, Any]) -> None:
         self.server, self.main = server, main
 
 
@@ -319,14 +310,14 @@ def fork_standby(preload: list[str]) -> None:
     _STANDBY.append(_Standby(fork_zygote(preload), snapshot))
 
 
-def standby_for(spec: bytes) -> forkserver.ForkServer | None:
+def standby_for(spec: bytes) -> ForkServer | None:
     """The standby zygote's server, if there is one alive and the workers of a pool whose
     pickled dataset and collate are ``spec`` would find in its ``__main__`` every object they
     name there (the same objects); else None."""
     if not _STANDBY:
         return None
     standby = _STANDBY[0]
-    pid: int | None = getattr(standby.server, "_forkserver_pid", None)
+    pid = fork_server_pid(standby.server)
     alive = pid is not None
     if pid is not None:
         try:
@@ -348,7 +339,7 @@ def standby_for(spec: bytes) -> forkserver.ForkServer | None:
     return standby.server
 
 
-def drop_standby(server: forkserver.ForkServer) -> None:
+def drop_standby(server: ForkServer) -> None:
     """Forget the standby zygote if ``server`` is its (it was killed: stopped, or stuck)."""
     if _STANDBY and _STANDBY[0].server is server:
         _STANDBY.clear()
@@ -391,57 +382,18 @@ def main_names(data: bytes) -> set[str] | None:
     return names
 
 
-class _ZygotePopen(popen_forkserver.Popen):
-    """multiprocessing's fork-server ``Popen``, asking the process's zygote for the fork."""
-
-    def _launch(self, process_obj: _ZygoteProcess) -> None:
-        # multiprocessing.popen_forkserver.Popen._launch, with the zygote's server in place of the
-        # process-wide one.
-        prep_data = spawn.get_preparation_data(process_obj.name)
-        buf = io.BytesIO()
-        set_spawning_popen(self)
-        try:
-            reduction.dump(prep_data, buf)
-            reduction.dump(process_obj, buf)
-        finally:
-            set_spawning_popen(None)
-        server = process_obj._zygote
-        assert server is not None
-        self.sentinel, w = server.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
-        parent_w = os.dup(w)  # the child's sentinel of this process, as multiprocessing keeps it
-        self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))  # type: ignore[attr-defined]
-        with open(w, "wb", closefd=True) as f:
-            f.write(buf.getbuffer())
-        self.pid = forkserver.read_signed(self.sentinel)
-
-
-class _ZygoteProcess(ForkServerProcess):
-    """A process forked by a zygote; the zygote itself is not sent to the child."""
-
-    _zygote: forkserver.ForkServer | None = None
-
-    @staticmethod
-    def _Popen(process_obj: Any) -> _ZygotePopen:  # noqa: N802 - multiprocessing's name
-        return _ZygotePopen(process_obj)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state.pop("_zygote", None)
-        return state
-
-
 class ZygoteContext(ForkServerContext):
     """A multiprocessing context whose processes a zygote forks (pipes as any context's)."""
 
-    def __init__(self, server: forkserver.ForkServer, *, shared: bool = False) -> None:
+    def __init__(self, server: ForkServer, *, shared: bool = False) -> None:
         super().__init__()
         self.server = server
         #: The standby zygote, which outlives the pool: closing the pool leaves it up.
         self.shared = shared
 
-    def Process(self, *args: Any, **kwargs: Any) -> _ZygoteProcess:  # type: ignore[override]  # noqa: N802
-        proc = _ZygoteProcess(*args, **kwargs)
-        proc._zygote = self.server
+    def Process(self, *args: Any, **kwargs: Any) -> OwnServerProcess:  # type: ignore[override]  # noqa: N802
+        proc = OwnServerProcess(*args, **kwargs)
+        proc.fork_server = self.server
         return proc
 
     def close(self) -> None:

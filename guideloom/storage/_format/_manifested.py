@@ -43,6 +43,9 @@ class _Written:
     def content_digest(self) -> str:
         return self.manifest.digest()
 
+    def _written_manifest(self) -> Manifest:
+        return self.manifest
+
     def locate(self, start: int, stop: int) -> list[list[Any]]:
         """The shard files of ``tokens`` holding elements ``[start, stop)``, with byte ranges
         (a shard is its elements back to back)."""

@@ -91,7 +91,7 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
         self._group_in_file = np.arange(len(self._sizes), dtype=np.int64) - firsts[self._file_of]
         self._kind = entries[0].kind if entries else "text"
         self._digest = self._make_digest()
-        self.max_concurrent_reads = 4 if getattr(files, "remote", False) else 1
+        self.max_concurrent_reads = 4 if files.remote else 1
         self._reset()
 
     def _reset(self) -> None:
@@ -321,7 +321,7 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
     def _ahead_threads(self) -> int:
         """Threads that work on the loader's hint ahead of its reads: ``fetch_ahead`` over an
         object store, none over local files."""
-        return self.fetch_ahead if getattr(self._files, "remote", False) else 0
+        return self.fetch_ahead if self._files.remote else 0
 
     def _after_ahead(self, group: int, decoded: _Decoded) -> None:
         """What a thread working ahead does with a row group it decoded (nothing more here)."""

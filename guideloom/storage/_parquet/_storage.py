@@ -78,7 +78,7 @@ class ParquetStorage(_LengthIndex):
         }
 
     def reads_inline(self) -> bool:
-        return self._plain_reads and not getattr(self._files, "remote", False)
+        return self._plain_reads and not self._files.remote
 
     def read_by_workers(self) -> bool:
         """Texts that are tokenized elsewhere (by the workers, or by ``collate_fn``) are read by

@@ -11,7 +11,6 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -35,78 +34,6 @@ def _env() -> dict[str, str]:
     return env
 
 
-class Forked:
-    """A replica forked by the :class:`Spawner`, with the part of ``subprocess.Popen`` used here."""
-
-    def __init__(self, spawner: Spawner, pid: int) -> None:
-        self.spawner, self.pid = spawner, pid
-
-    def poll(self) -> int | None:
-        with self.spawner.changed:
-            return self.spawner.codes.get(self.pid)
-
-    def kill(self) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:  # ended meanwhile
-                pass
-
-    def wait(self, timeout: float = 30) -> int:
-        with self.spawner.changed:
-            assert self.spawner.changed.wait_for(lambda: self.pid in self.spawner.codes, timeout), self.pid
-            return self.spawner.codes[self.pid]
-
-
-class Spawner:
-    """Replicas forked from one process that imported torch, torchft and guideloom once
-    (``tests/torchft/spawner.py``): each is a process of its own, killed with SIGKILL and started
-    again from scratch, without a new interpreter's seconds of imports at every start."""
-
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.torchft.spawner"],
-            cwd=ROOT,
-            env=_env(),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-        )
-        self.changed = threading.Condition()
-        self.codes: dict[int, int] = {}
-        self.pids: list[int] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            kind, pid, *code = json.loads(line)
-            with self.changed:
-                if kind == "pid":
-                    self.pids.append(pid)
-                else:
-                    self.codes[pid] = code[0]
-                self.changed.notify_all()
-
-    def start(self, argv: list[str], log: Path) -> Forked:
-        """Fork a replica run with ``argv`` (its ``main``'s), its output appended to ``log``."""
-        assert self.proc.stdin is not None
-        with self.changed:
-            started = len(self.pids)
-            self.proc.stdin.write((json.dumps([argv, str(log)]) + "\n").encode())
-            self.proc.stdin.flush()
-            assert self.changed.wait_for(lambda: len(self.pids) > started, 60), "the spawner did not answer"
-            return Forked(self, self.pids[started])
-
-    def close(self) -> None:
-        """Kill the replicas still running, and end the spawner."""
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.close()
-        self.proc.wait(30)
-        self.reader.join(30)
-        self.proc.stdout.close()
-
-
 def run_job(
     tmp: Path, *, samples: int, kills: int, seed: int, deadline_s: float, **replica: Any
 ) -> tuple[list[list[Any]], int]:
@@ -116,19 +43,21 @@ def run_job(
         bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=300, quorum_tick_ms=20, heartbeat_timeout_ms=1000
     )
     out = tmp / "records.jsonl"
-    procs: dict[int, Forked] = {}
-    spawner = Spawner()
+    procs: dict[int, subprocess.Popen[bytes]] = {}
+    logs: list[Any] = []
     done_kills = 0
     armed: int | None = None
 
     def start(r: int) -> None:
-        args = ["--replica", str(r)]
+        args = [sys.executable, "-m", "tests.torchft.replica", "--replica", str(r)]
         args += ["--lighthouse", lighthouse.address(), "--out", str(out), "--samples", str(samples)]
         for k, v in replica.items():
             args += [f"--{k.replace('_', '-')}", str(v)]
         args += ["--ctl", str(tmp)]
         (tmp / f"up-{r}").unlink(missing_ok=True)
-        procs[r] = spawner.start(args, tmp / f"replica{r}.log")
+        log = open(tmp / f"replica{r}.log", "ab")  # noqa: SIM115 - closed below
+        logs.append(log)
+        procs[r] = subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
 
     finished: set[int] = set()
     t0 = time.monotonic()
@@ -167,27 +96,18 @@ def run_job(
         else:
             pytest.fail(f"the job did not finish in {deadline_s} s ({done_kills} kills)")
         end = time.monotonic() + 10
-        while time.monotonic() < end:  # a replica one step behind finishes or waits alone for a quorum
-            live = [r for r, p in procs.items() if p.poll() is None]
-            if not live or (len(live) == 1 and _waits_for_a_quorum(tmp / f"replica{live[0]}.log")):
-                break
-            time.sleep(0.05)
+        while time.monotonic() < end and any(p.poll() is None for p in procs.values()):
+            time.sleep(0.05)  # a replica one step behind finishes or waits alone for a quorum
     finally:
         for p in procs.values():
-            p.kill()
+            if p.poll() is None:
+                p.kill()
             p.wait()
-        spawner.close()
+        for log in logs:
+            log.close()
         lighthouse.shutdown()
     records = [json.loads(line) for line in out.read_text().splitlines()]
     return records, done_kills
-
-
-def _waits_for_a_quorum(log: Path) -> bool:
-    """Whether the replica writing ``log`` has asked for a quorum since its last step and has
-    none: the last replica left (the job needs two for a quorum) can then commit no other step."""
-    text = log.read_text(errors="replace")
-    asked = text.rfind("Start quorum")
-    return asked > text.rfind("should_commit completed") and asked > text.rfind("Finished quorum")
 
 
 def check_exactly_once(records: list[list[Any]], samples: int) -> None:
@@ -256,14 +176,16 @@ def test_a_replica_heals_from_one_that_healed_the_step_before(tmp_path: Path) ->
         bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=300, quorum_tick_ms=20, heartbeat_timeout_ms=1000
     )
     out, samples = tmp_path / "records.jsonl", 48
-    procs: dict[int, Forked] = {}
-    spawner = Spawner()
+    procs: dict[int, subprocess.Popen[bytes]] = {}
+    logs: list[Any] = []
 
     def start(r: int, *extra: str) -> None:
-        args = ["--replica", str(r), "--ctl", str(tmp_path)]
+        args = [sys.executable, "-m", "tests.torchft.replica", "--replica", str(r), "--ctl", str(tmp_path)]
         args += ["--lighthouse", lighthouse.address(), "--out", str(out), "--samples", str(samples)]
         args += ["--step-sleep", "1", *extra]  # time to hold the others after a step
-        procs[r] = spawner.start(args, tmp_path / f"replica{r}.log")
+        log = open(tmp_path / f"replica{r}.log", "ab")  # noqa: SIM115 - closed below
+        logs.append(log)
+        procs[r] = subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
 
     def wait_for(what: Any, seconds: float) -> None:
         end = time.monotonic() + seconds
@@ -293,9 +215,11 @@ def test_a_replica_heals_from_one_that_healed_the_step_before(tmp_path: Path) ->
         wait_for(lambda: sum(p.poll() == 0 for p in procs.values()) >= 2, 90)
     finally:
         for p in procs.values():
-            p.kill()
+            if p.poll() is None:
+                p.kill()
             p.wait()
-        spawner.close()
+        for log in logs:
+            log.close()
         lighthouse.shutdown()
     records = [json.loads(line) for line in out.read_text().splitlines()]
     check_exactly_once(records, samples)

@@ -10,7 +10,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from guideloom.storage._remote._ranges import Job, Layout, Limits, fill, plan, plan_spans, plan_windows
+from guideloom.storage._remote._ranges import (
+    FEW_PIECES,
+    Job,
+    Layout,
+    Limits,
+    fill,
+    fill_range,
+    plan,
+    plan_spans,
+    plan_windows,
+)
 
 SETTINGS = settings(max_examples=150, deadline=None)
 
@@ -266,3 +276,43 @@ def test_fill_refuses_a_buffer_of_the_wrong_length() -> None:
         ([0], [4], [[(0, 4, 0)]]),
         ([8], [9], [[(8, 1, 3)]]),
     ]
+
+
+@st.composite
+def many_pieces(draw: Any) -> tuple[int, list[tuple[int, int, int]], int]:
+    """A range's start, pieces of it (lengths repeated, as rows are, or not; some read twice)
+    going to disjoint places, and the destination's size: more pieces than are copied one by one."""
+    base = draw(st.integers(0, 1000))
+    size = draw(st.integers(1, 400))
+    lengths = draw(st.lists(st.integers(1, 12), min_size=1, max_size=3))
+    count = draw(st.integers(FEW_PIECES + 1, FEW_PIECES + 60))
+    pieces, at = [], 0
+    for _ in range(count):
+        ln = min(draw(st.sampled_from(lengths)), size)
+        start = base + draw(st.integers(0, size - ln))
+        at += draw(st.integers(0, 5))
+        pieces.append((start, ln, at))
+        at += ln
+    order = draw(st.permutations(range(count)))
+    return base, [pieces[i] for i in order], at + draw(st.integers(0, 7))
+
+
+@SETTINGS
+@given(many_pieces(), st.integers(0, 2**16))
+def test_a_range_of_many_pieces_fills_as_piece_by_piece_copies(case: Any, seed: int) -> None:
+    base, pieces, size = case
+    top = max(s + ln for s, ln, _ in pieces)
+    src = np.random.default_rng(seed).integers(0, 256, 1 + top - base, np.uint8)
+    expected = np.full(size, 7, np.uint8)
+    for s, ln, off in pieces:
+        expected[off : off + ln] = src[s - base : s - base + ln]
+    job = Job("a", np.full(size, 7, np.uint8), [base], [base + len(src)], [pieces])
+    fill_range(job, 0, src.tobytes())
+    np.testing.assert_array_equal(job.dest, expected)
+
+
+def test_a_piece_outside_its_range_is_refused() -> None:
+    pieces = [(i, 1, i) for i in range(FEW_PIECES)] + [(FEW_PIECES, 2, FEW_PIECES)]
+    job = Job("a", np.zeros(64, np.uint8), [0], [FEW_PIECES + 1], [pieces])
+    with pytest.raises(ValueError, match="outside the range"):
+        fill_range(job, 0, bytes(FEW_PIECES + 1))

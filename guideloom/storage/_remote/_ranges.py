@@ -27,6 +27,7 @@ import numpy.typing as npt
 from guideloom.storage._format._manifest import ArraySpec
 
 __all__ = [
+    "FEW_PIECES",
     "Job",
     "Layout",
     "Limits",
@@ -353,6 +354,13 @@ def fill(job: Job, buffers: Sequence[Any]) -> None:
         fill_range(job, i, buf)
 
 
+#: Pieces of a range copied one by one up to this many. More are copied a few numpy calls per
+#: piece length (rows of a strided view, gathered and scattered): a copy of each piece in turn
+#: takes and drops the GIL once per piece, a thousand times for a range of a thousand samples,
+#: and every other thread, the caller's event loop among them, waits in line at each.
+FEW_PIECES = 16
+
+
 def fill_range(job: Job, i: int, buf: Any) -> None:
     """Copy the pieces of ``job``'s range ``i`` out of its fetched bytes ``buf``."""
     base, end = job.starts[i], job.ends[i]
@@ -360,5 +368,22 @@ def fill_range(job: Job, i: int, buf: Any) -> None:
     if src.nbytes != end - base:
         raise ValueError(f"a buffer of {src.nbytes} bytes for a range of {end - base}")
     dest = job.dest
-    for s, ln, off in job.pieces[i]:
-        dest[off : off + ln] = src[s - base : s - base + ln]
+    pieces = job.pieces[i]
+    if len(pieces) <= FEW_PIECES or dest.ndim != 1:
+        for s, ln, off in pieces:
+            dest[off : off + ln] = src[s - base : s - base + ln]
+        return
+    table = np.asarray(pieces, dtype=np.int64)
+    at, lengths, offs = table[:, 0] - base, table[:, 1], table[:, 2]
+    if len(lengths) and (int(at.min()) < 0 or int((at + lengths).max()) > src.nbytes):
+        raise ValueError(f"a piece outside the range [{base}, {end})")
+    step = dest.strides[0]
+    for ln in np.unique(lengths).tolist():
+        if ln <= 0:
+            continue
+        pick = lengths == ln
+        rows = np.lib.stride_tricks.sliding_window_view(src, ln)
+        out = np.lib.stride_tricks.as_strided(
+            dest, shape=(dest.shape[0] - ln + 1, ln), strides=(step, step), writeable=True
+        )
+        out[offs[pick]] = rows[at[pick]]

@@ -15,6 +15,8 @@ from guideloom.storage._remote._ranges import (
     Job,
     Layout,
     Limits,
+    _capped_ranges,
+    _unit_ranges,
     fill,
     fill_range,
     plan,
@@ -316,3 +318,31 @@ def test_a_piece_outside_its_range_is_refused() -> None:
     job = Job("a", np.zeros(64, np.uint8), [0], [FEW_PIECES + 1], [pieces])
     with pytest.raises(ValueError, match="outside the range"):
         fill_range(job, 0, bytes(FEW_PIECES + 1))
+
+
+@st.composite
+def widened_pieces(draw: Any) -> tuple[Any, Any, Any, Any, int]:
+    """Pieces sorted by object and offset, widened to whole blocks, and each one's unit (a whole
+    number of its object's blocks), as ``plan`` hands them to the grouping into ranges."""
+    ks, wlo, whi, units = [], [], [], []
+    for obj in range(draw(st.integers(1, 4))):
+        block = draw(st.integers(1, 16))
+        unit = block * draw(st.integers(1, 32))
+        size = draw(st.integers(1, 400))
+        los = sorted(draw(st.lists(st.integers(0, size - 1), min_size=1, max_size=40)))
+        for lo in los:
+            hi = draw(st.integers(lo + 1, size))
+            ks.append(obj)
+            wlo.append(lo // block * block)
+            whi.append(min(size, -(-hi // block) * block))
+            units.append(unit)
+    arrays = (np.asarray(a, dtype=np.int64) for a in (ks, wlo, whi, units))
+    return (*arrays, draw(st.integers(0, 8)))
+
+
+@SETTINGS
+@given(widened_pieces())
+def test_ranges_within_block_units_are_grouped_as_piece_by_piece(case: Any) -> None:
+    k, wlo, whi, units, gap = case
+    expected = _capped_ranges(k.tolist(), wlo.tolist(), whi.tolist(), units.tolist(), gap, cap=1)
+    assert _unit_ranges(k, wlo, whi, units, gap) == expected

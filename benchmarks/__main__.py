@@ -27,7 +27,7 @@
     python -m benchmarks parquet-remote [--rounds 2] # open_parquet over http (0/20 ms) vs HF streaming
     python -m benchmarks integrity [--block-sizes 16,64,256] # block verification's cost, local and S3
     python -m benchmarks torchft [--kills 24]      # a quorum's failures: lost/repeated vs torchft's sampler
-    python -m benchmarks async-loop [--rounds 2]   # async for over S3: event-loop stalls, vs the sync loop
+    python -m benchmarks async-loop [--rounds 2] [--why]  # async for over S3: loop stalls, their causes
 
 `suite` runs in a venv of its own with the peers ($GUIDELOOM_BENCH_VENV, default
 $TMPDIR/guideloom-bench-venv): it creates it on first use and re-runs itself there. Nothing else

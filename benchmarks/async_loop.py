@@ -14,8 +14,11 @@ Beside each ``async for`` epoch, a heartbeat task on the same loop sleeps 1 ms a
 records how late each wake-up was: the loop's stalls. Printed per case: the worst and the 99th
 percentile stall, the heartbeat's worst alone on an idle loop in the same run (what the machine
 itself adds), and tokens per second of ``async for`` against the sync ``for`` over the same data.
-With ``--gc-freeze`` the objects of the imports are frozen first (``gc.freeze()``): a full garbage
-collection, which holds the GIL whoever triggers it, then skips them.
+With ``--gc-freeze`` the objects alive once the imports and the benchmark's own set-up (the S3
+server's uploader client) are done are frozen (``gc.freeze()``): a full garbage collection, which
+holds the GIL whoever triggers it, then skips them. With ``--why`` each case is followed by what
+its late wake-ups were made of (:mod:`benchmarks.stalls`): the loop's own work, the run queue
+(the machine's load), or blocked (the GIL, a collection), with the stacks seen meanwhile.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 
 import guideloom as gl
 from benchmarks.remote_stream import collate, ensure_dataset, moto_bucket
+from benchmarks.stalls import Stalls, thread_cpu
 
 MiB = 2**20
 KW: dict[str, Any] = dict(
@@ -54,13 +58,22 @@ def _loader(storage: Any, workers: int) -> Any:
     )
 
 
+#: The stall recorder of ``--why`` (None: nothing recorded).
+WHY: Stalls | None = None
+
+
 async def _heartbeat(stop: asyncio.Event, late: list[float]) -> None:
     """Sleep 1 ms at a time until ``stop``; record how late each wake-up was (seconds)."""
     loop = asyncio.get_running_loop()
+    why = WHY
     while not stop.is_set():
         t0 = loop.time()
+        if why is not None:
+            why.before()
         await asyncio.sleep(0.001)
         late.append(max(0.0, loop.time() - t0 - 0.001))
+        if why is not None:
+            why.after(late[-1])
 
 
 async def _idle(seconds: float) -> list[float]:
@@ -111,9 +124,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--latency-ms", default="0,20", help="added to every request, comma-separated")
     ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() once the imports are done")
+    ap.add_argument("--why", action="store_true", help="what each case's late wake-ups were made of")
+    ap.add_argument("--workers", default="0,2", help="num_workers, comma-separated")
     args = ap.parse_args(argv)
-    if args.gc_freeze:
-        gc.freeze()  # what docs/async.md advises a latency-bound program
+    global WHY  # noqa: PLW0603 - the heartbeat reads it
     from guideloom_dev.servers import proxy_process
 
     root = Path(tempfile.gettempdir()) / "guideloom-bench"
@@ -121,6 +135,9 @@ def main(argv: list[str] | None = None) -> None:
     head = ("case", "worst stall", "p99", "idle worst", "async", "sync", "async/sync")
     print(f"{head[0]:<22} {head[1]:>12} {head[2]:>8} {head[3]:>11} {head[4]:>10} {head[5]:>10} {head[6]:>10}")
     with moto_bucket(folder) as options:
+        if args.gc_freeze:
+            gc.freeze()  # what docs/async.md advises a latency-bound program, once set up
+        WHY = Stalls() if args.why else None
         port = int(options["endpoint"].rsplit(":", 1)[1])
         for latency in [int(x) for x in args.latency_ms.split(",")]:
             with contextlib.ExitStack() as stack:
@@ -128,14 +145,24 @@ def main(argv: list[str] | None = None) -> None:
                 if latency:
                     proxy = stack.enter_context(proxy_process(port, delay=latency / 1000, lifetime=3600))
                     opts["endpoint"] = f"http://127.0.0.1:{proxy}"
-                for workers in (0, 2):
+                for workers in [int(x) for x in args.workers.split(",")]:
                     idle: list[float] = []
                     late: list[float] = []
                     rate_async: list[float] = []
                     rate_sync: list[float] = []
                     for _ in range(args.rounds):
                         idle += asyncio.run(_idle(1.0))
+                        if WHY is not None:
+                            WHY.stalls.clear()
+                            cpu = thread_cpu()
                         seconds, n, lates = asyncio.run(_async_epoch("s3://bench/gl", opts, workers))
+                        if WHY is not None:
+                            used = thread_cpu() - cpu
+                            print(
+                                f"  epoch {seconds:.2f} s, CPU s by thread:",
+                                {k: round(v, 3) for k, v in used.most_common(4)},
+                            )
+                            WHY.report(f"{latency} ms, nw={workers}")
                         late += lates
                         rate_async.append(n / seconds)
                         seconds, n = _sync_epoch("s3://bench/gl", opts, workers)

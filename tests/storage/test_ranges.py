@@ -10,7 +10,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from guideloom.storage._remote._ranges import Job, Layout, Limits, fill, plan, plan_spans, plan_windows
+from guideloom.storage._remote._ranges import (
+    FEW_PIECES,
+    Job,
+    Layout,
+    Limits,
+    _capped_ranges,
+    _unit_ranges,
+    fill,
+    fill_range,
+    plan,
+    plan_spans,
+    plan_windows,
+)
 
 SETTINGS = settings(max_examples=150, deadline=None)
 
@@ -266,3 +278,71 @@ def test_fill_refuses_a_buffer_of_the_wrong_length() -> None:
         ([0], [4], [[(0, 4, 0)]]),
         ([8], [9], [[(8, 1, 3)]]),
     ]
+
+
+@st.composite
+def many_pieces(draw: Any) -> tuple[int, list[tuple[int, int, int]], int]:
+    """A range's start, pieces of it (lengths repeated, as rows are, or not; some read twice)
+    going to disjoint places, and the destination's size: more pieces than are copied one by one."""
+    base = draw(st.integers(0, 1000))
+    size = draw(st.integers(1, 400))
+    lengths = draw(st.lists(st.integers(1, 12), min_size=1, max_size=3))
+    count = draw(st.integers(FEW_PIECES + 1, FEW_PIECES + 60))
+    pieces, at = [], 0
+    for _ in range(count):
+        ln = min(draw(st.sampled_from(lengths)), size)
+        start = base + draw(st.integers(0, size - ln))
+        at += draw(st.integers(0, 5))
+        pieces.append((start, ln, at))
+        at += ln
+    order = draw(st.permutations(range(count)))
+    return base, [pieces[i] for i in order], at + draw(st.integers(0, 7))
+
+
+@SETTINGS
+@given(many_pieces(), st.integers(0, 2**16))
+def test_a_range_of_many_pieces_fills_as_piece_by_piece_copies(case: Any, seed: int) -> None:
+    base, pieces, size = case
+    top = max(s + ln for s, ln, _ in pieces)
+    src = np.random.default_rng(seed).integers(0, 256, 1 + top - base, np.uint8)
+    expected = np.full(size, 7, np.uint8)
+    for s, ln, off in pieces:
+        expected[off : off + ln] = src[s - base : s - base + ln]
+    job = Job("a", np.full(size, 7, np.uint8), [base], [base + len(src)], [pieces])
+    fill_range(job, 0, src.tobytes())
+    np.testing.assert_array_equal(job.dest, expected)
+
+
+def test_a_piece_outside_its_range_is_refused() -> None:
+    pieces = [(i, 1, i) for i in range(FEW_PIECES)] + [(FEW_PIECES, 2, FEW_PIECES)]
+    job = Job("a", np.zeros(64, np.uint8), [0], [FEW_PIECES + 1], [pieces])
+    with pytest.raises(ValueError, match="outside the range"):
+        fill_range(job, 0, bytes(FEW_PIECES + 1))
+
+
+@st.composite
+def widened_pieces(draw: Any) -> tuple[Any, Any, Any, Any, int]:
+    """Pieces sorted by object and offset, widened to whole blocks, and each one's unit (a whole
+    number of its object's blocks), as ``plan`` hands them to the grouping into ranges."""
+    ks, wlo, whi, units = [], [], [], []
+    for obj in range(draw(st.integers(1, 4))):
+        block = draw(st.integers(1, 16))
+        unit = block * draw(st.integers(1, 32))
+        size = draw(st.integers(1, 400))
+        los = sorted(draw(st.lists(st.integers(0, size - 1), min_size=1, max_size=40)))
+        for lo in los:
+            hi = draw(st.integers(lo + 1, size))
+            ks.append(obj)
+            wlo.append(lo // block * block)
+            whi.append(min(size, -(-hi // block) * block))
+            units.append(unit)
+    arrays = (np.asarray(a, dtype=np.int64) for a in (ks, wlo, whi, units))
+    return (*arrays, draw(st.integers(0, 8)))
+
+
+@SETTINGS
+@given(widened_pieces())
+def test_ranges_within_block_units_are_grouped_as_piece_by_piece(case: Any) -> None:
+    k, wlo, whi, units, gap = case
+    expected = _capped_ranges(k.tolist(), wlo.tolist(), whi.tolist(), units.tolist(), gap, cap=1)
+    assert _unit_ranges(k, wlo, whi, units, gap) == expected

@@ -27,6 +27,7 @@ import numpy.typing as npt
 from guideloom.storage._format._manifest import ArraySpec
 
 __all__ = [
+    "FEW_PIECES",
     "Job",
     "Layout",
     "Limits",
@@ -241,33 +242,44 @@ def plan(
     k, lo, n, d = _cut(k, lo, n, d, cap, layout.blocks)
     order = np.lexsort((lo, k))
     gap = bridged_gap(k[order], lo[order], n[order], limits)
-    ks, los, ns, ds = (a[order].tolist() for a in (k, lo, n, d))
-    wlo, whi = _widened(layout, k[order], lo[order], (lo + n)[order])
+    k, lo, n, d = (a[order] for a in (k, lo, n, d))
+    wlo, whi = _widened(layout, k, lo, lo + n)
     # Where the object has block digests, a range stays within one of _cut's aligned units: the
     # parts that share a block then always share its one request.
-    units = _units(layout.blocks, k[order], cap) if layout.blocks else None
+    units = _units(layout.blocks, k, cap) if layout.blocks else None
+    pieces = list(zip(lo.tolist(), n.tolist(), d.tolist(), strict=True))
+    if units is not None and min(units) > 0 and len(k) * (int(whi.max()) + 1) < 2**62:
+        firsts, ends = _unit_ranges(k, wlo, whi, np.asarray(units, dtype=np.int64), gap)
+    else:
+        firsts, ends = _capped_ranges(k.tolist(), wlo.tolist(), whi.tolist(), units, gap, cap)
     job: Job | None = None
-    cur_k = cur_s = cur_e = -1
-    cur_pieces: list[tuple[int, int, int]] = []
-
-    def flush() -> None:
-        nonlocal job
-        if not cur_pieces:
-            return
-        path = layout.paths[cur_k]
+    starts, ks = wlo[firsts].tolist(), k[firsts].tolist()
+    for r, (first, kk, start, end) in enumerate(zip(firsts, ks, starts, ends, strict=True)):
+        path = layout.paths[kk]
         if (
             job is None
             or job.path != path
             or len(job.starts) >= limits.ranges_per_call
-            or job.nbytes + (cur_e - cur_s) > limits.job_bytes
+            or job.nbytes + (end - start) > limits.job_bytes
         ):
             job = Job(path, dest)
             jobs.append(job)
-        job.starts.append(cur_s)
-        job.ends.append(cur_e)
-        job.pieces.append(list(cur_pieces))
+        job.starts.append(start)
+        job.ends.append(end)
+        job.pieces.append(pieces[first : firsts[r + 1] if r + 1 < len(firsts) else len(pieces)])
 
-    for i, (kk, s, ln, off, ws, we) in enumerate(zip(ks, los, ns, ds, wlo, whi, strict=True)):
+
+def _capped_ranges(
+    ks: list[int], wlo: list[int], whi: list[int], units: list[int] | None, gap: int, cap: int
+) -> tuple[list[int], list[int]]:
+    """The ranges of pieces sorted by object and offset, widened to ``[wlo, whi)``: the index of
+    each range's first piece, and each range's end. A piece joins the range before it where
+    it is of the same object and starts within ``gap`` of its end, and the range stays within one
+    of the piece's ``units`` (an object with block digests) or ``cap`` bytes long (one without)."""
+    firsts: list[int] = []
+    ends: list[int] = []
+    cur_k = cur_s = cur_e = -1
+    for i, (kk, ws, we) in enumerate(zip(ks, wlo, whi, strict=True)):
         unit = units[i] if units is not None else 0
         if (
             kk == cur_k
@@ -275,26 +287,48 @@ def plan(
             and (ws // unit == cur_s // unit if unit else max(cur_e, we) - cur_s <= cap)
         ):
             cur_e = max(cur_e, we)
-            cur_pieces.append((s, ln, off))
             continue
-        flush()
+        if firsts:
+            ends.append(cur_e)
+        firsts.append(i)
         cur_k, cur_s, cur_e = kk, ws, we
-        cur_pieces = [(s, ln, off)]
-    flush()
+    if firsts:
+        ends.append(cur_e)
+    return firsts, ends
 
 
-def _widened(layout: Layout, k: I64, lo: I64, hi: I64) -> tuple[list[int], list[int]]:
+def _unit_ranges(k: I64, wlo: I64, whi: I64, units: I64, gap: int) -> tuple[list[int], list[int]]:
+    """:func:`_capped_ranges` where every piece's object has block digests, in a few numpy calls
+    (a loop over the pieces held the GIL for milliseconds on an I/O thread): in a run of pieces
+    of one object and one unit, the widened starts only grow, so the furthest end so far of the
+    run is the furthest end of the range being built, and a range starts where a piece starts
+    more than ``gap`` past it."""
+    count = len(k)
+    index = wlo // units
+    new_run = np.ones(count, dtype=bool)
+    new_run[1:] = (k[1:] != k[:-1]) | (index[1:] != index[:-1])
+    run = np.cumsum(new_run) - 1
+    span = int(whi.max()) + 1
+    reach = np.maximum.accumulate(run * span + whi) - run * span  # the furthest end so far, per run
+    first = new_run.copy()
+    first[1:] |= wlo[1:] > reach[:-1] + gap
+    firsts = np.flatnonzero(first)
+    ends = np.maximum.reduceat(whi, firsts)
+    return firsts.tolist(), ends.tolist()
+
+
+def _widened(layout: Layout, k: I64, lo: I64, hi: I64) -> tuple[I64, I64]:
     """Pieces' byte ranges ``[lo, hi)`` of their objects ``k``, widened to whole blocks where the
     object has block digests (each block fetched is checked whole)."""
     if not layout.blocks:
-        return lo.tolist(), hi.tolist()
+        return lo, hi
     size = np.asarray(layout.blocks, dtype=np.int64)[k]
     has = size > 0
     size = np.where(has, size, 1)
     nbytes = np.diff(layout.bounds)[k]
     wlo = np.where(has, lo // size * size, lo)
     whi = np.where(has, np.minimum(nbytes, -(-hi // size) * size), hi)
-    return wlo.tolist(), whi.tolist()
+    return wlo, whi
 
 
 def plan_windows(
@@ -353,6 +387,13 @@ def fill(job: Job, buffers: Sequence[Any]) -> None:
         fill_range(job, i, buf)
 
 
+#: Pieces of a range copied one by one up to this many. More are copied a few numpy calls per
+#: piece length (rows of a strided view, gathered and scattered): a copy of each piece in turn
+#: takes and drops the GIL once per piece, a thousand times for a range of a thousand samples,
+#: and every other thread, the caller's event loop among them, waits in line at each.
+FEW_PIECES = 16
+
+
 def fill_range(job: Job, i: int, buf: Any) -> None:
     """Copy the pieces of ``job``'s range ``i`` out of its fetched bytes ``buf``."""
     base, end = job.starts[i], job.ends[i]
@@ -360,5 +401,22 @@ def fill_range(job: Job, i: int, buf: Any) -> None:
     if src.nbytes != end - base:
         raise ValueError(f"a buffer of {src.nbytes} bytes for a range of {end - base}")
     dest = job.dest
-    for s, ln, off in job.pieces[i]:
-        dest[off : off + ln] = src[s - base : s - base + ln]
+    pieces = job.pieces[i]
+    if len(pieces) <= FEW_PIECES or dest.ndim != 1:
+        for s, ln, off in pieces:
+            dest[off : off + ln] = src[s - base : s - base + ln]
+        return
+    table = np.asarray(pieces, dtype=np.int64)
+    at, lengths, offs = table[:, 0] - base, table[:, 1], table[:, 2]
+    if len(lengths) and (int(at.min()) < 0 or int((at + lengths).max()) > src.nbytes):
+        raise ValueError(f"a piece outside the range [{base}, {end})")
+    step = dest.strides[0]
+    for ln in np.unique(lengths).tolist():
+        if ln <= 0:
+            continue
+        pick = lengths == ln
+        rows = np.lib.stride_tricks.sliding_window_view(src, ln)
+        out = np.lib.stride_tricks.as_strided(
+            dest, shape=(dest.shape[0] - ln + 1, ln), strides=(step, step), writeable=True
+        )
+        out[offs[pick]] = rows[at[pick]]

@@ -105,6 +105,9 @@ class WorkerPool:
         #: The thread of a start :meth:`begin` made, until :meth:`start` has waited for it.
         self._starter: threading.Thread | None = None
         self._start_error: BaseException | None = None
+        #: Notified as each worker of a start is ready, and when the start ends.
+        self._readied = threading.Condition()
+        self._start_over = True  # no start under way (set, notified, as the starter ends)
         _POOLS.add(self)
 
     def worker_seed(self, index: int, gen: int) -> int:
@@ -140,6 +143,7 @@ class WorkerPool:
             if self._starter is not None or all(_running(p) for p in self.procs):
                 return
             self._start_error = None
+            self._start_over = False
             self._starter = threading.Thread(
                 target=self._start_missing, name="guideloom-workers-start", daemon=True
             )
@@ -154,6 +158,25 @@ class WorkerPool:
         """Start the workers that are not running and wait until each has opened the storage (or
         wait for the start :meth:`begin` made); raise what made that start fail."""
         self.begin()
+        self.join_start()
+
+    def start_first(self) -> None:
+        """:meth:`start`, returning as soon as one worker is ready: its first tasks need not wait
+        for the others' start (each fork from the fork server takes tens of milliseconds, in
+        series). The others are ready when :meth:`starting` is false; a failure of the start
+        after this returned is :meth:`start_failure` until :meth:`join_start` raises it."""
+        self.begin()
+        with self._readied:
+            self._readied.wait_for(lambda: self._start_over or any(p.ready for p in self.live()))
+        if self._start_over:
+            self.join_start()
+
+    def start_failure(self) -> BaseException | None:
+        """What made the start under way fail, once it has (its workers are being stopped)."""
+        return self._start_error
+
+    def join_start(self) -> None:
+        """Wait for the start :meth:`begin` made, if any, and raise what made it fail."""
         starter = self._starter
         if starter is None:
             return
@@ -190,8 +213,10 @@ class WorkerPool:
                 started.append(p)
             for p in started:
                 self._wait_ready(p)
+                with self._readied:
+                    self._readied.notify_all()
         except BaseException as exc:
-            self._start_error = exc
+            self._start_error = exc  # before the workers are stopped: their end is its
             with self._lock:
                 if self._closed:
                     return  # close() stops and joins them, once this thread is done
@@ -199,6 +224,10 @@ class WorkerPool:
                     if self.procs[p.index] is p:
                         self.procs[p.index] = None
             self._stop(started, 0.0)
+        finally:
+            with self._readied:
+                self._start_over = True
+                self._readied.notify_all()
 
     def _keep(self, p: Proc) -> bool:
         """Put a worker just started in its place, unless the pool has closed meanwhile."""
@@ -367,6 +396,11 @@ class Session:
         #: before a group came back: about what making the batch inline would cost.
         self.work_per_batch: float | None = None
 
+    def members(self) -> list[Proc]:
+        """The live workers sent this session's epoch (a worker still starting gets it once it
+        is ready)."""
+        return [p for p in self.pool.live() if p.epoch is not None and p.epoch.token == self.token]
+
     def end(self, tell: bool = True) -> None:
         """Tell the workers to drop what is left of this iterator's groups (``tell``: false where
         the next session's epoch, sent to every live worker, drops them). Idempotent."""
@@ -398,10 +432,12 @@ class Session:
         frames = p.read_frames()
         if frames is None:
             self.pool.mark_dead(p)
+            failure = self.pool.start_failure()  # a start that failed stops those already serving
             for g in self.groups.values():
                 if g.proc is p and not g.done:  # a done group has all it owed
                     g.fail(
-                        WorkerError(
+                        failure
+                        or WorkerError(
                             f"guideloom worker process {p.index} (pid {p.proc.pid}) died "
                             f"({p.describe_exit()}) while reading or collating batch "
                             f"{g.specs[g.received].step}"
@@ -446,7 +482,7 @@ class Session:
         """Send consecutive batches to the least busy live worker as one group: to read and
         collate, or to collate from ``samples`` (each batch's, read by the main process)."""
         self._gid += 1
-        live = [p for p in self.pool.live() if p.running()]
+        live = [p for p in self.members() if p.running()]
         if not live:
             g = Group(self._gid, specs, None)
             g.fail(WorkerError("every guideloom worker process has died"))

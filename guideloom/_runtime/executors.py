@@ -313,12 +313,17 @@ class Processes:
 
     def _join(self) -> None:
         """While the start is under way: send the epoch to the workers ready since, and watch
-        them. Once it is over, a failure is the error of every group not made yet (the workers
-        it stopped owe them), and of the groups after."""
+        them. Once it has failed, the failure is the error of the groups sent from then on
+        (those sent before are made by the workers that were ready); where none is, the next
+        start raises it."""
         if not self._joining:
             return
         pool = self.pool
-        over = not pool.starting()
+        over = not pool.starting()  # (before the failure is looked at: it is set before the end)
+        self.error = pool.start_failure()
+        if self.error is not None:
+            self._joining = False
+            return
         token = self.session.token
         ready = [p for p in pool.live() if p.ready and (p.epoch is None or p.epoch.token != token)]
         if ready:
@@ -326,12 +331,7 @@ class Processes:
         if not over:
             return
         self._joining = False
-        try:
-            pool.join_start()
-        except Exception as exc:
-            self.error = exc
-            for g in self.session.groups.values():
-                g.fail(exc)
+        pool.join_start()
 
     @property
     def most_jobs(self) -> int:
@@ -426,6 +426,10 @@ class Processes:
         if self.error is not None:  # the start failed after its first workers took groups
             failed = Group(0, specs, None)
             failed.fail(self.error)
+            try:
+                self.pool.join_start()  # raised here: not again by the next start
+            except Exception:
+                pass
             return GroupJob(failed, self.session, self.place)
         group = self.session.submit(specs, values)
         if self._leading:

@@ -353,6 +353,104 @@ def test_pinned_workers_collate_every_batch_the_first_too(how: str, storage: typ
     assert worker_pids() == set()
 
 
+#: The file whose existence lets the second worker's storage open (:class:`SecondOpensWhenLet`).
+LET_OPEN = "GUIDELOOM_TEST_LET_OPEN"
+
+
+class SecondOpensWhenLet(gl.MemoryStreamStorage):
+    """A storage that opens in the second worker process only once the file named by the
+    environment's :data:`LET_OPEN` exists (30 s at most), then fails there if it holds "fail"."""
+
+    def open_sync(self) -> None:
+        if multiprocessing.current_process().name == "guideloom-worker-1":
+            gate = Path(os.environ[LET_OPEN])
+            deadline = time.monotonic() + 30
+            while not gate.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if gate.exists() and gate.read_text() == "fail":
+                raise Boom("the second worker cannot open")
+        super().open_sync()
+
+
+def _held_back(gate: Path, monkeypatch: pytest.MonkeyPatch) -> gl.StatefulDataLoader[Any, Any]:
+    monkeypatch.setenv(LET_OPEN, str(gate))  # before the workers are forked: they inherit it
+    return gl.StatefulDataLoader.from_storage(
+        SecondOpensWhenLet(np.arange(60 * SEQ, dtype=np.int32)), collated_where, sequence_length=SEQ,
+        local_batch_size=3, num_workers=2, prefetch=2, parallel_method="process",
+        collate_mode="workers", device=torch.device("cpu"),
+    )  # fmt: skip
+
+
+def _tokens(batches: list[dict[str, Any]]) -> list[int]:
+    return [int(t) // SEQ for b in batches for t in b["tokens"][:, 0]]
+
+
+@pytest.mark.parametrize("how", ["for", "async for"])
+def test_the_first_batch_waits_only_for_the_first_worker_ready(
+    how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``collate_mode="workers"``: the first worker ready is sent the epoch and the first groups
+    at once; the second, whose storage opens only when the test lets it, joins once it is ready.
+    Every batch once, in order, as inline."""
+    gate = tmp_path / "let-open"
+    loader = _held_back(gate, monkeypatch)
+
+    def let_open() -> None:
+        assert not gate.exists()  # the second worker's open still waits
+        gate.write_text("open")
+
+    async def async_epoch() -> list[Any]:
+        async with loader:
+            got = []
+            async for b in loader:
+                if not got:
+                    let_open()
+                got.append(b)
+            return got
+
+    t0 = time.monotonic()
+    if how == "for":
+        with loader:
+            it = iter(loader)
+            got = [next(it)]
+            let_open()
+            got += list(it)
+    else:
+        got = asyncio.run(async_epoch())
+    assert time.monotonic() - t0 < 20  # not the second worker's 30 s
+    assert _tokens(got) == list(range(60))
+    assert all(b["pid"] != os.getpid() for b in got)
+    assert worker_pids() == set()
+
+
+def test_a_start_that_fails_once_the_first_worker_serves_raises_its_error_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second worker's open fails after the first has served batches: the storage's own
+    error (naming the worker) comes at the first batch of a group sent since (of this epoch, or
+    of the next where every group of this one was sent before), the batches before it in order
+    and once; no worker is left."""
+    gate = tmp_path / "let-open"
+    loader = _held_back(gate, monkeypatch)
+    got: list[dict[str, Any]] = []
+    with loader:
+        it = iter(loader)
+        got.append(next(it))
+        gate.write_text("fail")
+        pool = loader._state.life.pool
+        assert pool is not None
+        deadline = time.monotonic() + 10
+        while pool.start_failure() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        with pytest.raises(Boom, match="cannot open") as info:
+            got += list(it)
+            got += list(loader)
+        assert any("worker process 1" in note for note in getattr(info.value, "__notes__", []))
+    assert 1 <= len(got) <= 20
+    assert _tokens(got) == [i % 60 for i in range(3 * len(got))]
+    assert worker_pids() == set()
+
+
 def test_loaders_without_process_workers_start_no_fork_server(tmp_path: Path, stream: Path) -> None:
     """Importing guideloom starts nothing, nor do loaders with num_workers=0 or thread workers
     (``for`` and ``async for``); the first loader with process workers does."""

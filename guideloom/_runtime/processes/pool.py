@@ -167,12 +167,14 @@ class WorkerPool:
         after this returned is :meth:`start_failure` until :meth:`join_start` raises it."""
         self.begin()
         with self._readied:
-            self._readied.wait_for(lambda: self._start_over or any(p.ready for p in self.live()))
-        if self._start_over:
+            self._readied.wait_for(
+                lambda: self._start_over or self._start_error is not None or any(p.ready for p in self.live())
+            )
+        if self._start_over or self._start_error is not None:
             self.join_start()
 
     def start_failure(self) -> BaseException | None:
-        """What made the start under way fail, once it has (its workers are being stopped)."""
+        """What made the last start fail, until :meth:`join_start` raises it."""
         return self._start_error
 
     def join_start(self) -> None:
@@ -190,7 +192,8 @@ class WorkerPool:
 
     def _start_missing(self) -> None:
         """The starter thread: fork each missing worker, then wait until each is ready. On a
-        failure every worker it started is stopped and the error kept for :meth:`start`; once
+        failure every worker it started that is not ready is stopped and the error kept for
+        :meth:`start`; once
         the pool closes, what it starts is stopped at once."""
         started: list[Proc] = []
         try:
@@ -216,14 +219,16 @@ class WorkerPool:
                 with self._readied:
                     self._readied.notify_all()
         except BaseException as exc:
-            self._start_error = exc  # before the workers are stopped: their end is its
+            self._start_error = exc
+            # Those ready may serve already (:meth:`start_first`): they stay, the others stop.
+            unready = [p for p in started if not p.ready]
             with self._lock:
                 if self._closed:
                     return  # close() stops and joins them, once this thread is done
-                for p in started:
+                for p in unready:
                     if self.procs[p.index] is p:
                         self.procs[p.index] = None
-            self._stop(started, 0.0)
+            self._stop(unready, 0.0)
         finally:
             with self._readied:
                 self._start_over = True
@@ -432,12 +437,10 @@ class Session:
         frames = p.read_frames()
         if frames is None:
             self.pool.mark_dead(p)
-            failure = self.pool.start_failure()  # a start that failed stops those already serving
             for g in self.groups.values():
                 if g.proc is p and not g.done:  # a done group has all it owed
                     g.fail(
-                        failure
-                        or WorkerError(
+                        WorkerError(
                             f"guideloom worker process {p.index} (pid {p.proc.pid}) died "
                             f"({p.describe_exit()}) while reading or collating batch "
                             f"{g.specs[g.received].step}"

@@ -191,16 +191,18 @@ class WorkerPool:
             raise error
 
     def _start_missing(self) -> None:
-        """The starter thread: fork each missing worker, then wait until each is ready. On a
-        failure every worker it started that is not ready is stopped and the error kept for
-        :meth:`start`; once
-        the pool closes, what it starts is stopped at once."""
+        """The starter thread: start each missing worker on a thread of its own, which forks
+        it and waits until it is ready (the first ready is seen then, not behind the others'
+        forks). On a failure (the first worker's, by index) every worker it started that is not
+        ready is stopped and the error kept for :meth:`start`; once the pool closes, what it
+        starts is stopped at once."""
         started: list[Proc] = []
+        missing: list[tuple[int, int]] = []
         try:
-            for k in range(self.num_workers):
-                with self._lock:
-                    if self._closed:
-                        return
+            with self._lock:
+                if self._closed:
+                    return
+                for k in range(self.num_workers):
                     old = self.procs[k]
                     if _running(old):
                         continue
@@ -208,16 +210,35 @@ class WorkerPool:
                         self.procs[k] = None
                         self._discard(old)
                     self._gens[k] += 1
-                    gen = self._gens[k]
-                p = Proc(self, k, gen)  # blocks while the fork server starts
-                if not self._keep(p):  # the pool closed meanwhile
-                    self._stop([p], 0.0)
-                    return
-                started.append(p)
-            for p in started:
-                self._wait_ready(p)
-                with self._readied:
-                    self._readied.notify_all()
+                    missing.append((k, self._gens[k]))
+            errors: list[BaseException | None] = [None] * len(missing)
+
+            def start_one(i: int, k: int, gen: int) -> None:
+                try:
+                    p = Proc(self, k, gen)  # blocks while the fork server starts
+                    if not self._keep(p):  # the pool closed meanwhile
+                        self._stop([p], 0.0)
+                        return
+                    started.append(p)
+                    self._wait_ready(p)
+                    with self._readied:
+                        self._readied.notify_all()
+                except BaseException as exc:
+                    errors[i] = exc
+
+            threads = [
+                threading.Thread(
+                    target=start_one, args=(i, k, gen), name=f"guideloom-worker-{k}-start", daemon=True
+                )
+                for i, (k, gen) in enumerate(missing)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            error = next((e for e in errors if e is not None), None)
+            if error is not None:
+                raise error
         except BaseException as exc:
             self._start_error = exc
             # Those ready may serve already (:meth:`start_first`): they stay, the others stop.

@@ -372,10 +372,12 @@ class SecondOpensWhenLet(gl.MemoryStreamStorage):
         super().open_sync()
 
 
-def _held_back(gate: Path, monkeypatch: pytest.MonkeyPatch) -> gl.StatefulDataLoader[Any, Any]:
+def _held_back(
+    gate: Path, monkeypatch: pytest.MonkeyPatch, samples: int = 60
+) -> gl.StatefulDataLoader[Any, Any]:
     monkeypatch.setenv(LET_OPEN, str(gate))  # before the workers are forked: they inherit it
     return gl.StatefulDataLoader.from_storage(
-        SecondOpensWhenLet(np.arange(60 * SEQ, dtype=np.int32)), collated_where, sequence_length=SEQ,
+        SecondOpensWhenLet(np.arange(samples * SEQ, dtype=np.int32)), collated_where, sequence_length=SEQ,
         local_batch_size=3, num_workers=2, prefetch=2, parallel_method="process",
         collate_mode="workers", device=torch.device("cpu"),
     )  # fmt: skip
@@ -385,19 +387,36 @@ def _tokens(batches: list[dict[str, Any]]) -> list[int]:
     return [int(t) // SEQ for b in batches for t in b["tokens"][:, 0]]
 
 
+def _let(gate: Path, what: str) -> None:
+    """Let the second worker's storage open (``what``: "open", or "fail"), whole at once."""
+    written = gate.with_suffix(".part")
+    written.write_text(what)
+    written.rename(gate)
+
+
+def _second_ready(loader: gl.StatefulDataLoader[Any, Any]) -> None:
+    """Wait until the loader's second worker is ready (10 s at most)."""
+    pool = loader._state.life.pool
+    assert pool is not None
+    deadline = time.monotonic() + 10
+    while not (pool.procs[1] is not None and pool.procs[1].ready) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 @pytest.mark.parametrize("how", ["for", "async for"])
 def test_the_first_batch_waits_only_for_the_first_worker_ready(
     how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``collate_mode="workers"``: the first worker ready is sent the epoch and the first groups
-    at once; the second, whose storage opens only when the test lets it, joins once it is ready.
-    Every batch once, in order, as inline."""
+    at once; the second, whose storage opens only when the test lets it, joins once it is ready
+    and takes groups. Every batch once, in order, as inline."""
     gate = tmp_path / "let-open"
-    loader = _held_back(gate, monkeypatch)
+    loader = _held_back(gate, monkeypatch, samples=180)
 
     def let_open() -> None:
         assert not gate.exists()  # the second worker's open still waits
-        gate.write_text("open")
+        _let(gate, "open")
+        _second_ready(loader)
 
     async def async_epoch() -> list[Any]:
         async with loader:
@@ -418,8 +437,10 @@ def test_the_first_batch_waits_only_for_the_first_worker_ready(
     else:
         got = asyncio.run(async_epoch())
     assert time.monotonic() - t0 < 20  # not the second worker's 30 s
-    assert _tokens(got) == list(range(60))
-    assert all(b["pid"] != os.getpid() for b in got)
+    assert _tokens(got) == list(range(180))
+    pids = [b["pid"] for b in got]
+    assert os.getpid() not in pids
+    assert len(set(pids)) == 2  # the second worker made the batches of groups sent once it was ready
     assert worker_pids() == set()
 
 
@@ -436,7 +457,7 @@ def test_a_start_that_fails_once_the_first_worker_serves_raises_its_error_in_ord
     with loader:
         it = iter(loader)
         got.append(next(it))
-        gate.write_text("fail")
+        _let(gate, "fail")
         pool = loader._state.life.pool
         assert pool is not None
         deadline = time.monotonic() + 10

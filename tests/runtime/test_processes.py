@@ -193,7 +193,11 @@ if __name__ == "__main__":
     print("buffered", end=" ")  # still in this process's buffer when the zygote forks
     r, w = os.pipe()
     with make() as loader:
-        batches = list(loader)
+        batches = []
+        for _ in range(20):  # the second worker may join once the first has made a whole epoch
+            batches += list(loader)
+            if len({b[0] for b in batches}) == 2:
+                break
         kind = type(loader._state.life.pool.ctx).__name__
         os.close(w)  # nobody else holds it: the reader sees the end at once
         ended = bool(select.select([r], [], [], 5)[0]) and os.read(r, 1) == b""

@@ -258,6 +258,8 @@ class Processes:
         self._selector: selectors.BaseSelector | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._registered: list[Proc] = []
+        #: Whether workers of the start are still to join (each sent the epoch once ready).
+        self._joining = False
         try:
             pool.begin()  # the workers start while the first batches are made here
         except Exception as exc:
@@ -268,17 +270,18 @@ class Processes:
         return self.error is None and self.pool.starting()
 
     def start_sync(self) -> None:
-        """Wait until the workers are up and send them the epoch (raises what made the start
-        fail); their pipes are then watched by :meth:`wait_sync`."""
+        """Wait until a worker is up and send it the epoch (raises what made the start fail);
+        the others get it as each is ready (:meth:`_join`). Their pipes are then watched by
+        :meth:`wait_sync`."""
         if self.is_up:
             return
         if self.error is not None:
             raise self.error
-        self.pool.start()
+        self.pool.start_first()
         self._selector = selectors.DefaultSelector()
-        for p in self._send_epoch():
-            self._selector.register(p.fd, selectors.EVENT_READ, p)
+        self._joining = True
         self.is_up = True
+        self._join()
 
     async def start_async(self) -> None:
         """:meth:`start_sync` from the running loop: the start waited for off the loop, the
@@ -287,13 +290,48 @@ class Processes:
             return
         if self.error is not None:
             raise self.error
-        await asyncio.to_thread(self.pool.start)
-        loop = self._loop = asyncio.get_running_loop()
-        for p in self._send_epoch():
-            loop.add_reader(p.fd, self.session._on_readable, p, loop)
-            p.reader = self.session
-            self._registered.append(p)
+        await asyncio.to_thread(self.pool.start_first)
+        self._loop = asyncio.get_running_loop()
+        self._joining = True
         self.is_up = True
+        self._join()
+
+    def _watch(self, procs: list[Proc]) -> None:
+        """Take in what ``procs`` send: by the loop's readers, or by :meth:`wait_sync`'s selector."""
+        loop = self._loop
+        for p in procs:
+            if loop is not None:
+                loop.add_reader(p.fd, self.session._on_readable, p, loop)
+                p.reader = self.session
+                self._registered.append(p)
+            elif self._selector is not None:
+                key = self._selector.get_map().get(p.fd)
+                if key is None:
+                    self._selector.register(p.fd, selectors.EVENT_READ, p)
+                elif key.data is not p:  # a worker started again on the number of a dead one's pipe
+                    self._selector.modify(p.fd, selectors.EVENT_READ, p)
+
+    def _join(self) -> None:
+        """While the start is under way: send the epoch to the workers ready since, and watch
+        them. Once it has failed, the failure is the error of the groups sent from then on
+        (those sent before are made by the workers that were ready); where none is, the next
+        start raises it."""
+        if not self._joining:
+            return
+        pool = self.pool
+        over = not pool.starting()  # (before the failure is looked at: it is set before the end)
+        self.error = pool.start_failure()
+        if self.error is not None:
+            self._joining = False
+            return
+        token = self.session.token
+        ready = [p for p in pool.live() if p.ready and (p.epoch is None or p.epoch.token != token)]
+        if ready:
+            self._watch(self._send_epoch(ready))
+        if not over:
+            return
+        self._joining = False
+        pool.join_start()
 
     @property
     def most_jobs(self) -> int:
@@ -307,6 +345,8 @@ class Processes:
             if not lead.done:
                 return 1
             self._lead = None
+        if self._joining:  # the workers still starting take the groups after theirs
+            return 2 * max(1, len(self.session.members()))
         return 2 * self.pool.num_workers
 
     def renew(self) -> None:
@@ -318,7 +358,7 @@ class Processes:
         self._lead, self._leading = None, True
         if not self.is_up:
             return
-        procs = self._send_epoch()
+        procs = self._send_epoch([p for p in self.pool.live() if p.ready])
         loop = self._loop
         if loop is not None:  # read by the loop: the readers now serve the new session
             for p in procs:
@@ -327,12 +367,13 @@ class Processes:
                 loop.add_reader(p.fd, self.session._on_readable, p, loop)
                 p.reader = self.session
             self._registered = procs
+        else:
+            self._watch(procs)  # those ready since the last epoch went out
 
-    def _send_epoch(self) -> list[Proc]:
-        """Send the flow's epoch to every live worker: a :class:`Replan` (a few ints) to one whose
-        last epoch had the same order and reading, else the whole :class:`Epoch`; each kind
+    def _send_epoch(self, live: list[Proc]) -> list[Proc]:
+        """Send the flow's epoch to the workers ``live``: a :class:`Replan` (a few ints) to one
+        whose last epoch had the same order and reading, else the whole :class:`Epoch`; each kind
         pickled once."""
-        live = self.pool.live()
         flow = self.flow
         plan = flow.plan
         epoch = Epoch(self.session.token, plan, flow.cfg.order, flow.reading)
@@ -381,6 +422,15 @@ class Processes:
         return max(base, min(most, math.ceil(GROUP_WORK_S / max(work, 1e-6))))
 
     def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
+        self._join()
+        if self.error is not None:  # the start failed after its first workers took groups
+            failed = Group(0, specs, None)
+            failed.fail(self.error)
+            try:
+                self.pool.join_start()  # raised here: not again by the next start
+            except Exception:
+                pass
+            return GroupJob(failed, self.session, self.place)
         group = self.session.submit(specs, values)
         if self._leading:
             self._lead, self._leading = group, False
@@ -395,6 +445,7 @@ class Processes:
             events = selector.select(self.POLL_S)
         except (OSError, ValueError):  # closed by a close in another thread
             return
+        self._join()
         for key, _ in events:
             p: Proc = key.data
             if not self.session.receive(p):

@@ -120,6 +120,8 @@ def test_process_workers_are_not_restarted_by_a_new_plan(how: str) -> None:
         async def run() -> tuple[list[Any], list[Any], list[int], list[int]]:
             try:
                 before = [await adriver.next() for _ in range(6)]
+                while adriver.procs.pool.starting():  # type: ignore[union-attr]  # (the first ready serves at once)
+                    await asyncio.sleep(0.005)
                 pids = [p.proc.pid for p in adriver.procs.pool.procs if p is not None]  # type: ignore[union-attr]
                 adriver.replan(new)
                 after = []

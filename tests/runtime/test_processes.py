@@ -193,7 +193,11 @@ if __name__ == "__main__":
     print("buffered", end=" ")  # still in this process's buffer when the zygote forks
     r, w = os.pipe()
     with make() as loader:
-        batches = list(loader)
+        batches = []
+        for _ in range(20):  # the second worker may join once the first has made a whole epoch
+            batches += list(loader)
+            if len({b[0] for b in batches}) == 2:
+                break
         kind = type(loader._state.life.pool.ctx).__name__
         os.close(w)  # nobody else holds it: the reader sees the end at once
         ended = bool(select.select([r], [], [], 5)[0]) and os.read(r, 1) == b""
@@ -350,6 +354,125 @@ def test_pinned_workers_collate_every_batch_the_first_too(how: str, storage: typ
     assert len(got) == 20
     assert all(b["pid"] != os.getpid() for b in got)
     assert loader.stats()["collated_processes"] == len(got)
+    assert worker_pids() == set()
+
+
+#: The file whose existence lets the second worker's storage open (:class:`SecondOpensWhenLet`).
+LET_OPEN = "GUIDELOOM_TEST_LET_OPEN"
+
+
+class SecondOpensWhenLet(gl.MemoryStreamStorage):
+    """A storage that opens in the second worker process only once the file named by the
+    environment's :data:`LET_OPEN` exists (30 s at most), then fails there if it holds "fail"."""
+
+    def open_sync(self) -> None:
+        if multiprocessing.current_process().name == "guideloom-worker-1":
+            gate = Path(os.environ[LET_OPEN])
+            deadline = time.monotonic() + 30
+            while not gate.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if gate.exists() and gate.read_text() == "fail":
+                raise Boom("the second worker cannot open")
+        super().open_sync()
+
+
+def _held_back(
+    gate: Path, monkeypatch: pytest.MonkeyPatch, samples: int = 60
+) -> gl.StatefulDataLoader[Any, Any]:
+    monkeypatch.setenv(LET_OPEN, str(gate))  # before the workers are forked: they inherit it
+    return gl.StatefulDataLoader.from_storage(
+        SecondOpensWhenLet(np.arange(samples * SEQ, dtype=np.int32)), collated_where, sequence_length=SEQ,
+        local_batch_size=3, num_workers=2, prefetch=2, parallel_method="process",
+        collate_mode="workers", device=torch.device("cpu"),
+    )  # fmt: skip
+
+
+def _tokens(batches: list[dict[str, Any]]) -> list[int]:
+    return [int(t) // SEQ for b in batches for t in b["tokens"][:, 0]]
+
+
+def _let(gate: Path, what: str) -> None:
+    """Let the second worker's storage open (``what``: "open", or "fail"), whole at once."""
+    written = gate.with_suffix(".part")
+    written.write_text(what)
+    written.rename(gate)
+
+
+def _second_ready(loader: gl.StatefulDataLoader[Any, Any]) -> None:
+    """Wait until the loader's second worker is ready (10 s at most)."""
+    pool = loader._state.life.pool
+    assert pool is not None
+    deadline = time.monotonic() + 10
+    while not (pool.procs[1] is not None and pool.procs[1].ready) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("how", ["for", "async for"])
+def test_the_first_batch_waits_only_for_the_first_worker_ready(
+    how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``collate_mode="workers"``: the first worker ready is sent the epoch and the first groups
+    at once; the second, whose storage opens only when the test lets it, joins once it is ready
+    and takes groups. Every batch once, in order, as inline."""
+    gate = tmp_path / "let-open"
+    loader = _held_back(gate, monkeypatch, samples=180)
+
+    def let_open() -> None:
+        assert not gate.exists()  # the second worker's open still waits
+        _let(gate, "open")
+        _second_ready(loader)
+
+    async def async_epoch() -> list[Any]:
+        async with loader:
+            got = []
+            async for b in loader:
+                if not got:
+                    let_open()
+                got.append(b)
+            return got
+
+    t0 = time.monotonic()
+    if how == "for":
+        with loader:
+            it = iter(loader)
+            got = [next(it)]
+            let_open()
+            got += list(it)
+    else:
+        got = asyncio.run(async_epoch())
+    assert time.monotonic() - t0 < 20  # not the second worker's 30 s
+    assert _tokens(got) == list(range(180))
+    pids = [b["pid"] for b in got]
+    assert os.getpid() not in pids
+    assert len(set(pids)) == 2  # the second worker made the batches of groups sent once it was ready
+    assert worker_pids() == set()
+
+
+def test_a_start_that_fails_once_the_first_worker_serves_raises_its_error_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second worker's open fails after the first has served batches: the storage's own
+    error (naming the worker) comes at the first batch of a group sent since (of this epoch, or
+    of the next where every group of this one was sent before), the batches before it in order
+    and once; no worker is left."""
+    gate = tmp_path / "let-open"
+    loader = _held_back(gate, monkeypatch)
+    got: list[dict[str, Any]] = []
+    with loader:
+        it = iter(loader)
+        got.append(next(it))
+        _let(gate, "fail")
+        pool = loader._state.life.pool
+        assert pool is not None
+        deadline = time.monotonic() + 10
+        while pool.start_failure() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        with pytest.raises(Boom, match="cannot open") as info:
+            got += list(it)
+            got += list(loader)
+        assert any("worker process 1" in note for note in getattr(info.value, "__notes__", []))
+    assert 1 <= len(got) <= 20
+    assert _tokens(got) == [i % 60 for i in range(3 * len(got))]
     assert worker_pids() == set()
 
 

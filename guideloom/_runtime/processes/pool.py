@@ -105,6 +105,9 @@ class WorkerPool:
         #: The thread of a start :meth:`begin` made, until :meth:`start` has waited for it.
         self._starter: threading.Thread | None = None
         self._start_error: BaseException | None = None
+        #: Notified as each worker of a start is ready, and when the start ends.
+        self._readied = threading.Condition()
+        self._start_over = True  # no start under way (set, notified, as the starter ends)
         _POOLS.add(self)
 
     def worker_seed(self, index: int, gen: int) -> int:
@@ -140,6 +143,7 @@ class WorkerPool:
             if self._starter is not None or all(_running(p) for p in self.procs):
                 return
             self._start_error = None
+            self._start_over = False
             self._starter = threading.Thread(
                 target=self._start_missing, name="guideloom-workers-start", daemon=True
             )
@@ -154,6 +158,27 @@ class WorkerPool:
         """Start the workers that are not running and wait until each has opened the storage (or
         wait for the start :meth:`begin` made); raise what made that start fail."""
         self.begin()
+        self.join_start()
+
+    def start_first(self) -> None:
+        """:meth:`start`, returning as soon as one worker is ready: its first tasks need not wait
+        for the others' start (each fork from the fork server takes tens of milliseconds, in
+        series). The others are ready when :meth:`starting` is false; a failure of the start
+        after this returned is :meth:`start_failure` until :meth:`join_start` raises it."""
+        self.begin()
+        with self._readied:
+            self._readied.wait_for(
+                lambda: self._start_over or self._start_error is not None or any(p.ready for p in self.live())
+            )
+        if self._start_over or self._start_error is not None:
+            self.join_start()
+
+    def start_failure(self) -> BaseException | None:
+        """What made the last start fail, until :meth:`join_start` raises it."""
+        return self._start_error
+
+    def join_start(self) -> None:
+        """Wait for the start :meth:`begin` made, if any, and raise what made it fail."""
         starter = self._starter
         if starter is None:
             return
@@ -166,15 +191,18 @@ class WorkerPool:
             raise error
 
     def _start_missing(self) -> None:
-        """The starter thread: fork each missing worker, then wait until each is ready. On a
-        failure every worker it started is stopped and the error kept for :meth:`start`; once
-        the pool closes, what it starts is stopped at once."""
+        """The starter thread: start each missing worker on a thread of its own, which forks
+        it and waits until it is ready (the first ready is seen then, not behind the others'
+        forks). On a failure (the first worker's, by index) every worker it started that is not
+        ready is stopped and the error kept for :meth:`start`; once the pool closes, what it
+        starts is stopped at once."""
         started: list[Proc] = []
+        missing: list[tuple[int, int]] = []
         try:
-            for k in range(self.num_workers):
-                with self._lock:
-                    if self._closed:
-                        return
+            with self._lock:
+                if self._closed:
+                    return
+                for k in range(self.num_workers):
                     old = self.procs[k]
                     if _running(old):
                         continue
@@ -182,23 +210,50 @@ class WorkerPool:
                         self.procs[k] = None
                         self._discard(old)
                     self._gens[k] += 1
-                    gen = self._gens[k]
-                p = Proc(self, k, gen)  # blocks while the fork server starts
-                if not self._keep(p):  # the pool closed meanwhile
-                    self._stop([p], 0.0)
-                    return
-                started.append(p)
-            for p in started:
-                self._wait_ready(p)
+                    missing.append((k, self._gens[k]))
+            errors: list[BaseException | None] = [None] * len(missing)
+
+            def start_one(i: int, k: int, gen: int) -> None:
+                try:
+                    p = Proc(self, k, gen)  # blocks while the fork server starts
+                    if not self._keep(p):  # the pool closed meanwhile
+                        self._stop([p], 0.0)
+                        return
+                    started.append(p)
+                    self._wait_ready(p)
+                    with self._readied:
+                        self._readied.notify_all()
+                except BaseException as exc:
+                    errors[i] = exc
+
+            threads = [
+                threading.Thread(
+                    target=start_one, args=(i, k, gen), name=f"guideloom-worker-{k}-start", daemon=True
+                )
+                for i, (k, gen) in enumerate(missing)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            error = next((e for e in errors if e is not None), None)
+            if error is not None:
+                raise error
         except BaseException as exc:
             self._start_error = exc
+            # Those ready may serve already (:meth:`start_first`): they stay, the others stop.
+            unready = [p for p in started if not p.ready]
             with self._lock:
                 if self._closed:
                     return  # close() stops and joins them, once this thread is done
-                for p in started:
+                for p in unready:
                     if self.procs[p.index] is p:
                         self.procs[p.index] = None
-            self._stop(started, 0.0)
+            self._stop(unready, 0.0)
+        finally:
+            with self._readied:
+                self._start_over = True
+                self._readied.notify_all()
 
     def _keep(self, p: Proc) -> bool:
         """Put a worker just started in its place, unless the pool has closed meanwhile."""
@@ -367,6 +422,11 @@ class Session:
         #: before a group came back: about what making the batch inline would cost.
         self.work_per_batch: float | None = None
 
+    def members(self) -> list[Proc]:
+        """The live workers sent this session's epoch (a worker still starting gets it once it
+        is ready)."""
+        return [p for p in self.pool.live() if p.epoch is not None and p.epoch.token == self.token]
+
     def end(self, tell: bool = True) -> None:
         """Tell the workers to drop what is left of this iterator's groups (``tell``: false where
         the next session's epoch, sent to every live worker, drops them). Idempotent."""
@@ -446,7 +506,7 @@ class Session:
         """Send consecutive batches to the least busy live worker as one group: to read and
         collate, or to collate from ``samples`` (each batch's, read by the main process)."""
         self._gid += 1
-        live = [p for p in self.pool.live() if p.running()]
+        live = [p for p in self.members() if p.running()]
         if not live:
             g = Group(self._gid, specs, None)
             g.fail(WorkerError("every guideloom worker process has died"))

@@ -12,19 +12,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import math
-import pickle
 import selectors
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from guideloom._core.delivery import Delivery, Results, apply_group
 from guideloom._core.plan import BatchSpec
 from guideloom._runtime.config import PipelineConfig
 from guideloom._runtime.processes.pool import Group, Proc, WorkerPool
-from guideloom._runtime.processes.wire import Epoch, Replan
+from guideloom._runtime.processes.wire import Epoch, EpochMessages
 from guideloom._runtime.threadpool import CollateThreads
 
 __all__ = ["GROUP_WORK_S", "FutureJob", "GroupJob", "Here", "Job", "Made", "Processes", "Threads"]
@@ -376,34 +374,9 @@ class Processes:
         pickled once."""
         flow = self.flow
         plan = flow.plan
-        epoch = Epoch(self.session.token, plan, flow.cfg.order, flow.reading)
-        done: dict[bool, bytes] = {}
-
-        def pickled(replan: bool) -> bytes:
-            data = done.get(replan)
-            if data is None:
-                msg = (
-                    Replan(
-                        epoch.token,
-                        plan.local_batch_size,
-                        plan.world_size,
-                        plan.rank,
-                        plan.drop_last,
-                        plan.start_offset,
-                    )
-                    if replan
-                    else epoch
-                )
-                # the epoch's order may be anything a dataset gives: pickled as Connection.send does
-                data = done[replan] = (
-                    pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-                    if replan
-                    else bytes(ForkingPickler.dumps(msg))
-                )
-            return data
-
+        messages = EpochMessages(Epoch(self.session.token, plan, flow.cfg.order, flow.reading))
         for p in live:
-            p.send_epoch(epoch, pickled)
+            p.send_epoch(messages)
         return live
 
     #: The flow whose epoch the workers are sent (set by the driver).

@@ -357,17 +357,17 @@ def test_pinned_workers_collate_every_batch_the_first_too(how: str, storage: typ
     assert worker_pids() == set()
 
 
-#: The file whose existence lets the second worker's storage open (:class:`SecondOpensWhenLet`).
-LET_OPEN = "GUIDELOOM_TEST_LET_OPEN"
-
-
 class SecondOpensWhenLet(gl.MemoryStreamStorage):
-    """A storage that opens in the second worker process only once the file named by the
-    environment's :data:`LET_OPEN` exists (30 s at most), then fails there if it holds "fail"."""
+    """A storage that opens in the second worker process only once the file ``gate`` exists
+    (30 s at most), then fails there if it holds "fail". The path travels with the storage's
+    pickle: the workers fork from a zygote that may predate the test, so not from its
+    environment."""
+
+    gate = ""
 
     def open_sync(self) -> None:
         if multiprocessing.current_process().name == "guideloom-worker-1":
-            gate = Path(os.environ[LET_OPEN])
+            gate = Path(self.gate)
             deadline = time.monotonic() + 30
             while not gate.exists() and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -379,9 +379,10 @@ class SecondOpensWhenLet(gl.MemoryStreamStorage):
 def _held_back(
     gate: Path, monkeypatch: pytest.MonkeyPatch, samples: int = 60
 ) -> gl.StatefulDataLoader[Any, Any]:
-    monkeypatch.setenv(LET_OPEN, str(gate))  # before the workers are forked: they inherit it
+    storage = SecondOpensWhenLet(np.arange(samples * SEQ, dtype=np.int32))
+    storage.gate = str(gate)
     return gl.StatefulDataLoader.from_storage(
-        SecondOpensWhenLet(np.arange(samples * SEQ, dtype=np.int32)), collated_where, sequence_length=SEQ,
+        storage, collated_where, sequence_length=SEQ,
         local_batch_size=3, num_workers=2, prefetch=2, parallel_method="process",
         collate_mode="workers", device=torch.device("cpu"),
     )  # fmt: skip

@@ -166,12 +166,14 @@ class WorkerPool:
         series). The others are ready when :meth:`starting` is false; a failure of the start
         after this returned is :meth:`start_failure` until :meth:`join_start` raises it."""
         self.begin()
-        with self._readied:
-            self._readied.wait_for(
-                lambda: self._start_over or self._start_error is not None or any(p.ready for p in self.live())
-            )
+        with self._readied:  # (a loop, not wait_for's predicate: nothing calls back into here)
+            while not (self._start_over or self._start_error is not None or self._any_ready()):
+                self._readied.wait()
         if self._start_over or self._start_error is not None:
             self.join_start()
+
+    def _any_ready(self) -> bool:
+        return any(p.ready for p in self.live())
 
     def start_failure(self) -> BaseException | None:
         """What made the last start fail, until :meth:`join_start` raises it."""

@@ -14,7 +14,6 @@ import signal
 import struct
 import threading
 from collections import deque
-from collections.abc import Callable
 from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Protocol
@@ -24,7 +23,7 @@ import numpy as np
 from guideloom._core.delivery import Delivery
 from guideloom._core.plan import BatchSpec
 from guideloom._runtime.processes.shm import MAX_SLOTS, Inputs, StateSegment, map_segment, unlink
-from guideloom._runtime.processes.wire import End, Epoch, Stop, Task
+from guideloom._runtime.processes.wire import End, Epoch, EpochMessages, Stop, Task
 from guideloom._runtime.processes.worker import worker_main
 
 __all__ = ["TERMINATE_S", "Group", "PoolSide", "Proc"]
@@ -117,10 +116,11 @@ class Proc:
         with self.send_lock:
             self.tasks.send_bytes(data)
 
-    def send_epoch(self, epoch: Epoch, pickled: Callable[[bool], bytes]) -> None:
-        """Send ``epoch``, as a :class:`~guideloom._runtime.processes.wire.Replan` where the
-        worker's last epoch had its order and reading (``pickled(replan)``: the message's
-        bytes, pickled once for all workers)."""
+    def send_epoch(self, messages: EpochMessages) -> None:
+        """Send the epoch of ``messages``, as a :class:`~guideloom._runtime.processes.wire.Replan`
+        where the worker's last epoch had its order and reading (each form pickled once for all
+        workers)."""
+        epoch = messages.epoch
         with self.send_lock:  # what the worker was sent last is known, in the pipe's order
             last = self.epoch
             replan = (
@@ -129,7 +129,7 @@ class Proc:
                 and last.plan.order is epoch.plan.order
                 and last.reading == epoch.reading
             )
-            self.tasks.send_bytes(pickled(replan))
+            self.tasks.send_bytes(messages.pickled(replan))
             self.epoch = epoch
 
     def post(self, msg: End | Stop) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing.connection
 import pickle
 import traceback
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, NamedTuple
 
 from guideloom._core.delivery import Delivery
@@ -77,6 +78,33 @@ class Replan(NamedTuple):
     rank: int
     drop_last: bool
     start_offset: int
+
+
+class EpochMessages:
+    """An epoch as the workers are sent it, each form pickled once for all of them: the whole
+    :class:`Epoch`, or a :class:`Replan` of its plan's numbers for a worker whose last epoch had
+    the same order and reading."""
+
+    __slots__ = ("_done", "epoch")
+
+    def __init__(self, epoch: Epoch) -> None:
+        self.epoch = epoch
+        self._done: dict[bool, bytes] = {}
+
+    def pickled(self, replan: bool) -> bytes:
+        data = self._done.get(replan)
+        if data is None:
+            epoch, plan = self.epoch, self.epoch.plan
+            if replan:
+                msg = Replan(
+                    epoch.token, plan.local_batch_size, plan.world_size, plan.rank, plan.drop_last,
+                    plan.start_offset,
+                )  # fmt: skip
+                data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+            else:  # the epoch's order may be anything a dataset gives: pickled as Connection.send does
+                data = bytes(ForkingPickler.dumps(epoch))
+            self._done[replan] = data
+        return data
 
 
 class FlatLayout(NamedTuple):

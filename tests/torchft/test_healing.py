@@ -7,41 +7,17 @@ just healed is up to date, so the next replica to heal may take its state from i
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
 
 import pytest
 
 from guideloom.torchft import FaultTolerantLoader
 from tests.support.data import identity_stream
 from tests.support.loader import make
+from tests.support.quorum import ScriptedManager
 
 pytestmark = pytest.mark.usefixtures("no_thread_leak")
 
 N = 12
-
-
-class ScriptedManager:
-    """The part of a ``torchft.Manager`` a :class:`FaultTolerantLoader` uses, driven by the test
-    as torchft drives it."""
-
-    def __init__(self) -> None:
-        self.step = 0
-        self.rank: int | None = None
-        self.participants = 0
-        self.fns: dict[str, tuple[Any, Any]] = {}
-        self.pending: dict[str, Any] | None = None
-
-    def participating_rank(self) -> int | None:
-        return self.rank
-
-    def num_participants(self) -> int:
-        return self.participants
-
-    def current_step(self) -> int:
-        return self.step
-
-    def register_state_dict_fn(self, key: str, load_state_dict: Any, state_dict: Any) -> None:
-        self.fns[key] = (load_state_dict, state_dict)
 
 
 class Replica:

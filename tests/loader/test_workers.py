@@ -153,6 +153,7 @@ def test_open_begins_the_persistent_workers_the_first_iterator_uses() -> None:
         assert pool is not None and (pool.starting() or any(p is not None for p in pool.procs))
         assert flat(take(loader)) == list(range(40))
         assert loader._state.life.pool is pool
+        pool.join_start()  # the epoch may end before the second worker is up: it serves the next
         pids = [p.proc.pid for p in pool.procs if p is not None]
         assert len(pids) == 2
         assert flat(take(loader)) == list(range(40))

@@ -197,7 +197,9 @@ def test_a_chunk_damaged_in_place_after_it_was_downloaded_or_read_is_never_deliv
     remote = store.remote_ranges
     with pytest.warns(RuntimeWarning, match="damaged chunk.*nothing is lost"):
         assert np.array_equal(store.read(cache, [1], planned=False), store.expected([1]))
-    assert store.remote_ranges == remote + 1 and not victim.exists()
+    assert store.remote_ranges == remote + 1
+    # the damaged copy is gone (a download the plan still wants may have written it again, sound)
+    assert not victim.exists() or victim.read_bytes() != bytes(data)
 
 
 def test_an_object_that_does_not_match_its_manifest_checksum_is_not_cached_and_refused(

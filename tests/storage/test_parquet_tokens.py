@@ -118,3 +118,29 @@ def test_a_packed_hint_names_every_document_its_sequences_hold(folder: Path, mod
     for s in seqs.tolist():
         held = {doc for doc, _, size in packed.describe(s)["documents"] if size > 0}
         assert held <= named
+
+
+def test_a_read_of_a_whole_row_group_tokenizes_it_in_calls_of_bounded_text(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The length index reads every row of a row group at once: its text goes to the tokenizer
+    in calls of at most ``TOKENIZE_BYTES`` (a batch holds several times its text while it runs),
+    and the lengths are those of one call per row."""
+    from guideloom.storage._parquet import _tokens
+    from guideloom.storage._text import TextEncoder
+
+    monkeypatch.setattr(_tokens, "TOKENIZE_BYTES", 300)
+    calls: list[int] = []
+    encode = TextEncoder.encode_many
+
+    def spy(self: TextEncoder, texts: Sequence[str]) -> list[np.ndarray]:
+        calls.append(sum(len(t.encode()) for t in texts))
+        return encode(self, texts)
+
+    monkeypatch.setattr(TextEncoder, "encode_many", spy)
+    storage = gl.open_parquet(folder, "text", tokenizer=slow_words)
+    storage.tokenize_ahead = False
+    offsets = storage.build_length_index()
+    assert np.diff(offsets).tolist() == [len(t) for t in expected(folder, range(ROWS))]
+    assert len(calls) > 3 and max(calls) <= 300  # no text here is longer than the bound
+    assert sum(calls) == sum(len(t.encode()) for t in pq.read_table(folder / "a.parquet")["text"].to_pylist())

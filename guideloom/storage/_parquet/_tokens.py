@@ -16,18 +16,39 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from guideloom.storage._parquet._decode import _ROW_OVERHEAD, I64, _Decoded
-from guideloom.storage._parquet._rowgroups import _LIVE, _RowGroups
+from guideloom.storage._parquet._rowgroups import _LIVE, RELEASE_EVERY_BYTES, _RowGroups, release_malloc
 
-__all__ = ["AHEAD_CHUNK"]
+__all__ = ["AHEAD_CHUNK", "TOKENIZE_BYTES"]
 
 #: Rows a thread tokenizing ahead claims and tokenizes at a time: large enough for the tokenizer
 #: to spread over the cores, small enough that a read needing one of them waits briefly.
 AHEAD_CHUNK = 64
+#: Bytes of text tokenized in one call at most: a ``tokenizers`` batch holds several times its
+#: text's bytes while it runs (an encoding per text, with its tokens' strings and offsets), and a
+#: whole row group's rows in one call (a read of all of them: the length index's) would hold
+#: hundreds of MiB at once.
+TOKENIZE_BYTES = 2**20
+
+
+def _parts(offsets: I64, rows: list[int]) -> Iterator[list[int]]:
+    """``rows`` in runs of at most :data:`TOKENIZE_BYTES` of text (one row at least a run)."""
+    part: list[int] = []
+    held = 0
+    for i in rows:
+        size = int(offsets[i + 1] - offsets[i])
+        if part and held + size > TOKENIZE_BYTES:
+            yield part
+            part, held = [], 0
+        part.append(i)
+        held += size
+    if part:
+        yield part
 
 
 class _TokenRows(_RowGroups):
@@ -45,10 +66,12 @@ class _TokenRows(_RowGroups):
         self._tokens_stop = False
         #: Held by the thread working ahead that tokenizes (over an object store several fetch).
         self._one_tokenizing = threading.Lock()
+        self._since_trim = 0  # text bytes tokenized since the C heap last gave back its free pages
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for key in ("_to_tokenize", "_tokenizing", "_tokenizer_thread", "_tokens_stop", "_one_tokenizing"):
+        keys = ("_to_tokenize", "_tokenizing", "_tokenizer_thread", "_tokens_stop", "_one_tokenizing")
+        for key in (*keys, "_since_trim"):
             state.pop(key, None)
         return state
 
@@ -113,27 +136,44 @@ class _TokenRows(_RowGroups):
         return [tokens[i] for i in wanted]
 
     def _tokenize_claimed(self, group: int, decoded: _Decoded, rows: list[int]) -> None:
-        """Tokenize ``rows`` (claimed by this thread) and keep their tokens; the claims are let
-        go however it ends (rows left untokenized are then claimed by the next that needs them)."""
-        assert self._encoder is not None and decoded.tokens is not None
-        arrays = None
+        """Tokenize ``rows`` (claimed by this thread) and keep their tokens, at most
+        :data:`TOKENIZE_BYTES` of text a call (a tokenizer's batch holds several times its
+        text's bytes while it runs); the claims are let go however it ends (rows left
+        untokenized are then claimed by the next that needs them)."""
+        assert decoded.tokens is not None
+        text = 0
         try:
-            arrays = self._encoder.encode_many(self._cut(group, decoded, np.asarray(rows, dtype=np.int64)))
+            for part in _parts(decoded.offsets, rows):
+                text += self._tokenize_part(group, decoded, part)
         finally:
             with self._lock:
                 decoded.claimed.difference_update(rows)
-                if arrays is not None:
-                    tokens, added, made = decoded.tokens, 0, 0
-                    for i, array in zip(rows, arrays, strict=True):
-                        tokens[i] = array
-                        made += len(array)
-                        added += int(array.nbytes) + _ROW_OVERHEAD
-                    self.counts["parquet_tokens_tokenized"] += made
-                    decoded.nbytes += added
-                    if self._decoded.get(group) is decoded:
-                        self._decoded_bytes += added
-                        self._evict_locked(group, keep_new=True)
                 self._lock.notify_all()
+                self._since_trim += text
+                trim = self._since_trim >= RELEASE_EVERY_BYTES
+                if trim:
+                    self._since_trim = 0
+        if trim:
+            release_malloc()
+
+    def _tokenize_part(self, group: int, decoded: _Decoded, rows: list[int]) -> int:
+        """Tokenize ``rows`` (claimed) in one call and keep their tokens; their text's bytes."""
+        assert self._encoder is not None and decoded.tokens is not None
+        texts = self._cut(group, decoded, np.asarray(rows, dtype=np.int64))
+        arrays = self._encoder.encode_many(texts)
+        with self._lock:
+            tokens, added, made = decoded.tokens, 0, 0
+            for i, array in zip(rows, arrays, strict=True):
+                tokens[i] = array
+                made += len(array)
+                added += int(array.nbytes) + _ROW_OVERHEAD
+            self.counts["parquet_tokens_tokenized"] += made
+            decoded.nbytes += added
+            if self._decoded.get(group) is decoded:
+                self._decoded_bytes += added
+                self._evict_locked(group, keep_new=True)
+            self._lock.notify_all()
+        return sum(map(len, texts))
 
     def _tokenize_rest(self, group: int, decoded: _Decoded) -> None:
         """Queue the rest of ``group``'s rows to be tokenized ahead (once), starting the thread

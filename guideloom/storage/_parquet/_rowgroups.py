@@ -10,10 +10,8 @@ reads are built on it.
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import hashlib
 import json
-import sys
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
@@ -43,30 +41,6 @@ _OPEN_FILES = 64  # local ParquetFile handles kept open per process
 _AHEAD_MAX_USES = 1 << 16
 #: Stopped before the interpreter joins its threads: the fetches ahead start no new GET after it.
 _LIVE: Live[_RowGroups] = Live(lambda storage: storage._stop_ahead(join=False))
-
-
-def _load_malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim`` (``None`` elsewhere: another C library, another system)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        trim: Callable[[int], int] = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-    return trim
-
-
-_MALLOC_TRIM = _load_malloc_trim()
-
-
-def release_malloc() -> None:
-    """Give the C heap's free pages back to the system, where glibc's allocator holds them
-    (a no-op elsewhere). Tokenizing and remote reads allocate and free much on several threads,
-    each on a heap (arena) of its own, which glibc trims only at its top: freed memory between
-    kept token arrays would otherwise stay resident for as long as the process lives (hundreds
-    of MiB after tokenizing a few hundred MiB of text). Costs about a millisecond."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
 
 
 class _Decoding(concurrent.futures.Future[_Decoded]):

@@ -21,8 +21,9 @@ from typing import Any
 
 import numpy as np
 
+from guideloom._process import release_malloc
 from guideloom.storage._parquet._decode import _ROW_OVERHEAD, I64, _Decoded
-from guideloom.storage._parquet._rowgroups import _LIVE, RELEASE_EVERY_BYTES, _RowGroups, release_malloc
+from guideloom.storage._parquet._rowgroups import _LIVE, RELEASE_EVERY_BYTES, _RowGroups
 
 __all__ = ["AHEAD_CHUNK", "TOKENIZE_BYTES"]
 

@@ -112,14 +112,12 @@ class _IteratorBase(Generic[BatchT]):
         if self._done or driver is None or not hasattr(self, "_cfg"):
             return
         loader, old = self._loader, self._cfg.plan
-        plan = EpochPlan(
-            num_observations=old.num_observations,
+        plan = dataclasses.replace(
+            old,
             local_batch_size=loader.local_batch_size,
             world_size=loader.world_size,
             rank=loader.rank,
-            drop_last=old.drop_last,
             start_offset=offset,
-            order=old.order,
         )
         self._ckpt.tally.end(id(self))
         driver.replan(plan)

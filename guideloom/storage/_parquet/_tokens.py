@@ -52,6 +52,20 @@ def _parts(offsets: I64, rows: list[int]) -> Iterator[list[int]]:
         yield part
 
 
+def _claim_locked(decoded: _Decoded, at: int) -> tuple[list[int], int]:
+    """Claim up to :data:`AHEAD_CHUNK` rows of ``decoded`` neither tokenized nor claimed, looking
+    from row ``at`` on (under the storage's lock): the rows, and where the next look starts."""
+    tokens = decoded.tokens
+    assert tokens is not None
+    rows: list[int] = []
+    while at < len(tokens) and len(rows) < AHEAD_CHUNK:
+        if tokens[at] is None and at not in decoded.claimed:
+            rows.append(at)
+        at += 1
+    decoded.claimed.update(rows)
+    return rows, at
+
+
 class _TokenRows(_RowGroups):
     """Row groups whose text rows are tokenized once, by a read or ahead of it."""
 
@@ -95,19 +109,14 @@ class _TokenRows(_RowGroups):
 
     def _tokenize_group(self, group: int, decoded: _Decoded) -> None:
         assert decoded.tokens is not None
-        tokens, at = decoded.tokens, 0
+        at = 0
         while not self._stopping:
             with self._lock:
                 if self._decoded.get(group) is not decoded:
                     return  # dropped before it was read: what it would make would go with it
-                rows: list[int] = []
-                while at < len(tokens) and len(rows) < AHEAD_CHUNK:
-                    if tokens[at] is None and at not in decoded.claimed:
-                        rows.append(at)
-                    at += 1
+                rows, at = _claim_locked(decoded, at)
                 if not rows:
                     return
-                decoded.claimed.update(rows)
             try:
                 self._tokenize_claimed(group, decoded, rows)
             except Exception:  # left to the read that needs these rows: it raises its own error
@@ -204,15 +213,8 @@ class _TokenRows(_RowGroups):
             tokens = decoded.tokens
             assert tokens is not None
             if self._decoded.get(group) is decoded:
-                rows: list[int] = []
-                for i in range(decoded.scan, len(tokens)):
-                    if tokens[i] is None and i not in decoded.claimed:
-                        rows.append(i)
-                        if len(rows) == AHEAD_CHUNK:
-                            break
-                    decoded.scan = i + 1
+                rows, decoded.scan = _claim_locked(decoded, decoded.scan)
                 if rows:
-                    decoded.claimed.update(rows)
                     return group, decoded, rows
                 if decoded.scan >= len(tokens):
                     decoded.ahead_done = True

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import multiprocessing
 import os
 import sys
 import threading
@@ -26,22 +27,36 @@ from typing import Any
 __all__ = [
     "FORK_SERVER_ATTRS",
     "PRIVATE_APIS",
+    "PRIVATE_ATTRIBUTES",
     "ForkServer",
     "ForkServerContext",
     "OwnServerProcess",
     "at_threads_exit",
     "attach_fork_server",
+    "bootstrapping",
     "clear_running_loop",
     "current_frames",
     "detach_fork_server",
     "flush_std_streams",
     "fork_server_is_known",
     "fork_server_pid",
+    "fork_server_preload",
     "is_abstract_address",
     "new_fork_server",
     "new_unix_address",
     "serve_forks",
 ]
+
+#: Private attributes read (not called), and why: checked by the compatibility test (each must
+#: still be set where it is read).
+PRIVATE_ATTRIBUTES: dict[str, str] = {
+    "multiprocessing.forkserver.ForkServer._preload_modules": (
+        "keep the modules another user of the fork server asked it to preload when adding the workers'"
+    ),
+    "multiprocessing.process.BaseProcess._inheriting": (
+        "tell a worker that is still importing the main script (a script without the __main__ guard)"
+    ),
+}
 
 #: What is used, and why: checked by the compatibility test (each name must still be callable).
 PRIVATE_APIS: dict[str, str] = {
@@ -73,6 +88,13 @@ def at_threads_exit(fn: Callable[[], Any]) -> None:
     after that join, too late to tell a thread to stop)."""
     register: Callable[[Callable[[], Any]], None] = threading._register_atexit  # type: ignore[attr-defined]
     register(fn)
+
+
+def bootstrapping() -> bool:
+    """Whether this process is a worker still importing the main script (``spawn`` and
+    ``forkserver`` set it while they do: a script without the ``__main__`` guard would start its
+    loader again there)."""
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
 
 
 def current_frames() -> dict[int, types.FrameType]:
@@ -150,6 +172,12 @@ def attach_fork_server(server: ForkServer, address: str, alive_fd: int, pid: int
     server._forkserver_address = address  # type: ignore[attr-defined]
     server._forkserver_alive_fd = alive_fd  # type: ignore[attr-defined]
     server._forkserver_pid = pid  # type: ignore[attr-defined]
+
+
+def fork_server_preload() -> list[str]:
+    """The modules the process-wide fork server is set to preload (``set_forkserver_preload``
+    has no getter)."""
+    return list(getattr(forkserver._forkserver, "_preload_modules", ()))
 
 
 def fork_server_pid(server: ForkServer) -> int | None:

@@ -181,3 +181,48 @@ def test_a_fork_server_run_and_asked_with_the_helpers_forks_processes() -> None:
         timeout=60,
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.parametrize("dotted", sorted(_compat.PRIVATE_ATTRIBUTES))
+def test_each_private_attribute_read_is_still_set_where_it_is_read(dotted: str) -> None:
+    """The attribute is still assigned by the module that owns it (its source names it)."""
+    import inspect
+
+    attribute = dotted.rpartition(".")[2]
+    setters = {
+        "_preload_modules": [importlib.import_module("multiprocessing.forkserver")],
+        "_inheriting": [
+            importlib.import_module(m) for m in ("multiprocessing.spawn", "multiprocessing.forkserver")
+        ],
+    }[attribute]
+    for setter in setters:
+        assert f".{attribute} = " in inspect.getsource(setter), (
+            f"{dotted} is no longer set by {setter.__name__} in Python {sys.version.split()[0]}: guideloom "
+            f"reads it to {_compat.PRIVATE_ATTRIBUTES[dotted]}; see guideloom/_compat.py"
+        )
+
+
+def test_a_worker_importing_the_main_script_is_told_from_the_main_process(tmp_path: Path) -> None:
+    """``bootstrapping()`` is False here and True while a spawned child imports the main script."""
+    assert not _compat.bootstrapping()
+    script = tmp_path / "child_main.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import multiprocessing, sys
+            from guideloom._compat import bootstrapping
+            if __name__ == "__mp_main__":  # the child importing this script
+                sys.stdout.write(f"child:{bootstrapping()}\\n"); sys.stdout.flush()
+            def nothing():
+                pass
+            if __name__ == "__main__":
+                p = multiprocessing.get_context("spawn").Process(target=nothing)
+                p.start(); p.join()
+            """
+        )
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)], check=True, cwd=ROOT, capture_output=True, text=True, timeout=60,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+    ).stdout  # fmt: skip
+    assert "child:True" in out

@@ -16,6 +16,7 @@ import os
 import sys
 from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
 
+from guideloom._compat import bootstrapping, fork_server_preload
 from guideloom._runtime.processes.zygote import (
     ZygoteContext,
     fork_is_safe,
@@ -96,9 +97,7 @@ def worker_context(spec: bytes = b"") -> ForkServerContext | SpawnContext | Fork
         if standby is not None:
             return ZygoteContext(standby, shared=True)
     ctx = multiprocessing.get_context("forkserver")
-    from multiprocessing import forkserver
-
-    current = list(getattr(forkserver._forkserver, "_preload_modules", ()))
+    current = fork_server_preload()
     if current == ["__main__"]:
         current = []
     missing = [m for m in wanted if m not in current]
@@ -114,7 +113,7 @@ def check_not_bootstrapping() -> None:
     one without the ``if __name__ == "__main__":`` guard would start the loader again in every
     worker.
     """
-    if getattr(multiprocessing.current_process(), "_inheriting", False):
+    if bootstrapping():
         raise RuntimeError(
             "guideloom: a loader with parallel_method='process' was started while a worker process "
             "was still importing the main module. Each worker process imports your main script "

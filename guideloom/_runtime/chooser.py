@@ -165,6 +165,16 @@ class Chooser:
         #: Whether the caller should time anything for it (a pinned mode needs nothing).
         self.measures = True
 
+    def span(self, batches: int) -> None:
+        """The workers' tasks hold ``batches`` batches each (cheap batches go several a task):
+        their chunks, and the calls not timed after a switch to them, are that many times
+        longer, so that a chunk spans tasks (within one, every batch is in hand already)."""
+        skipped = self._skips[True]
+        self._skips[True] = self._skip * batches
+        self._chunks_of[True] = self._chunk * batches
+        if self.workers and self._n <= 0:  # the calls after a switch to them: skipped over a task
+            self._n -= self._skips[True] - skipped
+
     def record(self, seconds: float, settled: bool) -> None:
         """One cycle of ``seconds`` in the current mode; ``settled``: the queue held only this
         mode's work (inline, the workers' queue has drained)."""

@@ -79,6 +79,7 @@ class SyncDriver:
         self._window_read = 0.0  # the last window read here, per batch
         self._quiet = 0  # calls left before the clock is looked at again (inline, held)
         self._settled = False
+        self._span = 0  # the batches of a workers' task the chooser was told of
         self._skip = self._chunk = 0
         if self.chooser is not None:
             limit = cfg.capacity + 1
@@ -141,12 +142,15 @@ class SyncDriver:
         if self._quiet:
             self._quiet -= 1
             return self._pull()
+        flow = self.flow
+        if flow.per != self._span:  # the workers' tasks grew: the chooser's chunks span them
+            self._span = flow.per
+            chooser.span(flow.per)
         now = time.perf_counter()
         if self._last is not None:
             chooser.record(now - self._last - self._read_s, self._settled)
         self._last, self._read_s = now, 0.0
         workers = chooser.workers
-        flow = self.flow
         procs = self.procs
         reads_itself = procs is not None and procs.reads_itself
         # Settled: the batch comes from the mode it is timed in (not from groups sent before a

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from guideloom._runtime.chooser import Chooser
 
 __all__ = [
+    "GROUP_BYTES",
     "GROUP_WORK_S",
     "UNMEASURED",
     "Choosers",
@@ -194,7 +195,7 @@ class Here:
         self.steps = tuple(steps)
         self.place = place
 
-    def group_for(self, base: int, limit: int) -> int:
+    def credit_batches(self) -> int:
         return 1
 
     def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
@@ -222,8 +223,8 @@ class Threads:
         self.transfer = False
         self.most_jobs = most_jobs or 1 << 30
 
-    def group_for(self, base: int, limit: int) -> int:
-        return base
+    def credit_batches(self) -> int:
+        return 1
 
     def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
         assert values is not None
@@ -236,10 +237,13 @@ class Threads:
         self.pool.shutdown(wait=wait, cancel_futures=True)
 
 
-#: The workers' work (a batch's collate, as they measure it) a group sent with its samples holds
-#: at least, where the credits allow: a round trip through the pipes, two wake-ups, costs about
-#: a millisecond on a busy machine.
+#: The workers' work (a batch's read and collate, as they measure it) a task of cheap batches
+#: holds (:meth:`Processes.credit_batches`): a round trip through the pipes, two wake-ups, costs
+#: about a millisecond on a busy machine.
 GROUP_WORK_S = 0.002
+#: The batches (their bytes, as the workers wrote them) a task of cheap batches holds at most:
+#: what a credit holds ahead stays small however cheap the batches are.
+GROUP_BYTES = 2 << 20
 
 
 class Processes:
@@ -401,17 +405,19 @@ class Processes:
     #: The flow whose epoch the workers are sent (set by the driver).
     flow: Any = None
 
-    def group_for(self, base: int, limit: int) -> int:
-        """Batches per group sent with its samples: ``base`` until the workers have reported
-        what a batch costs them, then enough that a group holds :data:`GROUP_WORK_S` of their
-        work (a cheap collate: several batches per round trip through the pipes, whose
-        hand-off, a wake-up of each process, costs more than the collate), up to the credits
-        shared among the workers."""
-        work = self.session.work_per_batch
-        if work is None:
-            return base
-        most = max(base, limit // max(1, self.pool.num_workers))
-        return max(base, min(most, math.ceil(GROUP_WORK_S / max(work, 1e-6))))
+    def credit_batches(self) -> int:
+        """Batches a credit stands for: 1, or once the workers have reported that a batch's work
+        is cheap, a task of about :data:`GROUP_WORK_S` of it (a round trip through the pipes,
+        a wake-up of each process, then costs less than the batches it brings), within
+        :data:`GROUP_BYTES` of batches as the workers wrote them."""
+        s = self.session
+        work = s.work_per_batch
+        if work is None or work >= GROUP_WORK_S:
+            return 1
+        n = math.ceil(GROUP_WORK_S / max(work, 1e-6))
+        if s.bytes_per_batch:
+            n = min(n, int(GROUP_BYTES // s.bytes_per_batch))
+        return max(1, n)
 
     def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
         self._join()

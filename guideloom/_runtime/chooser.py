@@ -167,11 +167,12 @@ class Chooser:
 
     def span(self, batches: int) -> None:
         """The workers' tasks hold ``batches`` batches each (cheap batches go several a task):
-        their chunks, and the calls not timed after a switch to them, are that many times
-        longer, so that a chunk spans tasks (within one, every batch is in hand already)."""
+        the calls not timed after a switch to them are that many times more (the tasks sent at
+        the switch arrive together, their batches then in hand), and their chunks are whole
+        tasks, two at least (within one, every batch but the first is in hand)."""
         skipped = self._skips[True]
         self._skips[True] = self._skip * batches
-        self._chunks_of[True] = self._chunk * batches
+        self._chunks_of[True] = batches * max(2, math.ceil(self._chunk / batches))
         if self.workers and self._n <= 0:  # the calls after a switch to them: skipped over a task
             self._n -= self._skips[True] - skipped
 

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GROUP_BYTES",
+    "GROUP_MOST",
     "GROUP_WORK_S",
     "UNMEASURED",
     "Choosers",
@@ -244,6 +245,9 @@ GROUP_WORK_S = 0.002
 #: The batches (their bytes, as the workers wrote them) a task of cheap batches holds at most:
 #: what a credit holds ahead stays small however cheap the batches are.
 GROUP_BYTES = 2 << 20
+#: The batches a task of cheap batches holds at most, however small and cheap: a task's batches
+#: are timed together where the collate's place is measured.
+GROUP_MOST = 32
 
 
 class Processes:
@@ -409,12 +413,12 @@ class Processes:
         """Batches a credit stands for: 1, or once the workers have reported that a batch's work
         is cheap, a task of about :data:`GROUP_WORK_S` of it (a round trip through the pipes,
         a wake-up of each process, then costs less than the batches it brings), within
-        :data:`GROUP_BYTES` of batches as the workers wrote them."""
+        :data:`GROUP_BYTES` of batches as the workers wrote them and :data:`GROUP_MOST` batches."""
         s = self.session
         work = s.work_per_batch
         if work is None or work >= GROUP_WORK_S:
             return 1
-        n = math.ceil(GROUP_WORK_S / max(work, 1e-6))
+        n = min(GROUP_MOST, math.ceil(GROUP_WORK_S / max(work, 1e-6)))
         if s.bytes_per_batch:
             n = min(n, int(GROUP_BYTES // s.bytes_per_batch))
         return max(1, n)

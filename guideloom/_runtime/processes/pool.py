@@ -470,11 +470,12 @@ class Session:
             self.pool.mark_dead(p)
             for g in self.groups.values():
                 if g.proc is p and not g.done:  # a done group has all it owed
+                    first, last = g.specs[g.received].step, g.specs[-1].step
+                    what = f"batch {first}" if first == last else f"batches {first}-{last} (one task)"
                     g.fail(
                         WorkerError(
                             f"guideloom worker process {p.index} (pid {p.proc.pid}) died "
-                            f"({p.describe_exit()}) while reading or collating batch "
-                            f"{g.specs[g.received].step}"
+                            f"({p.describe_exit()}) while reading or collating {what}"
                         )
                     )
             return False

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from guideloom._runtime.chooser import Chooser
 
 __all__ = [
-    "GROUP_BYTES",
+    "AHEAD_BYTES",
     "GROUP_MOST",
     "GROUP_WORK_S",
     "UNMEASURED",
@@ -196,7 +196,7 @@ class Here:
         self.steps = tuple(steps)
         self.place = place
 
-    def credit_batches(self) -> int:
+    def credit_batches(self, credits: int) -> int:
         return 1
 
     def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
@@ -224,7 +224,7 @@ class Threads:
         self.transfer = False
         self.most_jobs = most_jobs or 1 << 30
 
-    def credit_batches(self) -> int:
+    def credit_batches(self, credits: int) -> int:
         return 1
 
     def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
@@ -242,9 +242,11 @@ class Threads:
 #: holds (:meth:`Processes.credit_batches`): a round trip through the pipes, two wake-ups, costs
 #: about a millisecond on a busy machine.
 GROUP_WORK_S = 0.002
-#: The batches (their bytes, as the workers wrote them) a task of cheap batches holds at most:
-#: what a credit holds ahead stays small however cheap the batches are.
-GROUP_BYTES = 2 << 20
+#: What the credits' tasks of cheap batches hold at most together (the batches' bytes, as the
+#: workers wrote them): what is made ahead stays small however cheap the batches are, and within
+#: the caches the workers and the consumer share (measured: tasks of 2 MiB at 7 credits cost the
+#: workers twice the CPU of tasks of 1 MiB).
+AHEAD_BYTES = 8 << 20
 #: The batches a task of cheap batches holds at most, however small and cheap: a task's batches
 #: are timed together where the collate's place is measured.
 GROUP_MOST = 32
@@ -409,18 +411,19 @@ class Processes:
     #: The flow whose epoch the workers are sent (set by the driver).
     flow: Any = None
 
-    def credit_batches(self) -> int:
+    def credit_batches(self, credits: int) -> int:
         """Batches a credit stands for: 1, or once the workers have reported that a batch's work
         is cheap, a task of about :data:`GROUP_WORK_S` of it (a round trip through the pipes,
-        a wake-up of each process, then costs less than the batches it brings), within
-        :data:`GROUP_BYTES` of batches as the workers wrote them and :data:`GROUP_MOST` batches."""
+        a wake-up of each process, then costs less than the batches it brings), of
+        :data:`GROUP_MOST` batches at most, and of no more than the ``credits`` tasks' share of
+        :data:`AHEAD_BYTES` (the batches' bytes as the workers wrote them)."""
         s = self.session
         work = s.work_per_batch
         if work is None or work >= GROUP_WORK_S:
             return 1
         n = min(GROUP_MOST, math.ceil(GROUP_WORK_S / max(work, 1e-6)))
         if s.bytes_per_batch:
-            n = min(n, int(GROUP_BYTES // s.bytes_per_batch))
+            n = min(n, int(AHEAD_BYTES // (max(1, credits) * s.bytes_per_batch)))
         return max(1, n)
 
     def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:

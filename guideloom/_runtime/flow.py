@@ -66,8 +66,8 @@ class Executor(Protocol):
         """Start one group: ``values`` the batches read (None: it reads them itself)."""
         ...
 
-    def credit_batches(self) -> int:
-        """Batches one of the consumer's credits stands for: 1, or a task of several batches
+    def credit_batches(self, credits: int) -> int:
+        """Batches one of the consumer's ``credits`` stands for: 1, or a task of several batches
         where the executor has measured that handing one over costs more than making it."""
         ...
 
@@ -214,7 +214,7 @@ class EpochFlow:
     def _per(self, ex: Executor) -> int:
         if ex is not self.workers:
             return 1
-        self.per = max(self.per, ex.credit_batches())
+        self.per = max(self.per, ex.credit_batches(self.limit))
         return self.per
 
     def fill(self) -> None:

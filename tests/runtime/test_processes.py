@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 
 import guideloom as gl
 from guideloom._compat import fork_server_is_known
-from guideloom._runtime.executors import GROUP_BYTES, Processes
+from guideloom._runtime.executors import AHEAD_BYTES, Processes
 from guideloom._runtime.processes import SHUTDOWN_GRACE_S, RemoteTraceback, live_segments
 from tests.support.data import Boom, slow_ids
 from tests.support.loader import assert_same, take
@@ -990,7 +990,8 @@ def test_batches_equal_num_workers_0_for_each_group_size(
 
 
 def big_and_cheap(samples: Sequence[np.ndarray]) -> torch.Tensor:
-    """A batch of 5 MiB made in microseconds: cheap, but more than a task holds."""
+    """A batch of 5 MiB made in microseconds: cheap, but more than a credit's share of what may
+    be made ahead."""
     return torch.full((5 << 20,), int(samples[0][0]) // SEQ, dtype=torch.uint8)
 
 
@@ -1041,13 +1042,13 @@ def test_cheap_batches_go_in_tasks_of_several_within_the_credits(
 
 
 @pytest.mark.usefixtures("workers_up_first")
-def test_batches_past_a_task_s_bytes_go_one_a_task_however_cheap(
+def test_batches_past_a_credit_s_share_of_the_bytes_ahead_go_one_a_task_however_cheap(
     stream: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tasks = Tasks(monkeypatch)
     with loader_for(stream, big_and_cheap, local_batch_size=1) as loader:
         got = [int(b[0]) for b in take(loader, 60)]
-    assert GROUP_BYTES < 5 << 20
+    assert AHEAD_BYTES // 3 < 5 << 20  # a credit's share of what may be ahead, at 3 credits
     assert tasks.sizes == [1] * len(tasks.sizes) and all(tasks.within)
     with loader_for(stream, ids, num_workers=0, local_batch_size=1) as inline:
         assert got == [b[0] for b in take(inline, 60)]

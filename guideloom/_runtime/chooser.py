@@ -165,6 +165,17 @@ class Chooser:
         #: Whether the caller should time anything for it (a pinned mode needs nothing).
         self.measures = True
 
+    def span(self, batches: int) -> None:
+        """The workers' tasks hold ``batches`` batches each (cheap batches go several a task):
+        the calls not timed after a switch to them are that many times more (the tasks sent at
+        the switch arrive together, their batches then in hand), and their chunks are whole
+        tasks, two at least (within one, every batch but the first is in hand)."""
+        skipped = self._skips[True]
+        self._skips[True] = self._skip * batches
+        self._chunks_of[True] = batches * max(2, math.ceil(self._chunk / batches))
+        if self.workers and self._n <= 0:  # the calls after a switch to them: skipped over a task
+            self._n -= self._skips[True] - skipped
+
     def record(self, seconds: float, settled: bool) -> None:
         """One cycle of ``seconds`` in the current mode; ``settled``: the queue held only this
         mode's work (inline, the workers' queue has drained)."""

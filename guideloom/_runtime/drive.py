@@ -1,6 +1,6 @@
 """The two drivers of :class:`~guideloom._runtime.flow.EpochFlow`: :class:`SyncDriver` for
-``for batch in loader``, :class:`AsyncDriver` for ``async for``; and, in :func:`executors_for`,
-the one place that decides what an epoch runs on.
+``for batch in loader``, :class:`AsyncDriver` for ``async for``. What an epoch runs on is
+decided by :func:`~guideloom._runtime.executors.executors_for`.
 
 A driver performs what the flow asks for and waits for what it is blocked on; it holds no logic
 of the epoch's own. :class:`SyncDriver` runs in the consumer's thread, with no event loop: reads
@@ -18,92 +18,32 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import random
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 from guideloom._core.delivery import DELIVERED_ERRORS, Delivery
 from guideloom._core.plan import EpochPlan
 from guideloom._core.schedule import future_reads, run_async, run_sync
 from guideloom._loop import LoopThread
 from guideloom._runtime import chooser as choosing
-from guideloom._runtime.config import PipelineConfig, making_steps
-from guideloom._runtime.executors import FutureJob, GroupJob, Here, Processes, Threads
-from guideloom._runtime.flow import EpochFlow, Executor, Read
+from guideloom._runtime.config import PipelineConfig
+from guideloom._runtime.executors import (
+    UNMEASURED,
+    Choosers,
+    FutureJob,
+    GroupJob,
+    Here,
+    Processes,
+    executors_for,
+)
+from guideloom._runtime.flow import EpochFlow, Read
 
-if TYPE_CHECKING:
-    from guideloom._runtime.chooser import Chooser
-
-__all__ = ["AsyncDriver", "Choosers", "SyncDriver", "executors_for"]
+__all__ = ["AsyncDriver", "SyncDriver"]
 
 #: How often a blocked sync wait looks whether the driver was closed in another thread.
 POLL_S = 0.1
-
-
-class Choosers(Protocol):
-    """Where a driver finds the chooser that outlives its epoch (the loader's lifecycle)."""
-
-    def chooser(self, kind: str, make: Callable[[], Chooser], *, fresh: bool = False) -> Chooser:
-        """The chooser of ``kind``, made by ``make`` the first time (every time if ``fresh``)."""
-        ...
-
-
-class _Executors:
-    """What :func:`executors_for` decided: the executors, and how the choice between them is made."""
-
-    def __init__(self, here: Executor, workers: Executor | None, chooser: Chooser | None, wait: bool) -> None:
-        self.here, self.workers, self.chooser = here, workers, chooser
-        #: Whether the batches wait for the process workers to start (else made here meanwhile).
-        self.wait_for_workers = wait
-
-    def all(self) -> list[Any]:
-        seen: list[Any] = []
-        for ex in (self.here, self.workers):
-            if ex is not None and all(ex is not s for s in seen):
-                seen.append(ex)
-        return seen
-
-
-def executors_for(cfg: PipelineConfig, choosers: Choosers | None, *, on_loop: bool) -> _Executors:
-    """What ``cfg``'s epoch runs on, decided in one place.
-
-    - ``num_workers=0``: inline, one batch when it is asked for; with ``prefetch`` a thread
-      makes them ahead. ``on_loop`` (``async for``): one collate thread, never the loop.
-    - Worker threads, or process workers: what the user asked for. A sync ``for`` measures
-      (``choosers``: ``collate_mode="auto"``; None: pinned to the workers) whether they cost
-      more than the collate inline, and collates where it is cheaper: over a storage that reads
-      inline, or with process workers over any storage (thread workers over a storage read on
-      a loop thread are not measured). The batches while process workers start are made here,
-      unless they are pinned (their first windows are read meanwhile).
-    """
-    steps = making_steps(cfg)
-    here: Executor = Threads(1, steps, "threads") if on_loop else Here(steps)
-    if cfg.num_workers == 0:
-        if on_loop or cfg.prefetch == 0:
-            return _Executors(here, None, None, False)
-        return _Executors(here, Threads(1, steps, "inline"), None, False)
-    measured = choosers is not None and not on_loop and cfg.dataset.reads_inline
-    if cfg.parallel_method == "thread":
-        threads = Threads(cfg.num_workers, steps, "threads", most_jobs=cfg.num_workers if on_loop else None)
-        chooser = None
-        if measured and choosers is not None:
-            # the chooser's own factory (a partial, not a lambda of this module): the lifecycle that
-            # keeps the choosers calls nothing of the driver's
-            chooser = choosers.chooser("threads", functools.partial(choosing.thread_chooser, cfg.capacity))
-        return _Executors(threads if on_loop else here, threads, chooser, False)
-    procs = Processes.of(cfg)
-    chooser = None
-    # Process workers over a storage read on a loop thread (object storage) measure too: the
-    # reads go on there in either mode, and what differs is the collate's hand-off.
-    measured = choosers is not None and not on_loop
-    if measured and choosers is not None and cfg.device.type == "cpu":
-        # The loader's persistent workers keep their chooser from epoch to epoch; a pool of this
-        # iterator's own starts afresh, as its workers do.
-        make = functools.partial(choosing.process_chooser, cfg.capacity)
-        chooser = choosers.chooser("processes", make, fresh=cfg.worker_pool is None)
-    return _Executors(here, procs, chooser, choosers is None)
 
 
 class SyncDriver:
@@ -139,6 +79,7 @@ class SyncDriver:
         self._window_read = 0.0  # the last window read here, per batch
         self._quiet = 0  # calls left before the clock is looked at again (inline, held)
         self._settled = False
+        self._span = 0  # the batches of a workers' task the chooser was told of
         self._skip = self._chunk = 0
         if self.chooser is not None:
             limit = cfg.capacity + 1
@@ -201,12 +142,15 @@ class SyncDriver:
         if self._quiet:
             self._quiet -= 1
             return self._pull()
+        flow = self.flow
+        if flow.per != self._span:  # the workers' tasks grew: the chooser's chunks span them
+            self._span = flow.per
+            chooser.span(flow.per)
         now = time.perf_counter()
         if self._last is not None:
             chooser.record(now - self._last - self._read_s, self._settled)
         self._last, self._read_s = now, 0.0
         workers = chooser.workers
-        flow = self.flow
         procs = self.procs
         reads_itself = procs is not None and procs.reads_itself
         # Settled: the batch comes from the mode it is timed in (not from groups sent before a
@@ -432,7 +376,7 @@ class AsyncDriver:
 
     def __init__(self, cfg: PipelineConfig, pinned: bool) -> None:
         self.cfg = cfg
-        self.ex = ex = executors_for(cfg, None if pinned else _AUTO, on_loop=True)
+        self.ex = ex = executors_for(cfg, None if pinned else UNMEASURED, on_loop=True)
         self.procs = ex.workers if isinstance(ex.workers, Processes) else None
         self.flow = flow = EpochFlow(
             cfg, ex.here, ex.workers, limit=cfg.capacity, concurrency=cfg.dataset.max_concurrent_reads
@@ -611,13 +555,3 @@ def _replan(driver: SyncDriver | AsyncDriver, plan: EpochPlan) -> None:
         driver.procs.renew()
     if isinstance(driver, SyncDriver):
         driver._hinted = False  # the storage is told the new plan's reads
-
-
-class _Auto:
-    """``collate_mode="auto"`` on a loop: nothing is measured there, the workers are not pinned."""
-
-    def chooser(self, kind: str, make: Callable[[], Chooser], *, fresh: bool = False) -> Chooser:
-        raise AssertionError("an async epoch measures nothing")
-
-
-_AUTO = _Auto()

@@ -1,5 +1,6 @@
 """What makes an epoch's groups of batches, for :class:`~guideloom._runtime.flow.EpochFlow`:
-inline (:class:`Here`), on threads (:class:`Threads`) or on process workers (:class:`Processes`).
+inline (:class:`Here`), on threads (:class:`Threads`) or on process workers (:class:`Processes`);
+and, in :func:`executors_for`, the one place that decides which of them an epoch runs on.
 
 An executor starts a group and returns a :class:`Job` whose batches the
 flow takes in order; how a driver waits for a job is the executor's too (a future's result, a
@@ -11,21 +12,41 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import math
 import selectors
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from guideloom._core.delivery import Delivery, Results, apply_group
 from guideloom._core.plan import BatchSpec
-from guideloom._runtime.config import PipelineConfig
+from guideloom._runtime import chooser as choosing
+from guideloom._runtime.config import PipelineConfig, making_steps
 from guideloom._runtime.processes.pool import Group, Proc, WorkerPool
 from guideloom._runtime.processes.wire import Epoch, EpochMessages
 from guideloom._runtime.threadpool import CollateThreads
 
-__all__ = ["GROUP_WORK_S", "FutureJob", "GroupJob", "Here", "Job", "Made", "Processes", "Threads"]
+if TYPE_CHECKING:
+    from guideloom._runtime.chooser import Chooser
+
+__all__ = [
+    "AHEAD_BYTES",
+    "GROUP_MOST",
+    "GROUP_WORK_S",
+    "UNMEASURED",
+    "Choosers",
+    "Chosen",
+    "FutureJob",
+    "GroupJob",
+    "Here",
+    "Job",
+    "Made",
+    "Processes",
+    "Threads",
+    "executors_for",
+]
 
 
 class Job:
@@ -175,7 +196,7 @@ class Here:
         self.steps = tuple(steps)
         self.place = place
 
-    def group_for(self, base: int, limit: int) -> int:
+    def credit_batches(self, credits: int) -> int:
         return 1
 
     def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
@@ -203,8 +224,8 @@ class Threads:
         self.transfer = False
         self.most_jobs = most_jobs or 1 << 30
 
-    def group_for(self, base: int, limit: int) -> int:
-        return base
+    def credit_batches(self, credits: int) -> int:
+        return 1
 
     def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
         assert values is not None
@@ -217,10 +238,18 @@ class Threads:
         self.pool.shutdown(wait=wait, cancel_futures=True)
 
 
-#: The workers' work (a batch's collate, as they measure it) a group sent with its samples holds
-#: at least, where the credits allow: a round trip through the pipes, two wake-ups, costs about
-#: a millisecond on a busy machine.
+#: The workers' work (a batch's read and collate, as they measure it) a task of cheap batches
+#: holds (:meth:`Processes.credit_batches`): a round trip through the pipes, two wake-ups, costs
+#: about a millisecond on a busy machine.
 GROUP_WORK_S = 0.002
+#: What the credits' tasks of cheap batches hold at most together (the batches' bytes, as the
+#: workers wrote them): what is made ahead stays small however cheap the batches are, and within
+#: the caches the workers and the consumer share (measured: tasks of 2 MiB at 7 credits cost the
+#: workers twice the CPU of tasks of 1 MiB).
+AHEAD_BYTES = 8 << 20
+#: The batches a task of cheap batches holds at most, however small and cheap: a task's batches
+#: are timed together where the collate's place is measured.
+GROUP_MOST = 32
 
 
 class Processes:
@@ -382,17 +411,20 @@ class Processes:
     #: The flow whose epoch the workers are sent (set by the driver).
     flow: Any = None
 
-    def group_for(self, base: int, limit: int) -> int:
-        """Batches per group sent with its samples: ``base`` until the workers have reported
-        what a batch costs them, then enough that a group holds :data:`GROUP_WORK_S` of their
-        work (a cheap collate: several batches per round trip through the pipes, whose
-        hand-off, a wake-up of each process, costs more than the collate), up to the credits
-        shared among the workers."""
-        work = self.session.work_per_batch
-        if work is None:
-            return base
-        most = max(base, limit // max(1, self.pool.num_workers))
-        return max(base, min(most, math.ceil(GROUP_WORK_S / max(work, 1e-6))))
+    def credit_batches(self, credits: int) -> int:
+        """Batches a credit stands for: 1, or once the workers have reported that a batch's work
+        is cheap, a task of about :data:`GROUP_WORK_S` of it (a round trip through the pipes,
+        a wake-up of each process, then costs less than the batches it brings), of
+        :data:`GROUP_MOST` batches at most, and of no more than the ``credits`` tasks' share of
+        :data:`AHEAD_BYTES` (the batches' bytes as the workers wrote them)."""
+        s = self.session
+        work = s.work_per_batch
+        if work is None or work >= GROUP_WORK_S:
+            return 1
+        n = min(GROUP_MOST, math.ceil(GROUP_WORK_S / max(work, 1e-6)))
+        if s.bytes_per_batch:
+            n = min(n, int(AHEAD_BYTES // (max(1, credits) * s.bytes_per_batch)))
+        return max(1, n)
 
     def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
         self._join()
@@ -471,3 +503,82 @@ def _detach(loop: asyncio.AbstractEventLoop, procs: list[Proc], session: object)
             loop.remove_reader(p.fd)
         except (OSError, ValueError):
             pass
+
+
+# -- what an epoch runs on ----------------------------------------------------------------------
+class Choosers(Protocol):
+    """Where a driver finds the chooser that outlives its epoch (the loader's lifecycle)."""
+
+    def chooser(self, kind: str, make: Callable[[], Chooser], *, fresh: bool = False) -> Chooser:
+        """The chooser of ``kind``, made by ``make`` the first time (every time if ``fresh``)."""
+        ...
+
+
+class Chosen:
+    """What :func:`executors_for` decided: the executors, and how the choice between them is made."""
+
+    def __init__(
+        self, here: Here | Threads, workers: Threads | Processes | None, chooser: Chooser | None, wait: bool
+    ) -> None:
+        self.here, self.workers, self.chooser = here, workers, chooser
+        #: Whether the batches wait for the process workers to start (else made here meanwhile).
+        self.wait_for_workers = wait
+
+    def all(self) -> list[Any]:
+        seen: list[Any] = []
+        for ex in (self.here, self.workers):
+            if ex is not None and all(ex is not s for s in seen):
+                seen.append(ex)
+        return seen
+
+
+def executors_for(cfg: PipelineConfig, choosers: Choosers | None, *, on_loop: bool) -> Chosen:
+    """What ``cfg``'s epoch runs on, decided in one place.
+
+    - ``num_workers=0``: inline, one batch when it is asked for; with ``prefetch`` a thread
+      makes them ahead. ``on_loop`` (``async for``): one collate thread, never the loop.
+    - Worker threads, or process workers: what the user asked for. A sync ``for`` measures
+      (``choosers``: ``collate_mode="auto"``; None: pinned to the workers) whether they cost
+      more than the collate inline, and collates where it is cheaper: over a storage that reads
+      inline, or with process workers over any storage (thread workers over a storage read on
+      a loop thread are not measured). The batches while process workers start are made here,
+      unless they are pinned (their first windows are read meanwhile).
+    """
+    steps = making_steps(cfg)
+    here: Here | Threads = Threads(1, steps, "threads") if on_loop else Here(steps)
+    if cfg.num_workers == 0:
+        if on_loop or cfg.prefetch == 0:
+            return Chosen(here, None, None, False)
+        return Chosen(here, Threads(1, steps, "inline"), None, False)
+    measured = choosers is not None and not on_loop and cfg.dataset.reads_inline
+    if cfg.parallel_method == "thread":
+        threads = Threads(cfg.num_workers, steps, "threads", most_jobs=cfg.num_workers if on_loop else None)
+        chooser = None
+        if measured and choosers is not None:
+            # the chooser's own factory (a partial, not a lambda of this module): the lifecycle that
+            # keeps the choosers calls nothing of the driver's
+            chooser = choosers.chooser("threads", functools.partial(choosing.thread_chooser, cfg.capacity))
+        return Chosen(threads if on_loop else here, threads, chooser, False)
+    procs = Processes.of(cfg)
+    chooser = None
+    # Process workers over a storage read on a loop thread (object storage) measure too: the
+    # reads go on there in either mode, and what differs is the collate's hand-off.
+    measured = choosers is not None and not on_loop
+    if measured and choosers is not None and cfg.device.type == "cpu":
+        # The loader's persistent workers keep their chooser from epoch to epoch; a pool of this
+        # iterator's own starts afresh, as its workers do.
+        make = functools.partial(choosing.process_chooser, cfg.capacity)
+        chooser = choosers.chooser("processes", make, fresh=cfg.worker_pool is None)
+    return Chosen(here, procs, chooser, choosers is None)
+
+
+# -- what an epoch runs on ---------------------------------------------------------------------
+class _Unmeasured:
+    """``collate_mode="auto"`` on a loop (:data:`UNMEASURED`): nothing is measured there, the
+    workers are not pinned."""
+
+    def chooser(self, kind: str, make: Callable[[], Chooser], *, fresh: bool = False) -> Chooser:
+        raise AssertionError("an async epoch measures nothing")
+
+
+UNMEASURED = _Unmeasured()

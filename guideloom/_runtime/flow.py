@@ -66,10 +66,9 @@ class Executor(Protocol):
         """Start one group: ``values`` the batches read (None: it reads them itself)."""
         ...
 
-    def group_for(self, base: int, limit: int) -> int:
-        """Batches per group of batches read here: ``base`` (:func:`group_size`), or more where
-        the executor has measured that a group's hand-off costs more than its batches' work;
-        ``limit``: the credits, which every worker's group must fit in."""
+    def credit_batches(self, credits: int) -> int:
+        """Batches one of the consumer's ``credits`` stands for: 1, or a task of several batches
+        where the executor has measured that handing one over costs more than making it."""
         ...
 
 
@@ -139,6 +138,9 @@ class EpochFlow:
         self.ahead = 0  # batches in the jobs not yet taken
         self.ended = False  # a failure is queued: nothing after it is read or made
         self.first_read = True
+        #: Batches a credit stands for on the workers (``credit_batches``): it only grows
+        #: within a plan, so what is ahead stays within ``limit * per`` at every moment.
+        self.per = 1
 
     def future_windows(self) -> Iterator[list[BatchSpec]]:
         """The windows :meth:`next_read` will ask for from here (the hint a storage reads ahead by)."""
@@ -176,7 +178,7 @@ class EpochFlow:
         ex = self._maker()
         if not ex.runs_ahead:
             return not self.jobs
-        return self.ahead < self.limit and len(self.jobs) < ex.most_jobs
+        return self.ahead < self.limit * self._per(ex) and len(self.jobs) < ex.most_jobs
 
     def schedule(self, r: Read) -> ReadWindow:
         """The sans-IO read of window ``r`` (:func:`~guideloom._core.schedule.read_window`)."""
@@ -209,6 +211,12 @@ class EpochFlow:
         w = self.workers
         return w if self.on_workers and w is not None else self.here
 
+    def _per(self, ex: Executor) -> int:
+        if ex is not self.workers:
+            return 1
+        self.per = max(self.per, ex.credit_batches(self.limit))
+        return self.per
+
     def fill(self) -> None:
         """Start groups while the credits allow, in plan order, on the executor chosen."""
         while not self.closed:
@@ -219,7 +227,11 @@ class EpochFlow:
         ex = self._maker()
         if not self.reads_here() and self.raw:
             ex = self.here  # batches read here before the workers took over are made here first
-        room = self.limit - self.ahead
+        # A credit is a batch, or a task of several where they are cheap (``credit_batches``):
+        # a group holds one credit's batches at least.
+        per = self._per(ex) if ex.runs_ahead else 1
+        group = max(self.group, per) if ex.runs_ahead else 1
+        room = self.limit * per - self.ahead
         if not ex.runs_ahead:
             if self.jobs or not self.raw:
                 return False
@@ -230,7 +242,7 @@ class EpochFlow:
             left = self.total - self.read_step
             if self.ended or left <= 0 or self.reads:  # windows still being read here come first
                 return False
-            full = min(self.group, left)
+            full = min(group, left)
             n = min(full, room)
             if n < full and self.jobs:  # wait for a whole group's room while others are in flight
                 return False
@@ -242,7 +254,6 @@ class EpochFlow:
         raw = self.raw
         if not raw:
             return False
-        group = ex.group_for(self.group, self.limit) if ex.runs_ahead else 1
         n = min(group, room, len(raw))
         if n < group and n < len(raw) and self.jobs:
             return False  # a whole group's room, unless nothing else is in flight

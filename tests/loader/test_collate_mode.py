@@ -140,7 +140,7 @@ def test_process_workers_pinned_or_measured(mode: str, request: pytest.FixtureRe
     n = 300
     if mode == "auto":  # the chooser measures the workers once they are up, over a long enough epoch
         request.getfixturevalue("workers_up_first")
-        n = 3000
+        n = 6000  # (its chunks span the workers' tasks: cheap batches go 32 a task)
     kw: dict[str, Any] = {"collate": where, "local_batch_size": 3, "shuffle": True, "shuffle_seed": 4}
     with make(identity_stream(n), **kw) as plain:
         expected = ids_of(take(plain))

@@ -142,3 +142,37 @@ def test_chunks_past_a_b_b_a_are_stretched() -> None:
     stretched = chooser_module.STRETCH
     assert calls == [1, 2, 1, stretched, stretched]  # calls per run of a mode: W, I I, W, I, W
     assert c._stretch == 1
+
+
+def workers_in_tasks(c: Chooser, per: int, ahead: int) -> None:
+    """Feed ``c`` until its probe ends: the workers make tasks of ``per`` batches (the first call
+    of each waits 1.5 ms a batch for it, the others find their batch in hand), and after each
+    switch to them ``ahead`` batches are in hand already (made while inline ran); inline costs
+    1 ms a batch. Over whole tasks the workers cost 1.6 ms a batch: inline is the cheaper."""
+    in_hand, calls, workers = ahead, 0, True
+    while c.held_until() is None:
+        if c.workers and not workers:
+            in_hand = ahead
+        workers = c.workers
+        if not workers:
+            c.record(1e-3, settled=True)
+        elif in_hand:
+            in_hand -= 1
+            c.record(1e-4, settled=True)
+        else:
+            c.record(per * 1.5e-3 if calls % per == 0 else 1e-4, settled=True)
+            calls += 1
+
+
+def test_workers_whose_tasks_hold_several_batches_are_timed_over_whole_tasks() -> None:
+    """Chunks of a few calls fall within the batches in hand after a switch, and find the
+    workers ten times cheaper than they are; spanned over their tasks (``span``), the calls
+    skipped after a switch cover what is in hand and each chunk holds whole tasks."""
+    misled = Chooser(skip=3, chunk=2)
+    workers_in_tasks(misled, per=4, ahead=12)
+    assert misled.verdict is not None and misled.verdict.workers
+    c = Chooser(skip=3, chunk=2)
+    c.span(4)
+    workers_in_tasks(c, per=4, ahead=12)
+    assert c.verdict is not None and not c.verdict.workers
+    assert c.verdict.workers_seconds == pytest.approx((4 * 1.5e-3 + 3e-4) / 4)

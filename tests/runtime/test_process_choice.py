@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import guideloom as gl
 import guideloom._runtime.chooser as choice
+import guideloom._runtime.executors as executors
 import guideloom._runtime.processes.pool as pool_module
 from tests.support.data import Boom
 from tests.support.loader import assert_same, take
@@ -64,6 +65,9 @@ class Flip:
     def settle(self, workers: bool, costs: tuple[float, float] = (0.0, 0.0)) -> None:
         pass  # the flips alone decide
 
+    def span(self, batches: int) -> None:
+        pass  # counted in calls, whatever the workers' tasks hold
+
 
 @pytest.fixture
 def flips(monkeypatch: pytest.MonkeyPatch) -> list[Flip]:
@@ -88,8 +92,11 @@ def from_slot(batch: dict[str, Any]) -> bool:
 
 @pytest.mark.parametrize("prefetch", [0, 5, 16])
 def test_switching_at_any_batch_gives_the_batches_of_num_workers_0(
-    stream: Path, flips: list[Flip], prefetch: int
+    stream: Path, flips: list[Flip], prefetch: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # tasks of a few batches at most: with the credits a large prefetch gives, tasks of more
+    # would make the whole 66-batch epoch on the workers before a switch to inline could show
+    monkeypatch.setattr(executors, "GROUP_MOST", 4)
     with loader_for(stream, rich, num_workers=0, shuffle=True, shuffle_seed=3, local_batch_size=3) as inline:
         epochs = [take(inline) for _ in range(3)]
     loader = loader_for(stream, rich, shuffle=True, shuffle_seed=3, local_batch_size=3, prefetch=prefetch)
@@ -213,9 +220,10 @@ def test_a_failure_is_raised_at_its_batch_in_either_mode(
 
 def test_a_collate_cheaper_than_the_transport_runs_inline(tmp_path: Path) -> None:
     """The real chooser: a collate of microseconds costs far less inline than its trip through a
-    worker process, so the epoch's batches end up made inline (and are still the same)."""
+    worker process, so the epoch's batches end up made inline (and are still the same). (The
+    workers' tasks then hold 32 batches, which its chunks span: a long epoch.)"""
     folder = tmp_path / "long"
-    gl.write_stream(folder, np.arange(4000 * SEQ, dtype=np.int32), shard_bytes=200_000)
+    gl.write_stream(folder, np.arange(12000 * SEQ, dtype=np.int32), shard_bytes=600_000)
     with loader_for(folder, ids, num_workers=0, shuffle=True, shuffle_seed=1) as inline:
         expected = take(inline)
     modes: list[bool] = []

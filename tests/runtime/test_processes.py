@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 
 import guideloom as gl
 from guideloom._compat import fork_server_is_known
+from guideloom._runtime.executors import AHEAD_BYTES, Processes
 from guideloom._runtime.processes import SHUTDOWN_GRACE_S, RemoteTraceback, live_segments
 from tests.support.data import Boom, slow_ids
 from tests.support.loader import assert_same, take
@@ -976,7 +977,8 @@ def test_batches_equal_num_workers_0_for_each_group_size(
         while isinstance(owner, np.ndarray):
             owner = owner.base
         assert isinstance(owner, ctypes.Array)  # a view of a shared-memory slot, not a copy
-        assert run.flow.ahead <= prefetch + workers + 1  # the consumer's credits
+        # the consumer's credits, each a batch or a task of several cheap ones
+        assert run.flow.ahead <= (prefetch + workers + 1) * run.flow.per
         assert loop_threads() == []  # no event loop between the workers and the consumer
         got.extend(it)
         assert len(got) == len(expected)
@@ -985,6 +987,81 @@ def test_batches_equal_num_workers_0_for_each_group_size(
     assert worker_pids() == set()
     del got, it, owner
     assert live_segments(token) == []
+
+
+def big_and_cheap(samples: Sequence[np.ndarray]) -> torch.Tensor:
+    """A batch of 5 MiB made in microseconds: cheap, but more than a credit's share of what may
+    be made ahead."""
+    return torch.full((5 << 20,), int(samples[0][0]) // SEQ, dtype=torch.uint8)
+
+
+class Tasks:
+    """What the flow sends the workers: each task's batches, and whether what was ahead with it
+    stayed within the consumer's credits (``limit`` of ``per`` batches each)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.sizes: list[int] = []
+        self.within: list[bool] = []
+        submit = Processes.submit
+
+        def spy(ex: Processes, specs: list[Any], values: list[Any] | None) -> Any:
+            flow = ex.flow
+            self.sizes.append(len(specs))
+            self.within.append(flow.ahead + len(specs) <= flow.limit * flow.per)
+            return submit(ex, specs, values)
+
+        monkeypatch.setattr(Processes, "submit", spy)
+
+
+@pytest.mark.usefixtures("workers_up_first")
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_cheap_batches_go_in_tasks_of_several_within_the_credits(
+    stream: Path, monkeypatch: pytest.MonkeyPatch, prefetch: int
+) -> None:
+    """A collate of microseconds: once the workers report it, a task holds about
+    GROUP_WORK_S of batches (not one batch a round trip), what is ahead stays within the
+    credits counted in tasks, the next epoch starts from what the workers reported, and the
+    batches and the checkpoint are those of ``num_workers=0``."""
+    kw: dict[str, Any] = {"shuffle": True, "shuffle_seed": 5, "local_batch_size": 1}
+    with loader_for(stream, ids, num_workers=0, **kw) as inline:
+        expected = take(inline)
+        then = take(inline, 37)  # the next epoch, another order
+        state_37 = inline.state_dict()
+        expected_rest = take(inline)
+    tasks = Tasks(monkeypatch)
+    with loader_for(stream, ids, prefetch=prefetch, persistent_workers=True, **kw) as loader:
+        assert take(loader) == expected
+        second_from = len(tasks.sizes)
+        assert take(loader, 37) == then
+        assert loader.state_dict() == state_37  # batches made ahead never advance it
+        assert take(loader) == expected_rest
+    assert all(tasks.within)
+    assert max(tasks.sizes) > 1
+    assert tasks.sizes[second_from] > 1  # measured in the epoch before
+    assert sum(tasks.sizes[:second_from]) == len(expected)
+
+
+@pytest.mark.usefixtures("workers_up_first")
+def test_batches_past_a_credit_s_share_of_the_bytes_ahead_go_one_a_task_however_cheap(
+    stream: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tasks = Tasks(monkeypatch)
+    with loader_for(stream, big_and_cheap, local_batch_size=1) as loader:
+        got = [int(b[0]) for b in take(loader, 60)]
+    assert AHEAD_BYTES // 3 < 5 << 20  # a credit's share of what may be ahead, at 3 credits
+    assert tasks.sizes == [1] * len(tasks.sizes) and all(tasks.within)
+    with loader_for(stream, ids, num_workers=0, local_batch_size=1) as inline:
+        assert got == [b[0] for b in take(inline, 60)]
+
+
+@pytest.mark.usefixtures("workers_up_first")
+def test_a_collate_dearer_than_a_round_trip_goes_a_batch_a_task(
+    stream: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tasks = Tasks(monkeypatch)
+    with loader_for(stream, slow_ids, prefetch=0, local_batch_size=4) as loader:
+        take(loader, 12)
+    assert set(tasks.sizes) == {1}
 
 
 def test_resume_anywhere_with_any_group_size(stream: Path) -> None:

@@ -48,6 +48,7 @@ from guideloom._runtime.processes.wire import (
     End,
     Failed,
     GroupDone,
+    PickleEntry,
     Ready,
     Samples,
     Stop,
@@ -108,6 +109,9 @@ class WorkerPool:
         #: Notified as each worker of a start is ready, and when the start ends.
         self._readied = threading.Condition()
         self._start_over = True  # no start under way (set, notified, as the starter ends)
+        #: What the workers reported last (:class:`Session`'s figures): the next iterator's
+        #: session starts from them.
+        self.measured: tuple[float | None, float | None, float | None] = (None, None, None)
         _POOLS.add(self)
 
     def worker_seed(self, index: int, gen: int) -> int:
@@ -417,12 +421,16 @@ class Session:
         self.inputs: dict[int, tuple[Proc, Segment]] = {}
         self._gid = 0
         self._ended = False
-        #: Seconds a batch's read takes in the workers (a moving average of what they report), or
-        #: None before a group came back: what reading it inline would cost once pages are mapped.
-        self.read_per_batch: float | None = None
-        #: Seconds a batch's read and collate take in the workers (a moving average), or None
-        #: before a group came back: about what making the batch inline would cost.
-        self.work_per_batch: float | None = None
+        # Moving averages of what the workers report, or None before any group came back (to
+        # this session, or to the pool's last one: the same dataset and collate):
+        #: seconds a batch's read takes in the workers: what reading it inline would cost once
+        #: pages are mapped;
+        self.read_per_batch: float | None = pool.measured[0]
+        #: seconds a batch's read and collate take in the workers: about what making it inline
+        #: would cost;
+        self.work_per_batch: float | None = pool.measured[1]
+        #: bytes a batch takes in its group's slot and message.
+        self.bytes_per_batch: float | None = pool.measured[2]
 
     def members(self) -> list[Proc]:
         """The live workers sent this session's epoch (a worker still starting gets it once it
@@ -462,11 +470,12 @@ class Session:
             self.pool.mark_dead(p)
             for g in self.groups.values():
                 if g.proc is p and not g.done:  # a done group has all it owed
+                    first, last = g.specs[g.received].step, g.specs[-1].step
+                    what = f"batch {first}" if first == last else f"batches {first}-{last} (one task)"
                     g.fail(
                         WorkerError(
                             f"guideloom worker process {p.index} (pid {p.proc.pid}) died "
-                            f"({p.describe_exit()}) while reading or collating batch "
-                            f"{g.specs[g.received].step}"
+                            f"({p.describe_exit()}) while reading or collating {what}"
                         )
                     )
             return False
@@ -475,13 +484,17 @@ class Session:
         return True
 
     def _on_message(self, p: Proc, msg: GroupDone) -> None:
-        token, gid, entries, slot, read_s, work_s, reads = msg
+        token, gid, entries, slot, read_s, work_s, reads, slot_bytes = msg
         if token == self.token:
             self._free_input(gid)
         if reads != (0, 0) and (storage := self.pool.dataset.storage) is not None:
             storage.add_read_counts(*reads)  # what stats() reports counts the workers' reads
         self.read_per_batch = _moving(self.read_per_batch, read_s)
         self.work_per_batch = _moving(self.work_per_batch, work_s)
+        nbytes = sum(len(e.data) for e in entries if isinstance(e, PickleEntry))
+        per = (nbytes + slot_bytes) / max(1, len(entries))
+        self.bytes_per_batch = _moving(self.bytes_per_batch, per)
+        self.pool.measured = (self.read_per_batch, self.work_per_batch, self.bytes_per_batch)
         g = self.groups.get(gid) if token == self.token else None
         holder: Any = None
         if slot is not None:

@@ -204,8 +204,9 @@ Entry = ArrayEntry | PickleEntry | ErrorEntry
 
 class GroupDone(NamedTuple):
     """A task's batches: their entries, the slot their arrays are in (``(index, name, size)``, or
-    None), what a batch's read and its read and collate took in the worker (seconds), and the
-    requests and bytes the worker's storage read since its last message (object stores)."""
+    None), what a batch's read and its read and collate took in the worker (seconds), the
+    requests and bytes the worker's storage read since its last message (object stores), and the
+    bytes the batches' arrays take in the slot."""
 
     token: int
     gid: int
@@ -214,6 +215,7 @@ class GroupDone(NamedTuple):
     read_s: float
     work_s: float
     reads: tuple[int, int] = (0, 0)
+    slot_bytes: int = 0
 
 
 def send_message(conn: multiprocessing.connection.Connection, msg: tuple[Any, ...]) -> None:

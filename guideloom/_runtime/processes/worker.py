@@ -187,10 +187,12 @@ class _Worker:
                     if self.stopping or token not in self.epochs:
                         break
             slot = self.place(pack, entries, values)
+            slot_bytes = pack.size if slot is not None else 0
             del values
             work_s = read_s + collate_s / max(1, len(entries))
             reads = self._reads_since()
-            send_message(self.results, GroupDone(token, task.gid, entries, slot, read_s, work_s, reads))
+            done = GroupDone(token, task.gid, entries, slot, read_s, work_s, reads, slot_bytes)
+            send_message(self.results, done)
 
     def place(self, pack: GroupPack, entries: list[Entry], values: list[Any]) -> tuple[int, str, int] | None:
         """Write the group's arrays into one free slot; the slot's ``(index, name, size)``, or

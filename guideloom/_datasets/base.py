@@ -153,6 +153,12 @@ class DatasetAbstract(ABC, Generic[SourceT]):
         """
         return None
 
+    def own_order(self) -> bool:
+        """Whether :meth:`order` gives this dataset's epoch order (``makes_own_order``, or a
+        dataset whose own order depends on how it was made: packing counted by blocks); the
+        loader's shuffle blocks do not apply then."""
+        return self.makes_own_order
+
     def fingerprint(self) -> DatasetFingerprint:
         """What identifies this dataset for a checkpoint: its kind, number of observations,
         sequence length (0 where samples have none) and the digest of its storage's content

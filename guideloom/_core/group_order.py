@@ -155,7 +155,8 @@ class LazyGroupPermutation:
     the first window not counted yet); positions ``[0, known)`` can be looked up meanwhile, and
     once every size is known the order is exactly ``GroupPermutation(sizes, seed, epoch,
     window)``. With ``last``, the last group is left out of the shuffle of groups and comes after
-    every window, as a window of its own (its samples shuffled among themselves).
+    every window, as a window of its own (its samples shuffled among themselves). Without
+    ``shuffle``, the groups come in index order and each window's samples in order.
 
     A lookup gives each position's group and its place in the group (:meth:`take_keyed`): a
     group's first sample index needs the sizes of every group before it, which a lazily
@@ -170,13 +171,16 @@ class LazyGroupPermutation:
         "_nwin",
         "_perms",
         "_seed",
+        "_shuffle",
         "_sizes",
         "_slots",
         "_w",
         "_wstarts",
     )
 
-    def __init__(self, groups: int, *, seed: int, epoch: int, window: int, last: bool = False) -> None:
+    def __init__(
+        self, groups: int, *, seed: int, epoch: int, window: int, last: bool = False, shuffle: bool = True
+    ) -> None:
         if groups < 0 or (last and groups < 1):
             raise ValueError(f"groups must be >= {int(last)}, got {groups}")
         if window < 1:
@@ -184,7 +188,8 @@ class LazyGroupPermutation:
         shuffled = groups - 1 if last else groups
         self._groups, self._w, self._last = groups, window, last
         self._seed, self._epoch = seed, epoch
-        self._slots = Permutation(shuffled, shuffle=True, seed=seed, epoch=epoch).range(0, shuffled)
+        self._shuffle = shuffle
+        self._slots = Permutation(shuffled, shuffle=shuffle, seed=seed, epoch=epoch).range(0, shuffled)
         self._nwin = -(-shuffled // window) + int(last)
         self._sizes = np.full(groups, -1, dtype=np.int64)
         self._wstarts: list[int] = [0]  # the starts of windows 0..counted (the last: its end)
@@ -275,7 +280,8 @@ class LazyGroupPermutation:
         groups = self.window_groups(k)
         inner = np.concatenate([[0], np.cumsum(self._sizes[groups])]).astype(np.int64)
         key = hash64(f"guideloom-groups:{self._seed}:{self._epoch}:{k}")
-        got = (Permutation(int(inner[-1]), shuffle=True, seed=key, epoch=self._epoch), groups, inner)
+        perm = Permutation(int(inner[-1]), shuffle=self._shuffle, seed=key, epoch=self._epoch)
+        got = (perm, groups, inner)
         self._perms[k] = got
         if len(self._perms) > _KEEP_WINDOWS:
             self._perms.popitem(last=False)

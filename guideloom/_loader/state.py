@@ -149,7 +149,7 @@ def window(loader: Loader[Any]) -> int:
 def epoch_order(loader: Loader[Any], ckpt: CheckpointState, epoch: int) -> Order:
     """The order of ``epoch``: the dataset's own where it makes one (a mixture), otherwise
     identity, global row shuffle or block shuffle."""
-    own = loader.dataset.order(shuffle=loader.shuffle, seed=ckpt.order_seed, epoch=epoch)
+    own = loader.dataset.loader_order(shuffle=loader.shuffle, seed=ckpt.order_seed, epoch=epoch)
     if own is not None:
         return own
     natural = (

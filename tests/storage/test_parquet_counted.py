@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 import guideloom as gl
 from guideloom._errors import DatasetIntegrityError
 from tests.storage.test_parquet import WORDS, make_rows, write_files
+from tests.support.loader import loop_gaps
 
 CPU = torch.device("cpu")
 LENGTH = 16
@@ -192,3 +194,39 @@ def test_a_document_that_does_not_tokenize_as_counted_is_refused(
     assert storage is not None
     with pytest.raises(DatasetIntegrityError, match="do not tokenize as when"):
         epoch(packed(corpus, tokenizer_json, tmp_path / "cache"))
+
+
+def slow_words(text: str) -> list[int]:
+    """A tokenizer that takes its time (1 ms a text): a count of a window lasts a while."""
+    time.sleep(0.001)
+    return [len(w) for w in text.split()]
+
+
+@pytest.mark.asyncio
+async def test_async_iteration_counts_off_the_event_loop(corpus: Path) -> None:
+    """``async for`` delivers what ``for`` does, and the counts (tokenizing a window of row
+    groups) run off the loop: its ticks go on while a window is counted."""
+    want = epoch(packed_with(corpus, slow_words))
+    ds = packed_with(corpus, slow_words)
+    got: list[tuple[int, ...]] = []
+    async with loop_gaps() as gaps, loader(ds) as lo:
+        async for batch in lo:
+            got.extend(batch)
+    assert got == want
+    assert len(gaps) >= 20, f"only {len(gaps)} ticks: the load was too short to tell"
+    assert max(gaps) < 0.05, f"the loop stalled for {max(gaps):.3f}s (a window's count takes ~0.1 s)"
+
+
+@pytest.mark.slow
+def test_process_workers_make_the_batches_read_where_they_are_counted(
+    corpus: Path, tokenizer_json: str
+) -> None:
+    want = epoch(packed(corpus, tokenizer_json, None))
+    got = epoch(packed(corpus, tokenizer_json, None), num_workers=2, parallel_method="process")
+    assert got == want
+
+
+def packed_with(corpus: Path, tokenizer: Any) -> gl.PackedDataset:
+    ds = gl.pack(gl.open_parquet(corpus, "text", tokenizer=tokenizer), LENGTH)
+    ds.count_window = 4
+    return ds

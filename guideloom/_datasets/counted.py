@@ -15,6 +15,7 @@ block's first sequence index in the whole dataset needs the counts of every bloc
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any, Protocol
 
 import numpy as np
@@ -74,6 +75,7 @@ class BlockOrder:
         self, dataset: BlockCounts, blocks: int, *, shuffle: bool, seed: int, epoch: int, window: int
     ) -> None:
         self._dataset: BlockCounts | None = dataset
+        self._counting = threading.Lock()  # one count at a time (the driver's, or a lookup's)
         self._blocks = blocks
         self._lazy = LazyGroupPermutation(
             blocks + 1, seed=seed, epoch=epoch, window=window, last=True, shuffle=shuffle
@@ -88,6 +90,7 @@ class BlockOrder:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._counting = threading.Lock()
 
     def _counts(self) -> BlockCounts:
         if self._dataset is None:
@@ -124,12 +127,13 @@ class BlockOrder:
     def count_sync(self) -> None:
         """Count the next window's blocks (decoding and tokenizing them: their tokens stay with
         the storage for the reads)."""
-        self._sync()
-        groups = self._lazy.next_groups()
-        blocks = groups[groups < self._blocks]
-        if len(blocks):
-            self._counts().count_blocks_sync(blocks)
-        self._sync()
+        with self._counting:
+            self._sync()
+            groups = self._lazy.next_groups()
+            blocks = groups[groups < self._blocks]
+            if len(blocks):
+                self._counts().count_blocks_sync(blocks)
+            self._sync()
 
     async def count(self) -> None:
         """:meth:`count_sync` on a thread (never on the event loop)."""

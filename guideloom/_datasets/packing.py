@@ -42,6 +42,15 @@ Over a storage with natural blocks, :meth:`PackedDataset.natural_blocks` names t
 sequences read from the same blocks (concat: by the block of a sequence's first element; best
 fit: by range), and a loader's ``shuffle_block_size="auto"`` keeps them together, as it keeps
 row groups together for the documents themselves.
+
+Concat over a storage that counts by blocks (a Parquet text column with a tokenizer, whose
+lengths cost a tokenizer pass) is counted as it is read instead: each block is cut on its own and
+the blocks' tails together last (``guideloom._core.pack_layout``), nothing is counted at open,
+and the dataset makes its own order (:class:`~guideloom._datasets.counted.BlockOrder`): the
+group order over the blocks in windows of :attr:`PackedDataset.count_window` blocks, learned a
+window at a time as the loader reaches it, then the tails run. Its observations are named by
+their block and place there (keyed indexes); plain indexes ``[0, len)`` (a mixture's) are read
+once every block is counted.
 """
 
 from __future__ import annotations
@@ -137,7 +146,10 @@ class PackedDataset(DatasetAbstract[Sample]):
     Each sample is a read-only mapping of 1-D arrays: ``"tokens"``, ``"doc_ids"``,
     ``"segment_ids"`` and ``"position_ids"`` (computed for a read window on first use).
     ``len()`` and reads need the layout, which :meth:`open` builds the first time (the loader
-    opens its dataset); it stays built after :meth:`close`.
+    opens its dataset); it stays built after :meth:`close`. Counted by blocks (concat over
+    Parquet text), blocks are counted as the loader's order reaches them, and
+    ``count_window`` (blocks per window of that order: the fewest holding
+    :data:`COUNT_WINDOW_BYTES` of stored text, at least one) may be set before a loader plans.
     """
 
     _plain_reads: ClassVar[bool] = True

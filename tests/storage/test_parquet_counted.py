@@ -230,3 +230,20 @@ def packed_with(corpus: Path, tokenizer: Any) -> gl.PackedDataset:
     ds = gl.pack(gl.open_parquet(corpus, "text", tokenizer=tokenizer), LENGTH)
     ds.count_window = 4
     return ds
+
+
+def test_an_epoch_shorter_than_a_batch_is_known_once_counted(corpus: Path, tokenizer_json: str) -> None:
+    """The size check at open needs the count: over packed text counted as read, an epoch with
+    fewer sequences than a global batch has no whole batch (``drop_last``) or one partial one."""
+    ds = packed(corpus, tokenizer_json, None)
+    n = len(gl.pack(gl.open_parquet(corpus, "text", tokenizer=tokenizer_json, eos="</s>"), LENGTH))
+    big = n + 5
+    with gl.StatefulDataLoader(
+        packed(corpus, tokenizer_json, None), keys, local_batch_size=big, device=CPU
+    ) as lo:
+        assert list(lo) == []
+    lo = gl.StatefulDataLoader(ds, keys, local_batch_size=big, device=CPU, drop_last=False)
+    with lo:
+        batches = list(lo)
+        assert len(lo) == 1
+    assert [len(b) for b in batches] == [n]

@@ -88,10 +88,14 @@ I64 = npt.NDArray[np.int64]
 Sample = Mapping[str, npt.NDArray[Any]]
 
 _MODES: tuple[str, ...] = get_args(PackMode)
-#: Text bytes of the blocks (row groups) a window of a packing counted block by block holds, at
-#: least one block: the first batch waits for one window's tokenizing (about half a second on two
-#: cores), and the loader's shuffle mixes sequences within a window.
-COUNT_WINDOW_BYTES = 4 * 2**20
+#: Stored text bytes of a block of a packing counted block by block, at most (a row group's rows
+#: cut into equal runs of rows, as few as keep each below this; a row group a block where it is
+#: smaller): what a count tokenizes at a time.
+PART_BYTES = 2**20
+#: Stored text bytes of the blocks a window of such a packing's order holds, at least one block:
+#: the first batch waits for one window's tokenizing (about a quarter of a second on two free
+#: cores), and the loader's shuffle mixes the sequences of a window's blocks.
+COUNT_WINDOW_BYTES = 2 * 2**20
 
 #: ``fit_group``'s default: best fit over a storage with natural blocks packs ranges of blocks
 #: holding at least this many sequences' worth of elements, each on its own. About one sequence
@@ -185,12 +189,24 @@ class PackedDataset(DatasetAbstract[Sample]):
         #: counted as it is first read (see :mod:`guideloom._datasets.counted`).
         self._by_blocks = mode == "concat" and _counts_by_block(storage)
         if self._by_blocks:
-            docs = np.asarray(storage.natural_blocks(), dtype=np.int64)
-            self._block_docs = np.concatenate([[0], np.cumsum(docs)]).astype(np.int64)
-            self._totals = np.full(len(docs), -1, dtype=np.int64)
-            self._block_offsets: dict[int, I64] = {}
+            rows = np.asarray(storage.natural_blocks(), dtype=np.int64)
             nbytes = storage.block_nbytes()  # type: ignore[attr-defined]
-            mean = max(1, int(nbytes.sum()) // max(1, len(docs)))
+            # each row group's rows in equal runs of at most PART_BYTES of text: the blocks
+            parts = np.clip(-(-nbytes // PART_BYTES), 1, np.maximum(rows, 1))
+            group = np.repeat(np.arange(len(rows), dtype=np.int64), parts)
+            cuts = [
+                np.linspace(0, r, p + 1).astype(np.int64)
+                for r, p in zip(rows.tolist(), parts.tolist(), strict=True)
+            ]
+            self._block_group = group
+            self._block_lo = np.concatenate([c[:-1] for c in cuts]).astype(np.int64)
+            self._block_hi = np.concatenate([c[1:] for c in cuts]).astype(np.int64)
+            self._block_docs = np.append(
+                np.cumsum(rows)[group] - rows[group] + self._block_lo, int(rows.sum())
+            )
+            self._totals = np.full(len(group), -1, dtype=np.int64)
+            self._block_offsets: dict[int, I64] = {}
+            mean = max(1, int(nbytes.sum()) // max(1, len(group)))
             self.count_window = max(1, COUNT_WINDOW_BYTES // mean)
 
     def __repr__(self) -> str:
@@ -236,10 +252,11 @@ class PackedDataset(DatasetAbstract[Sample]):
     # -- counted by blocks ----------------------------------------------------------------------
     def _learn_known(self) -> None:
         """The blocks' lengths the storage knows without tokenizing (``cache_dir``)."""
+        known = self._storage.known_block_lengths  # type: ignore[attr-defined]
         for b in np.flatnonzero(self._totals < 0).tolist():
-            lengths = self._storage.known_block_lengths(b)  # type: ignore[attr-defined]
+            lengths = known(int(self._block_group[b]))
             if lengths is not None:
-                self._learn_block(b, lengths)
+                self._learn_block(b, lengths[self._block_lo[b] : self._block_hi[b]])
 
     def _learn_block(self, block: int, lengths: I64) -> None:
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
@@ -253,9 +270,12 @@ class PackedDataset(DatasetAbstract[Sample]):
     def count_blocks_sync(self, blocks: I64) -> None:
         """Count ``blocks``: decode and tokenize their documents (which the storage keeps for the
         reads that follow), in the caller's thread."""
+        count = self._storage.block_lengths  # type: ignore[attr-defined]
         for b in np.asarray(blocks, dtype=np.int64).tolist():
             if self._totals[b] < 0:
-                self._learn_block(b, self._storage.block_lengths(b))  # type: ignore[attr-defined]
+                self._learn_block(
+                    b, count(int(self._block_group[b]), int(self._block_lo[b]), int(self._block_hi[b]))
+                )
 
     def _count_all(self) -> None:
         self._learn_known()

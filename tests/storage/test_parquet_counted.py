@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import guideloom as gl
+from guideloom._datasets import packing
 from guideloom._errors import DatasetIntegrityError
 from tests.storage.test_parquet import WORDS, make_rows, write_files
 from tests.support.loader import loop_gaps
@@ -42,6 +43,15 @@ def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     tok.save(str(path))
     return str(path)
+
+
+@pytest.fixture(params=["row groups", "parts of row groups"])
+def parts(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Blocks of whole row groups (about 1 KB of text each here), or of runs of rows of each (at
+    most 256 bytes of text: 4 or 5 to a row group)."""
+    if request.param == "parts of row groups":
+        monkeypatch.setattr(packing, "PART_BYTES", 256)
+    return str(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +90,11 @@ def tokenized(ds: gl.PackedDataset) -> int:
 
 
 def test_the_first_batch_waits_for_one_window_and_each_document_is_tokenized_once(
-    corpus: Path, tokenizer_json: str, tmp_path: Path
+    corpus: Path, tokenizer_json: str, tmp_path: Path, parts: str
 ) -> None:
     ds = packed(corpus, tokenizer_json, tmp_path / "cache")
+    blocks = len(ds.block_totals())
+    assert blocks == 36 if parts == "row groups" else blocks > 3 * 36
     docs = list(
         gl.open_parquet(corpus, "text", tokenizer=tokenizer_json, eos="</s>").read_many_sync(np.arange(900))
     )
@@ -103,7 +115,7 @@ def test_the_first_batch_waits_for_one_window_and_each_document_is_tokenized_onc
 
 
 def test_a_cold_run_and_a_warm_one_deliver_the_same_sequences_in_the_same_order(
-    corpus: Path, tokenizer_json: str, tmp_path: Path
+    corpus: Path, tokenizer_json: str, tmp_path: Path, parts: str
 ) -> None:
     cold = packed(corpus, tokenizer_json, tmp_path / "cache")
     a = epoch(cold)
@@ -122,7 +134,7 @@ def test_a_cold_run_and_a_warm_one_deliver_the_same_sequences_in_the_same_order(
 
 @pytest.mark.parametrize(("stop", "batch", "world"), [(7, 3, 2), (40, 5, 1), (1, 2, 3)])
 def test_a_cold_resume_with_another_geometry_delivers_the_rest_exactly(
-    corpus: Path, tokenizer_json: str, tmp_path: Path, stop: int, batch: int, world: int
+    corpus: Path, tokenizer_json: str, tmp_path: Path, stop: int, batch: int, world: int, parts: str
 ) -> None:
     whole = epoch(packed(corpus, tokenizer_json, None))
     first = packed(corpus, tokenizer_json, tmp_path / "one")

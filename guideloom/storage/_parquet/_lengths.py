@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import io
+import itertools
 import json
 import os
 import threading
@@ -30,19 +31,22 @@ _LENGTHS_VERSION = 2  # the length index's files and their key
 class _LengthIndex(_TokenRows):
     """Row groups with the length index over them (element access for packing)."""
 
-    def _lengths_of(self, group: int) -> I64:
+    def _lengths_of(self, group: int, lo: int = 0, hi: int | None = None) -> I64:
+        """The lengths of row group ``group``'s rows ``[lo, hi)`` (all by default)."""
         decoded = self._decode(group)
+        hi = int(self._sizes[group]) if hi is None else hi
         if not decoded.text:
             lengths = decoded.lengths()
             if decoded.nulls is not None:
                 self._nulls(group, decoded, np.flatnonzero(decoded.nulls).astype(np.int64))
                 lengths = np.where(decoded.nulls, 0, lengths)  # a null row: an empty document
-            return lengths.astype(np.int64)
+            out: I64 = lengths.astype(np.int64)[lo:hi]
+            return out
         if self._encoder is None:
             raise TypeError(
                 f"column {self.column!r} holds texts: pass tokenizer= to open_parquet to pack or count tokens"
             )
-        rows = np.arange(int(self._sizes[group]), dtype=np.int64)
+        rows = np.arange(lo, hi, dtype=np.int64)
         self._nulls(group, decoded, rows)
         tokens = self._token_rows(group, decoded, rows)  # a null row (on_null="empty"): bos/eos only
         return np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
@@ -214,38 +218,67 @@ class _LengthIndex(_TokenRows):
         this process, or saved in ``cache_dir`` and checked); ``None`` otherwise."""
         return self._block_table().get(int(group))
 
-    def block_lengths(self, group: int) -> I64:
-        """Row group ``group``'s documents' lengths in tokens: known, or counted now by decoding
-        and tokenizing its rows, whose tokens the row group keeps for the reads that follow (each
-        row tokenized once). Saved in ``cache_dir`` (as the length index's row groups are, each
-        file named by the digest of its bytes), so a later open counts it no more."""
+    def block_lengths(self, group: int, lo: int = 0, hi: int | None = None) -> I64:
+        """The lengths in tokens of row group ``group``'s rows ``[lo, hi)`` (all by default):
+        known, or counted now by decoding the row group and tokenizing those rows, whose tokens
+        the row group keeps for the reads that follow (each row tokenized once). Once every row
+        of the row group is counted its lengths are saved in ``cache_dir`` (as the length
+        index's row groups are, each file named by the digest of its bytes), so a later open
+        counts it no more."""
+        g = int(group)
+        hi = int(self._sizes[g]) if hi is None else int(hi)
         table = self._block_table()
-        got = table.get(int(group))
+        got = table.get(g)
         if got is not None:
-            return got
-        lengths = self._lengths_of(int(group))
-        folder = self._length_folder()
-        if folder is not None:
-            folder.mkdir(parents=True, exist_ok=True)
-            data = _npy_bytes(lengths.astype(np.int32 if lengths.max(initial=0) < 2**31 else np.int64))
-            _write_atomic(folder / f"group-{group}-{hashlib.sha256(data).hexdigest()[:32]}.npy", data)
-        table[int(group)] = lengths
+            return got[lo:hi]
+        parts: dict[int, dict[tuple[int, int], I64]] = self.__dict__.setdefault("_block_parts", {})
+        mine = parts.setdefault(g, {})
+        known = mine.get((lo, hi))
+        if known is not None:
+            return known
+        lengths = self._lengths_of(g, lo, hi)
+        mine[(lo, hi)] = lengths
+        spans = sorted(mine)
+        size = int(self._sizes[g])
+        if (
+            spans[0][0] == 0
+            and spans[-1][1] == size
+            and all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+        ):
+            whole = np.concatenate([mine[k] for k in spans]).astype(np.int64)
+            self._save_group(g, whole)
+            table[g] = whole
+            parts.pop(g, None)
         return lengths
+
+    def _save_group(self, group: int, lengths: I64) -> None:
+        folder = self._length_folder()
+        if folder is None:
+            return
+        folder.mkdir(parents=True, exist_ok=True)
+        data = _npy_bytes(lengths.astype(np.int32 if lengths.max(initial=0) < 2**31 else np.int64))
+        _write_atomic(folder / f"group-{group}-{hashlib.sha256(data).hexdigest()[:32]}.npy", data)
 
     def _check_block_lengths(self, indices: I64, docs: Sequence[Any]) -> None:
         """Refuse documents whose length differs from what their row group was counted with (the
         packing's layout follows from it), as :meth:`_check_lengths` does for the whole index."""
         table: dict[int, I64] | None = getattr(self, "_block_lengths", None)
-        if not table or not len(docs):
+        parts: dict[int, dict[tuple[int, int], I64]] = getattr(self, "_block_parts", {})
+        if (not table and not parts) or not len(docs):
             return
         groups = np.searchsorted(self._gstarts, indices, side="right") - 1
         got = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
         want = np.full(len(docs), -1, dtype=np.int64)
         for g in np.unique(groups).tolist():
-            lengths = table.get(g)
+            at = np.flatnonzero(groups == g)
+            local = indices[at] - self._gstarts[g]
+            lengths = None if table is None else table.get(g)
             if lengths is not None:
-                at = np.flatnonzero(groups == g)
-                want[at] = lengths[indices[at] - self._gstarts[g]]
+                want[at] = lengths[local]
+                continue
+            for (lo, hi), part in list(parts.get(g, {}).items()):
+                inside = (local >= lo) & (local < hi)
+                want[at[inside]] = part[local[inside] - lo]
         bad = np.flatnonzero((want >= 0) & (got != want))
         if len(bad):
             self._refuse_length(int(indices[bad[0]]), int(got[bad[0]]), int(want[bad[0]]))

@@ -48,7 +48,9 @@ class _LengthIndex(_TokenRows):
             )
         rows = np.arange(lo, hi, dtype=np.int64)
         self._nulls(group, decoded, rows)
-        tokens = self._token_rows(group, decoded, rows)  # a null row (on_null="empty"): bos/eos only
+        # a null row (on_null="empty"): bos/eos only; a count of some rows leaves the others to
+        # the reads (which tokenize the rest of a row group they touch ahead of them)
+        tokens = self._token_rows(group, decoded, rows, ahead=len(rows) == int(self._sizes[group]))
         return np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
 
     def _tokenizer_identity(self) -> str | None:

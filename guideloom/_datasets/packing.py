@@ -286,6 +286,7 @@ class PackedDataset(DatasetAbstract[Sample]):
         return not self._by_blocks or bool((self._totals >= 0).all())
 
     def own_order(self) -> bool:
+        """Counted by blocks, the loader reads it in its own order (:meth:`loader_order`)."""
         return self._by_blocks
 
     def loader_order(self, *, shuffle: bool, seed: int, epoch: int) -> BlockOrder | None:
@@ -758,7 +759,10 @@ def pack(
     storage with natural blocks (Parquet row groups) best fit packs ranges of consecutive blocks
     on their own, each the fewest blocks that hold ``fit_group`` sequences' worth of elements
     (``None``: the whole dataset at once, more tightly, but a sequence then reads documents
-    from anywhere). Use the result as a loader's dataset:
+    from anywhere). Over a Parquet text column (a tokenizer), concat is counted as it is read:
+    each row group (or run of at most 1 MiB of its rows) is cut on its own and the tails
+    together last, and the loader's first batch waits for one window of them to be tokenized,
+    not the whole column (see :class:`PackedDataset`). Use the result as a loader's dataset:
     ``StatefulDataLoader(pack(storage, 2048), collate_fn, ...)``; each sample is a read-only
     mapping of ``"tokens"``, ``"doc_ids"``, ``"segment_ids"`` and ``"position_ids"`` (see
     :class:`PackedDataset`). Nothing is read until the loader opens it.

@@ -180,6 +180,13 @@ def test_len_explain_and_a_mixture(corpus: Path, tokenizer_json: str, tmp_path: 
         assert ds.counted()
         rest = [k for b in it for k in b]
     assert len(batches[0]) + len(batches[1]) + len(rest) == len(ds)
+    audited = packed(corpus, tokenizer_json, None)
+    with loader(audited, track_deliveries=True) as lo:
+        it = iter(lo)
+        for _ in range(7):
+            next(it)
+        report = lo.audit()  # mid-epoch: counts the rest, then checks the positions handed out
+        assert report.ok and report.delivered == report.expected == 28, report
     mixture = gl.mix(
         {"a": packed(corpus, tokenizer_json, None), "b": packed(corpus, tokenizer_json, None)}, num_samples=50
     )

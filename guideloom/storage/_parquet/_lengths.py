@@ -254,7 +254,9 @@ class _LengthIndex(_TokenRows):
         return lengths
 
     def _save_group(self, group: int, lengths: I64) -> None:
-        folder = self._length_folder()
+        if "_block_folder" not in self.__dict__:  # its key digests the tokenizer: once
+            self.__dict__["_block_folder"] = self._length_folder()
+        folder: Path | None = self.__dict__["_block_folder"]
         if folder is None:
             return
         folder.mkdir(parents=True, exist_ok=True)

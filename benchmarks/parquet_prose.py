@@ -350,7 +350,8 @@ def run_child(config: str, layout: str, seconds: float, base: str | None = None)
                 epoch = time.perf_counter() - t0
                 made = loader.stats().get("parquet_tokens_tokenized", 0.0)
                 measured()
-        return {"first_batch_s": first, "cold_epoch_s": epoch, "tokenized_per_delivered": made / max(1, tokens)}
+        per = made / max(1, tokens)
+        return {"first_batch_s": first, "cold_epoch_s": epoch, "tokenized_per_delivered": per}
     t0 = time.perf_counter()
     loader = make_loader(config, data, layout, base)
     cpu0 = cpu1 = 0.0

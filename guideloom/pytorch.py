@@ -251,7 +251,15 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         persistent process workers (see :meth:`close`)."""
         await self._state.life.aclose(self.dataset, keep_workers=False)
 
+    def _length_known(self) -> bool:
+        """Whether the dataset's length is known without counting it (packing counted as read
+        knows it once every block is read: a count now would tokenize the whole corpus)."""
+        counted = getattr(self.dataset, "counted", None)
+        return not callable(counted) or bool(counted())
+
     def _check_size(self) -> None:
+        if not self._length_known():
+            return  # counted as the epoch reads it: an epoch shorter than a batch has no batch
         n, g = len(self.dataset), self.global_batch_size
         if n >= g:
             return
@@ -400,7 +408,11 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
             return
         life = self._state.life
         with life.lock:
-            if life.state != "closed" and world_size * self.local_batch_size > len(self.dataset):
+            if (
+                life.state != "closed"
+                and self._length_known()
+                and world_size * self.local_batch_size > len(self.dataset)
+            ):
                 raise ValueError(
                     f"world_size={world_size} with local_batch_size={self.local_batch_size} makes a global "
                     f"batch of {world_size * self.local_batch_size}, more than the dataset's "

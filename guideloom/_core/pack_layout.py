@@ -4,6 +4,13 @@ Pure functions of the documents' lengths and offsets (no I/O): the concat layout
 holding each sequence's first element) and best fit decreasing, over the whole dataset or over
 ranges of documents each packed on its own. ``guideloom._datasets.packing`` builds them from a
 storage's offsets and reads by them.
+
+Concat *by blocks* (a storage's natural blocks, Parquet row groups): each block is cut every
+``L`` elements on its own, so that a block's sequences depend on that block alone (they can be
+counted block by block, as its documents are first read), and every block's tail (its last
+``total % L`` elements) goes to one tails run, concatenated in block order and cut: the same
+elements as the whole concatenation cut every ``L`` (the same ``total // L`` sequences; only the
+tails run's last ``total % L`` elements are left out), cut elsewhere.
 """
 
 from __future__ import annotations
@@ -14,7 +21,18 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["CHUNK", "BestFitLayout", "ConcatLayout", "best_fit_decreasing", "best_fit_layout", "flat_ranges"]
+__all__ = [
+    "CHUNK",
+    "BestFitLayout",
+    "BlockPieces",
+    "ConcatLayout",
+    "best_fit_decreasing",
+    "best_fit_layout",
+    "block_counts",
+    "block_pieces",
+    "flat_ranges",
+    "tails_count",
+]
 
 I64 = npt.NDArray[np.int64]
 
@@ -162,3 +180,81 @@ def best_fit_decreasing(sizes: I64, capacity: int, cuts: I64 | None = None) -> I
                     stack.append(b)
             out[chunk_start : chunk_start + len(placed)] = placed
     return out
+
+
+# -- concat by blocks: each block packed on its own, the tails packed together last ------------
+def block_counts(totals: I64, length: int) -> I64:
+    """Sequences of each block packed on its own: ``totals[b] // length`` (``totals``: the
+    elements of each block). A block's count depends on that block alone."""
+    return np.asarray(totals, dtype=np.int64) // length
+
+
+def tails_count(totals: I64, length: int) -> int:
+    """Sequences cut from the blocks' tails (each block's ``totals[b] % length`` last elements),
+    concatenated in block order: with :func:`block_counts`, ``sum(totals) // length`` in all,
+    the number the concatenation of all blocks cut every ``length`` elements has."""
+    return int((np.asarray(totals, dtype=np.int64) % length).sum()) // length
+
+
+@dataclass(frozen=True, slots=True)
+class BlockPieces:
+    """The pieces of some sequences of a concat-by-blocks layout, in row order: piece ``i``
+    holds the block-local elements ``[lo[i], hi[i])`` of block ``block[i]``, and goes into row
+    ``row[i]`` from column ``at[i]`` on."""
+
+    row: I64
+    block: I64
+    lo: I64
+    hi: I64
+    at: I64
+
+
+def block_pieces(blocks: I64, seqs: I64, length: int, totals: I64 | None, tails: int) -> BlockPieces:
+    """Where sequences ``(blocks[i], seqs[i])`` of a concat-by-blocks layout take their elements.
+
+    Block ``b < tails``'s sequence ``j`` is its local elements ``[j * length, (j + 1) * length)``
+    (one piece); block ``tails`` names the tails run: the last ``totals[b] % length`` elements of
+    every block ``b``, concatenated in block order and cut every ``length`` elements, so that
+    its sequence ``j`` is a piece of each block whose tail it overlaps. ``totals`` (every
+    block's elements) is needed only where a tails sequence is asked for.
+    """
+    blocks = np.asarray(blocks, dtype=np.int64)
+    seqs = np.asarray(seqs, dtype=np.int64)
+    n = len(blocks)
+    rows = np.arange(n, dtype=np.int64)
+    plain = blocks != tails
+    if plain.all():
+        lo = seqs * length
+        return BlockPieces(rows, blocks.copy(), lo, lo + length, np.zeros(n, np.int64))
+    if totals is None:
+        raise ValueError("a tails sequence needs every block's elements (totals)")
+    totals = np.asarray(totals, dtype=np.int64)
+    rest = totals % length
+    begin = totals - rest  # each block's tail: local elements [begin, totals)
+    ends = np.cumsum(rest)  # the tails run: block b's tail at [ends[b] - rest[b], ends[b])
+    t = np.flatnonzero(~plain)
+    a = seqs[t] * length
+    if len(t) and int(a.max()) + length > int(ends[-1] if len(ends) else 0):
+        raise IndexError(f"tails sequence outside [0, {tails_count(totals, length)})")
+    first = np.searchsorted(ends, a, side="right")  # the block holding each row's first element
+    last = np.searchsorted(ends, a + length - 1, side="right")
+    counts = last - first + 1
+    trow = np.repeat(t, counts)
+    tblock = flat_ranges(first, counts)
+    run_lo = np.maximum(ends[tblock] - rest[tblock], np.repeat(a, counts))
+    run_hi = np.minimum(ends[tblock], np.repeat(a + length, counts))
+    keep = run_hi > run_lo  # blocks without a tail inside a row's range give no piece
+    trow, tblock, run_lo, run_hi = trow[keep], tblock[keep], run_lo[keep], run_hi[keep]
+    local = begin[tblock] - (ends[tblock] - rest[tblock])  # run position -> block-local element
+    tat = run_lo - seqs[trow] * length
+    p = np.flatnonzero(plain)
+    row = np.concatenate([p, trow])
+    order = np.argsort(row, kind="stable")
+    plo = seqs[p] * length
+    return BlockPieces(
+        row[order],
+        np.concatenate([blocks[p], tblock])[order],
+        np.concatenate([plo, run_lo + local])[order],
+        np.concatenate([plo + length, run_hi + local])[order],
+        np.concatenate([np.zeros(len(p), np.int64), tat])[order],
+    )

@@ -10,8 +10,9 @@ The epoch order itself is an :class:`~guideloom._core.order.Order` (the keyed pe
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -20,7 +21,10 @@ from guideloom._core.permutation import IndexArray, Permutation
 if TYPE_CHECKING:
     from guideloom._core.order import Order
 
-__all__ = ["BatchSpec", "EpochPlan", "IndexArray", "num_batches"]
+__all__ = ["BatchSpec", "Counting", "EpochPlan", "IndexArray", "num_batches"]
+
+#: Steps of a plan whose end is not known yet (more than any step a run reaches).
+UNBOUNDED = sys.maxsize // 4
 
 
 def num_batches(num_observations: int, global_batch_size: int, drop_last: bool, offset: int = 0) -> int:
@@ -29,6 +33,29 @@ def num_batches(num_observations: int, global_batch_size: int, drop_last: bool, 
     if drop_last:
         return remaining // global_batch_size
     return -(-remaining // global_batch_size)
+
+
+@runtime_checkable
+class Counting(Protocol):
+    """An epoch order whose number of observations is learned as the epoch goes (a dataset that
+    counts its observations block by block as it first reads them: packed text).
+
+    ``known``: positions ``[0, known)`` exist and can be looked up; ``total``: the number of
+    observations, ``None`` until every block is counted. :meth:`count_sync` (or :meth:`count`
+    from a coroutine) counts the next window of blocks: I/O, which the runtime's driver performs
+    as it performs a read (a count request of :mod:`guideloom._core.schedule`), never on an
+    event loop.
+    """
+
+    @property
+    def known(self) -> int: ...
+
+    @property
+    def total(self) -> int | None: ...
+
+    def count_sync(self) -> None: ...
+
+    async def count(self) -> None: ...
 
 
 class BatchSpec(NamedTuple):
@@ -64,6 +91,12 @@ class EpochPlan:
     a :class:`Permutation`, a chunk-aware block order, or a dataset's own); ``None`` is the
     identity. The plan's arithmetic is over positions and never depends on the order, so any
     bijection of ``[0, N)`` keeps every guarantee (exactly once, ranks disjoint, resume).
+
+    With ``counting`` (the order, counted as the epoch goes), ``num_observations`` is ``-1``
+    and N is known only once the count is complete: the plan answers for the batches whose
+    positions are counted (:meth:`steps_known`), and ``len()`` only once N is known. Global
+    batch ``b``'s positions do not depend on N except where it is the last, so the batches
+    before it are the same as with N known from the start.
     """
 
     num_observations: int
@@ -73,9 +106,13 @@ class EpochPlan:
     drop_last: bool
     start_offset: int = 0
     order: Order | None = field(default=None, compare=False)
+    counting: Counting | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if self.order is None:
+        if self.counting is not None:
+            if self.num_observations != -1 or self.order is None:
+                raise ValueError("a plan counted as the epoch goes takes num_observations=-1 and its order")
+        elif self.order is None:
             identity = Permutation(self.num_observations, shuffle=False, seed=0, epoch=0)
             object.__setattr__(self, "order", identity)
         elif len(self.order) != self.num_observations:
@@ -95,26 +132,59 @@ class EpochPlan:
     def global_batch_size(self) -> int:
         return self.local_batch_size * self.world_size
 
+    @property
+    def observations(self) -> int | None:
+        """N: the epoch's observations; ``None`` while they are counted as the epoch goes."""
+        if self.counting is None:
+            return self.num_observations
+        return self.counting.total
+
+    def _n(self) -> int:
+        n = self.observations
+        return UNBOUNDED if n is None else n
+
     def __len__(self) -> int:
-        return num_batches(self.num_observations, self.global_batch_size, self.drop_last, self.start_offset)
+        n = self.observations
+        if n is None:
+            raise RuntimeError(
+                "the epoch's observations are counted as it goes: its number of batches is known "
+                "once the count is complete (steps_known() says how many are known to exist)"
+            )
+        return num_batches(n, self.global_batch_size, self.drop_last, self.start_offset)
+
+    def steps_known(self) -> int:
+        """Batches known to exist: all of them where N is known; while the epoch is counted,
+        those whose positions are all counted (a batch that may be the last waits for N)."""
+        n = self.observations
+        if n is not None:
+            return len(self)
+        assert self.counting is not None
+        return num_batches(self.counting.known, self.global_batch_size, True, self.start_offset)
+
+    def steps_bound(self) -> int:
+        """``len(self)`` where N is known, otherwise more than any step (no end known yet)."""
+        return len(self) if self.observations is not None else UNBOUNDED
 
     def batch(self, step: int) -> BatchSpec:
-        """This rank's ``step``-th batch (0-based from ``start_offset``)."""
-        if not 0 <= step < len(self):
-            raise IndexError(f"step {step} outside [0, {len(self)})")
+        """This rank's ``step``-th batch (0-based from ``start_offset``), a counted one."""
+        known = self.steps_known()
+        if not 0 <= step < known:
+            raise IndexError(f"step {step} outside [0, {known})")
         return self._batch(step)
 
     def _batch(self, step: int) -> BatchSpec:
-        g, b, n = self.global_batch_size, self.local_batch_size, self.num_observations
+        g, b, n = self.global_batch_size, self.local_batch_size, self._n()
         base = self.start_offset + step * g
         start = min(base + self.rank * b, n)
         stop = min(base + (self.rank + 1) * b, n)
         return BatchSpec(step=step, start=start, stop=stop, offset_after=base + g)
 
     def batches(self, first_step: int = 0, stop_step: int | None = None) -> list[BatchSpec]:
-        """The batches ``[first_step, stop_step)`` (to the epoch's end by default)."""
-        stop = len(self) if stop_step is None else min(stop_step, len(self))
-        g, n, o = self.global_batch_size, self.num_observations, self.start_offset
+        """The batches ``[first_step, stop_step)`` (to the epoch's end by default; while the
+        epoch is counted, to the last counted one)."""
+        known = self.steps_known()
+        stop = known if stop_step is None else min(stop_step, known)
+        g, n, o = self.global_batch_size, self._n(), self.start_offset
         lo = o + self.rank * self.local_batch_size
         hi = lo + self.local_batch_size
         return [
@@ -127,8 +197,8 @@ class EpochPlan:
 
         Vectorised: a block of a thousand batches costs a handful of numpy operations.
         """
-        g, b, n = self.global_batch_size, self.local_batch_size, self.num_observations
-        steps = np.arange(first_step, min(stop_step, len(self)), dtype=np.int64)
+        g, b, n = self.global_batch_size, self.local_batch_size, self._n()
+        steps = np.arange(first_step, min(stop_step, self.steps_known()), dtype=np.int64)
         lo = np.minimum(self.start_offset + steps * g + self.rank * b, n)
         hi = np.minimum(lo + b, n)
         sizes = hi - lo

@@ -10,6 +10,12 @@ once, and are tested without any storage (``tests/core/test_schedule.py``).
 The schedule comes in two parts so that the async reader can keep several windows in flight:
 :func:`windows` plans the epoch's windows ahead (a pure iterator of batch lists), and
 :func:`read_window` is the generator for one window's read.
+
+An epoch counted as it goes (:class:`~guideloom._core.plan.Counting`: packed text, whose
+sequences are counted block by block as the blocks are first read) has windows only as far as
+its count: where the next batch is not counted yet, :func:`windows` yields an empty window, whose
+"read" is :func:`count_window`: it yields a :class:`Count` request, which the driver performs as
+it performs a read (in its own thread, or awaited), and the windows go on from the new count.
 """
 
 from __future__ import annotations
@@ -23,12 +29,14 @@ import numpy.typing as npt
 
 from guideloom._core.delivery import DELIVERED_ERRORS, Delivery
 from guideloom._core.order import Order
-from guideloom._core.plan import BatchSpec, EpochPlan
+from guideloom._core.plan import BatchSpec, Counting, EpochPlan
 from guideloom._core.rows import Rows
 from guideloom._errors import StorageError
 
 __all__ = [
     "DELIVERED_ERRORS",
+    "Count",
+    "count_window",
     "WINDOW_BATCHES",
     "Delivery",
     "Indexes",
@@ -47,8 +55,22 @@ __all__ = [
 WINDOW_BATCHES = 64
 
 Indices: TypeAlias = npt.NDArray[np.int64]
-#: One window's read: yields the indexes to read, is sent their samples, returns the deliveries.
-ReadWindow: TypeAlias = Generator[Indices, Sequence[Any], "list[Delivery]"]
+
+
+class Count:
+    """A request to count the next window of an epoch counted as it goes: the driver performs it
+    as a read (:meth:`Counting.count_sync <guideloom._core.plan.Counting.count_sync>`, or
+    awaits :meth:`Counting.count`), and sends ``None`` back."""
+
+    __slots__ = ("counting",)
+
+    def __init__(self, counting: Counting) -> None:
+        self.counting = counting
+
+
+#: One window's read: yields the indexes to read (or a count to make), is sent their samples,
+#: returns the deliveries.
+ReadWindow: TypeAlias = Generator["Indices | Count", Sequence[Any] | None, "list[Delivery]"]
 
 
 def _positions(specs: Sequence[BatchSpec]) -> npt.NDArray[np.int64]:
@@ -87,7 +109,7 @@ class Indexes:
         most = getattr(self._order, "lookup_block", self.BLOCK_POSITIONS)  # a mixture's is smaller
         block = min(self._block, most)
         self._block = min(8 * self._block, self.BLOCK_POSITIONS)
-        stop = min(len(plan), step + max(1, block // plan.local_batch_size))
+        stop = min(plan.steps_known(), step + max(1, block // plan.local_batch_size))
         positions, sizes = plan.positions(step, stop)
         self._values = self._order.take(positions)
         self._offsets = np.concatenate([[0], np.cumsum(sizes)])
@@ -115,7 +137,12 @@ def max_window(
 
 
 def windows(
-    plan: EpochPlan, first_step: int, largest: int, window_end: Callable[[int], int] | None = None
+    plan: EpochPlan,
+    first_step: int,
+    largest: int,
+    window_end: Callable[[int], int] | None = None,
+    *,
+    counts: bool = True,
 ) -> Iterator[list[BatchSpec]]:
     """The epoch's read windows from ``first_step``, at most ``largest`` batches each.
 
@@ -126,25 +153,39 @@ def windows(
     range requests, and no block fetched by two reads. A batch that straddles two mixing
     windows is read alone: a few samples of each, small ranges, where a large read would
     coalesce them into whole blocks of the next window, which its own read fetches again.
+
+    An epoch counted as it goes: where the next batch is not counted yet, an empty window (the
+    caller counts, :func:`count_window`, before it asks for the next window); ``counts=False``
+    stops there instead (a hint of the reads to come, which counts nothing).
     """
-    step, total = first_step, len(plan)
-    if window_end is None:
-        size = 1
-        while step < total:
+    step = first_step
+    size = 1
+
+    def known() -> int | None:
+        """Batches known to exist from here; ``None`` at the end of the epoch."""
+        total = plan.steps_known()
+        if step < total:
+            return total
+        return None
+
+    while True:
+        total = known()
+        if total is None:
+            if plan.observations is not None or not counts:
+                return
+            yield []  # count the next window first
+            continue
+        if window_end is None:
             specs = plan.batches(step, step + size)
-            step += len(specs)
             size = min(largest, size * 2)
-            yield specs
-        return
-    g, offset = plan.global_batch_size, plan.start_offset
-    if step < total:
-        yield plan.batches(step, step + 1)
-        step += 1
-    while step < total:
-        inside = (window_end(offset + step * g) - offset) // g  # the first batch that ends past it
-        stop = min(max(inside, step + 1), step + largest, total)
-        yield plan.batches(step, stop)
-        step = stop
+        elif step == first_step:
+            specs = plan.batches(step, step + 1)
+        else:
+            g, offset = plan.global_batch_size, plan.start_offset
+            inside = (window_end(offset + step * g) - offset) // g  # the first batch that ends past it
+            specs = plan.batches(step, min(max(inside, step + 1), step + largest, total))
+        step += len(specs)
+        yield specs
 
 
 def every(span: int) -> Callable[[int], int]:
@@ -158,7 +199,8 @@ def future_reads(plan: EpochPlan, order: Order, specs: Iterable[list[BatchSpec]]
     its own :class:`Indexes`, so it can be consumed on another thread."""
     indexes = Indexes(plan, order)
     for window in specs:
-        yield indexes.of(window)
+        if window:
+            yield indexes.of(window)
 
 
 def _split(specs: list[BatchSpec], samples: Sequence[Any]) -> list[Delivery]:
@@ -205,6 +247,7 @@ def read_window(specs: list[BatchSpec], indexes: Indexes, reader: str = "read_ma
     try:
         wanted = indexes.of(specs)
         samples = yield wanted
+        assert samples is not None  # a read is sent its samples
         if len(samples) != len(wanted):
             raise RuntimeError(f"{reader} returned {len(samples)} samples for {len(wanted)} indexes")
     except DELIVERED_ERRORS as exc:
@@ -219,6 +262,19 @@ def read_window(specs: list[BatchSpec], indexes: Indexes, reader: str = "read_ma
     return _split(specs, samples)
 
 
+def count_window(plan: EpochPlan, step: int) -> ReadWindow:
+    """The "read" of an empty window (:func:`windows`): count the next window of ``plan``'s
+    order; a failure of the count is delivered at batch ``step``, the next to read."""
+    assert plan.counting is not None
+    try:
+        yield Count(plan.counting)
+    except DELIVERED_ERRORS as exc:
+        g, b = plan.global_batch_size, plan.local_batch_size
+        base = plan.start_offset + step * g + plan.rank * b
+        return [Delivery(BatchSpec(step, base, base + b, plan.start_offset + (step + 1) * g), error=exc)]
+    return []
+
+
 class _Run:
     """A schedule being driven: its pending request (None once it has ended) and its deliveries."""
 
@@ -226,7 +282,7 @@ class _Run:
 
     def __init__(self, schedule: ReadWindow) -> None:
         self._schedule = schedule
-        self.request: Indices | None = None
+        self.request: Indices | Count | None = None
         self.deliveries: list[Delivery] = []
         self._step(schedule.send, None)  # send(None) starts a generator, as next() does
 
@@ -237,7 +293,7 @@ class _Run:
         else:
             self._step(self._schedule.send, samples)
 
-    def _step(self, how: Callable[[Any], Indices], value: Any) -> None:
+    def _step(self, how: Callable[[Any], Indices | Count], value: Any) -> None:
         try:
             self.request = how(value)
         except StopIteration as stop:
@@ -245,18 +301,24 @@ class _Run:
 
 
 def _call(
-    read: Callable[[Indices], Sequence[Any]], request: Indices
+    read: Callable[[Indices], Sequence[Any]], request: Indices | Count
 ) -> tuple[Sequence[Any] | None, BaseException | None]:
     try:
+        if isinstance(request, Count):
+            request.counting.count_sync()
+            return None, None
         return read(request), None
     except DELIVERED_ERRORS as exc:
         return None, exc
 
 
 async def _acall(
-    aread: Callable[[Indices], Awaitable[Sequence[Any]]], request: Indices
+    aread: Callable[[Indices], Awaitable[Sequence[Any]]], request: Indices | Count
 ) -> tuple[Sequence[Any] | None, BaseException | None]:
     try:
+        if isinstance(request, Count):
+            await request.counting.count()
+            return None, None
         return await aread(request), None
     except DELIVERED_ERRORS as exc:
         return None, exc

@@ -153,6 +153,19 @@ class DatasetAbstract(ABC, Generic[SourceT]):
         """
         return None
 
+    def loader_order(self, *, shuffle: bool, seed: int, epoch: int) -> Order | None:
+        """The order a loader that reads this dataset itself uses: :meth:`order` (the default),
+        or one whose indexes name samples otherwise than ``[0, len)`` (packing counted by
+        blocks, whose length is known only once every block is read). A mixture uses
+        :meth:`order`."""
+        return self.order(shuffle=shuffle, seed=seed, epoch=epoch)
+
+    def own_order(self) -> bool:
+        """Whether :meth:`loader_order` gives this dataset's epoch order (``makes_own_order``, or
+        a dataset whose own order depends on how it was made: packing counted by blocks); the
+        loader's shuffle blocks do not apply then."""
+        return self.makes_own_order
+
     def fingerprint(self) -> DatasetFingerprint:
         """What identifies this dataset for a checkpoint: its kind, number of observations,
         sequence length (0 where samples have none) and the digest of its storage's content

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from guideloom._core.delivery import Delivery, for_the_consumer
-from guideloom._core.plan import EpochPlan
+from guideloom._core.plan import EpochPlan, num_batches
 from guideloom._loader.lifecycle import wait_through_cancellation
 from guideloom._runtime.config import PipelineConfig
 from guideloom._runtime.drive import AsyncDriver, SyncDriver
@@ -54,7 +54,8 @@ class _IteratorBase(Generic[BatchT]):
         self._ckpt, self._figures, self._life = state.ckpt, state.figures, state.life
         self._done = True  # until a subclass has started: __del__ and close() then do nothing
         self._owns_open = False
-        self._expected = self._delivered = 0
+        self._delivered = 0
+        self._run_plan: EpochPlan | None = None
         self._life.active.claim(self)
 
     def __len__(self) -> int:
@@ -62,7 +63,9 @@ class _IteratorBase(Generic[BatchT]):
         resume, what is left, not the whole epoch), which is what ``tqdm(iter(loader))`` shows."""
         if not hasattr(self, "_cfg"):  # an async iterator plans its epoch at its first batch
             return self._loader.remaining()
-        return 0 if self._done else self._expected - self._delivered
+        if self._done:
+            return 0
+        return self._expected_count() - self._delivered
 
     def _configure(self, cfg: PipelineConfig) -> None:
         """This iterator's epoch; planned once the loader is open (a storage may know its length
@@ -73,7 +76,7 @@ class _IteratorBase(Generic[BatchT]):
     def _begin_run(self, plan: EpochPlan) -> None:
         """Count the batches of ``plan`` from none: the whole epoch's, or what is left of it
         after a change of geometry or a rollback (a run of the audit's tally each)."""
-        self._expected, self._delivered = len(plan), 0
+        self._run_plan, self._delivered = plan, 0
         if self._loader.track_deliveries:  # the audit's run: this iterator's batches, counted
             ref = weakref.ref(self)
             delivered = self._delivered
@@ -84,6 +87,26 @@ class _IteratorBase(Generic[BatchT]):
 
             run = [plan.start_offset, 0, plan.local_batch_size, plan.world_size, plan.rank]
             self._ckpt.tally.begin(run, count, id(self))
+
+    def _expected(self) -> int | None:
+        """Batches of this run, ``None`` while its epoch is counted as it goes."""
+        plan = self._run_plan
+        if plan is None:
+            return 0
+        return None if plan.observations is None else len(plan)
+
+    def _expected_count(self) -> int:
+        """Batches of this run: for an epoch counted as it goes, the rest counted first
+        (blocking: the dataset counts its remaining blocks, see ``len(loader)``)."""
+        expected = self._expected()
+        if expected is None:
+            return num_batches(len(self._loader.dataset), *self._geometry())
+        return expected
+
+    def _geometry(self) -> tuple[int, bool, int]:
+        plan = self._run_plan
+        assert plan is not None
+        return plan.global_batch_size, plan.drop_last, plan.start_offset
 
     def _accept(self, d: Delivery, waited: float, place: str) -> BatchT:
         self._figures.waited(waited)
@@ -125,16 +148,17 @@ class _IteratorBase(Generic[BatchT]):
         self._begin_run(plan)
 
     def _finish_epoch(self) -> None:
-        if self._delivered != self._expected:
+        expected = self._expected()
+        if self._delivered != expected:
             raise RuntimeError(
                 f"guideloom bug: the pipeline ended after {self._delivered} of "
-                f"{self._expected} batches without an error"
+                f"{expected} batches without an error"
             )
         self._ckpt.next_epoch()
 
     def spent(self) -> bool:
         """Whether every batch of this iterator's epoch has been handed out, and it still runs."""
-        return not self._done and hasattr(self, "_cfg") and self._delivered == self._expected
+        return not self._done and hasattr(self, "_cfg") and self._delivered == self._expected()
 
     def finish(self) -> None:
         """End a spent iterator as its ``StopIteration`` would: the next epoch begins."""

@@ -12,7 +12,8 @@ import numpy as np
 
 from guideloom._core.audit import MODULUS, AuditReport, RankTally, audit_base, compare, run_summary
 from guideloom._core.checkpoint import CheckpointState
-from guideloom._core.plan import num_batches
+from guideloom._core.order import Order
+from guideloom._core.plan import UNBOUNDED, Counting, num_batches
 from guideloom._core.provenance import MAX_SEGMENTS, History, Segment, block
 from guideloom._core.text import plural
 from guideloom._loader.host import Loader
@@ -70,12 +71,12 @@ def explain_step(
                 f"rank {rank} outside [0, {seg.world_size}): step {step} ran on "
                 f"{plural(seg.world_size, 'rank')}"
             )
-        n = len(loader.dataset)
+        order = epoch_order(loader, ckpt, int(epoch))
+        n = _observations(loader, order, seg.offset + (int(step) - seg.step + 1) * seg.global_batch_size)
         steps = seg.step + num_batches(n, seg.global_batch_size, loader.drop_last, seg.offset)
         if step >= steps:
             raise IndexError(f"step {step} outside epoch {epoch}, which has {plural(steps, 'step')}")
         start, stop = block(seg, int(step), int(rank), n)
-        order = epoch_order(loader, ckpt, int(epoch))
         indices = order.take(np.arange(start, stop, dtype=np.int64)).tolist()
         dataset = loader.dataset
         out: list[dict[str, Any]] = []
@@ -93,6 +94,17 @@ def explain_step(
     finally:
         if owns_open:
             loader.close()
+
+
+def _observations(loader: Loader[Any], order: Order, end: int) -> int:
+    """The epoch's observations; for an order counted as the epoch goes, counted only as far as
+    position ``end`` needs (a later step's batch may be the last: past the count, the epoch's
+    end is not known, and the step is taken to exist)."""
+    if not isinstance(order, Counting) or order.total is not None:
+        return len(loader.dataset)
+    while order.total is None and order.known < end:
+        order.count_sync()
+    return order.total if order.total is not None else UNBOUNDED
 
 
 def _distributed() -> Any:

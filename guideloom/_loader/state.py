@@ -19,7 +19,7 @@ from typing import Any
 from guideloom._core.checkpoint import CheckpointState, LoaderIdentity
 from guideloom._core.group_order import GroupPermutation
 from guideloom._core.order import Order, make_order, resolve_block_size
-from guideloom._core.plan import EpochPlan
+from guideloom._core.plan import Counting, EpochPlan
 from guideloom._core.provenance import History
 from guideloom._loader.arguments import resolve_collate_mode
 from guideloom._loader.figures import LoaderFigures
@@ -88,10 +88,13 @@ class LoaderState:
                     "parallel_method='thread' for closures and lambdas"
                 ) from exc
         dataset, ckpt = loader.dataset, self.ckpt
-        n = len(dataset)
         self.figures.mark_epoch_reads(dataset, ckpt.epoch)
         begin_run(loader, ckpt)
         order = epoch_order(loader, ckpt, ckpt.epoch)
+        # an order counted as the epoch goes (packed text, counted block by block as it is first
+        # read): the plan learns the epoch's length from it, and needs it only at its end
+        counting = order if isinstance(order, Counting) and order.total is None else None
+        n = -1 if counting is not None else len(dataset)
         collate = dataset.collate_with(loader.collate_fn)  # a dataset's step (tokenizing) first
         return PipelineConfig(
             dataset=dataset,
@@ -103,6 +106,7 @@ class LoaderState:
                 drop_last=loader.drop_last,
                 start_offset=ckpt.offset,
                 order=order,
+                counting=counting,
             ),
             order=order,
             collate_fn=collate,
@@ -123,7 +127,7 @@ def block_size(loader: Loader[Any]) -> int:
     Without shuffle the order is the identity, and a dataset that makes its own order (a
     mixture) ignores blocks: 1 for both, whatever was asked (nothing to record or warn about).
     """
-    if not loader.shuffle or loader.dataset.makes_own_order:
+    if not loader.shuffle or loader.dataset.own_order():
         return 1
     if loader.shuffle_block_size != "auto":  # the storage is asked only for "auto"
         return resolve_block_size(loader.shuffle_block_size, block_bytes=None, sample_nbytes=0)
@@ -145,7 +149,7 @@ def window(loader: Loader[Any]) -> int:
 def epoch_order(loader: Loader[Any], ckpt: CheckpointState, epoch: int) -> Order:
     """The order of ``epoch``: the dataset's own where it makes one (a mixture), otherwise
     identity, global row shuffle or block shuffle."""
-    own = loader.dataset.order(shuffle=loader.shuffle, seed=ckpt.order_seed, epoch=epoch)
+    own = loader.dataset.loader_order(shuffle=loader.shuffle, seed=ckpt.order_seed, epoch=epoch)
     if own is not None:
         return own
     natural = (
@@ -229,7 +233,7 @@ def identity_to_restore(loader: Loader[Any], state: LoaderState) -> LoaderIdenti
 
 def _has_storage_blocks(loader: Loader[Any]) -> bool:
     """Whether the loader's dataset has shuffle blocks of its own, which ``"auto"`` keeps."""
-    if not loader.shuffle or loader.dataset.makes_own_order:
+    if not loader.shuffle or loader.dataset.own_order():
         return False
     natural = loader.dataset.natural_blocks()
     return natural is not None and len(natural) > 0

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from guideloom._core.delivery import Delivery, apply
 from guideloom._core.plan import BatchSpec, EpochPlan
-from guideloom._core.schedule import Indexes, ReadWindow, read_window, windows
+from guideloom._core.schedule import Indexes, ReadWindow, count_window, read_window, windows
 from guideloom._runtime.config import (
     PipelineConfig,
     group_size,
@@ -126,7 +126,7 @@ class EpochFlow:
                 job.cancel()
         if plan is not self.cfg.plan:  # window sizes follow the new geometry's batches
             self.cfg = dataclasses.replace(self.cfg, plan=plan)
-        self.plan, self.total = plan, len(plan)
+        self.plan = plan
         self.indexes = Indexes(plan, self.cfg.order)
         self.largest = max_window_batches(self.cfg)
         self._bounds = window_bounds(self.cfg)
@@ -142,9 +142,15 @@ class EpochFlow:
         #: within a plan, so what is ahead stays within ``limit * per`` at every moment.
         self.per = 1
 
+    @property
+    def total(self) -> int:
+        """The plan's batches (more than any step while the epoch is counted as it goes)."""
+        return self.plan.steps_bound()
+
     def future_windows(self) -> Iterator[list[BatchSpec]]:
-        """The windows :meth:`next_read` will ask for from here (the hint a storage reads ahead by)."""
-        return windows(self.plan, self.read_step, self.largest, self._bounds)
+        """The windows :meth:`next_read` will ask for from here (the hint a storage reads ahead
+        by; as far as the epoch is counted)."""
+        return windows(self.plan, self.read_step, self.largest, self._bounds, counts=False)
 
     def reads_here(self) -> bool:
         """Whether the windows are read by the driver (not by workers that read their own)."""
@@ -165,10 +171,13 @@ class EpochFlow:
                 return None  # a fast first batch: no read-ahead competes with its read
         elif self.reads or self.raw or not self._room_here():
             return None
+        if self.reads and not self.reads[-1].specs:
+            return None  # a count in flight: the windows after it follow from it
         specs = next(self._windows, None)
         if specs is None:
             return None
-        self.read_step = specs[-1].step + 1
+        if specs:  # empty: a count (of an epoch counted as it goes)
+            self.read_step = specs[-1].step + 1
         r = Read(specs)
         self.reads.append(r)
         return r
@@ -181,7 +190,10 @@ class EpochFlow:
         return self.ahead < self.limit * self._per(ex) and len(self.jobs) < ex.most_jobs
 
     def schedule(self, r: Read) -> ReadWindow:
-        """The sans-IO read of window ``r`` (:func:`~guideloom._core.schedule.read_window`)."""
+        """The sans-IO read of window ``r`` (:func:`~guideloom._core.schedule.read_window`), or
+        the count of an empty one (:func:`~guideloom._core.schedule.count_window`)."""
+        if not r.specs:
+            return count_window(self.plan, self.read_step)
         return read_window(r.specs, self.indexes, self.reading)
 
     def read_done(self, r: Read, deliveries: list[Delivery]) -> None:
@@ -239,7 +251,7 @@ class EpochFlow:
         if room <= 0 or len(self.jobs) >= ex.most_jobs:
             return False
         if ex.reads_itself and not self.raw:
-            left = self.total - self.read_step
+            left = self.plan.steps_known() - self.read_step
             if self.ended or left <= 0 or self.reads:  # windows still being read here come first
                 return False
             full = min(group, left)
@@ -283,7 +295,7 @@ class EpochFlow:
         """A failure outside any batch (an executor that could not start, a bug): handed out
         at the next step not yet made, after the batches before it; nothing after it."""
         step = self.read_step if not self.reads_here() else self._first_unmade()
-        spec = self.plan.batch(step) if step < self.total else BatchSpec(step, 0, 0, 0)
+        spec = self.plan.batch(step) if step < self.plan.steps_known() else BatchSpec(step, 0, 0, 0)
         self.raw.clear()
         self._cancel_reads()
         self._queue(Made([Delivery(spec, error=exc)], self.place), 1)
@@ -292,8 +304,9 @@ class EpochFlow:
     def _first_unmade(self) -> int:
         if self.raw:
             return self.raw[0].spec.step
-        if self.reads:
-            return self.reads[0].specs[0].step
+        for r in self.reads:
+            if r.specs:  # (a count has none)
+                return r.specs[0].step
         return self.read_step
 
     def make_here(self) -> Delivery:

@@ -247,3 +247,28 @@ def test_order_changes_warn() -> None:
     with warnings.catch_warnings():  # nothing differs: no warning, even for an unseeded shuffle
         warnings.simplefilter("error")
         restore_position(_state(ds, shuffle=True, shuffle_seed=None), _identity(ds, shuffle=True, seed=None))
+
+
+class _Counted:
+    """A dataset whose observations are counted as they are read: ``-1`` until counted."""
+
+    def __init__(self, observations: int, kind: str = "packed-concat-blocks") -> None:
+        self.fp = {"kind": kind, "observations": observations, "sequence_length": 16, "digest": "parquet-x"}
+
+    def fingerprint(self) -> dict[str, Any]:
+        return dict(self.fp)
+
+
+@pytest.mark.parametrize(("saved", "current"), [(-1, 500), (500, -1), (-1, -1)])
+def test_a_count_not_known_on_one_side_is_not_compared(saved: int, current: int) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert restore_position(_state(_Counted(saved), 0, 300), _identity(_Counted(current))) == (0, 300)
+
+
+def test_a_count_not_known_still_compares_the_rest_and_bounds_a_known_one() -> None:
+    with pytest.raises(ValueError, match=r"kind 'packed-concat-blocks' \(saved\) != 'packed-concat'"):
+        restore_position(_state(_Counted(-1), 0, 10), _identity(_Counted(-1, "packed-concat")))
+    with pytest.raises(ValueError, match="past the end of this dataset"):  # counted here: bounded
+        restore_position(_state(_Counted(-1), 0, 10_000), _identity(_Counted(500)))
+    assert restore_position(_state(_Counted(500), 0, 10_000), _identity(_Counted(-1))) == (0, 10_000)

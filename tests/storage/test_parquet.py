@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import os
 import pickle
 import re
@@ -639,17 +640,26 @@ def test_a_resume_over_row_groups_tells_auto_from_the_size_it_records(folder: Pa
 def test_pack_over_a_tokenized_text_column_holds_every_token_once(
     folder: Path, tokenizer_json: str, tmp_path: Path
 ) -> None:
+    """Each row group cut on its own, the row groups' tails cut together last: in order, every
+    row group's whole sequences, then the tails run's; every token once but the tails run's last
+    (total % 32), as many sequences as the whole concatenation cut. The row groups' counts are
+    kept in cache_dir as they are learned."""
     storage = gl.open_parquet(folder, "text", tokenizer=tokenizer_json, eos="</s>", cache_dir=tmp_path)
-    tokens = np.concatenate(all_rows(storage))
+    rows = all_rows(storage)
     packed = gl.pack(storage, 32)
     loader = gl.StatefulDataLoader(
         packed, lambda rows: rows.block("tokens").copy(), local_batch_size=4, device=CPU, drop_last=False
     )
     with loader:
         got = np.concatenate([b.reshape(-1) for b in take(loader)])
-    assert len(packed) == len(tokens) // 32
-    assert np.array_equal(got, tokens[: len(packed) * 32])
-    assert (storage._length_folder() / "lengths.npy").exists()
+    bounds = np.cumsum([0, *storage.row_group_sizes()])
+    groups = [np.concatenate(rows[a:b]) for a, b in itertools.pairwise(bounds.tolist())]
+    whole = [g[: len(g) // 32 * 32] for g in groups]
+    tails = np.concatenate([g[len(g) // 32 * 32 :] for g in groups])
+    want = np.concatenate([*whole, tails[: len(tails) // 32 * 32]])
+    assert len(packed) == sum(map(len, groups)) // 32 == len(want) // 32
+    assert np.array_equal(got, want)
+    assert len(list(storage._length_folder().glob("group-*.npy"))) == storage.num_row_groups
 
 
 def saved_group(folder: Path, group: int, lengths: np.ndarray) -> Path:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import io
+import itertools
 import json
 import os
 import threading
@@ -30,21 +31,26 @@ _LENGTHS_VERSION = 2  # the length index's files and their key
 class _LengthIndex(_TokenRows):
     """Row groups with the length index over them (element access for packing)."""
 
-    def _lengths_of(self, group: int) -> I64:
+    def _lengths_of(self, group: int, lo: int = 0, hi: int | None = None) -> I64:
+        """The lengths of row group ``group``'s rows ``[lo, hi)`` (all by default)."""
         decoded = self._decode(group)
+        hi = int(self._sizes[group]) if hi is None else hi
         if not decoded.text:
             lengths = decoded.lengths()
             if decoded.nulls is not None:
                 self._nulls(group, decoded, np.flatnonzero(decoded.nulls).astype(np.int64))
                 lengths = np.where(decoded.nulls, 0, lengths)  # a null row: an empty document
-            return lengths.astype(np.int64)
+            out: I64 = lengths.astype(np.int64)[lo:hi]
+            return out
         if self._encoder is None:
             raise TypeError(
                 f"column {self.column!r} holds texts: pass tokenizer= to open_parquet to pack or count tokens"
             )
-        rows = np.arange(int(self._sizes[group]), dtype=np.int64)
+        rows = np.arange(lo, hi, dtype=np.int64)
         self._nulls(group, decoded, rows)
-        tokens = self._token_rows(group, decoded, rows)  # a null row (on_null="empty"): bos/eos only
+        # a null row (on_null="empty"): bos/eos only; a count of some rows leaves the others to
+        # the reads (which tokenize the rest of a row group they touch ahead of them)
+        tokens = self._token_rows(group, decoded, rows, ahead=len(rows) == int(self._sizes[group]))
         return np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
 
     def _tokenizer_identity(self) -> str | None:
@@ -136,13 +142,7 @@ class _LengthIndex(_TokenRows):
             return self._offsets
         folder, key = self._length_folder(), self._length_key()
         if self._cache_dir is not None and key is None:
-            warnings.warn(
-                "the length index is not cached in cache_dir: a tokenizer callable cannot be "
-                "identified by its contents; pass open_parquet(tokenizer_key=...) naming exactly "
-                "this tokenizer (and its version) to cache it",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            _not_cached()
         done: dict[int, I64] = {}
         if folder is not None and key is not None:
             folder.mkdir(parents=True, exist_ok=True)
@@ -179,6 +179,114 @@ class _LengthIndex(_TokenRows):
         self._offsets = _offsets_of(lengths)
         return self._offsets
 
+    # -- the lengths of one row group at a time (packing that counts as it reads) ----------------
+    def counts_by_block(self) -> bool:
+        """Whether packing counts this storage's documents row group by row group as it first
+        reads them (a text column tokenized at read: its lengths cost a tokenizer pass), rather
+        than from the whole length index built at open."""
+        return self._kind == "text" and self._encoder is not None and self._tokenize
+
+    def block_nbytes(self) -> I64:
+        """Uncompressed bytes of the column in each row group (from the footers)."""
+        return np.asarray([n for e in self._entries for n in e.nbytes], dtype=np.int64)
+
+    def _block_table(self) -> dict[int, I64]:
+        """The row groups' lengths known in this process (made on first use: what ``cache_dir``
+        holds, the whole index or the row groups counted so far, each file checked)."""
+        table: dict[int, I64] | None = getattr(self, "_block_lengths", None)
+        if table is not None:
+            return table
+        table = {}
+        if self._cache_dir is not None and self._length_key() is None:
+            _not_cached()
+        if self._offsets is not None:
+            lengths = np.diff(self._offsets)
+            starts = self._gstarts.tolist()
+            table = {g: lengths[starts[g] : starts[g + 1]] for g in range(len(self._sizes))}
+        else:
+            folder, key = self._length_folder(), self._length_key()
+            if folder is not None and key is not None and folder.exists():
+                whole = self._cached_lengths(folder, key)
+                if whole is not None:
+                    starts = self._gstarts.tolist()
+                    table = {g: whole[starts[g] : starts[g + 1]] for g in range(len(self._sizes))}
+                else:
+                    table = self._cached_groups(folder)
+        self._block_lengths = table
+        return table
+
+    def known_block_lengths(self, group: int) -> I64 | None:
+        """Row group ``group``'s documents' lengths in tokens where known without tokenizing (in
+        this process, or saved in ``cache_dir`` and checked); ``None`` otherwise."""
+        return self._block_table().get(int(group))
+
+    def block_lengths(self, group: int, lo: int = 0, hi: int | None = None) -> I64:
+        """The lengths in tokens of row group ``group``'s rows ``[lo, hi)`` (all by default):
+        known, or counted now by decoding the row group and tokenizing those rows, whose tokens
+        the row group keeps for the reads that follow (each row tokenized once). Once every row
+        of the row group is counted its lengths are saved in ``cache_dir`` (as the length
+        index's row groups are, each file named by the digest of its bytes), so a later open
+        counts it no more."""
+        g = int(group)
+        hi = int(self._sizes[g]) if hi is None else int(hi)
+        table = self._block_table()
+        got = table.get(g)
+        if got is not None:
+            return got[lo:hi]
+        parts: dict[int, dict[tuple[int, int], I64]] = self.__dict__.setdefault("_block_parts", {})
+        mine = parts.setdefault(g, {})
+        known = mine.get((lo, hi))
+        if known is not None:
+            return known
+        lengths = self._lengths_of(g, lo, hi)
+        mine[(lo, hi)] = lengths
+        spans = sorted(mine)
+        size = int(self._sizes[g])
+        if (
+            spans[0][0] == 0
+            and spans[-1][1] == size
+            and all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+        ):
+            whole = np.concatenate([mine[k] for k in spans]).astype(np.int64)
+            self._save_group(g, whole)
+            table[g] = whole
+            parts.pop(g, None)
+        return lengths
+
+    def _save_group(self, group: int, lengths: I64) -> None:
+        if "_block_folder" not in self.__dict__:  # its key digests the tokenizer: once
+            self.__dict__["_block_folder"] = self._length_folder()
+        folder: Path | None = self.__dict__["_block_folder"]
+        if folder is None:
+            return
+        folder.mkdir(parents=True, exist_ok=True)
+        data = _npy_bytes(lengths.astype(np.int32 if lengths.max(initial=0) < 2**31 else np.int64))
+        _write_atomic(folder / f"group-{group}-{hashlib.sha256(data).hexdigest()[:32]}.npy", data)
+
+    def _check_block_lengths(self, indices: I64, docs: Sequence[Any]) -> None:
+        """Refuse documents whose length differs from what their row group was counted with (the
+        packing's layout follows from it), as :meth:`_check_lengths` does for the whole index."""
+        table: dict[int, I64] | None = getattr(self, "_block_lengths", None)
+        parts: dict[int, dict[tuple[int, int], I64]] = getattr(self, "_block_parts", {})
+        if (not table and not parts) or not len(docs):
+            return
+        groups = np.searchsorted(self._gstarts, indices, side="right") - 1
+        got = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
+        want = np.full(len(docs), -1, dtype=np.int64)
+        for g in np.unique(groups).tolist():
+            at = np.flatnonzero(groups == g)
+            local = indices[at] - self._gstarts[g]
+            lengths = None if table is None else table.get(g)
+            if lengths is not None:
+                want[at] = lengths[local]
+                continue
+            for (lo, hi), part in list(parts.get(g, {}).items()):
+                inside = (local >= lo) & (local < hi)
+                want[at[inside]] = part[local[inside] - lo]
+        bad = np.flatnonzero((want >= 0) & (got != want))
+        if len(bad):
+            self._refuse_length(int(indices[bad[0]]), int(got[bad[0]]), int(want[bad[0]]))
+
     def _check_lengths(self, indices: I64, docs: Sequence[Any]) -> None:
         """Refuse documents whose length differs from the length index the packing is laid out
         by (a tokenizer that changed under its ``tokenizer_key``, one that does not encode a
@@ -193,7 +301,9 @@ class _LengthIndex(_TokenRows):
         if not len(bad):
             return
         i = int(bad[0])
-        index = int(indices[i])
+        self._refuse_length(int(indices[i]), int(got[i]), int(want[i]))
+
+    def _refuse_length(self, index: int, got: int, want: int) -> None:
         file, group, row = self._row_place(index)
         folder = self._length_folder()
         fix = (
@@ -203,8 +313,8 @@ class _LengthIndex(_TokenRows):
             "tokenizer changed)"
         )
         raise DatasetIntegrityError(
-            f"{file}: {group}, {row} (document {index}) has {plural(int(got[i]), 'token')}, the length "
-            f"index says {int(want[i])}: the documents do not tokenize as when the index was built "
+            f"{file}: {group}, {row} (document {index}) has {plural(got, 'token')}, the length "
+            f"index says {want}: the documents do not tokenize as when the index was built "
             f"(a tokenizer changed under the same tokenizer_key, or one that encodes a text "
             f"differently from one call to the next); {fix}"
         )
@@ -215,6 +325,10 @@ class _LengthIndex(_TokenRows):
     def _row_of(self, index: int) -> tuple[int, int]:
         group = int(np.searchsorted(self._gstarts, index, side="right")) - 1
         return group, index - int(self._gstarts[group])
+
+    def document_place(self, index: int) -> list[Any]:
+        """Document ``index``'s file, row group and row: ``[file, "row group G", "row R"]``."""
+        return self._row_place(index)
 
     def _row_place(self, index: int) -> list[Any]:
         group, row = self._row_of(index)
@@ -238,6 +352,16 @@ class _LengthIndex(_TokenRows):
 # -- the length index's files ----------------------------------------------------------------------
 class _Stale(Exception):
     """A saved file of the length index that fails a check (the message names it and says why)."""
+
+
+def _not_cached() -> None:
+    warnings.warn(
+        "the length index is not cached in cache_dir: a tokenizer callable cannot be "
+        "identified by its contents; pass open_parquet(tokenizer_key=...) naming exactly "
+        "this tokenizer (and its version) to cache it",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _rebuilt(why: str, *paths: Path) -> None:

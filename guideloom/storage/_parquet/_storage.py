@@ -141,6 +141,8 @@ class ParquetStorage(_LengthIndex):
         )
         if self._offsets is not None and self.tokenized:
             self._check_lengths(indices, rows)
+        elif self.tokenized:
+            self._check_block_lengths(indices, rows)
         return rows
 
     def describe_document(self, index: int) -> dict[str, Any]:

@@ -122,9 +122,11 @@ class _TokenRows(_RowGroups):
             except Exception:  # left to the read that needs these rows: it raises its own error
                 return
 
-    def _token_rows(self, group: int, decoded: _Decoded, local: I64) -> list[Any]:
+    def _token_rows(self, group: int, decoded: _Decoded, local: I64, *, ahead: bool = True) -> list[Any]:
         """Rows ``local`` of a text row group as token arrays, each tokenized once while its row
-        group is kept (the arrays count in ``max_decoded_bytes``)."""
+        group is kept (the arrays count in ``max_decoded_bytes``). ``ahead=False``: the group's
+        other rows are left to a later read (a count of some rows, which a first batch waits
+        for, does not share the cores with them)."""
         tokens = decoded.tokens
         if tokens is None:
             raise TypeError("token_rows reads a text column's rows")
@@ -141,7 +143,7 @@ class _TokenRows(_RowGroups):
                     continue
                 decoded.claimed.update(mine)
             self._tokenize_claimed(group, decoded, mine)
-        if self.tokenize_ahead:
+        if self.tokenize_ahead and ahead:
             self._tokenize_rest(group, decoded)
         return [tokens[i] for i in wanted]
 

@@ -1,0 +1,273 @@
+"""Packed Parquet text counted block by block as it is read: each row group cut on its own and
+the tails cut together last (lossless), the first batch after one window's count (no
+whole-corpus pass), each document tokenized once an epoch, a cold run and a warm one alike, the
+counts kept in ``cache_dir``, and exact resume with another batch size and world size."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import guideloom as gl
+from guideloom._datasets import packing
+from guideloom._errors import DatasetIntegrityError
+from tests.storage.test_parquet import WORDS, make_rows, write_files
+from tests.support.loader import loop_gaps
+
+CPU = torch.device("cpu")
+LENGTH = 16
+
+
+def keys(rows: Any) -> list[tuple[int, ...]]:
+    """A sequence's documents and tokens: unique per sequence."""
+    return [tuple(np.concatenate([r["doc_ids"], r["tokens"]]).tolist()) for r in rows]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    corpus = [" ".join(WORDS)] * 20 + [f"r{i}" for i in range(1000)]
+    tok.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "<s>", "</s>"])
+    )
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return str(path)
+
+
+@pytest.fixture(params=["row groups", "parts of row groups"])
+def parts(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Blocks of whole row groups (about 1 KB of text each here), or of runs of rows of each (at
+    most 256 bytes of text: 4 or 5 to a row group)."""
+    if request.param == "parts of row groups":
+        monkeypatch.setattr(packing, "PART_BYTES", 256)
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """900 rows in 36 row groups of 25 (3 files)."""
+    ids, texts = make_rows(900, seed=7)
+    return write_files(tmp_path_factory.mktemp("counted"), ids, texts, files=3, row_group_size=25)
+
+
+def packed(corpus: Path, tokenizer: str, cache: Path | None, window: int = 4) -> gl.PackedDataset:
+    storage = gl.open_parquet(
+        corpus, "text", tokenizer=tokenizer, eos="</s>", cache_dir=None if cache is None else str(cache)
+    )
+    ds = gl.pack(storage, LENGTH)
+    ds.count_window = window  # row groups a window of the order holds (the corpus is small)
+    return ds
+
+
+def loader(ds: gl.PackedDataset, batch: int = 4, **kw: Any) -> gl.StatefulDataLoader[Any, Any]:
+    kw.setdefault("shuffle", True)
+    return gl.StatefulDataLoader(
+        ds, keys, local_batch_size=batch, shuffle_seed=3, device=CPU, drop_last=False, **kw
+    )
+
+
+def epoch(ds: gl.PackedDataset, **kw: Any) -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = []
+    with loader(ds, **kw) as lo:
+        for b in lo:
+            out.extend(b)
+    return out
+
+
+def tokenized(ds: gl.PackedDataset) -> int:
+    return int(ds.storage.figures()["parquet_tokens_tokenized"])
+
+
+def test_the_first_batch_waits_for_one_window_and_each_document_is_tokenized_once(
+    corpus: Path, tokenizer_json: str, tmp_path: Path, parts: str
+) -> None:
+    ds = packed(corpus, tokenizer_json, tmp_path / "cache")
+    blocks = len(ds.block_totals())
+    assert blocks == 36 if parts == "row groups" else blocks > 3 * 36
+    docs = list(
+        gl.open_parquet(corpus, "text", tokenizer=tokenizer_json, eos="</s>").read_many_sync(np.arange(900))
+    )
+    total = sum(len(d) for d in docs)
+    with loader(ds) as lo:
+        it = iter(lo)
+        first = next(it)
+        assert not ds.counted() and 0 < tokenized(ds) < total / 4  # 4 of 36 row groups, about
+        rest = [k for b in it for k in b]
+    got = list(first) + rest
+    assert ds.counted() and len(got) == len(set(got)) == total // LENGTH == len(ds)
+    assert tokenized(ds) == total  # each document once over the epoch
+    # lossless: every token of the corpus but the tails run's last total % LENGTH, once
+    delivered = sorted((d, t) for seq in got for d, t in zip(seq[:LENGTH], seq[LENGTH:], strict=True))
+    flat = sorted((i, int(t)) for i, d in enumerate(docs) for t in d)
+    assert len(delivered) == total - total % LENGTH
+    assert set(delivered) <= set(flat)
+
+
+def test_a_cold_run_and_a_warm_one_deliver_the_same_sequences_in_the_same_order(
+    corpus: Path, tokenizer_json: str, tmp_path: Path, parts: str
+) -> None:
+    cold = packed(corpus, tokenizer_json, tmp_path / "cache")
+    a = epoch(cold)
+    files = sorted(p.name for p in (tmp_path / "cache").rglob("group-*.npy"))
+    assert len(files) == 36  # every row group's counts kept as they were learned
+    warm = packed(corpus, tokenizer_json, tmp_path / "cache")
+    with loader(warm):
+        assert warm.counted()  # read back at open, nothing tokenized for them
+        assert tokenized(warm) == 0
+    assert epoch(warm) == a
+    assert epoch(packed(corpus, tokenizer_json, None, window=4)) == a  # no cache: counted again
+    assert epoch(packed(corpus, tokenizer_json, None), num_workers=2, parallel_method="thread") == a
+    unshuffled = epoch(packed(corpus, tokenizer_json, None), shuffle=False)
+    assert sorted(unshuffled) == sorted(a) and unshuffled != a
+
+
+@pytest.mark.parametrize(("stop", "batch", "world"), [(7, 3, 2), (40, 5, 1), (1, 2, 3)])
+def test_a_cold_resume_with_another_geometry_delivers_the_rest_exactly(
+    corpus: Path, tokenizer_json: str, tmp_path: Path, stop: int, batch: int, world: int, parts: str
+) -> None:
+    whole = epoch(packed(corpus, tokenizer_json, None))
+    first = packed(corpus, tokenizer_json, tmp_path / "one")
+    head: list[tuple[int, ...]] = []
+    with loader(first) as lo:
+        for i, b in enumerate(lo):
+            head.extend(b)
+            if i + 1 == stop:
+                break
+        state = lo.state_dict()
+    assert state["dataset"]["kind"] == "packed-concat-blocks"
+    assert state["dataset"]["observations"] == -1  # not counted yet when saved
+    rest: list[list[tuple[int, ...]]] = []
+    for rank in range(world):
+        ds = packed(corpus, tokenizer_json, tmp_path / f"two-{rank}")  # a fresh process's cold cache
+        lo = loader(ds, batch=batch, rank=rank, world_size=world)
+        lo.load_state_dict(state)
+        with lo:
+            rest.append([k for b in lo for k in b])
+    # the ranks' batches interleave by global batch: merged, the epoch's order goes on
+    merged: list[tuple[int, ...]] = []
+    steps = max(len(r) for r in rest)
+    for s in range(0, steps, batch):
+        for r in rest:
+            merged.extend(r[s : s + batch])
+    assert head + merged == whole
+
+
+def test_len_explain_and_a_mixture(corpus: Path, tokenizer_json: str, tmp_path: Path) -> None:
+    ds = packed(corpus, tokenizer_json, tmp_path / "cache")
+    with loader(ds) as lo:
+        it = iter(lo)
+        batches = [next(it), next(it)]
+        [record] = [r for r in lo.explain(step=1) if r["position"] == 5]
+        assert not ds.counted()  # explaining a counted step counts nothing more
+        pieces = [tuple(p) for p in record["documents"]]
+        row = batches[1][1]
+        docs = row[:LENGTH]
+        assert sorted({d for d, _, _ in pieces}) == sorted(set(docs))
+        assert sum(b - a for _, a, b in pieces) == LENGTH
+        assert all(f[0][1].startswith("row group") for f in record["files"])
+        assert len(lo) == -(-len(ds) // 4)  # counts the rest (blocking)
+        assert ds.counted()
+        rest = [k for b in it for k in b]
+    assert len(batches[0]) + len(batches[1]) + len(rest) == len(ds)
+    audited = packed(corpus, tokenizer_json, None)
+    with loader(audited, track_deliveries=True) as lo:
+        it = iter(lo)
+        for _ in range(7):
+            next(it)
+        report = lo.audit()  # mid-epoch: counts the rest, then checks the positions handed out
+        assert report.ok and report.delivered == report.expected == 28, report
+    mixture = gl.mix(
+        {"a": packed(corpus, tokenizer_json, None), "b": packed(corpus, tokenizer_json, None)}, num_samples=50
+    )
+    with gl.StatefulDataLoader(mixture, keys, local_batch_size=5, shuffle=True, device=CPU) as lo:
+        seqs = [k for b in lo for k in b]
+    assert len(seqs) == 50 and all(len(s) == 2 * LENGTH for s in seqs)
+
+
+def test_a_document_that_does_not_tokenize_as_counted_is_refused(
+    corpus: Path, tokenizer_json: str, tmp_path: Path
+) -> None:
+    ds = packed(corpus, tokenizer_json, tmp_path / "cache")
+    epoch(ds)  # counted and kept in cache_dir
+    storage = ds.storage
+    for part in (tmp_path / "cache").rglob("group-*.npy"):  # every count one token short, re-signed
+        lengths = np.load(part) - 1
+        buf = io.BytesIO()
+        np.save(buf, np.maximum(lengths, 0).astype(np.int32), allow_pickle=False)
+        data = buf.getvalue()
+        part.unlink()
+        part.with_name(
+            f"group-{part.stem.split('-')[1]}-{hashlib.sha256(data).hexdigest()[:32]}.npy"
+        ).write_bytes(data)
+    assert storage is not None
+    with pytest.raises(DatasetIntegrityError, match="do not tokenize as when"):
+        epoch(packed(corpus, tokenizer_json, tmp_path / "cache"))
+
+
+def words(text: str) -> list[int]:
+    return [len(w) for w in text.split()]
+
+
+def slow_words(text: str) -> list[int]:
+    """:func:`words`, taking its time (4 ms a text): a count of a window lasts 0.4 s."""
+    time.sleep(0.004)
+    return words(text)
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_async_iteration_counts_off_the_event_loop(corpus: Path) -> None:
+    """``async for`` delivers what ``for`` does, and the counts (tokenizing a window of row
+    groups) run off the loop: its ticks go on while a window is counted."""
+    want = epoch(packed_with(corpus, words))
+    ds = packed_with(corpus, slow_words)
+    got: list[tuple[int, ...]] = []
+    async with loop_gaps() as gaps, loader(ds) as lo:
+        async for batch in lo:
+            got.extend(batch)
+    assert got == want
+    assert len(gaps) >= 20, f"only {len(gaps)} ticks: the load was too short to tell"
+    assert max(gaps) < 0.25, f"the loop stalled for {max(gaps):.3f}s (a window's count takes ~0.4 s)"
+
+
+@pytest.mark.slow
+def test_process_workers_make_the_batches_read_where_they_are_counted(
+    corpus: Path, tokenizer_json: str
+) -> None:
+    want = epoch(packed(corpus, tokenizer_json, None))
+    got = epoch(packed(corpus, tokenizer_json, None), num_workers=2, parallel_method="process")
+    assert got == want
+
+
+def packed_with(corpus: Path, tokenizer: Any) -> gl.PackedDataset:
+    ds = gl.pack(gl.open_parquet(corpus, "text", tokenizer=tokenizer), LENGTH)
+    ds.count_window = 4
+    return ds
+
+
+def test_an_epoch_shorter_than_a_batch_is_known_once_counted(corpus: Path, tokenizer_json: str) -> None:
+    """The size check at open needs the count: over packed text counted as read, an epoch with
+    fewer sequences than a global batch has no whole batch (``drop_last``) or one partial one."""
+    ds = packed(corpus, tokenizer_json, None)
+    n = len(gl.pack(gl.open_parquet(corpus, "text", tokenizer=tokenizer_json, eos="</s>"), LENGTH))
+    big = n + 5
+    with gl.StatefulDataLoader(
+        packed(corpus, tokenizer_json, None), keys, local_batch_size=big, device=CPU
+    ) as lo:
+        assert list(lo) == []
+    lo = gl.StatefulDataLoader(ds, keys, local_batch_size=big, device=CPU, drop_last=False)
+    with lo:
+        batches = list(lo)
+        assert len(lo) == 1
+    assert [len(b) for b in batches] == [n]

@@ -237,7 +237,9 @@ def test_a_collate_cheaper_than_the_transport_runs_inline(tmp_path: Path) -> Non
         del it
     assert got == expected
     assert modes[0] is True  # the workers first, as asked for
-    assert modes.count(False) > len(modes) // 2
+    # settled inline once measured (when it settles moves with the machine's load): the last
+    # fifth of the epoch is made inline
+    assert not any(modes[-len(modes) // 5 :]), modes.count(False)
     assert worker_pids() == set()
 
 

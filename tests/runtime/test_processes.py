@@ -166,7 +166,7 @@ def test_workers_come_from_a_zygote_of_the_main_process_while_it_has_one_thread(
 
 
 _FORK_HYGIENE_SCRIPT = """
-import _thread, os, random, select, sys, threading
+import _thread, os, random, select, sys, threading, time
 import numpy as np, torch
 import guideloom as gl
 
@@ -195,7 +195,8 @@ if __name__ == "__main__":
     r, w = os.pipe()
     with make() as loader:
         batches = []
-        for _ in range(20):  # the second worker may join once the first has made a whole epoch
+        deadline = time.monotonic() + 60  # the second worker may join after the first made epochs
+        while time.monotonic() < deadline:
             batches += list(loader)
             if len({b[0] for b in batches}) == 2:
                 break

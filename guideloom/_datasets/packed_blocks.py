@@ -26,9 +26,17 @@ from guideloom._datasets.counted import KEYED, BlockOrder, decode_keys
 from guideloom._datasets.packed_rows import Pieces
 from guideloom.storage.base import BlockCounter, DocumentStorageAbstract
 
-__all__ = ["BlockRead", "PackedBlocks"]
+__all__ = ["COUNT_WINDOW_BYTES", "PART_BYTES", "BlockRead", "PackedBlocks"]
 
 I64 = npt.NDArray[np.int64]
+#: Stored text bytes of a block of a packing counted block by block, at most (a row group's rows
+#: cut into equal runs of rows, as few as keep each below this; a row group a block where it is
+#: smaller): what a count tokenizes at a time.
+PART_BYTES = 2**20
+#: Stored text bytes of the blocks a window of such a packing's order holds, at least one block:
+#: the first batch waits for one window's tokenizing (about a quarter of a second on two free
+#: cores), and the loader's shuffle mixes the sequences of a window's blocks.
+COUNT_WINDOW_BYTES = 2 * 2**20
 #: A read of sequences counted by blocks: its storage calls, then the rows' elements and pieces.
 BlockRead = Generator[list[Call], list[Any], tuple[npt.NDArray[Any], Pieces]]
 

@@ -44,13 +44,9 @@ fit: by range), and a loader's ``shuffle_block_size="auto"`` keeps them together
 row groups together for the documents themselves.
 
 Concat over a storage that counts by blocks (a Parquet text column with a tokenizer, whose
-lengths cost a tokenizer pass) is counted as it is read instead: each block is cut on its own and
-the blocks' tails together last (``guideloom._core.pack_layout``), nothing is counted at open,
-and the dataset makes its own order (:class:`~guideloom._datasets.counted.BlockOrder`): the
-group order over the blocks in windows of :attr:`PackedDataset.count_window` blocks, learned a
-window at a time as the loader reaches it, then the tails run. Its observations are named by
-their block and place there (keyed indexes); plain indexes ``[0, len)`` (a mixture's) are read
-once every block is counted.
+lengths cost a tokenizer pass) is counted as it is read instead, nothing at open, in an order of
+its own a window of :attr:`PackedDataset.count_window` blocks at a time
+(:mod:`guideloom._datasets.packed_blocks`).
 """
 
 from __future__ import annotations
@@ -64,10 +60,17 @@ import numpy as np
 import numpy.typing as npt
 
 from guideloom._core.checks import check_int
-from guideloom._core.pack_layout import CHUNK, BestFitLayout, ConcatLayout, best_fit_layout, flat_ranges
+from guideloom._core.pack_layout import (
+    CHUNK,
+    BestFitLayout,
+    ConcatLayout,
+    best_fit_layout,
+    fit_bounds,
+    flat_ranges,
+)
 from guideloom._datasets.base import Call, DatasetAbstract, ReadPlan, read_async, read_sync
 from guideloom._datasets.counted import BlockOrder
-from guideloom._datasets.packed_blocks import PackedBlocks
+from guideloom._datasets.packed_blocks import COUNT_WINDOW_BYTES, PART_BYTES, PackedBlocks
 from guideloom._datasets.packed_rows import PackedRows, Pieces, Window
 from guideloom._loop import LoopThread
 from guideloom.storage.base import DocumentStorageAbstract, Rows, Spans, StreamStorageAbstract
@@ -80,15 +83,6 @@ I64 = npt.NDArray[np.int64]
 Sample = Mapping[str, npt.NDArray[Any]]
 
 _MODES: tuple[str, ...] = get_args(PackMode)
-#: Stored text bytes of a block of a packing counted block by block, at most (a row group's rows
-#: cut into equal runs of rows, as few as keep each below this; a row group a block where it is
-#: smaller): what a count tokenizes at a time.
-PART_BYTES = 2**20
-#: Stored text bytes of the blocks a window of such a packing's order holds, at least one block:
-#: the first batch waits for one window's tokenizing (about a quarter of a second on two free
-#: cores), and the loader's shuffle mixes the sequences of a window's blocks.
-COUNT_WINDOW_BYTES = 2 * 2**20
-
 #: ``fit_group``'s default: best fit over a storage with natural blocks packs ranges of blocks
 #: holding at least this many sequences' worth of elements, each on its own. About one sequence
 #: of padding is lost per range (+0.3% sequences for row groups of 1,000 documents of ~500
@@ -322,7 +316,11 @@ class PackedDataset(DatasetAbstract[Sample]):
         async for p0, off in self._offsets_in_chunks():
             lengths[p0 : p0 + len(off) - 1] = np.diff(off)
             starts[p0 : p0 + len(off) - 1] = off[:-1]
-        return best_fit_layout(lengths, starts, length, self._fit_bounds(starts, total))
+        blocks, group = self._storage_blocks(), self.fit_group
+        if blocks is None or group is None:  # one range: the whole dataset
+            return best_fit_layout(lengths, starts, length)
+        # ranges of consecutive storage blocks, each the fewest holding fit_group sequences' worth
+        return best_fit_layout(lengths, starts, length, fit_bounds(blocks, starts, total, group * length))
 
     def _storage_blocks(self) -> I64 | None:
         """The storage's natural blocks (documents per block, the empty ones left out), checked
@@ -338,29 +336,6 @@ class PackedDataset(DatasetAbstract[Sample]):
                 f"{int(blocks.sum())}"
             )
         return blocks[blocks > 0]
-
-    def _fit_bounds(self, starts: I64, total: int) -> I64 | None:
-        """Where best fit's ranges of documents begin and end: consecutive storage blocks, each
-        range the fewest that hold ``fit_group`` sequences' worth of elements (a short last
-        range joins the one before); ``None`` (one range: the whole dataset) for a storage
-        without natural blocks or ``fit_group=None``."""
-        blocks = self._storage_blocks()
-        if blocks is None or self.fit_group is None:
-            return None
-        ends = np.cumsum(blocks)
-        offsets = np.append(starts, total)  # element offset of each document
-        need = self.fit_group * self.sequence_length
-        bounds, since = [0], 0
-        for end, elements in zip(ends.tolist(), offsets[ends].tolist(), strict=True):
-            if elements - since >= need:
-                bounds.append(end)
-                since = elements
-        if bounds[-1] != len(starts):
-            if len(bounds) > 1:
-                bounds[-1] = len(starts)  # the short rest joins the last range
-            else:
-                bounds.append(len(starts))
-        return np.asarray(bounds, dtype=np.int64)
 
     # -- reads ----------------------------------------------------------------------------------
     def _concat_queries(self, indices: I64) -> I64:
@@ -495,9 +470,8 @@ class PackedDataset(DatasetAbstract[Sample]):
     def describe(self, index: int) -> dict[str, Any]:
         """The pieces of packed sequence ``index``: each one's document and element range in it
         (``documents``), in the storage (``elements``), and the files holding them. A few lookups
-        in the layout and one of the documents' offsets. Counted by blocks: the pieces' documents
-        and files, and ``block`` and ``sequence`` (its place in the block; the tails run is
-        block ``len(blocks)``)."""
+        in the layout and one of the documents' offsets (counted by blocks: the pieces'
+        documents and files, and ``block`` and ``sequence``, its place in the block)."""
         if self._counted is not None:
             return self._counted.describe(index)
         layout = self._require_layout()

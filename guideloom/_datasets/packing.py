@@ -211,7 +211,7 @@ class PackedDataset(DatasetAbstract[Sample]):
         return self._built_layout().nbytes
 
     # -- counted by blocks: what PackedBlocks answers --------------------------------------------
-    def _by_blocks(self, name: str) -> PackedBlocks:
+    def _blocks_for(self, name: str) -> PackedBlocks:
         if self._counted is None:
             raise AttributeError(f"{name} is for concat counted by blocks (Parquet text); {self!r} is not")
         return self._counted
@@ -220,19 +220,19 @@ class PackedDataset(DatasetAbstract[Sample]):
     def count_window(self) -> int:
         """Blocks per window of the order counted by blocks (the fewest holding
         :data:`COUNT_WINDOW_BYTES` of stored text, at least one); may be set before a loader plans."""
-        return self._by_blocks("count_window").window
+        return self._blocks_for("count_window").window
 
     @count_window.setter
     def count_window(self, blocks: int) -> None:
-        self._by_blocks("count_window").window = check_int("count_window", blocks, 1)
+        self._blocks_for("count_window").window = check_int("count_window", blocks, 1)
 
     def block_totals(self) -> I64:
         """Each block's elements (``-1``: not counted yet)."""
-        return self._by_blocks("block_totals()").block_totals()
+        return self._blocks_for("block_totals()").block_totals()
 
     def count_blocks_sync(self, blocks: I64) -> None:
         """Count ``blocks`` (decoding and tokenizing them), in the caller's thread."""
-        self._by_blocks("count_blocks_sync()").count_blocks_sync(blocks)
+        self._blocks_for("count_blocks_sync()").count_blocks_sync(blocks)
 
     def counted(self) -> bool:
         """Whether every block is counted (always, for a layout built at open)."""

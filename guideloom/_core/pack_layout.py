@@ -30,6 +30,7 @@ __all__ = [
     "best_fit_layout",
     "block_counts",
     "block_pieces",
+    "fit_bounds",
     "flat_ranges",
     "tails_count",
 ]
@@ -84,6 +85,25 @@ class BestFitLayout:
     def nbytes(self) -> int:
         arrays = (self.ptr, self.doc, self.start, self.size, self.groups)
         return int(sum(a.nbytes for a in arrays))
+
+
+def fit_bounds(blocks: I64, starts: I64, total: int, need: int) -> I64:
+    """Where best fit's ranges of documents begin and end: runs of consecutive ``blocks`` (each
+    its number of documents), each the fewest that hold ``need`` elements (a short last range
+    joins the one before); ``starts``: each document's first element, ``total`` in all."""
+    ends = np.cumsum(blocks)
+    offsets = np.append(starts, total)  # element offset of each document
+    bounds, since = [0], 0
+    for end, elements in zip(ends.tolist(), offsets[ends].tolist(), strict=True):
+        if elements - since >= need:
+            bounds.append(end)
+            since = elements
+    if bounds[-1] != len(starts):
+        if len(bounds) > 1:
+            bounds[-1] = len(starts)  # the short rest joins the last range
+        else:
+            bounds.append(len(starts))
+    return np.asarray(bounds, dtype=np.int64)
 
 
 def best_fit_layout(lengths: I64, starts: I64, length: int, bounds: I64 | None = None) -> BestFitLayout:

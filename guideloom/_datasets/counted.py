@@ -50,8 +50,9 @@ def decode_keys(indices: IndexArray) -> tuple[IndexArray, IndexArray]:
 
 
 class BlockCounts(Protocol):
-    """What the order asks of its dataset: the blocks' element totals (``-1``: not counted) and
-    a count of some blocks (I/O: tokenizing them)."""
+    """What the order asks of the blocks it orders (a packing's
+    :class:`~guideloom._datasets.packed_blocks.PackedBlocks`): the blocks' element totals
+    (``-1``: not counted) and a count of some blocks (I/O: tokenizing them)."""
 
     sequence_length: int
 

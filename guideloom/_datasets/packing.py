@@ -44,13 +44,9 @@ fit: by range), and a loader's ``shuffle_block_size="auto"`` keeps them together
 row groups together for the documents themselves.
 
 Concat over a storage that counts by blocks (a Parquet text column with a tokenizer, whose
-lengths cost a tokenizer pass) is counted as it is read instead: each block is cut on its own and
-the blocks' tails together last (``guideloom._core.pack_layout``), nothing is counted at open,
-and the dataset makes its own order (:class:`~guideloom._datasets.counted.BlockOrder`): the
-group order over the blocks in windows of :attr:`PackedDataset.count_window` blocks, learned a
-window at a time as the loader reaches it, then the tails run. Its observations are named by
-their block and place there (keyed indexes); plain indexes ``[0, len)`` (a mixture's) are read
-once every block is counted.
+lengths cost a tokenizer pass) is counted as it is read instead, nothing at open, in an order of
+its own a window of :attr:`PackedDataset.count_window` blocks at a time
+(:mod:`guideloom._datasets.packed_blocks`).
 """
 
 from __future__ import annotations
@@ -69,13 +65,12 @@ from guideloom._core.pack_layout import (
     BestFitLayout,
     ConcatLayout,
     best_fit_layout,
-    block_counts,
-    block_pieces,
+    fit_bounds,
     flat_ranges,
-    tails_count,
 )
 from guideloom._datasets.base import Call, DatasetAbstract, ReadPlan, read_async, read_sync
-from guideloom._datasets.counted import KEYED, BlockOrder, decode_keys
+from guideloom._datasets.counted import BlockOrder
+from guideloom._datasets.packed_blocks import COUNT_WINDOW_BYTES, PART_BYTES, PackedBlocks
 from guideloom._datasets.packed_rows import PackedRows, Pieces, Window
 from guideloom._loop import LoopThread
 from guideloom.storage.base import DocumentStorageAbstract, Rows, Spans, StreamStorageAbstract
@@ -88,15 +83,6 @@ I64 = npt.NDArray[np.int64]
 Sample = Mapping[str, npt.NDArray[Any]]
 
 _MODES: tuple[str, ...] = get_args(PackMode)
-#: Stored text bytes of a block of a packing counted block by block, at most (a row group's rows
-#: cut into equal runs of rows, as few as keep each below this; a row group a block where it is
-#: smaller): what a count tokenizes at a time.
-PART_BYTES = 2**20
-#: Stored text bytes of the blocks a window of such a packing's order holds, at least one block:
-#: the first batch waits for one window's tokenizing (about a quarter of a second on two free
-#: cores), and the loader's shuffle mixes the sequences of a window's blocks.
-COUNT_WINDOW_BYTES = 2 * 2**20
-
 #: ``fit_group``'s default: best fit over a storage with natural blocks packs ranges of blocks
 #: holding at least this many sequences' worth of elements, each on its own. About one sequence
 #: of padding is lost per range (+0.3% sequences for row groups of 1,000 documents of ~500
@@ -117,12 +103,6 @@ def _check_storage(storage: Any) -> DocumentStorageAbstract[Any, Any]:
             f"MemoryDocumentStorage), got {type(storage).__name__}"
         )
     return storage
-
-
-def _counts_by_block(storage: DocumentStorageAbstract[Any, Any]) -> bool:
-    """Whether ``storage`` counts its documents' lengths block by block (Parquet text)."""
-    counts = getattr(storage, "counts_by_block", None)
-    return callable(counts) and bool(counts()) and storage.natural_blocks() is not None
 
 
 def _fit_rows(spans: Sequence[Any], used: I64, length: int, dtype: Any, pad_id: int) -> npt.NDArray[Any]:
@@ -186,28 +166,12 @@ class PackedDataset(DatasetAbstract[Sample]):
         self._blocks: I64 | None = None
         self._arange: dict[type[np.signedinteger[Any]], npt.NDArray[Any]] = {}
         #: Concat over a storage that counts by blocks (Parquet text): each block cut on its own,
-        #: counted as it is first read (see :mod:`guideloom._datasets.counted`).
-        self._by_blocks = mode == "concat" and _counts_by_block(storage)
-        if self._by_blocks:
-            rows = np.asarray(storage.natural_blocks(), dtype=np.int64)
-            nbytes = storage.block_nbytes()  # type: ignore[attr-defined]
-            # each row group's rows in equal runs of at most PART_BYTES of text: the blocks
-            parts = np.clip(-(-nbytes // PART_BYTES), 1, np.maximum(rows, 1))
-            group = np.repeat(np.arange(len(rows), dtype=np.int64), parts)
-            cuts = [
-                np.linspace(0, r, p + 1).astype(np.int64)
-                for r, p in zip(rows.tolist(), parts.tolist(), strict=True)
-            ]
-            self._block_group = group
-            self._block_lo = np.concatenate([c[:-1] for c in cuts]).astype(np.int64)
-            self._block_hi = np.concatenate([c[1:] for c in cuts]).astype(np.int64)
-            self._block_docs = np.append(
-                np.cumsum(rows)[group] - rows[group] + self._block_lo, int(rows.sum())
-            )
-            self._totals = np.full(len(group), -1, dtype=np.int64)
-            self._block_offsets: dict[int, I64] = {}
-            mean = max(1, int(nbytes.sum()) // max(1, len(group)))
-            self.count_window = max(1, COUNT_WINDOW_BYTES // mean)
+        #: counted as it is first read (see :mod:`guideloom._datasets.packed_blocks`).
+        self._counted = (
+            PackedBlocks.over(storage, self.sequence_length, PART_BYTES, COUNT_WINDOW_BYTES)
+            if mode == "concat"
+            else None
+        )
 
     def __repr__(self) -> str:
         return (
@@ -224,8 +188,8 @@ class PackedDataset(DatasetAbstract[Sample]):
         """Open the storage and, the first time, build the pack layout (one pass over the
         document offsets)."""
         await self._storage.open()
-        if self._by_blocks:  # counted as read: only what cache_dir holds is known now
-            await asyncio.to_thread(self._learn_known)
+        if self._counted is not None:  # counted as read: only what cache_dir holds is known now
+            await asyncio.to_thread(self._counted.learn_known)
         elif self._layout is None:
             self._layout = await self._build()
 
@@ -235,59 +199,48 @@ class PackedDataset(DatasetAbstract[Sample]):
         opens the storage, reads the offsets and closes it again. Counted block by block
         (Parquet text): the blocks not counted yet are counted first, blocking (tokenizing
         them: about as long as building the length index)."""
-        if self._by_blocks:
-            self._count_all()
-            return int(block_counts(self._totals, self.sequence_length).sum()) + tails_count(
-                self._totals, self.sequence_length
-            )
+        if self._counted is not None:
+            return len(self._counted)
         return len(self._built_layout())
 
     def layout_nbytes(self) -> int:
         """Memory the pack layout holds, in bytes (what :meth:`open` keeps; counted by blocks:
         the documents' offsets in each block counted so far)."""
-        if self._by_blocks:
-            return int(self._totals.nbytes) + sum(int(o.nbytes) for o in self._block_offsets.values())
+        if self._counted is not None:
+            return self._counted.nbytes()
         return self._built_layout().nbytes
 
-    # -- counted by blocks ----------------------------------------------------------------------
-    def _learn_known(self) -> None:
-        """The blocks' lengths the storage knows without tokenizing (``cache_dir``)."""
-        known = self._storage.known_block_lengths  # type: ignore[attr-defined]
-        for b in np.flatnonzero(self._totals < 0).tolist():
-            lengths = known(int(self._block_group[b]))
-            if lengths is not None:
-                self._learn_block(b, lengths[self._block_lo[b] : self._block_hi[b]])
+    # -- counted by blocks: what PackedBlocks answers --------------------------------------------
+    def _blocks_for(self, name: str) -> PackedBlocks:
+        if self._counted is None:
+            raise AttributeError(f"{name} is for concat counted by blocks (Parquet text); {self!r} is not")
+        return self._counted
 
-    def _learn_block(self, block: int, lengths: I64) -> None:
-        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        self._block_offsets[block] = offsets
-        self._totals[block] = int(offsets[-1])
+    @property
+    def count_window(self) -> int:
+        """Blocks per window of the order counted by blocks (the fewest holding
+        :data:`COUNT_WINDOW_BYTES` of stored text, at least one); may be set before a loader plans."""
+        return self._blocks_for("count_window").window
+
+    @count_window.setter
+    def count_window(self, blocks: int) -> None:
+        self._blocks_for("count_window").window = check_int("count_window", blocks, 1)
 
     def block_totals(self) -> I64:
         """Each block's elements (``-1``: not counted yet)."""
-        return self._totals
+        return self._blocks_for("block_totals()").block_totals()
 
     def count_blocks_sync(self, blocks: I64) -> None:
-        """Count ``blocks``: decode and tokenize their documents (which the storage keeps for the
-        reads that follow), in the caller's thread."""
-        count = self._storage.block_lengths  # type: ignore[attr-defined]
-        for b in np.asarray(blocks, dtype=np.int64).tolist():
-            if self._totals[b] < 0:
-                self._learn_block(
-                    b, count(int(self._block_group[b]), int(self._block_lo[b]), int(self._block_hi[b]))
-                )
-
-    def _count_all(self) -> None:
-        self._learn_known()
-        self.count_blocks_sync(np.flatnonzero(self._totals < 0))
+        """Count ``blocks`` (decoding and tokenizing them), in the caller's thread."""
+        self._blocks_for("count_blocks_sync()").count_blocks_sync(blocks)
 
     def counted(self) -> bool:
         """Whether every block is counted (always, for a layout built at open)."""
-        return not self._by_blocks or bool((self._totals >= 0).all())
+        return self._counted is None or self._counted.counted()
 
     def own_order(self) -> bool:
         """Counted by blocks, the loader reads it in its own order (:meth:`loader_order`)."""
-        return self._by_blocks
+        return self._counted is not None
 
     def loader_order(self, *, shuffle: bool, seed: int, epoch: int) -> BlockOrder | None:
         """Counted by blocks: the group order over the blocks (windows of ``count_window``
@@ -295,16 +248,15 @@ class PackedDataset(DatasetAbstract[Sample]):
         ``shuffle_block_size`` and ``shuffle_window`` do not apply); otherwise ``None``, the
         loader's. A mixture orders its packed sources itself, over indexes ``[0, len)`` (which
         counts every block when the mixture is laid out)."""
-        if not self._by_blocks:
+        if self._counted is None:
             return None
-        blocks = len(self._totals)
-        return BlockOrder(self, blocks, shuffle=shuffle, seed=seed, epoch=epoch, window=self.count_window)
+        return self._counted.order(shuffle=shuffle, seed=seed, epoch=epoch)
 
     def fingerprint(self) -> DatasetFingerprint:
         """Counted by blocks and not counted yet: ``observations`` is ``-1`` (the storage's
         digest, the tokenizer and ``sequence_length`` pin the sequences; their number is counted
         as they are read)."""
-        if not self._by_blocks or self.counted():
+        if self.counted():
             return super().fingerprint()
         return DatasetFingerprint(
             kind=self._fingerprint_kind(),
@@ -312,93 +264,6 @@ class PackedDataset(DatasetAbstract[Sample]):
             sequence_length=self.sequence_length,
             digest=self._storage.content_digest(),
         )
-
-    def _block_keys(self, indices: I64) -> tuple[I64, I64]:
-        """Blocks and places of ``indices``: keyed ones as they say; plain ones (``[0, len)``,
-        a mixture's) by the whole count (the blocks' sequences in block order, then the tails)."""
-        keyed = indices >= KEYED
-        if keyed.all():
-            return decode_keys(indices)
-        self._count_all()
-        counts = np.append(
-            block_counts(self._totals, self.sequence_length), tails_count(self._totals, self.sequence_length)
-        )
-        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        if len(indices) and (indices[~keyed].min() < 0 or indices[~keyed].max() >= starts[-1]):
-            raise IndexError(f"packed sequence index outside [0, {int(starts[-1])})")
-        blocks = np.searchsorted(starts, indices, side="right") - 1
-        places = indices - starts[np.minimum(blocks, len(starts) - 1)]
-        kb, kp = decode_keys(indices)
-        return np.where(keyed, kb, blocks), np.where(keyed, kp, places)
-
-    def _block_parts(self, indices: I64) -> tuple[I64, I64, I64, I64, I64]:
-        """The document parts of sequences ``indices`` (row-major, each row's in column order):
-        row, document, first element in the document, elements, column in the row."""
-        blocks, places = self._block_keys(np.asarray(indices, dtype=np.int64))
-        tails = len(self._totals)
-        has_tails = bool((blocks == tails).any())
-        if has_tails:
-            self._count_all()
-        pieces = block_pieces(
-            blocks, places, self.sequence_length, self._totals if has_tails else None, tails
-        )
-        rows, docs, firsts, sizes, cols = [], [], [], [], []
-        for row, b, lo, hi, at in zip(
-            pieces.row.tolist(),
-            pieces.block.tolist(),
-            pieces.lo.tolist(),
-            pieces.hi.tolist(),
-            pieces.at.tolist(),
-            strict=True,
-        ):
-            offsets = self._block_offsets.get(b)
-            if offsets is None:
-                self.count_blocks_sync(np.asarray([b], dtype=np.int64))
-                offsets = self._block_offsets[b]
-            if hi > int(offsets[-1]):
-                raise IndexError(f"packed sequence {places} of block {b} outside the block's sequences")
-            d0 = int(np.searchsorted(offsets, lo, side="right")) - 1
-            d1 = int(np.searchsorted(offsets, hi - 1, side="right")) - 1
-            base = int(self._block_docs[b])
-            for d in range(d0, d1 + 1):
-                a, z = max(lo, int(offsets[d])), min(hi, int(offsets[d + 1]))
-                if z > a:  # an empty document holds no element
-                    rows.append(row)
-                    docs.append(base + d)
-                    firsts.append(a - int(offsets[d]))
-                    sizes.append(z - a)
-                    cols.append(at + a - lo)
-        as64 = functools.partial(np.asarray, dtype=np.int64)
-        return as64(rows), as64(docs), as64(firsts), as64(sizes), as64(cols)
-
-    def _read_blocks(self, indices: I64) -> ReadPlan:
-        """Packed sequences ``indices`` counted by blocks: the documents they hold read with one
-        ``read_many`` call (tokens the storage keeps from the count: none tokenized again) and
-        cut into their rows."""
-        rows, docs, firsts, sizes, cols = self._block_parts(indices)
-        ids, where = np.unique(docs, return_inverse=True)
-        storage = self._storage
-        (got,) = yield [
-            Call(
-                functools.partial(storage.read_many_sync, ids),
-                functools.partial(storage.read_many, ids),
-            )
-        ]
-        n, length = len(indices), self.sequence_length
-        out = np.empty((n, length), dtype=storage.dtype)
-        flat = out.reshape(-1)
-        for w, f, k, r, c in zip(
-            where.tolist(), firsts.tolist(), sizes.tolist(), rows.tolist(), cols.tolist(), strict=True
-        ):
-            at = r * length + c
-            flat[at : at + k] = got[w][f : f + k]
-        segments = np.ones(len(rows), dtype=np.int32)
-        if len(rows):
-            new_row = np.flatnonzero(np.diff(rows, prepend=-1))
-            segments = (
-                np.arange(len(rows)) - np.repeat(new_row, np.diff(np.append(new_row, len(rows)))) + 1
-            ).astype(np.int32)
-        return self._assemble(out, Pieces(sizes, docs, segments, rows * length + cols))
 
     def _built_layout(self) -> ConcatLayout | BestFitLayout:
         if self._layout is None:
@@ -451,7 +316,11 @@ class PackedDataset(DatasetAbstract[Sample]):
         async for p0, off in self._offsets_in_chunks():
             lengths[p0 : p0 + len(off) - 1] = np.diff(off)
             starts[p0 : p0 + len(off) - 1] = off[:-1]
-        return best_fit_layout(lengths, starts, length, self._fit_bounds(starts, total))
+        blocks, group = self._storage_blocks(), self.fit_group
+        if blocks is None or group is None:  # one range: the whole dataset
+            return best_fit_layout(lengths, starts, length)
+        # ranges of consecutive storage blocks, each the fewest holding fit_group sequences' worth
+        return best_fit_layout(lengths, starts, length, fit_bounds(blocks, starts, total, group * length))
 
     def _storage_blocks(self) -> I64 | None:
         """The storage's natural blocks (documents per block, the empty ones left out), checked
@@ -467,29 +336,6 @@ class PackedDataset(DatasetAbstract[Sample]):
                 f"{int(blocks.sum())}"
             )
         return blocks[blocks > 0]
-
-    def _fit_bounds(self, starts: I64, total: int) -> I64 | None:
-        """Where best fit's ranges of documents begin and end: consecutive storage blocks, each
-        range the fewest that hold ``fit_group`` sequences' worth of elements (a short last
-        range joins the one before); ``None`` (one range: the whole dataset) for a storage
-        without natural blocks or ``fit_group=None``."""
-        blocks = self._storage_blocks()
-        if blocks is None or self.fit_group is None:
-            return None
-        ends = np.cumsum(blocks)
-        offsets = np.append(starts, total)  # element offset of each document
-        need = self.fit_group * self.sequence_length
-        bounds, since = [0], 0
-        for end, elements in zip(ends.tolist(), offsets[ends].tolist(), strict=True):
-            if elements - since >= need:
-                bounds.append(end)
-                since = elements
-        if bounds[-1] != len(starts):
-            if len(bounds) > 1:
-                bounds[-1] = len(starts)  # the short rest joins the last range
-            else:
-                bounds.append(len(starts))
-        return np.asarray(bounds, dtype=np.int64)
 
     # -- reads ----------------------------------------------------------------------------------
     def _concat_queries(self, indices: I64) -> I64:
@@ -569,8 +415,9 @@ class PackedDataset(DatasetAbstract[Sample]):
     def _read(self, indices: I64) -> ReadPlan:
         """Packed sequences ``indices``: one batched span read of the storage (concat mode also
         looks up, at the same time, the offsets of the documents the sequences hold)."""
-        if self._by_blocks:
-            return (yield from self._read_blocks(indices))
+        if self._counted is not None:
+            tokens, pieces = yield from self._counted.read(indices)
+            return self._assemble(tokens, pieces)
         self._require_layout()
         indices = np.asarray(indices, dtype=np.int64)
         length = self.sequence_length
@@ -623,11 +470,10 @@ class PackedDataset(DatasetAbstract[Sample]):
     def describe(self, index: int) -> dict[str, Any]:
         """The pieces of packed sequence ``index``: each one's document and element range in it
         (``documents``), in the storage (``elements``), and the files holding them. A few lookups
-        in the layout and one of the documents' offsets. Counted by blocks: the pieces' documents
-        and files, and ``block`` and ``sequence`` (its place in the block; the tails run is
-        block ``len(blocks)``)."""
-        if self._by_blocks:
-            return self._describe_block(index)
+        in the layout and one of the documents' offsets (counted by blocks: the pieces'
+        documents and files, and ``block`` and ``sequence``, its place in the block)."""
+        if self._counted is not None:
+            return self._counted.describe(index)
         layout = self._require_layout()
         length, storage = self.sequence_length, self._storage
         if isinstance(layout, ConcatLayout):
@@ -651,29 +497,11 @@ class PackedDataset(DatasetAbstract[Sample]):
             "files": [storage.locate(x, y) for _, x, y, _ in pieces],
         }
 
-    def _describe_block(self, index: int) -> dict[str, Any]:
-        _, docs, firsts, sizes, _ = self._block_parts(np.asarray([index], dtype=np.int64))
-        (block,), (place,) = self._block_keys(np.asarray([index], dtype=np.int64))
-        place_of = self._storage.document_place  # type: ignore[attr-defined]
-        return {
-            "block": int(block),
-            "sequence": int(place),
-            "documents": [
-                [d, f, f + k] for d, f, k in zip(docs.tolist(), firsts.tolist(), sizes.tolist(), strict=True)
-            ],
-            "files": [[place_of(d)] for d in docs.tolist()],
-        }
-
     def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
         """The loader's upcoming reads, as the storage's: the documents each window's sequences
         hold, in order (over Parquet, the row groups they need are then decoded, and a text
         column's rows tokenized, ahead of the reads)."""
-        if self._by_blocks:
-            self._storage.will_read(
-                np.unique(self._block_parts(np.asarray(w, dtype=np.int64))[1]) for w in windows
-            )
-            return
-        if self._layout is None:
+        if self._counted is None and self._layout is None:
             return
         self._storage.will_read(self._documents_of(np.asarray(w, dtype=np.int64)) for w in windows)
 
@@ -681,8 +509,8 @@ class PackedDataset(DatasetAbstract[Sample]):
         """The documents sequences ``indices`` hold (concat: from the one holding a sequence's
         first element to the one holding the next sequence's; counted by blocks: those it holds
         a piece of)."""
-        if self._by_blocks:
-            return np.unique(self._block_parts(indices)[1])
+        if self._counted is not None:
+            return self._counted.documents_of(indices)
         layout = self._require_layout()
         if isinstance(layout, ConcatLayout):
             first = layout.first[indices]
@@ -700,7 +528,7 @@ class PackedDataset(DatasetAbstract[Sample]):
         starts have none). ``"best_fit"``: the sequences of each range best fit packed on its
         own (see ``fit_group``), which read that range's blocks only.
         """
-        if self._by_blocks:
+        if self._counted is not None:
             return None  # its own order keeps the blocks together (see order())
         if self._blocks is None:
             layout = self._built_layout()
@@ -727,7 +555,7 @@ class PackedDataset(DatasetAbstract[Sample]):
         packed by ranges of storage blocks, the range's size)."""
         if self.mode == "best_fit" and self.fit_group is not None and self._storage_blocks() is not None:
             return f"packed-best_fit-group{self.fit_group}"
-        if self._by_blocks:
+        if self._counted is not None:
             return "packed-concat-blocks"
         return f"packed-{self.mode}"
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 import anyio.to_thread
 import numpy as np
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from guideloom.storage._format._manifest import Manifest
 
 __all__ = [
+    "BlockCounter",
     "DocumentStorageAbstract",
     "InT",
     "Rows",
@@ -225,6 +226,30 @@ class StreamStorageAbstract(StorageAbstract[InT, OutT]):
         """
 
 
+class BlockCounter(Protocol):
+    """What a storage that counts its documents' lengths block by block (a Parquet text column
+    tokenized at read, whose lengths cost a tokenizer pass) gives packing, which then counts a
+    block as it first reads it (see :meth:`DocumentStorageAbstract.block_counter`). A block
+    here is one of the storage's :meth:`~DocumentStorageAbstract.natural_blocks`."""
+
+    def block_nbytes(self) -> npt.NDArray[np.int64]:
+        """Stored bytes of each block (what a count of it costs, about)."""
+        ...
+
+    def known_block_lengths(self, group: int) -> npt.NDArray[np.int64] | None:
+        """Block ``group``'s documents' lengths where known without counting; ``None`` otherwise."""
+        ...
+
+    def block_lengths(self, group: int, lo: int = 0, hi: int | None = None) -> npt.NDArray[np.int64]:
+        """The lengths of block ``group``'s documents ``[lo, hi)`` (all by default), counted now
+        where not known (the storage keeps what the count decoded for the reads that follow)."""
+        ...
+
+    def document_place(self, index: int) -> list[Any]:
+        """Where document ``index`` is stored (what ``loader.explain()`` reports of it)."""
+        ...
+
+
 class DocumentStorageAbstract(StorageAbstract[InT, OutT]):
     """A sequence of variable-length documents, each a 1-D array."""
 
@@ -261,6 +286,13 @@ class DocumentStorageAbstract(StorageAbstract[InT, OutT]):
         Parquet file's row groups, decoded whole), in document order; ``None`` (the default)
         where a document is read on its own. A loader's ``shuffle_block_size="auto"`` keeps
         these runs together in its block shuffle."""
+        return None
+
+    def block_counter(self) -> BlockCounter | None:
+        """What counts this storage's documents' lengths block by block, where a length costs
+        a pass over the data that packing would rather make as it reads (a Parquet text column
+        with a tokenizer); ``None`` (the default): the lengths come from
+        :meth:`document_offsets`, all at once."""
         return None
 
     def deferred_step(

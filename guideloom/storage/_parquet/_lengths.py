@@ -24,6 +24,7 @@ from guideloom._core.text import plural
 from guideloom._errors import DatasetIntegrityError
 from guideloom.storage._parquet._decode import I64
 from guideloom.storage._parquet._tokens import _TokenRows
+from guideloom.storage.base import BlockCounter
 
 _LENGTHS_VERSION = 2  # the length index's files and their key
 
@@ -185,6 +186,11 @@ class _LengthIndex(_TokenRows):
         reads them (a text column tokenized at read: its lengths cost a tokenizer pass), rather
         than from the whole length index built at open."""
         return self._kind == "text" and self._encoder is not None and self._tokenize
+
+    def block_counter(self) -> BlockCounter | None:
+        """This storage, where packing counts it row group by row group (:meth:`counts_by_block`):
+        its blocks are its row groups (:meth:`natural_blocks`)."""
+        return self if self.counts_by_block() else None
 
     def block_nbytes(self) -> I64:
         """Uncompressed bytes of the column in each row group (from the footers)."""

@@ -1,0 +1,258 @@
+"""The layout of a concat packing counted block by block as it is read.
+
+Over a storage that counts its documents' lengths block by block (a Parquet text column with a
+tokenizer: :meth:`~guideloom.storage.base.DocumentStorageAbstract.block_counter`), concat cuts
+each block on its own and the blocks' tails together last (``guideloom._core.pack_layout``), so
+a block's sequences follow from that block alone. :class:`PackedBlocks` holds the blocks (each a
+row group's rows in equal runs of at most ``part_bytes`` of stored text), what is counted of
+them (each counted block's document offsets), counts them as the order reaches them
+(:class:`~guideloom._datasets.counted.BlockOrder`), and turns sequences, keyed by block and
+place (:mod:`guideloom._datasets.counted`) or plain ``[0, len)`` (a mixture's), into the parts
+of documents they hold.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Generator
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from guideloom._core.pack_layout import block_counts, block_pieces, tails_count
+from guideloom._datasets.base import Call
+from guideloom._datasets.counted import KEYED, BlockOrder, decode_keys
+from guideloom._datasets.packed_rows import Pieces
+from guideloom.storage.base import BlockCounter, DocumentStorageAbstract
+
+__all__ = ["COUNT_WINDOW_BYTES", "PART_BYTES", "BlockRead", "PackedBlocks"]
+
+I64 = npt.NDArray[np.int64]
+#: Stored text bytes of a block of a packing counted block by block, at most (a row group's rows
+#: cut into equal runs of rows, as few as keep each below this; a row group a block where it is
+#: smaller): what a count tokenizes at a time.
+PART_BYTES = 2**20
+#: Stored text bytes of the blocks a window of such a packing's order holds, at least one block:
+#: the first batch waits for one window's tokenizing (about a quarter of a second on two free
+#: cores), and the loader's shuffle mixes the sequences of a window's blocks.
+COUNT_WINDOW_BYTES = 2 * 2**20
+#: A read of sequences counted by blocks: its storage calls, then the rows' elements and pieces.
+BlockRead = Generator[list[Call], list[Any], tuple[npt.NDArray[Any], Pieces]]
+
+
+class PackedBlocks:
+    """The blocks of a concat packing counted by blocks, their counts, and the document parts of
+    its sequences.
+
+    ``window`` is the number of blocks a window of the order holds (the fewest holding
+    ``window_bytes`` of stored text, at least one); it may be set before a loader plans.
+    """
+
+    def __init__(
+        self,
+        storage: DocumentStorageAbstract[Any, Any],
+        counter: BlockCounter,
+        rows: npt.ArrayLike,
+        sequence_length: int,
+        *,
+        part_bytes: int,
+        window_bytes: int,
+    ) -> None:
+        self._storage = storage
+        self._counter = counter
+        self.sequence_length = sequence_length
+        sizes = np.asarray(rows, dtype=np.int64)
+        nbytes = counter.block_nbytes()
+        # each row group's rows in equal runs of at most part_bytes of text: the blocks
+        parts = np.clip(-(-nbytes // part_bytes), 1, np.maximum(sizes, 1))
+        group = np.repeat(np.arange(len(sizes), dtype=np.int64), parts)
+        cuts = [
+            np.linspace(0, r, p + 1).astype(np.int64)
+            for r, p in zip(sizes.tolist(), parts.tolist(), strict=True)
+        ]
+        self._group = group
+        self._lo = np.concatenate([c[:-1] for c in cuts]).astype(np.int64)
+        self._hi = np.concatenate([c[1:] for c in cuts]).astype(np.int64)
+        self._docs = np.append(np.cumsum(sizes)[group] - sizes[group] + self._lo, int(sizes.sum()))
+        self._totals = np.full(len(group), -1, dtype=np.int64)
+        self._offsets: dict[int, I64] = {}
+        mean = max(1, int(nbytes.sum()) // max(1, len(group)))
+        self.window = max(1, window_bytes // mean)
+
+    @classmethod
+    def over(
+        cls,
+        storage: DocumentStorageAbstract[Any, Any],
+        sequence_length: int,
+        part_bytes: int,
+        window_bytes: int,
+    ) -> PackedBlocks | None:
+        """Concat's blocks over ``storage`` where it counts by blocks (its
+        :meth:`~guideloom.storage.base.DocumentStorageAbstract.block_counter`, over its natural
+        blocks); ``None`` where it does not (the layout is then built whole at open)."""
+        counter = storage.block_counter()
+        rows = storage.natural_blocks() if counter is not None else None
+        if counter is None or rows is None:
+            return None
+        return cls(storage, counter, rows, sequence_length, part_bytes=part_bytes, window_bytes=window_bytes)
+
+    # -- counting -------------------------------------------------------------------------------
+    def learn_known(self) -> None:
+        """The blocks' lengths the storage knows without counting (``cache_dir``)."""
+        known = self._counter.known_block_lengths
+        for b in np.flatnonzero(self._totals < 0).tolist():
+            lengths = known(int(self._group[b]))
+            if lengths is not None:
+                self._learn(b, lengths[self._lo[b] : self._hi[b]])
+
+    def _learn(self, block: int, lengths: I64) -> None:
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        self._offsets[block] = offsets
+        self._totals[block] = int(offsets[-1])
+
+    def block_totals(self) -> I64:
+        """Each block's elements (``-1``: not counted yet)."""
+        return self._totals
+
+    def count_blocks_sync(self, blocks: npt.ArrayLike) -> None:
+        """Count ``blocks``: decode and tokenize their documents (which the storage keeps for the
+        reads that follow), in the caller's thread."""
+        count = self._counter.block_lengths
+        for b in np.asarray(blocks, dtype=np.int64).tolist():
+            if self._totals[b] < 0:
+                self._learn(b, count(int(self._group[b]), int(self._lo[b]), int(self._hi[b])))
+
+    def count_all(self) -> None:
+        """Count every block not counted yet (blocking)."""
+        self.learn_known()
+        self.count_blocks_sync(np.flatnonzero(self._totals < 0))
+
+    def counted(self) -> bool:
+        """Whether every block is counted."""
+        return bool((self._totals >= 0).all())
+
+    def __len__(self) -> int:
+        """Sequences of all blocks and the tails run: every block counted first (blocking)."""
+        self.count_all()
+        length = self.sequence_length
+        return int(block_counts(self._totals, length).sum()) + tails_count(self._totals, length)
+
+    def nbytes(self) -> int:
+        """Memory held: the totals and the document offsets of each block counted so far."""
+        return int(self._totals.nbytes) + sum(int(o.nbytes) for o in self._offsets.values())
+
+    def order(self, *, shuffle: bool, seed: int, epoch: int) -> BlockOrder:
+        """The group order over the blocks (windows of ``window`` blocks), then the tails run,
+        counted a window at a time."""
+        return BlockOrder(
+            self, len(self._totals), shuffle=shuffle, seed=seed, epoch=epoch, window=self.window
+        )
+
+    # -- sequences to document parts ------------------------------------------------------------
+    def keys(self, indices: I64) -> tuple[I64, I64]:
+        """Blocks and places of ``indices``: keyed ones as they say; plain ones (``[0, len)``,
+        a mixture's) by the whole count (the blocks' sequences in block order, then the tails)."""
+        keyed = indices >= KEYED
+        if keyed.all():
+            return decode_keys(indices)
+        self.count_all()
+        counts = np.append(
+            block_counts(self._totals, self.sequence_length), tails_count(self._totals, self.sequence_length)
+        )
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        if len(indices) and (indices[~keyed].min() < 0 or indices[~keyed].max() >= starts[-1]):
+            raise IndexError(f"packed sequence index outside [0, {int(starts[-1])})")
+        blocks = np.searchsorted(starts, indices, side="right") - 1
+        places = indices - starts[np.minimum(blocks, len(starts) - 1)]
+        kb, kp = decode_keys(indices)
+        return np.where(keyed, kb, blocks), np.where(keyed, kp, places)
+
+    def parts(self, indices: I64) -> tuple[I64, I64, I64, I64, I64]:
+        """The document parts of sequences ``indices`` (row-major, each row's in column order):
+        row, document, first element in the document, elements, column in the row."""
+        blocks, places = self.keys(np.asarray(indices, dtype=np.int64))
+        tails = len(self._totals)
+        has_tails = bool((blocks == tails).any())
+        if has_tails:
+            self.count_all()
+        pieces = block_pieces(
+            blocks, places, self.sequence_length, self._totals if has_tails else None, tails
+        )
+        rows, docs, firsts, sizes, cols = [], [], [], [], []
+        for row, b, lo, hi, at in zip(
+            pieces.row.tolist(),
+            pieces.block.tolist(),
+            pieces.lo.tolist(),
+            pieces.hi.tolist(),
+            pieces.at.tolist(),
+            strict=True,
+        ):
+            offsets = self._offsets.get(b)
+            if offsets is None:
+                self.count_blocks_sync(np.asarray([b], dtype=np.int64))
+                offsets = self._offsets[b]
+            if hi > int(offsets[-1]):
+                raise IndexError(f"packed sequence {places} of block {b} outside the block's sequences")
+            d0 = int(np.searchsorted(offsets, lo, side="right")) - 1
+            d1 = int(np.searchsorted(offsets, hi - 1, side="right")) - 1
+            base = int(self._docs[b])
+            for d in range(d0, d1 + 1):
+                a, z = max(lo, int(offsets[d])), min(hi, int(offsets[d + 1]))
+                if z > a:  # an empty document holds no element
+                    rows.append(row)
+                    docs.append(base + d)
+                    firsts.append(a - int(offsets[d]))
+                    sizes.append(z - a)
+                    cols.append(at + a - lo)
+        as64 = functools.partial(np.asarray, dtype=np.int64)
+        return as64(rows), as64(docs), as64(firsts), as64(sizes), as64(cols)
+
+    def documents_of(self, indices: I64) -> I64:
+        """The documents sequences ``indices`` hold a piece of, sorted."""
+        return np.unique(self.parts(indices)[1])
+
+    def read(self, indices: I64) -> BlockRead:
+        """Packed sequences ``indices``: the documents they hold read with one ``read_many`` call
+        (tokens the storage keeps from the count: none tokenized again) and cut into their rows;
+        the rows' elements and pieces."""
+        rows, docs, firsts, sizes, cols = self.parts(indices)
+        ids, where = np.unique(docs, return_inverse=True)
+        storage = self._storage
+        (got,) = yield [
+            Call(
+                functools.partial(storage.read_many_sync, ids),
+                functools.partial(storage.read_many, ids),
+            )
+        ]
+        n, length = len(indices), self.sequence_length
+        out = np.empty((n, length), dtype=storage.dtype)
+        flat = out.reshape(-1)
+        for w, f, k, r, c in zip(
+            where.tolist(), firsts.tolist(), sizes.tolist(), rows.tolist(), cols.tolist(), strict=True
+        ):
+            at = r * length + c
+            flat[at : at + k] = got[w][f : f + k]
+        segments = np.ones(len(rows), dtype=np.int32)
+        if len(rows):
+            new_row = np.flatnonzero(np.diff(rows, prepend=-1))
+            segments = (
+                np.arange(len(rows)) - np.repeat(new_row, np.diff(np.append(new_row, len(rows)))) + 1
+            ).astype(np.int32)
+        return out, Pieces(sizes, docs, segments, rows * length + cols)
+
+    def describe(self, index: int) -> dict[str, Any]:
+        """Sequence ``index``'s ``block`` and ``sequence`` (its place in the block; the tails run
+        is block ``len(blocks)``), the parts of documents it holds and their files."""
+        at = np.asarray([index], dtype=np.int64)
+        _, docs, firsts, sizes, _ = self.parts(at)
+        (block,), (place,) = self.keys(at)
+        place_of = self._counter.document_place
+        return {
+            "block": int(block),
+            "sequence": int(place),
+            "documents": [
+                [d, f, f + k] for d, f, k in zip(docs.tolist(), firsts.tolist(), sizes.tolist(), strict=True)
+            ],
+            "files": [[place_of(d)] for d in docs.tolist()],
+        }

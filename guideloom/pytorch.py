@@ -27,13 +27,20 @@ from guideloom._core.audit import AuditReport
 from guideloom._core.checkpoint import restore_history, restore_position
 from guideloom._core.checks import check_block_size, check_bool, check_int, check_optional_int
 from guideloom._core.order import DEFAULT_WINDOW
-from guideloom._core.plan import num_batches
+from guideloom._core.plan import Counting, num_batches
 from guideloom._datasets import DatasetAbstract, SourceT, StreamDataset, dataset_for
 from guideloom._loader.arguments import check_device, resolve_collate_mode
 from guideloom._loader.figures import verdict_figures
 from guideloom._loader.iterators import AsyncIterator, SyncIterator, _IteratorBase, open_for_iteration
 from guideloom._loader.provenance import audit_ranks, explain_step
-from guideloom._loader.state import LoaderState, block_size, identity_to_restore, save_state, window
+from guideloom._loader.state import (
+    LoaderState,
+    block_size,
+    epoch_order,
+    identity_to_restore,
+    save_state,
+    window,
+)
 from guideloom._runtime.config import PipelineConfig
 from guideloom.storage.base import DocumentStorageAbstract, InT, OutT, StreamStorageAbstract
 from guideloom.types import LoaderOptions, StatefulDataLoaderStateDict
@@ -251,16 +258,23 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         persistent process workers (see :meth:`close`)."""
         await self._state.life.aclose(self.dataset, keep_workers=False)
 
-    def _length_known(self) -> bool:
-        """Whether the dataset's length is known without counting it (packing counted as read
-        knows it once every block is read: a count now would tokenize the whole corpus)."""
-        counted = getattr(self.dataset, "counted", None)
-        return not callable(counted) or bool(counted())
+    def _observations_to(self, g: int) -> int:
+        """The dataset's observations, or at least ``g`` of them: a dataset counted as it is
+        read (packed text) counts the current epoch's first windows until they hold ``g`` (what
+        its first batch reads anyway), not the whole corpus."""
+        if self.dataset.counted():
+            return len(self.dataset)
+        ckpt = self._state.ckpt
+        order = epoch_order(self, ckpt, ckpt.epoch)
+        if not isinstance(order, Counting):
+            return len(self.dataset)
+        while order.total is None and order.known < g:
+            order.count_sync()
+        return order.known if order.total is None else order.total
 
     def _check_size(self) -> None:
-        if not self._length_known():
-            return  # counted as the epoch reads it: an epoch shorter than a batch has no batch
-        n, g = len(self.dataset), self.global_batch_size
+        g = self.global_batch_size
+        n = self._observations_to(g)
         if n >= g:
             return
         what = f"the dataset has {n} observations"
@@ -410,7 +424,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         with life.lock:
             if (
                 life.state != "closed"
-                and self._length_known()
+                and self.dataset.counted()
                 and world_size * self.local_batch_size > len(self.dataset)
             ):
                 raise ValueError(

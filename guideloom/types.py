@@ -35,7 +35,8 @@ class DatasetFingerprint(TypedDict):
     """``"stream"``, ``"documents"``, ``"packed-concat"`` or ``"packed-best_fit"`` (a custom
     dataset: its class name)."""
     observations: int
-    """Number of observations (samples) in the dataset."""
+    """Number of observations (samples) in the dataset; ``-1`` for one counted as it is read
+    (packed Parquet text) whose count was not complete when the checkpoint was saved."""
     sequence_length: int
     """Elements per stream sample; 0 for documents."""
     digest: str

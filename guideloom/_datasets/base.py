@@ -160,6 +160,11 @@ class DatasetAbstract(ABC, Generic[SourceT]):
         :meth:`order`."""
         return self.order(shuffle=shuffle, seed=seed, epoch=epoch)
 
+    def counted(self) -> bool:
+        """Whether ``len()`` is known without counting: a dataset counted as it is read (packed
+        text) knows it once every block is read, and ``len()`` before that counts them all."""
+        return True
+
     def own_order(self) -> bool:
         """Whether :meth:`loader_order` gives this dataset's epoch order (``makes_own_order``, or
         a dataset whose own order depends on how it was made: packing counted by blocks); the

@@ -77,6 +77,11 @@ class PackedBlocks:
         self._docs = np.append(np.cumsum(sizes)[group] - sizes[group] + self._lo, int(sizes.sum()))
         self._totals = np.full(len(group), -1, dtype=np.int64)
         self._offsets: dict[int, I64] = {}
+        #: Blocks whose counts came from ``cache_dir`` with documents counted as empty: a read
+        #: checks each document it reads against its count, and an empty one is never read, so
+        #: the first read of such a block reads those too (a count that hid a document is refused).
+        self._unchecked: set[int] = set()
+        self.part_bytes = part_bytes
         mean = max(1, int(nbytes.sum()) // max(1, len(group)))
         self.window = max(1, window_bytes // mean)
 
@@ -104,7 +109,28 @@ class PackedBlocks:
         for b in np.flatnonzero(self._totals < 0).tolist():
             lengths = known(int(self._group[b]))
             if lengths is not None:
-                self._learn(b, lengths[self._lo[b] : self._hi[b]])
+                mine = lengths[self._lo[b] : self._hi[b]]
+                self._learn(b, mine)
+                if not mine.all():
+                    self._unchecked.add(b)
+        self._refuse_empty()
+        if self._unchecked:  # a block counted as all empty holds no sequence: no read meets it
+            for b in [b for b in self._unchecked if self._totals[b] == 0]:
+                self._storage.read_many_sync(np.arange(self._docs[b], self._docs[b + 1]))
+                self._unchecked.discard(b)
+
+    def _empty_docs(self, docs: I64) -> I64:
+        """Documents counted as empty (from ``cache_dir``, unread so far) of the blocks that hold
+        ``docs``: read with them, so that the storage checks their counts too."""
+        if not self._unchecked or not len(docs):
+            return np.zeros(0, dtype=np.int64)
+        blocks = np.unique(np.searchsorted(self._docs, docs, side="right") - 1).tolist()
+        empty = [
+            self._docs[b] + np.flatnonzero(np.diff(self._offsets[b]) == 0)
+            for b in blocks
+            if b in self._unchecked
+        ]
+        return np.concatenate(empty).astype(np.int64) if empty else np.zeros(0, dtype=np.int64)
 
     def _learn(self, block: int, lengths: I64) -> None:
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
@@ -122,6 +148,17 @@ class PackedBlocks:
         for b in np.asarray(blocks, dtype=np.int64).tolist():
             if self._totals[b] < 0:
                 self._learn(b, count(int(self._group[b]), int(self._lo[b]), int(self._hi[b])))
+        self._refuse_empty()
+
+    def _refuse_empty(self) -> None:
+        """Once every block is counted: a column of fewer elements than one sequence is refused,
+        as the layout built at open refuses it (not an epoch of no batch)."""
+        if self.counted() and int(self._totals.sum()) < self.sequence_length:
+            raise ValueError(
+                f"{self._storage!r} holds {int(self._totals.sum())} elements, fewer than one sequence "
+                f"of sequence_length={self.sequence_length}; pass a smaller sequence_length (or use "
+                "mode='best_fit')"
+            )
 
     def count_all(self) -> None:
         """Count every block not counted yet (blocking)."""
@@ -217,7 +254,9 @@ class PackedBlocks:
         (tokens the storage keeps from the count: none tokenized again) and cut into their rows;
         the rows' elements and pieces."""
         rows, docs, firsts, sizes, cols = self.parts(indices)
-        ids, where = np.unique(docs, return_inverse=True)
+        empty = self._empty_docs(docs)
+        ids, where = np.unique(np.concatenate([docs, empty]), return_inverse=True)
+        where = where[: len(docs)]
         storage = self._storage
         (got,) = yield [
             Call(
@@ -225,6 +264,8 @@ class PackedBlocks:
                 functools.partial(storage.read_many, ids),
             )
         ]
+        if len(empty):  # read, and so checked against their counts
+            self._unchecked.difference_update((np.searchsorted(self._docs, empty, side="right") - 1).tolist())
         n, length = len(indices), self.sequence_length
         out = np.empty((n, length), dtype=storage.dtype)
         flat = out.reshape(-1)

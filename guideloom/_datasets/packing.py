@@ -552,11 +552,12 @@ class PackedDataset(DatasetAbstract[Sample]):
 
     def _fingerprint_kind(self) -> str:
         """Another packing counts other sequences: the kind names the mode (and, for best fit
-        packed by ranges of storage blocks, the range's size)."""
+        packed by ranges of storage blocks, the range's size; counted by blocks, the blocks'
+        bytes and the window of its order, which a resume must keep)."""
         if self.mode == "best_fit" and self.fit_group is not None and self._storage_blocks() is not None:
             return f"packed-best_fit-group{self.fit_group}"
-        if self._counted is not None:
-            return "packed-concat-blocks"
+        if self._counted is not None:  # the blocks and the order's windows make the sequences' order
+            return f"packed-concat-blocks{self._counted.part_bytes}-window{self._counted.window}"
         return f"packed-{self.mode}"
 
     @property

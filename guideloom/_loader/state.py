@@ -174,8 +174,8 @@ def _loader_fingerprint(loader: Loader[Any], state: LoaderState) -> DatasetFinge
     if ckpt.fingerprint is not None:
         return ckpt.fingerprint
     fp = loader.dataset.fingerprint()
-    if state.life.state != "closed":
-        ckpt.fingerprint = fp
+    if state.life.state != "closed" and fp["observations"] >= 0:
+        ckpt.fingerprint = fp  # (one counted as read, -1, is asked again: its count completes)
     return fp
 
 

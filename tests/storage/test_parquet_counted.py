@@ -145,7 +145,7 @@ def test_a_cold_resume_with_another_geometry_delivers_the_rest_exactly(
             if i + 1 == stop:
                 break
         state = lo.state_dict()
-    assert state["dataset"]["kind"] == "packed-concat-blocks"
+    assert state["dataset"]["kind"].startswith("packed-concat-blocks")
     assert state["dataset"]["observations"] == -1  # not counted yet when saved
     rest: list[list[tuple[int, ...]]] = []
     for rank in range(world):
@@ -256,18 +256,22 @@ def packed_with(corpus: Path, tokenizer: Any) -> gl.PackedDataset:
     return ds
 
 
-def test_an_epoch_shorter_than_a_batch_is_known_once_counted(corpus: Path, tokenizer_json: str) -> None:
-    """The size check at open needs the count: over packed text counted as read, an epoch with
-    fewer sequences than a global batch has no whole batch (``drop_last``) or one partial one."""
-    ds = packed(corpus, tokenizer_json, None)
+def test_an_epoch_shorter_than_a_batch_is_refused_at_open_as_when_counted(
+    corpus: Path, tokenizer_json: str
+) -> None:
+    """The size check at open counts the epoch's first windows until they hold a global batch
+    (what the first batch reads anyway): an epoch with fewer sequences than a global batch is
+    refused at open, cold as warm, with or without ``drop_last``."""
     n = len(gl.pack(gl.open_parquet(corpus, "text", tokenizer=tokenizer_json, eos="</s>"), LENGTH))
-    big = n + 5
-    with gl.StatefulDataLoader(
-        packed(corpus, tokenizer_json, None), keys, local_batch_size=big, device=CPU
-    ) as lo:
-        assert list(lo) == []
-    lo = gl.StatefulDataLoader(ds, keys, local_batch_size=big, device=CPU, drop_last=False)
-    with lo:
-        batches = list(lo)
-        assert len(lo) == 1
-    assert [len(b) for b in batches] == [n]
+    for drop_last in (True, False):
+        lo = gl.StatefulDataLoader(
+            packed(corpus, tokenizer_json, None),
+            keys,
+            local_batch_size=n + 5,
+            device=CPU,
+            drop_last=drop_last,
+        )
+        with pytest.raises(
+            ValueError, match=f"the dataset has {n} observations, fewer than one global batch"
+        ):
+            lo.open()

@@ -204,3 +204,15 @@ def test_a_corpus_shorter_than_one_sequence_is_refused_with_a_clear_error(tmp_pa
     pq.write_table(pa.table({"text": ["a few words", "more"]}), folder / "part-0.parquet")
     with pytest.raises(ValueError, match="sequence"), loader(packed(folder), batch=1) as lo:
         list(lo)
+
+
+@pytest.mark.xfail(
+    strict=True, reason="a bad count_window is reported as a bad shuffle_window, or as a slicing TypeError"
+)
+@pytest.mark.parametrize("window", [0, -2, 2.5])
+def test_a_bad_count_window_is_named_in_its_error(corpus: Path, window: Any) -> None:
+    """Bad input gets a clear error that names it: ``count_window`` is what the user set."""
+    ds = packed(corpus)
+    with pytest.raises((ValueError, TypeError), match="count_window"):
+        ds.count_window = window
+        epoch(ds)

@@ -522,6 +522,9 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
             epoch, offset = restore_position(
                 state_dict, identity_to_restore(self, state), allow_dataset_change=allow_dataset_change
             )
+            counts = state_dict.get("counts")
+            if isinstance(counts, str) and not allow_dataset_change:  # counted over this dataset
+                self.dataset.load_count_state(counts)
             state.ckpt.restore(epoch, offset, restore_history(state_dict, epoch, offset))
 
     # -- provenance -------------------------------------------------------------------------------

@@ -77,6 +77,10 @@ class StatefulDataLoaderStateDict(TypedDict):
     """Whether that loader was given ``shuffle_block_size="auto"`` (present with
     ``shuffle_block_size``): over a storage's own blocks (a Parquet file's row groups),
     ``"auto"`` keeps them, an order no size reproduces."""
+    counts: NotRequired[str]
+    """What a dataset counted as it read (packed Parquet text: each block's tokens), present for
+    such a dataset: a resume in another process counts only the blocks it reads, not every
+    window before its offset. Encoded, with a digest (a damaged one is refused)."""
     history: NotRequired[str]
     """Where the batch geometry (``local_batch_size``, ``world_size``) changed in the current
     epoch and the one before: ``epoch:offset:step:local_batch_size:world_size`` per change,

@@ -160,6 +160,14 @@ class DatasetAbstract(ABC, Generic[SourceT]):
         :meth:`order`."""
         return self.order(shuffle=shuffle, seed=seed, epoch=epoch)
 
+    def count_state(self) -> str | None:
+        """What a checkpoint carries of what this dataset counted as it read (``None``: nothing,
+        its length is known without counting)."""
+        return None
+
+    def load_count_state(self, state: str) -> None:
+        """Take a checkpoint's :meth:`count_state` (nothing to take by default)."""
+
     def counted(self) -> bool:
         """Whether ``len()`` is known without counting: a dataset counted as it is read (packed
         text) knows it once every block is read, and ``len()`` before that counts them all."""

@@ -13,7 +13,11 @@ of documents they hold.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
+import hashlib
+import zlib
 from collections.abc import Generator
 from typing import Any
 
@@ -24,6 +28,7 @@ from guideloom._core.pack_layout import block_counts, block_pieces, tails_count
 from guideloom._datasets.base import Call
 from guideloom._datasets.counted import KEYED, BlockOrder, decode_keys
 from guideloom._datasets.packed_rows import Pieces
+from guideloom._errors import DatasetIntegrityError
 from guideloom.storage.base import BlockCounter, DocumentStorageAbstract
 
 __all__ = ["COUNT_WINDOW_BYTES", "PART_BYTES", "BlockRead", "PackedBlocks"]
@@ -106,7 +111,7 @@ class PackedBlocks:
     def learn_known(self) -> None:
         """The blocks' lengths the storage knows without counting (``cache_dir``)."""
         known = self._counter.known_block_lengths
-        for b in np.flatnonzero(self._totals < 0).tolist():
+        for b in [b for b in range(len(self._totals)) if b not in self._offsets]:
             lengths = known(int(self._group[b]))
             if lengths is not None:
                 mine = lengths[self._lo[b] : self._hi[b]]
@@ -134,8 +139,53 @@ class PackedBlocks:
 
     def _learn(self, block: int, lengths: I64) -> None:
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        was = int(self._totals[block])
+        if was >= 0 and was != int(offsets[-1]):  # a total a checkpoint carried, now counted
+            raise DatasetIntegrityError(
+                f"{self._storage!r}: block {block} (row group {int(self._group[block])}, rows "
+                f"[{int(self._lo[block])}, {int(self._hi[block])})) holds {int(offsets[-1])} tokens, the "
+                f"checkpoint's counts say {was}: the checkpoint was saved over documents that tokenize "
+                "otherwise (a tokenizer changed under its tokenizer_key); resume from a checkpoint "
+                "saved with this tokenizer, or load it with allow_dataset_change=True"
+            )
         self._offsets[block] = offsets
         self._totals[block] = int(offsets[-1])
+
+    def state(self) -> str:
+        """The blocks' totals as a checkpoint carries them (``-1``: not counted): a resume in
+        another process then counts only the blocks it reads, not every window before its
+        offset. ``"1:<digest>:<base64 of the zlib'd little-endian int64 totals>"``."""
+        raw = self._totals.astype("<i8").tobytes()
+        digest = hashlib.sha256(raw).hexdigest()[:16]
+        return f"1:{digest}:{base64.b64encode(zlib.compress(raw)).decode('ascii')}"
+
+    def load_state(self, state: str) -> None:
+        """The totals of a checkpoint's :meth:`state`: those not counted here are taken (each
+        checked against its documents when a read counts them); a damaged one is refused."""
+        try:
+            version, digest, body = state.split(":")
+            raw = zlib.decompress(base64.b64decode(body, validate=True))
+        except (ValueError, zlib.error, binascii.Error):
+            raise ValueError(
+                "the checkpoint's counts are malformed (expected what state_dict() saved); pass the "
+                "checkpoint as state_dict() returned it"
+            ) from None
+        totals = np.frombuffer(raw, dtype="<i8").astype(np.int64)
+        intact = version == "1" and hashlib.sha256(raw).hexdigest()[:16] == digest
+        if not intact or len(totals) != len(self._totals):
+            raise ValueError(
+                f"the checkpoint's counts are damaged or for another layout ({len(totals)} blocks, "
+                f"this packing has {len(self._totals)}); pass the checkpoint as state_dict() returned it"
+            )
+        for b in np.flatnonzero((totals >= 0) & (self._totals >= 0) & (totals != self._totals)).tolist():
+            raise DatasetIntegrityError(
+                f"{self._storage!r}: block {b} (row group {int(self._group[b])}) holds "
+                f"{int(self._totals[b])} tokens as counted here, the checkpoint's counts say "
+                f"{int(totals[b])}: the checkpoint was saved over documents that tokenize otherwise; "
+                "resume from a checkpoint saved with this tokenizer"
+            )
+        take = (totals >= 0) & (self._totals < 0)
+        self._totals[take] = totals[take]
 
     def block_totals(self) -> I64:
         """Each block's elements (``-1``: not counted yet)."""
@@ -146,7 +196,7 @@ class PackedBlocks:
         reads that follow), in the caller's thread."""
         count = self._counter.block_lengths
         for b in np.asarray(blocks, dtype=np.int64).tolist():
-            if self._totals[b] < 0:
+            if b not in self._offsets:
                 self._learn(b, count(int(self._group[b]), int(self._lo[b]), int(self._hi[b])))
         self._refuse_empty()
 

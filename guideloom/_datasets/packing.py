@@ -2,8 +2,7 @@
 sequences, with what document-masked attention needs to keep them apart.
 
 ``pack(storage, sequence_length, mode)`` returns a :class:`PackedDataset`: observation ``i`` is
-packed sequence ``i``, a read-only mapping of 1-D arrays of
-``sequence_length`` elements:
+packed sequence ``i``, a read-only mapping of 1-D arrays of ``sequence_length`` elements:
 
 - ``"tokens"``: the elements, of the storage's dtype (``pad_id`` after the last piece in
   ``"best_fit"`` mode);
@@ -15,8 +14,7 @@ packed sequence ``i``, a read-only mapping of 1-D arrays of
   previous sequence starts at 0 again, as it does in Megatron.
 
 A read returns :class:`PackedRows`, the sequences of one read window: ``collate_fn`` gets a
-batch's rows, and ``rows.block(key)`` is one key's ``(batch, sequence_length)`` array without a
-copy. The index arrays are computed for the whole window the first time one is asked for.
+batch's rows, ``rows.block(key)`` one key's ``(batch, sequence_length)`` array without a copy.
 
 The layout is a pure function of the documents' lengths, built once when the dataset is first
 opened and kept: the loader's own shuffle then permutes packed sequences, ``len()`` is the same
@@ -43,10 +41,9 @@ sequences read from the same blocks (concat: by the block of a sequence's first 
 fit: by range), and a loader's ``shuffle_block_size="auto"`` keeps them together, as it keeps
 row groups together for the documents themselves.
 
-Concat over a storage that counts by blocks (a Parquet text column with a tokenizer, whose
-lengths cost a tokenizer pass) is counted as it is read instead, nothing at open, in an order of
-its own a window of :attr:`PackedDataset.count_window` blocks at a time
-(:mod:`guideloom._datasets.packed_blocks`).
+Concat over a storage that counts by blocks (Parquet text with a tokenizer: lengths cost a
+tokenizer pass) is counted as it is read instead, in an order of its own a window of
+:attr:`PackedDataset.count_window` blocks at a time (:mod:`guideloom._datasets.packed_blocks`).
 """
 
 from __future__ import annotations
@@ -194,11 +191,9 @@ class PackedDataset(DatasetAbstract[Sample]):
             self._layout = await self._build()
 
     def __len__(self) -> int:
-        """Number of packed sequences. Before the dataset was ever opened (a loader's
-        ``load_state_dict`` in a fresh process), this builds the layout first, blocking: it
-        opens the storage, reads the offsets and closes it again. Counted block by block
-        (Parquet text): the blocks not counted yet are counted first, blocking (tokenizing
-        them: about as long as building the length index)."""
+        """Number of packed sequences. Never opened (a loader's ``load_state_dict`` in a fresh
+        process): the layout is built first, blocking. Counted by blocks (Parquet text): the
+        blocks not counted yet are counted first, blocking (about a length index's pass)."""
         if self._counted is not None:
             return len(self._counted)
         return len(self._built_layout())
@@ -238,16 +233,23 @@ class PackedDataset(DatasetAbstract[Sample]):
         """Whether every block is counted (always, for a layout built at open)."""
         return self._counted is None or self._counted.counted()
 
+    def count_state(self) -> str | None:
+        """Counted by blocks: the blocks' totals (``PackedBlocks.state``); ``None`` otherwise."""
+        return None if self._counted is None else self._counted.state()
+
+    def load_count_state(self, state: str) -> None:
+        if self._counted is not None:
+            self._counted.load_state(state)
+
     def own_order(self) -> bool:
         """Counted by blocks, the loader reads it in its own order (:meth:`loader_order`)."""
         return self._counted is not None
 
     def loader_order(self, *, shuffle: bool, seed: int, epoch: int) -> BlockOrder | None:
-        """Counted by blocks: the group order over the blocks (windows of ``count_window``
-        blocks), then the tails run, counted a window at a time (the loader's
-        ``shuffle_block_size`` and ``shuffle_window`` do not apply); otherwise ``None``, the
-        loader's. A mixture orders its packed sources itself, over indexes ``[0, len)`` (which
-        counts every block when the mixture is laid out)."""
+        """Counted by blocks: the group order over the blocks (windows of ``count_window``),
+        then the tails run, counted a window at a time (the loader's ``shuffle_block_size`` and
+        ``shuffle_window`` do not apply); otherwise ``None``, the loader's. A mixture orders
+        its packed sources over ``[0, len)`` (counting every block when it is laid out)."""
         if self._counted is None:
             return None
         return self._counted.order(shuffle=shuffle, seed=seed, epoch=epoch)
@@ -523,10 +525,9 @@ class PackedDataset(DatasetAbstract[Sample]):
         groups), which ``shuffle_block_size="auto"`` keeps together; ``None`` where the storage
         has no natural blocks (or best fit packs the whole dataset at once, ``fit_group=None``).
 
-        ``"concat"``: the sequences grouped by the block their first element lies in (a sequence
-        that runs into the next block belongs to the one it starts in; blocks where no sequence
-        starts have none). ``"best_fit"``: the sequences of each range best fit packed on its
-        own (see ``fit_group``), which read that range's blocks only.
+        ``"concat"``: the sequences grouped by the block their first element lies in (blocks
+        where no sequence starts have none). ``"best_fit"``: the sequences of each range best fit
+        packed on its own (see ``fit_group``), which read that range's blocks only.
         """
         if self._counted is not None:
             return None  # its own order keeps the blocks together (see order())

@@ -200,6 +200,9 @@ def save_state(
     # always there, "" before the first iterator: torch.distributed.checkpoint loads the keys of
     # the loading side's state_dict() only, so a fresh loader's must have it too
     saved["history"] = history.encode()
+    counts = loader.dataset.count_state()
+    if counts is not None:  # a dataset counted as it reads: a resume elsewhere need not count again
+        saved["counts"] = counts
     block = block_size(loader)
     if block > 1:  # a global shuffle's checkpoint stays as it was: no key means blocks of 1
         saved["shuffle_block_size"] = block

@@ -5,9 +5,11 @@ counts kept in ``cache_dir``, and exact resume with another batch size and world
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +163,58 @@ def test_a_cold_resume_with_another_geometry_delivers_the_rest_exactly(
         for r in rest:
             merged.extend(r[s : s + batch])
     assert head + merged == whole
+
+
+def test_a_resume_elsewhere_counts_only_what_it_reads_from_the_checkpoints_counts(
+    corpus: Path, tokenizer_json: str, parts: str
+) -> None:
+    """The checkpoint carries the blocks' totals: a fresh process without ``cache_dir`` resumes
+    past most of the epoch tokenizing about a window for its first batch, not every window
+    before its offset, and delivers the rest exactly."""
+    whole = epoch(packed(corpus, tokenizer_json, None))
+    head: list[tuple[int, ...]] = []
+    with loader(packed(corpus, tokenizer_json, None)) as lo:
+        for i, b in enumerate(lo):
+            head.extend(b)
+            if i + 1 == 150:  # of some 250
+                break
+        state = lo.state_dict()
+    assert isinstance(state["counts"], str)
+    fresh = packed(corpus, tokenizer_json, None)
+    with loader(fresh, batch=5) as lo:
+        lo.load_state_dict(state)
+        it = iter(lo)
+        first = next(it)
+        assert tokenized(fresh) < len(whole) * LENGTH / 3  # a window or two; without counts 2/3
+        rest = list(first) + [k for b in it for k in b]
+    assert head + rest == whole
+
+
+def test_a_checkpoints_counts_that_are_damaged_or_disagree_are_refused(
+    corpus: Path, tokenizer_json: str
+) -> None:
+    with loader(packed(corpus, tokenizer_json, None)) as lo:
+        for i, _ in enumerate(lo):
+            if i == 20:
+                break
+        state = lo.state_dict()
+    version, digest, body = state["counts"].split(":")
+    for bad in (f"{version}:{digest}:{body[:-8]}AAAAAAAA", "garbage", f"{version}:{'0' * 16}:{body}"):
+        with pytest.raises(ValueError, match="counts are"):
+            loader(packed(corpus, tokenizer_json, None)).load_state_dict({**state, "counts": bad})
+    # counts that pass the digest but not the documents: refused when the block is counted
+    totals = np.frombuffer(zlib.decompress(base64.b64decode(body)), "<i8").copy()
+    b = int(np.flatnonzero(totals >= 0)[0])
+    totals[b] += 1
+    raw = totals.tobytes()
+    forged = ":".join(
+        ["1", hashlib.sha256(raw).hexdigest()[:16], base64.b64encode(zlib.compress(raw)).decode()]
+    )
+    ds = packed(corpus, tokenizer_json, None)
+    lo = loader(ds)
+    lo.load_state_dict({**state, "counts": forged, "observation_offset": 0})
+    with pytest.raises(DatasetIntegrityError, match="the checkpoint's counts say"):
+        ds.count_blocks_sync(np.asarray([b]))
 
 
 def test_len_explain_and_a_mixture(corpus: Path, tokenizer_json: str, tmp_path: Path) -> None:

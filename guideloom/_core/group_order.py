@@ -244,6 +244,11 @@ class LazyGroupPermutation:
         return groups[self._sizes[groups] < 0]
 
     @property
+    def counted_windows(self) -> int:
+        """Windows whose groups' sizes are all known, from the first on."""
+        return self._counted
+
+    @property
     def known(self) -> int:
         """Positions ``[0, known)`` can be looked up: those of the windows counted."""
         return self._wstarts[-1]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -124,6 +125,16 @@ class BlockOrder:
     @property
     def windows(self) -> int:
         return self._lazy.windows
+
+    def blocks_ahead(self) -> Iterator[IndexArray]:
+        """The blocks of each window not counted yet, in the epoch's order (the tails run left
+        out: it reads the last rows of every block): what the counts to come will tokenize."""
+        lazy = self._lazy
+        for k in range(lazy.counted_windows, lazy.windows):
+            groups = lazy.window_groups(k)
+            blocks = groups[groups < self._blocks]
+            if len(blocks):
+                yield blocks
 
     def count_sync(self) -> None:
         """Count the next window's blocks (decoding and tokenizing them: their tokens stay with

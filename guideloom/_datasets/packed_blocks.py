@@ -18,7 +18,7 @@ import binascii
 import functools
 import hashlib
 import zlib
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import numpy as np
@@ -86,6 +86,7 @@ class PackedBlocks:
         #: checks each document it reads against its count, and an empty one is never read, so
         #: the first read of such a block reads those too (a count that hid a document is refused).
         self._unchecked: set[int] = set()
+        self._latest: BlockOrder | None = None  # the order made last (the loader's epoch)
         self.part_bytes = part_bytes
         mean = max(1, int(nbytes.sum()) // max(1, len(group)))
         self.window = max(1, window_bytes // mean)
@@ -232,9 +233,21 @@ class PackedBlocks:
     def order(self, *, shuffle: bool, seed: int, epoch: int) -> BlockOrder:
         """The group order over the blocks (windows of ``window`` blocks), then the tails run,
         counted a window at a time."""
-        return BlockOrder(
+        order = BlockOrder(
             self, len(self._totals), shuffle=shuffle, seed=seed, epoch=epoch, window=self.window
         )
+        self._latest = order
+        return order
+
+    def documents_ahead(self) -> Iterator[I64]:
+        """The documents of each window the latest order (the loader's epoch) has not counted
+        yet, in its order: a hint that continues the loader's past its count, so that a storage
+        tokenizes the windows to come ahead of their counts (on its own thread)."""
+        order = self._latest
+        if order is None:
+            return
+        for blocks in order.blocks_ahead():
+            yield np.concatenate([np.arange(self._docs[b], self._docs[b + 1]) for b in blocks.tolist()])
 
     # -- sequences to document parts ------------------------------------------------------------
     def keys(self, indices: I64) -> tuple[I64, I64]:
@@ -296,8 +309,18 @@ class PackedBlocks:
         return as64(rows), as64(docs), as64(firsts), as64(sizes), as64(cols)
 
     def documents_of(self, indices: I64) -> I64:
-        """The documents sequences ``indices`` hold a piece of, sorted."""
-        return np.unique(self.parts(indices)[1])
+        """The documents of the blocks sequences ``indices`` come from, sorted (what a storage is
+        told to prepare ahead: it counts nothing, so that a storage may ask it under its own
+        lock; the tails run's, spread over every block, are left to its reads)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        blocks = self.keys(indices)[0]
+        tails = len(self._totals)
+        ranges = [
+            np.arange(self._docs[b], self._docs[b + 1]) for b in np.unique(blocks).tolist() if b < tails
+        ]
+        if len(self._offsets) == tails and (blocks == tails).any():  # all counted: the tails' own
+            ranges.append(self.parts(indices[blocks == tails])[1])
+        return np.unique(np.concatenate(ranges)) if ranges else np.zeros(0, dtype=np.int64)
 
     def read(self, indices: I64) -> BlockRead:
         """Packed sequences ``indices``: the documents they hold read with one ``read_many`` call

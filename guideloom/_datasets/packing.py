@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Literal, get_args
 
@@ -213,8 +214,7 @@ class PackedDataset(DatasetAbstract[Sample]):
 
     @property
     def count_window(self) -> int:
-        """Blocks per window of the order counted by blocks (the fewest holding
-        :data:`COUNT_WINDOW_BYTES` of stored text, at least one); may be set before a loader plans."""
+        """Blocks per window of the order by blocks (``COUNT_WINDOW_BYTES`` of text); set before a plan."""
         return self._blocks_for("count_window").window
 
     @count_window.setter
@@ -500,17 +500,17 @@ class PackedDataset(DatasetAbstract[Sample]):
         }
 
     def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
-        """The loader's upcoming reads, as the storage's: the documents each window's sequences
-        hold, in order (over Parquet, the row groups they need are then decoded, and a text
-        column's rows tokenized, ahead of the reads)."""
+        """The loader's upcoming reads as the storage's: the documents of each window's sequences
+        (and, counted by blocks, of the windows past the count), for it to prepare ahead."""
         if self._counted is None and self._layout is None:
             return
-        self._storage.will_read(self._documents_of(np.asarray(w, dtype=np.int64)) for w in windows)
+        docs = (self._documents_of(np.asarray(w, dtype=np.int64)) for w in windows)
+        ahead = () if self._counted is None else self._counted.documents_ahead()
+        self._storage.will_read(itertools.chain(docs, ahead))
 
     def _documents_of(self, indices: I64) -> I64:
         """The documents sequences ``indices`` hold (concat: from the one holding a sequence's
-        first element to the one holding the next sequence's; counted by blocks: those it holds
-        a piece of)."""
+        first element to the one holding the next one's; by blocks: those it holds a piece of)."""
         if self._counted is not None:
             return self._counted.documents_of(indices)
         layout = self._require_layout()

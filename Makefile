@@ -24,9 +24,11 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The overloads check runs with other options than the package's (--warn-unreachable), so it keeps
+# its own cache: sharing one, each run would throw away the other's and check everything again.
 types: setup
 	$(VENV)/bin/mypy
-	$(VENV)/bin/mypy --strict --warn-unreachable tests/typing/check_overloads.py
+	$(VENV)/bin/mypy --strict --warn-unreachable --cache-dir .mypy_cache/overloads tests/typing/check_overloads.py
 
 # The suite mostly waits (on the processes, ranks and servers it starts), so it runs on one
 # pytest-xdist worker per core (`-n auto`; PYTEST_WORKERS=0 runs it in this process), each test

@@ -73,7 +73,9 @@ def run_job(
                 # one replica at a time, once another holds the job's state too
                 armed = rng.choice(up)
                 point = rng.choice(["handed", "recorded"])
-                (tmp / f"arm-{armed}").write_text(f"{rng.randint(1, 6)} {point}")
+                # written whole, then renamed: the replica never reads a file not yet written
+                (tmp / "arm.tmp").write_text(f"{rng.randint(1, 6)} {point}")
+                (tmp / "arm.tmp").replace(tmp / f"arm-{armed}")
             for r, p in list(procs.items()):
                 rc = p.poll()
                 if rc is None or r in finished:

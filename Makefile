@@ -39,7 +39,13 @@ PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist worksteal
 unit: setup
 	$(VENV)/bin/pytest $(PYTEST_PARALLEL)
 
-test: lint types unit
+# lint and types run beside the suite (their output is shown once it ends); make test fails if
+# any of the three does.
+test: setup
+	@log=$$(mktemp); { $(MAKE) --no-print-directory lint types >$$log 2>&1; echo $$? >>$$log.rc; } & \
+	$(MAKE) --no-print-directory unit; unit=$$?; wait; \
+	echo "--- lint and types:"; cat $$log; checks=$$(cat $$log.rc); rm -f $$log $$log.rc; \
+	test $$unit = 0 && test $$checks = 0
 
 # The inner loop: every test but those marked slow (more than a second or two each: processes,
 # ranks, servers under faults, the docs pages run as scripts), distributed or ray (a Ray cluster).

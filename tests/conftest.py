@@ -34,7 +34,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None and "guideloom_durations" in workerinput:
         ids = [item.nodeid for item in items]
-        schedule.reorder(items, ids, workerinput["guideloom_durations"], workerinput["workercount"])
+        units = [_unit(item) for item in items]
+        schedule.reorder(items, ids, workerinput["guideloom_durations"], workerinput["workercount"], units)
+
+
+def _unit(item: pytest.Item) -> str:
+    """The test's module where it uses a fixture set up once per module (or class), else itself."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else []
+    shared = any(d.scope in ("module", "class", "package") for seq in defs for d in seq)
+    return item.nodeid.split("::")[0] if shared else item.nodeid
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

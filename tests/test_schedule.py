@@ -50,3 +50,32 @@ def test_every_test_runs_once_and_each_share_starts_with_its_long_tests(
 def test_the_committed_durations_name_tests_by_node_id() -> None:
     durations = json.loads(COMMITTED.read_text())
     assert durations and all("::" in k and isinstance(v, float) and v > 0 for k, v in durations.items())
+
+
+@given(
+    seconds=st.lists(st.sampled_from([0.0, 0.5, 3.0, 40.0]), min_size=1, max_size=80),
+    modules=st.lists(st.integers(1, 6), min_size=1, max_size=20),
+    n_workers=st.integers(1, 4),
+)
+def test_the_tests_of_a_unit_stay_together_where_a_share_has_room(
+    seconds: list[float], modules: list[int], n_workers: int
+) -> None:
+    """Units: runs of 1 to 6 tests in a row; even ones are a module's, odd ones tests of their own."""
+    units: list[str] = []
+    for m, size in enumerate(modules):
+        units += [f"m{m}" if m % 2 == 0 else f"m{m}-{j}" for j in range(size)]
+    units = units[: len(seconds)]
+    ids = [f"{u}::t{i}" for i, u in enumerate(units)]
+    order = deal(ids, dict(zip(ids, seconds, strict=False)), n_workers, units)
+    assert sorted(order) == list(range(len(ids)))
+    sizes = share_sizes(len(ids), n_workers)
+    where = {i: k for k in range(n_workers) for i in order[sum(sizes[:k]) : sum(sizes[: k + 1])]}
+    members_of = {u: [i for i, v in enumerate(units) if v == u] for u in set(units)}
+    long = [m for m in members_of.values() if sum(seconds[i] for i in m) >= LONG_SECONDS]
+    if sum(len(m) for m in long) > min(sizes):
+        return  # a share may have no room left for a whole unit: it is spread, as it must be
+    for unit, members in members_of.items():
+        if members in long:
+            assert len({where[i] for i in members}) == 1, unit  # dealt out whole, to one share
+            at = sorted(order.index(i) for i in members)
+            assert at == list(range(at[0], at[0] + len(at)))  # in a row

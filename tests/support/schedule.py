@@ -4,8 +4,8 @@ Under ``--dist worksteal`` each worker starts on one contiguous share of the col
 its own share is done, takes half of what is left in the longest share (from its end). A test of a
 minute that comes last in a share sets the suite's end, and so do two such tests in one share. So
 each worker's share starts with its part of the long tests, dealt out longest first to the share
-with the least work so far, then its part of the others in collection order (a module's short
-tests stay together, and its fixtures are set up once for them).
+with the least work so far, then its part of the others in collection order. The tests of a
+module with a fixture set up once for the module (a Ray cluster) are dealt out together, as one.
 
 How long each test takes is read from the last run's durations (pytest's cache, written by the
 controller at the end of each run) over those in ``tests/durations.json`` (a clone's first run);
@@ -48,30 +48,55 @@ def share_sizes(n_tests: int, n_workers: int) -> list[int]:
     return sizes
 
 
-def deal(ids: Sequence[str], durations: Mapping[str, float], n_workers: int) -> list[int]:
-    """The indexes of ``ids`` in the order to hand to ``n_workers`` worksteal workers."""
+def deal(
+    ids: Sequence[str], durations: Mapping[str, float], n_workers: int, units: Sequence[str] | None = None
+) -> list[int]:
+    """The indexes of ``ids`` in the order to hand to ``n_workers`` worksteal workers.
+
+    ``units[i]`` names what test ``i`` belongs to; tests of one name in a row (the tests of a
+    module whose fixtures are set up once for the module) are dealt out together, so that their
+    fixtures are still set up once. By default each test is its own unit."""
+    units = list(ids) if units is None else list(units)
     sizes = share_sizes(len(ids), n_workers)
-    long = sorted(
-        (i for i, nodeid in enumerate(ids) if durations.get(nodeid, 0.0) >= LONG_SECONDS),
-        key=lambda i: -durations[ids[i]],
-    )
+    runs: list[list[int]] = []  # the tests of each unit, in collection order
+    for i in range(len(ids)):
+        if runs and units[runs[-1][-1]] == units[i]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+
+    def seconds(run: list[int]) -> float:
+        return sum(durations.get(ids[i], 0.0) for i in run)
+
+    long = sorted((r for r in runs if seconds(r) >= LONG_SECONDS), key=lambda r: -seconds(r))
     shares: list[list[int]] = [[] for _ in sizes]
     work = [0.0] * len(sizes)
-    for i in long:
-        open_shares = [k for k in range(len(sizes)) if len(shares[k]) < sizes[k]]
-        k = min(open_shares, key=lambda k: (work[k], k))
-        shares[k].append(i)
-        work[k] += durations[ids[i]]
-    taken = set(long)
+    for run in long:
+        room = [k for k in range(len(sizes)) if sizes[k] - len(shares[k]) >= len(run)]
+        if room:
+            k = min(room, key=lambda k: (work[k], k))
+            shares[k] += run
+            work[k] += seconds(run)
+            continue
+        left = list(run)  # more tests than any share has room for: spread over the emptiest
+        while left:
+            k = max(range(len(sizes)), key=lambda k: (sizes[k] - len(shares[k]), -k))
+            n = sizes[k] - len(shares[k])
+            shares[k] += left[:n]
+            work[k] += seconds(left[:n])
+            left = left[n:]
+    taken = {i for run in long for i in run}
     rest = iter(i for i in range(len(ids)) if i not in taken)
     for k, size in enumerate(sizes):
         shares[k] += [next(rest) for _ in range(size - len(shares[k]))]
     return [i for share in shares for i in share]
 
 
-def reorder(items: list[T], ids: Sequence[str], durations: Mapping[str, float], n_workers: int) -> None:
-    """Put ``items`` (with node ids ``ids``) in :func:`deal`'s order, in place."""
-    items[:] = [items[i] for i in deal(ids, durations, n_workers)]
+def reorder(
+    items: list[T], ids: Sequence[str], durations: Mapping[str, float], n_workers: int, units: Sequence[str]
+) -> None:
+    """Put ``items`` (with node ids ``ids``, units ``units``) in :func:`deal`'s order, in place."""
+    items[:] = [items[i] for i in deal(ids, durations, n_workers, units)]
 
 
 def main() -> int:

@@ -30,9 +30,11 @@ types: setup
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy --strict --warn-unreachable --cache-dir .mypy_cache/overloads tests/typing/check_overloads.py
 
-# The suite mostly waits (on the processes, ranks and servers it starts), so it runs on one
-# pytest-xdist worker per core (`-n auto`; PYTEST_WORKERS=0 runs it in this process), each test
-# sent to whichever worker is free (worksteal: a few tests take far longer than the rest).
+# The suite runs on one pytest-xdist worker per core (`-n auto`; PYTEST_WORKERS=0 runs it in this
+# process). Each worker starts with its share of the long tests, dealt out evenly from the last
+# run's durations (tests/support/schedule.py), and takes from the others' queues once its own is
+# empty (worksteal). More workers than cores used more CPU-seconds and took longer on a loaded
+# 2-core machine: the suite is bound by its CPU-seconds there, not by its waits.
 PYTEST_WORKERS ?= auto
 PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist worksteal
 

@@ -24,20 +24,30 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The overloads check runs with other options than the package's (--warn-unreachable), so it keeps
+# its own cache: sharing one, each run would throw away the other's and check everything again.
 types: setup
 	$(VENV)/bin/mypy
-	$(VENV)/bin/mypy --strict --warn-unreachable tests/typing/check_overloads.py
+	$(VENV)/bin/mypy --strict --warn-unreachable --cache-dir .mypy_cache/overloads tests/typing/check_overloads.py
 
-# The suite mostly waits (on the processes, ranks and servers it starts), so it runs on one
-# pytest-xdist worker per core (`-n auto`; PYTEST_WORKERS=0 runs it in this process), each test
-# sent to whichever worker is free (worksteal: a few tests take far longer than the rest).
+# The suite runs on one pytest-xdist worker per core (`-n auto`; PYTEST_WORKERS=0 runs it in this
+# process). Each worker starts with its share of the long tests, dealt out evenly from the last
+# run's durations (tests/support/schedule.py), and takes from the others' queues once its own is
+# empty (worksteal). More workers than cores used more CPU-seconds and took longer on a loaded
+# 2-core machine: the suite is bound by its CPU-seconds there, not by its waits.
 PYTEST_WORKERS ?= auto
 PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist worksteal
 
 unit: setup
 	$(VENV)/bin/pytest $(PYTEST_PARALLEL)
 
-test: lint types unit
+# lint and types run beside the suite (their output is shown once it ends); make test fails if
+# any of the three does.
+test: setup
+	@log=$$(mktemp); { $(MAKE) --no-print-directory lint types >$$log 2>&1; echo $$? >>$$log.rc; } & \
+	$(MAKE) --no-print-directory unit; unit=$$?; wait; \
+	echo "--- lint and types:"; cat $$log; checks=$$(cat $$log.rc); rm -f $$log $$log.rc; \
+	test $$unit = 0 && test $$checks = 0
 
 # The inner loop: every test but those marked slow (more than a second or two each: processes,
 # ranks, servers under faults, the docs pages run as scripts), distributed or ray (a Ray cluster).

@@ -1,14 +1,63 @@
-"""Fixtures for the whole suite: a check that a test leaves no guideloom thread running."""
+"""Fixtures for the whole suite: a check that a test leaves no guideloom thread running; and the
+order in which pytest-xdist's workers take the tests (``tests/support/schedule.py``)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
+from tests.support import schedule
 from tests.support.loader import guideloom_threads
 from tests.support.processes import own_segments, workers_up_first  # noqa: F401 - fixtures, for every test
+
+_seconds: dict[str, float] = {}  # each test's setup, call and teardown in this run
+
+
+def _durations(config: pytest.Config) -> dict[str, float]:
+    known = schedule.committed_durations()
+    if getattr(config, "cache", None) is not None:
+        known.update(config.cache.get(schedule.CACHE_KEY, {}))
+    return known
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """The controller hands each worker the same durations, so that all order the tests alike."""
+    node.workerinput["guideloom_durations"] = _durations(node.config)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None and "guideloom_durations" in workerinput:
+        ids = [item.nodeid for item in items]
+        units = [_unit(item) for item in items]
+        schedule.reorder(items, ids, workerinput["guideloom_durations"], workerinput["workercount"], units)
+
+
+def _unit(item: pytest.Item) -> str:
+    """The test's module where it uses a fixture set up once per module (or class), else itself."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else []
+    shared = any(d.scope in ("module", "class", "package") for seq in defs for d in seq)
+    return item.nodeid.split("::")[0] if shared else item.nodeid
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _seconds[report.nodeid] = _seconds.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The controller (or a run without workers) keeps this run's durations for the next."""
+    config = session.config
+    if hasattr(config, "workerinput") or getattr(config, "cache", None) is None or not _seconds:
+        return
+    known = config.cache.get(schedule.CACHE_KEY, {})
+    known.update({nodeid: round(s, 2) for nodeid, s in _seconds.items()})
+    config.cache.set(schedule.CACHE_KEY, known)
 
 
 @pytest.fixture

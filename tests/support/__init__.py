@@ -15,6 +15,7 @@
   each rank trained on
 - ``cli``: reading back what the command line wrote
 - ``docs``: the docs pages' code blocks and a PNG reader for the screenshots
+- ``schedule``: the order in which pytest-xdist's workers take the tests (long ones first)
 """
 
 from __future__ import annotations

@@ -73,7 +73,9 @@ def run_job(
                 # one replica at a time, once another holds the job's state too
                 armed = rng.choice(up)
                 point = rng.choice(["handed", "recorded"])
-                (tmp / f"arm-{armed}").write_text(f"{rng.randint(1, 6)} {point}")
+                # written whole, then renamed: the replica never reads a file not yet written
+                (tmp / "arm.tmp").write_text(f"{rng.randint(1, 6)} {point}")
+                (tmp / "arm.tmp").replace(tmp / f"arm-{armed}")
             for r, p in list(procs.items()):
                 rc = p.poll()
                 if rc is None or r in finished:
@@ -127,6 +129,7 @@ def check_exactly_once(records: list[list[Any]], samples: int) -> None:
     assert sorted(counts) == list(range(samples))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(110)
 def test_every_sample_is_committed_once_through_kills_and_a_late_join(tmp_path: Path) -> None:
     records, kills = run_job(tmp_path, samples=150, kills=2, seed=1, deadline_s=90, step_sleep=0.02)
@@ -167,6 +170,7 @@ def test_the_module_names_bad_shards() -> None:
         FaultTolerantLoader(None, None, shard_rank=2, num_shards=2)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(110)
 def test_a_replica_heals_from_one_that_healed_the_step_before(tmp_path: Path) -> None:
     """Replica 0 is killed and heals from replica 1; replica 2 joins as soon after as it can and

@@ -37,7 +37,7 @@ def big_copies(tmp_path_factory: pytest.TempPathFactory, s3: MotoS3, www: Path) 
     folder = tmp_path_factory.mktemp("big") / "big"
     guideloom.write_stream(folder, tokens, shard_bytes=16 * MiB)
     s3.upload_folder(folder, BUCKET, "copies/big")
-    shutil.copytree(folder, www / "big")
+    shutil.copytree(folder, www / "big", dirs_exist_ok=True)  # again if set up twice
     yield Copies(folder, f"s3://{BUCKET}/copies/big", "big", tokens)
 
 

@@ -404,7 +404,7 @@ def legacy_copies(plain_copies: Copies, s3: MotoS3, www: Path) -> Copies:
     """``plain_copies`` as a dataset written without block digests: its reads are cut at
     ``max_request_bytes`` exactly, not widened to whole blocks (many small requests)."""
     name = f"{plain_copies.http_path}-no-blocks"
-    shutil.copytree(plain_copies.local, www / name)
+    shutil.copytree(plain_copies.local, www / name, dirs_exist_ok=True)  # again if set up twice
     doc = json.loads((www / name / MANIFEST_NAME).read_text())
     for f in doc["fields"]["tokens"]["files"]:
         del f["blocks"]

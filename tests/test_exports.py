@@ -110,6 +110,7 @@ def test_the_checkpoint_typeddict_requires_the_pages_five_keys() -> None:
     assert State.__required_keys__ == {"epoch", "observation_offset", "shuffle", "shuffle_seed", "drop_last"}
     assert State.__optional_keys__ == {
         "dataset",
+        "counts",
         "shuffle_block_size",
         "shuffle_window",
         "shuffle_block_auto",

@@ -85,6 +85,21 @@ def _plans(
     return known, lazy, counted
 
 
+def counted_plan(
+    counted: Counted, batch: int, *, world_size: int = 1, rank: int = 0, drop_last: bool = True
+) -> EpochPlan:
+    """A plan over ``counted``, its length learned as it counts."""
+    return EpochPlan(
+        num_observations=-1,
+        local_batch_size=batch,
+        world_size=world_size,
+        rank=rank,
+        drop_last=drop_last,
+        order=counted,
+        counting=counted,
+    )
+
+
 def _read(indices: Indices) -> Sequence[int]:
     return indices.tolist()
 
@@ -148,15 +163,7 @@ def test_a_counted_epoch_delivers_what_a_known_one_does(
 
 def test_a_counted_plan_answers_for_counted_batches_only() -> None:
     counted = Counted(100, [30, 30, 30])
-    plan = EpochPlan(
-        num_observations=-1,
-        local_batch_size=4,
-        world_size=2,
-        rank=1,
-        drop_last=False,
-        order=counted,
-        counting=counted,
-    )
+    plan = counted_plan(counted, 4, world_size=2, rank=1, drop_last=False)
     assert plan.steps_known() == 0 and plan.observations is None
     with pytest.raises(RuntimeError, match="counted as it goes"):
         len(plan)
@@ -182,15 +189,7 @@ def test_a_counted_plan_answers_for_counted_batches_only() -> None:
 
 def test_a_failed_count_is_delivered_at_the_next_batch_and_nothing_after_it() -> None:
     counted = Counted(100, [30, 30, 30], fail_at=1)
-    plan = EpochPlan(
-        num_observations=-1,
-        local_batch_size=5,
-        world_size=1,
-        rank=0,
-        drop_last=True,
-        order=counted,
-        counting=counted,
-    )
+    plan = counted_plan(counted, 5, world_size=1, rank=0, drop_last=True)
     got = _drive(plan, 4)
     assert [d.spec.step for d in got if d.error is None] == list(range(6))  # the first 30
     assert isinstance(got[-1].error, ValueError) and got[-1].spec.step == 6 and got[-1].spec.size == 5
@@ -198,15 +197,7 @@ def test_a_failed_count_is_delivered_at_the_next_batch_and_nothing_after_it() ->
 
 def test_a_count_is_a_request_of_its_own() -> None:
     counted = Counted(10, [10])
-    plan = EpochPlan(
-        num_observations=-1,
-        local_batch_size=5,
-        world_size=1,
-        rank=0,
-        drop_last=True,
-        order=counted,
-        counting=counted,
-    )
+    plan = counted_plan(counted, 5, world_size=1, rank=0, drop_last=True)
     schedule = count_window(plan, 0)
     request = next(schedule)
     assert isinstance(request, Count) and request.counting is counted and counted.known == 0

@@ -29,3 +29,21 @@ def short_first_read_grace() -> Iterator[None]:
     _chunk_schedule.FIRST_READ_GRACE_SECONDS = 0.05
     yield
     _chunk_schedule.FIRST_READ_GRACE_SECONDS = old
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A small BPE ``tokenizer.json`` trained on the Parquet tests' words (``<s>``, ``</s>``)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from tests.storage.test_parquet import WORDS
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    corpus = [" ".join(WORDS)] * 20 + [f"r{i}" for i in range(1000)]
+    tok.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "<s>", "</s>"])
+    )
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return str(path)

@@ -91,21 +91,6 @@ def folder(tmp_path_factory: pytest.TempPathFactory, rows: Any) -> Path:
     return write_files(tmp_path_factory.mktemp("pq") / "data", *rows)
 
 
-@pytest.fixture(scope="module")
-def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    corpus = [" ".join(WORDS)] * 20 + [f"r{i}" for i in range(1000)]
-    tok.train_from_iterator(
-        corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "<s>", "</s>"])
-    )
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    tok.save(str(path))
-    return str(path)
-
-
 def all_rows(storage: gl.ParquetStorage) -> list[Any]:
     return list(storage.read_many_sync(np.arange(len(storage), dtype=np.int64)))
 

@@ -20,7 +20,7 @@ import torch
 import guideloom as gl
 from guideloom._datasets import packing
 from guideloom._errors import DatasetIntegrityError
-from tests.storage.test_parquet import WORDS, make_rows, write_files
+from tests.storage.test_parquet import make_rows, write_files
 from tests.support.loader import loop_gaps
 
 CPU = torch.device("cpu")
@@ -30,21 +30,6 @@ LENGTH = 16
 def keys(rows: Any) -> list[tuple[int, ...]]:
     """A sequence's documents and tokens: unique per sequence."""
     return [tuple(np.concatenate([r["doc_ids"], r["tokens"]]).tolist()) for r in rows]
-
-
-@pytest.fixture(scope="module")
-def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    corpus = [" ".join(WORDS)] * 20 + [f"r{i}" for i in range(1000)]
-    tok.train_from_iterator(
-        corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "<s>", "</s>"])
-    )
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    tok.save(str(path))
-    return str(path)
 
 
 @pytest.fixture(params=["row groups", "parts of row groups"])

@@ -218,10 +218,14 @@ def test_a_failure_is_raised_at_its_batch_in_either_mode(
     assert worker_pids() == set()
 
 
-def test_a_collate_cheaper_than_the_transport_runs_inline(tmp_path: Path) -> None:
+def test_a_collate_cheaper_than_the_transport_runs_inline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The real chooser: a collate of microseconds costs far less inline than its trip through a
     worker process, so the epoch's batches end up made inline (and are still the same). (The
-    workers' tasks then hold 32 batches, which its chunks span: a long epoch.)"""
+    workers' tasks are held to one batch here: the transport a batch, which is what the chooser
+    weighs against the collate.)"""
+    monkeypatch.setattr(executors, "GROUP_MOST", 1)
     folder = tmp_path / "long"
     gl.write_stream(folder, np.arange(12000 * SEQ, dtype=np.int32), shard_bytes=600_000)
     with loader_for(folder, ids, num_workers=0, shuffle=True, shuffle_seed=1) as inline:
@@ -237,9 +241,7 @@ def test_a_collate_cheaper_than_the_transport_runs_inline(tmp_path: Path) -> Non
         del it
     assert got == expected
     assert modes[0] is True  # the workers first, as asked for
-    # settled inline once measured (when it settles moves with the machine's load): the last
-    # fifth of the epoch is made inline
-    assert not any(modes[-len(modes) // 5 :]), modes.count(False)
+    assert modes.count(False) > len(modes) // 2, modes.count(False)
     assert worker_pids() == set()
 
 

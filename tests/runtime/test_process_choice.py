@@ -241,7 +241,8 @@ def test_a_collate_cheaper_than_the_transport_runs_inline(
         del it
     assert got == expected
     assert modes[0] is True  # the workers first, as asked for
-    assert modes.count(False) > len(modes) // 2, modes.count(False)
+    # inline once measured, and to the end (when it settles moves with the machine's load)
+    assert not any(modes[-len(modes) // 5 :]), modes.count(False)
     assert worker_pids() == set()
 
 

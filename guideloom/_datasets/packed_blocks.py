@@ -125,32 +125,32 @@ class PackedBlocks:
                 self._storage.read_many_sync(np.arange(self._docs[b], self._docs[b + 1]))
                 self._unchecked.discard(b)
 
-    def _empty_docs(self, docs: I64) -> I64:
+    def _empty_docs(self, docs: I64) -> tuple[I64, list[int]]:
         """Documents counted as empty (from ``cache_dir``, unread so far) of the blocks that hold
-        ``docs``: read with them, so that the storage checks their counts too."""
-        if not self._unchecked or not len(docs):
-            return np.zeros(0, dtype=np.int64)
-        blocks = np.unique(np.searchsorted(self._docs, docs, side="right") - 1).tolist()
-        empty = [
-            self._docs[b] + np.flatnonzero(np.diff(self._offsets[b]) == 0)
-            for b in blocks
-            if b in self._unchecked
-        ]
-        return np.concatenate(empty).astype(np.int64) if empty else np.zeros(0, dtype=np.int64)
+        ``docs``, and those blocks: read with them, so that the storage checks their counts too."""
+        blocks: list[int] = []
+        if self._unchecked and len(docs):
+            held = np.unique(np.searchsorted(self._docs, docs, side="right") - 1).tolist()
+            blocks = [b for b in held if b in self._unchecked]
+        empty = [self._docs[b] + np.flatnonzero(np.diff(self._offsets[b]) == 0) for b in blocks]
+        return (np.concatenate(empty).astype(np.int64) if empty else np.zeros(0, dtype=np.int64)), blocks
 
     def _learn(self, block: int, lengths: I64) -> None:
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         was = int(self._totals[block])
         if was >= 0 and was != int(offsets[-1]):  # a total a checkpoint carried, now counted
-            raise DatasetIntegrityError(
-                f"{self._storage!r}: block {block} (row group {int(self._group[block])}, rows "
-                f"[{int(self._lo[block])}, {int(self._hi[block])})) holds {int(offsets[-1])} tokens, the "
-                f"checkpoint's counts say {was}: the checkpoint was saved over documents that tokenize "
-                "otherwise (a tokenizer changed under its tokenizer_key); resume from a checkpoint "
-                "saved with this tokenizer, or load it with allow_dataset_change=True"
-            )
+            self._refuse_saved_count(block, int(offsets[-1]), was)
         self._offsets[block] = offsets
         self._totals[block] = int(offsets[-1])
+
+    def _refuse_saved_count(self, block: int, counted: int, saved: int) -> None:
+        raise DatasetIntegrityError(
+            f"{self._storage!r}: block {block} (row group {int(self._group[block])}, rows "
+            f"[{int(self._lo[block])}, {int(self._hi[block])})) holds {counted} tokens, the "
+            f"checkpoint's counts say {saved}: the checkpoint was saved over documents that tokenize "
+            "otherwise (a tokenizer changed under its tokenizer_key); resume from a checkpoint "
+            "saved with this tokenizer, or load it with allow_dataset_change=True"
+        )
 
     def state(self) -> str:
         """The blocks' totals as a checkpoint carries them (``-1``: not counted): a resume in
@@ -178,13 +178,10 @@ class PackedBlocks:
                 f"the checkpoint's counts are damaged or for another layout ({len(totals)} blocks, "
                 f"this packing has {len(self._totals)}); pass the checkpoint as state_dict() returned it"
             )
-        for b in np.flatnonzero((totals >= 0) & (self._totals >= 0) & (totals != self._totals)).tolist():
-            raise DatasetIntegrityError(
-                f"{self._storage!r}: block {b} (row group {int(self._group[b])}) holds "
-                f"{int(self._totals[b])} tokens as counted here, the checkpoint's counts say "
-                f"{int(totals[b])}: the checkpoint was saved over documents that tokenize otherwise; "
-                "resume from a checkpoint saved with this tokenizer"
-            )
+        bad = np.flatnonzero((totals >= 0) & (self._totals >= 0) & (totals != self._totals))
+        if len(bad):
+            b = int(bad[0])
+            self._refuse_saved_count(b, int(self._totals[b]), int(totals[b]))
         take = (totals >= 0) & (self._totals < 0)
         self._totals[take] = totals[take]
 
@@ -327,7 +324,7 @@ class PackedBlocks:
         (tokens the storage keeps from the count: none tokenized again) and cut into their rows;
         the rows' elements and pieces."""
         rows, docs, firsts, sizes, cols = self.parts(indices)
-        empty = self._empty_docs(docs)
+        empty, checked = self._empty_docs(docs)
         ids, where = np.unique(np.concatenate([docs, empty]), return_inverse=True)
         where = where[: len(docs)]
         storage = self._storage
@@ -337,8 +334,7 @@ class PackedBlocks:
                 functools.partial(storage.read_many, ids),
             )
         ]
-        if len(empty):  # read, and so checked against their counts
-            self._unchecked.difference_update((np.searchsorted(self._docs, empty, side="right") - 1).tolist())
+        self._unchecked.difference_update(checked)  # read, and so checked against their counts
         n, length = len(indices), self.sequence_length
         out = np.empty((n, length), dtype=storage.dtype)
         flat = out.reshape(-1)

@@ -69,13 +69,7 @@ def run_job(
             if 2 not in procs and out.exists() and out.stat().st_size > 0:
                 start(2)  # joins late, once the others have committed steps
             up = [r for r in procs if (tmp / f"up-{r}").exists() and procs[r].poll() is None]
-            # torchft heals each rank of a group from a source of its own: a source killed while
-            # it sends leaves the group's ranks at different steps, which torchft does not
-            # repair (its next quorum may go back to step 0; guideloom then refuses the state,
-            # tests/torchft/test_healing.py). With several ranks a group, kill only while no
-            # group is healing or joining.
-            settled = replica.get("group_size", 1) == 1 or len(up) == len(procs)
-            if armed is None and done_kills < kills and len(up) >= 2 and settled and not finished:
+            if armed is None and done_kills < kills and len(up) >= 2 and not finished:
                 # one replica at a time, once another holds the job's state too
                 armed = rng.choice(up)
                 point = rng.choice(["handed", "recorded"])

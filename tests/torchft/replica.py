@@ -9,7 +9,12 @@ writes ``--ctl/arm-R`` (``steps point``), the replica SIGKILLs itself that many 
 at the point drawn: right after the batch was handed out (the peers' step then fails and is
 taken back), or once every rank of the group has written the step's record. Never between
 ``should_commit()`` and the record: a kill there would lose the record of a sample the job
-trained on, not the sample. With ``--hold FILE`` it creates ``--ctl/held-R`` and waits for
+trained on, not the sample. With several ranks a group, a kill waits while another replica is
+healing or joining (has made its Manager, ``--ctl/manager-R``, and not committed a step as a
+participant): torchft heals each rank of a group from a source of its own and takes the group's
+step from whichever rank asks for the quorum last, so a source killed while a rank fetches its
+state leaves the group's ranks at different steps, which torchft does not repair (guideloom
+then refuses the state: ``test_healing.py``). With ``--hold FILE`` it creates ``--ctl/held-R`` and waits for
 FILE before its first step; while ``--ctl/pause`` exists, it waits before each step.
 
 Ranks of a group (``--group-size``) run as threads, each with its own Manager, as torchft's own
@@ -52,6 +57,16 @@ def _wait_recorded(step: int, ranks: int) -> None:
         _recorded_cond.wait_for(lambda: _recorded.get(step, 0) >= ranks, timeout=10)
 
 
+def _healing(ctl: str, me: int) -> bool:
+    """Whether another replica has made its Manager and not yet committed a step as a participant
+    (it is healing or joining: a peer may be the source it is fetching a state from)."""
+    names = set(os.listdir(ctl))
+    return any(
+        n.startswith("manager-") and n != f"manager-{me}" and f"up-{n.split('-', 1)[1]}" not in names
+        for n in names
+    )
+
+
 def collate(samples: Any) -> list[int]:
     """The sample indexes of an identity stream of sequence length 4 (an empty list gives [])."""
     return [int(s[0]) // 4 for s in samples]
@@ -69,6 +84,8 @@ def rank_main(args: argparse.Namespace, rank: int, store_port: int, out: Any) ->
     def save_model() -> dict[str, Any]:
         return {"model": model.state_dict(), "optim": opt.state_dict()}
 
+    if rank == 0:
+        open(os.path.join(args.ctl, f"manager-{args.replica}"), "w").close()
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=10)),
         min_replica_size=1,
@@ -120,6 +137,8 @@ def rank_main(args: argparse.Namespace, rank: int, store_port: int, out: Any) ->
                         steps, point = f.read().split()
                     os.unlink(arm)
                     kill_at = taken + int(steps)
+                if rank == 0 and taken == kill_at and args.group_size > 1:
+                    kill_at += _healing(args.ctl, args.replica)  # not while a peer may fetch from it
                 if rank == 0 and taken == kill_at and point == "handed":
                     os.kill(os.getpid(), signal.SIGKILL)
                 x = torch.tensor(batch, dtype=torch.float32).reshape(-1, 1) / args.samples

@@ -55,6 +55,7 @@ def run_job(
             args += [f"--{k.replace('_', '-')}", str(v)]
         args += ["--ctl", str(tmp)]
         (tmp / f"up-{r}").unlink(missing_ok=True)
+        (tmp / f"manager-{r}").unlink(missing_ok=True)
         log = open(tmp / f"replica{r}.log", "ab")  # noqa: SIM115 - closed below
         logs.append(log)
         procs[r] = subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)

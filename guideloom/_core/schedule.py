@@ -83,8 +83,8 @@ class Indexes:
     """This rank's observation indexes, computed for a block of upcoming batches at a time.
 
     A permutation lookup is a few dozen numpy operations whatever the array's length, so looking
-    up ~16k positions at once costs about what 16 do: computed per window it was ~4 µs a batch,
-    per block it is a fraction of that.
+    up ~16k positions at once costs about what 16 do: a block of upcoming batches at a time costs
+    a fraction of a microsecond a batch, where one lookup a window would cost microseconds.
     """
 
     BLOCK_POSITIONS = 16384

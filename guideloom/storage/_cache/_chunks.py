@@ -66,7 +66,7 @@ I64 = npt.NDArray[np.int64]
 CHUNK_BYTES: Final = 16 * 2**20
 #: How long a read waits for a chunk this process is downloading before reading remotely.
 CHUNK_WAIT_SECONDS = 0.25
-#: As for the whole copy (_cache.py): downloads stop before the interpreter joins its threads.
+#: As for the whole copy (_copy.py): downloads stop before the interpreter joins its threads.
 _LIVE: Live[ChunkCache] = Live(lambda cache: cache.stop())
 
 

@@ -60,8 +60,8 @@ class ShardedArray:
     the maps: pages stay mapped once touched, so a warm epoch takes no page fault at all. Over a
     larger dataset that would make RSS grow to the dataset's size, and dropping the mapped pages
     from time to time costs more than it saves: a scattered row's fault maps the 64 KiB around it,
-    and unmapping them later costs about as much again (measured here: 72-98 µs a batch of 16
-    rows against 35 µs without drops). So there samples are read with ``preadv`` straight into
+    and unmapping them later costs about as much again (a batch of 16 scattered rows takes about
+    twice as long with drops as without). So there samples are read with ``preadv`` straight into
     the batch (one system call a row, about 1.4 µs: no mapping, RSS flat whatever the size); such
     an array holds one file descriptor per shard and no map. Arrays of small scattered reads
     (``preads=False``: document offsets) always go through the maps, whose pages are dropped

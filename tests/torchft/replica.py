@@ -9,12 +9,16 @@ writes ``--ctl/arm-R`` (``steps point``), the replica SIGKILLs itself that many 
 at the point drawn: right after the batch was handed out (the peers' step then fails and is
 taken back), or once every rank of the group has written the step's record. Never between
 ``should_commit()`` and the record: a kill there would lose the record of a sample the job
-trained on, not the sample. With several ranks a group, a kill waits while another replica is
-healing or joining (has made its Manager, ``--ctl/manager-R``, and not committed a step as a
-participant): torchft heals each rank of a group from a source of its own and takes the group's
-step from whichever rank asks for the quorum last, so a source killed while a rank fetches its
-state leaves the group's ranks at different steps, which torchft does not repair (guideloom
-then refuses the state: ``test_healing.py``). With ``--hold FILE`` it creates ``--ctl/held-R`` and waits for
+trained on, not the sample. A kill waits while another replica is healing or joining (has made
+its Manager, ``--ctl/manager-R``, and not yet committed a step as a participant): a source
+killed while a peer fetches its state leaves torchft without a consistent job, which no loader
+can follow. With one rank a group, the peer's heal fails, and if no other replica with the
+job's state joins the next quorum in time, torchft forms one of replicas at step 0 that commits
+step 0 again before a late up-to-date replica heals them back (step 0's samples are then
+committed twice, on a branch the job drops). With several ranks a group, torchft heals each rank
+from a source of its own and takes the group's step from whichever rank asks for the quorum
+last, so the group's ranks end at different steps (guideloom refuses the state then:
+``test_healing.py``). With ``--hold FILE`` it creates ``--ctl/held-R`` and waits for
 FILE before its first step; while ``--ctl/pause`` exists, it waits before each step.
 
 Ranks of a group (``--group-size``) run as threads, each with its own Manager, as torchft's own
@@ -137,7 +141,7 @@ def rank_main(args: argparse.Namespace, rank: int, store_port: int, out: Any) ->
                         steps, point = f.read().split()
                     os.unlink(arm)
                     kill_at = taken + int(steps)
-                if rank == 0 and taken == kill_at and args.group_size > 1:
+                if rank == 0 and taken == kill_at:
                     kill_at += _healing(args.ctl, args.replica)  # not while a peer may fetch from it
                 if rank == 0 and taken == kill_at and point == "handed":
                     os.kill(os.getpid(), signal.SIGKILL)

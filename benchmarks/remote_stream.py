@@ -311,7 +311,7 @@ def moto_bucket(folder: Path) -> Iterator[dict[str, Any]]:
             moto.wait(10)
         except subprocess.TimeoutExpired:  # starved of a core (a loaded machine, a low priority)
             moto.kill()
-            moto.wait(10)
+            moto.wait()
 
 
 def ensure_small_shards(root: Path, tokens: int, shard_bytes: int) -> Path:

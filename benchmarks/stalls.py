@@ -157,7 +157,8 @@ class Stalls:
             time.sleep(0.002)
 
     def report(self, label: str, worst: int = 3) -> None:
-        """Print the stalls since the last report, and forget them."""
+        """Print the stalls since the last report (the ``worst`` latest, and those most blocked and
+        longest run by the loop), and forget them."""
         st, self.stalls = self.stalls, []
         keys = ("late", "ran", "queued", "blocked", "span", "others", "servers")
         total = {k: sum(s[k] for s in st) for k in keys}
@@ -171,7 +172,12 @@ class Stalls:
             f" the rest {cores * total['span'] - total['ran'] - total['others'] - total['servers']:.0f}"
             " (other processes, idle)"
         )
-        for s in sorted(st, key=lambda s: -s["late"])[:worst]:
+        shown = sorted(st, key=lambda s: -s["late"])[:worst]
+        for key in ("blocked", "ran"):  # and the stall most of this process's own making, each way
+            most = max(st, key=lambda s: s[key], default=None)
+            if most is not None and most[key] >= 2.0 and all(most is not s for s in shown):
+                shown.append(most)
+        for s in shown:
             gcs = ", ".join(f"gen{g} {ms:.1f}" for g, ms in s["gcs"] if ms >= 0.5) or "-"
             rest = cores * s["span"] - s["ran"] - s["others"] - s["servers"]
             print(

@@ -21,8 +21,9 @@ holds the GIL whoever triggers it, then skips them. With ``--why`` each case is 
 its late wake-ups were made of (:mod:`benchmarks.stalls`): the loop's own work, the run queue
 (the machine's load), or blocked (the GIL, a collection), with the stacks seen meanwhile, and
 who had the cores meanwhile: this process's other threads, the servers, the rest of the machine.
-``--server-nice 19`` gives the servers' scheduling group the lowest priority: what is left of
-the stalls is not theirs.
+``--server-nice 19`` gives the servers' scheduling group the lowest priority (on a loaded machine
+they may then starve), ``--server-cpu 1`` pins them to CPU 1 and the loop's process to the
+others: what is left of the stalls is not theirs.
 """
 
 from __future__ import annotations
@@ -168,6 +169,12 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         help="niceness of the S3 server's and proxy's scheduling group (19: they yield a core to the loop)",
     )
+    ap.add_argument(
+        "--server-cpu",
+        type=int,
+        default=None,
+        help="pin the servers to this CPU and this process (the loop) to the others",
+    )
     args = ap.parse_args(argv)
     global WHY  # noqa: PLW0603 - the heartbeat reads it
     from guideloom_dev.servers import proxy_process
@@ -190,6 +197,10 @@ def main(argv: list[str] | None = None) -> None:
                     opts["endpoint"] = f"http://127.0.0.1:{proxy}"
                 if args.server_nice:
                     _renice_servers(args.server_nice)
+                if args.server_cpu is not None:
+                    for pid in _servers():
+                        os.sched_setaffinity(pid, {args.server_cpu})
+                    os.sched_setaffinity(0, set(range(os.cpu_count() or 1)) - {args.server_cpu})
                 servers = _servers()
                 if WHY is not None:
                     WHY.watch(servers)

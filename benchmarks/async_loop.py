@@ -12,13 +12,18 @@ its last batch.
 
 Beside each ``async for`` epoch, a heartbeat task on the same loop sleeps 1 ms at a time and
 records how late each wake-up was: the loop's stalls. Printed per case: the worst and the 99th
-percentile stall, the heartbeat's worst alone on an idle loop in the same run (what the machine
-itself adds), and tokens per second of ``async for`` against the sync ``for`` over the same data.
+percentile stall, the heartbeat's worst alone on an idle loop right after each epoch and as long
+as it (what the machine itself adds, over as many wake-ups), and tokens per second of ``async
+for`` against the sync ``for`` over the same data; the load average before and after.
 With ``--gc-freeze`` the objects alive once the imports and the benchmark's own set-up (the S3
 server's uploader client) are done are frozen (``gc.freeze()``): a full garbage collection, which
 holds the GIL whoever triggers it, then skips them. With ``--why`` each case is followed by what
 its late wake-ups were made of (:mod:`benchmarks.stalls`): the loop's own work, the run queue
-(the machine's load), or blocked (the GIL, a collection), with the stacks seen meanwhile.
+(the machine's load), or blocked (the GIL, a collection), with the stacks seen meanwhile, and
+who had the cores meanwhile: this process's other threads, the servers, the rest of the machine.
+``--server-nice 19`` gives the servers' scheduling group the lowest priority (on a loaded machine
+they may then starve), ``--server-cpu 1`` pins them to CPU 1 and the loop's process to the
+others: what is left of the stalls is not theirs.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import os
 import statistics
 import tempfile
 import time
@@ -112,6 +118,37 @@ def _sync_epoch(url: str, options: dict[str, Any], workers: int) -> tuple[float,
     return time.perf_counter() - t0, n
 
 
+def _servers() -> list[int]:
+    """The pids of this process's children: the S3 server and the latency proxy."""
+    pids: list[int] = []
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/children") as f:
+            pids += [int(p) for p in f.read().split()]
+    return pids
+
+
+def _cpu_of(pids: list[int]) -> float:
+    """CPU seconds used so far by processes ``pids`` (user + system)."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _renice_servers(nice: int) -> None:
+    """Give the servers' scheduling group (each runs in a session of its own, so an autogroup of
+    its own on Linux) the niceness ``nice``: how much of a core they take from the loop."""
+    for pid in _servers():
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/autogroup", "w") as f:
+            f.write(str(nice))
+
+
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def _ms(values: list[float], q: float | None = None) -> float:
     if not values:
         return 0.0
@@ -126,6 +163,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() once the imports are done")
     ap.add_argument("--why", action="store_true", help="what each case's late wake-ups were made of")
     ap.add_argument("--workers", default="0,2", help="num_workers, comma-separated")
+    ap.add_argument(
+        "--server-nice",
+        type=int,
+        default=0,
+        help="niceness of the S3 server's and proxy's scheduling group (19: they yield a core to the loop)",
+    )
+    ap.add_argument(
+        "--server-cpu",
+        type=int,
+        default=None,
+        help="pin the servers to this CPU and this process (the loop) to the others",
+    )
     args = ap.parse_args(argv)
     global WHY  # noqa: PLW0603 - the heartbeat reads it
     from guideloom_dev.servers import proxy_process
@@ -134,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     folder = ensure_dataset(root, args.mib * MiB)
     head = ("case", "worst stall", "p99", "idle worst", "async", "sync", "async/sync")
     print(f"{head[0]:<22} {head[1]:>12} {head[2]:>8} {head[3]:>11} {head[4]:>10} {head[5]:>10} {head[6]:>10}")
+    print(f"load average {_load()}", flush=True)
     with moto_bucket(folder) as options:
         if args.gc_freeze:
             gc.freeze()  # what docs/async.md advises a latency-bound program, once set up
@@ -145,24 +195,37 @@ def main(argv: list[str] | None = None) -> None:
                 if latency:
                     proxy = stack.enter_context(proxy_process(port, delay=latency / 1000, lifetime=3600))
                     opts["endpoint"] = f"http://127.0.0.1:{proxy}"
+                if args.server_nice:
+                    _renice_servers(args.server_nice)
+                if args.server_cpu is not None:
+                    for pid in _servers():
+                        os.sched_setaffinity(pid, {args.server_cpu})
+                    os.sched_setaffinity(0, set(range(os.cpu_count() or 1)) - {args.server_cpu})
+                servers = _servers()
+                if WHY is not None:
+                    WHY.watch(servers)
                 for workers in [int(x) for x in args.workers.split(",")]:
                     idle: list[float] = []
                     late: list[float] = []
                     rate_async: list[float] = []
                     rate_sync: list[float] = []
                     for _ in range(args.rounds):
-                        idle += asyncio.run(_idle(1.0))
                         if WHY is not None:
                             WHY.stalls.clear()
-                            cpu = thread_cpu()
+                            cpu, server = thread_cpu(), _cpu_of(servers)
                         seconds, n, lates = asyncio.run(_async_epoch("s3://bench/gl", opts, workers))
                         if WHY is not None:
                             used = thread_cpu() - cpu
                             print(
-                                f"  epoch {seconds:.2f} s, CPU s by thread:",
+                                f"  epoch {seconds:.2f} s, servers' CPU {_cpu_of(servers) - server:.2f} s,"
+                                " CPU s by thread:",
                                 {k: round(v, 3) for k, v in used.most_common(4)},
                             )
                             WHY.report(f"{latency} ms, nw={workers}")
+                        # the heartbeat alone, as long as the epoch: as many wake-ups to be late
+                        idle += asyncio.run(_idle(seconds))
+                        if WHY is not None:
+                            WHY.report("the heartbeat alone", worst=1)
                         late += lates
                         rate_async.append(n / seconds)
                         seconds, n = _sync_epoch("s3://bench/gl", opts, workers)
@@ -173,6 +236,8 @@ def main(argv: list[str] | None = None) -> None:
                         f"{_ms(idle):>9.1f}ms {a / 1e6:>7.1f}M/s {s / 1e6:>7.1f}M/s {a / s:>10.2f}",
                         flush=True,
                     )
+
+    print(f"load average {_load()}", flush=True)
 
 
 if __name__ == "__main__":

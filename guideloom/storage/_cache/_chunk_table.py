@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from guideloom.storage._format._manifest import Manifest
-from guideloom.storage._remote._ranges import Job, Layout, pieces_of
+from guideloom.storage._remote._ranges import Job, Layout, pieces_of, pieces_table
 
 __all__ = ["BLOCK", "ChunkTable", "blocks_of", "route"]
 
@@ -124,18 +124,19 @@ def route(
             gids = table.gids(job.path, s, e)
             # A range is cut at chunk boundaries: each chunk's part is read where that
             # chunk is; consecutive parts of absent chunks stay one remote range.
-            parts = [(s, e, p)] if len(gids) == 1 else _cut(table, gids, s, e, p)
+            listed: list[tuple[int, int, int]] = p.tolist()
+            parts = [(s, e, listed)] if len(gids) == 1 else _cut(table, gids, s, e, listed)
             run: tuple[int, int, list[tuple[int, int, int]]] | None = None
             for g, (ps, pe, pp) in zip(gids, parts, strict=True):
                 if not pp:  # a chunk the range only spans (widened to whole blocks): not read
                     if run is not None:
                         rest.starts.append(run[0])
                         rest.ends.append(run[1])
-                        rest.pieces.append(run[2])
+                        rest.pieces.append(pieces_table(run[2]))
                         run = None
                     continue
                 if here(g):
-                    local.append(Job(job.path, job.dest, [ps], [pe], [pp]))
+                    local.append(Job(job.path, job.dest, [ps], [pe], [pieces_table(pp)]))
                     pins.append(g)
                     continue
                 if run is not None and run[1] == ps:
@@ -144,12 +145,12 @@ def route(
                 if run is not None:
                     rest.starts.append(run[0])
                     rest.ends.append(run[1])
-                    rest.pieces.append(run[2])
+                    rest.pieces.append(pieces_table(run[2]))
                 run = (ps, pe, list(pp))
             if run is not None:
                 rest.starts.append(run[0])
                 rest.ends.append(run[1])
-                rest.pieces.append(run[2])
+                rest.pieces.append(pieces_table(run[2]))
         if rest.starts:
             far.append(rest)
     return local, pins, far

@@ -42,7 +42,7 @@ import shutil
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +73,7 @@ from guideloom.storage._format._blocks import (
 )
 from guideloom.storage._format._manifest import MANIFEST_NAME, Manifest
 from guideloom.storage._local._check import read_local_manifest
-from guideloom.storage._remote._ranges import U8, Piece
+from guideloom.storage._remote._ranges import U8, Piece, Pieces, pieces_table
 
 __all__ = ["DatasetCache", "copy_footprint"]
 
@@ -99,11 +99,11 @@ CHECK_INLINE_BYTES = 64 * 2**20
 _LIVE: Live[DatasetCache] = Live(lambda cache: cache.abort())
 
 
-def _runs(pieces: Sequence[Piece]) -> Iterator[Piece]:
+def _runs(pieces: Pieces) -> Iterator[Piece]:
     """``pieces`` (sorted by object offset), those adjacent both in the object and in the
     destination merged: a sequential read is one run a range."""
     run: Piece | None = None
-    for at, n, off in pieces:
+    for at, n, off in pieces.tolist():
         if run is not None and at == run[0] + run[1] and off == run[2] + run[1]:
             run = (run[0], run[1] + n, run[2])
             continue
@@ -306,9 +306,9 @@ class DatasetCache(CopyDownload):
         """Bytes ``[start, end)`` of object ``path`` from the local copy, or None where it does
         not hold them (see :meth:`read_into`)."""
         buf = np.empty(end - start, dtype=np.uint8)
-        return buf if self.read_into(path, start, end, [(start, end - start, 0)], buf) else None
+        return buf if self.read_into(path, start, end, pieces_table([(start, end - start, 0)]), buf) else None
 
-    def read_into(self, path: str, start: int, end: int, pieces: Sequence[Piece], dest: U8) -> bool:
+    def read_into(self, path: str, start: int, end: int, pieces: Pieces, dest: U8) -> bool:
         """Copy the ``pieces`` of range ``[start, end)`` of object ``path`` (object offset,
         length, offset in ``dest``) from the copy in progress, when every part the range lies in
         is written, or from the complete copy (for the reads planned before it was); False
@@ -345,7 +345,7 @@ class DatasetCache(CopyDownload):
                 buf = np.empty(hi - lo, dtype=np.uint8)
                 pread_into(fd, buf.data, lo, path)
                 check_range(digests, block, lo, buf)
-                for at, n, off in pieces:
+                for at, n, off in pieces.tolist():
                     dest[off : off + n] = buf[at - lo : at - lo + n]
         except (OSError, BlockMismatch, DatasetIntegrityError):
             with self._mutex:

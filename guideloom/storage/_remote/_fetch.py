@@ -41,7 +41,7 @@ from guideloom.storage._remote._objstore import (
     retryable,
 )
 from guideloom.storage._remote._options import ReadOptions
-from guideloom.storage._remote._ranges import U8, Job, Piece, fill_range
+from guideloom.storage._remote._ranges import U8, Job, Pieces, fill_range
 
 __all__ = [
     "BlockCheckError",
@@ -142,7 +142,7 @@ def get_verified(
 class LocalRanges(Protocol):
     """A local source of some of a dataset's bytes (``cache_dir``'s copy in progress)."""
 
-    def read_into(self, path: str, start: int, end: int, pieces: Sequence[Piece], dest: U8) -> bool:
+    def read_into(self, path: str, start: int, end: int, pieces: Pieces, dest: U8) -> bool:
         """Copy the ``pieces`` of range ``[start, end)`` of object ``path`` to ``dest``, as
         :func:`~._ranges.fill` would from the fetched range (blocking, on an I/O thread); False
         where the range is not held locally: it is then fetched from the store."""

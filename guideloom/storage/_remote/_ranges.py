@@ -32,9 +32,11 @@ __all__ = [
     "Layout",
     "Limits",
     "Piece",
+    "Pieces",
     "bridged_gap",
     "fill",
     "fill_range",
+    "pieces_table",
     "plan",
     "plan_spans",
     "plan_windows",
@@ -45,6 +47,11 @@ I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
 #: One piece of a range: (object offset, length, destination offset), in bytes.
 Piece = tuple[int, int, int]
+#: A range's pieces, one a row of an ``(n, 3)`` int64 array: (object offset, length, destination
+#: offset). An array, not a list of :data:`Piece`: a read window's tens of thousands of pieces
+#: would be as many Python objects, made and walked holding the GIL, and the garbage collections
+#: they set off would run on the I/O threads that plan them.
+Pieces = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +147,7 @@ class Job:
     starts: list[int] = field(default_factory=list)
     ends: list[int] = field(default_factory=list)
     #: per range: every piece it serves
-    pieces: list[list[Piece]] = field(default_factory=list)
+    pieces: list[Pieces] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -247,7 +254,7 @@ def plan(
     # Where the object has block digests, a range stays within one of _cut's aligned units: the
     # parts that share a block then always share its one request.
     units = _units(layout.blocks, k, cap) if layout.blocks else None
-    pieces = list(zip(lo.tolist(), n.tolist(), d.tolist(), strict=True))
+    pieces = np.stack([lo, n, d], axis=1)  # each range's are a view of its rows
     if units is not None and min(units) > 0 and len(k) * (int(whi.max()) + 1) < 2**62:
         firsts, ends = _unit_ranges(k, wlo, whi, np.asarray(units, dtype=np.int64), gap)
     else:
@@ -394,6 +401,11 @@ def fill(job: Job, buffers: Sequence[Any]) -> None:
 FEW_PIECES = 16
 
 
+def pieces_table(pieces: Sequence[Sequence[int]]) -> Pieces:
+    """``pieces`` (object offset, length, destination offset) as a :data:`Pieces` array."""
+    return np.asarray(pieces, dtype=np.int64).reshape(-1, 3)
+
+
 def fill_range(job: Job, i: int, buf: Any) -> None:
     """Copy the pieces of ``job``'s range ``i`` out of its fetched bytes ``buf``."""
     base, end = job.starts[i], job.ends[i]
@@ -401,12 +413,11 @@ def fill_range(job: Job, i: int, buf: Any) -> None:
     if src.nbytes != end - base:
         raise ValueError(f"a buffer of {src.nbytes} bytes for a range of {end - base}")
     dest = job.dest
-    pieces = job.pieces[i]
-    if len(pieces) <= FEW_PIECES or dest.ndim != 1:
-        for s, ln, off in pieces:
+    table = job.pieces[i]
+    if len(table) <= FEW_PIECES or dest.ndim != 1:
+        for s, ln, off in table.tolist():
             dest[off : off + ln] = src[s - base : s - base + ln]
         return
-    table = np.asarray(pieces, dtype=np.int64)
     at, lengths, offs = table[:, 0] - base, table[:, 1], table[:, 2]
     if len(lengths) and (int(at.min()) < 0 or int((at + lengths).max()) > src.nbytes):
         raise ValueError(f"a piece outside the range [{base}, {end})")

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import concurrent.futures
 import functools
 import hashlib
+import os
 import zlib
 from collections.abc import Generator, Iterator
 from typing import Any
@@ -42,6 +44,9 @@ PART_BYTES = 2**20
 #: the first batch waits for one window's tokenizing (about a quarter of a second on two free
 #: cores), and the loader's shuffle mixes the sequences of a window's blocks.
 COUNT_WINDOW_BYTES = 2 * 2**20
+#: Threads a count of several blocks runs on, at most (``min(2, cores)``): two keep a decode and
+#: a tokenizer call, or two calls, going at once; more would only share the same cores.
+COUNT_THREADS = min(2, os.cpu_count() or 1)
 #: A read of sequences counted by blocks: its storage calls, then the rows' elements and pieces.
 BlockRead = Generator[list[Call], list[Any], tuple[npt.NDArray[Any], Pieces]]
 
@@ -191,11 +196,24 @@ class PackedBlocks:
 
     def count_blocks_sync(self, blocks: npt.ArrayLike) -> None:
         """Count ``blocks``: decode and tokenize their documents (which the storage keeps for the
-        reads that follow), in the caller's thread."""
+        reads that follow). Several blocks (a window's) are counted on :data:`COUNT_THREADS`
+        threads at once: one decodes a row group while another tokenizes, and the tokenizer's
+        calls run side by side on the cores where they would not spread over them themselves (in
+        a process worker, or a block of a few long documents)."""
+        todo = [b for b in np.asarray(blocks, dtype=np.int64).tolist() if b not in self._offsets]
         count = self._counter.block_lengths
-        for b in np.asarray(blocks, dtype=np.int64).tolist():
-            if b not in self._offsets:
-                self._learn(b, count(int(self._group[b]), int(self._lo[b]), int(self._hi[b])))
+
+        def one(b: int) -> I64:
+            return count(int(self._group[b]), int(self._lo[b]), int(self._hi[b]))
+
+        threads = min(len(todo), COUNT_THREADS)
+        if threads > 1:
+            with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="guideloom-count") as pool:
+                counted = list(pool.map(one, todo))
+        else:
+            counted = [one(b) for b in todo]
+        for b, lengths in zip(todo, counted, strict=True):
+            self._learn(b, lengths)
         self._refuse_empty()
 
     def _refuse_empty(self) -> None:

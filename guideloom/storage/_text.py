@@ -119,7 +119,11 @@ class TextEncoder:
         the ids around documents."""
         tok = self._built()
         if hasattr(tok, "to_str"):
-            name = "sha256:" + hashlib.sha256(tok.to_str().encode()).hexdigest()[:32]
+            name = self.__dict__.get("_digest", "")
+            if not name:
+                name = "sha256:" + hashlib.sha256(tok.to_str().encode()).hexdigest()[:32]
+                if isinstance(self._source, str):  # its own tokenizer, read from a file: never changed
+                    self.__dict__["_digest"] = name
         else:
             name = f"{getattr(tok, '__module__', '')}.{getattr(tok, '__qualname__', type(tok).__qualname__)}"
         return f"{name}|bos={self.bos_id}|eos={self.eos_id}|{self.dtype}"

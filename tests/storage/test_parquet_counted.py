@@ -5,6 +5,7 @@ counts kept in ``cache_dir``, and exact resume with another batch size and world
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import io
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 import guideloom as gl
-from guideloom._datasets import packing
+from guideloom._datasets import packed_blocks, packing
 from guideloom._errors import DatasetIntegrityError
 from tests.storage.test_parquet import make_rows, write_files
 from tests.support.loader import loop_gaps
@@ -99,6 +100,31 @@ def test_the_first_batch_waits_for_one_window_and_each_document_is_tokenized_onc
     flat = sorted((i, int(t)) for i, d in enumerate(docs) for t in d)
     assert len(delivered) == total - total % LENGTH
     assert set(delivered) <= set(flat)
+
+
+def test_blocks_counted_on_threads_at_once_are_each_tokenized_once_and_saved_whole(
+    corpus: Path, tokenizer_json: str, tmp_path: Path, parts: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A window's blocks are counted side by side (parts of one row group among them): the same
+    counts as one at a time, each document tokenized once, each row group's lengths saved whole
+    in ``cache_dir`` once all its blocks are counted (a warm open then counts nothing)."""
+    one_by_one = packed(corpus, tokenizer_json, None)
+    want = []
+    for b in range(len(one_by_one.block_totals())):
+        one_by_one.count_blocks_sync(np.asarray([b]))
+        want.append(int(one_by_one.block_totals()[b]))
+    monkeypatch.setattr(packed_blocks, "COUNT_THREADS", 8)
+    for round_ in range(3):
+        cache = tmp_path / f"cache-{round_}"
+        ds = packed(corpus, tokenizer_json, cache)
+        ds.count_blocks_sync(np.arange(len(ds.block_totals())))
+        assert ds.block_totals().tolist() == want
+        assert tokenized(ds) == sum(want)  # no row tokenized twice by threads side by side
+        saved = sorted(cache.glob("lengths-*/group-*.npy"))
+        assert len(saved) == 36
+        warm = packed(corpus, tokenizer_json, cache)
+        asyncio.run(warm.open())
+        assert warm.counted() and warm.block_totals().tolist() == want and tokenized(warm) == 0
 
 
 def test_a_cold_run_and_a_warm_one_deliver_the_same_sequences_in_the_same_order(

@@ -218,8 +218,9 @@ class _LengthIndex(_TokenRows):
                     table = {g: whole[starts[g] : starts[g + 1]] for g in range(len(self._sizes))}
                 else:
                     table = self._cached_groups(folder)
-        self._block_lengths = table
-        return table
+        with self._lock:  # counts on several threads: the first table made is the one kept
+            kept: dict[int, I64] = self.__dict__.setdefault("_block_lengths", table)
+        return kept
 
     def known_block_lengths(self, group: int) -> I64 | None:
         """Row group ``group``'s documents' lengths in tokens where known without tokenizing (in
@@ -239,24 +240,28 @@ class _LengthIndex(_TokenRows):
         got = table.get(g)
         if got is not None:
             return got[lo:hi]
-        parts: dict[int, dict[tuple[int, int], I64]] = self.__dict__.setdefault("_block_parts", {})
-        mine = parts.setdefault(g, {})
-        known = mine.get((lo, hi))
+        with self._lock:  # blocks of one row group may be counted on several threads at once
+            parts: dict[int, dict[tuple[int, int], I64]] = self.__dict__.setdefault("_block_parts", {})
+            known = parts.get(g, {}).get((lo, hi))
         if known is not None:
             return known
         lengths = self._lengths_of(g, lo, hi)
-        mine[(lo, hi)] = lengths
-        spans = sorted(mine)
-        size = int(self._sizes[g])
-        if (
-            spans[0][0] == 0
-            and spans[-1][1] == size
-            and all(a[1] == b[0] for a, b in itertools.pairwise(spans))
-        ):
-            whole = np.concatenate([mine[k] for k in spans]).astype(np.int64)
+        whole = None
+        with self._lock:
+            mine = parts.setdefault(g, {})
+            mine[(lo, hi)] = lengths
+            spans = sorted(mine)
+            size = int(self._sizes[g])
+            if (
+                spans[0][0] == 0
+                and spans[-1][1] == size
+                and all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+            ):
+                whole = np.concatenate([mine[k] for k in spans]).astype(np.int64)
+                table[g] = whole
+                parts.pop(g, None)
+        if whole is not None:
             self._save_group(g, whole)
-            table[g] = whole
-            parts.pop(g, None)
         return lengths
 
     def _save_group(self, group: int, lengths: I64) -> None:

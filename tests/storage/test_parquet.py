@@ -182,6 +182,50 @@ def test_readers_of_a_row_group_being_decoded_wait_for_that_decode(folder: Path)
     assert storage._decoded_bytes == sum(d.nbytes for d in storage._decoded.values())
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="decoding beside a read needs a second core")
+def test_a_read_over_many_row_groups_decodes_them_beside_it_each_once(folder: Path, rows: Any) -> None:
+    """A read of a token column that needs many row groups decodes them on threads beside its
+    own (a global shuffle's first read, the first after a resume): each once, rows in place."""
+    import threading
+
+    storage = gl.open_parquet(folder, "input_ids")
+    where: list[str] = []
+    decode = storage._decode_new
+
+    def recorded(group: int) -> Any:
+        where.append(threading.current_thread().name)
+        return decode(group)
+
+    storage._decode_new = recorded  # type: ignore[method-assign]
+    picks = np.random.default_rng(0).permutation(len(storage))
+    assert [r.tolist() for r in storage.read_many_sync(picks)] == [rows[0][i] for i in picks]
+    assert len(where) == storage.num_row_groups == storage.figures()["parquet_row_group_decodes"]
+    assert "guideloom-parquet-decode" in where and threading.current_thread().name in where
+    assert storage._decoded_bytes == sum(d.nbytes for d in storage._decoded.values())
+
+
+def test_a_damaged_row_group_decoded_beside_a_read_is_refused_by_that_read(tmp_path: Path) -> None:
+    """A row group that fails on a thread beside the read is decoded again by the read, which
+    refuses it by its place: never delivered, whichever thread met it first."""
+    table = pa.table({"ids": pa.array([[i] * 5 for i in range(200)], pa.list_(pa.int32()))})
+    path = tmp_path / "damaged.parquet"
+    pq.write_table(table, path, row_group_size=20, compression="none", use_dictionary=False,
+                   write_page_checksum=True)  # fmt: skip
+    st = os.stat(path)
+    c = pq.ParquetFile(path).metadata.row_group(9).column(0)
+    with open(path, "r+b") as f:
+        f.seek(c.data_page_offset + c.total_compressed_size // 2)
+        f.write(b"\xff\x00\xfe\x13" * 4)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    storage = gl.open_parquet(path, "ids")
+    for _ in range(3):  # the last row group is the first a thread beside the read takes
+        with pytest.raises(gl.DatasetFormatError, match=r"damaged\.parquet: row group 9, column 'ids'"):
+            storage.read_many_sync(np.arange(0, 200, 7))
+    assert [r.tolist() for r in storage.read_many_sync(np.arange(0, 180, 7))] == [
+        [i] * 5 for i in range(0, 180, 7)
+    ]
+
+
 def test_a_read_over_many_row_groups_checks_each_for_nulls_and_the_range(tmp_path: Path) -> None:
     ids = [[1, 2], [5], [], [3]] * 4 + [None]
     pq.write_table(pa.table({"input_ids": pa.array(ids, pa.list_(pa.int32()))}), tmp_path / "n.parquet",

@@ -152,9 +152,11 @@ def child(tree: str, config: str, args: argparse.Namespace) -> dict[str, float]:
     out = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "--child", config,
          "--epochs", str(args.epochs), "--resumes", str(args.resumes)],
-        cwd=tree, env={**os.environ, "PYTHONPATH": f"{tree}:{ROOT}"}, check=True, capture_output=True,
-        text=True,
+        cwd=tree, env={**os.environ, "PYTHONPATH": f"{tree}:{ROOT}"}, capture_output=True, text=True,
+        check=False,
     )  # fmt: skip
+    if out.returncode:
+        raise RuntimeError(f"{config} on {tree} exited with {out.returncode}:\n{out.stderr[-3000:]}")
     got: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     if Path(got.pop("guideloom")).resolve() != Path(tree).resolve() / "guideloom" / "__init__.py":
         raise RuntimeError(f"the run meant for {tree} imported another guideloom")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import json
-import os
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
@@ -41,10 +40,6 @@ _OPEN_FILES = 64  # local ParquetFile handles kept open per process
 #: Uses of row groups by the loader's upcoming reads recorded at most (how far the walk of its
 #: hint may run ahead of the reads where every row group it meets is decoded already).
 _AHEAD_MAX_USES = 1 << 16
-#: Threads that decode the row groups a read of a token column needs beside the reader itself
-#: (arrow lets go of the GIL while it decodes): a read over many row groups (the first of a
-#: global shuffle, or the first after a resume) takes about its share of the decode time.
-_DECODE_BESIDE = max(0, min(3, (os.cpu_count() or 1) - 1))
 #: Stopped before the interpreter joins its threads: the fetches ahead start no new GET after it.
 _LIVE: Live[_RowGroups] = Live(lambda storage: storage._stop_ahead(join=False))
 
@@ -249,49 +244,6 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
                 if not pending.ahead:
                     raise
         return self._decode_as(group, mine)
-
-    def _decode_beside(self, groups: list[int]) -> None:
-        """Start decoding ``groups`` (a read's, in the order it cuts them) on up to
-        ``_DECODE_BESIDE`` threads that take them from the far end while the read takes them
-        from the near end: the read waits for a row group a thread holds as for any decode in
-        progress. Local token columns only (over an object store the fetches ahead do this; a
-        text's tokenizing costs far more than its decode); as many as fit half of
-        ``max_decoded_bytes`` (what is kept does not churn); a thread's failure is left to the
-        read, which raises its own error. The threads end with the read: none is left to a fork."""
-        if _DECODE_BESIDE < 1 or self._files.remote or self._kind == "text":
-            return
-        with self._lock:
-            room = self.max_decoded_bytes // 2
-            todo: deque[int] = deque()
-            for g in groups:
-                if g in self._decoded or g in self._decoding:
-                    continue
-                room -= self._estimate(g)
-                if room < 0:
-                    break
-                todo.append(g)
-        if len(todo) < 2:
-            return
-        for _ in range(min(_DECODE_BESIDE, len(todo) // 2)):
-            threading.Thread(
-                target=self._decode_from_end, args=(todo,), name="guideloom-parquet-decode", daemon=True
-            ).start()
-
-    def _decode_from_end(self, todo: deque[int]) -> None:
-        """A thread of :meth:`_decode_beside`: the last of ``todo`` not yet decoded nor being
-        decoded, one after another, until it meets one that is (the read has come that far)."""
-        while True:
-            with self._lock:
-                if not todo:
-                    return
-                g = todo.pop()
-                if g in self._decoded or g in self._decoding:
-                    return
-                mine = self._decoding[g] = _Decoding(ahead=True)
-            try:
-                self._decode_as(g, mine)
-            except BaseException:
-                return  # left to the read, which decodes it again and raises its own error
 
     def _decode_as(self, group: int, mine: _Decoding) -> _Decoded:
         """Decode ``group`` for ``mine`` (registered in ``_decoding``), keep it and resolve it."""

@@ -124,12 +124,11 @@ class ParquetStorage(_LengthIndex):
         order = np.argsort(which, kind="stable")
         cuts = np.searchsorted(which[order], np.arange(len(distinct) + 1)).tolist()
         ats = [order[cuts[k] : cuts[k + 1]] for k in range(len(distinct))]
-        # one row group at a time (those not kept decoded beside it, within the cache's room):
-        # a read over many (a global row shuffle) holds for a list column the rows' own values
+        # one row group at a time: a read over many (a global row shuffle) holds one decoded
+        # group beyond the cache, and for a list column the rows' own values (decoding the others
+        # on threads beside it took more wall time and CPU on 2 busy cores, not less)
         out: list[Any] = [None] * len(indices)
-        groups_read = distinct.tolist()
-        self._decode_beside(groups_read)
-        for g, at in zip(groups_read, ats, strict=True):
+        for g, at in zip(distinct.tolist(), ats, strict=True):
             decoded = self._decode(g)
             self._nulls(g, decoded, local[at])
             for i, row in zip(at.tolist(), cut(g, decoded, local[at]), strict=True):

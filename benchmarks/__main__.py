@@ -24,6 +24,7 @@
     python -m benchmarks provenance [--sources N]  # explain() at 10^12 of 1,000 packed sources; audit cost
     python -m benchmarks parquet [--quick]         # Parquet text, packed and not (real prose) vs HF, LitData
     python -m benchmarks parquet-synthetic [--quick] # open_parquet vs HF streaming, prepared streams
+    python -m benchmarks parquet-tokens [--rounds 3] # pre-tokenized Parquet: process workers vs none, resume
     python -m benchmarks parquet-remote [--rounds 2] # open_parquet over http (0/20 ms) vs HF streaming
     python -m benchmarks integrity [--block-sizes 16,64,256] # block verification's cost, local and S3
     python -m benchmarks torchft [--kills 24]      # a quorum's failures: lost/repeated vs torchft's sampler
@@ -69,6 +70,7 @@ _PASSTHROUGH = {
     "provenance": "benchmarks.provenance",
     "parquet": "benchmarks.parquet_prose",
     "parquet-synthetic": "benchmarks.parquet",
+    "parquet-tokens": "benchmarks.parquet_tokens",
     "parquet-remote": "benchmarks.parquet_remote",
     "integrity": "benchmarks.integrity",
     "torchft": "benchmarks.torchft",
@@ -170,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         "provenance",
         "parquet",
         "parquet-remote",
+        "parquet-tokens",
         "integrity",
         "torchft",
         "async-loop",

@@ -86,8 +86,7 @@ def test_small_tensors_of_a_batch_travel_in_the_slot_and_come_back_equal() -> No
     import torch
 
     from guideloom._runtime.processes.pack import GroupPack
-    from guideloom._runtime.processes.shm import Rebuilder
-    from guideloom._runtime.processes.wire import PickleEntry
+    from guideloom._runtime.processes.wire import PickleEntry, TupleEntry
 
     batch = (
         torch.arange(4096, dtype=torch.int64).reshape(8, 512),
@@ -97,14 +96,67 @@ def test_small_tensors_of_a_batch_travel_in_the_slot_and_come_back_equal() -> No
         torch.tensor([True, False]),
         torch.arange(6, dtype=torch.int16).reshape(2, 3).t(),  # a small transposed view
     )
+    for value in (batch, {"batch": batch}):  # a tuple of tensors is no pickle at all
+        pack = GroupPack()
+        entry = pack.entry(0, value)
+        if isinstance(entry, PickleEntry):
+            assert b"torch._utils" not in entry.data and b"_rebuild_tensor" not in entry.data
+        else:
+            assert isinstance(entry, TupleEntry) and value is batch
+        buffer = bytearray(max(1, pack.size))
+        pack.write(buffer)
+        got_value = entry.delivery(None, buffer).value  # type: ignore[arg-type]
+        back = got_value if value is batch else got_value["batch"]
+        assert type(back) is tuple and len(back) == len(batch)
+        for got, sent in zip(back, batch, strict=True):
+            assert type(got) is torch.Tensor and got.dtype == sent.dtype and got.shape == sent.shape
+            assert torch.equal(got, sent) and got.stride() == sent.stride()
+
+
+@pytest.mark.parametrize("kind", [tuple, list])
+def test_a_tuple_or_list_of_arrays_and_tensors_comes_back_as_views_without_a_pickle(kind: type) -> None:
+    """A collate's ``(tokens, lengths)``: each part a view of the slot, the container's type
+    kept; an item held twice, a small array, or anything else makes the batch a pickle, which
+    keeps them as they were (one object held twice)."""
+    import torch
+
+    from guideloom._runtime.processes.pack import GroupPack
+    from guideloom._runtime.processes.wire import PickleEntry, TupleEntry
+
+    tokens = torch.arange(35_000, dtype=torch.int64)
+    batch = kind([tokens, torch.tensor([3, 1, 4]), np.arange(4096, dtype=np.float32).reshape(64, 64).T])
     pack = GroupPack()
-    entry = pack.entry(0, batch)
-    assert isinstance(entry, PickleEntry)
-    assert b"torch._utils" not in entry.data and b"_rebuild_tensor" not in entry.data
-    buffer = bytearray(max(1, pack.size))
+    entry = pack.entry(5, batch)
+    assert isinstance(entry, TupleEntry) and entry.step == 5
+    buffer = bytearray(pack.size)
     pack.write(buffer)
-    back = Rebuilder(entry.data, buffer).load()
-    assert len(back) == len(batch)
-    for got, sent in zip(back, batch, strict=True):
-        assert type(got) is torch.Tensor and got.dtype == sent.dtype and got.shape == sent.shape
-        assert torch.equal(got, sent)
+    back = entry.delivery(None, buffer).value  # type: ignore[arg-type]
+    assert type(back) is kind and _same_parts(back, batch)
+    assert back[0].numpy().base is not None  # a view of the slot, not a copy
+    for odd in (kind([tokens, tokens]), kind([tokens, np.arange(3)]), kind([tokens, 7]), kind([])):
+        pack = GroupPack()
+        entry = pack.entry(0, odd)
+        assert isinstance(entry, PickleEntry)
+        buffer = bytearray(max(1, pack.size))
+        pack.write(buffer)
+        back = entry.delivery(None, buffer).value  # type: ignore[arg-type]
+        assert type(back) is kind and _same_parts(back, odd)
+        if len(odd) == 2 and odd[1] is tokens:
+            assert back[0] is back[1]
+
+
+def _same_parts(a: Any, b: Any) -> bool:
+    import torch
+
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if isinstance(y, torch.Tensor):
+            if not (type(x) is torch.Tensor and x.dtype == y.dtype and torch.equal(x, y)):
+                return False
+        elif isinstance(y, np.ndarray):
+            if not (_same(y, x) and x.strides == y.strides):
+                return False
+        elif x != y:
+            return False
+    return True

@@ -182,6 +182,28 @@ def test_readers_of_a_row_group_being_decoded_wait_for_that_decode(folder: Path)
     assert storage._decoded_bytes == sum(d.nbytes for d in storage._decoded.values())
 
 
+def test_a_read_over_many_row_groups_refuses_a_damaged_one_by_its_place(tmp_path: Path) -> None:
+    """A read that needs many row groups (a global shuffle's) and meets a damaged one refuses it
+    by its place, every time it is asked: never delivered; the other row groups still read."""
+    table = pa.table({"ids": pa.array([[i] * 5 for i in range(200)], pa.list_(pa.int32()))})
+    path = tmp_path / "damaged.parquet"
+    pq.write_table(table, path, row_group_size=20, compression="none", use_dictionary=False,
+                   write_page_checksum=True)  # fmt: skip
+    st = os.stat(path)
+    c = pq.ParquetFile(path).metadata.row_group(9).column(0)
+    with open(path, "r+b") as f:
+        f.seek(c.data_page_offset + c.total_compressed_size // 2)
+        f.write(b"\xff\x00\xfe\x13" * 4)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    storage = gl.open_parquet(path, "ids")
+    for _ in range(3):
+        with pytest.raises(gl.DatasetFormatError, match=r"damaged\.parquet: row group 9, column 'ids'"):
+            storage.read_many_sync(np.arange(0, 200, 7))
+    assert [r.tolist() for r in storage.read_many_sync(np.arange(0, 180, 7))] == [
+        [i] * 5 for i in range(0, 180, 7)
+    ]
+
+
 def test_a_read_over_many_row_groups_checks_each_for_nulls_and_the_range(tmp_path: Path) -> None:
     ids = [[1, 2], [5], [], [3]] * 4 + [None]
     pq.write_table(pa.table({"input_ids": pa.array(ids, pa.list_(pa.int32()))}), tmp_path / "n.parquet",

@@ -23,6 +23,7 @@ from guideloom._runtime.processes.wire import (
     FlatLayout,
     PickleEntry,
     Samples,
+    TupleEntry,
     exception_message,
 )
 
@@ -265,6 +266,10 @@ class GroupPack:
             if shared is not None:
                 return ArrayEntry(step, self.add(*shared))
         mark = len(self.arrays), self.size
+        if (type(value) is tuple or type(value) is list) and 0 < len(value) <= 8:
+            parts = self._parts(value)
+            if parts is not None:
+                return TupleEntry(step, tuple(self.add(*p) for p in parts), type(value) is list)
         try:
             data = self.dumps(value)
         except Exception as exc:
@@ -272,6 +277,20 @@ class GroupPack:
             self.size = mark[1]
             return ErrorEntry(step, *exception_message(exc))
         return PickleEntry(step, data, in_slot=True)
+
+    def _parts(self, value: tuple[Any, ...] | list[Any]) -> list[Shareable] | None:
+        """What :meth:`add` takes for each item of ``value``, where every item is a distinct
+        array or tensor that travels through the slot; None otherwise (the batch is pickled,
+        which keeps whatever else it holds, and an object held twice as one)."""
+        parts = []
+        for item in value:
+            shared = _shareable(item, self.torch, self.min_bytes)
+            if shared is None:
+                return None
+            parts.append(shared)
+        if len({id(item) for item in value}) != len(value):
+            return None
+        return parts
 
     def dumps(self, value: Any) -> bytes:
         """``value`` pickled with its large arrays and tensors left out, laid out in the pack

@@ -6,9 +6,9 @@ consecutive steps to read and collate, or to collate from the samples sent with 
 :class:`End` (drop what is left of an iterator's groups) and :class:`Stop`. From a worker:
 :class:`Ready` or :class:`Failed` once, at its start, then a :class:`GroupDone` per task, whose
 entries describe each batch: an array or tensor in the group's slot (:class:`ArrayEntry`), a
-pickle whose large arrays are in the slot or that holds them itself (:class:`PickleEntry`), or
-the exception that replaced the batch (:class:`ErrorEntry`). Each entry turns itself back into a
-delivery.
+tuple or list of them (:class:`TupleEntry`), a pickle whose large arrays are in the slot or that
+holds them itself (:class:`PickleEntry`), or the exception that replaced the batch
+(:class:`ErrorEntry`). Each entry turns itself back into a delivery.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ __all__ = [
     "Samples",
     "Stop",
     "Task",
+    "TupleEntry",
     "exception_message",
     "load_exception",
     "send_message",
@@ -175,6 +176,20 @@ class ArrayEntry(NamedTuple):
         return Delivery(spec, view(holder, *self.array))
 
 
+class TupleEntry(NamedTuple):
+    """A batch that is a plain tuple (``as_list``: a list) of distinct arrays or tensors, each in
+    the group's slot: rebuilt as views without a pickle of its own (a collate's ``(tokens,
+    lengths)``), where unpickling it cost the main process more than the views."""
+
+    step: int
+    arrays: tuple[SharedArray | SharedArrayFull, ...]
+    as_list: bool
+
+    def delivery(self, spec: BatchSpec, holder: Any) -> Delivery:
+        parts = [view(holder, *a) for a in self.arrays]
+        return Delivery(spec, parts if self.as_list else tuple(parts))
+
+
 class PickleEntry(NamedTuple):
     """A batch as a pickle; ``in_slot``: its large arrays are in the group's slot, named by it."""
 
@@ -199,7 +214,7 @@ class ErrorEntry(NamedTuple):
         return Delivery(spec, error=load_exception(self.error, self.tb))
 
 
-Entry = ArrayEntry | PickleEntry | ErrorEntry
+Entry = ArrayEntry | TupleEntry | PickleEntry | ErrorEntry
 
 
 class GroupDone(NamedTuple):

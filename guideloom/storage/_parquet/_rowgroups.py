@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
+import numpy.ma  # np.unique imports it on its first call (15-25 ms): here, not in a first batch
 import numpy.typing as npt
 
 from guideloom._core.text import plural

@@ -125,7 +125,8 @@ class ParquetStorage(_LengthIndex):
         cuts = np.searchsorted(which[order], np.arange(len(distinct) + 1)).tolist()
         ats = [order[cuts[k] : cuts[k + 1]] for k in range(len(distinct))]
         # one row group at a time: a read over many (a global row shuffle) holds one decoded
-        # group beyond the cache, and for a list column the rows' own values
+        # group beyond the cache, and for a list column the rows' own values (decoding the others
+        # on threads beside it took more wall time and CPU on 2 busy cores, not less)
         out: list[Any] = [None] * len(indices)
         for g, at in zip(distinct.tolist(), ats, strict=True):
             decoded = self._decode(g)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from guideloom.storage._api import open_documents, open_stream, verify_dataset, write_documents, write_stream
 from guideloom.storage._memory import MemoryDocumentStorage, MemoryStreamStorage
-from guideloom.storage._parquet import ParquetStorage, open_parquet
+from guideloom.storage._parquet import ParquetOptions, ParquetStorage, open_parquet
 from guideloom.storage.base import (
     DocumentStorageAbstract,
     Rows,
@@ -23,6 +23,7 @@ __all__ = [
     "DocumentStorageAbstract",
     "MemoryDocumentStorage",
     "MemoryStreamStorage",
+    "ParquetOptions",
     "ParquetStorage",
     "Rows",
     "Spans",

@@ -51,16 +51,19 @@ def open_parquet(
     ``http(s)://`` folder cannot be listed: pass a list). ``column``: a string column (texts,
     or tokens with ``tokenizer=``) or a list-of-integers column (token ids). ``tokenizer``: a
     ``tokenizers.Tokenizer``, the path of a ``tokenizer.json``, or a callable from a text to
-    token ids; ``bos``/``eos`` add those ids (or tokens, by name) around each document.
+    token ids; ``bos``/``eos`` add those ids (or tokens, by name) around each document;
+    ``dtype``: the dtype of the tokens a tokenizer makes (default: the smallest that holds its
+    vocabulary).
     ``on_null``: ``"error"`` (the default) or ``"empty"`` (a null row is an empty document,
     counted in ``stats()``). ``max_decoded_bytes``: decoded row groups kept in memory per
     process. ``fetch_ahead``: over an object store, the row groups a loader's upcoming reads
     need are fetched and decoded ahead, this many ranged GETs at once (0: each read fetches its
-    own, one after another). ``cache_dir``: where the footer index and a length index (for packing) are kept
-    between runs, each keyed by what it derives from. ``tokenizer_key``: a name for exactly this
-    tokenizer (and its version), needed to cache the length index of a tokenizer callable (its
-    contents cannot be read); change it whenever the callable changes. ``options``: how to reach
-    an object store (see ``open_stream``).
+    own, one after another). ``cache_dir``: where the footer index and a length index (for
+    packing) are kept between runs, each keyed by what it derives from. ``tokenizer_key``: a
+    name for exactly this tokenizer (and its version), needed to cache the length index of a
+    tokenizer callable (its contents cannot be read); change it whenever the callable changes.
+    ``options``: how to reach an object store (see ``open_stream``). The keys and their types:
+    :class:`ParquetOptions`.
 
     Opening reads the footers only, ``threads`` at a time. Raises ``FileNotFoundError`` for no
     files, :class:`~guideloom.DatasetFormatError` for a damaged footer, a missing column or a

@@ -13,10 +13,9 @@ from typing import Any, Unpack
 
 from guideloom._core.checks import check_int
 from guideloom._errors import DatasetFormatError, StorageError
-from guideloom.storage._parquet._files import _pq
+from guideloom.storage._parquet._files import _pq, _resolve
 from guideloom.storage._parquet._footers import _entry, _FileEntry, _read_index_cache, _write_index_cache
 from guideloom.storage._parquet._options import ParquetOptions, ParquetSettings
-from guideloom.storage._parquet._sources import _resolve
 from guideloom.storage._parquet._storage import ParquetStorage
 from guideloom.storage._text import TextEncoder
 

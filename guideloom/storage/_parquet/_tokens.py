@@ -28,8 +28,10 @@ from guideloom.storage._parquet._rowgroups import _LIVE, RELEASE_EVERY_BYTES, _R
 __all__ = ["AHEAD_CHUNK", "TOKENIZE_BYTES"]
 
 #: Rows a thread tokenizing ahead claims and tokenizes at a time: large enough for the tokenizer
-#: to spread over the cores, small enough that a read needing one of them waits briefly.
-AHEAD_CHUNK = 64
+#: to spread over the cores and for one long document not to leave them idle at the end of a
+#: call (a call of 64 rows of prose left them idle for a tenth of the time), small enough that a
+#: read needing one of them waits briefly.
+AHEAD_CHUNK = 256
 #: Bytes of text tokenized in one call at most: a ``tokenizers`` batch holds several times its
 #: text's bytes while it runs (an encoding per text, with its tokens' strings and offsets), and a
 #: whole row group's rows in one call (a read of all of them: the length index's) would hold

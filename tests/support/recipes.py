@@ -8,15 +8,15 @@ id)`` pairs it trained on and its loader's final state.
 
 from __future__ import annotations
 
-import ast
 import json
+import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from . import ROOT
-from .ranks import fork_ranks
+from .ranks import run_ranks
 
 RECIPES = ROOT / "examples" / "recipes"
 NUM_SAMPLES = 203  # the recipes' dataset
@@ -30,30 +30,13 @@ def run_recipe(
     ``-W`` filters in ``ignore`` (``"ignore:message:Category"``); return each rank's output.
 
     Rank 0 must end with the recipe's verdict from ``loader.audit()``, ``exactly once: yes``; the
-    other ranks print none.
-
-    The ranks are forked from a zygote that has imported what the recipe imports (torch, the
-    framework, guideloom) once, with the same warning options."""
-    python = ["-W", "error", *(f"-W{w}" for w in ignore)]
-    script = RECIPES / recipe
-    outputs = fork_ranks(
-        world_size, [str(script), *args], preload=imports(script), python=python, cwd=cwd, timeout=timeout
-    )
+    other ranks print none."""
+    argv = [sys.executable, "-W", "error", *(f"-W{w}" for w in ignore), str(RECIPES / recipe), *args]
+    outputs = run_ranks(world_size, argv, cwd=cwd, timeout=timeout)
     verdicts = [[line for line in out.splitlines() if line.startswith("exactly once:")] for out in outputs]
     assert len(verdicts[0]) == 1 and verdicts[0][0].startswith("exactly once: yes ("), outputs[0]
     assert not any(verdicts[1:]), verdicts
     return outputs
-
-
-def imports(script: Path) -> list[str]:
-    """The modules ``script`` imports at its top level, in its order."""
-    names: list[str] = []
-    for node in ast.parse(script.read_text()).body:
-        if isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module != "__future__":
-            names.append(node.module or "")
-    return [n for n in dict.fromkeys(names) if n]
 
 
 def records(prefix: Path, world_size: int) -> list[dict[str, Any]]:

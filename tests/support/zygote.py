@@ -19,6 +19,7 @@ children still alive, when its stdin closes: a test that dies leaves no child be
 
 from __future__ import annotations
 
+import ast
 import gc
 import importlib
 import json
@@ -32,6 +33,18 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+
+def imports_of(path: Path) -> list[str]:
+    """The modules the program at ``path`` imports at its top level, in its order: what a zygote
+    for it preloads."""
+    names: list[str] = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module != "__future__":
+            names.append(node.module or "")
+    return [n for n in dict.fromkeys(names) if n]
 
 
 class Child:

@@ -229,11 +229,11 @@ def serve(requests: int, replies: int) -> dict[str, Any] | None:
             pending += chunk
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
-                request = json.loads(line)
+                request: dict[str, Any] = json.loads(line)
                 if request["op"] == "kill":
-                    fd = children.get(request["pid"])
-                    if fd is not None:
-                        signal.pidfd_send_signal(fd, signal.SIGKILL)
+                    target = children.get(request["pid"])
+                    if target is not None:
+                        signal.pidfd_send_signal(target, signal.SIGKILL)
                     continue
                 pid = os.fork()
                 if pid == 0:

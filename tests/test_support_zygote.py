@@ -1,6 +1,6 @@
-"""The test zygote (``tests/support/zygote.py``): a forked child runs its program as ``python``
-would, in its own environment, folder and log, and its exit status comes back as
-:class:`subprocess.Popen` gives it."""
+"""The test support's zygote (``tests/support/zygote.py``, not guideloom's worker zygote): a
+forked child runs its program as ``python`` would, in its own environment, folder and log, and its
+exit status comes back as :class:`subprocess.Popen` gives it."""
 
 from __future__ import annotations
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.support import ROOT
+from tests.support.ranks import run_ranks
 from tests.support.zygote import Zygote
 
 PROGRAM = """
@@ -101,3 +103,21 @@ def test_a_child_runs_a_module_with_the_zygotes_interpreter_options(tmp_path: Pa
     assert "UserWarning: a warning" in (tmp_path / "warn.log").read_text()  # -W error holds
     assert "argv ['ok']" in (tmp_path / "ok.log").read_text()
     assert "main __main__" in (tmp_path / "ok.log").read_text()
+
+
+def test_ranks_output_begins_with_what_the_imports_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run_ranks`` forks its ranks from a zygote: a warning the program's imports gave there is
+    in each rank's output, as it was when each rank imported them itself."""
+    (tmp_path / "noisy.py").write_text("import warnings\nwarnings.warn('imported noisily')\n")
+    (tmp_path / "prog.py").write_text(
+        "import os\nimport sys\nimport noisy\nprint('rank', os.environ['RANK'])\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(tmp_path)]))
+    outputs = run_ranks(2, [sys.executable, str(tmp_path / "prog.py")], cwd=tmp_path)
+    assert all("UserWarning: imported noisily" in out for out in outputs), outputs
+    assert [out.splitlines()[-1] for out in outputs] == ["rank 0", "rank 1"]
+    (tmp_path / "prog.py").write_text("import sys\nimport os\nsys.exit(int(os.environ['RANK']) * 4)\n")
+    with pytest.raises(AssertionError, match="rank 1 of 2 failed \\(4\\)"):
+        run_ranks(2, [sys.executable, "-W", "error", str(tmp_path / "prog.py")], cwd=tmp_path)

@@ -50,7 +50,8 @@ def run_ranks(
     Each rank is forked from a zygote that has imported what the program imports at its top level
     (torch, a framework, guideloom), with the same interpreter options
     (``tests/support/zygote.py``): each rank is still its own process with its own gloo group,
-    and runs the program from its start as ``__main__``.
+    and runs the program from its start as ``__main__``. What the zygote's imports wrote (a
+    warning) begins each rank's output, as it would have begun each rank's own.
 
     Fails the test, with that rank's output, when a rank exits non-zero; kills every rank still
     running when one hangs past ``timeout`` seconds."""
@@ -75,7 +76,9 @@ def run_ranks(
             finally:
                 for c in children:
                     c.kill()
-        outputs = [(logs / f"rank{r}.log").read_text() for r in range(world_size)]
+        # what the imports wrote (a warning) each rank would have written first
+        imported = (logs / "zygote.log").read_text()
+        outputs = [imported + (logs / f"rank{r}.log").read_text() for r in range(world_size)]
     for rank, (code, out) in enumerate(zip(codes, outputs, strict=True)):
         assert code == 0, f"rank {rank} of {world_size} failed ({code}):\n{out}"
     return outputs

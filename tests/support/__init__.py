@@ -7,6 +7,8 @@
 - ``chunks``: a local dataset served as an object store would, for the chunk cache
 - ``ranks``: real ``torch.distributed`` ranks as processes; ``stream_rank`` and ``mixture_rank``
   are the programs those ranks run (``python -m tests.support.stream_rank``)
+- ``zygote``: processes forked from a zygote that has imported a program's heavy modules once
+  (the ranks, the torchft replicas)
 - ``remote``: the datasets and loaders the object-store tests share (the servers they start,
   moto, nginx and a fault proxy on 127.0.0.1, are in ``guideloom_dev.servers``, which the
   benchmarks import too);

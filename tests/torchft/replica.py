@@ -1,6 +1,7 @@
 """One replica group of a fault-tolerant job: a torchft Manager over gloo on CPU, a tiny model,
 guideloom's :class:`~guideloom.torchft.FaultTolerantLoader`; run as
-``python -m tests.torchft.replica ARGS`` by ``test_torchft.py``.
+``python -m tests.torchft.replica ARGS`` by ``test_torchft.py``, forked from a zygote that has
+imported it (``tests/support/zygote.py``).
 
 Each committed step appends one line per rank to ``--out``: ``[epoch, step, replica, rank,
 shard, world size, [sample, ...]]`` (JSON), written before anything else happens after

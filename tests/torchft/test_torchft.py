@@ -9,8 +9,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -23,8 +21,12 @@ coordination = pytest.importorskip(
 )
 
 from guideloom.torchft import FaultTolerantLoader  # noqa: E402
+from tests.support.zygote import Child, Zygote  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+#: A replica group's program, run as ``python -m``: each replica is forked from a zygote that
+#: imported it (torch, torchft and guideloom) once for the job (``tests/support/zygote.py``).
+REPLICA = "tests.torchft.replica"
 
 
 def _env() -> dict[str, str]:
@@ -43,22 +45,20 @@ def run_job(
         bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=300, quorum_tick_ms=20, heartbeat_timeout_ms=1000
     )
     out = tmp / "records.jsonl"
-    procs: dict[int, subprocess.Popen[bytes]] = {}
-    logs: list[Any] = []
+    procs: dict[int, Child] = {}
     done_kills = 0
     armed: int | None = None
+    zygote = Zygote(tmp / "zygote.log", [REPLICA], cwd=ROOT, env=_env())
 
     def start(r: int) -> None:
-        args = [sys.executable, "-m", "tests.torchft.replica", "--replica", str(r)]
+        args = ["--replica", str(r)]
         args += ["--lighthouse", lighthouse.address(), "--out", str(out), "--samples", str(samples)]
         for k, v in replica.items():
             args += [f"--{k.replace('_', '-')}", str(v)]
         args += ["--ctl", str(tmp)]
         (tmp / f"up-{r}").unlink(missing_ok=True)
         (tmp / f"manager-{r}").unlink(missing_ok=True)
-        log = open(tmp / f"replica{r}.log", "ab")  # noqa: SIM115 - closed below
-        logs.append(log)
-        procs[r] = subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+        procs[r] = zygote.start(args, tmp / f"replica{r}.log", module=REPLICA)
 
     finished: set[int] = set()
     t0 = time.monotonic()
@@ -103,30 +103,39 @@ def run_job(
             time.sleep(0.05)  # a replica one step behind finishes or waits alone for a quorum
     finally:
         for p in procs.values():
-            if p.poll() is None:
-                p.kill()
+            p.kill()
             p.wait()
-        for log in logs:
-            log.close()
+        zygote.close()
         lighthouse.shutdown()
     records = [json.loads(line) for line in out.read_text().splitlines()]
     return records, done_kills
 
 
-def check_exactly_once(records: list[list[Any]], samples: int) -> None:
+def check_exactly_once(records: list[list[Any]], samples: int, logs: Path | None = None) -> None:
     """Each sample of epoch 0 in exactly one committed batch; the ranks of a shard (tensor
-    parallel) got the same batch, the replicas and shards of a step disjoint ones."""
+    parallel) got the same batch, the replicas and shards of a step disjoint ones. A failure names,
+    for each repeated sample, the records (epoch, step, replica, rank, world) that committed it,
+    and where the replicas' logs are."""
     batches: dict[tuple[int, int, int], list[int]] = {}
-    for epoch, step, replica, _rank, shard, _world, batch in records:
+    committed_by: dict[int, list[tuple[int, int, int, int, int]]] = {}
+    for epoch, step, replica, rank, shard, world, batch in records:
         assert epoch == 0
         key = (step, replica, shard)
         assert batches.setdefault(key, batch) == batch, f"ranks of shard {key} got other batches"
+        for i in batch:
+            committed_by.setdefault(i, []).append((epoch, step, replica, rank, world))
     counts = Counter(i for b in batches.values() for i in b)
     lost = sorted(set(range(samples)) - set(counts))
     repeated = sorted(i for i, c in counts.items() if c > 1)
-    assert not lost and not repeated, (
-        f"lost {lost[:20]} ({len(lost)}), repeated {repeated[:20]} ({len(repeated)})"
-    )
+    if lost or repeated:
+        lines = [f"lost {lost[:20]} ({len(lost)}), repeated {repeated[:20]} ({len(repeated)})"]
+        lines += [
+            f"sample {i} committed by (epoch, step, replica, rank, world) {committed_by[i]}"
+            for i in repeated[:20]
+        ]
+        if logs is not None:
+            lines.append(f"the replicas' logs: {logs}")
+        pytest.fail("\n".join(lines))
     assert sorted(counts) == list(range(samples))
 
 
@@ -135,7 +144,7 @@ def check_exactly_once(records: list[list[Any]], samples: int) -> None:
 def test_every_sample_is_committed_once_through_kills_and_a_late_join(tmp_path: Path) -> None:
     records, kills = run_job(tmp_path, samples=150, kills=2, seed=1, deadline_s=90, step_sleep=0.02)
     assert kills == 2
-    check_exactly_once(records, 150)
+    check_exactly_once(records, 150, tmp_path)
     assert len({r[5] for r in records}) > 1  # the quorum changed
 
 
@@ -156,14 +165,28 @@ def test_every_sample_is_committed_once_through_twenty_kills(
         shards=shards,
     )
     assert kills >= 20
-    check_exactly_once(records, 2400)
+    check_exactly_once(records, 2400, tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_dp_shards_within_groups_read_disjoint_data(tmp_path: Path) -> None:
     records, _ = run_job(tmp_path, samples=300, kills=3, seed=3, deadline_s=500, group_size=2, shards=2)
-    check_exactly_once(records, 300)
+    check_exactly_once(records, 300, tmp_path)
+
+
+def test_a_failed_check_names_the_records_that_committed_a_sample_twice(tmp_path: Path) -> None:
+    records = [[0, 0, 0, 0, 0, 2, [0, 1]], [0, 0, 1, 0, 0, 2, [2, 3]], [0, 1, 1, 0, 0, 1, [3, 5]]]
+    with pytest.raises(pytest.fail.Exception) as failed:
+        check_exactly_once(records, 6, tmp_path)
+    message = str(failed.value)
+    assert "lost [4] (1), repeated [3] (1)" in message
+    assert (
+        "sample 3 committed by (epoch, step, replica, rank, world) [(0, 0, 1, 0, 2), (0, 1, 1, 0, 1)]"
+        in message
+    )
+    assert str(tmp_path) in message
+    check_exactly_once([*records[:2], [0, 1, 1, 0, 0, 1, [4, 5]]], 6)
 
 
 def test_the_module_names_bad_shards() -> None:
@@ -181,16 +204,14 @@ def test_a_replica_heals_from_one_that_healed_the_step_before(tmp_path: Path) ->
         bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=300, quorum_tick_ms=20, heartbeat_timeout_ms=1000
     )
     out, samples = tmp_path / "records.jsonl", 48
-    procs: dict[int, subprocess.Popen[bytes]] = {}
-    logs: list[Any] = []
+    procs: dict[int, Child] = {}
+    zygote = Zygote(tmp_path / "zygote.log", [REPLICA], cwd=ROOT, env=_env())
 
     def start(r: int, *extra: str) -> None:
-        args = [sys.executable, "-m", "tests.torchft.replica", "--replica", str(r), "--ctl", str(tmp_path)]
+        args = ["--replica", str(r), "--ctl", str(tmp_path)]
         args += ["--lighthouse", lighthouse.address(), "--out", str(out), "--samples", str(samples)]
         args += ["--step-sleep", "1", *extra]  # time to hold the others after a step
-        log = open(tmp_path / f"replica{r}.log", "ab")  # noqa: SIM115 - closed below
-        logs.append(log)
-        procs[r] = subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+        procs[r] = zygote.start(args, tmp_path / f"replica{r}.log", module=REPLICA)
 
     def wait_for(what: Any, seconds: float) -> None:
         end = time.monotonic() + seconds
@@ -220,11 +241,9 @@ def test_a_replica_heals_from_one_that_healed_the_step_before(tmp_path: Path) ->
         wait_for(lambda: sum(p.poll() == 0 for p in procs.values()) >= 2, 90)
     finally:
         for p in procs.values():
-            if p.poll() is None:
-                p.kill()
+            p.kill()
             p.wait()
-        for log in logs:
-            log.close()
+        zygote.close()
         lighthouse.shutdown()
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    check_exactly_once(records, samples)
+    check_exactly_once(records, samples, tmp_path)

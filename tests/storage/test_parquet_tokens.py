@@ -144,3 +144,37 @@ def test_a_read_of_a_whole_row_group_tokenizes_it_in_calls_of_bounded_text(
     assert np.diff(offsets).tolist() == [len(t) for t in expected(folder, range(ROWS))]
     assert len(calls) > 3 and max(calls) <= 300  # no text here is longer than the bound
     assert sum(calls) == sum(len(t.encode()) for t in pq.read_table(folder / "a.parquet")["text"].to_pylist())
+
+
+def test_the_thread_tokenizing_ahead_puts_small_row_groups_into_one_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Row groups smaller than ``AHEAD_CHUNK`` rows share the thread's tokenizer calls (a call
+    of a few rows leaves the tokenizer's threads waiting on its longest text), each row still
+    tokenized once, into its own row group's tokens."""
+    from guideloom.storage._parquet import _tokens
+    from guideloom.storage._text import TextEncoder
+
+    texts = [" ".join(["w" * (1 + (i + k) % 7) for k in range(1 + i % 11)]) for i in range(ROWS)]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "a.parquet", row_group_size=10)
+    sizes: list[int] = []
+    encode = TextEncoder.encode_many
+
+    def spy(self: TextEncoder, batch: Sequence[str]) -> list[np.ndarray]:
+        if threading.current_thread().name == "guideloom-parquet-tokens":
+            sizes.append(len(batch))
+        return encode(self, batch)
+
+    monkeypatch.setattr(TextEncoder, "encode_many", spy)
+    storage = gl.open_parquet(tmp_path, "text", tokenizer=slow_words)
+    firsts = np.arange(0, ROWS, 10)  # a row of each row group: the rest is tokenized ahead
+    assert [r.tolist() for r in storage.read_many_sync(firsts)] == [slow_words(texts[i]) for i in firsts]
+    thread = storage._tokenizer_thread
+    if thread is not None:
+        thread.join(timeout=60)
+    rows = np.arange(ROWS)
+    assert [r.tolist() for r in storage.read_many_sync(rows)] == [slow_words(t) for t in texts]
+    total = sum(len(slow_words(t)) for t in texts)
+    assert storage.counts["parquet_tokens_tokenized"] == total  # none twice, none left out
+    assert sizes and max(sizes) > 10 and max(sizes) <= _tokens.AHEAD_CHUNK  # calls span row groups
+    storage._stop_ahead()

@@ -54,13 +54,17 @@ def _parts(offsets: I64, rows: list[int]) -> Iterator[list[int]]:
         yield part
 
 
-def _claim_locked(decoded: _Decoded, at: int) -> tuple[list[int], int]:
-    """Claim up to :data:`AHEAD_CHUNK` rows of ``decoded`` neither tokenized nor claimed, looking
-    from row ``at`` on (under the storage's lock): the rows, and where the next look starts."""
+#: Rows of one row group claimed by a thread, to be tokenized: (group, decoded, rows).
+_Claim = tuple[int, _Decoded, list[int]]
+
+
+def _claim_locked(decoded: _Decoded, at: int, most: int = AHEAD_CHUNK) -> tuple[list[int], int]:
+    """Claim up to ``most`` rows of ``decoded`` neither tokenized nor claimed, looking from row
+    ``at`` on (under the storage's lock): the rows, and where the next look starts."""
     tokens = decoded.tokens
     assert tokens is not None
     rows: list[int] = []
-    while at < len(tokens) and len(rows) < AHEAD_CHUNK:
+    while at < len(tokens) and len(rows) < most:
         if tokens[at] is None and at not in decoded.claimed:
             rows.append(at)
         at += 1
@@ -150,18 +154,34 @@ class _TokenRows(_RowGroups):
         return [tokens[i] for i in wanted]
 
     def _tokenize_claimed(self, group: int, decoded: _Decoded, rows: list[int]) -> None:
-        """Tokenize ``rows`` (claimed by this thread) and keep their tokens, at most
+        """Tokenize ``rows`` (claimed by this thread) and keep their tokens; see
+        :meth:`_tokenize_chunk`."""
+        self._tokenize_chunk([(group, decoded, rows)])
+
+    def _tokenize_chunk(self, chunk: list[_Claim]) -> None:
+        """Tokenize the claimed rows of one or more row groups and keep their tokens, at most
         :data:`TOKENIZE_BYTES` of text a call (a tokenizer's batch holds several times its
         text's bytes while it runs); the claims are let go however it ends (rows left
         untokenized are then claimed by the next that needs them)."""
-        assert decoded.tokens is not None
+        calls: list[list[_Claim]] = [[]]
+        held = 0
+        for group, decoded, rows in chunk:
+            assert decoded.tokens is not None
+            for part in _parts(decoded.offsets, rows):
+                size = sum(int(decoded.offsets[i + 1] - decoded.offsets[i]) for i in part)
+                if calls[-1] and held + size > TOKENIZE_BYTES:
+                    calls.append([])
+                    held = 0
+                calls[-1].append((group, decoded, part))
+                held += size
         text = 0
         try:
-            for part in _parts(decoded.offsets, rows):
-                text += self._tokenize_part(group, decoded, part)
+            for call in calls:
+                text += self._tokenize_call(call)
         finally:
             with self._lock:
-                decoded.claimed.difference_update(rows)
+                for _, decoded, rows in chunk:
+                    decoded.claimed.difference_update(rows)
                 self._lock.notify_all()
                 self._since_trim += text
                 trim = self._since_trim >= RELEASE_EVERY_BYTES
@@ -170,24 +190,29 @@ class _TokenRows(_RowGroups):
         if trim:
             release_malloc()
 
-    def _tokenize_part(self, group: int, decoded: _Decoded, rows: list[int]) -> int:
-        """Tokenize ``rows`` (claimed) in one call and keep their tokens; their text's bytes."""
-        assert self._encoder is not None and decoded.tokens is not None
-        texts = self._cut(group, decoded, np.asarray(rows, dtype=np.int64))
-        arrays = self._encoder.encode_many(texts)
+    def _tokenize_call(self, call: list[_Claim]) -> int:
+        """Tokenize the claimed rows of ``call`` in one tokenizer call and keep each row
+        group's tokens; their text's bytes."""
+        assert self._encoder is not None
+        texts = [self._cut(group, decoded, np.asarray(rows, dtype=np.int64)) for group, decoded, rows in call]
+        arrays = self._encoder.encode_many([t for part in texts for t in part])
         with self._lock:
-            tokens, added, made = decoded.tokens, 0, 0
-            for i, array in zip(rows, arrays, strict=True):
-                tokens[i] = array
-                made += len(array)
-                added += int(array.nbytes) + _ROW_OVERHEAD
-            self.counts["parquet_tokens_tokenized"] += made
-            decoded.nbytes += added
-            if self._decoded.get(group) is decoded:
-                self._decoded_bytes += added
-                self._evict_locked(group, keep_new=True)
+            at = 0
+            for (group, decoded, rows), part in zip(call, texts, strict=True):
+                tokens, added, made = decoded.tokens, 0, 0
+                assert tokens is not None
+                for i, array in zip(rows, arrays[at : at + len(part)], strict=True):
+                    tokens[i] = array
+                    made += len(array)
+                    added += int(array.nbytes) + _ROW_OVERHEAD
+                at += len(part)
+                self.counts["parquet_tokens_tokenized"] += made
+                decoded.nbytes += added
+                if self._decoded.get(group) is decoded:
+                    self._decoded_bytes += added
+                    self._evict_locked(group, keep_new=True)
             self._lock.notify_all()
-        return sum(map(len, texts))
+        return sum(len(t) for part in texts for t in part)
 
     def _tokenize_rest(self, group: int, decoded: _Decoded) -> None:
         """Queue the rest of ``group``'s rows to be tokenized ahead (once), starting the thread
@@ -209,41 +234,46 @@ class _TokenRows(_RowGroups):
         _LIVE.add(self)
         thread.start()
 
-    def _next_chunk_locked(self) -> tuple[int, _Decoded, list[int]] | None:
-        """The next rows to tokenize ahead, claimed: from the oldest queued row group that is
-        still kept; ``None`` once there are none (or the storage stops)."""
-        while self._to_tokenize and not self._tokens_stop:
+    def _next_chunk_locked(self) -> list[_Claim]:
+        """The next rows to tokenize ahead, claimed: up to :data:`AHEAD_CHUNK` of them from the
+        oldest queued row groups that are still kept, one after another (small row groups
+        share a call); empty once there are none (or the storage stops)."""
+        chunk: list[_Claim] = []
+        wanted = AHEAD_CHUNK
+        while self._to_tokenize and not self._tokens_stop and wanted > 0:
             group, decoded = self._to_tokenize[0]
             tokens = decoded.tokens
             assert tokens is not None
             if self._decoded.get(group) is decoded:
-                rows, decoded.scan = _claim_locked(decoded, decoded.scan)
+                rows, decoded.scan = _claim_locked(decoded, decoded.scan, wanted)
                 if rows:
-                    return group, decoded, rows
-                if decoded.scan >= len(tokens):
-                    decoded.ahead_done = True
+                    chunk.append((group, decoded, rows))
+                    wanted -= len(rows)
+                if decoded.scan < len(tokens):
+                    break  # rows of it are left for the next chunk
+                decoded.ahead_done = True
             self._to_tokenize.popleft()  # done, or dropped from the kept row groups
             self._tokenizing.discard(group)
-        return None
+        return chunk
 
     def _tokenize_ahead(self) -> None:
         """The thread tokenizing ahead: chunks of queued row groups until none is left."""
         while True:
             with self._lock:
-                got = self._next_chunk_locked()
-                if got is None:
+                chunk = self._next_chunk_locked()
+                if not chunk:
                     self._to_tokenize.clear()
                     self._tokenizing.clear()
                     if self._tokenizer_thread is threading.current_thread():
                         self._tokenizer_thread = None
                     return
-            group, decoded, rows = got
             try:
-                self._tokenize_claimed(group, decoded, rows)
-            except Exception:  # left to the read that needs these rows: it raises its own error
+                self._tokenize_chunk(chunk)
+            except Exception:  # left to the reads that need these rows: they raise their own error
+                failed = {group for group, _, _ in chunk}
                 with self._lock:
-                    self._tokenizing.discard(group)
-                    if self._to_tokenize and self._to_tokenize[0][0] == group:
+                    self._tokenizing.difference_update(failed)
+                    while self._to_tokenize and self._to_tokenize[0][0] in failed:
                         self._to_tokenize.popleft()
 
     def _stop_ahead(self, *, join: bool = True) -> None:

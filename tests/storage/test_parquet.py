@@ -1164,3 +1164,20 @@ def test_a_file_written_over_in_place_while_open_is_refused_whatever_its_times(
     os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
     with pytest.raises(gl.DatasetIntegrityError, match=r"00000-of-00003\.parquet: the file changed"):
         storage.read_many_sync(np.arange(len(storage), dtype=np.int64))
+
+
+def test_a_first_read_over_several_row_groups_imports_no_masked_arrays(tmp_path: Path) -> None:
+    """``np.unique`` would import ``numpy.ma`` (tens of ms) in a new process's first read of
+    rows from several row groups (a batch of a global shuffle); nor does importing guideloom."""
+    table = pa.table({"ids": pa.array([[i, i + 1] for i in range(40)], pa.list_(pa.int32()))})
+    pq.write_table(table, tmp_path / "a.parquet", row_group_size=10)
+    code = (
+        "import sys, numpy as np, guideloom as gl\n"
+        "assert 'numpy.ma' not in sys.modules\n"
+        f"storage = gl.open_parquet({str(tmp_path)!r}, 'ids')\n"
+        "rows = storage.read_many_sync(np.array([35, 3, 17, 3], dtype=np.int64))\n"
+        "assert [r.tolist() for r in rows] == [[35, 36], [3, 4], [17, 18], [3, 4]], rows\n"
+        "print('numpy.ma' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False"

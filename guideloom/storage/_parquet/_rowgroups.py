@@ -18,12 +18,12 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
-import numpy.ma  # np.unique imports it on its first call (15-25 ms): here, not in a first batch
 import numpy.typing as npt
 
 from guideloom._core.text import plural
 from guideloom._errors import DatasetFormatError, DatasetIntegrityError, StorageError
 from guideloom._process import Live
+from guideloom.storage._format._blocks import distinct
 from guideloom.storage._parquet._decode import I64, OnNull, _Decoded
 from guideloom.storage._parquet._files import _pa, _Stat
 from guideloom.storage._parquet._footers import _chunk_range, _FileEntry, _leaves
@@ -390,7 +390,7 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
             if not len(indices) or indices.min() < 0 or indices.max() >= len(self):
                 continue  # not a read of this storage's rows: its read will say so
             seq, self._plan_seq = self._plan_seq, self._plan_seq + 1
-            groups = np.unique(np.searchsorted(self._gstarts, indices, side="right") - 1).tolist()
+            groups = distinct(np.searchsorted(self._gstarts, indices, side="right") - 1).tolist()
             for g in groups:
                 uses = self._uses.get(g)
                 if uses is None:

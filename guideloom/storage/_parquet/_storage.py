@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from guideloom._core.text import plural
+from guideloom.storage._format._blocks import distinct
 from guideloom.storage._parquet._decode import I64
 from guideloom.storage._parquet._lengths import _LengthIndex
 
@@ -120,15 +121,16 @@ class ParquetStorage(_LengthIndex):
             decoded = self._decode(first)
             self._nulls(first, decoded, local)
             return cut(first, decoded, local)
-        distinct, which = np.unique(groups, return_inverse=True)
+        kept = distinct(groups)  # np.unique would import numpy.ma in a first batch
+        which = np.searchsorted(kept, groups)
         order = np.argsort(which, kind="stable")
-        cuts = np.searchsorted(which[order], np.arange(len(distinct) + 1)).tolist()
-        ats = [order[cuts[k] : cuts[k + 1]] for k in range(len(distinct))]
+        cuts = np.searchsorted(which[order], np.arange(len(kept) + 1)).tolist()
+        ats = [order[cuts[k] : cuts[k + 1]] for k in range(len(kept))]
         # one row group at a time: a read over many (a global row shuffle) holds one decoded
         # group beyond the cache, and for a list column the rows' own values (decoding the others
         # on threads beside it took more wall time and CPU on 2 busy cores, not less)
         out: list[Any] = [None] * len(indices)
-        for g, at in zip(distinct.tolist(), ats, strict=True):
+        for g, at in zip(kept.tolist(), ats, strict=True):
             decoded = self._decode(g)
             self._nulls(g, decoded, local[at])
             for i, row in zip(at.tolist(), cut(g, decoded, local[at]), strict=True):

@@ -217,11 +217,13 @@ def _inspect_parquet(args: argparse.Namespace) -> list[str]:
         f"column:     {column} ({'text' if storage.dtype == object else f'token ids, {storage.dtype}'})",
     ]
     summary = storage.file_summary()
+    # each column as wide as its widest entry, so that a listing of short files stays narrow
     width = max(len(f) for f, *_ in summary)
+    n_w, g_w, b_w = (max(len(f"{row[i]:,}") for row in summary) for i in (1, 2, 3))
     for f, nrows, groups, nbytes in summary:
-        rows_text = plural(nrows, "row", shown=f"{nrows:>12,}")
-        groups_text = plural(groups, "row group", shown=f"{groups:>6,}")
-        lines.append(f"  {f:<{width}}  {rows_text:<17} {groups_text:<17} {nbytes:>15,} B")
+        rows_text = plural(nrows, "row", shown=f"{nrows:>{n_w},}")
+        groups_text = plural(groups, "row group", shown=f"{groups:>{g_w},}")
+        lines.append(f"  {f:<{width}}  {rows_text:<{n_w + 5}}  {groups_text:<{g_w + 11}}  {nbytes:>{b_w},} B")
     k = min(args.samples, len(storage))
     rows = _sample_rows(storage, k)
     tokenizer = tokenizer_for_decoding(args.tokenizer, {}) if args.tokenizer else None

@@ -344,7 +344,7 @@ def test_inspect_shows_null_rows_as_null_instead_of_failing(cli, tmp_path: Path)
     assert r.code == 0, r
     assert "\n  [0] 1 char: 'a'\n  [1] null\n  [2] 0 chars: ''\n  [3] null\n" in r.out  # "" is not null
     assert "samples (first 4 rows of 'text'):" in r.out
-    assert "texts.parquet             5 rows      1 row group " in r.out
+    assert "texts.parquet  5 rows  1 row group  " in r.out  # columns as wide as their entries
     (nulls,) = [line for line in r.out.splitlines() if line.startswith("nulls:")]
     assert nulls.startswith("nulls:      2 of the 4 rows shown are null:")
     assert "on_null='empty'" in nulls and "--skip-invalid" in nulls  # for Python, for prepare

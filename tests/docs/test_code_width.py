@@ -14,9 +14,6 @@ import pytest
 from tests.support.docs import DOCS
 
 WIDTH = 88
-#: Pages whose code blocks still hold wider lines (benchmarks.md's command list is written by
-#: ``python -m benchmarks report``); take a page out once its blocks fit.
-NOT_YET_WRAPPED = {"parquet.md"}
 _FENCE = re.compile(r"^\s*(```|~~~)")
 
 
@@ -34,7 +31,7 @@ def wide_code_lines(text: str) -> list[tuple[int, str]]:
 PAGES = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if p not in NOT_YET_WRAPPED])
+@pytest.mark.parametrize("page", PAGES)
 def test_code_lines_fit_the_page(page: str) -> None:
     wide = wide_code_lines((DOCS / page).read_text())
     assert not wide, f"{page}: code lines wider than {WIDTH} characters:\n" + "\n".join(
@@ -46,7 +43,3 @@ def test_the_check_finds_a_wide_code_line_only() -> None:
     long = "x = 1  # " + "y" * WIDTH
     text = f"prose {long}\n\n```python\nz = 2\n{long}\n```\n\n    ~~~\n    {long}\n    ~~~\n{long}\n"
     assert wide_code_lines(text) == [(5, long), (9, "    " + long)]
-
-
-def test_the_pages_not_yet_wrapped_exist() -> None:
-    assert set(PAGES) >= NOT_YET_WRAPPED

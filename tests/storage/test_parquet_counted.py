@@ -9,6 +9,7 @@ import asyncio
 import base64
 import hashlib
 import io
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 import guideloom as gl
 from guideloom._datasets import packed_blocks, packing
 from guideloom._errors import DatasetIntegrityError
+from guideloom.storage._parquet._tokens import _TokenRows
 from tests.storage.test_parquet import make_rows, write_files
 from tests.support.loader import loop_gaps
 
@@ -78,8 +80,19 @@ def tokenized(ds: gl.PackedDataset) -> int:
 
 
 def test_the_first_batch_waits_for_one_window_and_each_document_is_tokenized_once(
-    corpus: Path, tokenizer_json: str, tmp_path: Path, parts: str
+    corpus: Path, tokenizer_json: str, tmp_path: Path, parts: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The threads that tokenize ahead of the reads are held until the first batch is in hand:
+    # what is tokenized by then is what the first batch waited for, however fast they would be.
+    held = threading.Event()
+    for name in ("_after_ahead", "_tokenize_ahead"):
+        work = getattr(_TokenRows, name)
+
+        def after_first_batch(self: Any, *args: Any, _work: Any = work) -> None:
+            assert held.wait(60), "the first batch did not come"
+            _work(self, *args)
+
+        monkeypatch.setattr(_TokenRows, name, after_first_batch)
     ds = packed(corpus, tokenizer_json, tmp_path / "cache")
     blocks = len(ds.block_totals())
     assert blocks == 36 if parts == "row groups" else blocks > 3 * 36
@@ -91,6 +104,7 @@ def test_the_first_batch_waits_for_one_window_and_each_document_is_tokenized_onc
         it = iter(lo)
         first = next(it)
         assert not ds.counted() and 0 < tokenized(ds) < total / 4  # 4 of 36 row groups, about
+        held.set()
         rest = [k for b in it for k in b]
     got = list(first) + rest
     assert ds.counted() and len(got) == len(set(got)) == total // LENGTH == len(ds)

@@ -8,7 +8,6 @@ from typing import Any
 import numpy as np
 
 from guideloom._core.text import plural
-from guideloom.storage._format._blocks import distinct
 from guideloom.storage._parquet._decode import I64
 from guideloom.storage._parquet._lengths import _LengthIndex
 
@@ -121,11 +120,13 @@ class ParquetStorage(_LengthIndex):
             decoded = self._decode(first)
             self._nulls(first, decoded, local)
             return cut(first, decoded, local)
-        kept = distinct(groups)  # np.unique would import numpy.ma in a first batch
-        which = np.searchsorted(kept, groups)
-        order = np.argsort(which, kind="stable")
-        cuts = np.searchsorted(which[order], np.arange(len(kept) + 1)).tolist()
-        ats = [order[cuts[k] : cuts[k + 1]] for k in range(len(kept))]
+        # the rows of each row group, in read order (not np.unique: it imports numpy.ma, tens
+        # of ms in a first batch)
+        order = np.argsort(groups, kind="stable")
+        ordered = groups[order]
+        starts = np.flatnonzero(ordered[1:] != ordered[:-1]) + 1
+        kept = ordered[np.concatenate(([0], starts))]
+        ats = np.split(order, starts)
         # one row group at a time: a read over many (a global row shuffle) holds one decoded
         # group beyond the cache, and for a list column the rows' own values (decoding the others
         # on threads beside it took more wall time and CPU on 2 busy cores, not less)

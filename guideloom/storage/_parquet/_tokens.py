@@ -29,8 +29,8 @@ __all__ = ["AHEAD_CHUNK", "TOKENIZE_BYTES"]
 
 #: Rows a thread tokenizing ahead claims and tokenizes at a time: large enough for the tokenizer
 #: to spread over the cores and for one long document not to leave them idle at the end of a
-#: call (a call of 64 rows of prose left them idle for a tenth of the time), small enough that a
-#: read needing one of them waits briefly.
+#: call (calls of 64 rows of prose tokenized about a tenth slower), small enough that a read
+#: needing one of them waits briefly.
 AHEAD_CHUNK = 256
 #: Bytes of text tokenized in one call at most: a ``tokenizers`` batch holds several times its
 #: text's bytes while it runs (an encoding per text, with its tokens' strings and offsets), and a
@@ -39,23 +39,31 @@ AHEAD_CHUNK = 256
 TOKENIZE_BYTES = 2**20
 
 
-def _parts(offsets: I64, rows: list[int]) -> Iterator[list[int]]:
-    """``rows`` in runs of at most :data:`TOKENIZE_BYTES` of text (one row at least a run)."""
-    part: list[int] = []
-    held = 0
-    for i in rows:
-        size = int(offsets[i + 1] - offsets[i])
-        if part and held + size > TOKENIZE_BYTES:
-            yield part
-            part, held = [], 0
-        part.append(i)
-        held += size
-    if part:
-        yield part
-
-
 #: Rows of one row group claimed by a thread, to be tokenized: (group, decoded, rows).
 _Claim = tuple[int, _Decoded, list[int]]
+
+
+def _calls(chunk: list[_Claim]) -> Iterator[list[_Claim]]:
+    """``chunk``'s rows in calls of at most :data:`TOKENIZE_BYTES` of text (one row at least a
+    call), each row group's rows of a call together."""
+    call: list[_Claim] = []
+    held = 0
+    for group, decoded, rows in chunk:
+        part: list[int] = []
+        for i in rows:
+            size = int(decoded.offsets[i + 1] - decoded.offsets[i])
+            if (call or part) and held + size > TOKENIZE_BYTES:
+                if part:
+                    call.append((group, decoded, part))
+                    part = []
+                yield call
+                call, held = [], 0
+            part.append(i)
+            held += size
+        if part:
+            call.append((group, decoded, part))
+    if call:
+        yield call
 
 
 def _claim_locked(decoded: _Decoded, at: int, most: int = AHEAD_CHUNK) -> tuple[list[int], int]:
@@ -163,20 +171,9 @@ class _TokenRows(_RowGroups):
         :data:`TOKENIZE_BYTES` of text a call (a tokenizer's batch holds several times its
         text's bytes while it runs); the claims are let go however it ends (rows left
         untokenized are then claimed by the next that needs them)."""
-        calls: list[list[_Claim]] = [[]]
-        held = 0
-        for group, decoded, rows in chunk:
-            assert decoded.tokens is not None
-            for part in _parts(decoded.offsets, rows):
-                size = sum(int(decoded.offsets[i + 1] - decoded.offsets[i]) for i in part)
-                if calls[-1] and held + size > TOKENIZE_BYTES:
-                    calls.append([])
-                    held = 0
-                calls[-1].append((group, decoded, part))
-                held += size
         text = 0
         try:
-            for call in calls:
+            for call in _calls(chunk):
                 text += self._tokenize_call(call)
         finally:
             with self._lock:

@@ -174,7 +174,7 @@ if __name__ == "__main__":
             ctx = pool.ctx
             server = getattr(ctx, "server", None) or forkserver._forkserver
             spid = server._forkserver_pid
-            workers = {p.proc.pid for p in pool.procs}
+            workers = {p.proc.pid for p in pool.procs if p is not None}  # one may be starting still
             parents = {parent(w) for w in workers}
         print(type(ctx).__name__, getattr(ctx, "shared", None), parent(spid) == os.getpid(),
               parents == {spid}, {b[0] for b in got} <= workers,

@@ -5,7 +5,7 @@ Workload: a folder of Parquet shards (``train-0000k-of-0000n.parquet``, zstd, ro
 and an ``input_ids`` column (``list<int32>``: the same texts tokenized), and a BPE
 ``tokenizer.json`` (``tokenizers``, 8,192 ids) trained on them. Every configuration runs in a
 fresh process of its own, one after the other, in alternating rounds; its peak PSS (its own and
-its worker processes', sampled every 50 ms from the parent, so that no sampling thread runs in
+its worker processes', sampled every 200 ms from the parent, so that no sampling thread runs in
 the measured process) is reported beside its speed, and each figure as a ratio to its baseline
 of the same round (this machine is shared and noisy).
 
@@ -186,13 +186,20 @@ def measured() -> None:
         Path(path).touch()
 
 
+#: Seconds between two samples of a configuration's PSS. A sample costs the kernel a walk of
+#: every mapping of every process of the tree: 14-19 ms of CPU for a process with torch and two
+#: workers. Every 50 ms, the sampler took a quarter of a core from the loader it measured on 2
+#: cores; every 200 ms, a fifteenth.
+PSS_EVERY_S = 0.2
+
+
 def peak_pss(proc: subprocess.Popen[str], marker: Path) -> int:
-    """The peak PSS of ``proc`` and its descendants (bytes), sampled every 50 ms until it has
-    created ``marker`` (its measurement is over) or exited."""
+    """The peak PSS of ``proc`` and its descendants (bytes), sampled every :data:`PSS_EVERY_S`
+    until it has created ``marker`` (its measurement is over) or exited."""
     peak = 0
     while proc.poll() is None and not marker.exists():
         peak = max(peak, tree_pss(proc.pid))
-        time.sleep(0.05)
+        time.sleep(PSS_EVERY_S)
     return peak
 
 
@@ -398,7 +405,7 @@ def tokenize_ceiling(data: Path, seconds: float, processes: int = 2) -> dict[str
 
 def measured_child(module: str, config: str, args: list[str]) -> dict[str, float]:
     """``python -m module --child config *args`` in a fresh process: the figures it prints (JSON,
-    its last line), and its peak PSS (with its workers') sampled from here every 50 ms until its
+    its last line), and its peak PSS (with its workers') sampled from here every 200 ms until its
     measurement is over. A sampling thread inside it would keep its process workers from being
     forked from it (guideloom forks them from the main process only while that has one Python
     thread)."""

@@ -42,7 +42,7 @@ delivered (``cold_epoch_s``, ``tokenized_per_delivered``).
 Each configuration runs in a fresh process; its tokens/s is reported as a ratio to Hugging
 Face's of the same kind, layout and round, beside the CPU seconds it spent per million tokens
 (the process and its workers, from its first batch on: a figure the machine's load moves less
-than the rate) and its peak PSS (with its workers', sampled every 50 ms from the parent). The
+than the rate) and its peak PSS (with its workers', sampled every 200 ms from the parent). The
 machine's load average is printed before and after.
 
     python -m benchmarks parquet            # both layouts, every configuration (~8 minutes)

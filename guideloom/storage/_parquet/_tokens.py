@@ -25,13 +25,17 @@ from guideloom._process import release_malloc
 from guideloom.storage._parquet._decode import _ROW_OVERHEAD, I64, _Decoded
 from guideloom.storage._parquet._rowgroups import _LIVE, RELEASE_EVERY_BYTES, _RowGroups
 
-__all__ = ["AHEAD_CHUNK", "TOKENIZE_BYTES"]
+__all__ = ["AHEAD_CHUNK", "TOKENIZE_BYTES", "TOKENIZING_FETCHERS"]
 
 #: Rows a thread tokenizing ahead claims and tokenizes at a time: large enough for the tokenizer
 #: to spread over the cores and for one long document not to leave them idle at the end of a
 #: call (calls of 64 rows of prose tokenized about a tenth slower), small enough that a read
 #: needing one of them waits briefly.
 AHEAD_CHUNK = 256
+#: Threads fetching ahead over an object store where a text column is tokenized as it is read
+#: (``fetch_ahead`` caps it): a row group's fetch takes a fraction of its tokenizing, and 8 of
+#: them (the default elsewhere) held 30-50 MiB more at the peak for the same rate.
+TOKENIZING_FETCHERS = 2
 #: Bytes of text tokenized in one call at most: a ``tokenizers`` batch holds several times its
 #: text's bytes while it runs (an encoding per text, with its tokens' strings and offsets), and a
 #: whole row group's rows in one call (a read of all of them: the length index's) would hold
@@ -108,10 +112,14 @@ class _TokenRows(_RowGroups):
         return self.tokenize_ahead and self._kind == "text" and self._encoder is not None and self._tokenize
 
     def _ahead_threads(self) -> int:
-        """Over local files too where a text column is tokenized as it is read: one thread
-        (the tokenizer spreads each call over the cores) decodes the row groups of the loader's
-        upcoming reads and tokenizes them, in order of first need."""
-        return max(super()._ahead_threads(), 1 if self._tokenizes_ahead() else 0)
+        """Where a text column is tokenized as it is read, local files too: threads that decode
+        the row groups of the loader's upcoming reads and tokenize them, in order of first need.
+        One over local files, at most :data:`TOKENIZING_FETCHERS` over an object store: the
+        tokenizer (which spreads each call over the cores) is the bound, and more fetchers
+        only hold more fetched and decoded row groups waiting for it."""
+        if not self._tokenizes_ahead():
+            return super()._ahead_threads()
+        return max(1, min(super()._ahead_threads(), TOKENIZING_FETCHERS))
 
     def _after_ahead(self, group: int, decoded: _Decoded) -> None:
         """A row group decoded ahead of its reads: its rows tokenized too, a chunk at a time

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import guideloom as gl
+from guideloom.storage._parquet._rowgroups import _RowGroups
 from guideloom_dev.servers import FaultProxy, MotoS3, Nginx
 from tests.support.loader import take
 from tests.support.remote import BUCKET, unique
@@ -403,4 +404,44 @@ def test_room_for_a_row_group_fetched_ahead_is_made_by_dropping_the_one_used_far
         assert proxy.stats.requests - opened == 5  # 2 again, at its last read
     finally:
         asyncio.run(storage.close())
+    assert ahead_threads() == []
+
+
+def test_text_tokenized_as_it_is_read_is_fetched_ahead_on_two_threads(
+    tmp_path: Path,
+    nginx: Nginx,
+    www: Path,
+    proxy_for: list[FaultProxy],
+    tokenizer_json: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Packed text over an object store: the tokenizer is the bound, so two threads fetch ahead
+    (not ``fetch_ahead``'s 8, which only held more row groups waiting for it); every sequence
+    once."""
+    write(tmp_path / "pq")
+    prefix = unique("parquet-text-ahead")
+    shutil.copytree(tmp_path / "pq", www / prefix)
+    proxy = FaultProxy(nginx.port, delay=0.01, lifetime=60).start()
+    proxy_for.append(proxy)
+    urls = [f"{proxy.url}/{prefix}/train-{f:05d}.parquet" for f in range(3)]
+    packed = gl.pack(gl.open_parquet(urls, "text", tokenizer=tokenizer_json, eos="</s>"), 8)
+    fetchers: set[str] = set()
+    fetch_ahead = _RowGroups._fetch_ahead
+
+    def fetching(self: _RowGroups) -> None:
+        fetchers.add(threading.current_thread().name)
+        fetch_ahead(self)
+
+    monkeypatch.setattr(_RowGroups, "_fetch_ahead", fetching)
+
+    def collate(rows: gl.PackedRows) -> list[tuple[int, ...]]:
+        return [tuple(r["tokens"].tolist()) + tuple(r["doc_ids"].tolist()) for r in rows]
+
+    loader = gl.StatefulDataLoader(
+        packed, collate, local_batch_size=4, shuffle=True, device=torch.device("cpu")
+    )
+    with loader:
+        got = [s for batch in loader for s in batch]
+    assert len(got) == len(set(got)) == len(packed)
+    assert fetchers == {"guideloom-parquet-ahead-0", "guideloom-parquet-ahead-1"}, fetchers
     assert ahead_threads() == []

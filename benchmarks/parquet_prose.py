@@ -27,6 +27,11 @@ when it first meets each document, so a shorter window would not compare like wi
   shuffle=True)`` whose rows are tokenized (64 at a time) and cut into 2,048-token sequences in
   the workers of a ``DataLoader(num_workers=2, multiprocessing_context="spawn")`` (LitData
   refuses ``fork`` with its Parquet reader).
+- ``gl-stream``: the same documents tokenized once ahead (the same tokenizer, ``</s>`` after
+  each) into a prepared stream (``gl.write_stream``, made once and cached with the data), read
+  by ``from_storage(open_stream(...), sequence_length=2048)`` with the same batches, workers and
+  shuffle: what a loader that did the work before training holds in memory (the peak PSS
+  baseline), not a peer (it tokenizes nothing).
 
 Unpacked (documents, tokenized, batch 32, 2 workers, shuffled, ``--seconds`` after the first
 batch): ``gl-docs`` (``from_storage(open_parquet(...))``, process workers tokenizing where they
@@ -81,7 +86,7 @@ SHARDS = 12
 MANY_ROWS = 100  # rows per row group in the second layout
 VOCAB = 32768
 LAYOUTS = ("one", "many")
-PACKED = ("gl-packed", "hf-packed", "litdata-packed")
+PACKED = ("gl-packed", "hf-packed", "litdata-packed", "gl-stream")
 DOCS = ("gl-docs", "hf-docs", "litdata-docs")
 BASELINE = {"packed": "hf-packed", "docs": "hf-docs"}
 
@@ -132,6 +137,22 @@ def make_data(target: int) -> Path:
         "row_groups_per_shard": groups,
     }
     (out / "corpus.json").write_text(json.dumps(corpus))
+    return out
+
+
+def prepared_stream(data: Path) -> Path:
+    """The documents tokenized once into a stream (``</s>`` after each), made on first use."""
+    out = data / "stream"
+    if (out / "manifest.json").exists():
+        return out
+    import pyarrow.parquet as pq
+
+    import guideloom as gl
+
+    tok = str(data / "tokenizer.json")
+    texts = [t for f in shards(data, "one") for t in pq.read_table(f, columns=["text"]).column(0).to_pylist()]
+    flat = np.concatenate([np.asarray(d, dtype=np.uint16) for d in encode(texts, tok)])  # 32,768 ids
+    gl.write_stream(out, flat, overwrite=True)
     return out
 
 
@@ -259,6 +280,12 @@ def make_loader(config: str, data: Path, layout: str, base: str | None = None) -
             num_workers=WORKERS, parallel_method="process",
             shuffle=True, shuffle_block_size="auto", device=cpu,
         )  # fmt: skip
+    if config == "gl-stream":
+        return gl.StatefulDataLoader.from_storage(
+            gl.open_stream(prepared_stream(data)), collate_lit_packed, sequence_length=SEQ,
+            local_batch_size=PACKED_BATCH, num_workers=WORKERS, parallel_method="process",
+            shuffle=True, device=cpu,
+        )  # fmt: skip
     if config == "gl-docs":
         storage = gl.open_parquet(where, "text", tokenizer=tok, eos="</s>")
         return gl.StatefulDataLoader.from_storage(
@@ -363,7 +390,7 @@ def run_child(config: str, layout: str, seconds: float, base: str | None = None)
     first = start = None
     out: dict[str, float] = {}
     with loader if hasattr(loader, "__enter__") else _Null():
-        epoch = config in PACKED  # one whole epoch, however long
+        epoch = config in PACKED and config != "gl-stream"  # one whole epoch, however long
         while start is None or (not epoch and time.perf_counter() - start < seconds):
             for batch in loader:
                 if start is None:
@@ -452,6 +479,8 @@ def main(argv: list[str] | None = None) -> None:
     configs = [*PACKED, *DOCS, "gl-packed-cold"]
     if args.only:
         configs = [c for c in configs if c in args.only.split(",")]
+    if "gl-stream" in configs:
+        prepared_stream(data)  # made once, before any clock
     served = contextlib.nullcontext(None) if args.rtt is None else serve(data, args.rtt / 1e3)
     with served as base:
         if base is not None:
@@ -519,6 +548,13 @@ def report(results: dict[tuple[str, str], list[dict[str, float]]], load: float, 
             f"{med('first_batch_s'):.2f} | "
             f"{med('peak_pss_mb'):,.0f} | {med('tokenized_per_delivered'):.3f} |"
         )
+    for layout in dict.fromkeys(layout for layout, _ in results):
+        packed, stream = results.get((layout, "gl-packed")), results.get((layout, "gl-stream"))
+        if packed and stream:
+            pss = statistics.median(
+                p["peak_pss_mb"] / s["peak_pss_mb"] for p, s in zip(packed, stream, strict=False)
+            )
+            print(f"peak PSS, {layout}: gl-packed / gl-stream (the prepared stream loader) {pss:.2f}")
 
 
 if __name__ == "__main__":

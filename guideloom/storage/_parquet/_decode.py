@@ -44,7 +44,9 @@ class _Decoded:
             child = array.values
             _refuse_null_elements(child, offsets)
             whole = _buffer(child.buffers()[1], np.dtype(kind.split(":", 1)[1]))[child.offset :]
-        self.values: npt.NDArray[Any] = whole[start:stop].copy()
+        #: The values, or a text's UTF-8 bytes (``None`` once every row is tokenized: its
+        #: tokens are what is read then).
+        self.values: npt.NDArray[Any] | None = whole[start:stop].copy()
         self.offsets: I64 = offsets - start
         #: A text column's rows tokenized so far (``None`` where not yet): kept with the row
         #: group, so that a row read again (a document that several sequences hold, or read
@@ -61,6 +63,8 @@ class _Decoded:
 
     def rows(self, local: I64) -> list[Any]:
         off, values = self.offsets, self.values
+        if values is None:  # never a wrong row: a tokenized group's text is not read again
+            raise RuntimeError("the text of a row group whose rows are all tokenized was let go")
         starts, ends = off[local].tolist(), off[local + 1].tolist()
         if self.nulls is not None:  # a null slot's extent is not defined: read as empty
             blank = self.nulls[local]

@@ -70,6 +70,18 @@ def _calls(chunk: list[_Claim]) -> Iterator[list[_Claim]]:
         yield call
 
 
+def _let_text_go(decoded: _Decoded) -> int:
+    """Once every row of a row group is tokenized, its text is read no more (a storage that
+    tokenizes reads tokens; a read of its texts is another storage's, with its own row groups):
+    let it go. The bytes freed (under the storage's lock)."""
+    tokens = decoded.tokens
+    if decoded.values is None or tokens is None or any(t is None for t in tokens):
+        return 0
+    freed = int(decoded.values.nbytes)
+    decoded.values = None
+    return freed
+
+
 def _claim_locked(decoded: _Decoded, at: int, most: int = AHEAD_CHUNK) -> tuple[list[int], int]:
     """Claim up to ``most`` rows of ``decoded`` neither tokenized nor claimed, looking from row
     ``at`` on (under the storage's lock): the rows, and where the next look starts."""
@@ -212,6 +224,9 @@ class _TokenRows(_RowGroups):
                     added += int(array.nbytes) + _ROW_OVERHEAD
                 at += len(part)
                 self.counts["parquet_tokens_tokenized"] += made
+                freed = _let_text_go(decoded)
+                self._since_trim += freed  # given back to the system at the next trim
+                added -= freed
                 decoded.nbytes += added
                 if self._decoded.get(group) is decoded:
                     self._decoded_bytes += added

@@ -503,7 +503,9 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
             self._check_unchanged(e)
         try:
             table = self._files.read_group(e.path, reader, g, [self.column], _chunk_range(md, g, leaves))
-            array = table.column(self.column).combine_chunks()
+            column = table.column(self.column)
+            # one chunk (a row group's column): taken as it is, combine_chunks() would copy it
+            array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
             if len(array) != e.rows[g]:
                 raise DatasetFormatError(f"decoded {plural(len(array), 'row')}, the footer says {e.rows[g]}")
             decoded = _Decoded(array, e.kind)

@@ -18,7 +18,11 @@ What it measures, each configuration in a fresh process (alternated with the oth
   median rate of epochs 2 and after (what a run of many epochs sees: persistent workers keep
   their decoded row groups). Both rates are reported as ratios of ``p2`` to ``nw0`` of the same
   tree and round; beside them the CPU microseconds per batch of the main process and of the
-  workers over the steady epochs.
+  workers over the steady epochs. *read, collate*: at no workers, the CPU per batch of the
+  storage's reads and of the collate, timed in a run of their own (up to 6 epochs; the rest of
+  ``nw0``'s CPU is the loader's own). *1.5x budget*: what the main process and the
+  workers may spend together per batch for ``p2`` to deliver 1.5x ``nw0``'s rate on 2 cores
+  (2 x ``nw0``'s CPU per batch / 1.5).
 - ``resume``: a fresh loader (no workers) in a process that has opened one already, then
   ``load_state_dict`` at a random mid-epoch offset and its first batch: wall and CPU
   milliseconds (CPU: the process's, every thread), median of ``--resumes``.
@@ -80,7 +84,23 @@ def collate(samples: Sequence[Any]) -> Any:
     return torch.from_numpy(np.concatenate(samples).astype(np.int64)), torch.from_numpy(lengths)
 
 
-def make_loader(folder: Path, workers: int) -> Any:
+#: Thread CPU seconds of the storage's reads and of the collates, where timed (no workers).
+SPENT = {"read": 0.0, "collate": 0.0}
+
+
+def _timed(key: str, fn: Any) -> Any:
+    def run(arg: Any) -> Any:
+        c0 = time.thread_time()
+        try:
+            return fn(arg)
+        finally:
+            SPENT[key] += time.thread_time() - c0
+
+    return run
+
+
+def make_loader(folder: Path, workers: int, timed: bool = False) -> Any:
+    """The loader measured; ``timed`` (no workers): its reads and collates timed in ``SPENT``."""
     import torch
 
     import guideloom as gl
@@ -88,9 +108,14 @@ def make_loader(folder: Path, workers: int) -> Any:
     kw: dict[str, Any] = {}
     if workers:
         kw = {"num_workers": workers, "parallel_method": "process", "persistent_workers": True}
+    storage = gl.open_parquet(folder, "input_ids")
+    fn: Any = collate
+    if timed and not workers:
+        storage.read_many_sync = _timed("read", storage.read_many_sync)  # type: ignore[method-assign]
+        fn = _timed("collate", collate)
     return gl.StatefulDataLoader.from_storage(
-        gl.open_parquet(folder, "input_ids"), collate, local_batch_size=BATCH, shuffle=True,
-        shuffle_block_size="auto", device=torch.device("cpu"), **kw,
+        storage, fn, local_batch_size=BATCH, shuffle=True, shuffle_block_size="auto",
+        device=torch.device("cpu"), **kw,
     )  # fmt: skip
 
 
@@ -109,12 +134,13 @@ def cpu_split() -> tuple[float, float]:
     return own, rest
 
 
-def run_epochs(folder: Path, workers: int, epochs: int) -> dict[str, float]:
+def run_epochs(folder: Path, workers: int, epochs: int, timed: bool = False) -> dict[str, float]:
     rates, batches = [], 0
-    with make_loader(folder, workers) as loader:
+    with make_loader(folder, workers, timed=timed) as loader:
         for epoch in range(epochs):
             if epoch == 1:
                 c0 = cpu_split()
+                SPENT.update(read=0.0, collate=0.0)
             tokens, t0 = 0, time.perf_counter()
             for flat, _ in loader:
                 tokens += int(flat.numel())
@@ -126,6 +152,8 @@ def run_epochs(folder: Path, workers: int, epochs: int) -> dict[str, float]:
         "steady_tok_s": statistics.median(rates[1:]),
         "main_us_batch": (c1[0] - c0[0]) / max(1, batches) * 1e6,
         "workers_us_batch": (c1[1] - c0[1]) / max(1, batches) * 1e6,
+        "read_us_batch": SPENT["read"] / max(1, batches) * 1e6,
+        "collate_us_batch": SPENT["collate"] / max(1, batches) * 1e6,
     }
 
 
@@ -180,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
         got: dict[str, Any] = {"guideloom": guideloom.__file__}
         if args.child == "resume":
             got.update(run_resumes(folder, args.resumes))
+        elif args.child == "parts":  # no workers, the reads and collates timed (a run of its own)
+            got.update(run_epochs(folder, 0, min(args.epochs, 6), timed=True))
         else:
             got.update(run_epochs(folder, 0 if args.child == "nw0" else 2, args.epochs))
         print(json.dumps(got))
@@ -189,11 +219,13 @@ def main(argv: list[str] | None = None) -> None:
     rows: dict[str, list[dict[str, float]]] = {t: [] for t in trees}
     for r in range(args.rounds):
         for tree in trees if r % 2 == 0 else trees[::-1]:
-            got = {c: child(tree, c, args) for c in ("nw0", "p2", "resume")}
+            got = {c: child(tree, c, args) for c in ("nw0", "p2", "resume", "parts")}
             row = {
                 "epoch1_x": got["p2"]["epoch1_tok_s"] / got["nw0"]["epoch1_tok_s"],
                 "steady_x": got["p2"]["steady_tok_s"] / got["nw0"]["steady_tok_s"],
                 "nw0_us_batch": got["nw0"]["main_us_batch"],
+                "nw0_read_us": got["parts"]["read_us_batch"],
+                "nw0_collate_us": got["parts"]["collate_us_batch"],
                 "p2_main_us_batch": got["p2"]["main_us_batch"],
                 "p2_workers_us_batch": got["p2"]["workers_us_batch"],
                 **got["resume"],
@@ -202,17 +234,18 @@ def main(argv: list[str] | None = None) -> None:
             rows[tree].append(row)
             print(f"round {r + 1} {tree}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
     print(f"\nmedians over {args.rounds} round(s); load average after {os.getloadavg()}")
-    print("| tree | p2 / nw0 epoch 1 | p2 / nw0 steady | CPU us/batch nw0 | p2 main | p2 workers "
-          "| first batch after resume ms (CPU ms) |")  # fmt: skip
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| tree | p2 / nw0 epoch 1 | p2 / nw0 steady | CPU us/batch nw0 (read, collate) | p2 main "
+          "| p2 workers | 1.5x budget | first batch after resume ms (CPU ms) |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for tree, rs in rows.items():
 
         def med(key: str, rs: list[dict[str, float]] = rs) -> float:
             return statistics.median(r[key] for r in rs)
 
         print(
-            f"| {tree} | {med('epoch1_x'):.2f} | {med('steady_x'):.2f} | {med('nw0_us_batch'):.0f} | "
-            f"{med('p2_main_us_batch'):.0f} | {med('p2_workers_us_batch'):.0f} | "
+            f"| {tree} | {med('epoch1_x'):.2f} | {med('steady_x'):.2f} | {med('nw0_us_batch'):.0f} "
+            f"({med('nw0_read_us'):.0f}, {med('nw0_collate_us'):.0f}) | {med('p2_main_us_batch'):.0f} | "
+            f"{med('p2_workers_us_batch'):.0f} | {2 * med('nw0_us_batch') / 1.5:.0f} | "
             f"{med('resume_ms'):.0f} ({med('resume_cpu_ms'):.0f}) |"
         )
 

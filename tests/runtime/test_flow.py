@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -107,6 +108,8 @@ def test_process_workers_are_not_restarted_by_a_new_plan(how: str) -> None:
     if how == "for":
         driver = SyncDriver(config(first, 2, 2, "process"), None)
         before = [driver.next() for _ in range(6)]
+        while driver.procs.pool.starting():  # type: ignore[union-attr]  # (the first ready serves at once)
+            time.sleep(0.005)
         pids = [p.proc.pid for p in driver.procs.pool.procs if p is not None]  # type: ignore[union-attr]
         driver.replan(new)
         after = []

@@ -160,3 +160,43 @@ def _same_parts(a: Any, b: Any) -> bool:
         elif x != y:
             return False
     return True
+
+
+def _odd_tensors() -> dict[str, Any]:
+    import torch
+
+    wide = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    return {
+        "plain": torch.arange(5000, dtype=torch.int64),
+        "slice of a larger one": torch.arange(9000, dtype=torch.int32)[1000:6000],
+        "grad": torch.ones(3000, requires_grad=True),
+        "negative bit": torch._neg_view(torch.arange(3000, dtype=torch.float32)),
+        "conjugate bit": (torch.ones(2000, dtype=torch.complex64) * (1 + 2j)).conj(),
+        "bfloat16": torch.ones(3000, dtype=torch.bfloat16),
+        "uint16": torch.arange(3000, dtype=torch.int32).to(torch.uint16),
+        "axis of length 1 with its own stride": torch.arange(4.0).as_strided((1, 4), (7, 1)),
+        "transposed": wide.t(),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+    }
+
+
+@pytest.mark.parametrize("name", list(_odd_tensors()))
+def test_a_tensor_comes_back_with_its_dtype_shape_strides_values_and_grad(name: str) -> None:
+    """Whichever way a tensor is laid into the slot (its numpy view for a plain one in C order,
+    attribute by attribute otherwise), it comes back as it was sent."""
+    import torch
+
+    from guideloom._runtime.processes.pack import GroupPack
+    from guideloom._runtime.processes.wire import TupleEntry
+
+    sent = _odd_tensors()[name]
+    pack = GroupPack()
+    entry = pack.entry(0, (sent, torch.arange(3)))
+    assert isinstance(entry, TupleEntry)
+    buffer = bytearray(max(1, pack.size))
+    pack.write(buffer)
+    got = entry.delivery(None, buffer).value[0]  # type: ignore[arg-type]
+    assert type(got) is torch.Tensor and got.dtype == sent.dtype and got.shape == sent.shape
+    assert got.stride() == sent.stride() and got.requires_grad == sent.requires_grad
+    assert torch.equal(got.detach().resolve_conj().resolve_neg(), sent.detach().resolve_conj().resolve_neg())

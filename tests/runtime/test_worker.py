@@ -1,4 +1,5 @@
-"""A worker process's C heap: what it frees is reused by its next batches, not faulted in again."""
+"""A worker process: its C heap (what it frees is reused by its next batches, not faulted in
+again), and how it sees a message waiting in its task pipe."""
 
 from __future__ import annotations
 
@@ -43,3 +44,27 @@ def test_a_worker_reuses_the_memory_its_last_task_freed(tmp_path: Path) -> None:
         pytest.skip("not glibc: mallopt is not there")
     default = int(run_script(script, "default").stdout)
     assert int(kept) < 100 < default  # 20 tasks x 16 batches x 69 pages each, faulted again
+
+
+def test_a_worker_sees_each_waiting_message_and_the_pipe_closing() -> None:
+    """What a worker checks between its batches: a message sent and not yet read is seen until
+    it is read, none otherwise, and the main process's end closing (read next: EOFError)."""
+    import multiprocessing
+
+    from guideloom._runtime.processes.worker import _pending
+
+    tasks, main = multiprocessing.Pipe(duplex=False)
+    pending = _pending(tasks)
+    assert not pending()
+    main.send(("task", 1))
+    main.send(("task", 2))
+    assert pending() and pending()
+    assert tasks.recv() == ("task", 1)
+    assert pending()
+    assert tasks.recv() == ("task", 2)
+    assert not pending()
+    main.close()
+    assert pending()
+    with pytest.raises(EOFError):
+        tasks.recv()
+    tasks.close()

@@ -162,6 +162,28 @@ def test_a_read_in_any_order_over_many_row_groups_returns_each_row_in_place(
     assert [g if text else g.tolist() for g in got] == want
 
 
+@given(st.lists(st.integers(0, 599), min_size=1, max_size=120))
+@settings(max_examples=30, deadline=None)
+def test_a_read_over_row_groups_decoded_already_cuts_each_row_in_place(
+    folder: Path, rows: Any, picks: list[int]
+) -> None:
+    """A global shuffle's steady state: every row group a read touches is decoded already. The
+    read cuts each row from its group's values as the first read did, decodes nothing again
+    and records one use of each group it touches."""
+    storage = gl.open_parquet(folder, "input_ids")
+    index = np.asarray(picks, dtype=np.int64)
+    first = [r.tolist() for r in storage.read_many_sync(index)]
+    decodes = storage.figures()["parquet_row_group_decodes"]
+    uses: list[int] = []
+    storage._use_locked = uses.append  # type: ignore[method-assign]
+    again = storage.read_many_sync(index)
+    assert [r.tolist() for r in again] == first == [rows[0][i] for i in picks]
+    assert all(r.base is not None for r in again)  # views of the decoded values, no copies
+    assert storage.figures()["parquet_row_group_decodes"] == decodes
+    groups = (np.searchsorted(storage._gstarts, index, side="right") - 1).tolist()
+    assert sorted(uses) == sorted(set(groups))
+
+
 def test_readers_of_a_row_group_being_decoded_wait_for_that_decode(folder: Path) -> None:
     """Concurrent reads of one row group (a loader's reads of a window) decode it once, and the
     bytes kept count it once: the bound is not used up by copies that are not kept."""
@@ -214,13 +236,15 @@ def test_a_read_over_many_row_groups_checks_each_for_nulls_and_the_range(tmp_pat
         [1, 2],
         [5],
     ]
-    with pytest.raises(
-        gl.DatasetFormatError, match=r"row group 5, column 'input_ids': row 1 \(document 16\)"
-    ):
-        strict.read_many_sync(np.asarray([0, 16, 4], dtype=np.int64))
+    for _ in range(2):  # the second time over row groups decoded already
+        with pytest.raises(
+            gl.DatasetFormatError, match=r"row group 5, column 'input_ids': row 1 \(document 16\)"
+        ):
+            strict.read_many_sync(np.asarray([0, 16, 4], dtype=np.int64))
     lenient = gl.open_parquet(tmp_path, "input_ids", on_null="empty")
-    assert [r.tolist() for r in lenient.read_many_sync(np.asarray([16, 1], dtype=np.int64))] == [[], [5]]
-    assert lenient.counts["parquet_null_rows"] == 1
+    for n in (1, 2):
+        assert [r.tolist() for r in lenient.read_many_sync(np.asarray([16, 1], dtype=np.int64))] == [[], [5]]
+        assert lenient.counts["parquet_null_rows"] == n
     with pytest.raises(IndexError, match="outside"):
         strict.read_many_sync(np.asarray([0, 17], dtype=np.int64))
 

@@ -172,9 +172,13 @@ def _tensor(t: Any, torch: Any) -> Shareable | None:
     """A plain tensor travels through the slot whatever its size: torch's own pickling of even a
     small one (a batch's labels or lengths) costs some 50 microseconds to write and 40 to read,
     a slot's entry a few."""
+    cls: Any = type(t)
+    if cls is torch.Tensor and not t.__dict__:
+        fast = _plain(t)
+        if fast is not None:
+            return fast
     if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized:
         return None
-    cls: Any = type(t)
     plain = cls is torch.Tensor
     own = t.__dict__ or (not plain and cls.__torch_dispatch__ is not torch.Tensor.__torch_dispatch__)
     if own and _pickles(t.dtype):
@@ -201,6 +205,25 @@ def _tensor(t: Any, torch: Any) -> Shareable | None:
     if dtype is None:
         dtype = _TORCH_NAMES[t.dtype] = str(t.dtype).removeprefix("torch.")
     return "t", dtype, shape, raw.view(torch.uint8).numpy(), strides, grad, cls
+
+
+def _plain(t: Any) -> Shareable | None:
+    """A plain tensor in C order, taken through its numpy view (a collate's usual output): what
+    :func:`_tensor` checks one attribute at a time (its device, layout, grad, conjugate and
+    negative bits, a dtype numpy holds), ``numpy()`` refuses at once, for a third of the cost.
+    None where it refuses, or where an axis of length 1 may carry a stride of its own (the
+    general path keeps it)."""
+    try:
+        a = t.numpy()
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    shape = a.shape
+    if not a.flags.c_contiguous or 1 in shape:
+        return None
+    dtype = _TORCH_NAMES.get(t.dtype)
+    if dtype is None:
+        dtype = _TORCH_NAMES[t.dtype] = str(t.dtype).removeprefix("torch.")
+    return "t", dtype, shape, a.reshape(-1).view(np.uint8), None, False, None
 
 
 #: The name of each torch dtype seen (``"float32"``), as the main process looks it up.

@@ -23,7 +23,9 @@ class _Decoded:
     is then exactly what ``nbytes`` counts (arrow's buffers grow in steps, and its allocator keeps
     freed pages a while), and reading rows needs no arrow kernel."""
 
-    __slots__ = ("ahead_done", "claimed", "nbytes", "nulls", "offsets", "scan", "text", "tokens", "values")
+    __slots__ = (
+        "ahead_done", "bounds", "claimed", "nbytes", "nulls", "offsets", "scan", "text", "tokens", "values",
+    )  # fmt: skip
 
     def __init__(self, array: Any, kind: str) -> None:
         pa = _pa()
@@ -48,6 +50,8 @@ class _Decoded:
         #: tokens are what is read then).
         self.values: npt.NDArray[Any] | None = whole[start:stop].copy()
         self.offsets: I64 = offsets - start
+        #: The offsets read as plain ints (a view, no copy): a row cut by them costs a slice.
+        self.bounds = self.offsets.data
         #: A text column's rows tokenized so far (``None`` where not yet): kept with the row
         #: group, so that a row read again (a document that several sequences hold, or read
         #: again while its row group is kept) is tokenized once.

@@ -245,6 +245,23 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
                     raise
         return self._decode_as(group, mine)
 
+    def _decoded_now(self, groups: list[int]) -> list[_Decoded] | None:
+        """Row groups ``groups``, each decoded and kept, with no null row, taken for a read in
+        one hold of the lock (each a use, as :meth:`_decode` records); None, and no use
+        recorded, where one is not (the read then goes through :meth:`_decode`)."""
+        with self._lock:
+            decoded = self._decoded
+            got = []
+            for g in groups:
+                d = decoded.get(g)
+                if d is None or d.nulls is not None:
+                    return None
+                got.append(d)
+            for g in groups:
+                self._use_locked(g)
+                decoded.move_to_end(g)
+        return got
+
     def _decode_as(self, group: int, mine: _Decoding) -> _Decoded:
         """Decode ``group`` for ``mine`` (registered in ``_decoding``), keep it and resolve it."""
         try:
@@ -486,7 +503,9 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
             self._check_unchanged(e)
         try:
             table = self._files.read_group(e.path, reader, g, [self.column], _chunk_range(md, g, leaves))
-            array = table.column(self.column).combine_chunks()
+            column = table.column(self.column)
+            # one chunk (a row group's column): taken as it is, combine_chunks() would copy it
+            array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
             if len(array) != e.rows[g]:
                 raise DatasetFormatError(f"decoded {plural(len(array), 'row')}, the footer says {e.rows[g]}")
             decoded = _Decoded(array, e.kind)

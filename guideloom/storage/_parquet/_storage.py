@@ -120,6 +120,10 @@ class ParquetStorage(_LengthIndex):
             decoded = self._decode(first)
             self._nulls(first, decoded, local)
             return cut(first, decoded, local)
+        if not tokens and self._kind != "text":
+            rows = self._list_rows(groups, local)
+            if rows is not None:
+                return rows
         # the rows of each row group, in read order (not np.unique: it imports numpy.ma, tens
         # of ms in a first batch)
         order = np.argsort(groups, kind="stable")
@@ -136,6 +140,28 @@ class ParquetStorage(_LengthIndex):
             self._nulls(g, decoded, local[at])
             for i, row in zip(at.tolist(), cut(g, decoded, local[at]), strict=True):
                 out[i] = row
+        return out
+
+    def _list_rows(self, groups: I64, local: I64) -> list[Any] | None:
+        """A list column's rows over several row groups, when every group they touch is decoded
+        already and holds no null row (the steady state of a global shuffle): the groups taken
+        in one hold of the lock, then one slice per row cut with plain ints (a batch of 32 rows
+        from 12 groups cost 55 microseconds group by group, most of it each group's lookup and
+        numpy's per-call cost); None otherwise (the read goes group by group, decoding)."""
+        keys = groups.tolist()
+        kept = sorted(set(keys))
+        got = self._decoded_now(kept)
+        if got is None:
+            return None
+        cuts: dict[int, tuple[Any, Any]] = {}
+        for g, d in zip(kept, got, strict=True):
+            assert d.values is not None  # a list column's values stay (a text's alone may go)
+            cuts[g] = (d.values, d.bounds)
+        out: list[Any] = []
+        add = out.append
+        for g, row in zip(keys, local.tolist(), strict=True):
+            values, bounds = cuts[g]
+            add(values[bounds[row] : bounds[row + 1]])
         return out
 
     def read_many_sync(self, indices: I64) -> Sequence[Any]:

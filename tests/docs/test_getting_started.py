@@ -2,14 +2,14 @@
 own as ``python -W error -c CODE`` runs it.
 
 Each run is forked from a zygote (``tests/support/zygote.py``) that imported those of
-:data:`PRELOAD` the page imports once, with the same interpreter options (a warning those imports
-give is an error there, as in a fresh interpreter): a page's two runs, and pages that import the
-same of them, share one. The run imports the page's other modules itself.
+``PRELOAD`` (``tests/support/docs.py``) the page imports once, with the same interpreter options
+(a warning those imports give is an error there, as in a fresh interpreter): a page's two runs,
+and pages that import the same of them, share one. The run imports the page's other modules
+itself.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -18,29 +18,21 @@ from pathlib import Path
 import pytest
 
 from tests.support import ROOT
-from tests.support.docs import DOCS, python_blocks
+from tests.support.docs import DOCS, PRELOAD, python_blocks, run_env
 from tests.support.zygote import Zygote, imports_in
 
 PAGES = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))
 RUNNABLE = [p for p in PAGES if python_blocks(DOCS / p)[0]]
-#: What a zygote may import: the pages' common modules, which start no thread (pyarrow, which
-#: ``datasets`` imports, starts its allocator's threads: a zygote forks on its only thread).
-PRELOAD = ("asyncio", "numpy", "torch", "guideloom")
 
 
 def page_code(page: str) -> str:
     return "\n\n".join(python_blocks(DOCS / page)[0])
 
 
-def _env() -> dict[str, str]:
-    """The test's environment, numpy's BLAS on one thread: a zygote forks on its only thread."""
-    return {"OPENBLAS_NUM_THREADS": "1", **os.environ, "PYTHONPATH": str(ROOT)}
-
-
 @pytest.fixture(scope="module")
 def zygote_for(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Zygote]]:
-    """The zygote that has imported those of :data:`PRELOAD` that ``code`` imports (one for each
-    set of modules)."""
+    """The zygote that has imported those of ``PRELOAD`` that ``code`` imports (one for each set
+    of modules)."""
     zygotes: dict[tuple[str, ...], Zygote] = {}
     logs = tmp_path_factory.mktemp("zygotes")
 
@@ -48,7 +40,7 @@ def zygote_for(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[s
         preload = tuple(m for m in imports_in(code) if m.split(".")[0] in PRELOAD)
         if preload not in zygotes:
             log = logs / f"zygote-{len(zygotes)}.log"
-            zygotes[preload] = Zygote(log, preload, cwd=ROOT, env=_env(), python=["-W", "error"])
+            zygotes[preload] = Zygote(log, preload, cwd=ROOT, env=run_env(), python=["-W", "error"])
         return zygotes[preload]
 
     try:
@@ -62,7 +54,7 @@ def run_page(page: str, cwd: Path, zygote: Zygote) -> tuple[int, str]:
     """The run's exit status and what it printed."""
     log = cwd.parent / f"{cwd.name}-run.log"
     log.unlink(missing_ok=True)
-    child = zygote.start([], log, code=page_code(page), env=_env(), cwd=cwd)
+    child = zygote.start([], log, code=page_code(page), env=run_env(), cwd=cwd)
     try:
         code = child.wait(timeout=150)
     except subprocess.TimeoutExpired:

@@ -161,6 +161,11 @@ class Zygote:
                 raise TimeoutError(f"the zygote did not fork in 120 s: {self.log.read_text()[-3000:]}")
             return Child(self, self._pids.pop(request))
 
+    def alive(self) -> bool:
+        """Whether the zygote still answers (it has not exited)."""
+        with self._cond:
+            return not self._gone and self._proc.poll() is None
+
     def returncode(self, pid: int) -> int | None:
         with self._cond:
             if pid not in self._codes:

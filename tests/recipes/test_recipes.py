@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,6 @@ import torch
 
 import guideloom as gl
 from tests.support import ROOT
-from tests.support.ranks import shared_zygotes
 from tests.support.recipes import (
     NUM_SAMPLES,
     RECIPES,
@@ -53,14 +52,6 @@ LIGHTNING_LEAFSPEC_PYTEST = r"ignore:`isinstance\(treespec, LeafSpec\)` is depre
 LIGHTNING_CKPT_DIR = "ignore:Checkpoint directory:UserWarning"
 
 SAVED_OFFSET = 5 * 4 * 2  # every recipe saves after 5 steps of 4 samples on each of 2 ranks
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_zygote_a_recipe() -> Iterator[None]:
-    """The ranks of a recipe's runs, in every test here, fork from one zygote that imported the
-    recipe's modules (torch, its framework, guideloom) once (``tests/support/ranks.py``)."""
-    with shared_zygotes():
-        yield
 
 
 @pytest.fixture

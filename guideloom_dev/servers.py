@@ -62,8 +62,9 @@ class MotoS3:
     def __init__(self) -> None:
         self.port = free_port()
         self.endpoint = f"http://{LOOPBACK}:{self.port}"
+        server = Path(__file__).with_name("moto_server.py")  # moto.server, its Host lookup read once
         self._proc = _start_process(
-            [sys.executable, "-m", "moto.server", "-H", LOOPBACK, "-p", str(self.port)],
+            [sys.executable, str(server), "-H", LOOPBACK, "-p", str(self.port)],
             stderr=subprocess.DEVNULL,
         )
         try:

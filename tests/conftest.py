@@ -1,5 +1,6 @@
-"""Fixtures for the whole suite: a check that a test leaves no guideloom thread running; and the
-order in which pytest-xdist's workers take the tests (``tests/support/schedule.py``)."""
+"""Fixtures for the whole suite: a check that a test leaves no guideloom thread running; the ranks
+of a module's tests forked from zygotes kept for the module; and the order in which
+pytest-xdist's workers take the tests (``tests/support/schedule.py``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ import pytest
 from tests.support import schedule
 from tests.support.loader import guideloom_threads
 from tests.support.processes import own_segments, workers_up_first  # noqa: F401 - fixtures, for every test
+from tests.support.ranks import shared_zygotes
+
+#: Module fixtures that only save work where a module's tests share a worker (a zygote each worker
+#: starts for itself): the tests that use them are still dealt out one by one.
+PER_WORKER = frozenset({"_ranks_share_zygotes", "zygote_for"})
 
 _seconds: dict[str, float] = {}  # each test's setup, call and teardown in this run
 
@@ -42,7 +48,9 @@ def _unit(item: pytest.Item) -> str:
     """The test's module where it uses a fixture set up once per module (or class), else itself."""
     info = getattr(item, "_fixtureinfo", None)
     defs = info.name2fixturedefs.values() if info is not None else []
-    shared = any(d.scope in ("module", "class", "package") for seq in defs for d in seq)
+    shared = any(
+        d.scope in ("module", "class", "package") and d.argname not in PER_WORKER for seq in defs for d in seq
+    )
     return item.nodeid.split("::")[0] if shared else item.nodeid
 
 
@@ -58,6 +66,15 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     known = config.cache.get(schedule.CACHE_KEY, {})
     known.update({nodeid: round(s, 2) for nodeid, s in _seconds.items()})
     config.cache.set(schedule.CACHE_KEY, known)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ranks_share_zygotes() -> Iterator[None]:
+    """The ranks that a module's tests start with ``run_ranks`` fork from zygotes kept for the
+    module on this worker: a program's modules (torch, a framework) imported once, not once a
+    run (``tests/support/ranks.py``). Each rank is still a process of its own."""
+    with shared_zygotes():
+        yield
 
 
 @pytest.fixture

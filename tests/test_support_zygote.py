@@ -121,3 +121,26 @@ def test_ranks_output_begins_with_what_the_imports_wrote(
     (tmp_path / "prog.py").write_text("import sys\nimport os\nsys.exit(int(os.environ['RANK']) * 4)\n")
     with pytest.raises(AssertionError, match="rank 1 of 2 failed \\(4\\)"):
         run_ranks(2, [sys.executable, "-W", "error", str(tmp_path / "prog.py")], cwd=tmp_path)
+
+
+def test_a_child_runs_code_as_python_c_would(tmp_path: Path) -> None:
+    code = PROGRAM + "\n"  # the same program, given as code
+    bare_code = "import sys\nprint(sys.argv, '__file__' in dir(), repr(sys.stdin.read()))"  # stdin: empty
+    with Zygote(tmp_path / "zygote.log", ["json"], cwd=ROOT, env=_env(), python=["-W", "error"]) as zygote:
+        ok = zygote.start(["ok"], tmp_path / "ok.log", code=code, cwd=tmp_path)
+        exits = zygote.start(["exit"], tmp_path / "exit.log", code=code)
+        warned = zygote.start(["warn"], tmp_path / "warn.log", code=code)
+        bare = zygote.start([], tmp_path / "bare.log", code=bare_code)
+        codes = [c.wait(timeout=30) for c in (ok, exits, warned, bare)]
+    fresh = subprocess.run(
+        [sys.executable, "-c", bare_code],
+        check=True,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
+    assert codes == [0, 3, 1, 0]
+    assert f"argv ['ok'] cwd {tmp_path} rank None path0 \n" in (tmp_path / "ok.log").read_text()
+    assert "main __main__ True" in (tmp_path / "ok.log").read_text()
+    assert "UserWarning: a warning" in (tmp_path / "warn.log").read_text()  # -W error holds
+    assert (tmp_path / "bare.log").read_text() == fresh.stdout == "['-c'] False ''\n"

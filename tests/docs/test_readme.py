@@ -1,16 +1,17 @@
-"""The README's examples run as is, twice in a row, in a fresh folder and a fresh interpreter."""
+"""The README's examples run as is, twice in a row, in a fresh folder, each run a program of its own
+as ``python -W error -c CODE`` runs it (forked from a zygote, as the docs pages' runs are:
+``test_getting_started.py``)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.support import ROOT
-from tests.support.docs import python_blocks
+from tests.support.docs import PRELOAD, python_blocks, run_env
+from tests.support.zygote import Zygote, imports_in
 
 README = ROOT / "README.md"
 
@@ -24,16 +25,17 @@ def test_the_readme_has_one_runnable_example_and_marks_the_others() -> None:
 @pytest.mark.slow
 def test_the_readme_example_runs_twice(tmp_path: Path) -> None:
     code = "\n\n".join(python_blocks(README)[0])
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    for attempt in (1, 2):  # the second run finds the first one's corpus and checkpoint
-        proc = subprocess.run(
-            [sys.executable, "-W", "error", "-c", code],
-            check=False,
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=150,
-        )
-        assert proc.returncode == 0, f"README, run {attempt}:\n{proc.stdout}\n{proc.stderr}"
-    assert (tmp_path / "data" / "corpus" / "manifest.json").exists()
+    folder = tmp_path / "readme"
+    folder.mkdir()
+    preload = [m for m in imports_in(code) if m.split(".")[0] in PRELOAD]
+    with Zygote(tmp_path / "zygote.log", preload, cwd=ROOT, env=run_env(), python=["-W", "error"]) as zygote:
+        for attempt in (1, 2):  # the second run finds the first one's corpus and checkpoint
+            log = tmp_path / f"run-{attempt}.log"
+            child = zygote.start([], log, code=code, cwd=folder)
+            try:
+                status = child.wait(timeout=150)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                status = child.wait()
+            assert status == 0, f"README, run {attempt} exited {status}:\n{log.read_text()}"
+    assert (folder / "data" / "corpus" / "manifest.json").exists()

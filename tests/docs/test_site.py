@@ -143,7 +143,8 @@ def test_pages_render_in_headless_chromium(
     for name, (path, title) in PAGES.items():
         url = base + path
         png = tmp_path / f"{name}.png"
-        shot = chromium(tmp_path / f"profile-{name}", f"--screenshot={png}", url)
+        # one browser a page: the screenshot of the page it loaded, and that page's DOM
+        shot = chromium(tmp_path / f"profile-{name}", f"--screenshot={png}", "--dump-dom", url)
         assert png.is_file(), f"no screenshot of {url}:\n{shot.stderr[-3000:]}"
         image = read_png(png)[..., :3]
         assert image.shape[:2] == (900, 1280)
@@ -153,7 +154,7 @@ def test_pages_render_in_headless_chromium(
         assert inked >= 0.03, f"{name}: {inked:.1%} of the pixels are not white"
         shutil.copyfile(png, SCREENSHOTS / f"{name}.png")
 
-        dom = chromium(tmp_path / f"profile-{name}-dom", "--dump-dom", url).stdout
+        dom = shot.stdout
         assert f"<title>{html.escape(title, quote=False)}</title>" in dom, f"{name}: title is not {title!r}"
         assert re.search(r'<nav class="md-nav md-nav--primary"', dom), f"{name}: no navigation"
         for label in ("Getting started", "Checkpointing", "StatefulDataLoader"):

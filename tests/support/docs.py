@@ -11,6 +11,7 @@ array: Pillow is not a dependency of the project.
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 import zlib
@@ -21,6 +22,18 @@ import numpy as np
 from . import ROOT
 
 DOCS = ROOT / "docs"
+
+#: What a zygote that runs pages' code may import first: the pages' common modules, which start no
+#: thread (pyarrow, which ``datasets`` imports, starts its allocator's threads: a zygote forks on
+#: its only thread). A run imports the page's other modules itself.
+PRELOAD = ("asyncio", "numpy", "torch", "guideloom")
+
+
+def run_env() -> dict[str, str]:
+    """The environment a page's code runs in: the test's, this checkout first on the path, numpy's
+    BLAS on one thread (a zygote forks on its only thread)."""
+    return {"OPENBLAS_NUM_THREADS": "1", **os.environ, "PYTHONPATH": str(ROOT)}
+
 
 FRAGMENT = "<!-- fragment -->"
 _FENCE = re.compile(r"^(?P<marker>[^\n]*)\n```python\n(?P<code>.*?)^```$", re.M | re.S)

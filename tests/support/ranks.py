@@ -3,12 +3,14 @@ MASTER_ADDR, MASTER_PORT on 127.0.0.1, gloo over loopback), and wait for all of 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from guideloom_dev.servers import free_port
@@ -36,6 +38,44 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     )
 
 
+class Zygotes:
+    """Zygotes kept for the :func:`run_ranks` calls made within :func:`shared_zygotes`: the ranks
+    of a program's runs fork from one that imported its modules once (one a set of interpreter
+    options, modules and environment)."""
+
+    def __init__(self) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="zygotes-"))
+        self._zygotes: dict[tuple[object, ...], Zygote] = {}
+
+    def get(self, python: Sequence[str], preload: Sequence[str], env: dict[str, str]) -> Zygote:
+        same = sorted((k, v) for k, v in env.items() if k != "PYTEST_CURRENT_TEST")
+        key = (tuple(python), tuple(preload), tuple(same))
+        zygote = self._zygotes.get(key)
+        if zygote is None or not zygote.alive():
+            log = self.folder / f"zygote-{len(self._zygotes)}.log"
+            zygote = self._zygotes[key] = Zygote(log, preload, cwd=ROOT, env=env, python=python)
+        return zygote
+
+    def close(self) -> None:
+        for zygote in self._zygotes.values():
+            zygote.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_shared: list[Zygotes] = []  # the innermost shared_zygotes() last
+
+
+@contextlib.contextmanager
+def shared_zygotes() -> Iterator[None]:
+    """Within, :func:`run_ranks` keeps each zygote it starts for the calls that follow (a test
+    module's fixture: the zygotes end with it)."""
+    _shared.append(Zygotes())
+    try:
+        yield
+    finally:
+        _shared.pop().close()
+
+
 def run_ranks(
     world_size: int,
     argv: Sequence[str] | Callable[[int], Sequence[str]],
@@ -49,9 +89,10 @@ def run_ranks(
 
     Each rank is forked from a zygote that has imported what the program imports at its top level
     (torch, a framework, guideloom), with the same interpreter options
-    (``tests/support/zygote.py``): each rank is still its own process with its own gloo group,
-    and runs the program from its start as ``__main__``. What the zygote's imports wrote (a
-    warning) begins each rank's output, as it would have begun each rank's own.
+    (``tests/support/zygote.py``; within :func:`shared_zygotes`, one kept from an earlier call):
+    each rank is still its own process with its own gloo group, and runs the program from its
+    start as ``__main__``. What the zygote's imports wrote (a warning) begins each rank's output,
+    as it would have begun each rank's own.
 
     Fails the test, with that rank's output, when a rank exits non-zero; kills every rank still
     running when one hangs past ``timeout`` seconds."""
@@ -63,7 +104,12 @@ def run_ranks(
     with tempfile.TemporaryDirectory(prefix="ranks-") as folder:
         logs = Path(folder)
         env = torchrun_env()
-        with Zygote(logs / "zygote.log", imports_of(path), cwd=ROOT, env=env, python=python) as zygote:
+        with contextlib.ExitStack() as stack:
+            if _shared:
+                zygote = _shared[-1].get(python, imports_of(path), env)
+            else:
+                zygote = Zygote(logs / "zygote.log", imports_of(path), cwd=ROOT, env=env, python=python)
+                stack.enter_context(zygote)
             children = [
                 zygote.start(
                     a, logs / f"rank{r}.log", module=module, env=rank_env(r, world_size, port), cwd=cwd
@@ -77,7 +123,7 @@ def run_ranks(
                 for c in children:
                     c.kill()
         # what the imports wrote (a warning) each rank would have written first
-        imported = (logs / "zygote.log").read_text()
+        imported = zygote.log.read_text()
         outputs = [imported + (logs / f"rank{r}.log").read_text() for r in range(world_size)]
     for rank, (code, out) in enumerate(zip(codes, outputs, strict=True)):
         assert code == 0, f"rank {rank} of {world_size} failed ({code}):\n{out}"

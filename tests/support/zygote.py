@@ -5,13 +5,15 @@ start such programs many times: the torchft replicas some twenty times a job, th
 two to five times a test. A zygote (``python [-W ...] -m tests.support.zygote MODULE...``)
 imports the modules named once, on its only thread, then forks a child per request. Each child
 is still its own process: it takes the request's environment and folder, its output and errors
-go to its log file, and it runs the program from its start as ``python -m MODULE ARGS`` or
-``python SCRIPT ARGS`` would (:mod:`runpy`, as ``__main__``), and the interpreter ends it as it
-ends those: non-daemon threads joined, exit handlers run, an uncaught exception printed with exit
-status 1. The zygote's objects are frozen out of the collector's sight before it forks
-(:func:`gc.freeze`), so that the children share its pages. It holds a pidfd per child: it reports
-each child's exit status (``-9`` for SIGKILL, as :meth:`subprocess.Popen.poll` gives it), and
-kills a child through that pidfd, never through a pid that may have been reused.
+go to its log file, and it runs the program from its start as ``python -m MODULE ARGS``,
+``python SCRIPT ARGS`` (:mod:`runpy`, as ``__main__``) or ``python -c CODE ARGS`` (in a fresh
+``__main__`` module with no file, the current folder first on the path) would, and the
+interpreter ends it as it ends those: non-daemon threads joined, exit handlers run, an uncaught
+exception printed with exit status 1. The zygote's objects are frozen out of the collector's
+sight before it forks (:func:`gc.freeze`), so that the children share its pages. It holds a
+pidfd per child: it reports each child's exit status (``-9`` for SIGKILL, as
+:meth:`subprocess.Popen.poll` gives it), and kills a child through that pidfd, never through a
+pid that may have been reused.
 
 Requests and replies are lines of JSON on the zygote's stdin and stdout. It ends, killing the
 children still alive, when its stdin closes: a test that dies leaves no child behind.
@@ -30,6 +32,7 @@ import signal
 import subprocess
 import sys
 import threading
+import types
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,8 +41,13 @@ from typing import Any
 def imports_of(path: Path) -> list[str]:
     """The modules the program at ``path`` imports at its top level, in its order: what a zygote
     for it preloads."""
+    return imports_in(path.read_text())
+
+
+def imports_in(source: str) -> list[str]:
+    """The modules the program ``source`` imports at its top level, in its order."""
     names: list[str] = []
-    for node in ast.parse(path.read_text()).body:
+    for node in ast.parse(source).body:
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module != "__future__":
@@ -124,12 +132,13 @@ class Zygote:
         log: Path,
         *,
         module: str = "",
+        code: str | None = None,
         env: dict[str, str] | None = None,
         cwd: Path | None = None,
     ) -> Child:
-        """Fork a child that runs ``python -m module argv...`` (or, without ``module``, ``python
-        argv...``, ``argv[0]`` a script) in ``cwd`` with ``env`` (the zygote's by default), its
-        output and errors appended to ``log``."""
+        """Fork a child that runs ``python -m module argv...`` (with ``code``, ``python -c code
+        argv...``; with neither, ``python argv...``, ``argv[0]`` a script) in ``cwd`` with ``env``
+        (the zygote's by default), its output and errors appended to ``log``."""
         with self._cond:
             request, self._next = self._next, self._next + 1
         self._send(
@@ -137,6 +146,7 @@ class Zygote:
                 "op": "start",
                 "id": request,
                 "module": module,
+                "code": code,
                 "argv": list(argv),
                 "log": str(log),
                 "env": self.env if env is None else env,
@@ -150,6 +160,11 @@ class Zygote:
                 self._check()
                 raise TimeoutError(f"the zygote did not fork in 120 s: {self.log.read_text()[-3000:]}")
             return Child(self, self._pids.pop(request))
+
+    def alive(self) -> bool:
+        """Whether the zygote still answers (it has not exited)."""
+        with self._cond:
+            return not self._gone and self._proc.poll() is None
 
     def returncode(self, pid: int) -> int | None:
         with self._cond:
@@ -249,9 +264,10 @@ def serve(requests: int, replies: int) -> dict[str, Any] | None:
 
 def run(request: dict[str, Any]) -> None:
     """In a forked child: its environment, folder and log, then the program as ``__main__``."""
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
+    devnull = os.open(os.devnull, os.O_RDONLY)  # 0 itself where the zygote's requests were
+    if devnull != 0:
+        os.dup2(devnull, 0)
+        os.close(devnull)
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -260,7 +276,13 @@ def run(request: dict[str, Any]) -> None:
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     argv = request["argv"]
-    if request["module"]:
+    if request.get("code") is not None:
+        sys.argv = ["-c", *argv]
+        sys.path[0] = ""  # python -c puts the current folder first
+        main = types.ModuleType("__main__")  # no __file__, as under -c: nothing for a spawn to import
+        sys.modules["__main__"] = main
+        exec(compile(request["code"], "<string>", "exec"), main.__dict__)
+    elif request["module"]:
         sys.argv = ["-m", *argv]  # runpy puts the module's path first, as python -m does
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     else:

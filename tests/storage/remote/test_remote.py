@@ -33,6 +33,7 @@ from tests.support.remote import (
     start_proxy,
     unique,
 )
+from tests.support.zygote import Zygote, imports_of
 
 FAST = {"timeout": 5.0, "backoff": 0.01, "max_backoff": 0.05}
 
@@ -499,28 +500,35 @@ EXIT_SCRIPT = ROOT / "tests" / "support" / "exit_script.py"
 
 @pytest.mark.slow
 def test_processes_that_read_s3_asynchronously_always_exit_cleanly(
-    plain_copies: Copies, s3: MotoS3, proxy_for: list[FaultProxy]
+    plain_copies: Copies, s3: MotoS3, proxy_for: list[FaultProxy], tmp_path: Path
 ) -> None:
+    """Each run is a process of its own that the interpreter ends as ``python exit_script.py``
+    would (forked from a zygote that imported its modules once: ``tests/support/zygote.py``; one
+    BLAS thread, so that the zygote has a single thread to fork)."""
     import concurrent.futures
     import subprocess
-    import sys
 
     proxy = start_proxy(proxy_for, s3.port, delay=0.005)
-    env = {**os.environ, **s3.env(proxy.url), "PYTHONFAULTHANDLER": "1"}
+    env = {"OMP_NUM_THREADS": "1", **os.environ, **s3.env(proxy.url), "PYTHONFAULTHANDLER": "1"}
     modes = ["read"] * 12 + ["noclose"] * 10 + ["inflight"] * 10 + ["loader"] * 3
 
-    def run(mode: str) -> tuple[str, int, str]:
-        p = subprocess.run(
-            [sys.executable, str(EXIT_SCRIPT), plain_copies.s3_url, mode],
-            check=False,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        return mode, p.returncode, p.stderr[-2000:]
+    def run(job: tuple[int, str]) -> tuple[str, int, str]:
+        i, mode = job
+        log = tmp_path / f"run-{i}-{mode}.log"
+        child = zygote.start([str(EXIT_SCRIPT), plain_copies.s3_url, mode], log)
+        try:
+            code = child.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            code = child.wait()
+            with log.open("a") as f:
+                f.write("\n(no exit in 60 s: killed)")
+        return mode, code, log.read_text()[-2000:]
 
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        results = list(pool.map(run, modes))
+    with (
+        Zygote(tmp_path / "zygote.log", imports_of(EXIT_SCRIPT), cwd=ROOT, env=env) as zygote,
+        concurrent.futures.ThreadPoolExecutor(3) as pool,
+    ):
+        results = list(pool.map(run, enumerate(modes)))
     bad = [r for r in results if r[1] != 0]
     assert not bad, f"{len(bad)} of {len(results)} runs did not exit with 0: {bad[:3]}"

@@ -126,8 +126,10 @@ if __name__ == "__main__":
         server = getattr(getattr(pool.ctx, "server", None), "_forkserver_pid", None)
         workers = [p.proc.pid for p in pool.procs]
         print(type(pool.ctx).__name__, forkserver._forkserver._forkserver_pid is not None)
+        others = server or forkserver._forkserver._forkserver_pid
+        first = os.getpid() if server is not None else others  # the first: forked from here
         print(server is not None and parent(server) == os.getpid(),
-              {parent(w) for w in workers} == {server or forkserver._forkserver._forkserver_pid})
+              [parent(w) for w in workers] == [first] + [others] * (len(workers) - 1))
         print(got and [b[1:] for b in got] == want, {b[0] for b in got} <= set(workers))
         token = pool.token
     print(token, server, *workers)
@@ -146,10 +148,10 @@ def test_workers_come_from_a_zygote_of_the_main_process_while_it_has_one_thread(
     tmp_path: Path, stream: Path, threads: str, expect: list[str]
 ) -> None:
     """A pool made on the process's only Python thread (torch's OpenMP pool running beside it)
-    forks a zygote from it, whose workers share the main process's pages (torch's included) and
-    run torch on one thread; with another Python thread running, multiprocessing's fork server
-    serves instead. The same batches either way; the zygote, the workers and their
-    segments are gone once the loader is closed."""
+    forks its first worker from it, then a zygote that forks the others: all share the main
+    process's pages (torch's included) and run torch on one thread; with another Python thread
+    running, multiprocessing's fork server serves every worker instead. The same batches either
+    way; the zygote, the workers and their segments are gone once the loader is closed."""
     script = tmp_path / "zygote.py"
     script.write_text(_ZYGOTE_SCRIPT.replace("STREAM", repr(str(stream))))
     r = run_script(script, threads)
@@ -163,6 +165,54 @@ def test_workers_come_from_a_zygote_of_the_main_process_while_it_has_one_thread(
         time.sleep(0.05)
     assert [pid for pid in pids if _alive(pid)] == []
     assert live_segments(token) == []
+
+
+_FIRST_EXITS_SCRIPT = """
+import multiprocessing, os, time
+import numpy as np, torch
+import guideloom as gl
+from guideloom._runtime.processes import WorkerPool
+
+class OpensOnlyHere(gl.MemoryStreamStorage):
+    def open_sync(self):
+        if multiprocessing.current_process().name.startswith("guideloom-worker"):
+            raise KeyError("no credentials in the worker")
+        super().open_sync()
+
+def ids(samples):
+    return [int(s[0]) for s in samples]
+
+start_missing = WorkerPool._start_missing
+def late(pool):  # the pool's starter looks once the worker forked here has exited
+    first = pool.procs[0].proc
+    while first.is_alive():
+        time.sleep(0.005)
+    start_missing(pool)
+WorkerPool._start_missing = late
+
+if __name__ == "__main__":
+    loader = gl.StatefulDataLoader.from_storage(
+        OpensOnlyHere(np.arange(16 * 64, dtype=np.int32)), ids, sequence_length=64,
+        local_batch_size=4, num_workers=2, parallel_method="process", collate_mode="workers",
+        device=torch.device("cpu"),
+    )
+    with loader:
+        parent = loader._state.life.pool.procs[0].proc._parent_pid
+        try:
+            next(iter(loader))
+        except KeyError as exc:
+            print(parent == os.getpid(), type(exc).__name__, any("process 0" in n for n in exc.__notes__))
+"""
+
+
+@ZYGOTE
+def test_a_first_worker_forked_here_that_exits_at_once_is_reported_by_its_own_error(tmp_path: Path) -> None:
+    """The first worker, forked from the main process itself, fails to open the storage and
+    exits before the pool's starter thread looks at it: the starter reads why (the storage's
+    own error, naming the worker), instead of taking it for a worker to start again."""
+    script = tmp_path / "first.py"
+    script.write_text(_FIRST_EXITS_SCRIPT)
+    assert run_script(script).stdout.split() == ["True", "KeyError", "True"]
 
 
 _FORK_HYGIENE_SCRIPT = """
@@ -1299,7 +1349,7 @@ CLOSE_WHILE_STOPPED = """
 import os, signal, sys, threading, time
 import numpy as np, torch
 import guideloom as gl
-from guideloom._runtime.processes import WorkerPool
+import guideloom._runtime.processes.zygote as zygote_module
 from tests.support.processes import ids, loader_for, stuck_forever, worker_pids
 
 def state(pid):
@@ -1317,14 +1367,15 @@ def stop(pids):
 def case(what, stream):
     collate = stuck_forever if what == "hung collate" else ids
     loader = loader_for(stream, collate, prefetch=2, collate_mode="workers")
-    begin = WorkerPool.begin
+    fork_zygote = zygote_module.fork_zygote
     zygote = []
-    def begin_stopped(pool):  # the zygote stopped before it forks a single worker
-        zygote.append(pool.ctx.server._forkserver_pid)
+    def forked_stopped(preload):  # the zygote stopped before it forks a single worker
+        server = fork_zygote(preload)
+        zygote.append(server._forkserver_pid)
         stop(zygote)
-        begin(pool)
+        return server
     if what == "zygote, at the start":
-        WorkerPool.begin = begin_stopped
+        zygote_module.fork_zygote = forked_stopped
     loader.open()
     it = iter(loader)
     got, ended = [], []
@@ -1342,8 +1393,8 @@ def case(what, stream):
         workers = [p.proc.pid for p in pool.procs]
         which = {"zygote": zygote, "a worker": workers[:1], "zygote and workers": zygote + workers}
         stop(which.get(what, []))
-    else:
-        workers = []
+    else:  # the first worker, forked from this process, serves
+        workers = [p.proc.pid for p in pool.procs if p is not None]
     consumer.start()
     time.sleep(0.5)
     t0 = time.monotonic()
@@ -1351,7 +1402,7 @@ def case(what, stream):
     took = time.monotonic() - t0
     consumer.join(10)
     released = time.monotonic() - t0
-    WorkerPool.begin = begin
+    zygote_module.fork_zygote = fork_zygote
     deadline = time.monotonic() + 5
     while any(state(pid) not in ("gone", "Z") for pid in zygote + workers) and time.monotonic() < deadline:
         time.sleep(0.05)

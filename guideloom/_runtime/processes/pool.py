@@ -55,7 +55,7 @@ from guideloom._runtime.processes.wire import (
     Task,
     load_exception,
 )
-from guideloom._runtime.processes.zygote import ZygoteContext
+from guideloom._runtime.processes.zygote import ZygoteContext, fork_is_safe
 
 if TYPE_CHECKING:
     from guideloom._datasets import DatasetAbstract
@@ -103,6 +103,8 @@ class WorkerPool:
         self._closed = False
         self._tokens = 0
         self.ctx = worker_context(self.spec)
+        #: The workers :meth:`begin` forked from this process itself, for its starter to wait for.
+        self._here: list[Proc] = []
         #: The thread of a start :meth:`begin` made, until :meth:`start` has waited for it.
         self._starter: threading.Thread | None = None
         self._start_error: BaseException | None = None
@@ -148,10 +150,33 @@ class WorkerPool:
                 return
             self._start_error = None
             self._start_over = False
+            self._fork_first_here()
             self._starter = threading.Thread(
                 target=self._start_missing, name="guideloom-workers-start", daemon=True
             )
             self._starter.start()
+
+    def _fork_first_here(self) -> None:
+        """At the first start of a pool made on this process's only thread (its context a
+        zygote not forked yet), if that still holds: fork the first worker from this process
+        itself, then the zygote, which forks the others (and any started again later). The first
+        batch's worker is then one fork away, not two and a request to the zygote. Else the
+        context is chosen again (the standby zygote or the fork server)."""
+        ctx = self.ctx
+        if not isinstance(ctx, ZygoteContext) or ctx.server is not None:
+            return
+        if not fork_is_safe(0.0):  # (a thread started since the pool was made)
+            self.ctx = worker_context(self.spec)
+            if isinstance(self.ctx, ZygoteContext):
+                self.ctx.fork()
+            return
+        try:
+            k = next(k for k, p in enumerate(self.procs) if not _running(p))
+            self._gens[k] += 1
+            self.procs[k] = p = Proc(self, k, self._gens[k], here=True)
+            self._here.append(p)
+        finally:
+            ctx.fork()
 
     def starting(self) -> bool:
         """Whether a start begun by :meth:`begin` is still under way."""
@@ -206,37 +231,42 @@ class WorkerPool:
         missing: list[tuple[int, int]] = []
         try:
             with self._lock:
+                started, self._here = self._here, []  # forked by begin() itself: waited for here
                 if self._closed:
                     return
                 for k in range(self.num_workers):
                     old = self.procs[k]
-                    if _running(old):
+                    # (one that begin() forked may have exited already: its thread reads why)
+                    if old in started or _running(old):
                         continue
                     if old is not None:
                         self.procs[k] = None
                         self._discard(old)
                     self._gens[k] += 1
                     missing.append((k, self._gens[k]))
-            errors: list[BaseException | None] = [None] * len(missing)
+            here = list(started)
+            errors: list[BaseException | None] = [None] * (len(here) + len(missing))
 
-            def start_one(i: int, k: int, gen: int) -> None:
+            def start_one(i: int, k: int, gen: int, p: Proc | None) -> None:
                 try:
-                    p = Proc(self, k, gen)  # blocks while the fork server starts
-                    if not self._keep(p):  # the pool closed meanwhile
-                        self._stop([p], 0.0)
-                        return
-                    started.append(p)
+                    if p is None:
+                        p = Proc(self, k, gen)  # blocks while the fork server starts
+                        if not self._keep(p):  # the pool closed meanwhile
+                            self._stop([p], 0.0)
+                            return
+                        started.append(p)
                     self._wait_ready(p)
                     with self._readied:
                         self._readied.notify_all()
                 except BaseException as exc:
                     errors[i] = exc
 
+            jobs = [(p.index, 0, p) for p in here] + [(k, gen, None) for k, gen in missing]
             threads = [
                 threading.Thread(
-                    target=start_one, args=(i, k, gen), name=f"guideloom-worker-{k}-start", daemon=True
+                    target=start_one, args=(i, *job), name=f"guideloom-worker-{job[0]}-start", daemon=True
                 )
-                for i, (k, gen) in enumerate(missing)
+                for i, job in enumerate(jobs)
             ]
             for t in threads:
                 t.start()

@@ -10,7 +10,6 @@ read here at each choice (the benchmark of worker start rewrites it to compare t
 
 from __future__ import annotations
 
-import importlib
 import multiprocessing
 import os
 import sys
@@ -21,7 +20,7 @@ from guideloom._runtime.processes.zygote import (
     ZygoteContext,
     fork_is_safe,
     fork_standby,
-    fork_zygote,
+    import_each,
     standby_for,
 )
 from guideloom.storage._remote import _objstore
@@ -33,27 +32,17 @@ __all__ = ["PRELOAD", "START_METHOD", "check_not_bootstrapping", "preload", "wor
 #: (The benchmark of worker start sets it to compare the methods: also ``"forkserver"``, ``"fork"``.)
 START_METHOD = "zygote"
 #: What the fork server imports before it forks a worker (torch too, when the main process has
-#: imported it): each worker shares them instead of importing them anew. A zygote has what this
-#: process imported when it was forked: these are imported here first (:func:`_imported`), among
-#: them ``numpy.random`` (each worker seeds it) and anyio's asyncio backend (a storage opens on
-#: it, here too), which would otherwise cost each worker's start some tens of milliseconds.
+#: imported it): each worker shares them instead of importing them anew. A zygote, and a worker
+#: forked from this process, have what this process imported when they were forked: these are
+#: imported here first (:func:`~guideloom._runtime.processes.zygote.import_each`), among them
+#: ``numpy.random`` (each worker seeds it) and anyio's asyncio backend (a storage opens on it,
+#: here too), which would otherwise cost each worker's start some tens of milliseconds.
 PRELOAD = ("guideloom._runtime.processes.worker", "numpy", "numpy.random", "anyio._backends._asyncio")
 
 
 def preload() -> list[str]:
     """The modules the fork server preloads: :data:`PRELOAD`, and torch once this process has it."""
     return [*PRELOAD, *(["torch"] if "torch" in sys.modules else [])]
-
-
-def _imported(modules: list[str]) -> list[str]:
-    """``modules``, imported in this process (before a zygote is forked from it); one that is
-    not installed is left to the worker, which fails where it needs it."""
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
-    return modules
 
 
 def _standby() -> None:
@@ -67,7 +56,7 @@ def _standby() -> None:
         and multiprocessing.parent_process() is None
         and "forkserver" in multiprocessing.get_all_start_methods()
     ):
-        fork_standby(_imported(preload()))
+        fork_standby(import_each(preload()))
 
 
 _objstore.BEFORE_FIRST_STORE.append(_standby)
@@ -75,7 +64,9 @@ _objstore.BEFORE_FIRST_STORE.append(_standby)
 
 def worker_context(spec: bytes = b"") -> ForkServerContext | SpawnContext | ForkContext:
     """The multiprocessing context a new pool's workers start in: a zygote forked from this
-    process now, if this thread is its only one; else the standby zygote, where the workers'
+    process, if this thread is its only one (by the pool's first start, which forks its first
+    worker from this process before it: :class:`~guideloom._runtime.processes.zygote.ZygoteContext`);
+    else the standby zygote, where the workers'
     ``spec`` (their pickled dataset and collate) finds in it what it names of ``__main__``; else
     the fork server, told what to preload.
 
@@ -93,7 +84,8 @@ def worker_context(spec: bytes = b"") -> ForkServerContext | SpawnContext | Fork
         standby = standby_for(spec)
         # With a standby to fall back on, threads that may be ending are not waited for.
         if fork_is_safe() if standby is None else fork_is_safe(0.0):
-            return ZygoteContext(fork_zygote(_imported(wanted)))
+            # forked by the pool's first start, after its first worker (forked from here)
+            return ZygoteContext(None, preload=import_each(wanted))
         if standby is not None:
             return ZygoteContext(standby, shared=True)
     ctx = multiprocessing.get_context("forkserver")

@@ -51,6 +51,7 @@ from __future__ import annotations
 import atexit
 import fcntl
 import gc
+import importlib
 import os
 import pickletools
 import signal
@@ -60,6 +61,9 @@ import sys
 import threading
 import time
 import warnings
+from multiprocessing import popen_fork, util
+from multiprocessing.connection import Connection
+from multiprocessing.context import ForkProcess
 from typing import Any
 
 from guideloom._compat import (
@@ -79,7 +83,7 @@ from guideloom._compat import (
     serve_forks,
 )
 
-__all__ = ["ZygoteContext", "fork_is_safe", "fork_standby", "fork_zygote", "standby_for"]
+__all__ = ["ForkedHere", "ZygoteContext", "fork_is_safe", "fork_standby", "fork_zygote", "standby_for"]
 
 #: Named threads of pools that prepare for a fork themselves: jemalloc's background threads
 #: (pyarrow's allocator), which its own fork handlers stop and start again in the child.
@@ -129,6 +133,17 @@ def fork_is_safe(ending_s: float = _ENDING_S) -> bool:
             return False
     # a Python whose fork server differs (3.14's authenticates) gets multiprocessing's own
     return fork_server_is_known()
+
+
+def import_each(modules: list[str]) -> list[str]:
+    """``modules``, imported in this process; one that is not installed is left to the worker,
+    which fails where it needs it."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    return modules
 
 
 def fork_zygote(preload: list[str]) -> ForkServer:
@@ -383,24 +398,88 @@ def main_names(data: bytes) -> set[str] | None:
 
 
 class ZygoteContext(ForkServerContext):
-    """A multiprocessing context whose processes a zygote forks (pipes as any context's)."""
+    """A multiprocessing context whose processes a zygote forks (pipes as any context's).
 
-    def __init__(self, server: ForkServer, *, shared: bool = False) -> None:
+    One made with ``preload`` and no server is for a pool made on the process's only thread: its
+    first worker is forked from this process itself (:class:`ForkedHere`), then the zygote, by
+    :meth:`fork`, while the process still has that one thread; the zygote forks the others."""
+
+    def __init__(
+        self, server: ForkServer | None, *, shared: bool = False, preload: list[str] | None = None
+    ) -> None:
         super().__init__()
         self.server = server
         #: The standby zygote, which outlives the pool: closing the pool leaves it up.
         self.shared = shared
+        self.preload = preload or []
+
+    def fork(self) -> None:
+        """Fork the zygote now if it is not forked yet (this process must have one thread)."""
+        if self.server is None:
+            self.server = fork_zygote(self.preload)
 
     def Process(self, *args: Any, **kwargs: Any) -> OwnServerProcess:  # type: ignore[override]  # noqa: N802
+        if self.server is None:
+            raise RuntimeError("guideloom bug: a worker asked of a zygote not forked yet")
         proc = OwnServerProcess(*args, **kwargs)
         proc.fork_server = self.server
         return proc
 
     def close(self) -> None:
-        if not self.shared:
+        if not self.shared and self.server is not None:
             close_zygote(self.server)
 
     def kill(self) -> None:
         """End the zygote now (it does not answer: stopped, or stuck); its workers go on."""
+        if self.server is None:
+            return
         drop_standby(self.server)
         close_zygote(self.server, at_once=True)
+
+
+class _HerePopen(popen_fork.Popen):
+    """multiprocessing's ``fork`` Popen (which flushes the buffered output first), with the
+    child started as a zygote starts (:class:`ForkedHere`)."""
+
+    def _launch(self, process_obj: ForkedHere) -> None:
+        keep = (*process_obj.keep_fds(), *_output_fds())
+        _reap_closed()
+        parent_r, child_w = os.pipe()
+        child_r, parent_w = os.pipe()
+        with warnings.catch_warnings():
+            # Python 3.12+ warns of any fork with threads; those left are fork-safe (above).
+            warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
+            self.pid = os.fork()
+        if self.pid == 0:  # pragma: no cover - the worker (coverage does not follow a fork that _exits)
+            code = 1
+            try:
+                os.close(parent_r)
+                os.close(parent_w)
+                _close_fds_but(child_r, child_w, *keep)
+                clear_running_loop()
+                gc.freeze()  # (as a zygote's workers inherit it: their collections skip its objects)
+                code = process_obj._bootstrap(parent_sentinel=child_r)  # type: ignore[attr-defined]
+            finally:
+                os._exit(code)
+        os.close(child_w)
+        os.close(child_r)
+        self.finalizer = util.Finalize(self, util.close_fds, (parent_r, parent_w))  # type: ignore[attr-defined]
+        self.sentinel = parent_r
+
+
+class ForkedHere(ForkProcess):
+    """A worker forked from this process itself, on its only thread (:func:`fork_is_safe`), as
+    a zygote is: one fork, where a worker of the zygote's takes two (the zygote's, then its own)
+    and a request to the zygote. The child starts as a zygote's worker does: every descriptor
+    this process did not mark inheritable points at ``/dev/null`` but its own connections (its
+    arguments) and what this process writes its output through; no running loop; what it
+    inherits frozen out of its collections."""
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> _HerePopen:  # noqa: N802 - multiprocessing's name
+        return _HerePopen(process_obj)
+
+    def keep_fds(self) -> list[int]:
+        """The descriptors of the connections among the process's arguments."""
+        args = getattr(self, "_args", ())
+        return [a.fileno() for a in args if isinstance(a, Connection)]

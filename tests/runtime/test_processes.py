@@ -123,43 +123,39 @@ if __name__ == "__main__":
     with loader(num_workers=2, parallel_method="process", collate_mode="workers") as ld:
         got = list(ld)
         pool = ld._state.life.pool
-        server = getattr(getattr(pool.ctx, "server", None), "_forkserver_pid", None)
+        here = type(pool.ctx).__name__ == "HereContext"
         workers = [p.proc.pid for p in pool.procs]
         print(type(pool.ctx).__name__, forkserver._forkserver._forkserver_pid is not None)
-        others = server or forkserver._forkserver._forkserver_pid
-        first = os.getpid() if server is not None else others  # the first: forked from here
-        print(server is not None and parent(server) == os.getpid(),
-              [parent(w) for w in workers] == [first] + [others] * (len(workers) - 1))
+        server = os.getpid() if here else forkserver._forkserver._forkserver_pid
+        print({parent(w) for w in workers} == {server})
         print(got and [b[1:] for b in got] == want, {b[0] for b in got} <= set(workers))
         token = pool.token
-    print(token, server, *workers)
+    print(token, *workers)
 """
 
 
 @pytest.mark.parametrize(
     ("threads", "expect"),
     [
-        ("none", ["ZygoteContext False", "True True", "True True"]),
-        ("thread", ["ForkServerContext True", "False True", "True True"]),
+        ("none", ["HereContext False", "True", "True True"]),
+        ("thread", ["ForkServerContext True", "True", "True True"]),
     ],
 )
 @ZYGOTE
-def test_workers_come_from_a_zygote_of_the_main_process_while_it_has_one_thread(
+def test_workers_are_forked_from_the_main_process_while_it_has_one_thread(
     tmp_path: Path, stream: Path, threads: str, expect: list[str]
 ) -> None:
     """A pool made on the process's only Python thread (torch's OpenMP pool running beside it)
-    forks its first worker from it, then a zygote that forks the others: all share the main
-    process's pages (torch's included) and run torch on one thread; with another Python thread
-    running, multiprocessing's fork server serves every worker instead. The same batches either
-    way; the zygote, the workers and their segments are gone once the loader is closed."""
-    script = tmp_path / "zygote.py"
+    forks its workers from it, as torch's ``DataLoader`` does: they share the main process's
+    pages (torch's included) and run torch on one thread; with another Python thread running,
+    multiprocessing's fork server serves instead. The same batches either way; the workers and
+    their segments are gone once the loader is closed."""
+    script = tmp_path / "here.py"
     script.write_text(_ZYGOTE_SCRIPT.replace("STREAM", repr(str(stream))))
     r = run_script(script, threads)
     *lines, last = r.stdout.splitlines()
     assert lines == expect
-    token, server, *pids = last.split()
-    if threads == "none":
-        pids.append(server)  # the zygote ends with its pool
+    token, *pids = last.split()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
         time.sleep(0.05)
@@ -241,7 +237,7 @@ def zombies():
     return n
 
 if __name__ == "__main__":
-    print("buffered", end=" ")  # still in this process's buffer when the zygote forks
+    print("buffered", end=" ")  # still in this process's buffer when the workers are forked
     r, w = os.pipe()
     with make() as loader:
         batches = []
@@ -262,22 +258,24 @@ if __name__ == "__main__":
     _thread.start_new_thread(lambda: (lock.acquire(), threading.Event().wait()), ())
     while not lock.locked():
         pass
-    with make() as loader:  # a thread threading does not count: no zygote
+    with make() as loader:  # a thread threading does not count: no fork from here
         list(loader)
         print(type(loader._state.life.pool.ctx).__name__)
 """
 
 
 @ZYGOTE
-def test_a_zygote_starts_as_an_exec_would_leave_it(tmp_path: Path, stream: Path) -> None:
+def test_a_worker_forked_from_the_main_process_starts_as_an_exec_would_leave_it(
+    tmp_path: Path, stream: Path
+) -> None:
     """The output the main process had buffered is written once, not again by each worker; a
-    descriptor the main process closes is closed (no zygote or worker holds a copy); the zygotes
-    of closed loaders are reaped; each worker draws its own random numbers (numpy, random,
-    torch); a thread started with ``_thread`` keeps the zygote away as any other does."""
+    descriptor the main process closes is closed (no worker holds a copy); the workers of closed
+    loaders are reaped; each worker draws its own random numbers (numpy, random, torch); a
+    thread started with ``_thread`` keeps the workers from forking here as any other does."""
     script = tmp_path / "hygiene.py"
     script.write_text(_FORK_HYGIENE_SCRIPT.replace("STREAM", repr(str(stream))))
     r = run_script(script, buffered=True)  # stdout is a pipe here: block-buffered
-    assert r.stdout.split() == ["buffered", "ZygoteContext", "True", "0", "2", "True", "ForkServerContext"]
+    assert r.stdout.split() == ["buffered", "HereContext", "True", "0", "2", "True", "ForkServerContext"]
 
 
 def test_a_lock_held_in_the_main_process_is_free_in_the_workers(stream: Path) -> None:
@@ -412,8 +410,8 @@ def test_pinned_workers_collate_every_batch_the_first_too(how: str, storage: typ
 class SecondOpensWhenLet(gl.MemoryStreamStorage):
     """A storage that opens in the second worker process only once the file ``gate`` exists
     (30 s at most), then fails there if it holds "fail". The path travels with the storage's
-    pickle: the workers fork from a zygote that may predate the test, so not from its
-    environment."""
+    pickle: the workers may fork from a process that predates the test (a zygote, the fork
+    server), so not from its environment."""
 
     gate = ""
 
@@ -579,13 +577,18 @@ def test_loaders_without_process_workers_start_no_fork_server(tmp_path: Path, st
                         pass
                     pool = loader._state.life.pool
                     pool.start()
-                    # a zygote of this process (one thread here), else the fork server
-                    print("process", getattr(pool.ctx, "server", None) is not None or state()[0] is not None)
+                    # forked from this process (one thread here)
+                    print("process", type(pool.ctx).__name__, state()[1])
             """
         )
     )
     r = run_script(script)
-    assert r.stdout.splitlines() == ["import None 0", "loader None 0", "loader None 0", "process True"]
+    assert r.stdout.splitlines() == [
+        "import None 0",
+        "loader None 0",
+        "loader None 0",
+        "process HereContext 1",
+    ]
 
 
 def _alive(pid: str) -> bool:
@@ -785,8 +788,8 @@ def test_a_stuck_collate_is_terminated_on_close(stream: Path) -> None:
 @pytest.mark.parametrize("threads", ["none", "thread"])
 def test_a_script_without_the_main_guard_is_told_so(stream: Path, tmp_path: Path, threads: str) -> None:
     """Workers from multiprocessing's fork server import the main script: one without the guard
-    is told so. A zygote's workers do not import it again (they are forked from it, as torch's
-    are): there the same script runs."""
+    is told so. Workers forked from the main process do not import it again (as torch's are
+    not): there the same script runs."""
     script = tmp_path / "train.py"
     script.write_text(
         textwrap.dedent(
@@ -795,7 +798,7 @@ def test_a_script_without_the_main_guard_is_told_so(stream: Path, tmp_path: Path
             import numpy as np, torch
             import guideloom as gl
 
-            if {threads == "thread"!r}:  # a thread of the script's own: no zygote
+            if {threads == "thread"!r}:  # a thread of the script's own: no fork from it
                 threading.Thread(target=threading.Event().wait, daemon=True).start()
 
             def ids(samples):
@@ -1349,8 +1352,10 @@ CLOSE_WHILE_STOPPED = """
 import os, signal, sys, threading, time
 import numpy as np, torch
 import guideloom as gl
-import guideloom._runtime.processes.zygote as zygote_module
+import guideloom._runtime.processes.pool as pool_module
 from tests.support.processes import ids, loader_for, stuck_forever, worker_pids
+
+make_proc = pool_module.Proc
 
 def state(pid):
     try:
@@ -1367,15 +1372,14 @@ def stop(pids):
 def case(what, stream):
     collate = stuck_forever if what == "hung collate" else ids
     loader = loader_for(stream, collate, prefetch=2, collate_mode="workers")
-    fork_zygote = zygote_module.fork_zygote
-    zygote = []
-    def forked_stopped(preload):  # the zygote stopped before it forks a single worker
-        server = fork_zygote(preload)
-        zygote.append(server._forkserver_pid)
-        stop(zygote)
-        return server
-    if what == "zygote, at the start":
-        zygote_module.fork_zygote = forked_stopped
+    forked = []
+    def stopped_at_once(*args):  # each worker stopped as soon as it is forked: none is ready
+        p = make_proc(*args)
+        forked.append(p.proc.pid)
+        stop(forked[-1:])
+        return p
+    if what == "workers, at the start":
+        pool_module.Proc = stopped_at_once
     loader.open()
     it = iter(loader)
     got, ended = [], []
@@ -1387,14 +1391,12 @@ def case(what, stream):
             ended.append(repr(exc))
     consumer = threading.Thread(target=consume, daemon=True)
     pool = loader._state.life.pool
-    zygote = zygote or [pool.ctx.server._forkserver_pid]
-    if what != "zygote, at the start":
+    if what != "workers, at the start":
         pool.start()
         workers = [p.proc.pid for p in pool.procs]
-        which = {"zygote": zygote, "a worker": workers[:1], "zygote and workers": zygote + workers}
-        stop(which.get(what, []))
-    else:  # the first worker, forked from this process, serves
-        workers = [p.proc.pid for p in pool.procs if p is not None]
+        stop({"a worker": workers[:1], "workers": workers}.get(what, []))
+    else:
+        workers = forked
     consumer.start()
     time.sleep(0.5)
     t0 = time.monotonic()
@@ -1402,12 +1404,12 @@ def case(what, stream):
     took = time.monotonic() - t0
     consumer.join(10)
     released = time.monotonic() - t0
-    zygote_module.fork_zygote = fork_zygote
+    pool_module.Proc = make_proc
     deadline = time.monotonic() + 5
-    while any(state(pid) not in ("gone", "Z") for pid in zygote + workers) and time.monotonic() < deadline:
+    while any(state(pid) not in ("gone", "Z") for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.05)
-    left = [pid for pid in zygote + workers if state(pid) not in ("gone", "Z")]
-    for pid in zygote + workers:
+    left = [pid for pid in workers if state(pid) not in ("gone", "Z")]
+    for pid in workers:
         try:
             os.kill(pid, signal.SIGCONT)
         except OSError:
@@ -1420,16 +1422,12 @@ if __name__ == "__main__":
 
 
 @ZYGOTE
-@pytest.mark.parametrize(
-    "what", ["zygote", "a worker", "zygote and workers", "zygote, at the start", "hung collate"]
-)
-def test_close_returns_within_10_s_whatever_a_worker_or_the_zygote_does(
-    tmp_path: Path, stream: Path, what: str
-) -> None:
-    """A zygote or worker stopped with SIGSTOP (from the start, or once up), or a collate that
-    never returns: ``close()`` still returns within 10 s, escalating from asking the workers to
-    stop to SIGTERM and SIGKILL, with every wait bounded; a consumer blocked in ``next()`` in
-    another thread ends; no process is left running."""
+@pytest.mark.parametrize("what", ["a worker", "workers", "workers, at the start", "hung collate"])
+def test_close_returns_within_10_s_whatever_a_worker_does(tmp_path: Path, stream: Path, what: str) -> None:
+    """A worker stopped with SIGSTOP (from its fork on, or once up), or a collate that never
+    returns: ``close()`` still returns within 10 s, escalating from asking the workers to stop to
+    SIGTERM and SIGKILL, with every wait bounded; a consumer blocked in ``next()`` in another
+    thread ends; no process is left running."""
     script = tmp_path / "stopped.py"
     script.write_text(textwrap.dedent(CLOSE_WHILE_STOPPED))
     out = run_script(script, str(stream), what, timeout=90).stdout.strip().splitlines()[-1]
@@ -1480,15 +1478,15 @@ if __name__ == "__main__":
 
 @ZYGOTE
 def test_what_a_collate_logs_or_prints_in_a_worker_reaches_its_file(tmp_path: Path, stream: Path) -> None:
-    """A zygote's workers keep the descriptors the main process writes its output through, as
-    torch's forked workers do: a module-level ``logging.FileHandler``'s file, a file open for
+    """Workers forked from the main process keep the descriptors it writes its output through,
+    as torch's forked workers do: a module-level ``logging.FileHandler``'s file, a file open for
     appending, stdout and stderr (block-buffered pipes here, flushed as the workers stop)."""
     script = tmp_path / "output.py"
     script.write_text(_WORKER_OUTPUT_SCRIPT)
     logged, appended = tmp_path / "collate.log", tmp_path / "appended.log"
     r = run_script(script, str(stream), str(logged), str(appended), buffered=True)
     main = r.stdout.splitlines()[-1].split()
-    assert main[2:] == ["ZygoteContext", "50"]
+    assert main[2:] == ["HereContext", "50"]
     for text, word in [
         (logged.read_text(), "logged"),
         (appended.read_text(), "appended"),

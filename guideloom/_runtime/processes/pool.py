@@ -2,16 +2,16 @@
 as the main process sees it, and a session, one iterator's use of the pool: it sends the workers
 tasks and takes in their results.
 
-Workers are forked from a fork server (:func:`worker_context`) and inherit none of the main
-process's threads or locks (``fork`` from a main process with threads would: a lock another thread
-held at that moment stays held in the worker, and obstore's runtime, whose threads are gone,
-hangs). Where the pool is made on the process's only thread, the server is a zygote forked from
-the main process then (:mod:`~guideloom._runtime.processes.zygote`): the workers share the main
-process's pages, torch's included, as torch's own forked workers do. Elsewhere it is
-multiprocessing's fork server, a process that imports the worker's modules, numpy and torch once
-(about a second, with the first pool of a process) and forks a worker in milliseconds. A pool
-starts its workers on a thread of its own (:meth:`WorkerPool.begin`) so that the first batches
-can be made meanwhile.
+Workers inherit none of the main process's threads or locks (``fork`` from a main process with
+threads would: a lock another thread held at that moment stays held in the worker, and obstore's
+runtime, whose threads are gone, hangs). Where the pool is made on the process's only thread, each
+start forks the workers from the main process itself, on the caller's thread, as torch's own
+workers are forked (:mod:`~guideloom._runtime.processes.zygote`): they share the main process's
+pages, torch's included, and the first batch's worker is one fork away. Elsewhere they come from
+the standby zygote or multiprocessing's fork server, a process that imports the worker's
+modules, numpy and torch once (about a second, with the first pool of a process) and forks a
+worker in milliseconds. A pool waits for its workers on a thread of its own
+(:meth:`WorkerPool.begin`) so that the first batches can be made meanwhile.
 
 How the workers start is :mod:`~guideloom._runtime.processes.start`'s choice; each worker as the
 main process sees it is a :class:`~guideloom._runtime.processes.proc.Proc`.
@@ -55,7 +55,7 @@ from guideloom._runtime.processes.wire import (
     Task,
     load_exception,
 )
-from guideloom._runtime.processes.zygote import ZygoteContext, fork_is_safe
+from guideloom._runtime.processes.zygote import HereContext, ZygoteContext, fork_is_safe
 
 if TYPE_CHECKING:
     from guideloom._datasets import DatasetAbstract
@@ -150,33 +150,32 @@ class WorkerPool:
                 return
             self._start_error = None
             self._start_over = False
-            self._fork_first_here()
+            self._fork_here()
             self._starter = threading.Thread(
                 target=self._start_missing, name="guideloom-workers-start", daemon=True
             )
             self._starter.start()
 
-    def _fork_first_here(self) -> None:
-        """At the first start of a pool made on this process's only thread (its context a
-        zygote not forked yet), if that still holds: fork the first worker from this process
-        itself, then the zygote, which forks the others (and any started again later). The first
-        batch's worker is then one fork away, not two and a request to the zygote. Else the
-        context is chosen again (the standby zygote or the fork server)."""
-        ctx = self.ctx
-        if not isinstance(ctx, ZygoteContext) or ctx.server is not None:
+    def _fork_here(self) -> None:
+        """Where the workers are forked from this process (the pool was made on its only thread):
+        fork each that is not running now, on this thread, if this is still the process's only
+        one; the starter then waits for them. Else they start from the standby zygote or the
+        fork server, from now on."""
+        if not isinstance(self.ctx, HereContext):
             return
-        if not fork_is_safe(0.0):  # (a thread started since the pool was made)
-            self.ctx = worker_context(self.spec)
-            if isinstance(self.ctx, ZygoteContext):
-                self.ctx.fork()
+        if not fork_is_safe(0.0):  # a thread of the process's own since
+            self.ctx = worker_context(self.spec, here=False)
             return
-        try:
-            k = next(k for k, p in enumerate(self.procs) if not _running(p))
+        for k in range(self.num_workers):
+            old = self.procs[k]
+            if _running(old):
+                continue
+            if old is not None:
+                self.procs[k] = None
+                self._discard(old)
             self._gens[k] += 1
-            self.procs[k] = p = Proc(self, k, self._gens[k], here=True)
+            self.procs[k] = p = Proc(self, k, self._gens[k])
             self._here.append(p)
-        finally:
-            ctx.fork()
 
     def starting(self) -> bool:
         """Whether a start begun by :meth:`begin` is still under way."""

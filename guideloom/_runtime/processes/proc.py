@@ -25,7 +25,6 @@ from guideloom._core.plan import BatchSpec
 from guideloom._runtime.processes.shm import MAX_SLOTS, Inputs, StateSegment, map_segment, unlink
 from guideloom._runtime.processes.wire import End, Epoch, EpochMessages, Stop, Task
 from guideloom._runtime.processes.worker import worker_main
-from guideloom._runtime.processes.zygote import ForkedHere
 
 __all__ = ["TERMINATE_S", "Group", "PoolSide", "Proc"]
 
@@ -50,10 +49,8 @@ class PoolSide(Protocol):
 class Proc:
     """One worker process, as the main process sees it."""
 
-    def __init__(self, pool: PoolSide, index: int, gen: int, *, here: bool = False) -> None:
-        """Start the worker (blocking while the fork server starts, once a process): forked from
-        this process itself with ``here`` (:class:`~guideloom._runtime.processes.zygote.ForkedHere`:
-        only on its only thread), else by the pool's context."""
+    def __init__(self, pool: PoolSide, index: int, gen: int) -> None:
+        """Start the worker (blocking while the fork server starts, once a process)."""
         self.index = index
         self.prefix = f"{pool.token}-{index}.{gen}-"
         self.state_segment = StateSegment(f"{self.prefix}state", MAX_SLOTS)
@@ -61,7 +58,7 @@ class Proc:
         ctx = pool.ctx
         tasks_r, self.tasks = ctx.Pipe(duplex=False)
         self.results, results_w = ctx.Pipe(duplex=False)
-        self.proc: BaseProcess = (ForkedHere if here else ctx.Process)(
+        self.proc: BaseProcess = ctx.Process(
             target=worker_main,
             args=(
                 tasks_r,

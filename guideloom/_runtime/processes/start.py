@@ -1,11 +1,11 @@
-"""How process workers start: the start method, and the fork server a new pool's workers are
-forked from.
+"""How process workers start: the start method, and where a new pool's workers are forked from.
 
-Where the pool is made on the process's only thread, the server is a zygote forked from the main
-process then (:mod:`~guideloom._runtime.processes.zygote`): the workers share the main process's
-pages, torch's included. Elsewhere it is the standby zygote forked before the process's first
-object store, or multiprocessing's fork server told what to preload. :data:`START_METHOD` is
-read here at each choice (the benchmark of worker start rewrites it to compare the methods).
+Where the pool is made on the process's only thread, its workers are forked from the main process
+itself, as torch's ``DataLoader`` forks its own (:class:`~guideloom._runtime.processes.zygote.HereContext`):
+they share its pages, torch's included. Elsewhere they come from the standby zygote forked before
+the process's first object store, or from multiprocessing's fork server told what to preload.
+:data:`START_METHOD` is read here at each choice (the benchmark of worker start rewrites it to
+compare the methods).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
 
 from guideloom._compat import bootstrapping, fork_server_preload
 from guideloom._runtime.processes.zygote import (
+    HereContext,
     ZygoteContext,
     fork_is_safe,
     fork_standby,
@@ -27,8 +28,9 @@ from guideloom.storage._remote import _objstore
 
 __all__ = ["PRELOAD", "START_METHOD", "check_not_bootstrapping", "preload", "worker_context"]
 
-#: How workers start: ``"zygote"`` (a fork server forked from this process where that is safe,
-#: multiprocessing's fork server elsewhere); ``"spawn"`` where the platform has no fork server.
+#: How workers start: ``"zygote"`` (forked from this process where that is safe, else from the
+#: standby zygote or multiprocessing's fork server); ``"spawn"`` where the platform has no fork
+#: server.
 #: (The benchmark of worker start sets it to compare the methods: also ``"forkserver"``, ``"fork"``.)
 START_METHOD = "zygote"
 #: What the fork server imports before it forks a worker (torch too, when the main process has
@@ -62,13 +64,11 @@ def _standby() -> None:
 _objstore.BEFORE_FIRST_STORE.append(_standby)
 
 
-def worker_context(spec: bytes = b"") -> ForkServerContext | SpawnContext | ForkContext:
-    """The multiprocessing context a new pool's workers start in: a zygote forked from this
-    process, if this thread is its only one (by the pool's first start, which forks its first
-    worker from this process before it: :class:`~guideloom._runtime.processes.zygote.ZygoteContext`);
-    else the standby zygote, where the workers'
-    ``spec`` (their pickled dataset and collate) finds in it what it names of ``__main__``; else
-    the fork server, told what to preload.
+def worker_context(spec: bytes = b"", *, here: bool = True) -> ForkServerContext | SpawnContext | ForkContext:
+    """The multiprocessing context a new pool's workers start in: forks from this process (each
+    start forks them on the caller's thread), if this thread is its only one and ``here``; else
+    the standby zygote, where the workers' ``spec`` (their pickled dataset and collate) finds in
+    it what it names of ``__main__``; else the fork server, told what to preload.
 
     The fork server is one per process, shared with any other user of ``forkserver``: the
     modules are added to its preload list, and take effect when it starts (with the first
@@ -83,9 +83,9 @@ def worker_context(spec: bytes = b"") -> ForkServerContext | SpawnContext | Fork
     if START_METHOD == "zygote":
         standby = standby_for(spec)
         # With a standby to fall back on, threads that may be ending are not waited for.
-        if fork_is_safe() if standby is None else fork_is_safe(0.0):
-            # forked by the pool's first start, after its first worker (forked from here)
-            return ZygoteContext(None, preload=import_each(wanted))
+        if here and (fork_is_safe() if standby is None else fork_is_safe(0.0)):
+            import_each(wanted)  # (once here, not in each worker)
+            return HereContext()
         if standby is not None:
             return ZygoteContext(standby, shared=True)
     ctx = multiprocessing.get_context("forkserver")

@@ -28,11 +28,11 @@ from guideloom.storage._remote import _objstore
 
 __all__ = ["PRELOAD", "START_METHOD", "check_not_bootstrapping", "preload", "worker_context"]
 
-#: How workers start: ``"zygote"`` (forked from this process where that is safe, else from the
+#: How workers start: ``"here"`` (forked from this process where that is safe, else from the
 #: standby zygote or multiprocessing's fork server); ``"spawn"`` where the platform has no fork
 #: server.
 #: (The benchmark of worker start sets it to compare the methods: also ``"forkserver"``, ``"fork"``.)
-START_METHOD = "zygote"
+START_METHOD = "here"
 #: What the fork server imports before it forks a worker (torch too, when the main process has
 #: imported it): each worker shares them instead of importing them anew. A zygote, and a worker
 #: forked from this process, have what this process imported when they were forked: these are
@@ -54,7 +54,7 @@ def _standby() -> None:
     ``GUIDELOOM_STANDBY_ZYGOTE=0`` says the process will not use process workers."""
     if (
         os.environ.get("GUIDELOOM_STANDBY_ZYGOTE", "1") != "0"
-        and START_METHOD == "zygote"
+        and START_METHOD == "here"
         and multiprocessing.parent_process() is None
         and "forkserver" in multiprocessing.get_all_start_methods()
     ):
@@ -80,7 +80,7 @@ def worker_context(spec: bytes = b"", *, here: bool = True) -> ForkServerContext
     if START_METHOD == "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     wanted = preload()
-    if START_METHOD == "zygote":
+    if START_METHOD == "here":
         standby = standby_for(spec)
         # With a standby to fall back on, threads that may be ending are not waited for.
         if here and (fork_is_safe() if standby is None else fork_is_safe(0.0)):

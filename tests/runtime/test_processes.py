@@ -1353,6 +1353,8 @@ import os, signal, sys, threading, time
 import numpy as np, torch
 import guideloom as gl
 import guideloom._runtime.processes.pool as pool_module
+import guideloom._runtime.processes.zygote as zygote_module
+from guideloom._runtime.processes.start import preload
 from tests.support.processes import ids, loader_for, stuck_forever, worker_pids
 
 make_proc = pool_module.Proc
@@ -1380,6 +1382,12 @@ def case(what, stream):
         return p
     if what == "workers, at the start":
         pool_module.Proc = stopped_at_once
+    standby = []
+    if what == "standby zygote, at the start":  # stopped before it forks a single worker
+        zygote_module.fork_standby(zygote_module.import_each(preload()))
+        standby.append(zygote_module._STANDBY[0].server._forkserver_pid)
+        stop(standby)
+        threading.Thread(target=threading.Event().wait, daemon=True).start()  # no fork from here
     loader.open()
     it = iter(loader)
     got, ended = [], []
@@ -1391,7 +1399,10 @@ def case(what, stream):
             ended.append(repr(exc))
     consumer = threading.Thread(target=consume, daemon=True)
     pool = loader._state.life.pool
-    if what != "workers, at the start":
+    if what == "standby zygote, at the start":
+        assert type(pool.ctx).__name__ == "ZygoteContext", pool.ctx
+        workers = standby
+    elif what != "workers, at the start":
         pool.start()
         workers = [p.proc.pid for p in pool.procs]
         stop({"a worker": workers[:1], "workers": workers}.get(what, []))
@@ -1422,11 +1433,16 @@ if __name__ == "__main__":
 
 
 @ZYGOTE
-@pytest.mark.parametrize("what", ["a worker", "workers", "workers, at the start", "hung collate"])
-def test_close_returns_within_10_s_whatever_a_worker_does(tmp_path: Path, stream: Path, what: str) -> None:
-    """A worker stopped with SIGSTOP (from its fork on, or once up), or a collate that never
-    returns: ``close()`` still returns within 10 s, escalating from asking the workers to stop to
-    SIGTERM and SIGKILL, with every wait bounded; a consumer blocked in ``next()`` in another
+@pytest.mark.parametrize(
+    "what", ["a worker", "workers", "workers, at the start", "standby zygote, at the start", "hung collate"]
+)
+def test_close_returns_within_10_s_whatever_a_worker_or_the_zygote_does(
+    tmp_path: Path, stream: Path, what: str
+) -> None:
+    """A worker stopped with SIGSTOP (from its fork on, or once up), the standby zygote stopped
+    before it forks a worker, or a collate that never returns: ``close()`` still returns within
+    10 s, escalating from asking the workers to stop to SIGTERM and SIGKILL (and killing a zygote
+    that does not answer), with every wait bounded; a consumer blocked in ``next()`` in another
     thread ends; no process is left running."""
     script = tmp_path / "stopped.py"
     script.write_text(textwrap.dedent(CLOSE_WHILE_STOPPED))

@@ -163,6 +163,57 @@ def test_workers_are_forked_from_the_main_process_while_it_has_one_thread(
     assert live_segments(token) == []
 
 
+_STARTED_AGAIN_SCRIPT = """
+import os, signal, sys, threading, time
+from multiprocessing import forkserver
+from tests.support.processes import ids, loader_for
+
+def parent(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+if __name__ == "__main__":
+    with loader_for(sys.argv[1], ids, collate_mode="workers") as loader:
+        first = [i for b in loader for i in b]
+        pool = loader._state.life.pool
+        pool.start()  # both workers up, their start over
+        pids = [p.proc.pid for p in pool.procs]
+        print(type(pool.ctx).__name__, {parent(pid) for pid in pids} == {os.getpid()})
+        os.kill(pids[0], signal.SIGKILL)
+        while pool.procs[0].proc.is_alive():
+            time.sleep(0.01)
+        if sys.argv[2] == "thread":  # a thread of the script's own since: no fork from here
+            threading.Thread(target=threading.Event().wait, daemon=True).start()
+        again = [i for b in loader for i in b]
+        pool.start()  # the worker started again is up
+        new = [p.proc.pid for p in pool.procs]
+        server = os.getpid() if sys.argv[2] == "none" else forkserver._forkserver._forkserver_pid
+        print(type(pool.ctx).__name__, new[1] == pids[1], new[0] != pids[0], parent(new[0]) == server,
+              again == first)
+"""
+
+
+@pytest.mark.parametrize(
+    ("threads", "expect"),
+    [
+        ("none", ["HereContext True", "HereContext True True True True"]),
+        ("thread", ["HereContext True", "ForkServerContext True True True True"]),
+    ],
+)
+@ZYGOTE
+def test_a_worker_started_again_is_forked_here_while_that_is_still_safe(
+    tmp_path: Path, stream: Path, threads: str, expect: list[str]
+) -> None:
+    """A worker killed between epochs is started again by the next iterator: forked from the
+    main process while it still has one thread, else (a thread of its own started since) from
+    multiprocessing's fork server, which the pool's later starts use too; the other worker
+    serves on; the next epoch's batches are the first's."""
+    script = tmp_path / "again.py"
+    script.write_text(_STARTED_AGAIN_SCRIPT)
+    r = run_script(script, str(stream), threads, check=False)
+    assert r.stdout.splitlines() == expect, r.stderr[-3000:]
+
+
 _FIRST_EXITS_SCRIPT = """
 import multiprocessing, os, time
 import numpy as np, torch

@@ -150,6 +150,12 @@ class WorkerPool:
                 return
             self._start_error = None
             self._start_over = False
+            # A dead worker goes now, not on the starter's thread: until then this start's first
+            # ready worker could be taken to be it (:meth:`start_first`) and sent the epoch.
+            for k, old in enumerate(self.procs):
+                if old is not None and not _running(old):
+                    self.procs[k] = None
+                    self._discard(old)
             self._fork_here()
             self._starter = threading.Thread(
                 target=self._start_missing, name="guideloom-workers-start", daemon=True
@@ -167,15 +173,10 @@ class WorkerPool:
             self.ctx = worker_context(self.spec, here=False)
             return
         for k in range(self.num_workers):
-            old = self.procs[k]
-            if _running(old):
-                continue
-            if old is not None:
-                self.procs[k] = None
-                self._discard(old)
-            self._gens[k] += 1
-            self.procs[k] = p = Proc(self, k, self._gens[k])
-            self._here.append(p)
+            if self.procs[k] is None:  # (begin() dropped the dead ones)
+                self._gens[k] += 1
+                self.procs[k] = p = Proc(self, k, self._gens[k])
+                self._here.append(p)
 
     def starting(self) -> bool:
         """Whether a start begun by :meth:`begin` is still under way."""

@@ -18,7 +18,7 @@ script), and torch's and guideloom's alternate round by round. Printed, medians 
 - the ratios to torch's figures of the same round.
 
     python -m benchmarks worker-start [--rounds 5]
-    python -m benchmarks worker-start --methods forkserver,spawn,fork   # the start methods compared
+    python -m benchmarks worker-start --methods here,forkserver,spawn,fork   # the start methods compared
     python -m benchmarks worker-start --pinned --rounds 7   # first batch, collate_mode="workers"
 
 ``--pinned``: only the first batch of a fresh loader (each a fresh process), guideloom with
@@ -328,15 +328,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefetch", type=int, default=4)
     ap.add_argument(
         "--methods",
-        default="zygote,forkserver",
-        help="guideloom's start methods to measure (zygote,forkserver,spawn,fork)",
+        default="here,forkserver",
+        help="guideloom's start methods to measure (here,forkserver,spawn,fork)",
     )
     ap.add_argument("--pinned", action="store_true", help='only the first batch, collate_mode="workers"')
     ap.add_argument(
         "--child", choices=["torch", "guideloom", "torch-first", "pinned"], help=argparse.SUPPRESS
     )
     ap.add_argument("--path", help=argparse.SUPPRESS)
-    ap.add_argument("--method", default="zygote,forkserver", help=argparse.SUPPRESS)
+    ap.add_argument("--method", default="here,forkserver", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child is not None:
         path = Path(args.path)

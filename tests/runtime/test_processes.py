@@ -123,46 +123,143 @@ if __name__ == "__main__":
     with loader(num_workers=2, parallel_method="process", collate_mode="workers") as ld:
         got = list(ld)
         pool = ld._state.life.pool
-        server = getattr(getattr(pool.ctx, "server", None), "_forkserver_pid", None)
+        here = type(pool.ctx).__name__ == "HereContext"
         workers = [p.proc.pid for p in pool.procs]
         print(type(pool.ctx).__name__, forkserver._forkserver._forkserver_pid is not None)
-        print(server is not None and parent(server) == os.getpid(),
-              {parent(w) for w in workers} == {server or forkserver._forkserver._forkserver_pid})
+        server = os.getpid() if here else forkserver._forkserver._forkserver_pid
+        print({parent(w) for w in workers} == {server})
         print(got and [b[1:] for b in got] == want, {b[0] for b in got} <= set(workers))
         token = pool.token
-    print(token, server, *workers)
+    print(token, *workers)
 """
 
 
 @pytest.mark.parametrize(
     ("threads", "expect"),
     [
-        ("none", ["ZygoteContext False", "True True", "True True"]),
-        ("thread", ["ForkServerContext True", "False True", "True True"]),
+        ("none", ["HereContext False", "True", "True True"]),
+        ("thread", ["ForkServerContext True", "True", "True True"]),
     ],
 )
 @ZYGOTE
-def test_workers_come_from_a_zygote_of_the_main_process_while_it_has_one_thread(
+def test_workers_are_forked_from_the_main_process_while_it_has_one_thread(
     tmp_path: Path, stream: Path, threads: str, expect: list[str]
 ) -> None:
     """A pool made on the process's only Python thread (torch's OpenMP pool running beside it)
-    forks a zygote from it, whose workers share the main process's pages (torch's included) and
-    run torch on one thread; with another Python thread running, multiprocessing's fork server
-    serves instead. The same batches either way; the zygote, the workers and their
-    segments are gone once the loader is closed."""
-    script = tmp_path / "zygote.py"
+    forks its workers from it, as torch's ``DataLoader`` does: they share the main process's
+    pages (torch's included) and run torch on one thread; with another Python thread running,
+    multiprocessing's fork server serves instead. The same batches either way; the workers and
+    their segments are gone once the loader is closed."""
+    script = tmp_path / "here.py"
     script.write_text(_ZYGOTE_SCRIPT.replace("STREAM", repr(str(stream))))
     r = run_script(script, threads)
     *lines, last = r.stdout.splitlines()
     assert lines == expect
-    token, server, *pids = last.split()
-    if threads == "none":
-        pids.append(server)  # the zygote ends with its pool
+    token, *pids = last.split()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
         time.sleep(0.05)
     assert [pid for pid in pids if _alive(pid)] == []
     assert live_segments(token) == []
+
+
+_STARTED_AGAIN_SCRIPT = """
+import os, signal, sys, threading, time
+from multiprocessing import forkserver
+from tests.support.processes import ids, loader_for
+
+def parent(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+if __name__ == "__main__":
+    with loader_for(sys.argv[1], ids, collate_mode="workers") as loader:
+        first = [i for b in loader for i in b]
+        pool = loader._state.life.pool
+        pool.start()  # both workers up, their start over
+        pids = [p.proc.pid for p in pool.procs]
+        print(type(pool.ctx).__name__, {parent(pid) for pid in pids} == {os.getpid()})
+        os.kill(pids[0], signal.SIGKILL)
+        while pool.procs[0].proc.is_alive():
+            time.sleep(0.01)
+        if sys.argv[2] == "thread":  # a thread of the script's own since: no fork from here
+            threading.Thread(target=threading.Event().wait, daemon=True).start()
+        again = [i for b in loader for i in b]
+        pool.start()  # the worker started again is up
+        new = [p.proc.pid for p in pool.procs]
+        server = os.getpid() if sys.argv[2] == "none" else forkserver._forkserver._forkserver_pid
+        print(type(pool.ctx).__name__, new[1] == pids[1], new[0] != pids[0], parent(new[0]) == server,
+              again == first)
+"""
+
+
+@pytest.mark.parametrize(
+    ("threads", "expect"),
+    [
+        ("none", ["HereContext True", "HereContext True True True True"]),
+        ("thread", ["HereContext True", "ForkServerContext True True True True"]),
+    ],
+)
+@ZYGOTE
+def test_a_worker_started_again_is_forked_here_while_that_is_still_safe(
+    tmp_path: Path, stream: Path, threads: str, expect: list[str]
+) -> None:
+    """A worker killed between epochs is started again by the next iterator: forked from the
+    main process while it still has one thread, else (a thread of its own started since) from
+    multiprocessing's fork server, which the pool's later starts use too; the other worker
+    serves on; the next epoch's batches are the first's."""
+    script = tmp_path / "again.py"
+    script.write_text(_STARTED_AGAIN_SCRIPT)
+    r = run_script(script, str(stream), threads, check=False)
+    assert r.stdout.splitlines() == expect, r.stderr[-3000:]
+
+
+_FIRST_EXITS_SCRIPT = """
+import multiprocessing, os, time
+import numpy as np, torch
+import guideloom as gl
+from guideloom._runtime.processes import WorkerPool
+
+class OpensOnlyHere(gl.MemoryStreamStorage):
+    def open_sync(self):
+        if multiprocessing.current_process().name.startswith("guideloom-worker"):
+            raise KeyError("no credentials in the worker")
+        super().open_sync()
+
+def ids(samples):
+    return [int(s[0]) for s in samples]
+
+start_missing = WorkerPool._start_missing
+def late(pool):  # the pool's starter looks once the worker forked here has exited
+    first = pool.procs[0].proc
+    while first.is_alive():
+        time.sleep(0.005)
+    start_missing(pool)
+WorkerPool._start_missing = late
+
+if __name__ == "__main__":
+    loader = gl.StatefulDataLoader.from_storage(
+        OpensOnlyHere(np.arange(16 * 64, dtype=np.int32)), ids, sequence_length=64,
+        local_batch_size=4, num_workers=2, parallel_method="process", collate_mode="workers",
+        device=torch.device("cpu"),
+    )
+    with loader:
+        parent = loader._state.life.pool.procs[0].proc._parent_pid
+        try:
+            next(iter(loader))
+        except KeyError as exc:
+            print(parent == os.getpid(), type(exc).__name__, any("process 0" in n for n in exc.__notes__))
+"""
+
+
+@ZYGOTE
+def test_a_first_worker_forked_here_that_exits_at_once_is_reported_by_its_own_error(tmp_path: Path) -> None:
+    """The first worker, forked from the main process itself, fails to open the storage and
+    exits before the pool's starter thread looks at it: the starter reads why (the storage's
+    own error, naming the worker), instead of taking it for a worker to start again."""
+    script = tmp_path / "first.py"
+    script.write_text(_FIRST_EXITS_SCRIPT)
+    assert run_script(script).stdout.split() == ["True", "KeyError", "True"]
 
 
 _FORK_HYGIENE_SCRIPT = """
@@ -191,7 +288,7 @@ def zombies():
     return n
 
 if __name__ == "__main__":
-    print("buffered", end=" ")  # still in this process's buffer when the zygote forks
+    print("buffered", end=" ")  # still in this process's buffer when the workers are forked
     r, w = os.pipe()
     with make() as loader:
         batches = []
@@ -212,22 +309,24 @@ if __name__ == "__main__":
     _thread.start_new_thread(lambda: (lock.acquire(), threading.Event().wait()), ())
     while not lock.locked():
         pass
-    with make() as loader:  # a thread threading does not count: no zygote
+    with make() as loader:  # a thread threading does not count: no fork from here
         list(loader)
         print(type(loader._state.life.pool.ctx).__name__)
 """
 
 
 @ZYGOTE
-def test_a_zygote_starts_as_an_exec_would_leave_it(tmp_path: Path, stream: Path) -> None:
+def test_a_worker_forked_from_the_main_process_starts_as_an_exec_would_leave_it(
+    tmp_path: Path, stream: Path
+) -> None:
     """The output the main process had buffered is written once, not again by each worker; a
-    descriptor the main process closes is closed (no zygote or worker holds a copy); the zygotes
-    of closed loaders are reaped; each worker draws its own random numbers (numpy, random,
-    torch); a thread started with ``_thread`` keeps the zygote away as any other does."""
+    descriptor the main process closes is closed (no worker holds a copy); the workers of closed
+    loaders are reaped; each worker draws its own random numbers (numpy, random, torch); a
+    thread started with ``_thread`` keeps the workers from forking here as any other does."""
     script = tmp_path / "hygiene.py"
     script.write_text(_FORK_HYGIENE_SCRIPT.replace("STREAM", repr(str(stream))))
     r = run_script(script, buffered=True)  # stdout is a pipe here: block-buffered
-    assert r.stdout.split() == ["buffered", "ZygoteContext", "True", "0", "2", "True", "ForkServerContext"]
+    assert r.stdout.split() == ["buffered", "HereContext", "True", "0", "2", "True", "ForkServerContext"]
 
 
 def test_a_lock_held_in_the_main_process_is_free_in_the_workers(stream: Path) -> None:
@@ -362,8 +461,8 @@ def test_pinned_workers_collate_every_batch_the_first_too(how: str, storage: typ
 class SecondOpensWhenLet(gl.MemoryStreamStorage):
     """A storage that opens in the second worker process only once the file ``gate`` exists
     (30 s at most), then fails there if it holds "fail". The path travels with the storage's
-    pickle: the workers fork from a zygote that may predate the test, so not from its
-    environment."""
+    pickle: the workers may fork from a process that predates the test (a zygote, the fork
+    server), so not from its environment."""
 
     gate = ""
 
@@ -529,13 +628,18 @@ def test_loaders_without_process_workers_start_no_fork_server(tmp_path: Path, st
                         pass
                     pool = loader._state.life.pool
                     pool.start()
-                    # a zygote of this process (one thread here), else the fork server
-                    print("process", getattr(pool.ctx, "server", None) is not None or state()[0] is not None)
+                    # forked from this process (one thread here)
+                    print("process", type(pool.ctx).__name__, state()[1])
             """
         )
     )
     r = run_script(script)
-    assert r.stdout.splitlines() == ["import None 0", "loader None 0", "loader None 0", "process True"]
+    assert r.stdout.splitlines() == [
+        "import None 0",
+        "loader None 0",
+        "loader None 0",
+        "process HereContext 1",
+    ]
 
 
 def _alive(pid: str) -> bool:
@@ -735,8 +839,8 @@ def test_a_stuck_collate_is_terminated_on_close(stream: Path) -> None:
 @pytest.mark.parametrize("threads", ["none", "thread"])
 def test_a_script_without_the_main_guard_is_told_so(stream: Path, tmp_path: Path, threads: str) -> None:
     """Workers from multiprocessing's fork server import the main script: one without the guard
-    is told so. A zygote's workers do not import it again (they are forked from it, as torch's
-    are): there the same script runs."""
+    is told so. Workers forked from the main process do not import it again (as torch's are
+    not): there the same script runs."""
     script = tmp_path / "train.py"
     script.write_text(
         textwrap.dedent(
@@ -745,7 +849,7 @@ def test_a_script_without_the_main_guard_is_told_so(stream: Path, tmp_path: Path
             import numpy as np, torch
             import guideloom as gl
 
-            if {threads == "thread"!r}:  # a thread of the script's own: no zygote
+            if {threads == "thread"!r}:  # a thread of the script's own: no fork from it
                 threading.Thread(target=threading.Event().wait, daemon=True).start()
 
             def ids(samples):
@@ -1299,8 +1403,12 @@ CLOSE_WHILE_STOPPED = """
 import os, signal, sys, threading, time
 import numpy as np, torch
 import guideloom as gl
-from guideloom._runtime.processes import WorkerPool
+import guideloom._runtime.processes.pool as pool_module
+import guideloom._runtime.processes.zygote as zygote_module
+from guideloom._runtime.processes.start import preload
 from tests.support.processes import ids, loader_for, stuck_forever, worker_pids
+
+make_proc = pool_module.Proc
 
 def state(pid):
     try:
@@ -1317,14 +1425,20 @@ def stop(pids):
 def case(what, stream):
     collate = stuck_forever if what == "hung collate" else ids
     loader = loader_for(stream, collate, prefetch=2, collate_mode="workers")
-    begin = WorkerPool.begin
-    zygote = []
-    def begin_stopped(pool):  # the zygote stopped before it forks a single worker
-        zygote.append(pool.ctx.server._forkserver_pid)
-        stop(zygote)
-        begin(pool)
-    if what == "zygote, at the start":
-        WorkerPool.begin = begin_stopped
+    forked = []
+    def stopped_at_once(*args):  # each worker stopped as soon as it is forked: none is ready
+        p = make_proc(*args)
+        forked.append(p.proc.pid)
+        stop(forked[-1:])
+        return p
+    if what == "workers, at the start":
+        pool_module.Proc = stopped_at_once
+    standby = []
+    if what == "standby zygote, at the start":  # stopped before it forks a single worker
+        zygote_module.fork_standby(zygote_module.import_each(preload()))
+        standby.append(zygote_module._STANDBY[0].server._forkserver_pid)
+        stop(standby)
+        threading.Thread(target=threading.Event().wait, daemon=True).start()  # no fork from here
     loader.open()
     it = iter(loader)
     got, ended = [], []
@@ -1336,14 +1450,15 @@ def case(what, stream):
             ended.append(repr(exc))
     consumer = threading.Thread(target=consume, daemon=True)
     pool = loader._state.life.pool
-    zygote = zygote or [pool.ctx.server._forkserver_pid]
-    if what != "zygote, at the start":
+    if what == "standby zygote, at the start":
+        assert type(pool.ctx).__name__ == "ZygoteContext", pool.ctx
+        workers = standby
+    elif what != "workers, at the start":
         pool.start()
         workers = [p.proc.pid for p in pool.procs]
-        which = {"zygote": zygote, "a worker": workers[:1], "zygote and workers": zygote + workers}
-        stop(which.get(what, []))
+        stop({"a worker": workers[:1], "workers": workers}.get(what, []))
     else:
-        workers = []
+        workers = forked
     consumer.start()
     time.sleep(0.5)
     t0 = time.monotonic()
@@ -1351,12 +1466,12 @@ def case(what, stream):
     took = time.monotonic() - t0
     consumer.join(10)
     released = time.monotonic() - t0
-    WorkerPool.begin = begin
+    pool_module.Proc = make_proc
     deadline = time.monotonic() + 5
-    while any(state(pid) not in ("gone", "Z") for pid in zygote + workers) and time.monotonic() < deadline:
+    while any(state(pid) not in ("gone", "Z") for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.05)
-    left = [pid for pid in zygote + workers if state(pid) not in ("gone", "Z")]
-    for pid in zygote + workers:
+    left = [pid for pid in workers if state(pid) not in ("gone", "Z")]
+    for pid in workers:
         try:
             os.kill(pid, signal.SIGCONT)
         except OSError:
@@ -1370,15 +1485,16 @@ if __name__ == "__main__":
 
 @ZYGOTE
 @pytest.mark.parametrize(
-    "what", ["zygote", "a worker", "zygote and workers", "zygote, at the start", "hung collate"]
+    "what", ["a worker", "workers", "workers, at the start", "standby zygote, at the start", "hung collate"]
 )
 def test_close_returns_within_10_s_whatever_a_worker_or_the_zygote_does(
     tmp_path: Path, stream: Path, what: str
 ) -> None:
-    """A zygote or worker stopped with SIGSTOP (from the start, or once up), or a collate that
-    never returns: ``close()`` still returns within 10 s, escalating from asking the workers to
-    stop to SIGTERM and SIGKILL, with every wait bounded; a consumer blocked in ``next()`` in
-    another thread ends; no process is left running."""
+    """A worker stopped with SIGSTOP (from its fork on, or once up), the standby zygote stopped
+    before it forks a worker, or a collate that never returns: ``close()`` still returns within
+    10 s, escalating from asking the workers to stop to SIGTERM and SIGKILL (and killing a zygote
+    that does not answer), with every wait bounded; a consumer blocked in ``next()`` in another
+    thread ends; no process is left running."""
     script = tmp_path / "stopped.py"
     script.write_text(textwrap.dedent(CLOSE_WHILE_STOPPED))
     out = run_script(script, str(stream), what, timeout=90).stdout.strip().splitlines()[-1]
@@ -1429,15 +1545,15 @@ if __name__ == "__main__":
 
 @ZYGOTE
 def test_what_a_collate_logs_or_prints_in_a_worker_reaches_its_file(tmp_path: Path, stream: Path) -> None:
-    """A zygote's workers keep the descriptors the main process writes its output through, as
-    torch's forked workers do: a module-level ``logging.FileHandler``'s file, a file open for
+    """Workers forked from the main process keep the descriptors it writes its output through,
+    as torch's forked workers do: a module-level ``logging.FileHandler``'s file, a file open for
     appending, stdout and stderr (block-buffered pipes here, flushed as the workers stop)."""
     script = tmp_path / "output.py"
     script.write_text(_WORKER_OUTPUT_SCRIPT)
     logged, appended = tmp_path / "collate.log", tmp_path / "appended.log"
     r = run_script(script, str(stream), str(logged), str(appended), buffered=True)
     main = r.stdout.splitlines()[-1].split()
-    assert main[2:] == ["ZygoteContext", "50"]
+    assert main[2:] == ["HereContext", "50"]
     for text, word in [
         (logged.read_text(), "logged"),
         (appended.read_text(), "appended"),

@@ -1078,7 +1078,7 @@ if __name__ == "__main__":
 """
 
 
-def test_process_workers_fork_from_a_zygote_after_arrow_started_its_threads(
+def test_process_workers_fork_from_the_main_process_after_arrow_started_its_threads(
     folder: Path, tmp_path: Path
 ) -> None:
     """pyarrow's pools (its CPU threads, jemalloc's background thread) prepare for a fork
@@ -1087,7 +1087,7 @@ def test_process_workers_fork_from_a_zygote_after_arrow_started_its_threads(
     script = tmp_path / "arrow_zygote.py"
     script.write_text(_ZYGOTE_AFTER_ARROW)
     r = run_script(script, str(folder))
-    assert r.stdout.split() == ["ZygoteContext", "True"]
+    assert r.stdout.split() == ["HereContext", "True"]
 
 
 # -- footers that do not match their pages, names to skip, names with wildcards -----------------------

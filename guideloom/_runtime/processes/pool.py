@@ -2,16 +2,16 @@
 as the main process sees it, and a session, one iterator's use of the pool: it sends the workers
 tasks and takes in their results.
 
-Workers are forked from a fork server (:func:`worker_context`) and inherit none of the main
-process's threads or locks (``fork`` from a main process with threads would: a lock another thread
-held at that moment stays held in the worker, and obstore's runtime, whose threads are gone,
-hangs). Where the pool is made on the process's only thread, the server is a zygote forked from
-the main process then (:mod:`~guideloom._runtime.processes.zygote`): the workers share the main
-process's pages, torch's included, as torch's own forked workers do. Elsewhere it is
-multiprocessing's fork server, a process that imports the worker's modules, numpy and torch once
-(about a second, with the first pool of a process) and forks a worker in milliseconds. A pool
-starts its workers on a thread of its own (:meth:`WorkerPool.begin`) so that the first batches
-can be made meanwhile.
+Workers inherit none of the main process's threads or locks (``fork`` from a main process with
+threads would: a lock another thread held at that moment stays held in the worker, and obstore's
+runtime, whose threads are gone, hangs). Where the pool is made on the process's only thread, each
+start forks the workers from the main process itself, on the caller's thread, as torch's own
+workers are forked (:mod:`~guideloom._runtime.processes.zygote`): they share the main process's
+pages, torch's included, and the first batch's worker is one fork away. Elsewhere they come from
+the standby zygote or multiprocessing's fork server, a process that imports the worker's
+modules, numpy and torch once (about a second, with the first pool of a process) and forks a
+worker in milliseconds. A pool waits for its workers on a thread of its own
+(:meth:`WorkerPool.begin`) so that the first batches can be made meanwhile.
 
 How the workers start is :mod:`~guideloom._runtime.processes.start`'s choice; each worker as the
 main process sees it is a :class:`~guideloom._runtime.processes.proc.Proc`.
@@ -55,7 +55,7 @@ from guideloom._runtime.processes.wire import (
     Task,
     load_exception,
 )
-from guideloom._runtime.processes.zygote import ZygoteContext
+from guideloom._runtime.processes.zygote import HereContext, ZygoteContext, fork_is_safe
 
 if TYPE_CHECKING:
     from guideloom._datasets import DatasetAbstract
@@ -103,6 +103,8 @@ class WorkerPool:
         self._closed = False
         self._tokens = 0
         self.ctx = worker_context(self.spec)
+        #: The workers :meth:`begin` forked from this process itself, for its starter to wait for.
+        self._here: list[Proc] = []
         #: The thread of a start :meth:`begin` made, until :meth:`start` has waited for it.
         self._starter: threading.Thread | None = None
         self._start_error: BaseException | None = None
@@ -148,10 +150,33 @@ class WorkerPool:
                 return
             self._start_error = None
             self._start_over = False
+            # A dead worker goes now, not on the starter's thread: until then this start's first
+            # ready worker could be taken to be it (:meth:`start_first`) and sent the epoch.
+            for k, old in enumerate(self.procs):
+                if old is not None and not _running(old):
+                    self.procs[k] = None
+                    self._discard(old)
+            self._fork_here()
             self._starter = threading.Thread(
                 target=self._start_missing, name="guideloom-workers-start", daemon=True
             )
             self._starter.start()
+
+    def _fork_here(self) -> None:
+        """Where the workers are forked from this process (the pool was made on its only thread):
+        fork each that is not running now, on this thread, if this is still the process's only
+        one; the starter then waits for them. Else they start from the standby zygote or the
+        fork server, from now on."""
+        if not isinstance(self.ctx, HereContext):
+            return
+        if not fork_is_safe(0.0):  # a thread of the process's own since
+            self.ctx = worker_context(self.spec, here=False)
+            return
+        for k in range(self.num_workers):
+            if self.procs[k] is None:  # (begin() dropped the dead ones)
+                self._gens[k] += 1
+                self.procs[k] = p = Proc(self, k, self._gens[k])
+                self._here.append(p)
 
     def starting(self) -> bool:
         """Whether a start begun by :meth:`begin` is still under way."""
@@ -206,37 +231,42 @@ class WorkerPool:
         missing: list[tuple[int, int]] = []
         try:
             with self._lock:
+                started, self._here = self._here, []  # forked by begin() itself: waited for here
                 if self._closed:
                     return
                 for k in range(self.num_workers):
                     old = self.procs[k]
-                    if _running(old):
+                    # (one that begin() forked may have exited already: its thread reads why)
+                    if old in started or _running(old):
                         continue
                     if old is not None:
                         self.procs[k] = None
                         self._discard(old)
                     self._gens[k] += 1
                     missing.append((k, self._gens[k]))
-            errors: list[BaseException | None] = [None] * len(missing)
+            here = list(started)
+            errors: list[BaseException | None] = [None] * (len(here) + len(missing))
 
-            def start_one(i: int, k: int, gen: int) -> None:
+            def start_one(i: int, k: int, gen: int, p: Proc | None) -> None:
                 try:
-                    p = Proc(self, k, gen)  # blocks while the fork server starts
-                    if not self._keep(p):  # the pool closed meanwhile
-                        self._stop([p], 0.0)
-                        return
-                    started.append(p)
+                    if p is None:
+                        p = Proc(self, k, gen)  # blocks while the fork server starts
+                        if not self._keep(p):  # the pool closed meanwhile
+                            self._stop([p], 0.0)
+                            return
+                        started.append(p)
                     self._wait_ready(p)
                     with self._readied:
                         self._readied.notify_all()
                 except BaseException as exc:
                     errors[i] = exc
 
+            jobs = [(p.index, 0, p) for p in here] + [(k, gen, None) for k, gen in missing]
             threads = [
                 threading.Thread(
-                    target=start_one, args=(i, k, gen), name=f"guideloom-worker-{k}-start", daemon=True
+                    target=start_one, args=(i, *job), name=f"guideloom-worker-{job[0]}-start", daemon=True
                 )
-                for i, (k, gen) in enumerate(missing)
+                for i, job in enumerate(jobs)
             ]
             for t in threads:
                 t.start()

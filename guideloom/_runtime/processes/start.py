@@ -1,16 +1,15 @@
-"""How process workers start: the start method, and the fork server a new pool's workers are
-forked from.
+"""How process workers start: the start method, and where a new pool's workers are forked from.
 
-Where the pool is made on the process's only thread, the server is a zygote forked from the main
-process then (:mod:`~guideloom._runtime.processes.zygote`): the workers share the main process's
-pages, torch's included. Elsewhere it is the standby zygote forked before the process's first
-object store, or multiprocessing's fork server told what to preload. :data:`START_METHOD` is
-read here at each choice (the benchmark of worker start rewrites it to compare the methods).
+Where the pool is made on the process's only thread, its workers are forked from the main process
+itself, as torch's ``DataLoader`` forks its own (:class:`~guideloom._runtime.processes.zygote.HereContext`):
+they share its pages, torch's included. Elsewhere they come from the standby zygote forked before
+the process's first object store, or from multiprocessing's fork server told what to preload.
+:data:`START_METHOD` is read here at each choice (the benchmark of worker start rewrites it to
+compare the methods).
 """
 
 from __future__ import annotations
 
-import importlib
 import multiprocessing
 import os
 import sys
@@ -18,42 +17,34 @@ from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
 
 from guideloom._compat import bootstrapping, fork_server_preload
 from guideloom._runtime.processes.zygote import (
+    HereContext,
     ZygoteContext,
     fork_is_safe,
     fork_standby,
-    fork_zygote,
+    import_each,
     standby_for,
 )
 from guideloom.storage._remote import _objstore
 
 __all__ = ["PRELOAD", "START_METHOD", "check_not_bootstrapping", "preload", "worker_context"]
 
-#: How workers start: ``"zygote"`` (a fork server forked from this process where that is safe,
-#: multiprocessing's fork server elsewhere); ``"spawn"`` where the platform has no fork server.
+#: How workers start: ``"here"`` (forked from this process where that is safe, else from the
+#: standby zygote or multiprocessing's fork server); ``"spawn"`` where the platform has no fork
+#: server.
 #: (The benchmark of worker start sets it to compare the methods: also ``"forkserver"``, ``"fork"``.)
-START_METHOD = "zygote"
+START_METHOD = "here"
 #: What the fork server imports before it forks a worker (torch too, when the main process has
-#: imported it): each worker shares them instead of importing them anew. A zygote has what this
-#: process imported when it was forked: these are imported here first (:func:`_imported`), among
-#: them ``numpy.random`` (each worker seeds it) and anyio's asyncio backend (a storage opens on
-#: it, here too), which would otherwise cost each worker's start some tens of milliseconds.
+#: imported it): each worker shares them instead of importing them anew. A zygote, and a worker
+#: forked from this process, have what this process imported when they were forked: these are
+#: imported here first (:func:`~guideloom._runtime.processes.zygote.import_each`), among them
+#: ``numpy.random`` (each worker seeds it) and anyio's asyncio backend (a storage opens on it,
+#: here too), which would otherwise cost each worker's start some tens of milliseconds.
 PRELOAD = ("guideloom._runtime.processes.worker", "numpy", "numpy.random", "anyio._backends._asyncio")
 
 
 def preload() -> list[str]:
     """The modules the fork server preloads: :data:`PRELOAD`, and torch once this process has it."""
     return [*PRELOAD, *(["torch"] if "torch" in sys.modules else [])]
-
-
-def _imported(modules: list[str]) -> list[str]:
-    """``modules``, imported in this process (before a zygote is forked from it); one that is
-    not installed is left to the worker, which fails where it needs it."""
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
-    return modules
 
 
 def _standby() -> None:
@@ -63,21 +54,21 @@ def _standby() -> None:
     ``GUIDELOOM_STANDBY_ZYGOTE=0`` says the process will not use process workers."""
     if (
         os.environ.get("GUIDELOOM_STANDBY_ZYGOTE", "1") != "0"
-        and START_METHOD == "zygote"
+        and START_METHOD == "here"
         and multiprocessing.parent_process() is None
         and "forkserver" in multiprocessing.get_all_start_methods()
     ):
-        fork_standby(_imported(preload()))
+        fork_standby(import_each(preload()))
 
 
 _objstore.BEFORE_FIRST_STORE.append(_standby)
 
 
-def worker_context(spec: bytes = b"") -> ForkServerContext | SpawnContext | ForkContext:
-    """The multiprocessing context a new pool's workers start in: a zygote forked from this
-    process now, if this thread is its only one; else the standby zygote, where the workers'
-    ``spec`` (their pickled dataset and collate) finds in it what it names of ``__main__``; else
-    the fork server, told what to preload.
+def worker_context(spec: bytes = b"", *, here: bool = True) -> ForkServerContext | SpawnContext | ForkContext:
+    """The multiprocessing context a new pool's workers start in: forks from this process (each
+    start forks them on the caller's thread), if this thread is its only one and ``here``; else
+    the standby zygote, where the workers' ``spec`` (their pickled dataset and collate) finds in
+    it what it names of ``__main__``; else the fork server, told what to preload.
 
     The fork server is one per process, shared with any other user of ``forkserver``: the
     modules are added to its preload list, and take effect when it starts (with the first
@@ -89,11 +80,12 @@ def worker_context(spec: bytes = b"") -> ForkServerContext | SpawnContext | Fork
     if START_METHOD == "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     wanted = preload()
-    if START_METHOD == "zygote":
+    if START_METHOD == "here":
         standby = standby_for(spec)
         # With a standby to fall back on, threads that may be ending are not waited for.
-        if fork_is_safe() if standby is None else fork_is_safe(0.0):
-            return ZygoteContext(fork_zygote(_imported(wanted)))
+        if here and (fork_is_safe() if standby is None else fork_is_safe(0.0)):
+            import_each(wanted)  # (once here, not in each worker)
+            return HereContext()
         if standby is not None:
             return ZygoteContext(standby, shared=True)
     ctx = multiprocessing.get_context("forkserver")

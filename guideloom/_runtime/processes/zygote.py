@@ -1,49 +1,51 @@
-"""A fork server forked from the main process: workers that share the main process's pages.
+"""Where process workers are forked from: the main process itself while a fork is safe, else a
+zygote forked from it while one was; workers that share the main process's pages either way.
 
 multiprocessing's fork server is a fresh interpreter: it imports numpy and torch again, and the
 workers it forks share those pages with it but not with the main process, so a pool of workers
 costs a second copy of torch (peak PSS about 1.5x torch's ``DataLoader``, whose workers are forked
-from the main process). ``fork`` from the main process shares everything, but is only safe while
-no other thread of it can hold what the child needs: a lock another Python thread holds at the
-moment of the fork stays held in the child forever, and obstore's runtime, whose (named) threads
-are gone in the child, hangs.
+from the main process), and seconds of CPU to start. ``fork`` from the main process shares
+everything, but is only safe while no other thread of it can hold what the child needs: a lock
+another Python thread holds at the moment of the fork stays held in the child forever, and
+obstore's runtime, whose (named) threads are gone in the child, hangs.
 
-A zygote gets both. When a pool is made on the process's only Python thread, CUDA is not
+A fork is safe (:func:`fork_is_safe`) while this is the process's only Python thread, CUDA is not
 initialised, and every other thread of the process is an unnamed one of a native library's pool
 (``/proc/self/task``: OpenBLAS's, which shuts itself down around a fork; OpenMP's, which the
 workers do not use: they run torch on one thread, as torch's own workers do; pyarrow's, which
 Arrow's fork handlers start again in the child; and jemalloc's named background thread, which
-its own fork handlers stop), the pool
-forks a process from it at once, and that process runs multiprocessing's own fork-server loop
-(:func:`multiprocessing.forkserver.main`). Workers are then forked from the zygote on request, from
-any thread, safely (the zygote has one thread), and share the main process's pages copy-on-write,
-modules included: they do not import the main script again. Where the main process has other
-threads, the pool uses multiprocessing's fork server instead (:func:`worker_context`).
+its own fork handlers stop). A pool started then forks its workers from this process at once,
+as torch's ``DataLoader`` does (:class:`ForkedHere`, one fork each on the caller's thread): they
+share the main process's pages copy-on-write, modules included, and do not import the main
+script again.
 
-The zygote starts much as an ``exec`` would leave it: the main process's buffered output is
-flushed before the fork (else each worker would write it again), and every descriptor the main
-process did not mark inheritable (its sockets, pipes, other zygotes' pipes, files it reads) is
-pointed at ``/dev/null`` in the zygote, so that closing one in the main process closes it (a
-socket's peer sees the end, a port can be bound again). What the main process writes its output
-through is kept, as torch's forked workers keep it: ``sys.stdout``, ``sys.stderr``, the streams
-of its logging handlers (a ``FileHandler``'s file) and the regular files it appends to, so that
-what a collate logs or prints reaches the same file. The number stays taken, so that an object of the main
+A worker forked here starts much as an ``exec`` would leave it: the main process's buffered
+output is flushed before the fork (else each worker would write it again), and every descriptor
+the main process did not mark inheritable (its sockets, pipes, other workers' pipes, files it
+reads) is pointed at ``/dev/null`` in the child, so that closing one in the main process closes
+it (a socket's peer sees the end, a port can be bound again, a worker sees the end of its own
+pipe when the main process dies). What the main process writes its output through is kept, as
+torch's forked workers keep it: ``sys.stdout``, ``sys.stderr``, the streams of its logging
+handlers (a ``FileHandler``'s file) and the regular files it appends to, so that what a collate
+logs or prints reaches the same file. The number stays taken, so that an object of the main
 process's that a worker's collector finalises cannot close a descriptor the worker opened since.
 
 Object stores start obstore's runtime, whose named threads make every later fork unsafe, and a
 storage is opened before its loader exists. So the first time this process makes an object
 store (:data:`guideloom.storage._remote._objstore.BEFORE_FIRST_STORE`), if a fork is safe then, a
-*standby* zygote is forked (:func:`fork_standby`) and kept for the process's life: a pool made
-later, when a fork is no longer safe, forks its workers from it instead of starting
-multiprocessing's fork server (a fresh interpreter that imports torch again: seconds of CPU).
-It is used only where everything the pool's workers unpickle from ``__main__`` was there, the same
-object, when it was forked (:func:`standby_for`): a function the main script defined afterwards
-would not be found in a worker. Elsewhere the fork server stands in, as before.
+*standby* zygote is forked (:func:`fork_standby`) and kept for the process's life: a process
+that runs multiprocessing's own fork-server loop (:func:`multiprocessing.forkserver.main`), started
+as a worker forked here is. A pool made later, when a fork is no longer safe, has its workers
+forked from it on request, from any thread, safely (the zygote has one thread), instead of
+starting multiprocessing's fork server. It is used only where everything the pool's workers
+unpickle from ``__main__`` was there, the same object, when it was forked (:func:`standby_for`):
+a function the main script defined afterwards would not be found in a worker. Elsewhere the
+fork server stands in, as it does for a worker started again (one died) once the main process
+has other threads.
 
-A Python whose fork server differs from the one :mod:`guideloom._compat` knows (3.14's authenticates its
-clients) gets multiprocessing's fork server. The zygote lives as long as its pool: closing the pool
-(once it has stopped the workers) closes its end of the zygote's "alive" pipe, and the zygote
-exits; one that does not within a second (stopped with SIGSTOP, stuck) is killed.
+A Python whose fork server differs from the one :mod:`guideloom._compat` knows (3.14's
+authenticates its clients) gets multiprocessing's fork server where a fork is not safe. A zygote
+that a pool's close kills (stopped with SIGSTOP, stuck) is reaped here or at exit.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from __future__ import annotations
 import atexit
 import fcntl
 import gc
+import importlib
 import os
 import pickletools
 import signal
@@ -60,6 +63,9 @@ import sys
 import threading
 import time
 import warnings
+from multiprocessing import popen_fork, util
+from multiprocessing.connection import Connection
+from multiprocessing.context import ForkContext, ForkProcess
 from typing import Any
 
 from guideloom._compat import (
@@ -79,7 +85,15 @@ from guideloom._compat import (
     serve_forks,
 )
 
-__all__ = ["ZygoteContext", "fork_is_safe", "fork_standby", "fork_zygote", "standby_for"]
+__all__ = [
+    "ForkedHere",
+    "HereContext",
+    "ZygoteContext",
+    "fork_is_safe",
+    "fork_standby",
+    "fork_zygote",
+    "standby_for",
+]
 
 #: Named threads of pools that prepare for a fork themselves: jemalloc's background threads
 #: (pyarrow's allocator), which its own fork handlers stop and start again in the child.
@@ -129,6 +143,17 @@ def fork_is_safe(ending_s: float = _ENDING_S) -> bool:
             return False
     # a Python whose fork server differs (3.14's authenticates) gets multiprocessing's own
     return fork_server_is_known()
+
+
+def import_each(modules: list[str]) -> list[str]:
+    """``modules``, imported in this process; one that is not installed is left to the worker,
+    which fails where it needs it."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    return modules
 
 
 def fork_zygote(preload: list[str]) -> ForkServer:
@@ -404,3 +429,58 @@ class ZygoteContext(ForkServerContext):
         """End the zygote now (it does not answer: stopped, or stuck); its workers go on."""
         drop_standby(self.server)
         close_zygote(self.server, at_once=True)
+
+
+class _HerePopen(popen_fork.Popen):
+    """multiprocessing's ``fork`` Popen (which flushes the buffered output first), the child
+    started as :class:`ForkedHere` says."""
+
+    def _launch(self, process_obj: ForkedHere) -> None:
+        keep = (*process_obj.keep_fds(), *_output_fds())
+        _reap_closed()
+        parent_r, child_w = os.pipe()
+        child_r, parent_w = os.pipe()
+        with warnings.catch_warnings():
+            # Python 3.12+ warns of any fork with threads; those left are fork-safe (above).
+            warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
+            self.pid = os.fork()
+        if self.pid == 0:  # pragma: no cover - the worker (coverage does not follow a fork that _exits)
+            code = 1
+            try:
+                os.close(parent_r)
+                os.close(parent_w)
+                _close_fds_but(child_r, child_w, *keep)
+                clear_running_loop()
+                gc.freeze()  # (as a zygote's workers inherit it: their collections skip its objects)
+                code = process_obj._bootstrap(parent_sentinel=child_r)  # type: ignore[attr-defined]
+            finally:
+                os._exit(code)
+        os.close(child_w)
+        os.close(child_r)
+        self.finalizer = util.Finalize(self, util.close_fds, (parent_r, parent_w))  # type: ignore[attr-defined]
+        self.sentinel = parent_r
+
+
+class ForkedHere(ForkProcess):
+    """A worker forked from this process itself, on its only thread (:func:`fork_is_safe`): every
+    descriptor this process did not mark inheritable points at ``/dev/null`` in the child but its
+    own connections (its arguments) and what this process writes its output through (see the
+    module's docstring); no loop runs in it; what it inherits is frozen out of its collections
+    (a collection writes to every object it visits, copying each page it touches)."""
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> _HerePopen:  # noqa: N802 - multiprocessing's name
+        return _HerePopen(process_obj)
+
+    def keep_fds(self) -> list[int]:
+        """The descriptors of the connections among the process's arguments."""
+        args = getattr(self, "_args", ())
+        return [a.fileno() for a in args if isinstance(a, Connection)]
+
+
+class HereContext(ForkContext):
+    """The context of a pool whose workers are forked from this process itself
+    (:class:`ForkedHere`): it had one thread when the pool was made, and each start checks
+    that it still has (:meth:`~guideloom._runtime.processes.pool.WorkerPool.begin`)."""
+
+    Process = ForkedHere

@@ -439,9 +439,9 @@ class AsyncDriver:
             up.add_done_callback(self._poke)
         up = self._up
         if not up.done():
-            if not self.ex.wait_for_workers:
-                flow.on_workers = False
-                return
+            if not self.ex.wait_for_workers and procs.starting():
+                flow.on_workers = False  # made here while they start (not while workers that
+                return  # are up already take the epoch: a thread's hop, not a start)
             await asyncio.wait([up])
         error = up.exception() if not up.cancelled() else None
         if (error is not None or up.cancelled()) and flow.read_step >= flow.total and not flow.on_workers:

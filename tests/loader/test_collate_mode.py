@@ -178,3 +178,25 @@ def test_async_for_with_pinned_workers_collates_on_the_workers() -> None:
     got = asyncio.run(run())
     assert all(b["thread"].startswith("guideloom-collate") for b in got)
     assert places(loader.stats()) == (0, len(got), 0)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("workers_up_first")
+def test_async_for_with_auto_collates_every_batch_on_workers_that_are_up() -> None:
+    """Under ``async for`` with ``"auto"``, batches are made here only while the workers start:
+    once they are up (here before the first batch; persistent, in every later epoch), every
+    batch is theirs, the first of each epoch too."""
+    loader = make(identity_stream(60), collate=where, local_batch_size=3, num_workers=2,
+                  parallel_method="process", collate_mode="auto", persistent_workers=True)  # fmt: skip
+
+    async def epochs() -> list[tuple[float, ...]]:
+        out = []
+        async with loader:
+            for _ in range(3):
+                before = places(loader.stats())
+                got = [b async for b in loader]
+                assert ids_of(got) == [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(20)]
+                out.append(tuple(a - b for a, b in zip(places(loader.stats()), before, strict=True)))
+        return out
+
+    assert asyncio.run(epochs()) == [(0, 0, 20)] * 3

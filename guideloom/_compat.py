@@ -1,4 +1,4 @@
-"""Every private CPython API guideloom relies on, in one place.
+"""Every private CPython API guideloom relies on, in one place (and anyio's one private module).
 
 Each has no public equivalent for what it is used for here; ``tests/test_compat.py`` fails loudly
 on a Python release that changes one of them, naming it, so that a new release means checking
@@ -25,9 +25,11 @@ from multiprocessing.context import ForkServerContext, ForkServerProcess, set_sp
 from typing import Any
 
 __all__ = [
+    "ANYIO_ASYNCIO_BACKEND",
     "FORK_SERVER_ATTRS",
     "PRIVATE_APIS",
     "PRIVATE_ATTRIBUTES",
+    "PRIVATE_MODULES",
     "ForkServer",
     "ForkServerContext",
     "OwnServerProcess",
@@ -46,6 +48,17 @@ __all__ = [
     "new_unix_address",
     "serve_forks",
 ]
+
+#: Private modules imported by name, and why: checked by the compatibility test (each must still
+#: import). anyio's, not CPython's: its asyncio backend, which anyio imports on first use.
+PRIVATE_MODULES: dict[str, str] = {
+    "anyio._backends._asyncio": (
+        "preload anyio's asyncio backend where workers are forked from, so that a worker's "
+        "storage opens without importing it (tens of milliseconds a worker)"
+    ),
+}
+#: The name of anyio's asyncio backend module (see :data:`PRIVATE_MODULES`).
+ANYIO_ASYNCIO_BACKEND = "anyio._backends._asyncio"
 
 #: Private attributes read (not called), and why: checked by the compatibility test (each must
 #: still be set where it is read).

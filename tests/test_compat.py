@@ -34,6 +34,15 @@ def _resolve(dotted: str) -> Any:
     return None
 
 
+@pytest.mark.parametrize("name", sorted(_compat.PRIVATE_MODULES))
+def test_each_private_module_imported_by_name_still_imports(name: str) -> None:
+    try:
+        importlib.import_module(name)
+    except ImportError as exc:
+        pytest.fail(f"{name} no longer imports ({exc}): guideloom uses it to {_compat.PRIVATE_MODULES[name]}")
+    assert _compat.ANYIO_ASYNCIO_BACKEND in _compat.PRIVATE_MODULES
+
+
 @pytest.mark.parametrize("dotted", sorted(_compat.PRIVATE_APIS))
 def test_each_private_api_used_still_exists(dotted: str) -> None:
     assert callable(_resolve(dotted)), (

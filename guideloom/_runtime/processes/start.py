@@ -15,7 +15,7 @@ import os
 import sys
 from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
 
-from guideloom._compat import bootstrapping, fork_server_preload
+from guideloom._compat import ANYIO_ASYNCIO_BACKEND, bootstrapping, fork_server_preload
 from guideloom._runtime.processes.zygote import (
     HereContext,
     ZygoteContext,
@@ -39,7 +39,7 @@ START_METHOD = "here"
 #: imported here first (:func:`~guideloom._runtime.processes.zygote.import_each`), among them
 #: ``numpy.random`` (each worker seeds it) and anyio's asyncio backend (a storage opens on it,
 #: here too), which would otherwise cost each worker's start some tens of milliseconds.
-PRELOAD = ("guideloom._runtime.processes.worker", "numpy", "numpy.random", "anyio._backends._asyncio")
+PRELOAD = ("guideloom._runtime.processes.worker", "numpy", "numpy.random", ANYIO_ASYNCIO_BACKEND)
 
 
 def preload() -> list[str]:

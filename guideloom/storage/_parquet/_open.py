@@ -57,9 +57,11 @@ def open_parquet(
     counted in ``stats()``). ``max_decoded_bytes``: decoded row groups kept in memory per
     process. ``fetch_ahead``: over an object store, the row groups a loader's upcoming reads
     need are fetched and decoded ahead, this many ranged GETs at once (0: each read fetches its
-    own, one after another; at most 2 where a text column is tokenized as it is read: the
-    tokenizer is the bound). ``cache_dir``: where the footer index and a length index (for
-    packing) are kept between runs, each keyed by what it derives from. ``tokenizer_key``: a
+    own, one after another). Where a text column is tokenized as it is read (packing, a
+    mixture), one thread decodes and tokenizes ahead whatever ``fetch_ahead`` says, as over
+    local files, and two at most over an object store: the tokenizer is the bound.
+    ``cache_dir``: where the footer index and a length index (for packing) are kept between
+    runs, each keyed by what it derives from. ``tokenizer_key``: a
     name for exactly this tokenizer (and its version), needed to cache the length index of a
     tokenizer callable (its contents cannot be read); change it whenever the callable changes.
     ``options``: how to reach an object store (see ``open_stream``). The keys and their types:

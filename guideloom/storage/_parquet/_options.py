@@ -42,7 +42,8 @@ class ParquetOptions(StoreOptions, total=False):
     threads: int
     """Footers read at once when opening."""
     fetch_ahead: int
-    """Over an object store, row groups fetched and decoded ahead at once (0: none)."""
+    """Over an object store, row groups fetched and decoded ahead at once (0: none; a text
+    column tokenized as it is read: one to two, as over local files one)."""
     tokenizer_key: str | None
     """A name for exactly this tokenizer (and its version): what identifies a tokenizer callable
     in the length index's key."""

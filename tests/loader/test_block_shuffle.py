@@ -4,7 +4,6 @@ guarantees (hypothesis), the checkpoint's record of the blocks, and ``stats()``.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -16,13 +15,9 @@ from hypothesis import strategies as st
 import guideloom as gl
 from guideloom._core.order import DEFAULT_WINDOW, BlockPermutation, default_block_size, make_order
 from guideloom._core.plan import Permutation
+from tests.support.data import ids
 
 seeds = st.integers(0, 2**40)
-
-
-def ids(samples: Sequence[np.ndarray]) -> list[int]:
-    """Collate: the sample indexes of a stream whose element ``i`` is ``i`` (sequence_length 1)."""
-    return [int(s[0]) for s in samples]
 
 
 def loader_over(

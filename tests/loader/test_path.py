@@ -23,7 +23,8 @@ RUNTIME = str(Path(guideloom.__file__).parent / "_runtime") + "/"
 
 class Stops:
     """A profile hook (``sys.setprofile``) on the consumer's thread: the runtime modules entered,
-    and each call stack on which one was entered again below itself."""
+    and each call stack on which one was entered again below itself (not counting what a
+    ``weakref.finalize`` runs when the collector frees an object at whatever call it interrupts)."""
 
     def __init__(self) -> None:
         self.modules: set[str] = set()
@@ -37,6 +38,8 @@ class Stops:
         while f is not None:
             files.append(f.f_code.co_filename)
             f = f.f_back
+        if any(name.endswith("/weakref.py") for name in files):
+            return  # a finalizer the collector ran here (an earlier loader's pool closing): off the path
         # the stack, outermost first, as modules: a module's consecutive frames are one stop
         stops = [name for name, _ in itertools.groupby(reversed(files))]
         name = frame.f_code.co_filename

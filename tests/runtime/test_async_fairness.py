@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import guideloom as gl
-from tests.support.data import IdsOf, identity_stream
+from tests.support.data import IdsOf, identity_stream, slow_ids
 from tests.support.loader import guideloom_threads
 
 pytestmark = pytest.mark.usefixtures("no_thread_leak")
@@ -202,12 +202,6 @@ async def test_async_for_yields_to_the_loop_once_per_buffered_batch() -> None:
 
 
 # -- cancellation -------------------------------------------------------------------------------------
-def slow_ids(samples: Sequence[np.ndarray]) -> list[int]:
-    """A collate slow enough that an epoch is still running when the consumer is cancelled."""
-    time.sleep(0.02)
-    return [int(s[0]) // 4 for s in samples]
-
-
 WORKERS = [
     pytest.param({}, id="no-workers"),
     pytest.param({"num_workers": 2, "prefetch": 2}, id="threads"),

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import guideloom as gl
-from tests.support.data import identity_stream
+from tests.support.data import identity_stream, ids
 
 pytestmark = pytest.mark.usefixtures("no_thread_leak")
 
@@ -117,10 +117,6 @@ class ExitingStorage(gl.MemoryStreamStorage):
 
     def reads_inline(self) -> bool:
         return not self.coroutine
-
-
-def ids(samples: Sequence[np.ndarray]) -> list[int]:
-    return [int(s[0]) // 4 for s in samples]
 
 
 @pytest.mark.parametrize("coroutine", [False, True], ids=["read_many_sync", "read_many"])

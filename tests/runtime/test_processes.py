@@ -166,7 +166,8 @@ def test_workers_are_forked_from_the_main_process_while_it_has_one_thread(
 _STARTED_AGAIN_SCRIPT = """
 import os, signal, sys, threading, time
 from multiprocessing import forkserver
-from tests.support.processes import ids, loader_for
+from tests.support.data import ids
+from tests.support.processes import loader_for
 
 def parent(pid):
     with open(f"/proc/{pid}/stat") as f:
@@ -1406,7 +1407,8 @@ import guideloom as gl
 import guideloom._runtime.processes.pool as pool_module
 import guideloom._runtime.processes.zygote as zygote_module
 from guideloom._runtime.processes.start import preload
-from tests.support.processes import ids, loader_for, stuck_forever, worker_pids
+from tests.support.data import ids
+from tests.support.processes import loader_for, stuck_forever, worker_pids
 
 make_proc = pool_module.Proc
 

@@ -23,11 +23,7 @@ from guideloom._runtime.chooser import Chooser as _Chooser
 from guideloom._runtime.config import PipelineConfig
 from guideloom._runtime.drive import SyncDriver
 from guideloom._runtime.executors import Threads
-from tests.support.data import identity_stream
-
-
-class Boom(Exception):
-    pass
+from tests.support.data import Boom, identity_stream
 
 
 class FailingReads(gl.MemoryStreamStorage):

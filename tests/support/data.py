@@ -32,6 +32,12 @@ class IdsOf:
         return [int(s[0]) // self.sequence_length for s in samples]
 
 
+def ids(samples: Sequence[np.ndarray]) -> list[int]:
+    """Collate: the indexes of the samples of a stream whose elements are their own positions
+    (sample ``k`` of length ``n`` starts with element ``k * n``)."""
+    return [int(s[0]) // len(s) for s in samples]
+
+
 def slow_ids(samples: Sequence[np.ndarray]) -> list[int]:
     """The indexes of the samples of a stream whose elements are their own positions (an identity
     stream, or the process tests' positions): sample ``k`` of length ``n`` starts with element

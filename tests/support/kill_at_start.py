@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 from guideloom._runtime.processes import live_segments, pool
-from tests.support.processes import ids, loader_for
+from tests.support.data import ids
+from tests.support.processes import loader_for
 
 PR_SET_CHILD_SUBREAPER = 36
 

@@ -22,6 +22,7 @@ import torch
 
 import guideloom as gl
 from guideloom._runtime.processes import WorkerPool, live_segments
+from tests.support.data import ids
 
 from .data import Boom
 
@@ -85,10 +86,6 @@ def rich(samples: Sequence[np.ndarray]) -> dict[str, Any]:
         "ids": [int(s[0]) // SEQ for s in samples],
         "same": (torch.from_numpy(big),) * 2,
     }
-
-
-def ids(samples: Sequence[np.ndarray]) -> list[int]:
-    return [int(s[0]) // SEQ for s in samples]
 
 
 def fails_at_40(samples: Sequence[np.ndarray]) -> torch.Tensor:

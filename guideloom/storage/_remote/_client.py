@@ -41,7 +41,7 @@ from guideloom.storage._remote._objstore import (
     make_store,
 )
 from guideloom.storage._remote._options import (
-    ReadOptions,
+    ReadSettings,
     RetryPolicy,
     map_error,
     secret_values,
@@ -66,7 +66,7 @@ class Remote:
 
     def __init__(self, url: str, options: dict[str, Any]) -> None:
         self.loc: Location = parse_location(url)
-        self.opts: ReadOptions
+        self.opts: ReadSettings
         self.opts, _w, self._config, self._client = split_options(options, write=False)
         self.secrets = secret_values(self._config, url)
         cap = self.opts.max_request_bytes

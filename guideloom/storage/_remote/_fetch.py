@@ -40,7 +40,7 @@ from guideloom.storage._remote._objstore import (
     remote_read_error,
     retryable,
 )
-from guideloom.storage._remote._options import ReadOptions
+from guideloom.storage._remote._options import ReadSettings
 from guideloom.storage._remote._ranges import U8, Job, Pieces, fill_range
 
 __all__ = [
@@ -160,7 +160,7 @@ class RangeFetcher:
     def __init__(
         self,
         loc: Location,
-        opts: ReadOptions,
+        opts: ReadSettings,
         secrets: Sequence[str],
         counters: ReadCounters,
         versions: Mapping[str, ObjectVersion] | None = None,

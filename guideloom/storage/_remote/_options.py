@@ -18,9 +18,9 @@ from urllib.parse import parse_qsl, urlsplit
 from guideloom._errors import StorageError
 
 __all__ = [
-    "ReadOptions",
+    "ReadSettings",
     "RetryPolicy",
-    "WriteOptions",
+    "WriteSettings",
     "map_error",
     "obstore_message",
     "scrub",
@@ -63,7 +63,7 @@ class RetryPolicy:
 
 
 @dataclass(frozen=True, slots=True)
-class ReadOptions:
+class ReadSettings:
     """Read-ahead tuning of an object-store dataset (``open_stream(url, **options)``)."""
 
     max_inflight_requests: int = 256
@@ -80,7 +80,10 @@ class ReadOptions:
 
 
 @dataclass(frozen=True, slots=True)
-class WriteOptions:
+class WriteSettings:
+    """Upload tuning of an object-store write (``write_stream(url, **options)``; the public
+    option set is :class:`guideloom.types.WriteOptions`)."""
+
     part_size: int = 16 * _MiB
     max_upload_concurrency: int = 4
     policy: RetryPolicy = field(default_factory=RetryPolicy)
@@ -161,7 +164,7 @@ def _cache_limits(opts: dict[str, Any]) -> dict[str, Any]:
 
 def split_options(
     options: Mapping[str, Any], *, write: bool
-) -> tuple[ReadOptions, WriteOptions, dict[str, Any], dict[str, Any]]:
+) -> tuple[ReadSettings, WriteSettings, dict[str, Any], dict[str, Any]]:
     """Split ``options`` into read tuning, write tuning, store config and client options."""
     opts = dict(options)
     wrong: tuple[str, ...] = _READ_KEYS if write else _WRITE_KEYS
@@ -170,8 +173,8 @@ def split_options(
         raise TypeError(f"options {bad} only apply to {'reading' if write else 'writing'} a dataset")
     policy = _policy(opts)
     limits = _cache_limits(opts)  # before cache_dir is taken from opts
-    d = ReadOptions()
-    read = ReadOptions(
+    d = ReadSettings()
+    read = ReadSettings(
         max_inflight_requests=_count(
             "max_inflight_requests", opts.pop("max_inflight_requests", d.max_inflight_requests), 1
         ),
@@ -191,9 +194,9 @@ def split_options(
         cache_dir=_cache_dir(opts.pop("cache_dir", None)),
         **limits,
     )
-    w = WriteOptions()
+    w = WriteSettings()
     part_size = _count("part_size", opts.pop("part_size", w.part_size), 5 * _MiB)
-    writeopts = WriteOptions(
+    writeopts = WriteSettings(
         part_size=part_size,
         max_upload_concurrency=_count(
             "max_upload_concurrency", opts.pop("max_upload_concurrency", w.max_upload_concurrency), 1

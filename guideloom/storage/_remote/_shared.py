@@ -21,7 +21,7 @@ from guideloom.storage._local._storage import LocalDocumentStorage, LocalStreamS
 from guideloom.storage._remote._client import Remote
 from guideloom.storage._remote._fetch import run_aside
 from guideloom.storage._remote._objstore import io_executor
-from guideloom.storage._remote._options import ReadOptions
+from guideloom.storage._remote._options import ReadSettings
 
 __all__ = ["PLAN_INLINE_SAMPLES"]
 
@@ -218,7 +218,7 @@ class _ObjectStorageMixin:
         return self._remote.loc.display
 
     @property
-    def options(self) -> ReadOptions:
+    def options(self) -> ReadSettings:
         return self._remote.opts
 
     def read_counts(self) -> tuple[int, int]:

@@ -414,8 +414,6 @@ class WorkerPool:
         finally:
             sweep(self.token + "-")
             _POOLS.discard(self)
-            if isinstance(self.ctx, ZygoteContext):
-                self.ctx.close()
 
 
 def _wait_gone(procs: list[Proc], seconds: float) -> None:

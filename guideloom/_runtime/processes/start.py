@@ -87,7 +87,7 @@ def worker_context(spec: bytes = b"", *, here: bool = True) -> ForkServerContext
             import_each(wanted)  # (once here, not in each worker)
             return HereContext()
         if standby is not None:
-            return ZygoteContext(standby, shared=True)
+            return ZygoteContext(standby)
     ctx = multiprocessing.get_context("forkserver")
     current = fork_server_preload()
     if current == ["__main__"]:

@@ -262,16 +262,15 @@ def _close_fds_but(*keep: int) -> None:
     os.close(null)
 
 
-#: How long :func:`close_zygote` waits for the zygote to end before it kills it (a zygote stopped
-#: with SIGSTOP, or busy, never reads the end of its alive pipe).
+#: How long :func:`kill_zygote` waits to reap the zygote it killed before leaving that to the
+#: next zygote's fork or to the exit.
 ZYGOTE_END_S = 1.0
 
 
-def close_zygote(server: ForkServer, *, at_once: bool = False) -> None:
-    """Close this process's end of the zygote's alive pipe and remove its socket: the zygote
-    exits at once (the pool has stopped the workers it forked). One that has not within
-    :data:`ZYGOTE_END_S` (none with ``at_once``) is killed; it is reaped here, or by the next
-    zygote's fork or at exit if that takes longer. Returns within about twice that."""
+def kill_zygote(server: ForkServer) -> None:
+    """Close this process's end of the zygote's alive pipe, remove its socket and kill it (it
+    does not answer: stopped with SIGSTOP, or stuck); it is reaped here within
+    :data:`ZYGOTE_END_S`, or by the next zygote's fork or at exit if that takes longer."""
     fd, address, pid = detach_fork_server(server)
     if fd is not None:
         os.close(fd)
@@ -283,13 +282,6 @@ def close_zygote(server: ForkServer, *, at_once: bool = False) -> None:
     if pid is None:
         return
     _CLOSED.append(pid)
-    if not at_once:
-        try:
-            os.kill(pid, signal.SIGCONT)  # a stopped zygote reads the end of its pipe, and exits
-        except OSError:
-            pass
-    if not at_once and _reaped(pid, ZYGOTE_END_S):
-        return
     try:
         os.kill(pid, signal.SIGKILL)
     except OSError:
@@ -408,27 +400,25 @@ def main_names(data: bytes) -> set[str] | None:
 
 
 class ZygoteContext(ForkServerContext):
-    """A multiprocessing context whose processes a zygote forks (pipes as any context's)."""
+    """A multiprocessing context whose processes the standby zygote forks (pipes as any
+    context's)."""
 
-    def __init__(self, server: ForkServer, *, shared: bool = False) -> None:
+    #: The standby outlives the pools that use it: closing a pool leaves it up.
+    shared = True
+
+    def __init__(self, server: ForkServer) -> None:
         super().__init__()
         self.server = server
-        #: The standby zygote, which outlives the pool: closing the pool leaves it up.
-        self.shared = shared
 
     def Process(self, *args: Any, **kwargs: Any) -> OwnServerProcess:  # type: ignore[override]  # noqa: N802
         proc = OwnServerProcess(*args, **kwargs)
         proc.fork_server = self.server
         return proc
 
-    def close(self) -> None:
-        if not self.shared:
-            close_zygote(self.server)
-
     def kill(self) -> None:
         """End the zygote now (it does not answer: stopped, or stuck); its workers go on."""
         drop_standby(self.server)
-        close_zygote(self.server, at_once=True)
+        kill_zygote(self.server)
 
 
 class _HerePopen(popen_fork.Popen):

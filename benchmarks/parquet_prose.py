@@ -38,6 +38,13 @@ batch): ``gl-docs`` (``from_storage(open_parquet(...))``, process workers tokeni
 collate), ``hf-docs`` (streaming, shuffle buffer, batched ``.map`` tokenize), ``litdata-docs``
 (its Parquet reader, the collate tokenizes, ``StreamingDataLoader``).
 
+``tok-floor``: not a loader: every document of the layout tokenized by the same tokenizer on one
+thread, 64 at a time (as Hugging Face's ``.map`` and LitData's collate batch them), the texts
+read before the clock starts. Its CPU seconds per million tokens are what tokenizing alone costs
+on this machine, the floor under every packing loader's: on 2 busy cores, where the loaders are
+CPU-bound, the best rate a packed loader can reach against Hugging Face's is about Hugging
+Face's CPU per token over the floor's (printed below the table as the bound).
+
 ``gl-packed-cold``: the time to the first packed batch from a cold start (a fresh process, a new
 ``cache_dir``: nothing counted yet; the packing counts the row groups a window at a time as it
 reads them), no workers, from the call that opens the files (``torch`` imported before it, as a
@@ -87,6 +94,7 @@ MANY_ROWS = 100  # rows per row group in the second layout
 VOCAB = 32768
 LAYOUTS = ("one", "many")
 PACKED = ("gl-packed", "hf-packed", "litdata-packed", "gl-stream")
+FLOOR = "tok-floor"
 DOCS = ("gl-docs", "hf-docs", "litdata-docs")
 BASELINE = {"packed": "hf-packed", "docs": "hf-docs"}
 
@@ -358,6 +366,8 @@ def run_child(config: str, layout: str, seconds: float, base: str | None = None)
         gl.open_parquet(
             source(data, layout, base), "text", tokenizer=tok, eos="</s>", cache_dir=data / f"cache-{layout}"
         ).build_length_index()
+    if config == FLOOR:
+        return tokenize_alone(data, layout)
     if config == "gl-packed-cold":
         with tempfile.TemporaryDirectory() as tmp:
             import guideloom as gl
@@ -424,6 +434,24 @@ def run_child(config: str, layout: str, seconds: float, base: str | None = None)
     }
 
 
+def tokenize_alone(data: Path, layout: str) -> dict[str, float]:
+    """The floor: the layout's documents (its local shards, also under ``--rtt``) tokenized on
+    this thread, 64 at a time, with nothing else (the texts read first, off the clock); CPU
+    seconds per million tokens."""
+    import pyarrow.parquet as pq
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread: the CPU a loader's worker spends
+    texts = [t for f in shards(data, layout) for t in pq.read_table(f, columns=["text"])["text"].to_pylist()]
+    path = str(data / "tokenizer.json")
+    encode(texts[:64], path)  # the tokenizer built, off the clock
+    c0, t0 = time.process_time(), time.perf_counter()
+    tokens = 0
+    for i in range(0, len(texts), 64):
+        tokens += sum(map(len, encode(texts[i : i + 64], path)))
+    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+    return {"cpu_s_per_mtok": cpu / tokens * 1e6, "one_thread_tokens_s": tokens / wall}
+
+
 def tree_cpu() -> float:
     """CPU seconds (user and system) of this process and its live descendants: what a loader
     spends per token, a figure the machine's load moves less than its rate."""
@@ -476,7 +504,7 @@ def main(argv: list[str] | None = None) -> None:
     corpus = json.loads((data / "corpus.json").read_text())
     load = os.getloadavg()[0]
     print(f"corpus: {corpus}; load average {load:.1f}", flush=True)
-    configs = [*PACKED, *DOCS, "gl-packed-cold"]
+    configs = [*PACKED, FLOOR, *DOCS, "gl-packed-cold"]
     if args.only:
         configs = [c for c in configs if c in args.only.split(",")]
     if "gl-stream" in configs:
@@ -555,6 +583,16 @@ def report(results: dict[tuple[str, str], list[dict[str, float]]], load: float, 
                 p["peak_pss_mb"] / s["peak_pss_mb"] for p, s in zip(packed, stream, strict=False)
             )
             print(f"peak PSS, {layout}: gl-packed / gl-stream (the prepared stream loader) {pss:.2f}")
+        floor, hf = results.get((layout, FLOOR)), results.get((layout, "hf-packed"))
+        if floor and hf:
+            bound = statistics.median(
+                h["cpu_s_per_mtok"] / f["cpu_s_per_mtok"] for h, f in zip(hf, floor, strict=False)
+            )
+            print(
+                f"tokenizing alone, {layout}: {statistics.median(f['cpu_s_per_mtok'] for f in floor):.2f} "
+                f"CPU s per M tokens; a packed loader bound by its CPU reaches at most about {bound:.2f}x "
+                "Hugging Face's rate (its CPU per token over the floor's)"
+            )
 
 
 if __name__ == "__main__":

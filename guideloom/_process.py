@@ -1,8 +1,7 @@
 """What guideloom keeps for the whole process, in one place.
 
-- **Live objects** with background work (downloads, fetches ahead, stores): each kind in a
-  :class:`Live` registry, stopped before the interpreter joins its threads at exit (the stores'
-  clients after: a thread may read through one until it ends).
+- **Live objects** with background work (downloads, fetches ahead, stores, process workers):
+  each kind in a :class:`Live` registry, stopped at interpreter exit (see *Exit order*).
 - **Thread pools** shared by every storage (:func:`pool`): created on first use, named, their
   threads started on demand and joined at exit by ``concurrent.futures``.
 - **The C heap's free pages** given back to the system (:func:`release_malloc`, glibc's
@@ -10,8 +9,23 @@
 - **Checks already made** (:func:`remembered`): bounded maps from a file's identity to what a
   check found, so that an unchanged file is hashed once per process.
 
-:func:`reset` forgets the checks made (a test that rewrites a file in place within one clock tick,
-or a benchmark that measures a first epoch again); live objects and pools are left to their owners.
+No other module of guideloom registers an exit hook (``atexit``, or the threads' exit hook of
+:mod:`guideloom._compat`) or keeps a registry of live objects of its own.
+
+Exit order, and why:
+
+1. Before the interpreter joins its non-daemon threads, the registries made without
+   ``after_threads``: what stops a thread of guideloom's (a download, a fetch ahead), which the
+   join would otherwise wait for.
+2. Once the threads are joined, the registries made with ``after_threads``, in the order they
+   were made, each followed by its ``then``: what a thread may use until it ends (a store's
+   client; a pool of process workers, which a thread of yours may iterate a loader over until
+   it ends), then a garbage collection. This runs before ``multiprocessing``'s own exit function
+   (imported before the hook is registered, and ``atexit`` runs the last registered first),
+   which would terminate the process workers (its daemonic children) with SIGTERM instead of
+   the pools' own close: a stop after the batch at hand, within a second.
+
+:func:`reset` forgets the checks made, and nothing else (see its docstring).
 """
 
 from __future__ import annotations
@@ -20,6 +34,7 @@ import atexit
 import concurrent.futures
 import ctypes
 import gc
+import multiprocessing.util  # noqa: F401 - before the exit hook below: see the exit order
 import sys
 import threading
 import weakref
@@ -46,11 +61,20 @@ class Live(Generic[T]):
     """The live objects of one kind, each stopped with ``stop`` at interpreter exit (held weakly:
     an object dropped is forgotten): before the interpreter joins its threads (what stops a
     thread), or with ``after_threads`` once they are joined (what a thread may still use until
-    it ends: a store's client), followed by a garbage collection."""
+    it ends: a store's client, a pool of process workers), followed by a garbage collection.
+    ``then``, if given, is called at exit once every object of the kind was stopped (what their
+    stops leave to finish: a killed process to reap)."""
 
-    def __init__(self, stop: Callable[[T], object], *, after_threads: bool = False) -> None:
+    def __init__(
+        self,
+        stop: Callable[[T], object],
+        *,
+        after_threads: bool = False,
+        then: Callable[[], object] | None = None,
+    ) -> None:
         self._objects: weakref.WeakSet[T] = weakref.WeakSet()
         self._stop = stop
+        self._then = then
         with _LOCK:
             (_LAST if after_threads else _LIVE).append(self)  # type: ignore[arg-type]
 
@@ -64,8 +88,11 @@ class Live(Generic[T]):
         return iter(list(self._objects))
 
     def stop_all(self) -> None:
+        """Stop every object of the kind, then call ``then``."""
         for obj in self:
             self._stop(obj)
+        if self._then is not None:
+            self._then()
 
 
 def _stop_everything() -> None:

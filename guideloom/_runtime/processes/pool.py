@@ -24,7 +24,6 @@ carry the pool's token) is swept from ``/dev/shm`` when a worker dies and when t
 from __future__ import annotations
 
 import asyncio
-import atexit
 import ctypes
 import os
 import pickle
@@ -40,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from guideloom._core.delivery import Delivery
 from guideloom._core.plan import BatchSpec
 from guideloom._errors import WorkerError
+from guideloom._process import Live
 from guideloom._runtime.processes.pack import Segment, pack_samples
 from guideloom._runtime.processes.proc import TERMINATE_S, Group, Proc
 from guideloom._runtime.processes.shm import SHM_PREFIX, posix_shm_available, release, sweep
@@ -55,7 +55,7 @@ from guideloom._runtime.processes.wire import (
     Task,
     load_exception,
 )
-from guideloom._runtime.processes.zygote import HereContext, ZygoteContext, fork_is_safe
+from guideloom._runtime.processes.zygote import HereContext, ZygoteContext, fork_is_safe, reap_closed
 
 if TYPE_CHECKING:
     from guideloom._datasets import DatasetAbstract
@@ -428,14 +428,14 @@ def _running(p: Proc | None) -> bool:
     return p is not None and p.alive and p.proc.is_alive()
 
 
-_POOLS: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
+def _close_at_exit(pool: WorkerPool) -> None:
+    """At interpreter exit: stop the pool's workers (a short grace) and remove its segments."""
+    pool.close(grace=1.0)
 
 
-@atexit.register
-def _close_pools() -> None:
-    """At interpreter exit: stop every pool's workers (a short grace) and remove its segments."""
-    for pool in list(_POOLS):
-        pool.close(grace=1.0)
+#: The open pools, closed at interpreter exit once the threads are joined (a thread may iterate
+#: a loader over one until it ends), and the zygotes their closes killed reaped after them.
+_POOLS: Live[WorkerPool] = Live(_close_at_exit, after_threads=True, then=reap_closed)
 
 
 class Session:

@@ -45,12 +45,12 @@ has other threads.
 
 A Python whose fork server differs from the one :mod:`guideloom._compat` knows (3.14's
 authenticates its clients) gets multiprocessing's fork server where a fork is not safe. A zygote
-that a pool's close kills (stopped with SIGSTOP, stuck) is reaped here or at exit.
+that a pool's close kills (stopped with SIGSTOP, stuck) is reaped here, or at exit once every
+pool is closed (:data:`~guideloom._runtime.processes.pool._POOLS`).
 """
 
 from __future__ import annotations
 
-import atexit
 import fcntl
 import gc
 import importlib
@@ -92,6 +92,7 @@ __all__ = [
     "fork_is_safe",
     "fork_standby",
     "fork_zygote",
+    "reap_closed",
     "standby_for",
 ]
 
@@ -169,7 +170,7 @@ def fork_zygote(preload: list[str]) -> ForkServer:
         listener.listen()
         alive_r, alive_w = os.pipe()
         output = _output_fds()
-        _reap_closed()
+        reap_closed()
         flush_std_streams()  # else each worker writes it again
         with warnings.catch_warnings():
             # Python 3.12+ warns of any fork with threads; those left are fork-safe (above).
@@ -201,7 +202,7 @@ def fork_zygote(preload: list[str]) -> ForkServer:
 _CLOSED: list[int] = []
 
 
-def _reap_closed() -> None:
+def reap_closed() -> None:
     """Reap the zygotes of closed pools that have exited since."""
     for pid in list(_CLOSED):
         try:
@@ -293,15 +294,12 @@ def _reaped(pid: int, seconds: float) -> bool:
     """Reap closed zygotes until ``pid`` is reaped, ``seconds`` at most; whether it was."""
     deadline = time.monotonic() + seconds
     while True:
-        _reap_closed()
+        reap_closed()
         if pid not in _CLOSED:
             return True
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.005)
-
-
-atexit.register(_reap_closed)
 
 
 class _Standby:
@@ -427,7 +425,7 @@ class _HerePopen(popen_fork.Popen):
 
     def _launch(self, process_obj: ForkedHere) -> None:
         keep = (*process_obj.keep_fds(), *_output_fds())
-        _reap_closed()
+        reap_closed()
         parent_r, child_w = os.pipe()
         child_r, parent_w = os.pipe()
         with warnings.catch_warnings():

@@ -43,10 +43,11 @@ import numpy as np
 import torch
 
 import guideloom as gl
-import guideloom._runtime.processes.start as start_module
 from benchmarks.local_stream import BATCH, SEQ, _MemmapRows, collate, ensure_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The environment variable that names how guideloom's process workers start (docs/workers.md).
+START_ENV = "GUIDELOOM_WORKER_START"
 #: Batches iterated once the workers are up, while PSS is sampled; and after the resume.
 STEADY_BATCHES = 400
 RESUMED_BATCHES = 100
@@ -197,10 +198,10 @@ def child_torch_first(path: Path) -> dict[str, Any]:
     return {"first_ms": first * 1e3}
 
 
-def child_guideloom_pinned(path: Path, method: str, prefetch: int) -> dict[str, Any]:
+def child_guideloom_pinned(path: Path, prefetch: int) -> dict[str, Any]:
     """Seconds to the first batch with ``collate_mode="workers"``: the loader made and opened,
-    the workers started, the batch made by one of them."""
-    start_module.START_METHOD = method
+    the workers started, the batch made by one of them (started as ``GUIDELOOM_WORKER_START``
+    says)."""
     t0 = time.perf_counter()
     loader = _loader(path, prefetch, collate_mode="workers")
     loader.open()
@@ -243,8 +244,8 @@ def _first_and_up(
     return loader, it, first, time.perf_counter() - t0
 
 
-def child_guideloom(path: Path, method: str, prefetch: int) -> dict[str, Any]:
-    start_module.START_METHOD = method
+def child_guideloom(path: Path, prefetch: int) -> dict[str, Any]:
+    """The figures of one round, the workers started as ``GUIDELOOM_WORKER_START`` says."""
     peak = PeakPss()
     loader, it, first, up = _first_and_up(path, prefetch)
     try:
@@ -279,9 +280,14 @@ def child_guideloom(path: Path, method: str, prefetch: int) -> dict[str, Any]:
 
 
 def _run_child(kind: str, path: Path, method: str, prefetch: int) -> dict[str, Any]:
+    """One measurement in a fresh process; guideloom's workers started by ``method`` (set in the
+    child's environment: ``GUIDELOOM_WORKER_START``)."""
     cmd = [sys.executable, "-m", "benchmarks.worker_start", "--child", kind, "--path", str(path)]
-    cmd += ["--method", method, "--prefetch", str(prefetch)]
+    cmd += ["--prefetch", str(prefetch)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop(START_ENV, None)
+    if method:
+        env[START_ENV] = method
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
@@ -336,15 +342,14 @@ def main(argv: list[str] | None = None) -> None:
         "--child", choices=["torch", "guideloom", "torch-first", "pinned"], help=argparse.SUPPRESS
     )
     ap.add_argument("--path", help=argparse.SUPPRESS)
-    ap.add_argument("--method", default="here,forkserver", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child is not None:
         path = Path(args.path)
         children = {
             "torch": lambda: child_torch(path),
-            "guideloom": lambda: child_guideloom(path, args.method, args.prefetch),
+            "guideloom": lambda: child_guideloom(path, args.prefetch),
             "torch-first": lambda: child_torch_first(path),
-            "pinned": lambda: child_guideloom_pinned(path, args.method, args.prefetch),
+            "pinned": lambda: child_guideloom_pinned(path, args.prefetch),
         }
         print(json.dumps(children[args.child]()))
         return

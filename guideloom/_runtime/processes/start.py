@@ -4,8 +4,11 @@ Where the pool is made on the process's only thread, its workers are forked from
 itself, as torch's ``DataLoader`` forks its own (:class:`~guideloom._runtime.processes.zygote.HereContext`):
 they share its pages, torch's included. Elsewhere they come from the standby zygote forked before
 the process's first object store, or from multiprocessing's fork server told what to preload.
-:data:`START_METHOD` is read here at each choice (the benchmark of worker start rewrites it to
-compare the methods).
+
+The environment variable ``GUIDELOOM_WORKER_START`` (:data:`START_ENV`) may name another start
+method for the process (:func:`start_method`, read at each choice: when a pool is made, and
+before the first object store): a process-wide setting, as the standby zygote is one per
+process, forked before any loader exists.
 """
 
 from __future__ import annotations
@@ -26,13 +29,25 @@ from guideloom._runtime.processes.zygote import (
 )
 from guideloom.storage._remote import _objstore
 
-__all__ = ["PRELOAD", "START_METHOD", "check_not_bootstrapping", "preload", "worker_context"]
+__all__ = [
+    "PRELOAD",
+    "START_ENV",
+    "START_METHODS",
+    "check_not_bootstrapping",
+    "preload",
+    "start_method",
+    "worker_context",
+]
 
-#: How workers start: ``"here"`` (forked from this process where that is safe, else from the
-#: standby zygote or multiprocessing's fork server); ``"spawn"`` where the platform has no fork
-#: server.
-#: (The benchmark of worker start sets it to compare the methods: also ``"forkserver"``, ``"fork"``.)
-START_METHOD = "here"
+#: The environment variable that names how process workers start (:data:`START_METHODS`).
+START_ENV = "GUIDELOOM_WORKER_START"
+#: How workers may start: ``"here"``, the default (forked from this process where that is safe,
+#: else from the standby zygote or multiprocessing's fork server); ``"forkserver"``
+#: (multiprocessing's fork server, told what to preload); ``"spawn"`` (a fresh interpreter
+#: each); ``"fork"`` (multiprocessing's ``fork`` from this process whatever its threads: a lock
+#: another thread holds then stays held in the worker). Where the platform has no fork server,
+#: every method but ``"fork"`` is ``"spawn"``.
+START_METHODS = ("here", "forkserver", "spawn", "fork")
 #: What the fork server imports before it forks a worker (torch too, when the main process has
 #: imported it): each worker shares them instead of importing them anew. A zygote, and a worker
 #: forked from this process, have what this process imported when they were forked: these are
@@ -40,6 +55,18 @@ START_METHOD = "here"
 #: ``numpy.random`` (each worker seeds it) and anyio's asyncio backend (a storage opens on it,
 #: here too), which would otherwise cost each worker's start some tens of milliseconds.
 PRELOAD = ("guideloom._runtime.processes.worker", "numpy", "numpy.random", ANYIO_ASYNCIO_BACKEND)
+
+
+def start_method() -> str:
+    """The start method :data:`START_ENV` names now (``"here"`` where it is unset or empty);
+    a ``ValueError`` naming the allowed values for any other."""
+    method = os.environ.get(START_ENV, "").strip() or "here"
+    if method not in START_METHODS:
+        raise ValueError(
+            f"{START_ENV}={method!r} is not a start method guideloom knows: set it to one of "
+            f"{', '.join(START_METHODS)} (or leave it unset for 'here')"
+        )
+    return method
 
 
 def preload() -> list[str]:
@@ -51,10 +78,16 @@ def _standby() -> None:
     """Before this process's first object store: fork the standby zygote, if workers may start
     from one (:func:`~guideloom._runtime.processes.zygote.fork_standby`); not in a process
     multiprocessing started (a worker that opens its storage starts no workers), nor where
-    ``GUIDELOOM_STANDBY_ZYGOTE=0`` says the process will not use process workers."""
+    ``GUIDELOOM_STANDBY_ZYGOTE=0`` says the process will not use process workers, nor where
+    :data:`START_ENV` names another method (or none it knows: the loader that starts workers
+    says so, not the opening of a store)."""
+    try:
+        here = start_method() == "here"
+    except ValueError:
+        here = False
     if (
-        os.environ.get("GUIDELOOM_STANDBY_ZYGOTE", "1") != "0"
-        and START_METHOD == "here"
+        here
+        and os.environ.get("GUIDELOOM_STANDBY_ZYGOTE", "1") != "0"
         and multiprocessing.parent_process() is None
         and "forkserver" in multiprocessing.get_all_start_methods()
     ):
@@ -65,22 +98,24 @@ _objstore.BEFORE_FIRST_STORE.append(_standby)
 
 
 def worker_context(spec: bytes = b"", *, here: bool = True) -> ForkServerContext | SpawnContext | ForkContext:
-    """The multiprocessing context a new pool's workers start in: forks from this process (each
-    start forks them on the caller's thread), if this thread is its only one and ``here``; else
-    the standby zygote, where the workers' ``spec`` (their pickled dataset and collate) finds in
-    it what it names of ``__main__``; else the fork server, told what to preload.
+    """The multiprocessing context a new pool's workers start in, by :func:`start_method`. For
+    ``"here"``: forks from this process (each start forks them on the caller's thread), if this
+    thread is its only one and ``here``; else the standby zygote, where the workers' ``spec``
+    (their pickled dataset and collate) finds in it what it names of ``__main__``; else the fork
+    server, told what to preload.
 
     The fork server is one per process, shared with any other user of ``forkserver``: the
     modules are added to its preload list, and take effect when it starts (with the first
     pool's first worker: never here). The list's default, ``["__main__"]``, is replaced: the
     server does not import the main script (each worker does, when it starts).
     """
-    if START_METHOD == "fork":
+    method = start_method()
+    if method == "fork":
         return multiprocessing.get_context("fork")
-    if START_METHOD == "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
+    if method == "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     wanted = preload()
-    if START_METHOD == "here":
+    if method == "here":
         standby = standby_for(spec)
         # With a standby to fall back on, threads that may be ending are not waited for.
         if here and (fork_is_safe() if standby is None else fork_is_safe(0.0)):

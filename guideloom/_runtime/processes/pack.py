@@ -201,9 +201,7 @@ def _tensor(t: Any, torch: Any) -> Shareable | None:
         raw = t.as_strided((t.numel(),), (1,))  # its span, in memory order (strides are >= 0)
     else:
         raw = t.contiguous().view(-1)  # a copy: reshape(-1) may be a view with a step
-    dtype = _TORCH_NAMES.get(t.dtype)
-    if dtype is None:
-        dtype = _TORCH_NAMES[t.dtype] = str(t.dtype).removeprefix("torch.")
+    dtype = _torch_name(t.dtype)
     return "t", dtype, shape, raw.view(torch.uint8).numpy(), strides, grad, cls
 
 
@@ -220,14 +218,15 @@ def _plain(t: Any) -> Shareable | None:
     shape = a.shape
     if not a.flags.c_contiguous or 1 in shape:
         return None
-    dtype = _TORCH_NAMES.get(t.dtype)
-    if dtype is None:
-        dtype = _TORCH_NAMES[t.dtype] = str(t.dtype).removeprefix("torch.")
+    dtype = _torch_name(t.dtype)
     return "t", dtype, shape, a.reshape(-1).view(np.uint8), None, False, None
 
 
-#: The name of each torch dtype seen (``"float32"``), as the main process looks it up.
-_TORCH_NAMES: dict[Any, str] = {}
+@functools.cache
+def _torch_name(dtype: Any) -> str:
+    """The name of torch ``dtype`` (``"float32"``), as the main process looks it up (``torch.float32``)
+    to rebuild the tensor (a memo: a dtype's ``str`` costs a few times the lookup, per tensor)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:

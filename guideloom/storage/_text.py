@@ -93,24 +93,19 @@ class TextEncoder:
     def __getstate__(self) -> dict[str, Any]:
         # A Tokenizer object pickles itself; a tokenizer.json travels as what was read from it,
         # so that a copy encodes as this one does even if the file changes meanwhile.
-        state = {**self.__dict__, "_tok": None, "_pickled_in": os.getpid()}
+        state = {**self.__dict__, "_tok": None}
         if isinstance(self._source, str):
             state["_json"] = self._built().to_str()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        pickled_in = state.pop("_pickled_in", None)
+        # (The process's environment is left alone: guideloom's process workers set
+        # TOKENIZERS_PARALLELISM for themselves as they start, see the worker's entry point.)
         self.__dict__.update(state)
         made = _MADE.get(self._origin)
         if made is not None:  # this process is the one that made it, or was forked from it
             self._tok = made._tok
             self.__dict__.pop("_json", None)
-        if pickled_in is not None and pickled_in != os.getpid():
-            # A copy in another process (a process worker): the loader runs workers side by
-            # side already, so each encodes its batch on its own thread, as the tokenizers
-            # library itself does after a fork; a thread pool of the tokenizer's own in each
-            # worker would put several threads on every core. A value the user set is kept.
-            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     def describe(self) -> str:
         """What names this encoding in a fingerprint: the tokenizer's contents (a

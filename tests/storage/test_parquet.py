@@ -381,28 +381,6 @@ def test_a_tokenizer_callable_must_return_integer_ids_the_dtype_holds() -> None:
     assert wide[0].tolist() == [1, -1] and wide[0].dtype == np.int64
 
 
-def test_an_encoder_unpickled_in_another_process_encodes_on_one_thread(tokenizer_json: str) -> None:
-    from guideloom.storage._text import TextEncoder
-
-    encoder = TextEncoder(tokenizer_json, eos="</s>")
-    same = pickle.loads(pickle.dumps(encoder))  # a copy in this process changes nothing here
-    assert same.encode_many(["r1 r2"])[0].tolist() == encoder.encode_many(["r1 r2"])[0].tolist()
-    code = (
-        "import os, pickle, sys\n"
-        "enc = pickle.loads(sys.stdin.buffer.read())\n"
-        "print(os.environ.get('TOKENIZERS_PARALLELISM'), enc.encode_many(['r1 r2'])[0].tolist())\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
-    want = encoder.encode_many(["r1 r2"])[0].tolist()
-    for set_to, seen in ((None, "false"), ("true", "true")):
-        run_env = {**env, "PYTHONPATH": str(ROOT), **({"TOKENIZERS_PARALLELISM": set_to} if set_to else {})}
-        out = subprocess.run(
-            [sys.executable, "-c", code], input=pickle.dumps(encoder), capture_output=True, check=True,
-            cwd=ROOT, env=run_env,
-        )  # fmt: skip
-        assert out.stdout.decode().split(" ", 1) == [seen, f"{want}\n"]
-
-
 def test_a_process_forked_after_the_encoder_was_made_uses_its_tokenizer(tokenizer_json: str) -> None:
     """A process worker forked from the main process shares the tokenizer the main process
     built (its pages) instead of building its own from the pickled encoder."""

@@ -236,6 +236,15 @@ class _Worker:
         return i, name, size
 
 
+def one_thread_tokenizers() -> None:
+    """In a worker, before it unpickles its collate: ``TOKENIZERS_PARALLELISM=false`` unless the
+    variable is set (a value of the user's, inherited, is kept). The loader runs its workers side
+    by side already, so each encodes its batch on its own thread, as torch's workers run torch on
+    one: a thread pool of the tokenizer's own in each worker would put several threads on every
+    core. Only here: the user's own processes are left as they are."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
 def _pending(conn: multiprocessing.connection.Connection) -> Callable[[], bool]:
     """Whether ``conn`` has a message (or its end) to read now: one ``poll`` object kept for the
     pipe (``Connection.poll`` builds a selector at each call: some 2 microseconds, paid between
@@ -268,6 +277,7 @@ def worker_main(
     (forked from one process, they would otherwise draw the same numbers)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     keep_freed_heap()
+    one_thread_tokenizers()
     state_mm: mmap.mmap | None = None
     slots: Slots | None = None
     worker: _Worker | None = None

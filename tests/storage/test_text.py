@@ -1,0 +1,95 @@
+"""Texts to token arrays (``guideloom/storage/_text.py``): what a copy of the encoder leaves of the
+process it is unpickled in, and ``TOKENIZERS_PARALLELISM`` in guideloom's own process workers
+only."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.support import ROOT
+
+VAR = "TOKENIZERS_PARALLELISM"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """This process's environment without ``TOKENIZERS_PARALLELISM``, this checkout importable."""
+    env = {k: v for k, v in os.environ.items() if k != VAR}
+    return {**env, "PYTHONPATH": os.pathsep.join(sys.path), **extra}
+
+
+def test_an_encoder_unpickled_in_a_process_guideloom_did_not_start_leaves_its_environment(
+    tokenizer_json: str,
+) -> None:
+    """A copy unpickled in a process of the user's (a Ray task, a process pool of their own)
+    encodes as the original does and sets nothing in that process's environment."""
+    from guideloom.storage._text import TextEncoder
+
+    encoder = TextEncoder(tokenizer_json, eos="</s>")
+    same = pickle.loads(pickle.dumps(encoder))  # a copy in this process
+    assert same.encode_many(["r1 r2"])[0].tolist() == encoder.encode_many(["r1 r2"])[0].tolist()
+    code = (
+        "import os, pickle, sys\n"
+        "enc = pickle.loads(sys.stdin.buffer.read())\n"
+        f"print(os.environ.get({VAR!r}), enc.encode_many(['r1 r2'])[0].tolist())\n"
+    )
+    want = encoder.encode_many(["r1 r2"])[0].tolist()
+    for env, seen in ((_env(), "None"), (_env(**{VAR: "true"}), "true")):
+        out = subprocess.run(
+            [sys.executable, "-c", code], input=pickle.dumps(encoder), capture_output=True, check=True,
+            cwd=ROOT, env=env, timeout=60,
+        )  # fmt: skip
+        assert out.stdout.decode().split(" ", 1) == [seen, f"{want}\n"]
+
+
+_SCRIPT = """
+import os, sys
+import torch
+import guideloom as gl
+
+def seen(tokens):
+    return {{"pid": os.getpid(), "var": os.environ.get({var!r}), "docs": len(tokens)}}
+
+if __name__ == "__main__":
+    storage = gl.open_parquet({folder!r}, "text", tokenizer={tokenizer!r}, eos="</s>")
+    loader = gl.StatefulDataLoader.from_storage(
+        storage, seen, local_batch_size=4, num_workers=2, parallel_method=sys.argv[1],
+        collate_mode="workers" if sys.argv[1] == "process" else "auto", device=torch.device("cpu"),
+    )
+    with loader:
+        batches = list(loader)
+    workers = {{b["pid"] for b in batches}} - {{os.getpid()}}
+    print(sys.argv[1], len(workers), *sorted({{str(b["var"]) for b in batches}}), os.environ.get({var!r}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["process", "thread"])
+def test_only_guideloom_s_process_workers_set_one_thread_tokenizing_unless_the_user_did(
+    tmp_path: Path, tokenizer_json: str, method: str
+) -> None:
+    """Each process worker sees ``false`` where the variable is unset, and the user's value
+    where it is set; the main process's environment is never changed, nor that of thread
+    workers (the user's own process)."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    pq.write_table(pa.table({"text": [f"r{i} alpha beta" for i in range(64)]}), folder / "a.parquet")
+    script = tmp_path / "encode_in_workers.py"
+    script.write_text(textwrap.dedent(_SCRIPT.format(var=VAR, folder=str(folder), tokenizer=tokenizer_json)))
+    for value in (None, "true"):
+        env = _env() if value is None else _env(**{VAR: value})
+        out = subprocess.run(
+            [sys.executable, str(script), method], capture_output=True, text=True, check=True, env=env,
+            cwd=tmp_path, timeout=100,
+        )  # fmt: skip
+        workers = "2" if method == "process" else "0"
+        in_workers = ("false" if method == "process" else "None") if value is None else value
+        assert out.stdout.split() == [method, workers, in_workers, str(value)], out.stderr

@@ -4,13 +4,106 @@ in the documented order."""
 
 from __future__ import annotations
 
+import ast
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 import guideloom as gl
 from tests.support.processes import run_script
+
+PACKAGE = Path(__file__).resolve().parents[1] / "guideloom"
+#: The modules that may: the one that keeps the process's state, and the one that wraps the
+#: private CPython API it registers its threads' exit hook with.
+ALLOWED = {PACKAGE / "_process.py", PACKAGE / "_compat.py"}
+#: Names that register an exit hook, wherever they are referred to.
+EXIT_HOOKS = {"at_threads_exit", "_register_atexit"}
+
+
+def _shared_statements(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """The statements that run once per process: at module level and in class bodies (blocks
+    under ``if``, ``try``, ``with`` included), not in functions."""
+    for stmt in body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        yield stmt
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            inner = getattr(stmt, field, None)
+            if isinstance(inner, list):
+                yield from _shared_statements([s for s in inner if isinstance(s, ast.stmt)])
+            if field == "handlers" and isinstance(inner, list):
+                for handler in inner:
+                    yield from _shared_statements(handler.body)
+
+
+def offences(source: str) -> list[tuple[int, str]]:
+    """Where ``source`` registers an exit hook or makes a process-wide ``WeakSet``."""
+    tree = ast.parse(source)
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and (node.value.id, node.attr) == ("atexit", "register")
+        ):
+            found.append((node.lineno, "atexit.register"))
+        if isinstance(node, ast.ImportFrom) and node.module == "atexit":
+            found.append((node.lineno, "from atexit import"))
+        name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+        if isinstance(node, ast.alias):
+            name = node.name
+        if name in EXIT_HOOKS:
+            found.append((getattr(node, "lineno", 0), str(name)))
+    for stmt in _shared_statements(tree.body):
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Expr)):
+            for node in ast.walk(stmt):
+                if isinstance(node, ast.Call):
+                    func = node.func
+                    called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                    if called == "WeakSet":
+                        found.append((node.lineno, "a process-wide WeakSet"))
+    return sorted(set(found))
+
+
+def test_the_check_finds_each_kind_of_exit_hook_and_process_wide_weakset() -> None:
+    source = textwrap.dedent(
+        """
+        import atexit, threading, weakref
+        from atexit import register
+        from guideloom._compat import at_threads_exit
+        LIVE = weakref.WeakSet()
+        class Registry:
+            seen = WeakSet()
+        if True:
+            try:
+                atexit.register(print)
+            except ImportError:
+                threading._register_atexit(print)
+        @atexit.register
+        def bye(): at_threads_exit(print)
+        def per_call():
+            return weakref.WeakSet()  # a local one: not process-wide
+        """
+    )
+    assert offences(source) == [
+        (3, "from atexit import"), (4, "at_threads_exit"),
+        (5, "a process-wide WeakSet"), (7, "a process-wide WeakSet"), (10, "atexit.register"),
+        (12, "_register_atexit"), (13, "atexit.register"), (14, "at_threads_exit"),
+    ]  # fmt: skip
+
+
+def test_no_module_but_the_process_module_registers_exit_hooks_or_keeps_a_weakset() -> None:
+    """Exit hooks and registries of live objects belong to ``guideloom/_process.py`` (a
+    :class:`~guideloom._process.Live` registry), where their order at exit is written down."""
+    found = {
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {what}": None
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path not in ALLOWED
+        for line, what in offences(path.read_text())
+    }
+    assert list(found) == []
 
 
 def test_process_workers_open_at_exit_are_stopped_by_their_pool_not_terminated(tmp_path: Path) -> None:

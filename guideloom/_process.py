@@ -10,7 +10,13 @@
   check found, so that an unchanged file is hashed once per process.
 
 No other module of guideloom registers an exit hook (``atexit``, or the threads' exit hook of
-:mod:`guideloom._compat`) or keeps a registry of live objects of its own.
+:mod:`guideloom._compat`) or keeps a registry of objects to stop at exit (a test checks it).
+What else lives for the process stays with the code whose logic it is, nothing of it to stop
+at exit nor to forget for a test: the standby zygote and the zygotes killed but not yet reaped
+(:mod:`~guideloom._runtime.processes.zygote`), the text encoders made here, weakly, by origin
+(:mod:`~guideloom.storage._text`: a worker forked from this process finds the tokenizer its
+copy's original built), and the hooks run before the process's first object store
+(:mod:`~guideloom.storage._remote._objstore`: the standby zygote is forked there).
 
 Exit order, and why:
 
@@ -25,7 +31,8 @@ Exit order, and why:
    which would terminate the process workers (its daemonic children) with SIGTERM instead of
    the pools' own close: a stop after the batch at hand, within a second.
 
-:func:`reset` forgets the checks made, and nothing else (see its docstring).
+:func:`reset` forgets the checks made, and nothing else (see its docstring). Memos of pure
+functions (``functools.cache``) are not state: they stay where they are used.
 """
 
 from __future__ import annotations
@@ -169,7 +176,18 @@ def remembered(limit: int) -> MutableMapping[K, V]:
 
 
 def reset() -> None:
-    """Forget every check made in this process: each file is checked again at its next read."""
+    """Forget every check made in this process: each file is checked again at its next read.
+
+    It clears every map made with :func:`remembered` (the files whose checksum matched, the
+    blocks of each file already checked), for a test that rewrites a file in place within one
+    clock tick or a benchmark that measures a first epoch again. Nothing else: the :class:`Live`
+    registries (they hold their objects weakly: one leaves its registry when it is closed or
+    dropped), the thread pools of :func:`pool` (idle threads, kept for the process's life), the
+    pools of process workers (each closed with its loader, those left open at exit), the standby
+    zygote (one per process, for its life: a test that needs a process without one runs a fresh
+    interpreter) and the memos of pure functions (``functools.cache``: dtype names) stay. No test
+    needs the worker pools or the zygote forgotten between tests: each loader's pool goes with
+    the loader, and the standby is only used where it serves the pool's ``__main__``."""
     with _LOCK:
         maps = list(_REMEMBERED)
     for m in maps:

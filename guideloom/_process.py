@@ -102,14 +102,22 @@ class Live(Generic[T]):
             self._then()
 
 
+def _stop(registries: list[Live[object]]) -> None:
+    """Stop every object of ``registries``, in order; an error is reported (as an uncaught one
+    would be) and the next kind is stopped all the same."""
+    for live in list(registries):
+        try:
+            live.stop_all()
+        except Exception as exc:
+            sys.excepthook(type(exc), exc, exc.__traceback__)
+
+
 def _stop_everything() -> None:
-    for live in list(_LIVE):
-        live.stop_all()
+    _stop(_LIVE)
 
 
 def _stop_the_last() -> None:
-    for live in list(_LAST):
-        live.stop_all()
+    _stop(_LAST)
     gc.collect()
 
 

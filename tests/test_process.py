@@ -59,13 +59,17 @@ def test_live_objects_are_stopped_before_the_interpreter_joins_its_threads() -> 
 
 def test_live_objects_after_threads_are_stopped_once_the_threads_are_joined() -> None:
     """A store's client that a thread reads through until it ends is dropped after that thread
-    (and after what is stopped before the threads are joined); ``then`` follows the last stop."""
+    (and after what is stopped before the threads are joined); ``then`` follows the last stop,
+    and a kind that fails to stop is reported without keeping the next from its stop."""
     code = (
         "import threading, time\n"
         "from guideloom._process import Live\n"
         "class Thing:\n"
         "    pass\n"
         "early = Live(lambda t: print('early', flush=True))\n"
+        "def fails(t):\n"
+        "    raise RuntimeError('this kind fails to stop')\n"
+        "Live(fails, after_threads=True).add(late_too := Thing())\n"
         "late = Live(lambda t: print('late', flush=True), after_threads=True, then=lambda: print('then'))\n"
         "a, b = Thing(), Thing()\n"
         "early.add(a)\n"
@@ -74,6 +78,7 @@ def test_live_objects_after_threads_are_stopped_once_the_threads_are_joined() ->
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=30, capture_output=True)
     assert out.stdout.decode().split() == ["early", "thread", "late", "then"]
+    assert "RuntimeError: this kind fails to stop" in out.stderr.decode()
 
 
 def test_pools_are_one_per_name() -> None:

@@ -90,6 +90,9 @@ def test_only_guideloom_s_process_workers_set_one_thread_tokenizing_unless_the_u
             [sys.executable, str(script), method], capture_output=True, text=True, check=True, env=env,
             cwd=tmp_path, timeout=100,
         )  # fmt: skip
-        workers = "2" if method == "process" else "0"
+        got, workers, *seen = out.stdout.split()
+        # under load one worker may collate every batch; none is collated in the main process
+        # (collate_mode="workers"), where the variable would read as the main process's
+        assert (got, int(workers) >= 1 if method == "process" else int(workers) == 0) == (method, True)
         in_workers = ("false" if method == "process" else "None") if value is None else value
-        assert out.stdout.split() == [method, workers, in_workers, str(value)], out.stderr
+        assert seen == [in_workers, str(value)], out.stderr

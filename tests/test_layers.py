@@ -17,6 +17,7 @@ each is a dependency a reader has to follow. The layers, from the bottom:
 from __future__ import annotations
 
 import ast
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -157,3 +158,24 @@ def test_no_import_cycles() -> None:
 @pytest.mark.parametrize("layer_index", range(len(LAYERS)))
 def test_layers_are_not_empty(layer_index: int) -> None:
     assert any(layer(name) == layer_index for name in modules())
+
+
+def _third_party(path: Path) -> set[str]:
+    """The top-level names of what ``path`` imports from outside the standard library and guideloom."""
+    roots: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            roots.add(node.module.partition(".")[0])
+    return roots - set(sys.stdlib_module_names) - {"guideloom", "__future__"}
+
+
+def test_the_core_is_pure_arithmetic() -> None:
+    """``_core`` (plans, orders, schedules, layouts) needs numpy alone: no torch, no event loop."""
+    impure = {
+        f"{path.relative_to(PACKAGE.parent)} imports {sorted(extra)}"
+        for name, path in modules().items()
+        if layer(name) == 1 and (extra := _third_party(path) - {"numpy"})
+    }
+    assert not impure, "the core imports more than numpy:\n" + "\n".join(sorted(impure))

@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from guideloom._core.keys import hash64
-from guideloom._core.permutation import IndexArray, Permutation
+from guideloom._core.permutation import IndexArray, Order, Permutation
 
 __all__ = ["GroupPermutation", "LazyGroupPermutation"]
 
@@ -32,7 +32,7 @@ __all__ = ["GroupPermutation", "LazyGroupPermutation"]
 _KEEP_WINDOWS = 64
 
 
-class GroupPermutation:
+class GroupPermutation(Order):
     """A random-access permutation of ``[0, sum(sizes))`` that keeps groups together by windows.
 
     ``sizes[g]`` is the number of samples in group ``g``; group ``g`` holds samples

@@ -22,7 +22,7 @@ offset) are closed forms, and a lookup costs O(1) time and memory at any positio
 
 from __future__ import annotations
 
-from typing import Final, Literal, Protocol
+from typing import Final, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -38,11 +38,12 @@ from guideloom._core.keys import (
     splitmix,
     splitmix_scalar,
 )
-from guideloom._core.permutation import IndexArray, Permutation
+from guideloom._core.permutation import LOOKUP_BLOCK, IndexArray, Order, Permutation
 
 __all__ = [
     "DEFAULT_WINDOW",
     "LOCAL_BLOCK_SIZE",
+    "LOOKUP_BLOCK",
     "REMOTE_BLOCK_BYTES",
     "BlockPermutation",
     "Order",
@@ -78,18 +79,6 @@ _U64 = npt.NDArray[np.uint64]
 _Width = npt.NDArray[np.uint64] | np.uint64  # per position, or one for a whole call
 
 
-class Order(Protocol):
-    """What the pipeline uses of an epoch order: a random-access bijection of ``[0, len)``."""
-
-    def __len__(self) -> int: ...
-
-    def __getitem__(self, position: int) -> int: ...
-
-    def take(self, positions: npt.ArrayLike) -> IndexArray: ...
-
-    def range(self, start: int, stop: int) -> IndexArray: ...
-
-
 def _block_keys(seed: int, epoch: int, n: int, block_size: int) -> tuple[int, tuple[int, ...], int]:
     """The short block's slot seed, the window round keys and the window-key salt.
 
@@ -110,7 +99,7 @@ def _domain_bits(size: int) -> int:
     return max(1, (size - 1).bit_length())
 
 
-class BlockPermutation:
+class BlockPermutation(Order):
     """A chunk-aware permutation of ``[0, n)``: seeded blocks, shuffled within windows of blocks.
 
     ``perm[i]``, ``perm.take(positions)`` and ``perm.range(start, stop)`` map order positions to

@@ -2,8 +2,8 @@
 
 Pure functions of the documents' lengths and offsets (no I/O): the concat layout (the document
 holding each sequence's first element) and best fit decreasing, over the whole dataset or over
-ranges of documents each packed on its own. ``guideloom._datasets.packing`` builds them from a
-storage's offsets and reads by them.
+ranges of documents each packed on its own, and the :class:`Pieces` of a window of rows under
+either. ``guideloom._datasets.packing`` builds them from a storage's offsets and reads by them.
 
 Concat *by blocks* (a storage's natural blocks, Parquet row groups): each block is cut every
 ``L`` elements on its own, so that a block's sequences depend on that block alone (they can be
@@ -17,19 +17,26 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 __all__ = [
     "CHUNK",
+    "Aranges",
     "BestFitLayout",
     "BlockPieces",
     "ConcatLayout",
+    "Pieces",
     "best_fit_decreasing",
     "best_fit_layout",
+    "best_fit_pieces",
     "block_counts",
     "block_pieces",
+    "concat_first",
+    "concat_pieces",
+    "concat_queries",
     "fit_bounds",
     "flat_ranges",
     "tails_count",
@@ -49,6 +56,35 @@ def flat_ranges(starts: I64, counts: I64) -> I64:
         return np.empty(0, dtype=np.int64)
     ends = np.cumsum(counts)
     return np.repeat(starts - ends + counts, counts) + np.arange(total, dtype=np.int64)
+
+
+class Aranges:
+    """``arange(size)`` of a dtype, cut from a cached one (read windows repeat their sizes)."""
+
+    __slots__ = ("_cached",)
+
+    def __init__(self) -> None:
+        self._cached: dict[type[np.signedinteger[Any]], npt.NDArray[Any]] = {}
+
+    def __call__(self, size: int, dtype: type[np.signedinteger[Any]]) -> npt.NDArray[Any]:
+        cached = self._cached.get(dtype)
+        if cached is None or len(cached) < size:
+            cached = self._cached[dtype] = np.arange(size, dtype=dtype)
+        return cached[:size]
+
+
+@dataclass(frozen=True, slots=True)
+class Pieces:
+    """The pieces of a window of sequences, in the window's element order (padding is a piece of
+    its own, and a piece may be empty): length, document (``-1``: padding), segment id (``0``:
+    padding) and where the piece's first element lies in the window's flat ``(n * L)`` block.
+    ``doc_ids`` and ``segment_ids`` are one ``np.repeat`` of these by ``length``, and
+    ``position_ids`` each element's index less its piece's ``start``."""
+
+    length: I64
+    doc: I64
+    segment: npt.NDArray[np.int32]
+    start: I64
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +121,67 @@ class BestFitLayout:
     def nbytes(self) -> int:
         arrays = (self.ptr, self.doc, self.start, self.size, self.groups)
         return int(sum(a.nbytes for a in arrays))
+
+
+def concat_first(targets: I64, first: I64, start: int, offsets: I64) -> None:
+    """Fill ``first`` (a :class:`ConcatLayout`'s, ``targets`` the elements ``min(k * L, total -
+    1)``) where a chunk of documents holds them: documents ``start, start + 1, ...`` whose
+    offsets are ``offsets`` (one more than the documents, the last the next one's start)."""
+    lo, hi = np.searchsorted(targets, [offsets[0], offsets[-1]], side="left").tolist()
+    first[lo:hi] = start + np.searchsorted(offsets, targets[lo:hi], side="right") - 1
+
+
+def concat_queries(layout: ConcatLayout, indices: I64, arange: Aranges) -> I64:
+    """The document offsets to look up for rows ``indices``: an ``(n, w)`` grid, row ``i`` the
+    documents from the one holding the row's first element to the one after its last
+    (repeating the last where a row has fewer: those pieces come out empty)."""
+    a, c = layout.first[indices], layout.first[indices + 1]
+    width = int((c - a).max()) + 2 if len(indices) else 2
+    grid: I64 = np.minimum(a[:, None] + arange(width, np.int64), (c + 1)[:, None])
+    return grid
+
+
+def concat_pieces(indices: I64, positions: I64, offsets: I64, length: int, arange: Aranges) -> Pieces:
+    """The pieces of full rows ``indices`` from the grid of document ``positions``
+    (:func:`concat_queries`) and their ``offsets``: a few whole-grid operations, O(rows x
+    documents a row) whatever the row's length (the elements are never looked at)."""
+    n = len(indices)
+    rel = offsets.reshape(positions.shape) - (indices * length)[:, None]
+    np.minimum(np.maximum(rel, 0, out=rel), length, out=rel)  # np.clip costs more on small arrays
+    sizes = rel[:, 1:] - rel[:, :-1]
+    starts = rel[:, :-1] + (arange(n, np.int64) * length)[:, None]
+    segments = np.cumsum(sizes > 0, axis=1, dtype=np.int32)  # empty documents get no id
+    return Pieces(sizes.ravel(), positions[:, :-1].ravel(), segments.ravel(), starts.ravel())
+
+
+def best_fit_pieces(
+    layout: BestFitLayout, indices: I64, length: int, arange: Aranges
+) -> tuple[Pieces, I64, I64, I64]:
+    """The pieces of best-fit rows ``indices``, each row's padding a piece after its last (empty
+    in a full row); where each real piece's elements start in the storage, their position in the
+    pieces, and how many elements each row holds."""
+    n = len(indices)
+    counts = layout.ptr[indices + 1] - layout.ptr[indices]
+    at = flat_ranges(layout.ptr[indices], counts)
+    size = layout.size[at].astype(np.int64)
+    ends = np.cumsum(size)
+    last = np.cumsum(counts) - 1  # each row's last piece
+    used = np.diff(ends[last], prepend=0) if n else np.zeros(0, np.int64)
+    rows = np.repeat(arange(n, np.int64), counts)
+    real = arange(len(at), np.int64) + rows  # where the real pieces go
+    pad = last + arange(n, np.int64) + 1  # where each row's padding goes
+    row_first = np.repeat(ends[last] - used, counts)
+    total = len(at) + n
+    sizes = np.empty(total, np.int64)
+    sizes[real], sizes[pad] = size, length - used
+    docs = np.full(total, -1, np.int64)
+    docs[real] = layout.doc[at]
+    segments = np.zeros(total, np.int32)
+    segments[real] = real - np.repeat(pad - counts - 1, counts)
+    starts = np.empty(total, np.int64)
+    starts[real] = rows * length + (ends - size - row_first)
+    starts[pad] = arange(n, np.int64) * length + used
+    return Pieces(sizes, docs, segments, starts), layout.start[at], size, used
 
 
 def fit_bounds(blocks: I64, starts: I64, total: int, need: int) -> I64:

@@ -1,4 +1,5 @@
-"""The one keyed permutation: a random-access bijection of ``[0, n)`` fixed by ``(seed, epoch)``.
+"""What an epoch order is, and the one keyed permutation: a random-access bijection of ``[0, n)``
+fixed by ``(seed, epoch)``.
 
 A balanced Feistel network over the smallest even number of bits that covers ``n``, with
 cycle-walking to stay inside ``[0, n)``. A lookup costs O(1) time and the permutation O(1)
@@ -8,12 +9,14 @@ read-ahead window with a handful of numpy operations.
 
 from __future__ import annotations
 
+from typing import ClassVar, Final, Protocol
+
 import numpy as np
 import numpy.typing as npt
 
 from guideloom._core.keys import ROUNDS, feistel, feistel_walk, hash_words
 
-__all__ = ["SCALAR_WALK", "IndexArray", "Permutation"]
+__all__ = ["LOOKUP_BLOCK", "SCALAR_WALK", "IndexArray", "Order", "Permutation"]
 
 
 IndexArray = npt.NDArray[np.int64]
@@ -26,12 +29,54 @@ IndexArray = npt.NDArray[np.int64]
 SCALAR_WALK = 16
 
 
+#: Positions the loader looks up at a time by default (a permutation lookup is a few dozen numpy
+#: operations whatever the array's length, so some 16k positions cost about what 16 do).
+LOOKUP_BLOCK: Final = 16384
+
+
+class Order(Protocol):
+    """What the pipeline uses of an epoch order: a random-access bijection of ``[0, len)``.
+
+    Besides the lookups, an order declares what the loader's reads follow: :attr:`span` and
+    :meth:`window_end` (where a block shuffle's mixing windows end) and :attr:`lookup_block`.
+    An order class subclasses this protocol and overrides the ones it has other values for.
+    """
+
+    __slots__ = ()
+
+    lookup_block: ClassVar[int] = LOOKUP_BLOCK
+    """Positions the loader looks up at a time (:data:`LOOKUP_BLOCK`); an order whose lookups
+    cost more per position (a mixture's tree walk) asks for fewer, so that the first batch after
+    a resume is fast."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, position: int) -> int: ...
+
+    def take(self, positions: npt.ArrayLike) -> IndexArray: ...
+
+    def range(self, start: int, stop: int) -> IndexArray: ...
+
+    @property
+    def span(self) -> int:
+        """Order positions per mixing window where the order reads whole blocks a window at a
+        time (a block shuffle); 0 (the default) for an order without such windows, whose reads
+        are then not cut at :meth:`window_end`."""
+        return 0
+
+    def window_end(self, position: int) -> int:
+        """The end of the mixing window that holds order ``position``: a read that stops there
+        fetches that window's blocks and no other's. ``len(self)`` (the default) where
+        :attr:`span` is 0."""
+        return len(self)
+
+
 def _round_keys(seed: int, epoch: int) -> tuple[int, ...]:
     """Derive the Feistel round keys from ``(seed, epoch)`` with a stable hash."""
     return hash_words(f"guideloom-order:{seed}:{epoch}", ROUNDS)
 
 
-class Permutation:
+class Permutation(Order):
     """A random-access permutation of ``[0, n)`` fixed by ``(seed, epoch)``.
 
     ``perm[i]`` and ``perm.take(positions)`` map order positions to observation indexes. The

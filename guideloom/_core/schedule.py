@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from guideloom._core.delivery import DELIVERED_ERRORS, Delivery
-from guideloom._core.order import Order
+from guideloom._core.order import LOOKUP_BLOCK, Order
 from guideloom._core.plan import BatchSpec, Counting, EpochPlan
 from guideloom._core.rows import Rows
 from guideloom._errors import StorageError
@@ -87,7 +87,8 @@ class Indexes:
     a fraction of a microsecond a batch, where one lookup a window would cost microseconds.
     """
 
-    BLOCK_POSITIONS = 16384
+    #: The most positions a block holds (an order may ask for fewer: :attr:`Order.lookup_block`).
+    BLOCK_POSITIONS = LOOKUP_BLOCK
     #: The first block's positions: the consumer waits for the first batch of a plan started
     #: again between steps (a new geometry), which may be replaced before it reads far. A few
     #: positions are looked up one by one (tens of microseconds, where a vectorised lookup's
@@ -106,8 +107,7 @@ class Indexes:
 
     def _fill(self, step: int) -> None:
         plan = self._plan
-        most = getattr(self._order, "lookup_block", self.BLOCK_POSITIONS)  # a mixture's is smaller
-        block = min(self._block, most)
+        block = min(self._block, self._order.lookup_block, self.BLOCK_POSITIONS)  # a mixture's is smaller
         self._block = min(8 * self._block, self.BLOCK_POSITIONS)
         stop = min(plan.steps_known(), step + max(1, block // plan.local_batch_size))
         positions, sizes = plan.positions(step, stop)

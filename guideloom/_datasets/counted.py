@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from guideloom._core.group_order import LazyGroupPermutation
 from guideloom._core.pack_layout import block_counts, tails_count
-from guideloom._core.permutation import IndexArray
+from guideloom._core.permutation import IndexArray, Order
 from guideloom._core.plan import UNBOUNDED
 
 __all__ = ["KEYED", "SHIFT", "BlockOrder", "decode_keys", "encode_keys"]
@@ -62,7 +62,7 @@ class BlockCounts(Protocol):
     def count_blocks_sync(self, blocks: IndexArray) -> None: ...
 
 
-class BlockOrder:
+class BlockOrder(Order):
     """An epoch order over a concat-by-blocks packing's sequences, counted a window at a time.
 
     ``known`` and ``total`` say how far it is counted; :meth:`count_sync` counts the next

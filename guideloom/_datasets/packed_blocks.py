@@ -26,10 +26,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from guideloom._core.pack_layout import block_counts, block_pieces, tails_count
+from guideloom._core.pack_layout import Pieces, block_counts, block_pieces, tails_count
 from guideloom._datasets.base import Call
 from guideloom._datasets.counted import KEYED, BlockOrder, decode_keys
-from guideloom._datasets.packed_rows import Pieces
 from guideloom._errors import DatasetIntegrityError
 from guideloom.storage.base import BlockCounter, DocumentStorageAbstract
 

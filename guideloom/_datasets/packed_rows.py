@@ -2,36 +2,24 @@
 
 A :class:`~guideloom._datasets.packing.PackedDataset` read returns :class:`PackedRows`, the
 window's tokens with ``doc_ids``, ``segment_ids`` and ``position_ids`` computed from its
-:class:`Pieces` the first time a collate asks for them, each for all the window's rows at once.
+:class:`~guideloom._core.pack_layout.Pieces` the first time a collate asks for them, each for all
+the window's rows at once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, overload
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["KEYS", "PackedRows", "Pieces", "Window"]
+from guideloom._core.pack_layout import Pieces
+
+__all__ = ["KEYS", "PackedRows", "Window"]
 
 I64 = npt.NDArray[np.int64]
 KEYS = ("tokens", "doc_ids", "segment_ids", "position_ids")
-
-
-@dataclass(frozen=True, slots=True)
-class Pieces:
-    """The pieces of a window of sequences, in the window's element order (padding is a piece of
-    its own, and a piece may be empty): length, document (``-1``: padding), segment id (``0``:
-    padding) and where the piece's first element lies in the window's flat ``(n * L)`` block.
-    ``doc_ids`` and ``segment_ids`` are one ``np.repeat`` of these by ``length``, and
-    ``position_ids`` each element's index less its piece's ``start``."""
-
-    length: I64
-    doc: I64
-    segment: npt.NDArray[np.int32]
-    start: I64
 
 
 class Window:

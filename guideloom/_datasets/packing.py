@@ -60,16 +60,22 @@ import numpy.typing as npt
 from guideloom._core.checks import check_int
 from guideloom._core.pack_layout import (
     CHUNK,
+    Aranges,
     BestFitLayout,
     ConcatLayout,
+    Pieces,
     best_fit_layout,
+    best_fit_pieces,
+    concat_first,
+    concat_pieces,
+    concat_queries,
     fit_bounds,
     flat_ranges,
 )
 from guideloom._datasets.base import Call, DatasetAbstract, ReadPlan, read_async, read_sync
 from guideloom._datasets.counted import BlockOrder
 from guideloom._datasets.packed_blocks import COUNT_WINDOW_BYTES, PART_BYTES, PackedBlocks
-from guideloom._datasets.packed_rows import PackedRows, Pieces, Window
+from guideloom._datasets.packed_rows import PackedRows, Window
 from guideloom._loop import LoopThread
 from guideloom.storage.base import DocumentStorageAbstract, Rows, Spans, StreamStorageAbstract
 from guideloom.types import DatasetFingerprint
@@ -162,7 +168,7 @@ class PackedDataset(DatasetAbstract[Sample]):
         self.fit_group = None if fit_group is None else check_int("fit_group", fit_group, 1)
         self._layout: ConcatLayout | BestFitLayout | None = None
         self._blocks: I64 | None = None
-        self._arange: dict[type[np.signedinteger[Any]], npt.NDArray[Any]] = {}
+        self._aranges = Aranges()
         #: Concat over a storage that counts by blocks (Parquet text): each block cut on its own,
         #: counted as it is first read (see :mod:`guideloom._datasets.packed_blocks`).
         self._counted = (
@@ -310,8 +316,7 @@ class PackedDataset(DatasetAbstract[Sample]):
             targets = np.minimum(np.arange(count + 1, dtype=np.int64) * length, total - 1)
             first = np.empty(count + 1, dtype=np.int64)
             async for p0, off in self._offsets_in_chunks():
-                lo, hi = np.searchsorted(targets, [off[0], off[-1]], side="left").tolist()
-                first[lo:hi] = p0 + np.searchsorted(off, targets[lo:hi], side="right") - 1
+                concat_first(targets, first, p0, off)
             return ConcatLayout(length, total, first)
         lengths = np.empty(n, dtype=np.int64)
         starts = np.empty(n, dtype=np.int64)
@@ -340,65 +345,6 @@ class PackedDataset(DatasetAbstract[Sample]):
         return blocks[blocks > 0]
 
     # -- reads ----------------------------------------------------------------------------------
-    def _concat_queries(self, indices: I64) -> I64:
-        """The document offsets to look up for ``indices``: an ``(n, w)`` grid, row ``i`` the
-        documents from the one holding the row's first element to the one after its last
-        (repeating the last where a row has fewer: those pieces come out empty)."""
-        layout = self._layout
-        assert isinstance(layout, ConcatLayout)
-        a, c = layout.first[indices], layout.first[indices + 1]
-        width = int((c - a).max()) + 2 if len(indices) else 2
-        grid: I64 = np.minimum(a[:, None] + self._flat_range(width, np.int64), (c + 1)[:, None])
-        return grid
-
-    def _concat_pieces(self, indices: I64, positions: I64, offsets: I64) -> Pieces:
-        """The pieces of full rows ``indices`` from the grid of document ``positions`` and their
-        ``offsets``: a few whole-grid operations, O(rows x documents a row) whatever the row's
-        length (the elements are never looked at)."""
-        length, n = self.sequence_length, len(indices)
-        rel = offsets.reshape(positions.shape) - (indices * length)[:, None]
-        np.minimum(np.maximum(rel, 0, out=rel), length, out=rel)  # np.clip costs more on small arrays
-        sizes = rel[:, 1:] - rel[:, :-1]
-        starts = rel[:, :-1] + (self._flat_range(n, np.int64) * length)[:, None]
-        segments = np.cumsum(sizes > 0, axis=1, dtype=np.int32)  # empty documents get no id
-        return Pieces(sizes.ravel(), positions[:, :-1].ravel(), segments.ravel(), starts.ravel())
-
-    def _best_fit_pieces(self, indices: I64) -> tuple[Pieces, I64, I64, I64]:
-        """The pieces of rows ``indices``, each row's padding a piece after its last (empty in
-        a full row); where each real piece's elements start in the storage, their position in
-        the pieces, and how many elements each row holds."""
-        layout = self._layout
-        assert isinstance(layout, BestFitLayout)
-        n, length = len(indices), self.sequence_length
-        counts = layout.ptr[indices + 1] - layout.ptr[indices]
-        at = flat_ranges(layout.ptr[indices], counts)
-        size = layout.size[at].astype(np.int64)
-        ends = np.cumsum(size)
-        last = np.cumsum(counts) - 1  # each row's last piece
-        used = np.diff(ends[last], prepend=0) if n else np.zeros(0, np.int64)
-        rows = np.repeat(self._flat_range(n, np.int64), counts)
-        real = self._flat_range(len(at), np.int64) + rows  # where the real pieces go
-        pad = last + self._flat_range(n, np.int64) + 1  # where each row's padding goes
-        row_first = np.repeat(ends[last] - used, counts)
-        total = len(at) + n
-        sizes = np.empty(total, np.int64)
-        sizes[real], sizes[pad] = size, length - used
-        docs = np.full(total, -1, np.int64)
-        docs[real] = layout.doc[at]
-        segments = np.zeros(total, np.int32)
-        segments[real] = real - np.repeat(pad - counts - 1, counts)
-        starts = np.empty(total, np.int64)
-        starts[real] = rows * length + (ends - size - row_first)
-        starts[pad] = self._flat_range(n, np.int64) * length + used
-        return Pieces(sizes, docs, segments, starts), layout.start[at], size, used
-
-    def _flat_range(self, size: int, dtype: type[np.signedinteger[Any]]) -> npt.NDArray[Any]:
-        """``arange(size)``, cut from a cached one per dtype (windows repeat their sizes)."""
-        cached = self._arange.get(dtype)
-        if cached is None or len(cached) < size:
-            cached = self._arange[dtype] = np.arange(size, dtype=dtype)
-        return cached[:size]
-
     def _assemble(
         self, tokens: npt.NDArray[Any], pieces: Pieces | Callable[[], Pieces], used: I64 | None = None
     ) -> PackedRows:
@@ -407,7 +353,7 @@ class PackedDataset(DatasetAbstract[Sample]):
         holds before its padding (``None``: every row is full)."""
         padded = np.flatnonzero(used < self.sequence_length) if used is not None else None
         pad_from = used[padded] if used is not None and padded is not None else None
-        return PackedRows(Window(tokens, pieces, padded, pad_from, self._flat_range), 0, len(tokens))
+        return PackedRows(Window(tokens, pieces, padded, pad_from, self._aranges), 0, len(tokens))
 
     def _concat_tokens(self, spans: Sequence[Any], n: int) -> npt.NDArray[Any]:
         if isinstance(spans, Rows):
@@ -423,9 +369,9 @@ class PackedDataset(DatasetAbstract[Sample]):
         self._require_layout()
         indices = np.asarray(indices, dtype=np.int64)
         length = self.sequence_length
-        storage = self._storage
-        if self.mode == "concat":
-            grid = self._concat_queries(indices)
+        storage, layout, aranges = self._storage, self._layout, self._aranges
+        if isinstance(layout, ConcatLayout):
+            grid = concat_queries(layout, indices, aranges)
             positions = grid.ravel()  # the offsets; the elements do not depend on them
             starts, stops = indices * length, indices * length + length
             offsets, spans = yield [
@@ -440,9 +386,10 @@ class PackedDataset(DatasetAbstract[Sample]):
             ]
             return self._assemble(
                 self._concat_tokens(spans, len(indices)),
-                functools.partial(self._concat_pieces, indices, grid, offsets),
+                functools.partial(concat_pieces, indices, grid, offsets, length, aranges),
             )
-        pieces, starts, sizes, used = self._best_fit_pieces(indices)
+        assert isinstance(layout, BestFitLayout)
+        pieces, starts, sizes, used = best_fit_pieces(layout, indices, length, aranges)
         (rows,) = yield [
             Call(
                 functools.partial(self._fit_rows_sync, pieces, starts, sizes, len(indices)),

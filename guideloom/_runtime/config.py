@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal
 
 from guideloom._core.order import Order
 from guideloom._core.plan import EpochPlan
@@ -106,9 +106,8 @@ def window_bounds(cfg: PipelineConfig) -> Callable[[int], int] | None:
     """
     if cfg.dataset.shuffle_block_bytes is None:
         return None
-    window_end = getattr(cfg.order, "window_end", None)
-    if callable(window_end) and int(getattr(cfg.order, "span", 0)) > 0:
-        return cast("Callable[[int], int]", window_end)
+    if cfg.order.span > 0:
+        return cfg.order.window_end
     return every(max_window_batches(cfg) * cfg.plan.global_batch_size)
 
 

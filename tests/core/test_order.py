@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from guideloom._core.order import (
     DEFAULT_WINDOW,
     LOCAL_BLOCK_SIZE,
+    LOOKUP_BLOCK,
     REMOTE_BLOCK_BYTES,
     BlockPermutation,
     default_block_size,
@@ -347,3 +348,14 @@ def test_orders_are_the_same_in_every_release() -> None:
     for n, b in ((1000, 7), (100000, 64), (5, 2)):
         h.update(BlockPermutation(n, block_size=b, seed=3, epoch=1, window=4).take(np.arange(n)).tobytes())
     assert h.hexdigest() == "56bf6732aa8508fd0f03cbad39b524ac379658fdf1339e35ce4f948fa8c125d5"
+
+
+def test_orders_declare_what_reads_follow() -> None:
+    """Every order answers ``span``, ``window_end`` and ``lookup_block``: the loader reads the
+    attributes, never probes for them."""
+    perm = make_order(1000, shuffle=True, seed=1, epoch=0)
+    assert isinstance(perm, Permutation)
+    assert (perm.span, perm.window_end(5), perm.lookup_block) == (0, 1000, LOOKUP_BLOCK)
+    block = make_order(1000, shuffle=True, seed=1, epoch=0, block_size=10, window=4)
+    assert isinstance(block, BlockPermutation)
+    assert block.span == 40 and block.window_end(5) == 40 and block.lookup_block == LOOKUP_BLOCK

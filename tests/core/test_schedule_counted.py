@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from guideloom._core.order import Order
 from guideloom._core.plan import BatchSpec, EpochPlan, Permutation
 from guideloom._core.schedule import (
     Count,
@@ -28,7 +29,7 @@ from guideloom._core.schedule import (
 Indices = npt.NDArray[np.int64]
 
 
-class Counted:
+class Counted(Order):
     """A keyed permutation of ``[0, n)`` whose positions become known ``chunks[k]`` at a time,
     one chunk a count (what a dataset counted block by block is, seen from the plan)."""
 

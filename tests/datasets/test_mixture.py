@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
-from guideloom._datasets.mixture.schedule import Layout as _Layout
-from guideloom._datasets.mixture.schedule import round_fix as _round_fix
+from guideloom._core.mixture import Layout as _Layout
+from guideloom._core.mixture import round_fix as _round_fix
 from tests.support import ROOT
 from tests.support.loader import roundtrip, take
 

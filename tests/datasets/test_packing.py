@@ -24,8 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
-from guideloom._core.pack_layout import BestFitLayout, best_fit_decreasing, best_fit_layout
-from guideloom._datasets.packed_rows import Pieces
+from guideloom._core.pack_layout import BestFitLayout, Pieces, best_fit_decreasing, best_fit_layout
 from guideloom._datasets.packing import PackMode
 from guideloom.storage._local import _sharded
 from guideloom.storage.base import Spans

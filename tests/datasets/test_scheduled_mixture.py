@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
-from guideloom._datasets.mixture.schedule import Layout
-from guideloom._datasets.mixture.scheduled import ScheduledLayout
+from guideloom._core.mixture import Layout
+from guideloom._core.weight_schedule import ScheduledLayout
 
 weights = st.lists(st.sampled_from([0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 0.3333, 1.7]), min_size=2, max_size=5)
 

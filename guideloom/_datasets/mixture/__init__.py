@@ -59,18 +59,19 @@ The split fractions are held as exact 62-bit fixed-point integers and ``r(j)`` i
 exact for any position below 2^62, where a float rounding near ``f = 1`` could step ``r`` by two.
 
 Weights may also change with training progress (:class:`WeightSchedule`: piecewise constant or
-linear over the mixture's global position); :mod:`.scheduled` serves them from the constant
-schedules above.
+linear over the mixture's global position); :mod:`guideloom._core.weight_schedule` serves them
+from the constant schedules above.
 
-The package: :mod:`.schedule` (the schedule and its layout), :mod:`.scheduled` (weights that
-change with progress), :mod:`.order` (the order of one epoch: the schedule, then each source's
+The schedules are pure arithmetic and live with the other plans: :mod:`guideloom._core.mixture`
+(the schedule and its layout), :mod:`guideloom._core.weight_schedule` (weights that change with
+progress). The package: :mod:`.order` (the order of one epoch: the schedule, then each source's
 seeded permutation), :mod:`.dataset` (the mixture as a dataset, its reads, and :func:`mix`).
 """
 
 from __future__ import annotations
 
+from guideloom._core.weight_schedule import WeightSchedule
 from guideloom._datasets.mixture.dataset import Mixture, Source, mix
 from guideloom._datasets.mixture.order import MixtureOrder
-from guideloom._datasets.mixture.scheduled import WeightSchedule
 
 __all__ = ["Mixture", "MixtureOrder", "Source", "WeightSchedule", "mix"]

@@ -12,12 +12,12 @@ import numpy as np
 import numpy.typing as npt
 
 from guideloom._core.checks import check_bool, check_int
+from guideloom._core.mixture import MAX_SAMPLES, Layout
 from guideloom._core.permutation import IndexArray
+from guideloom._core.weight_schedule import ScheduledLayout, WeightSchedule, check_schedule_names
 from guideloom._datasets.base import Call, DatasetAbstract, ReadPlan, read_async, read_sync
 from guideloom._datasets.documents import DocumentDataset
 from guideloom._datasets.mixture.order import MixtureOrder, SourceKeys
-from guideloom._datasets.mixture.schedule import MAX_SAMPLES, Layout
-from guideloom._datasets.mixture.scheduled import ScheduledLayout, WeightSchedule, check_schedule_names
 from guideloom._datasets.stream import StreamDataset
 from guideloom.storage.base import DocumentStorageAbstract, StreamStorageAbstract
 from guideloom.types import DatasetFingerprint

@@ -4,19 +4,16 @@ order of the sample that position reads. See :mod:`guideloom._datasets.mixture`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
 from guideloom._core.keys import GOLDEN, MIX1, MIX2, ROUNDS, feistel, hash64, splitmix
-from guideloom._core.permutation import IndexArray, Permutation
+from guideloom._core.mixture import Layout
+from guideloom._core.permutation import IndexArray, Order, Permutation
+from guideloom._core.weight_schedule import ScheduledLayout
 from guideloom._datasets.base import DatasetAbstract
-from guideloom._datasets.mixture.schedule import Layout
-from guideloom._datasets.mixture.scheduled import ScheduledLayout
-
-if TYPE_CHECKING:
-    from guideloom._core.order import Order
 
 __all__ = ["KeyedPermutation", "MixtureOrder", "SourceKeys"]
 
@@ -81,7 +78,7 @@ class SourceKeys:
         return self._seed_cache[1]
 
 
-class MixtureOrder:
+class MixtureOrder(Order):
     """One epoch of a mixture's order: position ``[0, num_samples)`` to a key of the mixture
     (a source's offset + an index in that source), see :mod:`guideloom._datasets.mixture`."""
 

@@ -47,6 +47,10 @@ class Sink(Protocol):
     def describe(self) -> str: ...
     def prepare(self, *, overwrite: bool) -> Manifest | None: ...
     def open_file(self, relpath: str) -> IO[bytes]: ...
+    def discard_file(self, fh: IO[bytes]) -> None:
+        """Give up a file :meth:`open_file` opened, unfinished (a local file is closed and later
+        removed by :meth:`abort`; an upload is dropped, so the object never appears)."""
+
     def commit(self, manifest: Manifest, replaced: Manifest | None) -> None: ...
     def abort(self, written: list[str]) -> None: ...
 
@@ -80,6 +84,9 @@ class LocalSink:
 
     def open_file(self, relpath: str) -> IO[bytes]:
         return open(self.folder / relpath, "wb")
+
+    def discard_file(self, fh: IO[bytes]) -> None:
+        fh.close()  # abort() removes it
 
     def commit(self, manifest: Manifest, replaced: Manifest | None) -> None:
         """Write the manifest atomically, then remove the files of the dataset it replaced."""
@@ -203,6 +210,9 @@ class ObjectSink:
         f = _UploadFile(self, relpath)
         self.uploads[relpath] = f
         return cast(IO[bytes], f)
+
+    def discard_file(self, fh: IO[bytes]) -> None:
+        cast(_UploadFile, fh).discard()
 
     def commit(self, manifest: Manifest, replaced: Manifest | None) -> None:
         """Put the manifest (one atomic PUT), then delete the objects of the dataset it replaced."""

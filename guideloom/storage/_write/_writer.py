@@ -220,7 +220,7 @@ class _ArrayWriter:
     def discard(self) -> None:
         """Close the open file of a write that failed (the sink removes the files)."""
         if self._fh is not None:
-            getattr(self._fh, "discard", self._fh.close)()  # an upload is dropped, not completed
+            self.sink.discard_file(self._fh)  # an upload is dropped, not completed
             self._fh = None
 
     def finish(self) -> ArraySpec:

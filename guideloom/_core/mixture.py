@@ -1,6 +1,7 @@
 """A mixture's schedule: which source serves each position of its epoch, a pure function of
 the position (a quota table, or a tree of two-way low-discrepancy splits), in exact 62-bit fixed
-point. See :mod:`guideloom._datasets.mixture`."""
+point. Pure arithmetic over the sources' lengths and weights (no dataset, no I/O); see
+:mod:`guideloom._datasets.mixture` for the design."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ another geometry draws exactly what the run would have). The schedule is a list 
 ``(P_i, weights_i)``, the first at 0:
 
 - ``interpolation="constant"``: ``weights_i`` holds on ``[P_i, P_{i+1})``, the last knot's from it
-  on. Each piece is served by the constant schedule of :mod:`.schedule` over its own positions
+  on. Each piece is served by the constant schedule of :mod:`guideloom._core.mixture` over its own positions
   ``q = P - P_i``, so within a piece every prefix holds each source within that schedule's bound
   of ``w_s q``.
 - ``interpolation="linear"``: the weights move linearly from ``weights_i`` at ``P_i`` to
@@ -28,6 +28,8 @@ At a piece's end the counts are off the integral by an exact amount (0 where the
 is a multiple of its quota table's period); the next piece starts from there, so the bound of a
 piece is its own plus the sum of the earlier pieces' end deviations, each source's computed when
 the layout is built (:attr:`ScheduledLayout.bounds`).
+
+Pure arithmetic, like :mod:`guideloom._core.mixture`: no dataset, no I/O.
 
 A source whose weight is 0 in a piece (at both ends of a ramp) draws nothing there: each
 constant schedule is that of the sources of positive weight (:class:`_Subset`), and a source's
@@ -51,8 +53,8 @@ from typing import Literal, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from guideloom._core.mixture import _PERIOD_MAX, MAX_SAMPLES, Layout
 from guideloom._core.permutation import IndexArray
-from guideloom._datasets.mixture.schedule import _PERIOD_MAX, MAX_SAMPLES, Layout
 
 __all__ = ["ScheduledLayout", "WeightSchedule", "check_schedule_names"]
 

@@ -262,7 +262,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         """The dataset's observations, or at least ``g`` of them: a dataset counted as it is
         read (packed text) counts the current epoch's first windows until they hold ``g`` (what
         its first batch reads anyway), not the whole corpus."""
-        if self.dataset.counted():
+        if self.dataset._is_counted():
             return len(self.dataset)
         ckpt = self._state.ckpt
         order = epoch_order(self, ckpt, ckpt.epoch)
@@ -424,7 +424,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         with life.lock:
             if (
                 life.state != "closed"
-                and self.dataset.counted()
+                and self.dataset._is_counted()
                 and world_size * self.local_batch_size > len(self.dataset)
             ):
                 raise ValueError(
@@ -524,7 +524,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
             )
             counts = state_dict.get("counts")
             if isinstance(counts, str) and not allow_dataset_change:  # counted over this dataset
-                self.dataset.load_count_state(counts)
+                self.dataset._load_count_state(counts)
             state.ckpt.restore(epoch, offset, restore_history(state_dict, epoch, offset))
 
     # -- provenance -------------------------------------------------------------------------------

@@ -1,14 +1,15 @@
 """Datasets: observation ``i`` to sample, over a storage or any random-access source.
 
-Each dataset answers for itself: its length, its batched reads, whether they can run in the
-caller's thread, its checkpoint fingerprint and, for a mixture, its own epoch order.
+Each dataset answers for itself: its length, its batched reads and how the loader reads them
+(``read_hints``), and, for a mixture, its own epoch order; guideloom's own datasets also answer
+internal hooks (whether reads can run in the caller's thread, the checkpoint fingerprint).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from guideloom._datasets.base import DatasetAbstract, SourceT
+from guideloom._datasets.base import DatasetAbstract, ReadHints, SourceT
 from guideloom._datasets.documents import DocumentDataset
 from guideloom._datasets.map import MapDataset
 from guideloom._datasets.mixture import Mixture, WeightSchedule, mix
@@ -23,6 +24,7 @@ __all__ = [
     "Mixture",
     "PackedDataset",
     "PackedRows",
+    "ReadHints",
     "SourceT",
     "StreamDataset",
     "WeightSchedule",

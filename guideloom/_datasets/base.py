@@ -6,6 +6,12 @@ them in one batched call. ``StreamDataset`` cuts a stream into fixed-length samp
 ``__len__`` and ``__getitem__``. A dataset of your own subclasses ``DatasetAbstract`` and
 implements ``__len__`` and ``read_many``; ``storage`` is optional (``None`` by default, and
 ``open``/``close`` then do nothing).
+
+The public contract is those, ``order``, ``describe``, ``sequence_length`` and ``read_hints``
+(one frozen :class:`ReadHints`). What else the loader asks a dataset (blocking reads, counting,
+checkpoint fingerprints, a step that finishes samples where the loader collates) are internal
+hooks, underscore-prefixed: guideloom's own datasets override them, and their defaults are what
+a dataset of your own needs.
 """
 
 from __future__ import annotations
@@ -13,12 +19,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, TypeVar
 
 import anyio
 import numpy as np
 import numpy.typing as npt
 
+from guideloom._core.checks import check_int
 from guideloom._core.schedule import WINDOW_BATCHES
 from guideloom.storage.base import StorageAbstract, mark_own_reads
 from guideloom.types import DatasetFingerprint
@@ -26,37 +33,127 @@ from guideloom.types import DatasetFingerprint
 if TYPE_CHECKING:
     from guideloom._core.order import Order
 
-__all__ = ["Call", "DatasetAbstract", "FinishThenCollate", "ReadPlan", "SourceT", "read_async", "read_sync"]
+__all__ = [
+    "BuiltinDataset",
+    "Call",
+    "DatasetAbstract",
+    "FinishThenCollate",
+    "ReadHints",
+    "ReadPlan",
+    "SourceT",
+    "read_async",
+    "read_sync",
+]
 
-_DEFAULT_READ_WINDOW_BYTES = 4 * 2**20  # what StorageAbstract.read_window_bytes defaults to
+_DEFAULT_READ_WINDOW_BYTES: Final = 4 * 2**20  # what StorageAbstract.read_window_bytes defaults to
+
+#: The names of the read hints as members of a dataset, which :attr:`DatasetAbstract.read_hints`
+#: holds: a subclass that defines one of them would be ignored, so it is refused.
+_HINT_MEMBERS: Final = frozenset(
+    {
+        "max_concurrent_reads",
+        "read_window_bytes",
+        "read_window_batches",
+        "shuffle_block_bytes",
+        "sample_nbytes_hint",
+    }
+)
 
 SourceT = TypeVar("SourceT")
+
+
+@dataclass(frozen=True, slots=True)
+class ReadHints:
+    """How the loader reads a dataset: its read-ahead windows and how many it keeps in flight.
+
+    A dataset over a storage takes its storage's figures; a dataset of your own gets the
+    defaults (one window of 4 MiB, at most 64 batches, in flight at a time: right for memory and
+    local sources) unless its ``read_hints`` returns others, for example more concurrent reads
+    for a source whose reads are round trips.
+
+    Examples:
+        >>> import guideloom as gl
+        >>> class Remote(gl.DatasetAbstract[bytes]):
+        ...     read_hints = gl.ReadHints(max_concurrent_reads=8)
+        ...
+        ...     def __len__(self) -> int:
+        ...         return 100
+        ...
+        ...     async def read_many(self, indices):
+        ...         return [b"%d" % i for i in indices]
+        >>> Remote().read_hints.max_concurrent_reads
+        8
+    """
+
+    max_concurrent_reads: int = 1
+    """Read windows (``read_many`` calls) the loader keeps in flight at once."""
+    read_window_bytes: int = _DEFAULT_READ_WINDOW_BYTES
+    """Bytes the loader asks for in one ``read_many`` call at most: the read-ahead window that
+    batched reads and range coalescing work over."""
+    read_window_batches: int = WINDOW_BATCHES
+    """Batches the loader asks for in one ``read_many`` call at most."""
+    shuffle_block_bytes: int | None = None
+    """Bytes per shuffle block that ``shuffle_block_size="auto"`` aims at; ``None`` asks for the
+    global row shuffle, and read windows that are not cut at block ends."""
+    sample_nbytes: int = 0
+    """A typical sample's size in bytes (0 if unknown), for sizing read-ahead windows."""
+
+    def __post_init__(self) -> None:
+        check_int("max_concurrent_reads", self.max_concurrent_reads, 1)
+        check_int("read_window_bytes", self.read_window_bytes, 1)
+        check_int("read_window_batches", self.read_window_batches, 1)
+        if self.shuffle_block_bytes is not None:
+            check_int("shuffle_block_bytes", self.shuffle_block_bytes, 1)
+        check_int("sample_nbytes", self.sample_nbytes, 0)
+
+    @classmethod
+    def of_storage(cls, storage: StorageAbstract[Any, Any], *, sample_nbytes: int | None = None) -> ReadHints:
+        """A storage's figures (``sample_nbytes``: the storage's own hint unless given)."""
+        return cls(
+            max_concurrent_reads=max(1, int(storage.max_concurrent_reads)),
+            read_window_bytes=max(1, int(storage.read_window_bytes)),
+            read_window_batches=max(1, int(storage.read_window_batches)),
+            shuffle_block_bytes=storage.shuffle_block_bytes,
+            sample_nbytes=max(
+                0, int(storage.sample_nbytes_hint() if sample_nbytes is None else sample_nbytes)
+            ),
+        )
 
 
 class DatasetAbstract(ABC, Generic[SourceT]):
     """A finite, random-access collection of samples read in batches.
 
     Subclass it for a source of your own: implement ``__len__`` and ``read_many`` (and, where
-    the source must be opened and closed, ``open`` and ``close``). ``storage`` is optional.
+    the source must be opened and closed, ``open`` and ``close``). ``storage`` is optional;
+    ``order``, ``describe``, ``sequence_length`` and ``read_hints`` have defaults that a dataset
+    of your own may override.
     """
 
-    #: Whether this class's ``read_many`` is the one guideloom wrote, so that ``read_many_sync``
-    #: and ``will_read`` stand for it. A subclass that defines ``read_many`` without declaring
+    #: Whether this class's ``read_many`` is the one guideloom wrote, so that ``_read_many_sync``
+    #: and ``_will_read`` stand for it. A subclass that defines ``read_many`` without declaring
     #: this again is read through its own ``read_many`` (a check, an augmentation, a fault).
     _plain_reads: ClassVar[bool] = False
     #: Whether :meth:`order` makes the epoch order (a class that defines ``order`` does, unless it
     #: declares otherwise); shuffle blocks are then neither used nor recorded.
-    makes_own_order: ClassVar[bool] = False
-    #: Elements per sample where every sample has that many (a stream's windows, packed rows);
-    #: 0 (the default) where samples have no fixed length. A checkpoint's fingerprint records it.
+    _makes_own_order: ClassVar[bool] = False
+
     sequence_length: int = 0
+    """Elements per sample where every sample has that many (a stream's windows, packed rows);
+    0 (the default) where samples have no fixed length. A checkpoint's fingerprint records it."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         mark_own_reads(cls)
-        if "order" in cls.__dict__ and "makes_own_order" not in cls.__dict__:
-            cls.makes_own_order = True
+        if "order" in cls.__dict__ and "_makes_own_order" not in cls.__dict__:
+            cls._makes_own_order = True
+        hints = _HINT_MEMBERS.intersection(cls.__dict__)
+        if hints:
+            raise TypeError(
+                f"{cls.__name__} defines {', '.join(sorted(hints))}, which a dataset declares in "
+                "one value: define read_hints = ReadHints(...) (or a read_hints property) instead"
+            )
 
+    # -- the contract ---------------------------------------------------------------------------
     @property
     def storage(self) -> StorageAbstract[Any, SourceT] | None:
         """The storage this dataset reads from; ``None`` (the default) for a dataset that reads
@@ -84,64 +181,6 @@ class DatasetAbstract(ABC, Generic[SourceT]):
     async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
         """Samples ``indices`` (each in ``[0, len(self))``), in that order."""
 
-    def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
-        """``read_many`` in the caller's thread (only where ``reads_inline``)."""
-        raise NotImplementedError(f"{type(self).__name__} has no blocking reads")
-
-    @property
-    def reads_inline(self) -> bool:
-        """Whether ``read_many_sync`` can stand in for ``read_many`` now (see
-        :meth:`StorageAbstract.reads_inline <guideloom.StreamStorageAbstract.reads_inline>`).
-
-        guideloom's datasets answer for themselves and their storage; not where a subclass
-        overrides ``read_many`` (to add a check, an augmentation or a fault): its own
-        ``read_many`` is then the read, and the loader calls that. A dataset of your own is
-        read through its ``read_many``.
-        """
-        return False
-
-    @property
-    def read_by_workers(self) -> bool:
-        """Whether process workers read their own batches where the dataset reads inline (its
-        storage's answer, :meth:`StorageAbstract.read_by_workers
-        <guideloom.DocumentStorageAbstract.read_by_workers>`); otherwise the main process reads
-        and sends them the samples."""
-        return self.storage is None or self.storage.read_by_workers()
-
-    @property
-    def max_concurrent_reads(self) -> int:
-        """How many read windows the loader keeps in flight at once: the storage's figure (1 for
-        memory and local files, more for object stores, where a read is bound by round trips);
-        1 for a dataset without a storage."""
-        return 1 if self.storage is None else max(1, int(self.storage.max_concurrent_reads))
-
-    @property
-    def read_window_bytes(self) -> int:
-        """Bytes the loader asks for in one ``read_many`` call at most (the storage's figure, 4 MiB
-        without one): the read-ahead window that batched reads and range coalescing work over."""
-        if self.storage is None:
-            return _DEFAULT_READ_WINDOW_BYTES
-        return max(1, int(self.storage.read_window_bytes))
-
-    @property
-    def read_window_batches(self) -> int:
-        """Batches the loader asks for in one ``read_many`` call at most (the storage's figure,
-        64 without one)."""
-        if self.storage is None:
-            return WINDOW_BATCHES
-        return self.storage.read_window_batches
-
-    @property
-    def shuffle_block_bytes(self) -> int | None:
-        """Bytes per shuffle block that ``shuffle_block_size="auto"`` aims at (the storage's
-        figure); ``None`` (without a storage, or for memory and local files) asks for the global
-        row shuffle, and read windows that are not cut at block ends."""
-        return None if self.storage is None else self.storage.shuffle_block_bytes
-
-    def sample_nbytes_hint(self) -> int:
-        """A typical sample's size in bytes (0 if unknown), for sizing read-ahead windows."""
-        return 0
-
     def order(self, *, shuffle: bool, seed: int, epoch: int) -> Order | None:
         """The epoch order of a dataset that makes its own, or ``None`` (the default): the
         loader then makes its own (the seeded permutation of ``[0, len(self))``, or the block
@@ -153,33 +192,77 @@ class DatasetAbstract(ABC, Generic[SourceT]):
         """
         return None
 
-    def loader_order(self, *, shuffle: bool, seed: int, epoch: int) -> Order | None:
+    def describe(self, index: int) -> dict[str, Any]:
+        """What sample ``index`` is made of, for ``loader.explain()``: JSON-like values under
+        the keys a kind of dataset knows (``source``, ``source_index``, ``documents``,
+        ``elements``, ``files``; see :meth:`StatefulDataLoader.explain
+        <guideloom.StatefulDataLoader.explain>`). O(1): a few lookups, never a sample's data.
+        Empty by default (a dataset of your own may say what it knows)."""
+        return {}
+
+    @property
+    def read_hints(self) -> ReadHints:
+        """How the loader reads this dataset (:class:`ReadHints`): its storage's figures, the
+        defaults without a storage."""
+        return ReadHints() if self.storage is None else ReadHints.of_storage(self.storage)
+
+    # -- internal hooks: what guideloom's own datasets answer otherwise ----------------------------
+    def _read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
+        """``read_many`` in the caller's thread (only where :attr:`_reads_inline`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no blocking reads")
+
+    @property
+    def _reads_inline(self) -> bool:
+        """Whether ``_read_many_sync`` can stand in for ``read_many`` now (see
+        :meth:`StorageAbstract.reads_inline <guideloom.StreamStorageAbstract.reads_inline>`).
+
+        guideloom's datasets answer for themselves and their storage; not where a subclass
+        overrides ``read_many`` (to add a check, an augmentation or a fault): its own
+        ``read_many`` is then the read, and the loader calls that. A dataset of your own is
+        read through its ``read_many``.
+        """
+        return False
+
+    @property
+    def _read_by_workers(self) -> bool:
+        """Whether process workers read their own batches where the dataset reads inline (its
+        storage's answer, :meth:`StorageAbstract.read_by_workers
+        <guideloom.DocumentStorageAbstract.read_by_workers>`); otherwise the main process reads
+        and sends them the samples."""
+        return self.storage is None or self.storage.read_by_workers()
+
+    def _will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
+        """A hint: the ``read_many(indices)`` calls the loader will make next, in order (see
+        :meth:`StreamStorageAbstract.will_read <guideloom.StreamStorageAbstract.will_read>`).
+        The default ignores it."""
+
+    def _loader_order(self, *, shuffle: bool, seed: int, epoch: int) -> Order | None:
         """The order a loader that reads this dataset itself uses: :meth:`order` (the default),
         or one whose indexes name samples otherwise than ``[0, len)`` (packing counted by
         blocks, whose length is known only once every block is read). A mixture uses
         :meth:`order`."""
         return self.order(shuffle=shuffle, seed=seed, epoch=epoch)
 
-    def count_state(self) -> str | None:
+    def _own_order(self) -> bool:
+        """Whether :meth:`_loader_order` gives this dataset's epoch order (``_makes_own_order``,
+        or a dataset whose own order depends on how it was made: packing counted by blocks);
+        the loader's shuffle blocks do not apply then."""
+        return self._makes_own_order
+
+    def _count_state(self) -> str | None:
         """What a checkpoint carries of what this dataset counted as it read (``None``: nothing,
         its length is known without counting)."""
         return None
 
-    def load_count_state(self, state: str) -> None:
-        """Take a checkpoint's :meth:`count_state` (nothing to take by default)."""
+    def _load_count_state(self, state: str) -> None:
+        """Take a checkpoint's :meth:`_count_state` (nothing to take by default)."""
 
-    def counted(self) -> bool:
+    def _is_counted(self) -> bool:
         """Whether ``len()`` is known without counting: a dataset counted as it is read (packed
         text) knows it once every block is read, and ``len()`` before that counts them all."""
         return True
 
-    def own_order(self) -> bool:
-        """Whether :meth:`loader_order` gives this dataset's epoch order (``makes_own_order``, or
-        a dataset whose own order depends on how it was made: packing counted by blocks); the
-        loader's shuffle blocks do not apply then."""
-        return self.makes_own_order
-
-    def fingerprint(self) -> DatasetFingerprint:
+    def _fingerprint(self) -> DatasetFingerprint:
         """What identifies this dataset for a checkpoint: its kind, number of observations,
         sequence length (0 where samples have none) and the digest of its storage's content
         (``""`` where the storage has no manifest). A checkpoint counted over another
@@ -196,41 +279,36 @@ class DatasetAbstract(ABC, Generic[SourceT]):
         """The kind a checkpoint records (a dataset of your own: its class's name)."""
         return type(self).__name__
 
-    def describe(self, index: int) -> dict[str, Any]:
-        """What sample ``index`` is made of, for ``loader.explain()``: JSON-like values under
-        the keys a kind of dataset knows (``source``, ``source_index``, ``documents``,
-        ``elements``, ``files``; see :meth:`StatefulDataLoader.explain
-        <guideloom.StatefulDataLoader.explain>`). O(1): a few lookups, never a sample's data.
-        Empty by default (a dataset of your own may say what it knows)."""
-        return {}
-
-    def natural_blocks(self) -> npt.NDArray[np.int64] | None:
+    def _natural_blocks(self) -> npt.NDArray[np.int64] | None:
         """The sizes of the runs of consecutive observations its storage reads together (Parquet
         row groups), which ``shuffle_block_size="auto"`` keeps together; ``None`` (the default)
         for uniform blocks."""
         return None
 
-    def collate_with(self, collate_fn: Callable[[Sequence[Any]], Any]) -> Callable[[Sequence[Any]], Any]:
+    def _collate_with(self, collate_fn: Callable[[Sequence[Any]], Any]) -> Callable[[Sequence[Any]], Any]:
         """What the loader runs where it collates: ``collate_fn`` itself (the default), or a
         step of this dataset's reads first (tokenizing texts), so that it runs in the workers.
         The same ``collate_fn`` gives the same object each time."""
         return collate_fn
 
-    def finish_step(self) -> Callable[[Sequence[Any]], Sequence[Any]] | None:
+    def _finish_step(self) -> Callable[[Sequence[Any]], Sequence[Any]] | None:
         """The step that finishes this dataset's samples after a read (tokenizing texts) where
-        the loader runs it with ``collate_fn`` (:meth:`collate_with`); ``None`` where a read's
+        the loader runs it with ``collate_fn`` (:meth:`_collate_with`); ``None`` where a read's
         samples are finished. A dataset that reads another (a mixture) runs it after the read."""
         return None
 
-    def position_stats(self, *, epoch: int, offset: int) -> dict[str, float]:
+    def _position_stats(self, *, epoch: int, offset: int) -> dict[str, float]:
         """Figures about position ``(epoch, offset)`` for ``loader.stats()`` (none by default; a
         mixture reports each source's own epoch)."""
         return {}
 
-    def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
-        """A hint: the ``read_many(indices)`` calls the loader will make next, in order (see
-        :meth:`StreamStorageAbstract.will_read <guideloom.StreamStorageAbstract.will_read>`).
-        The default ignores it."""
+
+class BuiltinDataset(DatasetAbstract[SourceT]):
+    """What guideloom's own datasets add to the contract: a blocking read."""
+
+    def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
+        """``read_many`` in the caller's thread, blocking."""
+        return self._read_many_sync(indices)
 
 
 class FinishThenCollate:

@@ -8,13 +8,13 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
-from guideloom._datasets.base import DatasetAbstract, FinishThenCollate, SourceT
+from guideloom._datasets.base import BuiltinDataset, FinishThenCollate, SourceT
 from guideloom.storage.base import DocumentStorageAbstract
 
 __all__ = ["DocumentDataset"]
 
 
-class DocumentDataset(DatasetAbstract[SourceT]):
+class DocumentDataset(BuiltinDataset[SourceT]):
     """One document per sample, as written."""
 
     _plain_reads: ClassVar[bool] = True
@@ -45,14 +45,14 @@ class DocumentDataset(DatasetAbstract[SourceT]):
     async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
         return await self._storage.read_many(indices)
 
-    def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
+    def _read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
         return self._storage.read_many_sync(indices)
 
     @property
-    def reads_inline(self) -> bool:
+    def _reads_inline(self) -> bool:
         return self._plain_reads and self._storage.reads_inline()
 
-    def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
+    def _will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
         if self._plain_reads:  # reads map to the storage's 1:1
             self._storage.will_read(windows)
 
@@ -64,13 +64,13 @@ class DocumentDataset(DatasetAbstract[SourceT]):
     def _fingerprint_kind(self) -> str:
         return "documents"
 
-    def natural_blocks(self) -> npt.NDArray[np.int64] | None:
+    def _natural_blocks(self) -> npt.NDArray[np.int64] | None:
         return self._storage.natural_blocks()
 
-    def finish_step(self) -> Callable[[Sequence[Any]], Sequence[Any]] | None:
+    def _finish_step(self) -> Callable[[Sequence[Any]], Sequence[Any]] | None:
         return self._finish
 
-    def collate_with(self, collate_fn: Callable[[Sequence[Any]], Any]) -> Callable[[Sequence[Any]], Any]:
+    def _collate_with(self, collate_fn: Callable[[Sequence[Any]], Any]) -> Callable[[Sequence[Any]], Any]:
         """``collate_fn``, after the storage's deferred step where it has one (see
         :meth:`DocumentStorageAbstract.deferred_step`); the same object for the same
         ``collate_fn`` (persistent workers keep theirs)."""
@@ -81,8 +81,5 @@ class DocumentDataset(DatasetAbstract[SourceT]):
         made: Callable[[Sequence[Any]], Any] = self._collates[1]
         return made
 
-    def position_stats(self, *, epoch: int, offset: int) -> dict[str, float]:
+    def _position_stats(self, *, epoch: int, offset: int) -> dict[str, float]:
         return self._storage.figures()
-
-    def sample_nbytes_hint(self) -> int:
-        return self._storage.sample_nbytes_hint()

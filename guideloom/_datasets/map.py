@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from guideloom._core.checks import check_int
-from guideloom._datasets.base import DatasetAbstract, SourceT
+from guideloom._datasets.base import BuiltinDataset, SourceT
 
 __all__ = ["MapDataset"]
 
@@ -25,7 +25,7 @@ class _MapStyle(Protocol[_T_co]):
     def __getitem__(self, index: int, /) -> _T_co: ...
 
 
-class MapDataset(DatasetAbstract[SourceT]):
+class MapDataset(BuiltinDataset[SourceT]):
     """Any object with ``__len__`` and ``__getitem__`` (a list, a ``torch.utils.data.Dataset``,
     a Hugging Face dataset) as a dataset: sample ``i`` is ``source[i]``.
 
@@ -59,7 +59,7 @@ class MapDataset(DatasetAbstract[SourceT]):
     def __len__(self) -> int:
         return self._len
 
-    def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
+    def _read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
         keys = indices.tolist()
         if self._getitems is not None:
             return list(self._getitems(keys))
@@ -67,8 +67,8 @@ class MapDataset(DatasetAbstract[SourceT]):
         return [source[i] for i in keys]
 
     async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
-        return await asyncio.to_thread(self.read_many_sync, indices)
+        return await asyncio.to_thread(self._read_many_sync, indices)
 
     @property
-    def reads_inline(self) -> bool:
+    def _reads_inline(self) -> bool:
         return self._plain_reads

@@ -72,7 +72,14 @@ from guideloom._core.pack_layout import (
     fit_bounds,
     flat_ranges,
 )
-from guideloom._datasets.base import Call, DatasetAbstract, ReadPlan, read_async, read_sync
+from guideloom._datasets.base import (
+    BuiltinDataset,
+    Call,
+    ReadHints,
+    ReadPlan,
+    read_async,
+    read_sync,
+)
 from guideloom._datasets.counted import BlockOrder
 from guideloom._datasets.packed_blocks import COUNT_WINDOW_BYTES, PART_BYTES, PackedBlocks
 from guideloom._datasets.packed_rows import PackedRows, Window
@@ -128,7 +135,7 @@ def _fit_rows(spans: Sequence[Any], used: I64, length: int, dtype: Any, pad_id: 
     return out
 
 
-class PackedDataset(DatasetAbstract[Sample]):
+class PackedDataset(BuiltinDataset[Sample]):
     """Documents packed into sequences of ``sequence_length`` elements (see :func:`pack`).
 
     Each sample is a read-only mapping of 1-D arrays: ``"tokens"``, ``"doc_ids"``,
@@ -235,23 +242,23 @@ class PackedDataset(DatasetAbstract[Sample]):
         """Count ``blocks`` (decoding and tokenizing them), in the caller's thread."""
         self._blocks_for("count_blocks_sync()").count_blocks_sync(blocks)
 
-    def counted(self) -> bool:
+    def _is_counted(self) -> bool:
         """Whether every block is counted (always, for a layout built at open)."""
         return self._counted is None or self._counted.counted()
 
-    def count_state(self) -> str | None:
+    def _count_state(self) -> str | None:
         """Counted by blocks: the blocks' totals (``PackedBlocks.state``); ``None`` otherwise."""
         return None if self._counted is None else self._counted.state()
 
-    def load_count_state(self, state: str) -> None:
+    def _load_count_state(self, state: str) -> None:
         if self._counted is not None:
             self._counted.load_state(state)
 
-    def own_order(self) -> bool:
-        """Counted by blocks, the loader reads it in its own order (:meth:`loader_order`)."""
+    def _own_order(self) -> bool:
+        """Counted by blocks, the loader reads it in its own order (:meth:`_loader_order`)."""
         return self._counted is not None
 
-    def loader_order(self, *, shuffle: bool, seed: int, epoch: int) -> BlockOrder | None:
+    def _loader_order(self, *, shuffle: bool, seed: int, epoch: int) -> BlockOrder | None:
         """Counted by blocks: the group order over the blocks (windows of ``count_window``),
         then the tails run, counted a window at a time (the loader's ``shuffle_block_size`` and
         ``shuffle_window`` do not apply); otherwise ``None``, the loader's. A mixture orders
@@ -260,12 +267,12 @@ class PackedDataset(DatasetAbstract[Sample]):
             return None
         return self._counted.order(shuffle=shuffle, seed=seed, epoch=epoch)
 
-    def fingerprint(self) -> DatasetFingerprint:
+    def _fingerprint(self) -> DatasetFingerprint:
         """Counted by blocks and not counted yet: ``observations`` is ``-1`` (the storage's
         digest, the tokenizer and ``sequence_length`` pin the sequences; their number is counted
         as they are read)."""
-        if self.counted():
-            return super().fingerprint()
+        if self._is_counted():
+            return super()._fingerprint()
         return DatasetFingerprint(
             kind=self._fingerprint_kind(),
             observations=-1,
@@ -412,7 +419,7 @@ class PackedDataset(DatasetAbstract[Sample]):
     async def read_many(self, indices: I64) -> Sequence[Sample]:
         return await read_async(self._read(indices))
 
-    def read_many_sync(self, indices: I64) -> Sequence[Sample]:
+    def _read_many_sync(self, indices: I64) -> Sequence[Sample]:
         """``read_many`` in the caller's thread (where ``reads_inline``)."""
         return read_sync(self._read(indices))
 
@@ -446,7 +453,7 @@ class PackedDataset(DatasetAbstract[Sample]):
             "files": [storage.locate(x, y) for _, x, y, _ in pieces],
         }
 
-    def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
+    def _will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
         """The loader's upcoming reads as the storage's: the documents of each window's sequences
         (and, counted by blocks, of the windows past the count), for it to prepare ahead."""
         if self._counted is None and self._layout is None:
@@ -493,7 +500,10 @@ class PackedDataset(DatasetAbstract[Sample]):
             self._blocks = sizes[sizes > 0]
         return self._blocks
 
-    def position_stats(self, *, epoch: int, offset: int) -> dict[str, float]:
+    def _natural_blocks(self) -> I64 | None:
+        return self.natural_blocks()
+
+    def _position_stats(self, *, epoch: int, offset: int) -> dict[str, float]:
         """The storage's figures (Parquet: row groups decoded), as ``loader.stats()`` reports them
         for the documents themselves."""
         return self._storage.figures()
@@ -509,14 +519,17 @@ class PackedDataset(DatasetAbstract[Sample]):
         return f"packed-{self.mode}"
 
     @property
-    def reads_inline(self) -> bool:
+    def _reads_inline(self) -> bool:
         """Whether reads can run in the caller's thread: the storage's say, unless a subclass
         overrides ``read_many``."""
         return self._plain_reads and self._storage.reads_inline()
 
-    def sample_nbytes_hint(self) -> int:
-        """A sequence's bytes: its elements and its three index arrays."""
-        return self.sequence_length * (self._storage.dtype.itemsize + 16)
+    @property
+    def read_hints(self) -> ReadHints:
+        """The storage's figures; a sample's bytes are a sequence's: its elements and its three
+        index arrays."""
+        nbytes = self.sequence_length * (self._storage.dtype.itemsize + 16)
+        return ReadHints.of_storage(self._storage, sample_nbytes=nbytes)
 
 
 def pack(

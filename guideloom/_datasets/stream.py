@@ -9,13 +9,13 @@ import numpy as np
 import numpy.typing as npt
 
 from guideloom._core.checks import check_int
-from guideloom._datasets.base import DatasetAbstract, SourceT
+from guideloom._datasets.base import BuiltinDataset, ReadHints, SourceT
 from guideloom.storage.base import StreamStorageAbstract
 
 __all__ = ["StreamDataset"]
 
 
-class StreamDataset(DatasetAbstract[SourceT]):
+class StreamDataset(BuiltinDataset[SourceT]):
     """Samples of ``sequence_length`` consecutive stream elements; sample ``i`` starts at ``i * L``.
 
     Trailing elements that do not fill a whole sample are not a sample.
@@ -42,14 +42,14 @@ class StreamDataset(DatasetAbstract[SourceT]):
     async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
         return await self._storage.read_many(indices * self.sequence_length, self.sequence_length)
 
-    def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
+    def _read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
         return self._storage.read_many_sync(indices * self.sequence_length, self.sequence_length)
 
     @property
-    def reads_inline(self) -> bool:
+    def _reads_inline(self) -> bool:
         return self._plain_reads and self._storage.reads_inline()
 
-    def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
+    def _will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
         if self._plain_reads:  # reads map to the storage's 1:1
             length = self.sequence_length
             self._storage.will_read((np.asarray(w, dtype=np.int64) * length for w in windows), length)
@@ -63,7 +63,8 @@ class StreamDataset(DatasetAbstract[SourceT]):
     def _fingerprint_kind(self) -> str:
         return "stream"
 
-    def sample_nbytes_hint(self) -> int:
-        return self.sequence_length * max(
-            1, self._storage.sample_nbytes_hint() or self._storage.dtype.itemsize
-        )
+    @property
+    def read_hints(self) -> ReadHints:
+        """The storage's figures; a sample's bytes are its ``sequence_length`` elements'."""
+        element = max(1, self._storage.sample_nbytes_hint() or self._storage.dtype.itemsize)
+        return ReadHints.of_storage(self._storage, sample_nbytes=self.sequence_length * element)

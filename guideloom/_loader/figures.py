@@ -59,7 +59,7 @@ class LoaderFigures:
             out["requests"], out["bytes_read"] = reads
             out["epoch_requests"] = reads[0] - mark[1]
             out["epoch_bytes_read"] = reads[1] - mark[2]
-        out.update(dataset.position_stats(epoch=epoch, offset=offset))
+        out.update(dataset._position_stats(epoch=epoch, offset=offset))
         return out
 
     def mark_epoch_reads(self, dataset: DatasetAbstract[Any], epoch: int) -> None:

@@ -62,7 +62,7 @@ class LoaderState:
             return
         dataset = loader.dataset
         try:
-            collate = dataset.collate_with(loader.collate_fn)
+            collate = dataset._collate_with(loader.collate_fn)
             self.life.worker_pool(loader, dataset, collate, loader.num_workers).begin()
         except Exception:
             return
@@ -95,7 +95,7 @@ class LoaderState:
         # read): the plan learns the epoch's length from it, and needs it only at its end
         counting = order if isinstance(order, Counting) and order.total is None else None
         n = -1 if counting is not None else len(dataset)
-        collate = dataset.collate_with(loader.collate_fn)  # a dataset's step (tokenizing) first
+        collate = dataset._collate_with(loader.collate_fn)  # a dataset's step (tokenizing) first
         return PipelineConfig(
             dataset=dataset,
             plan=EpochPlan(
@@ -127,17 +127,16 @@ def block_size(loader: Loader[Any]) -> int:
     Without shuffle the order is the identity, and a dataset that makes its own order (a
     mixture) ignores blocks: 1 for both, whatever was asked (nothing to record or warn about).
     """
-    if not loader.shuffle or loader.dataset.own_order():
+    if not loader.shuffle or loader.dataset._own_order():
         return 1
     if loader.shuffle_block_size != "auto":  # the storage is asked only for "auto"
         return resolve_block_size(loader.shuffle_block_size, block_bytes=None, sample_nbytes=0)
-    natural = loader.dataset.natural_blocks()
+    natural = loader.dataset._natural_blocks()
     if natural is not None and len(natural):  # recorded as their mean size; the files pin them
         return max(2, round(int(natural.sum()) / len(natural)))
+    hints = loader.dataset.read_hints
     return resolve_block_size(
-        "auto",
-        block_bytes=loader.dataset.shuffle_block_bytes,
-        sample_nbytes=loader.dataset.sample_nbytes_hint(),
+        "auto", block_bytes=hints.shuffle_block_bytes, sample_nbytes=hints.sample_nbytes
     )
 
 
@@ -149,11 +148,11 @@ def window(loader: Loader[Any]) -> int:
 def epoch_order(loader: Loader[Any], ckpt: CheckpointState, epoch: int) -> Order:
     """The order of ``epoch``: the dataset's own where it makes one (a mixture), otherwise
     identity, global row shuffle or block shuffle."""
-    own = loader.dataset.loader_order(shuffle=loader.shuffle, seed=ckpt.order_seed, epoch=epoch)
+    own = loader.dataset._loader_order(shuffle=loader.shuffle, seed=ckpt.order_seed, epoch=epoch)
     if own is not None:
         return own
     natural = (
-        loader.dataset.natural_blocks() if loader.shuffle and loader.shuffle_block_size == "auto" else None
+        loader.dataset._natural_blocks() if loader.shuffle and loader.shuffle_block_size == "auto" else None
     )
     if natural is not None and len(natural):  # blocks of the storage's own (row groups)
         return GroupPermutation(natural, seed=ckpt.order_seed, epoch=epoch, window=window(loader))
@@ -173,7 +172,7 @@ def _loader_fingerprint(loader: Loader[Any], state: LoaderState) -> DatasetFinge
     ckpt = state.ckpt
     if ckpt.fingerprint is not None:
         return ckpt.fingerprint
-    fp = loader.dataset.fingerprint()
+    fp = loader.dataset._fingerprint()
     if state.life.state != "closed" and fp["observations"] >= 0:
         ckpt.fingerprint = fp  # (one counted as read, -1, is asked again: its count completes)
     return fp
@@ -200,7 +199,7 @@ def save_state(
     # always there, "" before the first iterator: torch.distributed.checkpoint loads the keys of
     # the loading side's state_dict() only, so a fresh loader's must have it too
     saved["history"] = history.encode()
-    counts = loader.dataset.count_state()
+    counts = loader.dataset._count_state()
     if counts is not None:  # a dataset counted as it reads: a resume elsewhere need not count again
         saved["counts"] = counts
     block = block_size(loader)
@@ -236,9 +235,9 @@ def identity_to_restore(loader: Loader[Any], state: LoaderState) -> LoaderIdenti
 
 def _has_storage_blocks(loader: Loader[Any]) -> bool:
     """Whether the loader's dataset has shuffle blocks of its own, which ``"auto"`` keeps."""
-    if not loader.shuffle or loader.dataset.own_order():
+    if not loader.shuffle or loader.dataset._own_order():
         return False
-    natural = loader.dataset.natural_blocks()
+    natural = loader.dataset._natural_blocks()
     return natural is not None and len(natural) > 0
 
 

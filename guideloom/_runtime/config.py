@@ -90,8 +90,8 @@ def making_steps(cfg: PipelineConfig) -> tuple[Callable[[Any], Any], ...]:
 
 
 def max_window_batches(cfg: PipelineConfig) -> int:
-    most = max(1, int(cfg.dataset.read_window_batches))
-    return max_window(cfg.plan, cfg.dataset.sample_nbytes_hint(), cfg.dataset.read_window_bytes, most)
+    hints = cfg.dataset.read_hints
+    return max_window(cfg.plan, hints.sample_nbytes, hints.read_window_bytes, hints.read_window_batches)
 
 
 def window_bounds(cfg: PipelineConfig) -> Callable[[int], int] | None:
@@ -104,7 +104,7 @@ def window_bounds(cfg: PipelineConfig) -> Callable[[int], int] | None:
     in between, since a small window of a shuffled epoch is scattered samples, one request each,
     where the largest one coalesces.
     """
-    if cfg.dataset.shuffle_block_bytes is None:
+    if cfg.dataset.read_hints.shuffle_block_bytes is None:
         return None
     if cfg.order.span > 0:
         return cfg.order.window_end

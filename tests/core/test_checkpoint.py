@@ -21,7 +21,7 @@ def _identity(
     dataset: Any, *, shuffle: bool = False, seed: int | None = 0, drop_last: bool = True
 ) -> LoaderIdentity:
     return LoaderIdentity(
-        shuffle=shuffle, shuffle_seed=seed, drop_last=drop_last, fingerprint=dataset.fingerprint()
+        shuffle=shuffle, shuffle_seed=seed, drop_last=drop_last, fingerprint=dataset._fingerprint()
     )
 
 
@@ -32,7 +32,7 @@ def _state(dataset: Any, epoch: int = 0, offset: int = 0, **extra: Any) -> dict[
         "shuffle": False,
         "shuffle_seed": 0,
         "drop_last": True,
-        "dataset": dict(dataset.fingerprint()),
+        "dataset": dict(dataset._fingerprint()),
         **extra,
     }
 
@@ -42,17 +42,17 @@ def _stream(n: int, length: int = 8) -> gl.StreamDataset[Any]:
 
 
 def test_fingerprint_of_stream_and_documents(tmp_path: Path) -> None:
-    fp = _stream(100, 8).fingerprint()
+    fp = _stream(100, 8)._fingerprint()
     assert fp == {"kind": "stream", "observations": 12, "sequence_length": 8, "digest": ""}
     docs = gl.DocumentDataset(gl.MemoryDocumentStorage([np.arange(3), np.arange(5)]))
-    assert docs.fingerprint() == {
+    assert docs._fingerprint() == {
         "kind": "documents",
         "observations": 2,
         "sequence_length": 0,
         "digest": "",
     }
     gl.write_stream(tmp_path / "a", np.arange(1000, dtype=np.uint16))
-    written = gl.StreamDataset(gl.open_stream(tmp_path / "a"), 10).fingerprint()
+    written = gl.StreamDataset(gl.open_stream(tmp_path / "a"), 10)._fingerprint()
     assert len(written["digest"]) == 16 and written["observations"] == 100
 
 
@@ -62,7 +62,7 @@ def test_digest_follows_the_data(tmp_path: Path) -> None:
     gl.write_stream(tmp_path / "c", np.arange(1000, dtype=np.uint16))
 
     def digest(name: str) -> str:
-        return gl.StreamDataset(gl.open_stream(tmp_path / name), 10).fingerprint()["digest"]
+        return gl.StreamDataset(gl.open_stream(tmp_path / name), 10)._fingerprint()["digest"]
 
     assert digest("a") == digest("c")  # same content, same files: same digest
     assert digest("a") != digest("b")  # same sizes, other tokens
@@ -255,7 +255,7 @@ class _Counted:
     def __init__(self, observations: int, kind: str = "packed-concat-blocks") -> None:
         self.fp = {"kind": kind, "observations": observations, "sequence_length": 16, "digest": "parquet-x"}
 
-    def fingerprint(self) -> dict[str, Any]:
+    def _fingerprint(self) -> dict[str, Any]:
         return dict(self.fp)
 
 

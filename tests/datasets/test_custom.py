@@ -99,13 +99,14 @@ def test_the_defaults_of_a_dataset_without_storage() -> None:
     ds = Bare()
     asyncio.run(ds.open())  # nothing to open or close: no error
     asyncio.run(ds.close())
-    assert ds.max_concurrent_reads == 1 and ds.read_window_bytes == 4 * 2**20
-    assert ds.read_window_batches == 64 and ds.shuffle_block_bytes is None
-    assert ds.sequence_length == 0 and ds.fingerprint()["sequence_length"] == 0
-    assert ds.order(shuffle=True, seed=0, epoch=0) is None and ds.position_stats(epoch=0, offset=0) == {}
-    assert not ds.reads_inline
+    assert ds.read_hints == gl.ReadHints(
+        max_concurrent_reads=1, read_window_bytes=4 * 2**20, read_window_batches=64, shuffle_block_bytes=None
+    )
+    assert ds.sequence_length == 0 and ds._fingerprint()["sequence_length"] == 0
+    assert ds.order(shuffle=True, seed=0, epoch=0) is None and ds._position_stats(epoch=0, offset=0) == {}
+    assert not ds._reads_inline
     with pytest.raises(NotImplementedError, match="no blocking reads"):
-        ds.read_many_sync(np.arange(2))
+        ds._read_many_sync(np.arange(2))
     with gl.StatefulDataLoader(
         ds, as_list, local_batch_size=5, shuffle=True, shuffle_seed=1, device=CPU
     ) as ld:
@@ -124,8 +125,9 @@ def test_a_dataset_answers_its_storage_s_read_figures_and_its_own_sequence_lengt
         shuffle_block_bytes = 8 * 2**20
 
     ds = gl.StreamDataset(Remote(np.arange(10)), 2)
-    assert ds.read_window_batches == 256 and ds.shuffle_block_bytes == 8 * 2**20
-    assert ds.sequence_length == 2 and ds.fingerprint()["sequence_length"] == 2
+    assert ds.read_hints.read_window_batches == 256 and ds.read_hints.shuffle_block_bytes == 8 * 2**20
+    assert ds.read_hints.sample_nbytes == 2 * 8  # two int64 elements
+    assert ds.sequence_length == 2 and ds._fingerprint()["sequence_length"] == 2
     assert gl.DocumentDataset(gl.MemoryDocumentStorage([np.arange(3)])).sequence_length == 0
     assert Remote(np.arange(10))._written_manifest() is None  # not a dataset guideloom wrote
 
@@ -163,7 +165,7 @@ def test_map_dataset_over_a_list_a_range_and_a_torch_dataset() -> None:
     with gl.StatefulDataLoader(gl.MapDataset(words), list, local_batch_size=3, device=CPU) as ld:
         assert take(ld) == [words[0:3], words[3:6], words[6:9]]
     ds = gl.MapDataset(TorchSquares())
-    assert len(ds) == 24 and ds.reads_inline
+    assert len(ds) == 24 and ds._reads_inline
     with gl.StatefulDataLoader(ds, stack, local_batch_size=8, shuffle=True, shuffle_seed=0, device=CPU) as ld:
         batches = take(ld)
     seen = torch.cat(batches)
@@ -205,3 +207,47 @@ def test_map_dataset_refuses_what_is_not_map_style() -> None:
         gl.MapDataset(iter(range(3)))
     with pytest.raises(ValueError, match="takes no sequence_length"):
         gl.StatefulDataLoader.from_storage(gl.MapDataset(range(3)), as_list, sequence_length=2, device=CPU)
+
+
+def test_the_contract_a_subclass_sees_is_small() -> None:
+    """What ``help(gl.DatasetAbstract)`` and the reference page show: the members a dataset of
+    one's own implements or may override; the loader's other hooks are internal."""
+    public = {name for name in dir(gl.DatasetAbstract) if not name.startswith("_")}
+    contract = {"storage", "open", "close", "read_many", "order", "describe", "sequence_length", "read_hints"}
+    assert public == contract
+    assert gl.DatasetAbstract.__abstractmethods__ == frozenset({"__len__", "read_many"})
+
+
+class Windowed(Squares):
+    read_hints = gl.ReadHints(read_window_batches=2)
+
+
+def test_a_dataset_s_declared_read_hints_size_its_reads() -> None:
+    plain, windowed = Squares(400), Windowed(400)
+    for ds in (plain, windowed):
+        with gl.StatefulDataLoader(ds, as_list, local_batch_size=4, device=CPU) as ld:
+            assert sorted(x for b in take(ld) for x in b) == [i * i for i in range(400)]
+    assert max(plain.calls) > 8, "the default windows grow past two batches"
+    assert max(windowed.calls) <= 8, "windows of two batches of four at most"
+
+
+def test_read_hints_as_separate_members_are_refused() -> None:
+    with pytest.raises(TypeError, match=r"defines max_concurrent_reads.*read_hints = ReadHints"):
+
+        class Loose(Bare):
+            max_concurrent_reads = 4
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("max_concurrent_reads", 0, ValueError),
+        ("read_window_bytes", 0, ValueError),
+        ("read_window_batches", 1.5, TypeError),
+        ("shuffle_block_bytes", 0, ValueError),
+        ("sample_nbytes", -1, ValueError),
+    ],
+)
+def test_read_hints_are_checked(field: str, value: Any, error: type[Exception]) -> None:
+    with pytest.raises(error, match=field):
+        gl.ReadHints(**{field: value})

@@ -351,7 +351,7 @@ def test_custom_storage_with_only_async_reads_is_packed_through_read_many() -> N
     for mode in ("concat", "best_fit"):
         dataset = gl.pack(storage, 4, mode)  # type: ignore[arg-type]
         asyncio.run(dataset.open())
-        assert not dataset.reads_inline
+        assert not dataset._reads_inline
         expect = read_all(open_packed(docs, 4, mode))
         got = asyncio.run(dataset.read_many(np.arange(len(dataset), dtype=np.int64)))
         for a, b in zip(got, expect, strict=True):

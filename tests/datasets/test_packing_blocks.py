@@ -69,14 +69,14 @@ def test_concat_blocks_group_sequences_by_the_block_of_their_first_element(
     if sum(lengths) < length:
         return
     dataset = opened(blocked(lengths, blocks), length, "concat")
-    natural = dataset.natural_blocks()
+    natural = dataset._natural_blocks()
     assert natural is not None and (natural > 0).all() and int(natural.sum()) == len(dataset)
     doc_of = np.repeat(np.arange(len(lengths)), lengths)
     block_of = block_of_document(blocks)
     first_blocks = block_of[doc_of[np.arange(len(dataset)) * length]]  # each sequence's first element's
     runs = [len(list(g)) for _, g in itertools.groupby(first_blocks.tolist())]
     assert natural.tolist() == runs
-    assert np.array_equal(dataset.natural_blocks(), natural), "kept"
+    assert np.array_equal(dataset._natural_blocks(), natural), "kept"
 
 
 @settings(max_examples=200, deadline=None)
@@ -89,7 +89,7 @@ def test_best_fit_by_ranges_of_blocks_keeps_each_sequence_inside_one_range(
         return
     storage = blocked(lengths, blocks)
     dataset = opened(storage, length, "best_fit", fit_group=fit_group, pad_id=-1)
-    natural = dataset.natural_blocks()
+    natural = dataset._natural_blocks()
     assert natural is not None and (natural > 0).all() and int(natural.sum()) == len(dataset)
     samples = list(dataset.read_many_sync(np.arange(len(dataset), dtype=np.int64)))
     block_of = block_of_document(blocks)
@@ -130,13 +130,13 @@ def test_a_storage_without_blocks_keeps_the_global_layout_and_its_fingerprint() 
     rng = np.random.default_rng(4)
     lengths = rng.integers(0, 60, 300).tolist()
     plain = opened(gl.MemoryDocumentStorage(numbered(lengths)), 32, "best_fit")
-    assert plain.natural_blocks() is None and plain.fingerprint()["kind"] == "packed-best_fit"
+    assert plain.natural_blocks() is None and plain._fingerprint()["kind"] == "packed-best_fit"
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     whole = best_fit_layout(np.asarray(lengths, np.int64), starts, 32)
     everything = np.arange(len(plain), dtype=np.int64)
     assert len(plain) == len(whole)
     unranged = opened(blocked(lengths, [100, 200]), 32, "best_fit", fit_group=None)
-    assert unranged.natural_blocks() is None and unranged.fingerprint()["kind"] == "packed-best_fit"
+    assert unranged.natural_blocks() is None and unranged._fingerprint()["kind"] == "packed-best_fit"
     assert sample_keys(unranged.read_many_sync(everything)) == sample_keys(plain.read_many_sync(everything))
     assert opened(gl.MemoryDocumentStorage(numbered(lengths)), 32, "concat").natural_blocks() is None
 
@@ -147,8 +147,8 @@ def test_best_fit_by_ranges_costs_little_padding_and_has_its_own_fingerprint() -
     blocks = [100] * 30
     ranged = opened(blocked(lengths, blocks), 256, "best_fit")
     whole = opened(blocked(lengths, blocks), 256, "best_fit", fit_group=None)
-    assert ranged.fingerprint()["kind"] == "packed-best_fit-group64"
-    assert whole.fingerprint()["kind"] == "packed-best_fit" and whole.natural_blocks() is None
+    assert ranged._fingerprint()["kind"] == "packed-best_fit-group64"
+    assert whole._fingerprint()["kind"] == "packed-best_fit" and whole.natural_blocks() is None
     assert len(whole) <= len(ranged) <= 1.02 * len(whole)
     with gl.StatefulDataLoader(ranged, sample_keys, local_batch_size=2, device=CPU) as loader:
         take(loader, 1)

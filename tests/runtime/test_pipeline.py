@@ -98,15 +98,15 @@ def _epoch_and_states(storage: Any, n_steps: int | None = None, **kw: Any) -> tu
 def test_reads_inline_only_where_the_blocking_read_is_the_read() -> None:
     from guideloom._datasets import StreamDataset
 
-    assert StreamDataset(gl.MemoryStreamStorage(np.arange(8)), 4).reads_inline
+    assert StreamDataset(gl.MemoryStreamStorage(np.arange(8)), 4)._reads_inline
     # A subclass that overrides only read_many: its own read must be called, so not inline.
-    assert not StreamDataset(AsyncOnlyStream(np.arange(8)), 4).reads_inline
+    assert not StreamDataset(AsyncOnlyStream(np.arange(8)), 4)._reads_inline
 
     class SyncOverride(gl.MemoryStreamStorage):
         def read_many_sync(self, starts: np.ndarray, length: int) -> Any:
             return super().read_many_sync(starts, length)
 
-    assert StreamDataset(SyncOverride(np.arange(8)), 4).reads_inline
+    assert StreamDataset(SyncOverride(np.arange(8)), 4)._reads_inline
 
 
 @settings(max_examples=40, deadline=None)
@@ -192,8 +192,8 @@ def test_a_dataset_subclass_that_overrides_read_many_is_read_through_it() -> Non
             return [s + 1000 for s in await super().read_many(indices)]
 
     ds = Augmented(gl.MemoryStreamStorage(np.arange(32)), 4)
-    assert not ds.reads_inline
-    assert StreamDataset(gl.MemoryStreamStorage(np.arange(32)), 4).reads_inline
+    assert not ds._reads_inline
+    assert StreamDataset(gl.MemoryStreamStorage(np.arange(32)), 4)._reads_inline
 
 
 def test_an_eoferror_from_the_storage_is_the_batch_error_not_the_end_of_the_epoch() -> None:

@@ -103,11 +103,11 @@ def test_the_first_batch_waits_for_one_window_and_each_document_is_tokenized_onc
     with loader(ds) as lo:
         it = iter(lo)
         first = next(it)
-        assert not ds.counted() and 0 < tokenized(ds) < total / 4  # 4 of 36 row groups, about
+        assert not ds._is_counted() and 0 < tokenized(ds) < total / 4  # 4 of 36 row groups, about
         held.set()
         rest = [k for b in it for k in b]
     got = list(first) + rest
-    assert ds.counted() and len(got) == len(set(got)) == total // LENGTH == len(ds)
+    assert ds._is_counted() and len(got) == len(set(got)) == total // LENGTH == len(ds)
     assert tokenized(ds) == total  # each document once over the epoch
     # lossless: every token of the corpus but the tails run's last total % LENGTH, once
     delivered = sorted((d, t) for seq in got for d, t in zip(seq[:LENGTH], seq[LENGTH:], strict=True))
@@ -138,7 +138,7 @@ def test_blocks_counted_on_threads_at_once_are_each_tokenized_once_and_saved_who
         assert len(saved) == 36
         warm = packed(corpus, tokenizer_json, cache)
         asyncio.run(warm.open())
-        assert warm.counted() and warm.block_totals().tolist() == want and tokenized(warm) == 0
+        assert warm._is_counted() and warm.block_totals().tolist() == want and tokenized(warm) == 0
 
 
 def test_a_cold_run_and_a_warm_one_deliver_the_same_sequences_in_the_same_order(
@@ -150,7 +150,7 @@ def test_a_cold_run_and_a_warm_one_deliver_the_same_sequences_in_the_same_order(
     assert len(files) == 36  # every row group's counts kept as they were learned
     warm = packed(corpus, tokenizer_json, tmp_path / "cache")
     with loader(warm):
-        assert warm.counted()  # read back at open, nothing tokenized for them
+        assert warm._is_counted()  # read back at open, nothing tokenized for them
         assert tokenized(warm) == 0
     assert epoch(warm) == a
     assert epoch(packed(corpus, tokenizer_json, None, window=4)) == a  # no cache: counted again
@@ -250,7 +250,7 @@ def test_len_explain_and_a_mixture(corpus: Path, tokenizer_json: str, tmp_path: 
         it = iter(lo)
         batches = [next(it), next(it)]
         [record] = [r for r in lo.explain(step=1) if r["position"] == 5]
-        assert not ds.counted()  # explaining a counted step counts nothing more
+        assert not ds._is_counted()  # explaining a counted step counts nothing more
         pieces = [tuple(p) for p in record["documents"]]
         row = batches[1][1]
         docs = row[:LENGTH]
@@ -258,7 +258,7 @@ def test_len_explain_and_a_mixture(corpus: Path, tokenizer_json: str, tmp_path: 
         assert sum(b - a for _, a, b in pieces) == LENGTH
         assert all(f[0][1].startswith("row group") for f in record["files"])
         assert len(lo) == -(-len(ds) // 4)  # counts the rest (blocking)
-        assert ds.counted()
+        assert ds._is_counted()
         rest = [k for b in it for k in b]
     assert len(batches[0]) + len(batches[1]) + len(rest) == len(ds)
     audited = packed(corpus, tokenizer_json, None)

@@ -209,5 +209,5 @@ def test_a_checkpoint_saved_once_every_row_group_is_counted_records_the_count(co
             pass
         it = iter(lo)
         next(it)
-        assert ds.counted()
+        assert ds._is_counted()
         assert lo.state_dict()["dataset"]["observations"] == len(ds)

@@ -307,5 +307,5 @@ def test_packed_text_is_read_by_the_main_process_and_tokens_by_the_workers(
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", *WORDS])}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     texts = gl.pack(gl.open_parquet(many_groups, "text", tokenizer=tok), 16)
-    assert not texts.read_by_workers
-    assert gl.pack(gl.open_parquet(many_groups, "input_ids"), 16).read_by_workers
+    assert not texts._read_by_workers
+    assert gl.pack(gl.open_parquet(many_groups, "input_ids"), 16)._read_by_workers

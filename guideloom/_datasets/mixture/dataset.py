@@ -15,7 +15,15 @@ from guideloom._core.checks import check_bool, check_int
 from guideloom._core.mixture import MAX_SAMPLES, Layout
 from guideloom._core.permutation import IndexArray
 from guideloom._core.weight_schedule import ScheduledLayout, WeightSchedule, check_schedule_names
-from guideloom._datasets.base import Call, DatasetAbstract, ReadPlan, read_async, read_sync
+from guideloom._datasets.base import (
+    BuiltinDataset,
+    Call,
+    DatasetAbstract,
+    ReadHints,
+    ReadPlan,
+    read_async,
+    read_sync,
+)
 from guideloom._datasets.documents import DocumentDataset
 from guideloom._datasets.mixture.order import MixtureOrder, SourceKeys
 from guideloom._datasets.stream import StreamDataset
@@ -96,18 +104,18 @@ def _digest(
     if scheduled is not None:  # weights that change with progress: the whole schedule
         h.update(f"\n{scheduled.describe()}".encode())
     for name, ds, w in zip(names, datasets, layout.weights.tolist(), strict=True):
-        f = ds.fingerprint()
+        f = ds._fingerprint()
         fp = f"{f['kind']}:{f['observations']}:{f['sequence_length']}:{f['digest']}"
         h.update(f"\n{name}:{w!r}:{fp}".encode())
     return h.hexdigest()
 
 
-class Mixture(DatasetAbstract[Any]):
+class Mixture(BuiltinDataset[Any]):
     """A weighted mixture of datasets, made by :func:`mix`: one dataset whose epoch interleaves
     its sources by weight, each source in its own seeded order (see :func:`mix`)."""
 
     _plain_reads: ClassVar[bool] = True
-    makes_own_order: ClassVar[bool] = True
+    _makes_own_order: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -141,7 +149,7 @@ class Mixture(DatasetAbstract[Any]):
         self._list_cache: list[DatasetAbstract[Any]] | None = None
         self._own_cache: dict[bool, npt.NDArray[np.bool_]] = {}
         self._inline = False  # all sources read inline: once true, it stays (a cache completes)
-        self._read_figures: tuple[int, int, int] | None = None
+        self._read_hints: ReadHints | None = None
         self._digest_cache: str | None = None
         self._keys = SourceKeys(self.names)
 
@@ -173,7 +181,7 @@ class Mixture(DatasetAbstract[Any]):
         out._scheduled_cache = None
         out._list_cache = None
         out._own_cache = {}
-        out._read_figures = None
+        out._read_hints = None
         out._digest_cache = None
         return out
 
@@ -280,7 +288,7 @@ class Mixture(DatasetAbstract[Any]):
         return self._digest_cache
 
     # -- DatasetAbstract ------------------------------------------------------------------------
-    def fingerprint(self) -> DatasetFingerprint:
+    def _fingerprint(self) -> DatasetFingerprint:
         """Its sources' fingerprints, names and weights in one digest."""
         return DatasetFingerprint(
             kind="mixture", observations=len(self), sequence_length=0, digest=self.fingerprint_digest()
@@ -313,7 +321,7 @@ class Mixture(DatasetAbstract[Any]):
             out["source"] = f"{name}/{inner['source']}"
         return out
 
-    def position_stats(self, *, epoch: int, offset: int) -> dict[str, float]:
+    def _position_stats(self, *, epoch: int, offset: int) -> dict[str, float]:
         """``source_epoch/<name>``: the epoch of its own that each source is in at this position
         (how many times it has been read whole; a source smaller than its share exceeds the
         mixture's epoch). Under a schedule of weights also ``weight/<name>``, each source's
@@ -346,13 +354,13 @@ class Mixture(DatasetAbstract[Any]):
                 await ds.open()
                 opened.append(ds)
             self._layout_cache = None  # a storage may know its length only once open
-            self._read_figures = None
+            self._read_hints = None
             self._digest_cache = None
             self._inline = False
             # What a resume needs, made here once: the schedule, the fingerprint, the name keys.
             self._layout()
             self.fingerprint_digest()
-            self._figures()
+            _ = self.read_hints
             self._keys.name_keys()
         except BaseException:
             for ds in reversed(opened):
@@ -375,7 +383,7 @@ class Mixture(DatasetAbstract[Any]):
         groups = _groups(self._layout().offsets, indices)
         calls = [
             Call(
-                functools.partial(datasets[s].read_many_sync, idx),
+                functools.partial(datasets[s]._read_many_sync, idx),
                 functools.partial(datasets[s].read_many, idx),
             )
             for s, _, idx in groups
@@ -383,46 +391,37 @@ class Mixture(DatasetAbstract[Any]):
         results = yield calls
         # a source whose samples a step finishes where a loader collates (texts it tokenizes)
         # is finished here: a mixture's samples are its sources' finished samples
-        finishes = [datasets[s].finish_step() for s, _, _ in groups]
+        finishes = [datasets[s]._finish_step() for s, _, _ in groups]
         results = [r if f is None else f(r) for f, r in zip(finishes, results, strict=True)]
         return _assemble(self.names, self.with_source, len(indices), groups, results)
 
     async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[Any]:
         return await read_async(self._read(indices))
 
-    def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[Any]:
+    def _read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[Any]:
         return read_sync(self._read(indices))
 
     @property
-    def reads_inline(self) -> bool:
+    def _reads_inline(self) -> bool:
         if not self._plain_reads or self._pending:
             return False
         if not self._inline:  # asked every window: kept once true (local files stay local)
-            self._inline = all(ds.reads_inline for ds in self._datasets_list())
+            self._inline = all(ds._reads_inline for ds in self._datasets_list())
         return self._inline
 
-    def _figures(self) -> tuple[int, int, int]:
-        """(max concurrent reads, read window bytes, sample bytes hint), kept once computed."""
-        if self._read_figures is None:
-            datasets = self._datasets_list()
-            hints = np.asarray([ds.sample_nbytes_hint() for ds in datasets], dtype=np.float64)
-            self._read_figures = (
-                max(ds.max_concurrent_reads for ds in datasets),
-                max(ds.read_window_bytes for ds in datasets),
-                round(float((hints * self._layout().weights).sum())),
+    @property
+    def read_hints(self) -> ReadHints:
+        """The sources' most concurrent reads and largest read window, and their samples' bytes
+        weighted by the mixture's weights; kept once computed."""
+        if self._read_hints is None:
+            hints = [ds.read_hints for ds in self._datasets_list()]
+            nbytes = np.asarray([h.sample_nbytes for h in hints], dtype=np.float64)
+            self._read_hints = ReadHints(
+                max_concurrent_reads=max(h.max_concurrent_reads for h in hints),
+                read_window_bytes=max(h.read_window_bytes for h in hints),
+                sample_nbytes=round(float((nbytes * self._layout().weights).sum())),
             )
-        return self._read_figures
-
-    @property
-    def max_concurrent_reads(self) -> int:
-        return self._figures()[0]
-
-    @property
-    def read_window_bytes(self) -> int:
-        return self._figures()[1]
-
-    def sample_nbytes_hint(self) -> int:
-        return self._figures()[2]
+        return self._read_hints
 
 
 def _check_names(sources: Mapping[str, Source]) -> tuple[str, ...]:

@@ -58,7 +58,7 @@ def test_a_remote_mixture_reads_what_the_local_one_does(
         expected = take(ld)
     with loader(remote, prefetch=3, num_workers=2) as ld:
         assert take(ld) == expected
-    assert not remote.reads_inline  # the remote sources were read through their async reads
+    assert not remote._reads_inline  # the remote sources were read through their async reads
 
     async def run_async() -> list[Any]:
         async with loader(remote, prefetch=2) as ld:

@@ -304,11 +304,15 @@ class DatasetAbstract(ABC, Generic[SourceT]):
 
 
 class BuiltinDataset(DatasetAbstract[SourceT]):
-    """What guideloom's own datasets add to the contract: a blocking read."""
+    """What guideloom's own datasets add to the contract: a blocking read, which the loader
+    uses where the dataset reads inline."""
 
+    @abstractmethod
     def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
         """``read_many`` in the caller's thread, blocking."""
-        return self._read_many_sync(indices)
+
+    def _read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
+        return self.read_many_sync(indices)
 
 
 class FinishThenCollate:

@@ -45,7 +45,7 @@ class DocumentDataset(BuiltinDataset[SourceT]):
     async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
         return await self._storage.read_many(indices)
 
-    def _read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
+    def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
         return self._storage.read_many_sync(indices)
 
     @property

@@ -59,7 +59,7 @@ class MapDataset(BuiltinDataset[SourceT]):
     def __len__(self) -> int:
         return self._len
 
-    def _read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
+    def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
         keys = indices.tolist()
         if self._getitems is not None:
             return list(self._getitems(keys))
@@ -67,7 +67,7 @@ class MapDataset(BuiltinDataset[SourceT]):
         return [source[i] for i in keys]
 
     async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
-        return await asyncio.to_thread(self._read_many_sync, indices)
+        return await asyncio.to_thread(self.read_many_sync, indices)
 
     @property
     def _reads_inline(self) -> bool:

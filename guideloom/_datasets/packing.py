@@ -419,8 +419,8 @@ class PackedDataset(BuiltinDataset[Sample]):
     async def read_many(self, indices: I64) -> Sequence[Sample]:
         return await read_async(self._read(indices))
 
-    def _read_many_sync(self, indices: I64) -> Sequence[Sample]:
-        """``read_many`` in the caller's thread (where ``reads_inline``)."""
+    def read_many_sync(self, indices: I64) -> Sequence[Sample]:
+        """``read_many`` in the caller's thread (the loader's, where the storage reads inline)."""
         return read_sync(self._read(indices))
 
     def describe(self, index: int) -> dict[str, Any]:

@@ -42,7 +42,7 @@ class StreamDataset(BuiltinDataset[SourceT]):
     async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
         return await self._storage.read_many(indices * self.sequence_length, self.sequence_length)
 
-    def _read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
+    def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
         return self._storage.read_many_sync(indices * self.sequence_length, self.sequence_length)
 
     @property

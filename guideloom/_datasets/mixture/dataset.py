@@ -398,7 +398,7 @@ class Mixture(BuiltinDataset[Any]):
     async def read_many(self, indices: npt.NDArray[np.int64]) -> Sequence[Any]:
         return await read_async(self._read(indices))
 
-    def _read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[Any]:
+    def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[Any]:
         return read_sync(self._read(indices))
 
     @property

@@ -55,7 +55,11 @@ class SyncDriver:
         self.procs = ex.workers if isinstance(ex.workers, Processes) else None
         try:
             self.flow = flow = EpochFlow(
-                cfg, ex.here, ex.workers, limit=cfg.capacity + 1, concurrency=cfg.dataset.max_concurrent_reads
+                cfg,
+                ex.here,
+                ex.workers,
+                limit=cfg.capacity + 1,
+                concurrency=cfg.dataset.read_hints.max_concurrent_reads,
             )
         except BaseException:
             for executor in ex.all():
@@ -205,7 +209,7 @@ class SyncDriver:
     def _pull(self) -> Delivery | None:
         flow = self.flow
         lean = self._lean
-        if self._lt is not None and not self.reads_inline and self.cfg.dataset.reads_inline:
+        if self._lt is not None and not self.reads_inline and self.cfg.dataset._reads_inline:
             # The storage reads inline from now on (a remote dataset's local copy is complete):
             # its reads go on here, the read-ahead from the loop thread dropped.
             self.reads_inline = True
@@ -270,13 +274,13 @@ class SyncDriver:
         if not self._hinted and flow.reads_here():
             # The plan is known: tell the storage what comes (a chunk cache downloads ahead by it).
             self._hinted = True
-            self.cfg.dataset.will_read(future_reads(flow.plan, self.cfg.order, flow.future_windows()))
+            self.cfg.dataset._will_read(future_reads(flow.plan, self.cfg.order, flow.future_windows()))
 
     def _read_ahead(self) -> None:
         """Start the reads the flow asks for on the loop thread, and nothing else (the workers
         the groups are for are not up yet); nothing where the storage reads inline."""
         flow, dataset = self.flow, self.cfg.dataset
-        if dataset.reads_inline or not flow.reads_here():
+        if dataset._reads_inline or not flow.reads_here():
             return
         self._hint()
         while (r := flow.next_read(ahead=True)) is not None:
@@ -289,13 +293,13 @@ class SyncDriver:
         self._harvest()
         self._hint()
         while True:
-            inline = dataset.reads_inline
+            inline = dataset._reads_inline
             r = flow.next_read(ahead=not inline)
             if r is None:
                 break
             if inline:
                 t0 = time.perf_counter()
-                got = run_sync(flow.schedule(r), dataset.read_many_sync)
+                got = run_sync(flow.schedule(r), dataset._read_many_sync)
                 seconds = time.perf_counter() - t0
                 self._read_s += seconds
                 self._window_read = seconds / max(1, len(r.specs))
@@ -379,7 +383,11 @@ class AsyncDriver:
         self.ex = ex = executors_for(cfg, None if pinned else UNMEASURED, on_loop=True)
         self.procs = ex.workers if isinstance(ex.workers, Processes) else None
         self.flow = flow = EpochFlow(
-            cfg, ex.here, ex.workers, limit=cfg.capacity, concurrency=cfg.dataset.max_concurrent_reads
+            cfg,
+            ex.here,
+            ex.workers,
+            limit=cfg.capacity,
+            concurrency=cfg.dataset.read_hints.max_concurrent_reads,
         )
         if self.procs is not None:
             self.procs.flow = flow
@@ -405,7 +413,7 @@ class AsyncDriver:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
             self._moved = asyncio.Event()
-            self.cfg.dataset.will_read(future_reads(flow.plan, self.cfg.order, flow.future_windows()))
+            self.cfg.dataset._will_read(future_reads(flow.plan, self.cfg.order, flow.future_windows()))
         flow.limit = self.cfg.capacity + 1  # the consumer asks for one: one more credit
         try:
             while not flow.closed:

@@ -266,7 +266,7 @@ class Processes:
     @classmethod
     def of(cls, cfg: PipelineConfig) -> Processes:
         """The loader's persistent pool where it keeps one, else a pool of the iterator's own."""
-        reads_itself = cfg.dataset.reads_inline and cfg.dataset.read_by_workers
+        reads_itself = cfg.dataset._reads_inline and cfg.dataset._read_by_workers
         if cfg.worker_pool is not None:
             return cls(cfg.worker_pool(), owned=False, reads_itself=reads_itself)
         pool = WorkerPool(cfg.dataset, cfg.collate_fn, cfg.num_workers)
@@ -550,7 +550,7 @@ def executors_for(cfg: PipelineConfig, choosers: Choosers | None, *, on_loop: bo
         if on_loop or cfg.prefetch == 0:
             return Chosen(here, None, None, False)
         return Chosen(here, Threads(1, steps, "inline"), None, False)
-    measured = choosers is not None and not on_loop and cfg.dataset.reads_inline
+    measured = choosers is not None and not on_loop and cfg.dataset._reads_inline
     if cfg.parallel_method == "thread":
         threads = Threads(cfg.num_workers, steps, "threads", most_jobs=cfg.num_workers if on_loop else None)
         chooser = None

@@ -132,8 +132,8 @@ class _Worker:
         """Steps ``[start, stop)`` as read (the read's failure at its batch, nothing after it)."""
         plan, indexes, reading = self.epochs[token]
         schedule = read_window(plan.batches(start, stop), indexes, reading)
-        if self.dataset.reads_inline:
-            return run_sync(schedule, self.dataset.read_many_sync)
+        if self.dataset._reads_inline:
+            return run_sync(schedule, self.dataset._read_many_sync)
         return self.loop.run_until_complete(run_async(schedule, self.dataset.read_many))
 
     def _steps(self, task: Task) -> list[Delivery]:

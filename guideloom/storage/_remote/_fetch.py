@@ -18,12 +18,13 @@ obstore's error, so no link of their ``__context__`` chain holds a credential.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Protocol, TypeVar
+from typing import Any, Final, NamedTuple, Protocol, TypeVar
 
 from guideloom._errors import DatasetIntegrityError
 from guideloom.storage._format._blocks import U64, BlockDigests, BlockMismatch, check_range, widen
@@ -41,10 +42,13 @@ from guideloom.storage._remote._objstore import (
     retryable,
 )
 from guideloom.storage._remote._options import ReadSettings
-from guideloom.storage._remote._ranges import U8, Job, Pieces, fill_range
+from guideloom.storage._remote._ranges import U8, Job, Pieces, clip, fill_range
 
 __all__ = [
+    "HOLD_BYTES",
+    "HOLD_READS",
     "BlockCheckError",
+    "HeldBlocks",
     "LocalRanges",
     "RangeFetcher",
     "run_aside",
@@ -139,6 +143,177 @@ def get_verified(
     return memoryview(data)[start - lo : end - lo]
 
 
+#: The first read of a reading session (an epoch's, a resumed one's), where it fetches at most
+#: this many bytes, keeps its verified blocks for the reads planned right after it (and no more
+#: are held at once): that read is the first batch alone, for a fast first batch, and the window
+#: read after it covers its blocks whole.
+HOLD_BYTES: Final = 16 * 2**20
+#: Held blocks that none of this many reads planned after the one that kept them took are let go.
+HOLD_READS: Final = 8
+
+
+class _Held(NamedTuple):
+    start: int
+    end: int
+    data: memoryview  # bytes [start, end) of the object, every block checked against its digest
+    version: ObjectVersion | None  # the object the GET was conditional on
+    read: int  # the read count when it was kept
+
+
+class HeldBlocks:
+    """Verified ranges the first read of a reading session fetched, held by reference (no copy)
+    for the reads planned right after it, which take them instead of fetching their bytes again.
+
+    A session begins where the loader tells the storage the reads to come (``will_read``, at the
+    start of each epoch and of each resumed one), and ends at the next one or when the dataset
+    is closed: everything held is then let go. Only whole blocks of objects with block digests
+    are held, each with the object version its conditional GET was answered for; a read takes a
+    held range only for that same version, else it is let go. A held range is let go once taken,
+    and once :data:`HOLD_READS` reads were planned after the one that kept it; no more than
+    :data:`HOLD_BYTES` are held at once.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ranges: dict[str, list[_Held]] = {}  # per object: sorted by start, disjoint
+        self._nbytes = 0
+        self._reads = 0
+        self._first = False  # a session began: its first read keeps what it fetches
+
+    def begin(self) -> None:
+        """A reading session begins: what an earlier one held is let go, and its first read keeps
+        what it fetches."""
+        with self._lock:
+            self._ranges.clear()
+            self._nbytes = 0
+            self._first = True
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (HeldBlocks, ())  # a process worker's copy holds nothing
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def clear(self) -> None:
+        """The session ends: everything held is let go."""
+        with self._lock:
+            self._ranges.clear()
+            self._nbytes = 0
+            self._first = False
+
+    def tick(self) -> bool:
+        """A read is planned: let go of what the reads since one kept it did not take; whether
+        it is the session's first (which keeps what it fetches)."""
+        with self._lock:
+            self._reads += 1
+            first, self._first = self._first, False
+            if not self._nbytes:
+                return first
+            oldest = self._reads - HOLD_READS
+            for path, held in list(self._ranges.items()):
+                kept = [h for h in held if h.read >= oldest]
+                self._nbytes -= sum(h.end - h.start for h in held) - sum(h.end - h.start for h in kept)
+                if kept:
+                    self._ranges[path] = kept
+                else:
+                    del self._ranges[path]
+            return first
+
+    def add(self, path: str, start: int, end: int, data: Any, version: ObjectVersion | None) -> None:
+        """Hold bytes ``[start, end)`` of ``path`` (whole verified blocks), unless the bound is
+        reached or they overlap bytes held already."""
+        view = memoryview(data).cast("B")
+        if view.nbytes != end - start:
+            return
+        with self._lock:
+            if self._nbytes + (end - start) > HOLD_BYTES:
+                return
+            held = self._ranges.setdefault(path, [])
+            i = bisect.bisect_left(held, start, key=lambda h: h.start)
+            if (i > 0 and held[i - 1].end > start) or (i < len(held) and held[i].start < end):
+                return
+            held.insert(i, _Held(start, end, view, version, self._reads))
+            self._nbytes += end - start
+
+    def take(
+        self, path: str, start: int, end: int, version: ObjectVersion | None
+    ) -> list[tuple[int, int, memoryview]]:
+        """The held bytes inside ``[start, end)`` of ``path`` for ``version``, in order, as
+        ``(start, end, bytes)``; they are held no longer (what lies outside the range stays)."""
+        with self._lock:
+            held = self._ranges.get(path)
+            if not held:
+                return []
+            i = max(0, bisect.bisect_right(held, start, key=lambda h: h.start) - 1)
+            j = i
+            out: list[tuple[int, int, memoryview]] = []
+            stay: list[_Held] = []
+            while j < len(held) and held[j].start < end:
+                h = held[j]
+                j += 1
+                if h.end <= start:
+                    stay.append(h)
+                    continue
+                self._nbytes -= h.end - h.start
+                a, b = max(h.start, start), min(h.end, end)
+                if h.version == version:
+                    out.append((a, b, h.data[a - h.start : b - h.start]))
+                for rest in (
+                    h._replace(end=a, data=h.data[: a - h.start]) if h.start < a else None,
+                    h._replace(start=b, data=h.data[b - h.start :]) if b < h.end else None,
+                ):
+                    if rest is not None:
+                        stay.append(rest)
+                        self._nbytes += rest.end - rest.start
+            held[i:j] = stay
+            if not held:
+                del self._ranges[path]
+            return out
+
+    def holds(self, path: str) -> bool:
+        return bool(self._ranges.get(path))
+
+
+def cut_held(job: Job, held: HeldBlocks, version: ObjectVersion | None) -> None:
+    """Cut ``job``'s ranges around the bytes ``held`` holds for its object: those are copied
+    out of the held bytes (:attr:`Job.held`), the rest fetched; a part of a range no piece
+    needs is not fetched at all."""
+    starts: list[int] = []
+    ends: list[int] = []
+    pieces: list[Pieces] = []
+    inhand: dict[int, Any] = {}
+
+    def part(a: int, b: int, table: Pieces, buf: Any) -> None:
+        part_pieces = clip(table, a, b)
+        if len(part_pieces):
+            if buf is not None:
+                inhand[len(starts)] = buf
+            starts.append(a)
+            ends.append(b)
+            pieces.append(part_pieces)
+
+    cut = False
+    for s, e, table in zip(job.starts, job.ends, job.pieces, strict=True):
+        got = held.take(job.path, s, e, version)
+        if not got:
+            starts.append(s)
+            ends.append(e)
+            pieces.append(table)
+            continue
+        cut = True
+        at = s
+        for a, b, buf in got:
+            if at < a:
+                part(at, a, table, None)
+            part(a, b, table, buf)
+            at = b
+        if at < e:
+            part(at, e, table, None)
+    if cut:
+        job.starts, job.ends, job.pieces, job.held = starts, ends, pieces, inhand
+
+
 class LocalRanges(Protocol):
     """A local source of some of a dataset's bytes (``cache_dir``'s copy in progress)."""
 
@@ -176,23 +351,63 @@ class RangeFetcher:
         self.blocks = blocks
         #: Where ranges may be read locally before a GET is sent (set by the storage).
         self.local: LocalRanges | None = None
+        #: Verified blocks a small read fetched, for the reads planned right after it.
+        self.held = HeldBlocks()
         self._inflight = PerLoop(opts.max_inflight_requests, opts.max_inflight_bytes)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "local": None}  # a process worker's storage sets its own
 
+    def prepare(self, jobs: list[Job]) -> None:
+        """A read's planned ``jobs``, before they run (where they are planned: off the event
+        loop for a large read): their ranges cut around the verified blocks an earlier read
+        holds for this one, and, for a session's first read that fetches at most
+        :data:`HOLD_BYTES`, its own verified blocks kept for the reads after it."""
+        held, blocks = self.held, self.blocks
+        first = held.tick()
+        if blocks is None or not blocks.specs:
+            return  # no block digests: nothing verified to hold
+        fetched = 0
+        for job in jobs:
+            if held.holds(job.path) and blocks.size(job.path):
+                cut_held(job, held, self.versions.get(job.path))
+            fetched += job.fetched_nbytes
+        if first and fetched <= HOLD_BYTES:
+            for job in jobs:
+                job.keep = True
+
     def _read(self, store: Any, job: Job, i: int) -> Any:
-        """On an I/O thread: ``job``'s range ``i``, its pieces copied out by :attr:`local` where
-        it holds them (:data:`_FILLED`), else fetched by one checked GET and copied out here
-        (:data:`_FETCHED`; raises what the GET raises). Copying on this thread keeps the
-        megabytes of a job's copy off the event loop."""
+        """On an I/O thread: ``job``'s range ``i``, its pieces copied out of the verified
+        bytes an earlier read kept (:attr:`Job.held`) or by :attr:`local` where they hold them
+        (:data:`_FILLED`), else fetched by one checked GET and copied out here (:data:`_FETCHED`;
+        raises what the GET raises), and held for the next reads where the job keeps them.
+        Copying on this thread keeps the megabytes of a job's copy off the event loop."""
         path, start, end = job.path, job.starts[i], job.ends[i]
+        inhand = job.held.get(i) if job.held else None
+        if inhand is not None:
+            fill_range(job, i, inhand)
+            return _FILLED
         local = self.local
         if local is not None and local.read_into(path, start, end, job.pieces[i], job.dest):
             return _FILLED
-        data = get_verified(store, path, start, end, self.versions.get(path), self.blocks)
+        version = self.versions.get(path)
+        data = get_verified(store, path, start, end, version, self.blocks)
         fill_range(job, i, data)
+        if job.keep:
+            self._hold(path, start, end, data, version)
         return _FETCHED
+
+    def _hold(self, path: str, start: int, end: int, data: Any, version: ObjectVersion | None) -> None:
+        """Hold the fetched ``data`` (bytes ``[start, end)`` of ``path``) where it is whole blocks,
+        each checked against its digest by the GET that fetched it."""
+        blocks = self.blocks
+        size = 0 if blocks is None else blocks.size(path)
+        if not size:
+            return
+        assert blocks is not None
+        nbytes = blocks.specs[path][1]
+        if start % size == 0 and (end % size == 0 or end == nbytes):
+            self.held.add(path, start, end, data, version)
 
     def peak_inflight_bytes(self) -> int:
         return self._inflight.peak_bytes()

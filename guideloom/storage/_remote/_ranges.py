@@ -34,6 +34,7 @@ __all__ = [
     "Piece",
     "Pieces",
     "bridged_gap",
+    "clip",
     "fill",
     "fill_range",
     "pieces_table",
@@ -148,16 +149,29 @@ class Job:
     ends: list[int] = field(default_factory=list)
     #: per range: every piece it serves
     pieces: list[Pieces] = field(default_factory=list)
+    #: range index -> its bytes, already in hand (verified blocks an earlier read kept): copied
+    #: out, not fetched
+    held: dict[int, Any] = field(default_factory=dict)
+    #: whether the ranges it fetches are kept for the reads right after it (a small read's)
+    keep: bool = False
 
     @property
     def nbytes(self) -> int:
         return sum(e - s for s, e in zip(self.starts, self.ends, strict=True))
 
+    @property
+    def fetched_nbytes(self) -> int:
+        """The bytes its ranges fetch (those held are not)."""
+        held = self.held
+        return sum(
+            e - s for i, (s, e) in enumerate(zip(self.starts, self.ends, strict=True)) if i not in held
+        )
+
     def singles(self) -> list[Job]:
         """One job per range (a failed multi-range call is retried range by range)."""
         return [
-            Job(self.path, self.dest, [s], [e], [p])
-            for s, e, p in zip(self.starts, self.ends, self.pieces, strict=True)
+            Job(self.path, self.dest, [s], [e], [p], {0: self.held[i]} if i in self.held else {}, self.keep)
+            for i, (s, e, p) in enumerate(zip(self.starts, self.ends, self.pieces, strict=True))
         ]
 
 
@@ -384,6 +398,19 @@ def plan_spans(layout: Layout, starts: I64, stops: I64, limits: Limits) -> tuple
         jobs=jobs,
     )
     return jobs, flat, pos.tolist()
+
+
+def clip(pieces: Pieces, start: int, end: int) -> Pieces:
+    """The parts of ``pieces`` inside bytes ``[start, end)`` of their object, each with its
+    destination moved by as much as its start (a piece across the bounds is cut at them)."""
+    lo, n, d = pieces[:, 0], pieces[:, 1], pieces[:, 2]
+    s = np.maximum(lo, start)
+    e = np.minimum(lo + n, end)
+    inside = e > s
+    if inside.all() and (s == lo).all() and (e == lo + n).all():
+        return pieces
+    s, e = s[inside], e[inside]
+    return np.stack([s, e - s, d[inside] + (s - lo[inside])], axis=1)
 
 
 def fill(job: Job, buffers: Sequence[Any]) -> None:

@@ -92,6 +92,26 @@ class _ObjectStorageMixin:
             await self._chunks.run(jobs, key, self._remote.run)
         self._check_intact()
 
+    async def _plan_read(self, n: int, plan: Callable[..., Any], *args: Any) -> Any:
+        """``plan(*args)`` (jobs first), for a read of ``n`` samples, prepared by the fetcher
+        (:meth:`~._fetch.RangeFetcher.prepare`: cut around held blocks, kept for the next reads)
+        where it runs (off the event loop for a large read). Not with a chunk cache, which
+        fetches by chunks of its own."""
+        if self._chunks is not None:
+            return await _planned(n, plan, *args)
+        fetcher = self._remote.fetcher
+
+        def planned() -> Any:
+            out = plan(*args)
+            fetcher.prepare(out[0])
+            return out
+
+        return await _planned(n, planned)
+
+    def _let_go(self) -> None:
+        """Closing: the verified blocks held for the next reads are let go."""
+        self._remote.fetcher.held.clear()
+
     async def _stop_chunks(self) -> None:
         if self._chunks is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._chunks.stop)

@@ -50,7 +50,7 @@ from guideloom.storage._format._manifested import ManifestDocumentStorage, Manif
 from guideloom.storage._local._storage import LocalDocumentStorage, LocalStreamStorage
 from guideloom.storage._remote._client import Remote, open_remote
 from guideloom.storage._remote._ranges import Layout, plan_spans, plan_windows
-from guideloom.storage._remote._shared import _key, _ObjectStorageMixin, _planned
+from guideloom.storage._remote._shared import _key, _ObjectStorageMixin
 from guideloom.storage._write._sinks import ObjectSink
 from guideloom.storage.base import Rows
 
@@ -97,12 +97,15 @@ class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):
     async def close(self) -> None:
         self._opened = False
         self._close_cache()
+        self._let_go()
         await self._stop_chunks()
         self._remote.drop_store()
 
     def will_read(self, windows: Iterable[npt.NDArray[np.int64]], length: int) -> None:
         """The loader's upcoming windows, in read order: a chunk cache downloads ahead by them,
-        and the whole copy fetches its parts in their order."""
+        and the whole copy fetches its parts in their order. A reading session begins: its first
+        read's verified blocks are held for the reads after it (:class:`~._fetch.HeldBlocks`)."""
+        self._remote.fetcher.held.begin()
         chunks, arrays = self._chunks, self._arrays
         cache = self._cache
         if cache is not None:
@@ -142,7 +145,7 @@ class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):
         n = len(starts)
         if n and (int(starts.min()) < 0 or int(starts.max()) + length > len(self)):
             raise IndexError(f"{self!r}: read_many windows must lie inside [0, {len(self)})")
-        jobs, outs = await _planned(n, plan_windows, self._arrays, starts, length, self._remote.limits)
+        jobs, outs = await self._plan_read(n, plan_windows, self._arrays, starts, length, self._remote.limits)
         await self._run(jobs, _key(starts) if n else None)
         for name, bases in self._bases.items():
             add_bases(outs[name], starts[:, None] + np.arange(length, dtype=np.int64), bases)
@@ -189,6 +192,7 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         self._opened = False
         self._offsets = None
         self._close_cache()
+        self._let_go()
         await self._stop_chunks()
         self._remote.drop_store()
 
@@ -212,7 +216,9 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
     def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
         """The loader's upcoming reads, in order: a chunk cache downloads ahead by them, and the
         whole copy fetches its parts in their order (when the offsets are held in memory,
-        ``offsets_cache_bytes``)."""
+        ``offsets_cache_bytes``). A reading session begins: its first read's verified blocks are
+        held for the reads after it (:class:`~._fetch.HeldBlocks`)."""
+        self._remote.fetcher.held.begin()
         chunks, offsets, cache = self._chunks, self._offsets, self._cache
         if offsets is None:
             return
@@ -268,7 +274,9 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         )
         if bad:
             raise DatasetIntegrityError(f"{self.url}: document offsets are out of order or out of range")
-        jobs, flat, bounds = await _planned(n, plan_spans, self._tokens, starts, stops, self._remote.limits)
+        jobs, flat, bounds = await self._plan_read(
+            n, plan_spans, self._tokens, starts, stops, self._remote.limits
+        )
         await self._run(jobs, _key(indices) if n else None)
         return [flat[bounds[i] : bounds[i + 1]] for i in range(n)]
 
@@ -327,7 +335,7 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
         if len(starts) and (int(starts.min()) < 0 or int(stops.max()) > self.manifest.num_elements):
             raise IndexError(f"{self!r}: spans must lie in [0, {self.manifest.num_elements})")
-        jobs, flat, bounds = await _planned(
+        jobs, flat, bounds = await self._plan_read(
             len(starts), plan_spans, self._tokens, starts, stops, self._remote.limits
         )
         await self._run(jobs)  # through the chunk cache, when there is one

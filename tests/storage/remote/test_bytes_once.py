@@ -1,0 +1,91 @@
+"""A shuffled epoch over S3 with ``shuffle_block_size="auto"`` fetches the dataset's bytes once:
+the first batch's verified blocks, read alone for a fast first batch, are not fetched again by
+the window read that follows it."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import guideloom
+from guideloom import StatefulDataLoader
+from guideloom_dev.servers import MotoS3
+from tests.support.remote import BUCKET, Copies
+
+CPU = torch.device("cpu")
+SEQ = 512  # 1 KiB samples of uint16: a 64 KiB block holds 64 of them
+MiB = 2**20
+
+
+def collate(samples: Sequence[np.ndarray]) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(samples).astype(np.int64))
+
+
+@pytest.fixture(scope="module")
+def four_mib(tmp_path_factory: pytest.TempPathFactory, s3: MotoS3) -> Iterator[Copies]:
+    """4 MiB of uint16 tokens in 1 MiB shards (block digests, 64 KiB blocks, in sidecars)."""
+    tokens = np.random.default_rng(11).integers(0, 65_000, 4 * MiB // 2, dtype=np.uint16)
+    folder = tmp_path_factory.mktemp("once") / "once"
+    guideloom.write_stream(folder, tokens, shard_bytes=MiB)
+    s3.upload_folder(folder, BUCKET, "copies/once")
+    yield Copies(folder, f"s3://{BUCKET}/copies/once", "once", tokens)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def loader(storage: Any, batch: int, **options: Any) -> StatefulDataLoader[Any, torch.Tensor]:
+    options.setdefault("shuffle_block_size", "auto")
+    return StatefulDataLoader.from_storage(
+        storage,
+        collate,
+        sequence_length=SEQ,
+        local_batch_size=batch,
+        shuffle=True,
+        shuffle_seed=5,
+        device=CPU,
+        **options,
+    )
+
+
+def local_epochs(
+    copies: Copies, batch: int, figures: dict[str, float], epochs: int
+) -> list[list[torch.Tensor]]:
+    """The same epochs over the local copy, with the blocks "auto" chose over S3."""
+    blocks = {"shuffle_block_size": int(figures["shuffle_block_size"])}
+    with loader(guideloom.open_stream(copies.local), batch, **blocks) as it:
+        assert it.stats()["shuffle_window"] == figures["shuffle_window"]
+        return [list(it) for _ in range(epochs)]
+
+
+@pytest.mark.parametrize("batch", [8, 32])
+@pytest.mark.parametrize("mode", ["sync", "async", "threads"])
+def test_every_epoch_fetches_the_data_once(four_mib: Copies, s3: MotoS3, batch: int, mode: str) -> None:
+    nbytes = four_mib.tokens.nbytes
+    storage = guideloom.open_stream(four_mib.s3_url, **s3.options())
+    options: dict[str, Any] = {"num_workers": 2} if mode == "threads" else {}
+    with loader(storage, batch, **options) as it:
+        assert it.stats()["shuffle_block_size"] == 4 * MiB // (SEQ * 2)
+        epochs: list[list[torch.Tensor]] = []
+        figures: list[dict[str, float]] = []
+        for _ in range(2):
+            if mode == "async":
+
+                async def one() -> list[torch.Tensor]:
+                    return [b async for b in it]
+
+                epochs.append(asyncio.run(one()))
+            else:
+                epochs.append(list(it))
+            figures.append(dict(it.stats()))
+    # what was delivered is the data, as a loader over the local copy delivers it
+    for got, want in zip(epochs, local_epochs(four_mib, batch, figures[0], 2), strict=True):
+        assert len(got) == len(want) == len(four_mib.tokens) // SEQ // batch
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    for f in figures:
+        assert nbytes <= f["epoch_bytes_read"] <= 1.01 * nbytes, (batch, mode, f["epoch_bytes_read"] / nbytes)
+    assert storage.stats()["bytes_read"] == figures[-1]["bytes_read"]

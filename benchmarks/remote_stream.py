@@ -20,6 +20,9 @@ machine nginx, the proxy and the reader still share the CPUs, so treat the figur
     python -m benchmarks remote --quick    # a smaller smoke run
     python -m benchmarks remote --economy  # global shuffle vs shuffle_block_size="auto" on moto
                                            # S3 and nginx at 20 ms: samples/s, GETs, bytes, $/epoch
+    python -m benchmarks remote --bytes    # bytes fetched per epoch / the dataset's bytes with
+                                           # "auto" on moto S3: batch 8 and 32, 32 and 96 MiB,
+                                           # epochs 1 and 2 (sync, async, thread workers)
 """
 
 from __future__ import annotations
@@ -247,7 +250,7 @@ def run_child(*args: Any, script: str = __file__) -> dict[str, Any]:
 
 def child_main(spec: str) -> None:
     kind, *args = json.loads(spec)
-    fn = {"loader": child_loader, "ceiling": child_ceiling, "naive": child_naive}[kind]
+    fn = {"loader": child_loader, "ceiling": child_ceiling, "naive": child_naive, "bytes": child_bytes}[kind]
     print(json.dumps(fn(*args)), flush=True)
     sys.stdout.flush()
     # The bare ceiling uses obstore's *_async functions directly, which can abort the interpreter
@@ -367,6 +370,70 @@ def run_economy(args: argparse.Namespace) -> None:
         nginx.stop()
 
 
+BYTES_SEQ = 512  # 1 KiB samples: a 64 KiB integrity block holds 64
+
+
+def child_bytes(url: str, options: dict[str, Any], batch: int, mode: str, epochs: int) -> dict[str, Any]:
+    """Whole epochs with ``shuffle_block_size="auto"``: the bytes and GETs each fetched."""
+    from guideloom import StatefulDataLoader
+
+    storage = gl.open_stream(url, **options)
+    workers = {"num_workers": 2} if mode == "threads" else {}
+    loader = StatefulDataLoader.from_storage(
+        storage,
+        collate,
+        sequence_length=BYTES_SEQ,
+        local_batch_size=batch,
+        shuffle=True,
+        shuffle_seed=SEED,
+        shuffle_block_size="auto",
+        device="cpu",
+        **workers,
+    )
+    out: list[dict[str, Any]] = []
+    with loader:
+        for _ in range(epochs):
+            if mode == "async":
+
+                async def run() -> int:
+                    return sum([1 async for _ in loader])
+
+                n = asyncio.run(run())
+            else:
+                n = sum(1 for _ in loader)
+            figures = loader.stats()
+            out.append(
+                {"batches": n, "bytes": figures["epoch_bytes_read"], "requests": figures["epoch_requests"]}
+            )
+    return {"epochs": out, "data_bytes": len(storage) * 2}
+
+
+def run_bytes(args: argparse.Namespace) -> None:
+    """Bytes fetched per epoch over moto S3 with ``shuffle_block_size="auto"``, as a share of
+    the dataset's bytes (1.0: every byte once), with the GETs that fetched them."""
+    data_root = Path(os.environ.get("GUIDELOOM_BENCH_DIR", Path(tempfile.gettempdir()) / "guideloom-bench"))
+    data_root.mkdir(parents=True, exist_ok=True)
+    sizes = [int(x) for x in args.bytes_mib.split(",")]
+    modes = args.bytes_modes.split(",")
+    print(
+        f'shuffle_block_size="auto", sequence_length={BYTES_SEQ} (1 KiB samples), 1 MiB shards, '
+        "64 KiB integrity blocks; bytes fetched per epoch / the dataset's bytes (GETs)",
+        flush=True,
+    )
+    for mib in sizes:
+        folder = ensure_small_shards(data_root, mib * MiB // ITEM, MiB)
+        with moto_bucket(folder) as s3:
+            for mode in modes:
+                for batch in (8, 32):
+                    r = run_child("bytes", "s3://bench/gl", s3, batch, mode, 2)
+                    data = r["data_bytes"]
+                    cells = "  ".join(
+                        f"epoch {i + 1} {e['bytes'] / data:.4f}x ({e['requests']} GETs)"
+                        for i, e in enumerate(r["epochs"])
+                    )
+                    print(f"  {mib:3d} MiB  {mode:<7} batch {batch:2d}: {cells}", flush=True)
+
+
 # -- the run -----------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
@@ -381,12 +448,22 @@ def main(argv: list[str] | None = None) -> None:
         help='global shuffle vs shuffle_block_size="auto" on moto S3 and nginx: speed, GETs, cost',
     )
     parser.add_argument("--max-s", type=float, default=60.0, help="--economy: seconds per run at most")
+    parser.add_argument(
+        "--bytes",
+        action="store_true",
+        help='bytes fetched per epoch / the dataset\'s with "auto" on moto S3 (batch 8 and 32, epochs 1-2)',
+    )
+    parser.add_argument("--bytes-mib", default="32,96", help="--bytes: dataset sizes in MiB (32,96)")
+    parser.add_argument("--bytes-modes", default="sync", help="--bytes: sync,async,threads (sync)")
     args = parser.parse_args(argv)
     if args.child:
         child_main(args.child)
         return
     if args.economy:
         run_economy(args)
+        return
+    if args.bytes:
+        run_bytes(args)
         return
 
     from guideloom_dev.servers import Nginx, nginx_binary, proxy_process

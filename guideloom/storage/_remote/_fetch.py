@@ -512,7 +512,8 @@ class RangeFetcher:
             for job in jobs:
                 if failed:
                     break
-                nreq, nbytes = len(job.starts), job.nbytes
+                # what it fetches: its held ranges are in hand already
+                nreq, nbytes = len(job.starts) - len(job.held), job.fetched_nbytes
                 await limit.acquire(nreq, nbytes)
                 try:
                     tasks.append(loop.create_task(one(job, nreq, nbytes)))

@@ -15,7 +15,7 @@ import torch
 
 import guideloom
 from guideloom import StatefulDataLoader
-from guideloom_dev.servers import MotoS3
+from guideloom_dev.servers import FaultProxy, MotoS3
 from tests.support.remote import BUCKET, Copies
 
 CPU = torch.device("cpu")
@@ -36,6 +36,30 @@ def four_mib(tmp_path_factory: pytest.TempPathFactory, s3: MotoS3) -> Iterator[C
     s3.upload_folder(folder, BUCKET, "copies/once")
     yield Copies(folder, f"s3://{BUCKET}/copies/once", "once", tokens)
     shutil.rmtree(folder, ignore_errors=True)
+
+
+class _CountedReader:
+    """A stream reader that counts what it reads."""
+
+    def __init__(self, reader: asyncio.StreamReader, proxy: CountingProxy) -> None:
+        self._reader, self._proxy = reader, proxy
+
+    async def read(self, n: int = -1) -> bytes:
+        data = await self._reader.read(n)
+        self._proxy.sent += len(data)
+        return data
+
+
+class CountingProxy(FaultProxy):
+    """The loopback proxy, without faults or delay, counting the bytes the server sent
+    (responses whole: status lines, headers and bodies)."""
+
+    sent = 0
+
+    async def _pump(self, reader: Any, writer: Any, other: Any, conn: Any, *, upstream: bool) -> None:
+        await super()._pump(
+            reader if upstream else _CountedReader(reader, self), writer, other, conn, upstream=upstream
+        )
 
 
 def loader(storage: Any, batch: int, **options: Any) -> StatefulDataLoader[Any, torch.Tensor]:
@@ -64,15 +88,21 @@ def local_epochs(
 
 @pytest.mark.parametrize("batch", [8, 32])
 @pytest.mark.parametrize("mode", ["sync", "async", "threads"])
-def test_every_epoch_fetches_the_data_once(four_mib: Copies, s3: MotoS3, batch: int, mode: str) -> None:
+def test_every_epoch_fetches_the_data_once(
+    four_mib: Copies, s3: MotoS3, proxy_for: list[FaultProxy], batch: int, mode: str
+) -> None:
     nbytes = four_mib.tokens.nbytes
-    storage = guideloom.open_stream(four_mib.s3_url, **s3.options())
+    proxy = CountingProxy(s3.port, lifetime=100.0).start()
+    proxy_for.append(proxy)
+    storage = guideloom.open_stream(four_mib.s3_url, **s3.options(proxy.url))
     options: dict[str, Any] = {"num_workers": 2} if mode == "threads" else {}
     with loader(storage, batch, **options) as it:
         assert it.stats()["shuffle_block_size"] == 4 * MiB // (SEQ * 2)
         epochs: list[list[torch.Tensor]] = []
         figures: list[dict[str, float]] = []
+        sent: list[int] = []
         for _ in range(2):
+            before = proxy.sent
             if mode == "async":
 
                 async def one() -> list[torch.Tensor]:
@@ -82,12 +112,15 @@ def test_every_epoch_fetches_the_data_once(four_mib: Copies, s3: MotoS3, batch: 
             else:
                 epochs.append(list(it))
             figures.append(dict(it.stats()))
+            sent.append(proxy.sent - before)
     # what was delivered is the data, as a loader over the local copy delivers it
     for got, want in zip(epochs, local_epochs(four_mib, batch, figures[0], 2), strict=True):
         assert len(got) == len(want) == len(four_mib.tokens) // SEQ // batch
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    for f in figures:
+    for f, wire in zip(figures, sent, strict=True):
         assert nbytes <= f["epoch_bytes_read"] <= 1.01 * nbytes, (batch, mode, f["epoch_bytes_read"] / nbytes)
+        # what the server sent, its responses' headers included
+        assert f["epoch_bytes_read"] < wire <= 1.01 * nbytes, (batch, mode, wire / nbytes)
     assert storage.stats()["bytes_read"] == figures[-1]["bytes_read"]
 
 

@@ -15,6 +15,9 @@ import torch
 
 import guideloom
 from guideloom import StatefulDataLoader
+from guideloom._errors import DatasetIntegrityError
+from guideloom.storage._remote._fetch import RangeFetcher
+from guideloom.storage._remote._ranges import Job
 from guideloom_dev.servers import FaultProxy, MotoS3
 from tests.support.remote import BUCKET, Copies
 
@@ -144,3 +147,38 @@ def test_a_resumed_epoch_fetches_the_rest_once(four_mib: Copies, s3: MotoS3) -> 
     assert all(torch.equal(a, b) for a, b in zip(head + rest, whole, strict=True))
     # the rest of the one mixing window: its blocks once, the resumed first batch's included
     assert storage.stats()["bytes_read"] <= 1.01 * nbytes
+
+
+def test_objects_replaced_after_the_first_batch_are_refused(
+    four_mib: Copies, s3: MotoS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The window read after the first batch copies the blocks that batch verified, and fetches
+    the rest with GETs conditional on the objects the dataset was opened with: objects replaced
+    in between are refused at that read, not delivered beside the blocks held."""
+    prefix = "copies/once-replaced"
+    s3.upload_folder(four_mib.local, BUCKET, prefix)
+    shards = sorted(p.name for p in four_mib.local.iterdir() if p.name.endswith(".bin"))
+    prepare = RangeFetcher.prepare
+    planned: list[int] = []
+
+    def replace_before_the_window_read(self: RangeFetcher, jobs: list[Job]) -> None:
+        planned.append(len(jobs))
+        if len(planned) == 2:  # the first read kept its blocks; the window read is planned now
+            assert self.held.nbytes > 0
+            client = s3.client()
+            for shard in shards:
+                body = (four_mib.local / shard).read_bytes()
+                client.put_object(Bucket=BUCKET, Key=f"{prefix}/{shard}", Body=body[::-1])  # same size
+        prepare(self, jobs)
+
+    monkeypatch.setattr(RangeFetcher, "prepare", replace_before_the_window_read)
+    storage = guideloom.open_stream(f"s3://{BUCKET}/{prefix}", **s3.options())
+    with loader(storage, 8) as it:
+        batches = iter(it)
+        first = next(batches)
+        with pytest.raises(DatasetIntegrityError, match="changed on the object store"):
+            next(batches)
+        blocks = int(it.stats()["shuffle_block_size"])
+    assert len(planned) >= 2
+    with loader(guideloom.open_stream(four_mib.local), 8, shuffle_block_size=blocks) as local:
+        assert torch.equal(first, next(iter(local)))

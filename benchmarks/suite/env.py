@@ -6,6 +6,7 @@ It lives outside the repository (``$GUIDELOOM_BENCH_VENV``, default
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -44,6 +45,26 @@ def venv_path() -> Path:
     return Path(os.environ.get("GUIDELOOM_BENCH_VENV", Path(tempfile.gettempdir()) / "guideloom-bench-venv"))
 
 
+def _refuse_cuda_torch(py: Path, env: dict[str, str]) -> None:
+    """Resolve ``TORCH`` without installing it and refuse a CUDA build (it pulls gigabytes of
+    ``nvidia-*`` wheels the CPU-only suite never uses)."""
+    report = subprocess.run(
+        [str(py), "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q", "--report", "-", TORCH],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+    ).stdout
+    names = [item["metadata"]["name"] for item in json.loads(report)["install"]]
+    cuda = sorted(n for n in names if n.lower().startswith("nvidia-"))
+    if cuda:
+        raise SystemExit(
+            f"{TORCH} resolves to a CUDA build here (it pulls {', '.join(cuda[:3])}, ...): set "
+            "GUIDELOOM_BENCH_TORCH to a CPU build, e.g. GUIDELOOM_BENCH_TORCH='torch==2.13.0+cpu' with "
+            "PIP_EXTRA_INDEX_URL set to PyTorch's CPU wheel index, then run --setup-only again"
+        )
+
+
 def ensure_venv(force: bool = False) -> Path:
     venv = venv_path()
     py = venv / "bin" / "python"
@@ -57,6 +78,7 @@ def ensure_venv(force: bool = False) -> Path:
     constraints.write_text(TORCH + "\n")
     env = dict(os.environ, PIP_CONSTRAINT=str(constraints))
     pip = [str(py), "-m", "pip", "install", "-q"]
+    _refuse_cuda_torch(py, env)
     subprocess.run([*pip, TORCH], check=True, env=env)
     subprocess.run([*pip, "-e", f"{ROOT}[torch,remote]", *PEERS, *TOOLS], check=True, env=env)
     subprocess.run([str(py), "-m", "pip", "uninstall", "-q", "-y", "torchvision"], check=False, env=env)

@@ -41,6 +41,7 @@ import contextlib
 import io
 import json
 import os
+import runpy
 import selectors
 import shutil
 import subprocess
@@ -603,12 +604,20 @@ class Worker:
             out.outcome = "no-target"
 
     def _merge(self, location: str) -> None:
-        """``guideloom prepare --merge``: a refusal is a non-zero exit with one line of message."""
-        from guideloom._cli import main
-
+        """``guideloom prepare --merge``: a refusal is a non-zero exit with one line of message.
+        It runs as ``python -m guideloom`` does, in this process (the trial's damage hooks and
+        oracle stay here)."""
         err = io.StringIO()
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            status = main(["prepare", "--merge", location])
+        argv = sys.argv
+        sys.argv = ["guideloom", "prepare", "--merge", location]
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                runpy.run_module("guideloom", run_name="__main__")
+            status = 0
+        except SystemExit as exc:
+            status = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        finally:
+            sys.argv = argv
         if status:
             message = err.getvalue().strip()
             if message and "\n" not in message and "Traceback" not in message:

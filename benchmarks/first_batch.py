@@ -104,9 +104,7 @@ def child_bare(endpoint_or_url: str, options: dict[str, Any], path: str, count: 
     once on threads) and, on S3, boto3; ms each."""
     import obstore
 
-    from guideloom.storage._remote._locations import parse_location
-    from guideloom.storage._remote._objstore import make_store
-    from guideloom.storage._remote._options import split_options
+    from benchmarks._internals import make_store, parse_location, split_options
 
     loc = parse_location(endpoint_or_url)
     opts, _w, config, client = split_options(dict(options), write=False)

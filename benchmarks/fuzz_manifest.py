@@ -28,8 +28,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from guideloom import DatasetFormatError
-from guideloom.storage._format._manifest import (
+from benchmarks._internals import (
     MANIFEST_NAME,
     SUPPORTED_DTYPES,
     ArraySpec,
@@ -39,6 +38,7 @@ from guideloom.storage._format._manifest import (
     parse_manifest,
     storage_dtype,
 )
+from guideloom import DatasetFormatError
 
 WHERE = f"fuzz/{MANIFEST_NAME}"
 _HEX = "0123456789abcdef"

@@ -32,16 +32,12 @@ def _collate(samples: Any) -> Any:
 
 def _write(folder: Path, mb: int, block: int) -> None:
     import guideloom as gl
-    from guideloom.storage._format import _blocks
-    from guideloom.storage._write import _writer
+    from benchmarks._internals import written_block_bytes
 
-    _writer.BLOCK_BYTES = block  # type: ignore[attr-defined]
-    try:
+    with written_block_bytes(block):
         rng = np.random.default_rng(1)
         n = mb * 2**20 // 2
         gl.write_stream(folder, (rng.integers(0, 50_000, n // 8, dtype=np.uint16) for _ in range(8)))
-    finally:
-        _writer.BLOCK_BYTES = _blocks.BLOCK_BYTES  # type: ignore[attr-defined]
 
 
 def _strip(src: Path, dst: Path) -> None:
@@ -60,10 +56,10 @@ def _epoch(storage: Any, fresh: bool = True, **kw: Any) -> float:
     import torch
 
     import guideloom as gl
-    from guideloom import _process
+    from benchmarks._internals import forget_block_checks
 
     if fresh:
-        _process.reset()  # as a fresh process: every block checked on first touch
+        forget_block_checks()  # as a fresh process: every block checked on first touch
     loader = gl.StatefulDataLoader.from_storage(
         storage,
         _collate,

@@ -94,7 +94,7 @@ def ensure_dataset(tokens: int) -> Path:
 
 def order_for(n_samples: int, batches: int) -> np.ndarray:
     """The same shuffled sample order guideloom uses (its plan), for the baselines."""
-    from guideloom._core.plan import Permutation
+    from benchmarks._internals import Permutation
 
     return Permutation(n_samples, shuffle=True, seed=0, epoch=0).range(0, batches * BATCH)
 

@@ -54,7 +54,7 @@ def build(dest: Path, parts: int, kind: str, document_ids: bool = False) -> None
     """``parts`` part folders as ``prepare --task I --tasks parts`` leaves them (their data files
     hard links to one file per content: the disk holds one part's data)."""
     _MADE.clear()
-    from guideloom._cli._parts import part_folder, part_options
+    from benchmarks._internals import part_folder, part_options
 
     record = part_options({"kind": kind, "tokenizer": "bytes", "tasks": parts, "synthetic": True})
     rng = np.random.default_rng(0)
@@ -109,7 +109,7 @@ def _rss_mib() -> float:
 
 
 def child_merge(dest: str) -> dict[str, float]:
-    from guideloom._cli._parts import merge_parts
+    from benchmarks._internals import merge_parts
 
     before = _rss_mib()
     t0 = time.perf_counter()

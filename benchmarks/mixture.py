@@ -160,7 +160,7 @@ def discrepancy(mixtures: int, positions: int = 20_000, seed: int = 5, epoch: in
     ``epoch`` positions (default: ``positions``), and the proven bound, on random mixtures of
     2-40 sources: uniform, heavy-tailed (uniform^6) and mixed (1, 2, 10, 1e-3) weights; and how
     many got each kind of schedule."""
-    from guideloom._datasets.mixture.schedule import Layout as _Layout
+    from benchmarks._internals import Layout as _Layout
 
     rng = np.random.default_rng(seed)
     worst, bounds, kinds = [], [], {"quota period": 0, "quota epoch": 0, "tree": 0}

@@ -377,7 +377,7 @@ def fit_padding(documents: int) -> dict[str, Any]:
     dataset (what the ranges cost in padding), for ``documents`` documents of lognormal
     lengths (sigma 1; medians 300 and 1,000 tokens) in row groups of 100 and 1,000 rows,
     ``sequence_length=2048``: each row group on its own, and ranges of ``fit_group`` 64 and 256."""
-    from guideloom._core.pack_layout import best_fit_layout
+    from benchmarks._internals import best_fit_layout
 
     rng = np.random.default_rng(0)
     out: dict[str, Any] = {}

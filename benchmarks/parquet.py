@@ -525,9 +525,8 @@ def length_index_cost(data: Path) -> dict[str, float]:
 
 
 def shuffle_quality() -> list[str]:
+    from benchmarks._internals import GroupPermutation, Permutation
     from benchmarks.shuffle_quality import metrics
-    from guideloom._core.group_order import GroupPermutation
-    from guideloom._core.permutation import Permutation
 
     n, group = 48_000, 1000
     sizes = np.full(n // group, group)

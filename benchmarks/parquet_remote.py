@@ -88,13 +88,11 @@ def make_loader(config: str, urls: list[str], tokenizer: str) -> Any:
     import guideloom as gl
 
     cpu = torch.device("cpu")
-    from guideloom.storage._parquet import DEFAULT_FETCH_AHEAD
-
-    ahead = 0 if config.endswith("-noahead") else DEFAULT_FETCH_AHEAD
+    ahead: dict[str, Any] = {"fetch_ahead": 0} if config.endswith("-noahead") else {}  # else the default
     config = config.removesuffix("-noahead")
     if config in ("gl-parquet-text", "gl-parquet-text-threads"):
         storage = gl.open_parquet(
-            urls, "text", tokenizer=tokenizer, eos="</s>", max_decoded_bytes=DECODED_REMOTE, fetch_ahead=ahead
+            urls, "text", tokenizer=tokenizer, eos="</s>", max_decoded_bytes=DECODED_REMOTE, **ahead
         )
         method = "thread" if config.endswith("threads") else "process"
         return gl.StatefulDataLoader.from_storage(
@@ -102,7 +100,7 @@ def make_loader(config: str, urls: list[str], tokenizer: str) -> Any:
             shuffle=True, shuffle_block_size="auto", device=cpu,
         )  # fmt: skip
     if config == "gl-parquet-tokens":
-        storage = gl.open_parquet(urls, "input_ids", max_decoded_bytes=DECODED_REMOTE, fetch_ahead=ahead)
+        storage = gl.open_parquet(urls, "input_ids", max_decoded_bytes=DECODED_REMOTE, **ahead)
         return gl.StatefulDataLoader.from_storage(
             storage, collate_docs, local_batch_size=BATCH, shuffle=True, shuffle_block_size="auto", device=cpu
         )

@@ -79,7 +79,7 @@ def ensure_dataset(root: Path, nbytes: int) -> Path:
 
 def sample_starts(num_samples: int, count: int) -> np.ndarray:
     """The byte offsets of the first ``count`` samples of the loader's shuffled epoch 0."""
-    from guideloom._core.plan import Permutation
+    from benchmarks._internals import Permutation
 
     order = Permutation(num_samples, shuffle=True, seed=SEED, epoch=0)
     return order.take(np.arange(count, dtype=np.int64)) * (SEQ * ITEM)

@@ -28,8 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from guideloom._core.order import DEFAULT_WINDOW, BlockPermutation, default_block_size
-from guideloom._core.plan import Permutation
+from benchmarks._internals import DEFAULT_WINDOW, BlockPermutation, Permutation, default_block_size
 
 N = 48_828  # 100M tokens / 2048
 B = 16

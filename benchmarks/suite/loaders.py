@@ -29,7 +29,7 @@ def collate(samples: Sequence[np.ndarray]) -> torch.Tensor:
 
 
 def _order(num_samples: int, start: int, count: int) -> np.ndarray:
-    from guideloom._core.plan import Permutation
+    from benchmarks._internals import Permutation
 
     return Permutation(num_samples, shuffle=True, seed=SEED, epoch=0).range(start, start + count)
 

@@ -397,7 +397,7 @@ def test_opening_a_mixture_opens_every_source_and_a_failure_closes_them() -> Non
 def test_real_gloo_ranks_share_no_sample_of_a_source_epoch_and_resume_on_another_world(
     tmp_path: Path,
 ) -> None:
-    from tests.support.mixture_rank import SEQ, ids, mixture
+    from tests.support.mixture_rank import SEQ, mixture, source_ids
     from tests.support.ranks import run_ranks
 
     gl.write_stream(tmp_path / "stream", np.arange(40 * SEQ, dtype=np.uint32), shard_bytes=400)
@@ -408,7 +408,9 @@ def test_real_gloo_ranks_share_no_sample_of_a_source_epoch_and_resume_on_another
     assert results[0]["steps"] == results[1]["steps"]  # both gathered the same global batches
     seen = [tuple(x) for step in results[0]["steps"] for x in step]
     m = mixture(tmp_path)
-    with gl.StatefulDataLoader(m, ids, local_batch_size=8, shuffle=True, shuffle_seed=5, device=CPU) as ld:
+    with gl.StatefulDataLoader(
+        m, source_ids, local_batch_size=8, shuffle=True, shuffle_seed=5, device=CPU
+    ) as ld:
         single = [x for _ in range(2) for b in take(ld) for x in b]
         stats = ld.stats()
     assert seen == single  # 2 ranks x 4 == 1 rank x 8, sample for sample, over two epochs
@@ -428,7 +430,14 @@ def test_real_gloo_ranks_share_no_sample_of_a_source_epoch_and_resume_on_another
     rest: list[list[tuple[str, int]]] = []
     for rank in range(3):
         with gl.StatefulDataLoader(
-            m, ids, local_batch_size=2, rank=rank, world_size=3, shuffle=True, shuffle_seed=5, device=CPU
+            m,
+            source_ids,
+            local_batch_size=2,
+            rank=rank,
+            world_size=3,
+            shuffle=True,
+            shuffle_seed=5,
+            device=CPU,
         ) as ld:
             ld.load_state_dict(state)
             for step, b in enumerate(take(ld)):

@@ -203,14 +203,14 @@ def test_torchtitan_saves_on_1_rank_and_resumes_on_2(tmp_path: Path) -> None:
 # -- what the frameworks' own data helpers do with the loader ----------------------------------------
 
 
-def ids(samples: Sequence[np.ndarray]) -> torch.Tensor:
+def ids_tensor(samples: Sequence[np.ndarray]) -> torch.Tensor:
     return torch.tensor([int(s[0]) // 4 for s in samples], dtype=torch.int64)
 
 
 def small_loader(n: int = 24) -> gl.StatefulDataLoader[Any, torch.Tensor]:
     return gl.StatefulDataLoader.from_storage(
         gl.MemoryStreamStorage(np.arange(n * 4, dtype=np.int64)),
-        ids,
+        ids_tensor,
         sequence_length=4,
         local_batch_size=4,
         device=torch.device("cpu"),

@@ -24,7 +24,7 @@ from guideloom._runtime.drive import AsyncDriver, SyncDriver
 N = 240
 
 
-def ids(samples: Any) -> tuple[list[int], int]:
+def ids_and_pid(samples: Any) -> tuple[list[int], int]:
     """The batch's samples, and the process that collated it (picklable: process workers)."""
     return [int(s[0]) for s in samples], os.getpid()
 
@@ -41,7 +41,7 @@ def config(p: EpochPlan, nw: int = 0, prefetch: int = 0, method: str = "thread")
         dataset=gl.StreamDataset(gl.MemoryStreamStorage(np.arange(N)), 1),
         plan=p,
         order=ORDER,
-        collate_fn=ids,
+        collate_fn=ids_and_pid,
         device=torch.device("cpu"),
         pin_memory=False,
         num_workers=nw,

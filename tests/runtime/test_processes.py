@@ -227,7 +227,7 @@ class OpensOnlyHere(gl.MemoryStreamStorage):
             raise KeyError("no credentials in the worker")
         super().open_sync()
 
-def ids(samples):
+def first_elements(samples):
     return [int(s[0]) for s in samples]
 
 start_missing = WorkerPool._start_missing
@@ -240,7 +240,7 @@ WorkerPool._start_missing = late
 
 if __name__ == "__main__":
     loader = gl.StatefulDataLoader.from_storage(
-        OpensOnlyHere(np.arange(16 * 64, dtype=np.int32)), ids, sequence_length=64,
+        OpensOnlyHere(np.arange(16 * 64, dtype=np.int32)), first_elements, sequence_length=64,
         local_batch_size=4, num_workers=2, parallel_method="process", collate_mode="workers",
         device=torch.device("cpu"),
     )
@@ -591,7 +591,7 @@ def test_loaders_without_process_workers_start_no_fork_server(tmp_path: Path, st
             import torch
             import guideloom as gl
 
-            def ids(samples):
+            def first_elements(samples):
                 return [int(s[0]) for s in samples]
 
             def state():
@@ -607,7 +607,7 @@ def test_loaders_without_process_workers_start_no_fork_server(tmp_path: Path, st
 
             def make(**kw):
                 return gl.StatefulDataLoader.from_storage(
-                    gl.open_stream({str(stream)!r}), ids, sequence_length=64, prefetch=2,
+                    gl.open_stream({str(stream)!r}), first_elements, sequence_length=64, prefetch=2,
                     device=torch.device("cpu"), **kw,
                 )
 
@@ -853,13 +853,13 @@ def test_a_script_without_the_main_guard_is_told_so(stream: Path, tmp_path: Path
             if {threads == "thread"!r}:  # a thread of the script's own: no fork from it
                 threading.Thread(target=threading.Event().wait, daemon=True).start()
 
-            def ids(samples):
+            def first_elements(samples):
                 if {threads == "thread"!r}:  # slow: the loop lasts until the worker's error arrives
                     time.sleep(0.002)
                 return [int(s[0]) for s in samples]
 
             loader = gl.StatefulDataLoader.from_storage(
-                gl.open_stream({str(stream)!r}), ids, sequence_length=64, num_workers=1,
+                gl.open_stream({str(stream)!r}), first_elements, sequence_length=64, num_workers=1,
                 parallel_method="process", device=torch.device("cpu"),
             )
             with loader:

@@ -23,7 +23,7 @@ from guideloom._runtime.chooser import Chooser as _Chooser
 from guideloom._runtime.config import PipelineConfig
 from guideloom._runtime.drive import SyncDriver
 from guideloom._runtime.executors import Threads
-from tests.support.data import Boom, identity_stream
+from tests.support.data import Boom, identity_stream, ids
 
 
 class FailingReads(gl.MemoryStreamStorage):
@@ -384,9 +384,6 @@ def test_settle_ends_a_probe_with_a_held_choice() -> None:
 def test_a_loaders_chooser_lasts_from_one_epoch_to_the_next() -> None:
     """What one epoch learnt holds for the next: its chooser, in the mode it ended in, and the
     batches are those of num_workers=0 either way."""
-
-    def ids(samples: Sequence[np.ndarray]) -> list[int]:
-        return [int(s[0]) // 4 for s in samples]
 
     kw: dict[str, Any] = {"sequence_length": 4, "local_batch_size": 2, "shuffle": True, "shuffle_seed": 2}
     with gl.StatefulDataLoader.from_storage(identity_stream(400), ids, **kw) as inline:

@@ -34,7 +34,7 @@ def mixture(folder: Path) -> gl.Mixture:
     )
 
 
-def ids(samples: Sequence[tuple[str, np.ndarray]]) -> list[tuple[str, int]]:
+def source_ids(samples: Sequence[tuple[str, np.ndarray]]) -> list[tuple[str, int]]:
     return [(name, int(s[0]) // SEQ if name == "stream" else int(s[0])) for name, s in samples]
 
 
@@ -44,7 +44,7 @@ def main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     loader = gl.StatefulDataLoader(
         mixture(folder),
-        ids,
+        source_ids,
         local_batch_size=4,
         rank=rank,
         world_size=world,

@@ -19,6 +19,7 @@ from guideloom._cli._parts import merge_parts, part_folder, part_options
 # The orders a loader reads in: the baselines follow the loader's own shuffled order (the same
 # samples for every loader), and shuffle_quality measures the orders themselves.
 from guideloom._core.group_order import GroupPermutation  # Parquet's row-group order (quality)
+from guideloom._core.mixture import Layout  # the mixture schedule's prefix error
 from guideloom._core.order import (
     DEFAULT_WINDOW,  # blocks per mixing window by default (quality)
     BlockPermutation,  # the order over storage blocks (quality)
@@ -26,7 +27,6 @@ from guideloom._core.order import (
 )
 from guideloom._core.pack_layout import best_fit_layout  # packing's padding over a whole dataset
 from guideloom._core.plan import Permutation  # the loader's global order, which the baselines follow
-from guideloom._datasets.mixture.schedule import Layout  # the mixture schedule's prefix error
 
 # Process-wide memory of the block checks made: forgotten so an epoch reads as a new process's.
 from guideloom._process import reset as forget_block_checks

@@ -15,9 +15,6 @@ import numpy as np
 import guideloom as gl
 from tests.support import ROOT
 
-#: Benchmarks that still set a runtime knob themselves (the process workers' start method).
-SETS_A_RUNTIME_KNOB = {"worker_start.py"}
-
 
 def _private_imports(path: Path) -> list[str]:
     """The private guideloom modules ``path`` imports (``guideloom._x``, ``guideloom.storage._y``,
@@ -52,7 +49,7 @@ def test_benchmarks_import_guideloom_internals_through_one_module() -> None:
     offenders = {
         str(p.relative_to(ROOT)): imports
         for p in scanned
-        if p.name != "_internals.py" and p.name not in SETS_A_RUNTIME_KNOB
+        if p.name != "_internals.py"
         if (imports := _private_imports(p))
     }
     assert not offenders, f"import these from benchmarks._internals (or the public API): {offenders}"

@@ -46,9 +46,9 @@ from guideloom.storage._remote._ranges import U8, Job, Pieces, clip, fill_range
 
 __all__ = [
     "HOLD_BYTES",
-    "HOLD_READS",
     "BlockCheckError",
     "HeldBlocks",
+    "Read",
     "LocalRanges",
     "RangeFetcher",
     "run_aside",
@@ -143,13 +143,9 @@ def get_verified(
     return memoryview(data)[start - lo : end - lo]
 
 
-#: The first read of a reading session (an epoch's, a resumed one's), where it fetches at most
-#: this many bytes, keeps its verified blocks for the reads planned right after it (and no more
-#: are held at once): that read is the first batch alone, for a fast first batch, and the window
-#: read after it covers its blocks whole.
-HOLD_BYTES: Final = 16 * 2**20
-#: Held blocks that none of this many reads planned after the one that kept them took are let go.
-HOLD_READS: Final = 8
+#: The most bytes held at once by default (a storage sets its own, its ``read_window_bytes``):
+#: one "auto" mixing window, 16 blocks of 4 MiB.
+HOLD_BYTES: Final = 64 * 2**20
 
 
 class _Held(NamedTuple):
@@ -157,116 +153,214 @@ class _Held(NamedTuple):
     end: int
     data: memoryview  # bytes [start, end) of the object, every block checked against its digest
     version: ObjectVersion | None  # the object the GET was conditional on
-    read: int  # the read count when it was kept
+    owner: Read | None  # the read that fetched it
+
+
+class Read:
+    """One read of a reading session, as :class:`HeldBlocks` sees it: the byte ranges of each
+    object it touches (whole blocks, before any is cut out as held), and whether it finished;
+    ``done`` is set when it finishes, failed or not."""
+
+    __slots__ = ("done", "finished", "touched")
+
+    def __init__(self, touched: dict[str, tuple[list[int], list[int]]]) -> None:
+        self.touched = touched  # per object: sorted, disjoint starts and ends
+        self.finished = False
+        self.done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    @staticmethod
+    def of(jobs: Sequence[Job]) -> Read:
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for job in jobs:
+            spans.setdefault(job.path, []).extend(zip(job.starts, job.ends, strict=True))
+        touched: dict[str, tuple[list[int], list[int]]] = {}
+        for path, pairs in spans.items():
+            starts: list[int] = []
+            ends: list[int] = []
+            for s, e in sorted(pairs):
+                if ends and s <= ends[-1]:
+                    ends[-1] = max(ends[-1], e)
+                else:
+                    starts.append(s)
+                    ends.append(e)
+            touched[path] = (starts, ends)
+        return Read(touched)
+
+    def touches(self, path: str, start: int, end: int) -> bool:
+        """Whether it reads any byte of ``[start, end)`` of ``path``."""
+        spans = self.touched.get(path)
+        if spans is None:
+            return False
+        starts, ends = spans
+        i = bisect.bisect_right(starts, start) - 1  # the last span that starts at or before start
+        if i >= 0 and ends[i] > start:
+            return True
+        return i + 1 < len(starts) and starts[i + 1] < end
+
+    def overlaps(self, other: Read) -> bool:
+        return any(
+            self.touches(path, s, e)
+            for path, (starts, ends) in other.touched.items()
+            if path in self.touched
+            for s, e in zip(starts, ends, strict=True)
+        )
 
 
 class HeldBlocks:
-    """Verified ranges the first read of a reading session fetched, held by reference (no copy)
-    for the reads planned right after it, which take them instead of fetching their bytes again.
+    """Verified ranges a read fetched, held by reference (no copy) for the reads planned after
+    it that touch them, which copy them out instead of fetching their bytes again.
 
-    A session begins where the loader tells the storage the reads to come (``will_read``, at the
-    start of each epoch and of each resumed one), and ends at the next one or when the dataset
-    is closed: everything held is then let go. Only whole blocks of objects with block digests
-    are held, each with the object version its conditional GET was answered for; a read takes a
-    held range only for that same version, else it is let go. A held range is let go once taken,
-    and once :data:`HOLD_READS` reads were planned after the one that kept it; no more than
-    :data:`HOLD_BYTES` are held at once.
+    A mixing window read in parts (more batches than ``read_window_batches``), and the first
+    batch read alone before its window, have each part touch nearly every block of the window:
+    the first part fetches them, the later parts take them from here. Which reads belong
+    together needs no word from the loader: a held range is kept while a read planned after the
+    one that fetched it and not finished yet touches it, or while the last read planned does
+    (so a sequential reader's next part finds it); it is let go once none does (the loader has
+    moved on to the next mixing window), when a new reading session begins (``will_read``: each
+    epoch, each resumed one), and at close. A read planned while an earlier, unfinished one
+    fetches blocks it touches waits for that one (:meth:`begin_read`), then takes them.
+
+    Memory: at most :attr:`limit` bytes are held at once (the storage's ``read_window_bytes``,
+    one mixing window: 64 MiB by default), over the buffers the GETs returned; a range that
+    would pass it is not held (where the room is taken by ranges only the last read planned
+    touches, those are let go first). Only whole blocks of objects with block digests are held,
+    each with the object version its conditional GET was answered for; a read takes a held
+    range only for that same version, else it is let go.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = HOLD_BYTES) -> None:
+        self.limit = limit
         self._lock = threading.Lock()
         self._ranges: dict[str, list[_Held]] = {}  # per object: sorted by start, disjoint
         self._nbytes = 0
-        self._reads = 0
-        self._first = False  # a session began: its first read keeps what it fetches
-
-    def begin(self) -> None:
-        """A reading session begins: what an earlier one held is let go, and its first read keeps
-        what it fetches."""
-        with self._lock:
-            self._ranges.clear()
-            self._nbytes = 0
-            self._first = True
+        self._peak = 0
+        self._reads: list[Read] = []  # planned and not finished, in planning order
+        self._latest: Read | None = None  # the last read planned
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (HeldBlocks, ())  # a process worker's copy holds nothing
+        return (HeldBlocks, (self.limit,))  # a process worker's copy holds nothing
 
     @property
     def nbytes(self) -> int:
         return self._nbytes
 
+    @property
+    def peak_nbytes(self) -> int:
+        """The most bytes held at once so far."""
+        return self._peak
+
+    def begin(self) -> None:
+        """A reading session begins: what an earlier one held is let go."""
+        with self._lock:
+            self._let_go_all()
+            self._latest = None
+
     def clear(self) -> None:
-        """The session ends: everything held is let go."""
-        with self._lock:
-            self._ranges.clear()
-            self._nbytes = 0
-            self._first = False
+        """Closing: everything held is let go."""
+        self.begin()
 
-    def tick(self) -> bool:
-        """A read is planned: let go of what the reads since one kept it did not take; whether
-        it is the session's first (which keeps what it fetches)."""
-        with self._lock:
-            self._reads += 1
-            first, self._first = self._first, False
-            if not self._nbytes:
-                return first
-            oldest = self._reads - HOLD_READS
-            for path, held in list(self._ranges.items()):
-                kept = [h for h in held if h.read >= oldest]
-                self._nbytes -= sum(h.end - h.start for h in held) - sum(h.end - h.start for h in kept)
-                if kept:
-                    self._ranges[path] = kept
-                else:
-                    del self._ranges[path]
-            return first
+    def _let_go_all(self) -> None:
+        self._ranges.clear()
+        self._nbytes = 0
 
-    def add(self, path: str, start: int, end: int, data: Any, version: ObjectVersion | None) -> None:
-        """Hold bytes ``[start, end)`` of ``path`` (whole verified blocks), unless the bound is
-        reached or they overlap bytes held already."""
+    def begin_read(self, read: Read) -> list[concurrent.futures.Future[None]]:
+        """``read`` is planned: what no read needs any more is let go; the ``done`` of each
+        earlier unfinished read that touches blocks it touches (wait for them, then cut)."""
+        with self._lock:
+            waits = [r.done for r in self._reads if r.overlaps(read)]
+            self._reads.append(read)
+            self._latest = read
+            self._prune()
+            return waits
+
+    def end_read(self, read: Read) -> None:
+        """``read`` finished (failed or not): what no read needs any more is let go; the reads
+        that wait for it go on."""
+        with self._lock:
+            read.finished = True
+            if read in self._reads:
+                self._reads.remove(read)
+            self._prune()
+        if not read.done.done():
+            read.done.set_result(None)
+
+    def _needed(self, h: _Held, path: str, *, weak: bool = True) -> bool:
+        """Whether a read still needs ``h``: an unfinished read other than its owner touches it,
+        or (``weak``) the last read planned does."""
+        if any(r is not h.owner and r.touches(path, h.start, h.end) for r in self._reads):
+            return True
+        latest = self._latest
+        return weak and latest is not None and latest.touches(path, h.start, h.end)
+
+    def _prune(self, *, weak: bool = True) -> None:
+        for path, held in list(self._ranges.items()):
+            kept = [h for h in held if self._needed(h, path, weak=weak)]
+            if len(kept) == len(held):
+                continue
+            self._nbytes -= sum(h.end - h.start for h in held) - sum(h.end - h.start for h in kept)
+            if kept:
+                self._ranges[path] = kept
+            else:
+                del self._ranges[path]
+
+    def add(
+        self,
+        path: str,
+        start: int,
+        end: int,
+        data: Any,
+        version: ObjectVersion | None,
+        owner: Read | None = None,
+    ) -> None:
+        """Hold bytes ``[start, end)`` of ``path`` (whole verified blocks) that ``owner``
+        fetched, where a read needs them, unless they pass the bound or overlap bytes held
+        already."""
         view = memoryview(data).cast("B")
         if view.nbytes != end - start:
             return
         with self._lock:
-            if self._nbytes + (end - start) > HOLD_BYTES:
+            h = _Held(start, end, view, version, owner)
+            strong = self._needed(h, path, weak=False)
+            if not strong and not self._needed(h, path):
+                return
+            if strong and self._nbytes + (end - start) > self.limit:
+                self._prune(weak=False)  # room taken by ranges only the last read planned touches
+            if self._nbytes + (end - start) > self.limit:
                 return
             held = self._ranges.setdefault(path, [])
-            i = bisect.bisect_left(held, start, key=lambda h: h.start)
+            i = bisect.bisect_left(held, start, key=lambda x: x.start)
             if (i > 0 and held[i - 1].end > start) or (i < len(held) and held[i].start < end):
                 return
-            held.insert(i, _Held(start, end, view, version, self._reads))
+            held.insert(i, h)
             self._nbytes += end - start
+            self._peak = max(self._peak, self._nbytes)
 
     def take(
         self, path: str, start: int, end: int, version: ObjectVersion | None
     ) -> list[tuple[int, int, memoryview]]:
         """The held bytes inside ``[start, end)`` of ``path`` for ``version``, in order, as
-        ``(start, end, bytes)``; they are held no longer (what lies outside the range stays)."""
+        ``(start, end, bytes)`` (they stay held for the reads after it); a held range of
+        another version is let go."""
         with self._lock:
             held = self._ranges.get(path)
             if not held:
                 return []
             i = max(0, bisect.bisect_right(held, start, key=lambda h: h.start) - 1)
-            j = i
             out: list[tuple[int, int, memoryview]] = []
-            stay: list[_Held] = []
-            while j < len(held) and held[j].start < end:
-                h = held[j]
-                j += 1
+            stale: list[_Held] = []
+            for h in held[i:]:
+                if h.start >= end:
+                    break
                 if h.end <= start:
-                    stay.append(h)
                     continue
-                self._nbytes -= h.end - h.start
+                if h.version != version:
+                    stale.append(h)
+                    continue
                 a, b = max(h.start, start), min(h.end, end)
-                if h.version == version:
-                    out.append((a, b, h.data[a - h.start : b - h.start]))
-                for rest in (
-                    h._replace(end=a, data=h.data[: a - h.start]) if h.start < a else None,
-                    h._replace(start=b, data=h.data[b - h.start :]) if b < h.end else None,
-                ):
-                    if rest is not None:
-                        stay.append(rest)
-                        self._nbytes += rest.end - rest.start
-            held[i:j] = stay
+                out.append((a, b, h.data[a - h.start : b - h.start]))
+            for h in stale:
+                held.remove(h)
+                self._nbytes -= h.end - h.start
             if not held:
                 del self._ranges[path]
             return out
@@ -351,30 +445,44 @@ class RangeFetcher:
         self.blocks = blocks
         #: Where ranges may be read locally before a GET is sent (set by the storage).
         self.local: LocalRanges | None = None
-        #: Verified blocks a small read fetched, for the reads planned right after it.
+        #: Verified blocks a read fetched, for the reads planned after it that touch them.
         self.held = HeldBlocks()
         self._inflight = PerLoop(opts.max_inflight_requests, opts.max_inflight_bytes)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "local": None}  # a process worker's storage sets its own
 
-    def prepare(self, jobs: list[Job]) -> None:
+    def prepare(self, jobs: list[Job]) -> tuple[Read | None, list[concurrent.futures.Future[None]]]:
         """A read's planned ``jobs``, before they run (where they are planned: off the event
-        loop for a large read): their ranges cut around the verified blocks an earlier read
-        holds for this one, and, for a session's first read that fetches at most
-        :data:`HOLD_BYTES`, its own verified blocks kept for the reads after it."""
-        held, blocks = self.held, self.blocks
-        first = held.tick()
+        loop for a large read): the read as :attr:`held` sees it, its verified blocks kept for
+        the reads after it that touch them, and the ``done`` of the earlier unfinished reads
+        that fetch blocks it touches. With none, its ranges are cut now around the blocks held
+        (:meth:`cut`); else the caller waits for those reads, then cuts. ``None`` (nothing to
+        wait for, nothing held): no block digests. The caller ends the read (:meth:`end`)."""
+        blocks = self.blocks
         if blocks is None or not blocks.specs:
-            return  # no block digests: nothing verified to hold
-        fetched = 0
+            return None, []  # no block digests: nothing verified to hold
+        read = Read.of(jobs)
+        waits = self.held.begin_read(read)
+        for job in jobs:
+            job.keeper = read
+        if not waits:
+            self.cut(jobs)
+        return read, waits
+
+    def cut(self, jobs: list[Job]) -> None:
+        """Cut ``jobs``' ranges around the verified blocks held for their objects."""
+        held, blocks = self.held, self.blocks
+        if blocks is None:
+            return
         for job in jobs:
             if held.holds(job.path) and blocks.size(job.path):
                 cut_held(job, held, self.versions.get(job.path))
-            fetched += job.fetched_nbytes
-        if first and fetched <= HOLD_BYTES:
-            for job in jobs:
-                job.keep = True
+
+    def end(self, read: Read | None) -> None:
+        """``read`` finished, failed or not (:meth:`prepare`)."""
+        if read is not None:
+            self.held.end_read(read)
 
     def _read(self, store: Any, job: Job, i: int) -> Any:
         """On an I/O thread: ``job``'s range ``i``, its pieces copied out of the verified
@@ -393,11 +501,13 @@ class RangeFetcher:
         version = self.versions.get(path)
         data = get_verified(store, path, start, end, version, self.blocks)
         fill_range(job, i, data)
-        if job.keep:
-            self._hold(path, start, end, data, version)
+        if job.keeper is not None:
+            self._hold(path, start, end, data, version, job.keeper)
         return _FETCHED
 
-    def _hold(self, path: str, start: int, end: int, data: Any, version: ObjectVersion | None) -> None:
+    def _hold(
+        self, path: str, start: int, end: int, data: Any, version: ObjectVersion | None, owner: Read
+    ) -> None:
         """Hold the fetched ``data`` (bytes ``[start, end)`` of ``path``) where it is whole blocks,
         each checked against its digest by the GET that fetched it."""
         blocks = self.blocks
@@ -407,7 +517,7 @@ class RangeFetcher:
         assert blocks is not None
         nbytes = blocks.specs[path][1]
         if start % size == 0 and (end % size == 0 or end == nbytes):
-            self.held.add(path, start, end, data, version)
+            self.held.add(path, start, end, data, version, owner)
 
     def peak_inflight_bytes(self) -> int:
         return self._inflight.peak_bytes()

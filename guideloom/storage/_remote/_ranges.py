@@ -152,8 +152,9 @@ class Job:
     #: range index -> its bytes, already in hand (verified blocks an earlier read kept): copied
     #: out, not fetched
     held: dict[int, Any] = field(default_factory=dict)
-    #: whether the ranges it fetches are kept for the reads right after it (a small read's)
-    keep: bool = False
+    #: the read it belongs to, for which the verified ranges it fetches are held (for the reads
+    #: planned after it that touch them); None: not held
+    keeper: Any = None
 
     @property
     def nbytes(self) -> int:
@@ -170,7 +171,7 @@ class Job:
     def singles(self) -> list[Job]:
         """One job per range (a failed multi-range call is retried range by range)."""
         return [
-            Job(self.path, self.dest, [s], [e], [p], {0: self.held[i]} if i in self.held else {}, self.keep)
+            Job(self.path, self.dest, [s], [e], [p], {0: self.held[i]} if i in self.held else {}, self.keeper)
             for i, (s, e, p) in enumerate(zip(self.starts, self.ends, self.pieces, strict=True))
         ]
 

@@ -92,21 +92,47 @@ class _ObjectStorageMixin:
             await self._chunks.run(jobs, key, self._remote.run)
         self._check_intact()
 
-    async def _plan_read(self, n: int, plan: Callable[..., Any], *args: Any) -> Any:
-        """``plan(*args)`` (jobs first), for a read of ``n`` samples, prepared by the fetcher
-        (:meth:`~._fetch.RangeFetcher.prepare`: cut around held blocks, kept for the next reads)
-        where it runs (off the event loop for a large read). Not with a chunk cache, which
+    async def _read_planned(
+        self, n: int, key: tuple[int, int, int] | None, plan: Callable[..., Any], *args: Any
+    ) -> Any:
+        """``plan(*args)`` (jobs first), for a read of ``n`` samples, then its jobs fetched
+        (:meth:`_run`). Planned where it is cheap to (off the event loop for a large read), and
+        prepared there by the fetcher (:meth:`~._fetch.RangeFetcher.prepare`): its ranges cut
+        around the verified blocks held for it, its own kept for the reads after it that touch
+        them (at most ``read_window_bytes`` held at once); where an earlier read still fetches
+        blocks it touches, it waits for that read, then cuts. Not with a chunk cache, which
         fetches by chunks of its own."""
         if self._chunks is not None:
-            return await _planned(n, plan, *args)
-        fetcher = self._remote.fetcher
-
-        def planned() -> Any:
-            out = plan(*args)
-            fetcher.prepare(out[0])
+            out = await _planned(n, plan, *args)
+            await self._run(out[0], key)
             return out
+        fetcher = self._remote.fetcher
+        fetcher.held.limit = max(0, int(self.read_window_bytes))
 
-        return await _planned(n, planned)
+        def planned() -> tuple[Any, Any]:
+            out = plan(*args)
+            return out, fetcher.prepare(out[0])
+
+        if n <= PLAN_INLINE_SAMPLES:
+            out, (read, waits) = planned()
+        else:
+            future = asyncio.get_running_loop().run_in_executor(io_executor(), planned)
+            try:
+                out, (read, waits) = await asyncio.shield(future)
+            except asyncio.CancelledError:  # planned all the same: the read ends, unread
+                future.add_done_callback(
+                    lambda f: None if f.cancelled() or f.exception() else fetcher.end(f.result()[1][0])
+                )
+                raise
+        try:
+            if waits:
+                # The blocks those reads fetch are held as they finish (failed: fetched here).
+                await asyncio.wait([asyncio.wrap_future(w) for w in waits], timeout=_WAIT_HELD_S)
+                await _planned(n, fetcher.cut, out[0])
+            await self._run(out[0], key)
+        finally:
+            fetcher.end(read)
+        return out
 
     def _let_go(self) -> None:
         """Closing: the verified blocks held for the next reads are let go."""
@@ -263,6 +289,10 @@ class _ObjectStorageMixin:
                 out.update(cache.stats())
         return out
 
+
+#: The longest a read waits for an earlier one that fetches blocks it touches; past it, it
+#: fetches them itself (a safeguard: an earlier read is never behind a later one).
+_WAIT_HELD_S = 30.0
 
 #: Reads of more samples than this are planned on an I/O thread: planning costs a few
 #: microseconds a sample, so a large window planned on the event loop would stall it.

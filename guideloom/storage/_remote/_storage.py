@@ -145,8 +145,10 @@ class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):
         n = len(starts)
         if n and (int(starts.min()) < 0 or int(starts.max()) + length > len(self)):
             raise IndexError(f"{self!r}: read_many windows must lie inside [0, {len(self)})")
-        jobs, outs = await self._plan_read(n, plan_windows, self._arrays, starts, length, self._remote.limits)
-        await self._run(jobs, _key(starts) if n else None)
+        key = _key(starts) if n else None
+        _, outs = await self._read_planned(
+            n, key, plan_windows, self._arrays, starts, length, self._remote.limits
+        )
         for name, bases in self._bases.items():
             add_bases(outs[name], starts[:, None] + np.arange(length, dtype=np.int64), bases)
         tokens = outs.pop("tokens")
@@ -274,10 +276,10 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         )
         if bad:
             raise DatasetIntegrityError(f"{self.url}: document offsets are out of order or out of range")
-        jobs, flat, bounds = await self._plan_read(
-            n, plan_spans, self._tokens, starts, stops, self._remote.limits
+        key = _key(indices) if n else None
+        _, flat, bounds = await self._read_planned(
+            n, key, plan_spans, self._tokens, starts, stops, self._remote.limits
         )
-        await self._run(jobs, _key(indices) if n else None)
         return [flat[bounds[i] : bounds[i + 1]] for i in range(n)]
 
     def document_offsets_sync(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
@@ -335,10 +337,10 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
         if len(starts) and (int(starts.min()) < 0 or int(stops.max()) > self.manifest.num_elements):
             raise IndexError(f"{self!r}: spans must lie in [0, {self.manifest.num_elements})")
-        jobs, flat, bounds = await self._plan_read(
-            len(starts), plan_spans, self._tokens, starts, stops, self._remote.limits
+        # through the chunk cache, when there is one
+        _, flat, bounds = await self._read_planned(
+            len(starts), None, plan_spans, self._tokens, starts, stops, self._remote.limits
         )
-        await self._run(jobs)  # through the chunk cache, when there is one
         return [flat[bounds[i] : bounds[i + 1]] for i in range(len(starts))]
 
 

@@ -154,6 +154,7 @@ class _Held(NamedTuple):
     data: memoryview  # bytes [start, end) of the object, every block checked against its digest
     version: ObjectVersion | None  # the object the GET was conditional on
     owner: Read | None  # the read that fetched it
+    used: int  # the count of reads planned when the last read that touches it was
 
 
 class Read:
@@ -207,25 +208,24 @@ class Read:
 
 
 class HeldBlocks:
-    """Verified ranges a read fetched, held by reference (no copy) for the reads planned after
-    it that touch them, which copy them out instead of fetching their bytes again.
+    """Verified ranges reads fetched, held by reference (no copy) for the reads planned after
+    them that touch them, which copy them out instead of fetching their bytes again.
 
     A mixing window read in parts (more batches than ``read_window_batches``), and the first
-    batch read alone before its window, have each part touch nearly every block of the window:
-    the first part fetches them, the later parts take them from here. Which reads belong
-    together needs no word from the loader: a held range is kept while a read planned after the
-    one that fetched it and not finished yet touches it, or while the last read planned does
-    (so a sequential reader's next part finds it); it is let go once none does (the loader has
-    moved on to the next mixing window), when a new reading session begins (``will_read``: each
-    epoch, each resumed one), and at close. A read planned while an earlier, unfinished one
-    fetches blocks it touches waits for that one (:meth:`begin_read`), then takes them.
+    batch read alone before its window's read, have each part touch nearly every block of the
+    window: the first part fetches them, the later parts take them from here. Which reads belong
+    together needs no word from the loader: the reads of one mixing window touch the blocks held
+    from its earlier reads; a read that touches none of them begins the next one, and what no
+    unfinished read touches is then let go. A read planned while an earlier, unfinished one
+    touches blocks it touches waits for that one (:meth:`begin_read`), then takes them.
 
     Memory: at most :attr:`limit` bytes are held at once (the storage's ``read_window_bytes``,
-    one mixing window: 64 MiB by default), over the buffers the GETs returned; a range that
-    would pass it is not held (where the room is taken by ranges only the last read planned
-    touches, those are let go first). Only whole blocks of objects with block digests are held,
-    each with the object version its conditional GET was answered for; a read takes a held
-    range only for that same version, else it is let go.
+    one mixing window: 64 MiB by default), over the buffers the GETs returned; to hold more,
+    the ranges used longest ago that no unfinished read touches are let go first. All of it is
+    let go at the end of a mixing window (above), when a reading session begins (``will_read``:
+    each epoch, each resumed one) and at close. Only whole blocks of objects with block digests
+    are held, each with the object version its conditional GET was answered for; a read takes a
+    held range only for that same version, else it is let go.
     """
 
     def __init__(self, limit: int = HOLD_BYTES) -> None:
@@ -235,7 +235,7 @@ class HeldBlocks:
         self._nbytes = 0
         self._peak = 0
         self._reads: list[Read] = []  # planned and not finished, in planning order
-        self._latest: Read | None = None  # the last read planned
+        self._count = 0  # reads planned
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (HeldBlocks, (self.limit,))  # a process worker's copy holds nothing
@@ -253,7 +253,6 @@ class HeldBlocks:
         """A reading session begins: what an earlier one held is let go."""
         with self._lock:
             self._let_go_all()
-            self._latest = None
 
     def clear(self) -> None:
         """Closing: everything held is let go."""
@@ -264,37 +263,40 @@ class HeldBlocks:
         self._nbytes = 0
 
     def begin_read(self, read: Read) -> list[concurrent.futures.Future[None]]:
-        """``read`` is planned: what no read needs any more is let go; the ``done`` of each
-        earlier unfinished read that touches blocks it touches (wait for them, then cut)."""
+        """``read`` is planned: the held ranges it touches are marked used by it; where it
+        touches none, the reads have moved on (the next mixing window), and what no unfinished
+        read touches is let go. Returns the ``done`` of each earlier unfinished read that touches
+        blocks it touches (wait for them, then cut)."""
         with self._lock:
             waits = [r.done for r in self._reads if r.overlaps(read)]
             self._reads.append(read)
-            self._latest = read
-            self._prune()
+            self._count += 1
+            touched = False
+            for path, held in self._ranges.items():
+                for i, h in enumerate(held):
+                    if read.touches(path, h.start, h.end):
+                        held[i] = h._replace(used=self._count)
+                        touched = True
+            if self._ranges and not touched:
+                self._let_go(self._claimed)
             return waits
 
     def end_read(self, read: Read) -> None:
-        """``read`` finished (failed or not): what no read needs any more is let go; the reads
-        that wait for it go on."""
+        """``read`` finished (failed or not): the reads that wait for it go on."""
         with self._lock:
             read.finished = True
             if read in self._reads:
                 self._reads.remove(read)
-            self._prune()
         if not read.done.done():
             read.done.set_result(None)
 
-    def _needed(self, h: _Held, path: str, *, weak: bool = True) -> bool:
-        """Whether a read still needs ``h``: an unfinished read other than its owner touches it,
-        or (``weak``) the last read planned does."""
-        if any(r is not h.owner and r.touches(path, h.start, h.end) for r in self._reads):
-            return True
-        latest = self._latest
-        return weak and latest is not None and latest.touches(path, h.start, h.end)
+    def _claimed(self, h: _Held, path: str) -> bool:
+        """Whether an unfinished read other than the one that fetched ``h`` touches it."""
+        return any(r is not h.owner and r.touches(path, h.start, h.end) for r in self._reads)
 
-    def _prune(self, *, weak: bool = True) -> None:
+    def _let_go(self, keep: Callable[[_Held, str], bool]) -> None:
         for path, held in list(self._ranges.items()):
-            kept = [h for h in held if self._needed(h, path, weak=weak)]
+            kept = [h for h in held if keep(h, path)]
             if len(kept) == len(held):
                 continue
             self._nbytes -= sum(h.end - h.start for h in held) - sum(h.end - h.start for h in kept)
@@ -302,6 +304,27 @@ class HeldBlocks:
                 self._ranges[path] = kept
             else:
                 del self._ranges[path]
+
+    def _make_room(self, nbytes: int) -> None:
+        """Let go of the ranges used longest ago that no unfinished read (but their own) touches,
+        until ``nbytes`` more fit under the bound."""
+        need = self._nbytes + nbytes - self.limit
+        if need <= 0:
+            return
+        free = sorted(
+            ((h.used, path, h.start, h.end) for path, held in self._ranges.items() for h in held),
+        )
+        gone: set[tuple[str, int]] = set()
+        for _, path, start, end in free:
+            if need <= 0:
+                break
+            h = next(x for x in self._ranges[path] if x.start == start)
+            if self._claimed(h, path):
+                continue
+            gone.add((path, start))
+            need -= end - start
+        if need <= 0:
+            self._let_go(lambda h, path: (path, h.start) not in gone)
 
     def add(
         self,
@@ -313,25 +336,21 @@ class HeldBlocks:
         owner: Read | None = None,
     ) -> None:
         """Hold bytes ``[start, end)`` of ``path`` (whole verified blocks) that ``owner``
-        fetched, where a read needs them, unless they pass the bound or overlap bytes held
-        already."""
+        fetched, making room under the bound by letting go of what was used longest ago and
+        no unfinished read touches; not where they overlap bytes held already, or no room is
+        made."""
         view = memoryview(data).cast("B")
         if view.nbytes != end - start:
             return
         with self._lock:
-            h = _Held(start, end, view, version, owner)
-            strong = self._needed(h, path, weak=False)
-            if not strong and not self._needed(h, path):
-                return
-            if strong and self._nbytes + (end - start) > self.limit:
-                self._prune(weak=False)  # room taken by ranges only the last read planned touches
+            self._make_room(end - start)
             if self._nbytes + (end - start) > self.limit:
                 return
             held = self._ranges.setdefault(path, [])
             i = bisect.bisect_left(held, start, key=lambda x: x.start)
             if (i > 0 and held[i - 1].end > start) or (i < len(held) and held[i].start < end):
                 return
-            held.insert(i, h)
+            held.insert(i, _Held(start, end, view, version, owner, self._count))
             self._nbytes += end - start
             self._peak = max(self._peak, self._nbytes)
 

@@ -182,3 +182,38 @@ def test_objects_replaced_after_the_first_batch_are_refused(
     assert len(planned) >= 2
     with loader(guideloom.open_stream(four_mib.local), 8, shuffle_block_size=blocks) as local:
         assert torch.equal(first, next(iter(local)))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "threads"])
+def test_a_mixing_window_read_in_parts_fetches_each_block_once(
+    four_mib: Copies, s3: MotoS3, mode: str
+) -> None:
+    """Reads of at most 16 batches of 8: the one mixing window is read in 32 parts, each
+    touching most of its blocks; the blocks an earlier part verified are held for the later
+    ones (never more than one mixing window's bytes), so each is fetched once, every epoch."""
+    nbytes = four_mib.tokens.nbytes
+    storage = guideloom.open_stream(four_mib.s3_url, **s3.options())
+    storage.read_window_batches = 16
+    options: dict[str, Any] = {"num_workers": 2} if mode == "threads" else {}
+    with loader(storage, 8, **options) as it:
+        epochs: list[list[torch.Tensor]] = []
+        figures: list[dict[str, float]] = []
+        for _ in range(2):
+            if mode == "async":
+
+                async def one() -> list[torch.Tensor]:
+                    return [b async for b in it]
+
+                epochs.append(asyncio.run(one()))
+            else:
+                epochs.append(list(it))
+            figures.append(dict(it.stats()))
+        held = storage._remote.fetcher.held
+        assert 0 < held.peak_nbytes <= storage.read_window_bytes
+    assert held.nbytes == 0, "closing lets go of what is held"
+    for got, want in zip(epochs, local_epochs(four_mib, 8, figures[0], 2), strict=True):
+        assert len(got) == len(want)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    for f in figures:
+        assert f["shuffle_window"] * 8 > 16, "the mixing window is read in parts"
+        assert nbytes <= f["epoch_bytes_read"] <= 1.01 * nbytes, (mode, f["epoch_bytes_read"] / nbytes)

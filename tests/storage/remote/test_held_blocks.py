@@ -1,6 +1,8 @@
-"""Verified blocks held from a session's first read (``HeldBlocks``) and the ranges of a later read
-cut around them (``cut_held``), against direct slices of in-memory bytes: every piece gets its
-bytes, no held byte is fetched again, a held range of another object version is never used."""
+"""Verified blocks held for the reads after the one that fetched them (``HeldBlocks``) and the
+ranges of a later read cut around them (``cut_held``), against direct slices of in-memory bytes:
+every piece gets its bytes, no held byte is fetched again by the reads of one mixing window (a
+first batch read alone, then the window read in parts), a held range of another object version
+is never used, and no more than the bound is held."""
 
 from __future__ import annotations
 
@@ -10,21 +12,23 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from guideloom.storage._remote._fetch import HOLD_BYTES, HOLD_READS, HeldBlocks, cut_held
+from guideloom.storage._remote._fetch import HOLD_BYTES, HeldBlocks, Read, cut_held
 from guideloom.storage._remote._objstore import ObjectVersion
 from guideloom.storage._remote._ranges import Job, Layout, Limits, fill_range, plan
 
 SETTINGS = settings(max_examples=150, deadline=None)
+Reads = list[tuple[int, int]]
 
 
 @st.composite
-def two_reads(draw: Any) -> tuple[int, list[int], list[tuple[int, int]], list[tuple[int, int]], Limits]:
-    """A block size, shard sizes, a small first read and a larger second one (start, length)."""
+def reads_in_parts(draw: Any) -> tuple[int, list[int], list[Reads], Limits]:
+    """A block size, shard sizes, and reads (each a list of (start, length)): a small first
+    one, then parts of various sizes."""
     block = draw(st.sampled_from([4, 16, 32]))
     sizes = draw(st.lists(st.integers(1, 400), min_size=1, max_size=4))
     total = sum(sizes)
 
-    def reads(most: int, longest: int) -> list[tuple[int, int]]:
+    def reads(most: int, longest: int) -> Reads:
         out = []
         for _ in range(draw(st.integers(1, most))):
             start = draw(st.integers(0, total - 1))
@@ -33,10 +37,11 @@ def two_reads(draw: Any) -> tuple[int, list[int], list[tuple[int, int]], list[tu
 
     cap = draw(st.sampled_from([block, 2 * block, 8 * block, 64 * block]))
     limits = Limits(draw(st.integers(0, 3 * block)), cap, 4 * cap, draw(st.integers(1, 10)))
-    return block, sizes, reads(4, 2 * block), reads(30, 6 * block), limits
+    parts = [reads(4, 2 * block)] + [reads(30, 6 * block) for _ in range(draw(st.integers(1, 5)))]
+    return block, sizes, parts, limits
 
 
-def planned(layout: Layout, reads: list[tuple[int, int]], limits: Limits) -> tuple[list[Job], np.ndarray]:
+def planned(layout: Layout, reads: Reads, limits: Limits) -> tuple[list[Job], np.ndarray]:
     starts = np.asarray([s for s, _ in reads], dtype=np.int64)
     lengths = np.asarray([n for _, n in reads], dtype=np.int64)
     dest_at = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
@@ -46,16 +51,20 @@ def planned(layout: Layout, reads: list[tuple[int, int]], limits: Limits) -> tup
     return jobs, dest
 
 
-def expected(data: bytes, reads: list[tuple[int, int]]) -> bytes:
+def expected(data: bytes, reads: Reads) -> bytes:
     return b"".join(data[s : s + n] for s, n in reads)
 
 
+def blocks_of(s: int, e: int, block: int) -> set[int]:
+    return set(range(s // block, (e + block - 1) // block))
+
+
 @SETTINGS
-@given(two_reads(), st.integers(0, 2**32 - 1))
-def test_a_read_cut_around_held_blocks_gets_every_byte_and_fetches_none_twice(
-    case: tuple[int, list[int], list[tuple[int, int]], list[tuple[int, int]], Limits], seed: int
+@given(reads_in_parts(), st.integers(0, 2**32 - 1))
+def test_reads_in_parts_get_every_byte_and_fetch_no_held_block_again(
+    case: tuple[int, list[int], list[Reads], Limits], seed: int
 ) -> None:
-    block, sizes, first, second, limits = case
+    block, sizes, parts, limits = case
     rng = np.random.default_rng(seed)
     paths = [f"shard-{i}.bin" for i in range(len(sizes))]
     objects = {
@@ -66,80 +75,116 @@ def test_a_read_cut_around_held_blocks_gets_every_byte_and_fetches_none_twice(
     versions = {p: ObjectVersion(n, etag=f'"{p}"') for p, n in zip(paths, sizes, strict=True)}
     stale = paths[int(rng.integers(len(paths)))] if rng.random() < 0.3 else None
 
-    held = HeldBlocks()
+    held = HeldBlocks(limit=sum(sizes))  # all of it fits: nothing made room for
     held.begin()
-    assert held.tick(), "a session's first read keeps what it fetches"
-    jobs, dest = planned(layout, first, limits)
-    kept: dict[str, list[tuple[int, int]]] = {}
-    for job in jobs:
-        for s, e in zip(job.starts, job.ends, strict=True):
-            assert s % block == 0 and (e % block == 0 or e == len(objects[job.path]))
-            buf = objects[job.path][s:e]
-            version = ObjectVersion(1) if job.path == stale else versions[job.path]
-            before = held.nbytes
-            held.add(job.path, s, e, buf, version)
-            if held.nbytes > before:
-                kept.setdefault(job.path, []).append((s, e))
-    for job in jobs:
-        for i, (s, e) in enumerate(zip(job.starts, job.ends, strict=True)):
-            fill_range(job, i, objects[job.path][s:e])
-    assert dest.tobytes() == expected(data, first)
+    fetched: set[tuple[str, int]] = set()  # blocks fetched since the last let-go
+    for reads in parts:
+        jobs, dest = planned(layout, reads, limits)
+        before = held.nbytes
+        touches = any(
+            held.take(job.path, s, e, versions[job.path])
+            for job in jobs
+            for s, e in zip(job.starts, job.ends, strict=True)
+        )
+        read = Read.of(jobs)
+        assert held.begin_read(read) == [], "the reads before it finished: nothing to wait for"
+        if before and not touches and stale is None:
+            assert held.nbytes == 0, "a read that touches nothing held begins the next window"
+            fetched.clear()
+        elif stale is None:
+            assert held.nbytes == before, "what the reads of a window touch stays held"
+        if held.nbytes == 0:
+            fetched.clear()
+        for job in jobs:
+            cut_held(job, held, versions[job.path])
+        for job in jobs:
+            size = len(objects[job.path])
+            for i, (s, e) in enumerate(zip(job.starts, job.ends, strict=True)):
+                assert s % block == 0 and (e % block == 0 or e == size), "whole blocks, each checked"
+                buf = objects[job.path][s:e]
+                if i in job.held:
+                    assert job.path != stale, "a held range of another version is never used"
+                    assert bytes(job.held[i]) == buf
+                    fill_range(job, i, job.held[i])
+                    continue
+                if job.path != stale:
+                    again = {(job.path, b) for b in blocks_of(s, e, block)} & fetched
+                    assert not again, "no held block is fetched again"
+                    fetched |= {(job.path, b) for b in blocks_of(s, e, block)}
+                fill_range(job, i, buf)
+                version = ObjectVersion(1) if job.path == stale else versions[job.path]
+                held.add(job.path, s, e, buf, version, read)
+        assert dest.tobytes() == expected(data, reads), "every piece gets its bytes"
+        held.end_read(read)
+        assert read.done.done()
+        assert held.peak_nbytes <= held.limit
+    held.clear()
+    assert held.nbytes == 0
 
-    assert not held.tick(), "only the first read of a session keeps"
-    jobs, dest = planned(layout, second, limits)
-    for job in jobs:
-        cut_held(job, held, versions[job.path])
-    fetched: dict[str, list[tuple[int, int]]] = {}
-    for job in jobs:
-        size = len(objects[job.path])
-        for i, (s, e) in enumerate(zip(job.starts, job.ends, strict=True)):
-            assert s % block == 0 and (e % block == 0 or e == size), "whole blocks, each checked"
-            if i in job.held:
-                assert job.path != stale, "a held range of another version is never used"
-                assert bytes(job.held[i]) == objects[job.path][s:e]
-                fill_range(job, i, job.held[i])
-            else:
-                fetched.setdefault(job.path, []).append((s, e))
-                fill_range(job, i, objects[job.path][s:e])
-    assert dest.tobytes() == expected(data, second), "every piece gets its bytes"
-    for path, ranges in kept.items():
-        if path == stale:
-            continue
-        for s, e in fetched.get(path, []):
-            assert all(e <= a or b <= s for a, b in ranges), "no held byte is fetched again"
-    # what the second read overlapped is held no longer
-    for job in jobs:
-        for s, e in zip(job.starts, job.ends, strict=True):
-            assert held.take(job.path, s, e, versions[job.path]) == []
+
+def test_a_later_read_waits_for_the_earlier_one_that_fetches_its_blocks() -> None:
+    version = ObjectVersion(2**20)
+    chunk = bytes(4096)
+
+    def read_of(*spans: tuple[int, int]) -> Read:
+        return Read({"a": ([s for s, _ in spans], [e for _, e in spans])})
+
+    held = HeldBlocks(limit=4 * 4096)
+    held.begin()
+    first = read_of((0, 4 * 4096))
+    assert held.begin_read(first) == []
+    second = read_of((100, 2 * 4096), (2 * 4096 + 1, 4 * 4096 - 1))
+    assert held.begin_read(second) == [first.done], "it touches blocks the first one fetches"
+    other = read_of((8 * 4096, 9 * 4096))
+    assert held.begin_read(other) == [], "another window's read touches none"
+    for k in range(4):
+        held.add("a", k * 4096, (k + 1) * 4096, chunk, version, first)
+    assert held.nbytes == 4 * 4096
+    held.end_read(first)
+    assert first.done.done() and not second.done.done()
+    # the bound: the ranges the unfinished second read touches are not let go to make room
+    held.add("a", 8 * 4096, 9 * 4096, chunk, version, other)
+    assert held.nbytes == 4 * 4096 and held.peak_nbytes == 4 * 4096
+    assert [a for a, _, _ in held.take("a", 0, 4 * 4096, version)] == [0, 4096, 2 * 4096, 3 * 4096]
+    held.end_read(second)
+    # now they are used longest ago and no read touches them: let go to make room
+    held.add("a", 8 * 4096, 9 * 4096, chunk, version, other)
+    assert held.take("a", 8 * 4096, 9 * 4096, version)[0][:2] == (8 * 4096, 9 * 4096)
+    assert held.take("a", 0, 4096, version) == [], "the one used longest ago went first"
+    assert held.nbytes == 4 * 4096
+    held.end_read(other)
+    # a read of the next window, touching nothing held: everything is let go
+    assert held.begin_read(read_of((20 * 4096, 21 * 4096))) == []
+    assert held.nbytes == 0
 
 
 def test_held_blocks_are_bounded_and_let_go() -> None:
-    version = ObjectVersion(64 * 2**20)
+    version = ObjectVersion(128 * 2**20)
     held = HeldBlocks()
+    assert held.limit == HOLD_BYTES == 64 * 2**20
     held.begin()
-    held.tick()
+    read = Read({"a": ([0], [128 * 2**20])})
+    held.begin_read(read)
     chunk = bytes(2**20)
-    for k in range(HOLD_BYTES // 2**20 + 4):  # more than the bound: the rest is not held
-        held.add("a", k * 2**20, (k + 1) * 2**20, chunk, version)
+    for k in range(HOLD_BYTES // 2**20 + 4):  # more than the bound: the oldest are let go
+        held.add("a", k * 2**20, (k + 1) * 2**20, chunk, version, read)
+    assert held.nbytes == held.peak_nbytes == HOLD_BYTES
+    assert held.take("a", 0, 4 * 2**20, version) == []
+    # taken: they stay held for the later parts of the window
+    M = 2**20
+    got = held.take("a", 5 * M + 4096, 7 * M, version)
+    assert [(a, b) for a, b, _ in got] == [(5 * M + 4096, 6 * M), (6 * M, 7 * M)]
+    assert bytes(got[0][2]) == chunk[4096:]
     assert held.nbytes == HOLD_BYTES
-    # taken: let go, what lies outside the range stays
-    got = held.take("a", 2**20 + 4096, 3 * 2**20, version)
-    assert [(a, b) for a, b, _ in got] == [(2**20 + 4096, 2 * 2**20), (2 * 2**20, 3 * 2**20)]
-    assert held.nbytes == HOLD_BYTES - 2 * 2**20 + 4096
-    assert held.take("a", 2**20, 2**20 + 4096, version)[0][:2] == (2**20, 2**20 + 4096)
     # another version of the object: never used, let go
-    assert held.take("a", 0, 2**20, ObjectVersion(64 * 2**20, etag='"other"')) == []
-    assert held.take("a", 0, 2**20, version) == []
-    # reads that do not take them: let go after HOLD_READS of them
-    for _ in range(HOLD_READS):
-        held.tick()
-    assert held.nbytes > 0
-    held.tick()
-    assert held.nbytes == 0
+    assert held.take("a", 4 * M, 5 * M, ObjectVersion(128 * M, etag='"other"')) == []
+    assert held.take("a", 4 * M, 5 * M, version) == []
+    assert held.nbytes == HOLD_BYTES - M
+    held.end_read(read)
     # a new session lets go of what the last one held, and so does closing
-    held.add("a", 0, 2**20, chunk, version)
     held.begin()
     assert held.nbytes == 0
-    held.add("a", 0, 2**20, chunk, version)
+    held.add("a", 0, 2**20, chunk, version, read)
+    assert held.nbytes == 2**20
     held.clear()
-    assert held.nbytes == 0 and not held.tick()
+    assert held.nbytes == 0

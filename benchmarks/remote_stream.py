@@ -405,12 +405,19 @@ def child_bytes(url: str, options: dict[str, Any], batch: int, mode: str, epochs
             out.append(
                 {"batches": n, "bytes": figures["epoch_bytes_read"], "requests": figures["epoch_requests"]}
             )
-    return {"epochs": out, "data_bytes": len(storage) * 2}
+    held = storage._remote.fetcher.held  # verified blocks held for later reads of a window
+    return {
+        "epochs": out,
+        "data_bytes": len(storage) * 2,
+        "peak_held_bytes": held.peak_nbytes,
+        "held_bound": storage.read_window_bytes,
+    }
 
 
 def run_bytes(args: argparse.Namespace) -> None:
     """Bytes fetched per epoch over moto S3 with ``shuffle_block_size="auto"``, as a share of
-    the dataset's bytes (1.0: every byte once), with the GETs that fetched them."""
+    the dataset's bytes (1.0: every byte once), with the GETs that fetched them, and the most
+    bytes of verified blocks held at once for the later reads of a mixing window (its bound)."""
     data_root = Path(os.environ.get("GUIDELOOM_BENCH_DIR", Path(tempfile.gettempdir()) / "guideloom-bench"))
     data_root.mkdir(parents=True, exist_ok=True)
     sizes = [int(x) for x in args.bytes_mib.split(",")]
@@ -431,7 +438,8 @@ def run_bytes(args: argparse.Namespace) -> None:
                         f"epoch {i + 1} {e['bytes'] / data:.4f}x ({e['requests']} GETs)"
                         for i, e in enumerate(r["epochs"])
                     )
-                    print(f"  {mib:3d} MiB  {mode:<7} batch {batch:2d}: {cells}", flush=True)
+                    held = f"peak held {r['peak_held_bytes'] / MiB:.1f} MiB of {r['held_bound'] // MiB} MiB"
+                    print(f"  {mib:3d} MiB  {mode:<7} batch {batch:2d}: {cells}  {held}", flush=True)
 
 
 # -- the run -----------------------------------------------------------------------------------------

@@ -236,6 +236,9 @@ class HeldBlocks:
         self._peak = 0
         self._reads: list[Read] = []  # planned and not finished, in planning order
         self._count = 0  # reads planned
+        self._tickets = 0  # reads called: each takes a ticket, in the order the loader reads
+        self._unplanned: set[int] = set()  # tickets of reads called and not planned yet
+        self._release: int | None = None  # a read that touches nothing held: its ticket
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (HeldBlocks, (self.limit,))  # a process worker's copy holds nothing
@@ -253,6 +256,7 @@ class HeldBlocks:
         """A reading session begins: what an earlier one held is let go."""
         with self._lock:
             self._let_go_all()
+            self._release = None
 
     def clear(self) -> None:
         """Closing: everything held is let go."""
@@ -262,11 +266,28 @@ class HeldBlocks:
         self._ranges.clear()
         self._nbytes = 0
 
-    def begin_read(self, read: Read) -> list[concurrent.futures.Future[None]]:
-        """``read`` is planned: the held ranges it touches are marked used by it; where it
-        touches none, the reads have moved on (the next mixing window), and what no unfinished
-        read touches is let go. Returns the ``done`` of each earlier unfinished read that touches
-        blocks it touches (wait for them, then cut)."""
+    def ticket(self) -> int:
+        """A read is called (before it is planned, maybe on another thread, maybe after a later
+        one): its place in the order of reads; it is given back by :meth:`begin_read` or
+        :meth:`skip`."""
+        with self._lock:
+            t = self._tickets
+            self._tickets += 1
+            self._unplanned.add(t)
+            return t
+
+    def skip(self, ticket: int) -> None:
+        """The read with ``ticket`` is not planned after all (its planning failed)."""
+        with self._lock:
+            self._unplanned.discard(ticket)
+            self._maybe_release()
+
+    def begin_read(self, read: Read, ticket: int | None = None) -> list[concurrent.futures.Future[None]]:
+        """``read`` (called with ``ticket``) is planned: the held ranges it touches are marked used
+        by it; where it touches none, the reads have moved on (the next mixing window): what no
+        unfinished read touches is let go, once every read called before it is planned (one
+        planned later may still touch them). Returns the ``done`` of each unfinished read
+        planned before it that touches blocks it touches (wait for them, then cut)."""
         with self._lock:
             waits = [r.done for r in self._reads if r.overlaps(read)]
             self._reads.append(read)
@@ -277,9 +298,19 @@ class HeldBlocks:
                     if read.touches(path, h.start, h.end):
                         held[i] = h._replace(used=self._count)
                         touched = True
+            if ticket is not None:
+                self._unplanned.discard(ticket)
             if self._ranges and not touched:
-                self._let_go(self._claimed)
+                at = self._tickets if ticket is None else ticket
+                self._release = at if self._release is None else max(self._release, at)
+            self._maybe_release()
             return waits
+
+    def _maybe_release(self) -> None:
+        at = self._release
+        if at is not None and not any(t < at for t in self._unplanned):
+            self._release = None
+            self._let_go(self._claimed)
 
     def end_read(self, read: Read) -> None:
         """``read`` finished (failed or not): the reads that wait for it go on."""
@@ -471,18 +502,35 @@ class RangeFetcher:
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "local": None}  # a process worker's storage sets its own
 
-    def prepare(self, jobs: list[Job]) -> tuple[Read | None, list[concurrent.futures.Future[None]]]:
-        """A read's planned ``jobs``, before they run (where they are planned: off the event
-        loop for a large read): the read as :attr:`held` sees it, its verified blocks kept for
-        the reads after it that touch them, and the ``done`` of the earlier unfinished reads
-        that fetch blocks it touches. With none, its ranges are cut now around the blocks held
-        (:meth:`cut`); else the caller waits for those reads, then cuts. ``None`` (nothing to
-        wait for, nothing held): no block digests. The caller ends the read (:meth:`end`)."""
+    def ticket(self) -> int | None:
+        """A read is called: its place in the order of reads (:meth:`HeldBlocks.ticket`);
+        ``None`` without block digests (nothing is held)."""
         blocks = self.blocks
         if blocks is None or not blocks.specs:
+            return None
+        return self.held.ticket()
+
+    def skip(self, ticket: int | None) -> None:
+        """The read that took ``ticket`` is not planned after all."""
+        if ticket is not None:
+            self.held.skip(ticket)
+
+    def prepare(
+        self, jobs: list[Job], ticket: int | None = None
+    ) -> tuple[Read | None, list[concurrent.futures.Future[None]]]:
+        """A read's planned ``jobs``, before they run (where they are planned: off the event
+        loop for a large read; ``ticket``: its place in the order of reads, :meth:`ticket`): the
+        read as :attr:`held` sees it, its verified blocks kept for the reads after it that touch
+        them, and the ``done`` of the earlier unfinished reads that fetch blocks it touches.
+        With none, its ranges are cut now around the blocks held (:meth:`cut`); else the caller
+        waits for those reads, then cuts. ``None`` (nothing to wait for, nothing held): no
+        block digests. The caller ends the read (:meth:`end`)."""
+        blocks = self.blocks
+        if blocks is None or not blocks.specs:
+            self.skip(ticket)
             return None, []  # no block digests: nothing verified to hold
         read = Read.of(jobs)
-        waits = self.held.begin_read(read)
+        waits = self.held.begin_read(read, ticket)
         for job in jobs:
             job.keeper = read
         if not waits:

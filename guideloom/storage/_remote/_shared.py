@@ -109,9 +109,15 @@ class _ObjectStorageMixin:
         fetcher = self._remote.fetcher
         fetcher.held.limit = max(0, int(self.read_window_bytes))
 
+        ticket = fetcher.ticket()  # the order of reads, before any planning
+
         def planned() -> tuple[Any, Any]:
-            out = plan(*args)
-            return out, fetcher.prepare(out[0])
+            try:
+                out = plan(*args)
+            except BaseException:
+                fetcher.skip(ticket)
+                raise
+            return out, fetcher.prepare(out[0], ticket)
 
         if n <= PLAN_INLINE_SAMPLES:
             out, (read, waits) = planned()

@@ -161,7 +161,7 @@ def test_objects_replaced_after_the_first_batch_are_refused(
     prepare = RangeFetcher.prepare
     planned: list[int] = []
 
-    def replace_before_the_window_read(self: RangeFetcher, jobs: list[Job]) -> Any:
+    def replace_before_the_window_read(self: RangeFetcher, jobs: list[Job], *args: Any) -> Any:
         planned.append(len(jobs))
         if len(planned) == 2:  # the first read kept its blocks; the window read is planned now
             assert self.held.nbytes > 0
@@ -169,7 +169,7 @@ def test_objects_replaced_after_the_first_batch_are_refused(
             for shard in shards:
                 body = (four_mib.local / shard).read_bytes()
                 client.put_object(Bucket=BUCKET, Key=f"{prefix}/{shard}", Body=body[::-1])  # same size
-        return prepare(self, jobs)
+        return prepare(self, jobs, *args)
 
     monkeypatch.setattr(RangeFetcher, "prepare", replace_before_the_window_read)
     storage = guideloom.open_stream(f"s3://{BUCKET}/{prefix}", **s3.options())

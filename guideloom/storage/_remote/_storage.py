@@ -103,8 +103,8 @@ class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):
 
     def will_read(self, windows: Iterable[npt.NDArray[np.int64]], length: int) -> None:
         """The loader's upcoming windows, in read order: a chunk cache downloads ahead by them,
-        and the whole copy fetches its parts in their order. A reading session begins: its first
-        read's verified blocks are held for the reads after it (:class:`~._fetch.HeldBlocks`)."""
+        and the whole copy fetches its parts in their order. A reading session begins: what the
+        last one held for its later reads is let go (:class:`~._fetch.HeldBlocks`)."""
         self._remote.fetcher.held.begin()
         chunks, arrays = self._chunks, self._arrays
         cache = self._cache
@@ -218,8 +218,8 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
     def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
         """The loader's upcoming reads, in order: a chunk cache downloads ahead by them, and the
         whole copy fetches its parts in their order (when the offsets are held in memory,
-        ``offsets_cache_bytes``). A reading session begins: its first read's verified blocks are
-        held for the reads after it (:class:`~._fetch.HeldBlocks`)."""
+        ``offsets_cache_bytes``). A reading session begins: what the last one held for its later
+        reads is let go (:class:`~._fetch.HeldBlocks`)."""
         self._remote.fetcher.held.begin()
         chunks, offsets, cache = self._chunks, self._offsets, self._cache
         if offsets is None:

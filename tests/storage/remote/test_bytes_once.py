@@ -1,6 +1,7 @@
 """A shuffled epoch over S3 with ``shuffle_block_size="auto"`` fetches the dataset's bytes once:
 the first batch's verified blocks, read alone for a fast first batch, are not fetched again by
-the window read that follows it."""
+the window read that follows it, nor are those of a mixing window's earlier parts by its later
+ones where the window is read in parts."""
 
 from __future__ import annotations
 

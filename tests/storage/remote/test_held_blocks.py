@@ -188,3 +188,29 @@ def test_held_blocks_are_bounded_and_let_go() -> None:
     assert held.nbytes == 2**20
     held.clear()
     assert held.nbytes == 0
+
+
+def test_a_read_of_the_next_window_planned_first_lets_go_only_once_the_earlier_reads_are_planned() -> None:
+    """Reads are planned concurrently: the next window's read, called after the rest of this
+    window's, may be planned first; what it does not touch stays held for the earlier one."""
+    version = ObjectVersion(2**20)
+    held = HeldBlocks(limit=2**20)
+    held.begin()
+    first = Read({"a": ([0], [4096])})
+    held.begin_read(first, held.ticket())
+    held.add("a", 0, 4096, bytes(4096), version, first)
+    held.end_read(first)
+    rest, following = held.ticket(), held.ticket()  # called in this order
+    held.begin_read(Read({"a": ([8192], [12288])}), following)  # touches nothing held
+    assert held.nbytes == 4096, "the rest of the window is not planned yet"
+    window = Read({"a": ([0], [8192])})
+    assert held.begin_read(window, rest) == []
+    assert held.take("a", 0, 4096, version)[0][:2] == (0, 4096)
+    held.end_read(window)
+    # a read called and never planned holds up no let-go
+    skipped = held.ticket()
+    later = held.ticket()
+    held.begin_read(Read({"a": ([65536], [69632])}), later)
+    assert held.nbytes == 4096
+    held.skip(skipped)
+    assert held.nbytes == 0

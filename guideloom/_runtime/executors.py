@@ -552,7 +552,7 @@ def executors_for(cfg: PipelineConfig, choosers: Choosers | None, *, on_loop: bo
         return Chosen(here, Threads(1, steps, "inline"), None, False)
     measured = choosers is not None and not on_loop and cfg.dataset._reads_inline
     if cfg.parallel_method == "thread":
-        threads = Threads(cfg.num_workers, steps, "threads", most_jobs=cfg.num_workers if on_loop else None)
+        threads = Threads(cfg.num_workers, steps, "threads")
         chooser = None
         if measured and choosers is not None:
             # the chooser's own factory (a partial, not a lambda of this module): the lifecycle that

@@ -6,8 +6,8 @@ A driver performs what the flow asks for and waits for what it is blocked on; it
 of the epoch's own. :class:`SyncDriver` runs in the consumer's thread, with no event loop: reads
 of a storage that reads inline are made right there (a window when its batches are needed),
 others on a loop thread of its own, several windows in flight. With ``collate_mode="auto"`` it
-times the consumer's cycle to choose between the workers and inline collation
-(:class:`~guideloom._runtime.chooser.Chooser`). :class:`AsyncDriver` runs on the caller's loop,
+drives a clock that times the consumer's cycle to choose between the workers and inline
+collation (:class:`~guideloom._runtime.chooser.Clock`). :class:`AsyncDriver` runs on the caller's loop,
 which never runs ``collate_fn`` (one collate thread at ``num_workers=0``) and is never blocked
 by a read (``read_many`` is a coroutine) or a wait.
 
@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import random
 import time
 from collections.abc import Callable
 from typing import Any
 
-from guideloom._core.delivery import DELIVERED_ERRORS, Delivery
+from guideloom._core.delivery import Delivery
 from guideloom._core.plan import EpochPlan
 from guideloom._core.schedule import future_reads, run_async, run_sync
 from guideloom._loop import LoopThread
@@ -69,34 +68,18 @@ class SyncDriver:
             self.procs.flow = flow
         #: No worker: every batch is made here when asked for.
         self._lean = ex.workers is None and isinstance(ex.here, Here)
-        #: Batches read here are made here even with the workers chosen (they read their own).
-        self._here_first = self.procs is not None and self.procs.reads_itself
         self._lt: LoopThread | None = None
         #: Whether the storage, read on a loop thread at first, reads inline now.
         self.reads_inline = False
         self._hinted = False
-        self._failed = False  # the workers could not start: their failure is queued
-        # The chooser's clock (see :meth:`next`).
+        #: The measured choice (``collate_mode="auto"``), and its clock over this epoch.
         self.chooser = ex.chooser
-        self._last: float | None = None  # when the last request came
-        self._read_s = 0.0  # spent reading since then
-        self._window_read = 0.0  # the last window read here, per batch
-        self._quiet = 0  # calls left before the clock is looked at again (inline, held)
-        self._settled = False
-        self._span = 0  # the batches of a workers' task the chooser was told of
-        self._skip = self._chunk = 0
-        if self.chooser is not None:
-            limit = cfg.capacity + 1
-            self._skip, self._chunk = limit, max(8, 2 * limit)
-        self._in_calls, self._in_sampled, self._in_total = 0, 0, 0.0
-        #: What the iterator calls for each batch: :meth:`next`, or where no worker, no chooser and
-        #: one collate step leave nothing to decide, :meth:`_next_lean`, which makes a batch read
-        #: already without a call in between.
-        self.hot: Callable[[], Delivery | None] = self.next
-        steps = ex.here.steps if self._lean else ()
-        if self._lean and self.chooser is None and len(steps) == 1:
-            self._collate = steps[0]
-            self.hot = self._next_lean
+        self._clock: choosing.Clock | None = None
+        if ex.chooser is not None:
+            self._clock = choosing.Clock(ex.chooser, flow, self.procs, cfg.capacity)
+        #: What the iterator calls for each batch: :meth:`next`, or where no worker leaves nothing
+        #: to decide, :meth:`_next_lean`.
+        self.hot: Callable[[], Delivery | None] = self._next_lean if self._lean else self.next
 
     @property
     def place(self) -> str:
@@ -104,24 +87,13 @@ class SyncDriver:
         return self.flow.place
 
     def _next_lean(self) -> Delivery | None:
-        """:meth:`next` with no worker and no chooser: a batch read already, with nothing in
-        flight before it, is collated here at once (:meth:`EpochFlow.make_here`, written out);
-        anything else takes :meth:`_pull`."""
-        flow = self.flow
-        raw = flow.raw
-        if raw and self._lt is None and not flow.jobs and not flow.closed:
-            try:
-                d = raw.popleft()
-            except IndexError:  # closed in another thread meanwhile
-                return self._pull()
-            if d.error is None:
-                try:
-                    d.value = self._collate(d.value)
-                    return d
-                except DELIVERED_ERRORS as exc:
-                    d.value, d.error = None, exc
-            flow.end()
-            return d
+        """:meth:`next` with no worker: a batch read already is made at once
+        (:meth:`EpochFlow.make_here`); anything else (a read, one on the loop thread ahead)
+        takes :meth:`_pull`."""
+        if self._lt is None:
+            d = self.flow.make_here()
+            if d is not None:
+                return d
         return self._pull()
 
     @property
@@ -129,81 +101,18 @@ class SyncDriver:
         """Whether the batches are collated on the workers now."""
         return self.flow.on_workers
 
-    # -- the chooser's clock ----------------------------------------------------------------------
     def next(self) -> Delivery | None:
         """The next batch in plan order (or the error in its place); ``None`` at the end, after a
-        failure was handed out, or once :meth:`close` ran.
-
-        With a chooser, the consumer's whole cycle (from one request to the next, its own work
-        included: workers that hold the GIL slow it down too) is timed in the mode it ran in,
-        the reads left out (the same in both modes), and inline is charged what a batch's read
-        costs where the workers read their own. While a choice of inline stands, nothing is
-        timed: the clock is looked at once every :data:`~guideloom._runtime.chooser.QUIET_CALLS`.
-        """
-        chooser = self.chooser
-        if chooser is None:
+        failure was handed out, or once :meth:`close` ran. With a chooser, each request is told
+        to its clock (:class:`~guideloom._runtime.chooser.Clock`), and the CPU time of those it
+        asks for."""
+        clock = self._clock
+        if clock is None or not clock.tick():
             return self._pull()
-        if self._quiet:
-            self._quiet -= 1
-            return self._pull()
-        flow = self.flow
-        if flow.per != self._span:  # the workers' tasks grew: the chooser's chunks span them
-            self._span = flow.per
-            chooser.span(flow.per)
-        now = time.perf_counter()
-        if self._last is not None:
-            chooser.record(now - self._last - self._read_s, self._settled)
-        self._last, self._read_s = now, 0.0
-        workers = chooser.workers
-        procs = self.procs
-        reads_itself = procs is not None and procs.reads_itself
-        # Settled: the batch comes from the mode it is timed in (not from groups sent before a
-        # switch, nor from a window read here before the workers took over again, nor made here
-        # while the workers start).
-        from_workers = workers and (procs is None or procs.is_up) and not (reads_itself and flow.raw)
-        self._settled = from_workers or (not workers and not flow.jobs)
-        if not workers:
-            self._in_calls, self._in_sampled, self._in_total = 0, 0, 0.0
-            if reads_itself and not flow.jobs:
-                # Inline is charged a batch's read as the workers measure it, where they have: the
-                # main process's first reads fault in pages the workers mapped long ago.
-                assert procs is not None
-                per = procs.session.read_per_batch
-                self._read_s -= self._window_read if per is None else per
-            until = chooser.held_until()
-            if not flow.jobs and until is not None and now < until:
-                self._quiet, self._last = choosing.QUIET_CALLS, None  # nothing to time until the probe
-            return self._pull()
-        self._in_calls += 1
-        if (
-            procs is not None
-            and procs.is_up
-            and chooser.measures
-            and self._in_calls > self._skip
-            and random.random() < choosing.CPU_SAMPLE
-        ):
-            c0 = time.thread_time()
-            d = self._pull()
-            self._weigh(time.thread_time() - c0)
-            return d
-        return self._pull()
-
-    def _weigh(self, seconds: float) -> None:
-        """The process workers' mode: ``seconds`` of this thread's CPU time spent taking one of
-        their batches. Once that costs as much, per batch, as the workers report a batch's read
-        and collate costs them, making it inline cannot cost more: inline is chosen. CPU time,
-        not wall time: waiting for workers that a loaded machine slows down is no cost of their
-        transport."""
-        self._in_sampled += 1
-        self._in_total += seconds
-        if self._in_sampled < self._chunk or self._in_total < choosing.CHUNK_SECONDS:
-            return
-        mean = self._in_total / self._in_sampled
-        self._in_sampled, self._in_total = 0, 0.0
-        assert self.procs is not None and self.chooser is not None
-        work = self.procs.session.work_per_batch
-        if work is not None and mean >= work:
-            self.chooser.settle(False, (mean, work))
+        c0 = time.thread_time()
+        d = self._pull()
+        clock.weigh(time.thread_time() - c0)
+        return d
 
     # -- driving the flow -------------------------------------------------------------------------
     def _pull(self) -> Delivery | None:
@@ -218,8 +127,9 @@ class SyncDriver:
             while not flow.closed:
                 if not lean:
                     self._decide()
-                if flow.raw and not flow.jobs and (lean or not flow.on_workers or self._here_first):
-                    return flow.make_here()  # read already, nothing in flight before it: made now
+                d = flow.make_here()  # read already, nothing in flight before it: made now
+                if d is not None:
+                    return d
                 self._pump()
                 d = flow.take()
                 if d is not None:
@@ -245,29 +155,20 @@ class SyncDriver:
         return None
 
     def _decide(self) -> None:
-        """Where the next groups are collated: the chooser's mode, here while process workers
-        start (unless pinned to them), on them once up."""
-        flow, procs = self.flow, self.procs
-        workers = True if self.chooser is None else self.chooser.workers
-        if procs is not None and not procs.is_up and not self._failed:
-            if flow.read_step >= flow.total and flow.reads_here():
-                flow.on_workers = False  # every batch is read here already: they owe none
-                return
-            if procs.starting() and not self.ex.wait_for_workers:
-                flow.on_workers = False
-                return
-            self._read_ahead()  # the first windows are read while the workers start
-            try:
-                procs.start_sync()
-            except Exception as exc:  # at the first batch the workers owe, and so the epoch's end
-                if flow.closed:  # closed in another thread: the start was cut short, not failed
-                    return
-                self._failed = True
-                flow.on_workers = True
-                flow.fail(exc)
-                return
-        if not self._failed:
-            flow.on_workers = workers and flow.workers is not None
+        """The flow's decision of where the next groups are made (:meth:`EpochFlow.decide`), in
+        the chooser's mode; where it waits for the process workers' start, the first windows are
+        read meanwhile and the start waited for here."""
+        flow = self.flow
+        if not flow.decide(True if self.chooser is None else self.chooser.workers, self.ex.wait_for_workers):
+            return
+        assert self.procs is not None
+        self._read_ahead()  # the first windows are read while the workers start
+        try:
+            self.procs.start_sync()
+        except Exception as exc:  # at the first batch the workers owe, and so the epoch's end
+            flow.started(exc)
+        else:
+            flow.started(None)
 
     def _hint(self) -> None:
         flow = self.flow
@@ -300,9 +201,8 @@ class SyncDriver:
             if inline:
                 t0 = time.perf_counter()
                 got = run_sync(flow.schedule(r), dataset._read_many_sync)
-                seconds = time.perf_counter() - t0
-                self._read_s += seconds
-                self._window_read = seconds / max(1, len(r.specs))
+                if self._clock is not None:
+                    self._clock.read(time.perf_counter() - t0, len(r.specs))
                 flow.read_done(r, got)
             else:
                 r.handle = self._loop_thread().submit(run_async(flow.schedule(r), dataset.read_many))
@@ -392,7 +292,6 @@ class AsyncDriver:
         if self.procs is not None:
             self.procs.flow = flow
         self._up: asyncio.Task[None] | None = None
-        self._failed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._moved: asyncio.Event | None = None
         self._reading: set[asyncio.Task[Any]] = set()  # the reads in flight
@@ -434,35 +333,28 @@ class AsyncDriver:
         _replan(self, plan)
 
     async def _decide(self) -> None:
+        """The flow's decision (:meth:`EpochFlow.decide`): the workers' start runs as a task from
+        the first batch on; where the flow waits for it, it is awaited."""
         flow, procs = self.flow, self.procs
-        if procs is None or self._failed:
-            return
-        if procs.is_up:
-            flow.on_workers = True
-            return
-        if self._up is None:
-            self._up = up = asyncio.get_running_loop().create_task(
+        if procs is not None and not procs.is_up and self._up is None and not flow.start_failed:
+            self._up = asyncio.get_running_loop().create_task(
                 procs.start_async(), name="guideloom-workers-up"
             )
-            up.add_done_callback(self._poke)
-        up = self._up
-        if not up.done():
-            if not self.ex.wait_for_workers and procs.starting():
-                flow.on_workers = False  # made here while they start (not while workers that
-                return  # are up already take the epoch: a thread's hop, not a start)
-            await asyncio.wait([up])
-        error = up.exception() if not up.cancelled() else None
-        if (error is not None or up.cancelled()) and flow.read_step >= flow.total and not flow.on_workers:
-            return  # every batch is read here already: the workers owe none (a failed start
-            # comes at the first batch they owe, in a later epoch)
-        if error is not None or up.cancelled():
-            self._failed = True
-            flow.on_workers = True
-            flow.fail(error or RuntimeError("the workers' start was cancelled"))
+            self._up.add_done_callback(self._poke)
+        if not flow.decide(True, self.ex.wait_for_workers):
             return
-        flow.on_workers = True
+        up = self._up
+        assert up is not None
+        if not up.done():
+            await asyncio.wait([up])
+        if up.cancelled():
+            flow.started(RuntimeError("the workers' start was cancelled"))
+        else:
+            flow.started(up.exception())
 
-    def _poke(self, _: Any = None) -> None:
+    def _poke(self, done: Any = None) -> None:
+        if isinstance(done, asyncio.Task) and not done.cancelled():
+            done.exception()  # the start's failure is the flow's to hand out: retrieved here
         moved = self._moved
         if moved is not None:
             moved.set()

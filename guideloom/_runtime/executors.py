@@ -191,6 +191,10 @@ class Here:
     reads_itself = False
     runs_ahead = False
     most_jobs = 1
+    is_up = True
+
+    def starting(self) -> bool:
+        return False
 
     def __init__(self, steps: Sequence[Callable[[Any], Any]], place: str = "inline") -> None:
         self.steps = tuple(steps)
@@ -214,6 +218,10 @@ class Threads:
 
     reads_itself = False
     runs_ahead = True
+    is_up = True
+
+    def starting(self) -> bool:
+        return False
 
     def __init__(
         self, n: int, steps: Sequence[Callable[[Any], Any]], place: str, most_jobs: int | None = None

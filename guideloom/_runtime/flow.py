@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
-from guideloom._core.delivery import Delivery, apply
+from guideloom._core.delivery import DELIVERED_ERRORS, Delivery, apply
 from guideloom._core.plan import BatchSpec, EpochPlan
 from guideloom._core.schedule import Indexes, ReadWindow, count_window, read_window, windows
 from guideloom._runtime.config import (
@@ -56,6 +56,12 @@ class Executor(Protocol):
     #: What makes a read batch a delivered one (the collate, and the copy to a device where it
     #: runs there).
     steps: tuple[Callable[[Any], Any], ...]
+    #: Whether it can take groups now (process workers: once their start is over; others: always).
+    is_up: bool
+
+    def starting(self) -> bool:
+        """Whether it is still starting (process workers): batches may be made here meanwhile."""
+        ...
 
     @property
     def most_jobs(self) -> int:
@@ -112,6 +118,14 @@ class EpochFlow:
             self.move = functools.partial(move_to_device, device=cfg.device, pin_memory=cfg.pin_memory)
         #: Where the last batch taken was collated.
         self.place = workers.place if workers is not None else here.place
+        #: The batches read here are made by ``here`` in the driver's thread when asked for, the
+        #: workers chosen or not, where those read their own (:meth:`make_here`).
+        self._here_first = workers is not None and workers.reads_itself
+        self._here_inline = not here.runs_ahead
+        #: The workers could not start: their failure is queued (from plan to plan: nothing is
+        #: sent to them again).
+        self.start_failed = False
+        self._wanted = self.on_workers  # the mode the driver asked for at the last decision
         self.closed = False
         self.start(cfg.plan, 0)
 
@@ -218,6 +232,41 @@ class EpochFlow:
         self._windows = windows(self.plan, step, self.largest, self._bounds)
         self.first_read = True
 
+    # -- where to make --------------------------------------------------------------------------
+    def decide(self, wanted: bool, wait: bool) -> bool:
+        """Where the next groups are made: on the workers if ``wanted`` (a chooser's mode, or
+        what the user asked for) and they are up; here while they start (unless ``wait``: they
+        are pinned), or where every batch is read here already (they owe none). Returns whether
+        the driver is to wait for their start first (reading ahead meanwhile, as it can), then
+        tell :meth:`started` how it ended."""
+        w = self.workers
+        self._wanted = wanted
+        if self.start_failed:
+            return False
+        if w is None or w.is_up:
+            self.on_workers = wanted and w is not None
+            return False
+        if self.read_step >= self.total and self.reads_here():
+            self.on_workers = False  # every batch is read here already: the workers owe none
+            return False
+        if not wait and w.starting():
+            self.on_workers = False  # made here while they start
+            return False
+        return True
+
+    def started(self, error: BaseException | None) -> None:
+        """The workers' start that :meth:`decide` asked the driver to wait for is over: they
+        take the groups from now on, or their failure comes at the first batch they owe (and
+        ends the epoch). A start cut short by a close is no failure."""
+        if error is None:
+            self.on_workers = self._wanted and self.workers is not None
+            return
+        if self.closed:
+            return
+        self.start_failed = True
+        self.on_workers = True
+        self.fail(error)
+
     # -- making ---------------------------------------------------------------------------------
     def _maker(self) -> Executor:
         w = self.workers
@@ -309,13 +358,29 @@ class EpochFlow:
                 return r.specs[0].step
         return self.read_step
 
-    def make_here(self) -> Delivery:
-        """The next batch read, made at once by ``here`` (nothing is in flight before it): the
-        inline path, with no job between the read and the consumer."""
-        d = self.raw.popleft()
-        if d.error is not None or apply(d, *self.here.steps):
-            self.end()
+    def make_here(self) -> Delivery | None:
+        """The next batch, made at once in the driver's thread, where it is read already,
+        nothing is in flight before it and ``here`` makes it inline (the inline path: no job
+        between the read and the consumer); None where it is not (the driver then drives the
+        flow on). The hot path of ``num_workers=0``: one call per batch."""
+        raw = self.raw
+        if not raw or self.jobs or self.closed or not self._here_inline:
+            return None
+        if self.on_workers and not self._here_first:
+            return None  # the workers make the batches read here
+        try:
+            d = raw.popleft()
+        except IndexError:  # closed in another thread meanwhile
+            return None
         self.place = self.here.place
+        if d.error is None:
+            try:
+                for step in self.here.steps:
+                    d.value = step(d.value)
+                return d
+            except DELIVERED_ERRORS as exc:
+                d.value, d.error = None, exc
+        self.end()
         return d
 
     # -- handing out ----------------------------------------------------------------------------

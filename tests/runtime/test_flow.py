@@ -17,9 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
+from guideloom._core.delivery import Delivery
 from guideloom._core.plan import EpochPlan, Permutation
 from guideloom._runtime.config import PipelineConfig
 from guideloom._runtime.drive import AsyncDriver, SyncDriver
+from guideloom._runtime.executors import Here, Threads
+from guideloom._runtime.flow import EpochFlow
 
 N = 240
 
@@ -142,3 +145,86 @@ def test_process_workers_are_not_restarted_by_a_new_plan(how: str) -> None:
     assert [d.value[0] for d in after] == fresh(new)
     assert {d.value[1] for d in before + after} <= set(pids) and len(pids) == 2  # all made by the workers
     assert still == pids  # the same processes: none restarted
+
+
+# -- where the batches are made: the flow's decision, the same for both drivers ---------------------
+class StartingThreads(Threads):
+    """Worker threads whose start the test says is under way, over, or ready (``is_up``): what
+    the flow's decision reads of process workers, whose start takes seconds."""
+
+    def __init__(self) -> None:
+        super().__init__(2, [ids], "threads")
+        self.is_up = False  # type: ignore[misc]
+        self.busy = True
+
+    def starting(self) -> bool:
+        return self.busy
+
+
+def flow_over(workers: StartingThreads) -> EpochFlow:
+    cfg = config(plan(3, 1, 0, 0), nw=2)
+    return EpochFlow(cfg, Here([ids]), workers, limit=cfg.capacity + 1)
+
+
+def test_the_batches_are_made_here_while_the_workers_start_then_on_them() -> None:
+    workers = StartingThreads()
+    flow = flow_over(workers)
+    try:
+        assert not flow.decide(True, wait=False) and not flow.on_workers  # here while they start
+        assert flow.decide(True, wait=True)  # pinned to them: the driver waits for their start
+        workers.busy = False
+        assert flow.decide(True, wait=False)  # their start is over: waited for, then theirs
+        workers.is_up = True  # type: ignore[misc]
+        flow.started(None)
+        assert flow.on_workers
+        assert not flow.decide(False, wait=False) and not flow.on_workers  # a chooser's inline
+        assert not flow.decide(True, wait=False) and flow.on_workers
+    finally:
+        workers.shutdown()
+
+
+def test_workers_that_owe_no_batch_are_not_waited_for() -> None:
+    workers = StartingThreads()
+    flow = flow_over(workers)
+    try:
+        flow.read_step = flow.total  # every batch is read here already
+        assert not flow.decide(True, wait=True) and not flow.on_workers
+    finally:
+        workers.shutdown()
+
+
+@pytest.mark.parametrize("closed", [False, True])
+def test_a_failed_start_comes_at_the_first_batch_owed_and_ends_the_epoch(closed: bool) -> None:
+    workers = StartingThreads()
+    flow = flow_over(workers)
+    try:
+        assert flow.decide(True, wait=True)
+        if closed:  # closed in another thread while the start was waited for: no failure
+            flow.close()
+        flow.started(RuntimeError("no worker started"))
+        d = flow.take()
+        if closed:
+            assert d is None and not flow.start_failed
+            return
+        assert d is not None and isinstance(d.error, RuntimeError) and d.spec.step == 0
+        assert flow.take() is None and flow.finished()
+        assert not flow.decide(True, wait=True)  # not waited for again
+    finally:
+        workers.shutdown()
+
+
+def test_a_batch_read_here_is_made_here_only_where_here_makes_it() -> None:
+    workers = StartingThreads()
+    flow = flow_over(workers)
+    try:
+        r = flow.next_read(ahead=False)
+        assert r is not None
+        flow.read_done(r, [Delivery(s, [np.array([s.start])]) for s in r.specs])
+        flow.on_workers = True
+        assert flow.make_here() is None  # the workers make what is read here
+        flow.on_workers = False
+        d = flow.make_here()
+        assert d is not None and d.error is None and d.value[0] == [r.specs[0].start]
+        assert flow.place == "inline"
+    finally:
+        workers.shutdown()

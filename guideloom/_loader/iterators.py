@@ -52,6 +52,7 @@ class _IteratorBase(Generic[BatchT]):
         # The loader's state this iterator changes: its position, its figures, its lifecycle.
         self._state = state
         self._ckpt, self._figures, self._life = state.ckpt, state.figures, state.life
+        self._counts = self._figures.counts  # stats()'s figures, counted in place per batch
         self._done = True  # until a subclass has started: __del__ and close() then do nothing
         self._owns_open = False
         self._delivered = 0
@@ -109,15 +110,23 @@ class _IteratorBase(Generic[BatchT]):
         return plan.global_batch_size, plan.drop_last, plan.start_offset
 
     def _accept(self, d: Delivery, waited: float, place: str) -> BatchT:
-        self._figures.waited(waited)
+        """The bookkeeping of every batch handed out (the wait, and for a batch its position,
+        the audit's count and the figures of ``stats()``, written out: it is the hot path); a
+        failed batch's error raised."""
+        counts = self._counts
+        counts["wait_seconds"] += waited
+        counts["last_wait_seconds"] = waited
         if d.error is not None:
             error = for_the_consumer(d.error)
             if d.spec.size == 0:
                 _note_empty_batch(error, self._cfg)
             raise error
-        self._ckpt.offset = d.spec.offset_after
+        spec = d.spec
+        self._ckpt.offset = spec.offset_after
         self._delivered += 1
-        self._figures.delivered(d.spec.size, place)
+        counts["batches"] += 1
+        counts["samples"] += spec.stop - spec.start
+        counts["collated_" + place] += 1
         value: BatchT = d.value
         return value
 
@@ -222,9 +231,7 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
             self.close()
             raise
         self._next = driver.hot  # the hot path: no extra frame
-        self._running: SyncDriver = driver
         self._flow = driver.flow  # the same flow from plan to plan (a replan restarts it)
-        self._counts = self._figures.counts
 
     def __iter__(self) -> SyncIterator[BatchT]:
         return self
@@ -253,20 +260,7 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
             raise StopIteration
         if d.error is not None:
             self._close_after_error()
-            return self._accept(d, waited, self._running.place)
-        # _accept's bookkeeping written out (the path of every batch): the position, the
-        # audit's count, the figures of stats()
-        spec = d.spec
-        self._ckpt.offset = spec.offset_after
-        self._delivered += 1
-        counts = self._counts
-        counts["wait_seconds"] += waited
-        counts["last_wait_seconds"] = waited
-        counts["batches"] += 1
-        counts["samples"] += spec.stop - spec.start
-        counts["collated_" + self._flow.place] += 1
-        value: BatchT = d.value
-        return value
+        return self._accept(d, waited, self._flow.place)
 
     def _close_after_error(self) -> None:
         """Close, and shut the loader's process workers down too (a failed epoch leaves nothing

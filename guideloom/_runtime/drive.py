@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -403,9 +404,14 @@ class AsyncDriver:
         if isinstance(job, GroupJob):
             await Processes.wait_async(job)
         elif isinstance(job, FutureJob) and job.future is not None:
-            self._waiting = waiting = asyncio.wrap_future(job.future)
+            # One loop future, set from the collate thread's end of the call: a single wake-up
+            # of the loop (asyncio.wrap_future then asyncio.wait chain three futures).
+            loop = self._loop
+            assert loop is not None
+            self._waiting = waiting = loop.create_future()
+            job.future.add_done_callback(functools.partial(_wake_from_thread, loop, waiting))
             try:
-                await asyncio.wait([waiting])
+                await waiting
             finally:
                 self._waiting = None
         elif job is None and (flow.reads or self._up is not None):
@@ -419,8 +425,8 @@ class AsyncDriver:
         self.flow.close()
         self._poke()  # a next() waiting in another task looks again, and ends
         waiting = self._waiting
-        if waiting is not None:
-            waiting.cancel()
+        if waiting is not None and not waiting.done():
+            waiting.set_result(None)
         tasks = [t for t in self._reading if not t.done()]
         for t in tasks:
             t.cancel()
@@ -445,6 +451,19 @@ class AsyncDriver:
             loop.call_soon_threadsafe(self.stop)
         except RuntimeError:  # the loop closed meanwhile
             self.flow.closed = True
+
+
+def _wake_from_thread(loop: asyncio.AbstractEventLoop, waiting: asyncio.Future[Any], _: object) -> None:
+    """A collate thread's call ended: the driver waiting for it on ``loop`` looks again."""
+    try:
+        loop.call_soon_threadsafe(_set_done, waiting)
+    except RuntimeError:  # the loop closed meanwhile: nobody waits
+        pass
+
+
+def _set_done(waiting: asyncio.Future[Any]) -> None:
+    if not waiting.done():
+        waiting.set_result(None)
 
 
 def _replan(driver: SyncDriver | AsyncDriver, plan: EpochPlan) -> None:

@@ -61,8 +61,7 @@ class CollateThreads(concurrent.futures.Executor):
         # The call each thread runs now, described only if a close has to warn about it.
         self._running: dict[threading.Thread, tuple[Callable[..., Any], tuple[Any, ...]]] = {}
         self._most, self._name = max(1, n), name
-        self._threads: list[threading.Thread] = []  # started as calls come (none while idle)
-        self._idle = threading.Semaphore(0)
+        self._threads: list[threading.Thread] = []  # started as calls come, up to n
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
@@ -70,7 +69,9 @@ class CollateThreads(concurrent.futures.Executor):
             if self._closed:
                 raise RuntimeError("cannot submit to the collate threads after shutdown")
             self._queue.put((future, fn, args, kwargs))
-            if not self._idle.acquire(timeout=0) and len(self._threads) < self._most:
+            # A thread per call until there are ``n`` (a pool this small has no idle ones to
+            # reuse first worth a semaphore's acquire and release per call on the hot path)
+            if len(self._threads) < self._most:
                 t = threading.Thread(
                     target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True
                 )
@@ -98,7 +99,6 @@ class CollateThreads(concurrent.futures.Executor):
             finally:
                 self._running.pop(me, None)
                 del item, future, fn, args, kwargs  # a finished batch is not kept alive here
-            self._idle.release()
 
     def shutdown(
         self, wait: bool = True, *, cancel_futures: bool = False, grace: float | None = None

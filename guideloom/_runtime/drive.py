@@ -317,7 +317,8 @@ class AsyncDriver:
         flow.limit = self.cfg.capacity + 1  # the consumer asks for one: one more credit
         try:
             while not flow.closed:
-                await self._decide()
+                if self.procs is not None:  # (else nothing changes: the flow's first decision stands)
+                    await self._decide()
                 self._pump()
                 d = flow.take()
                 if d is not None:

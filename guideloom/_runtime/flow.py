@@ -4,9 +4,10 @@
 consecutive read batches go to an executor as one group and when (within the consumer's
 credits), where each group is collated (here, or on the workers: the decision is the flow's,
 :meth:`EpochFlow.decide`, which also says when a driver is to wait for process workers' start),
-and the batches handed out in plan order, a failure at its batch and nothing after it. It performs no read and waits for nothing: a driver
-(:mod:`guideloom._runtime.drive`) reads the windows it asks for, waits for the job it is blocked
-on, and asks it again, as httpx drives its auth flow and torchdata's mapper drives its queue.
+and the batches handed out in plan order, a failure at its batch and nothing after it. It
+performs no read and waits for nothing: a driver (:mod:`guideloom._runtime.drive`) reads the
+windows it asks for, waits for the job it is blocked on, and asks it again, as httpx drives its
+auth flow and torchdata's mapper drives its queue.
 The executor is a parameter (:mod:`guideloom._runtime.executors`): inline, threads or
 processes differ only in how a group is started and how its results are waited for.
 

@@ -236,8 +236,8 @@ class EpochFlow:
     # -- where to make --------------------------------------------------------------------------
     def decide(self, wanted: bool, wait: bool) -> bool:
         """Where the next groups are made: on the workers if ``wanted`` (a chooser's mode, or
-        what the user asked for) and they are up; here while they start (unless ``wait``: they
-        are pinned), or where every batch is read here already (they owe none). Returns whether
+        what the user asked for) and they are up; here while they start, or where every batch is
+        read here already (they owe none), unless ``wait``: they are pinned, and make every batch. Returns whether
         the driver is to wait for their start first (reading ahead meanwhile, as it can), then
         tell :meth:`started` how it ended."""
         w = self.workers
@@ -247,8 +247,10 @@ class EpochFlow:
         if w is None or w.is_up:
             self.on_workers = wanted and w is not None
             return False
-        if self.read_step >= self.total and self.reads_here():
-            self.on_workers = False  # every batch is read here already: the workers owe none
+        if not wait and self.read_step >= self.total and self.reads_here():
+            # every batch is read here already: workers not pinned owe none (pinned ones collate
+            # every batch: ``collate_fn`` runs only on them)
+            self.on_workers = False
             return False
         if not wait and w.starting():
             self.on_workers = False  # made here while they start

@@ -183,12 +183,14 @@ def test_the_batches_are_made_here_while_the_workers_start_then_on_them() -> Non
         workers.shutdown()
 
 
-def test_workers_that_owe_no_batch_are_not_waited_for() -> None:
+def test_workers_that_owe_no_batch_are_not_waited_for_unless_pinned() -> None:
     workers = StartingThreads()
     flow = flow_over(workers)
     try:
         flow.read_step = flow.total  # every batch is read here already
-        assert not flow.decide(True, wait=True) and not flow.on_workers
+        assert not flow.decide(True, wait=False) and not flow.on_workers
+        # pinned (collate_mode="workers"): collate_fn runs only on them, so they are waited for
+        assert flow.decide(True, wait=True)
     finally:
         workers.shutdown()
 

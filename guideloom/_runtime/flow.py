@@ -237,9 +237,9 @@ class EpochFlow:
     def decide(self, wanted: bool, wait: bool) -> bool:
         """Where the next groups are made: on the workers if ``wanted`` (a chooser's mode, or
         what the user asked for) and they are up; here while they start, or where every batch is
-        read here already (they owe none), unless ``wait``: they are pinned, and make every batch. Returns whether
-        the driver is to wait for their start first (reading ahead meanwhile, as it can), then
-        tell :meth:`started` how it ended."""
+        read here already (they owe none), unless ``wait``: they are pinned and make every batch.
+        Returns whether the driver is to wait for their start first (reading ahead meanwhile, as
+        it can), then tell :meth:`started` how it ended."""
         w = self.workers
         self._wanted = wanted
         if self.start_failed:

@@ -153,7 +153,7 @@ class StartingThreads(Threads):
     the flow's decision reads of process workers, whose start takes seconds."""
 
     def __init__(self) -> None:
-        super().__init__(2, [ids], "threads")
+        super().__init__(2, [ids_and_pid], "threads")
         self.is_up = False  # type: ignore[misc]
         self.busy = True
 
@@ -163,7 +163,7 @@ class StartingThreads(Threads):
 
 def flow_over(workers: StartingThreads) -> EpochFlow:
     cfg = config(plan(3, 1, 0, 0), nw=2)
-    return EpochFlow(cfg, Here([ids]), workers, limit=cfg.capacity + 1)
+    return EpochFlow(cfg, Here([ids_and_pid]), workers, limit=cfg.capacity + 1)
 
 
 def test_the_batches_are_made_here_while_the_workers_start_then_on_them() -> None:

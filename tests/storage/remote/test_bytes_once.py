@@ -80,6 +80,17 @@ def loader(storage: Any, batch: int, **options: Any) -> StatefulDataLoader[Any, 
     )
 
 
+def one_epoch(it: StatefulDataLoader[Any, torch.Tensor], mode: str) -> list[torch.Tensor]:
+    """One epoch's batches, by ``async for`` where ``mode`` is "async", else by ``for``."""
+    if mode == "async":
+
+        async def run() -> list[torch.Tensor]:
+            return [b async for b in it]
+
+        return asyncio.run(run())
+    return list(it)
+
+
 def local_epochs(
     copies: Copies, batch: int, figures: dict[str, float], epochs: int
 ) -> list[list[torch.Tensor]]:
@@ -107,14 +118,7 @@ def test_every_epoch_fetches_the_data_once(
         sent: list[int] = []
         for _ in range(2):
             before = proxy.sent
-            if mode == "async":
-
-                async def one() -> list[torch.Tensor]:
-                    return [b async for b in it]
-
-                epochs.append(asyncio.run(one()))
-            else:
-                epochs.append(list(it))
+            epochs.append(one_epoch(it, mode))
             figures.append(dict(it.stats()))
             sent.append(proxy.sent - before)
     # what was delivered is the data, as a loader over the local copy delivers it
@@ -200,14 +204,7 @@ def test_a_mixing_window_read_in_parts_fetches_each_block_once(
         epochs: list[list[torch.Tensor]] = []
         figures: list[dict[str, float]] = []
         for _ in range(2):
-            if mode == "async":
-
-                async def one() -> list[torch.Tensor]:
-                    return [b async for b in it]
-
-                epochs.append(asyncio.run(one()))
-            else:
-                epochs.append(list(it))
+            epochs.append(one_epoch(it, mode))
             figures.append(dict(it.stats()))
         held = storage._remote.fetcher.held
         assert 0 < held.peak_nbytes <= storage.read_window_bytes

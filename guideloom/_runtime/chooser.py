@@ -17,13 +17,8 @@ half again as fast.
 from __future__ import annotations
 
 import math
-import random
 import time
-from typing import TYPE_CHECKING, NamedTuple
-
-if TYPE_CHECKING:
-    from guideloom._runtime.executors import Processes
-    from guideloom._runtime.flow import EpochFlow
+from typing import NamedTuple
 
 __all__ = [
     "CHUNK_SECONDS",
@@ -42,7 +37,6 @@ __all__ = [
     "CPU_SAMPLE",
     "PROCESS_DECISIVE",
     "Chooser",
-    "Clock",
     "PinnedChooser",
     "Verdict",
     "process_chooser",
@@ -327,93 +321,3 @@ def process_chooser(capacity: int) -> Chooser:
     return Chooser(
         skip=limit, chunk=max(8, 2 * limit), inline_chunk=8, inline_skip=0, decisive=PROCESS_DECISIVE
     )
-
-
-class Clock:
-    """A chooser's clock over one epoch of a sync ``for``: what the consumer's cycle cost in the
-    mode it ran in, told to the :class:`Chooser` that outlives the epoch. The driver calls
-    :meth:`tick` at each request, :meth:`read` for each window it reads inline, and, where
-    :meth:`tick` asks for it, :meth:`weigh` with the CPU time the request took.
-
-    The consumer's whole cycle (from one request to the next, its own work included: workers
-    that hold the GIL slow it down too) is timed in the mode it ran in, the reads left out (the
-    same in both modes), and inline is charged what a batch's read costs where the workers read
-    their own. While a choice of inline stands, nothing is timed: the clock is looked at once
-    every :data:`QUIET_CALLS`. With process workers, a sample (:data:`CPU_SAMPLE`) of their
-    batches is timed in CPU time (:meth:`weigh`)."""
-
-    def __init__(self, chooser: Chooser, flow: EpochFlow, procs: Processes | None, capacity: int) -> None:
-        self.chooser, self.flow, self.procs = chooser, flow, procs
-        self._last: float | None = None  # when the last request came
-        self._read_s = 0.0  # spent reading since then
-        self._window_read = 0.0  # the last window read here, per batch
-        self._quiet = 0  # calls left before the clock is looked at again (inline, held)
-        self._settled = False
-        self._span = 0  # the batches of a workers' task the chooser was told of
-        limit = capacity + 1
-        self._skip, self._chunk = limit, max(8, 2 * limit)
-        self._in_calls, self._in_sampled, self._in_total = 0, 0, 0.0
-
-    def read(self, seconds: float, batches: int) -> None:
-        """A window of ``batches`` batches was read inline in ``seconds`` (left out of the cycle)."""
-        self._read_s += seconds
-        self._window_read = seconds / max(1, batches)
-
-    def tick(self) -> bool:
-        """A request: the cycle since the last one is recorded. Returns whether this request's
-        CPU time is to be told to :meth:`weigh`."""
-        if self._quiet:
-            self._quiet -= 1
-            return False
-        chooser, flow, procs = self.chooser, self.flow, self.procs
-        if flow.per != self._span:  # the workers' tasks grew: the chooser's chunks span them
-            self._span = flow.per
-            chooser.span(flow.per)
-        now = time.perf_counter()
-        if self._last is not None:
-            chooser.record(now - self._last - self._read_s, self._settled)
-        self._last, self._read_s = now, 0.0
-        workers = chooser.workers
-        reads_itself = procs is not None and procs.reads_itself
-        # Settled: the batch comes from the mode it is timed in (not from groups sent before a
-        # switch, nor from a window read here before the workers took over again, nor made here
-        # while the workers start).
-        from_workers = workers and (procs is None or procs.is_up) and not (reads_itself and flow.raw)
-        self._settled = from_workers or (not workers and not flow.jobs)
-        if not workers:
-            self._in_calls, self._in_sampled, self._in_total = 0, 0, 0.0
-            if reads_itself and not flow.jobs:
-                # Inline is charged a batch's read as the workers measure it, where they have: the
-                # main process's first reads fault in pages the workers mapped long ago.
-                assert procs is not None
-                per = procs.session.read_per_batch
-                self._read_s -= self._window_read if per is None else per
-            until = chooser.held_until()
-            if not flow.jobs and until is not None and now < until:
-                self._quiet, self._last = QUIET_CALLS, None  # nothing to time until the probe
-            return False
-        self._in_calls += 1
-        return (
-            procs is not None
-            and procs.is_up
-            and chooser.measures
-            and self._in_calls > self._skip
-            and random.random() < CPU_SAMPLE
-        )
-
-    def weigh(self, seconds: float) -> None:
-        """The process workers' mode: ``seconds`` of the consumer thread's CPU time spent taking
-        one of their batches. Once that costs as much, per batch, as the workers report a batch's
-        read and collate costs them, making it inline cannot cost more: inline is chosen. CPU
-        time, not wall time: waiting for workers that a loaded machine slows down is no cost of
-        their transport."""
-        self._in_sampled += 1
-        self._in_total += seconds
-        if self._in_sampled < self._chunk or self._in_total < CHUNK_SECONDS:
-            return
-        mean = self._in_total / self._in_sampled
-        self._in_sampled, self._in_total = 0, 0.0
-        assert self.procs is not None
-        work = self.procs.session.work_per_batch
-        if work is not None and mean >= work:
-            self.chooser.settle(False, (mean, work))

@@ -7,7 +7,7 @@ of the epoch's own. :class:`SyncDriver` runs in the consumer's thread, with no e
 of a storage that reads inline are made right there (a window when its batches are needed),
 others on a loop thread of its own, several windows in flight. With ``collate_mode="auto"`` it
 drives a clock that times the consumer's cycle to choose between the workers and inline
-collation (:class:`~guideloom._runtime.chooser.Clock`). :class:`AsyncDriver` runs on the caller's loop,
+collation (:class:`~guideloom._runtime.flow.Clock`). :class:`AsyncDriver` runs on the caller's loop,
 which never runs ``collate_fn`` (one collate thread at ``num_workers=0``) and is never blocked
 by a read (``read_many`` is a coroutine) or a wait.
 
@@ -27,7 +27,6 @@ from guideloom._core.delivery import Delivery
 from guideloom._core.plan import EpochPlan
 from guideloom._core.schedule import future_reads, run_async, run_sync
 from guideloom._loop import LoopThread
-from guideloom._runtime import chooser as choosing
 from guideloom._runtime.config import PipelineConfig
 from guideloom._runtime.executors import (
     UNMEASURED,
@@ -38,7 +37,7 @@ from guideloom._runtime.executors import (
     Processes,
     executors_for,
 )
-from guideloom._runtime.flow import EpochFlow, Read
+from guideloom._runtime.flow import Clock, EpochFlow, Read
 
 __all__ = ["AsyncDriver", "SyncDriver"]
 
@@ -75,9 +74,9 @@ class SyncDriver:
         self._hinted = False
         #: The measured choice (``collate_mode="auto"``), and its clock over this epoch.
         self.chooser = ex.chooser
-        self._clock: choosing.Clock | None = None
+        self._clock: Clock | None = None
         if ex.chooser is not None:
-            self._clock = choosing.Clock(ex.chooser, flow, self.procs, cfg.capacity)
+            self._clock = Clock(ex.chooser, flow, self.procs, cfg.capacity)
         #: What the iterator calls for each batch: :meth:`next`, or where no worker leaves nothing
         #: to decide, :meth:`_next_lean`.
         self.hot: Callable[[], Delivery | None] = self._next_lean if self._lean else self.next
@@ -105,7 +104,7 @@ class SyncDriver:
     def next(self) -> Delivery | None:
         """The next batch in plan order (or the error in its place); ``None`` at the end, after a
         failure was handed out, or once :meth:`close` ran. With a chooser, each request is told
-        to its clock (:class:`~guideloom._runtime.chooser.Clock`), and the CPU time of those it
+        to its clock (:class:`~guideloom._runtime.flow.Clock`), and the CPU time of those it
         asks for."""
         clock = self._clock
         if clock is None or not clock.tick():

@@ -171,11 +171,76 @@ def _third_party(path: Path) -> set[str]:
     return roots - set(sys.stdlib_module_names) - {"guideloom", "__future__"}
 
 
+#: What ``_core`` may not import from the standard library: files, processes, threads, sockets,
+#: event loops (its work is arithmetic; the layers above it do the I/O and the waiting).
+IO_MODULES = frozenset(
+    {"asyncio", "concurrent", "http", "io", "mmap", "multiprocessing", "os", "pathlib", "selectors",
+     "shutil", "signal", "socket", "subprocess", "tempfile", "threading", "urllib"}
+)  # fmt: skip
+
+
+def _impurities(path: Path) -> set[str]:
+    """What in ``path`` is not pure arithmetic: imports beyond numpy and the standard library's
+    non-I/O modules, and calls of the builtin ``open``."""
+    tree = ast.parse(path.read_text(), str(path))
+    roots: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            roots.add(node.module.partition(".")[0])
+    found = (_third_party(path) - {"numpy"}) | (roots & IO_MODULES)
+    if any(
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "open"
+        for n in ast.walk(tree)
+    ):
+        found.add("open()")
+    return found
+
+
 def test_the_core_is_pure_arithmetic() -> None:
-    """``_core`` (plans, orders, schedules, layouts) needs numpy alone: no torch, no event loop."""
+    """``_core`` (plans, orders, schedules, layouts) needs numpy alone: no torch, no event loop,
+    no files, threads or processes."""
     impure = {
-        f"{path.relative_to(PACKAGE.parent)} imports {sorted(extra)}"
+        f"{path.relative_to(PACKAGE.parent)} uses {sorted(extra)}"
         for name, path in modules().items()
-        if layer(name) == 1 and (extra := _third_party(path) - {"numpy"})
+        if layer(name) == 1 and (extra := _impurities(path))
     }
-    assert not impure, "the core imports more than numpy:\n" + "\n".join(sorted(impure))
+    assert not impure, "the core does more than arithmetic:\n" + "\n".join(sorted(impure))
+
+
+def test_the_purity_check_sees_io(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "import asyncio, socket\nfrom threading import Lock\nimport numpy\n\n"
+        "def f():\n    import torch\n    return open('x')\n"
+    )
+    assert _impurities(sample) == {"asyncio", "socket", "threading", "torch", "open()"}
+
+
+#: The most lines a module of the package has, and the most modules a folder of ``storage``
+#: holds (its backends are many): past them a module is split along its concerns, a folder into
+#: subfolders a newcomer can name.
+MAX_MODULE_LINES = 600
+MAX_FOLDER_MODULES = 10
+
+
+def test_every_module_is_short_enough_to_read() -> None:
+    long = {
+        f"{p.relative_to(PACKAGE.parent)}: {n} lines"
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, (
+        f"modules over {MAX_MODULE_LINES} lines (split them along their concerns): {sorted(long)}"
+    )
+
+
+def test_storage_is_no_long_flat_list() -> None:
+    storage = PACKAGE / "storage"
+    crowded = {
+        f"{d.relative_to(PACKAGE.parent)}: {n} modules"
+        for d in [storage, *(p for p in storage.rglob("*") if p.is_dir() and p.name != "__pycache__")]
+        if (n := len(list(d.glob("*.py")))) > MAX_FOLDER_MODULES
+    }
+    assert not crowded, f"folders of more than {MAX_FOLDER_MODULES} modules: {sorted(crowded)}"

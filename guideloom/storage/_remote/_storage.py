@@ -104,7 +104,7 @@ class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):
     def will_read(self, windows: Iterable[npt.NDArray[np.int64]], length: int) -> None:
         """The loader's upcoming windows, in read order: a chunk cache downloads ahead by them,
         and the whole copy fetches its parts in their order. A reading session begins: what the
-        last one held for its later reads is let go (:class:`~._fetch.HeldBlocks`)."""
+        last one held for its later reads is let go (:class:`~._held.HeldBlocks`)."""
         self._remote.fetcher.held.begin()
         chunks, arrays = self._chunks, self._arrays
         cache = self._cache
@@ -219,7 +219,7 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         """The loader's upcoming reads, in order: a chunk cache downloads ahead by them, and the
         whole copy fetches its parts in their order (when the offsets are held in memory,
         ``offsets_cache_bytes``). A reading session begins: what the last one held for its later
-        reads is let go (:class:`~._fetch.HeldBlocks`)."""
+        reads is let go (:class:`~._held.HeldBlocks`)."""
         self._remote.fetcher.held.begin()
         chunks, offsets, cache = self._chunks, self._offsets, self._cache
         if offsets is None:

@@ -12,7 +12,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from guideloom.storage._remote._fetch import HOLD_BYTES, HeldBlocks, Read, cut_held
+from guideloom.storage._remote._held import HOLD_BYTES, HeldBlocks, Read, cut_held
 from guideloom.storage._remote._objstore import ObjectVersion
 from guideloom.storage._remote._ranges import Job, Layout, Limits, fill_range, plan
 

@@ -1,0 +1,333 @@
+"""Verified blocks an object-store read fetched, held for the reads after it that touch them
+(:class:`HeldBlocks`), so that an epoch fetches each block once: the first batch read alone
+before its mixing window's read, and a mixing window read in parts, share what one of them
+fetched. :func:`cut_held` cuts a planned job's ranges around what is held.
+"""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Final, NamedTuple
+
+from guideloom.storage._remote._objstore import ObjectVersion
+from guideloom.storage._remote._ranges import Job, Pieces, clip
+
+__all__ = ["HOLD_BYTES", "HeldBlocks", "Read", "cut_held"]
+
+
+#: The most bytes held at once by default (a storage sets its own, its ``read_window_bytes``):
+#: one "auto" mixing window, 16 blocks of 4 MiB.
+HOLD_BYTES: Final = 64 * 2**20
+
+
+class _Held(NamedTuple):
+    start: int
+    end: int
+    data: memoryview  # bytes [start, end) of the object, every block checked against its digest
+    version: ObjectVersion | None  # the object the GET was conditional on
+    owner: Read | None  # the read that fetched it
+    used: int  # the count of reads planned when the last read that touches it was
+
+
+class Read:
+    """One read of a reading session, as :class:`HeldBlocks` sees it: the byte ranges of each
+    object it touches (whole blocks, before any is cut out as held), and whether it finished;
+    ``done`` is set when it finishes, failed or not."""
+
+    __slots__ = ("done", "finished", "touched")
+
+    def __init__(self, touched: dict[str, tuple[list[int], list[int]]]) -> None:
+        self.touched = touched  # per object: sorted, disjoint starts and ends
+        self.finished = False
+        self.done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    @staticmethod
+    def of(jobs: Sequence[Job]) -> Read:
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for job in jobs:
+            spans.setdefault(job.path, []).extend(zip(job.starts, job.ends, strict=True))
+        touched: dict[str, tuple[list[int], list[int]]] = {}
+        for path, pairs in spans.items():
+            starts: list[int] = []
+            ends: list[int] = []
+            for s, e in sorted(pairs):
+                if ends and s <= ends[-1]:
+                    ends[-1] = max(ends[-1], e)
+                else:
+                    starts.append(s)
+                    ends.append(e)
+            touched[path] = (starts, ends)
+        return Read(touched)
+
+    def touches(self, path: str, start: int, end: int) -> bool:
+        """Whether it reads any byte of ``[start, end)`` of ``path``."""
+        spans = self.touched.get(path)
+        if spans is None:
+            return False
+        starts, ends = spans
+        i = bisect.bisect_right(starts, start) - 1  # the last span that starts at or before start
+        if i >= 0 and ends[i] > start:
+            return True
+        return i + 1 < len(starts) and starts[i + 1] < end
+
+    def overlaps(self, other: Read) -> bool:
+        return any(
+            self.touches(path, s, e)
+            for path, (starts, ends) in other.touched.items()
+            if path in self.touched
+            for s, e in zip(starts, ends, strict=True)
+        )
+
+
+class HeldBlocks:
+    """Verified ranges reads fetched, held by reference (no copy) for the reads planned after
+    them that touch them, which copy them out instead of fetching their bytes again.
+
+    A mixing window read in parts (more batches than ``read_window_batches``), and the first
+    batch read alone before its window's read, have each part touch nearly every block of the
+    window: the first part fetches them, the later parts take them from here. Which reads belong
+    together needs no word from the loader: the reads of one mixing window touch the blocks held
+    from its earlier reads; a read that touches none of them begins the next one, and what no
+    unfinished read touches is then let go. A read planned while an earlier, unfinished one
+    touches blocks it touches waits for that one (:meth:`begin_read`), then takes them.
+
+    Memory: at most :attr:`limit` bytes are held at once (the storage's ``read_window_bytes``,
+    one mixing window: 64 MiB by default), over the buffers the GETs returned; to hold more,
+    the ranges used longest ago that no unfinished read touches are let go first. All of it is
+    let go at the end of a mixing window (above), when a reading session begins (``will_read``:
+    each epoch, each resumed one) and at close. Only whole blocks of objects with block digests
+    are held, each with the object version its conditional GET was answered for; a read takes a
+    held range only for that same version, else it is let go.
+    """
+
+    def __init__(self, limit: int = HOLD_BYTES) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._ranges: dict[str, list[_Held]] = {}  # per object: sorted by start, disjoint
+        self._nbytes = 0
+        self._peak = 0
+        self._reads: list[Read] = []  # planned and not finished, in planning order
+        self._count = 0  # reads planned
+        self._tickets = 0  # reads called: each takes a ticket, in the order the loader reads
+        self._unplanned: set[int] = set()  # tickets of reads called and not planned yet
+        self._release: int | None = None  # a read that touches nothing held: its ticket
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (HeldBlocks, (self.limit,))  # a process worker's copy holds nothing
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    @property
+    def peak_nbytes(self) -> int:
+        """The most bytes held at once so far."""
+        return self._peak
+
+    def begin(self) -> None:
+        """A reading session begins: what an earlier one held is let go."""
+        with self._lock:
+            self._let_go_all()
+            self._release = None
+
+    def clear(self) -> None:
+        """Closing: everything held is let go."""
+        self.begin()
+
+    def _let_go_all(self) -> None:
+        self._ranges.clear()
+        self._nbytes = 0
+
+    def ticket(self) -> int:
+        """A read is called (before it is planned, maybe on another thread, maybe after a later
+        one): its place in the order of reads; it is given back by :meth:`begin_read` or
+        :meth:`skip`."""
+        with self._lock:
+            t = self._tickets
+            self._tickets += 1
+            self._unplanned.add(t)
+            return t
+
+    def skip(self, ticket: int) -> None:
+        """The read with ``ticket`` is not planned after all (its planning failed)."""
+        with self._lock:
+            self._unplanned.discard(ticket)
+            self._maybe_release()
+
+    def begin_read(self, read: Read, ticket: int | None = None) -> list[concurrent.futures.Future[None]]:
+        """``read`` (called with ``ticket``) is planned: the held ranges it touches are marked used
+        by it; where it touches none, the reads have moved on (the next mixing window): what no
+        unfinished read touches is let go, once every read called before it is planned (one
+        planned later may still touch them). Returns the ``done`` of each unfinished read
+        planned before it that touches blocks it touches (wait for them, then cut)."""
+        with self._lock:
+            waits = [r.done for r in self._reads if r.overlaps(read)]
+            self._reads.append(read)
+            self._count += 1
+            touched = False
+            for path, held in self._ranges.items():
+                for i, h in enumerate(held):
+                    if read.touches(path, h.start, h.end):
+                        held[i] = h._replace(used=self._count)
+                        touched = True
+            if ticket is not None:
+                self._unplanned.discard(ticket)
+            if self._ranges and not touched:
+                at = self._tickets if ticket is None else ticket
+                self._release = at if self._release is None else max(self._release, at)
+            self._maybe_release()
+            return waits
+
+    def _maybe_release(self) -> None:
+        at = self._release
+        if at is not None and not any(t < at for t in self._unplanned):
+            self._release = None
+            self._let_go(self._claimed)
+
+    def end_read(self, read: Read) -> None:
+        """``read`` finished (failed or not): the reads that wait for it go on."""
+        with self._lock:
+            read.finished = True
+            if read in self._reads:
+                self._reads.remove(read)
+        if not read.done.done():
+            read.done.set_result(None)
+
+    def _claimed(self, h: _Held, path: str) -> bool:
+        """Whether an unfinished read other than the one that fetched ``h`` touches it."""
+        return any(r is not h.owner and r.touches(path, h.start, h.end) for r in self._reads)
+
+    def _let_go(self, keep: Callable[[_Held, str], bool]) -> None:
+        for path, held in list(self._ranges.items()):
+            kept = [h for h in held if keep(h, path)]
+            if len(kept) == len(held):
+                continue
+            self._nbytes -= sum(h.end - h.start for h in held) - sum(h.end - h.start for h in kept)
+            if kept:
+                self._ranges[path] = kept
+            else:
+                del self._ranges[path]
+
+    def _make_room(self, nbytes: int) -> None:
+        """Let go of the ranges used longest ago that no unfinished read (but their own) touches,
+        until ``nbytes`` more fit under the bound."""
+        need = self._nbytes + nbytes - self.limit
+        if need <= 0:
+            return
+        free = sorted(
+            ((h.used, path, h.start, h.end) for path, held in self._ranges.items() for h in held),
+        )
+        gone: set[tuple[str, int]] = set()
+        for _, path, start, end in free:
+            if need <= 0:
+                break
+            h = next(x for x in self._ranges[path] if x.start == start)
+            if self._claimed(h, path):
+                continue
+            gone.add((path, start))
+            need -= end - start
+        if need <= 0:
+            self._let_go(lambda h, path: (path, h.start) not in gone)
+
+    def add(
+        self,
+        path: str,
+        start: int,
+        end: int,
+        data: Any,
+        version: ObjectVersion | None,
+        owner: Read | None = None,
+    ) -> None:
+        """Hold bytes ``[start, end)`` of ``path`` (whole verified blocks) that ``owner``
+        fetched, making room under the bound by letting go of what was used longest ago and
+        no unfinished read touches; not where they overlap bytes held already, or no room is
+        made."""
+        view = memoryview(data).cast("B")
+        if view.nbytes != end - start:
+            return
+        with self._lock:
+            self._make_room(end - start)
+            if self._nbytes + (end - start) > self.limit:
+                return
+            held = self._ranges.setdefault(path, [])
+            i = bisect.bisect_left(held, start, key=lambda x: x.start)
+            if (i > 0 and held[i - 1].end > start) or (i < len(held) and held[i].start < end):
+                return
+            held.insert(i, _Held(start, end, view, version, owner, self._count))
+            self._nbytes += end - start
+            self._peak = max(self._peak, self._nbytes)
+
+    def take(
+        self, path: str, start: int, end: int, version: ObjectVersion | None
+    ) -> list[tuple[int, int, memoryview]]:
+        """The held bytes inside ``[start, end)`` of ``path`` for ``version``, in order, as
+        ``(start, end, bytes)`` (they stay held for the reads after it); a held range of
+        another version is let go."""
+        with self._lock:
+            held = self._ranges.get(path)
+            if not held:
+                return []
+            i = max(0, bisect.bisect_right(held, start, key=lambda h: h.start) - 1)
+            out: list[tuple[int, int, memoryview]] = []
+            stale: list[_Held] = []
+            for h in held[i:]:
+                if h.start >= end:
+                    break
+                if h.end <= start:
+                    continue
+                if h.version != version:
+                    stale.append(h)
+                    continue
+                a, b = max(h.start, start), min(h.end, end)
+                out.append((a, b, h.data[a - h.start : b - h.start]))
+            for h in stale:
+                held.remove(h)
+                self._nbytes -= h.end - h.start
+            if not held:
+                del self._ranges[path]
+            return out
+
+    def holds(self, path: str) -> bool:
+        return bool(self._ranges.get(path))
+
+
+def cut_held(job: Job, held: HeldBlocks, version: ObjectVersion | None) -> None:
+    """Cut ``job``'s ranges around the bytes ``held`` holds for its object: those are copied
+    out of the held bytes (:attr:`Job.held`), the rest fetched; a part of a range no piece
+    needs is not fetched at all."""
+    starts: list[int] = []
+    ends: list[int] = []
+    pieces: list[Pieces] = []
+    inhand: dict[int, Any] = {}
+
+    def part(a: int, b: int, table: Pieces, buf: Any) -> None:
+        part_pieces = clip(table, a, b)
+        if len(part_pieces):
+            if buf is not None:
+                inhand[len(starts)] = buf
+            starts.append(a)
+            ends.append(b)
+            pieces.append(part_pieces)
+
+    cut = False
+    for s, e, table in zip(job.starts, job.ends, job.pieces, strict=True):
+        got = held.take(job.path, s, e, version)
+        if not got:
+            starts.append(s)
+            ends.append(e)
+            pieces.append(table)
+            continue
+        cut = True
+        at = s
+        for a, b, buf in got:
+            if at < a:
+                part(at, a, table, None)
+            part(a, b, table, buf)
+            at = b
+        if at < e:
+            part(at, e, table, None)
+    if cut:
+        job.starts, job.ends, job.pieces, job.held = starts, ends, pieces, inhand

@@ -69,6 +69,12 @@ PRIVATE_ATTRIBUTES: dict[str, str] = {
     "multiprocessing.process.BaseProcess._inheriting": (
         "tell a worker that is still importing the main script (a script without the __main__ guard)"
     ),
+    "multiprocessing.forkserver._forkserver": (
+        "the process-wide fork server, whose preload list has no getter (fork_server_preload)"
+    ),
+    "multiprocessing.process.BaseProcess._args": (
+        "keep open, in a worker forked from this process itself, the connections among its arguments"
+    ),
 }
 
 #: What is used, and why: checked by the compatibility test (each name must still be callable).
@@ -84,6 +90,10 @@ PRIVATE_APIS: dict[str, str] = {
     "multiprocessing.forkserver.ForkServer.connect_to_new_process": "ask a zygote for a fork",
     "multiprocessing.popen_forkserver.Popen._launch": "launch a worker through a zygote's server",
     "multiprocessing.context.ForkServerProcess._Popen": "make a worker's Popen that asks a zygote",
+    "multiprocessing.context.ForkProcess._Popen": "make the Popen of a worker forked from this process",
+    "multiprocessing.process.BaseProcess._bootstrap": (
+        "run a worker forked from this process itself, as multiprocessing's fork Popen does"
+    ),
     "multiprocessing.context.set_spawning_popen": "pickle a worker's process object as _launch does",
     "multiprocessing.spawn.get_preparation_data": "what a worker sets up before unpickling, as _launch",
     "multiprocessing.reduction.dump": "pickle a worker's preparation and process object, as _launch",

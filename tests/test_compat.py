@@ -3,6 +3,7 @@ shape it uses: a Python release that changes one fails here, by name."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import importlib
 import io
@@ -203,9 +204,12 @@ def test_each_private_attribute_read_is_still_set_where_it_is_read(dotted: str) 
         "_inheriting": [
             importlib.import_module(m) for m in ("multiprocessing.spawn", "multiprocessing.forkserver")
         ],
+        "_args": [importlib.import_module("multiprocessing.process")],
+        "_forkserver": [importlib.import_module("multiprocessing.forkserver")],
     }[attribute]
     for setter in setters:
-        assert f".{attribute} = " in inspect.getsource(setter), (
+        source = inspect.getsource(setter)
+        assert f".{attribute} = " in source or f"\n{attribute} = " in source, (
             f"{dotted} is no longer set by {setter.__name__} in Python {sys.version.split()[0]}: guideloom "
             f"reads it to {_compat.PRIVATE_ATTRIBUTES[dotted]}; see guideloom/_compat.py"
         )
@@ -235,3 +239,67 @@ def test_a_worker_importing_the_main_script_is_told_from_the_main_process(tmp_pa
         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
     ).stdout  # fmt: skip
     assert "child:True" in out
+
+
+def _private_uses(path: Path) -> set[str]:
+    """``module._name`` and ``from module import _name`` in ``path``, for a module of the standard
+    library or anyio (a dunder is not private)."""
+    tree = ast.parse(path.read_text(), str(path))
+    known = set(sys.stdlib_module_names) | {"anyio"}
+    aliases: dict[str, str] = {}
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.partition(".")[0] in known:
+                    top = a.name.partition(".")[0]
+                    aliases[a.asname or top] = a.name if a.asname else top
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.partition(".")[0] in known:
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    found.add(f"{node.module}.{a.name}")
+                aliases.setdefault(a.asname or a.name, f"{node.module}.{a.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            parts = [node.attr]
+            value = node.value
+            while isinstance(value, ast.Attribute):
+                parts.append(value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id in aliases:
+                found.add(".".join([aliases[value.id], *reversed(parts)]))
+    return found
+
+
+#: Names with a leading underscore that are public, documented API.
+PUBLIC_UNDERSCORED = frozenset({"os._exit"})
+
+
+def test_private_apis_are_used_only_where_compat_names_them() -> None:
+    """A private name of the standard library or anyio used anywhere in the package is one the
+    compatibility module lists (and so checked above on every Python and anyio release)."""
+    listed = set(_compat.PRIVATE_APIS) | set(_compat.PRIVATE_ATTRIBUTES) | PUBLIC_UNDERSCORED
+    package = Path(_compat.__file__).parent
+    unlisted = {
+        f"{p.relative_to(package.parent)}: {use}"
+        for p in package.rglob("*.py")
+        for use in _private_uses(p)
+        if use not in listed | PUBLIC_UNDERSCORED
+        and not any(use.startswith(m + ".") for m in _compat.PRIVATE_MODULES)
+    }
+    assert not unlisted, f"private APIs used but not listed in guideloom/_compat.py: {sorted(unlisted)}"
+
+
+def test_the_private_use_scan_sees_each_form(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "import threading\nimport multiprocessing.util as mu\nfrom multiprocessing import forkserver\n"
+        "from sys import _getframe\nthreading._register_atexit(print)\nmu._flush_std_streams()\n"
+        "forkserver._forkserver.x\nthreading.Thread.__init__\n"
+    )
+    assert _private_uses(sample) == {
+        "threading._register_atexit",
+        "multiprocessing.util._flush_std_streams",
+        "multiprocessing.forkserver._forkserver",
+        "sys._getframe",
+    }

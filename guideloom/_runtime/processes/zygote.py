@@ -462,7 +462,7 @@ class ForkedHere(ForkProcess):
 
     def keep_fds(self) -> list[int]:
         """The descriptors of the connections among the process's arguments."""
-        args = getattr(self, "_args", ())
+        args: tuple[Any, ...] = self._args  # type: ignore[attr-defined]  # (see _compat.PRIVATE_ATTRIBUTES)
         return [a.fileno() for a in args if isinstance(a, Connection)]
 
 

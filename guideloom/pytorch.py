@@ -235,7 +235,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
                 local_batch_size``.
         """
         state = self._state
-        state.life.open(self.dataset, self._check_size, functools.partial(state.begin_workers, self))
+        state.life.open(self.dataset, self._check_opened, functools.partial(state.begin_workers, self))
 
     def close(self) -> None:
         """Close the dataset reader; an active iterator ends and its threads/processes stop.
@@ -251,7 +251,7 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
 
     async def aopen(self) -> None:
         """Open the dataset reader on the running event loop (what ``async with`` calls)."""
-        await self._state.life.aopen(self.dataset, self._check_size)
+        await self._state.life.aopen(self.dataset, self._check_opened)
 
     async def aclose(self) -> None:
         """Close from async code: ends an active iterator, closes the dataset reader, stops
@@ -271,6 +271,12 @@ class StatefulDataLoader(Generic[SourceT, BatchT]):
         while order.total is None and order.known < g:
             order.count_sync()
         return order.known if order.total is None else order.total
+
+    def _check_opened(self) -> None:
+        """What is checked once the dataset is open: its read hints (a dataset of your own may
+        compute them from what it opened), then that it holds at least one global batch."""
+        self.dataset._check_contract()
+        self._check_size()
 
     def _check_size(self) -> None:
         g = self.global_batch_size

@@ -59,6 +59,29 @@ _HINT_MEMBERS: Final = frozenset(
     }
 )
 
+#: The loader's hooks that only guideloom's own datasets answer, by their names as public members
+#: (each is an underscore-prefixed member now): a dataset of your own that defines one would be
+#: ignored, so it is refused (guideloom's own datasets keep a public ``read_many_sync`` and the
+#: like beside the hooks).
+_HOOK_MEMBERS: Final = frozenset(
+    {
+        "collate_with",
+        "count_state",
+        "counted",
+        "finish_step",
+        "fingerprint",
+        "load_count_state",
+        "loader_order",
+        "natural_blocks",
+        "own_order",
+        "position_stats",
+        "read_by_workers",
+        "read_many_sync",
+        "reads_inline",
+        "will_read",
+    }
+)
+
 SourceT = TypeVar("SourceT")
 
 
@@ -152,6 +175,19 @@ class DatasetAbstract(ABC, Generic[SourceT]):
                 f"{cls.__name__} defines {', '.join(sorted(hints))}, which a dataset declares in "
                 "one value: define read_hints = ReadHints(...) (or a read_hints property) instead"
             )
+        hooks = set() if getattr(cls, "_builtin", False) else _HOOK_MEMBERS.intersection(cls.__dict__)
+        if hooks:
+            raise TypeError(
+                f"{cls.__name__} defines {', '.join(sorted(hooks))}, which the loader does not ask a "
+                "dataset of your own: implement __len__ and read_many (and open/close, order, "
+                "describe, read_hints where needed); see DatasetAbstract"
+            )
+        declared = cls.__dict__.get("read_hints")
+        if declared is not None and not isinstance(declared, (ReadHints, property)):
+            raise TypeError(
+                f"{cls.__name__}.read_hints is a {type(declared).__name__}, not a ReadHints: "
+                "define read_hints = ReadHints(max_concurrent_reads=..., ...)"
+            )
 
     # -- the contract ---------------------------------------------------------------------------
     @property
@@ -203,8 +239,42 @@ class DatasetAbstract(ABC, Generic[SourceT]):
     @property
     def read_hints(self) -> ReadHints:
         """How the loader reads this dataset (:class:`ReadHints`): its storage's figures, the
-        defaults without a storage."""
+        defaults without a storage; or what was set (``self.read_hints = ReadHints(...)``, as a
+        class attribute or in ``__init__``)."""
+        own = self.__dict__.get("_read_hints_set")
+        if own is not None:
+            return own  # type: ignore[no-any-return]
+        return self._hints()
+
+    @read_hints.setter
+    def read_hints(self, hints: ReadHints) -> None:
+        if not isinstance(hints, ReadHints):
+            raise TypeError(
+                f"read_hints is a {type(hints).__name__}, not a ReadHints: set "
+                "read_hints = ReadHints(max_concurrent_reads=..., ...)"
+            )
+        self.__dict__["_read_hints_set"] = hints
+
+    def _hints(self) -> ReadHints:
+        """:attr:`read_hints` where none was set: guideloom's own datasets answer for their
+        storage here."""
         return ReadHints() if self.storage is None else ReadHints.of_storage(self.storage)
+
+    def _check_contract(self) -> None:
+        """Refuse what the loader would silently ignore: read hints set as separate members of
+        the dataset object, and hints that are not a :class:`ReadHints` (from a property)."""
+        hints = _HINT_MEMBERS.intersection(vars(self)) if hasattr(self, "__dict__") else set()
+        if hints:
+            raise TypeError(
+                f"{type(self).__name__} sets {', '.join(sorted(hints))} on the dataset, which the "
+                "loader does not read: set read_hints = ReadHints(...) instead"
+            )
+        got = self.read_hints
+        if not isinstance(got, ReadHints):
+            raise TypeError(
+                f"{type(self).__name__}.read_hints gave a {type(got).__name__}, not a ReadHints: "
+                "return ReadHints(max_concurrent_reads=..., ...)"
+            )
 
     # -- internal hooks: what guideloom's own datasets answer otherwise ----------------------------
     def _read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:
@@ -306,6 +376,8 @@ class DatasetAbstract(ABC, Generic[SourceT]):
 class BuiltinDataset(DatasetAbstract[SourceT]):
     """What guideloom's own datasets add to the contract: a blocking read, which the loader
     uses where the dataset reads inline."""
+
+    _builtin: ClassVar[bool] = True
 
     @abstractmethod
     def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Sequence[SourceT]:

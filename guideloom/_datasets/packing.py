@@ -524,8 +524,7 @@ class PackedDataset(BuiltinDataset[Sample]):
         overrides ``read_many``."""
         return self._plain_reads and self._storage.reads_inline()
 
-    @property
-    def read_hints(self) -> ReadHints:
+    def _hints(self) -> ReadHints:
         """The storage's figures; a sample's bytes are a sequence's: its elements and its three
         index arrays."""
         nbytes = self.sequence_length * (self._storage.dtype.itemsize + 16)

@@ -63,8 +63,7 @@ class StreamDataset(BuiltinDataset[SourceT]):
     def _fingerprint_kind(self) -> str:
         return "stream"
 
-    @property
-    def read_hints(self) -> ReadHints:
+    def _hints(self) -> ReadHints:
         """The storage's figures; a sample's bytes are its ``sequence_length`` elements'."""
         element = max(1, self._storage.sample_nbytes_hint() or self._storage.dtype.itemsize)
         return ReadHints.of_storage(self._storage, sample_nbytes=self.sequence_length * element)

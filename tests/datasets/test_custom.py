@@ -238,6 +238,56 @@ def test_read_hints_as_separate_members_are_refused() -> None:
             max_concurrent_reads = 4
 
 
+class HintedInInit(Squares):
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.read_hints = gl.ReadHints(read_window_batches=2)
+
+
+def test_read_hints_set_in_init_size_the_reads_too() -> None:
+    ds = HintedInInit(400)
+    with gl.StatefulDataLoader(ds, as_list, local_batch_size=4, device=CPU) as ld:
+        assert sorted(x for b in take(ld) for x in b) == [i * i for i in range(400)]
+    assert max(ds.calls) <= 8
+
+
+def test_read_hints_that_are_not_read_hints_are_refused_saying_what_to_do() -> None:
+    with pytest.raises(TypeError, match=r"read_hints is a dict, not a ReadHints.*ReadHints\("):
+
+        class Declared(Bare):
+            read_hints = {"max_concurrent_reads": 4}  # type: ignore[assignment]  # noqa: RUF012
+
+    with pytest.raises(TypeError, match=r"read_hints is a dict, not a ReadHints"):
+        Bare().read_hints = {"max_concurrent_reads": 4}  # type: ignore[assignment]
+
+    class Computed(Bare):
+        @property
+        def read_hints(self) -> gl.ReadHints:
+            return {"max_concurrent_reads": 4}  # type: ignore[return-value]
+
+    loader = gl.StatefulDataLoader(Computed(), as_list, local_batch_size=2, device=CPU)
+    with pytest.raises(TypeError, match=r"Computed.read_hints gave a dict, not a ReadHints"), loader:
+        pass
+
+
+def test_a_read_hint_set_on_the_dataset_object_is_refused_not_ignored() -> None:
+    ds = Bare()
+    ds.max_concurrent_reads = 8  # type: ignore[attr-defined]
+    loader = gl.StatefulDataLoader(ds, as_list, local_batch_size=2, device=CPU)
+    with pytest.raises(TypeError, match=r"sets max_concurrent_reads on the dataset.*ReadHints"), loader:
+        pass
+
+
+@pytest.mark.parametrize(
+    "hook", ["will_read", "read_many_sync", "fingerprint", "collate_with", "natural_blocks"]
+)
+def test_a_loader_hook_defined_by_a_dataset_of_one_s_own_is_refused_not_ignored(hook: str) -> None:
+    with pytest.raises(
+        TypeError, match=rf"defines {hook}, which the loader does not ask.*__len__ and read_many"
+    ):
+        type("Hooked", (Bare,), {hook: lambda self, *a, **k: None})
+
+
 @pytest.mark.parametrize(
     ("field", "value", "error"),
     [

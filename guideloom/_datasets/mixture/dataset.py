@@ -409,8 +409,7 @@ class Mixture(BuiltinDataset[Any]):
             self._inline = all(ds._reads_inline for ds in self._datasets_list())
         return self._inline
 
-    @property
-    def read_hints(self) -> ReadHints:
+    def _hints(self) -> ReadHints:
         """The sources' most concurrent reads and largest read window, and their samples' bytes
         weighted by the mixture's weights; kept once computed."""
         if self._read_hints is None:

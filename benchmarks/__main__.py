@@ -149,34 +149,7 @@ def _write_report(out: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = [
-        "local",
-        "remote",
-        "remote-cache",
-        "first-batch",
-        "suite",
-        "report",
-        "fuzz",
-        "soak",
-        "packing",
-        "mixture",
-        "revisions",
-        "process-remote",
-        "async-file-io",
-        "faults",
-        "worker-start",
-        "worker-control",
-        "gpu",
-        "merge",
-        "prepare-tasks",
-        "provenance",
-        "parquet",
-        "parquet-remote",
-        "parquet-tokens",
-        "integrity",
-        "torchft",
-        "async-loop",
-    ]
+    commands = ["suite", "report", *_PASSTHROUGH]  # every command the docstring lists
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__)
         if argv and argv[0] not in ("-h", "--help"):

@@ -23,6 +23,8 @@ from pathlib import Path
 import anyio.to_thread
 import numpy as np
 
+from benchmarks import summary
+
 
 def _preads(path: Path, offsets: list[int], size: int) -> list[bytes]:
     fd = os.open(path, os.O_RDONLY)
@@ -97,7 +99,7 @@ async def main_async(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--ranges", type=int, default=64, help="ranges per window (default 64)")
     p.add_argument("--range-bytes", type=int, default=65536, help="bytes per range (default 64 KiB)")
     p.add_argument("--rounds", type=int, default=5, help="rounds of each, interleaved (default 5)")

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 import guideloom as gl
+from benchmarks import summary
 from benchmarks.remote_stream import collate, ensure_dataset, moto_bucket
 from benchmarks.stalls import Stalls, thread_cpu
 
@@ -156,7 +157,7 @@ def _ms(values: list[float], q: float | None = None) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks async-loop", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks async-loop", description=summary(__doc__))
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--latency-ms", default="0,20", help="added to every request, comma-separated")

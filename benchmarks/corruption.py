@@ -58,6 +58,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import summary
+
 ROOT = Path(__file__).resolve().parent.parent
 
 KINDS = ("flip", "truncate", "replace", "append", "delete")
@@ -925,7 +927,7 @@ def report(outcomes: list[Outcome], seed: int, only: str, *, failures: int = 40)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks faults", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks faults", description=summary(__doc__))
     ap.add_argument("--trials", type=int, default=300, help="how many trials (default 300)")
     ap.add_argument(
         "--seed", type=int, default=0, help="the run's seed: trial i of a seed is always the same"

@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import summary
+
 ROOT = Path(__file__).resolve().parent.parent
 
 CATEGORIES: dict[str, list[str]] = {
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
 
         fuzz(argv)
         return
-    ap = argparse.ArgumentParser(prog="python -m benchmarks faults", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks faults", description=summary(__doc__))
     ap.add_argument("--only", default="", help="run the categories whose name contains this word")
     args = ap.parse_args(argv)
     chosen = {k: v for k, v in CATEGORIES.items() if args.only.lower() in k.lower()}

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import summary
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -207,7 +209,7 @@ def write_stream(folder: Path, mib: int) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks gpu", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks gpu", description=summary(__doc__))
     ap.add_argument("--batch", type=int, default=64, help="samples per batch (default 64)")
     ap.add_argument("--seq", type=int, default=4096, help="tokens per sample (default 4096)")
     ap.add_argument("--batches", type=int, default=200, help="timed batches per figure (default 200)")

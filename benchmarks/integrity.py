@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import summary
+
 
 def _collate(samples: Any) -> Any:
     import torch
@@ -99,7 +101,7 @@ def _compare(name: str, on: Any, off: Any, rounds: int, **kw: Any) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks integrity", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks integrity", description=summary(__doc__))
     ap.add_argument("--mb", type=int, default=96, help="dataset size in MiB (over 64: not hashed on open)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--block-sizes", default="64", help="block sizes to time, KiB, comma-separated")

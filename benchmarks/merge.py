@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import summary
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -156,7 +158,7 @@ def _in_child(*argv: str) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks merge", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks merge", description=summary(__doc__))
     ap.add_argument("--parts", default="1000,10000", help="comma-separated part counts")
     ap.add_argument("--kind", choices=("documents", "stream"), default="documents")
     ap.add_argument("--document-ids", action="store_true", help="stream: doc_id and doc_pos fields too")

@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks import summary
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import guideloom as gl
@@ -88,7 +90,7 @@ def resume_ms(loader: gl.StatefulDataLoader[Any, Any], state: dict[str, Any]) ->
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks mixture", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks mixture", description=summary(__doc__))
     ap.add_argument("--sources", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--batches", type=int, default=500, help="batches of the steady-state rate")

@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 import guideloom as gl
+from benchmarks import summary
 
 SEQ = 2048
 BATCH = 16
@@ -449,7 +450,7 @@ def parquet_order(documents: int, rounds: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.packing", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.packing", description=summary(__doc__))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tokens", type=int, default=None, help="tokens in the throughput datasets")
     ap.add_argument("--documents", type=int, default=None, help="documents in the layout-build measurement")

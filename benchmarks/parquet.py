@@ -63,6 +63,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import summary
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -555,9 +557,7 @@ def loadavg() -> str:
 
 # -- the run -------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m benchmarks parquet-synthetic", description=__doc__.split("\n")[0]
-    )
+    ap = argparse.ArgumentParser(prog="python -m benchmarks parquet-synthetic", description=summary(__doc__))
     ap.add_argument("--quick", action="store_true", help="a smoke run: small data, one round")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=20.0, help="at most this long per configuration")

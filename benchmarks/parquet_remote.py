@@ -48,6 +48,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from benchmarks import summary
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -170,9 +172,7 @@ def serve(data: Path, rtts: tuple[float, ...]) -> Iterator[dict[float, str]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m benchmarks parquet-remote", description=__doc__.split("\n")[0]
-    )
+    ap = argparse.ArgumentParser(prog="python -m benchmarks parquet-remote", description=summary(__doc__))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=8.0, help="measured seconds per configuration")
     ap.add_argument("--rtts", default="0,20", help="added round trips in ms, comma separated")

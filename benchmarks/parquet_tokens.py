@@ -46,6 +46,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import summary
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a file (see child): the benchmarks package is found here
     sys.path.append(str(ROOT))
@@ -192,9 +194,7 @@ def child(tree: str, config: str, args: argparse.Namespace) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m benchmarks parquet-tokens", description=__doc__.split("\n")[0]
-    )
+    ap = argparse.ArgumentParser(prog="python -m benchmarks parquet-tokens", description=summary(__doc__))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=12, help="epochs per run (the first is reported alone)")
     ap.add_argument("--resumes", type=int, default=5, help="first batches after load_state_dict per run")

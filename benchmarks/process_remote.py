@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import summary
+
 MiB = 2**20
 
 
@@ -118,7 +120,7 @@ def _load() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--mib", type=int, default=64, help="dataset size in MiB (default 64)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of each, alternating (default 3)")
     p.add_argument("--prefetch", type=int, default=4, help="batches prefetched (default 4)")

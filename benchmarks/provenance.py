@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks import summary
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import guideloom as gl
@@ -175,7 +177,7 @@ def _load() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks provenance", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks provenance", description=summary(__doc__))
     ap.add_argument("--sources", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--samples", type=int, default=200_000, help="samples of the audit's epoch")

@@ -28,6 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks import summary
+
 REPO = Path(__file__).resolve().parent.parent
 
 #: name -> (loader keywords, async?)
@@ -72,7 +74,7 @@ def _measure(tree: Path, data: Path, name: str, batches: int, warmup: int) -> di
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks revisions", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks revisions", description=summary(__doc__))
     ap.add_argument("--base", required=True, help="git revision to compare the working tree against")
     ap.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 3, --quick 1)")
     ap.add_argument(

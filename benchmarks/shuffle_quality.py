@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import summary
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._internals import DEFAULT_WINDOW, BlockPermutation, Permutation, default_block_size
@@ -106,7 +108,7 @@ def timing() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap = argparse.ArgumentParser(description=summary(__doc__))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timing", action="store_true", help="also time a 16k-position take")
     args = ap.parse_args(argv)

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 import guideloom as gl
+from benchmarks import summary
 
 REPLICAS = 3
 BATCH = 4
@@ -322,7 +323,7 @@ def replan_main(changes: int, seed: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks torchft", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks torchft", description=summary(__doc__))
     ap.add_argument("--samples", type=int, default=6000)
     ap.add_argument("--kills", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)

@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import summary
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -187,9 +189,7 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m benchmarks worker-control", description=__doc__.splitlines()[0]
-    )
+    ap = argparse.ArgumentParser(prog="python -m benchmarks worker-control", description=summary(__doc__))
     ap.add_argument(
         "--hogs", type=int, default=os.cpu_count() or 1, help="busy-loop processes (default: one per CPU)"
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 # The file layout of ``prepare --task``'s parts, and the merge timed without the CLI's start.
 from guideloom._cli._parts import merge_parts, part_folder, part_options
@@ -30,6 +31,7 @@ from guideloom._core.plan import Permutation  # the loader's global order, which
 
 # Process-wide memory of the block checks made: forgotten so an epoch reads as a new process's.
 from guideloom._process import reset as forget_block_checks
+from guideloom._runtime.processes.pool import WorkerPool
 
 # The manifest reader and its types, which fuzz_manifest feeds generated and mutated manifests.
 from guideloom.storage._format._manifest import (
@@ -42,6 +44,7 @@ from guideloom.storage._format._manifest import (
     parse_manifest,
     storage_dtype,
 )
+from guideloom.storage._remote._fetch import HeldBlocks
 
 # The store guideloom's remote reads go through, which first_batch times with bare range GETs.
 from guideloom.storage._remote._locations import parse_location
@@ -64,6 +67,20 @@ def written_block_bytes(block: int) -> Iterator[None]:
         _writer.BLOCK_BYTES = DEFAULT_BLOCK_BYTES  # type: ignore[attr-defined]
 
 
+def held_blocks(storage: Any) -> HeldBlocks:
+    """The verified blocks a remote storage holds for the later reads of a mixing window:
+    remote_stream reports their peak against the storage's ``read_window_bytes``."""
+    held: HeldBlocks = storage._remote.fetcher.held
+    return held
+
+
+def worker_pool(loader: Any) -> WorkerPool | None:
+    """An open process-worker loader's pool (None before it starts one, and for thread workers):
+    worker_start reads its workers' pids, and whether they are still starting."""
+    pool: WorkerPool | None = loader._state.life.pool
+    return pool
+
+
 __all__ = [
     "DEFAULT_BLOCK_BYTES",
     "DEFAULT_WINDOW",
@@ -73,13 +90,16 @@ __all__ = [
     "BlockPermutation",
     "FileSpec",
     "GroupPermutation",
+    "HeldBlocks",
     "Kind",
     "Layout",
     "Manifest",
     "Permutation",
+    "WorkerPool",
     "best_fit_layout",
     "default_block_size",
     "forget_block_checks",
+    "held_blocks",
     "make_store",
     "merge_parts",
     "parse_location",
@@ -88,5 +108,6 @@ __all__ = [
     "part_options",
     "split_options",
     "storage_dtype",
+    "worker_pool",
     "written_block_bytes",
 ]

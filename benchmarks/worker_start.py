@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 import guideloom as gl
+from benchmarks._internals import worker_pool
 from benchmarks.local_stream import BATCH, SEQ, _MemmapRows, collate, ensure_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -222,7 +223,7 @@ def _loader(path: Path, prefetch: int, **kw: Any) -> gl.StatefulDataLoader[Any, 
 
 
 def _worker_pids(loader: gl.StatefulDataLoader[Any, Any]) -> list[int]:
-    pool = loader._state.life.pool
+    pool = worker_pool(loader)
     return [] if pool is None else [p.proc.pid for p in pool.procs if p is not None and p.proc.pid]
 
 
@@ -237,7 +238,7 @@ def _first_and_up(
     it = Endless(loader)
     next(it)
     first = time.perf_counter() - t0
-    pool = loader._state.life.pool
+    pool = worker_pool(loader)
     assert pool is not None
     while pool.starting():
         next(it)

@@ -19,12 +19,18 @@ import psutil
 
 
 def tree_cpu() -> float:
+    """User+system seconds of this process and every descendant, the exited ones included.
+
+    A loader whose workers are not persistent ends them with every epoch; the live processes'
+    times alone would lose an exited worker's seconds (and the window's difference could come out
+    negative), so each process also counts the children it has reaped (``children_user`` and
+    ``children_system``), as the kernel adds them to their parent when it waits for them."""
     me = psutil.Process()
     total = 0.0
     for p in [me, *me.children(recursive=True)]:
         try:
             t = p.cpu_times()
-            total += t.user + t.system
+            total += t.user + t.system + t.children_user + t.children_system
         except psutil.Error:
             pass
     return total

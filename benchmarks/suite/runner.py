@@ -165,5 +165,8 @@ def run_rounds(
         for m in {k for x in ok for k, v in x.items() if isinstance(v, int | float)}:
             vals = [x[m] for x in ok if m in x]
             med[m] = statistics.median(vals)
+        # each round's samples/s (None where it failed), so a comparison of two configurations
+        # can be the median of their ratios round by round (report.ratio)
+        med["round_samples_per_s"] = [None if "error" in x else x.get("samples_per_s") for x in results]
         out[f"{key}#{i}"] = med
     return out

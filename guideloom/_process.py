@@ -15,8 +15,12 @@ What else lives for the process stays with the code whose logic it is, nothing o
 at exit nor to forget for a test: the standby zygote and the zygotes killed but not yet reaped
 (:mod:`~guideloom._runtime.processes.zygote`), the text encoders made here, weakly, by origin
 (:mod:`~guideloom.storage._text`: a worker forked from this process finds the tokenizer its
-copy's original built), and the hooks run before the process's first object store
-(:mod:`~guideloom.storage._remote._objstore`: the standby zygote is forked there).
+copy's original built), the hooks run before the process's first object store
+(:mod:`~guideloom.storage._remote._objstore`: the standby zygote is forked there), and what a
+worker process of ``guideloom prepare`` keeps for its tasks (``guideloom._cli._work``: a pool's
+process, not yours). Settings are read from the environment where they are used, never
+rewritten: ``GUIDELOOM_WORKER_START`` and ``GUIDELOOM_STANDBY_ZYGOTE``
+(:mod:`~guideloom._runtime.processes.start`).
 
 Exit order, and why:
 

@@ -48,6 +48,8 @@ START_ENV = "GUIDELOOM_WORKER_START"
 #: another thread holds then stays held in the worker). Where the platform has no fork server,
 #: every method but ``"fork"`` is ``"spawn"``.
 START_METHODS = ("here", "forkserver", "spawn", "fork")
+#: What turns an on/off setting off (``GUIDELOOM_STANDBY_ZYGOTE``); anything else leaves it on.
+_OFF = frozenset({"0", "false", "no", "off"})
 #: What the fork server imports before it forks a worker (torch too, when the main process has
 #: imported it): each worker shares them instead of importing them anew. A zygote, and a worker
 #: forked from this process, have what this process imported when they were forked: these are
@@ -78,16 +80,16 @@ def _standby() -> None:
     """Before this process's first object store: fork the standby zygote, if workers may start
     from one (:func:`~guideloom._runtime.processes.zygote.fork_standby`); not in a process
     multiprocessing started (a worker that opens its storage starts no workers), nor where
-    ``GUIDELOOM_STANDBY_ZYGOTE=0`` says the process will not use process workers, nor where
-    :data:`START_ENV` names another method (or none it knows: the loader that starts workers
-    says so, not the opening of a store)."""
+    ``GUIDELOOM_STANDBY_ZYGOTE=0`` (or ``false``, ``no``, ``off``) says the process will not use
+    process workers, nor where :data:`START_ENV` names another method (or none it knows: the
+    loader that starts workers says so, not the opening of a store)."""
     try:
         here = start_method() == "here"
     except ValueError:
         here = False
     if (
         here
-        and os.environ.get("GUIDELOOM_STANDBY_ZYGOTE", "1") != "0"
+        and os.environ.get("GUIDELOOM_STANDBY_ZYGOTE", "1").strip().lower() not in _OFF
         and multiprocessing.parent_process() is None
         and "forkserver" in multiprocessing.get_all_start_methods()
     ):

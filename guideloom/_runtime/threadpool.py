@@ -96,9 +96,11 @@ class CollateThreads(concurrent.futures.Executor):
                 future.set_exception(exc)
             else:
                 future.set_result(result)
+                del result
             finally:
                 self._running.pop(me, None)
-                del item, future, fn, args, kwargs  # a finished batch is not kept alive here
+                # a finished batch is not kept alive here (by a thread that waits for its next)
+                del item, future, fn, args, kwargs
 
     def shutdown(
         self, wait: bool = True, *, cancel_futures: bool = False, grace: float | None = None

@@ -1,7 +1,8 @@
 """Verified blocks an object-store read fetched, held for the reads after it that touch them
-(:class:`HeldBlocks`), so that an epoch fetches each block once: the first batch read alone
-before its mixing window's read, and a mixing window read in parts, share what one of them
-fetched. :func:`cut_held` cuts a planned job's ranges around what is held.
+(:class:`HeldBlocks`): the first batch read alone before its mixing window's read, and a mixing
+window read in parts, share what one of them fetched. :func:`cut_held` cuts a planned job's
+ranges around what is held, where that saves more than the request it costs
+(:data:`MIN_CUT_BYTES`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Final, NamedTuple
 from guideloom.storage._remote._objstore import ObjectVersion
 from guideloom.storage._remote._ranges import Job, Pieces, clip
 
-__all__ = ["HOLD_BYTES", "HeldBlocks", "Read", "cut_held"]
+__all__ = ["HOLD_BYTES", "MIN_CUT_BYTES", "HeldBlocks", "Read", "cut_held"]
 
 
 #: The most bytes held at once by default (a storage sets its own, its ``read_window_bytes``):
@@ -128,10 +129,18 @@ class HeldBlocks:
         return self._peak
 
     def begin(self) -> None:
-        """A reading session begins: what an earlier one held is let go."""
+        """A reading session begins: what an earlier one held is let go, and its reads count as
+        finished (one abandoned mid-plan, by an iterator closed or a loop that ended, never says
+        so itself: no read of the new session waits for it)."""
         with self._lock:
             self._let_go_all()
             self._release = None
+            stale, self._reads = self._reads, []
+            self._unplanned.clear()
+        for r in stale:
+            r.finished = True
+            if not r.done.done():
+                r.done.set_result(None)
 
     def clear(self) -> None:
         """Closing: everything held is let go."""
@@ -294,10 +303,39 @@ class HeldBlocks:
         return bool(self._ranges.get(path))
 
 
-def cut_held(job: Job, held: HeldBlocks, version: ObjectVersion | None) -> None:
-    """Cut ``job``'s ranges around the bytes ``held`` holds for its object: those are copied
-    out of the held bytes (:attr:`Job.held`), the rest fetched; a part of a range no piece
-    needs is not fetched at all."""
+#: The least run of held bytes inside a range that is cut out of it (a run at either end of a
+#: range is cut whatever its length: that costs no request). A cut inside a range splits its GET
+#: in two: a request costs a round trip and the store's per-request work, more than fetching a
+#: few blocks again, so scattered blocks (an epoch's first batch) are fetched again with their
+#: range and long runs (a mixing window read in parts) are not.
+MIN_CUT_BYTES = 2**20
+
+
+def _worth_cutting(
+    got: list[tuple[int, int, Any]], start: int, end: int, min_cut: int
+) -> list[tuple[int, int, Any]]:
+    """The held pieces of range ``[start, end)`` worth cutting out: each run of adjacent pieces
+    at an end of the range, or at least ``min_cut`` bytes long."""
+    runs: list[list[tuple[int, int, Any]]] = []
+    for piece in got:
+        if runs and runs[-1][-1][1] == piece[0]:
+            runs[-1].append(piece)
+        else:
+            runs.append([piece])
+    return [
+        p
+        for run in runs
+        if run[0][0] == start or run[-1][1] == end or run[-1][1] - run[0][0] >= min_cut
+        for p in run
+    ]
+
+
+def cut_held(job: Job, held: HeldBlocks, version: ObjectVersion | None, min_cut: int | None = None) -> None:
+    """Cut ``job``'s ranges around the bytes ``held`` holds for its object, where that saves
+    more than the request it costs (:data:`MIN_CUT_BYTES`): those are copied out of the held
+    bytes (:attr:`Job.held`), the rest fetched; a part of a range no piece needs is not
+    fetched at all."""
+    least = MIN_CUT_BYTES if min_cut is None else min_cut
     starts: list[int] = []
     ends: list[int] = []
     pieces: list[Pieces] = []
@@ -314,7 +352,7 @@ def cut_held(job: Job, held: HeldBlocks, version: ObjectVersion | None) -> None:
 
     cut = False
     for s, e, table in zip(job.starts, job.ends, job.pieces, strict=True):
-        got = held.take(job.path, s, e, version)
+        got = _worth_cutting(held.take(job.path, s, e, version), s, e, least)
         if not got:
             starts.append(s)
             ends.append(e)

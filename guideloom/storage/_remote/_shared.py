@@ -298,7 +298,7 @@ class _ObjectStorageMixin:
 
 #: The longest a read waits for an earlier one that fetches blocks it touches; past it, it
 #: fetches them itself (a safeguard: an earlier read is never behind a later one).
-_WAIT_HELD_S = 30.0
+_WAIT_HELD_S = 10.0
 
 #: Reads of more samples than this are planned on an I/O thread: planning costs a few
 #: microseconds a sample, so a large window planned on the event loop would stall it.

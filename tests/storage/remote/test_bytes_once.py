@@ -17,6 +17,7 @@ import torch
 import guideloom
 from guideloom import StatefulDataLoader
 from guideloom._errors import DatasetIntegrityError
+from guideloom.storage._remote import _held
 from guideloom.storage._remote._fetch import RangeFetcher
 from guideloom.storage._remote._ranges import Job
 from guideloom_dev.servers import FaultProxy, MotoS3
@@ -103,9 +104,17 @@ def local_epochs(
 
 @pytest.mark.parametrize("batch", [8, 32])
 @pytest.mark.parametrize("mode", ["sync", "async", "threads"])
-def test_every_epoch_fetches_the_data_once(
-    four_mib: Copies, s3: MotoS3, proxy_for: list[FaultProxy], batch: int, mode: str
+def test_every_epoch_fetches_the_data_once_where_every_held_block_is_cut_out(
+    four_mib: Copies,
+    s3: MotoS3,
+    proxy_for: list[FaultProxy],
+    batch: int,
+    mode: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """With every held run cut out of the ranges that cover it (however short: what the cost
+    rule leaves out is the ranges' business), an epoch fetches the data once."""
+    monkeypatch.setattr(_held, "MIN_CUT_BYTES", 0)
     nbytes = four_mib.tokens.nbytes
     proxy = CountingProxy(s3.port, lifetime=100.0).start()
     proxy_for.append(proxy)
@@ -132,7 +141,10 @@ def test_every_epoch_fetches_the_data_once(
     assert storage.stats()["bytes_read"] == figures[-1]["bytes_read"]
 
 
-def test_a_resumed_epoch_fetches_the_rest_once(four_mib: Copies, s3: MotoS3) -> None:
+def test_a_resumed_epoch_fetches_the_rest_once(
+    four_mib: Copies, s3: MotoS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_held, "MIN_CUT_BYTES", 0)
     nbytes = four_mib.tokens.nbytes
     with loader(guideloom.open_stream(four_mib.s3_url, **s3.options()), 8) as first:
         it = iter(first)
@@ -191,11 +203,12 @@ def test_objects_replaced_after_the_first_batch_are_refused(
 
 @pytest.mark.parametrize("mode", ["sync", "async", "threads"])
 def test_a_mixing_window_read_in_parts_fetches_each_block_once(
-    four_mib: Copies, s3: MotoS3, mode: str
+    four_mib: Copies, s3: MotoS3, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Reads of at most 16 batches of 8: the one mixing window is read in 32 parts, each
     touching most of its blocks; the blocks an earlier part verified are held for the later
     ones (never more than one mixing window's bytes), so each is fetched once, every epoch."""
+    monkeypatch.setattr(_held, "MIN_CUT_BYTES", 0)
     nbytes = four_mib.tokens.nbytes
     storage = guideloom.open_stream(four_mib.s3_url, **s3.options())
     storage.read_window_batches = 16
@@ -215,3 +228,30 @@ def test_a_mixing_window_read_in_parts_fetches_each_block_once(
     for f in figures:
         assert f["shuffle_window"] * 8 > 16, "the mixing window is read in parts"
         assert nbytes <= f["epoch_bytes_read"] <= 1.01 * nbytes, (mode, f["epoch_bytes_read"] / nbytes)
+
+
+@pytest.mark.parametrize("batch", [8, 32])
+def test_by_default_held_blocks_never_cost_a_request_nor_a_byte_more(
+    four_mib: Copies, s3: MotoS3, batch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default cuts a held run out of a range only at its ends or where it is long
+    (``MIN_CUT_BYTES``): against reads that hold nothing, no more requests and no more bytes,
+    every epoch, and the same batches."""
+
+    def epochs() -> tuple[list[list[torch.Tensor]], list[dict[str, float]]]:
+        storage = guideloom.open_stream(four_mib.s3_url, **s3.options())
+        storage.read_window_batches = 16  # a window read in parts, beside the first batch read alone
+        with loader(storage, batch) as it:
+            got, figures = [], []
+            for _ in range(2):
+                got.append(list(it))
+                figures.append(dict(it.stats()))
+        return got, figures
+
+    held, with_held = epochs()
+    monkeypatch.setattr(_held.HeldBlocks, "take", lambda *a: [])
+    plain, without = epochs()
+    assert all(torch.equal(a, b) for e, f in zip(held, plain, strict=True) for a, b in zip(e, f, strict=True))
+    for h, p in zip(with_held, without, strict=True):
+        assert h["epoch_requests"] <= p["epoch_requests"], (h["epoch_requests"], p["epoch_requests"])
+        assert h["epoch_bytes_read"] <= p["epoch_bytes_read"]

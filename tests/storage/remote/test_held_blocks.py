@@ -96,7 +96,7 @@ def test_reads_in_parts_get_every_byte_and_fetch_no_held_block_again(
         if held.nbytes == 0:
             fetched.clear()
         for job in jobs:
-            cut_held(job, held, versions[job.path])
+            cut_held(job, held, versions[job.path], min_cut=0)
         for job in jobs:
             size = len(objects[job.path])
             for i, (s, e) in enumerate(zip(job.starts, job.ends, strict=True)):
@@ -214,3 +214,37 @@ def test_a_read_of_the_next_window_planned_first_lets_go_only_once_the_earlier_r
     assert held.nbytes == 4096
     held.skip(skipped)
     assert held.nbytes == 0
+
+
+def test_a_held_run_is_cut_out_at_a_range_s_ends_or_where_it_is_long() -> None:
+    from guideloom.storage._remote._held import _worth_cutting
+
+    k = 64 * 1024
+    pieces = [
+        (0, k, "a"),
+        (3 * k, 4 * k, "b"),
+        (6 * k, 7 * k, "c"),
+        (7 * k, 8 * k, "d"),
+        (9 * k, 10 * k, "e"),
+    ]
+    # [0, 10k): the run at its start and the one at its end cost no request; the lone block in
+    # between is not worth one, the run of two is where at least two blocks are worth one
+    assert _worth_cutting(pieces, 0, 10 * k, 4 * k) == [(0, k, "a"), (9 * k, 10 * k, "e")]
+    assert _worth_cutting(pieces, 0, 10 * k, 2 * k) == [(0, k, "a"), (6 * k, 7 * k, "c"), (7 * k, 8 * k, "d"),
+                                                         (9 * k, 10 * k, "e")]  # fmt: skip
+    assert _worth_cutting(pieces, 0, 10 * k, 0) == pieces
+
+
+def test_a_new_reading_session_waits_for_no_read_of_an_old_one() -> None:
+    """A read abandoned while it was planned (its iterator closed, its loop ended) never ends
+    itself: the next session's reads must not wait for it."""
+    held = HeldBlocks()
+    stale = Read({"a": ([0], [4096])})
+    assert held.begin_read(stale, held.ticket()) == []
+    later = Read({"a": ([0], [4096])})
+    assert len(held.begin_read(later, held.ticket())) == 1  # in one session: it waits for it
+    held.end_read(later)
+    held.begin()
+    assert stale.done.done() and stale.finished
+    again = Read({"a": ([0], [4096])})
+    assert held.begin_read(again, held.ticket()) == []

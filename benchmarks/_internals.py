@@ -44,7 +44,7 @@ from guideloom.storage._format._manifest import (
     parse_manifest,
     storage_dtype,
 )
-from guideloom.storage._remote._fetch import HeldBlocks
+from guideloom.storage._remote._held import HeldBlocks
 
 # The store guideloom's remote reads go through, which first_batch times with bare range GETs.
 from guideloom.storage._remote._locations import parse_location
@@ -74,6 +74,12 @@ def held_blocks(storage: Any) -> HeldBlocks:
     return held
 
 
+def copies_whole(storage: Any) -> bool:
+    """Whether a remote storage was opened with ``cache_dir`` (the whole copy made as it reads):
+    remote_cache waits for the copy before the epoch it times over it."""
+    return getattr(storage, "_cache", None) is not None
+
+
 def worker_pool(loader: Any) -> WorkerPool | None:
     """An open process-worker loader's pool (None before it starts one, and for thread workers):
     worker_start reads its workers' pids, and whether they are still starting."""
@@ -97,6 +103,7 @@ __all__ = [
     "Permutation",
     "WorkerPool",
     "best_fit_layout",
+    "copies_whole",
     "default_block_size",
     "forget_block_checks",
     "held_blocks",

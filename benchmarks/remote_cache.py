@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 import guideloom as gl  # noqa: E402
 from benchmarks import remote_stream  # noqa: E402
+from benchmarks._internals import copies_whole  # noqa: E402
 
 SEQ = 2048
 BATCH = 16
@@ -136,7 +137,7 @@ def child_epochs(source: str, options: dict[str, Any], order: str, epochs: int) 
     out: dict[str, Any] = {"epochs": []}
     with loader:
         for e in range(epochs):
-            if e == 1 and getattr(storage, "_cache", None) is not None:
+            if e == 1 and copies_whole(storage):
                 # The whole copy: the second epoch is the one over the complete copy.
                 t = time.perf_counter()
                 while not storage.reads_inline() and time.perf_counter() - t < 300:

@@ -72,6 +72,9 @@ PRIVATE_ATTRIBUTES: dict[str, str] = {
     "multiprocessing.forkserver._forkserver": (
         "the process-wide fork server, whose preload list has no getter (fork_server_preload)"
     ),
+    "multiprocessing.popen_forkserver.Popen._fds": (
+        "the descriptors a worker launched through a zygote's server is handed (as _launch does)"
+    ),
     "multiprocessing.process.BaseProcess._args": (
         "keep open, in a worker forked from this process itself, the connections among its arguments"
     ),

@@ -121,6 +121,15 @@ def _private_members_reached(path: Path, members: set[str]) -> list[str]:
             and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
         ):
             found.append(f"{path.name}:{node.lineno}: .{node.attr}")
+        elif (  # getattr(x, "_name"[, default]): the same reach, by name
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in members
+        ):
+            found.append(f"{path.name}:{node.lineno}: {node.func.id} {node.args[1].value}")
     return found
 
 
@@ -143,10 +152,12 @@ def test_the_scan_sees_a_private_member_chain(tmp_path: Path) -> None:
     f.write_text(
         "def f(loader, storage):\n    pool = loader._state.life.pool\n"
         "    held = storage._remote.fetcher.held\n    return loader.stats(), self._state\n"
+        "def g(storage):\n    return getattr(storage, '_remote', None)\n"
     )
-    assert _private_members_reached(f, {"_state", "_remote"}) == [
+    assert sorted(_private_members_reached(f, {"_state", "_remote"})) == [
         "bench.py:2: ._state",
         "bench.py:3: ._remote",
+        "bench.py:6: getattr _remote",
     ]
 
 

@@ -206,6 +206,7 @@ def test_each_private_attribute_read_is_still_set_where_it_is_read(dotted: str) 
         ],
         "_args": [importlib.import_module("multiprocessing.process")],
         "_forkserver": [importlib.import_module("multiprocessing.forkserver")],
+        "_fds": [importlib.import_module("multiprocessing.popen_forkserver")],
     }[attribute]
     for setter in setters:
         source = inspect.getsource(setter)

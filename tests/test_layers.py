@@ -174,14 +174,21 @@ def _third_party(path: Path) -> set[str]:
 #: What ``_core`` may not import from the standard library: files, processes, threads, sockets,
 #: event loops (its work is arithmetic; the layers above it do the I/O and the waiting).
 IO_MODULES = frozenset(
-    {"asyncio", "concurrent", "http", "io", "mmap", "multiprocessing", "os", "pathlib", "selectors",
-     "shutil", "signal", "socket", "subprocess", "tempfile", "threading", "urllib"}
+    {"_thread", "asyncio", "concurrent", "ctypes", "fcntl", "glob", "gzip", "http", "importlib", "io",
+     "mmap", "multiprocessing", "os", "pathlib", "queue", "selectors", "shutil", "signal", "socket",
+     "sqlite3", "ssl", "subprocess", "tempfile", "threading", "time", "urllib", "zipfile"}
 )  # fmt: skip
+
+
+#: numpy's functions that read or write files.
+NUMPY_IO = frozenset(
+    {"fromfile", "genfromtxt", "load", "loadtxt", "memmap", "save", "savetxt", "savez", "tofile"}
+)
 
 
 def _impurities(path: Path) -> set[str]:
     """What in ``path`` is not pure arithmetic: imports beyond numpy and the standard library's
-    non-I/O modules, and calls of the builtin ``open``."""
+    non-I/O modules, calls of the builtin ``open`` and numpy's file I/O."""
     tree = ast.parse(path.read_text(), str(path))
     roots: set[str] = set()
     for node in ast.walk(tree):
@@ -190,11 +197,12 @@ def _impurities(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
             roots.add(node.module.partition(".")[0])
     found = (_third_party(path) - {"numpy"}) | (roots & IO_MODULES)
-    if any(
-        isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "open"
-        for n in ast.walk(tree)
-    ):
+    calls = [n.func for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    if any(isinstance(f, ast.Name) and f.id == "open" for f in calls):
         found.add("open()")
+    found.update(  # numpy's own file I/O
+        f"np.{f.attr}()" for f in calls if isinstance(f, ast.Attribute) and f.attr in NUMPY_IO
+    )
     return found
 
 
@@ -213,9 +221,9 @@ def test_the_purity_check_sees_io(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
     sample.write_text(
         "import asyncio, socket\nfrom threading import Lock\nimport numpy\n\n"
-        "def f():\n    import torch\n    return open('x')\n"
+        "def f():\n    import torch, time\n    np.load('y')\n    return open('x')\n"
     )
-    assert _impurities(sample) == {"asyncio", "socket", "threading", "torch", "open()"}
+    assert _impurities(sample) == {"asyncio", "socket", "threading", "torch", "time", "open()", "np.load()"}
 
 
 #: The most lines a module of the package has, and the most modules a folder of ``storage``

@@ -120,6 +120,8 @@ def run(quick: bool, rounds: int | None, parts: set[str], peers: list[str], toke
         "command": "python -m benchmarks suite" + (" --quick" if quick else ""),
         "rounds": rounds,
         "tokens": tokens,
+        # CPU counts each process's reaped children (workers that exit inside the window)
+        "cpu_counts_exited": True,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     # An epoch is 3,051 batches: warm-up and window stay inside it (no loader restarts in the window).

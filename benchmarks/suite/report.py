@@ -212,8 +212,13 @@ def markdown(out: dict[str, Any], *, dated: bool = True) -> str:
         "local_batch_size=16, shuffle on (seed 0), collate to an int64 (16, 2048) tensor, one rank. "
         "Peak RSS is the sum over the process tree (main process and workers), sampled every 20 ms "
         "(its anonymous part leaves out mapped file pages: the page cache of a memory-mapped dataset); "
-        "CPU is user+system seconds of the tree (worker processes that exit included) per 1,000 "
-        "steady-state batches.",
+        "CPU is user+system seconds of the tree per 1,000 steady-state batches "
+        + (
+            "(worker processes that exit inside the window included)."
+            if out.get("cpu_counts_exited")
+            else "(this run left out worker processes that exit inside the window: where a loader's "
+            "workers end with each epoch, its CPU reads low)."
+        ),
         "",
     ]
     unmeasured: list[str] = []  # rows whose CPU figure is no measurement

@@ -301,3 +301,24 @@ def test_a_loader_hook_defined_by_a_dataset_of_one_s_own_is_refused_not_ignored(
 def test_read_hints_are_checked(field: str, value: Any, error: type[Exception]) -> None:
     with pytest.raises(error, match=field):
         gl.ReadHints(**{field: value})
+
+
+def test_a_subclass_of_a_guideloom_dataset_may_define_its_blocking_read_and_no_other_hook() -> None:
+    class Checked(gl.StreamDataset):  # type: ignore[type-arg]
+        def read_many_sync(self, indices: npt.NDArray[np.int64]) -> Any:
+            return super().read_many_sync(indices)
+
+    with pytest.raises(TypeError, match=r"defines will_read, which the loader does not ask"):
+
+        class Hinted(gl.StreamDataset):  # type: ignore[type-arg]
+            def will_read(self, windows: Any) -> None:
+                pass
+
+
+def test_a_mixture_s_sources_are_checked_as_a_loader_would_check_them() -> None:
+    loose = Bare()
+    loose.max_concurrent_reads = 8  # type: ignore[attr-defined]
+    mixed = gl.mix({"a": loose, "b": Bare()}, weights={"a": 0.5, "b": 0.5})
+    loader = gl.StatefulDataLoader(mixed, as_list, local_batch_size=2, device=CPU)
+    with pytest.raises(TypeError, match=r"sets max_concurrent_reads on the dataset"), loader:
+        pass

@@ -409,6 +409,12 @@ class Mixture(BuiltinDataset[Any]):
             self._inline = all(ds._reads_inline for ds in self._datasets_list())
         return self._inline
 
+    def _check_contract(self) -> None:
+        """Each source's (what a source's own loader would check), then the mixture's."""
+        for ds in self._datasets_list():
+            ds._check_contract()
+        super()._check_contract()
+
     def _hints(self) -> ReadHints:
         """The sources' most concurrent reads and largest read window, and their samples' bytes
         weighted by the mixture's weights; kept once computed."""

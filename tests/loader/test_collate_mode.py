@@ -152,17 +152,25 @@ def test_process_workers_pinned_or_measured(mode: str, request: pytest.FixtureRe
         got = list(it)
         if mode == "inline":
             assert worker_pids() == set()  # none was started
+        stats = loader.stats()
+        later = stats
+        # a chunk with a stall in it (a loaded machine) is set aside as the consumer's pause, not
+        # measured: the verdict may take another epoch or two there
+        for _ in range(4):
+            if mode != "auto" or "chooser_verdicts" in later:
+                break
+            list(loader)
+            later = loader.stats()
     assert ids_of(got) == expected
     in_workers = sum(b["pid"] != os.getpid() for b in got)
-    stats = loader.stats()
     assert places(stats) == (len(got) - in_workers, 0, in_workers)
     if mode == "workers":
         assert in_workers == len(got) and "chooser_workers" not in stats
     elif mode == "inline":
         assert in_workers == 0
     else:
-        assert stats["chooser_verdicts"] >= 1
-        assert not math.isnan(stats["chooser_workers_seconds"])
+        assert later["chooser_verdicts"] >= 1
+        assert not math.isnan(later["chooser_workers_seconds"])
     assert worker_pids() == set()
 
 

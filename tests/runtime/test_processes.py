@@ -216,7 +216,7 @@ def test_a_worker_started_again_is_forked_here_while_that_is_still_safe(
 
 
 _FIRST_EXITS_SCRIPT = """
-import multiprocessing, os, time
+import multiprocessing, os, threading, time
 import numpy as np, torch
 import guideloom as gl
 from guideloom._runtime.processes import WorkerPool
@@ -232,9 +232,10 @@ def first_elements(samples):
 
 start_missing = WorkerPool._start_missing
 def late(pool):  # the pool's starter looks once the worker forked here has exited
-    first = pool.procs[0].proc
-    while first.is_alive():
-        time.sleep(0.005)
+    if pool.procs[0] is not None:
+        first = pool.procs[0].proc
+        while first.is_alive():
+            time.sleep(0.005)
     start_missing(pool)
 WorkerPool._start_missing = late
 
@@ -245,6 +246,9 @@ if __name__ == "__main__":
         device=torch.device("cpu"),
     )
     with loader:
+        if loader._state.life.pool.procs[0] is None:  # a thread was ending: started elsewhere
+            print("elsewhere", [t.name for t in threading.enumerate()])
+            raise SystemExit(0)
         parent = loader._state.life.pool.procs[0].proc._parent_pid
         try:
             next(iter(loader))
@@ -260,7 +264,14 @@ def test_a_first_worker_forked_here_that_exits_at_once_is_reported_by_its_own_er
     own error, naming the worker), instead of taking it for a worker to start again."""
     script = tmp_path / "first.py"
     script.write_text(_FIRST_EXITS_SCRIPT)
-    assert run_script(script).stdout.split() == ["True", "KeyError", "True"]
+    # A thread of the process still ending at open() (rare, on a loaded machine) makes the pool
+    # start its workers elsewhere, as it should; the case needs one forked here: tried again.
+    outs = []
+    for _ in range(4):
+        outs.append(run_script(script).stdout)
+        if not outs[-1].startswith("elsewhere"):
+            break
+    assert outs[-1].split() == ["True", "KeyError", "True"], outs
 
 
 _FORK_HYGIENE_SCRIPT = """

@@ -146,14 +146,20 @@ def run_script(
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     if buffered:
         env.pop("PYTHONUNBUFFERED", None)
-    return subprocess.run(
+    done = subprocess.run(
         [sys.executable, str(script), *args],
-        check=check,
+        check=False,
         capture_output=True,
         text=True,
         timeout=timeout,
         env=env,
     )
+    if check and done.returncode:
+        raise AssertionError(
+            f"{script.name} exited with {done.returncode}\n"
+            f"--- stdout:\n{done.stdout}\n--- stderr:\n{done.stderr}"
+        )
+    return done
 
 
 def stuck_forever(samples: Sequence[np.ndarray]) -> list[int]:

@@ -55,7 +55,13 @@ from guideloom._runtime.processes.wire import (
     Task,
     load_exception,
 )
-from guideloom._runtime.processes.zygote import HereContext, ZygoteContext, fork_is_safe, reap_closed
+from guideloom._runtime.processes.zygote import (
+    HereContext,
+    ZygoteContext,
+    fork_is_safe,
+    reap_closed,
+    standby_for,
+)
 
 if TYPE_CHECKING:
     from guideloom._datasets import DatasetAbstract
@@ -169,7 +175,9 @@ class WorkerPool:
         fork server, from now on."""
         if not isinstance(self.ctx, HereContext):
             return
-        if not fork_is_safe(0.0):  # a thread of the process's own since
+        # A thread of the process's own since: one that is ending is waited for briefly, as at
+        # the pool's making, unless a standby zygote is there to start from at once.
+        if not (fork_is_safe(0.0) if standby_for(self.spec) is not None else fork_is_safe()):
             self.ctx = worker_context(self.spec, here=False)
             return
         for k in range(self.num_workers):

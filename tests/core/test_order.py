@@ -8,12 +8,14 @@ The order a loader delivers (rank blocks, ``drop_last``, seeds) is in
 from __future__ import annotations
 
 import hashlib
+import pickle
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from guideloom._core import permutation
 from guideloom._core.order import (
     DEFAULT_WINDOW,
     LOCAL_BLOCK_SIZE,
@@ -190,6 +192,24 @@ def test_take_of_a_whole_shuffled_epoch_matches_scalar_lookups() -> None:
     assert perm.take(positions.reshape(-1, 1)).shape == (n, 1)
     assert perm.take(np.zeros(0, dtype=np.int64)).shape == (0,)
     assert len(perm) == n
+
+
+@pytest.mark.parametrize("n", [2, 3, 17, 1000, 48_828, 65_537, 5_000_011])
+def test_tabulated_rounds_give_the_computed_permutation(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup large enough tabulates each round's function of a half: the same order as the
+    rounds computed (and as the scalar lookups)."""
+    positions = np.random.default_rng(n).integers(0, n, 3 * 2**13)
+    tabulated = Permutation(n, shuffle=True, seed=5, epoch=2)
+    got = tabulated.take(positions)
+    assert tabulated._tables is not None
+    monkeypatch.setattr(permutation, "TABLE_BITS", 0)
+    computed = Permutation(n, shuffle=True, seed=5, epoch=2)
+    assert np.array_equal(got, computed.take(positions))
+    assert computed._tables is None
+    assert got[:50].tolist() == [computed[int(p)] for p in positions[:50]]
+    sent = pickle.loads(pickle.dumps(tabulated))  # sent without its tables, which it makes again
+    assert sent._tables is None and len(pickle.dumps(tabulated)) < 1024
+    assert np.array_equal(sent.take(positions), got)
 
 
 def test_huge_domain_is_o1() -> None:

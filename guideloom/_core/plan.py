@@ -10,6 +10,7 @@ The epoch order itself is an :class:`~guideloom._core.order.Order` (the keyed pe
 
 from __future__ import annotations
 
+import itertools
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
@@ -22,6 +23,9 @@ if TYPE_CHECKING:
     from guideloom._core.order import Order
 
 __all__ = ["BatchSpec", "Counting", "EpochPlan", "IndexArray", "num_batches"]
+
+#: ``tuple.__new__``: makes a :class:`BatchSpec` from its fields' tuple with no Python frame.
+_new_tuple = tuple.__new__
 
 #: Steps of a plan whose end is not known yet (more than any step a run reaches).
 UNBOUNDED = sys.maxsize // 4
@@ -187,9 +191,21 @@ class EpochPlan:
         g, n, o = self.global_batch_size, self._n(), self.start_offset
         lo = o + self.rank * self.local_batch_size
         hi = lo + self.local_batch_size
+        first = max(0, first_step)
+        if first < stop and hi + (stop - 1) * g <= n:
+            # No batch clipped (every window but the epoch's last): the fields are ranges, and the
+            # tuples are made without a Python call each (a window's 64 batches ~4x faster).
+            fields = zip(
+                range(first, stop),
+                range(lo + first * g, lo + stop * g, g),
+                range(hi + first * g, hi + stop * g, g),
+                range(o + (first + 1) * g, o + (stop + 1) * g, g),
+                strict=True,
+            )
+            return list(map(_new_tuple, itertools.repeat(BatchSpec), fields))
         return [
             BatchSpec(step, min(lo + step * g, n), min(hi + step * g, n), o + (step + 1) * g)
-            for step in range(max(0, first_step), stop)
+            for step in range(first, stop)
         ]
 
     def positions(self, first_step: int, stop_step: int) -> tuple[IndexArray, IndexArray]:

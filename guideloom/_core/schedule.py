@@ -205,15 +205,14 @@ def future_reads(plan: EpochPlan, order: Order, specs: Iterable[list[BatchSpec]]
 
 def _split(specs: list[BatchSpec], samples: Sequence[Any]) -> list[Delivery]:
     """One window's samples, cut into its batches (rows of one block stay rows of one block)."""
+    if isinstance(samples, Rows):
+        # each batch's rows, sliced and wrapped by map (no loop of Python statements: the hot
+        # path of a stream epoch); an empty batch's Rows == [] holds
+        ends = list(itertools.accumulate(spec.stop - spec.start for spec in specs))
+        parts = map(samples.block.__getitem__, map(slice, [0, *ends], ends))
+        return list(map(Delivery, specs, map(Rows, parts)))
     deliveries = []
     pos = 0
-    if isinstance(samples, Rows):
-        block = samples.block
-        for spec in specs:
-            end = pos + spec.stop - spec.start
-            deliveries.append(Delivery(spec, Rows(block[pos:end])))  # empty: Rows == [] holds
-            pos = end
-        return deliveries
     for spec in specs:
         end = pos + spec.stop - spec.start
         deliveries.append(Delivery(spec, samples[pos:end]))

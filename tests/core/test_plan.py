@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from guideloom._core.plan import EpochPlan, Permutation, num_batches
+from guideloom._core.plan import BatchSpec, EpochPlan, Permutation, num_batches
 
 
 @pytest.mark.parametrize(
@@ -219,3 +219,4 @@ def test_vectorised_positions_match_the_batches(
     assert sizes.tolist() == [s.size for s in specs]
     assert positions.tolist() == [p for s in specs for p in range(s.start, s.stop)]
     assert specs == [plan.batch(step) for step in range(first, min(stop, len(plan)))]
+    assert all(type(s) is BatchSpec for s in specs)  # (a plain tuple would compare equal)

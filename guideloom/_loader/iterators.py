@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from guideloom._core.delivery import Delivery, for_the_consumer
 from guideloom._core.plan import EpochPlan, num_batches
+from guideloom._loader.figures import PLACES
 from guideloom._loader.lifecycle import wait_through_cancellation
 from guideloom._runtime.config import PipelineConfig
 from guideloom._runtime.drive import AsyncDriver, SyncDriver
@@ -42,6 +43,9 @@ if TYPE_CHECKING:
 __all__ = ["AsyncIterator", "SyncIterator", "open_for_iteration"]
 
 BatchT = TypeVar("BatchT")
+
+#: The ``stats()`` counter of batches collated at each place (``collated_<place>``).
+_COLLATED = {place: f"collated_{place}" for place in PLACES}
 
 
 class _IteratorBase(Generic[BatchT]):
@@ -126,7 +130,7 @@ class _IteratorBase(Generic[BatchT]):
         self._delivered += 1
         counts["batches"] += 1
         counts["samples"] += spec.stop - spec.start
-        counts["collated_" + place] += 1
+        counts[_COLLATED[place]] += 1
         value: BatchT = d.value
         return value
 
@@ -251,6 +255,20 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
                 raise StopIteration from None  # close() in another thread ended this next()
             self._close_after_error()
             raise
+        if d is not None and d.error is None:
+            # _accept's bookkeeping of a batch, written out here: one call fewer a batch, on the
+            # path every batch of a sync ``for`` takes
+            counts = self._counts
+            counts["wait_seconds"] += waited
+            counts["last_wait_seconds"] = waited
+            spec = d.spec
+            self._ckpt.offset = spec.offset_after
+            self._delivered += 1
+            counts["batches"] += 1
+            counts["samples"] += spec.stop - spec.start
+            counts[_COLLATED[self._flow.place]] += 1
+            value: BatchT = d.value
+            return value
         if d is None:
             if not self._done:  # the end of the epoch, not a close() in another thread
                 try:
@@ -258,8 +276,7 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
                 finally:
                     self.close()
             raise StopIteration
-        if d.error is not None:
-            self._close_after_error()
+        self._close_after_error()
         return self._accept(d, waited, self._flow.place)
 
     def _close_after_error(self) -> None:

@@ -476,25 +476,32 @@ def _bare_steps(path: Path, batches: int) -> Callable[[], Any]:
 
 def nw0_table(path: Path, batches: int, warmup: int, rounds: int, prefetch: int) -> None:
     """``num_workers=0`` (the README's collate, a fresh loader each, ``warmup`` untimed batches) against
-    the bare loop over the same rows: each round times the bare loop, both loaders, and the bare
-    loop again; a ratio is a loader's rate over the mean of its round's two bare loops. Medians
-    over the rounds; the load average is the machine's while they ran. Then the same ratio from
-    the 10th-percentile bursts of 64 batches (:func:`_burst_p10`), bare loop and ``prefetch=0``
-    alternating: the figure an idle machine gives."""
-    names = ("prefetch=0", f"prefetch={prefetch}")
+    the bare loop over the same rows: each round times the bare loop, the loaders (sync ``for`` at
+    ``prefetch=0`` and ``prefetch``, ``async for``), and the bare loop again; a ratio is a loader's
+    rate over the mean of its round's two bare loops. Each round's ratios are printed with the load
+    average as it ended, then the medians. Then the same ratio from the 10th-percentile bursts of
+    64 batches (:func:`_burst_p10`), bare loop and ``prefetch=0`` alternating: the figure an idle
+    machine gives."""
+    names = ("sync prefetch=0", f"sync prefetch={prefetch}", "async prefetch=0")
     ratios: dict[str, list[float]] = {k: [] for k in names}
     bare: list[float] = []
     load0 = os.getloadavg()[0]
-    for _ in range(rounds):
+    for r in range(rounds):
         a = run_bare(path, batches)
-        got = [run_sync(path, batches, warmup), run_sync(path, batches, warmup, prefetch=prefetch)]
+        got = [
+            run_sync(path, batches, warmup),
+            run_sync(path, batches, warmup, prefetch=prefetch),
+            run_async(path, batches, warmup),
+        ]
         b = run_bare(path, batches)
         bare += [a, b]
         for name, rate in zip(names, got, strict=True):
             ratios[name].append(2 * rate / (a + b))
+        shown = "  ".join(f"{name} {ratios[name][-1]:.2f}" for name in names)
+        print(f"nw=0 round {r + 1}/{rounds}: load {os.getloadavg()[0]:.2f}; x bare: {shown}", flush=True)
     bursts = max(20, batches // 64)
     best: list[float] = []
-    for _ in range(rounds):
+    for r in range(rounds):
         loader = make_loader(path)
         with loader:
             it = iter(loader)
@@ -503,6 +510,10 @@ def nw0_table(path: Path, batches: int, warmup: int, rounds: int, prefetch: int)
             mine = _burst_p10(it.__next__, min(bursts, (len(it) - 1) // 64))
             it.close()
         best.append(_burst_p10(_bare_steps(path, batches), bursts) / mine)
+        print(
+            f"nw=0 p10 bursts round {r + 1}/{rounds}: load {os.getloadavg()[0]:.2f}; x bare {best[-1]:.2f}",
+            flush=True,
+        )
     load = (load0 + os.getloadavg()[0]) / 2
     print(
         f"\nnum_workers=0, README collate, {batches} batches after {warmup} warm-up, {rounds} rounds "
@@ -512,9 +523,9 @@ def nw0_table(path: Path, batches: int, warmup: int, rounds: int, prefetch: int)
     print(f"{'configuration':44s} {'x bare':>8s} {'range':>12s}")
     for name in names:
         r = ratios[name]
-        print(f"{'guideloom sync nw=0 ' + name:44s} {statistics.median(r):8.2f} {min(r):6.2f}-{max(r):.2f}")
+        print(f"{'guideloom nw=0 ' + name:44s} {statistics.median(r):8.2f} {min(r):6.2f}-{max(r):.2f}")
     print(
-        f"{'guideloom sync nw=0 prefetch=0, p10 bursts':44s} {statistics.median(best):8.2f} "
+        f"{'guideloom nw=0 sync prefetch=0, p10 bursts':44s} {statistics.median(best):8.2f} "
         f"{min(best):6.2f}-{max(best):.2f}"
     )
 

@@ -22,7 +22,10 @@ What it measures, each configuration in a fresh process (alternated with the oth
   storage's reads and of the collate, timed in a run of their own (up to 6 epochs; the rest of
   ``nw0``'s CPU is the loader's own). *1.5x budget*: what the main process and the
   workers may spend together per batch for ``p2`` to deliver 1.5x ``nw0``'s rate on 2 cores
-  (2 x ``nw0``'s CPU per batch / 1.5).
+  (2 x ``nw0``'s CPU per batch / 1.5). *p2 CPU ceiling*: the most ``p2`` could deliver, as a
+  ratio to ``nw0``, were it bound by CPU alone: its main process's CPU per batch against
+  ``nw0``'s (the main process is one core), and its total against 2 cores' worth
+  (``min(nw0 / main, 2 x nw0 / (main + workers))``).
 - ``resume``: a fresh loader (no workers) in a process that has opened one already, then
   ``load_state_dict`` at a random mid-epoch offset and its first batch: wall and CPU
   milliseconds (CPU: the process's, every thread), median of ``--resumes``.
@@ -235,17 +238,19 @@ def main(argv: list[str] | None = None) -> None:
             print(f"round {r + 1} {tree}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
     print(f"\nmedians over {args.rounds} round(s); load average after {os.getloadavg()}")
     print("| tree | p2 / nw0 epoch 1 | p2 / nw0 steady | CPU us/batch nw0 (read, collate) | p2 main "
-          "| p2 workers | 1.5x budget | first batch after resume ms (CPU ms) |")  # fmt: skip
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| p2 workers | 1.5x budget | p2 CPU ceiling | first batch after resume ms (CPU ms) |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for tree, rs in rows.items():
 
         def med(key: str, rs: list[dict[str, float]] = rs) -> float:
             return statistics.median(r[key] for r in rs)
 
+        nw0, main_us, workers_us = med("nw0_us_batch"), med("p2_main_us_batch"), med("p2_workers_us_batch")
+        ceiling = min(nw0 / max(main_us, 1e-9), 2 * nw0 / max(main_us + workers_us, 1e-9))
         print(
-            f"| {tree} | {med('epoch1_x'):.2f} | {med('steady_x'):.2f} | {med('nw0_us_batch'):.0f} "
-            f"({med('nw0_read_us'):.0f}, {med('nw0_collate_us'):.0f}) | {med('p2_main_us_batch'):.0f} | "
-            f"{med('p2_workers_us_batch'):.0f} | {2 * med('nw0_us_batch') / 1.5:.0f} | "
+            f"| {tree} | {med('epoch1_x'):.2f} | {med('steady_x'):.2f} | {nw0:.0f} "
+            f"({med('nw0_read_us'):.0f}, {med('nw0_collate_us'):.0f}) | {main_us:.0f} | "
+            f"{workers_us:.0f} | {2 * nw0 / 1.5:.0f} | {ceiling:.2f} | "
             f"{med('resume_ms'):.0f} ({med('resume_cpu_ms'):.0f}) |"
         )
 

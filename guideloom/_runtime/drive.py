@@ -404,6 +404,9 @@ class AsyncDriver:
         if isinstance(job, GroupJob):
             await Processes.wait_async(job)
         elif isinstance(job, FutureJob) and job.future is not None:
+            if job.future.done():  # ended meanwhile: the loop's other tasks run, then it is taken
+                await asyncio.sleep(0)
+                return
             # One loop future, set from the collate thread's end of the call: a single wake-up
             # of the loop (asyncio.wrap_future then asyncio.wait chain three futures).
             loop = self._loop

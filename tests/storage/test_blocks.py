@@ -8,16 +8,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import guideloom as gl
 from guideloom import DatasetFormatError, DatasetIntegrityError
+from guideloom.storage._format import _blocks
 from guideloom.storage._format._blocks import (
     BLOCK_BYTES,
     INLINE_BLOCKS,
     BlockHasher,
+    BlockMismatch,
     block_digests,
+    check_range,
+    digest_held,
     distinct,
     widen,
 )
@@ -205,3 +210,40 @@ def test_a_first_read_imports_no_masked_arrays(tmp_path: Path) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_check_range_passes_whole_blocks_and_a_short_last_one() -> None:
+    data = np.random.default_rng(0).integers(0, 256, 5 * 4096 + 100, dtype=np.uint8).tobytes()
+    digests = block_digests(data, 4096)
+    check_range(digests, 4096, 0, data)
+    check_range(digests, 4096, 2 * 4096, data[2 * 4096 :])  # from block 2 to the short last one
+
+
+def test_check_range_names_the_first_block_that_does_not_match() -> None:
+    data = bytearray(np.random.default_rng(1).integers(0, 256, 6 * 4096, dtype=np.uint8).tobytes())
+    digests = block_digests(bytes(data), 4096)
+    data[3 * 4096 + 7] ^= 1
+    data[5 * 4096] ^= 1
+    with pytest.raises(BlockMismatch, match=r"block 3 \(bytes 12288-16383\)"):
+        check_range(digests, 4096, 4096, memoryview(data)[4096:])
+
+
+def test_check_range_hashes_each_block_with_the_gil_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A range's blocks are hashed by the one-shot digest: the hasher that drops the GIL once a
+    block kept an event loop waiting for the GIL through the whole range."""
+    data = bytes(range(256)) * 64  # 4 blocks of 4 KiB
+    digests = block_digests(data, 4096)
+    assert digest_held(data[:4096]) == int(digests[0]) == xxhash.xxh3_64(data[:4096]).intdigest()
+    seen: list[int] = []
+
+    def counted(view: object) -> int:
+        seen.append(memoryview(view).nbytes)  # type: ignore[arg-type]
+        return digest_held(view)
+
+    def dropping(*_: object) -> None:
+        raise AssertionError("the hasher object drops the GIL for each block")
+
+    monkeypatch.setattr(_blocks, "digest_held", counted)
+    monkeypatch.setattr(xxhash, "xxh3_64", dropping)
+    check_range(digests, 4096, 0, data)
+    assert seen == [4096] * 4

@@ -10,13 +10,15 @@ from __future__ import annotations
 import bisect
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final, NamedTuple
 
+from guideloom._process import pool
 from guideloom.storage._remote._objstore import ObjectVersion
 from guideloom.storage._remote._ranges import Job, Pieces, clip
 
-__all__ = ["HOLD_BYTES", "MIN_CUT_BYTES", "HeldBlocks", "Read", "cut_held"]
+__all__ = ["HOLD_BYTES", "MIN_CUT_BYTES", "HeldBlocks", "Read", "cut_held", "free"]
 
 
 #: The most bytes held at once by default (a storage sets its own, its ``read_window_bytes``):
@@ -133,10 +135,11 @@ class HeldBlocks:
         finished (one abandoned mid-plan, by an iterator closed or a loop that ended, never says
         so itself: no read of the new session waits for it)."""
         with self._lock:
-            self._let_go_all()
+            gone = self._let_go_all()
             self._release = None
             stale, self._reads = self._reads, []
             self._unplanned.clear()
+        free(gone)
         for r in stale:
             r.finished = True
             if not r.done.done():
@@ -146,9 +149,11 @@ class HeldBlocks:
         """Closing: everything held is let go."""
         self.begin()
 
-    def _let_go_all(self) -> None:
+    def _let_go_all(self) -> list[_Held]:
+        gone = [h for held in self._ranges.values() for h in held]
         self._ranges.clear()
         self._nbytes = 0
+        return gone
 
     def ticket(self) -> int:
         """A read is called (before it is planned, maybe on another thread, maybe after a later
@@ -164,7 +169,8 @@ class HeldBlocks:
         """The read with ``ticket`` is not planned after all (its planning failed)."""
         with self._lock:
             self._unplanned.discard(ticket)
-            self._maybe_release()
+            gone = self._maybe_release()
+        free(gone)
 
     def begin_read(self, read: Read, ticket: int | None = None) -> list[concurrent.futures.Future[None]]:
         """``read`` (called with ``ticket``) is planned: the held ranges it touches are marked used
@@ -187,14 +193,16 @@ class HeldBlocks:
             if self._ranges and not touched:
                 at = self._tickets if ticket is None else ticket
                 self._release = at if self._release is None else max(self._release, at)
-            self._maybe_release()
-            return waits
+            gone = self._maybe_release()
+        free(gone)
+        return waits
 
-    def _maybe_release(self) -> None:
+    def _maybe_release(self) -> list[_Held]:
         at = self._release
         if at is not None and not any(t < at for t in self._unplanned):
             self._release = None
-            self._let_go(self._claimed)
+            return self._let_go(self._claimed)
+        return []
 
     def end_read(self, read: Read) -> None:
         """``read`` finished (failed or not): the reads that wait for it go on."""
@@ -209,28 +217,35 @@ class HeldBlocks:
         """Whether an unfinished read other than the one that fetched ``h`` touches it."""
         return any(r is not h.owner and r.touches(path, h.start, h.end) for r in self._reads)
 
-    def _let_go(self, keep: Callable[[_Held, str], bool]) -> None:
+    def _let_go(self, keep: Callable[[_Held, str], bool]) -> list[_Held]:
+        """Let go of the ranges ``keep`` refuses; returns them, for :func:`free`."""
+        gone: list[_Held] = []
         for path, held in list(self._ranges.items()):
-            kept = [h for h in held if keep(h, path)]
-            if len(kept) == len(held):
+            kept: list[_Held] = []
+            dropped: list[_Held] = []
+            for h in held:
+                (kept if keep(h, path) else dropped).append(h)
+            if not dropped:
                 continue
-            self._nbytes -= sum(h.end - h.start for h in held) - sum(h.end - h.start for h in kept)
+            gone += dropped
+            self._nbytes -= sum(h.end - h.start for h in dropped)
             if kept:
                 self._ranges[path] = kept
             else:
                 del self._ranges[path]
+        return gone
 
-    def _make_room(self, nbytes: int) -> None:
+    def _make_room(self, nbytes: int) -> list[_Held]:
         """Let go of the ranges used longest ago that no unfinished read (but their own) touches,
         until ``nbytes`` more fit under the bound."""
         need = self._nbytes + nbytes - self.limit
         if need <= 0:
-            return
-        free = sorted(
+            return []
+        oldest = sorted(
             ((h.used, path, h.start, h.end) for path, held in self._ranges.items() for h in held),
         )
         gone: set[tuple[str, int]] = set()
-        for _, path, start, end in free:
+        for _, path, start, end in oldest:
             if need <= 0:
                 break
             h = next(x for x in self._ranges[path] if x.start == start)
@@ -239,7 +254,8 @@ class HeldBlocks:
             gone.add((path, start))
             need -= end - start
         if need <= 0:
-            self._let_go(lambda h, path: (path, h.start) not in gone)
+            return self._let_go(lambda h, path: (path, h.start) not in gone)
+        return []
 
     def add(
         self,
@@ -258,16 +274,28 @@ class HeldBlocks:
         if view.nbytes != end - start:
             return
         with self._lock:
-            self._make_room(end - start)
-            if self._nbytes + (end - start) > self.limit:
-                return
-            held = self._ranges.setdefault(path, [])
-            i = bisect.bisect_left(held, start, key=lambda x: x.start)
-            if (i > 0 and held[i - 1].end > start) or (i < len(held) and held[i].start < end):
-                return
-            held.insert(i, _Held(start, end, view, version, owner, self._count))
-            self._nbytes += end - start
-            self._peak = max(self._peak, self._nbytes)
+            gone = self._make_room(end - start)
+            self._hold(path, start, end, view, version, owner)
+        free(gone)
+
+    def _hold(
+        self,
+        path: str,
+        start: int,
+        end: int,
+        view: memoryview,
+        version: ObjectVersion | None,
+        owner: Read | None,
+    ) -> None:
+        if self._nbytes + (end - start) > self.limit:
+            return
+        held = self._ranges.setdefault(path, [])
+        i = bisect.bisect_left(held, start, key=lambda x: x.start)
+        if (i > 0 and held[i - 1].end > start) or (i < len(held) and held[i].start < end):
+            return
+        held.insert(i, _Held(start, end, view, version, owner, self._count))
+        self._nbytes += end - start
+        self._peak = max(self._peak, self._nbytes)
 
     def take(
         self, path: str, start: int, end: int, version: ObjectVersion | None
@@ -297,10 +325,29 @@ class HeldBlocks:
                 self._nbytes -= h.end - h.start
             if not held:
                 del self._ranges[path]
-            return out
+        free(stale)
+        return out
 
     def holds(self, path: str) -> bool:
         return bool(self._ranges.get(path))
+
+
+def free(gone: list[_Held]) -> None:
+    """Drop the buffers of ``gone`` (let go of, emptied here) on a thread of their own, one at a
+    time with the GIL let go between two: freeing a fetched buffer of a few MiB unmaps its pages
+    with the GIL held, and a mixing window's 64 MiB freed at once (the next window's first read,
+    planned on the event loop where it is small, or a close) kept an event loop from running
+    for tens of milliseconds on a loaded machine."""
+    if gone:
+        batch = gone[:]
+        gone.clear()
+        pool("free", 1).submit(_drop_each, batch)
+
+
+def _drop_each(gone: list[_Held]) -> None:
+    while gone:
+        gone.pop()
+        time.sleep(0)  # lets go of the GIL: a thread waiting for it takes it now
 
 
 #: The least run of held bytes inside a range that is cut out of it (a run at either end of a

@@ -6,6 +6,8 @@ is never used, and no more than the bound is held."""
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -248,3 +250,55 @@ def test_a_new_reading_session_waits_for_no_read_of_an_old_one() -> None:
     assert stale.done.done() and stale.finished
     again = Read({"a": ([0], [4096])})
     assert held.begin_read(again, held.ticket()) == []
+
+
+class _Buffers:
+    """Buffers that record the name of the thread that frees each."""
+
+    def __init__(self, n: int) -> None:
+        self.where: list[str] = []
+        self.done = threading.Event()
+        self._n = n
+
+    def new(self) -> np.ndarray[Any, Any]:
+        """A buffer of 4 KiB: the caller keeps no reference to it."""
+        b = np.zeros(4096, dtype=np.uint8)
+        weakref.finalize(b, self._freed)
+        return b
+
+    def _freed(self) -> None:
+        self.where.append(threading.current_thread().name)
+        if len(self.where) == self._n:
+            self.done.set()
+
+
+def test_buffers_let_go_are_freed_off_the_caller_s_thread() -> None:
+    """What is let go (a new window's first read, the bound, another version, a close) leaves the
+    bytes held at once, and the buffers are freed one by one on a thread of their own: freeing a
+    window's fetched buffers at once held the GIL for tens of milliseconds, on the event loop
+    where it planned the read."""
+    version = ObjectVersion(2**20)
+    held = HeldBlocks(limit=3 * 4096)
+    held.begin()
+    window = Read({"a": ([0], [2**20])})
+    held.begin_read(window, held.ticket())
+    buffers = _Buffers(5)
+    for k in range(3):
+        held.add("a", k * 4096, (k + 1) * 4096, buffers.new(), version, window)
+    held.end_read(window)
+    # the bound: the oldest is let go for the next
+    held.add("a", 3 * 4096, 4 * 4096, buffers.new(), version, window)
+    assert held.nbytes == 3 * 4096
+    # another version of the object: let go as it is met
+    assert held.take("a", 4096, 2 * 4096, ObjectVersion(2**20, etag='"other"')) == []
+    assert held.nbytes == 2 * 4096
+    # the next window: what no unfinished read touches is let go
+    nxt = Read({"b": ([0], [4096])})
+    held.begin_read(nxt, held.ticket())
+    assert held.nbytes == 0
+    held.add("b", 0, 4096, buffers.new(), version, nxt)
+    held.end_read(nxt)
+    held.clear()  # and closing lets go of the rest
+    assert held.nbytes == 0
+    assert buffers.done.wait(10), buffers.where
+    assert sorted(set(buffers.where)) == ["guideloom-free_0"], buffers.where

@@ -13,8 +13,11 @@ its last batch.
 Beside each ``async for`` epoch, a heartbeat task on the same loop sleeps 1 ms at a time and
 records how late each wake-up was: the loop's stalls. Printed per case: the worst and the 99th
 percentile stall, the heartbeat's worst alone on an idle loop right after each epoch and as long
-as it (what the machine itself adds, over as many wake-ups), and tokens per second of ``async
-for`` against the sync ``for`` over the same data; the load average before and after.
+as it (what the machine itself adds, over as many wake-ups), the worst of each less the time
+the loop's thread waited for a core meanwhile (``held back``: what this process kept the loop
+from, its own work, the GIL, a collection, which the machine's load does not add to), and tokens
+per second of ``async for`` against the sync ``for`` over the same data; the load average
+before and after.
 With ``--gc-freeze`` the objects alive once the imports and the benchmark's own set-up (the S3
 server's uploader client) are done are frozen (``gc.freeze()``): a full garbage collection, which
 holds the GIL whoever triggers it, then skips them. With ``--why`` each case is followed by what
@@ -45,7 +48,7 @@ import torch
 import guideloom as gl
 from benchmarks import summary
 from benchmarks.remote_stream import collate, ensure_dataset, moto_bucket
-from benchmarks.stalls import Stalls, thread_cpu
+from benchmarks.stalls import RunQueue, Stalls, thread_cpu
 
 MiB = 2**20
 KW: dict[str, Any] = dict(
@@ -69,22 +72,31 @@ def _loader(storage: Any, workers: int) -> Any:
 WHY: Stalls | None = None
 
 
-async def _heartbeat(stop: asyncio.Event, late: list[float]) -> None:
-    """Sleep 1 ms at a time until ``stop``; record how late each wake-up was (seconds)."""
+#: Each wake-up's lateness and, beside it, that lateness less the loop's run-queue wait (seconds).
+Late = tuple[list[float], list[float]]
+
+
+async def _heartbeat(stop: asyncio.Event, late: Late) -> None:
+    """Sleep 1 ms at a time until ``stop``; record how late each wake-up was, and how much of it
+    the loop's thread was not waiting for a core (seconds)."""
     loop = asyncio.get_running_loop()
     why = WHY
+    queue = RunQueue()
     while not stop.is_set():
-        t0 = loop.time()
+        t0, q0 = loop.time(), queue.waited()
         if why is not None:
             why.before()
         await asyncio.sleep(0.001)
-        late.append(max(0.0, loop.time() - t0 - 0.001))
+        lateness = max(0.0, loop.time() - t0 - 0.001)
+        late[0].append(lateness)
+        late[1].append(max(0.0, lateness - (queue.waited() - q0)))
         if why is not None:
-            why.after(late[-1])
+            why.after(lateness)
 
 
-async def _idle(seconds: float) -> list[float]:
-    stop, late = asyncio.Event(), []
+async def _idle(seconds: float) -> Late:
+    stop = asyncio.Event()
+    late: Late = ([], [])
     task = asyncio.create_task(_heartbeat(stop, late))
     await asyncio.sleep(seconds)
     stop.set()
@@ -92,8 +104,9 @@ async def _idle(seconds: float) -> list[float]:
     return late
 
 
-async def _async_epoch(url: str, options: dict[str, Any], workers: int) -> tuple[float, int, list[float]]:
-    stop, late = asyncio.Event(), []
+async def _async_epoch(url: str, options: dict[str, Any], workers: int) -> tuple[float, int, Late]:
+    stop = asyncio.Event()
+    late: Late = ([], [])
     beat = asyncio.create_task(_heartbeat(stop, late))
     await asyncio.sleep(0.01)  # the heartbeat runs before the loader does
     t0 = time.perf_counter()
@@ -182,8 +195,11 @@ def main(argv: list[str] | None = None) -> None:
 
     root = Path(tempfile.gettempdir()) / "guideloom-bench"
     folder = ensure_dataset(root, args.mib * MiB)
-    head = ("case", "worst stall", "p99", "idle worst", "async", "sync", "async/sync")
-    print(f"{head[0]:<22} {head[1]:>12} {head[2]:>8} {head[3]:>11} {head[4]:>10} {head[5]:>10} {head[6]:>10}")
+    head = ("case", "worst stall", "p99", "idle worst", "held back", "idle", "async", "sync", "async/sync")
+    print(
+        f"{head[0]:<22} {head[1]:>12} {head[2]:>8} {head[3]:>11} {head[4]:>10} {head[5]:>8}"
+        f" {head[6]:>10} {head[7]:>10} {head[8]:>10}"
+    )
     print(f"load average {_load()}", flush=True)
     with moto_bucket(folder) as options:
         if args.gc_freeze:
@@ -206,8 +222,8 @@ def main(argv: list[str] | None = None) -> None:
                 if WHY is not None:
                     WHY.watch(servers)
                 for workers in [int(x) for x in args.workers.split(",")]:
-                    idle: list[float] = []
-                    late: list[float] = []
+                    idle: Late = ([], [])
+                    late: Late = ([], [])
                     rate_async: list[float] = []
                     rate_sync: list[float] = []
                     for _ in range(args.rounds):
@@ -224,17 +240,21 @@ def main(argv: list[str] | None = None) -> None:
                             )
                             WHY.report(f"{latency} ms, nw={workers}")
                         # the heartbeat alone, as long as the epoch: as many wake-ups to be late
-                        idle += asyncio.run(_idle(seconds))
+                        alone = asyncio.run(_idle(seconds))
+                        idle[0].extend(alone[0])
+                        idle[1].extend(alone[1])
                         if WHY is not None:
                             WHY.report("the heartbeat alone", worst=1)
-                        late += lates
+                        late[0].extend(lates[0])
+                        late[1].extend(lates[1])
                         rate_async.append(n / seconds)
                         seconds, n = _sync_epoch("s3://bench/gl", opts, workers)
                         rate_sync.append(n / seconds)
                     a, s = statistics.median(rate_async), statistics.median(rate_sync)
                     print(
-                        f"{f'{latency} ms, nw={workers}':<22} {_ms(late):>10.1f}ms {_ms(late, 0.99):>6.1f}ms "
-                        f"{_ms(idle):>9.1f}ms {a / 1e6:>7.1f}M/s {s / 1e6:>7.1f}M/s {a / s:>10.2f}",
+                        f"{f'{latency} ms, nw={workers}':<22} {_ms(late[0]):>10.1f}ms"
+                        f" {_ms(late[0], 0.99):>6.1f}ms {_ms(idle[0]):>9.1f}ms {_ms(late[1]):>8.1f}ms"
+                        f" {_ms(idle[1]):>6.1f}ms {a / 1e6:>7.1f}M/s {s / 1e6:>7.1f}M/s {a / s:>10.2f}",
                         flush=True,
                     )
 

@@ -55,8 +55,21 @@ def thread_cpu() -> collections.Counter[str]:
     names = {t.native_id: t.name.rstrip("0123456789_") for t in threading.enumerate()}
     out: collections.Counter[str] = collections.Counter()
     for tid in os.listdir("/proc/self/task"):
-        out[names.get(int(tid), "other")] += _schedstat(int(tid))[0] / 1e9
+        out[names.get(int(tid), "other")] += _schedstat(int(tid))[0] / 1e9  # type: ignore[assignment]  # seconds: a Counter of floats
     return out
+
+
+class RunQueue:
+    """The time the thread that makes it has waited in the kernel's run queue so far, from its
+    scheduler counts: a wake-up's lateness less what it waited there meanwhile is what this
+    process held it back by (its own work, the GIL, a collection), whatever the machine's load."""
+
+    def __init__(self) -> None:
+        self.tid = threading.get_native_id()
+
+    def waited(self) -> float:
+        """Seconds waited for a core so far."""
+        return _schedstat(self.tid)[1] / 1e9
 
 
 class Stalls:

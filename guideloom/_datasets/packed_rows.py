@@ -14,7 +14,7 @@ from typing import Any, overload
 import numpy as np
 import numpy.typing as npt
 
-from guideloom._core.pack_layout import Pieces
+from guideloom._core.pack_layout import Aranges, Pieces
 
 __all__ = ["KEYS", "PackedRows", "Window"]
 
@@ -57,6 +57,27 @@ class Window:
 
     def preset(self, blocks: dict[str, npt.NDArray[Any]]) -> None:
         self._blocks.update(blocks)
+
+    def computed(self) -> dict[str, npt.NDArray[Any]]:
+        """The index arrays computed so far (not the tokens)."""
+        return {k: v for k, v in self._blocks.items() if k != "tokens"}
+
+    def cut(self, start: int, stop: int) -> tuple[Pieces, I64 | None, I64 | None] | None:
+        """The pieces, padded rows and padding starts of rows ``[start, stop)`` alone, as a
+        window of those rows has them; ``None`` where a piece runs over a row's end (none of
+        ``pack``'s does: each row's pieces are cut at its ends)."""
+        p, length = self.pieces, self.tokens.shape[1]
+        lo, hi = start * length, stop * length
+        keep = (p.start >= lo) & (p.start < hi)
+        lengths = p.length[keep]
+        if int(lengths.sum()) != hi - lo or (len(lengths) and int(p.start[keep][-1] + lengths[-1]) > hi):
+            return None
+        pieces = Pieces(lengths, p.doc[keep], p.segment[keep], p.start[keep] - lo)
+        padded, pad_from = self._padded, self._pad_from
+        if padded is not None and pad_from is not None:
+            rows = (padded >= start) & (padded < stop)
+            padded, pad_from = padded[rows] - start, pad_from[rows]
+        return pieces, padded, pad_from
 
     def block(self, key: str) -> npt.NDArray[Any]:
         got = self._blocks.get(key)
@@ -134,11 +155,41 @@ class PackedRows(Sequence[Mapping[str, npt.NDArray[Any]]]):
         return view
 
     def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (for a process worker) as its tokens, the index arrays already computed, and
+        the pieces of its rows for the others, which the receiver computes if its collate asks:
+        a collate of tokens alone (the usual one) costs neither process those arrays, and the
+        message holds its tokens' bytes, not four arrays' (an int64 ``doc_ids`` alone is four
+        times ``uint16`` tokens)."""
+        window, start, stop = self._window, self._start, self._stop
+        tokens = np.ascontiguousarray(window.tokens[start:stop])
+        done = {k: np.ascontiguousarray(v[start:stop]) for k, v in window.computed().items()}
+        if len(done) < len(KEYS) - 1:
+            cut = window.cut(start, stop)
+            if cut is not None:
+                return (_rows_of_pieces, (tokens, *cut, done))
         blocks = {k: np.ascontiguousarray(self.block(k)) for k in KEYS}
         return (_rows_of_blocks, (blocks,))
 
     def __repr__(self) -> str:
         return f"PackedRows({len(self)} sequences of {self._window.tokens.shape[1]})"
+
+
+#: ``arange`` cut from a cached one, for the windows a process unpickles (one per process).
+_ARANGES = Aranges()
+
+
+def _rows_of_pieces(
+    tokens: npt.NDArray[Any],
+    pieces: Pieces,
+    padded: I64 | None,
+    pad_from: I64 | None,
+    done: dict[str, npt.NDArray[Any]],
+) -> PackedRows:
+    """``PackedRows`` over tokens whose index arrays are computed from ``pieces`` on first use
+    (those in ``done`` were computed already: what a pickled ``PackedRows`` becomes)."""
+    window = Window(tokens, pieces, padded, pad_from, _ARANGES)
+    window.preset(done)
+    return PackedRows(window, 0, len(tokens))
 
 
 def _rows_of_blocks(blocks: dict[str, npt.NDArray[Any]]) -> PackedRows:

@@ -451,6 +451,25 @@ def test_a_batch_is_packed_rows_whose_blocks_are_the_stacked_samples() -> None:
     assert all(np.array_equal(copy.block(k), batch.block(k)) for k in ("tokens", "doc_ids", "position_ids"))
 
 
+@pytest.mark.parametrize("mode", ["concat", "best_fit"])
+def test_a_pickled_batch_carries_its_tokens_and_computes_the_index_arrays_where_asked(mode: PackMode) -> None:
+    dataset = open_packed(numbered([50, 30, 90, 300, 20, 70, 110, 10, 3]), 64, mode, pad_id=-1)
+    order = np.arange(len(dataset), dtype=np.int64)[::-1].copy()
+    for a, b in [(0, len(order)), (2, 6), (len(order) - 3, len(order)), (1, 2)]:
+        batch = dataset.read_many_sync(order)[a:b]
+        data = pickle.dumps(batch)
+        assert batch._window.computed() == {}  # pickling computed none of them here
+        # the message holds the tokens and the pieces, not four arrays of the tokens' size
+        assert len(data) < batch.block("tokens").nbytes + 1024 + 128 * (b - a)
+        copy = pickle.loads(data)
+        assert isinstance(copy, gl.PackedRows) and len(copy) == b - a
+        for key in ("tokens", "doc_ids", "segment_ids", "position_ids"):
+            assert np.array_equal(copy.block(key), batch.block(key)), key
+            assert copy.block(key).dtype == batch.block(key).dtype
+        again = pickle.loads(pickle.dumps(copy))  # computed ones travel as they are
+        assert all(np.array_equal(again.block(k), batch.block(k)) for k in ("doc_ids", "position_ids"))
+
+
 @pytest.mark.parametrize("failing", ["document_offsets", "read_spans"])
 def test_a_failed_storage_read_reaches_the_caller_with_its_own_type(failing: str) -> None:
     class Failing(gl.MemoryDocumentStorage):

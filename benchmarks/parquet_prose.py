@@ -44,6 +44,14 @@ read before the clock starts. Its CPU seconds per million tokens are what tokeni
 on this machine, the floor under every packing loader's: no packed loader passes the machine's
 cores over that CPU per token (printed below the table as a rate, and against Hugging Face's).
 
+``pss-torch`` and ``pss-libs``: not loaders: the memory floor under ``gl-stream``'s and
+``gl-packed``'s peak PSS. A process that imports torch and guideloom (``pss-torch``), and also
+pyarrow and tokenizers with the tokenizer loaded and run once (``pss-libs``, through
+``open_parquet``), with two children forked from it as the loaders' two process workers are,
+idle; their PSS together, sampled as a loader's is. What a packed loader holds above
+``pss-libs`` is its own (read-ahead, kept tokens, the tokenizer's working memory, the heap's
+free pages); below it, the libraries'.
+
 ``gl-packed-cold``: the time to the first packed batch from a cold start (a fresh process, a new
 ``cache_dir``: nothing counted yet; the packing counts the row groups a window at a time as it
 reads them), no workers, from the call that opens the files (``torch`` imported before it, as a
@@ -94,6 +102,8 @@ VOCAB = 32768
 LAYOUTS = ("one", "many")
 PACKED = ("gl-packed", "hf-packed", "litdata-packed", "gl-stream")
 FLOOR = "tok-floor"
+#: Not loaders: the PSS of what a loader's processes import, with two forked children.
+PSS_FLOORS = ("pss-torch", "pss-libs")
 DOCS = ("gl-docs", "hf-docs", "litdata-docs")
 BASELINE = {"packed": "hf-packed", "docs": "hf-docs"}
 
@@ -367,6 +377,8 @@ def run_child(config: str, layout: str, seconds: float, base: str | None = None)
         ).build_length_index()
     if config == FLOOR:
         return tokenize_alone(data, layout)
+    if config in PSS_FLOORS:
+        return libraries_alone(config, data, layout)
     if config == "gl-packed-cold":
         with tempfile.TemporaryDirectory() as tmp:
             import guideloom as gl
@@ -451,6 +463,36 @@ def tokenize_alone(data: Path, layout: str) -> dict[str, float]:
     return {"cpu_s_per_mtok": cpu / tokens * 1e6, "one_thread_tokens_s": tokens / wall}
 
 
+def libraries_alone(config: str, data: Path, layout: str) -> dict[str, float]:
+    """The memory floor: this process with what a loader's process imports (``pss-torch``: torch
+    and guideloom, as ``gl-stream``'s; ``pss-libs``: pyarrow, tokenizers and the tokenizer
+    loaded and run once too, as ``gl-packed``'s), and two children forked from it, as the
+    loaders' two process workers are, idle while the parent samples their PSS. Nothing read."""
+    if config == "pss-libs":
+        import guideloom as gl
+
+        storage = gl.open_parquet(data / layout, "text", tokenizer=str(data / "tokenizer.json"), eos="</s>")
+        assert storage._encoder is not None
+        storage._encoder.encode_many(["the tokenizer built and run once"])
+    else:
+        import guideloom  # noqa: F401
+    children = []
+    for _ in range(WORKERS):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child sleeps until the parent has sampled it
+            time.sleep(30)
+            os._exit(0)
+        children.append(pid)
+    time.sleep(2.0)  # ten samples of the tree
+    from benchmarks.parquet import measured
+
+    measured()
+    for pid in children:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    return {}
+
+
 def tree_cpu() -> float:
     """CPU seconds (user and system) of this process and its live descendants: what a loader
     spends per token, a figure the machine's load moves less than its rate."""
@@ -503,7 +545,7 @@ def main(argv: list[str] | None = None) -> None:
     corpus = json.loads((data / "corpus.json").read_text())
     load = os.getloadavg()[0]
     print(f"corpus: {corpus}; load average {load:.1f}", flush=True)
-    configs = [*PACKED, FLOOR, *DOCS, "gl-packed-cold"]
+    configs = [*PACKED, FLOOR, *PSS_FLOORS, *DOCS, "gl-packed-cold"]
     if args.only:
         configs = [c for c in configs if c in args.only.split(",")]
     if "gl-stream" in configs:
@@ -582,6 +624,21 @@ def report(results: dict[tuple[str, str], list[dict[str, float]]], load: float, 
                 p["peak_pss_mb"] / s["peak_pss_mb"] for p, s in zip(packed, stream, strict=False)
             )
             print(f"peak PSS, {layout}: gl-packed / gl-stream (the prepared stream loader) {pss:.2f}")
+        libs, bare = results.get((layout, "pss-libs")), results.get((layout, "pss-torch"))
+        if libs and bare:
+            low = statistics.median(r["peak_pss_mb"] for r in libs)
+            under = statistics.median(r["peak_pss_mb"] for r in bare)
+            line = (
+                f"memory floor, {layout}: 3 processes (2 forked) with torch and guideloom {under:,.0f} MiB, "
+                f"with pyarrow, tokenizers and the tokenizer too {low:,.0f} MiB"
+            )
+            if packed and stream:
+                above_stream = statistics.median(s["peak_pss_mb"] for s in stream) - under
+                line += (
+                    f"; gl-packed holds {statistics.median(p['peak_pss_mb'] for p in packed) - low:,.0f} "
+                    f"MiB above its floor, gl-stream {above_stream:,.0f} above its own"
+                )
+            print(line)
         floor, hf = results.get((layout, FLOOR)), results.get((layout, "hf-packed"))
         if floor and hf:
             cores = os.cpu_count() or 1

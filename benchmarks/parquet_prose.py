@@ -472,8 +472,9 @@ def libraries_alone(config: str, data: Path, layout: str) -> dict[str, float]:
         import guideloom as gl
 
         storage = gl.open_parquet(data / layout, "text", tokenizer=str(data / "tokenizer.json"), eos="</s>")
-        assert storage._encoder is not None
-        storage._encoder.encode_many(["the tokenizer built and run once"])
+        step = storage.deferred_step()  # the storage's own tokenizer, run once
+        assert step is not None
+        step[1](["the tokenizer built and run once"])
     else:
         import guideloom  # noqa: F401
     children = []

@@ -51,8 +51,8 @@ def open_parquet(
     or tokens with ``tokenizer=``) or a list-of-integers column (token ids). ``tokenizer``: a
     ``tokenizers.Tokenizer``, the path of a ``tokenizer.json``, or a callable from a text to
     token ids; ``bos``/``eos`` add those ids (or tokens, by name) around each document;
-    ``dtype``: the dtype of the tokens a tokenizer makes (default: the smallest that holds its
-    vocabulary).
+    ``dtype``: the dtype of the tokens a tokenizer makes (default ``uint32``; ``int64`` for a
+    vocabulary over ``2**32`` ids).
     ``on_null``: ``"error"`` (the default) or ``"empty"`` (a null row is an empty document,
     counted in ``stats()``). ``max_decoded_bytes``: decoded row groups kept in memory per
     process. ``fetch_ahead``: over an object store, the row groups a loader's upcoming reads

@@ -32,7 +32,7 @@ class ParquetOptions(StoreOptions, total=False):
     eos: int | str | None
     """An id (or a token, by name) added after each document."""
     dtype: Any
-    """The dtype of the tokens a tokenizer makes (the smallest that holds its vocabulary)."""
+    """The dtype of the tokens a tokenizer makes (default ``uint32``; ``int64`` over ``2**32`` ids)."""
     on_null: OnNull
     """``"error"``: a null row is refused, named; ``"empty"``: read as an empty document, counted."""
     max_decoded_bytes: int

@@ -255,20 +255,6 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
                 raise StopIteration from None  # close() in another thread ended this next()
             self._close_after_error()
             raise
-        if d is not None and d.error is None:
-            # _accept's bookkeeping of a batch, written out here: one call fewer a batch, on the
-            # path every batch of a sync ``for`` takes
-            counts = self._counts
-            counts["wait_seconds"] += waited
-            counts["last_wait_seconds"] = waited
-            spec = d.spec
-            self._ckpt.offset = spec.offset_after
-            self._delivered += 1
-            counts["batches"] += 1
-            counts["samples"] += spec.stop - spec.start
-            counts[_COLLATED[self._flow.place]] += 1
-            value: BatchT = d.value
-            return value
         if d is None:
             if not self._done:  # the end of the epoch, not a close() in another thread
                 try:
@@ -276,7 +262,8 @@ class SyncIterator(_IteratorBase[BatchT], Iterator[BatchT]):
                 finally:
                     self.close()
             raise StopIteration
-        self._close_after_error()
+        if d.error is not None:
+            self._close_after_error()
         return self._accept(d, waited, self._flow.place)
 
     def _close_after_error(self) -> None:

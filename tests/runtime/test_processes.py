@@ -75,7 +75,7 @@ def test_workers_are_forked_from_a_fork_server_that_preloads_torch(
 
     import guideloom._runtime.processes.start as start_module
 
-    monkeypatch.setattr(start_module, "fork_is_safe", lambda *_: False)
+    monkeypatch.setattr(start_module, "may_fork_here", lambda *_: False)
     monkeypatch.setattr(start_module, "standby_for", lambda _: None)  # nor a standby zygote
     with loader_for(stream, collated_where) as loader:
         it = iter(loader)

@@ -58,7 +58,7 @@ from guideloom._runtime.processes.wire import (
 from guideloom._runtime.processes.zygote import (
     HereContext,
     ZygoteContext,
-    fork_is_safe,
+    may_fork_here,
     reap_closed,
     standby_for,
 )
@@ -175,9 +175,7 @@ class WorkerPool:
         fork server, from now on."""
         if not isinstance(self.ctx, HereContext):
             return
-        # A thread of the process's own since: one that is ending is waited for briefly, as at
-        # the pool's making, unless a standby zygote is there to start from at once.
-        if not (fork_is_safe(0.0) if standby_for(self.spec) is not None else fork_is_safe()):
+        if not may_fork_here(standby_for(self.spec)):  # a thread of the process's own since
             self.ctx = worker_context(self.spec, here=False)
             return
         for k in range(self.num_workers):

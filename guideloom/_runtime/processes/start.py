@@ -22,9 +22,9 @@ from guideloom._compat import ANYIO_ASYNCIO_BACKEND, bootstrapping, fork_server_
 from guideloom._runtime.processes.zygote import (
     HereContext,
     ZygoteContext,
-    fork_is_safe,
     fork_standby,
     import_each,
+    may_fork_here,
     standby_for,
 )
 from guideloom.storage._remote import _objstore
@@ -119,8 +119,7 @@ def worker_context(spec: bytes = b"", *, here: bool = True) -> ForkServerContext
     wanted = preload()
     if method == "here":
         standby = standby_for(spec)
-        # With a standby to fall back on, threads that may be ending are not waited for.
-        if here and (fork_is_safe() if standby is None else fork_is_safe(0.0)):
+        if here and may_fork_here(standby):
             import_each(wanted)  # (once here, not in each worker)
             return HereContext()
         if standby is not None:

@@ -92,6 +92,7 @@ __all__ = [
     "fork_is_safe",
     "fork_standby",
     "fork_zygote",
+    "may_fork_here",
     "reap_closed",
     "standby_for",
 ]
@@ -144,6 +145,12 @@ def fork_is_safe(ending_s: float = _ENDING_S) -> bool:
             return False
     # a Python whose fork server differs (3.14's authenticates) gets multiprocessing's own
     return fork_server_is_known()
+
+
+def may_fork_here(standby: ForkServer | None) -> bool:
+    """:func:`fork_is_safe` for starting workers: a thread that is ending is waited for briefly,
+    unless ``standby`` (the standby zygote, if any) can start them at once instead."""
+    return fork_is_safe(0.0) if standby is not None else fork_is_safe()
 
 
 def import_each(modules: list[str]) -> list[str]:

@@ -268,15 +268,37 @@ class HeldBlocks:
     ) -> None:
         """Hold bytes ``[start, end)`` of ``path`` (whole verified blocks) that ``owner``
         fetched, making room under the bound by letting go of what was used longest ago and
-        no unfinished read touches; not where they overlap bytes held already, or no room is
-        made."""
+        no unfinished read touches; where bytes of it are held already, only the parts around
+        them (held ranges start and end at block bounds, so those parts are whole blocks too:
+        a range that also fetched a held block, which a later read would otherwise fetch again
+        whole); nothing where no room is made."""
         view = memoryview(data).cast("B")
         if view.nbytes != end - start:
             return
         with self._lock:
-            gone = self._make_room(end - start)
-            self._hold(path, start, end, view, version, owner)
+            parts = self._unheld(path, start, end)
+            gone = self._make_room(sum(b - a for a, b in parts))
+            for a, b in parts:
+                self._hold(path, a, b, view[a - start : b - start], version, owner)
         free(gone)
+
+    def _unheld(self, path: str, start: int, end: int) -> list[tuple[int, int]]:
+        """The parts of ``[start, end)`` of ``path`` that no held range covers."""
+        held = self._ranges.get(path, [])
+        i = max(0, bisect.bisect_right(held, start, key=lambda h: h.start) - 1)
+        parts: list[tuple[int, int]] = []
+        at = start
+        for h in held[i:]:
+            if h.start >= end:
+                break
+            if h.end <= at:
+                continue
+            if at < h.start:
+                parts.append((at, h.start))
+            at = max(at, h.end)
+        if at < end:
+            parts.append((at, end))
+        return parts
 
     def _hold(
         self,

@@ -192,6 +192,35 @@ def test_held_blocks_are_bounded_and_let_go() -> None:
     assert held.nbytes == 0
 
 
+def test_a_range_fetched_over_held_blocks_is_held_around_them() -> None:
+    """A range that fetched blocks held already (a lone held block inside a range is fetched
+    again with it) is held around them, so the reads after it find all of it held."""
+    k = 4096
+    data = np.random.default_rng(3).integers(0, 256, 8 * k, dtype=np.uint8).tobytes()
+    version = ObjectVersion(len(data))
+    held = HeldBlocks(limit=len(data))
+    held.begin()
+    first = Read({"a": ([2 * k, 5 * k], [3 * k, 6 * k])})
+    held.begin_read(first, held.ticket())
+    held.add("a", 2 * k, 3 * k, data[2 * k : 3 * k], version, first)
+    held.add("a", 5 * k, 6 * k, data[5 * k : 6 * k], version, first)
+    held.end_read(first)
+    window = Read({"a": ([0], [8 * k])})
+    assert held.begin_read(window, held.ticket()) == []
+    held.add("a", 0, 8 * k, data, version, window)
+    assert held.nbytes == held.peak_nbytes == len(data), "each byte held once"
+    got = held.take("a", 0, 8 * k, version)
+    assert [(a, b) for a, b, _ in got] == [
+        (0, 2 * k),
+        (2 * k, 3 * k),
+        (3 * k, 5 * k),
+        (5 * k, 6 * k),
+        (6 * k, 8 * k),
+    ]
+    assert b"".join(bytes(v) for _, _, v in got) == data
+    held.end_read(window)
+
+
 def test_a_read_of_the_next_window_planned_first_lets_go_only_once_the_earlier_reads_are_planned() -> None:
     """Reads are planned concurrently: the next window's read, called after the rest of this
     window's, may be planned first; what it does not touch stays held for the earlier one."""

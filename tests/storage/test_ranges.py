@@ -20,6 +20,7 @@ from guideloom.storage._remote._ranges import (
     _unit_ranges,
     fill,
     fill_range,
+    lead,
     pieces_table,
     plan,
     plan_spans,
@@ -367,3 +368,51 @@ def test_ranges_within_block_units_are_grouped_as_piece_by_piece(case: Any) -> N
     k, wlo, whi, units, gap = case
     expected = _capped_ranges(k.tolist(), wlo.tolist(), whi.tolist(), units.tolist(), gap, cap=1)
     assert _unit_ranges(k, wlo, whi, units, gap) == expected
+
+
+def test_a_first_read_reaches_the_nearer_ends_of_the_next_read_s_ranges() -> None:
+    """Runs of a read inside a range of the next read are widened to that range's ends, the
+    split that widens the most runs with the fewest bytes, by at most ``most`` bytes a side;
+    each piece still lands where it did."""
+    layout = Layout.of_sizes(np.uint8, ["a", "b"], [64, 64], [4, 4])
+    limits = Limits(coalesce_gap=0, max_request_bytes=64)
+
+    def jobs_of(starts: list[int], length: int) -> list[Job]:
+        jobs: list[Job] = []
+        n = len(starts)
+        at = np.arange(n, dtype=np.int64) * length
+        dest = np.zeros(n * length, dtype=np.uint8)
+        plan(layout, np.asarray(starts), np.full(n, length), at, dest=dest, limits=limits, jobs=jobs)
+        return jobs
+
+    def ranges(jobs: list[Job]) -> list[tuple[str, int, int]]:
+        return [(j.path, s, e) for j in jobs for s, e in zip(j.starts, j.ends, strict=True)]
+
+    after = jobs_of([0, 64 + 8], 48)  # "a" [0, 48) and "b" [8, 56)
+    assert ranges(after) == [("a", 0, 48), ("b", 8, 56)]
+    first = jobs_of([5, 37, 64 + 30], 2)  # blocks [4, 8) and [36, 40) of "a", [28, 32) of "b"
+    assert ranges(first) == [("a", 4, 8), ("a", 36, 40), ("b", 28, 32)]
+    # "a": [0, 8) and [36, 48) add 4 + 8 bytes; "b": its one run 20 bytes from either end
+    assert ranges(lead(jobs_of([5, 37, 64 + 30], 2), after, limits)) == [
+        ("a", 0, 8),
+        ("a", 36, 48),
+        ("b", 8, 32),
+    ]
+    # at most 6 bytes a side: [36, 40) and "b"'s run stay as they are
+    assert ranges(lead(jobs_of([5, 37, 64 + 30], 2), after, limits, most=6)) == [
+        ("a", 0, 8),
+        ("a", 36, 40),
+        ("b", 28, 32),
+    ]
+    # both runs of "a" to one end, one GET for two, where the other end costs more than allowed
+    assert ranges(jobs_of([5, 13], 2)) == [("a", 4, 8), ("a", 12, 16)]
+    assert ranges(lead(jobs_of([5, 13], 2), after, limits, most=8)) == [("a", 0, 16)]
+    # each piece lands where it did
+    led = lead(jobs_of([5, 37, 64 + 30], 2), after, limits)
+    data = {p: np.arange(64, dtype=np.uint8).tobytes()[::-1] for p in ("a", "b")}
+    fetch(led, data)
+    want = data["a"][5:7] + data["a"][37:39] + data["b"][30:32]
+    assert led[0].dest.tobytes() == want
+    # a range outside the next read's, or none to lead to: as planned
+    assert ranges(lead(jobs_of([50], 2), after, limits)) == [("a", 48, 52)]
+    assert ranges(lead(jobs_of([5], 2), [], limits)) == [("a", 4, 8)]

@@ -17,6 +17,8 @@ check it against direct slices of an in-memory byte array.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +31,7 @@ from guideloom.storage._format._manifest import ArraySpec
 __all__ = [
     "FEW_PIECES",
     "Job",
+    "LEAD_BYTES",
     "Layout",
     "Limits",
     "Piece",
@@ -37,6 +40,7 @@ __all__ = [
     "clip",
     "fill",
     "fill_range",
+    "lead",
     "pieces_table",
     "plan",
     "plan_spans",
@@ -459,3 +463,112 @@ def fill_range(job: Job, i: int, buf: Any) -> None:
             dest, shape=(dest.shape[0] - ln + 1, ln), strides=(step, step), writeable=True
         )
         out[offs[pick]] = rows[at[pick]]
+
+
+#: The most bytes a read made ahead of the read that follows it (an epoch's first batch, read
+#: alone before the rest of its mixing window) fetches beside its own blocks in one of that
+#: read's ranges, so as to reach the range's nearer end (:func:`lead`). Those bytes come before
+#: the first batch (its GETs grow by at most this), but are not fetched twice: the following read
+#: takes them off its range's end and fetches the rest with the one request it sends anyway.
+LEAD_BYTES = 2**20
+
+
+def lead(jobs: list[Job], after: Sequence[Job], limits: Limits, most: int = LEAD_BYTES) -> list[Job]:
+    """``jobs`` with their ranges that lie inside a range of the read planned next (``after``)
+    widened to that range's ends, by at most ``most`` bytes a side, as jobs again (``limits``).
+
+    The blocks a read fetches are held for the next read (:mod:`._held`), which cuts a held run
+    out of its ranges for free only at a range's end: one inside a range splits its GET in two
+    and is fetched again instead. A range of ``after`` holding runs of ``jobs`` is fetched here
+    from its start through the last run of a prefix, and from the first run of a suffix to its
+    end, the split that widens the most runs, then the fewest bytes; runs left between are
+    fetched as they were. Ranges outside ``after``'s stay as they are; nothing is fetched twice.
+    """
+    pairs: dict[str, list[tuple[int, int]]] = {}
+    for job in after:
+        pairs.setdefault(job.path, []).extend(zip(job.starts, job.ends, strict=True))
+    spans = {path: sorted(p) for path, p in pairs.items()}  # per object: sorted, disjoint
+    ranges = [
+        (job, s, e, p)
+        for job in jobs
+        for i, (s, e, p) in enumerate(zip(job.starts, job.ends, job.pieces, strict=True))
+        if i not in job.held
+    ]
+    if not spans or len(ranges) != sum(len(job.starts) for job in jobs):
+        return jobs  # nothing to lead, or ranges in hand already: as planned
+    out: list[tuple[Job, int, int, Pieces]] = []
+    group: list[tuple[Job, int, int, Pieces]] = []
+    where: tuple[str, int, int] | None = None  # the range of `after` the group lies in
+
+    def flush() -> None:
+        if group and where is not None:
+            out.extend(_widen_group(group, where[1], where[2], most))
+        else:
+            out.extend(group)
+        group.clear()
+
+    for r in ranges:
+        job, s, e, _ = r
+        inside: tuple[str, int, int] | None = None
+        bounds = spans.get(job.path)
+        if bounds is not None:
+            k = bisect.bisect_right(bounds, (s, 2**62)) - 1
+            if k >= 0 and e <= bounds[k][1]:
+                inside = (job.path, *bounds[k])
+        if inside is None or inside != where or (group and group[-1][0].dest is not job.dest):
+            flush()
+            where = inside
+        group.append(r)
+    flush()
+    return _regroup(out, limits)
+
+
+def _widen_group(
+    group: list[tuple[Job, int, int, Pieces]], lo: int, hi: int, most: int
+) -> list[tuple[Job, int, int, Pieces]]:
+    """The runs ``group`` (sorted, of one object, inside range ``[lo, hi)`` of the next read),
+    a prefix of them widened to ``lo`` and a suffix to ``hi`` (:func:`lead`)."""
+    k = len(group)
+    own = [0, *itertools.accumulate(e - s for _, s, e, _ in group)]  # own[i]: bytes of runs [0, i)
+    best: tuple[int, int, int, int] | None = None  # (-runs widened, bytes added, i, j)
+    for i in range(k + 1):  # runs [0, i) widened to lo
+        left = (group[i - 1][2] - lo) - own[i] if i else 0
+        if left > most:
+            break
+        for j in range(k, i - 1, -1):  # runs [j, k) widened to hi
+            right = (hi - group[j][1]) - (own[k] - own[j]) if j < k else 0
+            if right > most:
+                break
+            key = (-(i + k - j), left + right, i, j)
+            if best is None or key < best:
+                best = key
+    if best is None or best[0] == 0:
+        return group
+    _, _, i, j = best
+    out: list[tuple[Job, int, int, Pieces]] = []
+    if i:
+        out.append((group[0][0], lo, group[i - 1][2], np.concatenate([g[3] for g in group[:i]])))
+    out.extend(group[i:j])
+    if j < k:
+        out.append((group[j][0], group[j][1], hi, np.concatenate([g[3] for g in group[j:]])))
+    return out
+
+
+def _regroup(ranges: list[tuple[Job, int, int, Pieces]], limits: Limits) -> list[Job]:
+    """Ranges (each with the job it came from) as jobs again, grouped as :func:`plan` groups."""
+    jobs: list[Job] = []
+    job: Job | None = None
+    for old, s, e, pieces in ranges:
+        if (
+            job is None
+            or job.path != old.path
+            or job.dest is not old.dest
+            or len(job.starts) >= limits.ranges_per_call
+            or job.nbytes + (e - s) > limits.job_bytes
+        ):
+            job = Job(old.path, old.dest, keeper=old.keeper)
+            jobs.append(job)
+        job.starts.append(s)
+        job.ends.append(e)
+        job.pieces.append(pieces)
+    return jobs

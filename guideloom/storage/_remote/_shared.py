@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 import warnings
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -22,8 +23,9 @@ from guideloom.storage._remote._client import Remote
 from guideloom.storage._remote._fetch import run_aside
 from guideloom.storage._remote._objstore import io_executor
 from guideloom.storage._remote._options import ReadSettings
+from guideloom.storage._remote._ranges import Job, lead
 
-__all__ = ["PLAN_INLINE_SAMPLES"]
+__all__ = ["PLAN_INLINE_SAMPLES", "Upcoming"]
 
 Array = npt.NDArray[Any]
 I64 = npt.NDArray[np.int64]
@@ -47,6 +49,30 @@ class _ObjectStorageMixin:
     _cache: DatasetCache | None = None
     _chunks: ChunkCache | None = None
     _local: LocalStreamStorage | LocalDocumentStorage | None = None
+    #: The reads a loader said come next (``will_read``), until its first read is planned.
+    _upcoming: Upcoming | None = None
+
+    def _expect(self, windows: Iterable[npt.NDArray[np.int64]]) -> Upcoming:
+        """``will_read``'s reads, kept for the session's first read to look at the one after
+        it (:meth:`_read_planned`); returned to be iterated in their place."""
+        self._upcoming = Upcoming(windows)
+        return self._upcoming
+
+    def _next_of(self, first: I64) -> Callable[[], I64 | None] | None:
+        """For the session's first read (``first``: its starts or indices, as ``will_read`` said
+        them): what returns the read said to come after it (None: no next read, or this read is
+        not the one said to come first); None where no session began since the last first read."""
+        upcoming, self._upcoming = self._upcoming, None
+        if upcoming is None:
+            return None
+
+        def after() -> I64 | None:
+            said = upcoming.get(0)
+            if said is None or not np.array_equal(said, first):
+                return None
+            return upcoming.get(1)
+
+        return after
 
     def _setup_cache(self) -> None:
         opts = self._remote.opts
@@ -93,15 +119,24 @@ class _ObjectStorageMixin:
         self._check_intact()
 
     async def _read_planned(
-        self, n: int, key: tuple[int, int, int] | None, plan: Callable[..., Any], *args: Any
+        self,
+        n: int,
+        key: tuple[int, int, int] | None,
+        plan: Callable[..., Any],
+        *args: Any,
+        after: Callable[[], list[Job]] | None = None,
     ) -> Any:
         """``plan(*args)`` (jobs first), for a read of ``n`` samples, then its jobs fetched
         (:meth:`_run`). Planned where it is cheap to (off the event loop for a large read), and
         prepared there by the fetcher (:meth:`~._fetch.RangeFetcher.prepare`): its ranges cut
         around the verified blocks held for it, its own kept for the reads after it that touch
         them (at most ``read_window_bytes`` held at once); where an earlier read still fetches
-        blocks it touches, it waits for that read, then cuts. Not with a chunk cache, which
-        fetches by chunks of its own."""
+        blocks it touches, it waits for that read, then cuts. ``after``: the jobs of the read
+        that comes next (a session's first read: its first batch, read alone before the rest of
+        its mixing window), planned with it off the event loop: its ranges inside those jobs'
+        reach to their ends (:func:`~._ranges.lead`), so the next read takes them off its ranges'
+        ends instead of fetching them again. Not with a chunk cache, which fetches by chunks of
+        its own."""
         if self._chunks is not None:
             out = await _planned(n, plan, *args)
             await self._run(out[0], key)
@@ -114,12 +149,15 @@ class _ObjectStorageMixin:
         def planned() -> tuple[Any, Any]:
             try:
                 out = plan(*args)
+                then = None if after is None else after()
+                if then:
+                    out[0][:] = lead(out[0], then, self._remote.limits)
             except BaseException:
                 fetcher.skip(ticket)
                 raise
             return out, fetcher.prepare(out[0], ticket)
 
-        if n <= PLAN_INLINE_SAMPLES:
+        if n <= PLAN_INLINE_SAMPLES and after is None:
             out, (read, waits) = planned()
         else:
             future = asyncio.get_running_loop().run_in_executor(io_executor(), planned)
@@ -163,6 +201,7 @@ class _ObjectStorageMixin:
             "_cache": None,
             "_chunks": None,  # a worker makes its own: the folder and its limit are shared by lock
             "_local": None,
+            "_upcoming": None,  # this process's reading session
             "_opened": False,
             "_cache_passive": True,
         }
@@ -294,6 +333,49 @@ class _ObjectStorageMixin:
             if cache is not None:
                 out.update(cache.stats())
         return out
+
+
+class Upcoming:
+    """The reads ``will_read`` said come next, iterated once in their place (a cache plans by
+    them) and looked at by the session's first read (:meth:`get`, the first two only, which are
+    kept): the iterator is pulled under a lock, from whichever thread asks first."""
+
+    KEPT = 2
+
+    def __init__(self, reads: Iterable[npt.NDArray[np.int64]]) -> None:
+        self._reads = iter(reads)
+        self._head: list[I64] = []
+        self._ended = False
+        self._lock = threading.Lock()
+
+    def _pull(self) -> I64 | None:
+        try:
+            return np.asarray(next(self._reads), dtype=np.int64)
+        except StopIteration:
+            self._ended = True
+            return None
+
+    def get(self, i: int) -> I64 | None:
+        """Read ``i`` (< :attr:`KEPT`), or None past the last."""
+        with self._lock:
+            while len(self._head) <= i and not self._ended:
+                got = self._pull()
+                if got is not None:
+                    self._head.append(got)
+            return self._head[i] if i < len(self._head) else None
+
+    def __iter__(self) -> Iterator[I64]:
+        i = 0
+        while True:
+            if i < self.KEPT:
+                got = self.get(i)
+            else:
+                with self._lock:
+                    got = None if self._ended else self._pull()
+            if got is None:
+                return
+            yield got
+            i += 1
 
 
 #: The longest a read waits for an earlier one that fetches blocks it touches; past it, it

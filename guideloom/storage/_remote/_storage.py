@@ -38,6 +38,7 @@ without user information or query string, and every credential value is masked.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
@@ -49,7 +50,7 @@ from guideloom.storage._format._manifest import MANIFEST_NAME, Manifest, add_bas
 from guideloom.storage._format._manifested import ManifestDocumentStorage, ManifestStreamStorage, check_kind
 from guideloom.storage._local._storage import LocalDocumentStorage, LocalStreamStorage
 from guideloom.storage._remote._client import Remote, open_remote
-from guideloom.storage._remote._ranges import Layout, plan_spans, plan_windows
+from guideloom.storage._remote._ranges import Job, Layout, plan_spans, plan_windows
 from guideloom.storage._remote._shared import _key, _ObjectStorageMixin
 from guideloom.storage._write._sinks import ObjectSink
 from guideloom.storage.base import Rows
@@ -104,8 +105,10 @@ class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):
     def will_read(self, windows: Iterable[npt.NDArray[np.int64]], length: int) -> None:
         """The loader's upcoming windows, in read order: a chunk cache downloads ahead by them,
         and the whole copy fetches its parts in their order. A reading session begins: what the
-        last one held for its later reads is let go (:class:`~._held.HeldBlocks`)."""
+        last one held for its later reads is let go (:class:`~._held.HeldBlocks`), and its first
+        read fetches the ends of the next one's ranges that hold its blocks (:meth:`_read_planned`)."""
         self._remote.fetcher.held.begin()
+        windows = self._expect(windows)
         chunks, arrays = self._chunks, self._arrays
         cache = self._cache
         if cache is not None:
@@ -146,8 +149,10 @@ class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):
         if n and (int(starts.min()) < 0 or int(starts.max()) + length > len(self)):
             raise IndexError(f"{self!r}: read_many windows must lie inside [0, {len(self)})")
         key = _key(starts) if n else None
+        said = self._next_of(starts)
+        after = None if said is None else functools.partial(self._jobs_of_next, said, length)
         _, outs = await self._read_planned(
-            n, key, plan_windows, self._arrays, starts, length, self._remote.limits
+            n, key, plan_windows, self._arrays, starts, length, self._remote.limits, after=after
         )
         for name, bases in self._bases.items():
             add_bases(outs[name], starts[:, None] + np.arange(length, dtype=np.int64), bases)
@@ -155,6 +160,13 @@ class ObjectStreamStorage(_ObjectStorageMixin, ManifestStreamStorage):
         if not outs:
             return Rows(tokens)
         return [{"tokens": tokens[i], **{k: v[i] for k, v in outs.items()}} for i in range(n)]
+
+    def _jobs_of_next(self, said: Callable[[], I64 | None], length: int) -> list[Job]:
+        """The jobs of the read said to come next (none: no next read)."""
+        starts = said()
+        if starts is None or not len(starts):
+            return []
+        return plan_windows(self._arrays, starts, length, self._remote.limits)[0]
 
 
 class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
@@ -219,11 +231,14 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         """The loader's upcoming reads, in order: a chunk cache downloads ahead by them, and the
         whole copy fetches its parts in their order (when the offsets are held in memory,
         ``offsets_cache_bytes``). A reading session begins: what the last one held for its later
-        reads is let go (:class:`~._held.HeldBlocks`)."""
+        reads is let go (:class:`~._held.HeldBlocks`), and its first read fetches the ends of the
+        next one's ranges that hold its blocks (:meth:`_read_planned`)."""
         self._remote.fetcher.held.begin()
         chunks, offsets, cache = self._chunks, self._offsets, self._cache
         if offsets is None:
+            self._upcoming = None
             return
+        windows = self._expect(windows)
         layout, item = self._tokens, self._tokens.dtype.itemsize
         if cache is not None:
 
@@ -277,10 +292,19 @@ class ObjectDocumentStorage(_ObjectStorageMixin, ManifestDocumentStorage):
         if bad:
             raise DatasetIntegrityError(f"{self.url}: document offsets are out of order or out of range")
         key = _key(indices) if n else None
+        said = self._next_of(indices)
+        after = None if said is None else functools.partial(self._jobs_of_next, said)
         _, flat, bounds = await self._read_planned(
-            n, key, plan_spans, self._tokens, starts, stops, self._remote.limits
+            n, key, plan_spans, self._tokens, starts, stops, self._remote.limits, after=after
         )
         return [flat[bounds[i] : bounds[i + 1]] for i in range(n)]
+
+    def _jobs_of_next(self, said: Callable[[], I64 | None]) -> list[Job]:
+        """The jobs of the read said to come next (none: no next read, or offsets not held)."""
+        indices, offsets = said(), self._offsets
+        if indices is None or not len(indices) or offsets is None:
+            return []
+        return plan_spans(self._tokens, offsets[indices], offsets[indices + 1], self._remote.limits)[0]
 
     def document_offsets_sync(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         return self._copy_or_store_sync(

@@ -255,3 +255,14 @@ def test_by_default_held_blocks_never_cost_a_request_nor_a_byte_more(
     for h, p in zip(with_held, without, strict=True):
         assert h["epoch_requests"] <= p["epoch_requests"], (h["epoch_requests"], p["epoch_requests"])
         assert h["epoch_bytes_read"] <= p["epoch_bytes_read"]
+
+
+def test_a_storage_told_its_next_reads_pickles_for_a_process_worker(four_mib: Copies, s3: MotoS3) -> None:
+    """The reads ``will_read`` said come next stay with this process's session: a storage told
+    them still pickles (a process worker's copy is sent once the first reads began here)."""
+    import pickle
+
+    storage = guideloom.open_stream(four_mib.s3_url, **s3.options())
+    storage.will_read((np.arange(k, k + 4, dtype=np.int64) * SEQ for k in range(3)), SEQ)
+    copy = pickle.loads(pickle.dumps(storage))
+    assert len(copy) == len(storage)

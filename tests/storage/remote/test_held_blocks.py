@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from guideloom.storage._remote._held import HOLD_BYTES, HeldBlocks, Read, cut_held
 from guideloom.storage._remote._objstore import ObjectVersion
-from guideloom.storage._remote._ranges import Job, Layout, Limits, fill_range, plan
+from guideloom.storage._remote._ranges import Job, Layout, Limits, fill_range, lead, plan
 
 SETTINGS = settings(max_examples=150, deadline=None)
 Reads = list[tuple[int, int]]
@@ -219,6 +219,105 @@ def test_a_range_fetched_over_held_blocks_is_held_around_them() -> None:
     ]
     assert b"".join(bytes(v) for _, _, v in got) == data
     held.end_read(window)
+
+
+@st.composite
+def first_and_next(draw: Any) -> tuple[int, list[int], Reads, Reads, Limits]:
+    """A block size, shard sizes, a small first read and a dense read after it (in order, most
+    of the blocks, as the rest of a mixing window)."""
+    block = draw(st.sampled_from([4, 16, 32]))
+    sizes = draw(st.lists(st.integers(1, 400), min_size=1, max_size=4))
+    total = sum(sizes)
+    first = [(s, 1) for s in draw(st.lists(st.integers(0, total - 1), min_size=1, max_size=6))]
+    step = draw(st.integers(1, 2 * block))
+    after = [(s, min(step, total - s)) for s in range(draw(st.integers(0, step)), total, step)]
+    after = after or [(0, 1)]
+    cap = draw(st.sampled_from([block, 8 * block, 64 * block]))
+    limits = Limits(draw(st.integers(0, 3 * block)), cap, 4 * cap, draw(st.integers(1, 10)))
+    return block, sizes, first, after, limits
+
+
+def _fetch_both(
+    objects: dict[str, bytes], layout: Layout, first: list[Job], after: Reads, limits: Limits
+) -> tuple[int, int, set[tuple[str, int]]]:
+    """``first``'s ranges fetched and held, then the read ``after`` cut around them as the
+    storage cuts (the default rule) and fetched: the GETs and bytes of both, and the blocks
+    fetched twice; every piece of ``after`` checked against the data."""
+    block = layout.blocks[0]
+    versions = {p: ObjectVersion(len(b), etag=f'"{p}"') for p, b in objects.items()}
+    held = HeldBlocks(limit=sum(len(b) for b in objects.values()))
+    held.begin()
+    gets = nbytes = 0
+    fetched: set[tuple[str, int]] = set()
+    twice: set[tuple[str, int]] = set()
+    read = Read.of(first)
+    held.begin_read(read)
+    for job in first:
+        for i, (s, e) in enumerate(zip(job.starts, job.ends, strict=True)):
+            buf = objects[job.path][s:e]
+            fill_range(job, i, buf)
+            held.add(job.path, s, e, buf, versions[job.path], read)
+            gets, nbytes = gets + 1, nbytes + e - s
+            fetched |= {(job.path, b) for b in blocks_of(s, e, block)}
+    held.end_read(read)
+    jobs, dest = planned(layout, after, limits)
+    read = Read.of(jobs)
+    held.begin_read(read)
+    for job in jobs:
+        cut_held(job, held, versions[job.path])
+        for i, (s, e) in enumerate(zip(job.starts, job.ends, strict=True)):
+            if i in job.held:
+                fill_range(job, i, job.held[i])
+                continue
+            fill_range(job, i, objects[job.path][s:e])
+            gets, nbytes = gets + 1, nbytes + e - s
+            twice |= {(job.path, b) for b in blocks_of(s, e, block)} & fetched
+    held.end_read(read)
+    data = b"".join(objects.values())
+    assert dest.tobytes() == expected(data, after), "every piece of the next read gets its bytes"
+    return gets, nbytes, twice
+
+
+@SETTINGS
+@given(first_and_next(), st.sampled_from([0, 64, 2**20, 2**20]), st.integers(0, 2**32 - 1))
+def test_a_first_read_led_to_the_next_read_s_range_ends_fetches_no_byte_twice(
+    case: tuple[int, list[int], Reads, Reads, Limits], most: int, seed: int
+) -> None:
+    """A first read whose ranges reach the ends of the next read's ranges that hold its blocks
+    (by at most ``most`` bytes a side) costs no GET and no byte more than one that does not,
+    gets every byte, and with room enough fetches no block twice."""
+    block, sizes, first, after, limits = case
+    rng = np.random.default_rng(seed)
+    objects = {
+        f"shard-{i}.bin": rng.integers(0, 256, n, dtype=np.uint8).tobytes() for i, n in enumerate(sizes)
+    }
+    layout = Layout.of_sizes(np.uint8, list(objects), sizes, [block] * len(sizes))
+    data = b"".join(objects.values())
+    plain, plain_dest = planned(layout, first, limits)
+    led, led_dest = planned(layout, first, limits)
+    ranges_before = sum(len(j.starts) for j in led)
+    led = lead(led, planned(layout, after, limits)[0], limits, most)
+    for job in led:
+        assert len(job.starts) <= limits.ranges_per_call and job.nbytes <= max(
+            limits.job_bytes, job.ends[0] - job.starts[0]
+        )
+        for s, e in zip(job.starts, job.ends, strict=True):
+            size = len(objects[job.path])
+            assert s % block == 0 and (e % block == 0 or e == size), "whole blocks, each checked"
+            assert e - s <= max(limits.max_request_bytes, block)
+    assert sum(len(j.starts) for j in led) <= ranges_before, "no GET more in the first read"
+    plain_ranges = [(j.path, s, e) for j in plain for s, e in zip(j.starts, j.ends, strict=True)]
+    for job in led:
+        for s, e in zip(job.starts, job.ends, strict=True):
+            inside = [(a, b) for p, a, b in plain_ranges if p == job.path and s <= a < e]
+            assert all(b <= e for _, b in inside), "a range of the first read is kept whole"
+            assert e - s - sum(b - a for a, b in inside) <= most, "at most `most` bytes more a range"
+    gets, nbytes, twice = _fetch_both(objects, layout, led, after, limits)
+    plain_gets, plain_nbytes, _ = _fetch_both(objects, layout, plain, after, limits)
+    assert led_dest.tobytes() == plain_dest.tobytes() == expected(data, first), "every piece gets its bytes"
+    assert gets <= plain_gets and nbytes <= plain_nbytes
+    if most >= max(sizes):
+        assert not twice, "no block fetched twice"
 
 
 def test_a_read_of_the_next_window_planned_first_lets_go_only_once_the_earlier_reads_are_planned() -> None:

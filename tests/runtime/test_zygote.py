@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 import sys
+import threading
+import time
 from typing import Any
 
 import pytest
 
+from guideloom._runtime.processes import zygote
 from guideloom._runtime.processes.zygote import main_names
 
 
@@ -40,3 +44,27 @@ def test_main_names_are_the_main_globals_a_pickle_refers_to(
 
 def test_a_pickle_that_cannot_be_read_names_anything() -> None:
     assert main_names(b"not a pickle, though it names __main__") is None
+
+
+def test_a_start_on_an_event_loop_never_sleeps_waiting_for_other_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Beside a thread that does not end, a start from a coroutine answers at once (the loop is
+    never put to sleep); from plain code it gives an ending thread its grace first."""
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)  # the module sleeps through time.sleep
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, name="stays")
+    other.start()
+    try:
+
+        async def on_the_loop() -> bool:
+            return zygote.may_fork_here(None)
+
+        assert asyncio.run(on_the_loop()) is False
+        assert slept == []
+        assert zygote.may_fork_here(None) is False
+        assert slept  # the grace, outside a loop
+    finally:
+        stop.set()
+        other.join()

@@ -51,6 +51,7 @@ pool is closed (:data:`~guideloom._runtime.processes.pool._POOLS`).
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import gc
 import importlib
@@ -149,8 +150,12 @@ def fork_is_safe(ending_s: float = _ENDING_S) -> bool:
 
 def may_fork_here(standby: ForkServer | None) -> bool:
     """:func:`fork_is_safe` for starting workers: a thread that is ending is waited for briefly,
-    unless ``standby`` (the standby zygote, if any) can start them at once instead."""
-    return fork_is_safe(0.0) if standby is not None else fork_is_safe()
+    unless ``standby`` (the standby zygote, if any) can start them at once instead, or this
+    thread runs an event loop (an ``async for``'s start: the loop is never put to sleep, and
+    the threads beside it there are its own pipeline's, which do not end)."""
+    if standby is not None or asyncio.events._get_running_loop() is not None:
+        return fork_is_safe(0.0)
+    return fork_is_safe()
 
 
 def import_each(modules: list[str]) -> list[str]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -87,13 +87,18 @@ class Remote:
         #: Each data object as the dataset was opened with it (``check_objects``); reads are
         #: conditional on it.
         self.versions: dict[str, ObjectVersion] = {}
-        #: Why the dataset is refused, once a read found an object changed: every later read is.
+        #: Why the dataset is refused as a whole (a cache found its copy of an object damaged):
+        #: every later read is.
         self.damaged: str | None = None
+        #: Why each object a read found missing or changed is refused: every later read of it
+        #: is, while reads of the other objects (each conditional on its own version) go on, so
+        #: a read far ahead does not fail the batches before the first that needs the object.
+        self.refused: dict[str, str] = {}
         #: Each object's block digests (set by ``check_objects``): every fetched range is checked.
         self.blocks = RemoteBlocks()
         self.blocks.read = self.read_object
         self.fetcher = RangeFetcher(
-            self.loc, self.opts, self.secrets, self.counters, self.versions, self.blocks
+            self.loc, self.opts, self.secrets, self.counters, self.versions, self.blocks, self.refused
         )
         _OPEN.add(self)
 
@@ -147,16 +152,22 @@ class Remote:
         if self.damaged is None:
             self.damaged = message
 
-    def check_intact(self) -> None:
-        """Raise :class:`DatasetIntegrityError` once an object was found changed."""
+    def check_intact(self, paths: Iterable[str] = ()) -> None:
+        """Raise :class:`DatasetIntegrityError` once the dataset was found damaged, or where one
+        of ``paths`` (the objects a read touches) was found missing or changed."""
         if self.damaged is not None:
             raise DatasetIntegrityError(self.damaged)
+        refused = self.refused
+        if refused:
+            for path in paths:
+                if path in refused:
+                    raise DatasetIntegrityError(refused[path])
 
     # -- blocking calls (the caller's thread, the I/O pool or the cache's threads) ----------------
     def fetch_range(self, path: str, start: int, end: int) -> Any:
         """Bytes ``[start, end)`` of object ``path``: a blocking, checked call with retries (the
         cache's); :class:`DatasetIntegrityError` where the object changed since it was opened."""
-        self.check_intact()
+        self.check_intact((path,))
         store = self.store()  # a copy goes on after close(): it keeps a client of its own
         version = self.versions.get(path)
 
@@ -172,7 +183,7 @@ class Remote:
         except Exception as exc:
             changed = integrity_error(self.loc, path, exc)
             if changed is not None:
-                self.mark_damaged(str(changed))
+                self.refused.setdefault(path, str(changed))
                 error = changed
             else:
                 what = f"reading {self.loc.object_url(path)} bytes {start}-{end - 1}"
@@ -335,14 +346,17 @@ class Remote:
     # -- batched range reads (the engine is :class:`~._fetch.RangeFetcher`) -----------------------
     async def run(self, jobs: list[Job]) -> None:
         """Run ``jobs`` concurrently under the request and byte limits; the first failure wins.
-        An object found changed is refused, and so is every read after it."""
-        self.check_intact()
+        An object found missing or changed is refused, and so is every later read of it (the
+        fetcher records it in :attr:`refused`); an integrity failure it does not name an object
+        for refuses every later read."""
+        self.check_intact(job.path for job in jobs)
         if not jobs:
             return
         try:
             await self.fetcher.run(self.store_for_reading(), jobs)
         except DatasetIntegrityError as exc:
-            self.mark_damaged(str(exc))
+            if str(exc) not in {self.refused.get(job.path) for job in jobs}:
+                self.mark_damaged(str(exc))
             raise
 
 

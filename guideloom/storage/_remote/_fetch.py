@@ -263,6 +263,7 @@ class RangeFetcher:
         counters: ReadCounters,
         versions: Mapping[str, ObjectVersion] | None = None,
         blocks: RemoteBlocks | None = None,
+        refused: dict[str, str] | None = None,
     ) -> None:
         self.loc = loc
         self.policy = opts.policy
@@ -272,6 +273,9 @@ class RangeFetcher:
         self.versions: Mapping[str, ObjectVersion] = {} if versions is None else versions
         #: Each data object's block digests: every range fetched is checked against them.
         self.blocks = blocks
+        #: Why each object a read found missing or changed is refused (filled here, checked by
+        #: the connection before every read of it).
+        self.refused: dict[str, str] = {} if refused is None else refused
         #: Where ranges may be read locally before a GET is sent (set by the storage).
         self.local: LocalRanges | None = None
         #: Verified blocks a read fetched, for the reads planned after it that touch them.
@@ -374,6 +378,7 @@ class RangeFetcher:
         """The error a failed attempt ends with, or None when it is to be retried after ``delay``."""
         error = integrity_error(self.loc, path, exc)
         if error is not None:
+            self.refused.setdefault(path, str(error))
             return error
         policy = self.policy
         if not retryable(exc) or attempt > policy.retries or elapsed + delay > policy.retry_timeout:

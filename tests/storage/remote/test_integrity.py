@@ -207,3 +207,57 @@ def test_an_object_replaced_while_the_copy_serves_reads_is_refused_never_read(
         assert torch.equal(batch, expected[i]), f"batch {i} is not the dataset's"
     assert cache.damaged is not None or storage._remote.damaged is not None
     asyncio.run(storage.close())
+
+
+#: Samples of 51 tokens, batches of 3: a batch's tokens straddle an object's start.
+SEQ, BATCH = 51, 3
+
+
+@pytest.mark.parametrize("change", ["delete", "replace"])
+@pytest.mark.parametrize("way", [{}, {"prefetch": 2}], ids=["inline", "prefetch"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_object_gone_after_open_fails_at_the_first_batch_that_needs_it(
+    change: str, way: dict[str, Any], mode: str, tmp_path: Path, s3: MotoS3
+) -> None:
+    """An object deleted (or replaced) after the storage was opened, before the epoch: every
+    batch before the first that needs it is delivered, and the error comes at that batch, not
+    at the first batch of a read window or read ahead that touches the object."""
+    local = tmp_path / "ds"
+    tokens = np.random.default_rng(11).integers(0, 60_000, 20_000, dtype=np.uint16)
+    guideloom.write_stream(local, tokens, shard_bytes=8_000)  # 4000 tokens an object
+    shards = sorted(p.name for p in local.iterdir() if p.suffix == ".bin")
+    assert len(shards) == 5
+    name = unique("gone")
+    s3.upload_folder(local, BUCKET, name)
+    kw: dict[str, Any] = dict(sequence_length=SEQ, local_batch_size=BATCH, device=CPU, **way)
+    with StatefulDataLoader.from_storage(guideloom.open_stream(local), collate, **kw) as loader:
+        expected = list(loader)
+    first_need = (3 * 4000 // SEQ) // BATCH  # the first batch holding a token of object 3
+    assert 1 < first_need < len(expected) - 1
+
+    storage = guideloom.open_stream(f"s3://{BUCKET}/{name}", **s3.options())
+    key = f"{name}/{shards[3]}"
+    if change == "delete":
+        s3.client().delete_object(Bucket=BUCKET, Key=key)
+    else:
+        body = (local / shards[3]).read_bytes()
+        s3.client().put_object(Bucket=BUCKET, Key=key, Body=bytes(b ^ 0x5A for b in body))
+    got: list[Any] = []
+    loader = StatefulDataLoader.from_storage(storage, collate, **kw)
+
+    async def consume() -> None:
+        async with loader:
+            async for batch in loader:
+                got.append(batch)
+
+    with pytest.raises(DatasetIntegrityError, match=shards[3]):
+        if mode == "async":
+            asyncio.run(consume())
+        else:
+            with loader:
+                for batch in loader:
+                    got.append(batch)
+    assert len(got) == first_need
+    for i, batch in enumerate(got):
+        assert torch.equal(batch, expected[i]), f"batch {i} is not the dataset's"
+    asyncio.run(storage.close())

@@ -6,6 +6,8 @@ reader gives a manifest that serialises back to itself or a ``DatasetFormatError
 
 from __future__ import annotations
 
+import json
+
 from hypothesis import HealthCheck, given, settings
 
 from benchmarks.fuzz_manifest import any_case, check, check_valid, manifests, mutated_bytes, valid_bytes
@@ -30,3 +32,11 @@ def test_any_bytes_give_a_manifest_or_a_format_error(data: bytes) -> None:
 @given(mutated_bytes(valid_bytes))
 def test_damaged_bytes_give_a_manifest_or_a_format_error(data: bytes) -> None:
     assert check(data) in ("valid", "DatasetFormatError")
+
+
+@settings(max_examples=10, deadline=None)
+@given(manifests())
+def test_a_long_bad_field_name_is_cut_short_in_the_error(manifest: Manifest) -> None:
+    data = json.loads(manifest.to_json_bytes())
+    data["fields"]["9" * 5000] = data["fields"]["tokens"]
+    assert check(json.dumps(data).encode()) == "DatasetFormatError"

@@ -96,7 +96,7 @@ def storage_dtype(dtype: Any) -> np.dtype[Any]:
 def check_field_name(name: str) -> str:
     if not isinstance(name, str) or not _FIELD_RE.match(name):
         raise ValueError(
-            f"field name {name!r} is not allowed: use letters, digits, '_', '.' or '-', "
+            f"field name {_show(name)} is not allowed: use letters, digits, '_', '.' or '-', "
             "starting with a letter or '_' (at most 100 characters)"
         )
     return name

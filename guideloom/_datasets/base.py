@@ -17,7 +17,7 @@ a dataset of your own needs.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, TypeVar
 
@@ -468,9 +468,23 @@ async def _gather(calls: list[Call]) -> list[Any]:
         except Exception as exc:
             errors.append(exc)
 
-    async with anyio.create_task_group() as tg:
-        for i, call in enumerate(calls):
-            tg.start_soon(run, i, call)
+    # Each call's coroutine is made here and closed once the group is over: a task cancelled
+    # before its first step (a read cancelled at the loader's close) never awaits the coroutine
+    # it was handed (anyio runs it inside a wrapper), which would be left "never awaited".
+    # Closing one that ran is a no-op; every task has ended when the group exits.
+    runs = [run(i, call) for i, call in enumerate(calls)]
+    try:
+        async with anyio.create_task_group() as tg:
+            for coro in runs:
+                tg.start_soon(_given, coro)
+    finally:
+        for coro in runs:
+            coro.close()
     if errors:
         raise errors[0]
     return got
+
+
+def _given(coro: Coroutine[Any, Any, None]) -> Coroutine[Any, Any, None]:
+    """``coro`` itself: what a task group's ``start_soon`` calls for a coroutine made already."""
+    return coro

@@ -4,7 +4,9 @@ mixture of the local copies reads, sync and async, and their checkpoints are int
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,3 +73,20 @@ def test_a_remote_mixture_reads_what_the_local_one_does(
     with loader(remote) as ld:
         ld.load_state_dict(head_state)
         assert head + take(ld) == expected
+
+
+def test_breaking_out_of_a_mixture_with_an_s3_source_leaves_no_coroutine_unawaited(
+    plain_copies: Copies, stream_copies: Copies, s3: MotoS3
+) -> None:
+    """The loader's close cancels the reads in flight, some before their calls started: each
+    call's coroutine is closed then, not dropped with a "never awaited" warning."""
+    m = mixture(gl.open_stream(plain_copies.s3_url, **s3.options()), gl.open_stream(stream_copies.local))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for stop in (1, 2, 3, 5, 8, 13):
+            with loader(m, prefetch=4) as ld:
+                for i, _ in enumerate(ld):
+                    if i == stop:
+                        break
+            gc.collect()  # a coroutine dropped unawaited warns when it is collected
+    assert [str(w.message) for w in caught] == []

@@ -207,6 +207,14 @@ def _saved_order_value(state_dict: Mapping[str, Any], key: str, mine: Any) -> An
     return state_dict.get(key, mine)
 
 
+def _says_blocks(state_dict: Mapping[str, Any]) -> bool:
+    """Whether the checkpoint says what its shuffle blocks were: it has their keys, or it records
+    its order (``shuffle``, which every ``state_dict()`` has) and so writes blocks of 1, a global
+    shuffle, as no key. A position alone (``epoch`` and ``observation_offset``) says nothing of
+    them, and is not compared."""
+    return "shuffle_block_size" in state_dict or "shuffle" in state_dict
+
+
 def _blocks(option: Any, size: Any) -> str:
     """``shuffle_block_size`` as a loader was given it, and what it came to."""
     if option == "auto":
@@ -242,6 +250,8 @@ def _warn_order_changes(state_dict: Mapping[str, Any], current: LoaderIdentity) 
     for key in keys:
         if key in ("shuffle_seed", "shuffle_block_size", "shuffle_window") and not either_shuffles:
             continue  # the seed and the blocks are ignored when neither loader shuffles
+        if key in ("shuffle_block_size", "shuffle_window") and not _says_blocks(state_dict):
+            continue
         mine = getattr(current, key)
         saved = _saved_order_value(state_dict, key, mine)
         if key == "shuffle_window" and not (

@@ -268,6 +268,23 @@ def test_old_checkpoints_were_global_shuffles() -> None:
     assert "Construct the loader with shuffle_block_size=None to resume" in warning
 
 
+def test_a_position_alone_says_nothing_of_the_blocks() -> None:
+    """A checkpoint of ``epoch`` and ``observation_offset`` alone resumes a loader with blocks
+    ("auto" or a size) without a warning, in the saved run's order; one that records its order
+    without block keys is a global shuffle's, and still warns."""
+    storage = BlockyStorage(np.arange(100, dtype=np.int64))
+    for option in ("auto", 8):
+        whole = run(loader_over(storage, local_batch_size=4, shuffle_block_size=option))
+        resumed = loader_over(storage, local_batch_size=4, shuffle_block_size=option)
+        assert _load_warnings(resumed, {"epoch": 0, "observation_offset": 40}) == []
+        assert run(resumed) == whole[10:]
+        (warning,) = _load_warnings(
+            loader_over(storage, shuffle_block_size=option),
+            {"epoch": 0, "observation_offset": 40, "shuffle": True},
+        )
+        assert "with shuffle_block_size=None (a global row shuffle)" in warning
+
+
 def test_blocks_do_not_matter_without_shuffle() -> None:
     state = dict(loader_over(stream(100), shuffle=False, shuffle_block_size=8).state_dict())
     assert "shuffle_block_size" not in state

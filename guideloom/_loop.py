@@ -60,7 +60,13 @@ class LoopThread:
         return threading.current_thread() is self._thread
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        """Run ``coro`` on the loop; a loop closed already refuses it, and ``coro`` is closed
+        (never left to be collected unawaited)."""
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        except RuntimeError:
+            coro.close()
+            raise
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the loop and wait for its result here."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import sys
 from typing import Any
 
 import numpy as np
@@ -317,6 +318,91 @@ def test_a_range_of_many_pieces_fills_as_piece_by_piece_copies(case: Any, seed: 
     job = Job("a", np.full(size, 7, np.uint8), [base], [base + len(src)], [pieces_table(pieces)])
     fill_range(job, 0, src.tobytes())
     np.testing.assert_array_equal(job.dest, expected)
+
+
+@st.composite
+def piece_layouts(draw: Any) -> tuple[int, list[tuple[int, int, int]], int]:
+    """A range's start, its pieces (lengths of any spread, multiples of a common unit or not;
+    back to back in the range as a document's are, or anywhere in it, some read twice) going to
+    disjoint places in any order, and the destination's size."""
+    unit = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
+    base = unit * draw(st.integers(0, 100))
+    spread = st.integers(0, 9).flatmap(lambda bits: st.integers(0, 2**bits))
+    lengths = draw(st.lists(spread, min_size=FEW_PIECES + 1, max_size=FEW_PIECES + 80))
+    lengths = [unit * n for n in lengths]
+    if draw(st.booleans()):  # back to back in the range
+        starts = list(itertools.accumulate([base, *lengths[:-1]]))
+        size = sum(lengths)
+    else:
+        size = max(lengths) + unit * draw(st.integers(0, 50))
+        starts = [base + unit * draw(st.integers(0, (size - n) // unit)) for n in lengths]
+    order = draw(st.permutations(range(len(lengths))))
+    pieces, at = [], 0
+    for i in order:
+        at += unit * draw(st.integers(0, 3))
+        pieces.append((starts[i], lengths[i], at))
+        at += lengths[i]
+    placed = draw(st.permutations(pieces))
+    return base, placed, at + draw(st.integers(0, 9))
+
+
+@SETTINGS
+@given(piece_layouts(), st.integers(0, 2**16))
+def test_a_range_fills_as_piece_by_piece_copies_whatever_its_layout(case: Any, seed: int) -> None:
+    base, pieces, size = case
+    src = np.random.default_rng(seed).integers(
+        0, 256, max(1, *(s + n - base for s, n, _ in pieces)), np.uint8
+    )
+    expected = np.full(size, 7, np.uint8)
+    for s, n, off in pieces:
+        expected[off : off + n] = src[s - base : s - base + n]
+    job = Job("a", np.full(size, 7, np.uint8), [base], [base + len(src)], [pieces_table(pieces)])
+    fill_range(job, 0, src.tobytes())
+    np.testing.assert_array_equal(job.dest, expected)
+
+
+def calls_to_fill(count: int) -> int:
+    """The calls ``fill_range`` makes for ``count`` back-to-back pieces of ``count`` lengths, each
+    to its own place (checked)."""
+    lengths = np.arange(1, count + 1, dtype=np.int64)
+    at = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    order = np.random.default_rng(count).permutation(count)
+    offs = np.empty_like(at)
+    offs[order] = np.concatenate([[0], np.cumsum(lengths[order])[:-1]])
+    src = np.random.default_rng(1).integers(0, 256, int(lengths.sum()), np.uint8)
+    job = Job("a", np.zeros(len(src), np.uint8), [0], [len(src)], [np.stack([at, lengths, offs], axis=1)])
+    calls = 0
+
+    def count_call(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    sys.setprofile(count_call)
+    try:
+        fill_range(job, 0, src.tobytes())
+    finally:
+        sys.setprofile(None)
+    for s, n, off in zip(at.tolist(), lengths.tolist(), offs.tolist(), strict=True):
+        assert job.dest[off : off + n].tobytes() == src[s : s + n].tobytes()
+    return calls
+
+
+def test_pieces_of_distinct_lengths_fill_in_calls_that_do_not_grow_with_them() -> None:
+    # A copy per piece or per length would be thousands of calls for these, each taking the GIL
+    # the caller's event loop waits for; twice the pieces add one power of two, not their count.
+    few, many = calls_to_fill(2000), calls_to_fill(4000)
+    assert many - few < 100, f"{few} calls for 2,000 pieces, {many} for 4,000"
+    assert many < 1000, f"{many} calls for 4,000 pieces"
+
+
+def test_a_piece_outside_its_destination_is_refused() -> None:
+    pieces = [(i, 1, i) for i in range(FEW_PIECES)] + [(FEW_PIECES, 1, -1)]
+    job = Job("a", np.zeros(64, np.uint8), [0], [FEW_PIECES + 1], [pieces_table(pieces)])
+    with pytest.raises(ValueError, match="destination"):
+        fill_range(job, 0, bytes(FEW_PIECES + 1))
+    job.pieces = [pieces_table([*pieces[:-1], (FEW_PIECES, 1, 64)])]
+    with pytest.raises(ValueError, match="destination"):
+        fill_range(job, 0, bytes(FEW_PIECES + 1))
 
 
 def test_a_windows_pieces_are_arrays_not_python_objects() -> None:

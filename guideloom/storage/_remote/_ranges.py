@@ -426,8 +426,8 @@ def fill(job: Job, buffers: Sequence[Any]) -> None:
         fill_range(job, i, buf)
 
 
-#: Pieces of a range copied one by one up to this many. More are copied a few numpy calls per
-#: piece length (rows of a strided view, gathered and scattered): a copy of each piece in turn
+#: Pieces of a range copied one by one up to this many. More are copied by a bounded number of
+#: numpy calls whatever their count and lengths (:func:`_scatter`): a copy of each piece in turn
 #: takes and drops the GIL once per piece, a thousand times for a range of a thousand samples,
 #: and every other thread, the caller's event loop among them, waits in line at each.
 FEW_PIECES = 16
@@ -451,18 +451,44 @@ def fill_range(job: Job, i: int, buf: Any) -> None:
             dest[off : off + ln] = src[s - base : s - base + ln]
         return
     at, lengths, offs = table[:, 0] - base, table[:, 1], table[:, 2]
-    if len(lengths) and (int(at.min()) < 0 or int((at + lengths).max()) > src.nbytes):
+    if int(lengths.min()) < 0 or int(at.min()) < 0 or int((at + lengths).max()) > src.nbytes:
         raise ValueError(f"a piece outside the range [{base}, {end})")
+    if int(offs.min()) < 0 or int((offs + lengths).max()) > dest.shape[0]:
+        raise ValueError(f"a piece of the range [{base}, {end}) outside its {dest.shape[0]}-byte destination")
+    _scatter(src, dest, at, lengths, offs)
+
+
+def _scatter(src: U8, dest: U8, at: I64, lengths: I64, offs: I64) -> None:
+    """Copy ``src[at[j] : at[j] + lengths[j]]`` to ``dest[offs[j] :]`` for every ``j`` (bounds
+    checked) in at most two row copies per power of two of the lengths, however many pieces.
+
+    The pieces of lengths in ``[2**k, 2**(k+1))`` are rows of one strided view of ``src``,
+    gathered and scattered to rows of one of ``dest`` (the GIL released meanwhile): as many bytes
+    from each piece's start as the shortest has, then as many up to each longer piece's end as
+    the longest has beyond the shortest. These overlap (with the same bytes) rather than pass
+    the piece's end: at most twice its bytes copied.
+    """
+    octave = np.frexp(lengths)[1]  # 0 for an empty piece: rows of no bytes
+    order = np.argsort(octave, kind="stable")
+    at, lengths, offs, octave = at[order], lengths[order], offs[order], octave[order]
+    bounds = [0, *(np.flatnonzero(np.diff(octave)) + 1).tolist(), len(lengths)]
+    for lo, hi in itertools.pairwise(bounds):
+        a, n, o = at[lo:hi], lengths[lo:hi], offs[lo:hi]
+        head, tail = int(n.min()), int(n.max() - n.min())
+        _rows(src, dest, a, o, head)
+        if tail:
+            longer = n > head
+            _rows(src, dest, a[longer] + n[longer] - tail, o[longer] + n[longer] - tail, tail)
+
+
+def _rows(src: U8, dest: U8, at: I64, offs: I64, width: int) -> None:
+    """Copy ``width`` bytes from each ``src[at[j]:]`` to ``dest[offs[j]:]``."""
     step = dest.strides[0]
-    for ln in np.unique(lengths).tolist():
-        if ln <= 0:
-            continue
-        pick = lengths == ln
-        rows = np.lib.stride_tricks.sliding_window_view(src, ln)
-        out = np.lib.stride_tricks.as_strided(
-            dest, shape=(dest.shape[0] - ln + 1, ln), strides=(step, step), writeable=True
-        )
-        out[offs[pick]] = rows[at[pick]]
+    rows = np.lib.stride_tricks.as_strided(src, shape=(src.shape[0] - width + 1, width), strides=(1, 1))
+    out = np.lib.stride_tricks.as_strided(
+        dest, shape=(dest.shape[0] - width + 1, width), strides=(step, step), writeable=True
+    )
+    out[offs] = rows[at]
 
 
 #: The most bytes a read made ahead of the read that follows it (an epoch's first batch, read

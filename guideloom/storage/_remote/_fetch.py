@@ -328,6 +328,13 @@ class RangeFetcher:
         for job in jobs:
             if held.holds(job.path) and blocks.size(job.path):
                 cut_held(job, held, self.versions.get(job.path))
+        if jobs and isinstance(jobs[0].keeper, Read):
+            held.fetches(jobs[0].keeper, sum(job.fetched_nbytes for job in jobs))
+
+    def room(self, read: Read | None) -> list[concurrent.futures.Future[None]]:
+        """The earlier reads ``read`` waits for before it fetches, for room to hold its blocks
+        (:meth:`HeldBlocks.room`); empty: none."""
+        return [] if read is None else self.held.room(read)
 
     def end(self, read: Read | None) -> None:
         """``read`` finished, failed or not (:meth:`prepare`)."""
@@ -347,11 +354,14 @@ class RangeFetcher:
             return _FILLED
         local = self.local
         if local is not None and local.read_into(path, start, end, job.pieces[i], job.dest):
+            if job.keeper is not None:
+                self.held.arrived(job.keeper, end - start)
             return _FILLED
         version = self.versions.get(path)
         data = get_verified(store, path, start, end, version, self.blocks)
         fill_range(job, i, data)
         if job.keeper is not None:
+            self.held.arrived(job.keeper, end - start)
             self._hold(path, start, end, data, version, job.keeper)
         return _FETCHED
 

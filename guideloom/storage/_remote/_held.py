@@ -2,7 +2,8 @@
 (:class:`HeldBlocks`): the first batch read alone before its mixing window's read, and a mixing
 window read in parts, share what one of them fetched. :func:`cut_held` cuts a planned job's
 ranges around what is held, where that saves more than the request it costs
-(:data:`MIN_CUT_BYTES`).
+(:data:`MIN_CUT_BYTES`); :meth:`HeldBlocks.room` says which earlier reads a part of the next
+mixing window waits for, so that the blocks it fetches for its later parts can be held.
 """
 
 from __future__ import annotations
@@ -18,12 +19,18 @@ from guideloom._process import pool
 from guideloom.storage._remote._objstore import ObjectVersion
 from guideloom.storage._remote._ranges import Job, Pieces, clip
 
-__all__ = ["HOLD_BYTES", "MIN_CUT_BYTES", "HeldBlocks", "Read", "cut_held", "free"]
+__all__ = ["HOLD_BYTES", "MIN_CUT_BYTES", "PART_SPAN", "HeldBlocks", "Read", "cut_held", "free"]
 
 
 #: The most bytes held at once by default (a storage sets its own, its ``read_window_bytes``):
 #: one "auto" mixing window, 16 blocks of 4 MiB.
 HOLD_BYTES: Final = 64 * 2**20
+
+#: A read whose ranges span at least this many times the bytes its samples take is one part of
+#: a mixing window read in parts: the later parts take most of the blocks it fetches, so it
+#: waits for room to hold them (:meth:`HeldBlocks.room`). A window read whole spans about its
+#: samples' bytes (its blocks are full of them); a part of one read in two spans about twice.
+PART_SPAN: Final = 1.5
 
 
 class _Held(NamedTuple):
@@ -37,21 +44,31 @@ class _Held(NamedTuple):
 
 class Read:
     """One read of a reading session, as :class:`HeldBlocks` sees it: the byte ranges of each
-    object it touches (whole blocks, before any is cut out as held), and whether it finished;
-    ``done`` is set when it finishes, failed or not."""
+    object it touches (whole blocks, before any is cut out as held), their bytes (``span``),
+    the bytes its samples take (``wanted``; not given: its span), the bytes it fetches
+    (``fetching``: its span until its ranges are cut around held blocks) and those of them that
+    arrived so far, its place in the order of reads, and whether it finished; ``done`` is set
+    when it finishes, failed or not."""
 
-    __slots__ = ("done", "finished", "touched")
+    __slots__ = ("arrived", "done", "fetching", "finished", "order", "span", "touched", "wanted")
 
-    def __init__(self, touched: dict[str, tuple[list[int], list[int]]]) -> None:
+    def __init__(self, touched: dict[str, tuple[list[int], list[int]]], wanted: int | None = None) -> None:
         self.touched = touched  # per object: sorted, disjoint starts and ends
+        self.span = sum(e - s for starts, ends in touched.values() for s, e in zip(starts, ends, strict=True))
+        self.wanted = self.span if wanted is None else wanted
+        self.fetching = self.span
+        self.arrived = 0
+        self.order = 0  # its ticket (HeldBlocks.begin_read)
         self.finished = False
         self.done: concurrent.futures.Future[None] = concurrent.futures.Future()
 
     @staticmethod
     def of(jobs: Sequence[Job]) -> Read:
         spans: dict[str, list[tuple[int, int]]] = {}
+        wanted = 0
         for job in jobs:
             spans.setdefault(job.path, []).extend(zip(job.starts, job.ends, strict=True))
+            wanted += sum(int(table[:, 1].sum()) for table in job.pieces)
         touched: dict[str, tuple[list[int], list[int]]] = {}
         for path, pairs in spans.items():
             starts: list[int] = []
@@ -63,7 +80,12 @@ class Read:
                     starts.append(s)
                     ends.append(e)
             touched[path] = (starts, ends)
-        return Read(touched)
+        return Read(touched, wanted)
+
+    @property
+    def pending(self) -> int:
+        """The bytes it still fetches (and would hold)."""
+        return 0 if self.finished else max(0, self.fetching - self.arrived)
 
     def touches(self, path: str, start: int, end: int) -> bool:
         """Whether it reads any byte of ``[start, end)`` of ``path``."""
@@ -104,6 +126,11 @@ class HeldBlocks:
     each epoch, each resumed one) and at close. Only whole blocks of objects with block digests
     are held, each with the object version its conditional GET was answered for; a read takes a
     held range only for that same version, else it is let go.
+
+    Room: the first part of the next mixing window read in parts is planned while the reads of
+    the last one still hold its blocks for each other; what it fetched then would not fit, and
+    its later parts would fetch it again. It waits for those reads instead (:meth:`room`), where
+    its blocks fit under the bound once they are let go.
     """
 
     def __init__(self, limit: int = HOLD_BYTES) -> None:
@@ -116,6 +143,8 @@ class HeldBlocks:
         self._count = 0  # reads planned
         self._tickets = 0  # reads called: each takes a ticket, in the order the loader reads
         self._unplanned: set[int] = set()  # tickets of reads called and not planned yet
+        #: set (and replaced) each time a read called is planned or skipped
+        self._plans: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._release: int | None = None  # a read that touches nothing held: its ticket
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -139,7 +168,9 @@ class HeldBlocks:
             self._release = None
             stale, self._reads = self._reads, []
             self._unplanned.clear()
+            plans = self._planned_one()
         free(gone)
+        plans.set_result(None)
         for r in stale:
             r.finished = True
             if not r.done.done():
@@ -170,7 +201,9 @@ class HeldBlocks:
         with self._lock:
             self._unplanned.discard(ticket)
             gone = self._maybe_release()
+            plans = self._planned_one()
         free(gone)
+        plans.set_result(None)
 
     def begin_read(self, read: Read, ticket: int | None = None) -> list[concurrent.futures.Future[None]]:
         """``read`` (called with ``ticket``) is planned: the held ranges it touches are marked used
@@ -181,6 +214,7 @@ class HeldBlocks:
         with self._lock:
             waits = [r.done for r in self._reads if r.overlaps(read)]
             self._reads.append(read)
+            read.order = self._tickets if ticket is None else ticket
             self._count += 1
             touched = False
             for path, held in self._ranges.items():
@@ -188,14 +222,56 @@ class HeldBlocks:
                     if read.touches(path, h.start, h.end):
                         held[i] = h._replace(used=self._count)
                         touched = True
+            plans = None
             if ticket is not None:
                 self._unplanned.discard(ticket)
+                plans = self._planned_one()
             if self._ranges and not touched:
                 at = self._tickets if ticket is None else ticket
                 self._release = at if self._release is None else max(self._release, at)
             gone = self._maybe_release()
         free(gone)
+        if plans is not None:
+            plans.set_result(None)
         return waits
+
+    def _planned_one(self) -> concurrent.futures.Future[None]:
+        """A read called was planned or skipped (under the lock): the future to set (outside it)
+        for the reads waiting to see every read called before them planned (:meth:`room`)."""
+        plans, self._plans = self._plans, concurrent.futures.Future()
+        return plans
+
+    def room(self, read: Read) -> list[concurrent.futures.Future[None]]:
+        """The ``done`` of the earlier unfinished reads ``read`` waits for before it fetches (its
+        ranges cut around held blocks): those called before it that touch none of its blocks
+        (the last mixing window's), where it is one part of a window read in parts
+        (:data:`PART_SPAN`), its blocks would fit under the bound alone, and not beside what is
+        held and what those reads still fetch. Once they end, what they held is let go for its
+        blocks. Empty: it fetches now (call again after waiting: a read called before it may
+        have been planned meanwhile). While a read called before it is not planned yet (reads
+        are planned concurrently), it waits for the next read planned, then asks again."""
+        with self._lock:
+            need = read.pending
+            if not 0 < need <= self.limit or read.span < PART_SPAN * read.wanted:
+                return []
+            if any(t < read.order for t in self._unplanned):
+                return [self._plans]
+            earlier = [
+                r for r in self._reads if r is not read and r.order < read.order and not r.overlaps(read)
+            ]
+            if not earlier or self._nbytes + need + sum(r.pending for r in earlier) <= self.limit:
+                return []
+            return [r.done for r in earlier]
+
+    def fetches(self, read: Read, nbytes: int) -> None:
+        """``read``'s ranges were cut around held blocks: it fetches ``nbytes``."""
+        with self._lock:
+            read.fetching = nbytes
+
+    def arrived(self, read: Read, nbytes: int) -> None:
+        """``nbytes`` of what ``read`` fetches arrived (or were read from a local copy)."""
+        with self._lock:
+            read.arrived += nbytes
 
     def _maybe_release(self) -> list[_Held]:
         at = self._release

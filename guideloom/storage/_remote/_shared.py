@@ -20,7 +20,8 @@ from guideloom.storage._cache._copy import DatasetCache, copy_footprint
 from guideloom.storage._format._manifest import Manifest
 from guideloom.storage._local._storage import LocalDocumentStorage, LocalStreamStorage
 from guideloom.storage._remote._client import Remote
-from guideloom.storage._remote._fetch import run_aside
+from guideloom.storage._remote._fetch import RangeFetcher, run_aside
+from guideloom.storage._remote._held import Read
 from guideloom.storage._remote._objstore import io_executor
 from guideloom.storage._remote._options import ReadSettings
 from guideloom.storage._remote._ranges import Job, lead
@@ -135,8 +136,10 @@ class _ObjectStorageMixin:
         that comes next (a session's first read: its first batch, read alone before the rest of
         its mixing window), planned with it off the event loop: its ranges inside those jobs'
         reach to their ends (:func:`~._ranges.lead`), so the next read takes them off its ranges'
-        ends instead of fetching them again. Not with a chunk cache, which fetches by chunks of
-        its own."""
+        ends instead of fetching them again. A part of a mixing window read in parts, read ahead
+        while the last window's reads hold the bound, waits for them before it fetches, so its
+        blocks can be held for its later parts (:func:`_wait_room`). Not with a chunk cache,
+        which fetches by chunks of its own."""
         if self._chunks is not None:
             out = await _planned(n, plan, *args)
             await self._run(out[0], key)
@@ -173,6 +176,7 @@ class _ObjectStorageMixin:
                 # The blocks those reads fetch are held as they finish (failed: fetched here).
                 await asyncio.wait([asyncio.wrap_future(w) for w in waits], timeout=_WAIT_HELD_S)
                 await _planned(n, fetcher.cut, out[0])
+            await _wait_room(fetcher, read)
             await self._run(out[0], key)
         finally:
             fetcher.end(read)
@@ -385,6 +389,16 @@ _WAIT_HELD_S = 10.0
 #: Reads of more samples than this are planned on an I/O thread: planning costs a few
 #: microseconds a sample, so a large window planned on the event loop would stall it.
 PLAN_INLINE_SAMPLES = 256
+
+
+async def _wait_room(fetcher: RangeFetcher, read: Read | None) -> None:
+    """Wait for the earlier reads ``read`` waits for to hold its blocks (:meth:`~._held.HeldBlocks.room`),
+    asked again after each wait (a read called before it may have been planned meanwhile), for
+    :data:`_WAIT_HELD_S` at most: past it, it fetches what it cannot hold."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + _WAIT_HELD_S
+    while (room := fetcher.room(read)) and (left := deadline - loop.time()) > 0:
+        await asyncio.wait([asyncio.wrap_future(w) for w in room], timeout=left)
 
 
 async def _planned(n: int, plan: Callable[..., R], *args: Any) -> R:

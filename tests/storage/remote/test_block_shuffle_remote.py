@@ -146,10 +146,10 @@ def short_block_copies(tmp_path_factory: pytest.TempPathFactory, s3: MotoS3) -> 
 
 @pytest.fixture(scope="module")
 def small_shards(tmp_path_factory: pytest.TempPathFactory, s3: MotoS3) -> Iterator[dict[str, Copies]]:
-    """Streams of 1 KiB samples (a 64 KiB integrity block holds 64) in 1 MiB shards, 8 and 12
+    """Streams of 1 KiB samples (a 64 KiB integrity block holds 64) in 1 MiB shards, 8 and 28
     MiB: a first batch's blocks lie inside ranges of the window read (one per shard)."""
     out = {}
-    for mib in (8, 12):
+    for mib in (8, 28):
         tokens = np.random.default_rng(mib).integers(0, 65_000, mib * MiB // 2, dtype=np.uint16)
         folder = tmp_path_factory.mktemp("small") / f"small{mib}"
         guideloom.write_stream(folder, tokens, shard_bytes=MiB)
@@ -160,14 +160,15 @@ def small_shards(tmp_path_factory: pytest.TempPathFactory, s3: MotoS3) -> Iterat
 
 #: (dataset, sequence_length, batch, loader options, storage settings): one "auto" mixing window
 #: in large shards, the one window in 1 MiB shards, and 1 MiB shards past the bound on what is
-#: held (one mixing window of 8 MiB read in two parts, then the last 4 MiB in one).
+#: held (three mixing windows of 8 MiB, each read in two parts, then the last 4 MiB in one: the
+#: next window's first part is planned while the last window's blocks fill the bound).
 LAYOUTS = {
     "64 MiB shards, batch 16": ("short", SEQ, 16, {}, {}),
     "1 MiB shards, batch 8": ("8", 512, 8, {}, {}),
     "1 MiB shards, batch 32": ("8", 512, 32, {}, {}),
     **{
         f"past the held bound, batch {batch}": (
-            "12",
+            "28",
             512,
             batch,
             {"shuffle_window": 2},

@@ -346,6 +346,59 @@ def test_a_read_of_the_next_window_planned_first_lets_go_only_once_the_earlier_r
     assert held.nbytes == 0
 
 
+def test_a_part_of_the_next_window_waits_for_room_to_hold_its_blocks() -> None:
+    """A mixing window read in two parts, each touching all its blocks: the next window's first
+    part, called while the last window's parts hold the bound, waits for them (then holds its
+    blocks for its own later part); a window read whole, a read too large for the bound, or one
+    that fits beside what is held waits for none."""
+    k = 4096
+    version = ObjectVersion(2**20)
+    chunk = bytes(k)
+
+    def part(first: int, wanted: int) -> Read:
+        return Read({"a": ([first * k], [(first + 4) * k])}, wanted)
+
+    held = HeldBlocks(limit=4 * k)
+    held.begin()
+    one, two, nxt = part(0, 2 * k), part(0, 2 * k), part(8, 2 * k)
+    first, second, third = held.ticket(), held.ticket(), held.ticket()
+    held.begin_read(one, first)
+    assert held.room(one) == [], "nothing earlier"
+    for b in range(4):
+        held.arrived(one, k)
+        held.add("a", b * k, (b + 1) * k, chunk, version, one)
+    held.begin_read(nxt, third)
+    [planning] = held.room(nxt)
+    assert not planning.done(), "a read called before it is not planned yet"
+    assert held.begin_read(two, second) == [one.done]
+    assert planning.done()
+    assert held.room(nxt) == [one.done, two.done], "the bound is full of the last window's blocks"
+    whole = part(8, 4 * k)
+    held.begin_read(whole, held.ticket())
+    assert held.room(whole) == [], "a window read whole: no later part takes its blocks"
+    held.end_read(whole)
+    huge = Read({"a": ([8 * k], [16 * k])}, 4 * k)
+    held.begin_read(huge, held.ticket())
+    assert held.room(huge) == [], "its blocks would not fit even alone"
+    held.end_read(huge)
+    roomy = HeldBlocks(limit=16 * k)
+    early, late = part(0, 2 * k), part(8, 2 * k)
+    roomy.begin_read(early, roomy.ticket())
+    roomy.begin_read(late, roomy.ticket())
+    assert roomy.room(late) == [], "both windows' blocks fit under the bound"
+    held.end_read(one)
+    assert held.room(nxt) == [two.done]
+    held.end_read(two)
+    assert held.room(nxt) == []
+    # its blocks take the place of the last window's, for its later part
+    for b in range(8, 12):
+        held.arrived(nxt, k)
+        held.add("a", b * k, (b + 1) * k, chunk, version, nxt)
+    assert [a for a, _, _ in held.take("a", 8 * k, 12 * k, version)] == [8 * k, 9 * k, 10 * k, 11 * k]
+    assert held.nbytes == held.peak_nbytes == 4 * k
+    assert held.room(nxt) == [] and nxt.pending == 0
+
+
 def test_a_held_run_is_cut_out_at_a_range_s_ends_or_where_it_is_long() -> None:
     from guideloom.storage._remote._held import _worth_cutting
 

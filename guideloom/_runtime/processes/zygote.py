@@ -153,9 +153,18 @@ def may_fork_here(standby: ForkServer | None) -> bool:
     unless ``standby`` (the standby zygote, if any) can start them at once instead, or this
     thread runs an event loop (an ``async for``'s start: the loop is never put to sleep, and
     the threads beside it there are its own pipeline's, which do not end)."""
-    if standby is not None or asyncio.events._get_running_loop() is not None:
+    if standby is not None or _runs_a_loop():
         return fork_is_safe(0.0)
     return fork_is_safe()
+
+
+def _runs_a_loop() -> bool:
+    """Whether this thread runs an event loop now."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def import_each(modules: list[str]) -> list[str]:

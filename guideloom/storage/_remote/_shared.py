@@ -97,12 +97,16 @@ class _ObjectStorageMixin:
 
     def _check_intact(self) -> None:
         """Refuse the read once an object was found not to match the manifest: by a read, by
-        the whole copy's checksums or by the chunk cache's (never served from the store)."""
-        self._remote.check_intact()
+        the whole copy's checksums or by the chunk cache's (never served from the store). An
+        object the store itself answered for as missing or changed (:attr:`Remote.refused`)
+        refuses the reads of that object only, whoever fetched it first: the reads before the
+        first batch that needs it are delivered."""
+        remote = self._remote
+        remote.check_intact()
         for cache in (self._cache, self._chunks):
             damaged = None if cache is None else cache.damaged
-            if damaged is not None:
-                self._remote.mark_damaged(damaged)
+            if damaged is not None and damaged not in remote.refused.values():
+                remote.mark_damaged(damaged)
                 raise DatasetIntegrityError(damaged)
 
     async def _run(self, jobs: list[Any], key: tuple[int, int, int] | None = None) -> None:

@@ -261,3 +261,42 @@ def test_an_object_gone_after_open_fails_at_the_first_batch_that_needs_it(
     for i, batch in enumerate(got):
         assert torch.equal(batch, expected[i]), f"batch {i} is not the dataset's"
     asyncio.run(storage.close())
+
+
+def test_an_object_the_whole_copy_finds_gone_fails_at_the_first_batch_that_needs_it(
+    tmp_path: Path, s3: MotoS3
+) -> None:
+    """With ``cache_dir`` the background copy meets an object deleted after open ahead of the
+    reads: the batches before the first that needs it are still delivered (from the store),
+    and the error comes at that batch."""
+    local = tmp_path / "ds"
+    tokens = np.random.default_rng(12).integers(0, 60_000, 20_000, dtype=np.uint16)
+    guideloom.write_stream(local, tokens, shard_bytes=8_000)
+    shards = sorted(p.name for p in local.iterdir() if p.suffix == ".bin")
+    name = unique("gone-copy")
+    s3.upload_folder(local, BUCKET, name)
+    kw: dict[str, Any] = dict(sequence_length=SEQ, local_batch_size=BATCH, device=CPU)
+    with StatefulDataLoader.from_storage(guideloom.open_stream(local), collate, **kw) as loader:
+        expected = list(loader)
+    first_need = (3 * 4000 // SEQ) // BATCH
+    storage = guideloom.open_stream(f"s3://{BUCKET}/{name}", cache_dir=tmp_path / "cache", **s3.options())
+    storage.read_window_bytes = 2_000  # windows of a few batches: many reads after the copy's failure
+    s3.client().delete_object(Bucket=BUCKET, Key=f"{name}/{shards[3]}")
+    cache = storage._cache
+    assert cache is not None
+    got: list[Any] = []
+    with (
+        pytest.raises(DatasetIntegrityError, match=shards[3]),
+        StatefulDataLoader.from_storage(storage, collate, **kw) as loader,
+    ):
+        for batch in loader:
+            got.append(batch)
+            if len(got) == 1:  # the copy has met the missing object before the reads go on
+                deadline = time.monotonic() + 30
+                while cache.error is None and cache.running():
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+    assert len(got) == first_need
+    for i, batch in enumerate(got):
+        assert torch.equal(batch, expected[i]), f"batch {i} is not the dataset's"
+    asyncio.run(storage.close())

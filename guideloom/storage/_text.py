@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import mmap
 import os
 import weakref
 from collections.abc import Callable, Sequence
@@ -89,6 +90,13 @@ class TextEncoder:
         self.dtype = (
             np.dtype(dtype) if dtype is not None else np.dtype(np.uint32 if vocab <= 2**32 else np.int64)
         )
+        #: The dtype a storage keeps tokens in between their tokenizing and their delivery (as
+        #: ``dtype``): the narrowest unsigned integer that holds every id of the vocabulary and
+        #: ``bos``/``eos`` (a 32,768-id vocabulary's tokens kept in half the memory); ``dtype``
+        #: where the ids are not known ahead (a callable).
+        self.kept_dtype = self._narrowest(
+            vocab if hasattr(tok, "get_vocab_size") else None, self.bos_id, self.eos_id
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         # A Tokenizer object pickles itself; a tokenizer.json travels as what was read from it,
@@ -150,6 +158,19 @@ class TextEncoder:
             )
         return int(found)
 
+    def _narrowest(self, vocab: int | None, *ids: int | None) -> np.dtype[Any]:
+        """The narrowest of uint8, uint16 and ``dtype`` that holds ids ``[0, vocab)`` and ``ids``
+        (``dtype`` where ``vocab`` is ``None`` or ``dtype`` is not an integer wider than it)."""
+        if vocab is None or self.dtype.kind not in "iu":
+            return self.dtype
+        top = max([vocab - 1, *(i for i in ids if i is not None)])
+        if min([0, *(i for i in ids if i is not None)]) < 0:
+            return self.dtype
+        for narrow in (np.dtype(np.uint8), np.dtype(np.uint16)):
+            if top <= np.iinfo(narrow).max and narrow.itemsize < self.dtype.itemsize:
+                return narrow
+        return self.dtype
+
     def _checked(self, doc: Any) -> npt.NDArray[Any]:
         """A callable's token ids, refused unless they are integers that ``dtype`` holds (a
         cast would wrap them silently)."""
@@ -169,15 +190,48 @@ class TextEncoder:
                 )
         return ids
 
-    def encode_many(self, texts: Sequence[str]) -> list[npt.NDArray[Any]]:
-        """One token array per text (``bos`` first and ``eos`` last where given)."""
+    def _ids(self, texts: Sequence[str]) -> list[Any]:
+        """Each text's token ids (a list or an array), without ``bos``/``eos``."""
         tok = self._built()
         if hasattr(tok, "encode_batch"):
             encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
-            ids: list[Any] = [e.ids for e in encode(list(texts), add_special_tokens=False)]
-        else:
-            call: Callable[[str], Any] = tok
-            ids = [self._checked(call(t)) for t in texts]
+            return [e.ids for e in encode(list(texts), add_special_tokens=False)]
+        call: Callable[[str], Any] = tok
+        return [self._checked(call(t)) for t in texts]
+
+    def encode_kept(
+        self, groups: Sequence[Sequence[str]]
+    ) -> list[tuple[npt.NDArray[Any], npt.NDArray[np.int64]]]:
+        """The texts of ``groups`` tokenized in one call, each group's tokens back to back in one
+        read-only array of :attr:`kept_dtype` (``bos``/``eos`` around each text), with its
+        texts' offsets into it: what a storage keeps for its reads. An array of a page or more
+        is a memory mapping of its own, given back to the system whole once it is dropped (a
+        small array per text, among the tokenizer's freed buffers, would leave the C heap
+        holding pages that are mostly free)."""
+        ids = self._ids([t for group in groups for t in group])
+        first = 0 if self.bos_id is None else 1
+        extra = first + (0 if self.eos_id is None else 1)
+        out = []
+        at = 0
+        for group in groups:
+            docs = ids[at : at + len(group)]
+            at += len(group)
+            offsets = np.zeros(len(docs) + 1, dtype=np.int64)
+            np.cumsum([len(d) + extra for d in docs], out=offsets[1:])
+            flat = _empty(int(offsets[-1]), self.kept_dtype)
+            for start, doc in zip(offsets[:-1].tolist(), docs, strict=True):
+                flat[start + first : start + first + len(doc)] = doc
+            if self.bos_id is not None:
+                flat[offsets[:-1]] = self.bos_id
+            if self.eos_id is not None:
+                flat[offsets[1:] - 1] = self.eos_id
+            flat.flags.writeable = False
+            out.append((flat, offsets))
+        return out
+
+    def encode_many(self, texts: Sequence[str]) -> list[npt.NDArray[Any]]:
+        """One token array per text (``bos`` first and ``eos`` last where given)."""
+        ids = self._ids(texts)
         dtype, bos, eos = self.dtype, self.bos_id, self.eos_id
         if bos is None and eos is None:
             return [np.array(doc, dtype=dtype) for doc in ids]
@@ -194,6 +248,14 @@ class TextEncoder:
                 arr[-1] = eos
             out.append(arr)
         return out
+
+
+def _empty(n: int, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+    """An uninitialised array of ``n`` elements; a memory mapping of its own from a page on."""
+    nbytes = n * dtype.itemsize
+    if nbytes < mmap.PAGESIZE:
+        return np.empty(n, dtype=dtype)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype)
 
 
 class TokenizeStep:

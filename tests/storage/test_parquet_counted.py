@@ -356,3 +356,31 @@ def test_an_epoch_shorter_than_a_batch_is_refused_at_open_as_when_counted(
             ValueError, match=f"the dataset has {n} observations, fewer than one global batch"
         ):
             lo.open()
+
+
+def test_tokens_kept_narrow_are_delivered_as_kept_at_the_storages_dtype(
+    corpus: Path, tokenizer_json: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The storage keeps a 300-id vocabulary's tokens as uint16 and delivers the documented
+    uint32: the same sequences, and the same batches after a resume, as tokens kept at uint32."""
+    from guideloom.storage._text import TextEncoder
+
+    narrow = packed(corpus, tokenizer_json, None)
+    with gl.StatefulDataLoader(narrow, list, local_batch_size=4, device=CPU) as lo:
+        first = next(iter(lo))
+        assert narrow.storage.dtype == np.uint32 and first[0]["tokens"].dtype == np.uint32
+        kept = [t for d in narrow.storage._decoded.values() for t in (d.tokens or []) if t is not None]
+        assert kept and {t.dtype for t in kept} == {np.dtype(np.uint16)}
+    got = epoch(packed(corpus, tokenizer_json, None))
+    with loader(packed(corpus, tokenizer_json, None)) as lo:
+        it = iter(lo)
+        for _ in range(5):
+            next(it)
+        state = lo.state_dict()
+    with loader(packed(corpus, tokenizer_json, None)) as lo:
+        lo.load_state_dict(state)
+        rest = [s for b in lo for s in b]
+    monkeypatch.setattr(TextEncoder, "_narrowest", lambda self, vocab, *ids: self.dtype)
+    wide = packed(corpus, tokenizer_json, None)
+    assert wide.storage._encoder.kept_dtype == np.uint32  # type: ignore[attr-defined]
+    assert epoch(wide) == got and got[-len(rest) :] == rest

@@ -131,13 +131,13 @@ def test_a_read_of_a_whole_row_group_tokenizes_it_in_calls_of_bounded_text(
 
     monkeypatch.setattr(_tokens, "TOKENIZE_BYTES", 300)
     calls: list[int] = []
-    encode = TextEncoder.encode_many
+    encode = TextEncoder.encode_kept
 
-    def spy(self: TextEncoder, texts: Sequence[str]) -> list[np.ndarray]:
-        calls.append(sum(len(t.encode()) for t in texts))
-        return encode(self, texts)
+    def spy(self: TextEncoder, groups: Sequence[Sequence[str]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        calls.append(sum(len(t.encode()) for texts in groups for t in texts))
+        return encode(self, groups)
 
-    monkeypatch.setattr(TextEncoder, "encode_many", spy)
+    monkeypatch.setattr(TextEncoder, "encode_kept", spy)
     storage = gl.open_parquet(folder, "text", tokenizer=slow_words)
     storage.tokenize_ahead = False
     offsets = storage.build_length_index()
@@ -158,14 +158,14 @@ def test_the_thread_tokenizing_ahead_puts_small_row_groups_into_one_call(
     texts = [" ".join(["w" * (1 + (i + k) % 7) for k in range(1 + i % 11)]) for i in range(ROWS)]
     pq.write_table(pa.table({"text": texts}), tmp_path / "a.parquet", row_group_size=10)
     sizes: list[int] = []
-    encode = TextEncoder.encode_many
+    encode = TextEncoder.encode_kept
 
-    def spy(self: TextEncoder, batch: Sequence[str]) -> list[np.ndarray]:
+    def spy(self: TextEncoder, groups: Sequence[Sequence[str]]) -> list[tuple[np.ndarray, np.ndarray]]:
         if threading.current_thread().name == "guideloom-parquet-tokens":
-            sizes.append(len(batch))
-        return encode(self, batch)
+            sizes.append(sum(map(len, groups)))
+        return encode(self, groups)
 
-    monkeypatch.setattr(TextEncoder, "encode_many", spy)
+    monkeypatch.setattr(TextEncoder, "encode_kept", spy)
     storage = gl.open_parquet(tmp_path, "text", tokenizer=slow_words)
     firsts = np.arange(0, ROWS, 10)  # a row of each row group: the rest is tokenized ahead
     assert [r.tolist() for r in storage.read_many_sync(firsts)] == [slow_words(texts[i]) for i in firsts]

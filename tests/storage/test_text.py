@@ -4,6 +4,8 @@ only."""
 
 from __future__ import annotations
 
+import itertools
+import mmap
 import os
 import pickle
 import subprocess
@@ -11,6 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -96,3 +99,36 @@ def test_only_guideloom_s_process_workers_set_one_thread_tokenizing_unless_the_u
         assert (got, int(workers) >= 1 if method == "process" else int(workers) == 0) == (method, True)
         in_workers = ("false" if method == "process" else "None") if value is None else value
         assert seen == [in_workers, str(value)], out.stderr
+
+
+def test_an_encoder_keeps_tokens_in_the_narrowest_dtype_that_holds_every_id(tokenizer_json: str) -> None:
+    """A 300-id vocabulary's tokens are kept as uint16 whatever the delivered dtype; an id past
+    uint16 (``eos``) keeps them wider, and a callable's ids, not known ahead, at ``dtype``."""
+    from guideloom.storage._text import TextEncoder
+
+    assert TextEncoder(tokenizer_json, eos="</s>").kept_dtype == np.uint16
+    assert TextEncoder(tokenizer_json, dtype="int64").kept_dtype == np.uint16
+    assert TextEncoder(tokenizer_json, eos=70_000).kept_dtype == np.uint32
+    assert TextEncoder(tokenizer_json, dtype="uint16").kept_dtype == np.uint16
+    assert TextEncoder(lambda t: [1, 2]).kept_dtype == np.uint32
+
+
+def test_encode_kept_holds_each_groups_tokens_back_to_back_as_encode_many_makes_them(
+    tokenizer_json: str,
+) -> None:
+    """One read-only array per group, its texts' tokens (``bos``/``eos`` around each) at its
+    offsets, as ``encode_many`` makes them one by one; one of a page or more is a mapping of
+    its own."""
+    from guideloom.storage._text import TextEncoder
+
+    encoder = TextEncoder(tokenizer_json, bos="<s>", eos="</s>")
+    long = " ".join(f"r{i % 1000}" for i in range(3000))
+    groups = [["r1 r2", "", "r3"], [], [long, "r4"]]
+    kept = encoder.encode_kept(groups)
+    assert len(kept) == len(groups)
+    for texts, (flat, offsets) in zip(groups, kept, strict=True):
+        assert flat.dtype == np.uint16 and not flat.flags.writeable and offsets.tolist()[0] == 0
+        rows = [flat[a:b].tolist() for a, b in itertools.pairwise(offsets.tolist())]
+        assert rows == [r.tolist() for r in encoder.encode_many(texts)]
+    mapped = [isinstance(getattr(flat.base, "obj", None), mmap.mmap) for flat, _ in kept]
+    assert mapped == [False, False, True]

@@ -173,6 +173,9 @@ class ParquetStorage(_LengthIndex):
             self._check_lengths(indices, rows)
         elif self.tokenized:
             self._check_block_lengths(indices, rows)
+        if self._kind == "text" and self.tokenized:
+            dtype = self.dtype  # kept narrower (the encoder's kept_dtype): delivered in its own copy
+            return [row if row.dtype == dtype else row.astype(dtype) for row in rows]
         return rows
 
     def describe_document(self, index: int) -> dict[str, Any]:

@@ -212,17 +212,16 @@ class _TokenRows(_RowGroups):
         group's tokens; their text's bytes."""
         assert self._encoder is not None
         texts = [self._cut(group, decoded, np.asarray(rows, dtype=np.int64)) for group, decoded, rows in call]
-        arrays = self._encoder.encode_many([t for part in texts for t in part])
+        kept = self._encoder.encode_kept(texts)
         with self._lock:
-            at = 0
-            for (group, decoded, rows), part in zip(call, texts, strict=True):
-                tokens, added, made = decoded.tokens, 0, 0
+            for (group, decoded, rows), (flat, offsets) in zip(call, kept, strict=True):
+                tokens = decoded.tokens
                 assert tokens is not None
-                for i, array in zip(rows, arrays[at : at + len(part)], strict=True):
-                    tokens[i] = array
-                    made += len(array)
-                    added += int(array.nbytes) + _ROW_OVERHEAD
-                at += len(part)
+                bounds = offsets.tolist()
+                for k, i in enumerate(rows):  # each row a view of its row group's part of the call
+                    tokens[i] = flat[bounds[k] : bounds[k + 1]]
+                made = len(flat)
+                added = int(flat.nbytes) + _ROW_OVERHEAD * len(rows)
                 self.counts["parquet_tokens_tokenized"] += made
                 freed = _let_text_go(decoded)
                 self._since_trim += freed  # given back to the system at the next trim

@@ -91,6 +91,11 @@ class PackedBlocks:
         #: the first read of such a block reads those too (a count that hid a document is refused).
         self._unchecked: set[int] = set()
         self._latest: BlockOrder | None = None  # the order made last (the loader's epoch)
+        #: The sequences of each block read so far this epoch (by place; the tails run's as
+        #: block ``len(blocks)``), and the blocks read whole: what the storage may let go.
+        self._seen: dict[int, set[int]] = {}
+        self._spent: set[int] = set()
+        self._epoch: tuple[bool, int, int] | None = None  # (shuffle, seed, epoch) they are of
         self.part_bytes = part_bytes
         mean = max(1, int(nbytes.sum()) // max(1, len(group)))
         self.window = max(1, window_bytes // mean)
@@ -251,6 +256,8 @@ class PackedBlocks:
             self, len(self._totals), shuffle=shuffle, seed=seed, epoch=epoch, window=self.window
         )
         self._latest = order
+        if self._epoch != (shuffle, seed, epoch):  # (an order made again, by len() or explain(), keeps them)
+            self._seen, self._spent, self._epoch = {}, set(), (shuffle, seed, epoch)
         return order
 
     def documents_ahead(self) -> Iterator[I64]:
@@ -352,6 +359,7 @@ class PackedBlocks:
             )
         ]
         self._unchecked.difference_update(checked)  # read, and so checked against their counts
+        self._note_read(indices)
         n, length = len(indices), self.sequence_length
         out = np.empty((n, length), dtype=storage.dtype)
         flat = out.reshape(-1)
@@ -367,6 +375,47 @@ class PackedBlocks:
                 np.arange(len(rows)) - np.repeat(new_row, np.diff(np.append(new_row, len(rows)))) + 1
             ).astype(np.int32)
         return out, Pieces(sizes, docs, segments, rows * length + cols)
+
+    def _note_read(self, indices: I64) -> None:
+        """Sequences ``indices`` were read: a block whose every sequence is read this epoch has
+        its documents let go by the storage (their tokens), but those holding its tail, which
+        the tails run reads last; once the tails run is read whole, those too. A sequence read
+        again (a resume in this process) is counted once; a block read again after it was let
+        go is tokenized again."""
+        blocks, places = self.keys(np.asarray(indices, dtype=np.int64))
+        tails = len(self._totals)
+        for b, p in zip(blocks.tolist(), places.tolist(), strict=True):
+            if b in self._spent:
+                continue
+            seen = self._seen.setdefault(b, set())
+            seen.add(p)
+            if b == tails:
+                whole = tails_count(self._totals, self.sequence_length)
+            else:
+                whole = int(self._totals[b]) // self.sequence_length
+            if len(seen) < whole:
+                continue
+            self._spent.add(b)
+            del self._seen[b]
+            if b == tails:
+                spent = [
+                    self._docs[c] + np.arange(self._tail_from(c), len(o) - 1)
+                    for c, o in self._offsets.items()
+                ]
+            else:
+                spent = [self._docs[b] + np.arange(self._tail_from(b))]
+            self._counter.let_go(np.concatenate(spent).astype(np.int64))
+
+    def _tail_from(self, block: int) -> int:
+        """The first of block ``block``'s documents (by its place in the block) that holds part
+        of its tail (the elements after its last whole sequence): the block's document count
+        where it has none."""
+        offsets = self._offsets[block]
+        total = int(offsets[-1])
+        whole = total // self.sequence_length * self.sequence_length
+        if whole == total:
+            return len(offsets) - 1
+        return int(np.searchsorted(offsets, whole, side="right")) - 1
 
     def describe(self, index: int) -> dict[str, Any]:
         """Sequence ``index``'s ``block`` and ``sequence`` (its place in the block; the tails run

@@ -218,7 +218,7 @@ class TextEncoder:
             at += len(group)
             offsets = np.zeros(len(docs) + 1, dtype=np.int64)
             np.cumsum([len(d) + extra for d in docs], out=offsets[1:])
-            flat = _empty(int(offsets[-1]), self.kept_dtype)
+            flat = kept_array(int(offsets[-1]), self.kept_dtype)
             for start, doc in zip(offsets[:-1].tolist(), docs, strict=True):
                 flat[start + first : start + first + len(doc)] = doc
             if self.bos_id is not None:
@@ -250,7 +250,7 @@ class TextEncoder:
         return out
 
 
-def _empty(n: int, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+def kept_array(n: int, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
     """An uninitialised array of ``n`` elements; a memory mapping of its own from a page on."""
     nbytes = n * dtype.itemsize
     if nbytes < mmap.PAGESIZE:

@@ -249,6 +249,11 @@ class BlockCounter(Protocol):
         """Where document ``index`` is stored (what ``loader.explain()`` reports of it)."""
         ...
 
+    def let_go(self, indices: npt.NDArray[np.int64]) -> None:
+        """Documents ``indices`` are read no more this epoch: what the storage keeps of them (a
+        count's tokens) may go. A later read still gets them (made again)."""
+        ...
+
 
 class DocumentStorageAbstract(StorageAbstract[InT, OutT]):
     """A sequence of variable-length documents, each a 1-D array."""

@@ -178,3 +178,50 @@ def test_the_thread_tokenizing_ahead_puts_small_row_groups_into_one_call(
     assert storage.counts["parquet_tokens_tokenized"] == total  # none twice, none left out
     assert sizes and max(sizes) > 10 and max(sizes) <= _tokens.AHEAD_CHUNK  # calls span row groups
     storage._stop_ahead()
+
+
+def kept_rows(storage: gl.ParquetStorage) -> dict[int, int]:
+    """Rows whose tokens the storage keeps now, per row group."""
+    return {g: sum(t is not None for t in d.tokens or []) for g, d in storage._decoded.items()}
+
+
+def test_tokens_let_go_are_dropped_and_made_again_for_a_later_read(folder: Path) -> None:
+    """``let_go`` drops the rows' tokens (the row group's other tokens stay, copied together) and
+    counts them out of the kept bytes; the thread tokenizing ahead leaves them; a later read gets
+    the same tokens again, its row group's text decoded again where it was let go."""
+    storage = gl.open_parquet(folder, "text", tokenizer=slow_words)
+    storage.tokenize_ahead = False
+    rows = np.arange(ROWS)
+    want = expected(folder, rows.tolist())
+    assert [r.tolist() for r in storage.read_many_sync(rows)] == want
+    assert all(d.values is None for d in storage._decoded.values())  # every row tokenized: text gone
+    held, decodes = storage._decoded_bytes, storage.counts["parquet_row_group_decodes"]
+    storage.let_go(np.arange(100, 150))  # half of row group 1
+    storage.let_go(np.arange(200, 300))  # all of row group 2: dropped whole
+    assert kept_rows(storage) == {0: 100, 1: 50}
+    assert storage._decoded_bytes < held
+    assert storage._decoded_bytes == sum(d.nbytes for d in storage._decoded.values())
+    assert [r.tolist() for r in storage.read_many_sync(np.arange(150, 200))] == want[150:200]
+    assert storage.counts["parquet_row_group_decodes"] == decodes  # kept rows: nothing made again
+    tokenized = storage.counts["parquet_tokens_tokenized"]
+    assert [r.tolist() for r in storage.read_many_sync(rows)] == want
+    assert storage.counts["parquet_row_group_decodes"] == decodes + 2  # text of groups 1 and 2 again
+    again = sum(len(t) for t in want[100:150] + want[200:300])
+    assert storage.counts["parquet_tokens_tokenized"] == tokenized + again
+
+
+def test_the_thread_tokenizing_ahead_leaves_rows_let_go_until_a_new_hint(folder: Path) -> None:
+    """Rows let go before the thread tokenizing ahead reached them are not tokenized by it (no
+    read of the epoch needs them); the next hint (an epoch's) makes them worth tokenizing."""
+    storage = gl.open_parquet(folder, "text", tokenizer=slow_words)
+    storage.tokenize_ahead = False
+    storage.read_many_sync(np.arange(0, 10))  # row group 0 decoded, 10 rows tokenized
+    storage.let_go(np.arange(0, 60))
+    storage.tokenize_ahead = True
+    decoded = storage._decoded[0]
+    storage._tokenize_group(0, decoded)  # what the thread does with the row group
+    assert decoded.tokens is not None
+    assert [t is None for t in decoded.tokens] == [True] * 60 + [False] * 40
+    storage.will_read(iter([]))  # a new hint (of no read: the thread is left to this test)
+    storage._tokenize_group(0, decoded)
+    assert all(t is not None for t in decoded.tokens)

@@ -24,7 +24,8 @@ class _Decoded:
     freed pages a while), and reading rows needs no arrow kernel."""
 
     __slots__ = (
-        "ahead_done", "bounds", "claimed", "nbytes", "nulls", "offsets", "scan", "text", "tokens", "values",
+        "ahead_done", "bounds", "claimed", "dropped", "nbytes", "nulls", "offsets", "scan", "text",
+        "token_bytes", "tokens", "values",
     )  # fmt: skip
 
     def __init__(self, array: Any, kind: str) -> None:
@@ -59,6 +60,10 @@ class _Decoded:
         #: Rows a thread is tokenizing now; where tokenizing ahead has looked up to; whether
         #: every row is tokenized (all under the storage's lock).
         self.claimed: set[int] = set()
+        #: Rows whose tokens were let go once no read of the epoch needed them (tokenizing ahead
+        #: leaves them; a read that needs one tokenizes it again); the bytes the kept tokens hold.
+        self.dropped: set[int] = set()
+        self.token_bytes = 0
         self.scan = 0
         self.ahead_done = False
         self.nbytes = int(self.values.nbytes + self.offsets.nbytes) + (

@@ -354,6 +354,18 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
         self._queued.clear()
         self._ahead_failed.clear()
 
+    def _forget_uses_locked(self, group: int) -> None:
+        """The hint's uses of ``group`` left: none is read (its reads are done)."""
+        uses = self._uses.pop(group, None)
+        if uses is not None:
+            self._use_count -= len(uses)
+            self._horizon_bytes -= self._horizon.pop(group)
+
+    def _spent_locked(self, group: int) -> bool:
+        """Whether the hint's reads of ``group`` are done though it lists more (see the text
+        storage's ``let_go``): it is not fetched ahead for them."""
+        return False
+
     def _use_locked(self, group: int) -> None:
         """A read of ``group``: its nearest use by the hint is done."""
         uses = self._uses.get(group)
@@ -409,6 +421,8 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
             seq, self._plan_seq = self._plan_seq, self._plan_seq + 1
             groups = distinct(np.searchsorted(self._gstarts, indices, side="right") - 1).tolist()
             for g in groups:
+                if self._spent_locked(g):
+                    continue
                 uses = self._uses.get(g)
                 if uses is None:
                     uses = self._uses[g] = deque()
@@ -559,9 +573,24 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
         with self._lock:
             self.counts["parquet_null_rows"] += len(hit)
 
+    def _decode_text_again(self, group: int, decoded: _Decoded) -> None:
+        """Give ``decoded`` its text again (decoded anew, checked as the first decode was)."""
+        fresh = self._decode_new(group)
+        with self._lock:
+            self.counts["parquet_row_group_decodes"] += 1
+            if decoded.values is None:
+                decoded.values = fresh.values
+                added = 0 if fresh.values is None else int(fresh.values.nbytes)
+                decoded.nbytes += added
+                if self._decoded.get(group) is decoded:
+                    self._decoded_bytes += added
+
     def _cut(self, group: int, decoded: _Decoded, local: I64) -> list[Any]:
         """Rows ``local`` of row group ``group``; a text that is not UTF-8 (a damaged page that
-        decoded) is refused by its place."""
+        decoded) is refused by its place. A text row group whose text was let go (every row
+        tokenized, some tokens let go since) is decoded again for it."""
+        if decoded.text and decoded.values is None:
+            self._decode_text_again(group, decoded)
         try:
             return decoded.rows(local)
         except UnicodeDecodeError as exc:

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from guideloom._process import release_malloc
 from guideloom.storage._parquet._decode import _ROW_OVERHEAD, I64, _Decoded
 from guideloom.storage._parquet._rowgroups import _LIVE, RELEASE_EVERY_BYTES, _RowGroups
+from guideloom.storage._text import kept_array
 
 __all__ = ["AHEAD_CHUNK", "TOKENIZE_BYTES", "TOKENIZING_FETCHERS"]
 
@@ -74,8 +76,10 @@ def _let_text_go(decoded: _Decoded) -> int:
     """Once every row of a row group is tokenized, its text is read no more (a storage that
     tokenizes reads tokens; a read of its texts is another storage's, with its own row groups):
     let it go. The bytes freed (under the storage's lock)."""
-    tokens = decoded.tokens
-    if decoded.values is None or tokens is None or any(t is None for t in tokens):
+    tokens, dropped = decoded.tokens, decoded.dropped
+    if decoded.values is None or tokens is None:
+        return 0
+    if any(t is None and (not dropped or i not in dropped) for i, t in enumerate(tokens)):
         return 0
     freed = int(decoded.values.nbytes)
     decoded.values = None
@@ -89,7 +93,7 @@ def _claim_locked(decoded: _Decoded, at: int, most: int = AHEAD_CHUNK) -> tuple[
     assert tokens is not None
     rows: list[int] = []
     while at < len(tokens) and len(rows) < most:
-        if tokens[at] is None and at not in decoded.claimed:
+        if tokens[at] is None and at not in decoded.claimed and at not in decoded.dropped:
             rows.append(at)
         at += 1
     decoded.claimed.update(rows)
@@ -112,13 +116,30 @@ class _TokenRows(_RowGroups):
         #: Held by the thread working ahead that tokenizes (over an object store several fetch).
         self._one_tokenizing = threading.Lock()
         self._since_trim = 0  # text bytes tokenized since the C heap last gave back its free pages
+        #: Row groups let go whole under the loader's hint (see :meth:`let_go`): not fetched or
+        #: tokenized ahead again for it (a read that needs one still decodes it).
+        self._spent_groups: set[int] = set()
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         keys = ("_to_tokenize", "_tokenizing", "_tokenizer_thread", "_tokens_stop", "_one_tokenizing")
-        for key in (*keys, "_since_trim"):
+        for key in (*keys, "_since_trim", "_spent_groups"):
             state.pop(key, None)
         return state
+
+    def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:
+        """A new hint (the loader's epoch): rows whose tokens were let go in the last one are
+        worth tokenizing ahead again (see :meth:`let_go`)."""
+        with self._lock:
+            for decoded in self._decoded.values():
+                if decoded.dropped:
+                    decoded.dropped.clear()
+                    decoded.scan, decoded.ahead_done = 0, False
+            self._spent_groups.clear()
+        super().will_read(windows)
+
+    def _spent_locked(self, group: int) -> bool:
+        return group in self._spent_groups
 
     def _tokenizes_ahead(self) -> bool:
         return self.tokenize_ahead and self._kind == "text" and self._encoder is not None and self._tokenize
@@ -169,7 +190,8 @@ class _TokenRows(_RowGroups):
         while True:
             with self._lock:
                 missing = [i for i in need if tokens[i] is None]
-                if not missing:
+                if not missing:  # taken under the lock: a let_go may drop rows after it
+                    got = [tokens[i] for i in wanted]
                     break
                 mine = [i for i in missing if i not in decoded.claimed]
                 if not mine:  # all being tokenized by another thread: wait for it
@@ -179,7 +201,7 @@ class _TokenRows(_RowGroups):
             self._tokenize_claimed(group, decoded, mine)
         if self.tokenize_ahead and ahead:
             self._tokenize_rest(group, decoded)
-        return [tokens[i] for i in wanted]
+        return got
 
     def _tokenize_claimed(self, group: int, decoded: _Decoded, rows: list[int]) -> None:
         """Tokenize ``rows`` (claimed by this thread) and keep their tokens; see
@@ -220,8 +242,10 @@ class _TokenRows(_RowGroups):
                 bounds = offsets.tolist()
                 for k, i in enumerate(rows):  # each row a view of its row group's part of the call
                     tokens[i] = flat[bounds[k] : bounds[k + 1]]
+                decoded.dropped.difference_update(rows)
                 made = len(flat)
                 added = int(flat.nbytes) + _ROW_OVERHEAD * len(rows)
+                decoded.token_bytes += added
                 self.counts["parquet_tokens_tokenized"] += made
                 freed = _let_text_go(decoded)
                 self._since_trim += freed  # given back to the system at the next trim
@@ -232,6 +256,70 @@ class _TokenRows(_RowGroups):
                     self._evict_locked(group, keep_new=True)
             self._lock.notify_all()
         return sum(len(t) for part in texts for t in part)
+
+    def let_go(self, indices: I64) -> None:
+        """Documents ``indices`` are read no more this epoch (packing has read every sequence
+        that holds a part of them): their kept tokens are dropped, and their row group's other
+        kept tokens copied together (a call's array holds rows of several documents); a row group
+        with no tokens or text left is dropped whole. A later read (the next epoch's) tokenizes
+        them again, decoding the row group again where its text was let go."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if not len(indices) or self._kind != "text":
+            return
+        groups = np.searchsorted(self._gstarts, indices, side="right") - 1
+        order = np.argsort(groups, kind="stable")
+        groups, indices = groups[order], indices[order]
+        cuts = np.flatnonzero(np.diff(groups)) + 1
+        with self._lock:
+            for part, local in zip(np.split(groups, cuts), np.split(indices, cuts), strict=True):
+                g = int(part[0])
+                decoded = self._decoded.get(g)
+                if decoded is not None and decoded.tokens is not None:
+                    self._drop_rows_locked(g, decoded, (local - self._gstarts[g]).tolist())
+
+    def _drop_rows_locked(self, group: int, decoded: _Decoded, rows: list[int]) -> None:
+        """Drop ``rows``' tokens (a row being tokenized now is left: it is made) and copy the
+        others into one array, so that the arrays the dropped rows shared are freed."""
+        tokens = decoded.tokens
+        assert tokens is not None
+        held = False
+        for i in rows:
+            if i not in decoded.claimed:
+                held = held or tokens[i] is not None
+                tokens[i] = None
+                decoded.dropped.add(i)
+        freed = _let_text_go(decoded)  # its other rows may all be tokenized or let go by now
+        decoded.nbytes -= freed
+        if self._decoded.get(group) is decoded:
+            self._decoded_bytes -= freed
+        if not held:
+            return
+        kept = [i for i, t in enumerate(tokens) if t is not None]
+        was = decoded.token_bytes
+        if kept:
+            assert self._encoder is not None
+            arrays = [tokens[i] for i in kept]
+            offsets = np.zeros(len(kept) + 1, dtype=np.int64)
+            np.cumsum([len(a) for a in arrays if a is not None], out=offsets[1:])
+            flat = kept_array(int(offsets[-1]), self._encoder.kept_dtype)
+            bounds = offsets.tolist()
+            for k, array in enumerate(arrays):
+                flat[bounds[k] : bounds[k + 1]] = array
+            flat.flags.writeable = False
+            for k, i in enumerate(kept):
+                tokens[i] = flat[bounds[k] : bounds[k + 1]]
+            decoded.token_bytes = int(flat.nbytes) + _ROW_OVERHEAD * len(kept)
+        else:
+            decoded.token_bytes = 0
+        change = decoded.token_bytes - was
+        decoded.nbytes += change
+        if self._decoded.get(group) is not decoded:
+            return
+        self._decoded_bytes += change
+        if not kept and decoded.values is None and not decoded.claimed:
+            self._decoded_bytes -= self._decoded.pop(group).nbytes
+            self._spent_groups.add(group)
+            self._forget_uses_locked(group)
 
     def _tokenize_rest(self, group: int, decoded: _Decoded) -> None:
         """Queue the rest of ``group``'s rows to be tokenized ahead (once), starting the thread

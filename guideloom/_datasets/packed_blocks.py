@@ -396,7 +396,7 @@ class PackedBlocks:
             if len(seen) < whole:
                 continue
             self._spent.add(b)
-            del self._seen[b]
+            self._seen.pop(b, None)  # (two reads may end the block at once: both let go, alike)
             if b == tails:
                 spent = [
                     self._docs[c] + np.arange(self._tail_from(c), len(o) - 1)

@@ -226,6 +226,8 @@ def main(argv: list[str] | None = None) -> None:
             row = {
                 "epoch1_x": got["p2"]["epoch1_tok_s"] / got["nw0"]["epoch1_tok_s"],
                 "steady_x": got["p2"]["steady_tok_s"] / got["nw0"]["steady_tok_s"],
+                "nw0_epoch1_Mtok_s": got["nw0"]["epoch1_tok_s"] / 1e6,
+                "p2_epoch1_Mtok_s": got["p2"]["epoch1_tok_s"] / 1e6,
                 "nw0_us_batch": got["nw0"]["main_us_batch"],
                 "nw0_read_us": got["parts"]["read_us_batch"],
                 "nw0_collate_us": got["parts"]["collate_us_batch"],

@@ -119,6 +119,7 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
         self._stopping = False
         self._bytes_ratio = 1.0  # see _estimate
         self._since_release = 0  # bytes decoded since arrow's pool last gave back its free pages
+        self._beside_reads = 0  # reads whose row groups are decoded beside them now
         self._readers: OrderedDict[int, Any] = OrderedDict()
         self._offsets: I64 | None = None
         self.counts = {"parquet_row_group_decodes": 0, "parquet_null_rows": 0, "parquet_tokens_tokenized": 0}
@@ -131,6 +132,7 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
             "_decoded_bytes",
             "_decoding",
             "_since_release",
+            "_beside_reads",
             "_readers",
             "counts",
             "_plan",
@@ -245,6 +247,14 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
                     raise
         return self._decode_as(group, mine)
 
+    def _end_beside(self) -> None:
+        """A read's decodes beside it are over: arrow's free pages given back if due."""
+        with self._lock:
+            self._beside_reads -= 1
+            release = self._release_due_locked()
+        if release:
+            _pa().default_memory_pool().release_unused()
+
     def _decoded_now(self, groups: list[int]) -> list[_Decoded] | None:
         """Row groups ``groups``, each decoded and kept, with no null row, taken for a read in
         one hold of the lock (each a use, as :meth:`_decode` records); None, and no use
@@ -281,14 +291,23 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
             del self._decoding[group]
             self._lock.notify_all()
             self._since_release += decoded.nbytes
-            release = self._kind == "text" or self._since_release >= RELEASE_EVERY_BYTES
-            if release:
-                self._since_release = 0
+            release = self._release_due_locked()
         mine.set_result(decoded)
         if release:
             # The decodes' own buffers are freed by now (what is kept was copied out).
             _pa().default_memory_pool().release_unused()
         return decoded
+
+    def _release_due_locked(self) -> bool:
+        """Whether arrow's free pages are to be given back now (the count starts again). Not
+        while row groups are decoded beside a read (``ParquetStorage._decode_beside``): given back between
+        two decodes on several threads, they were faulted in again by the next, three times the
+        page faults of one thread; the read gives them back once its decodes are done."""
+        due = self._kind == "text" or self._since_release >= RELEASE_EVERY_BYTES
+        if not due or not self._since_release or self._beside_reads:
+            return False
+        self._since_release = 0
+        return True
 
     def _evict_locked(self, new: int, *, keep_new: bool) -> None:
         """Drop decoded row groups until the kept bytes fit ``max_decoded_bytes``: first those no

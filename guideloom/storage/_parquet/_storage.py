@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -10,6 +12,38 @@ import numpy as np
 from guideloom._core.text import plural
 from guideloom.storage._parquet._decode import I64
 from guideloom.storage._parquet._lengths import _LengthIndex
+from guideloom.storage._parquet._rowgroups import _Decoding
+
+#: Threads that decode a read's row groups beside it (:meth:`ParquetStorage._decode_beside`) at
+#: most, one fewer than the process's cores at most.
+BESIDE_THREADS = 3
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - no affinity (macOS)
+        return os.cpu_count() or 1
+
+
+class _Beside:
+    """The threads decoding a read's row groups beside it; :meth:`stop` once the read is done
+    (or failed): they claim no other row group, and are joined (one may finish the row group it
+    decodes), so that none outlives the read."""
+
+    def __init__(self, end: Callable[[], None] | None = None) -> None:
+        self.threads: list[threading.Thread] = []
+        self.stopping = False
+        self._end = end
+
+    def stop(self) -> None:
+        self.stopping = True
+        for t in self.threads:
+            t.join()
+        end, self._end = self._end, None
+        if end is not None:
+            end()
 
 
 class ParquetStorage(_LengthIndex):
@@ -132,15 +166,67 @@ class ParquetStorage(_LengthIndex):
         kept = ordered[np.concatenate(([0], starts))]
         ats = np.split(order, starts)
         # one row group at a time: a read over many (a global row shuffle) holds one decoded
-        # group beyond the cache, and for a list column the rows' own values (decoding the others
-        # on threads beside it took more wall time and CPU on 2 busy cores, not less)
+        # group beyond the cache, and for a list column the rows' own values; the row groups it
+        # decodes are decoded on the other cores beside it where they all fit the cache
+        # (:meth:`_decode_beside`: a resume's first read decodes every row group)
         out: list[Any] = [None] * len(indices)
-        for g, at in zip(kept.tolist(), ats, strict=True):
-            decoded = self._decode(g)
-            self._nulls(g, decoded, local[at])
-            for i, row in zip(at.tolist(), cut(g, decoded, local[at]), strict=True):
-                out[i] = row
+        groups_list = kept.tolist()
+        beside = self._decode_beside(groups_list)
+        try:
+            for g, at in zip(groups_list, ats, strict=True):
+                decoded = self._decode(g)
+                self._nulls(g, decoded, local[at])
+                for i, row in zip(at.tolist(), cut(g, decoded, local[at]), strict=True):
+                    out[i] = row
+        finally:
+            beside.stop()
         return out
+
+    def _decode_beside(self, groups: list[int]) -> _Beside:
+        """Start threads that decode ``groups`` (a read's, in the order it decodes them) from
+        the last backwards while the read decodes them from the first: each row group is claimed
+        as :meth:`_decode` claims it, and the read waits for one claimed beside it. A read over
+        every row group (a resume's first batch under a global shuffle) then decodes on every
+        core, where arrow decodes a column chunk on one. Over local files only (an object
+        store's row groups are fetched ahead by the hint's threads), with two row groups or more
+        to decode, and where every row group the read decodes fits ``max_decoded_bytes``
+        beside those kept: none of the read's own is dropped for another. A decode that fails
+        beside the read is left to the read, which decodes that row group again and raises its
+        own error."""
+        cores = _cores()
+        if self._files.remote or len(groups) < 2 or cores < 2:
+            return _Beside()
+        with self._lock:
+            missing = [g for g in groups if g not in self._decoded and g not in self._decoding]
+            fits = self._decoded_bytes + sum(self._estimate(g) for g in missing) <= self.max_decoded_bytes
+            if len(missing) < 2 or not fits:
+                return _Beside()
+            self._beside_reads += 1
+        beside = _Beside(self._end_beside)
+        for _ in range(min(len(missing) - 1, cores - 1, BESIDE_THREADS)):
+            t = threading.Thread(
+                target=self._decode_backwards,
+                args=(missing, beside),
+                name="guideloom-parquet-decode",
+                daemon=True,
+            )
+            beside.threads.append(t)
+            t.start()
+        return beside
+
+    def _decode_backwards(self, groups: list[int], beside: _Beside) -> None:
+        """A thread of :meth:`_decode_beside`: ``groups`` not claimed yet, from the last."""
+        for g in reversed(groups):
+            with self._lock:
+                if beside.stopping:
+                    return
+                if g in self._decoded or g in self._decoding:
+                    continue
+                mine = self._decoding[g] = _Decoding(ahead=True)
+            try:
+                self._decode_as(g, mine)
+            except BaseException:  # the read decodes it again and raises its own error
+                return
 
     def _list_rows(self, groups: I64, local: I64) -> list[Any] | None:
         """A list column's rows over several row groups, when every group they touch is decoded

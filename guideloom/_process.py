@@ -6,6 +6,9 @@
   threads started on demand and joined at exit by ``concurrent.futures``.
 - **The C heap's free pages** given back to the system (:func:`release_malloc`, glibc's
   ``malloc_trim``: a no-op elsewhere).
+- **Cores** one read may spread its work over (:func:`cores`): the process's, or one in a
+  loader's worker process (:func:`one_core`), which runs beside the others, as torch runs on one
+  thread there.
 - **Checks already made** (:func:`remembered`): bounded maps from a file's identity to what a
   check found, so that an unchanged file is hashed once per process.
 
@@ -46,6 +49,7 @@ import concurrent.futures
 import ctypes
 import gc
 import multiprocessing.util  # noqa: F401 - before the exit hook below: see the exit order
+import os
 import sys
 import threading
 import weakref
@@ -55,7 +59,7 @@ from typing import Generic, TypeVar
 
 from guideloom._compat import at_threads_exit
 
-__all__ = ["Live", "pool", "release_malloc", "remembered", "reset"]
+__all__ = ["Live", "cores", "one_core", "pool", "release_malloc", "remembered", "reset"]
 
 T = TypeVar("T")
 K = TypeVar("K")
@@ -66,6 +70,7 @@ _LIVE: list[Live[object]] = []
 _LAST: list[Live[object]] = []
 _POOLS: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 _REMEMBERED: list[_Bounded[object, object]] = []
+_ONE_CORE = False
 
 
 class Live(Generic[T]):
@@ -127,6 +132,23 @@ def _stop_the_last() -> None:
 
 at_threads_exit(_stop_everything)
 atexit.register(_stop_the_last)
+
+
+def one_core() -> None:
+    """This process is one of a loader's worker processes: :func:`cores` is 1 from now on."""
+    global _ONE_CORE  # noqa: PLW0603 - the process's own setting
+    _ONE_CORE = True
+
+
+def cores() -> int:
+    """The cores one read of this process may spread its work over: those it may run on, or 1
+    in a worker process (:func:`one_core`)."""
+    if _ONE_CORE:
+        return 1
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - no affinity (macOS)
+        return os.cpu_count() or 1
 
 
 def pool(name: str, threads: int) -> concurrent.futures.ThreadPoolExecutor:

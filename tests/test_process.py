@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import guideloom as gl
 from guideloom import _process
@@ -84,3 +86,10 @@ def test_live_objects_after_threads_are_stopped_once_the_threads_are_joined() ->
 def test_pools_are_one_per_name() -> None:
     assert _process.pool("io", 128) is _process.pool("io", 128)
     assert _process.pool("io", 128) is not _process.pool("range", 512)
+
+
+def test_a_worker_process_keeps_a_read_on_one_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_process, "_ONE_CORE", False)
+    assert _process.cores() == len(os.sched_getaffinity(0))
+    _process.one_core()
+    assert _process.cores() == 1

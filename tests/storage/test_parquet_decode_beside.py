@@ -36,7 +36,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def cores(monkeypatch: pytest.MonkeyPatch) -> None:
     """Three cores, whatever the machine's: two threads decode beside a read."""
-    monkeypatch.setattr(_storage, "_cores", lambda: 3)
+    monkeypatch.setattr(_storage, "process_cores", lambda: 3)
 
 
 @pytest.fixture
@@ -138,7 +138,7 @@ def test_row_groups_are_decoded_beside_a_read_only_where_they_fit_and_a_core_is_
     cores_here: int,
     beside: bool,
 ) -> None:
-    monkeypatch.setattr(_storage, "_cores", lambda: cores_here)
+    monkeypatch.setattr(_storage, "process_cores", lambda: cores_here)
     storage = gl.open_parquet(folder, "input_ids", max_decoded_bytes=max_decoded_bytes)
     rows = every_row(storage)
     assert rows == [[i] * (1 + i % 5) for i in range(GROUPS * ROWS_PER_GROUP)]
@@ -164,6 +164,7 @@ def test_arrows_free_pages_are_given_back_once_the_decodes_beside_a_read_are_don
             return Pool()
 
     monkeypatch.setattr(_rowgroups, "_pa", Arrow)
+    monkeypatch.setattr(_storage, "_pa", Arrow)
     storage = gl.open_parquet(folder, "input_ids")
     every_row(storage)
     assert released == [0]  # once, after the threads beside the read were joined

@@ -27,6 +27,7 @@ import numpy as np
 from guideloom._core.delivery import Delivery, apply
 from guideloom._core.plan import EpochPlan
 from guideloom._core.schedule import Indexes, read_window, run_async, run_sync
+from guideloom._process import one_core
 from guideloom._runtime.processes.pack import GroupPack, unpack_samples
 from guideloom._runtime.processes.shm import Slots, StateSegment, attach_state, map_segment, sweep
 from guideloom._runtime.processes.wire import (
@@ -278,6 +279,7 @@ def worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     keep_freed_heap()
     one_thread_tokenizers()
+    one_core()  # beside the other workers: a read's work stays on this worker's core
     state_mm: mmap.mmap | None = None
     slots: Slots | None = None
     worker: _Worker | None = None

@@ -89,6 +89,19 @@ class _LocalFiles:
     def stats(self, paths: Sequence[str]) -> dict[str, _Stat]:
         return {p: self.stat(p) for p in paths}
 
+    def check_unchanged(self, path: str, opened: _Stat) -> None:
+        """Refuse file ``path`` where it is gone or another version than ``opened``."""
+        try:
+            now = self.stat(path)
+        except FileNotFoundError:
+            raise DatasetIntegrityError(f"{path}: the file is gone since the dataset was opened") from None
+        if now != opened:
+            raise DatasetIntegrityError(
+                f"{path}: the file changed since the dataset was opened (size {opened.size} -> "
+                f"{now.size} bytes, or its modification time); open it again (a checkpoint made "
+                "over the old files is refused)"
+            )
+
     def footer(self, path: str, size: int) -> tuple[Any, str]:
         """The file's footer, parsed, and the digest of its bytes (what identifies the file
         beside its size and modification time)."""
@@ -182,6 +195,9 @@ class _RemoteFiles:
     (retries, scrubbed errors, reads conditional on the version the footer was read from)."""
 
     remote = True
+
+    def check_unchanged(self, path: str, opened: _Stat) -> None:
+        """Nothing to look at: every range read of an object is conditional on its version."""
 
     def __init__(self, prefix_url: str, options: dict[str, Any]) -> None:
         self.prefix_url, self.options = prefix_url, options

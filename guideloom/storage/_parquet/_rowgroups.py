@@ -188,7 +188,7 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
                 self._readers.move_to_end(f)
                 return got
         e = self._entries[f]
-        self._check_unchanged(e)
+        self._files.check_unchanged(e.path, _Stat(e.size, e.version))
         try:
             md, footer = self._files.footer(e.path, e.size)
             if footer != e.footer:
@@ -207,20 +207,6 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
             while len(self._readers) > _OPEN_FILES:
                 self._readers.popitem(last=False)
         return got
-
-    def _check_unchanged(self, e: _FileEntry) -> None:
-        if self._files.remote:
-            return  # every range read is conditional on the version
-        try:
-            now = self._files.stat(e.path)
-        except FileNotFoundError:
-            raise DatasetIntegrityError(f"{e.path}: the file is gone since the dataset was opened") from None
-        if now != _Stat(e.size, e.version):
-            raise DatasetIntegrityError(
-                f"{e.path}: the file changed since the dataset was opened (size {e.size} -> {now.size} "
-                "bytes, or its modification time); open it again (a checkpoint made over the old "
-                "files is refused)"
-            )
 
     def _decode(self, group: int, *, read: bool = True) -> _Decoded:
         """Row group ``group`` decoded: kept, or read and decoded once (a reader that asks for
@@ -246,14 +232,6 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
                 if not pending.ahead:
                     raise
         return self._decode_as(group, mine)
-
-    def _end_beside(self) -> None:
-        """A read's decodes beside it are over: arrow's free pages given back if due."""
-        with self._lock:
-            self._beside_reads -= 1
-            release = self._release_due_locked()
-        if release:
-            _pa().default_memory_pool().release_unused()
 
     def _decoded_now(self, groups: list[int]) -> list[_Decoded] | None:
         """Row groups ``groups``, each decoded and kept, with no null row, taken for a read in
@@ -532,8 +510,7 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
         e = self._entries[f]
         md, reader, leaves = self._reader(f)
         g = int(self._group_in_file[group])
-        if not self._files.remote:
-            self._check_unchanged(e)
+        self._files.check_unchanged(e.path, _Stat(e.size, e.version))
         try:
             table = self._files.read_group(e.path, reader, g, [self.column], _chunk_range(md, g, leaves))
             column = table.column(self.column)
@@ -548,8 +525,8 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
             raise DatasetFormatError(f"{self._where(group)}: {exc}") from None
         except (OSError, ValueError, IndexError) as exc:
             raise DatasetFormatError(f"{self._where(group)}: cannot be decoded ({exc})") from None
-        if not self._files.remote:
-            self._check_unchanged(e)  # a file written over while it was read: not delivered
+        # a file written over while it was read: not delivered
+        self._files.check_unchanged(e.path, _Stat(e.size, e.version))
         self._check_values(group, md, leaves, decoded)
         return decoded
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -10,21 +9,15 @@ from typing import Any
 import numpy as np
 
 from guideloom._core.text import plural
+from guideloom._process import cores as process_cores
 from guideloom.storage._parquet._decode import I64
+from guideloom.storage._parquet._files import _pa
 from guideloom.storage._parquet._lengths import _LengthIndex
 from guideloom.storage._parquet._rowgroups import _Decoding
 
 #: Threads that decode a read's row groups beside it (:meth:`ParquetStorage._decode_beside`) at
-#: most, one fewer than the process's cores at most.
+#: most, one fewer than the cores a read may use at most (one in a worker process: none).
 BESIDE_THREADS = 3
-
-
-def _cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - no affinity (macOS)
-        return os.cpu_count() or 1
 
 
 class _Beside:
@@ -193,7 +186,7 @@ class ParquetStorage(_LengthIndex):
         beside those kept: none of the read's own is dropped for another. A decode that fails
         beside the read is left to the read, which decodes that row group again and raises its
         own error."""
-        cores = _cores()
+        cores = process_cores()
         if self._files.remote or len(groups) < 2 or cores < 2:
             return _Beside()
         with self._lock:
@@ -213,6 +206,14 @@ class ParquetStorage(_LengthIndex):
             beside.threads.append(t)
             t.start()
         return beside
+
+    def _end_beside(self) -> None:
+        """A read's decodes beside it are over: arrow's free pages given back if due."""
+        with self._lock:
+            self._beside_reads -= 1
+            release = self._release_due_locked()
+        if release:
+            _pa().default_memory_pool().release_unused()
 
     def _decode_backwards(self, groups: list[int], beside: _Beside) -> None:
         """A thread of :meth:`_decode_beside`: ``groups`` not claimed yet, from the last."""

@@ -164,6 +164,15 @@ class Job:
     def nbytes(self) -> int:
         return sum(e - s for s, e in zip(self.starts, self.ends, strict=True))
 
+    def takes(self, path: str, dest: U8, nbytes: int, limits: Limits) -> bool:
+        """Whether a range of ``nbytes`` of ``path``, copied to ``dest``, joins this job."""
+        return (
+            self.path == path
+            and self.dest is dest
+            and len(self.starts) < limits.ranges_per_call
+            and self.nbytes + nbytes <= limits.job_bytes
+        )
+
     @property
     def fetched_nbytes(self) -> int:
         """The bytes its ranges fetch (those held are not)."""
@@ -282,12 +291,7 @@ def plan(
     starts, ks = wlo[firsts].tolist(), k[firsts].tolist()
     for r, (first, kk, start, end) in enumerate(zip(firsts, ks, starts, ends, strict=True)):
         path = layout.paths[kk]
-        if (
-            job is None
-            or job.path != path
-            or len(job.starts) >= limits.ranges_per_call
-            or job.nbytes + (end - start) > limits.job_bytes
-        ):
+        if job is None or not job.takes(path, dest, end - start, limits):
             job = Job(path, dest)
             jobs.append(job)
         job.starts.append(start)
@@ -585,13 +589,7 @@ def _regroup(ranges: list[tuple[Job, int, int, Pieces]], limits: Limits) -> list
     jobs: list[Job] = []
     job: Job | None = None
     for old, s, e, pieces in ranges:
-        if (
-            job is None
-            or job.path != old.path
-            or job.dest is not old.dest
-            or len(job.starts) >= limits.ranges_per_call
-            or job.nbytes + (e - s) > limits.job_bytes
-        ):
+        if job is None or not job.takes(old.path, old.dest, e - s, limits):
             job = Job(old.path, old.dest, keeper=old.keeper)
             jobs.append(job)
         job.starts.append(s)

@@ -81,7 +81,7 @@ def _let_text_go(decoded: _Decoded) -> int:
     tokens, dropped = decoded.tokens, decoded.dropped
     if decoded.values is None or tokens is None:
         return 0
-    if any(t is None and (not dropped or i not in dropped) for i, t in enumerate(tokens)):
+    if any(t is None and i not in dropped for i, t in enumerate(tokens)):
         return 0
     freed = int(decoded.values.nbytes)
     decoded.values = None

@@ -312,6 +312,12 @@ def test_a_range_of_many_pieces_fills_as_piece_by_piece_copies(case: Any, seed: 
     base, pieces, size = case
     top = max(s + ln for s, ln, _ in pieces)
     src = np.random.default_rng(seed).integers(0, 256, 1 + top - base, np.uint8)
+    _fills_as_copies(base, pieces, size, src)
+
+
+def _fills_as_copies(base: int, pieces: list[tuple[int, int, int]], size: int, src: Any) -> None:
+    """``fill_range`` of a range starting at ``base`` with bytes ``src`` puts each piece where a
+    plain copy of it would, and nothing elsewhere."""
     expected = np.full(size, 7, np.uint8)
     for s, ln, off in pieces:
         expected[off : off + ln] = src[s - base : s - base + ln]
@@ -350,15 +356,8 @@ def piece_layouts(draw: Any) -> tuple[int, list[tuple[int, int, int]], int]:
 @given(piece_layouts(), st.integers(0, 2**16))
 def test_a_range_fills_as_piece_by_piece_copies_whatever_its_layout(case: Any, seed: int) -> None:
     base, pieces, size = case
-    src = np.random.default_rng(seed).integers(
-        0, 256, max(1, *(s + n - base for s, n, _ in pieces)), np.uint8
-    )
-    expected = np.full(size, 7, np.uint8)
-    for s, n, off in pieces:
-        expected[off : off + n] = src[s - base : s - base + n]
-    job = Job("a", np.full(size, 7, np.uint8), [base], [base + len(src)], [pieces_table(pieces)])
-    fill_range(job, 0, src.tobytes())
-    np.testing.assert_array_equal(job.dest, expected)
+    top = max(1, *(s + n - base for s, n, _ in pieces))
+    _fills_as_copies(base, pieces, size, np.random.default_rng(seed).integers(0, 256, top, np.uint8))
 
 
 def calls_to_fill(count: int) -> int:

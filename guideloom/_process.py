@@ -9,6 +9,8 @@
 - **Cores** one read may spread its work over (:func:`cores`): the process's, or one in a
   loader's worker process (:func:`one_core`), which runs beside the others, as torch runs on one
   thread there.
+- **Turns** (:class:`Turns`): work of background threads that takes turns, process-wide, and
+  starts afresh in a forked child (where the threads that held a turn do not exist).
 - **Checks already made** (:func:`remembered`): bounded maps from a file's identity to what a
   check found, so that an unchanged file is hashed once per process.
 
@@ -44,6 +46,7 @@ functions (``functools.cache``) are not state: they stay where they are used.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import concurrent.futures
 import ctypes
@@ -59,7 +62,17 @@ from typing import Generic, TypeVar
 
 from guideloom._compat import at_threads_exit
 
-__all__ = ["Live", "cores", "one_core", "pool", "release_malloc", "remembered", "reset"]
+__all__ = [
+    "Live",
+    "Turns",
+    "cores",
+    "one_core",
+    "pool",
+    "release_malloc",
+    "remembered",
+    "reset",
+    "runs_a_loop",
+]
 
 T = TypeVar("T")
 K = TypeVar("K")
@@ -134,6 +147,15 @@ at_threads_exit(_stop_everything)
 atexit.register(_stop_the_last)
 
 
+def runs_a_loop() -> bool:
+    """Whether this thread runs an event loop now."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 def one_core() -> None:
     """This process is one of a loader's worker processes: :func:`cores` is 1 from now on."""
     global _ONE_CORE  # noqa: PLW0603 - the process's own setting
@@ -149,6 +171,26 @@ def cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - no affinity (macOS)
         return os.cpu_count() or 1
+
+
+class Turns:
+    """A bound on how many threads do one kind of work at once (``with turns:``), for the whole
+    process. A child forked while a thread held a turn starts with every turn free: that thread
+    does not exist there, and would never give its turn back."""
+
+    def __init__(self, at_once: int) -> None:
+        self._at_once = at_once
+        self._sem = threading.BoundedSemaphore(at_once)
+        os.register_at_fork(after_in_child=self._afresh)
+
+    def _afresh(self) -> None:
+        self._sem = threading.BoundedSemaphore(self._at_once)
+
+    def __enter__(self) -> None:
+        self._sem.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._sem.release()
 
 
 def pool(name: str, threads: int) -> concurrent.futures.ThreadPoolExecutor:

@@ -51,7 +51,6 @@ pool is closed (:data:`~guideloom._runtime.processes.pool._POOLS`).
 
 from __future__ import annotations
 
-import asyncio
 import fcntl
 import gc
 import importlib
@@ -85,6 +84,7 @@ from guideloom._compat import (
     new_unix_address,
     serve_forks,
 )
+from guideloom._process import runs_a_loop
 
 __all__ = [
     "ForkedHere",
@@ -153,18 +153,9 @@ def may_fork_here(standby: ForkServer | None) -> bool:
     unless ``standby`` (the standby zygote, if any) can start them at once instead, or this
     thread runs an event loop (an ``async for``'s start: the loop is never put to sleep, and
     the threads beside it there are its own pipeline's, which do not end)."""
-    if standby is not None or _runs_a_loop():
+    if standby is not None or runs_a_loop():
         return fork_is_safe(0.0)
     return fork_is_safe()
-
-
-def _runs_a_loop() -> bool:
-    """Whether this thread runs an event loop now."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
 
 
 def import_each(modules: list[str]) -> list[str]:

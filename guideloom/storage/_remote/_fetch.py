@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeVar
 
 from guideloom._errors import DatasetIntegrityError
+from guideloom._process import Turns, cores
 from guideloom.storage._format._blocks import U64, BlockDigests, BlockMismatch, check_range, widen
 from guideloom.storage._format._manifest import Manifest
 from guideloom.storage._remote._held import HeldBlocks, Read, cut_held
@@ -47,6 +48,7 @@ from guideloom.storage._remote._options import ReadSettings
 from guideloom.storage._remote._ranges import U8, Job, Pieces, fill_range
 
 __all__ = [
+    "CPU_TURNS",
     "BlockCheckError",
     "InflightLimit",
     "PerLoop",
@@ -61,6 +63,15 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+
+#: The storage's own CPU work on its I/O threads, planning a read and copying fetched pieces into
+#: place, takes turns: as many at once as the process has cores less one (one at least). For small
+#: samples both are numpy calls over thousands of pieces that hold the GIL for milliseconds each;
+#: side by side on several I/O threads they keep the caller's event loop waiting for the GIL for
+#: several of its 5 ms switch intervals in a row, where queued here they wait on a lock, without
+#: it. The copies are memory-bound: one core copies far faster than ranges arrive.
+CPU_TURNS: Final = Turns(max(1, cores() - 1))
 
 
 @dataclass(slots=True)
@@ -350,7 +361,8 @@ class RangeFetcher:
         path, start, end = job.path, job.starts[i], job.ends[i]
         inhand = job.held.get(i) if job.held else None
         if inhand is not None:
-            fill_range(job, i, inhand)
+            with CPU_TURNS:
+                fill_range(job, i, inhand)
             return _FILLED
         local = self.local
         if local is not None and local.read_into(path, start, end, job.pieces[i], job.dest):
@@ -359,7 +371,8 @@ class RangeFetcher:
             return _FILLED
         version = self.versions.get(path)
         data = get_verified(store, path, start, end, version, self.blocks)
-        fill_range(job, i, data)
+        with CPU_TURNS:
+            fill_range(job, i, data)
         if job.keeper is not None:
             self.held.arrived(job.keeper, end - start)
             self._hold(path, start, end, data, version, job.keeper)

@@ -3,7 +3,10 @@
 - **Live objects** with background work (downloads, fetches ahead, stores, process workers):
   each kind in a :class:`Live` registry, stopped at interpreter exit (see *Exit order*).
 - **Thread pools** shared by every storage (:func:`pool`): created on first use, named, their
-  threads started on demand and joined at exit by ``concurrent.futures``.
+  threads started on demand and joined at exit by ``concurrent.futures``; never started by a
+  thread that runs an event loop (:func:`aside` starts them).
+- **The aside thread** (:func:`aside`): what a thread that runs an event loop hands off because
+  it would wait there (a thread's start).
 - **The C heap's free pages** given back to the system (:func:`release_malloc`, glibc's
   ``malloc_trim``: a no-op elsewhere).
 - **Cores** one read may spread its work over (:func:`cores`): the process's, or one in a
@@ -50,21 +53,24 @@ import asyncio
 import atexit
 import concurrent.futures
 import ctypes
+import functools
 import gc
 import multiprocessing.util  # noqa: F401 - before the exit hook below: see the exit order
 import os
+import queue
 import sys
 import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, MutableMapping
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from guideloom._compat import at_threads_exit
 
 __all__ = [
     "Live",
     "Turns",
+    "aside",
     "cores",
     "one_core",
     "pool",
@@ -84,6 +90,7 @@ _LAST: list[Live[object]] = []
 _POOLS: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 _REMEMBERED: list[_Bounded[object, object]] = []
 _ONE_CORE = False
+_ASIDE: queue.SimpleQueue[Callable[[], object]] | None = None
 
 
 class Live(Generic[T]):
@@ -198,10 +205,113 @@ def pool(name: str, threads: int) -> concurrent.futures.ThreadPoolExecutor:
     with _LOCK:
         found = _POOLS.get(name)
         if found is None:
-            found = _POOLS[name] = concurrent.futures.ThreadPoolExecutor(
-                threads, thread_name_prefix=f"guideloom-{name}"
-            )
+            found = _POOLS[name] = _Pool(threads, f"guideloom-{name}")
         return found
+
+
+def aside(fn: Callable[[], object]) -> None:
+    """Run ``fn()`` on this process's aside thread, in the order asked: what a thread that runs
+    an event loop hands off because it would wait for it. Starting a thread waits until the new
+    thread runs its first line, which with the GIL busy (I/O threads copying, a collate) is one
+    or two of CPython's 5 ms switch intervals: on the loop's thread, a stall of every task on
+    it. ``fn`` reports its own outcome; what it raises is reported as an uncaught error is."""
+    global _ASIDE  # noqa: PLW0603 - the process's one aside thread
+    with _LOCK:
+        if _ASIDE is None:
+            _ASIDE = queue.SimpleQueue()
+            threading.Thread(target=_run_aside, args=(_ASIDE,), name="guideloom-aside", daemon=True).start()
+        calls = _ASIDE
+    calls.put(fn)
+
+
+def _run_aside(calls: queue.SimpleQueue[Callable[[], object]]) -> None:
+    while True:
+        fn = calls.get()
+        try:
+            fn()
+        except BaseException as exc:  # reported, and the next call runs
+            sys.excepthook(type(exc), exc, exc.__traceback__)
+        del fn
+
+
+def _forget_aside() -> None:
+    """In a forked child: the aside thread is the parent's (a child starts its own)."""
+    global _ASIDE  # noqa: PLW0603
+    _ASIDE = None
+
+
+os.register_at_fork(after_in_child=_forget_aside)
+
+
+class _Pool(concurrent.futures.ThreadPoolExecutor):
+    """A thread pool that never starts a thread on a thread that runs an event loop.
+
+    A call submitted there while every thread is busy (``concurrent.futures`` would start one
+    then, and wait for it to run) is submitted by :func:`aside` instead, where the start may
+    wait; its future is the one returned here. Elsewhere, and wherever a thread is idle, a
+    submit is ``concurrent.futures``' own. Idle threads are counted here: the threads that
+    started, against the calls submitted and not finished.
+    """
+
+    def __init__(self, threads: int, prefix: str) -> None:
+        super().__init__(threads, thread_name_prefix=prefix, initializer=self._thread_up)
+        self._counts = threading.Lock()
+        self._up = 0  # threads started
+        self._busy = 0  # calls submitted and not finished
+
+    def _thread_up(self) -> None:
+        with self._counts:
+            self._up += 1
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
+        with self._counts:
+            idle = self._busy < self._up
+            self._busy += 1
+        try:
+            if idle or not runs_a_loop():
+                return super().submit(self._counted, fn, args, kwargs)
+        except BaseException:
+            self._finished()
+            raise
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        aside(functools.partial(self._submit_into, future, fn, args, kwargs))
+        return future
+
+    def _submit_into(
+        self, future: concurrent.futures.Future[T], fn: Callable[..., T], args: Any, kwargs: Any
+    ) -> None:
+        """On the aside thread: submit ``fn`` to run into ``future`` (a refusal set on it)."""
+        try:
+            super().submit(self._run_into, future, fn, args, kwargs)
+        except BaseException as exc:
+            self._finished()
+            if future.set_running_or_notify_cancel():
+                future.set_exception(exc)
+
+    def _counted(self, fn: Callable[..., T], args: Any, kwargs: Any) -> T:
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._finished()
+
+    def _run_into(
+        self, future: concurrent.futures.Future[T], fn: Callable[..., T], args: Any, kwargs: Any
+    ) -> None:
+        try:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+        finally:
+            self._finished()
+
+    def _finished(self) -> None:
+        with self._counts:
+            self._busy -= 1
 
 
 class _Bounded(MutableMapping[K, V]):

@@ -10,12 +10,15 @@ running (the thread goes on until it returns, or until the process exits).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import queue
 import threading
 import time
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from guideloom._process import aside, runs_a_loop
 
 __all__ = ["CLOSE_GRACE_S", "CollateThreads", "warn_left_running"]
 
@@ -51,8 +54,17 @@ def warn_left_running(what: str, seconds: float, stacklevel: int = 3) -> None:
     )
 
 
+def _start(t: threading.Thread, started: threading.Event) -> None:
+    """Start ``t`` (on the aside thread), then say so (whether it started or not)."""
+    try:
+        t.start()
+    finally:
+        started.set()
+
+
 class CollateThreads(concurrent.futures.Executor):
-    """``n`` daemon threads running submitted calls in order of submission."""
+    """``n`` daemon threads running submitted calls in order of submission. A thread asked for by
+    a thread that runs an event loop is started by the aside thread (:func:`~guideloom._process.aside`)."""
 
     def __init__(self, n: int, name: str = "guideloom-collate") -> None:
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
@@ -62,6 +74,7 @@ class CollateThreads(concurrent.futures.Executor):
         self._running: dict[threading.Thread, tuple[Callable[..., Any], tuple[Any, ...]]] = {}
         self._most, self._name = max(1, n), name
         self._threads: list[threading.Thread] = []  # started as calls come, up to n
+        self._starts: dict[threading.Thread, threading.Event] = {}  # those started aside
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
@@ -76,7 +89,11 @@ class CollateThreads(concurrent.futures.Executor):
                     target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True
                 )
                 self._threads.append(t)
-                t.start()
+                if runs_a_loop():  # a start waits for the thread to run: not on the loop
+                    started = self._starts[t] = threading.Event()
+                    aside(functools.partial(_start, t, started))
+                else:
+                    t.start()
         return future
 
     def _work(self) -> None:
@@ -124,7 +141,10 @@ class CollateThreads(concurrent.futures.Executor):
             return
         deadline = time.monotonic() + (CLOSE_GRACE_S if grace is None else grace)
         for t in list(self._threads):
-            if t is not threading.current_thread():
+            started = self._starts.get(t)
+            if started is not None:  # started aside: once it is
+                started.wait(max(0.0, deadline - time.monotonic()))
+            if t is not threading.current_thread() and t.ident is not None:
                 t.join(max(0.0, deadline - time.monotonic()))
         running = list(self._running.items())
         left = [f"{_describe(fn, args)} (on thread {t.name})" for t, (fn, args) in running if t.is_alive()]

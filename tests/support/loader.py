@@ -124,7 +124,7 @@ def without_the_process_module(monkeypatch: pytest.MonkeyPatch) -> None:
 
 #: The process-wide pools' threads (guideloom._process.pool): shared by every storage of the
 #: process and kept for its life, not a loader's.
-PROCESS_POOLS = ("guideloom-io_", "guideloom-range_", "guideloom-free_")
+PROCESS_POOLS = ("guideloom-io_", "guideloom-range_", "guideloom-free_", "guideloom-aside")
 
 
 def guideloom_threads() -> list[threading.Thread]:

@@ -77,6 +77,7 @@ __all__ = [
     "release_malloc",
     "remembered",
     "reset",
+    "run_into",
     "runs_a_loop",
 ]
 
@@ -243,6 +244,19 @@ def _forget_aside() -> None:
 os.register_at_fork(after_in_child=_forget_aside)
 
 
+def run_into(future: concurrent.futures.Future[T], fn: Callable[..., T], args: Any, kwargs: Any) -> None:
+    """``fn(*args, **kwargs)``, its outcome set on ``future`` (nothing run where ``future`` was
+    cancelled first), as ``concurrent.futures``' own workers run a call."""
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException as exc:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
 class _Pool(concurrent.futures.ThreadPoolExecutor):
     """A thread pool that never starts a thread on a thread that runs an event loop.
 
@@ -298,14 +312,7 @@ class _Pool(concurrent.futures.ThreadPoolExecutor):
         self, future: concurrent.futures.Future[T], fn: Callable[..., T], args: Any, kwargs: Any
     ) -> None:
         try:
-            if not future.set_running_or_notify_cancel():
-                return
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as exc:
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
+            run_into(future, fn, args, kwargs)
         finally:
             self._finished()
 

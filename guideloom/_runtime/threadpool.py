@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from guideloom._process import aside, runs_a_loop
+from guideloom._process import aside, run_into, runs_a_loop
 
 __all__ = ["CLOSE_GRACE_S", "CollateThreads", "warn_left_running"]
 
@@ -104,16 +104,9 @@ class CollateThreads(concurrent.futures.Executor):
                 self._queue.put(None)  # the others stop too
                 return
             future, fn, args, kwargs = item
-            if not future.set_running_or_notify_cancel():
-                continue
             self._running[me] = (fn, args)
             try:
-                result = fn(*args, **kwargs)
-            except BaseException as exc:
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
-                del result
+                run_into(future, fn, args, kwargs)
             finally:
                 self._running.pop(me, None)
                 # a finished batch is not kept alive here (by a thread that waits for its next)

@@ -52,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import ctypes
 import functools
 import gc
@@ -72,6 +73,7 @@ __all__ = [
     "Turns",
     "aside",
     "cores",
+    "idle_aside",
     "one_core",
     "pool",
     "release_malloc",
@@ -92,6 +94,7 @@ _POOLS: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 _REMEMBERED: list[_Bounded[object, object]] = []
 _ONE_CORE = False
 _ASIDE: queue.SimpleQueue[Callable[[], object]] | None = None
+_ASIDE_BUSY = False
 
 
 class Live(Generic[T]):
@@ -226,19 +229,33 @@ def aside(fn: Callable[[], object]) -> None:
 
 
 def _run_aside(calls: queue.SimpleQueue[Callable[[], object]]) -> None:
+    global _ASIDE_BUSY  # noqa: PLW0603 - this thread's own state
     while True:
         fn = calls.get()
+        _ASIDE_BUSY = True
         try:
             fn()
         except BaseException as exc:  # reported, and the next call runs
             sys.excepthook(type(exc), exc, exc.__traceback__)
         del fn
+        _ASIDE_BUSY = False
+
+
+def idle_aside() -> threading.Thread | None:
+    """The aside thread, where it waits for work: it then holds no lock (outside the queue it
+    waits on, which a forked child does not use), so a fork may leave it behind."""
+    if _ASIDE is None or _ASIDE_BUSY:
+        return None
+    for t in threading.enumerate():
+        if t.name == "guideloom-aside" and t.is_alive():
+            return t
+    return None
 
 
 def _forget_aside() -> None:
     """In a forked child: the aside thread is the parent's (a child starts its own)."""
-    global _ASIDE  # noqa: PLW0603
-    _ASIDE = None
+    global _ASIDE, _ASIDE_BUSY
+    _ASIDE, _ASIDE_BUSY = None, False
 
 
 os.register_at_fork(after_in_child=_forget_aside)
@@ -246,8 +263,8 @@ os.register_at_fork(after_in_child=_forget_aside)
 
 def run_into(future: concurrent.futures.Future[T], fn: Callable[..., T], args: Any, kwargs: Any) -> None:
     """``fn(*args, **kwargs)``, its outcome set on ``future`` (nothing run where ``future`` was
-    cancelled first), as ``concurrent.futures``' own workers run a call."""
-    if not future.set_running_or_notify_cancel():
+    cancelled or refused first), as ``concurrent.futures``' own workers run a call."""
+    if future.done() or not future.set_running_or_notify_cancel():
         return
     try:
         result = fn(*args, **kwargs)
@@ -294,13 +311,16 @@ class _Pool(concurrent.futures.ThreadPoolExecutor):
     def _submit_into(
         self, future: concurrent.futures.Future[T], fn: Callable[..., T], args: Any, kwargs: Any
     ) -> None:
-        """On the aside thread: submit ``fn`` to run into ``future`` (a refusal set on it)."""
+        """On the aside thread: submit ``fn`` to run into ``future``. A refusal (a pool shut down,
+        a thread that cannot start) is set on ``future``, unless a thread of the pool took the
+        call meanwhile (a refused start leaves it queued); the call counts as finished where it
+        runs, or is passed over there for its future being refused."""
         try:
             super().submit(self._run_into, future, fn, args, kwargs)
         except BaseException as exc:
-            self._finished()
-            if future.set_running_or_notify_cancel():
-                future.set_exception(exc)
+            with contextlib.suppress(concurrent.futures.InvalidStateError, RuntimeError):
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(exc)
 
     def _counted(self, fn: Callable[..., T], args: Any, kwargs: Any) -> T:
         try:

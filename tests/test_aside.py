@@ -120,3 +120,100 @@ def test_collate_threads_shut_down_before_their_start_aside_still_run_what_was_q
         assert future.result(timeout=0) == 32
     finally:
         closer.shutdown()
+
+
+def test_a_collate_thread_that_cannot_start_aside_fails_its_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process out of threads: the calls waiting get the error instead of waiting for ever, and
+    a later call tries to start a thread again."""
+    _process.aside(lambda: None)  # the aside thread itself, started before the failure
+    start = threading.Thread.start
+    refuse = [True]
+
+    def failing(self: threading.Thread) -> None:
+        if self.name.startswith("guideloom-collate") and refuse[0]:
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", failing)
+    pool = CollateThreads(1)
+    (first, second), _ = on_a_loop(lambda: [pool.submit(pow, 2, 3), pool.submit(pow, 2, 4)])
+    for future in (first, second):
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            future.result(timeout=30)
+    refuse[0] = False
+    (third,), _ = on_a_loop(lambda: [pool.submit(pow, 2, 5)])
+    assert third.result(timeout=30) == 32
+    pool.shutdown(wait=True)
+
+
+def test_an_async_for_whose_collate_thread_cannot_start_raises_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+
+    import guideloom as gl
+
+    _process.aside(lambda: None)
+    start = threading.Thread.start
+
+    def failing(self: threading.Thread) -> None:
+        if self.name.startswith("guideloom-collate"):
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", failing)
+    loader = gl.StatefulDataLoader.from_storage(
+        gl.MemoryStreamStorage(np.arange(4096, dtype=np.uint16)), list, sequence_length=16, local_batch_size=4
+    )
+
+    async def epoch() -> None:
+        async with loader:
+            async for _ in loader:
+                pass
+
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        asyncio.run(epoch())
+
+
+def test_an_idle_aside_thread_lets_workers_fork_from_this_process() -> None:
+    """After an ``async for`` (its collate thread started aside), the process may still fork its
+    process workers itself: the aside thread waiting for work holds no lock a child would copy."""
+    import subprocess
+    import sys
+
+    code = (
+        "import asyncio, threading\n"
+        "import numpy as np\n"
+        "import guideloom as gl\n"
+        "from guideloom._runtime.processes import zygote\n"
+        "loader = gl.StatefulDataLoader.from_storage(\n"
+        "    gl.MemoryStreamStorage(np.arange(4096, dtype=np.uint16)), list, sequence_length=16)\n"
+        "async def epoch():\n"
+        "    async with loader:\n"
+        "        return [b async for b in loader]\n"
+        "assert len(asyncio.run(epoch())) == 256\n"
+        "assert [t.name for t in threading.enumerate()] == ['MainThread', 'guideloom-aside']\n"
+        "assert zygote.fork_is_safe()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_pool_thread_that_cannot_start_aside_fails_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    _process.aside(lambda: None)
+    start = threading.Thread.start
+    refuse = [True]
+
+    def failing(self: threading.Thread) -> None:
+        if self.name.startswith("guideloom-test") and refuse[0]:
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", failing)
+    pool = _process._Pool(2, "guideloom-test")
+    try:
+        (refused,), _ = on_a_loop(lambda: [pool.submit(pow, 2, 3)])
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            refused.result(timeout=30)
+        refuse[0] = False
+        (taken,), _ = on_a_loop(lambda: [pool.submit(pow, 2, 4)])
+        assert taken.result(timeout=30) == 16
+    finally:
+        pool.shutdown(wait=True)

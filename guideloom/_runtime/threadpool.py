@@ -54,14 +54,6 @@ def warn_left_running(what: str, seconds: float, stacklevel: int = 3) -> None:
     )
 
 
-def _start(t: threading.Thread, started: threading.Event) -> None:
-    """Start ``t`` (on the aside thread), then say so (whether it started or not)."""
-    try:
-        t.start()
-    finally:
-        started.set()
-
-
 class CollateThreads(concurrent.futures.Executor):
     """``n`` daemon threads running submitted calls in order of submission. A thread asked for by
     a thread that runs an event loop is started by the aside thread (:func:`~guideloom._process.aside`)."""
@@ -91,10 +83,40 @@ class CollateThreads(concurrent.futures.Executor):
                 self._threads.append(t)
                 if runs_a_loop():  # a start waits for the thread to run: not on the loop
                     started = self._starts[t] = threading.Event()
-                    aside(functools.partial(_start, t, started))
+                    aside(functools.partial(self._start_aside, t, started))
                 else:
                     t.start()
         return future
+
+    def _start_aside(self, t: threading.Thread, started: threading.Event) -> None:
+        """On the aside thread: start ``t``, then say so. Where it cannot start (a process out of
+        threads) and the pool has no other thread, the calls waiting fail with that error rather
+        than wait for ever; a later call tries another thread."""
+        try:
+            t.start()
+        except Exception as exc:
+            with self._lock:
+                self._threads.remove(t)
+                alone = not self._threads
+            if alone:
+                self._fail_waiting(exc)
+        finally:
+            started.set()
+
+    def _fail_waiting(self, exc: Exception) -> None:
+        """Fail every call waiting in the queue with ``exc`` (a close's end mark stays)."""
+        closed = False
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                closed = True
+            elif item[0].set_running_or_notify_cancel():
+                item[0].set_exception(exc)
+        if closed:
+            self._queue.put(None)
 
     def _work(self) -> None:
         me = threading.current_thread()

@@ -84,7 +84,7 @@ from guideloom._compat import (
     new_unix_address,
     serve_forks,
 )
-from guideloom._process import runs_a_loop
+from guideloom._process import idle_aside, runs_a_loop
 
 __all__ = [
     "ForkedHere",
@@ -115,10 +115,14 @@ def _comm(task: str) -> str | None:
 
 
 def _threads_allow_fork() -> bool:
-    """Whether this is the process's only Python thread and every other thread is an unnamed
-    one of a native library's pool (a named one, such as obstore's runtime's, is not)."""
+    """Whether this is the process's only Python thread, but for guideloom's aside thread while
+    it waits for work (:func:`~guideloom._process.idle_aside`: it holds no lock then), and every
+    other thread is an unnamed one of a native library's pool (a named one, such as obstore's
+    runtime's, is not)."""
+    idle = idle_aside()
+    alone = 1 if idle is None else 2
     # threading's count misses threads started with _thread.start_new_thread; the frames do not
-    if threading.active_count() != 1 or len(current_frames()) != 1:
+    if threading.active_count() != alone or len(current_frames()) != alone:
         return False
     try:
         tasks = os.listdir("/proc/self/task")
@@ -126,7 +130,8 @@ def _threads_allow_fork() -> bool:
         return False
     me = str(threading.get_native_id())
     name = _comm(me)
-    return all(_comm(t) in (name, None, *_FORK_SAFE_NAMES) for t in tasks if t != me)
+    left = {me} if idle is None else {me, str(idle.native_id)}
+    return all(_comm(t) in (name, None, *_FORK_SAFE_NAMES) for t in tasks if t not in left)
 
 
 def fork_is_safe(ending_s: float = _ENDING_S) -> bool:

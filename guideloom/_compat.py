@@ -78,6 +78,19 @@ PRIVATE_ATTRIBUTES: dict[str, str] = {
     "multiprocessing.process.BaseProcess._args": (
         "keep open, in a worker forked from this process itself, the connections among its arguments"
     ),
+    "concurrent.futures.thread.ThreadPoolExecutor._idle_semaphore": (
+        "tell, on an event loop's thread, whether a pool would start a thread for a call (_process._Pool)"
+    ),
+    "concurrent.futures.thread.ThreadPoolExecutor._threads": "count a pool's threads against its most",
+    "concurrent.futures.thread.ThreadPoolExecutor._max_workers": "count a pool's threads against its most",
+    "concurrent.futures.thread.ThreadPoolExecutor._shutdown_lock": (
+        "start a pool's thread aside under the lock its submit holds for it"
+    ),
+    "concurrent.futures.thread.ThreadPoolExecutor._work_queue": (
+        "refuse the calls no thread will take (a start refused, the interpreter exiting)"
+    ),
+    "concurrent.futures.thread._global_shutdown_lock": "start a pool's thread aside as its submit would",
+    "concurrent.futures.thread._shutdown": "start no pool thread once the interpreter exits",
 }
 
 #: What is used, and why: checked by the compatibility test (each name must still be callable).
@@ -106,6 +119,9 @@ PRIVATE_APIS: dict[str, str] = {
     "multiprocessing.util._flush_std_streams": "flush output before a fork, else each worker writes it",
     "multiprocessing.util.Finalize": "close a worker's pipes when its Popen goes, as _launch does",
     "multiprocessing.util.close_fds": "close a worker's pipes when its Popen goes, as _launch does",
+    "concurrent.futures.thread.ThreadPoolExecutor._adjust_thread_count": (
+        "hand a pool's thread start, asked for on an event loop's thread, to the aside thread"
+    ),
 }
 
 

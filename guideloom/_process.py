@@ -52,9 +52,8 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
-import contextlib
+import concurrent.futures.thread
 import ctypes
-import functools
 import gc
 import multiprocessing.util  # noqa: F401 - before the exit hook below: see the exit order
 import os
@@ -277,68 +276,41 @@ def run_into(future: concurrent.futures.Future[T], fn: Callable[..., T], args: A
 class _Pool(concurrent.futures.ThreadPoolExecutor):
     """A thread pool that never starts a thread on a thread that runs an event loop.
 
-    A call submitted there while every thread is busy (``concurrent.futures`` would start one
-    then, and wait for it to run) is submitted by :func:`aside` instead, where the start may
-    wait; its future is the one returned here. Elsewhere, and wherever a thread is idle, a
-    submit is ``concurrent.futures``' own. Idle threads are counted here: the threads that
-    started, against the calls submitted and not finished.
+    Where ``concurrent.futures`` would start one there for a call just queued (no thread idle,
+    fewer than the most), the start is handed to :func:`aside`, where it may wait; the call
+    stays queued in its turn, for the new thread or for one that is idle first. The decision is
+    ``concurrent.futures``' own, made under its locks: the count of idle threads is its.
     """
 
-    def __init__(self, threads: int, prefix: str) -> None:
-        super().__init__(threads, thread_name_prefix=prefix, initializer=self._thread_up)
-        self._counts = threading.Lock()
-        self._up = 0  # threads started
-        self._busy = 0  # calls submitted and not finished
+    def _adjust_thread_count(self) -> None:
+        if not runs_a_loop():
+            super()._adjust_thread_count()
+        elif not self._idle_semaphore.acquire(timeout=0) and len(self._threads) < self._max_workers:
+            aside(self._grow)
 
-    def _thread_up(self) -> None:
-        with self._counts:
-            self._up += 1
-
-    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
-        with self._counts:
-            idle = self._busy < self._up
-            self._busy += 1
-        try:
-            if idle or not runs_a_loop():
-                return super().submit(self._counted, fn, args, kwargs)
-        except BaseException:
-            self._finished()
-            raise
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        aside(functools.partial(self._submit_into, future, fn, args, kwargs))
-        return future
-
-    def _submit_into(
-        self, future: concurrent.futures.Future[T], fn: Callable[..., T], args: Any, kwargs: Any
-    ) -> None:
-        """On the aside thread: submit ``fn`` to run into ``future``. A refusal (a pool shut down,
-        a thread that cannot start) is set on ``future``, unless a thread of the pool took the
-        call meanwhile (a refused start leaves it queued); the call counts as finished where it
-        runs, or is passed over there for its future being refused."""
-        try:
-            super().submit(self._run_into, future, fn, args, kwargs)
-        except BaseException as exc:
-            with contextlib.suppress(concurrent.futures.InvalidStateError, RuntimeError):
-                if future.set_running_or_notify_cancel():
-                    future.set_exception(exc)
-
-    def _counted(self, fn: Callable[..., T], args: Any, kwargs: Any) -> T:
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            self._finished()
-
-    def _run_into(
-        self, future: concurrent.futures.Future[T], fn: Callable[..., T], args: Any, kwargs: Any
-    ) -> None:
-        try:
-            run_into(future, fn, args, kwargs)
-        finally:
-            self._finished()
-
-    def _finished(self) -> None:
-        with self._counts:
-            self._busy -= 1
+    def _grow(self) -> None:
+        """On the aside thread: start a thread for a call queued on a loop's thread (unless an
+        idle one takes it first), under the locks that ``submit`` holds for it. A pool shut down
+        meanwhile gets it all the same: it runs what was queued before the shutdown, then ends.
+        Once the interpreter exits, or where the thread cannot start (a process out of threads),
+        the calls queued where no thread would take them are refused with the reason."""
+        cf = concurrent.futures.thread
+        with self._shutdown_lock, cf._global_shutdown_lock:
+            refusal: BaseException = RuntimeError("cannot schedule new futures after interpreter shutdown")
+            if not cf._shutdown:
+                try:
+                    super()._adjust_thread_count()
+                    return
+                except Exception as exc:
+                    refusal = exc
+            if not self._threads:
+                while True:
+                    try:
+                        item = self._work_queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is not None and item.future.set_running_or_notify_cancel():
+                        item.future.set_exception(refusal)
 
 
 class _Bounded(MutableMapping[K, V]):

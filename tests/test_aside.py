@@ -63,6 +63,28 @@ def test_a_pool_asked_on_a_loop_starts_its_threads_aside(starters: list[int]) ->
         pool.shutdown(wait=True)
 
 
+def test_a_pool_whose_thread_just_finished_a_call_starts_none_on_a_loop(starters: list[int]) -> None:
+    """Between the end of a call and its thread's return to idle (its future's callbacks run
+    there), a call submitted on a loop needs a thread: it is started aside all the same."""
+    pool = _process._Pool(4, "guideloom-test")
+    go, entered, gate = threading.Event(), threading.Event(), threading.Event()
+    try:
+        assert pool.submit(pow, 2, 0).result(timeout=30) == 1  # one thread, idle
+        starters.clear()
+        (first,), loop_thread = on_a_loop(lambda: [pool.submit(go.wait, 30)])
+        first.add_done_callback(lambda _: (entered.set(), gate.wait(30)))
+        go.set()
+        assert entered.wait(30)  # the call is done; its thread is not idle yet
+        (second,), _ = on_a_loop(lambda: [pool.submit(pow, 2, 3)])
+        assert second.result(timeout=30) == 8
+        gate.set()
+        assert first.result(timeout=30) is True
+        assert starters and loop_thread not in starters
+    finally:
+        gate.set()
+        pool.shutdown(wait=True)
+
+
 def test_a_pool_off_a_loop_starts_threads_where_it_is_asked(starters: list[int]) -> None:
     pool = _process._Pool(2, "guideloom-test")
     try:
@@ -87,15 +109,15 @@ def test_errors_and_refusals_reach_the_future_of_a_call_submitted_aside() -> Non
     closed.shutdown()
     with pytest.raises(RuntimeError, match="after shutdown"):
         closed.submit(pow, 2, 2)
-    # a call handed aside to a pool shut down meanwhile gets the refusal, never hangs
+    # a call queued before a shutdown runs, though its thread's start waited aside meanwhile
     late = _process._Pool(1, "guideloom-test")
     hold = threading.Event()
     _process.aside(lambda: hold.wait(30))  # the aside thread busy until the pool is shut down
-    refused, _ = on_a_loop(lambda: late.submit(pow, 2, 2))
-    late.shutdown()
+    queued, _ = on_a_loop(lambda: late.submit(pow, 2, 2))
+    late.shutdown(wait=False)
     hold.set()
-    with pytest.raises(RuntimeError, match="after shutdown"):
-        refused.result(timeout=30)
+    assert queued.result(timeout=30) == 4
+    late.shutdown(wait=True)
 
 
 def test_collate_threads_asked_on_a_loop_start_aside_and_close_in_time(starters: list[int]) -> None:

@@ -207,6 +207,18 @@ def test_each_private_attribute_read_is_still_set_where_it_is_read(dotted: str) 
         "_args": [importlib.import_module("multiprocessing.process")],
         "_forkserver": [importlib.import_module("multiprocessing.forkserver")],
         "_fds": [importlib.import_module("multiprocessing.popen_forkserver")],
+        **{
+            name: [importlib.import_module("concurrent.futures.thread")]
+            for name in (
+                "_idle_semaphore",
+                "_threads",
+                "_max_workers",
+                "_shutdown_lock",
+                "_work_queue",
+                "_global_shutdown_lock",
+                "_shutdown",
+            )
+        },
     }[attribute]
     for setter in setters:
         source = inspect.getsource(setter)

@@ -1183,3 +1183,37 @@ def test_a_first_read_over_several_row_groups_imports_no_masked_arrays(tmp_path:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("dictionary", [True, False])
+def test_a_text_row_group_decoded_in_slices_reads_as_the_whole_column(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dictionary: bool
+) -> None:
+    """A text row group is decoded ``TEXT_BATCH_ROWS`` rows at a time and joined: the same rows,
+    null rows where they were (read as empty, or refused by their place), the same row count
+    checked against the footer."""
+    from guideloom.storage._parquet import _files
+    from guideloom.storage._parquet._decode import _Decoded
+
+    monkeypatch.setattr(_files, "TEXT_BATCH_ROWS", 7)
+    texts = [None if i % 13 == 5 else f"row {i} " + "é" * (i % 5) for i in range(100)]
+    pq.write_table(
+        pa.table({"text": texts}), tmp_path / "t.parquet", row_group_size=50, use_dictionary=dictionary
+    )
+    parts: list[int] = []
+    joined = _Decoded.joined
+
+    def spy(slices: list[_Decoded]) -> _Decoded:
+        parts.append(len(slices))
+        return joined(slices)
+
+    monkeypatch.setattr(_Decoded, "joined", staticmethod(spy))
+    lenient = gl.open_parquet(tmp_path, "text", on_null="empty")
+    assert list(lenient.read_many_sync(np.arange(100))) == [t or "" for t in texts]
+    assert parts == [8, 8]  # 50 rows in slices of 7, in each row group
+    assert lenient.counts["parquet_null_rows"] == sum(t is None for t in texts)
+    strict = gl.open_parquet(tmp_path, "text")
+    with pytest.raises(
+        gl.DatasetFormatError, match=r"row group 0, column 'text': row 5 \(document 5\) is null"
+    ):
+        strict.read_many_sync(np.arange(10))

@@ -7,7 +7,8 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from guideloom._errors import DatasetFormatError
+from guideloom._core.text import plural
+from guideloom._errors import DatasetFormatError, DatasetIntegrityError
 from guideloom.storage._parquet._files import _pa
 
 I64 = npt.NDArray[np.int64]
@@ -66,9 +67,38 @@ class _Decoded:
         self.token_bytes = 0
         self.scan = 0
         self.ahead_done = False
-        self.nbytes = int(self.values.nbytes + self.offsets.nbytes) + (
+        self.nbytes = self._size()
+
+    def _size(self) -> int:
+        assert self.values is not None
+        return int(self.values.nbytes + self.offsets.nbytes) + (
             0 if self.nulls is None else int(self.nulls.nbytes)
         )
+
+    @classmethod
+    def joined(cls, parts: list[_Decoded]) -> _Decoded:
+        """Consecutive slices of one text row group's column, decoded each on its own, as one
+        (the first, its arrays replaced by the slices' together)."""
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            return cls(_pa().array([], _pa().string()), "text")
+        first = parts[0]
+        sizes = [len(p.offsets) - 1 for p in parts]
+        offsets = np.zeros(sum(sizes) + 1, dtype=np.int64)
+        np.cumsum(np.concatenate([np.diff(p.offsets) for p in parts]), out=offsets[1:])
+        values = np.concatenate([p.values for p in parts if p.values is not None])
+        if all(p.nulls is None for p in parts):
+            first.nulls = None
+        else:
+            blank = [
+                np.zeros(n, bool) if p.nulls is None else p.nulls for p, n in zip(parts, sizes, strict=True)
+            ]
+            first.nulls = np.concatenate(blank)
+        first.values, first.offsets, first.bounds = values, offsets, offsets.data
+        first.tokens = [None] * sum(sizes)
+        first.nbytes = first._size()
+        return first
 
     def rows(self, local: I64) -> list[Any]:
         off, values = self.offsets, self.values
@@ -86,6 +116,30 @@ class _Decoded:
 
     def lengths(self) -> I64:
         return np.diff(self.offsets)
+
+
+def check_values(decoded: _Decoded, group: Any, leaves: list[int], rows: int, where: str) -> None:
+    """Refuse a row group whose footer's row count is not what its column chunk holds: the
+    chunk's own count of values (``num_values``: one a row for a text column, one a list
+    element or empty list for a list column) against the rows decoded. A footer that says
+    fewer rows than the pages hold would otherwise drop the rest silently. ``group``: the row
+    group's footer metadata; ``rows``: its rows by the footer; ``where``: its place, named."""
+    if decoded.text:
+        values = len(decoded.offsets) - 1
+    else:
+        lengths = np.maximum(decoded.lengths(), 1)
+        if decoded.nulls is not None:
+            lengths[decoded.nulls] = 1
+        values = int(lengths.sum())
+    for j in leaves:
+        chunk = int(group.column(j).num_values)
+        if chunk != values:
+            raise DatasetIntegrityError(
+                f"{where}: the footer says {plural(rows, 'row')}, "
+                f"which hold {plural(values, 'value')}, but the column chunk holds "
+                f"{plural(chunk, 'value')}: the file's footer does not match its pages (damaged, "
+                "edited or written by a faulty writer); write the file again"
+            )
 
 
 def _buffer(buffer: Any, dtype: Any) -> npt.NDArray[Any]:

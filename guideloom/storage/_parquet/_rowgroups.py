@@ -24,7 +24,7 @@ from guideloom._core.text import plural
 from guideloom._errors import DatasetFormatError, DatasetIntegrityError, StorageError
 from guideloom._process import Live
 from guideloom.storage._format._blocks import distinct
-from guideloom.storage._parquet._decode import I64, OnNull, _Decoded
+from guideloom.storage._parquet._decode import I64, OnNull, _Decoded, check_values
 from guideloom.storage._parquet._files import _pa, _Stat
 from guideloom.storage._parquet._footers import _chunk_range, _FileEntry, _leaves
 from guideloom.storage._parquet._options import DEFAULT_FETCH_AHEAD
@@ -512,13 +512,21 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
         g = int(self._group_in_file[group])
         self._files.check_unchanged(e.path, _Stat(e.size, e.version))
         try:
-            table = self._files.read_group(e.path, reader, g, [self.column], _chunk_range(md, g, leaves))
-            column = table.column(self.column)
-            # one chunk (a row group's column): taken as it is, combine_chunks() would copy it
-            array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
-            if len(array) != e.rows[g]:
-                raise DatasetFormatError(f"decoded {plural(len(array), 'row')}, the footer says {e.rows[g]}")
-            decoded = _Decoded(array, e.kind)
+            where = (e.path, reader, g, [self.column], _chunk_range(md, g, leaves))
+            if e.kind == "text":  # a slice at a time (TEXT_BATCH_ROWS), each copied out of arrow
+                decoded = _Decoded.joined(
+                    [_Decoded(b.column(0), "text") for b in self._files.read_batches(*where)]
+                )
+            else:
+                column = self._files.read_group(*where).column(self.column)
+                # one chunk (a row group's column): taken as it is, combine_chunks() would copy it
+                decoded = _Decoded(
+                    column.chunk(0) if column.num_chunks == 1 else column.combine_chunks(), e.kind
+                )
+            if len(decoded.offsets) - 1 != e.rows[g]:
+                raise DatasetFormatError(
+                    f"decoded {plural(len(decoded.offsets) - 1, 'row')}, the footer says {e.rows[g]}"
+                )
         except (DatasetIntegrityError, FileNotFoundError, PermissionError, StorageError):
             raise
         except DatasetFormatError as exc:
@@ -527,31 +535,8 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
             raise DatasetFormatError(f"{self._where(group)}: cannot be decoded ({exc})") from None
         # a file written over while it was read: not delivered
         self._files.check_unchanged(e.path, _Stat(e.size, e.version))
-        self._check_values(group, md, leaves, decoded)
+        check_values(decoded, md.row_group(g), leaves, int(self._sizes[group]), self._where(group))
         return decoded
-
-    def _check_values(self, group: int, md: Any, leaves: list[int], decoded: _Decoded) -> None:
-        """Refuse a row group whose footer's row count is not what its column chunk holds: the
-        chunk's own count of values (``num_values``: one a row for a text column, one a list
-        element or empty list for a list column) against the rows decoded. A footer that says
-        fewer rows than the pages hold would otherwise drop the rest silently."""
-        g = int(self._group_in_file[group])
-        if decoded.text:
-            values = len(decoded.offsets) - 1
-        else:
-            lengths = np.maximum(decoded.lengths(), 1)
-            if decoded.nulls is not None:
-                lengths[decoded.nulls] = 1
-            values = int(lengths.sum())
-        for j in leaves:
-            chunk = int(md.row_group(g).column(j).num_values)
-            if chunk != values:
-                raise DatasetIntegrityError(
-                    f"{self._where(group)}: the footer says {plural(int(self._sizes[group]), 'row')}, "
-                    f"which hold {plural(values, 'value')}, but the column chunk holds "
-                    f"{plural(chunk, 'value')}: the file's footer does not match its pages (damaged, "
-                    "edited or written by a faulty writer); write the file again"
-                )
 
     def _nulls(self, group: int, decoded: _Decoded, local: I64) -> None:
         if decoded.nulls is None:

@@ -185,9 +185,11 @@ class ParquetStorage(_LengthIndex):
         to decode, and where every row group the read decodes fits ``max_decoded_bytes``
         beside those kept: none of the read's own is dropped for another. A decode that fails
         beside the read is left to the read, which decodes that row group again and raises its
-        own error."""
+        own error. Not for a text column: a read of its rows tokenizes them, which costs a hundred
+        times their decode, and a decode on a thread of its own left arrow's pages with that
+        thread (30-50 MiB at the peak for row groups of 6 MB)."""
         cores = process_cores()
-        if self._files.remote or len(groups) < 2 or cores < 2:
+        if self._files.remote or self._kind == "text" or len(groups) < 2 or cores < 2:
             return _Beside()
         with self._lock:
             missing = [g for g in groups if g not in self._decoded and g not in self._decoding]

@@ -65,12 +65,14 @@ __all__ = [
 T = TypeVar("T")
 
 
-#: The storage's own CPU work on its I/O threads, planning a read and copying fetched pieces into
-#: place, takes turns: as many at once as the process has cores less one (one at least). For small
-#: samples both are numpy calls over thousands of pieces that hold the GIL for milliseconds each;
-#: side by side on several I/O threads they keep the caller's event loop waiting for the GIL for
-#: several of its 5 ms switch intervals in a row, where queued here they wait on a lock, without
-#: it. The copies are memory-bound: one core copies far faster than ranges arrive.
+#: The copies of fetched ranges into place on the I/O threads take turns: as many at once as the
+#: process has cores less one (one at least). For small samples a copy is numpy calls over
+#: thousands of pieces that hold the GIL for milliseconds each; side by side on several I/O
+#: threads (up to 14 were seen) they keep the caller's event loop waiting for the GIL for several
+#: of its 5 ms switch intervals in a row, where queued here they wait on a lock, without it. The
+#: copies are memory-bound: one core copies far faster than ranges arrive. A read's planning
+#: does not wait for a turn: a read waiting for another's plan must not wait behind a stream of
+#: copies (the turn's lock is not first come, first served).
 CPU_TURNS: Final = Turns(max(1, cores() - 1))
 
 

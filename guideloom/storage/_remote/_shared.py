@@ -4,7 +4,6 @@ chunk cache, reads from the copy with the store as fallback, and read planning o
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import threading
 import warnings
@@ -21,7 +20,7 @@ from guideloom.storage._cache._copy import DatasetCache, copy_footprint
 from guideloom.storage._format._manifest import Manifest
 from guideloom.storage._local._storage import LocalDocumentStorage, LocalStreamStorage
 from guideloom.storage._remote._client import Remote
-from guideloom.storage._remote._fetch import CPU_TURNS, RangeFetcher, run_aside
+from guideloom.storage._remote._fetch import RangeFetcher, run_aside
 from guideloom.storage._remote._held import Read
 from guideloom.storage._remote._objstore import io_executor
 from guideloom.storage._remote._options import ReadSettings
@@ -154,13 +153,12 @@ class _ObjectStorageMixin:
 
         ticket = fetcher.ticket()  # the order of reads, before any planning
 
-        def planned(turn: Any = None) -> tuple[Any, Any]:
+        def planned() -> tuple[Any, Any]:
             try:
-                with turn or contextlib.nullcontext():
-                    out = plan(*args)
-                    then = None if after is None else after()
-                    if then:
-                        out[0][:] = lead(out[0], then, self._remote.limits)
+                out = plan(*args)
+                then = None if after is None else after()
+                if then:
+                    out[0][:] = lead(out[0], then, self._remote.limits)
             except BaseException:
                 fetcher.skip(ticket)
                 raise
@@ -169,7 +167,7 @@ class _ObjectStorageMixin:
         if n <= PLAN_INLINE_SAMPLES and after is None:
             out, (read, waits) = planned()
         else:
-            future = asyncio.get_running_loop().run_in_executor(io_executor(), planned, CPU_TURNS)
+            future = asyncio.get_running_loop().run_in_executor(io_executor(), planned)
             try:
                 out, (read, waits) = await asyncio.shield(future)
             except asyncio.CancelledError:  # planned all the same: the read ends, unread
@@ -411,14 +409,7 @@ async def _planned(n: int, plan: Callable[..., R], *args: Any) -> R:
     """``plan(*args)``: inline for a small read, on an I/O thread for a large one."""
     if n <= PLAN_INLINE_SAMPLES:
         return plan(*args)
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(io_executor(), _in_turn, functools.partial(plan, *args))
-
-
-def _in_turn(fn: Callable[[], R]) -> R:
-    """``fn()`` in the storage's turn for CPU work on its I/O threads (:data:`~._fetch.CPU_TURNS`)."""
-    with CPU_TURNS:
-        return fn()
+    return await asyncio.get_running_loop().run_in_executor(io_executor(), functools.partial(plan, *args))
 
 
 def _key(starts: npt.NDArray[np.int64]) -> tuple[int, int, int]:

@@ -1,6 +1,6 @@
-"""The storage's own CPU work on its I/O threads (planning a read, copying fetched pieces into
-place) takes turns: at most ``CPU_TURNS``' bound of them run at once, whatever the number of
-ranges in flight, and what is delivered is unchanged."""
+"""The copies of fetched pieces into place on the storage's I/O threads take turns: at most
+``CPU_TURNS``' bound of them run at once, whatever the number of ranges in flight, and what is
+delivered is unchanged."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 
 import guideloom
 from guideloom import StatefulDataLoader, _process
-from guideloom.storage._remote import _fetch, _ranges, _storage
+from guideloom.storage._remote import _fetch, _ranges
 from guideloom_dev.servers import MotoS3
 from tests.support.remote import BUCKET, Copies
 
@@ -67,12 +67,11 @@ class Overlap:
 
 
 @pytest.mark.parametrize("mode", ["sync", "async", "threads"])
-def test_planning_and_copying_take_turns_and_deliver_the_same_batches(
+def test_copies_take_turns_and_deliver_the_same_batches(
     small_samples: Copies, s3: MotoS3, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     overlap = Overlap()
     monkeypatch.setattr(_fetch, "fill_range", overlap.wrap(_ranges.fill_range))
-    monkeypatch.setattr(_storage, "plan_windows", overlap.wrap(_ranges.plan_windows))
 
     def run(storage: Any) -> list[torch.Tensor]:
         options: dict[str, Any] = {"num_workers": 2} if mode == "threads" else {}
@@ -100,7 +99,7 @@ def test_planning_and_copying_take_turns_and_deliver_the_same_batches(
     want = run(guideloom.open_stream(small_samples.local))
     assert len(got) == len(want) == len(small_samples.tokens) // SEQ // 16
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    assert overlap.calls > 20  # many ranges copied, reads planned, on I/O threads
+    assert overlap.calls > 20  # many ranges copied on I/O threads
     assert overlap.most <= max(1, _process.cores() - 1)
 
 

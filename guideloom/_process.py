@@ -92,7 +92,7 @@ _LAST: list[Live[object]] = []
 _POOLS: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 _REMEMBERED: list[_Bounded[object, object]] = []
 _ONE_CORE = False
-_ASIDE: queue.SimpleQueue[Callable[[], object]] | None = None
+_ASIDE: tuple[queue.SimpleQueue[Callable[[], object]], threading.Thread] | None = None  # its calls, itself
 _ASIDE_BUSY = False
 
 
@@ -221,9 +221,11 @@ def aside(fn: Callable[[], object]) -> None:
     global _ASIDE  # noqa: PLW0603 - the process's one aside thread
     with _LOCK:
         if _ASIDE is None:
-            _ASIDE = queue.SimpleQueue()
-            threading.Thread(target=_run_aside, args=(_ASIDE,), name="guideloom-aside", daemon=True).start()
-        calls = _ASIDE
+            calls: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
+            thread = threading.Thread(target=_run_aside, args=(calls,), name="guideloom-aside", daemon=True)
+            thread.start()
+            _ASIDE = (calls, thread)
+        calls = _ASIDE[0]
     calls.put(fn)
 
 
@@ -245,10 +247,7 @@ def idle_aside() -> threading.Thread | None:
     waits on, which a forked child does not use), so a fork may leave it behind."""
     if _ASIDE is None or _ASIDE_BUSY:
         return None
-    for t in threading.enumerate():
-        if t.name == "guideloom-aside" and t.is_alive():
-            return t
-    return None
+    return _ASIDE[1]
 
 
 def _forget_aside() -> None:
@@ -262,8 +261,8 @@ os.register_at_fork(after_in_child=_forget_aside)
 
 def run_into(future: concurrent.futures.Future[T], fn: Callable[..., T], args: Any, kwargs: Any) -> None:
     """``fn(*args, **kwargs)``, its outcome set on ``future`` (nothing run where ``future`` was
-    cancelled or refused first), as ``concurrent.futures``' own workers run a call."""
-    if future.done() or not future.set_running_or_notify_cancel():
+    cancelled first), as ``concurrent.futures``' own workers run a call."""
+    if not future.set_running_or_notify_cancel():
         return
     try:
         result = fn(*args, **kwargs)

@@ -31,6 +31,23 @@ def starters(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     yield calls
 
 
+class RefusedStarts:
+    """``Thread.start`` refused, as in a process out of threads, for threads whose names start
+    with ``prefix`` while :attr:`on` (the aside thread itself started before)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, prefix: str) -> None:
+        _process.aside(lambda: None)
+        self.on = True
+        start = threading.Thread.start
+
+        def failing(thread: threading.Thread) -> None:
+            if thread.name.startswith(prefix) and self.on:
+                raise RuntimeError("can't start new thread")
+            start(thread)
+
+        monkeypatch.setattr(threading.Thread, "start", failing)
+
+
 def on_a_loop(fn: Callable[[], Any]) -> tuple[Any, int]:
     """``fn()`` called in a coroutine, and the ident of the loop's thread."""
 
@@ -147,22 +164,13 @@ def test_collate_threads_shut_down_before_their_start_aside_still_run_what_was_q
 def test_a_collate_thread_that_cannot_start_aside_fails_its_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     """A process out of threads: the calls waiting get the error instead of waiting for ever, and
     a later call tries to start a thread again."""
-    _process.aside(lambda: None)  # the aside thread itself, started before the failure
-    start = threading.Thread.start
-    refuse = [True]
-
-    def failing(self: threading.Thread) -> None:
-        if self.name.startswith("guideloom-collate") and refuse[0]:
-            raise RuntimeError("can't start new thread")
-        start(self)
-
-    monkeypatch.setattr(threading.Thread, "start", failing)
+    refused = RefusedStarts(monkeypatch, "guideloom-collate")
     pool = CollateThreads(1)
     (first, second), _ = on_a_loop(lambda: [pool.submit(pow, 2, 3), pool.submit(pow, 2, 4)])
     for future in (first, second):
         with pytest.raises(RuntimeError, match="can't start new thread"):
             future.result(timeout=30)
-    refuse[0] = False
+    refused.on = False
     (third,), _ = on_a_loop(lambda: [pool.submit(pow, 2, 5)])
     assert third.result(timeout=30) == 32
     pool.shutdown(wait=True)
@@ -173,15 +181,7 @@ def test_an_async_for_whose_collate_thread_cannot_start_raises_it(monkeypatch: p
 
     import guideloom as gl
 
-    _process.aside(lambda: None)
-    start = threading.Thread.start
-
-    def failing(self: threading.Thread) -> None:
-        if self.name.startswith("guideloom-collate"):
-            raise RuntimeError("can't start new thread")
-        start(self)
-
-    monkeypatch.setattr(threading.Thread, "start", failing)
+    RefusedStarts(monkeypatch, "guideloom-collate")
     loader = gl.StatefulDataLoader.from_storage(
         gl.MemoryStreamStorage(np.arange(4096, dtype=np.uint16)), list, sequence_length=16, local_batch_size=4
     )
@@ -219,22 +219,13 @@ def test_an_idle_aside_thread_lets_workers_fork_from_this_process() -> None:
 
 
 def test_a_pool_thread_that_cannot_start_aside_fails_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    _process.aside(lambda: None)
-    start = threading.Thread.start
-    refuse = [True]
-
-    def failing(self: threading.Thread) -> None:
-        if self.name.startswith("guideloom-test") and refuse[0]:
-            raise RuntimeError("can't start new thread")
-        start(self)
-
-    monkeypatch.setattr(threading.Thread, "start", failing)
+    refusing = RefusedStarts(monkeypatch, "guideloom-test")
     pool = _process._Pool(2, "guideloom-test")
     try:
         (refused,), _ = on_a_loop(lambda: [pool.submit(pow, 2, 3)])
         with pytest.raises(RuntimeError, match="can't start new thread"):
             refused.result(timeout=30)
-        refuse[0] = False
+        refusing.on = False
         (taken,), _ = on_a_loop(lambda: [pool.submit(pow, 2, 4)])
         assert taken.result(timeout=30) == 16
     finally:

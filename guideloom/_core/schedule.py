@@ -40,6 +40,7 @@ __all__ = [
     "WINDOW_BATCHES",
     "Delivery",
     "Indexes",
+    "Offload",
     "ReadWindow",
     "future_reads",
     "max_window",
@@ -85,6 +86,7 @@ class Indexes:
     A permutation lookup is a few dozen numpy operations whatever the array's length, so looking
     up ~16k positions at once costs about what 16 do: a block of upcoming batches at a time costs
     a fraction of a microsecond a batch, where one lookup a window would cost microseconds.
+    One thread at a time: a driver runs all of a flow's windows in one place.
     """
 
     #: The most positions a block holds (an order may ask for fewer: :attr:`Order.lookup_block`).
@@ -331,11 +333,27 @@ def run_sync(schedule: ReadWindow, read: Callable[[Indices], Sequence[Any]]) -> 
     return run.deliveries
 
 
+#: Runs a call elsewhere and awaits it: ``await off(fn, *args)`` is ``fn(*args)``.
+Offload: TypeAlias = Callable[..., Awaitable[Any]]
+
+
 async def run_async(
-    schedule: ReadWindow, aread: Callable[[Indices], Awaitable[Sequence[Any]]]
+    schedule: ReadWindow,
+    aread: Callable[[Indices], Awaitable[Sequence[Any]]],
+    off: Offload | None = None,
 ) -> list[Delivery]:
-    """:func:`run_sync` with each request read by the coroutine function ``aread``."""
-    run = _Run(schedule)
+    """:func:`run_sync` with each request read by the coroutine function ``aread``.
+
+    ``off``: the schedule's own steps (the window's index lookup, its split into batches) run
+    through it, not on the awaiting loop: for a window of thousands of batches they are
+    milliseconds of Python work that every other task of the loop would wait for. The steps of
+    one schedule run one at a time, in order.
+    """
+    run = _Run(schedule) if off is None else await off(_Run, schedule)
     while run.request is not None:
-        run.resume(*(await _acall(aread, run.request)))
+        outcome = await _acall(aread, run.request)
+        if off is None:
+            run.resume(*outcome)
+        else:
+            await off(run.resume, *outcome)
     return run.deliveries

@@ -25,8 +25,9 @@ from typing import Any
 
 from guideloom._core.delivery import Delivery
 from guideloom._core.plan import EpochPlan
-from guideloom._core.schedule import future_reads, run_async, run_sync
+from guideloom._core.schedule import WINDOW_BATCHES, Offload, future_reads, run_async, run_sync
 from guideloom._loop import LoopThread
+from guideloom._process import aside, run_into
 from guideloom._runtime.config import PipelineConfig
 from guideloom._runtime.executors import (
     UNMEASURED,
@@ -291,6 +292,10 @@ class AsyncDriver:
         )
         if self.procs is not None:
             self.procs.flow = flow
+        #: Where the reads' own steps run: windows of thousands of batches (an object store's)
+        #: cost milliseconds to look up and split, off the loop; a few dozen batches' cost less
+        #: than the hop. Every window of the flow in one place: they share its index lookup.
+        self._off: Offload | None = on_aside if flow.largest > WINDOW_BATCHES else None
         self._up: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._moved: asyncio.Event | None = None
@@ -365,7 +370,8 @@ class AsyncDriver:
         loop = self._loop
         assert loop is not None
         while (r := flow.next_read(ahead=True)) is not None:
-            task = loop.create_task(run_async(flow.schedule(r), dataset.read_many), name="guideloom-read")
+            read = run_async(flow.schedule(r), dataset.read_many, self._off)
+            task = loop.create_task(read, name="guideloom-read")
             r.handle = task
             self._reading.add(task)
             task.add_done_callback(self._read_done)
@@ -454,6 +460,15 @@ class AsyncDriver:
             loop.call_soon_threadsafe(self.stop)
         except RuntimeError:  # the loop closed meanwhile
             self.flow.closed = True
+
+
+async def on_aside(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` run on the process's aside thread (:func:`~guideloom._process.aside`), one
+    call after another in the order asked, and awaited: work the loop's other tasks would wait
+    for. Cancelled before it runs, it does not run."""
+    done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    aside(functools.partial(run_into, done, fn, args, {}))
+    return await asyncio.wrap_future(done)
 
 
 def _wake_from_thread(loop: asyncio.AbstractEventLoop, waiting: asyncio.Future[Any], _: object) -> None:

@@ -148,6 +148,42 @@ def test_the_async_driver_delivers_what_the_sync_driver_does() -> None:
         assert _values(a) == _values(b) and sync_read.requests == async_read.requests
 
 
+def test_an_offload_runs_every_step_of_the_schedule_and_changes_no_delivery() -> None:
+    """``run_async(..., off)``: the index lookup and the split run inside ``off``, never in the
+    awaiting coroutine, one at a time; the deliveries are those of the steps run in place, a
+    failed window localised batch by batch included."""
+    plan, order = _plan(60, 4), _order(60, seed=5)
+    inside: list[bool] = [False]
+
+    class Watched(Indexes):
+        def of(self, specs: Any) -> Indices:
+            assert inside[0], "a lookup outside the offload"
+            return super().of(specs)
+
+    steps: list[str] = []
+
+    async def off(fn: Any, *args: Any) -> Any:
+        assert not inside[0], "two steps at once"
+        inside[0] = True
+        try:
+            await asyncio.sleep(0)
+            steps.append(getattr(fn, "__name__", type(fn).__name__))
+            return fn(*args)
+        finally:
+            inside[0] = False
+
+    bad = int(order.take(np.asarray([30]))[0])
+    for failing in (None, bad):
+        specs = plan.batches(1, 12)
+        plain, moved = Reads(bad=failing), Reads(bad=failing)
+        a = asyncio.run(run_async(read_window(specs, Indexes(plan, order), "r"), plain.aread))
+        steps.clear()
+        b = asyncio.run(run_async(read_window(specs, Watched(plan, order), "r"), moved.aread, off))
+        assert [(d.spec, type(d.error)) for d in a] == [(d.spec, type(d.error)) for d in b]
+        assert _values(a) == _values(b) and plain.requests == moved.requests
+        assert steps == ["_Run", *["resume"] * len(moved.requests)]
+
+
 def test_an_index_lookup_failure_is_delivered_not_raised() -> None:
     class Broken(Indexes):
         def of(self, specs: Any) -> Indices:

@@ -170,6 +170,49 @@ async def test_collate_never_runs_on_the_callers_loop(prefetch: int) -> None:
     assert names and all(n.startswith("guideloom-collate") for n in names), set(names)
 
 
+class WideWindows(gl.MemoryStreamStorage):
+    """A memory stream read in windows of hundreds of batches, as an object store is."""
+
+    read_window_batches = 512
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("wide", [False, True])
+async def test_a_wide_windows_lookup_and_split_run_off_the_callers_loop(
+    wide: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A window of hundreds of batches costs milliseconds to look up and split into batches:
+    that runs off the loop, and the batches are those of the sync loop. Windows of a few dozen
+    batches are looked up on the loop (less than the hop)."""
+    from guideloom._core import schedule
+
+    where: list[str] = []
+    of = schedule.Indexes.of
+
+    def watched(self: schedule.Indexes, specs: Any) -> Any:
+        where.append(threading.current_thread().name)
+        return of(self, specs)
+
+    monkeypatch.setattr(schedule.Indexes, "of", watched)
+    kind = WideWindows if wide else gl.MemoryStreamStorage
+    data = np.arange(3000 * 4, dtype=np.int64)
+    options: dict[str, Any] = dict(sequence_length=4, local_batch_size=3, shuffle=True, shuffle_seed=2)
+    sync = gl.StatefulDataLoader.from_storage(kind(data), IdsOf(4), **options)
+    with sync:
+        expected = list(sync)
+    where.clear()
+    loader = gl.StatefulDataLoader.from_storage(kind(data), IdsOf(4), **options)
+    async with loader:
+        got = [batch async for batch in loader]
+    assert got == expected
+    loop_thread = threading.current_thread().name
+    assert where, "no window was read"
+    if wide:
+        assert loop_thread not in where and set(where) == {"guideloom-aside"}
+    else:
+        assert set(where) == {loop_thread}
+
+
 @pytest.mark.asyncio
 async def test_async_for_yields_to_the_loop_once_per_buffered_batch() -> None:
     loader = gl.StatefulDataLoader.from_storage(

@@ -284,11 +284,14 @@ def moto_bucket(folder: Path) -> Iterator[dict[str, Any]]:
     the storage options to read it with, and stops the server on leaving."""
     import boto3
 
+    import guideloom_dev.servers
     from guideloom_dev.servers import free_port, wait_for_port
 
     port = free_port()
+    # the project's wrapper of moto's server: a production server's listen backlog (see it)
+    server = Path(guideloom_dev.servers.__file__).with_name("moto_server.py")
     moto = subprocess.Popen(
-        [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
+        [sys.executable, str(server), "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,

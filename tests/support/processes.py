@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -167,4 +168,14 @@ def stuck_forever(samples: Sequence[np.ndarray]) -> list[int]:
     if int(samples[0][0]) // SEQ >= 4:
         while True:
             time.sleep(1)
+    return ids(samples)
+
+
+class CollateWarning(UserWarning):
+    """What :func:`warning_ids` warns with, for every batch."""
+
+
+def warning_ids(samples: Sequence[Any]) -> list[int]:
+    """:func:`ids`, warning with :class:`CollateWarning` first."""
+    warnings.warn("a batch the collate finds odd", CollateWarning, stacklevel=1)
     return ids(samples)

@@ -55,6 +55,7 @@ from guideloom._runtime.processes.wire import (
     Task,
     load_exception,
 )
+from guideloom._runtime.processes.worker import warning_filters
 from guideloom._runtime.processes.zygote import (
     HereContext,
     ZygoteContext,
@@ -90,8 +91,9 @@ class WorkerPool:
             not posix_shm_available()
         ):  # pragma: no cover - guideloom's process workers need POSIX shared memory
             raise RuntimeError("parallel_method='process' needs POSIX shared memory; use 'thread'")
+        filters = warning_filters()
         try:
-            self.spec = pickle.dumps((dataset, collate_fn), protocol=5)
+            self.spec = pickle.dumps((dataset, collate_fn, filters), protocol=5)
         except Exception as exc:
             raise TypeError(
                 f"parallel_method='process' sends the dataset to each worker process, but "

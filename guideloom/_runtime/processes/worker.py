@@ -14,10 +14,12 @@ import multiprocessing.connection
 import os
 import pickle
 import random
+import re
 import select
 import signal
 import sys
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -50,7 +52,7 @@ from guideloom._runtime.processes.wire import (
 if TYPE_CHECKING:
     from guideloom._datasets import DatasetAbstract
 
-__all__ = ["worker_main"]
+__all__ = ["use_warning_filters", "warning_filters", "worker_main"]
 
 #: Input segments a worker keeps mapped; the main process reuses a few per worker.
 MAX_INPUTS = 16
@@ -62,6 +64,43 @@ MAX_INPUTS = 16
 #: time: measured at more than the collate itself for batches of 280 KB of token ids.
 KEEP_FREED_BYTES = 32 << 20
 OWN_MAPPING_BYTES = 16 << 20
+
+
+#: A warning filter as :func:`warnings.filterwarnings` takes it: action, message and module
+#: patterns, category, line.
+Filter = tuple[str, str, type[Warning] | tuple[type[Warning], ...], str, int]
+
+
+def warning_filters() -> list[Filter] | None:
+    """This process's warning filters, to send to its workers; None where one would not pickle
+    (a category the workers could not import): they then keep their own. A worker started from
+    a process forked earlier (the standby zygote, the fork server) would otherwise warn, or not,
+    or raise a warning as an error, by the filters of that earlier moment."""
+    out: list[Filter] = []
+    for action, message, category, module, lineno in warnings.filters:
+        out.append((action, _pattern(message), category, _pattern(module), lineno))
+    try:
+        pickle.dumps(out, protocol=5)
+    except Exception:
+        return None
+    return out
+
+
+def _pattern(regex: re.Pattern[str] | str | None) -> str:
+    """A filter's pattern as ``filterwarnings`` takes it: a plain string in a filter (the
+    interpreter's own defaults) matches itself only."""
+    if regex is None:
+        return ""
+    return re.escape(regex) + r"\Z" if isinstance(regex, str) else regex.pattern
+
+
+def use_warning_filters(filters: list[Filter] | None) -> None:
+    """In a worker: the filters of the process that started it (:func:`warning_filters`)."""
+    if filters is None:
+        return
+    warnings.resetwarnings()
+    for action, message, category, module, lineno in filters:
+        warnings.filterwarnings(action, message, category, module, lineno, append=True)  # type: ignore[arg-type]
 
 
 def keep_freed_heap() -> bool:
@@ -287,7 +326,8 @@ def worker_main(
         try:
             state_mm = attach_state(state)
             slots = Slots(prefix, np.frombuffer(state_mm, np.uint8))
-            dataset, collate_fn = pickle.loads(spec)
+            dataset, collate_fn, filters = pickle.loads(spec)
+            use_warning_filters(filters)
             random.seed(seed)
             np.random.seed(seed % 2**32)
             torch = sys.modules.get("torch")

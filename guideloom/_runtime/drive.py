@@ -326,6 +326,11 @@ class AsyncDriver:
                 self._pump()
                 d = flow.take()
                 if d is not None:
+                    if d.error is None:
+                        # As the sync driver: the collate need not wait for the next request, the
+                        # credit of the batch taken is back (process workers keep the request's).
+                        flow.limit = self.cfg.capacity + (self.procs is not None)
+                        flow.fill()
                     return d
                 if flow.finished():
                     return None

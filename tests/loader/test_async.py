@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -136,3 +137,41 @@ async def test_remaining_of_an_async_iterator() -> None:
         await it.__anext__()
         assert len(it) == 6
         await it.aclose()
+
+
+class CountingIds:
+    """Collate to the observation ids of a stream of 4-element samples, counting its calls
+    (from any thread)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, samples: Sequence[npt.NDArray[Any]]) -> list[int]:
+        with self.lock:
+            self.calls += 1
+        return [int(s[0]) // 4 for s in samples]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "workers",
+    [{"prefetch": 1}, {"prefetch": 4}, {"num_workers": 2, "prefetch": 2, "parallel_method": "thread"}],
+    ids=["prefetch 1", "prefetch 4", "2 threads"],
+)
+async def test_async_for_collates_no_more_ahead_than_prefetch_allows(workers: dict[str, Any]) -> None:
+    """However long the loop body takes, at most ``prefetch + num_workers`` batches are
+    collated beyond those handed out, as in sync code."""
+    collate = CountingIds()
+    loader = gl.StatefulDataLoader.from_storage(
+        identity_stream(400), collate, sequence_length=4, local_batch_size=2, **workers
+    )
+    capacity = workers["prefetch"] + workers.get("num_workers", 0)
+    got: list[int] = []
+    async with loader:
+        async for batch in loader:
+            got.extend(batch)
+            for _ in range(3):  # the collate threads run ahead as far as they may
+                await asyncio.sleep(0.001)
+            assert collate.calls <= len(got) // 2 + capacity
+    assert sorted(got) == list(range(400))

@@ -185,22 +185,41 @@ def cores() -> int:
 
 class Turns:
     """A bound on how many threads do one kind of work at once (``with turns:``), for the whole
-    process. A child forked while a thread held a turn starts with every turn free: that thread
-    does not exist there, and would never give its turn back."""
+    process, of ``at_once()`` turns, asked when a turn is first taken: a worker process, forked
+    from a process of many cores, is sized by its own (:func:`one_core`). A child forked while a
+    thread held a turn starts with every turn free: that thread does not exist there, and would
+    never give its turn back."""
 
-    def __init__(self, at_once: int) -> None:
-        self._at_once = at_once
-        self._sem = threading.BoundedSemaphore(at_once)
+    def __init__(self, at_once: Callable[[], int]) -> None:
+        self._size = at_once
+        self._lock = threading.Lock()
+        self._sem: tuple[threading.BoundedSemaphore, int] | None = None  # and its size
         os.register_at_fork(after_in_child=self._afresh)
 
     def _afresh(self) -> None:
-        self._sem = threading.BoundedSemaphore(self._at_once)
+        self._lock = threading.Lock()
+        self._sem = None
+
+    @property
+    def at_once(self) -> int:
+        """How many threads may hold a turn at once in this process."""
+        return self._turns()[1]
+
+    def _turns(self) -> tuple[threading.BoundedSemaphore, int]:
+        sem = self._sem
+        if sem is None:
+            with self._lock:
+                if self._sem is None:
+                    n = max(1, self._size())
+                    self._sem = (threading.BoundedSemaphore(n), n)
+                sem = self._sem
+        return sem
 
     def __enter__(self) -> None:
-        self._sem.acquire()
+        self._turns()[0].acquire()
 
     def __exit__(self, *exc: object) -> None:
-        self._sem.release()
+        self._turns()[0].release()
 
 
 def pool(name: str, threads: int) -> concurrent.futures.ThreadPoolExecutor:

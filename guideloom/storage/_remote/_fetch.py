@@ -73,7 +73,7 @@ T = TypeVar("T")
 #: copies are memory-bound: one core copies far faster than ranges arrive. A read's planning
 #: does not wait for a turn: a read waiting for another's plan must not wait behind a stream of
 #: copies (the turn's lock is not first come, first served).
-CPU_TURNS: Final = Turns(max(1, cores() - 1))
+CPU_TURNS: Final = Turns(lambda: cores() - 1)
 
 
 @dataclass(slots=True)

@@ -112,7 +112,7 @@ def test_a_child_forked_while_a_turn_is_held_has_every_turn() -> None:
     code = (
         "import os\n"
         "from guideloom._process import Turns\n"
-        "turns = Turns(1)\n"
+        "turns = Turns(lambda: 1)\n"
         "with turns:\n"
         "    pid = os.fork()\n"
         "    if pid == 0:\n"
@@ -120,5 +120,28 @@ def test_a_child_forked_while_a_turn_is_held_has_every_turn() -> None:
         "            os._exit(7)\n"
         "    _, status = os.waitpid(pid, 0)\n"
         "assert os.waitstatus_to_exitcode(status) == 7, status\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env={**os.environ})
+
+
+def test_a_worker_process_takes_its_turns_by_its_own_cores() -> None:
+    """Sized when a turn is first taken: in a child forked from a process of 4 cores that is one
+    of a loader's worker processes (one core), one turn; in the parent, 3."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os\n"
+        "from guideloom import _process\n"
+        "_process.cores = lambda _cores=_process.cores: 1 if _process._ONE_CORE else 4\n"
+        "turns = _process.Turns(lambda: _process.cores() - 1)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    _process.one_core()\n"
+        "    os._exit(10 + turns.at_once)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "assert os.waitstatus_to_exitcode(status) == 11, status\n"
+        "assert turns.at_once == 3, turns.at_once\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env={**os.environ})

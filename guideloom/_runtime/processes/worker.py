@@ -71,18 +71,20 @@ OWN_MAPPING_BYTES = 16 << 20
 Filter = tuple[str, str, type[Warning] | tuple[type[Warning], ...], str, int]
 
 
-def warning_filters() -> list[Filter] | None:
-    """This process's warning filters, to send to its workers; None where one would not pickle
-    (a category the workers could not import): they then keep their own. A worker started from
-    a process forked earlier (the standby zygote, the fork server) would otherwise warn, or not,
-    or raise a warning as an error, by the filters of that earlier moment."""
-    out: list[Filter] = []
+def warning_filters() -> list[bytes] | None:
+    """This process's warning filters, each pickled on its own, to send to its workers; None
+    where one would not pickle (a category defined in a function): they then keep their own. A
+    worker started from a process forked earlier (the standby zygote, the fork server) would
+    otherwise warn, or not, or raise a warning as an error, by the filters of that earlier
+    moment. Each on its own: a worker leaves out one whose category it cannot import
+    (:func:`use_warning_filters`), and keeps the others."""
+    out: list[bytes] = []
     for action, message, category, module, lineno in warnings.filters:
-        out.append((action, _pattern(message), category, _pattern(module), lineno))
-    try:
-        pickle.dumps(out, protocol=5)
-    except Exception:
-        return None
+        one: Filter = (action, _pattern(message), category, _pattern(module), lineno)
+        try:
+            out.append(pickle.dumps(one, protocol=5))
+        except Exception:
+            return None
     return out
 
 
@@ -94,12 +96,21 @@ def _pattern(regex: re.Pattern[str] | str | None) -> str:
     return re.escape(regex) + r"\Z" if isinstance(regex, str) else regex.pattern
 
 
-def use_warning_filters(filters: list[Filter] | None) -> None:
-    """In a worker: the filters of the process that started it (:func:`warning_filters`)."""
+def use_warning_filters(filters: list[bytes] | None) -> None:
+    """In a worker: the filters of the process that started it (:func:`warning_filters`). One
+    whose category cannot be imported here (a class under the main guard of the script that made
+    the pool, or of a module made at run time) is left out: it matches no warning raised here,
+    and it must not stop the worker."""
     if filters is None:
         return
+    loaded: list[Filter] = []
+    for pickled in filters:
+        try:
+            loaded.append(pickle.loads(pickled))
+        except Exception:
+            continue
     warnings.resetwarnings()
-    for action, message, category, module, lineno in filters:
+    for action, message, category, module, lineno in loaded:
         warnings.filterwarnings(action, message, category, module, lineno, append=True)  # type: ignore[arg-type]
 
 

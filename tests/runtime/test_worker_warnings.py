@@ -98,3 +98,28 @@ def test_the_workers_start_with_a_filter_of_a_category_only_this_process_has(
         with loader:
             got = [i for batch in loader for i in batch]
     assert sorted(got) == list(range(64))
+
+
+def test_a_filter_that_does_not_pickle_leaves_the_others_sent() -> None:
+    """A category defined in a function does not pickle: the other filters are sent all the
+    same. A worker that has it too (forked from the pool's process) keeps it in its place; one
+    that does not (another process's) leaves it out."""
+
+    class Local(UserWarning):
+        pass
+
+    def described() -> list[tuple[str, object, int]]:
+        return [(f[0], f[2], f[4]) for f in warnings.filters]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CollateWarning)
+        warnings.simplefilter("ignore", Local)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        here = described()
+        sent = warning_filters()
+        assert sent.count(None) == 1 and len(sent) == len(here)
+        use_warning_filters(sent)  # a worker forked from here
+        assert described() == here
+        warnings.resetwarnings()  # a worker of another process
+        use_warning_filters(sent)
+        assert described() == [f for f in here if f[1] is not Local]

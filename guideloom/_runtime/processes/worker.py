@@ -71,21 +71,25 @@ OWN_MAPPING_BYTES = 16 << 20
 Filter = tuple[str, str, type[Warning] | tuple[type[Warning], ...], str, int]
 
 
-def warning_filters() -> list[bytes] | None:
-    """This process's warning filters, each pickled on its own, to send to its workers; None
-    where one would not pickle (a category defined in a function): they then keep their own. A
-    worker started from a process forked earlier (the standby zygote, the fork server) would
-    otherwise warn, or not, or raise a warning as an error, by the filters of that earlier
-    moment. Each on its own: a worker leaves out one whose category it cannot import
-    (:func:`use_warning_filters`), and keeps the others."""
-    out: list[bytes] = []
-    for action, message, category, module, lineno in warnings.filters:
-        one: Filter = (action, _pattern(message), category, _pattern(module), lineno)
-        try:
-            out.append(pickle.dumps(one, protocol=5))
-        except Exception:
-            return None
-    return out
+def warning_filters() -> list[bytes | None]:
+    """This process's warning filters, each pickled on its own, to send to its workers (None in
+    the place of one that does not pickle: a category defined in a function). A worker started
+    from a process forked earlier (the standby zygote, the fork server) would otherwise warn, or
+    not, or raise a warning as an error, by the filters of that earlier moment. Each on its own:
+    one that a worker cannot use does not take the others with it (:func:`use_warning_filters`)."""
+    return [_pickled(_filter(*f)) for f in warnings.filters]
+
+
+def _filter(action: str, message: Any, category: Any, module: Any, lineno: int) -> Filter:
+    """An entry of ``warnings.filters`` as ``filterwarnings`` takes it."""
+    return (action, _pattern(message), category, _pattern(module), lineno)
+
+
+def _pickled(one: Filter) -> bytes | None:
+    try:
+        return pickle.dumps(one, protocol=5)
+    except Exception:
+        return None
 
 
 def _pattern(regex: re.Pattern[str] | str | None) -> str:
@@ -96,18 +100,22 @@ def _pattern(regex: re.Pattern[str] | str | None) -> str:
     return re.escape(regex) + r"\Z" if isinstance(regex, str) else regex.pattern
 
 
-def use_warning_filters(filters: list[bytes] | None) -> None:
-    """In a worker: the filters of the process that started it (:func:`warning_filters`). One
-    whose category cannot be imported here (a class under the main guard of the script that made
-    the pool, or of a module made at run time) is left out: it matches no warning raised here,
-    and it must not stop the worker."""
-    if filters is None:
-        return
+def use_warning_filters(filters: list[bytes | None]) -> None:
+    """In a worker: the filters of the process that started it (:func:`warning_filters`).
+
+    One whose category cannot be imported here (a class under the main guard of the script that
+    made the pool, or of a module made at run time) is left out: it matches no warning raised
+    here, and it must not stop the worker. The filters that did not pickle take the places of
+    this process's own that do not either, in order, where there are as many (a worker forked
+    from the pool's process has the same); else they are left out too (a class defined in a
+    function of another process is not one of this process's)."""
+    own = [one for one in (_filter(*f) for f in warnings.filters) if _pickled(one) is None]
+    mine = iter(own if len(own) == filters.count(None) else [])
     loaded: list[Filter] = []
     for pickled in filters:
         try:
-            loaded.append(pickle.loads(pickled))
-        except Exception:
+            loaded.append(next(mine) if pickled is None else pickle.loads(pickled))
+        except Exception:  # StopIteration included: an unpicklable one not kept
             continue
     warnings.resetwarnings()
     for action, message, category, module, lineno in loaded:

@@ -18,8 +18,9 @@ percentile stall, the heartbeat's worst alone on an idle loop right after each e
 as it (what the machine itself adds, over as many wake-ups), the worst of each less the time
 the loop's thread waited for a core meanwhile (``held back``: what this process kept the loop
 from, its own work, the GIL, a collection, which the machine's load does not add to), and tokens
-per second of ``async for`` against the sync ``for`` over the same data; the load average
-before and after.
+per second of ``async for`` against the sync ``for`` over the same data, each an epoch of its own
+(the ``async for`` one without the heartbeat, whose wake-ups read the loop thread's scheduler
+counts: work on the loop that the sync loop does not carry); the load average before and after.
 With ``--gc-freeze`` the objects alive once the imports and the benchmark's own set-up (the S3
 server's uploader client) are done are frozen (``gc.freeze()``): a full garbage collection, which
 holds the GIL whoever triggers it, then skips them. With ``--why`` each case is followed by what
@@ -106,10 +107,12 @@ async def _idle(seconds: float) -> Late:
     return late
 
 
-async def _async_epoch(url: str, options: dict[str, Any], workers: int) -> tuple[float, int, Late]:
+async def _async_epoch(
+    url: str, options: dict[str, Any], workers: int, *, beat: bool = True
+) -> tuple[float, int, Late]:
     stop = asyncio.Event()
     late: Late = ([], [])
-    beat = asyncio.create_task(_heartbeat(stop, late))
+    ticker = asyncio.create_task(_heartbeat(stop, late) if beat else stop.wait())
     await asyncio.sleep(0.01)  # the heartbeat runs before the loader does
     t0 = time.perf_counter()
     # open_stream reads the manifest before it returns: a coroutine calls it on a thread
@@ -120,7 +123,7 @@ async def _async_epoch(url: str, options: dict[str, Any], workers: int) -> tuple
             n += batch.numel()
     seconds = time.perf_counter() - t0
     stop.set()
-    await beat
+    await ticker
     return seconds, n, late
 
 
@@ -252,6 +255,9 @@ def main(argv: list[str] | None = None) -> None:
                             WHY.report("the heartbeat alone", worst=1)
                         late[0].extend(lates[0])
                         late[1].extend(lates[1])
+                        # the rate of an epoch with no heartbeat: its wake-ups read the scheduler's
+                        # counts on the loop, work that neither the loader nor the sync loop does
+                        seconds, n, _ = asyncio.run(_async_epoch("s3://bench/gl", opts, workers, beat=False))
                         rate_async.append(n / seconds)
                         seconds, n = _sync_epoch("s3://bench/gl", opts, workers)
                         rate_sync.append(n / seconds)

@@ -6,6 +6,7 @@ is. Every collate here is module-level: process workers unpickle it by its modul
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Sequence
@@ -89,3 +90,17 @@ class FailingStorage(gl.MemoryStreamStorage):
         if self.bad_start in starts.tolist():
             raise OSError(f"disk error at {self.bad_start}")
         return await super().read_many(starts, length)
+
+
+class NeverOpens(gl.MemoryStreamStorage):
+    """A storage whose ``open()`` never returns in another process than the one that made it:
+    a process worker that opens it never reports ready."""
+
+    def __init__(self, tokens: npt.ArrayLike) -> None:
+        super().__init__(tokens)
+        self.maker = os.getpid()
+
+    async def open(self) -> None:
+        if os.getpid() != self.maker:
+            await asyncio.sleep(3600)
+        await super().open()

@@ -43,7 +43,7 @@ from guideloom._process import Live
 from guideloom._runtime.processes.pack import Segment, pack_samples
 from guideloom._runtime.processes.proc import TERMINATE_S, Group, Proc
 from guideloom._runtime.processes.shm import SHM_PREFIX, posix_shm_available, release, sweep
-from guideloom._runtime.processes.start import check_not_bootstrapping, worker_context
+from guideloom._runtime.processes.start import START_ENV, check_not_bootstrapping, worker_context
 from guideloom._runtime.processes.wire import (
     End,
     Failed,
@@ -71,6 +71,10 @@ __all__ = ["SHUTDOWN_GRACE_S", "Group", "Proc", "Session", "WorkerPool"]
 
 #: How long ``close()`` waits for a worker to finish its batch before terminating it.
 SHUTDOWN_GRACE_S = 5.0
+#: How long a worker may take from its start to report ready (its imports, the dataset's
+#: ``open()``) before the start fails: a worker that never reports (forked with ``fork`` from a
+#: process where another thread held a lock at that moment) would hold the loader forever.
+READY_S = 300.0
 #: How long ``close()`` waits for a start under way to end before it kills the workers' fork
 #: server (a stopped zygote never answers the start's fork request), then for the start again.
 START_END_S = 1.0
@@ -309,6 +313,13 @@ class WorkerPool:
 
     def _wait_ready(self, p: Proc) -> None:
         try:
+            if not p.results.poll(READY_S):
+                raise WorkerError(
+                    f"guideloom worker process {p.index} did not report ready within {READY_S:.0f} s of "
+                    "its start (its imports and the dataset's open()); it is stopped. A worker forked "
+                    f"with {START_ENV}=fork from a process that runs other threads can wait forever "
+                    "on a lock one of them held: leave that variable unset"
+                )
             msg: Ready | Failed | None = pickle.loads(p.results.recv_bytes())
         except (EOFError, OSError):
             msg = None

@@ -192,10 +192,17 @@ class TextEncoder:
 
     def _ids(self, texts: Sequence[str]) -> list[Any]:
         """Each text's token ids (a list or an array), without ``bos``/``eos``."""
+        docs = self._encoded(texts)
+        return [d if isinstance(d, np.ndarray) else d.ids for d in docs]
+
+    def _encoded(self, texts: Sequence[str]) -> list[Any]:
+        """Each text encoded, without ``bos``/``eos``: a ``tokenizers`` encoding (``len()`` its
+        tokens, ``.ids`` their ids as a list made on each access) or a callable's checked ids."""
         tok = self._built()
         if hasattr(tok, "encode_batch"):
             encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
-            return [e.ids for e in encode(list(texts), add_special_tokens=False)]
+            encoded: list[Any] = encode(list(texts), add_special_tokens=False)
+            return encoded
         call: Callable[[str], Any] = tok
         return [self._checked(call(t)) for t in texts]
 
@@ -207,20 +214,25 @@ class TextEncoder:
         texts' offsets into it: what a storage keeps for its reads. An array of a page or more
         is a memory mapping of its own, given back to the system whole once it is dropped (a
         small array per text, among the tokenizer's freed buffers, would leave the C heap
-        holding pages that are mostly free)."""
-        ids = self._ids([t for group in groups for t in group])
+        holding pages that are mostly free). Each text's encoding is let go once its ids are
+        copied, and its ids made as a list one text at a time: the call's encodings and their
+        ids as Python ints (some 80 and 40 bytes a token) are not all held at once."""
+        docs = self._encoded([t for group in groups for t in group])
         first = 0 if self.bos_id is None else 1
         extra = first + (0 if self.eos_id is None else 1)
         out = []
         at = 0
         for group in groups:
-            docs = ids[at : at + len(group)]
-            at += len(group)
-            offsets = np.zeros(len(docs) + 1, dtype=np.int64)
-            np.cumsum([len(d) + extra for d in docs], out=offsets[1:])
+            offsets = np.zeros(len(group) + 1, dtype=np.int64)
+            np.cumsum([len(docs[i]) + extra for i in range(at, at + len(group))], out=offsets[1:])
             flat = kept_array(int(offsets[-1]), self.kept_dtype)
-            for start, doc in zip(offsets[:-1].tolist(), docs, strict=True):
-                flat[start + first : start + first + len(doc)] = doc
+            for start in offsets[:-1].tolist():
+                doc, docs[at] = docs[at], None
+                at += 1
+                flat[start + first : start + first + len(doc)] = (
+                    doc if isinstance(doc, np.ndarray) else doc.ids
+                )
+                del doc
             if self.bos_id is not None:
                 flat[offsets[:-1]] = self.bos_id
             if self.eos_id is not None:

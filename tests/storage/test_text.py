@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -132,3 +133,56 @@ def test_encode_kept_holds_each_groups_tokens_back_to_back_as_encode_many_makes_
         assert rows == [r.tolist() for r in encoder.encode_many(texts)]
     mapped = [isinstance(getattr(flat.base, "obj", None), mmap.mmap) for flat, _ in kept]
     assert mapped == [False, False, True]
+
+
+def test_encode_kept_lets_each_encoding_go_once_its_ids_are_copied(tokenizer_json: str) -> None:
+    """A call's encodings are not all held until the last is copied: when a text's ids are
+    read, the texts before it have let theirs go (a call's encodings hold some 80 bytes a
+    token), and the tokens are the tokenizer's own."""
+    import weakref
+
+    from tokenizers import Tokenizer
+
+    from guideloom.storage._text import TextEncoder
+
+    live: weakref.WeakSet[Any] = weakref.WeakSet()
+    alive_at_read: list[int] = []
+
+    class Tracked:
+        def __init__(self, encoding: Any) -> None:
+            self._encoding = encoding
+            live.add(self)
+
+        def __len__(self) -> int:
+            return len(self._encoding)
+
+        @property
+        def ids(self) -> list[int]:
+            alive_at_read.append(len(live))
+            ids: list[int] = self._encoding.ids
+            return ids
+
+    class Tokenizing:
+        """A ``tokenizers.Tokenizer`` whose encodings are counted while alive."""
+
+        def __init__(self, inner: Any) -> None:
+            self._inner = inner
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._inner, name)
+
+        def encode_batch_fast(self, texts: list[str], add_special_tokens: bool) -> list[Any]:
+            return [
+                Tracked(e)
+                for e in self._inner.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+            ]
+
+    inner = Tokenizer.from_file(tokenizer_json)
+    encoder = TextEncoder(Tokenizing(inner), eos="</s>")
+    groups = [["r1 r2", "r3 r4 r5"], ["r6", "r7 r8", "r9"]]
+    kept = encoder.encode_kept(groups)
+    assert alive_at_read == [5, 4, 3, 2, 1]
+    eos = inner.token_to_id("</s>")
+    for texts, (flat, offsets) in zip(groups, kept, strict=True):
+        rows = [flat[a:b].tolist() for a, b in itertools.pairwise(offsets.tolist())]
+        assert rows == [[*inner.encode(t, add_special_tokens=False).ids, eos] for t in texts]

@@ -344,6 +344,10 @@ class RangeFetcher:
         if jobs and isinstance(jobs[0].keeper, Read):
             held.fetches(jobs[0].keeper, sum(job.fetched_nbytes for job in jobs))
 
+    def waits(self, read: Read | None) -> list[concurrent.futures.Future[None]]:
+        """What ``read`` still waits for before it cuts its ranges (:meth:`HeldBlocks.waits`)."""
+        return [] if read is None else self.held.waits(read)
+
     def room(self, read: Read | None) -> list[concurrent.futures.Future[None]]:
         """The earlier reads ``read`` waits for before it fetches, for room to hold its blocks
         (:meth:`HeldBlocks.room`); empty: none."""

@@ -209,10 +209,9 @@ class HeldBlocks:
         """``read`` (called with ``ticket``) is planned: the held ranges it touches are marked used
         by it; where it touches none, the reads have moved on (the next mixing window): what no
         unfinished read touches is let go, once every read called before it is planned (one
-        planned later may still touch them). Returns the ``done`` of each unfinished read
-        planned before it that touches blocks it touches (wait for them, then cut)."""
+        planned later may still touch them). Returns what it waits for before it cuts its ranges
+        (:meth:`waits`)."""
         with self._lock:
-            waits = [r.done for r in self._reads if r.overlaps(read)]
             self._reads.append(read)
             read.order = self._tickets if ticket is None else ticket
             self._count += 1
@@ -230,10 +229,36 @@ class HeldBlocks:
                 at = self._tickets if ticket is None else ticket
                 self._release = at if self._release is None else max(self._release, at)
             gone = self._maybe_release()
+            waits = self._waits(read)
         free(gone)
         if plans is not None:
             plans.set_result(None)
         return waits
+
+    def waits(self, read: Read) -> list[concurrent.futures.Future[None]]:
+        """What ``read`` waits for before it cuts its ranges and fetches (empty: nothing; ask
+        again after each wait): while a read called before it is not planned yet, the next read
+        planned (it may touch the same blocks); then the ``done`` of each unfinished read called
+        before it that touches blocks it touches, whose blocks it then takes. The order of the
+        calls decides, not that of the plans: a small read called after a large one is planned
+        first, and would fetch their shared blocks in its own many small ranges (a straddling
+        read of 1,582 samples fetched a mixing window's 45 MiB in 145 requests, where the read
+        called before it takes 18) while the earlier read waited for it."""
+        with self._lock:
+            return self._waits(read)
+
+    def _waits(self, read: Read) -> list[concurrent.futures.Future[None]]:
+        if any(t < read.order for t in self._unplanned):
+            return [self._plans]
+        out, after = [], False
+        for r in self._reads:  # in planning order: of reads without a ticket, that decides
+            if r is read:
+                after = True
+                continue
+            earlier = r.order < read.order or (r.order == read.order and not after)
+            if earlier and not r.done.done() and r.overlaps(read):
+                out.append(r.done)
+        return out
 
     def _planned_one(self) -> concurrent.futures.Future[None]:
         """A read called was planned or skipped (under the lock): the future to set (outside it)

@@ -177,8 +177,13 @@ class _ObjectStorageMixin:
                 raise
         try:
             if waits:
-                # The blocks those reads fetch are held as they finish (failed: fetched here).
-                await asyncio.wait([asyncio.wrap_future(w) for w in waits], timeout=_WAIT_HELD_S)
+                # The reads called before it are planned, then those that touch its blocks hold
+                # them as they finish (failed: fetched here); asked again after each wait.
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + _WAIT_HELD_S
+                while waits and (left := deadline - loop.time()) > 0:
+                    await asyncio.wait([asyncio.wrap_future(w) for w in waits], timeout=left)
+                    waits = fetcher.waits(read)
                 await _planned(n, fetcher.cut, out[0])
             await _wait_room(fetcher, read)
             await self._run(out[0], key)

@@ -242,8 +242,8 @@ class HeldBlocks:
         before it that touches blocks it touches, whose blocks it then takes. The order of the
         calls decides, not that of the plans: a small read called after a large one is planned
         first, and would fetch their shared blocks in its own many small ranges (a straddling
-        read of 1,582 samples fetched a mixing window's 45 MiB in 145 requests, where the read
-        called before it takes 18) while the earlier read waited for it."""
+        read of 1,582 samples would fetch a mixing window's 45 MiB in 145 requests, where the
+        read called before it takes 15) while the earlier read waited for it."""
         with self._lock:
             return self._waits(read)
 

@@ -4,6 +4,7 @@ chunk cache, reads from the copy with the store as fallback, and read planning o
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import threading
 import warnings
@@ -178,12 +179,8 @@ class _ObjectStorageMixin:
         try:
             if waits:
                 # The reads called before it are planned, then those that touch its blocks hold
-                # them as they finish (failed: fetched here); asked again after each wait.
-                loop = asyncio.get_running_loop()
-                deadline = loop.time() + _WAIT_HELD_S
-                while waits and (left := deadline - loop.time()) > 0:
-                    await asyncio.wait([asyncio.wrap_future(w) for w in waits], timeout=left)
-                    waits = fetcher.waits(read)
+                # them as they finish (failed: fetched here).
+                await _wait_for(functools.partial(fetcher.waits, read))
                 await _planned(n, fetcher.cut, out[0])
             await _wait_room(fetcher, read)
             await self._run(out[0], key)
@@ -401,13 +398,18 @@ PLAN_INLINE_SAMPLES = 256
 
 
 async def _wait_room(fetcher: RangeFetcher, read: Read | None) -> None:
-    """Wait for the earlier reads ``read`` waits for to hold its blocks (:meth:`~._held.HeldBlocks.room`),
-    asked again after each wait (a read called before it may have been planned meanwhile), for
-    :data:`_WAIT_HELD_S` at most: past it, it fetches what it cannot hold."""
+    """Wait for the earlier reads ``read`` waits for to hold its blocks (:meth:`~._held.HeldBlocks.room`):
+    past :data:`_WAIT_HELD_S`, it fetches what it cannot hold."""
+    await _wait_for(functools.partial(fetcher.room, read))
+
+
+async def _wait_for(ask: Callable[[], list[concurrent.futures.Future[None]]]) -> None:
+    """Wait for what ``ask()`` names, asked again after each wait (a read called before may have
+    been planned meanwhile) until it names nothing, for :data:`_WAIT_HELD_S` at most."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + _WAIT_HELD_S
-    while (room := fetcher.room(read)) and (left := deadline - loop.time()) > 0:
-        await asyncio.wait([asyncio.wrap_future(w) for w in room], timeout=left)
+    while (waits := ask()) and (left := deadline - loop.time()) > 0:
+        await asyncio.wait([asyncio.wrap_future(w) for w in waits], timeout=left)
 
 
 async def _planned(n: int, plan: Callable[..., R], *args: Any) -> R:

@@ -485,20 +485,25 @@ def test_buffers_let_go_are_freed_off_the_caller_s_thread() -> None:
     assert sorted(set(buffers.where)) == ["guideloom-free_0"], buffers.where
 
 
+def _one_object() -> tuple[HeldBlocks, Any]:
+    """Held blocks of one 640-byte object of 16-byte blocks, and a read of (start, length) spans."""
+    layout = Layout.of_sizes(np.uint8, ["a.bin"], [640], [16])
+    limits = Limits(0, 64, 256, 4)
+    held = HeldBlocks(limit=640)
+    held.begin()
+    return held, lambda reads: Read.of(planned(layout, reads, limits)[0])
+
+
 def test_a_read_called_later_but_planned_first_waits_for_the_earlier_one_that_shares_its_blocks() -> None:
     """The order of the calls decides which read fetches shared blocks, not that of the plans:
     the later read waits for the earlier one to be planned, then for it to end (its blocks are
     then held for it); the earlier one waits for nothing the later one does."""
-    block, size = 16, 640
-    layout = Layout.of_sizes(np.uint8, ["a.bin"], [size], [block])
-    limits = Limits(0, 4 * block, 16 * block, 4)
-    held = HeldBlocks(limit=size)
-    held.begin()
+    held, read_of = _one_object()
     early_ticket, late_ticket = held.ticket(), held.ticket()
-    late = Read.of(planned(layout, [(40, 8), (300, 8)], limits)[0])
+    late = read_of([(40, 8), (300, 8)])
     waits = held.begin_read(late, late_ticket)
     assert len(waits) == 1 and not waits[0].done(), "a read called before it is not planned yet"
-    early = Read.of(planned(layout, [(0, 640)], limits)[0])
+    early = read_of([(0, 640)])
     assert held.begin_read(early, early_ticket) == [], "it waits for no read called after it"
     assert waits[0].done(), "a read was planned: the later one asks again"
     assert held.waits(late) == [early.done], "the earlier read touches its blocks: it waits for it"
@@ -508,15 +513,11 @@ def test_a_read_called_later_but_planned_first_waits_for_the_earlier_one_that_sh
 
 
 def test_reads_that_share_no_block_wait_only_for_the_plans_before_them() -> None:
-    block, size = 16, 640
-    layout = Layout.of_sizes(np.uint8, ["a.bin"], [size], [block])
-    limits = Limits(0, 4 * block, 16 * block, 4)
-    held = HeldBlocks(limit=size)
-    held.begin()
+    held, read_of = _one_object()
     first, second = held.ticket(), held.ticket()
-    b = Read.of(planned(layout, [(320, 64)], limits)[0])
+    b = read_of([(320, 64)])
     assert held.begin_read(b, second) != []
-    a = Read.of(planned(layout, [(0, 64)], limits)[0])
+    a = read_of([(0, 64)])
     assert held.begin_read(a, first) == []
     assert held.waits(b) == [], "planned before it, and none of its blocks: it fetches now"
     held.end_read(a)

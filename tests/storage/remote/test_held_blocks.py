@@ -519,6 +519,6 @@ def test_reads_that_share_no_block_wait_only_for_the_plans_before_them() -> None
     assert held.begin_read(b, second) != []
     a = read_of([(0, 64)])
     assert held.begin_read(a, first) == []
-    assert held.waits(b) == [], "planned before it, and none of its blocks: it fetches now"
+    assert held.waits(b) == [], "planned before it, and none of its blocks: it fetches at once"
     held.end_read(a)
     held.end_read(b)

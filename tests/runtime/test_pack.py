@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from guideloom._core.rows import Rows
 from guideloom._runtime.processes.pack import Segment, pack_samples, unpack_samples
 
 
@@ -55,6 +56,39 @@ def test_token_samples_come_back_equal(lengths: list[list[int]], dtype: str, uni
     assert _same(batches, got)
     if any(lengths):
         assert sent.flat is not None and sent.data is None  # one copy, nothing pickled
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.integers(0, 9), min_size=1, max_size=5),
+    st.integers(0, 40),
+    st.sampled_from(["<u2", "<i4", "<f8"]),
+    st.booleans(),
+)
+def test_a_streams_rows_come_back_as_rows_of_the_same_samples(
+    counts: list[int], length: int, dtype: str, strided: bool
+) -> None:
+    rng = np.random.default_rng(sum(counts) + length)
+    source = rng.integers(0, 200, (sum(counts) + 3, 2 * length)).astype(dtype)
+    block = source[:, ::2] if strided else source[:, :length]  # views of a larger read, as read
+    ends = np.cumsum(counts).tolist()
+    batches = [Rows(block[end - c : end]) for c, end in zip(counts, ends, strict=True)]
+    got, sent = _round_trip(batches)
+    assert [type(b) for b in got] == [Rows] * len(batches)
+    for want, back in zip(batches, got, strict=True):
+        assert back.block.dtype == want.block.dtype and back.block.shape == want.block.shape
+        assert np.array_equal(back.block, want.block)
+    assert sent.flat is not None and sent.flat.rows and sent.data is None  # one copy, nothing pickled
+
+
+def test_rows_of_another_dtype_or_length_in_the_group_are_pickled_and_come_back_equal() -> None:
+    a = np.arange(24, dtype=np.uint16).reshape(3, 8)
+    for other in (a.astype(np.int32), a[:, :4].copy()):
+        got, sent = _round_trip([Rows(a), Rows(other)])
+        assert sent.flat is None
+        assert [type(b) for b in got] == [Rows, Rows]
+        assert np.array_equal(got[0].block, a) and np.array_equal(got[1].block, other)
+        assert got[1].block.dtype == other.dtype
 
 
 def test_samples_of_any_other_shape_come_back_equal() -> None:

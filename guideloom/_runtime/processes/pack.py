@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from guideloom._core.rows import Rows
 from guideloom._runtime.processes.shm import ALIGN, MIN_SHARED_BYTES, Rebuilder, SharedArray, SharedArrayFull
 from guideloom._runtime.processes.wire import (
     ArrayEntry,
@@ -40,16 +41,20 @@ Segment = tuple[str, int, mmap.mmap]
 def pack_samples(batches: list[Any], take: Callable[[int], Segment]) -> tuple[Samples, Segment | None]:
     """A group's samples (each batch's list of them) laid into a segment from ``take``, and how
     the worker finds them there: one copy of the data, no pickle of it. Samples that are 1-D
-    arrays of one dtype (a token stream's, documents') are laid flat with a single copy;
-    anything else is pickled with its arrays left out, laid one after the other."""
-    flat = _flat(batches)
+    arrays of one dtype (a token stream's, documents'), or each batch the :class:`Rows` of a
+    block (a stream's read, rebuilt as ``Rows`` for ``collate_fn``), are laid flat with a single
+    copy; anything else is pickled with its arrays left out, laid one after the other."""
+    flat = _rows(batches) or _flat(batches)
     if flat is not None:
         arrays, layout = flat
         total = sum(a.size for a in arrays)
         if total == 0:
             return Samples(None, 0, None, layout), None
         seg = take(total * arrays[0].itemsize)
-        np.concatenate(arrays, out=np.frombuffer(seg[2], arrays[0].dtype, total))
+        out = np.frombuffer(seg[2], arrays[0].dtype, total)
+        if layout.rows:  # the blocks, each 2-D, one after the other
+            out = out.reshape(-1, arrays[0].shape[1])
+        np.concatenate(arrays, out=out)
         return Samples(seg[0], seg[1], None, layout), seg
     pack = GroupPack(SAMPLE_SHARED_BYTES)
     data = pack.dumps(batches)
@@ -58,6 +63,29 @@ def pack_samples(batches: list[Any], take: Callable[[int], Segment]) -> tuple[Sa
     seg = take(pack.size)
     pack.write(seg[2])
     return Samples(seg[0], seg[1], data, None), seg
+
+
+def _rows(batches: list[Any]) -> tuple[list[np.ndarray], FlatLayout] | None:
+    """The blocks and their layout when every batch is the :class:`Rows` of a block of one plain
+    dtype and row length (a stream's reads): a block is copied whole, not row by row."""
+    blocks: list[np.ndarray] = []
+    dtype = length = None
+    for batch in batches:
+        if type(batch) is not Rows:
+            return None
+        block = batch.block
+        if type(block) is not np.ndarray or block.ndim != 2:
+            return None
+        if dtype is None:
+            dtype, length = block.dtype, block.shape[1]
+            if dtype.hasobject or dtype.names is not None:
+                return None
+        elif block.dtype != dtype or block.shape[1] != length:
+            return None
+        blocks.append(block)
+    if dtype is None or length is None:
+        return None
+    return blocks, FlatLayout(dtype.str, length, tuple(len(b) for b in blocks), rows=True)
 
 
 def _flat(batches: list[Any]) -> tuple[list[np.ndarray], FlatLayout] | None:
@@ -89,10 +117,15 @@ def _flat(batches: list[Any]) -> tuple[list[np.ndarray], FlatLayout] | None:
 def unpack_samples(samples: Samples, holder: Any) -> list[Any]:
     """The batches' samples, their arrays views of the segment's ``holder`` (None: no segment)."""
     if samples.flat is not None:
-        dtype, lengths, counts = samples.flat
+        dtype, lengths, counts, as_rows = samples.flat
         n = sum(counts)
         total = n * lengths if isinstance(lengths, int) else sum(lengths)
         flat = np.frombuffer(holder, np.dtype(dtype), total) if total else np.empty(0, np.dtype(dtype))
+        if as_rows:
+            assert isinstance(lengths, int)
+            block = flat.reshape(n, lengths)
+            ends = np.cumsum(counts).tolist()
+            return [Rows(block[end - c : end]) for c, end in zip(counts, ends, strict=True)]
         rows: list[Any]
         if isinstance(lengths, int):
             rows = list(flat.reshape(n, lengths))

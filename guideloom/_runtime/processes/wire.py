@@ -110,11 +110,14 @@ class EpochMessages:
 
 class FlatLayout(NamedTuple):
     """Samples that are 1-D arrays of one dtype, laid one after the other: each ``length``
-    elements (one length for all, or each its own), ``counts`` of them per batch."""
+    elements (one length for all, or each its own), ``counts`` of them per batch. ``rows``: each
+    batch was the :class:`~guideloom._core.rows.Rows` of one block (a stream's read), and is
+    rebuilt as one, its rows of one length."""
 
     dtype: str
     lengths: int | tuple[int, ...]
     counts: tuple[int, ...]
+    rows: bool = False
 
 
 class Samples(NamedTuple):

@@ -295,6 +295,8 @@ class Processes:
         self._registered: list[Proc] = []
         #: Whether workers of the start are still to join (each sent the epoch once ready).
         self._joining = False
+        #: The last answer of :meth:`credit_batches`, with what it was worked out from.
+        self._credit: tuple[tuple[float | None, float | None, int], int] = ((None, None, -1), 1)
         try:
             pool.begin()  # the workers start while the first batches are made here
         except Exception as exc:
@@ -426,13 +428,18 @@ class Processes:
         :data:`GROUP_MOST` batches at most, and of no more than the ``credits`` tasks' share of
         :data:`AHEAD_BYTES` (the batches' bytes as the workers wrote them)."""
         s = self.session
-        work = s.work_per_batch
+        work, nbytes = s.work_per_batch, s.bytes_per_batch
+        key = (work, nbytes, credits)
+        if key == self._credit[0]:  # asked at each fill: the measures move once a group is back
+            return self._credit[1]
         if work is None or work >= GROUP_WORK_S:
-            return 1
-        n = min(GROUP_MOST, math.ceil(GROUP_WORK_S / max(work, 1e-6)))
-        if s.bytes_per_batch:
-            n = min(n, int(AHEAD_BYTES // (max(1, credits) * s.bytes_per_batch)))
-        return max(1, n)
+            n = 1
+        else:
+            n = min(GROUP_MOST, math.ceil(GROUP_WORK_S / max(work, 1e-6)))
+            if nbytes:
+                n = min(n, int(AHEAD_BYTES // (max(1, credits) * nbytes)))
+        self._credit = key, max(1, n)
+        return self._credit[1]
 
     def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
         self._join()

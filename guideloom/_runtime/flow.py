@@ -292,8 +292,11 @@ class EpochFlow:
 
     def _fill_one(self) -> bool:
         ex = self._maker()
-        if not self.reads_here() and self.raw:
+        raw = self.raw
+        if raw and not self.reads_here():
             ex = self.here  # batches read here before the workers took over are made here first
+        if not raw and not ex.reads_itself:
+            return False  # nothing read to make: most calls, answered before the credits' sums
         # A credit is a batch, or a task of several where they are cheap (``credit_batches``):
         # a group holds one credit's batches at least.
         per = self._per(ex) if ex.runs_ahead else 1
@@ -318,9 +321,6 @@ class EpochFlow:
             self._windows = windows(self.plan, self.read_step, self.largest, self._bounds)
             self._queue(ex.submit(specs, None), n)
             return True
-        raw = self.raw
-        if not raw:
-            return False
         n = min(group, room, len(raw))
         if n < group and n < len(raw) and self.jobs:
             return False  # a whole group's room, unless nothing else is in flight

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import heapq
+import math
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeVar
@@ -159,10 +160,14 @@ def get_verified(
 
 # -- bounded in-flight requests and bytes: FIFO-fair, one limit per event loop -------------------
 class InflightLimit:
-    """A FIFO-fair limit on requests and bytes in flight, for one event loop.
+    """A limit on requests and bytes in flight, for one event loop, that admits the waiting
+    acquisitions of the earliest read first (``rank``: its place in the order of reads), each
+    read's in the order asked, and those of no rank after the ranked ones, in the order asked.
 
-    A single acquisition larger than the byte budget is admitted when nothing else is in flight,
-    so an oversized request waits its turn instead of deadlocking.
+    Reads of consecutive windows in flight together thus finish one after the other, the first
+    after its own bytes rather than after a share of all of theirs: its batches are made while the
+    next windows are fetched. A single acquisition larger than the byte budget is admitted when
+    nothing else is in flight, so an oversized request waits its turn instead of deadlocking.
     """
 
     def __init__(self, max_requests: int, max_bytes: int, peak: list[int] | None = None) -> None:
@@ -172,7 +177,9 @@ class InflightLimit:
         self.peak_bytes = 0
         #: Where the peak is also kept, beyond this loop's life (:class:`PerLoop`).
         self._peak = [0] if peak is None else peak
-        self._waiters: deque[tuple[int, int, asyncio.Future[None]]] = deque()
+        #: A heap of ``(rank, arrival, requests, bytes, future)``.
+        self._waiters: list[tuple[float, int, int, int, asyncio.Future[None]]] = []
+        self._arrivals = 0
 
     def _fits(self, n: int, b: int) -> bool:
         if self.requests == 0:
@@ -185,13 +192,16 @@ class InflightLimit:
         self.peak_bytes = max(self.peak_bytes, self.nbytes)
         self._peak[0] = max(self._peak[0], self.nbytes)
 
-    async def acquire(self, n: int, b: int) -> None:
+    async def acquire(self, n: int, b: int, rank: int | None = None) -> None:
+        """Wait for room for ``n`` requests of ``b`` bytes (``rank``: the read's place in the
+        order of reads; None: after every ranked read)."""
         if not self._waiters and self._fits(n, b):
             self._take(n, b)
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (n, b, fut)
-        self._waiters.append(entry)
+        self._arrivals += 1
+        entry = (math.inf if rank is None else rank, self._arrivals, n, b, fut)
+        heapq.heappush(self._waiters, entry)
         try:
             await fut
         except BaseException:
@@ -200,6 +210,7 @@ class InflightLimit:
             else:
                 try:
                     self._waiters.remove(entry)
+                    heapq.heapify(self._waiters)
                 except ValueError:
                     pass
                 self._wake()
@@ -211,14 +222,15 @@ class InflightLimit:
         self._wake()
 
     def _wake(self) -> None:
-        while self._waiters:
-            n, b, fut = self._waiters[0]
+        waiters = self._waiters
+        while waiters:
+            _, _, n, b, fut = waiters[0]
             if fut.done():
-                self._waiters.popleft()
+                heapq.heappop(waiters)
                 continue
             if not self._fits(n, b):
                 return
-            self._waiters.popleft()
+            heapq.heappop(waiters)
             self._take(n, b)
             fut.set_result(None)
 
@@ -485,6 +497,8 @@ class RangeFetcher:
         if not jobs:
             return
         limit = self._inflight.get()
+        keeper = jobs[0].keeper
+        rank = keeper.order if isinstance(keeper, Read) else None  # the read's ticket
         loop = asyncio.get_running_loop()
         tasks: list[asyncio.Task[None]] = []
         failed: list[BaseException] = []
@@ -504,7 +518,7 @@ class RangeFetcher:
                     break
                 # what it fetches: its held ranges are in hand already
                 nreq, nbytes = len(job.starts) - len(job.held), job.fetched_nbytes
-                await limit.acquire(nreq, nbytes)
+                await limit.acquire(nreq, nbytes, rank)
                 try:
                     tasks.append(loop.create_task(one(job, nreq, nbytes)))
                 except BaseException:

@@ -47,10 +47,10 @@ class Read:
     object it touches (whole blocks, before any is cut out as held), their bytes (``span``),
     the bytes its samples take (``wanted``; not given: its span), the bytes it fetches
     (``fetching``: its span until its ranges are cut around held blocks) and those of them that
-    arrived so far, its place in the order of reads, and whether it finished; ``done`` is set
-    when it finishes, failed or not."""
+    arrived so far, its place in the order of reads, whether it started fetching (``asked``) and
+    whether it finished; ``done`` is set when it finishes, failed or not."""
 
-    __slots__ = ("arrived", "done", "fetching", "finished", "order", "span", "touched", "wanted")
+    __slots__ = ("arrived", "asked", "done", "fetching", "finished", "order", "span", "touched", "wanted")
 
     def __init__(self, touched: dict[str, tuple[list[int], list[int]]], wanted: int | None = None) -> None:
         self.touched = touched  # per object: sorted, disjoint starts and ends
@@ -59,6 +59,7 @@ class Read:
         self.fetching = self.span
         self.arrived = 0
         self.order = 0  # its ticket (HeldBlocks.begin_read)
+        self.asked = False
         self.finished = False
         self.done: concurrent.futures.Future[None] = concurrent.futures.Future()
 
@@ -145,6 +146,8 @@ class HeldBlocks:
         self._unplanned: set[int] = set()  # tickets of reads called and not planned yet
         #: set (and replaced) each time a read called is planned or skipped
         self._plans: concurrent.futures.Future[None] = concurrent.futures.Future()
+        #: set (and replaced) each time a read called is planned, skipped, asks or finishes
+        self._moved: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._release: int | None = None  # a read that touches nothing held: its ticket
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -170,7 +173,7 @@ class HeldBlocks:
             self._unplanned.clear()
             plans = self._planned_one()
         free(gone)
-        plans.set_result(None)
+        _set(plans)
         for r in stale:
             r.finished = True
             if not r.done.done():
@@ -203,7 +206,7 @@ class HeldBlocks:
             gone = self._maybe_release()
             plans = self._planned_one()
         free(gone)
-        plans.set_result(None)
+        _set(plans)
 
     def begin_read(self, read: Read, ticket: int | None = None) -> list[concurrent.futures.Future[None]]:
         """``read`` (called with ``ticket``) is planned: the held ranges it touches are marked used
@@ -232,7 +235,7 @@ class HeldBlocks:
             waits = self._waits(read)
         free(gone)
         if plans is not None:
-            plans.set_result(None)
+            _set(plans)
         return waits
 
     def waits(self, read: Read) -> list[concurrent.futures.Future[None]]:
@@ -260,11 +263,39 @@ class HeldBlocks:
                 out.append(r.done)
         return out
 
-    def _planned_one(self) -> concurrent.futures.Future[None]:
-        """A read called was planned or skipped (under the lock): the future to set (outside it)
-        for the reads waiting to see every read called before them planned (:meth:`room`)."""
+    def _planned_one(self) -> list[concurrent.futures.Future[None]]:
+        """A read called was planned or skipped (under the lock): the futures to set (outside it)
+        for the reads waiting to see every read called before them planned (:meth:`room`) or
+        fetching (:meth:`turn`)."""
         plans, self._plans = self._plans, concurrent.futures.Future()
-        return plans
+        return [plans, *self._moved_one()]
+
+    def _moved_one(self) -> list[concurrent.futures.Future[None]]:
+        """A read called was planned, skipped, asked or finished (under the lock): the future to
+        set (outside it) for the reads waiting for their turn to fetch (:meth:`turn`)."""
+        moved, self._moved = self._moved, concurrent.futures.Future()
+        return [moved]
+
+    def turn(self, read: Read) -> list[concurrent.futures.Future[None]]:
+        """What ``read`` waits for before it asks for room in flight (empty: nothing; ask again
+        after each wait): while a read called before it is not planned yet, or is planned and
+        has not started fetching (it waits for reads before it, or for its thread), the next
+        move of the reads. The in-flight limit admits the waiting requests of the earliest read
+        first, but a later read ready first would take the whole budget before the earlier one
+        asks: the next window's bytes, then the one called first, whose batches come next."""
+        with self._lock:
+            if any(t < read.order for t in self._unplanned) or any(
+                r.order < read.order and not r.asked for r in self._reads if r is not read
+            ):
+                return [self._moved]
+            return []
+
+    def asks(self, read: Read) -> None:
+        """``read`` starts fetching: the reads called after it that wait for their turn go on."""
+        with self._lock:
+            read.asked = True
+            moved = self._moved_one()
+        _set(moved)
 
     def room(self, read: Read) -> list[concurrent.futures.Future[None]]:
         """The ``done`` of the earlier unfinished reads ``read`` waits for before it fetches (its
@@ -311,8 +342,10 @@ class HeldBlocks:
             read.finished = True
             if read in self._reads:
                 self._reads.remove(read)
+            moved = self._moved_one()
         if not read.done.done():
             read.done.set_result(None)
+        _set(moved)
 
     def _claimed(self, h: _Held, path: str) -> bool:
         """Whether an unfinished read other than the one that fetched ``h`` touches it."""
@@ -453,6 +486,12 @@ class HeldBlocks:
 
     def holds(self, path: str) -> bool:
         return bool(self._ranges.get(path))
+
+
+def _set(futures: list[concurrent.futures.Future[None]]) -> None:
+    """Set ``futures`` (taken under the lock, set outside it: their callbacks run here)."""
+    for f in futures:
+        f.set_result(None)
 
 
 def free(gone: list[_Held]) -> None:

@@ -143,7 +143,9 @@ class _ObjectStorageMixin:
         reach to their ends (:func:`~._ranges.lead`), so the next read takes them off its ranges'
         ends instead of fetching them again. A part of a mixing window read in parts, read ahead
         while the last window's reads hold the bound, waits for them before it fetches, so its
-        blocks can be held for its later parts (:func:`_wait_room`). Not with a chunk cache,
+        blocks can be held for its later parts (:func:`_wait_room`). A read asks for room in
+        flight once every read called before it has (:meth:`~._held.HeldBlocks.turn`), so the
+        windows read ahead together end in the order they were called. Not with a chunk cache,
         which fetches by chunks of its own."""
         if self._chunks is not None:
             out = await _planned(n, plan, *args)
@@ -183,6 +185,11 @@ class _ObjectStorageMixin:
                 await _wait_for(functools.partial(fetcher.waits, read))
                 await _planned(n, fetcher.cut, out[0])
             await _wait_room(fetcher, read)
+            # the reads called before it ask first, however fast it got here: the limit admits
+            # the waiting requests of the earliest read first, not those already in flight
+            if read is not None:
+                await _wait_for(functools.partial(fetcher.held.turn, read))
+                fetcher.held.asks(read)
             await self._run(out[0], key)
         finally:
             fetcher.end(read)

@@ -522,3 +522,45 @@ def test_reads_that_share_no_block_wait_only_for_the_plans_before_them() -> None
     assert held.waits(b) == [], "planned before it, and none of its blocks: it fetches at once"
     held.end_read(a)
     held.end_read(b)
+
+
+def test_a_read_asks_for_room_once_every_read_called_before_it_has_or_ended() -> None:
+    """The turn to fetch follows the order of the calls: a read planned first waits while one
+    called before it is unplanned or planned and not fetching; a read that asked, one that
+    ended without asking (cancelled) and one whose planning failed (skipped) let it go on."""
+    held, read_of = _one_object()
+    first, second, third, fourth = (held.ticket() for _ in range(4))
+    d = read_of([(600, 16)])
+    held.begin_read(d, fourth)
+    turn = held.turn(d)
+    assert len(turn) == 1 and not turn[0].done(), "three reads before it are not planned yet"
+    a = read_of([(0, 16)])
+    assert held.begin_read(a, first) == []
+    assert held.turn(a) == [], "no read called before it"
+    assert turn[0].done(), "a read was planned: it asks again"
+    assert len(held.turn(d)) == 1, "the first is planned, not fetching"
+    held.asks(a)
+    held.skip(third)
+    c = read_of([(400, 16)])  # planned, never fetches
+    held.begin_read(c, second)
+    assert held.turn(c) == [], "the read before it fetches"
+    turn = held.turn(d)
+    assert len(turn) == 1 and not turn[0].done(), "the second is planned, not fetching"
+    held.end_read(c)
+    assert turn[0].done() and held.turn(d) == []
+    held.end_read(a)
+    held.end_read(d)
+
+
+def test_a_new_reading_session_gives_no_read_of_an_old_one_its_turn() -> None:
+    held, read_of = _one_object()
+    held.ticket()  # a read of the old session, never planned
+    late = read_of([(0, 16)])
+    held.begin_read(late, held.ticket())
+    turn = held.turn(late)
+    assert len(turn) == 1
+    held.begin()
+    assert turn[0].done()
+    again = read_of([(0, 16)])
+    held.begin_read(again, held.ticket())
+    assert held.turn(again) == []

@@ -4,13 +4,20 @@ first, each read's in the order asked, so that reads in flight together finish i
 from __future__ import annotations
 
 import asyncio
+import time
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
-from guideloom.storage._remote._fetch import InflightLimit
+import guideloom
+from guideloom.storage._remote import _fetch
+from guideloom_dev.servers import MotoS3
+from tests.support.remote import BUCKET, unique
 
 
-async def _admitted(limit: InflightLimit, asks: list[tuple[str, int | None]]) -> list[str]:
+async def _admitted(limit: _fetch.InflightLimit, asks: list[tuple[str, int | None]]) -> list[str]:
     """Fill the limit, queue ``asks`` (a name and a rank each, one request of 1 byte), then let
     the limit go: each admitted gives its room back at once, the names in the order admitted."""
     await limit.acquire(limit.max_requests, 1)  # everything in flight: the asks all wait
@@ -33,7 +40,7 @@ async def _admitted(limit: InflightLimit, asks: list[tuple[str, int | None]]) ->
 
 @pytest.mark.asyncio
 async def test_the_earliest_reads_requests_go_first_then_each_reads_in_the_order_asked() -> None:
-    limit = InflightLimit(max_requests=1, max_bytes=1 << 20)
+    limit = _fetch.InflightLimit(max_requests=1, max_bytes=1 << 20)
     asks = [
         ("w2-a", 2),
         ("w1-a", 1),
@@ -49,14 +56,14 @@ async def test_the_earliest_reads_requests_go_first_then_each_reads_in_the_order
 
 @pytest.mark.asyncio
 async def test_without_ranks_requests_are_admitted_in_the_order_asked() -> None:
-    limit = InflightLimit(max_requests=1, max_bytes=1 << 20)
+    limit = _fetch.InflightLimit(max_requests=1, max_bytes=1 << 20)
     got = await _admitted(limit, [(str(i), None) for i in range(6)])
     assert got == [str(i) for i in range(6)]
 
 
 @pytest.mark.asyncio
 async def test_a_waiter_cancelled_leaves_the_others_admitted_in_order_and_the_limit_whole() -> None:
-    limit = InflightLimit(max_requests=1, max_bytes=100)
+    limit = _fetch.InflightLimit(max_requests=1, max_bytes=100)
     await limit.acquire(1, 10)
     admitted: list[int] = []
 
@@ -77,7 +84,7 @@ async def test_a_waiter_cancelled_leaves_the_others_admitted_in_order_and_the_li
 
 @pytest.mark.asyncio
 async def test_an_acquisition_above_the_byte_budget_is_admitted_alone_in_its_turn() -> None:
-    limit = InflightLimit(max_requests=8, max_bytes=100)
+    limit = _fetch.InflightLimit(max_requests=8, max_bytes=100)
     await limit.acquire(1, 60)
     big = asyncio.create_task(limit.acquire(1, 500, 0))
     later = asyncio.create_task(limit.acquire(1, 10, 1))  # fits, but waits behind the earlier read
@@ -90,3 +97,47 @@ async def test_an_acquisition_above_the_byte_budget_is_admitted_alone_in_its_tur
     limit.release(1, 500)
     await later
     assert (limit.requests, limit.nbytes) == (1, 10)
+
+
+def test_a_window_called_first_ends_first_though_the_next_is_ready_to_fetch_before_it(
+    s3: MotoS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two windows read together, each the in-flight byte budget's size. The one called first
+    is slow to get from its plan to its first request (slowed here, on its I/O thread; on a
+    busy machine a thread switch is enough), and the next one, woken as soon as it was planned,
+    is ready first: it must still wait for the first to start fetching. It took the whole budget
+    at once instead, and ended first, while the batches to hand out next (the first window's)
+    waited for its bytes."""
+    tokens = (np.arange(2**18) % 65_521).astype(np.uint16)  # 512 KiB: 8 blocks of 64 KiB
+    prefix = unique("ready-first")
+    guideloom.write_stream(tmp_path / "data", tokens, shard_bytes=2**17)
+    s3.upload_folder(tmp_path / "data", BUCKET, prefix)
+    cut = _fetch.RangeFetcher.cut
+
+    def slow_for_the_first(self: _fetch.RangeFetcher, jobs: list[Any]) -> None:
+        if jobs and jobs[0].path.endswith("-00000.bin") and jobs[0].starts[0] == 0:
+            time.sleep(0.3)
+        cut(self, jobs)
+
+    monkeypatch.setattr(_fetch.RangeFetcher, "cut", slow_for_the_first)
+    options = {**s3.options(), "max_inflight_bytes": 2**18, "max_request_bytes": 2**16}
+    storage = guideloom.open_stream(f"s3://{BUCKET}/{prefix}", **options)
+    length = 256
+    first = np.arange(0, 2**17, length, dtype=np.int64)  # 512 samples: planned off the loop
+    second = first + 2**17  # no block of the first window's
+    ended: list[str] = []
+
+    async def read(name: str, starts: np.ndarray) -> None:
+        rows = await storage.read_many(starts, length)
+        assert np.array_equal(np.asarray(rows), tokens[starts[:, None] + np.arange(length)])
+        ended.append(name)
+
+    async def both() -> None:
+        await storage.open()
+        try:
+            await asyncio.gather(read("first", first), read("second", second))
+        finally:
+            await storage.close()
+
+    asyncio.run(both())
+    assert ended == ["first", "second"]

@@ -503,14 +503,14 @@ class RangeFetcher:
         tasks: list[asyncio.Task[None]] = []
         failed: list[BaseException] = []
 
-        async def one(job: Job, nreq: int, nbytes: int) -> None:
-            try:
-                await self._run_job(store, job)
-            except BaseException as exc:
-                failed.append(exc)
-                raise
-            finally:
+        def ended(nreq: int, nbytes: int) -> Callable[[asyncio.Task[None]], None]:
+            def release(task: asyncio.Task[None]) -> None:
+                # a callback, not the job's finally: a task cancelled before its start never runs
                 limit.release(nreq, nbytes)
+                if not task.cancelled() and (exc := task.exception()) is not None:
+                    failed.append(exc)
+
+            return release
 
         try:
             for job in jobs:
@@ -520,7 +520,8 @@ class RangeFetcher:
                 nreq, nbytes = len(job.starts) - len(job.held), job.fetched_nbytes
                 await limit.acquire(nreq, nbytes, rank)
                 try:
-                    tasks.append(loop.create_task(one(job, nreq, nbytes)))
+                    tasks.append(task := loop.create_task(self._run_job(store, job)))
+                    task.add_done_callback(ended(nreq, nbytes))
                 except BaseException:
                     limit.release(nreq, nbytes)
                     raise

@@ -13,6 +13,9 @@ import pytest
 
 import guideloom
 from guideloom.storage._remote import _fetch
+from guideloom.storage._remote._locations import parse_location
+from guideloom.storage._remote._options import ReadSettings
+from guideloom.storage._remote._ranges import Job
 from guideloom_dev.servers import MotoS3
 from tests.support.remote import BUCKET, unique
 
@@ -141,3 +144,31 @@ def test_a_window_called_first_ends_first_though_the_next_is_ready_to_fetch_befo
 
     asyncio.run(both())
     assert ended == ["first", "second"]
+
+
+def test_a_read_cancelled_before_its_jobs_start_gives_their_room_back() -> None:
+    """A read cancelled in the moment after it was given room for its jobs, before their tasks
+    ran a step (the consumer cancelled on the same turn of the loop), gives the room back. A
+    task cancelled before its start never runs its body: a release there is lost, its requests
+    and bytes stay taken for the rest of the loop's life, and once the budget is lost so, no
+    later read finds room."""
+    opts = ReadSettings(max_inflight_requests=8, max_inflight_bytes=1 << 20)
+    fetcher = _fetch.RangeFetcher(parse_location("s3://bucket/data"), opts, [], _fetch.ReadCounters())
+
+    async def fetch_slowly(store: Any, job: Job) -> None:
+        await asyncio.sleep(10)
+
+    fetcher._run_job = fetch_slowly  # type: ignore[method-assign]
+    dest = np.zeros(300, dtype=np.uint8)
+    jobs = [Job("a.bin", dest, [100 * k], [100 * (k + 1)]) for k in range(3)]
+
+    async def cancelled_at_once() -> _fetch.InflightLimit:
+        read = asyncio.create_task(fetcher.run(None, jobs))
+        await asyncio.sleep(0)  # its step: room for the 3 jobs, their tasks made, not started
+        read.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await read
+        return fetcher._inflight.get()
+
+    limit = asyncio.run(cancelled_at_once())
+    assert (limit.requests, limit.nbytes) == (0, 0)

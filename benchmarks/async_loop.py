@@ -2,14 +2,15 @@
 other tasks, and its throughput against the sync loop, in one run.
 
     python -m benchmarks async-loop [--mib 64] [--rounds 2] [--latency-ms 0,20]
-        [--sequence-length 2048] [--batch 16]
+        [--sequence-length 2048] [--batch 16] [--prefetch 4] [--sequential]
 
 Workload: a uint16 stream (``--mib`` MiB, 4 MiB objects) on a moto S3 server on 127.0.0.1,
 directly and behind a proxy that adds ``--latency-ms`` to every request; ``sequence_length=2048``
 (4 KiB samples; ``--sequence-length 512``: 1 KiB samples, four times the pieces to plan and copy
-a byte), ``local_batch_size=16`` (``--batch``), shuffled with ``shuffle_block_size="auto"``,
-``prefetch=4``, the README's collate; ``num_workers`` 0 and 2 (threads). A fresh loader per
-measurement; the epoch is timed from ``open_stream`` (called on a thread from the coroutine, as
+a byte), ``local_batch_size=16`` (``--batch``), shuffled with ``shuffle_block_size="auto"``
+(``--sequential``: in order), ``prefetch=4`` (``--prefetch``), the README's collate;
+``num_workers`` 0 and 2 (threads). A fresh loader per measurement; the epoch is timed from
+``open_stream`` (called on a thread from the coroutine, as
 docs/async.md says) to its last batch.
 
 Beside each ``async for`` epoch, a heartbeat task on the same loop sleeps 1 ms at a time and
@@ -184,6 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", default="0,2", help="num_workers, comma-separated")
     ap.add_argument("--sequence-length", type=int, default=KW["sequence_length"], help="tokens a sample")
     ap.add_argument("--batch", type=int, default=KW["local_batch_size"], help="local_batch_size")
+    ap.add_argument("--prefetch", type=int, default=KW["prefetch"], help="prefetch (default 4)")
+    ap.add_argument("--sequential", action="store_true", help="the stream in order (no shuffle)")
     ap.add_argument(
         "--server-nice",
         type=int,
@@ -197,7 +200,10 @@ def main(argv: list[str] | None = None) -> None:
         help="pin the servers to this CPU and this process (the loop) to the others",
     )
     args = ap.parse_args(argv)
-    KW.update(sequence_length=args.sequence_length, local_batch_size=args.batch)
+    KW.update(sequence_length=args.sequence_length, local_batch_size=args.batch, prefetch=args.prefetch)
+    if args.sequential:
+        KW.update(shuffle=False)
+        del KW["shuffle_block_size"], KW["shuffle_seed"]
     global WHY  # noqa: PLW0603 - the heartbeat reads it
     from guideloom_dev.servers import proxy_process
 

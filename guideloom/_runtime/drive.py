@@ -44,6 +44,9 @@ __all__ = ["AsyncDriver", "SyncDriver"]
 
 #: How often a blocked sync wait looks whether the driver was closed in another thread.
 POLL_S = 0.1
+#: How often the wait for the process workers' start takes in the reads done meanwhile and
+#: starts the next ones.
+START_POLL_S = 0.002
 
 
 class SyncDriver:
@@ -163,9 +166,13 @@ class SyncDriver:
         if not flow.decide(True if self.chooser is None else self.chooser.workers, self.ex.wait_for_workers):
             return
         assert self.procs is not None
-        self._read_ahead()  # the first windows are read while the workers start
         try:
-            self.procs.start_sync()
+            # the first windows are read while the workers start: the first batch's alone, then,
+            # once it is in, the windows after it (they do not compete with the first's read)
+            self._read_ahead()
+            while not self.procs.start_sync(timeout=START_POLL_S):
+                self._harvest()
+                self._read_ahead()
         except Exception as exc:  # at the first batch the workers owe, and so the epoch's end
             flow.started(exc)
         else:

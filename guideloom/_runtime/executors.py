@@ -306,19 +306,21 @@ class Processes:
         """Whether the workers are still starting (the batches are then made here)."""
         return self.error is None and self.pool.starting()
 
-    def start_sync(self) -> None:
+    def start_sync(self, timeout: float | None = None) -> bool:
         """Wait until a worker is up and send it the epoch (raises what made the start fail);
         the others get it as each is ready (:meth:`_join`). Their pipes are then watched by
-        :meth:`wait_sync`."""
+        :meth:`wait_sync`. With ``timeout``: False if none is up by then (call it again)."""
         if self.is_up:
-            return
+            return True
         if self.error is not None:
             raise self.error
-        self.pool.start_first()
+        if not self.pool.start_first(timeout):
+            return False
         self._selector = selectors.DefaultSelector()
         self._joining = True
         self.is_up = True
         self._join()
+        return True
 
     async def start_async(self) -> None:
         """:meth:`start_sync` from the running loop: the start waited for off the loop, the

@@ -201,17 +201,26 @@ class WorkerPool:
         self.begin()
         self.join_start()
 
-    def start_first(self) -> None:
+    def start_first(self, timeout: float | None = None) -> bool:
         """:meth:`start`, returning as soon as one worker is ready: its first tasks need not wait
         for the others' start (each fork from the fork server takes tens of milliseconds, in
         series). The others are ready when :meth:`starting` is false; a failure of the start
-        after this returned is :meth:`start_failure` until :meth:`join_start` raises it."""
+        after this returned is :meth:`start_failure` until :meth:`join_start` raises it. With
+        ``timeout``: False if no worker is ready by then (call it again), else True."""
         self.begin()
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._readied:  # (a loop, not wait_for's predicate: nothing calls back into here)
             while not (self._start_over or self._start_error is not None or self._any_ready()):
-                self._readied.wait()
+                if deadline is None:
+                    self._readied.wait()
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._readied.wait(left)
         if self._start_over or self._start_error is not None:
             self.join_start()
+        return True
 
     def _any_ready(self) -> bool:
         return any(p.ready for p in self.live())

@@ -79,6 +79,12 @@ class Order(Protocol):
         :attr:`span` is 0."""
         return len(self)
 
+    @property
+    def in_order(self) -> bool:
+        """Whether position ``i`` is sample ``i`` (no shuffle): a read of a few batches is then
+        one long range, coalesced as well as a read of many."""
+        return False
+
 
 def _round_keys(seed: int, epoch: int) -> tuple[int, ...]:
     """Derive the Feistel round keys from ``(seed, epoch)`` with a stable hash."""
@@ -111,6 +117,10 @@ class Permutation(Order):
 
     def __len__(self) -> int:
         return self.n
+
+    @property
+    def in_order(self) -> bool:
+        return not self._shuffle
 
     def __getstate__(self) -> dict[str, object]:
         """Pickled without its round tables (up to 3 MiB; an epoch sent to process workers

@@ -104,11 +104,18 @@ def window_bounds(cfg: PipelineConfig) -> Callable[[int], int] | None:
     in between, since a small window of a shuffled epoch is scattered samples, one request each,
     where the largest one coalesces.
     """
-    if cfg.dataset.read_hints.shuffle_block_bytes is None:
+    hints = cfg.dataset.read_hints
+    if hints.shuffle_block_bytes is None:
         return None
     if cfg.order.span > 0:
         return cfg.order.window_end
-    return every(max_window_batches(cfg) * cfg.plan.global_batch_size)
+    largest = max_window_batches(cfg)
+    if cfg.order.in_order:
+        # A window read in order is a few long ranges however short: a share of the windows read
+        # ahead together, which end one after the other, so that each one's batches are made
+        # while the next ones are fetched (one window the size of them all ends with the fetch).
+        largest = max(1, largest // max(1, hints.max_concurrent_reads))
+    return every(largest * cfg.plan.global_batch_size)
 
 
 def reading_name(cfg: PipelineConfig) -> str:

@@ -2,10 +2,9 @@
 inline (:class:`Here`), on threads (:class:`Threads`) or on process workers (:class:`Processes`);
 and, in :func:`executors_for`, the one place that decides which of them an epoch runs on.
 
-An executor starts a group and returns a :class:`Job` whose batches the
-flow takes in order; how a driver waits for a job is the executor's too (a future's result, a
-selector over the workers' pipes, a loop reader). Nothing else differs between them: the flow
-decides what is made where and when.
+An executor starts a group and returns a :class:`Job` whose batches the flow takes in order; how
+a driver waits for a job is the executor's too (a future's result, a selector over the workers'
+pipes, a loop reader). Nothing else differs between them: the flow decides what is made where and when.
 """
 
 from __future__ import annotations
@@ -430,8 +429,8 @@ class Processes:
         :data:`GROUP_MOST` batches at most, and of no more than the ``credits`` tasks' share of
         :data:`AHEAD_BYTES` (the batches' bytes as the workers wrote them)."""
         s = self.session
-        work, nbytes = s.work_per_batch, s.bytes_per_batch
-        key = (work, nbytes, credits)
+        key = (s.work_per_batch, s.bytes_per_batch, credits)
+        work, nbytes, _ = key
         if key == self._credit[0]:  # asked at each fill: the measures move once a group is back
             return self._credit[1]
         if work is None or work >= GROUP_WORK_S:

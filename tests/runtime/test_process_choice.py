@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import guideloom as gl
 import guideloom._runtime.chooser as choice
 import guideloom._runtime.executors as executors
-import guideloom._runtime.processes.pool as pool_module
+import guideloom._runtime.processes.session as session_module
 from tests.support.data import Boom
 from tests.support.loader import assert_same, take
 from tests.support.processes import (
@@ -260,7 +260,7 @@ def test_a_collate_cheaper_than_its_transport_is_settled_inline_without_a_probe(
         real(self, workers, costs)
 
     monkeypatch.setattr(choice.Chooser, "settle", spy)
-    monkeypatch.setattr(pool_module, "_moving", lambda average, value: 1e-9)
+    monkeypatch.setattr(session_module, "_moving", lambda average, value: 1e-9)
     monkeypatch.setattr(choice, "CPU_SAMPLE", 1.0)  # every batch timed, not one in 16 at random
     folder = tmp_path / "long"
     gl.write_stream(folder, np.arange(4000 * SEQ, dtype=np.int32), shard_bytes=200_000)

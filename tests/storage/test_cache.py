@@ -244,3 +244,38 @@ def test_the_copys_block_digests_are_those_of_the_bytes_downloaded(
     assert (cache.folder / "manifest.json").is_file()
     assert cache.checked_copy() is None
     assert cache.copy_damaged is not None and cache.table.paths[1] in cache.copy_damaged
+
+
+def test_an_abort_while_the_download_starts_waits_for_it_and_stops_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``abort()`` from another thread while ``start()`` starts the download thread: it waits for
+    the start and then for the thread, never joining a thread not yet started."""
+    cache, data = _cache_over(tmp_path, lambda p, s, e: data[p][s:e])
+    starting = threading.Event()
+    real = threading.Thread
+
+    class SlowStart(real):  # type: ignore[misc, valid-type]
+        def start(self) -> None:
+            if self.name == "guideloom-cache":  # the download's own thread
+                starting.set()
+                time.sleep(0.3)  # an abort comes meanwhile
+            super().start()
+
+    monkeypatch.setattr(_copy_download.threading, "Thread", SlowStart)
+    errors: list[BaseException] = []
+
+    def abort() -> None:
+        starting.wait(10)
+        try:
+            cache.abort()
+        except BaseException as exc:
+            errors.append(exc)
+
+    aborter = real(target=abort)
+    aborter.start()
+    cache.start()
+    aborter.join(30)
+    monkeypatch.undo()
+    assert errors == []
+    assert not cache.running()

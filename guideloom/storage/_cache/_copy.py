@@ -154,6 +154,7 @@ class DatasetCache(CopyDownload):
         self._done = threading.Event()
         self.first_read = threading.Event()  # set by the storage once a read has completed
         self._thread: threading.Thread | None = None
+        self._starting = threading.Lock()  # a start and an abort see the thread whole
         self._next_poll = 0.0
         self._ready = False
         self._lock_was_held = False  # another process was downloading when this one tried

@@ -133,6 +133,7 @@ class CopyDownload:
     _abort: threading.Event
     _done: threading.Event
     _thread: threading.Thread | None
+    _starting: threading.Lock
     _ready: bool
     _lock_was_held: bool
     _mutex: threading.Lock
@@ -145,17 +146,21 @@ class CopyDownload:
     bytes_fetched: int
 
     def start(self) -> None:
-        """Start the background download unless the copy exists or one is running. Idempotent."""
-        if self.running():
-            return
-        if (self.folder / MANIFEST_NAME).is_file():
-            self._ready = True
-            return
-        self._abort.clear()
-        self._done.clear()
-        self.error = None
-        self._thread = threading.Thread(target=self._run, name="guideloom-cache", daemon=False)
-        self._thread.start()
+        """Start the background download unless the copy exists or one is running. Idempotent.
+        The thread is the download's once it has started: an abort meanwhile (from another
+        thread) waits for the start, then for the thread."""
+        with self._starting:
+            if self.running():
+                return
+            if (self.folder / MANIFEST_NAME).is_file():
+                self._ready = True
+                return
+            self._abort.clear()
+            self._done.clear()
+            self.error = None
+            t = threading.Thread(target=self._run, name="guideloom-cache", daemon=False)
+            t.start()
+            self._thread = t
 
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -163,10 +168,13 @@ class CopyDownload:
     def abort(self) -> None:
         """Stop a download in progress (its partial folder is removed) and wait for it."""
         self._abort.set()
-        t = self._thread
+        with self._starting:
+            t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join()
-        self._thread = None
+        with self._starting:
+            if self._thread is t:
+                self._thread = None
 
     def _run(self) -> None:
         """The download thread: one process of those sharing ``cache_dir`` copies the dataset."""

@@ -251,7 +251,7 @@ class HeldBlocks:
             return self._waits(read)
 
     def _waits(self, read: Read) -> list[concurrent.futures.Future[None]]:
-        if any(t < read.order for t in self._unplanned):
+        if self._unplanned_before(read.order):
             return [self._plans]
         out, after = [], False
         for r in self._reads:  # in planning order: of reads without a ticket, that decides
@@ -262,6 +262,10 @@ class HeldBlocks:
             if earlier and not r.done.done() and r.overlaps(read):
                 out.append(r.done)
         return out
+
+    def _unplanned_before(self, order: int) -> bool:
+        """Whether a read called before ticket ``order`` is not planned yet (under the lock)."""
+        return any(t < order for t in self._unplanned)
 
     def _planned_one(self) -> list[concurrent.futures.Future[None]]:
         """A read called was planned or skipped (under the lock): the futures to set (outside it)
@@ -284,7 +288,7 @@ class HeldBlocks:
         first, but a later read ready first would take the whole budget before the earlier one
         asks: the next window's bytes, then the one called first, whose batches come next."""
         with self._lock:
-            if any(t < read.order for t in self._unplanned) or any(
+            if self._unplanned_before(read.order) or any(
                 r.order < read.order and not r.asked for r in self._reads if r is not read
             ):
                 return [self._moved]
@@ -310,7 +314,7 @@ class HeldBlocks:
             need = read.pending
             if not 0 < need <= self.limit or read.span < PART_SPAN * read.wanted:
                 return []
-            if any(t < read.order for t in self._unplanned):
+            if self._unplanned_before(read.order):
                 return [self._plans]
             earlier = [
                 r for r in self._reads if r is not read and r.order < read.order and not r.overlaps(read)
@@ -331,7 +335,7 @@ class HeldBlocks:
 
     def _maybe_release(self) -> list[_Held]:
         at = self._release
-        if at is not None and not any(t < at for t in self._unplanned):
+        if at is not None and not self._unplanned_before(at):
             self._release = None
             return self._let_go(self._claimed)
         return []

@@ -21,8 +21,7 @@ from guideloom.storage._cache._copy import DatasetCache, copy_footprint
 from guideloom.storage._format._manifest import Manifest
 from guideloom.storage._local._storage import LocalDocumentStorage, LocalStreamStorage
 from guideloom.storage._remote._client import Remote
-from guideloom.storage._remote._fetch import RangeFetcher, run_aside
-from guideloom.storage._remote._held import Read
+from guideloom.storage._remote._fetch import run_aside
 from guideloom.storage._remote._objstore import io_executor
 from guideloom.storage._remote._options import ReadSettings
 from guideloom.storage._remote._ranges import Job, lead
@@ -143,7 +142,7 @@ class _ObjectStorageMixin:
         reach to their ends (:func:`~._ranges.lead`), so the next read takes them off its ranges'
         ends instead of fetching them again. A part of a mixing window read in parts, read ahead
         while the last window's reads hold the bound, waits for them before it fetches, so its
-        blocks can be held for its later parts (:func:`_wait_room`). A read asks for room in
+        blocks can be held for its later parts (:meth:`~._held.HeldBlocks.room`). A read asks for room in
         flight once every read called before it has (:meth:`~._held.HeldBlocks.turn`), so the
         windows read ahead together end in the order they were called. Not with a chunk cache,
         which fetches by chunks of its own."""
@@ -184,7 +183,8 @@ class _ObjectStorageMixin:
                 # them as they finish (failed: fetched here).
                 await _wait_for(functools.partial(fetcher.waits, read))
                 await _planned(n, fetcher.cut, out[0])
-            await _wait_room(fetcher, read)
+            # room to hold its blocks: past the bound on the wait, it fetches what it cannot hold
+            await _wait_for(functools.partial(fetcher.room, read))
             # the reads called before it ask first, however fast it got here: the limit admits
             # the waiting requests of the earliest read first, not those already in flight
             if read is not None:
@@ -402,12 +402,6 @@ _WAIT_HELD_S = 10.0
 #: Reads of more samples than this are planned on an I/O thread: planning costs a few
 #: microseconds a sample, so a large window planned on the event loop would stall it.
 PLAN_INLINE_SAMPLES = 256
-
-
-async def _wait_room(fetcher: RangeFetcher, read: Read | None) -> None:
-    """Wait for the earlier reads ``read`` waits for to hold its blocks (:meth:`~._held.HeldBlocks.room`):
-    past :data:`_WAIT_HELD_S`, it fetches what it cannot hold."""
-    await _wait_for(functools.partial(fetcher.room, read))
 
 
 async def _wait_for(ask: Callable[[], list[concurrent.futures.Future[None]]]) -> None:

@@ -68,24 +68,20 @@ def pack_samples(batches: list[Any], take: Callable[[int], Segment]) -> tuple[Sa
 def _rows(batches: list[Any]) -> tuple[list[np.ndarray], FlatLayout] | None:
     """The blocks and their layout when every batch is the :class:`Rows` of a block of one plain
     dtype and row length (a stream's reads): a block is copied whole, not row by row."""
-    blocks: list[np.ndarray] = []
-    dtype = length = None
-    for batch in batches:
-        if type(batch) is not Rows:
-            return None
-        block = batch.block
-        if type(block) is not np.ndarray or block.ndim != 2:
-            return None
-        if dtype is None:
-            dtype, length = block.dtype, block.shape[1]
-            if dtype.hasobject or dtype.names is not None:
-                return None
-        elif block.dtype != dtype or block.shape[1] != length:
-            return None
-        blocks.append(block)
-    if dtype is None or length is None:
+    if not batches or any(type(b) is not Rows or type(b.block) is not np.ndarray for b in batches):
         return None
-    return blocks, FlatLayout(dtype.str, length, tuple(len(b) for b in blocks), rows=True)
+    blocks: list[np.ndarray] = [b.block for b in batches]
+    first = blocks[0]
+    if first.ndim != 2 or not _plain_dtype(first.dtype):
+        return None
+    if any(b.ndim != 2 or b.dtype != first.dtype or b.shape[1] != first.shape[1] for b in blocks):
+        return None
+    return blocks, FlatLayout(first.dtype.str, first.shape[1], tuple(len(b) for b in blocks), rows=True)
+
+
+def _plain_dtype(dtype: np.dtype[Any]) -> bool:
+    """Whether arrays of ``dtype`` travel as their bytes alone (no objects, no named fields)."""
+    return not dtype.hasobject and dtype.names is None
 
 
 def _flat(batches: list[Any]) -> tuple[list[np.ndarray], FlatLayout] | None:
@@ -102,7 +98,7 @@ def _flat(batches: list[Any]) -> tuple[list[np.ndarray], FlatLayout] | None:
                 return None
             if dtype is None:
                 dtype = a.dtype
-                if dtype.hasobject or dtype.names is not None:
+                if not _plain_dtype(dtype):
                     return None
             elif a.dtype != dtype:
                 return None

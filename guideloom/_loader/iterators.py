@@ -14,7 +14,7 @@ loader and plans at its first batch, then the same three runtime modules with
 :class:`~guideloom._runtime.drive.AsyncDriver`, whose reads are tasks on the caller's loop handed
 to the flow as they end. Each runtime module is entered once: a driver calls its flow, the flow
 its executor, nothing calls back up (``config.py`` gives the epoch's sizes and ``chooser.py`` the
-choice a measuring sync driver consults, both leaves).
+choices a measuring driver consults, both leaves).
 """
 
 from __future__ import annotations
@@ -334,8 +334,8 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
             await loader.aopen()
             self._owns_open = True
         self._configure(self._state.plan_epoch(loader))
-        # The caller's loop serves other tasks: collate_fn never runs on it (one thread at
-        # num_workers=0), however long it takes.
+        # The caller's loop serves other tasks: collate_fn runs on it only where it is measured
+        # cheaper than the hop to a thread and nothing is made ahead (num_workers=0, prefetch=0).
         self._driver = driver = AsyncDriver(self._cfg, pinned=loader.collate_mode == "workers")
         return driver
 

@@ -12,13 +12,18 @@ cannot be told apart. On a machine that other processes load, one chunk of calls
 several times its neighbour in the same mode; a rule that needed the workers to win clearly
 (their dearest chunk against inline's cheapest) then kept inline a collate that the workers ran
 half again as fast.
+
+``async for`` at ``num_workers=0, prefetch=0`` has a choice of its own (:class:`LoopChoice`):
+whether a collate is cheap enough to run on the caller's loop, where nothing is made ahead to
+hide the hop to a thread and back.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
 
 __all__ = [
     "CHUNK_SECONDS",
@@ -37,6 +42,11 @@ __all__ = [
     "CPU_SAMPLE",
     "PROCESS_DECISIVE",
     "Chooser",
+    "Choosers",
+    "LOOP_CHEAP_CALLS",
+    "LOOP_COLLATE_S",
+    "LOOP_MOST_CALLS",
+    "LoopChoice",
     "PinnedChooser",
     "Verdict",
     "process_chooser",
@@ -287,6 +297,14 @@ class Chooser:
             self._n, self._total, self._longest = -self._skips[workers], 0.0, 0.0
 
 
+class Choosers(Protocol):
+    """Where a driver finds the chooser that outlives its epoch (the loader's lifecycle)."""
+
+    def chooser(self, kind: str, make: Callable[[], Chooser], *, fresh: bool = False) -> Chooser:
+        """The chooser of ``kind``, made by ``make`` the first time (every time if ``fresh``)."""
+        ...
+
+
 class PinnedChooser(Chooser):
     """A mode the user pinned (``collate_mode="workers"``): nothing is timed, nothing probed, no
     verdict made."""
@@ -321,3 +339,49 @@ def process_chooser(capacity: int) -> Chooser:
     return Chooser(
         skip=limit, chunk=max(8, 2 * limit), inline_chunk=8, inline_skip=0, decisive=PROCESS_DECISIVE
     )
+
+
+#: A collate that takes less than this runs on the caller's loop (:class:`LoopChoice`): the loop
+#: is held no longer than the turn ``async for`` gives its other tasks once a millisecond.
+LOOP_COLLATE_S = 0.001
+#: Calls in a row under :data:`LOOP_COLLATE_S`, timed on the collate thread, before the collate
+#: moves to the loop (a first call may be cheap by chance, or warm a cache the next ones miss).
+LOOP_CHEAP_CALLS = 4
+#: The most calls in a row a collate sent back from the loop has to earn it again with
+#: (:class:`LoopChoice`): twice as many after each call on the loop that took longer.
+LOOP_MOST_CALLS = 1024
+
+
+class LoopChoice:
+    """Where ``async for`` collates at ``num_workers=0, prefetch=0``: on its collate thread, or on
+    the caller's loop.
+
+    With nothing made ahead, every batch waits for the hop to the thread and back: two wake-ups,
+    30-150 µs on two cores, several times a collate of a few small tensors (an epoch of such
+    batches ran at a third of the sync loop's rate). So each call is timed by the wall clock (a
+    collate that waits, on a lock or a disk, counts as slow), and after :data:`LOOP_CHEAP_CALLS`
+    in a row under :data:`LOOP_COLLATE_S` the next ones run on the loop. One that takes longer
+    there sends the collate back to its thread, to earn the loop again with twice as many cheap
+    calls in a row as the last time (up to :data:`LOOP_MOST_CALLS`): a loop thread that waited
+    for a core costs a few batches their hop, a collate slow now and then holds the loop ever
+    more rarely."""
+
+    __slots__ = ("cheap", "need", "on_loop")
+
+    def __init__(self) -> None:
+        self.cheap = 0  # calls in a row under the limit
+        self.need = LOOP_CHEAP_CALLS  # the calls in a row that earn the loop
+        #: Whether the next call runs on the loop.
+        self.on_loop = False
+
+    def timed(self, seconds: float) -> None:
+        """A call took ``seconds`` (on the thread or on the loop, as :attr:`on_loop` said)."""
+        if seconds < LOOP_COLLATE_S:
+            if not self.on_loop:
+                self.cheap += 1
+                self.on_loop = self.cheap >= self.need
+            return
+        self.cheap = 0
+        if self.on_loop:
+            self.on_loop = False
+            self.need = min(LOOP_MOST_CALLS, 2 * self.need)

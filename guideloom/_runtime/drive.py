@@ -8,8 +8,9 @@ of a storage that reads inline are made right there (a window when its batches a
 others on a loop thread of its own, several windows in flight. With ``collate_mode="auto"`` it
 drives a clock that times the consumer's cycle to choose between the workers and inline
 collation (:class:`~guideloom._runtime.flow.Clock`). :class:`AsyncDriver` runs on the caller's loop,
-which never runs ``collate_fn`` (one collate thread at ``num_workers=0``) and is never blocked
-by a read (``read_many`` is a coroutine) or a wait.
+which runs ``collate_fn`` only where it is measured cheaper than the hop to the collate thread
+(``num_workers=0, prefetch=0``: :class:`~guideloom._runtime.chooser.LoopChoice`) and is never
+blocked by a read (``read_many`` is a coroutine) or a wait.
 
 Both take each batch from the flow in plan order, a failure at its batch and nothing after it.
 """
@@ -28,10 +29,10 @@ from guideloom._core.plan import EpochPlan
 from guideloom._core.schedule import WINDOW_BATCHES, Offload, future_reads, run_async, run_sync
 from guideloom._loop import LoopThread
 from guideloom._process import aside, run_into
+from guideloom._runtime.chooser import Choosers
 from guideloom._runtime.config import PipelineConfig
 from guideloom._runtime.executors import (
     UNMEASURED,
-    Choosers,
     FutureJob,
     GroupJob,
     Here,
@@ -133,6 +134,8 @@ class SyncDriver:
                     self._decide()
                 d = flow.make_here()  # read already, nothing in flight before it: made now
                 if d is not None:
+                    if flow.wants_read():  # fewer read than a window: the next is read ahead
+                        self._read_ahead()
                     return d
                 self._pump()
                 d = flow.take()
@@ -314,9 +317,12 @@ class AsyncDriver:
         return self.flow.place
 
     def ready(self) -> bool:
-        """Whether the next batch is in hand (:meth:`next` would not suspend)."""
-        job = self.flow.head()
-        return job is not None and job.ready()
+        """Whether the next batch is in hand, or is made at once (:meth:`next` would not suspend)."""
+        flow = self.flow
+        job = flow.head()
+        if job is None:
+            return bool(flow.raw) and flow.here.makes_now()
+        return job.ready()
 
     async def next(self) -> Delivery | None:
         """The next batch in plan order (or the error in its place); ``None`` at the end."""
@@ -325,6 +331,11 @@ class AsyncDriver:
             self._loop = asyncio.get_running_loop()
             self._moved = asyncio.Event()
             self.cfg.dataset._will_read(future_reads(flow.plan, self.cfg.order, flow.future_windows()))
+        d = flow.make_here()  # read already, nothing in flight before it: made now, on the loop
+        if d is not None:
+            if flow.wants_read():  # fewer read than a window: the next is read ahead
+                self._read_ahead()
+            return d
         flow.limit = self.cfg.capacity + 1  # the consumer asks for one: one more credit
         try:
             while not flow.closed:
@@ -378,6 +389,11 @@ class AsyncDriver:
             moved.set()
 
     def _pump(self) -> None:
+        self._read_ahead()
+        self.flow.fill()
+
+    def _read_ahead(self) -> None:
+        """Start the reads the flow asks for, each a task of the loop."""
         flow, dataset = self.flow, self.cfg.dataset
         loop = self._loop
         assert loop is not None
@@ -387,7 +403,6 @@ class AsyncDriver:
             r.handle = task
             self._reading.add(task)
             task.add_done_callback(self._read_done)
-        flow.fill()
 
     def _read_done(self, task: asyncio.Task[Any]) -> None:
         """A read ended (on the loop): the flow takes it, and the groups it allows start now."""

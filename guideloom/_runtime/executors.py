@@ -12,30 +12,27 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import math
 import selectors
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from guideloom._core.delivery import Delivery, Results, apply_group
 from guideloom._core.plan import BatchSpec
 from guideloom._runtime import chooser as choosing
 from guideloom._runtime.config import PipelineConfig, making_steps
 from guideloom._runtime.processes.pool import Group, Proc, WorkerPool
+from guideloom._runtime.processes.session import detach
 from guideloom._runtime.processes.wire import Epoch, EpochMessages
 from guideloom._runtime.threadpool import CollateThreads
 
 if TYPE_CHECKING:
-    from guideloom._runtime.chooser import Chooser
+    from guideloom._runtime.chooser import Chooser, Choosers
 
 __all__ = [
-    "AHEAD_BYTES",
-    "GROUP_MOST",
-    "GROUP_WORK_S",
     "UNMEASURED",
-    "Choosers",
     "Chosen",
     "FutureJob",
     "GroupJob",
@@ -46,6 +43,9 @@ __all__ = [
     "Threads",
     "executors_for",
 ]
+
+
+T = TypeVar("T")
 
 
 class Job:
@@ -183,6 +183,21 @@ class GroupJob(Job):
         g.wake()  # a driver waiting for it looks again (and finds the flow closed)
 
 
+def _make(steps: tuple[Callable[[Any], Any], ...], value: Any) -> Any:
+    for step in steps:
+        value = step(value)
+    return value
+
+
+def _timed(choice: choosing.LoopChoice, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, its time on the wall clock told to ``choice``."""
+    t0 = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        choice.timed(time.perf_counter() - t0)
+
+
 class Here:
     """Batches made in the driver's thread, one when it is asked for (no event loop, nothing
     ahead: as PyTorch loads at ``num_workers=0``)."""
@@ -202,6 +217,12 @@ class Here:
     def credit_batches(self, credits: int) -> int:
         return 1
 
+    def makes_now(self) -> bool:
+        return True
+
+    def make(self, value: Any) -> Any:
+        return _make(self.steps, value)
+
     def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
         assert values is not None
         results = apply_group(self.steps, values)
@@ -213,7 +234,8 @@ class Here:
 
 class Threads:
     """Groups collated on ``n`` daemon threads (:class:`~guideloom._runtime.threadpool.CollateThreads`);
-    ``steps`` include the copy to the device where there is one."""
+    ``steps`` include the copy to the device where there is one. With ``choice``, a group runs
+    where it says: on the thread, or at once in the caller (the loop of ``async for``)."""
 
     reads_itself = False
     runs_ahead = True
@@ -223,40 +245,46 @@ class Threads:
         return False
 
     def __init__(
-        self, n: int, steps: Sequence[Callable[[Any], Any]], place: str, most_jobs: int | None = None
+        self,
+        n: int,
+        steps: Sequence[Callable[[Any], Any]],
+        place: str,
+        most_jobs: int | None = None,
+        choice: choosing.LoopChoice | None = None,
     ) -> None:
         self.pool = CollateThreads(n)
         self.steps = tuple(steps)
         self.place = place
         self.transfer = False
         self.most_jobs = most_jobs or 1 << 30
+        self.choice = choice
 
     def credit_batches(self, credits: int) -> int:
         return 1
 
+    def makes_now(self) -> bool:
+        return self.choice is not None and self.choice.on_loop
+
+    def make(self, value: Any) -> Any:
+        assert self.choice is not None
+        return _timed(self.choice, _make, self.steps, value)
+
     def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
         assert values is not None
-        ds = [Delivery(s) for s in specs]
-        return FutureJob(ds, self.pool.submit(apply_group, self.steps, values), self.place, False)
+        choice = self.choice
+        if choice is None:
+            call = self.pool.submit(apply_group, self.steps, values)
+        elif choice.on_loop:
+            results = _timed(choice, apply_group, self.steps, values)
+            return Made([Delivery(s, v, e) for s, (v, e) in zip(specs, results, strict=False)], "inline")
+        else:
+            call = self.pool.submit(_timed, choice, apply_group, self.steps, values)
+        return FutureJob([Delivery(s) for s in specs], call, self.place, False)
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the threads, waiting for a call in progress at most
         :data:`~guideloom._runtime.threadpool.CLOSE_GRACE_S` (then it is left running)."""
         self.pool.shutdown(wait=wait, cancel_futures=True)
-
-
-#: The workers' work (a batch's read and collate, as they measure it) a task of cheap batches
-#: holds (:meth:`Processes.credit_batches`): a round trip through the pipes, two wake-ups, costs
-#: about a millisecond on a busy machine.
-GROUP_WORK_S = 0.002
-#: What the credits' tasks of cheap batches hold at most together (the batches' bytes, as the
-#: workers wrote them): what is made ahead stays small however cheap the batches are, and within
-#: the caches the workers and the consumer share (measured: tasks of 2 MiB at 7 credits cost the
-#: workers twice the CPU of tasks of 1 MiB).
-AHEAD_BYTES = 8 << 20
-#: The batches a task of cheap batches holds at most, however small and cheap: a task's batches
-#: are timed together where the collate's place is measured.
-GROUP_MOST = 32
 
 
 class Processes:
@@ -294,8 +322,6 @@ class Processes:
         self._registered: list[Proc] = []
         #: Whether workers of the start are still to join (each sent the epoch once ready).
         self._joining = False
-        #: The last answer of :meth:`credit_batches`, with what it was worked out from.
-        self._credit: tuple[tuple[float | None, float | None, int], int] = ((None, None, -1), 1)
         try:
             pool.begin()  # the workers start while the first batches are made here
         except Exception as exc:
@@ -422,25 +448,15 @@ class Processes:
     #: The flow whose epoch the workers are sent (set by the driver).
     flow: Any = None
 
+    def makes_now(self) -> bool:
+        return False  # made by the workers
+
+    def make(self, value: Any) -> Any:
+        raise AssertionError("process workers make no batch in the driver's thread")
+
     def credit_batches(self, credits: int) -> int:
-        """Batches a credit stands for: 1, or once the workers have reported that a batch's work
-        is cheap, a task of about :data:`GROUP_WORK_S` of it (a round trip through the pipes,
-        a wake-up of each process, then costs less than the batches it brings), of
-        :data:`GROUP_MOST` batches at most, and of no more than the ``credits`` tasks' share of
-        :data:`AHEAD_BYTES` (the batches' bytes as the workers wrote them)."""
-        s = self.session
-        key = (s.work_per_batch, s.bytes_per_batch, credits)
-        work, nbytes, _ = key
-        if key == self._credit[0]:  # asked at each fill: the measures move once a group is back
-            return self._credit[1]
-        if work is None or work >= GROUP_WORK_S:
-            n = 1
-        else:
-            n = min(GROUP_MOST, math.ceil(GROUP_WORK_S / max(work, 1e-6)))
-            if nbytes:
-                n = min(n, int(AHEAD_BYTES // (max(1, credits) * nbytes)))
-        self._credit = key, max(1, n)
-        return self._credit[1]
+        """Batches a credit stands for (the session's ``credit_batches``: tasks of cheap batches)."""
+        return self.session.credit_batches(credits)
 
     def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
         self._join()
@@ -496,10 +512,10 @@ class Processes:
             except RuntimeError:
                 running = None
             if running is loop:
-                _detach(loop, registered, self.session)
+                detach(loop, registered, self.session)
             else:
                 try:
-                    loop.call_soon_threadsafe(_detach, loop, registered, self.session)
+                    loop.call_soon_threadsafe(detach, loop, registered, self.session)
                 except RuntimeError:  # the loop closed meanwhile
                     pass
         if self.owned:
@@ -509,27 +525,7 @@ class Processes:
                 threading.Thread(target=self.pool.close, name="guideloom-workers-close", daemon=True).start()
 
 
-def _detach(loop: asyncio.AbstractEventLoop, procs: list[Proc], session: object) -> None:
-    """Stop reading the pipes of ``procs`` on ``loop``, those ``session`` still reads."""
-    for p in procs:
-        if p.reader is not session:  # a later session reads this pipe now: not ours to remove
-            continue
-        p.reader = None
-        try:
-            loop.remove_reader(p.fd)
-        except (OSError, ValueError):
-            pass
-
-
 # -- what an epoch runs on ----------------------------------------------------------------------
-class Choosers(Protocol):
-    """Where a driver finds the chooser that outlives its epoch (the loader's lifecycle)."""
-
-    def chooser(self, kind: str, make: Callable[[], Chooser], *, fresh: bool = False) -> Chooser:
-        """The chooser of ``kind``, made by ``make`` the first time (every time if ``fresh``)."""
-        ...
-
-
 class Chosen:
     """What :func:`executors_for` decided: the executors, and how the choice between them is made."""
 
@@ -552,7 +548,8 @@ def executors_for(cfg: PipelineConfig, choosers: Choosers | None, *, on_loop: bo
     """What ``cfg``'s epoch runs on, decided in one place.
 
     - ``num_workers=0``: inline, one batch when it is asked for; with ``prefetch`` a thread
-      makes them ahead. ``on_loop`` (``async for``): one collate thread, never the loop.
+      makes them ahead. ``on_loop`` (``async for``): one collate thread; at ``prefetch=0``, the
+      loop itself once the collate is measured cheaper than the hop (``chooser.LoopChoice``).
     - Worker threads, or process workers: what the user asked for. A sync ``for`` measures
       (``choosers``: ``collate_mode="auto"``; None: pinned to the workers) whether they cost
       more than the collate inline, and collates where it is cheaper: over a storage that reads
@@ -561,7 +558,10 @@ def executors_for(cfg: PipelineConfig, choosers: Choosers | None, *, on_loop: bo
       unless they are pinned (their first windows are read meanwhile).
     """
     steps = making_steps(cfg)
-    here: Here | Threads = Threads(1, steps, "threads") if on_loop else Here(steps)
+    here: Here | Threads = Here(steps)
+    if on_loop:  # at prefetch=0 nothing hides the hop: a collate cheaper than it runs on the loop
+        solo = cfg.num_workers == 0 and cfg.prefetch == 0
+        here = Threads(1, steps, "threads", choice=choosing.LoopChoice() if solo else None)
     if cfg.num_workers == 0:
         if on_loop or cfg.prefetch == 0:
             return Chosen(here, None, None, False)

@@ -1,7 +1,7 @@
 """``async for`` shares the caller's event loop fairly: it gives the loop a turn
-once per batch even when batches are buffered, never runs ``collate_fn`` on the loop, and a
-cancelled consumer task joins every guideloom thread and worker process before its cancellation
-propagates."""
+once per batch even when batches are buffered, runs ``collate_fn`` on the loop only where it is
+measured cheaper than the hop to a thread and nothing is made ahead, and a cancelled consumer
+task joins every guideloom thread and worker process before its cancellation propagates."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import torch
 
 import guideloom as gl
 from guideloom._loader.iterators import TURN_S
+from guideloom._runtime.chooser import LOOP_CHEAP_CALLS, LOOP_COLLATE_S
 from tests.support.data import IdsOf, identity_stream, slow_ids
 from tests.support.loader import guideloom_threads
 
@@ -153,8 +154,10 @@ async def test_heartbeat_on_time_with_a_slow_collate_and_no_workers() -> None:
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("prefetch", [0, 3])
-async def test_collate_never_runs_on_the_callers_loop(prefetch: int) -> None:
+@pytest.mark.parametrize(("prefetch", "num_workers"), [(3, 0), (0, 2), (3, 2)])
+async def test_collate_never_runs_on_the_callers_loop_where_batches_are_made_ahead(
+    prefetch: int, num_workers: int
+) -> None:
     names: list[str] = []
 
     def where(samples: Sequence[np.ndarray]) -> list[int]:
@@ -163,12 +166,82 @@ async def test_collate_never_runs_on_the_callers_loop(prefetch: int) -> None:
 
     loader = gl.StatefulDataLoader.from_storage(
         identity_stream(20), where, sequence_length=4, local_batch_size=2, prefetch=prefetch,
-        device=torch.device("cpu"),
+        num_workers=num_workers, device=torch.device("cpu"),
     )  # fmt: skip
     async with loader:
         got = [b async for b in loader]
     assert [i for b in got for i in b] == list(range(20))
     assert names and all(n.startswith("guideloom-collate") for n in names), set(names)
+
+
+@pytest.mark.asyncio
+async def test_at_prefetch_0_a_cheap_collate_moves_to_the_loop_and_a_slow_one_back() -> None:
+    """Nothing is made ahead at ``prefetch=0``: a collate measured cheaper than the hop to its
+    thread (``LOOP_CHEAP_CALLS`` calls in a row) runs on the loop; one that then takes longer
+    goes back to the thread, and earns the loop again with twice as many cheap calls."""
+    names: list[str] = []
+    slow = {10, 11, 12}
+
+    def where(samples: Sequence[np.ndarray]) -> list[int]:
+        names.append(threading.current_thread().name)
+        batch = [int(s[0]) // 4 for s in samples]
+        if batch[0] // 2 in slow:
+            time.sleep(2 * LOOP_COLLATE_S)  # a wait: slow on the wall clock, not on the CPU
+        return batch
+
+    loader = gl.StatefulDataLoader.from_storage(
+        identity_stream(400), where, sequence_length=4, local_batch_size=2, device=torch.device("cpu")
+    )
+    async with loader:
+        got = [b async for b in loader]
+        collated = loader.stats()
+    assert [i for b in got for i in b] == list(range(400))
+    loop = threading.current_thread().name
+    on_loop = [n == loop for n in names]
+    n = LOOP_CHEAP_CALLS
+    # (a cheap call that a loaded machine kept from a core for a millisecond counts as slow: only
+    # what holds however the machine is loaded is asserted)
+    assert not any(on_loop[:n]) and any(on_loop[n:10])  # measured on the thread, then the loop
+    assert sum(on_loop[10:13]) <= 1  # a slow one held the loop once at most
+    # back on the thread: 2 * n cheap calls in a row after the last slow one earn the loop again
+    assert not any(on_loop[13 : 13 + 2 * n]), on_loop
+    assert sum(on_loop[13 + 2 * n :]) > len(on_loop[13 + 2 * n :]) // 2, on_loop
+    assert collated["collated_inline"] == sum(on_loop)
+    assert collated["collated_threads"] == len(names) - sum(on_loop)
+
+
+@pytest.mark.asyncio
+async def test_a_collate_on_the_loop_still_gives_the_loop_its_turns() -> None:
+    """Batches made on the loop as they are asked for never suspend ``async for``: it still
+    gives the loop's other tasks a turn at least every ``TURN_S`` or so."""
+    loader = gl.StatefulDataLoader.from_storage(
+        identity_stream(400), IdsOf(4), sequence_length=4, local_batch_size=2, device=torch.device("cpu")
+    )
+    turns = 0
+    stop = False
+
+    async def other() -> None:
+        nonlocal turns
+        while not stop:
+            turns += 1
+            await asyncio.sleep(0)
+
+    async with loader:
+        it = aiter(loader)
+        for _ in range(2 * LOOP_CHEAP_CALLS):  # measured cheap: on the loop from here
+            await anext(it)
+        task = asyncio.create_task(other())
+        await asyncio.sleep(0)
+        before, t0 = turns, time.thread_time()
+        for _ in range(150):
+            await anext(it)
+            busy(TURN_S / 10)
+        spent, after = time.thread_time() - t0, turns
+        stop = True
+        await task
+        await it.aclose()
+        assert loader.stats()["collated_inline"] >= 100
+    assert after - before >= max(3, int(spent / TURN_S) // 2), (after - before, spent)
 
 
 class WideWindows(gl.MemoryStreamStorage):

@@ -176,3 +176,40 @@ def test_workers_whose_tasks_hold_several_batches_are_timed_over_whole_tasks() -
     workers_in_tasks(c, per=4, ahead=12)
     assert c.verdict is not None and not c.verdict.workers
     assert c.verdict.workers_seconds == pytest.approx((4 * 1.5e-3 + 3e-4) / 4)
+
+
+# -- where async for collates at prefetch=0 ----------------------------------------------------------
+def test_a_loop_choice_earns_the_loop_with_cheap_calls_in_a_row_twice_as_many_after_each_slow_one() -> None:
+    c = chooser_module.LoopChoice()
+    cheap, slow = chooser_module.LOOP_COLLATE_S / 10, chooser_module.LOOP_COLLATE_S
+    first = chooser_module.LOOP_CHEAP_CALLS
+    for need in (first, 2 * first, 4 * first):
+        for _ in range(need - 1):
+            c.timed(cheap)
+        c.timed(slow)  # a slow call on the thread: the count starts again
+        assert not c.on_loop
+        for _ in range(need - 1):
+            c.timed(cheap)
+        assert not c.on_loop
+        c.timed(cheap)
+        assert c.on_loop
+        c.timed(slow)  # on the loop: back to the thread
+        assert not c.on_loop
+    for _ in range(20):  # however many slow calls on the loop, the loop is earned within the cap
+        c.need = chooser_module.LOOP_MOST_CALLS
+        c.on_loop = True
+        c.timed(slow)
+    assert c.need == chooser_module.LOOP_MOST_CALLS
+
+
+def test_a_collate_is_timed_for_the_loop_choice_when_it_fails_too() -> None:
+    from guideloom._runtime.executors import _timed
+
+    c = chooser_module.LoopChoice()
+
+    def fails() -> None:
+        raise ValueError("bad batch")
+
+    with pytest.raises(ValueError, match="bad batch"):
+        _timed(c, fails)
+    assert c.cheap == 1

@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 import guideloom as gl
 import guideloom._runtime.chooser as choice
-import guideloom._runtime.executors as executors
 import guideloom._runtime.processes.session as session_module
 from tests.support.data import Boom
 from tests.support.loader import assert_same, take
@@ -96,7 +95,7 @@ def test_switching_at_any_batch_gives_the_batches_of_num_workers_0(
 ) -> None:
     # tasks of a few batches at most: with the credits a large prefetch gives, tasks of more
     # would make the whole 66-batch epoch on the workers before a switch to inline could show
-    monkeypatch.setattr(executors, "GROUP_MOST", 4)
+    monkeypatch.setattr(session_module, "GROUP_MOST", 4)
     with loader_for(stream, rich, num_workers=0, shuffle=True, shuffle_seed=3, local_batch_size=3) as inline:
         epochs = [take(inline) for _ in range(3)]
     loader = loader_for(stream, rich, shuffle=True, shuffle_seed=3, local_batch_size=3, prefetch=prefetch)
@@ -225,7 +224,7 @@ def test_a_collate_cheaper_than_the_transport_runs_inline(
     worker process, so the epoch's batches end up made inline (and are still the same). (The
     workers' tasks are held to one batch here: the transport a batch, which is what the chooser
     weighs against the collate.)"""
-    monkeypatch.setattr(executors, "GROUP_MOST", 1)
+    monkeypatch.setattr(session_module, "GROUP_MOST", 1)
     folder = tmp_path / "long"
     gl.write_stream(folder, np.arange(12000 * SEQ, dtype=np.int32), shard_bytes=600_000)
     with loader_for(folder, ids, num_workers=0, shuffle=True, shuffle_seed=1) as inline:

@@ -33,8 +33,9 @@ from hypothesis import strategies as st
 
 import guideloom as gl
 from guideloom._compat import fork_server_is_known
-from guideloom._runtime.executors import AHEAD_BYTES, Processes
+from guideloom._runtime.executors import Processes
 from guideloom._runtime.processes import SHUTDOWN_GRACE_S, RemoteTraceback, live_segments
+from guideloom._runtime.processes.session import AHEAD_BYTES
 from tests.support.data import Boom, slow_ids
 from tests.support.loader import assert_same, take
 from tests.support.processes import (

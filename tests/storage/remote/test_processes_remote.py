@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import guideloom
-from guideloom._runtime.executors import GROUP_MOST, GROUP_WORK_S
 from guideloom._runtime.processes import RemoteTraceback
+from guideloom._runtime.processes.session import GROUP_MOST, GROUP_WORK_S
 from guideloom_dev.servers import MotoS3
 from tests.support.data import Boom
 from tests.support.loader import assert_same

@@ -50,7 +50,13 @@ pyarrow and tokenizers with the tokenizer loaded and run once (``pss-libs``, thr
 ``open_parquet``), with two children forked from it as the loaders' two process workers are,
 idle; their PSS together, sampled as a loader's is. What a packed loader holds above
 ``pss-libs`` is its own (read-ahead, kept tokens, the tokenizer's working memory, the heap's
-free pages); below it, the libraries'.
+free pages); below it, the libraries'. ``pss-tok``: ``pss-libs``'s process, which then tokenizes
+every document of the layout as a packed loader's process does, and keeps nothing: two threads
+(a loader's reads and its thread tokenizing ahead; ``pss-tok1``: one), each reading one row group's text
+at a time and tokenizing it in calls of at most ``TOKENIZE_BYTES`` through the storage's own
+encoder (``tokenizers`` spreads each call over the cores); the tokens are dropped as they come.
+Its peak is what tokenizing at a packed loader's rate costs with this tokenizer library,
+read-ahead and kept tokens aside: the floor under any loader that tokenizes as it reads.
 
 ``gl-packed-cold``: the time to the first packed batch from a cold start (a fresh process, a new
 ``cache_dir``: nothing counted yet; the packing counts the row groups a window at a time as it
@@ -103,7 +109,7 @@ LAYOUTS = ("one", "many")
 PACKED = ("gl-packed", "hf-packed", "litdata-packed", "gl-stream")
 FLOOR = "tok-floor"
 #: Not loaders: the PSS of what a loader's processes import, with two forked children.
-PSS_FLOORS = ("pss-torch", "pss-libs")
+PSS_FLOORS = ("pss-torch", "pss-libs", "pss-tok", "pss-tok1")
 DOCS = ("gl-docs", "hf-docs", "litdata-docs")
 BASELINE = {"packed": "hf-packed", "docs": "hf-docs"}
 
@@ -468,7 +474,8 @@ def libraries_alone(config: str, data: Path, layout: str) -> dict[str, float]:
     and guideloom, as ``gl-stream``'s; ``pss-libs``: pyarrow, tokenizers and the tokenizer
     loaded and run once too, as ``gl-packed``'s), and two children forked from it, as the
     loaders' two process workers are, idle while the parent samples their PSS. Nothing read."""
-    if config == "pss-libs":
+    step: Any = None
+    if config != "pss-torch":
         import guideloom as gl
 
         storage = gl.open_parquet(data / layout, "text", tokenizer=str(data / "tokenizer.json"), eos="</s>")
@@ -484,6 +491,8 @@ def libraries_alone(config: str, data: Path, layout: str) -> dict[str, float]:
             time.sleep(30)
             os._exit(0)
         children.append(pid)
+    if config.startswith("pss-tok"):
+        tokenize_as_a_loader(step[1], shards(data, layout), 1 if config == "pss-tok1" else 2)
     time.sleep(2.0)  # ten samples of the tree
     from benchmarks.parquet import measured
 
@@ -492,6 +501,44 @@ def libraries_alone(config: str, data: Path, layout: str) -> dict[str, float]:
         os.kill(pid, 9)
         os.waitpid(pid, 0)
     return {}
+
+
+def tokenize_as_a_loader(encode: Any, files: list[str], threads: int) -> None:
+    """Every row group of ``files`` tokenized by ``encode`` on ``threads`` threads, one row
+    group's text at a time each, in calls of at most ``TOKENIZE_BYTES`` of text; nothing kept."""
+    import threading
+
+    import pyarrow.parquet as pq
+
+    from guideloom.storage._parquet._tokens import TOKENIZE_BYTES
+
+    groups = [(f, g) for f in files for g in range(pq.ParquetFile(f).num_row_groups)]
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                if not groups:
+                    return
+                f, g = groups.pop(0)
+            texts = pq.ParquetFile(f).read_row_group(g, columns=["text"])["text"].to_pylist()
+            call: list[str] = []
+            held = 0
+            for t in [*texts, None]:
+                size = 0 if t is None else len(t.encode())
+                if call and (t is None or held + size > TOKENIZE_BYTES):
+                    encode(call)  # the tokens, dropped
+                    call, held = [], 0
+                if t is not None:
+                    call.append(t)
+                    held += size
+            del texts
+
+    running = [threading.Thread(target=work) for _ in range(threads)]
+    for t in running:
+        t.start()
+    for t in running:
+        t.join()
 
 
 def tree_cpu() -> float:
@@ -625,6 +672,16 @@ def report(results: dict[tuple[str, str], list[dict[str, float]]], load: float, 
                 p["peak_pss_mb"] / s["peak_pss_mb"] for p, s in zip(packed, stream, strict=False)
             )
             print(f"peak PSS, {layout}: gl-packed / gl-stream (the prepared stream loader) {pss:.2f}")
+        for name, threads in (("pss-tok", 2), ("pss-tok1", 1)):
+            tok = results.get((layout, name))
+            if tok and stream:
+                at = statistics.median(r["peak_pss_mb"] for r in tok)
+                pairs = zip(tok, stream, strict=False)
+                ratio = statistics.median(t["peak_pss_mb"] / s["peak_pss_mb"] for t, s in pairs)
+                print(
+                    f"tokenizing alone on {threads} thread(s), nothing kept, {layout}: {at:,.0f} MiB, "
+                    f"{ratio:.2f}x gl-stream"
+                )
         libs, bare = results.get((layout, "pss-libs")), results.get((layout, "pss-torch"))
         if libs and bare:
             low = statistics.median(r["peak_pss_mb"] for r in libs)

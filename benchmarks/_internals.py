@@ -44,6 +44,7 @@ from guideloom.storage._format._manifest import (
     parse_manifest,
     storage_dtype,
 )
+from guideloom.storage._parquet._tokens import TOKENIZE_BYTES  # a packed loader's calls (pss-tok)
 from guideloom.storage._remote._held import HeldBlocks
 
 # The store guideloom's remote reads go through, which first_batch times with bare range GETs.
@@ -91,6 +92,7 @@ __all__ = [
     "DEFAULT_BLOCK_BYTES",
     "DEFAULT_WINDOW",
     "MANIFEST_NAME",
+    "TOKENIZE_BYTES",
     "SUPPORTED_DTYPES",
     "ArraySpec",
     "BlockPermutation",

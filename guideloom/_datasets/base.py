@@ -16,6 +16,8 @@ a dataset of your own needs.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable, Sequence
 from dataclasses import dataclass
@@ -41,6 +43,8 @@ __all__ = [
     "ReadHints",
     "ReadPlan",
     "SourceT",
+    "close_shared",
+    "open_shared",
     "read_async",
     "read_sync",
 ]
@@ -84,6 +88,35 @@ _HOOK_MEMBERS: Final = frozenset(
 )
 
 SourceT = TypeVar("SourceT")
+
+
+#: How many open datasets read each storage (two loaders, a train and an eval one, may share a
+#: storage object): the storage is closed with the last of them, not under the others' reads.
+_OPENS: weakref.WeakKeyDictionary[StorageAbstract[Any, Any], int] = weakref.WeakKeyDictionary()
+_OPENS_LOCK = threading.Lock()  # the loaders of one storage may run on different threads
+
+
+async def open_shared(storage: StorageAbstract[Any, Any]) -> None:
+    """Open ``storage`` for one more dataset (it is idempotent: a storage opened already stays so)."""
+    await storage.open()
+    try:
+        with _OPENS_LOCK:
+            _OPENS[storage] = _OPENS.get(storage, 0) + 1
+    except TypeError:  # a storage that cannot be counted (unhashable): each close closes it
+        pass
+
+
+async def close_shared(storage: StorageAbstract[Any, Any]) -> None:
+    """Close ``storage`` for one dataset: only once no other open dataset reads it."""
+    try:
+        with _OPENS_LOCK:
+            left = _OPENS.pop(storage, 1) - 1
+            if left > 0:
+                _OPENS[storage] = left
+                return
+    except TypeError:
+        pass
+    await storage.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,13 +243,14 @@ class DatasetAbstract(ABC, Generic[SourceT]):
         / entering ``with``, before ``len()`` is asked (a storage may learn its length only once
         open)."""
         if self.storage is not None:
-            await self.storage.open()
+            await open_shared(self.storage)
 
     async def close(self) -> None:
         """Close what :meth:`open` opened; the loader calls this on ``close()``, after its last
-        read."""
+        read. A storage that another open dataset reads too (two loaders over one storage)
+        stays open until the last of them closes."""
         if self.storage is not None:
-            await self.storage.close()
+            await close_shared(self.storage)
 
     @abstractmethod
     def __len__(self) -> int:

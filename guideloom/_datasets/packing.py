@@ -77,6 +77,7 @@ from guideloom._datasets.base import (
     Call,
     ReadHints,
     ReadPlan,
+    open_shared,
     read_async,
     read_sync,
 )
@@ -198,7 +199,7 @@ class PackedDataset(BuiltinDataset[Sample]):
     async def open(self) -> None:
         """Open the storage and, the first time, build the pack layout (one pass over the
         document offsets)."""
-        await self._storage.open()
+        await open_shared(self._storage)
         if self._counted is not None:  # counted as read: only what cache_dir holds is known now
             await asyncio.to_thread(self._counted.learn_known)
         elif self._layout is None:

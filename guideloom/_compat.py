@@ -13,13 +13,14 @@ main one (a *zygote*) and asks for forks: the server's private attributes, its l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import multiprocessing
 import os
 import sys
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing import connection, forkserver, popen_forkserver, reduction, resource_tracker, spawn, util
 from multiprocessing.context import ForkServerContext, ForkServerProcess, set_spawning_popen
 from typing import Any
@@ -100,7 +101,11 @@ PRIVATE_APIS: dict[str, str] = {
         "concurrent.futures does (atexit handlers run after that join: too late)"
     ),
     "sys._current_frames": "the stacks of threads, to tell whether a fork would copy a thread's lock",
-    "asyncio.events._set_running_loop": "forget, in a zygote forked from a coroutine, the loop it ran",
+    "asyncio.events._set_running_loop": (
+        "forget, in a zygote forked from a coroutine, the loop it ran; hide the caller's loop from "
+        "a collate run on it"
+    ),
+    "asyncio.events._get_running_loop": "restore the caller's loop after a collate run on it",
     "multiprocessing.forkserver.main": "run multiprocessing's fork-server loop in a zygote",
     "multiprocessing.forkserver.read_signed": "read a forked worker's pid from the zygote's reply",
     "multiprocessing.forkserver.ForkServer.connect_to_new_process": "ask a zygote for a fork",
@@ -148,6 +153,20 @@ def clear_running_loop() -> None:
     """Forget this thread's running event loop (in a child forked from a coroutine, where no
     loop runs: else ``asyncio.run`` there refuses to start)."""
     asyncio.events._set_running_loop(None)
+
+
+@contextlib.contextmanager
+def no_running_loop() -> Iterator[None]:
+    """This thread's running event loop hidden from what runs within, as on a thread of its own:
+    a collate that ``async for`` measured cheap enough to run on the caller's loop finds no
+    running loop there, as on its collate thread (else one that runs a loop of its own, with
+    ``asyncio.run``, would fail once it moved to the loop)."""
+    loop = asyncio.events._get_running_loop()
+    asyncio.events._set_running_loop(None)
+    try:
+        yield
+    finally:
+        asyncio.events._set_running_loop(loop)
 
 
 # ----------------------------------------------------------------------------------------------

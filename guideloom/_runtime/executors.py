@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from guideloom._compat import no_running_loop
 from guideloom._core.delivery import Delivery, Results, apply_group
 from guideloom._core.plan import BatchSpec
 from guideloom._runtime import chooser as choosing
@@ -43,7 +44,6 @@ __all__ = [
     "Threads",
     "executors_for",
 ]
-
 
 T = TypeVar("T")
 
@@ -190,10 +190,11 @@ def _make(steps: tuple[Callable[[Any], Any], ...], value: Any) -> Any:
 
 
 def _timed(choice: choosing.LoopChoice, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)``, its time on the wall clock told to ``choice``."""
+    """``fn(*args)`` as on the collate thread (no running loop), its wall-clock time told to ``choice``."""
     t0 = time.perf_counter()
     try:
-        return fn(*args)
+        with no_running_loop():
+            return fn(*args)
     finally:
         choice.timed(time.perf_counter() - t0)
 
@@ -234,8 +235,8 @@ class Here:
 
 class Threads:
     """Groups collated on ``n`` daemon threads (:class:`~guideloom._runtime.threadpool.CollateThreads`);
-    ``steps`` include the copy to the device where there is one. With ``choice``, a group runs
-    where it says: on the thread, or at once in the caller (the loop of ``async for``)."""
+    ``steps`` include the copy to the device where there is one. With ``choice``, a group runs where
+    it says: on the thread, or at once in the caller (the loop of ``async for``, hidden from it)."""
 
     reads_itself = False
     runs_ahead = True
@@ -588,7 +589,6 @@ def executors_for(cfg: PipelineConfig, choosers: Choosers | None, *, on_loop: bo
     return Chosen(here, procs, chooser, choosers is None)
 
 
-# -- what an epoch runs on ---------------------------------------------------------------------
 class _Unmeasured:
     """``collate_mode="auto"`` on a loop (:data:`UNMEASURED`): nothing is measured there, the
     workers are not pinned."""

@@ -211,6 +211,40 @@ async def test_at_prefetch_0_a_cheap_collate_moves_to_the_loop_and_a_slow_one_ba
 
 
 @pytest.mark.asyncio
+async def test_a_collate_on_the_loop_finds_no_running_loop_as_on_its_thread() -> None:
+    """Where a collate runs is measured, not asked for: on the loop it finds what it finds on its
+    thread, no running loop, so one that runs a loop of its own works at every batch."""
+    seen: list[bool] = []
+
+    async def doubled(ids: list[int]) -> list[int]:
+        return [2 * i for i in ids]
+
+    def own_loop(samples: Sequence[np.ndarray]) -> list[int]:
+        ids = [int(s[0]) // 4 for s in samples]
+        try:
+            asyncio.get_running_loop()
+            seen.append(True)
+        except RuntimeError:
+            seen.append(False)
+        if ids[0] % 16 != 8:
+            return ids
+        loop = asyncio.new_event_loop()  # "another loop is running" where the caller's is found
+        try:
+            return loop.run_until_complete(doubled(ids))
+        finally:
+            loop.close()
+
+    loader = gl.StatefulDataLoader.from_storage(
+        identity_stream(200), own_loop, sequence_length=4, local_batch_size=2, device=torch.device("cpu")
+    )
+    async with loader:
+        got = [b async for b in loader]
+        assert loader.stats()["collated_inline"] > 0
+    assert got == [[2 * i, 2 * i + 2] if i % 16 == 8 else [i, i + 1] for i in range(0, 200, 2)]
+    assert not any(seen)
+
+
+@pytest.mark.asyncio
 async def test_a_collate_on_the_loop_still_gives_the_loop_its_turns() -> None:
     """Batches made on the loop as they are asked for never suspend ``async for``: it still
     gives the loop's other tasks a turn at least every ``TURN_S`` or so."""

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from guideloom._compat import no_running_loop
+from guideloom._compat import NoRunningLoop
 from guideloom._core.delivery import Delivery, Results, apply_group
 from guideloom._core.plan import BatchSpec
 from guideloom._runtime import chooser as choosing
@@ -193,7 +193,7 @@ def _timed(choice: choosing.LoopChoice, fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` as on the collate thread (no running loop), its wall-clock time told to ``choice``."""
     t0 = time.perf_counter()
     try:
-        with no_running_loop():
+        with NoRunningLoop():
             return fn(*args)
     finally:
         choice.timed(time.perf_counter() - t0)

@@ -20,6 +20,7 @@ hide the hop to a thread and back.
 
 from __future__ import annotations
 
+import contextvars
 import math
 import time
 from collections.abc import Callable
@@ -366,13 +367,16 @@ class LoopChoice:
     for a core costs a few batches their hop, a collate slow now and then holds the loop ever
     more rarely."""
 
-    __slots__ = ("cheap", "need", "on_loop")
+    __slots__ = ("cheap", "context", "need", "on_loop")
 
     def __init__(self) -> None:
         self.cheap = 0  # calls in a row under the limit
         self.need = LOOP_CHEAP_CALLS  # the calls in a row that earn the loop
         #: Whether the next call runs on the loop.
         self.on_loop = False
+        #: The context variables of the collate's calls, wherever they run (one at a time), as
+        #: a thread's own: on the loop, a collate that sets one does not set the consumer's.
+        self.context = contextvars.Context()
 
     def timed(self, seconds: float) -> None:
         """A call took ``seconds`` (on the thread or on the loop, as :attr:`on_loop` said)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import gc
 import multiprocessing
 import threading
@@ -242,6 +243,33 @@ async def test_a_collate_on_the_loop_finds_no_running_loop_as_on_its_thread() ->
         assert loader.stats()["collated_inline"] > 0
     assert got == [[2 * i, 2 * i + 2] if i % 16 == 8 else [i, i + 1] for i in range(0, 200, 2)]
     assert not any(seen)
+
+
+REQUEST: contextvars.ContextVar[str] = contextvars.ContextVar("request", default="unset")
+
+
+@pytest.mark.asyncio
+async def test_a_collate_on_the_loop_runs_in_a_context_of_its_own_as_on_its_thread() -> None:
+    """A collate that sets a context variable sets it in a context of its own wherever it runs,
+    as on its thread: the consumer's task never sees it, nor the collate the consumer's."""
+    seen: list[str] = []
+
+    def tagged(samples: Sequence[np.ndarray]) -> list[int]:
+        seen.append(REQUEST.get())
+        REQUEST.set("collate")
+        return [int(s[0]) // 4 for s in samples]
+
+    REQUEST.set("consumer")
+    loader = gl.StatefulDataLoader.from_storage(
+        identity_stream(200), tagged, sequence_length=4, local_batch_size=2, device=torch.device("cpu")
+    )
+    after: list[str] = []
+    async with loader:
+        async for _ in loader:
+            after.append(REQUEST.get())
+        assert loader.stats()["collated_inline"] > 0
+    assert set(after) == {"consumer"}
+    assert seen[0] == "unset" and set(seen[1:]) == {"collate"}  # the collate's own, from call to call
 
 
 @pytest.mark.asyncio

@@ -14,7 +14,7 @@ from typing import Any
 
 from guideloom._core.plan import BatchSpec
 
-__all__ = ["DELIVERED_ERRORS", "Delivery", "Results", "apply", "apply_group", "for_the_consumer"]
+__all__ = ["DELIVERED_ERRORS", "Delivery", "Results", "apply", "apply_group", "for_the_consumer", "through"]
 
 #: What a read or a step raises that reaches the consumer in place of its batch, with its own
 #: type: ``SystemExit`` and ``KeyboardInterrupt`` too, so that a collate that calls ``sys.exit()``
@@ -46,6 +46,13 @@ def apply(d: Delivery, *steps: Callable[[Any], Any]) -> bool:
         except DELIVERED_ERRORS as exc:
             d.value, d.error = None, exc
     return d.error is not None
+
+
+def through(steps: Sequence[Callable[[Any], Any]], value: Any) -> Any:
+    """``value`` through each of ``steps`` in turn (one batch made at once)."""
+    for step in steps:
+        value = step(value)
+    return value
 
 
 def apply_group(steps: Sequence[Callable[[Any], Any]], batches: list[Any]) -> Results:

@@ -16,7 +16,7 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from guideloom._loop import LoopThread
-from guideloom._runtime.chooser import Chooser, Verdict
+from guideloom._runtime.chooser import Chooser, LoopChoice, Verdict
 from guideloom._runtime.processes import WorkerPool
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ class Lifecycle:
     """Whether the loader is open (from sync or async code), its active iterator and its worker
     pool, all changed under one lock."""
 
-    __slots__ = ("_choosers", "active", "lock", "pool", "state")
+    __slots__ = ("_choosers", "_loop_choice", "active", "lock", "pool", "state")
 
     def __init__(self) -> None:
         self.state: Literal["closed", "open", "async-open"] = "closed"
@@ -150,6 +150,7 @@ class Lifecycle:
         self.lock = threading.RLock()
         self.pool: WorkerPool | None = None
         self._choosers: dict[str, Chooser] = {}
+        self._loop_choice: LoopChoice | None = None
 
     def chooser(self, kind: str, make: Callable[[], Chooser], *, fresh: bool = False) -> Chooser:
         """The loader's chooser of ``kind`` (``"threads"``, ``"processes"``): what one epoch
@@ -161,6 +162,15 @@ class Lifecycle:
             if chooser is None or fresh:
                 chooser = self._choosers[kind] = make()
             return chooser
+
+    def loop_choice(self) -> LoopChoice:
+        """The loader's choice of where ``async for`` collates at ``num_workers=0, prefetch=0``:
+        what one epoch learnt holds for the next (a collate sent back from the loop earns it
+        again with as many cheap calls as it left off at, not afresh each epoch)."""
+        with self.lock:
+            if self._loop_choice is None:
+                self._loop_choice = LoopChoice()
+            return self._loop_choice
 
     def verdict(self, kind: str) -> Verdict | None:
         """The last choice of the loader's chooser of ``kind`` (``stats()``), if it made one."""

@@ -24,7 +24,9 @@ import contextvars
 import math
 import time
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
+
+from guideloom._compat import NoRunningLoop
 
 __all__ = [
     "CHUNK_SECONDS",
@@ -53,6 +55,8 @@ __all__ = [
     "process_chooser",
     "thread_chooser",
 ]
+
+T = TypeVar("T")
 
 #: The longest a choice between workers and inline collation stands before the other is probed again.
 REPROBE_SECONDS = 3.0
@@ -389,3 +393,13 @@ class LoopChoice:
         if self.on_loop:
             self.on_loop = False
             self.need = min(LOOP_MOST_CALLS, 2 * self.need)
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` as on a thread of its own (no running loop, the choice's context),
+        timed for the choice."""
+        t0 = time.perf_counter()
+        try:
+            with NoRunningLoop():
+                return self.context.run(fn, *args)
+        finally:
+            self.timed(time.perf_counter() - t0)

@@ -29,7 +29,7 @@ from guideloom._core.plan import EpochPlan
 from guideloom._core.schedule import WINDOW_BATCHES, Offload, future_reads, run_async, run_sync
 from guideloom._loop import LoopThread
 from guideloom._process import aside, run_into
-from guideloom._runtime.chooser import Choosers
+from guideloom._runtime.chooser import Choosers, LoopChoice
 from guideloom._runtime.config import PipelineConfig
 from guideloom._runtime.executors import (
     UNMEASURED,
@@ -289,9 +289,10 @@ class AsyncDriver:
     batches; reads, the workers' results and the collate thread move the flow on between
     calls (each read's end starts the groups it allows)."""
 
-    def __init__(self, cfg: PipelineConfig, pinned: bool) -> None:
+    def __init__(self, cfg: PipelineConfig, pinned: bool, loop_choice: LoopChoice | None = None) -> None:
         self.cfg = cfg
-        self.ex = ex = executors_for(cfg, None if pinned else UNMEASURED, on_loop=True)
+        choosers = None if pinned else UNMEASURED
+        self.ex = ex = executors_for(cfg, choosers, on_loop=True, loop_choice=loop_choice)
         self.procs = ex.workers if isinstance(ex.workers, Processes) else None
         self.flow = flow = EpochFlow(
             cfg,

@@ -14,13 +14,11 @@ import concurrent.futures
 import functools
 import selectors
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-from guideloom._compat import NoRunningLoop
-from guideloom._core.delivery import Delivery, Results, apply_group
+from guideloom._core.delivery import Delivery, Results, apply_group, through
 from guideloom._core.plan import BatchSpec
 from guideloom._runtime import chooser as choosing
 from guideloom._runtime.config import PipelineConfig, making_steps
@@ -44,8 +42,6 @@ __all__ = [
     "Threads",
     "executors_for",
 ]
-
-T = TypeVar("T")
 
 
 class Job:
@@ -183,22 +179,6 @@ class GroupJob(Job):
         g.wake()  # a driver waiting for it looks again (and finds the flow closed)
 
 
-def _make(steps: tuple[Callable[[Any], Any], ...], value: Any) -> Any:
-    for step in steps:
-        value = step(value)
-    return value
-
-
-def _timed(choice: choosing.LoopChoice, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` as on a thread of its own (no running loop, ``choice``'s context), timed for it."""
-    t0 = time.perf_counter()
-    try:
-        with NoRunningLoop():
-            return choice.context.run(fn, *args)
-    finally:
-        choice.timed(time.perf_counter() - t0)
-
-
 class Here:
     """Batches made in the driver's thread, one when it is asked for (no event loop, nothing
     ahead: as PyTorch loads at ``num_workers=0``)."""
@@ -222,7 +202,7 @@ class Here:
         return True
 
     def make(self, value: Any) -> Any:
-        return _make(self.steps, value)
+        return through(self.steps, value)
 
     def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
         assert values is not None
@@ -268,7 +248,7 @@ class Threads:
 
     def make(self, value: Any) -> Any:
         assert self.choice is not None
-        return _timed(self.choice, _make, self.steps, value)
+        return self.choice.run(through, self.steps, value)
 
     def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
         assert values is not None
@@ -276,10 +256,10 @@ class Threads:
         if choice is None:
             call = self.pool.submit(apply_group, self.steps, values)
         elif choice.on_loop:
-            results = _timed(choice, apply_group, self.steps, values)
+            results = choice.run(apply_group, self.steps, values)
             return Made([Delivery(s, v, e) for s, (v, e) in zip(specs, results, strict=False)], "inline")
         else:
-            call = self.pool.submit(_timed, choice, apply_group, self.steps, values)
+            call = self.pool.submit(choice.run, apply_group, self.steps, values)
         return FutureJob([Delivery(s) for s in specs], call, self.place, False)
 
     def shutdown(self, wait: bool = True) -> None:
@@ -545,7 +525,13 @@ class Chosen:
         return seen
 
 
-def executors_for(cfg: PipelineConfig, choosers: Choosers | None, *, on_loop: bool) -> Chosen:
+def executors_for(
+    cfg: PipelineConfig,
+    choosers: Choosers | None,
+    *,
+    on_loop: bool,
+    loop_choice: choosing.LoopChoice | None = None,
+) -> Chosen:
     """What ``cfg``'s epoch runs on, decided in one place.
 
     - ``num_workers=0``: inline, one batch when it is asked for; with ``prefetch`` a thread
@@ -562,7 +548,8 @@ def executors_for(cfg: PipelineConfig, choosers: Choosers | None, *, on_loop: bo
     here: Here | Threads = Here(steps)
     if on_loop:  # at prefetch=0 nothing hides the hop: a collate cheaper than it runs on the loop
         solo = cfg.num_workers == 0 and cfg.prefetch == 0
-        here = Threads(1, steps, "threads", choice=choosing.LoopChoice() if solo else None)
+        choice = (loop_choice or choosing.LoopChoice()) if solo else None  # the loader's, kept
+        here = Threads(1, steps, "threads", choice=choice)
     if cfg.num_workers == 0:
         if on_loop or cfg.prefetch == 0:
             return Chosen(here, None, None, False)

@@ -23,7 +23,9 @@ def stream(tmp_path: Path) -> Any:
 
 
 def loader(storage: Any, **kw: Any) -> gl.StatefulDataLoader[Any, Any]:
-    return gl.StatefulDataLoader.from_storage(storage, IdsOf(16), sequence_length=16, local_batch_size=4, **kw)
+    return gl.StatefulDataLoader.from_storage(
+        storage, IdsOf(16), sequence_length=16, local_batch_size=4, **kw
+    )
 
 
 def test_closing_one_of_two_loaders_over_one_storage_leaves_the_other_reading(stream: Any) -> None:

@@ -463,3 +463,27 @@ async def test_cancelled_again_while_closing_still_joins_the_workers() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert [t.name for t in guideloom_threads() if t not in before and t.is_alive()] == []
+
+
+@pytest.mark.asyncio
+async def test_the_loader_keeps_where_async_for_collates_from_one_epoch_to_the_next() -> None:
+    """A collate that earned the loop in one epoch runs there from the next epoch's first batch;
+    one sent back to its thread earns it again with the cheap calls it left off at."""
+    names: list[str] = []
+
+    def where(samples: Sequence[np.ndarray]) -> list[int]:
+        names.append(threading.current_thread().name)
+        return [int(s[0]) // 4 for s in samples]
+
+    loader = gl.StatefulDataLoader.from_storage(
+        identity_stream(40), where, sequence_length=4, local_batch_size=2, device=torch.device("cpu")
+    )
+    loop = threading.current_thread().name
+    async with loader:
+        first = [b async for b in loader]
+        ended_on_loop = names[-1] == loop
+        names.clear()
+        second = [b async for b in loader]
+    assert first == second
+    if ended_on_loop:  # (a loaded machine may have sent the last calls back to the thread)
+        assert names[0] == loop, names

@@ -203,13 +203,11 @@ def test_a_loop_choice_earns_the_loop_with_cheap_calls_in_a_row_twice_as_many_af
 
 
 def test_a_collate_is_timed_for_the_loop_choice_when_it_fails_too() -> None:
-    from guideloom._runtime.executors import _timed
-
     c = chooser_module.LoopChoice()
 
     def fails() -> None:
         raise ValueError("bad batch")
 
     with pytest.raises(ValueError, match="bad batch"):
-        _timed(c, fails)
+        c.run(fails)
     assert c.cheap == 1

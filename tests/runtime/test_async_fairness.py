@@ -103,6 +103,36 @@ async def heartbeat() -> AsyncIterator[Beats]:
         gc.unfreeze()
 
 
+@dataclass
+class Turns:
+    """How many turns another task of the loop got."""
+
+    count: int = 0
+
+
+@contextlib.asynccontextmanager
+async def counting_turns() -> AsyncIterator[Turns]:
+    """A task on the running loop that counts its turns (one per ``asyncio.sleep(0)``) while the
+    block runs: how often the block let the loop's other tasks run."""
+    turns = Turns()
+    stop = False
+
+    async def other() -> None:
+        while not stop:
+            turns.count += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(other())
+    await asyncio.sleep(0)
+    start = turns.count
+    try:
+        yield turns
+    finally:
+        stop = True
+        await task
+        turns.count -= start
+
+
 def busy(seconds: float) -> None:
     """``seconds`` of this thread's CPU time: synchronous work, as a training step's Python."""
     end = time.thread_time() + seconds
@@ -279,31 +309,20 @@ async def test_a_collate_on_the_loop_still_gives_the_loop_its_turns() -> None:
     loader = gl.StatefulDataLoader.from_storage(
         identity_stream(400), IdsOf(4), sequence_length=4, local_batch_size=2, device=torch.device("cpu")
     )
-    turns = 0
-    stop = False
-
-    async def other() -> None:
-        nonlocal turns
-        while not stop:
-            turns += 1
-            await asyncio.sleep(0)
 
     async with loader:
         it = aiter(loader)
         for _ in range(2 * LOOP_CHEAP_CALLS):  # measured cheap: on the loop from here
             await anext(it)
-        task = asyncio.create_task(other())
-        await asyncio.sleep(0)
-        before, t0 = turns, time.thread_time()
-        for _ in range(150):
-            await anext(it)
-            busy(TURN_S / 10)
-        spent, after = time.thread_time() - t0, turns
-        stop = True
-        await task
+        async with counting_turns() as turns:
+            t0 = time.thread_time()
+            for _ in range(150):
+                await anext(it)
+                busy(TURN_S / 10)
+            spent = time.thread_time() - t0
         await it.aclose()
         assert loader.stats()["collated_inline"] >= 100
-    assert after - before >= max(3, int(spent / TURN_S) // 2), (after - before, spent)
+    assert turns.count >= max(3, int(spent / TURN_S) // 2), (turns.count, spent)
 
 
 class WideWindows(gl.MemoryStreamStorage):
@@ -359,36 +378,25 @@ async def test_async_for_gives_the_loop_a_turn_at_least_every_turn_s(body_s: flo
         identity_stream(400), IdsOf(4), sequence_length=4, local_batch_size=2, prefetch=200,
         device=torch.device("cpu"),
     )  # fmt: skip
-    turns = 0
-    stop = False
-
-    async def other() -> None:
-        nonlocal turns
-        while not stop:
-            turns += 1
-            await asyncio.sleep(0)
 
     async with loader:
         it = aiter(loader)
         await anext(it)
         await asyncio.sleep(0.5)  # the collate thread makes every batch ahead
-        task = asyncio.create_task(other())
-        await asyncio.sleep(0)
         # the loop thread's own time: a while it waits for a core (a loaded machine) passes no
         # turn by, as the first batch after it gives one
-        before, t0 = turns, time.thread_time()
         handed = 150
-        for _ in range(handed):
-            await anext(it)
-            busy(body_s)
-        spent, after = time.thread_time() - t0, turns
-        stop = True
-        await task
+        async with counting_turns() as turns:
+            t0 = time.thread_time()
+            for _ in range(handed):
+                await anext(it)
+                busy(body_s)
+            spent = time.thread_time() - t0
         await it.aclose()
     if body_s >= TURN_S:
-        assert after - before >= handed, (after - before, handed)
+        assert turns.count >= handed, (turns.count, handed)
     else:
-        assert after - before >= max(3, int(spent / TURN_S) // 2), (after - before, spent)
+        assert turns.count >= max(3, int(spent / TURN_S) // 2), (turns.count, spent)
 
 
 # -- cancellation -------------------------------------------------------------------------------------

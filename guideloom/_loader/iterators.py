@@ -337,7 +337,9 @@ class AsyncIterator(_IteratorBase[BatchT], AsyncIteratorABC[BatchT]):
         # The caller's loop serves other tasks: collate_fn runs on it only where it is measured
         # cheaper than the hop to a thread and nothing is made ahead (num_workers=0, prefetch=0).
         self._driver = driver = AsyncDriver(
-            self._cfg, pinned=loader.collate_mode == "workers", loop_choice=self._life.loop_choice()
+            self._cfg,
+            pinned=loader.collate_mode == "workers",
+            loop_choice=self._life.loop_choice(loader.collate_fn),
         )
         return driver
 

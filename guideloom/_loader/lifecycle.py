@@ -142,7 +142,7 @@ class Lifecycle:
     """Whether the loader is open (from sync or async code), its active iterator and its worker
     pool, all changed under one lock."""
 
-    __slots__ = ("_choosers", "_loop_choice", "active", "lock", "pool", "state")
+    __slots__ = ("_choosers", "_loop_choice", "_loop_collate", "active", "lock", "pool", "state")
 
     def __init__(self) -> None:
         self.state: Literal["closed", "open", "async-open"] = "closed"
@@ -151,6 +151,7 @@ class Lifecycle:
         self.pool: WorkerPool | None = None
         self._choosers: dict[str, Chooser] = {}
         self._loop_choice: LoopChoice | None = None
+        self._loop_collate: object = None  # the collate_fn that choice was learnt of
 
     def chooser(self, kind: str, make: Callable[[], Chooser], *, fresh: bool = False) -> Chooser:
         """The loader's chooser of ``kind`` (``"threads"``, ``"processes"``): what one epoch
@@ -163,13 +164,14 @@ class Lifecycle:
                 chooser = self._choosers[kind] = make()
             return chooser
 
-    def loop_choice(self) -> LoopChoice:
+    def loop_choice(self, collate: object) -> LoopChoice:
         """The loader's choice of where ``async for`` collates at ``num_workers=0, prefetch=0``:
         what one epoch learnt holds for the next (a collate sent back from the loop earns it
-        again with as many cheap calls as it left off at, not afresh each epoch)."""
+        again with as many cheap calls as it left off at, not afresh each epoch), as long as
+        ``collate`` is the collate_fn it was learnt of: another one starts afresh, on its thread."""
         with self.lock:
-            if self._loop_choice is None:
-                self._loop_choice = LoopChoice()
+            if self._loop_choice is None or self._loop_collate is not collate:
+                self._loop_choice, self._loop_collate = LoopChoice(), collate
             return self._loop_choice
 
     def verdict(self, kind: str) -> Verdict | None:

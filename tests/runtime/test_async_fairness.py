@@ -495,3 +495,28 @@ async def test_the_loader_keeps_where_async_for_collates_from_one_epoch_to_the_n
     assert first == second
     if ended_on_loop:  # (a loaded machine may have sent the last calls back to the thread)
         assert names[0] == loop, names
+
+
+@pytest.mark.asyncio
+async def test_a_collate_fn_replaced_between_epochs_earns_the_loop_afresh() -> None:
+    """What the loader learnt of one collate says nothing of another: a new ``collate_fn`` starts
+    on its thread, so a slow one never holds the loop on its first call."""
+    names: list[str] = []
+
+    def cheap(samples: Sequence[np.ndarray]) -> list[int]:
+        return [int(s[0]) // 4 for s in samples]
+
+    def recorded(samples: Sequence[np.ndarray]) -> list[int]:
+        names.append(threading.current_thread().name)
+        return cheap(samples)
+
+    loader = gl.StatefulDataLoader.from_storage(
+        identity_stream(40), cheap, sequence_length=4, local_batch_size=2, device=torch.device("cpu")
+    )
+    loop = threading.current_thread().name
+    async with loader:
+        first = [b async for b in loader]
+        loader.collate_fn = recorded
+        second = [b async for b in loader]
+    assert first == second
+    assert names[0] != loop, names

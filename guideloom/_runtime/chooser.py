@@ -371,16 +371,13 @@ class LoopChoice:
     for a core costs a few batches their hop, a collate slow now and then holds the loop ever
     more rarely."""
 
-    __slots__ = ("cheap", "context", "need", "on_loop")
+    __slots__ = ("cheap", "need", "on_loop")
 
     def __init__(self) -> None:
         self.cheap = 0  # calls in a row under the limit
         self.need = LOOP_CHEAP_CALLS  # the calls in a row that earn the loop
         #: Whether the next call runs on the loop.
         self.on_loop = False
-        #: The context variables of the collate's calls, wherever they run (one at a time), as
-        #: a thread's own: on the loop, a collate that sets one does not set the consumer's.
-        self.context = contextvars.Context()
 
     def timed(self, seconds: float) -> None:
         """A call took ``seconds`` (on the thread or on the loop, as :attr:`on_loop` said)."""
@@ -394,12 +391,12 @@ class LoopChoice:
             self.on_loop = False
             self.need = min(LOOP_MOST_CALLS, 2 * self.need)
 
-    def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` as on a thread of its own (no running loop, the choice's context),
-        timed for the choice."""
+    def run(self, context: contextvars.Context, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` as on a thread of its own (no running loop, in ``context``: the
+        epoch's own, as a new collate thread's), timed for the choice."""
         t0 = time.perf_counter()
         try:
             with NoRunningLoop():
-                return self.context.run(fn, *args)
+                return context.run(fn, *args)
         finally:
             self.timed(time.perf_counter() - t0)

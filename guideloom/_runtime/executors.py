@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import functools
 import selectors
 import threading
@@ -239,6 +240,9 @@ class Threads:
         self.transfer = False
         self.most_jobs = most_jobs or 1 << 30
         self.choice = choice
+        #: The context variables of this epoch's collate calls, wherever they run (one at a time):
+        #: on the loop, a collate that sets one does not set the consumer's.
+        self.context = contextvars.Context()
 
     def credit_batches(self, credits: int) -> int:
         return 1
@@ -248,7 +252,7 @@ class Threads:
 
     def make(self, value: Any) -> Any:
         assert self.choice is not None
-        return self.choice.run(through, self.steps, value)
+        return self.choice.run(self.context, through, self.steps, value)
 
     def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
         assert values is not None
@@ -256,10 +260,10 @@ class Threads:
         if choice is None:
             call = self.pool.submit(apply_group, self.steps, values)
         elif choice.on_loop:
-            results = choice.run(apply_group, self.steps, values)
+            results = choice.run(self.context, apply_group, self.steps, values)
             return Made([Delivery(s, v, e) for s, (v, e) in zip(specs, results, strict=False)], "inline")
         else:
-            call = self.pool.submit(choice.run, apply_group, self.steps, values)
+            call = self.pool.submit(choice.run, self.context, apply_group, self.steps, values)
         return FutureJob([Delivery(s) for s in specs], call, self.place, False)
 
     def shutdown(self, wait: bool = True) -> None:

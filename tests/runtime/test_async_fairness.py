@@ -281,7 +281,8 @@ REQUEST: contextvars.ContextVar[str] = contextvars.ContextVar("request", default
 @pytest.mark.asyncio
 async def test_a_collate_on_the_loop_runs_in_a_context_of_its_own_as_on_its_thread() -> None:
     """A collate that sets a context variable sets it in a context of its own wherever it runs,
-    as on its thread: the consumer's task never sees it, nor the collate the consumer's."""
+    as on its thread: the consumer's task never sees it, nor the collate the consumer's; each
+    epoch's is new, as each epoch's collate thread is."""
     seen: list[str] = []
 
     def tagged(samples: Sequence[np.ndarray]) -> list[int]:
@@ -298,8 +299,13 @@ async def test_a_collate_on_the_loop_runs_in_a_context_of_its_own_as_on_its_thre
         async for _ in loader:
             after.append(REQUEST.get())
         assert loader.stats()["collated_inline"] > 0
+        first = seen[:]
+        seen.clear()
+        async for _ in loader:  # the next epoch starts on the loop, in a new context
+            after.append(REQUEST.get())
     assert set(after) == {"consumer"}
-    assert seen[0] == "unset" and set(seen[1:]) == {"collate"}  # the collate's own, from call to call
+    for epoch in (first, seen):
+        assert epoch[0] == "unset" and set(epoch[1:]) == {"collate"}  # its own, from call to call
 
 
 @pytest.mark.asyncio

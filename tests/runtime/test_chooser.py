@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import math
 import time
 
@@ -209,5 +210,5 @@ def test_a_collate_is_timed_for_the_loop_choice_when_it_fails_too() -> None:
         raise ValueError("bad batch")
 
     with pytest.raises(ValueError, match="bad batch"):
-        c.run(fails)
+        c.run(contextvars.Context(), fails)
     assert c.cheap == 1

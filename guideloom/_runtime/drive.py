@@ -134,8 +134,6 @@ class SyncDriver:
                     self._decide()
                 d = flow.make_here()  # read already, nothing in flight before it: made now
                 if d is not None:
-                    if flow.wants_read():  # fewer read than a window: the next is read ahead
-                        self._read_ahead()
                     return d
                 self._pump()
                 d = flow.take()

@@ -81,6 +81,11 @@ class Made(Job):
         super().__init__(place, transfer)
         self._ds = deque(ds)
 
+    @classmethod
+    def of(cls, specs: list[BatchSpec], results: Results, place: str) -> Made:
+        """A group made at once: its batches' results (stopping at a failure), by spec."""
+        return cls([Delivery(s, v, e) for s, (v, e) in zip(specs, results, strict=False)], place)
+
     def ready(self) -> bool:
         return bool(self._ds)
 
@@ -208,7 +213,7 @@ class Here:
     def submit(self, specs: list[BatchSpec], values: list[Any] | None) -> Job:
         assert values is not None
         results = apply_group(self.steps, values)
-        return Made([Delivery(s, v, e) for s, (v, e) in zip(specs, results, strict=False)], self.place)
+        return Made.of(specs, results, self.place)
 
     def shutdown(self, wait: bool = True) -> None:
         """Nothing runs."""
@@ -261,7 +266,7 @@ class Threads:
             call = self.pool.submit(apply_group, self.steps, values)
         elif choice.on_loop:
             results = choice.run(self.context, apply_group, self.steps, values)
-            return Made([Delivery(s, v, e) for s, (v, e) in zip(specs, results, strict=False)], "inline")
+            return Made.of(specs, results, "inline")
         else:
             call = self.pool.submit(choice.run, self.context, apply_group, self.steps, values)
         return FutureJob([Delivery(s) for s in specs], call, self.place, False)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import guideloom as gl
-from tests.support.data import Boom, Tracked, identity_stream
+from tests.support.data import Boom, IdsWhere, Tracked, identity_stream
 from tests.support.loader import make, slow_thread_worker_loader, take, without_the_process_module
 
 pytestmark = pytest.mark.usefixtures("no_thread_leak")
@@ -185,11 +185,8 @@ def test_no_thread_runs_between_iterators_even_while_open() -> None:
 
 
 def test_without_workers_or_prefetch_batches_load_on_demand_in_the_callers_thread() -> None:
-    threads: list[str] = []
-
-    def collate(samples: Sequence[np.ndarray]) -> list[int]:
-        threads.append(threading.current_thread().name)
-        return [int(s[0]) // 4 for s in samples]
+    collate = IdsWhere(4)
+    threads = collate.names
 
     loader = gl.StatefulDataLoader.from_storage(
         identity_stream(20), collate, sequence_length=4, local_batch_size=2, device=torch.device("cpu")

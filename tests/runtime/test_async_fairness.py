@@ -23,7 +23,7 @@ import torch
 import guideloom as gl
 from guideloom._loader.iterators import TURN_S
 from guideloom._runtime.chooser import LOOP_CHEAP_CALLS, LOOP_COLLATE_S
-from tests.support.data import IdsOf, identity_stream, slow_ids
+from tests.support.data import IdsOf, IdsWhere, identity_stream, slow_ids
 from tests.support.loader import guideloom_threads
 
 pytestmark = pytest.mark.usefixtures("no_thread_leak")
@@ -189,11 +189,8 @@ async def test_heartbeat_on_time_with_a_slow_collate_and_no_workers() -> None:
 async def test_collate_never_runs_on_the_callers_loop_where_batches_are_made_ahead(
     prefetch: int, num_workers: int
 ) -> None:
-    names: list[str] = []
-
-    def where(samples: Sequence[np.ndarray]) -> list[int]:
-        names.append(threading.current_thread().name)
-        return [int(s[0]) // 4 for s in samples]
+    where = IdsWhere(4)
+    names = where.names
 
     loader = gl.StatefulDataLoader.from_storage(
         identity_stream(20), where, sequence_length=4, local_batch_size=2, prefetch=prefetch,
@@ -483,11 +480,8 @@ async def test_cancelled_again_while_closing_still_joins_the_workers() -> None:
 async def test_the_loader_keeps_where_async_for_collates_from_one_epoch_to_the_next() -> None:
     """A collate that earned the loop in one epoch runs there from the next epoch's first batch;
     one sent back to its thread earns it again with the cheap calls it left off at."""
-    names: list[str] = []
-
-    def where(samples: Sequence[np.ndarray]) -> list[int]:
-        names.append(threading.current_thread().name)
-        return [int(s[0]) // 4 for s in samples]
+    where = IdsWhere(4)
+    names = where.names
 
     loader = gl.StatefulDataLoader.from_storage(
         identity_stream(40), where, sequence_length=4, local_batch_size=2, device=torch.device("cpu")
@@ -507,17 +501,10 @@ async def test_the_loader_keeps_where_async_for_collates_from_one_epoch_to_the_n
 async def test_a_collate_fn_replaced_between_epochs_earns_the_loop_afresh() -> None:
     """What the loader learnt of one collate says nothing of another: a new ``collate_fn`` starts
     on its thread, so a slow one never holds the loop on its first call."""
-    names: list[str] = []
-
-    def cheap(samples: Sequence[np.ndarray]) -> list[int]:
-        return [int(s[0]) // 4 for s in samples]
-
-    def recorded(samples: Sequence[np.ndarray]) -> list[int]:
-        names.append(threading.current_thread().name)
-        return cheap(samples)
-
+    recorded = IdsWhere(4)
+    names = recorded.names
     loader = gl.StatefulDataLoader.from_storage(
-        identity_stream(40), cheap, sequence_length=4, local_batch_size=2, device=torch.device("cpu")
+        identity_stream(40), IdsOf(4), sequence_length=4, local_batch_size=2, device=torch.device("cpu")
     )
     loop = threading.current_thread().name
     async with loader:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +32,18 @@ class IdsOf:
 
     def __call__(self, samples: Sequence[np.ndarray]) -> list[int]:
         return [int(s[0]) // self.sequence_length for s in samples]
+
+
+class IdsWhere(IdsOf):
+    """:class:`IdsOf` that also records, in ``names``, the thread each call ran on."""
+
+    def __init__(self, sequence_length: int) -> None:
+        super().__init__(sequence_length)
+        self.names: list[str] = []
+
+    def __call__(self, samples: Sequence[np.ndarray]) -> list[int]:
+        self.names.append(threading.current_thread().name)
+        return super().__call__(samples)
 
 
 def ids(samples: Sequence[np.ndarray]) -> list[int]:

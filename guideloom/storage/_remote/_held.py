@@ -375,15 +375,21 @@ class HeldBlocks:
 
     def _make_room(self, nbytes: int) -> list[_Held]:
         """Let go of the ranges used longest ago that no unfinished read (but their own) touches,
-        until ``nbytes`` more fit under the bound."""
+        until ``nbytes`` more fit under the bound; of those last used alike, the ranges of the
+        read called first go first. Reads are planned ahead, so the last window's blocks and
+        those the next window's first part fetches often share the clock, and its later part,
+        not planned yet, claims none of them: by the objects' names, the part would let go of
+        its own blocks and its later part fetch them again."""
         need = self._nbytes + nbytes - self.limit
         if need <= 0:
             return []
         oldest = sorted(
-            ((h.used, path, h.start, h.end) for path, held in self._ranges.items() for h in held),
+            (h.used, -1 if h.owner is None else h.owner.order, path, h.start, h.end)
+            for path, held in self._ranges.items()
+            for h in held
         )
         gone: set[tuple[str, int]] = set()
-        for _, path, start, end in oldest:
+        for _, _, path, start, end in oldest:
             if need <= 0:
                 break
             h = next(x for x in self._ranges[path] if x.start == start)

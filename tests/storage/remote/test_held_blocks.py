@@ -564,3 +564,35 @@ def test_a_new_reading_session_gives_no_read_of_an_old_one_its_turn() -> None:
     again = read_of([(0, 16)])
     held.begin_read(again, held.ticket())
     assert held.turn(again) == []
+
+
+def test_a_part_s_blocks_stay_held_for_its_later_part_not_yet_planned() -> None:
+    """The next window's first part fetches while its later part is not planned yet (nothing
+    claims its blocks): each block it adds takes the place of the last window's, never of its
+    own, whatever the objects' names and however many reads were planned meanwhile."""
+    k = 4096
+    chunk = bytes(k)
+    version = ObjectVersion(4 * k)
+
+    def part(path: str) -> Read:
+        return Read({path: ([0], [4 * k])}, 2 * k)
+
+    held = HeldBlocks(limit=4 * k)
+    held.begin()
+    last_one, last_two, next_one = part("b"), part("b"), part("a")  # "a" sorts first
+    tickets = [held.ticket() for _ in range(3)]
+    held.begin_read(last_one, tickets[0])
+    held.begin_read(last_two, tickets[1])
+    held.begin_read(next_one, tickets[2])  # planned ahead: no read is planned after it a while
+    for b in range(4):
+        held.add("b", b * k, (b + 1) * k, chunk, version, last_one)
+    held.end_read(last_one)
+    assert len(held.take("b", 0, 4 * k, version)) == 4
+    held.end_read(last_two)
+    assert held.room(next_one) == []
+    for b in range(4):
+        held.add("a", b * k, (b + 1) * k, chunk, version, next_one)
+    next_two = part("a")
+    held.begin_read(next_two, held.ticket())
+    assert [a for a, _, _ in held.take("a", 0, 4 * k, version)] == [0, k, 2 * k, 3 * k]
+    assert held.nbytes == 4 * k

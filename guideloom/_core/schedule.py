@@ -155,6 +155,7 @@ def windows(
     range requests, and no block fetched by two reads. A batch that straddles two mixing
     windows is read alone: a few samples of each, small ranges, where a large read would
     coalesce them into whole blocks of the next window, which its own read fetches again.
+    A window longer than ``largest`` is read in equal parts (:func:`_part`).
 
     An epoch counted as it goes: where the next batch is not counted yet, an empty window (the
     caller counts, :func:`count_window`, before it asks for the next window); ``counts=False``
@@ -185,9 +186,21 @@ def windows(
         else:
             g, offset = plan.global_batch_size, plan.start_offset
             inside = (window_end(offset + step * g) - offset) // g  # the first batch that ends past it
-            specs = plan.batches(step, min(max(inside, step + 1), step + largest, total))
+            specs = plan.batches(step, step + _part(min(max(inside, step + 1), total) - step, largest))
         step += len(specs)
         yield specs
+
+
+def _part(left: int, largest: int) -> int:
+    """The batches of the next read of a window with ``left`` batches to read, at most
+    ``largest``: as many as the fewest equal parts of it take (their sizes differ by one at most).
+    Each part touches nearly every block of the window, and the storage knows a part from a window
+    read whole by the bytes it spans over those its samples take (about the number of parts); a
+    part of nearly the whole window, cut by ``largest`` with a few batches left, spans little more
+    than its samples, and the blocks it fetches are not held for the last part, which fetches
+    the window again."""
+    parts = -(-left // largest)
+    return -(-left // parts)
 
 
 def every(span: int) -> Callable[[int], int]:

@@ -267,20 +267,37 @@ def _check_reads_follow_window_ends(
     """Each read of several batches lies inside one mixing window and holds the window's whole
     batches from its start on (unless cut at ``largest``); a straddling batch is read alone."""
     g, offset = plan.global_batch_size, plan.start_offset
+    runs: list[list[int]] = []  # the sizes of the reads of each window's run of whole batches
     for read, after in itertools.pairwise([*reads, []]):
         assert 1 <= len(read) <= largest
         end = window_end(offset + read[0].step * g)
         if len(read) > 1:
             assert offset + (read[-1].step + 1) * g <= end, "inside one window"
-        if after and len(read) < largest:
-            # not cut by the cap: the next batch straddles the window's end, or starts at it
-            assert offset + (after[0].step + 1) * g > end
+        if runs and runs[-1][0] < 0:
+            runs[-1].pop(0)
+        else:
+            runs.append([])
+        runs[-1].append(len(read))
+        if after and offset + (after[0].step + 1) * g <= end:
+            runs[-1].insert(0, -1)  # the next read goes on in the same window
+    for sizes in runs:
+        assert len(sizes) == -(-sum(sizes) // largest), "the fewest reads the cap allows"
+        assert max(sizes) - min(sizes) <= 1, "a window read in parts is read in equal parts"
 
 
 def test_without_a_span_windows_double_up_to_the_largest() -> None:
     plan = EpochPlan(1000, 1, 1, 0, drop_last=False)
     sizes = [len(w) for w in windows(plan, 0, 16)]
     assert sizes[:6] == [1, 2, 4, 8, 16, 16]
+
+
+def test_a_window_longer_than_the_largest_read_is_read_in_equal_parts() -> None:
+    """80 batches a window, 64 at most a read: two reads of 40, not 64 and 16 (a part of 64 spans
+    the window's 80 batches' blocks, too few more than its own to be told from a window read
+    whole, so its blocks would not be kept for the part of 16, which would fetch them again)."""
+    plan = EpochPlan(4096, 16, 1, 0, drop_last=False)
+    sizes = [len(w) for w in windows(plan, 0, 64, every(1280))]
+    assert sizes == [1, 40, 39, 40, 40, 40, 40, 16], "batch 0 alone, then each span in two (the last is 256)"
 
 
 def test_one_window_per_span_when_batches_tile_it() -> None:

@@ -161,7 +161,10 @@ def small_shards(tmp_path_factory: pytest.TempPathFactory, s3: MotoS3) -> Iterat
 #: (dataset, sequence_length, batch, loader options, storage settings): one "auto" mixing window
 #: in large shards, the one window in 1 MiB shards, and 1 MiB shards past the bound on what is
 #: held (three mixing windows of 8 MiB, each read in two parts, then the last 4 MiB in one: the
-#: next window's first part is planned while the last window's blocks fill the bound).
+#: next window's first part is planned while the last window's blocks fill the bound), and mixing
+#: windows of 12 MiB read in parts of 3 MiB at most, the last one of 4 MiB read in two equal parts
+#: (a first part of 3 MiB would span too little more than its samples to be told from a window
+#: read whole: its blocks not held, the last part would fetch them again).
 LAYOUTS = {
     "64 MiB shards, batch 16": ("short", SEQ, 16, {}, {}),
     "1 MiB shards, batch 8": ("8", 512, 8, {}, {}),
@@ -176,6 +179,13 @@ LAYOUTS = {
         )
         for batch in (8, 32)
     },
+    "past the held bound, a window longer than a read": (
+        "28",
+        512,
+        32,
+        {"shuffle_window": 3},
+        {"read_window_bytes": 12 * MiB, "read_window_batches": 96},
+    ),
 }
 
 

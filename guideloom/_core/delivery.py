@@ -41,8 +41,7 @@ def apply(d: Delivery, *steps: Callable[[Any], Any]) -> bool:
     them. Whether ``d`` now carries an error (a batch that already failed is left as it is)."""
     if d.error is None:
         try:
-            for step in steps:
-                d.value = step(d.value)
+            d.value = through(steps, d.value)
         except DELIVERED_ERRORS as exc:
             d.value, d.error = None, exc
     return d.error is not None
@@ -61,8 +60,7 @@ def apply_group(steps: Sequence[Callable[[Any], Any]], batches: list[Any]) -> Re
     out: Results = []
     for value in batches:
         try:
-            for step in steps:
-                value = step(value)
+            value = through(steps, value)
         except DELIVERED_ERRORS as exc:
             out.append((None, exc))
             break

@@ -59,19 +59,38 @@ class MotoS3:
     """moto's S3 server on 127.0.0.1 in its own process (so its request handling does not share
     the test process's GIL with the loader), with boto3 for test set-up (creating buckets)."""
 
+    #: Ports tried before giving up: the port is free when chosen, not when moto binds it (another
+    #: process of the suite may take it in between), so a server that does not answer as moto is
+    #: stopped and another port tried.
+    TRIES = 3
+
     def __init__(self) -> None:
-        self.port = free_port()
-        self.endpoint = f"http://{LOOPBACK}:{self.port}"
         server = Path(__file__).with_name("moto_server.py")  # moto.server, its Host lookup read once
-        self._proc = _start_process(
-            [sys.executable, str(server), "-H", LOOPBACK, "-p", str(self.port)],
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            wait_for_port(self.port, timeout=30)
-        except TimeoutError:
-            self.stop()
-            raise
+        for attempt in range(1, self.TRIES + 1):
+            self.port = free_port()
+            self.endpoint = f"http://{LOOPBACK}:{self.port}"
+            self._proc = _start_process(
+                [sys.executable, str(server), "-H", LOOPBACK, "-p", str(self.port)],
+                stderr=subprocess.DEVNULL,
+            )
+            try:
+                wait_for_port(self.port, timeout=30)
+                self._check_answers()
+                return
+            except (TimeoutError, OSError):
+                self.stop()
+                if attempt == self.TRIES:
+                    raise
+
+    def _check_answers(self) -> None:
+        """Raise ``OSError`` unless the process started answers on the port as moto does (a
+        bucket listing), rather than something else that listens there or nothing at all."""
+        import urllib.request
+
+        with urllib.request.urlopen(self.endpoint + "/", timeout=10) as reply:
+            body = reply.read()
+        if self._proc.poll() is not None or b"ListAllMyBucketsResult" not in body:
+            raise OSError(f"{self.endpoint} does not answer as the moto server started for it")
 
     def client(self) -> Any:
         import boto3

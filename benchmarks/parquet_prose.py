@@ -74,6 +74,8 @@ machine's load average is printed before and after.
     python -m benchmarks parquet --quick    # a smoke run
     python -m benchmarks parquet --rtt 20 --layouts one --only gl-packed,hf-packed
                                             # over HTTP at 20 ms (nginx on 127.0.0.1)
+    python -m benchmarks parquet --rtt 20 --store s3 --layouts one --only gl-packed,hf-packed
+                                            # over S3 at 20 ms (moto's server on 127.0.0.1)
 """
 
 from __future__ import annotations
@@ -183,31 +185,63 @@ def shards(data: Path, layout: str) -> list[str]:
     return sorted(glob.glob(str(data / layout / "*.parquet")))
 
 
-def source(data: Path, layout: str, base: str | None) -> Any:
+def source(data: Path, layout: str, base: str | None, *, http: bool = False) -> Any:
     """What the loaders read: the layout's folder, or its shards' URLs under ``base`` (served by
-    nginx, see :func:`serve`)."""
+    nginx or moto's S3, see :func:`serve`). Over S3, ``http`` gives the same objects' plain HTTP
+    URLs on the same server, for a reader without an S3 client."""
     if base is None:
         return data / layout
-    return [f"{base}/prose/{layout}/{Path(f).name}" for f in shards(data, layout)]
+    names = [Path(f).name for f in shards(data, layout)]
+    if base.startswith(S3_BASE):
+        if http:
+            return [f"{base[len(S3_BASE) :]}/{BUCKET}/{layout}/{n}" for n in names]
+        return [f"s3://{BUCKET}/{layout}/{n}" for n in names]
+    return [f"{base}/prose/{layout}/{n}" for n in names]
+
+
+#: ``--base`` over S3: this prefix, then the endpoint (the latency proxy in front of moto).
+S3_BASE = "s3:"
+BUCKET = "prose"
 
 
 @contextlib.contextmanager
-def serve(data: Path, rtt: float) -> Iterator[str]:
-    """nginx over the data folder (as ``/prose/``), behind the loopback latency proxy adding
-    ``rtt`` seconds to every request's round trip where it is not 0; yields the base URL."""
-    from guideloom_dev.servers import Nginx, nginx_binary, proxy_process
+def serve(data: Path, rtt: float, store: str = "http") -> Iterator[str]:
+    """The data over HTTP (nginx over the data folder, as ``/prose/``) or S3 (moto's server, the
+    layouts' shards in a bucket, public-read, the credentials in the AWS environment variables
+    the children inherit), behind the loopback latency proxy adding ``rtt`` seconds to every
+    request's round trip where it is not 0; yields the base to pass to :func:`source`."""
+    from guideloom_dev.servers import MotoS3, Nginx, nginx_binary, proxy_process
 
+    @contextlib.contextmanager
+    def behind(port: int, url: str) -> Iterator[str]:
+        if rtt == 0:
+            yield url
+        else:
+            with proxy_process(port, delay=rtt / 2, lifetime=3600) as near:
+                yield f"http://127.0.0.1:{near}"
+
+    if store == "s3":
+        s3 = MotoS3()
+        try:
+            s3.create_bucket(BUCKET)
+            for layout in LAYOUTS:
+                for f in shards(data, layout):
+                    key = f"{layout}/{Path(f).name}"  # readable by plain HTTP too (Hugging Face)
+                    s3.client().upload_file(f, BUCKET, key, ExtraArgs={"ACL": "public-read"})
+            with behind(s3.port, s3.endpoint) as endpoint:
+                os.environ.update(s3.env(endpoint))
+                yield S3_BASE + endpoint
+        finally:
+            s3.stop()
+        return
     if nginx_binary() is None:
         raise SystemExit("nginx is not installed (.ci/install-servers.sh)")
     with tempfile.TemporaryDirectory(prefix="guideloom-prose-www-") as www:
         os.symlink(data, Path(www) / "prose")
         nginx = Nginx(Path(www))
         try:
-            if rtt == 0:
-                yield nginx.url
-            else:
-                with proxy_process(nginx.port, delay=rtt / 2, lifetime=3600) as port:
-                    yield f"http://127.0.0.1:{port}"
+            with behind(nginx.port, nginx.url) as url:
+                yield url
         finally:
             nginx.stop()
 
@@ -319,7 +353,7 @@ def make_loader(config: str, data: Path, layout: str, base: str | None = None) -
         import datasets
         from torchdata.stateful_dataloader import StatefulDataLoader
 
-        files = shards(data, layout) if base is None else where
+        files = shards(data, layout) if base is None else source(data, layout, base, http=True)
         ds = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
         ds = ds.shuffle(seed=0, buffer_size=1000)
         ds = ds.map(
@@ -589,6 +623,13 @@ def main(argv: list[str] | None = None) -> None:
         help="read the shards over HTTP (nginx on 127.0.0.1) with this many ms added to each round "
         "trip (LitData, which reads local folders, is left out)",
     )
+    parser.add_argument(
+        "--store",
+        choices=("http", "s3"),
+        default="http",
+        help="with --rtt: nginx over HTTP, or moto's S3 server (guideloom reads s3:// URLs; Hugging "
+        "Face streaming the same objects by their HTTP URLs on that server)",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--layout", default="one", help=argparse.SUPPRESS)
     parser.add_argument("--base", default=None, help=argparse.SUPPRESS)
@@ -606,11 +647,15 @@ def main(argv: list[str] | None = None) -> None:
         configs = [c for c in configs if c in args.only.split(",")]
     if "gl-stream" in configs:
         prepared_stream(data)  # made once, before any clock
-    served = contextlib.nullcontext(None) if args.rtt is None else serve(data, args.rtt / 1e3)
+    served = contextlib.nullcontext(None) if args.rtt is None else serve(data, args.rtt / 1e3, args.store)
     with served as base:
         if base is not None:
             configs = [c for c in configs if not c.startswith("litdata")]
-            print(f"over HTTP: nginx on 127.0.0.1, {args.rtt:g} ms added to each round trip", flush=True)
+            server = "moto's S3 server" if args.store == "s3" else "nginx"
+            print(
+                f"over {args.store.upper()}: {server} on 127.0.0.1, {args.rtt:g} ms added to each round trip",
+                flush=True,
+            )
         results = run_all(configs, args, seconds, base)
         report(results, load, args.rounds)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 from pathlib import Path
 from typing import Any
 
@@ -211,3 +212,32 @@ def test_a_checkpoint_saved_once_every_row_group_is_counted_records_the_count(co
         next(it)
         assert ds._is_counted()
         assert lo.state_dict()["dataset"]["observations"] == len(ds)
+
+
+def test_a_file_rewritten_with_its_size_footer_and_time_kept_is_refused_naming_that(
+    tmp_path: Path,
+) -> None:
+    """Counts in ``cache_dir`` are keyed by each file's size, version and footer bytes: a file
+    rewritten with all three kept (two rows of one byte length swapped, uncompressed, its
+    modification time set back) matches its saved counts' key. Its documents are checked
+    against those counts as they are read: refused, with the error naming that cause."""
+    texts = [f"row {i} " + "w " * (i % 7) for i in range(60)]
+    texts[5], texts[40] = "aaaaaaaa bbbbbbbb", "a b c d e f g h i"  # 17 bytes: 2 and 9 words
+    folder, cache = tmp_path / "data", tmp_path / "cache"
+    folder.mkdir()
+    path = folder / "part-0.parquet"
+    opts: dict[str, Any] = {"row_group_size": 25, "compression": "none", "use_dictionary": False}
+
+    def write(rows: list[str]) -> None:
+        pq.write_table(pa.table({"text": pa.array(rows, pa.string())}), path, write_statistics=False, **opts)
+
+    write(texts)
+    epoch(packed(folder, cache))  # every row group counted and saved
+    before, footer = path.stat(), pq.ParquetFile(path).metadata.serialized_size
+    texts[5], texts[40] = texts[40], texts[5]
+    write(texts)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert path.stat().st_size == before.st_size
+    assert pq.ParquetFile(path).metadata.serialized_size == footer
+    with pytest.raises(DatasetIntegrityError, match="rewritten in place"):
+        epoch(packed(folder, cache))

@@ -301,7 +301,8 @@ class _LengthIndex(_TokenRows):
     def _check_lengths(self, indices: I64, docs: Sequence[Any]) -> None:
         """Refuse documents whose length differs from the length index the packing is laid out
         by (a tokenizer that changed under its ``tokenizer_key``, one that does not encode a
-        text alike twice, or an index that is wrong), naming the first one's file, row group
+        text alike twice, a file rewritten in place with its size, footer and modification time
+        kept, or an index that is wrong), naming the first one's file, row group
         and row."""
         offsets = self._offsets
         if offsets is None or not len(docs):
@@ -326,8 +327,9 @@ class _LengthIndex(_TokenRows):
         raise DatasetIntegrityError(
             f"{file}: {group}, {row} (document {index}) has {plural(got, 'token')}, the length "
             f"index says {want}: the documents do not tokenize as when the index was built "
-            f"(a tokenizer changed under the same tokenizer_key, or one that encodes a text "
-            f"differently from one call to the next); {fix}"
+            f"(a tokenizer changed under the same tokenizer_key, one that encodes a text "
+            f"differently from one call to the next, or a file rewritten in place with its size, "
+            f"footer and modification time kept); {fix}"
         )
 
     def document_offsets_sync(self, positions: I64) -> I64:

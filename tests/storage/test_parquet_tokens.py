@@ -225,3 +225,42 @@ def test_the_thread_tokenizing_ahead_leaves_rows_let_go_until_a_new_hint(folder:
     storage.will_read(iter([]))  # a new hint (of no read: the thread is left to this test)
     storage._tokenize_group(0, decoded)
     assert all(t is not None for t in decoded.tokens)
+
+
+def words(text: str) -> list[int]:
+    return [len(w) for w in text.split()]
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """400 texts of 40 words in 8 row groups of 50 (some 10 KB of text each)."""
+    out = tmp_path_factory.mktemp("wide")
+    texts = [" ".join(["w" * (1 + (i + k) % 7) for k in range(40)]) for i in range(400)]
+    pq.write_table(pa.table({"text": texts}), out / "a.parquet", row_group_size=50)
+    return out
+
+
+def packed_epoch(folder: Path, **options: int) -> dict[str, float]:
+    storage = gl.open_parquet(folder, "text", tokenizer=words, **options)
+    loader = gl.StatefulDataLoader(
+        gl.pack(storage, 64), len, local_batch_size=4, shuffle=True, shuffle_seed=1, drop_last=False
+    )
+    with loader:
+        assert sum(loader) == len(loader.dataset)
+        return loader.stats()
+
+
+def test_a_bound_below_a_window_s_row_groups_warns_that_tokens_are_made_again(wide: Path) -> None:
+    """A ``max_decoded_bytes`` below one row group's text drops row groups whose tokens reads
+    still need, which are then decoded and tokenized again: the epoch is right, many times
+    slower, and a warning says which option to raise (once)."""
+    with pytest.warns(RuntimeWarning, match=r"made again.*max_decoded_bytes=4096") as caught:
+        stats = packed_epoch(wide, max_decoded_bytes=4096)
+    assert len([w for w in caught if "made again" in str(w.message)]) == 1
+    assert stats["parquet_tokens_tokenized_again"] > 0.05 * stats["parquet_tokens_tokenized"]
+
+
+def test_a_bound_that_holds_a_window_makes_no_token_again(wide: Path) -> None:
+    stats = packed_epoch(wide)  # a warning would fail the test (warnings are errors)
+    assert stats["parquet_tokens_tokenized_again"] == 0
+    assert stats["parquet_tokens_tokenized"] == 400 * 40

@@ -122,7 +122,15 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
         self._beside_reads = 0  # reads whose row groups are decoded beside them now
         self._readers: OrderedDict[int, Any] = OrderedDict()
         self._offsets: I64 | None = None
-        self.counts = {"parquet_row_group_decodes": 0, "parquet_null_rows": 0, "parquet_tokens_tokenized": 0}
+        self.counts = dict.fromkeys(
+            (
+                "parquet_row_group_decodes",
+                "parquet_null_rows",
+                "parquet_tokens_tokenized",
+                "parquet_tokens_tokenized_again",
+            ),
+            0,
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without what it decoded or opened: a process worker decodes its own."""
@@ -304,7 +312,12 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
                     victim, farthest = g, uses[0]
             if victim is None:
                 return
-            self._decoded_bytes -= self._decoded.pop(victim).nbytes
+            gone = self._decoded.pop(victim)
+            self._decoded_bytes -= gone.nbytes
+            self._evicted_locked(victim, gone)
+
+    def _evicted_locked(self, group: int, decoded: _Decoded) -> None:
+        """``group`` was dropped to fit ``max_decoded_bytes`` (under the lock)."""
 
     # -- fetching ahead (object stores) ---------------------------------------------------------
     def will_read(self, windows: Iterable[npt.NDArray[np.int64]]) -> None:

@@ -15,6 +15,7 @@ dropped before a read used it).
 from __future__ import annotations
 
 import threading
+import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -45,6 +46,11 @@ TOKENIZING_FETCHERS = 2
 #: by 40, of 256 KiB by 35 (for a tenth more CPU); the loader's reads and the thread tokenizing
 #: ahead make two such calls at once.
 TOKENIZE_BYTES = 2**19
+#: Tokens made again for rows whose tokens a row group let go to fit ``max_decoded_bytes`` while
+#: they were still kept for the epoch's reads: past this share of the tokens made (and
+#: :data:`AGAIN_LEAST` of them), the bound is too small for the reads and a warning says so.
+AGAIN_SHARE = 0.05
+AGAIN_LEAST = 4096
 
 
 #: Rows of one row group claimed by a thread, to be tokenized: (group, decoded, rows).
@@ -121,11 +127,15 @@ class _TokenRows(_RowGroups):
         #: Row groups let go whole under the loader's hint (see :meth:`let_go`): not fetched or
         #: tokenized ahead again for it (a read that needs one still decodes it).
         self._spent_groups: set[int] = set()
+        #: Row group -> its rows whose tokens went with it when it was dropped to fit
+        #: ``max_decoded_bytes`` under this hint: tokenizing them again is work done twice.
+        self._lost_rows: dict[int, npt.NDArray[np.bool_]] = {}
+        self._again_warning: str | None = None  # to be given by the next read; "" once given
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         keys = ("_to_tokenize", "_tokenizing", "_tokenizer_thread", "_tokens_stop", "_one_tokenizing")
-        for key in (*keys, "_since_trim", "_spent_groups"):
+        for key in (*keys, "_since_trim", "_spent_groups", "_lost_rows", "_again_warning"):
             state.pop(key, None)
         return state
 
@@ -138,7 +148,49 @@ class _TokenRows(_RowGroups):
                     decoded.dropped.clear()
                     decoded.scan, decoded.ahead_done = 0, False
             self._spent_groups.clear()
+            self._lost_rows.clear()
         super().will_read(windows)
+
+    def _evicted_locked(self, group: int, decoded: _Decoded) -> None:
+        tokens = decoded.tokens
+        if tokens is None or self._kind != "text":
+            return
+        kept = np.fromiter((t is not None for t in tokens), dtype=np.bool_, count=len(tokens))
+        if kept.any():
+            was = self._lost_rows.get(group)
+            self._lost_rows[group] = kept if was is None else kept | was
+
+    def _count_again_locked(self, group: int, rows: list[int], offsets: I64) -> None:
+        """Count the tokens just made for ``rows`` of ``group`` that had been made under this
+        hint and dropped with their row group; once they pass :data:`AGAIN_SHARE` of the tokens
+        made, the next read warns (once): the bound is below what the reads hold at once."""
+        lost = self._lost_rows.get(group)
+        if lost is None:
+            return
+        at = np.asarray(rows, dtype=np.int64)
+        hit = lost[at]
+        if not hit.any():
+            return
+        lost[at] = False
+        self.counts["parquet_tokens_tokenized_again"] += int(np.diff(offsets)[hit].sum())
+        again, made = self.counts["parquet_tokens_tokenized_again"], self.counts["parquet_tokens_tokenized"]
+        if self._again_warning is None and again >= AGAIN_LEAST and again >= AGAIN_SHARE * made:
+            self._again_warning = (
+                f"{self!r}: {again} of the {made} tokens made so far were made again: row groups "
+                f"were dropped to fit max_decoded_bytes={self.max_decoded_bytes} while their tokens "
+                "were still to be read, then decoded and tokenized again. Pass open_parquet("
+                "max_decoded_bytes=...) above the decoded text and tokens of the row groups a "
+                "window of the loader reads (about three times their text)"
+            )
+
+    def _warn_again(self) -> None:
+        """Give the warning :meth:`_count_again_locked` prepared, in the read's thread."""
+        with self._lock:
+            message = self._again_warning
+            if message:
+                self._again_warning = ""
+        if message:
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
 
     def _spent_locked(self, group: int) -> bool:
         return group in self._spent_groups
@@ -203,6 +255,8 @@ class _TokenRows(_RowGroups):
             self._tokenize_claimed(group, decoded, mine)
         if self.tokenize_ahead and ahead:
             self._tokenize_rest(group, decoded)
+        if self._again_warning:
+            self._warn_again()
         return got
 
     def _tokenize_claimed(self, group: int, decoded: _Decoded, rows: list[int]) -> None:
@@ -246,9 +300,10 @@ class _TokenRows(_RowGroups):
                     tokens[i] = flat[bounds[k] : bounds[k + 1]]
                 decoded.dropped.difference_update(rows)
                 made = len(flat)
+                self.counts["parquet_tokens_tokenized"] += made
+                self._count_again_locked(group, rows, offsets)
                 added = int(flat.nbytes) + _ROW_OVERHEAD * len(rows)
                 decoded.token_bytes += added
-                self.counts["parquet_tokens_tokenized"] += made
                 freed = _let_text_go(decoded)
                 self._since_trim += freed  # given back to the system at the next trim
                 added -= freed

@@ -164,6 +164,8 @@ class EpochFlow:
         self.ahead = 0  # batches in the jobs not yet taken
         self.ended = False  # a failure is queued: nothing after it is read or made
         self.first_read = True
+        #: Whether a batch of this plan has been handed out (or made here to be).
+        self.handed_out = False
         #: Batches a credit stands for on the workers (``credit_batches``): it only grows
         #: within a plan, so what is ahead stays within ``limit * per`` at every moment.
         self.per = 1
@@ -387,6 +389,7 @@ class EpochFlow:
         except IndexError:  # closed in another thread meanwhile
             return None
         self.place = "inline"  # made here, in the driver's thread
+        self.handed_out = True
         if d.error is None:
             try:
                 d.value = self.here.make(d.value)
@@ -419,6 +422,7 @@ class EpochFlow:
         else:
             return None
         d = job.take()
+        self.handed_out = True
         self.ahead = max(0, self.ahead - 1)
         if job.empty():
             jobs.popleft()

@@ -204,8 +204,6 @@ class SyncDriver:
         self._hint()
         while True:
             inline = dataset._reads_inline
-            if inline and flow.jobs and not flow.handed_out:
-                break  # a fast first batch: no read of the batches after it holds it back
             r = flow.next_read(ahead=not inline)
             if r is None:
                 break

@@ -190,6 +190,8 @@ class EpochFlow:
         (an async read, several in flight); else a window is read once its batches are needed."""
         if self.closed or self.ended or not self.reads_here():
             return None
+        if not ahead and self.jobs and not self.handed_out:
+            return None  # a fast first batch: no read in this thread holds back its hand-out
         if self.workers is not None and self.workers.reads_itself:
             ahead = False  # read here only until the workers, which read their own, take over
         if ahead:

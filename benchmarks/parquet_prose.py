@@ -224,10 +224,11 @@ def serve(data: Path, rtt: float, store: str = "http") -> Iterator[str]:
         s3 = MotoS3()
         try:
             s3.create_bucket(BUCKET)
+            client = s3.client()
             for layout in LAYOUTS:
                 for f in shards(data, layout):
                     key = f"{layout}/{Path(f).name}"  # readable by plain HTTP too (Hugging Face)
-                    s3.client().upload_file(f, BUCKET, key, ExtraArgs={"ACL": "public-read"})
+                    client.upload_file(f, BUCKET, key, ExtraArgs={"ACL": "public-read"})
             with behind(s3.port, s3.endpoint) as endpoint:
                 os.environ.update(s3.env(endpoint))
                 yield S3_BASE + endpoint

@@ -1,5 +1,5 @@
-"""A text row group's rows tokenized once each, by the read that needs them or by the thread
-that tokenizes the rest of a touched row group ahead (``guideloom/storage/_parquet/_tokens.py``)."""
+"""A text row group's rows tokenized once each, by the read that needs them or by the threads
+that tokenize ahead of the reads (``guideloom/storage/_parquet/_tokens.py``)."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def test_closing_the_storage_stops_the_thread_tokenizing_ahead(folder: Path) -> 
     storage = gl.open_parquet(folder, "text", tokenizer=slow_words)
     storage.read_many_sync(np.asarray([0, 100, 200]))
     storage._stop_ahead()
-    assert storage._tokenizer_thread is None or not storage._tokenizer_thread.is_alive()
+    assert not any(t.is_alive() for t in storage._tokenizers)
 
 
 def test_the_loaders_hint_decodes_and_tokenizes_local_row_groups_ahead_of_the_reads(folder: Path) -> None:
@@ -161,7 +161,7 @@ def test_the_thread_tokenizing_ahead_puts_small_row_groups_into_one_call(
     encode = TextEncoder.encode_kept
 
     def spy(self: TextEncoder, groups: Sequence[Sequence[str]]) -> list[tuple[np.ndarray, np.ndarray]]:
-        if threading.current_thread().name == "guideloom-parquet-tokens":
+        if threading.current_thread().name.startswith("guideloom-parquet-tokens"):
             sizes.append(sum(map(len, groups)))
         return encode(self, groups)
 
@@ -169,14 +169,60 @@ def test_the_thread_tokenizing_ahead_puts_small_row_groups_into_one_call(
     storage = gl.open_parquet(tmp_path, "text", tokenizer=slow_words)
     firsts = np.arange(0, ROWS, 10)  # a row of each row group: the rest is tokenized ahead
     assert [r.tolist() for r in storage.read_many_sync(firsts)] == [slow_words(texts[i]) for i in firsts]
-    thread = storage._tokenizer_thread
-    if thread is not None:
+    for thread in list(storage._tokenizers):
         thread.join(timeout=60)
     rows = np.arange(ROWS)
     assert [r.tolist() for r in storage.read_many_sync(rows)] == [slow_words(t) for t in texts]
     total = sum(len(slow_words(t)) for t in texts)
     assert storage.counts["parquet_tokens_tokenized"] == total  # none twice, none left out
     assert sizes and max(sizes) > 10 and max(sizes) <= _tokens.AHEAD_CHUNK  # calls span row groups
+    storage._stop_ahead()
+
+
+def test_the_loaders_hint_keeps_two_tokenizer_calls_in_flight_and_the_text_decoded_ahead_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fetcher decodes and queues row groups; the threads tokenizing ahead make
+    ``TOKENIZING_THREADS`` calls at once (one call's idle cores are the other's), and the
+    fetcher waits while the queue holds a chunk's rows for each of them."""
+    from guideloom.storage._parquet import _tokens
+    from guideloom.storage._text import TextEncoder
+
+    monkeypatch.setattr(_tokens, "AHEAD_CHUNK", 30)
+    texts = [" ".join(["w" * (1 + (i + k) % 7) for k in range(1 + i % 11)]) for i in range(1000)]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "a.parquet", row_group_size=20)
+    storage = gl.open_parquet(tmp_path, "text", tokenizer=slow_words)
+    encode = TextEncoder.encode_kept
+    lock = threading.Lock()
+    now, most, waiting = [0], [0], [0]
+
+    def spy(self: TextEncoder, groups: Sequence[Sequence[str]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        with storage._lock:  # rows decoded and not yet tokenized or being tokenized
+            undone = sum(
+                sum(t is None for t in d.tokens or ()) - len(d.claimed) for d in storage._decoded.values()
+            )
+        with lock:
+            now[0] += 1
+            most[0], waiting[0] = max(most[0], now[0]), max(waiting[0], undone)
+        try:
+            time.sleep(0.002)  # a call long enough for the other thread's to meet it
+            return encode(self, groups)
+        finally:
+            with lock:
+                now[0] -= 1
+
+    monkeypatch.setattr(TextEncoder, "encode_kept", spy)
+    storage.will_read(iter([np.arange(1000)]))
+    for thread in list(storage._fetchers):
+        thread.join(timeout=60)
+    for thread in list(storage._tokenizers):
+        thread.join(timeout=60)
+    assert storage.counts["parquet_tokens_tokenized"] == sum(len(slow_words(t)) for t in texts)
+    assert most[0] == _tokens.TOKENIZING_THREADS
+    assert waiting[0] <= _tokens.TOKENIZING_THREADS * 30 + 20  # one row group over the bound
+    rows = np.arange(1000)
+    assert [r.tolist() for r in storage.read_many_sync(rows)] == [slow_words(t) for t in texts]
+    assert storage.counts["parquet_tokens_tokenized"] == sum(len(slow_words(t)) for t in texts)
     storage._stop_ahead()
 
 
@@ -219,12 +265,24 @@ def test_the_thread_tokenizing_ahead_leaves_rows_let_go_until_a_new_hint(folder:
     storage.let_go(np.arange(0, 60))
     storage.tokenize_ahead = True
     decoded = storage._decoded[0]
-    storage._tokenize_group(0, decoded)  # what the thread does with the row group
+    tokenize_ahead(storage, 0)
     assert decoded.tokens is not None
     assert [t is None for t in decoded.tokens] == [True] * 60 + [False] * 40
-    storage.will_read(iter([]))  # a new hint (of no read: the thread is left to this test)
-    storage._tokenize_group(0, decoded)
+    storage.will_read(iter([]))  # a new hint (of no read)
+    for thread in list(storage._fetchers):
+        thread.join(timeout=60)
+    tokenize_ahead(storage, 0)
     assert all(t is not None for t in decoded.tokens)
+
+
+def tokenize_ahead(storage: gl.ParquetStorage, group: int) -> None:
+    """What a fetcher does with a row group it decoded: queue it for the threads that tokenize
+    ahead; here they are waited for (with no fetcher left, they end once the queue is empty)."""
+    with storage._lock:
+        threads = storage._queue_tokens_locked(group, storage._decoded[group])
+    storage._start_tokenizers(threads)
+    for thread in threads:
+        thread.join(timeout=60)
 
 
 def words(text: str) -> list[int]:

@@ -499,6 +499,7 @@ class _RowGroups(DocumentStorageAbstract[Any, Any]):
             with self._lock:
                 if me in self._fetchers:
                     self._fetchers.remove(me)
+                self._lock.notify_all()  # threads waiting for what a fetcher would bring
 
     def _stop_ahead(self, *, join: bool = True) -> None:
         """Stop fetching ahead (a fetch in progress completes) and, with ``join``, wait for it."""

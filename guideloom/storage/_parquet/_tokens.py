@@ -1,15 +1,17 @@
 """A text row group's rows tokenized once each: by the read that needs them, or ahead of it.
 
 A read of a text column's rows as tokens (packing, a mixture) tokenizes the rows it needs that
-are not tokenized yet, and the row group keeps their tokens. Once a read has touched a row
-group, a thread of the storage's own tokenizes the group's other rows, a chunk at a time, while
-the reads go on: the tokenizer's calls are larger (the ``tokenizers`` library spreads a batch over
-every core) and overlap the reads' own Python work instead of waiting for it. Each row is claimed
+are not tokenized yet, and the row group keeps their tokens. Ahead of the reads, row groups are
+queued to be tokenized: by the thread that decodes those of the loader's upcoming reads, and by
+a read that touched one. :data:`TOKENIZING_THREADS` threads of the storage's own take the queued
+rows a chunk at a time while the reads go on: the tokenizer's calls are large (the ``tokenizers``
+library spreads a batch over every core), two of them keep the cores busy where one leaves them
+idle, and they overlap the reads' own Python work instead of waiting for it. Each row is claimed
 by whichever thread gets to it first, and a read that needs a row another thread is tokenizing
 waits for it, so no row is tokenized twice; a chunk that fails is left to the read that needs it,
-which raises its own error. Only row groups that are kept are tokenized ahead, and only while
-the kept row groups fill less than half of ``max_decoded_bytes`` (beyond, what it made might be
-dropped before a read used it).
+which raises its own error. Only row groups that are kept are tokenized ahead, and a read's only
+while the kept row groups fill less than half of ``max_decoded_bytes`` (beyond, what it made
+might be dropped before a read used it).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from guideloom.storage._parquet._decode import _ROW_OVERHEAD, I64, _Decoded
 from guideloom.storage._parquet._rowgroups import _LIVE, RELEASE_EVERY_BYTES, _RowGroups
 from guideloom.storage._text import kept_array
 
-__all__ = ["AHEAD_CHUNK", "TOKENIZE_BYTES", "TOKENIZING_FETCHERS"]
+__all__ = ["AHEAD_CHUNK", "TOKENIZE_BYTES", "TOKENIZING_FETCHERS", "TOKENIZING_THREADS"]
 
 #: Rows a thread tokenizing ahead claims and tokenizes at a time: large enough for the tokenizer
 #: to spread over the cores and for one long document not to leave them idle at the end of a
@@ -39,6 +41,11 @@ AHEAD_CHUNK = 256
 #: (``fetch_ahead`` caps it): a row group's fetch takes a fraction of its tokenizing, and 8 of
 #: them (the default elsewhere) held 30-50 MiB more at the peak for the same rate.
 TOKENIZING_FETCHERS = 2
+#: Threads that tokenize the queued rows, two calls in flight: the cores one call leaves idle (on
+#: its longest text at its end, in its own Python work before and after) the other's fill. With
+#: one call at a time, from the thread that also decoded, row groups of 100 rows of prose kept
+#: the tokenizer's threads busy 1.58 of 2 cores.
+TOKENIZING_THREADS = 2
 #: Bytes of text tokenized in one call at most: a ``tokenizers`` batch holds several times its
 #: text's bytes while it runs (an encoding per text, with its tokens' strings and offsets), and a
 #: whole row group's rows in one call (a read of all of them: the length index's) would hold
@@ -119,10 +126,8 @@ class _TokenRows(_RowGroups):
         super()._reset()
         self._to_tokenize: deque[tuple[int, _Decoded]] = deque()
         self._tokenizing: set[int] = set()  # row groups queued or being tokenized ahead
-        self._tokenizer_thread: threading.Thread | None = None
+        self._tokenizers: list[threading.Thread] = []  # the threads taking queued rows now
         self._tokens_stop = False
-        #: Held by the thread working ahead that tokenizes (over an object store several fetch).
-        self._one_tokenizing = threading.Lock()
         self._since_trim = 0  # text bytes tokenized since the C heap last gave back its free pages
         #: Row groups let go whole under the loader's hint (see :meth:`let_go`): not fetched or
         #: tokenized ahead again for it (a read that needs one still decodes it).
@@ -134,7 +139,7 @@ class _TokenRows(_RowGroups):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        keys = ("_to_tokenize", "_tokenizing", "_tokenizer_thread", "_tokens_stop", "_one_tokenizing")
+        keys = ("_to_tokenize", "_tokenizing", "_tokenizers", "_tokens_stop")
         for key in (*keys, "_since_trim", "_spent_groups", "_lost_rows", "_again_warning"):
             state.pop(key, None)
         return state
@@ -200,36 +205,34 @@ class _TokenRows(_RowGroups):
 
     def _ahead_threads(self) -> int:
         """Where a text column is tokenized as it is read, local files too: threads that decode
-        the row groups of the loader's upcoming reads and tokenize them, in order of first need.
-        One over local files, at most :data:`TOKENIZING_FETCHERS` over an object store: the
-        tokenizer (which spreads each call over the cores) is the bound, and more fetchers
-        only hold more fetched and decoded row groups waiting for it."""
+        the row groups of the loader's upcoming reads, in order of first need, and queue them
+        for the threads that tokenize. One over local files, at most
+        :data:`TOKENIZING_FETCHERS` over an object store: the tokenizer is the bound, and more
+        fetchers only hold more fetched and decoded row groups waiting for it."""
         if not self._tokenizes_ahead():
             return super()._ahead_threads()
         return max(1, min(super()._ahead_threads(), TOKENIZING_FETCHERS))
 
     def _after_ahead(self, group: int, decoded: _Decoded) -> None:
-        """A row group decoded ahead of its reads: its rows tokenized too, a chunk at a time
-        (a read that needs rows of it meanwhile claims those itself)."""
+        """A row group decoded ahead of its reads: queued to be tokenized (a read that needs rows
+        of it meanwhile claims those itself); the fetcher then waits while the queue holds a
+        chunk's rows for each thread that tokenizes, so that the text decoded ahead stays a
+        few calls' worth."""
         if not self._tokenizes_ahead() or decoded.tokens is None:
             return
-        with self._one_tokenizing:  # the others go on fetching: the tokenizer has the cores
-            self._tokenize_group(group, decoded)
-
-    def _tokenize_group(self, group: int, decoded: _Decoded) -> None:
-        assert decoded.tokens is not None
-        at = 0
-        while not self._stopping:
-            with self._lock:
-                if self._decoded.get(group) is not decoded:
-                    return  # dropped before it was read: what it would make would go with it
-                rows, at = _claim_locked(decoded, at)
-                if not rows:
-                    return
-            try:
-                self._tokenize_claimed(group, decoded, rows)
-            except Exception:  # left to the read that needs these rows: it raises its own error
+        with self._lock:
+            if self._stopping:
                 return
+            starts = self._queue_tokens_locked(group, decoded)
+        self._start_tokenizers(starts)
+        with self._lock:
+            while not self._stopping and self._rows_queued_locked() >= TOKENIZING_THREADS * AHEAD_CHUNK:
+                self._lock.wait()
+
+    def _rows_queued_locked(self) -> int:
+        """Rows of the queued row groups that no thread tokenizing ahead has looked at yet (a
+        read may have claimed some of them)."""
+        return sum(len(d.tokens or ()) - d.scan for _, d in self._to_tokenize)
 
     def _token_rows(self, group: int, decoded: _Decoded, local: I64, *, ahead: bool = True) -> list[Any]:
         """Rows ``local`` of a text row group as token arrays, each tokenized once while its row
@@ -379,24 +382,38 @@ class _TokenRows(_RowGroups):
             self._forget_uses_locked(group)
 
     def _tokenize_rest(self, group: int, decoded: _Decoded) -> None:
-        """Queue the rest of ``group``'s rows to be tokenized ahead (once), starting the thread
-        that does it if none runs."""
+        """Queue the rest of ``group``'s rows to be tokenized ahead (once)."""
         with self._lock:
-            if group in self._tokenizing or decoded.ahead_done:
-                return
             if 2 * self._decoded_bytes > self.max_decoded_bytes:
                 return  # what it made might be dropped before a read used it
-            self._tokenizing.add(group)
-            self._to_tokenize.append((group, decoded))
-            thread = self._tokenizer_thread
-            if thread is not None and thread.is_alive():
-                return
-            self._tokens_stop = False
-            thread = self._tokenizer_thread = threading.Thread(
-                target=self._tokenize_ahead, name="guideloom-parquet-tokens", daemon=True
+            starts = self._queue_tokens_locked(group, decoded)
+        self._start_tokenizers(starts)
+
+    def _queue_tokens_locked(self, group: int, decoded: _Decoded) -> list[threading.Thread]:
+        """Queue ``group``'s rows to be tokenized ahead (once): the threads to start, up to
+        :data:`TOKENIZING_THREADS` taking queued rows."""
+        if group in self._tokenizing or decoded.ahead_done:
+            return []
+        self._tokenizing.add(group)
+        self._to_tokenize.append((group, decoded))
+        self._tokens_stop = False
+        self._lock.notify_all()
+        starts = []
+        while len(self._tokenizers) < TOKENIZING_THREADS:
+            thread = threading.Thread(
+                target=self._tokenize_ahead,
+                name=f"guideloom-parquet-tokens-{len(self._tokenizers)}",
+                daemon=True,
             )
-        _LIVE.add(self)
-        thread.start()
+            self._tokenizers.append(thread)
+            starts.append(thread)
+        return starts
+
+    def _start_tokenizers(self, threads: list[threading.Thread]) -> None:
+        if threads:
+            _LIVE.add(self)
+        for thread in threads:
+            thread.start()
 
     def _next_chunk_locked(self) -> list[_Claim]:
         """The next rows to tokenize ahead, claimed: up to :data:`AHEAD_CHUNK` of them from the
@@ -421,16 +438,22 @@ class _TokenRows(_RowGroups):
         return chunk
 
     def _tokenize_ahead(self) -> None:
-        """The thread tokenizing ahead: chunks of queued row groups until none is left."""
+        """A thread tokenizing ahead: chunks of queued row groups, until none is left and no
+        fetcher may queue more (or the storage stops)."""
+        me = threading.current_thread()
         while True:
             with self._lock:
                 chunk = self._next_chunk_locked()
+                while not chunk and not self._tokens_stop and self._fetchers and not self._stopping:
+                    self._lock.wait()  # a fetcher queues its next row group
+                    chunk = self._next_chunk_locked()
                 if not chunk:
-                    self._to_tokenize.clear()
-                    self._tokenizing.clear()
-                    if self._tokenizer_thread is threading.current_thread():
-                        self._tokenizer_thread = None
+                    self._tokenizers.remove(me)
+                    if not self._tokenizers:
+                        self._to_tokenize.clear()
+                        self._tokenizing.clear()
                     return
+                self._lock.notify_all()  # a fetcher waiting for room in the queue
             try:
                 self._tokenize_chunk(chunk)
             except Exception:  # left to the reads that need these rows: they raise their own error
@@ -446,12 +469,14 @@ class _TokenRows(_RowGroups):
         super()._stop_ahead(join=join)
         with self._lock:
             self._tokens_stop = True
-            thread = self._tokenizer_thread
+            threads = list(self._tokenizers)
             self._lock.notify_all()
-        if join and thread is not None and thread is not threading.current_thread():
-            thread.join()
+        if join:
+            for thread in threads:
+                if thread is not threading.current_thread():
+                    thread.join()
 
     async def close(self) -> None:
         """Stop fetching and tokenizing ahead (the loader closes its storage after its last read)."""
-        if self._fetchers or self._tokenizer_thread is not None:
+        if self._fetchers or self._tokenizers:
             await self._blocking(self._stop_ahead)

@@ -26,6 +26,11 @@ What it measures, each configuration in a fresh process (alternated with the oth
   ratio to ``nw0``, were it bound by CPU alone: its main process's CPU per batch against
   ``nw0``'s (the main process is one core), and its total against 2 cores' worth
   (``min(nw0 / main, 2 x nw0 / (main + workers))``).
+- ``handoff``: PyTorch's own ``DataLoader`` (``num_workers=2``, ``persistent_workers=True``,
+  ``batch_size=None``) over a dataset whose items are batches made already (``nw0``'s first 256,
+  cycled): no read and no collate, only the hand-off of each finished batch from a worker
+  process to the main process. Its steady rate, as a ratio to ``nw0``'s, is what that hand-off
+  alone allows: below 1.0, moving a batch between processes costs more than making it.
 - ``resume``: a fresh loader (no workers) in a process that has opened one already, then
   ``load_state_dict`` at a random mid-epoch offset and its first batch: wall and CPU
   milliseconds (CPU: the process's, every thread), median of ``--resumes``.
@@ -162,6 +167,37 @@ def run_epochs(folder: Path, workers: int, epochs: int, timed: bool = False) -> 
     }
 
 
+class _Made:
+    """Batches made already, cycled to ``n`` items: a map-style dataset for ``run_handoff``."""
+
+    def __init__(self, batches: list[Any], n: int) -> None:
+        self.batches, self.n = batches, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        return self.batches[i % len(self.batches)]
+
+
+def run_handoff(folder: Path, epochs: int) -> dict[str, float]:
+    """PyTorch's DataLoader, 2 persistent process workers, handing over batches made already."""
+    from torch.utils.data import DataLoader
+
+    with make_loader(folder, 0) as loader:
+        made = [b for _, b in zip(range(256), loader, strict=False)]
+        n = len(loader)
+    dl = DataLoader(_Made(made, n), batch_size=None, num_workers=2, persistent_workers=True)  # type: ignore[arg-type]
+    rates, walls = [], []
+    for _ in range(epochs):
+        tokens, t0 = 0, time.perf_counter()
+        for flat, _ in dl:
+            tokens += int(flat.numel())
+        walls.append(time.perf_counter() - t0)
+        rates.append(tokens / walls[-1])
+    return {"steady_tok_s": statistics.median(rates[1:]), "us_batch": 1e6 * statistics.median(walls[1:]) / n}
+
+
 def run_resumes(folder: Path, repeats: int) -> dict[str, float]:
     with make_loader(folder, 0) as warm:
         n = len(warm.dataset)
@@ -211,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
         got: dict[str, Any] = {"guideloom": guideloom.__file__}
         if args.child == "resume":
             got.update(run_resumes(folder, args.resumes))
+        elif args.child == "handoff":
+            got.update(run_handoff(folder, max(3, min(args.epochs, 6))))
         elif args.child == "parts":  # no workers, the reads and collates timed (a run of its own)
             got.update(run_epochs(folder, 0, min(args.epochs, 6), timed=True))
         else:
@@ -222,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     rows: dict[str, list[dict[str, float]]] = {t: [] for t in trees}
     for r in range(args.rounds):
         for tree in trees if r % 2 == 0 else trees[::-1]:
-            got = {c: child(tree, c, args) for c in ("nw0", "p2", "resume", "parts")}
+            got = {c: child(tree, c, args) for c in ("nw0", "p2", "handoff", "resume", "parts")}
             row = {
                 "epoch1_x": got["p2"]["epoch1_tok_s"] / got["nw0"]["epoch1_tok_s"],
                 "steady_x": got["p2"]["steady_tok_s"] / got["nw0"]["steady_tok_s"],
@@ -233,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
                 "nw0_collate_us": got["parts"]["collate_us_batch"],
                 "p2_main_us_batch": got["p2"]["main_us_batch"],
                 "p2_workers_us_batch": got["p2"]["workers_us_batch"],
+                "handoff_x": got["handoff"]["steady_tok_s"] / got["nw0"]["steady_tok_s"],
+                "handoff_us_batch": got["handoff"]["us_batch"],
                 **got["resume"],
                 "load": os.getloadavg()[0],
             }
@@ -240,8 +280,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"round {r + 1} {tree}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
     print(f"\nmedians over {args.rounds} round(s); load average after {os.getloadavg()}")
     print("| tree | p2 / nw0 epoch 1 | p2 / nw0 steady | CPU us/batch nw0 (read, collate) | p2 main "
-          "| p2 workers | 1.5x budget | p2 CPU ceiling | first batch after resume ms (CPU ms) |")  # fmt: skip
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| p2 workers | 1.5x budget | p2 CPU ceiling | torch hand-off alone / nw0 (us/batch) "
+          "| first batch after resume ms (CPU ms) |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for tree, rs in rows.items():
 
         def med(key: str, rs: list[dict[str, float]] = rs) -> float:
@@ -253,6 +294,7 @@ def main(argv: list[str] | None = None) -> None:
             f"| {tree} | {med('epoch1_x'):.2f} | {med('steady_x'):.2f} | {nw0:.0f} "
             f"({med('nw0_read_us'):.0f}, {med('nw0_collate_us'):.0f}) | {main_us:.0f} | "
             f"{workers_us:.0f} | {2 * nw0 / 1.5:.0f} | {ceiling:.2f} | "
+            f"{med('handoff_x'):.2f} ({med('handoff_us_batch'):.0f}) | "
             f"{med('resume_ms'):.0f} ({med('resume_cpu_ms'):.0f}) |"
         )
 

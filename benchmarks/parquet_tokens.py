@@ -187,7 +187,7 @@ def run_handoff(folder: Path, epochs: int) -> dict[str, float]:
     with make_loader(folder, 0) as loader:
         made = [b for _, b in zip(range(256), loader, strict=False)]
         n = len(loader)
-    dl = DataLoader(_Made(made, n), batch_size=None, num_workers=2, persistent_workers=True)  # type: ignore[arg-type]
+    dl: Any = DataLoader(_Made(made, n), batch_size=None, num_workers=2, persistent_workers=True)  # type: ignore[arg-type]
     rates, walls = [], []
     for _ in range(epochs):
         tokens, t0 = 0, time.perf_counter()

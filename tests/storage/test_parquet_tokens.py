@@ -84,8 +84,12 @@ def test_a_row_that_fails_to_tokenize_ahead_fails_the_read_that_needs_it(folder:
     storage = gl.open_parquet(folder, "text", tokenizer=fails_on_one)
     good = [i for i in range(100) if texts[i] != bad]
     assert [r.tolist() for r in storage.read_many_sync(np.asarray(good))] == expected(folder, good)
-    with pytest.raises(RuntimeError, match="cannot encode that text"):
+    with pytest.raises(RuntimeError, match="cannot encode that text") as raised:
         storage.read_many_sync(np.asarray([57]))
+    # the tokenizer's own error, with a note naming where its text comes from
+    assert raised.value.__notes__ == [
+        f"raised tokenizing {folder / 'a.parquet'}: row group 0, column 'text', row 57 of the row group"
+    ]
     storage._stop_ahead()
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -85,6 +85,15 @@ def _calls(chunk: list[_Claim]) -> Iterator[list[_Claim]]:
             call.append((group, decoded, part))
     if call:
         yield call
+
+
+def _rows_named(call: list[_Claim], where: Callable[[int], str]) -> str:
+    """The rows of a tokenizer call, for an error's note: each row group's, by their place in it."""
+    parts = []
+    for group, _, rows in call:
+        shown = ", ".join(map(str, rows[:5])) + (f" and {len(rows) - 5} more" if len(rows) > 5 else "")
+        parts.append(f"{where(group)}, row{'s' if len(rows) > 1 else ''} {shown} of the row group")
+    return "; ".join(parts)
 
 
 def _let_text_go(decoded: _Decoded) -> int:
@@ -293,7 +302,11 @@ class _TokenRows(_RowGroups):
         group's tokens; their text's bytes."""
         assert self._encoder is not None
         texts = [self._cut(group, decoded, np.asarray(rows, dtype=np.int64)) for group, decoded, rows in call]
-        kept = self._encoder.encode_kept(texts)
+        try:
+            kept = self._encoder.encode_kept(texts)
+        except Exception as error:  # the tokenizer's own error, told where its texts come from
+            error.add_note(f"raised tokenizing {_rows_named(call, self._where)}")
+            raise
         with self._lock:
             for (group, decoded, rows), (flat, offsets) in zip(call, kept, strict=True):
                 tokens = decoded.tokens

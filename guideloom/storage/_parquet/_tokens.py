@@ -135,7 +135,7 @@ class _TokenRows(_RowGroups):
         super()._reset()
         self._to_tokenize: deque[tuple[int, _Decoded]] = deque()
         self._tokenizing: set[int] = set()  # row groups queued or being tokenized ahead
-        self._tokenizers: list[threading.Thread] = []  # the threads taking queued rows now
+        self._tokenizers: list[threading.Thread] = []  # the threads taking queued rows
         self._tokens_stop = False
         self._since_trim = 0  # text bytes tokenized since the C heap last gave back its free pages
         #: Row groups let go whole under the loader's hint (see :meth:`let_go`): not fetched or
@@ -411,15 +411,14 @@ class _TokenRows(_RowGroups):
         self._to_tokenize.append((group, decoded))
         self._tokens_stop = False
         self._lock.notify_all()
-        starts = []
-        while len(self._tokenizers) < TOKENIZING_THREADS:
-            thread = threading.Thread(
-                target=self._tokenize_ahead,
-                name=f"guideloom-parquet-tokens-{len(self._tokenizers)}",
-                daemon=True,
-            )
-            self._tokenizers.append(thread)
-            starts.append(thread)
+        taken = {thread.name for thread in self._tokenizers}
+        names = [f"guideloom-parquet-tokens-{i}" for i in range(TOKENIZING_THREADS)]
+        starts = [
+            threading.Thread(target=self._tokenize_ahead, name=name, daemon=True)
+            for name in names
+            if name not in taken
+        ]
+        self._tokenizers.extend(starts)
         return starts
 
     def _start_tokenizers(self, threads: list[threading.Thread]) -> None:
